@@ -1,0 +1,112 @@
+"""Human output: live layer progress, summary tables, the per-layer error plot."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from pathlib import Path
+from typing import Iterator
+
+from rich.console import Console
+from rich.logging import RichHandler
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+
+def console(stderr: bool = False) -> Console:
+    return Console(stderr=stderr)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+@contextlib.contextmanager
+def library_logs(con: Console) -> Iterator[None]:
+    """Show quantkit's warnings and info lines above the progress bar while a command runs."""
+    logger = logging.getLogger("quantkit")
+    handler = RichHandler(console=con, show_time=False, show_path=False, markup=False)
+    handler.setLevel(logging.INFO)
+    previous = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(previous)
+
+
+def _format_layer_line(event) -> str:
+    parts = []
+    for name, stats in event.result.stats.items():
+        short = name.split(".")[-1]
+        before = stats.get("err_rtn", stats.get("err_before"))
+        after = stats.get("err_gptq", stats.get("err_after", stats.get("weight_error")))
+        if before is not None and after is not None:
+            parts.append(f"{short} {before:.4f}->{after:.4f}")
+        elif after is not None:
+            parts.append(f"{short} {after:.4f}")
+    peak = f"  peak {human_bytes(event.peak_memory_bytes)}" if event.peak_memory_bytes else ""
+    return f"layer {event.index + 1}/{event.n_layers}  {event.seconds:.1f}s{peak}  " + "  ".join(parts)
+
+
+class LayerProgress:
+    """A progress bar over decoder layers (layer k of n, ETA, peak memory) with one line per layer."""
+
+    def __init__(self, con: Console, method: str) -> None:
+        self.console = con
+        self.progress = Progress(
+            TextColumn(f"[bold]{method}[/bold]"), BarColumn(), MofNCompleteColumn(), TextColumn("layers"),
+            TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), TextColumn("{task.fields[peak]}"),
+            console=con, transient=False,
+        )
+        self.task = None
+
+    def __enter__(self) -> LayerProgress:
+        self.progress.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.progress.__exit__(*exc)
+
+    def on_layer(self, event) -> None:
+        if self.task is None:
+            self.task = self.progress.add_task("layers", total=event.n_layers, peak="")
+        peak = f"peak {human_bytes(event.peak_memory_bytes)}" if event.peak_memory_bytes else ""
+        self.progress.update(self.task, completed=event.index + 1, peak=peak)
+        self.progress.console.print(_format_layer_line(event), highlight=False)
+        for note in event.result.notes:
+            self.progress.console.print(f"  note: {note}", style="yellow", highlight=False)
+
+
+def print_quantize_summary(con: Console, report) -> None:
+    table = Table(title=f"quantkit {report.method}: {report.output}", show_header=False)
+    table.add_row("scheme", f"W{report.scheme.bits} g{report.scheme.group_size} {'sym' if report.scheme.sym else 'asym'}")
+    table.add_row("quantized linears", str(report.n_quantized))
+    table.add_row("time", f"{report.seconds_total:.1f} s (load {report.seconds_load:.1f}, calibration "
+                  f"{report.seconds_calibration:.1f}, layers {report.seconds_quantize:.1f}, save {report.seconds_save:.1f})")
+    if report.peak_memory_bytes:
+        table.add_row("peak accelerator memory", human_bytes(report.peak_memory_bytes))
+    if report.partial_group_layers:
+        table.add_row("partial last group", f"{len(report.partial_group_layers)} linears (stored through g_idx)")
+    con.print(table)
+
+
+def save_layer_stats(report, path: Path, con: Console) -> None:
+    """Per-layer errors as JSON, and a PNG plot of them beside it when matplotlib is installed."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"summary": report.to_dict(), "layers": report.layer_stats}, indent=2))
+    try:
+        from quantkit.plots import plot_layer_errors
+    except ImportError as exc:  # matplotlib is optional
+        con.print(f"wrote {path}; no plot ({exc})")
+        return
+    png = plot_layer_errors(report.layer_stats, path.with_suffix(".png"), title=f"{report.method} per-layer error")
+    con.print(f"wrote {path} and {png}")

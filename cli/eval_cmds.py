@@ -1,0 +1,54 @@
+"""``quantkit eval perplexity MODEL_OR_DIR``."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Optional
+
+import typer
+
+from quantkit.cli.options import Device, Dtype, Json, SeqLen, TextField, TrustRemoteCode
+
+eval_app = typer.Typer(help="Measure what quantization cost.", no_args_is_help=True)
+
+
+@eval_app.command("perplexity")
+def perplexity(
+    model: Annotated[str, typer.Argument(help="A quantized checkpoint folder, a model folder, hub id or .gguf file.")],
+    data: Annotated[str, typer.Option("--data", help="wikitext2 (hub) or a local .txt/.jsonl/.parquet file.")] = "wikitext2",
+    seqlen: SeqLen = 2048,
+    max_windows: Annotated[Optional[int], typer.Option("--max-windows", help="Evaluate at most this many windows.")] = None,
+    bos: Annotated[str, typer.Option("--bos", help="Start every window with BOS: auto (if the tokenizer expects one), on, off.")] = "auto",
+    device: Device = "auto", dtype: Dtype = "auto", trust_remote_code: TrustRemoteCode = False,
+    text_field: TextField = "text", json_: Json = False,
+) -> None:
+    """Perplexity by the GPTQ paper's protocol: non-overlapping windows of --seqlen, exp of the mean token NLL."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from quantkit import api
+    from quantkit.cli.display import console, library_logs
+    from quantkit.config import LoadConfig
+
+    load = LoadConfig(dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+    con = console(stderr=json_)
+    progress = Progress(TextColumn("perplexity"), BarColumn(), MofNCompleteColumn(), TextColumn("windows"),
+                        TimeRemainingColumn(), console=con)
+    state: dict = {}
+
+    def on_window(done: int, total: int, *rest) -> None:
+        if "task" not in state:
+            state["task"] = progress.add_task("ppl", total=total)
+        progress.update(state["task"], completed=done)
+
+    with progress, library_logs(con):
+        result = api.evaluate_perplexity(model, data=data, seqlen=seqlen, max_windows=max_windows, bos=bos,
+                                         load=load, text_field=text_field, on_window=on_window)
+    out = {"model": model, "data": data, "ppl": result.ppl, "mean_nll": result.mean_nll,
+           "tokens": result.n_tokens, "windows": result.n_windows, "seqlen": result.seqlen,
+           "bos_prepended": result.bos_prepended, "seconds": result.seconds}
+    if json_:
+        typer.echo(json.dumps(out, indent=2))
+        return
+    bos_note = "every window starts with BOS" if result.bos_prepended else "no BOS (the tokenizer adds none)"
+    con.print(f"[bold]perplexity {result.ppl:.4f}[/bold]  on {result.n_tokens} tokens in {result.n_windows} windows "
+              f"of {result.seqlen} ({bos_note}), {result.seconds:.1f} s")

@@ -1,0 +1,247 @@
+"""What scripts and the CLI call: quantize a model, load a checkpoint, measure perplexity.
+
+Every function here is a thin composition of the library's parts: model loading, calibration data,
+the walker with one method, the checkpoint writer and reader, the perplexity evaluator.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from quantkit.config import CalibConfig, LoadConfig, QuantkitError, QuantScheme, resolve_device
+from quantkit.walker import LayerEvent, Method, walk
+
+log = logging.getLogger(__name__)
+
+METHOD_NAMES = ("rtn", "gptq", "awq")
+
+
+@dataclass(frozen=True)
+class QuantizeReport:
+    """The outcome of one quantization run (``to_dict`` is the CLI's ``--json`` object)."""
+
+    output: str
+    method: str
+    scheme: QuantScheme
+    n_quantized: int
+    seconds_total: float
+    seconds_load: float
+    seconds_calibration: float
+    seconds_quantize: float
+    seconds_save: float
+    peak_memory_bytes: int
+    partial_group_layers: list[str]
+    layer_stats: list[dict[str, Any]] = field(repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "output": self.output, "method": self.method, "bits": self.scheme.bits,
+            "group_size": self.scheme.group_size, "sym": self.scheme.sym, "n_quantized": self.n_quantized,
+            "seconds": {"total": self.seconds_total, "load": self.seconds_load,
+                        "calibration": self.seconds_calibration, "quantize": self.seconds_quantize,
+                        "save": self.seconds_save},
+            "peak_memory_bytes": self.peak_memory_bytes,
+            "partial_group_layers": self.partial_group_layers,
+        }
+
+
+def build_method(name: str, scheme: QuantScheme, options: dict[str, Any] | None = None) -> Method:
+    """The method object for ``name`` with its own config built from ``options`` (CLI option names)."""
+    options = dict(options or {})
+    if name == "rtn":
+        from quantkit.methods.rtn import RTNMethod
+
+        if options:
+            raise QuantkitError(f"rtn takes no options, got {sorted(options)}")
+        return RTNMethod(scheme)
+    if name == "gptq":
+        from quantkit.methods.gptq import GPTQConfig, GPTQMethod
+
+        return GPTQMethod(scheme, GPTQConfig(**options))
+    if name == "awq":
+        from quantkit.methods.awq import AWQConfig, AWQMethod
+
+        return AWQMethod(scheme, AWQConfig(**options))
+    raise QuantkitError(f"unknown method {name!r}; choose one of {', '.join(METHOD_NAMES)}")
+
+
+def check_output(output: str | Path, overwrite: bool) -> Path:
+    """Refuse an existing output folder before any long work starts."""
+    out = Path(output).expanduser()
+    if out.exists() and not overwrite:
+        raise QuantkitError(f"output folder {out} already exists; choose another --output or pass --overwrite")
+    if out.exists() and not out.is_dir():
+        raise QuantkitError(f"output {out} exists and is not a folder")
+    return out
+
+
+def partial_group_layers(model: torch.nn.Module, scheme: QuantScheme) -> list[str]:
+    """Decoder linears whose input size the group size does not divide (a partial last group)."""
+    from quantkit.arch import find_decoder_layers, find_linears
+
+    if scheme.group_size == -1:
+        return []
+    prefix, layers = find_decoder_layers(model)
+    return [
+        f"{prefix}.{i}.{name}"
+        for i, layer in enumerate(layers)
+        for name, linear in find_linears(layer).items()
+        if linear.in_features % scheme.group_size
+    ]
+
+
+def warn_partial_groups(names: list[str], model: torch.nn.Module, group_size: int) -> None:
+    if not names:
+        return
+    modules = dict(model.named_modules())
+    widths = sorted({modules[n].in_features for n in names})
+    log.warning(
+        "%d linear layers (input sizes %s, e.g. %s) are not a multiple of group size %d: their last group is "
+        "partial and is stored through g_idx. quantkit's reader and kernels serve them; vLLM and SGLang's GPTQ "
+        "kernels require input sizes divisible by the group size and will refuse this checkpoint "
+        "(use --group-size 64 or 32 for them).",
+        len(names), widths, names[0], group_size,
+    )
+
+
+def calibration_tokens(calib: CalibConfig, loaded) -> torch.Tensor:
+    """``[nsamples, seqlen]`` calibration token ids for a loaded model."""
+    from quantkit.calib_data.sources import load_calibration
+
+    return load_calibration(calib, loaded.tokenizer, model=loaded.model)
+
+
+def quantize(
+    model: str,
+    output: str | Path,
+    *,
+    method: str = "rtn",
+    scheme: QuantScheme = QuantScheme(),
+    method_options: dict[str, Any] | None = None,
+    calib: CalibConfig = CalibConfig(),
+    load: LoadConfig = LoadConfig(),
+    overwrite: bool = False,
+    batch_size: int = 8,
+    on_layer: Callable[[LayerEvent], None] | None = None,
+) -> QuantizeReport:
+    """Quantize ``model`` (folder, hub id or .gguf) with ``method`` and write a GPTQ-layout checkpoint."""
+    from quantkit.checkpoint import save_quantized
+    from quantkit.models import load_model
+
+    t_start = time.perf_counter()
+    out = check_output(output, overwrite)
+    quant_method = build_method(method, scheme, method_options)
+    device = resolve_device(load.device)
+    loaded = load_model(model, load)
+    t_loaded = time.perf_counter()
+
+    token_ids = None
+    if quant_method.needs_calibration:
+        token_ids = calibration_tokens(calib, loaded)
+    t_calib = time.perf_counter()
+
+    partial = partial_group_layers(loaded.model, scheme)
+    warn_partial_groups(partial, loaded.model, scheme.group_size)
+    result = walk(loaded.model, quant_method, device=device, token_ids=token_ids, batch_size=batch_size,
+                  on_layer=on_layer)
+    t_quant = time.perf_counter()
+
+    extra = {"source_model": model, "method": method, "layer_seconds": result.seconds}
+    if token_ids is not None:
+        extra["calibration"] = {"source": calib.source, "nsamples": int(token_ids.shape[0]),
+                                "seqlen": int(token_ids.shape[1]), "seed": calib.seed}
+    checkpoint_extra = getattr(quant_method, "checkpoint_extra", None)
+    if checkpoint_extra is not None:
+        extra.update(checkpoint_extra())
+    save_quantized(loaded.model, result.weights, out, tokenizer=loaded.tokenizer, method=method, scheme=scheme,
+                   extra=extra, overwrite=overwrite)
+    t_end = time.perf_counter()
+    peak = torch.cuda.max_memory_allocated() if device.startswith("cuda") else 0
+    return QuantizeReport(
+        output=str(out), method=method, scheme=scheme, n_quantized=len(result.weights),
+        seconds_total=t_end - t_start, seconds_load=t_loaded - t_start, seconds_calibration=t_calib - t_loaded,
+        seconds_quantize=t_quant - t_calib, seconds_save=t_end - t_quant, peak_memory_bytes=peak,
+        partial_group_layers=partial, layer_stats=result.layer_stats,
+    )
+
+
+def is_quantized_checkpoint(path: str | Path) -> bool:
+    """True for a folder whose config.json carries a quantization_config."""
+    import json
+
+    config = Path(path).expanduser() / "config.json"
+    if not config.is_file():
+        return False
+    try:
+        return "quantization_config" in json.loads(config.read_text())
+    except (OSError, ValueError):
+        return False
+
+
+def load_any(model: str, load: LoadConfig = LoadConfig()):
+    """(model, tokenizer) for a quantized checkpoint folder or any model ``load_model`` takes."""
+    from quantkit.config import resolve_dtype
+
+    device = resolve_device(load.device)
+    if is_quantized_checkpoint(model):
+        from quantkit.checkpoint import load_quantized
+
+        dtype = None if load.dtype == "auto" else resolve_dtype(load.dtype, device)
+        qmodel, tokenizer = load_quantized(model, device="cpu", dtype=dtype)
+        return qmodel, tokenizer
+    from quantkit.models import load_model
+
+    loaded = load_model(model, load)
+    return loaded.model, loaded.tokenizer
+
+
+def evaluate_perplexity(
+    model: str,
+    *,
+    data: str = "wikitext2",
+    seqlen: int = 2048,
+    max_windows: int | None = None,
+    bos: str = "auto",
+    load: LoadConfig = LoadConfig(),
+    text_field: str = "text",
+    on_window: Callable | None = None,
+):
+    """Perplexity of a model or quantized checkpoint on a named source or local file (GPTQ protocol).
+
+    ``bos``: ``auto`` starts every window with BOS when the model's tokenizer expects one; ``on``/``off`` force it.
+    """
+    from quantkit.eval.perplexity import load_eval_tokens, needs_bos, perplexity
+
+    if bos not in ("auto", "on", "off"):
+        raise QuantkitError(f"--bos must be auto, on or off, got {bos!r}")
+    device = resolve_device(load.device)
+    net, tokenizer = load_any(model, load)
+    if tokenizer is None:
+        raise QuantkitError(f"{model} has no tokenizer files; perplexity needs one")
+    token_ids = load_eval_tokens(data, tokenizer, text_field=text_field)
+    use_bos = needs_bos(tokenizer, net.config) if bos == "auto" else bos == "on"
+    if use_bos and tokenizer.bos_token_id is None:
+        raise QuantkitError("--bos on, but the tokenizer has no BOS token")
+    return perplexity(net.to(device), token_ids, seqlen=seqlen, max_windows=max_windows,
+                      bos_token_id=tokenizer.bos_token_id if use_bos else None, device=device,
+                      on_window=on_window)
+
+
+def load_quantized(path: str | Path, *, device: str = "cpu", dtype: torch.dtype | None = None):
+    """(model, tokenizer) from a quantkit checkpoint, with quantized linears served by QuantLinear."""
+    from quantkit.checkpoint import load_quantized as _load
+
+    return _load(path, device=device, dtype=dtype)
+
+
+def inspect(path: str | Path):
+    """What a checkpoint holds (see ``quantkit.checkpoint.inspect_checkpoint``)."""
+    from quantkit.checkpoint import inspect_checkpoint
+
+    return inspect_checkpoint(path)

@@ -1,0 +1,134 @@
+"""Architecture knowledge as small typed records, one per family.
+
+Decoder layers and their linear sub-modules are found generically (the longest ``nn.ModuleList`` of
+identical blocks that hold linears). The records below add only what an algorithm needs and cannot
+discover: the order in which sub-modules see their inputs (GPTQ's true-sequential groups) and which
+operation produces each group's input (AWQ's scale folding). Paths are relative to a decoder layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from quantkit.config import QuantkitError
+
+
+@dataclass(frozen=True)
+class ScalingGroup:
+    """Linears that read the same input, the operation that produces it, and the block to measure.
+
+    ``prev`` is a norm (``prev_kind="norm"``) or a linear (``"linear"``) whose output channels can
+    absorb ``1/s``; ``block`` is the module whose output the scale search compares (``""``: the
+    linears themselves).
+    """
+
+    prev: str
+    linears: tuple[str, ...]
+    prev_kind: str = "norm"
+    block: str = ""
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    family: str
+    model_types: tuple[str, ...]
+    # True-sequential order: each tuple's linears read the same input and are quantized together.
+    sequential: tuple[tuple[str, ...], ...]
+    scaling: tuple[ScalingGroup, ...] = ()
+    # Gemma's RMSNorm multiplies by (1 + weight): folding a scale must keep that offset.
+    norm_offset: float = 0.0
+    layers_path: str | None = None  # None: found generically
+    notes: tuple[str, ...] = field(default=())
+
+
+_ATTN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+_LLAMA_SEQUENTIAL = (_ATTN, ("self_attn.o_proj",), ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",))
+
+
+def _llama_like_scaling(mlp_norm: str) -> tuple[ScalingGroup, ...]:
+    return (
+        ScalingGroup("input_layernorm", _ATTN, "norm", block="self_attn"),
+        # v -> o folds only where o's input channels map one-to-one onto v's outputs (no GQA
+        # repetition); the method checks the shapes and skips with a note otherwise.
+        ScalingGroup("self_attn.v_proj", ("self_attn.o_proj",), "linear"),
+        ScalingGroup(mlp_norm, ("mlp.gate_proj", "mlp.up_proj"), "norm", block="mlp"),
+        ScalingGroup("mlp.up_proj", ("mlp.down_proj",), "linear"),
+    )
+
+
+ARCHITECTURES: tuple[ArchSpec, ...] = (
+    ArchSpec(
+        family="llama",
+        model_types=("llama", "mistral", "qwen2", "qwen3", "smollm3"),
+        sequential=_LLAMA_SEQUENTIAL,
+        scaling=_llama_like_scaling("post_attention_layernorm"),
+    ),
+    ArchSpec(
+        family="gemma",
+        model_types=("gemma", "gemma2", "gemma3_text"),
+        sequential=_LLAMA_SEQUENTIAL,
+        # Gemma 2/3 normalize the attention output with post_attention_layernorm before the residual;
+        # the MLP's input comes from pre_feedforward_layernorm (Gemma 1 has no such norm).
+        scaling=_llama_like_scaling("pre_feedforward_layernorm"),
+        norm_offset=1.0,
+    ),
+)
+
+
+def arch_for(model_type: str) -> ArchSpec | None:
+    """The record for a ``config.model_type``, or None for an architecture without one."""
+    for spec in ARCHITECTURES:
+        if model_type in spec.model_types:
+            return spec
+    return None
+
+
+def supported_model_types() -> list[str]:
+    return sorted(t for spec in ARCHITECTURES for t in spec.model_types)
+
+
+def require_arch(model_type: str) -> ArchSpec:
+    spec = arch_for(model_type)
+    if spec is None:
+        raise QuantkitError(
+            f"architecture {model_type!r} is not supported yet; supported: {', '.join(supported_model_types())}"
+        )
+    return spec
+
+
+def find_decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """The decoder layers: the longest ``nn.ModuleList`` of same-class blocks that contain linears."""
+    best: tuple[str, nn.ModuleList] | None = None
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList) or len(module) == 0:
+            continue
+        classes = {type(child) for child in module}
+        if len(classes) != 1:
+            continue
+        if not any(isinstance(m, nn.Linear) for m in module[0].modules()):
+            continue
+        if best is None or len(module) > len(best[1]):
+            best = (name, module)
+    if best is None:
+        raise QuantkitError(
+            f"could not find decoder layers in {type(model).__name__}: no list of repeated blocks with linear layers"
+        )
+    return best
+
+
+def find_linears(layer: nn.Module) -> dict[str, nn.Linear]:
+    """All ``nn.Linear`` sub-modules of a decoder layer, by path relative to it."""
+    return {name: m for name, m in layer.named_modules() if isinstance(m, nn.Linear)}
+
+
+def sequential_groups(spec: ArchSpec | None, linears: dict[str, nn.Linear]) -> list[list[str]]:
+    """Groups of linear names in true-sequential order; linears the record does not name come last."""
+    if spec is None:
+        return [[name] for name in linears]
+    groups = [[n for n in group if n in linears] for group in spec.sequential]
+    groups = [g for g in groups if g]
+    named = {n for g in groups for n in g}
+    groups += [[n] for n in linears if n not in named]
+    return groups

@@ -1,0 +1,104 @@
+"""Loading a causal LM to quantize: a Hugging Face folder, a hub id, or a GGUF file.
+
+Models are loaded into host memory; the walker moves one decoder layer at a time to the device.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from quantkit.config import LoadConfig, QuantkitError, resolve_device, resolve_dtype
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: object
+    source: str  # what the user named
+    gguf_file: str | None = None
+
+
+def _looks_like_path(spec: str) -> bool:
+    return spec.startswith((".", "/", "~")) or spec.endswith(".gguf") or Path(spec).exists()
+
+
+def _clear_gguf_quantizer_marks(model) -> None:
+    """A GGUF-loaded model carries the marks of transformers' GGUF quantizer although its weights are
+    plain dequantized tensors; clear them so the model saves and quantizes like any other."""
+    for attr in ("hf_quantizer", "quantization_method"):
+        if hasattr(model, attr):
+            setattr(model, attr, None)
+    if hasattr(model, "is_quantized"):
+        model.is_quantized = False
+    if getattr(model.config, "quantization_config", None) is not None:
+        del model.config.quantization_config
+
+
+def _fix_gguf_eos(model, tokenizer) -> None:
+    """GGUF conversions can name the wrong end-of-sequence token; the generation config's is right."""
+    gen = getattr(model, "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None)
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    if eos is not None and tokenizer is not None and tokenizer.eos_token_id != eos:
+        token = tokenizer.convert_ids_to_tokens(eos)
+        log.info("tokenizer eos %r differs from the generation config's %r; using the latter",
+                 tokenizer.eos_token, token)
+        tokenizer.eos_token = token
+
+
+def load_model(spec: str, load: LoadConfig = LoadConfig()) -> LoadedModel:
+    """Load ``spec`` (folder, hub id or ``.gguf`` file) on the CPU in the configured dtype."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device = resolve_device(load.device)
+    dtype = resolve_dtype(load.dtype, device)
+    path = Path(spec).expanduser()
+    kwargs: dict = {"dtype": dtype, "trust_remote_code": load.trust_remote_code}
+    gguf_file = None
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise QuantkitError(f"GGUF file {spec} does not exist")
+        gguf_file = path.name
+        folder = str(path.parent)
+        kwargs["gguf_file"] = gguf_file
+    elif _looks_like_path(spec):
+        if not path.exists():
+            raise QuantkitError(f"model folder {spec} does not exist; give a folder with config.json, a .gguf file "
+                                "or a Hugging Face hub id")
+        if path.is_dir() and not (path / "config.json").exists():
+            ggufs = sorted(path.glob("*.gguf"))
+            hint = f" (it holds {ggufs[0].name}: pass that file)" if ggufs else ""
+            raise QuantkitError(f"{spec} has no config.json{hint}")
+        folder = str(path)
+    else:
+        folder = spec
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(folder, **{k: v for k, v in kwargs.items() if k != "dtype"})
+    except (OSError, ValueError) as exc:
+        raise QuantkitError(_explain_load_error(spec, exc)) from exc
+    if gguf_file is not None:
+        _clear_gguf_quantizer_marks(model)
+        _fix_gguf_eos(model, tokenizer)
+    model.eval()
+    model.config.use_cache = False
+    return LoadedModel(model=model, tokenizer=tokenizer, source=spec, gguf_file=gguf_file)
+
+
+def _explain_load_error(spec: str, exc: Exception) -> str:
+    text = str(exc)
+    if "Unrecognized configuration class" in text or "does not recognize this architecture" in text:
+        return f"{spec} is not a causal language model transformers can load: {text.splitlines()[0]}"
+    if "gguf" in text.lower() and "install" in text.lower():
+        return f"loading {spec} needs the gguf package: pip install 'quantkit[gguf]'"
+    if not _looks_like_path(spec):
+        return (f"could not load {spec!r} from the Hugging Face hub ({text.splitlines()[0]}). Without network, "
+                "download it elsewhere and pass its local folder, or a .gguf file")
+    return f"could not load {spec}: {text.splitlines()[0]}"

@@ -1,0 +1,340 @@
+"""The one layer-by-layer walker every method runs under.
+
+For each decoder layer i: move it to the work device, hand it with its calibration inputs (hidden
+states plus the keyword arguments the model passes it: attention mask, position embeddings, ...) to
+the method, install the dequantized weights the method returns, and run the quantized layer to
+produce the inputs of layer i + 1. Only the layer being worked on sits on the accelerator; the rest
+of the model stays where it was loaded (the CPU).
+
+The layers are reached through ``LayerSource``, so a later reader that materializes one layer at a
+time from safetensors shards (for models larger than host memory) only has to implement it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Protocol
+
+import torch
+from torch import nn
+
+from quantkit.arch import ArchSpec, arch_for, find_decoder_layers, find_linears, sequential_groups
+from quantkit.qtensor import QuantizedWeight
+
+log = logging.getLogger(__name__)
+
+# Keyword arguments that belong to generation, not to a calibration forward.
+_DROP_KWARGS = ("past_key_value", "past_key_values", "cache", "use_cache", "output_attentions")
+
+
+class StopForward(Exception):
+    """Raised inside a forward to end it early once everything needed has been seen."""
+
+
+@dataclass
+class LayerInputs:
+    """Calibration inputs of one decoder layer: batches ``[b, S, H]`` and the layer's keyword arguments."""
+
+    hidden: list[torch.Tensor]
+    kwargs: dict[str, Any]
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(h.shape[0] * h.shape[1] for h in self.hidden)
+
+
+@dataclass
+class LayerContext:
+    """What a method sees of one decoder layer."""
+
+    index: int
+    n_layers: int
+    prefix: str  # full module name of the layer, e.g. "model.layers.3"
+    layer: nn.Module  # on ``device``
+    linears: dict[str, nn.Linear]  # the linears to quantize, by path relative to the layer
+    groups: list[list[str]]  # true-sequential groups of ``linears``
+    spec: ArchSpec | None
+    inputs: LayerInputs | None  # None for methods without calibration
+    device: torch.device
+
+
+@dataclass
+class LayerResult:
+    """What a method returns for one layer. ``stats[name]`` holds per-linear numbers (errors, time)."""
+
+    weights: dict[str, QuantizedWeight]
+    stats: dict[str, dict[str, float]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    # A method that already computed the next layer's inputs (or wants them from another version of
+    # the layer) returns them here; otherwise the walker runs the quantized layer.
+    next_hidden: list[torch.Tensor] | None = None
+
+
+class Method(Protocol):
+    """The interface a quantization method implements."""
+
+    name: str
+    needs_calibration: bool
+
+    def quantize_layer(self, ctx: LayerContext) -> LayerResult: ...
+
+
+@dataclass
+class LayerEvent:
+    """Progress of the walk, for whoever displays it."""
+
+    index: int
+    n_layers: int
+    prefix: str
+    seconds: float
+    elapsed: float
+    peak_memory_bytes: int
+    result: LayerResult
+
+
+@dataclass
+class WalkResult:
+    weights: dict[str, QuantizedWeight]  # by full module name
+    layer_stats: list[dict[str, Any]]
+    seconds: float
+
+
+class LayerSource(Protocol):
+    """Where decoder layers come from (a loaded model now; safetensors shards later)."""
+
+    prefix: str
+
+    def __len__(self) -> int: ...
+    def layer(self, index: int) -> nn.Module: ...
+
+
+@dataclass
+class ModelLayers:
+    """Decoder layers of a model already in host memory."""
+
+    prefix: str
+    layers: nn.ModuleList
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def layer(self, index: int) -> nn.Module:
+        return self.layers[index]
+
+
+def first_output(out: Any) -> torch.Tensor:
+    """Decoder layers return a tensor (transformers 5) or a tuple whose first item is one (4.x)."""
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+@torch.no_grad()
+def run_layer(layer: nn.Module, inputs: LayerInputs) -> list[torch.Tensor]:
+    """Outputs of ``layer`` for every calibration batch."""
+    return [first_output(layer(h, **inputs.kwargs)) for h in inputs.hidden]
+
+
+@torch.no_grad()
+def capture_calls(
+    layer: nn.Module,
+    inputs: LayerInputs,
+    names: list[str],
+    on_call: Callable[[str, tuple, dict, Any], None],
+    stop_early: bool = True,
+) -> None:
+    """Run ``layer`` on every batch and call ``on_call(name, args, kwargs, output)`` for each call of the
+    named sub-modules. With ``stop_early`` each batch's forward ends once all of them have run, so
+    capturing the inputs of the attention projections costs no MLP work.
+    """
+    modules = dict(layer.named_modules())
+    missing = [n for n in names if n not in modules]
+    if missing:
+        raise KeyError(f"no sub-modules {missing} in {type(layer).__name__}")
+    seen: set[str] = set()
+
+    def make_hook(name: str):
+        def hook(module, args, kwargs, output):
+            on_call(name, args, kwargs, output)
+            seen.add(name)
+            if stop_early and len(seen) == len(names):
+                raise StopForward
+
+        return hook
+
+    handles = [modules[n].register_forward_hook(make_hook(n), with_kwargs=True) for n in names]
+    try:
+        for h in inputs.hidden:
+            seen.clear()
+            try:
+                layer(h, **inputs.kwargs)
+            except StopForward:
+                pass
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def capture_linear_inputs(
+    layer: nn.Module, inputs: LayerInputs, names: list[str], on_input: Callable[[str, torch.Tensor], None]
+) -> None:
+    """Call ``on_input(name, x)`` with the input ``x [b, S, in]`` of each named linear, batch by batch."""
+    capture_calls(layer, inputs, names, lambda name, args, kwargs, out: on_input(name, args[0]))
+
+
+def _move_outside_layers(model: nn.Module, layers_prefix: str, device: torch.device) -> None:
+    """Move every parameter and buffer that is not inside a decoder layer (embeddings, rotary, norm)."""
+    inside = layers_prefix + "."
+    for module_name, module in model.named_modules():
+        if module_name == layers_prefix or module_name.startswith(inside):
+            continue
+        for key, param in module._parameters.items():
+            if param is not None and param.device != device:
+                param.data = param.data.to(device)
+        for key, buf in module._buffers.items():
+            if buf is not None and buf.device != device:
+                module._buffers[key] = buf.to(device)
+
+
+@torch.no_grad()
+def capture_layer_inputs(
+    model: nn.Module, source: ModelLayers, token_ids: torch.Tensor, device: torch.device, batch_size: int
+) -> tuple[list[torch.Tensor], list[dict[str, Any]]]:
+    """Hidden states entering layer 0 for every calibration batch, and the kwargs of every layer.
+
+    Layers are swapped for recorders that return their input unchanged, so this costs one embedding
+    pass. The kwargs do not depend on the hidden states (masks and position embeddings are made
+    before the first layer), so one single-sample forward records them for all layers; batch
+    dimensions of 1 broadcast over any calibration batch.
+    """
+    layers = source.layers
+    n = len(layers)
+    per_layer_kwargs: list[dict[str, Any]] = [dict() for _ in range(n)]
+    hidden: list[torch.Tensor] = []
+
+    def recorder(i: int, record_hidden: bool, last: int):
+        def forward(hidden_states, *args, **kwargs):
+            if record_hidden and i == 0:
+                hidden.append(hidden_states.detach())
+            if per_layer_kwargs[i] is not None and not per_layer_kwargs[i]:
+                per_layer_kwargs[i] = {k: v for k, v in kwargs.items() if k not in _DROP_KWARGS}
+                if args:
+                    raise RuntimeError(f"layer {i} got positional arguments besides hidden states; unsupported")
+            if i == last:
+                raise StopForward
+            return hidden_states
+
+        return forward
+
+    _move_outside_layers(model, source.prefix, device)
+    try:
+        # One sample to record every layer's kwargs.
+        for i, layer in enumerate(layers):
+            layer.forward = recorder(i, record_hidden=False, last=n - 1)
+        try:
+            model(input_ids=token_ids[:1].to(device), use_cache=False)
+        except StopForward:
+            pass
+        # Then the hidden states entering layer 0, batch by batch.
+        for i, layer in enumerate(layers):
+            layer.forward = recorder(i, record_hidden=True, last=0)
+        for start in range(0, token_ids.shape[0], batch_size):
+            try:
+                model(input_ids=token_ids[start : start + batch_size].to(device), use_cache=False)
+            except StopForward:
+                pass
+    finally:
+        for layer in layers:
+            # Remove the instance attribute so the class's forward is used again.
+            layer.__dict__.pop("forward", None)
+        _move_outside_layers(model, source.prefix, torch.device("cpu"))
+    return hidden, per_layer_kwargs
+
+
+def iter_quantizable(layer: nn.Module, skip: Callable[[str], bool]) -> dict[str, nn.Linear]:
+    return {name: m for name, m in find_linears(layer).items() if not skip(name)}
+
+
+def _peak_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return 0
+
+
+@torch.no_grad()
+def install_weight(linear: nn.Linear, qw: QuantizedWeight) -> None:
+    """Replace a linear's weight by the dequantized one, in its own dtype and device."""
+    w = qw.dequantize().to(device=linear.weight.device, dtype=linear.weight.dtype)
+    if w.shape != linear.weight.shape:
+        raise ValueError(f"quantized weight {tuple(w.shape)} does not match {tuple(linear.weight.shape)}")
+    linear.weight.data.copy_(w)
+
+
+def walk(
+    model: nn.Module,
+    method: Method,
+    *,
+    device: torch.device | str,
+    token_ids: torch.Tensor | None = None,
+    batch_size: int = 8,
+    skip: Callable[[str], bool] = lambda name: False,
+    on_layer: Callable[[LayerEvent], None] | None = None,
+) -> WalkResult:
+    """Quantize every decoder layer of ``model`` with ``method``; returns the packed weights by full name.
+
+    ``token_ids [nsamples, seqlen]`` are the calibration windows (required when the method needs
+    calibration). ``skip(relative_name)`` keeps a linear in 16 bits. The model is left holding the
+    dequantized weights, so it computes what the checkpoint will.
+    """
+    device = torch.device(device)
+    prefix, layers = find_decoder_layers(model)
+    source = ModelLayers(prefix, layers)
+    spec = arch_for(getattr(model.config, "model_type", ""))
+    if spec is None:
+        log.warning("no architecture record for %r: linears are quantized one by one in module order",
+                    getattr(model.config, "model_type", "?"))
+    hidden: list[torch.Tensor] | None = None
+    layer_kwargs: list[dict[str, Any]] = [{} for _ in range(len(source))]
+    if method.needs_calibration:
+        if token_ids is None:
+            raise ValueError(f"{method.name} needs calibration token ids")
+        hidden, layer_kwargs = capture_layer_inputs(model, source, token_ids, device, batch_size)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+    weights: dict[str, QuantizedWeight] = {}
+    layer_stats: list[dict[str, Any]] = []
+    start = time.perf_counter()
+    for i in range(len(source)):
+        t0 = time.perf_counter()
+        layer = source.layer(i)
+        home = next(layer.parameters()).device
+        layer.to(device)
+        linears = iter_quantizable(layer, skip)
+        inputs = None if hidden is None else LayerInputs(hidden, layer_kwargs[i])
+        ctx = LayerContext(
+            index=i, n_layers=len(source), prefix=f"{prefix}.{i}", layer=layer, linears=linears,
+            groups=sequential_groups(spec, linears), spec=spec, inputs=inputs, device=device,
+        )
+        result = method.quantize_layer(ctx)
+        for name, qw in result.weights.items():
+            install_weight(linears[name], qw)
+            weights[f"{ctx.prefix}.{name}"] = qw
+        if inputs is not None:
+            hidden = result.next_hidden if result.next_hidden is not None else run_layer(layer, inputs)
+            for h in hidden:
+                if not torch.isfinite(h).all():
+                    raise FloatingPointError(f"non-finite activations after {ctx.prefix}")
+        layer.to(home)
+        seconds = time.perf_counter() - t0
+        layer_stats.append({"layer": i, "prefix": ctx.prefix, "seconds": seconds, "linears": result.stats,
+                            "notes": result.notes})
+        if on_layer is not None:
+            on_layer(LayerEvent(i, len(source), ctx.prefix, seconds, time.perf_counter() - start,
+                                _peak_memory(device), result))
+    return WalkResult(weights=weights, layer_stats=layer_stats, seconds=time.perf_counter() - start)
+
+
+def iter_batches(token_ids: torch.Tensor, batch_size: int) -> Iterator[torch.Tensor]:
+    for start in range(0, token_ids.shape[0], batch_size):
+        yield token_ids[start : start + batch_size]
