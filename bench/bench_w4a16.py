@@ -1,0 +1,193 @@
+"""Benchmark the W4A16 Triton GEMM against cuBLAS bf16 and torch._weight_int4pack_mm (one GPU).
+
+    python bench/bench_w4a16.py [--quick] [--out bench/results/w4a16_<date>.json]
+
+Every timing is the median over CUDA-graph replays; each replay runs the op once on each of
+several rotating copies of its inputs (together over 3x the 60 MB L2), so no run finds its weights
+in L2 and host launch overhead is out of the numbers (the eager launcher costs ~100+ us of Python
+on the device machine's CPU, see NOTES). For M <= 16 the table also gives the bandwidth of the
+packed weight bytes (qweight + scales) against a device-to-device copy measured in the same run.
+Inputs are random (never zeros); a correctness check against a float32 reference runs per shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+import triton
+from quantkit.kernels import w4a16 as kw
+
+SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336), (28672, 8192), (8192, 28672)]
+MS = [1, 4, 16, 64, 256, 1024, 4096]
+GROUP = 128
+
+
+L2_BYTES = 60 * 2**20
+
+
+def rotations(bytes_per_call: int, cap: int = 24) -> int:
+    """Copies of the inputs so that one pass over all of them overflows L2 three times."""
+    return max(2, min(cap, -(-3 * L2_BYTES // max(bytes_per_call, 1))))
+
+
+def bench_graph(fns, reps: int = 20) -> float:
+    """Median microseconds per call: one graph runs every fn of ``fns`` (rotating inputs) once."""
+    for f in fns:
+        f()  # compile, autotune, allocator warm-up: all outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for f in fns:
+            f()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(fns))
+    del graph
+    return sorted(times)[len(times) // 2]
+
+
+def bench(fn) -> float:
+    """Median eager time in microseconds (do_bench, L2 flushed): used for the copy only."""
+    return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median") * 1e3
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy, bytes read + written per second (TB/s)."""
+    src = torch.empty(2**30, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    t_us = bench(lambda: dst.copy_(src))
+    return 2 * src.numel() / (t_us * 1e-6) / 1e12
+
+
+def make_weights(n: int, k: int):
+    """Random GPTQ-layout sym weights (zero 8 stored as 7), prepared for the kernel."""
+    qweight = torch.randint(-(2**31), 2**31 - 1, (k // 8, n), dtype=torch.int32, device="cuda")
+    qzeros = torch.full((k // GROUP, n // 8), 0x77777777, dtype=torch.int32, device="cuda")
+    scales = (torch.rand(k // GROUP, n, device="cuda") * 2e-3 + 1e-3).half()
+    w = kw.prepare_w4a16_weights(qweight, qzeros, scales, None, 4, GROUP, True)
+    return w
+
+
+def torch_int4_weights(n: int, k: int):
+    """Operands of torch._weight_int4pack_mm: packed weight and bf16 [K/G, N, 2] scales+zeros."""
+    w_u8 = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda")
+    packed = torch.ops.aten._convert_weight_to_int4pack(w_u8, 8)
+    sz = torch.rand(k // GROUP, n, 2, device="cuda").bfloat16() * 1e-2
+    return packed, sz
+
+
+def dequant_f32(w) -> torch.Tensor:
+    """Float32 ``W^T [K, N]`` of the sym weights made by make_weights."""
+    from quantkit.pack import unpack_rows
+
+    codes = unpack_rows(w.qweight.t().contiguous(), w.bits, w.in_features).float()
+    return (codes - 2 ** (w.bits - 1)) * w.scales[w.g_idx.long()].float()
+
+
+def check(w, w_kn: torch.Tensor, m: int) -> float:
+    """Relative error of the (autotuned) kernel against float32 on fresh random bf16 inputs."""
+    x = torch.randn(m, w.in_features, device="cuda").bfloat16()
+    ref = x.float() @ w_kn
+    out = kw.w4a16_matmul(x, w)
+    return ((out.float() - ref).norm() / ref.norm()).item()
+
+
+def run_shape(n, k, ms, copy_tbs, rows, variants):
+    ws = [make_weights(n, k)]
+    packed_bytes = ws[0].qweight.numel() * 4 + ws[0].scales.numel() * 2
+    w_kn = dequant_f32(ws[0])
+    err = {m: check(ws[0], w_kn, m) for m in (3, 333)}
+    del w_kn
+    ws += [make_weights(n, k) for _ in range(rotations(packed_bytes) - 1)]
+    bf16 = [torch.randn(n, k, device="cuda").bfloat16() for _ in range(rotations(2 * n * k))]
+    try:
+        i4 = [torch_int4_weights(n, k) for _ in range(rotations(packed_bytes))]
+    except Exception as e:
+        print(f"torch int4 unavailable: {e!r}", file=sys.stderr)
+        i4 = []
+    for m in ms:
+        xs = [torch.randn(m, k, device="cuda").bfloat16() for _ in range(max(len(ws), len(bf16)))]
+        row = dict(N=n, K=k, M=m, relerr_m3=err[3], relerr_m333=err[333])
+        row["triton_us"] = bench_graph([lambda x=x, w=w: kw.w4a16_matmul(x, w) for x, w in zip(xs, ws)])
+        row["cublas_us"] = bench_graph([lambda x=x, w=w: F.linear(x, w) for x, w in zip(xs, bf16)])
+        if i4:
+            row["torch_int4_us"] = bench_graph(
+                [lambda x=x, p=p: torch._weight_int4pack_mm(x, p[0], GROUP, p[1]) for x, p in zip(xs, i4)])
+        if variants and m in (1, 4096) and n * k >= 8192 * 28672:
+            row["triton_cvt_us"] = bench_graph(
+                [lambda x=x, w=w: kw.w4a16_matmul(x, w, fast_dequant=False) for x, w in zip(xs, ws)])
+        if variants and m == 1 and n * k >= 8192 * 28672:
+            x0, w0 = xs[0], ws[0]
+            row["triton_eager_us"] = bench(lambda: kw.w4a16_matmul(x0, w0))
+        row["tflops"] = 2 * m * n * k / (row["triton_us"] * 1e-6) / 1e12
+        if m <= kw.DECODE_MAX_M:
+            tbs = packed_bytes / (row["triton_us"] * 1e-6) / 1e12
+            row["weight_tbs"] = tbs
+            row["pct_copy_bw"] = 100 * tbs / copy_tbs
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        del xs
+
+
+def tuned_configs() -> dict:
+    out = {}
+    for name, tuner in (("decode", kw._decode_tuned), ("prefill", kw._prefill_tuned)):
+        out[name] = {str(key): str(cfg) for key, cfg in tuner.cache.items()}
+    return out
+
+
+def print_table(rows, copy_tbs):
+    print(f"\ncopy bandwidth {copy_tbs:.2f} TB/s (read+write); us per call, median of graph replays")
+    hdr = f"{'N':>6} {'K':>6} {'M':>5} {'triton':>9} {'cublas':>9} {'int4pt':>9} {'xcuBLAS':>7} " \
+          f"{'xint4':>6} {'%copy':>6} {'TFLOP/s':>7} {'cvt':>9}"
+    print(hdr)
+    for r in rows:
+        i4 = r.get("torch_int4_us", float("nan"))
+        print(f"{r['N']:>6} {r['K']:>6} {r['M']:>5} {r['triton_us']:>9.1f} {r['cublas_us']:>9.1f} "
+              f"{i4:>9.1f} {r['cublas_us'] / r['triton_us']:>7.2f} {i4 / r['triton_us']:>6.2f} "
+              f"{r.get('pct_copy_bw', float('nan')):>6.1f} {r['tflops']:>7.1f} "
+              f"{r.get('triton_cvt_us', float('nan')):>9.1f}")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="largest shape, M in 1, 16, 4096 only")
+    ap.add_argument("--variants", action="store_true", help="also time the int->float dequant path")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    shapes = SHAPES[-1:] if args.quick else SHAPES
+    ms = [1, 16, 4096] if args.quick else MS
+    copy_tbs = copy_bandwidth()
+    rows = []
+    for n, k in shapes:
+        run_shape(n, k, ms, copy_tbs, rows, args.variants)
+        torch.cuda.empty_cache()
+    now = datetime.datetime.now(datetime.timezone.utc)
+    result = dict(
+        card=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+        date=now.isoformat(timespec="seconds"), group_size=GROUP, copy_tbs=copy_tbs,
+        timing="median of 20 CUDA-graph replays over rotating inputs (>3x L2); copy: do_bench median",
+        rows=rows, tuned=tuned_configs(),
+    )
+    out = args.out or f"bench/results/w4a16_{now:%Y%m%d_%H%M}.json"
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
+    print_table(rows, copy_tbs)
+
+
+if __name__ == "__main__":
+    main()

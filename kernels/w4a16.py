@@ -1,0 +1,377 @@
+"""W4A16 GEMM in Triton: ``Y = X W^T`` with 16-bit activations and packed 4-bit (or 8-bit) weights.
+
+Shapes: ``X`` fp16/bf16 ``[M, K]``, ``W`` ``[N, K]`` stored as integer codes with per-group scales
+(and zero points when asymmetric), ``Y`` ``[M, N]`` in the dtype of ``X``.
+
+How the kernel works
+--------------------
+* The weights are read packed from HBM (``K / 8`` int32 words per output row at 4 bits), unpacked in
+  registers with shifts and masks, scaled to 16 bits and fed to ``tl.dot``. The 16-bit weights are
+  never written back to memory.
+* The kernel computes the transposed product ``Y^T = W X^T`` tile by tile: the dequantized weight
+  tile ``[BLOCK_N, BLOCK_K]`` is the *first* operand, which Hopper's wgmma can take straight from
+  registers, and the activations ``[BLOCK_K, BLOCK_M]`` are the second one, loaded into shared
+  memory. ``BLOCK_M`` can then be as small as 16 (decode) while ``BLOCK_N`` keeps the tensor-core
+  instruction full.
+* Two regimes, one entry point (:func:`w4a16_matmul`):
+  - decode (``M <= 16``): memory bound. The grid is split along K (``SPLIT_K`` programs per output
+    tile) so that even one row keeps all SMs streaming weights; partial sums meet in a float32
+    buffer through atomics, then one cast to the output dtype.
+  - prefill (``M > 16``): compute bound. Big tiles, ``num_stages`` software pipelining, a grouped
+    launch order so that the weight tiles in flight stay in L2, and a direct 16-bit store.
+* The one-time repack (:func:`prepare_w4a16_weights`) transposes the GPTQ ``qweight`` so that each
+  output row's codes are contiguous along K (one 16-byte load gives one thread 32 consecutive
+  codes), unpacks the zero points to bytes and, for act-order checkpoints, permutes K so that every
+  group is contiguous (the activations' columns are permuted to match). It is not a file format.
+
+The GPTQ layout itself is defined in :mod:`quantkit.pack`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from quantkit.pack import pack_rows, unpack_gptq, unpack_rows
+from quantkit.primitives import default_g_idx
+
+# Groups larger than any K: per-channel quantization is "one group", every K tile lies inside it.
+_PER_CHANNEL_GROUP = 1 << 30
+DECODE_MAX_M = 16
+
+
+# ----------------------------------------------------------------------------------------------
+# Autotune configs: all in one place. BLOCK_M is the activation-row tile (the wgmma N dimension),
+# BLOCK_N the output-feature tile (the wgmma M dimension), BLOCK_K the reduction tile.
+# ----------------------------------------------------------------------------------------------
+def _cfg(bn, bm, bk, warps, stages, group_n=8, w_is_a=True):
+    kw = dict(BLOCK_N=bn, BLOCK_M=bm, BLOCK_K=bk, GROUP_N=group_n, W_IS_A=w_is_a)
+    return triton.Config(kw, num_warps=warps, num_stages=stages)
+
+
+# Decode: BLOCK_M = 16 (the smallest dot tile). The K split is the grid's second axis, chosen per
+# shape by _decode_split_k, so configs differ only in tile shape and pipelining depth.
+DECODE_CONFIGS = [
+    _cfg(64, 16, 256, 4, 3),
+    _cfg(128, 16, 128, 4, 4),
+    _cfg(128, 16, 256, 4, 3),
+    _cfg(64, 16, 128, 4, 4),
+]
+PREFILL_CONFIGS = [
+    _cfg(128, 32, 128, 4, 4),
+    _cfg(128, 64, 128, 4, 4),
+    _cfg(128, 128, 64, 8, 4),
+    _cfg(128, 256, 64, 8, 3),
+    _cfg(256, 128, 64, 8, 3),
+    # Standard orientation: X tile is wgmma's A (shared memory), the dequantized weight tile is
+    # stored to shared memory as B, which lets the wgmma of one K step overlap the next dequant.
+    _cfg(128, 256, 64, 8, 3, w_is_a=False),
+    _cfg(128, 128, 64, 8, 4, w_is_a=False),
+    _cfg(256, 128, 64, 8, 3, w_is_a=False),
+]
+# Aim for this many programs per SM in the decode grid: enough bytes in flight to cover latency.
+_DECODE_PROGRAMS_PER_SM = 4
+
+
+def _m_bucket(m: int) -> int:
+    """Autotune cache key for M: the next power of two (1, 2, 4, ..., capped at 4096)."""
+    return min(triton.next_power_of_2(max(m, 1)), 4096)
+
+
+@dataclasses.dataclass(frozen=True)
+class W4A16Weights:
+    """Kernel-ready weights (see :func:`prepare_w4a16_weights`). ``N`` = out, ``K`` = in features.
+
+    * ``qweight`` int32 ``[N, K * bits / 32]``: codes packed along K, K contiguous per output row,
+      in the (possibly act-order permuted) K order the kernel reads.
+    * ``scales`` float16 ``[G, N]``; ``zeros`` uint8 ``[G, N]`` or ``None`` when symmetric
+      (zero = ``2**(bits-1)``).
+    * ``g_idx`` int32 ``[K]``: group of each (permuted) input row; ``perm`` int64 ``[K]`` or None:
+      the kernel multiplies ``x[:, perm]``.
+    * ``group_size``: the contiguous group length the kernel assumes, or None when the groups are
+      not contiguous runs of one length (the kernel then refuses; the reference still works).
+    """
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None
+    g_idx: torch.Tensor
+    perm: torch.Tensor | None
+    bits: int
+    group_size: int | None
+    in_features: int
+    out_features: int
+
+
+def prepare_w4a16_weights(qweight, qzeros, scales, g_idx, bits, group_size, sym) -> W4A16Weights:
+    """One-time repack of GPTQ tensors (layout of :mod:`quantkit.pack`) into :class:`W4A16Weights`.
+
+    qweight int32 ``[K*bits/32, N]``, qzeros int32 ``[G, N*bits/32]``, scales fp16 ``[G, N]``,
+    g_idx int ``[K]`` (or None), ``group_size`` as quantized (-1: per channel).
+    """
+    if bits not in (4, 8):
+        raise ValueError(f"the W4A16 kernel reads 4- or 8-bit codes, got {bits}")
+    n_words, n = qweight.shape
+    k = n_words * 32 // bits
+    if g_idx is None:
+        g_idx = default_g_idx(k, group_size, device=qweight.device)
+    g_idx = g_idx.to(device=qweight.device, dtype=torch.int32)
+    perm = None
+    if bool((g_idx[1:] < g_idx[:-1]).any()):
+        # Act-order: sort rows by group so each group is one contiguous run of K.
+        perm = torch.argsort(g_idx.long(), stable=True)
+        codes, _ = unpack_gptq(qweight, qzeros, bits, k, n)
+        qweight = pack_rows(codes[:, perm].t(), bits)
+        g_idx = g_idx[perm]
+    _, zeros = unpack_gptq(qweight[:0], qzeros, bits, 0, n)
+    if sym and bool((zeros == 2 ** (bits - 1)).all()):
+        zeros_u8 = None
+    else:
+        zeros_u8 = zeros.to(torch.uint8).contiguous()
+    kernel_group = None
+    gs = k if group_size == -1 else group_size
+    if torch.equal(g_idx, default_g_idx(k, gs, device=g_idx.device)):
+        kernel_group = _PER_CHANNEL_GROUP if group_size == -1 else group_size
+    return W4A16Weights(
+        qweight=qweight.t().contiguous(),
+        scales=scales.to(torch.float16).contiguous(),
+        zeros=zeros_u8,
+        g_idx=g_idx,
+        perm=perm,
+        bits=bits,
+        group_size=kernel_group,
+        in_features=k,
+        out_features=n,
+    )
+
+
+def w4a16_matmul_ref(x: torch.Tensor, w: W4A16Weights) -> torch.Tensor:
+    """Plain-PyTorch reference: dequantize to float32, matmul. ``x [M, K]`` -> ``[M, N]`` (x's dtype)."""
+    codes = unpack_rows(w.qweight.t().contiguous(), w.bits, w.in_features)  # [K, N]
+    gi = w.g_idx.long()
+    zeros = 2 ** (w.bits - 1) if w.zeros is None else w.zeros[gi].float()
+    w_kn = (codes.float() - zeros) * w.scales[gi].float()
+    if w.perm is not None:
+        x = x[:, w.perm]
+    return (x.float() @ w_kn).to(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernel
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def _dequant_tile(words, scale, zero, BITS: tl.constexpr, MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr):
+    """Packed words ``[BLOCK_N, BLOCK_K*BITS/32]`` -> 16-bit weights ``[BLOCK_N, BLOCK_K]``.
+
+    ``scale``/``zero`` broadcast against ``[BLOCK_N, BLOCK_K]`` (``[BLOCK_N, 1]`` or full tiles).
+    """
+    PER_WORD: tl.constexpr = 32 // BITS
+    shifts = tl.arange(0, PER_WORD) * BITS
+    # Code j of a word sits at bit BITS*j and belongs to row PER_WORD*word + j: a 3-D unpack whose
+    # reshape keeps each word's codes in the thread that loaded it.
+    codes = (words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
+    codes = tl.reshape(codes, [BLOCK_N, BLOCK_K])
+    if MAGIC != 0:
+        # OR the code into the mantissa of a 16-bit float whose ulp is 1 (1024.0 in fp16, 128.0 in
+        # bf16): the bits then read MAGIC_VALUE + code, exactly, with no int->float conversion
+        # (those run at a quarter of the FMA rate). zero holds MAGIC_VALUE + zero point.
+        q = (codes | MAGIC).to(tl.int16).to(DTYPE, bitcast=True)
+        w = (q - zero) * scale
+    else:
+        w = (codes - zero).to(DTYPE) * scale
+    return w
+
+
+@triton.jit
+def _w4a16_kernel(
+    x_ptr, qw_ptr, scales_ptr, zeros_ptr, c_ptr,
+    M, N, K, M_BUCKET,
+    stride_xm, stride_xk,
+    stride_qn, stride_qk,
+    stride_sg, stride_sn,
+    stride_zg, stride_zn,
+    stride_cm, stride_cn,
+    GROUP_SIZE: tl.constexpr, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr,
+    MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr, ATOMIC_OUT: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
+    W_IS_A: tl.constexpr,
+):
+    """``c[M, N] (+)= x[M, K] @ dequant(qw[N, K*BITS/32])^T`` over this program's K slice.
+
+    Grid: (output tiles, K splits). With ATOMIC_OUT the partial sums are atomically added into a
+    zeroed float32 ``c``; otherwise ``c`` (x's dtype) is written once. W_IS_A computes the tile
+    as ``W X^T`` (weights from registers as wgmma's A), else as ``X W^T`` (weights as B).
+    """
+    DTYPE = x_ptr.dtype.element_ty
+    PER_WORD: tl.constexpr = 32 // BITS
+    # Grouped order: GROUP_N weight tiles are swept across all M tiles before the next GROUP_N,
+    # so the weight tiles in flight stay in L2 while the activations stream.
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_in_group = GROUP_N * num_pid_m
+    first_pid_n = (pid // num_pid_in_group) * GROUP_N
+    group_size_n = min(num_pid_n - first_pid_n, GROUP_N)
+    pid_n = first_pid_n + (pid % num_pid_in_group) % group_size_n
+    pid_m = (pid % num_pid_in_group) // group_size_n
+
+    # This program's slice of K tiles.
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    tiles_per_split = tl.cdiv(k_tiles, tl.num_programs(1))
+    kt_start = pid_k * tiles_per_split
+    kt_end = min(kt_start + tiles_per_split, k_tiles)
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_kw = tl.arange(0, BLOCK_K // PER_WORD)
+    mask_n = offs_n < N
+    mask_m = offs_m < M
+
+    if W_IS_A:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for kt in range(kt_start, kt_end):
+        k0 = kt * BLOCK_K
+        # K is a multiple of PER_WORD, so word-level masking is exact at the K tail.
+        rows_w = k0 // PER_WORD + offs_kw
+        w_ptrs = qw_ptr + offs_n[:, None] * stride_qn + rows_w[None, :] * stride_qk
+        words = tl.load(w_ptrs, mask=mask_n[:, None] & (rows_w[None, :] < K // PER_WORD), other=0)
+        rows_k = k0 + offs_k
+        x_ptrs = x_ptr + offs_m[None, :] * stride_xm + rows_k[:, None] * stride_xk
+        xt = tl.load(x_ptrs, mask=mask_m[None, :] & (rows_k[:, None] < K), other=0.0)  # [BLOCK_K, BLOCK_M]
+
+        if GROUP_SIZE % BLOCK_K == 0:
+            # The whole K tile lies in one group: one scale (and zero) row per tile.
+            g = k0 // GROUP_SIZE
+            s_ptrs = scales_ptr + g * stride_sg + offs_n[:, None] * stride_sn
+            z_ptrs = zeros_ptr + g * stride_zg + offs_n[:, None] * stride_zn
+            g_mask = mask_n[:, None]
+        else:
+            # Several groups per tile (e.g. g32 with BLOCK_K 128): per-row gather, served from L1.
+            g = rows_k // GROUP_SIZE
+            s_ptrs = scales_ptr + g[None, :] * stride_sg + offs_n[:, None] * stride_sn
+            z_ptrs = zeros_ptr + g[None, :] * stride_zg + offs_n[:, None] * stride_zn
+            g_mask = mask_n[:, None] & (rows_k[None, :] < K)
+        scale = tl.load(s_ptrs, mask=g_mask, other=0.0).to(DTYPE)
+        if HAS_ZEROS:
+            zero = tl.load(z_ptrs, mask=g_mask, other=0).to(tl.int32)
+        else:
+            zero = tl.full([1, 1], 1 << (BITS - 1), tl.int32)
+        if MAGIC != 0:
+            zero = (zero + MAGIC_VALUE).to(DTYPE)  # exact: small integers
+        w = _dequant_tile(words, scale, zero, BITS, MAGIC, MAGIC_VALUE, BLOCK_N, BLOCK_K, DTYPE)
+        if W_IS_A:
+            acc = tl.dot(w, xt, acc)
+        else:
+            acc = tl.dot(tl.trans(xt), tl.trans(w), acc)
+
+    if W_IS_A:
+        c_ptrs = c_ptr + offs_m[None, :] * stride_cm + offs_n[:, None] * stride_cn
+        c_mask = mask_n[:, None] & mask_m[None, :]
+    else:
+        c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+        c_mask = mask_m[:, None] & mask_n[None, :]
+    if ATOMIC_OUT:
+        tl.atomic_add(c_ptrs, acc, mask=c_mask, sem="relaxed")
+    else:
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+
+
+def _bench_quick(kernel_call, quantiles):
+    # Short autotune timing: the configs differ by far more than the noise of 20 ms of runs.
+    return triton.testing.do_bench(kernel_call, warmup=5, rep=20, quantiles=quantiles)
+
+
+_decode_tuned = triton.autotune(
+    configs=DECODE_CONFIGS, key=["M_BUCKET", "N", "K"], reset_to_zero=["c_ptr"], do_bench=_bench_quick
+)(_w4a16_kernel)
+_prefill_tuned = triton.autotune(configs=PREFILL_CONFIGS, key=["M_BUCKET", "N", "K"], do_bench=_bench_quick)(
+    _w4a16_kernel
+)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _decode_split_k(n_tiles: int, k_tiles: int, num_sms: int) -> int:
+    """Split K so the grid has about _DECODE_PROGRAMS_PER_SM programs per SM, at least 2 K tiles each."""
+    want = max(1, (_DECODE_PROGRAMS_PER_SM * num_sms) // max(n_tiles, 1))
+    return max(1, min(want, k_tiles // 2 if k_tiles >= 2 else 1))
+
+
+def _check_inputs(x: torch.Tensor, w: W4A16Weights) -> None:
+    if x.dim() != 2 or x.shape[1] != w.in_features:
+        raise ValueError(f"x must be [M, {w.in_features}], got {tuple(x.shape)}")
+    if x.dtype not in (torch.float16, torch.bfloat16):
+        raise TypeError(f"x must be float16 or bfloat16, got {x.dtype}")
+    if w.group_size is None:
+        raise ValueError("the kernel needs contiguous groups of one length; use w4a16_matmul_ref")
+    if not (x.is_cuda or _interpreting()):
+        raise ValueError("the Triton kernel needs a CUDA tensor (or TRITON_INTERPRET=1)")
+    if x.device != w.qweight.device:
+        raise ValueError(f"x on {x.device}, weights on {w.qweight.device}")
+
+
+def w4a16_matmul(x: torch.Tensor, w: W4A16Weights, config: dict | None = None,
+                 fast_dequant: bool = True) -> torch.Tensor:
+    """``x [M, K]`` fp16/bf16 -> ``x @ W^T`` ``[M, N]`` through the Triton kernel.
+
+    ``config`` (``BLOCK_N, BLOCK_M, BLOCK_K``, optional ``SPLIT_K, GROUP_N, num_warps, num_stages``)
+    bypasses the autotuner (tests, the interpreter); ``fast_dequant=False`` uses int->float
+    conversions instead of the exponent trick (kept for comparison).
+    """
+    _check_inputs(x, w)
+    if w.perm is not None:
+        x = x[:, w.perm]
+    m, k = x.shape
+    n = w.out_features
+    decode = m <= DECODE_MAX_M
+    # The exponent trick needs MAGIC_VALUE + code exact: 8-bit codes overflow bf16's mantissa.
+    use_magic = fast_dequant and (w.bits == 4 or x.dtype == torch.float16)
+    magic, magic_value = 0, 0.0
+    if use_magic:
+        magic, magic_value = (0x4300, 128.0) if x.dtype == torch.bfloat16 else (0x6400, 1024.0)
+    out = torch.zeros((m, n), device=x.device, dtype=torch.float32) if decode else torch.empty(
+        (m, n), device=x.device, dtype=x.dtype)
+    zeros = w.zeros if w.zeros is not None else w.scales  # dummy pointer when symmetric
+    num_sms = _num_sms(x.device)
+
+    def grid(meta):
+        out_tiles = triton.cdiv(n, meta["BLOCK_N"]) * triton.cdiv(m, meta["BLOCK_M"])
+        if not decode:
+            return (out_tiles, 1)  # a 16-bit output cannot take partial sums
+        split = meta.get("SPLIT_K") or _decode_split_k(
+            triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(k, meta["BLOCK_K"]), num_sms)
+        return (out_tiles, split)
+
+    args = (x, w.qweight, w.scales, zeros, out, m, n, k, _m_bucket(m),
+            x.stride(0), x.stride(1), w.qweight.stride(0), w.qweight.stride(1),
+            w.scales.stride(0), w.scales.stride(1), zeros.stride(0), zeros.stride(1),
+            out.stride(0), out.stride(1))
+    flags = dict(GROUP_SIZE=w.group_size, BITS=w.bits, HAS_ZEROS=w.zeros is not None,
+                 MAGIC=magic, MAGIC_VALUE=magic_value, ATOMIC_OUT=decode)
+    if config is None and _interpreting():
+        config = (DECODE_CONFIGS if decode else PREFILL_CONFIGS)[0].all_kwargs()
+    if config is not None:
+        meta = dict(GROUP_N=8, W_IS_A=True, num_warps=4, num_stages=2) | config
+        launch_grid = grid(meta)
+        meta.pop("SPLIT_K", None)
+        _w4a16_kernel[launch_grid](*args, **flags, **meta)
+    else:
+        (_decode_tuned if decode else _prefill_tuned)[grid](*args, **flags)
+    return out.to(x.dtype) if decode else out

@@ -1,0 +1,179 @@
+"""W4A16 GEMM: the Triton kernel and the reference against an independent dequantize-then-matmul.
+
+On a CPU the kernel runs under TRITON_INTERPRET=1 (set by conftest.py) in float16 only: the
+interpreter's bf16 tl.dot is wrong (Triton issue #11584). GPU tests (marker ``gpu``) cover bf16
+and fp16 at shapes that are multiples of the group size but not of the block sizes.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+
+from quantkit.pack import pack_gptq
+from quantkit.primitives import compute_qparams, dequantize, quantize
+
+CUDA = torch.cuda.is_available()
+
+
+def _kernel_module():
+    """quantkit.kernels.w4a16, imported after the interpreter switch (re-imported if needed)."""
+    mod = importlib.import_module("quantkit.kernels.w4a16")
+    if not CUDA and os.environ.get("TRITON_INTERPRET") == "1":
+        from triton.runtime.interpreter import InterpretedFunction
+
+        if not isinstance(mod._w4a16_kernel, InterpretedFunction):
+            mod = importlib.reload(sys.modules["quantkit.kernels.w4a16"])
+    return mod
+
+
+def make_layer(n, k, bits, group_size, sym, act_order, device="cpu", seed=0):
+    """Random GPTQ tensors for an ``[n, k]`` weight, plus the float32 dequantized weight ``[n, k]``."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen)
+    g_idx = None
+    if act_order:
+        # GPTQ act-order: column perm[i] gets group i // group_size.
+        perm = torch.randperm(k, generator=gen)
+        g_idx = torch.empty(k, dtype=torch.int32)
+        g_idx[perm] = (torch.arange(k) // group_size).to(torch.int32)
+    scales, zeros, g_idx = compute_qparams(w, bits, group_size, sym, g_idx)
+    codes = quantize(w, scales, zeros, g_idx, bits)
+    qweight, qzeros = pack_gptq(codes, zeros, bits)
+    w_deq = dequantize(codes, scales.half(), zeros, g_idx)  # the checkpoint stores fp16 scales
+    tensors = dict(qweight=qweight, qzeros=qzeros, scales=scales.half(), g_idx=g_idx)
+    return {name: t.to(device) for name, t in tensors.items()}, w_deq.to(device)
+
+
+def rel_err(out, ref):
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+# (n, k, bits, group_size, sym, act_order, m, config)
+CASES = [
+    (96, 256, 4, 128, True, False, 1, dict(BLOCK_N=32, BLOCK_M=16, BLOCK_K=64)),
+    (96, 256, 4, 64, False, False, 5, dict(BLOCK_N=64, BLOCK_M=16, BLOCK_K=128)),  # gather path
+    (80, 256, 4, 32, False, False, 3, dict(BLOCK_N=32, BLOCK_M=16, BLOCK_K=64, SPLIT_K=2)),
+    (64, 256, 4, -1, True, False, 17, dict(BLOCK_N=32, BLOCK_M=16, BLOCK_K=64)),  # prefill path
+    (72, 576, 4, 128, False, False, 7, dict(BLOCK_N=32, BLOCK_M=16, BLOCK_K=128)),  # partial group
+    (72, 576, 4, 128, True, False, 33, dict(BLOCK_N=64, BLOCK_M=32, BLOCK_K=64, GROUP_N=2)),
+    (64, 256, 4, 64, True, True, 9, dict(BLOCK_N=32, BLOCK_M=16, BLOCK_K=64, SPLIT_K=3)),  # act-order
+    (64, 256, 4, 64, False, True, 21, dict(BLOCK_N=32, BLOCK_M=32, BLOCK_K=32)),
+    (64, 192, 8, 64, False, False, 2, dict(BLOCK_N=32, BLOCK_M=16, BLOCK_K=64)),  # 8-bit
+    (72, 576, 4, 128, False, True, 19, dict(BLOCK_N=32, BLOCK_M=16, BLOCK_K=64, W_IS_A=False)),
+    (64, 256, 4, 32, False, False, 40, dict(BLOCK_N=64, BLOCK_M=32, BLOCK_K=128, W_IS_A=False)),
+]
+
+
+@pytest.mark.skipif(CUDA, reason="interpreter tests run on CPU-only machines")
+@pytest.mark.parametrize("fast", [True, False], ids=["magic", "cvt"])
+@pytest.mark.parametrize("n,k,bits,gs,sym,act,m,config", CASES)
+def test_kernel_interpreted(n, k, bits, gs, sym, act, m, config, fast):
+    mod = _kernel_module()
+    tensors, w_deq = make_layer(n, k, bits, gs, sym, act, seed=n + k + m)
+    w = mod.prepare_w4a16_weights(**tensors, bits=bits, group_size=gs, sym=sym)
+    assert (w.perm is not None) == act
+    assert (w.zeros is None) == sym
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).half()
+    ref = x.double() @ w_deq.double().t()
+    out = mod.w4a16_matmul(x, w, config=config, fast_dequant=fast)
+    assert out.shape == (m, n) and out.dtype == torch.float16
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) < 2e-3
+
+
+@pytest.mark.parametrize("act", [False, True])
+def test_reference_matches_dequantize(act):
+    mod = _kernel_module()
+    tensors, w_deq = make_layer(48, 576, 4, 128, False, act, seed=3)
+    w = mod.prepare_w4a16_weights(**tensors, bits=4, group_size=128, sym=False)
+    x = torch.randn(5, 576).half()
+    ref = x.double() @ w_deq.double().t()
+    assert rel_err(mod.w4a16_matmul_ref(x, w), ref) < 2e-3
+
+
+def test_irregular_groups_fall_back_to_reference():
+    mod = _kernel_module()
+    from quantkit.kernels.dispatch import kernel_supports, w4a16_linear
+
+    tensors, _ = make_layer(32, 128, 4, 32, True, False, seed=4)
+    g_idx = tensors["g_idx"].clone()
+    g_idx[:40] = 0  # a 40-row first group: not contiguous runs of one length
+    w = mod.prepare_w4a16_weights(**{**tensors, "g_idx": g_idx}, bits=4, group_size=32, sym=True)
+    assert w.group_size is None
+    x = torch.randn(2, 3, 128).half()
+    ok, reason = kernel_supports(x, w)
+    assert not ok and reason
+    bias = torch.randn(32).half()
+    y = w4a16_linear(x, w, bias)
+    assert y.shape == (2, 3, 32)
+    ref = mod.w4a16_matmul_ref(x.reshape(6, 128), w).reshape(2, 3, 32) + bias
+    assert torch.equal(y, ref)
+
+
+def test_bad_inputs_are_rejected():
+    mod = _kernel_module()
+    tensors, _ = make_layer(32, 128, 4, 32, True, False, seed=5)
+    w = mod.prepare_w4a16_weights(**tensors, bits=4, group_size=32, sym=True)
+    with pytest.raises(ValueError):
+        mod.w4a16_matmul(torch.randn(2, 64).half(), w)
+    with pytest.raises(TypeError):
+        mod.w4a16_matmul(torch.randn(2, 128), w)
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU
+# ------------------------------------------------------------------------------------------------
+GPU_SHAPES = [  # (n, k, group_size, sym, act_order): multiples of the group, not of the blocks
+    (4096 + 128, 4096 + 128, 128, True, False),
+    (1408, 2880, 64, False, False),
+    (1536, 576, 128, False, False),
+    (1024, 2048, 128, True, True),
+    (768, 1536, -1, False, False),
+    (640, 1024, 32, True, False),
+]
+
+
+def _gpu_config(mod, m):
+    # Fixed configs keep the compile count small; the autotuned path has its own test below.
+    if m <= mod.DECODE_MAX_M:
+        return mod.DECODE_CONFIGS[0].all_kwargs()
+    return dict(BLOCK_N=128, BLOCK_M=64, BLOCK_K=64, W_IS_A=m % 2 == 0, num_warps=4, num_stages=3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("n,k,gs,sym,act", GPU_SHAPES)
+@pytest.mark.parametrize("m", [1, 7, 16, 67, 334])
+def test_kernel_gpu(n, k, gs, sym, act, m, dtype):
+    mod = _kernel_module()
+    tensors, w_deq = make_layer(n, k, 4, gs, sym, act, device="cuda", seed=torch.seed() % 2**31)
+    w = mod.prepare_w4a16_weights(**tensors, bits=4, group_size=gs, sym=sym)
+    x = torch.randn(m, k, device="cuda").to(dtype)
+    ref = x.float() @ w_deq.t()
+    out = mod.w4a16_matmul(x, w, config=_gpu_config(mod, m))
+    assert out.dtype == dtype and out.shape == (m, n) and torch.isfinite(out).all()
+    assert rel_err(out, ref) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("m", [3, 100])
+def test_dispatch_autotuned_gpu(m):
+    mod = _kernel_module()
+    from quantkit.kernels.dispatch import kernel_supports, w4a16_linear
+
+    n, k = 4096 + 128, 4096 + 128
+    tensors, w_deq = make_layer(n, k, 4, 128, True, False, device="cuda", seed=torch.seed() % 2**31)
+    w = mod.prepare_w4a16_weights(**tensors, bits=4, group_size=128, sym=True)
+    x = torch.randn(2, m, k, device="cuda").bfloat16()
+    bias = torch.randn(n, device="cuda").bfloat16()
+    assert kernel_supports(x, w)[0]
+    out = w4a16_linear(x, w, bias)
+    ref = x.float() @ w_deq.t() + bias.float()
+    assert out.shape == (2, m, n) and rel_err(out, ref) < 1e-2
