@@ -1,0 +1,406 @@
+"""
+FlashAttention-2/3-style forward attention (prefill) in Triton, tuned for Hopper.
+
+Layout: everything is *packed* (varlen), as servers batch requests.
+
+    q: (total_q, Hq, D)      k, v: (total_k, Hkv, D)      out: (total_q, Hq, D)
+    cu_seqlens_q: (B + 1,) int32, cu_seqlens_k: (B + 1,) int32
+
+Sequence b owns rows cu_seqlens_q[b]:cu_seqlens_q[b+1] of q and cu_seqlens_k[b]:cu_seqlens_k[b+1]
+of k/v. A fixed-length batch (B, S, H, D) is the special case cu_seqlens = arange(B+1) * S
+(`attention` below does that reshaping).
+
+Masking follows FlashAttention's bottom-right convention, so prefill-with-cache works: with
+delta = seqlen_k - seqlen_q, query i may see key j iff
+    j <= i + delta                       (causal)
+    j >= i + delta - window_left         (sliding window, window_left >= 0)
+Logit soft-capping (Gemma 2): s = cap * tanh(s / cap) on the scaled logits.
+
+Algorithm (FA2): one program per (query block, sequence, query head); Q stays in registers,
+K/V tiles stream through shared memory; the softmax is online (running max m_i and sum l_i),
+the division by l_i is deferred to the end, exp2 is used with log2(e) folded into the scale,
+and key blocks that the causal / window mask removes entirely are never visited. The key
+range is split into a masked prologue (window edge), an unmasked middle and a masked epilogue
+(causal diagonal / ragged end): one inner loop body, called with a constexpr MASK flag.
+
+Hopper (FA3) techniques, as Triton 3.6 allows: K/V tiles through tensor descriptors (TMA,
+USE_TMA), the K/V loop software-pipelined (num_stages) or warp-specialized
+(tl.range(..., warp_specialize=True): producer warps issue TMA, consumer warpgroups do the
+wgmma + softmax), and an FP8 e4m3 path (q, k, v and P in e4m3; per-token scales for q and k,
+per-head scale for v; optional Hadamard rotation of q and k to spread outliers).
+"""
+import math
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+
+@triton.jit
+def _attn_inner(acc, l_i, m_i, q, qk_scale, softcap_log2, inv_softcap,
+                k_ptr, v_ptr, desc_k, desc_v, ks_ptr,
+                kv_start, seqlen_k, delta, window_left, offs_m, offs_n, offs_d, kv_col,
+                stride_kn, stride_kd, stride_vn, stride_vd, stride_ksn,
+                lo, hi,
+                BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                HAS_SOFTCAP: tl.constexpr, USE_TMA: tl.constexpr, IS_FP8: tl.constexpr,
+                V_TRANS: tl.constexpr, V_TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
+                NUM_STAGES: tl.constexpr):
+    # One loop body for every variant: TMA vs pointer loads, masked vs unmasked blocks, fp8 vs
+    # 16-bit are constexpr branches resolved at compile time.
+    for start_n in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES, warp_specialize=WARP_SPEC):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        cols = start_n + offs_n
+        # ---- load K tile [BLOCK_N, HEAD_DIM] ----
+        if USE_TMA:
+            # Rows past the end of this sequence belong to the next one (or are zero-filled
+            # by TMA past the tensor): harmless, the MASK path sets their logits to -inf.
+            k = desc_k.load([kv_start + start_n, kv_col])
+        else:
+            k_ptrs = k_ptr + (kv_start + cols)[:, None] * stride_kn + offs_d[None, :] * stride_kd
+            if MASK:
+                k = tl.load(k_ptrs, mask=(cols < seqlen_k)[:, None], other=0.0)
+            else:
+                k = tl.load(k_ptrs)
+        qk = tl.dot(q, k.T)
+        if IS_FP8:
+            # per-token K dequantization scale (q's scale is already inside qk_scale)
+            ks = tl.load(ks_ptr + (kv_start + cols) * stride_ksn, mask=cols < seqlen_k, other=0.0)
+            qk = qk * ks[None, :]
+        if HAS_SOFTCAP:
+            # cap * tanh(s / cap), already in log2 units; tanh through exp2 so the interpreter
+            # runs it too
+            x = qk * inv_softcap[:, None]
+            qk = softcap_log2 * (1.0 - 2.0 / (tl.math.exp2(x * (2.0 * 1.4426950408889634)) + 1.0))
+        if MASK:
+            if not HAS_SOFTCAP:
+                qk = qk * qk_scale[:, None]
+            keep = cols[None, :] < seqlen_k
+            if IS_CAUSAL:
+                keep = keep & (cols[None, :] <= offs_m[:, None] + delta)
+            if HAS_WINDOW:
+                keep = keep & (cols[None, :] >= offs_m[:, None] + delta - window_left)
+            qk = tl.where(keep, qk, float("-inf"))
+            m_ij = tl.maximum(m_i, tl.max(qk, 1))
+            # a row may have seen no key yet: keep exp2 arguments finite (-inf - -inf = NaN)
+            m_safe = tl.where(m_ij == float("-inf"), 0.0, m_ij)
+            p = tl.math.exp2(qk - m_safe[:, None])
+        elif HAS_SOFTCAP:
+            m_ij = tl.maximum(m_i, tl.max(qk, 1))
+            m_safe = m_ij
+            p = tl.math.exp2(qk - m_ij[:, None])
+        else:
+            # unmasked blocks: the scale is folded into a single FMA per logit
+            m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            m_safe = m_ij
+            p = tl.math.exp2(qk * qk_scale[:, None] - m_ij[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        # ---- load V tile and accumulate P @ V ----
+        if V_TRANS:
+            # FP8 wgmma wants both operands K-major: V is stored (D, tokens), load [D, BLOCK_N]
+            if V_TMA:
+                v = desc_v.load([kv_col, kv_start + start_n]).T
+            else:
+                v_ptrs = v_ptr + (kv_start + cols)[None, :] * stride_vn + offs_d[:, None] * stride_vd
+                if MASK:
+                    v = tl.load(v_ptrs, mask=(cols < seqlen_k)[None, :], other=0.0).T
+                else:
+                    v = tl.load(v_ptrs).T
+        else:
+            if V_TMA:
+                v = desc_v.load([kv_start + start_n, kv_col])
+            else:
+                v_ptrs = v_ptr + (kv_start + cols)[:, None] * stride_vn + offs_d[None, :] * stride_vd
+                if MASK:
+                    v = tl.load(v_ptrs, mask=(cols < seqlen_k)[:, None], other=0.0)
+                else:
+                    v = tl.load(v_ptrs)
+        acc = tl.dot(p.to(v.dtype), v, acc)
+        m_i = m_ij
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, desc_k, desc_v,
+              qs_ptr, ks_ptr, v_scale_ptr,
+              cu_seqlens_q_ptr, cu_seqlens_k_ptr,
+              sm_scale, softcap, window_left,
+              stride_qm, stride_qh, stride_qd,
+              stride_kn, stride_kh, stride_kd,
+              stride_vn, stride_vh, stride_vd,
+              stride_om, stride_oh, stride_od,
+              stride_qsm, stride_qsh, stride_ksn, stride_ksh,
+              NUM_M_BLOCKS, GROUP: tl.constexpr,
+              HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+              USE_TMA: tl.constexpr, IS_FP8: tl.constexpr, V_TRANS: tl.constexpr, V_TMA: tl.constexpr,
+              WARP_SPEC: tl.constexpr, NUM_STAGES: tl.constexpr):
+    pid_m = tl.program_id(0)
+    if IS_CAUSAL:
+        # heaviest (last) query blocks first, so the tail of the grid is made of short programs
+        pid_m = NUM_M_BLOCKS - 1 - pid_m
+    seq = tl.program_id(1)
+    head = tl.program_id(2)
+    kv_head = head // GROUP  # GQA/MQA: GROUP query heads share one K/V head
+
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    seqlen_q = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    kv_start = tl.load(cu_seqlens_k_ptr + seq)
+    seqlen_k = tl.load(cu_seqlens_k_ptr + seq + 1) - kv_start
+    m0 = pid_m * BLOCK_M
+    if m0 >= seqlen_q:  # the grid is sized for the longest sequence of the batch
+        return
+    delta = seqlen_k - seqlen_q
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < seqlen_q
+    q_ptrs = (q_ptr + (q_start + offs_m).to(tl.int64)[:, None] * stride_qm + head * stride_qh
+              + offs_d[None, :] * stride_qd)
+    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+
+    # exp(x) = exp2(x * log2(e)): log2(e) folded into a per-row scale
+    qk_scale = tl.zeros([BLOCK_M], dtype=tl.float32) + sm_scale * 1.4426950408889634
+    if IS_FP8:
+        # per-token Q scale folded into the per-row logit scale: free
+        qs = tl.load(qs_ptr + (q_start + offs_m) * stride_qsm + head * stride_qsh, mask=row_ok, other=0.0)
+        qk_scale = qk_scale * qs
+    inv_softcap = qk_scale
+    softcap_log2 = 0.0
+    if HAS_SOFTCAP:
+        inv_softcap = qk_scale / (softcap * 1.4426950408889634)  # plain sm_scale [* q scale] / cap
+        softcap_log2 = softcap * 1.4426950408889634
+
+    k_ptr += kv_head * stride_kh
+    v_ptr += kv_head * stride_vh
+    ks_ptr += kv_head * stride_ksh
+    kv_col = kv_head * HEAD_DIM  # column of this head in the (tokens, Hkv * D) descriptor views
+
+    # ---- key range visited by this query block ----
+    hi = seqlen_k
+    if IS_CAUSAL:
+        hi = tl.minimum(seqlen_k, m0 + BLOCK_M + delta)
+    hi = tl.maximum(hi, 0)
+    # blocks below full_hi are visible to every row (first row sees keys <= m0 + delta)
+    full_hi = (seqlen_k // BLOCK_N) * BLOCK_N
+    if IS_CAUSAL:
+        full_hi = tl.minimum(full_hi, tl.maximum(m0 + delta + 1, 0) // BLOCK_N * BLOCK_N)
+    lo = 0
+    full_lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(m0 + delta - window_left, 0) // BLOCK_N * BLOCK_N
+        # the last row needs keys >= m0 + BLOCK_M - 1 + delta - window_left
+        full_lo = tl.cdiv(tl.maximum(m0 + BLOCK_M - 1 + delta - window_left, 0), BLOCK_N) * BLOCK_N
+    lo = tl.minimum(lo, hi)
+    end_pro = tl.maximum(lo, tl.minimum(full_lo, hi))
+    end_mid = tl.maximum(end_pro, tl.minimum(full_hi, hi))
+
+    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    if HAS_WINDOW:  # masked prologue: the left edge of the window
+        acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, qk_scale, softcap_log2, inv_softcap,
+                                    k_ptr, v_ptr, desc_k, desc_v, ks_ptr,
+                                    kv_start, seqlen_k, delta, window_left, offs_m, offs_n, offs_d, kv_col,
+                                    stride_kn, stride_kd, stride_vn, stride_vd, stride_ksn, lo, end_pro,
+                                    BLOCK_N, HEAD_DIM, True, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
+                                    USE_TMA, IS_FP8, V_TRANS, V_TMA, False, NUM_STAGES)
+    # unmasked middle: the bulk of the work, no index arithmetic on the logits
+    acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, qk_scale, softcap_log2, inv_softcap,
+                                k_ptr, v_ptr, desc_k, desc_v, ks_ptr,
+                                kv_start, seqlen_k, delta, window_left, offs_m, offs_n, offs_d, kv_col,
+                                stride_kn, stride_kd, stride_vn, stride_vd, stride_ksn, end_pro, end_mid,
+                                BLOCK_N, HEAD_DIM, False, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
+                                USE_TMA, IS_FP8, V_TRANS, V_TMA, WARP_SPEC, NUM_STAGES)
+    # masked epilogue: causal diagonal and the ragged end of the keys
+    acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, qk_scale, softcap_log2, inv_softcap,
+                                k_ptr, v_ptr, desc_k, desc_v, ks_ptr,
+                                kv_start, seqlen_k, delta, window_left, offs_m, offs_n, offs_d, kv_col,
+                                stride_kn, stride_kd, stride_vn, stride_vd, stride_ksn, end_mid, hi,
+                                BLOCK_N, HEAD_DIM, True, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
+                                USE_TMA, IS_FP8, V_TRANS, V_TMA, False, NUM_STAGES)
+
+    # ---- epilogue: deferred normalisation; rows that saw no key output 0 ----
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    acc = acc / l_safe[:, None]
+    if V_TRANS:  # V was fp8 too: its per-head scale
+        acc = acc * tl.load(v_scale_ptr + kv_head)
+    o_ptrs = (o_ptr + (q_start + offs_m).to(tl.int64)[:, None] * stride_om + head * stride_oh
+              + offs_d[None, :] * stride_od)
+    tl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def _default_config(head_dim, is_fp8, on_gpu, elem_bytes=2):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) chosen for the H200; small blocks on the CPU."""
+    if not on_gpu:
+        return 16, 16, 4, 1
+    if elem_bytes == 4:  # float32 inputs (references): keep the tiles inside shared memory
+        return 64, 32, 4, 2
+    if is_fp8:
+        return 128, 128, 8, 3
+    if head_dim <= 64:
+        return 128, 128, 8, 3
+    if head_dim <= 128:
+        return 128, 128, 8, 2
+    return 128, 64, 8, 2
+
+
+def hadamard_matrix(n, device=None, dtype=torch.float32):
+    """Normalised Sylvester Hadamard matrix (n, n), n a power of two; H @ H.T = I."""
+    assert n & (n - 1) == 0, "Hadamard rotation needs a power-of-two head dim"
+    h = torch.ones(1, 1, dtype=dtype, device=device)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / math.sqrt(n)
+
+
+def quantize_fp8_per_token(x):
+    """x: (tokens, H, D) -> (e4m3 tensor (tokens, H, D), float32 scales (tokens, H))."""
+    amax = x.abs().amax(dim=-1).float().clamp(min=1e-12)
+    scale = amax / 448.0  # e4m3 max normal
+    xq = (x.float() / scale[..., None]).to(torch.float8_e4m3fn)
+    return xq, scale
+
+
+def prepare_fp8(q, k, v, hadamard=False, fp8_pv=True):
+    """Quantize for the FP8 path. q: (total_q, Hq, D); k, v: (total_k, Hkv, D), 16-bit.
+
+    Returns (q8, q_scale (total_q, Hq), k8, k_scale (total_k, Hkv), v8, v_scale (Hkv,)): e4m3
+    tensors with per-token scales for q and k and a per-head scale for v. v8 is a logical
+    (total_k, Hkv, D) view of (Hkv, D, total_k + >= 256 zeros) storage, so P @ V reads V
+    K-major as fp8 wgmma requires. hadamard=True rotates q and k by one orthogonal matrix first (QK^T unchanged,
+    outlier channels spread over all channels before rounding to 3 mantissa bits).
+    fp8_pv=False keeps v (and so P @ V) in 16 bits: only Q K^T runs in fp8; v_scale is None."""
+    if hadamard:
+        h = hadamard_matrix(q.shape[-1], q.device)
+        q, k = q.float() @ h, k.float() @ h
+    q8, q_scale = quantize_fp8_per_token(q)
+    k8, k_scale = quantize_fp8_per_token(k)
+    if not fp8_pv:
+        return q8, q_scale, k8, k_scale, v, None
+    v_scale = v.abs().amax(dim=(0, 2)).float().clamp(min=1e-12) / 448.0
+    # Token dim padded by one 256-wide tile of zeros, so no TMA box of V^T crosses the end.
+    total_k, n_kv_heads, head_dim = v.shape
+    n_pad = triton.cdiv(total_k + 256, 16) * 16
+    v8 = torch.zeros(n_kv_heads, head_dim, n_pad, dtype=torch.float8_e4m3fn, device=v.device)
+    v8[:, :, :total_k] = (v.float() / v_scale[None, :, None]).to(torch.float8_e4m3fn).permute(1, 2, 0)
+    return q8, q_scale, k8, k_scale, v8[:, :, :total_k].permute(2, 0, 1), v_scale
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=False, sm_scale=None,
+                     window_left=-1, softcap=0.0, fp8=False, hadamard=False, fp8_pv=True, use_tma=None,
+                     warp_specialize=False, config=None, fp8_prepared=None, out_dtype=None, v_tma=None):
+    """Packed variable-length attention forward.
+
+    q: (total_q, Hq, D); k, v: (total_k, Hkv, D), fp16 or bf16 (fp32 runs too, for the CPU tests);
+    cu_seqlens_q, cu_seqlens_k: (B + 1,) int32 cumulative offsets; max_seqlen_q: int.
+    Hq must be a multiple of Hkv (GQA/MQA). window_left < 0: no window. softcap <= 0: none.
+    fp8=True quantizes q, k, v (and P) to e4m3 (`prepare_fp8`); fp8_prepared passes its result
+    in directly (then q, k, v are only used for their shapes). hadamard, fp8_pv: see `prepare_fp8`.
+    config: optional (BLOCK_M, BLOCK_N, num_warps, num_stages) override. use_tma / v_tma: load
+    K / V tiles through tensor descriptors (default: on Hopper and newer; v_tma follows use_tma).
+    Returns out: (total_q, Hq, D) in q's dtype (or out_dtype).
+    """
+    total_q, n_heads, head_dim = q.shape
+    total_k, n_kv_heads, _ = k.shape
+    assert n_heads % n_kv_heads == 0 and head_dim in (16, 32, 64, 128, 256)
+    on_gpu = q.is_cuda
+    sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
+    out = torch.empty(q.shape, dtype=out_dtype or q.dtype, device=q.device)
+    fp8 = fp8 or fp8_prepared is not None
+    block_m, block_n, num_warps, num_stages = config or _default_config(head_dim, fp8, on_gpu,
+                                                                        q.element_size())
+    if use_tma is None:
+        use_tma = on_gpu and torch.cuda.get_device_capability(q.device)[0] >= 9
+    q_scale = k_scale = v_scale = out  # placeholders, never read unless fp8
+    if fp8:
+        q, q_scale, k, k_scale, v, v_scale = fp8_prepared or prepare_fp8(q, k, v, hadamard, fp8_pv)
+    v_trans = v.dtype == torch.float8_e4m3fn
+    if v_tma is None:
+        v_tma = use_tma
+        if v_trans and use_tma:
+            # A V^T box starts at token kv_start + n along its contiguous dim, and TMA needs that
+            # 16-byte aligned: with 1-byte fp8, every sequence start must be a multiple of 16.
+            # (Unaligned, the H200 raised 'illegal instruction'; the interpreter asserts.)
+            v_tma = bool((cu_seqlens_k % 16 == 0).all())  # one host sync
+    if v_scale is None:
+        v_scale = out
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    desc_k = desc_v = None
+    if use_tma:
+        # 2-D views (tokens, Hkv * D) so one descriptor serves every head and sequence
+        k = k.contiguous()
+        desc_k = TensorDescriptor(k, [total_k, n_kv_heads * head_dim], [n_kv_heads * head_dim, 1],
+                                  [block_n, head_dim])
+    if v_tma:
+        if v_trans:  # storage (Hkv * D, padded tokens), see prepare_fp8
+            desc_v = TensorDescriptor(v, [n_kv_heads * head_dim, v.stride(2)], [v.stride(2), 1],
+                                      [head_dim, block_n])
+        else:
+            v = v.contiguous()
+            desc_v = TensorDescriptor(v, [total_k, n_kv_heads * head_dim], [n_kv_heads * head_dim, 1],
+                                      [block_n, head_dim])
+    batch = cu_seqlens_q.numel() - 1
+    n_m_blocks = triton.cdiv(max_seqlen_q, block_m)
+    grid = (n_m_blocks, batch, n_heads)
+    _attn_fwd[grid](
+        q, k, v, out, desc_k, desc_v, q_scale, k_scale, v_scale,
+        cu_seqlens_q, cu_seqlens_k, sm_scale, float(softcap), int(window_left),
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+        *(q_scale.stride()[:2] if fp8 else (0, 0)), *(k_scale.stride()[:2] if fp8 else (0, 0)),
+        n_m_blocks, GROUP=n_heads // n_kv_heads, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
+        IS_CAUSAL=causal, HAS_WINDOW=window_left >= 0, HAS_SOFTCAP=softcap > 0,
+        USE_TMA=bool(use_tma), IS_FP8=fp8, V_TRANS=v_trans, V_TMA=bool(v_tma),
+        WARP_SPEC=bool(warp_specialize),
+        NUM_STAGES=num_stages, num_warps=num_warps, num_stages=num_stages)
+    return out
+
+
+def attention(q, k, v, causal=False, **kwargs):
+    """Fixed-length batch: q (B, Sq, Hq, D), k, v (B, Sk, Hkv, D) -> out (B, Sq, Hq, D)."""
+    b, sq, hq, d = q.shape
+    sk = k.shape[1]
+    dev = q.device
+    cu_q = torch.arange(0, (b + 1) * sq, sq, dtype=torch.int32, device=dev)
+    cu_k = torch.arange(0, (b + 1) * sk, sk, dtype=torch.int32, device=dev)
+    out = attention_varlen(q.reshape(b * sq, hq, d), k.reshape(b * sk, -1, d), v.reshape(b * sk, -1, d),
+                           cu_q, cu_k, sq, causal=causal, **kwargs)
+    return out.view(b, sq, hq, d)
+
+
+def attention_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=False, sm_scale=None, window_left=-1,
+                  softcap=0.0):
+    """Plain-PyTorch reference, same packed layout and masks as `attention_varlen`; float32 math.
+
+    q: (total_q, Hq, D); k, v: (total_k, Hkv, D). Returns (total_q, Hq, D) float32.
+    """
+    d = q.shape[-1]
+    group = q.shape[1] // k.shape[1]
+    sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for b in range(len(cq) - 1):
+        qb = q[cq[b]:cq[b + 1]].float().transpose(0, 1)  # (Hq, Sq, D)
+        kb = k[ck[b]:ck[b + 1]].float().repeat_interleave(group, 1).transpose(0, 1)
+        vb = v[ck[b]:ck[b + 1]].float().repeat_interleave(group, 1).transpose(0, 1)
+        s = qb @ kb.transpose(1, 2) * sm_scale
+        if softcap > 0:
+            s = softcap * torch.tanh(s / softcap)
+        sq, sk = qb.shape[1], kb.shape[1]
+        i = torch.arange(sq, device=q.device)[:, None]
+        j = torch.arange(sk, device=q.device)[None, :]
+        keep = torch.ones(sq, sk, dtype=torch.bool, device=q.device)
+        if causal:
+            keep &= j <= i + (sk - sq)
+        if window_left >= 0:
+            keep &= j >= i + (sk - sq) - window_left
+        s = s.masked_fill(~keep, float("-inf"))
+        p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # rows with no visible key -> 0
+        out[cq[b]:cq[b + 1]] = (p @ vb).transpose(0, 1)
+    return out
