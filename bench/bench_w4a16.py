@@ -1,6 +1,6 @@
 """Benchmark the W4A16 Triton GEMM against cuBLAS bf16 and torch._weight_int4pack_mm (one GPU).
 
-    python bench/bench_w4a16.py [--quick] [--out bench/results/w4a16_<date>.json]
+    python bench/bench_w4a16.py [--quick] [--variants] [--deadline S] [--out bench/results/w4a16_<date>.json]
 
 Every timing is the median over CUDA-graph replays; each replay runs the op once on each of
 several rotating copies of its inputs (together over 3x the 60 MB L2), so no run finds its weights
@@ -17,6 +17,7 @@ import datetime
 import json
 import os
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -105,7 +106,7 @@ def check(w, w_kn: torch.Tensor, m: int) -> float:
     return ((out.float() - ref).norm() / ref.norm()).item()
 
 
-def run_shape(n, k, ms, copy_tbs, rows, variants):
+def run_shape(n, k, ms, copy_tbs, rows, variants, deadline=float("inf")):
     ws = [make_weights(n, k)]
     packed_bytes = ws[0].qweight.numel() * 4 + ws[0].scales.numel() * 2
     w_kn = dequant_f32(ws[0])
@@ -119,6 +120,9 @@ def run_shape(n, k, ms, copy_tbs, rows, variants):
         print(f"torch int4 unavailable: {e!r}", file=sys.stderr)
         i4 = []
     for m in ms:
+        if time.time() > deadline:
+            print(f"deadline: skipping N={n} K={k} M={m}", flush=True)
+            continue
         xs = [torch.randn(m, k, device="cuda").bfloat16() for _ in range(max(len(ws), len(bf16)))]
         row = dict(N=n, K=k, M=m, relerr_m3=err[3], relerr_m333=err[333])
         row["triton_us"] = bench_graph([lambda x=x, w=w: kw.w4a16_matmul(x, w) for x, w in zip(xs, ws)])
@@ -126,12 +130,14 @@ def run_shape(n, k, ms, copy_tbs, rows, variants):
         if i4:
             row["torch_int4_us"] = bench_graph(
                 [lambda x=x, p=p: torch._weight_int4pack_mm(x, p[0], GROUP, p[1]) for x, p in zip(xs, i4)])
-        if variants and m in (1, 4096) and n * k >= 8192 * 28672:
+        if variants and m <= kw.DECODE_MAX_M and n * k >= 8192 * 28672:
+            # The other decode kernel (split-K wgmma) at the same M: where the GEMV stops paying.
+            other = "tc" if m <= kw.GEMV_MAX_M else "gemv"
+            row[f"triton_{other}_us"] = bench_graph(
+                [lambda x=x, w=w: kw.w4a16_matmul(x, w, path=other) for x, w in zip(xs, ws)])
+        if variants and m == 1 and (n, k) == (28672, 8192):
             row["triton_cvt_us"] = bench_graph(
                 [lambda x=x, w=w: kw.w4a16_matmul(x, w, fast_dequant=False) for x, w in zip(xs, ws)])
-        if variants and m == 1 and n * k >= 8192 * 28672:
-            x0, w0 = xs[0], ws[0]
-            row["triton_eager_us"] = bench(lambda: kw.w4a16_matmul(x0, w0))
         row["tflops"] = 2 * m * n * k / (row["triton_us"] * 1e-6) / 1e12
         if m <= kw.DECODE_MAX_M:
             tbs = packed_bytes / (row["triton_us"] * 1e-6) / 1e12
@@ -144,7 +150,7 @@ def run_shape(n, k, ms, copy_tbs, rows, variants):
 
 def tuned_configs() -> dict:
     out = {}
-    for name, tuner in (("decode", kw._decode_tuned), ("prefill", kw._prefill_tuned)):
+    for name, tuner in (("gemv", kw._gemv_tuned), ("decode", kw._decode_tuned), ("prefill", kw._prefill_tuned)):
         out[name] = {str(key): str(cfg) for key, cfg in tuner.cache.items()}
     return out
 
@@ -152,29 +158,37 @@ def tuned_configs() -> dict:
 def print_table(rows, copy_tbs):
     print(f"\ncopy bandwidth {copy_tbs:.2f} TB/s (read+write); us per call, median of graph replays")
     hdr = f"{'N':>6} {'K':>6} {'M':>5} {'triton':>9} {'cublas':>9} {'int4pt':>9} {'xcuBLAS':>7} " \
-          f"{'xint4':>6} {'%copy':>6} {'TFLOP/s':>7} {'cvt':>9}"
+          f"{'xint4':>6} {'%copy':>6} {'TFLOP/s':>7} {'cvt':>9} {'tc/gemv':>9}"
     print(hdr)
     for r in rows:
         i4 = r.get("torch_int4_us", float("nan"))
         print(f"{r['N']:>6} {r['K']:>6} {r['M']:>5} {r['triton_us']:>9.1f} {r['cublas_us']:>9.1f} "
               f"{i4:>9.1f} {r['cublas_us'] / r['triton_us']:>7.2f} {i4 / r['triton_us']:>6.2f} "
               f"{r.get('pct_copy_bw', float('nan')):>6.1f} {r['tflops']:>7.1f} "
-              f"{r.get('triton_cvt_us', float('nan')):>9.1f}")
+              f"{r.get('triton_cvt_us', float('nan')):>9.1f} "
+              f"{r.get('triton_tc_us', r.get('triton_gemv_us', float('nan'))):>9.1f}")
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="largest shape, M in 1, 16, 4096 only")
     ap.add_argument("--variants", action="store_true", help="also time the int->float dequant path")
+    ap.add_argument("--deadline", type=float, default=float("inf"),
+                    help="seconds: points not started by then are skipped (the JSON says which ran)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    t0 = time.time()
     shapes = SHAPES[-1:] if args.quick else SHAPES
     ms = [1, 16, 4096] if args.quick else MS
+    if args.variants and not args.quick:
+        ms = sorted(set(ms) | {2, 8})  # the GEMV / tensor-core crossover
     copy_tbs = copy_bandwidth()
     rows = []
-    for n, k in shapes:
-        run_shape(n, k, ms, copy_tbs, rows, args.variants)
+    # Largest shapes first: they carry the issue's targets, so a deadline cuts the small ones.
+    for n, k in sorted(shapes, key=lambda s: -s[0] * s[1]):
+        run_shape(n, k, ms, copy_tbs, rows, args.variants, t0 + args.deadline)
         torch.cuda.empty_cache()
+    rows.sort(key=lambda r: (SHAPES.index((r["N"], r["K"])), r["M"]))
     now = datetime.datetime.now(datetime.timezone.utc)
     result = dict(
         card=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,

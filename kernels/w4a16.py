@@ -13,7 +13,11 @@ How the kernel works
   registers, and the activations ``[BLOCK_K, BLOCK_M]`` are the second one, loaded into shared
   memory. ``BLOCK_M`` can then be as small as 16 (decode) while ``BLOCK_N`` keeps the tensor-core
   instruction full.
-* Two regimes, one entry point (:func:`w4a16_matmul`):
+* Three paths, one entry point (:func:`w4a16_matmul`):
+  - GEMV (``M <= GEMV_MAX_M``): no tensor cores. Each program streams the packed words of BLOCK_N
+    output rows over a K slice with 16-byte loads, unpacks them in the load's own register layout,
+    forms exact ``code - zero`` in fp32, reduces along K and scales once per group (split-K, fp32
+    atomics). ``_w4a16_gemv_kernel``; it shares the unpack helpers with the tensor-core kernel.
   - decode (``M <= 16``): memory bound. The grid is split along K (``SPLIT_K`` programs per output
     tile) so that even one row keeps all SMs streaming weights; partial sums meet in a float32
     buffer through atomics, then one cast to the output dtype.
@@ -42,15 +46,36 @@ from quantkit.primitives import default_g_idx
 # Groups larger than any K: per-channel quantization is "one group", every K tile lies inside it.
 _PER_CHANNEL_GROUP = 1 << 30
 DECODE_MAX_M = 16
+# M <= GEMV_MAX_M runs the no-tensor-core GEMV kernel; GEMV_MAX_M < M <= DECODE_MAX_M the split-K
+# wgmma kernel (see NOTES_w4a16.md for the measured crossover).
+GEMV_MAX_M = 2  # run 3: GEMV 108 us vs wgmma 162 us at M=2, 179 vs 160 at M=4 (28672x8192)
 
 
 # ----------------------------------------------------------------------------------------------
 # Autotune configs: all in one place. BLOCK_M is the activation-row tile (the wgmma N dimension),
 # BLOCK_N the output-feature tile (the wgmma M dimension), BLOCK_K the reduction tile.
 # ----------------------------------------------------------------------------------------------
-def _cfg(bn, bm, bk, warps, stages, group_n=8, w_is_a=True):
-    kw = dict(BLOCK_N=bn, BLOCK_M=bm, BLOCK_K=bk, GROUP_N=group_n, W_IS_A=w_is_a)
+def _cfg(bn, bm, bk, warps, stages, group_n=8, w_is_a=True, gather=False):
+    kw = dict(BLOCK_N=bn, BLOCK_M=bm, BLOCK_K=bk, GROUP_N=group_n, W_IS_A=w_is_a, W_GATHER=gather)
     return triton.Config(kw, num_warps=warps, num_stages=stages)
+
+
+def _gemv_cfg(bn, bk, warps, pipe=1):
+    return triton.Config(dict(BLOCK_N=bn, BLOCK_K=bk, PIPE=pipe), num_warps=warps, num_stages=max(pipe, 1))
+
+
+# GEMV (M <= GEMV_MAX_M): BLOCK_M is the launcher's (next power of two >= M); the K split is the
+# grid's second axis (_gemv_split_k). Configs whose per-thread product tile is too large for the
+# registers at the given BLOCK_M, or whose BLOCK_K does not divide the group, are pruned.
+GEMV_CONFIGS = [
+    _gemv_cfg(64, 128, 4),
+    _gemv_cfg(128, 128, 4),
+    _gemv_cfg(32, 128, 4),
+    _gemv_cfg(64, 64, 2),
+    _gemv_cfg(64, 128, 4, pipe=3),
+    _gemv_cfg(128, 128, 8, pipe=3),
+]
+_GEMV_MAX_PRODUCTS_PER_THREAD = 2048
 
 
 # Decode: BLOCK_M = 16 (the smallest dot tile). The K split is the grid's second axis, chosen per
@@ -72,9 +97,14 @@ PREFILL_CONFIGS = [
     _cfg(128, 256, 64, 8, 3, w_is_a=False),
     _cfg(128, 128, 64, 8, 4, w_is_a=False),
     _cfg(256, 128, 64, 8, 3, w_is_a=False),
+    # W as B built from redundant word loads (k // 8) + per-row shift: no reshape.
+    _cfg(128, 256, 64, 8, 3, w_is_a=False, gather=True),
+    _cfg(256, 128, 64, 8, 3, w_is_a=False, gather=True),
+    _cfg(128, 128, 64, 8, 4, w_is_a=False, gather=True),
 ]
 # Aim for this many programs per SM in the decode grid: enough bytes in flight to cover latency.
 _DECODE_PROGRAMS_PER_SM = 4
+_GEMV_PROGRAMS_PER_SM = 8
 
 
 def _m_bucket(m: int) -> int:
@@ -164,27 +194,45 @@ def w4a16_matmul_ref(x: torch.Tensor, w: W4A16Weights) -> torch.Tensor:
 # Kernel
 # ----------------------------------------------------------------------------------------------
 @triton.jit
+def _unpack_codes(words, BITS: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Packed words ``[ROWS, BLOCK_K*BITS/32]`` (K-contiguous) -> int32 codes ``[ROWS, BLOCK_K]``.
+
+    Code j of a word sits at bit BITS*j and belongs to K index PER_WORD*word + j: a 3-D unpack whose
+    reshape keeps each word's codes in the thread that loaded it.
+    """
+    PER_WORD: tl.constexpr = 32 // BITS
+    shifts = tl.arange(0, PER_WORD) * BITS
+    codes = (words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
+    return tl.reshape(codes, [ROWS, BLOCK_K])
+
+
+@triton.jit
+def _codes_to_float(codes, zero, MAGIC: tl.constexpr, DTYPE: tl.constexpr):
+    """Integer codes -> ``code - zero`` in DTYPE. With MAGIC, ``zero`` holds ``MAGIC_VALUE + zero``.
+
+    MAGIC ORs the code into the mantissa of a float whose ulp is 1 (1024.0 in fp16, 128.0 in bf16,
+    2**23 in fp32): the bits then read MAGIC_VALUE + code, exactly, with no int->float conversion
+    (those run at a quarter of the FMA rate); one subtraction gives ``code - zero`` exactly.
+    """
+    if MAGIC != 0:
+        if DTYPE == tl.float32:
+            q = (codes | MAGIC).to(tl.float32, bitcast=True)
+        else:
+            q = (codes | MAGIC).to(tl.int16).to(DTYPE, bitcast=True)
+        return q - zero
+    else:
+        return (codes - zero).to(DTYPE)
+
+
+@triton.jit
 def _dequant_tile(words, scale, zero, BITS: tl.constexpr, MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr):
     """Packed words ``[BLOCK_N, BLOCK_K*BITS/32]`` -> 16-bit weights ``[BLOCK_N, BLOCK_K]``.
 
     ``scale``/``zero`` broadcast against ``[BLOCK_N, BLOCK_K]`` (``[BLOCK_N, 1]`` or full tiles).
     """
-    PER_WORD: tl.constexpr = 32 // BITS
-    shifts = tl.arange(0, PER_WORD) * BITS
-    # Code j of a word sits at bit BITS*j and belongs to row PER_WORD*word + j: a 3-D unpack whose
-    # reshape keeps each word's codes in the thread that loaded it.
-    codes = (words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
-    codes = tl.reshape(codes, [BLOCK_N, BLOCK_K])
-    if MAGIC != 0:
-        # OR the code into the mantissa of a 16-bit float whose ulp is 1 (1024.0 in fp16, 128.0 in
-        # bf16): the bits then read MAGIC_VALUE + code, exactly, with no int->float conversion
-        # (those run at a quarter of the FMA rate). zero holds MAGIC_VALUE + zero point.
-        q = (codes | MAGIC).to(tl.int16).to(DTYPE, bitcast=True)
-        w = (q - zero) * scale
-    else:
-        w = (codes - zero).to(DTYPE) * scale
-    return w
+    codes = _unpack_codes(words, BITS, BLOCK_N, BLOCK_K)
+    return _codes_to_float(codes, zero, MAGIC, DTYPE) * scale
 
 
 @triton.jit
@@ -199,13 +247,15 @@ def _w4a16_kernel(
     GROUP_SIZE: tl.constexpr, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr,
     MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr, ATOMIC_OUT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
-    W_IS_A: tl.constexpr,
+    W_IS_A: tl.constexpr, W_GATHER: tl.constexpr = False,
 ):
     """``c[M, N] (+)= x[M, K] @ dequant(qw[N, K*BITS/32])^T`` over this program's K slice.
 
     Grid: (output tiles, K splits). With ATOMIC_OUT the partial sums are atomically added into a
     zeroed float32 ``c``; otherwise ``c`` (x's dtype) is written once. W_IS_A computes the tile
     as ``W X^T`` (weights from registers as wgmma's A), else as ``X W^T`` (weights as B).
+    W_GATHER (with W_IS_A False) builds the ``[BLOCK_K, BLOCK_N]`` weight tile from redundant word
+    loads (index ``k // PER_WORD``, served by L1) and a per-row shift: no 3-D unpack, no reshape.
     """
     DTYPE = x_ptr.dtype.element_ty
     PER_WORD: tl.constexpr = 32 // BITS
@@ -240,10 +290,6 @@ def _w4a16_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for kt in range(kt_start, kt_end):
         k0 = kt * BLOCK_K
-        # K is a multiple of PER_WORD, so word-level masking is exact at the K tail.
-        rows_w = k0 // PER_WORD + offs_kw
-        w_ptrs = qw_ptr + offs_n[:, None] * stride_qn + rows_w[None, :] * stride_qk
-        words = tl.load(w_ptrs, mask=mask_n[:, None] & (rows_w[None, :] < K // PER_WORD), other=0)
         rows_k = k0 + offs_k
         x_ptrs = x_ptr + offs_m[None, :] * stride_xm + rows_k[:, None] * stride_xk
         xt = tl.load(x_ptrs, mask=mask_m[None, :] & (rows_k[:, None] < K), other=0.0)  # [BLOCK_K, BLOCK_M]
@@ -267,11 +313,23 @@ def _w4a16_kernel(
             zero = tl.full([1, 1], 1 << (BITS - 1), tl.int32)
         if MAGIC != 0:
             zero = (zero + MAGIC_VALUE).to(DTYPE)  # exact: small integers
-        w = _dequant_tile(words, scale, zero, BITS, MAGIC, MAGIC_VALUE, BLOCK_N, BLOCK_K, DTYPE)
-        if W_IS_A:
-            acc = tl.dot(w, xt, acc)
+        if W_GATHER:
+            # [BLOCK_K, BLOCK_N]: every K row re-reads its word (same address for PER_WORD rows).
+            wg_ptrs = qw_ptr + offs_n[None, :] * stride_qn + (rows_k // PER_WORD)[:, None] * stride_qk
+            words_kn = tl.load(wg_ptrs, mask=mask_n[None, :] & (rows_k[:, None] < K), other=0)
+            codes = (words_kn >> ((rows_k % PER_WORD) * BITS)[:, None]) & ((1 << BITS) - 1)
+            w_kn = _codes_to_float(codes, tl.trans(zero), MAGIC, DTYPE) * tl.trans(scale)
+            acc = tl.dot(tl.trans(xt), w_kn, acc)
         else:
-            acc = tl.dot(tl.trans(xt), tl.trans(w), acc)
+            # K is a multiple of PER_WORD, so word-level masking is exact at the K tail.
+            rows_w = k0 // PER_WORD + offs_kw
+            w_ptrs = qw_ptr + offs_n[:, None] * stride_qn + rows_w[None, :] * stride_qk
+            words = tl.load(w_ptrs, mask=mask_n[:, None] & (rows_w[None, :] < K // PER_WORD), other=0)
+            w = _dequant_tile(words, scale, zero, BITS, MAGIC, MAGIC_VALUE, BLOCK_N, BLOCK_K, DTYPE)
+            if W_IS_A:
+                acc = tl.dot(w, xt, acc)
+            else:
+                acc = tl.dot(tl.trans(xt), tl.trans(w), acc)
 
     if W_IS_A:
         c_ptrs = c_ptr + offs_m[None, :] * stride_cm + offs_n[:, None] * stride_cn
@@ -285,6 +343,84 @@ def _w4a16_kernel(
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
 
 
+@triton.jit
+def _gemv_tile(acc, x_ptr, qw_ptr, scales_ptr, zeros_ptr, kt, offs_m, mask_m, offs_n, mask_n,
+               M, K, K_WORDS, stride_xm, stride_qn, stride_sg, stride_zg,
+               GROUP_SIZE: tl.constexpr, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, MAGIC: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One K tile of the GEMV: ``acc[m, n] += s[g, n] * sum_k (q[n, k] - z[g, n]) * x[m, k]``."""
+    PER_WORD: tl.constexpr = 32 // BITS
+    k0 = kt * BLOCK_K
+    # Packed words [BLOCK_N, BLOCK_K / PER_WORD], K-contiguous per output row: 16-byte vector loads.
+    # Loaded as a 3-D [BLOCK_N, words, 1] tile: the load's coalesced layout (4 words = 16 bytes per
+    # thread) then also holds the PER_WORD codes of each word in that thread, with no layout change.
+    rows_w = k0 // PER_WORD + tl.arange(0, BLOCK_K // PER_WORD)
+    words = tl.load(qw_ptr + offs_n[:, None, None] * stride_qn + rows_w[None, :, None],
+                    mask=mask_n[:, None, None] & (rows_w[None, :, None] < K_WORDS), other=0)
+    # Codes stay 3-D [BLOCK_N, words, PER_WORD] (no reshape).
+    shifts = tl.arange(0, PER_WORD) * BITS
+    codes = (words >> shifts[None, None, :]) & ((1 << BITS) - 1)
+    # BLOCK_K divides GROUP_SIZE: the tile lies in one group, one scale/zero per output row.
+    g = k0 // GROUP_SIZE
+    scale = tl.load(scales_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    if HAS_ZEROS:
+        zero = tl.load(zeros_ptr + g * stride_zg + offs_n, mask=mask_n, other=0).to(tl.float32)
+    else:
+        zero = tl.full([BLOCK_N], 1 << (BITS - 1), tl.float32)
+    if MAGIC != 0:
+        zero = zero + 8388608.0  # 2**23: the fp32 exponent trick, exact for codes < 2**23
+    q = _codes_to_float(codes, zero[:, None, None], MAGIC, tl.float32)  # exact (code - zero), fp32
+    # x rows as [words, PER_WORD] (16-byte loads); one row at a time keeps the tile 3-D.
+    rows_k = k0 + tl.arange(0, BLOCK_K // PER_WORD)[:, None] * PER_WORD + tl.arange(0, PER_WORD)[None, :]
+    part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for m in tl.static_range(BLOCK_M):
+        x = tl.load(x_ptr + m * stride_xm + rows_k, mask=(rows_k < K) & (m < M), other=0.0).to(tl.float32)
+        # Integer-code dot products per row in fp32; the group scale is applied once per tile.
+        p = tl.sum(tl.sum(q * x[None, :, :], axis=2), axis=1)  # [BLOCK_N]
+        part = tl.where(offs_m[:, None] == m, p[None, :], part)
+    return acc + part * scale[None, :]
+
+
+@triton.jit
+def _w4a16_gemv_kernel(
+    x_ptr, qw_ptr, scales_ptr, zeros_ptr, c_ptr,
+    M, N, K, K_WORDS, M_BUCKET,
+    stride_xm, stride_qn, stride_sg, stride_zg, stride_cm,
+    GROUP_SIZE: tl.constexpr, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, MAGIC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PIPE: tl.constexpr,
+):
+    """Decode GEMV, no tensor cores: ``c[M, N] += x[M, K] @ dequant(qw[N, K*BITS/32])^T`` over a K slice.
+
+    Grid: (N tiles, K splits). Every program owns BLOCK_N output rows of W and all (<= BLOCK_M) rows
+    of x, streams its K slice of packed words once and adds its float32 partial sums atomically into
+    a zeroed ``c``. x must be K-contiguous (the launcher makes it so).
+    """
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    tiles_per_split = tl.cdiv(k_tiles, tl.num_programs(1))
+    kt_start = pid_k * tiles_per_split
+    kt_end = min(kt_start + tiles_per_split, k_tiles)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    mask_n = offs_n < N
+    mask_m = offs_m < M
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if PIPE > 1:
+        # Software-pipelined loads (a dot-less loop is pipelined only when asked explicitly).
+        for kt in tl.range(kt_start, kt_end, num_stages=PIPE):
+            acc = _gemv_tile(acc, x_ptr, qw_ptr, scales_ptr, zeros_ptr, kt, offs_m, mask_m, offs_n, mask_n,
+                             M, K, K_WORDS, stride_xm, stride_qn, stride_sg, stride_zg,
+                             GROUP_SIZE, BITS, HAS_ZEROS, MAGIC, BLOCK_M, BLOCK_N, BLOCK_K)
+    else:
+        for kt in range(kt_start, kt_end):
+            acc = _gemv_tile(acc, x_ptr, qw_ptr, scales_ptr, zeros_ptr, kt, offs_m, mask_m, offs_n, mask_n,
+                             M, K, K_WORDS, stride_xm, stride_qn, stride_sg, stride_zg,
+                             GROUP_SIZE, BITS, HAS_ZEROS, MAGIC, BLOCK_M, BLOCK_N, BLOCK_K)
+    c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :]
+    tl.atomic_add(c_ptrs, acc, mask=mask_m[:, None] & mask_n[None, :], sem="relaxed")
+
+
 def _bench_quick(kernel_call, quantiles):
     # Short autotune timing: the configs differ by far more than the noise of 20 ms of runs.
     return triton.testing.do_bench(kernel_call, warmup=5, rep=20, quantiles=quantiles)
@@ -296,6 +432,26 @@ _decode_tuned = triton.autotune(
 _prefill_tuned = triton.autotune(configs=PREFILL_CONFIGS, key=["M_BUCKET", "N", "K"], do_bench=_bench_quick)(
     _w4a16_kernel
 )
+
+
+def _gemv_config_ok(meta: dict, block_m: int, group_size: int) -> bool:
+    per_thread = block_m * meta["BLOCK_N"] * meta["BLOCK_K"] // (32 * meta.get("num_warps", 4))
+    return group_size % meta["BLOCK_K"] == 0 and per_thread <= _GEMV_MAX_PRODUCTS_PER_THREAD
+
+
+def _gemv_prune(configs, named_args, **kwargs):
+    ok = [c for c in configs
+          if _gemv_config_ok(c.all_kwargs(), kwargs["BLOCK_M"], kwargs["GROUP_SIZE"])]
+    if ok:
+        return ok
+    # Small groups (g16/g32): keep the configs whose BLOCK_K fits the group.
+    return [c for c in configs if kwargs["GROUP_SIZE"] % c.kwargs["BLOCK_K"] == 0] or configs[-1:]
+
+
+_gemv_tuned = triton.autotune(
+    configs=GEMV_CONFIGS, key=["M_BUCKET", "N", "K", "GROUP_SIZE", "HAS_ZEROS"], reset_to_zero=["c_ptr"],
+    prune_configs_by=dict(early_config_prune=_gemv_prune), do_bench=_bench_quick,
+)(_w4a16_gemv_kernel)
 
 
 def _interpreting() -> bool:
@@ -314,6 +470,48 @@ def _decode_split_k(n_tiles: int, k_tiles: int, num_sms: int) -> int:
     return max(1, min(want, k_tiles // 2 if k_tiles >= 2 else 1))
 
 
+def _gemv_split_k(n_tiles: int, k_tiles: int, num_sms: int) -> int:
+    """Split K so the GEMV grid has about _GEMV_PROGRAMS_PER_SM programs per SM."""
+    want = max(1, round(_GEMV_PROGRAMS_PER_SM * num_sms / max(n_tiles, 1)))
+    return max(1, min(want, k_tiles))
+
+
+def _gemv_matmul(x, w, config, magic):
+    """The GEMV path: fp32 atomics into a zeroed buffer, one cast at the end."""
+    m, k = x.shape
+    n = w.out_features
+    x = x.contiguous()
+    out = torch.zeros((m, n), device=x.device, dtype=torch.float32)
+    zeros = w.zeros if w.zeros is not None else w.scales  # dummy pointer when symmetric
+    num_sms = _num_sms(x.device)
+    block_m = max(1, triton.next_power_of_2(m))
+
+    def grid(meta):
+        split = meta.get("SPLIT_K") or _gemv_split_k(
+            triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(k, meta["BLOCK_K"]), num_sms)
+        return (triton.cdiv(n, meta["BLOCK_N"]), split)
+
+    # K_WORDS (= K / PER_WORD) as its own argument: its divisibility by 16 lets the masked word
+    # loads stay 16 bytes wide.
+    args = (x, w.qweight, w.scales, zeros, out, m, n, k, w.qweight.shape[1], _m_bucket(m),
+            x.stride(0), w.qweight.stride(0), w.scales.stride(0), zeros.stride(0), out.stride(0))
+    flags = dict(GROUP_SIZE=w.group_size, BITS=w.bits, HAS_ZEROS=w.zeros is not None,
+                 MAGIC=0x4B000000 if magic else 0, BLOCK_M=block_m)
+    if config is None and _interpreting():
+        ok = [c.all_kwargs() for c in GEMV_CONFIGS if _gemv_config_ok(c.all_kwargs(), block_m, w.group_size)]
+        config = ok[0] if ok else dict(BLOCK_N=32, BLOCK_K=min(32, w.group_size))
+    if config is not None:
+        meta = dict(PIPE=1, num_warps=4, num_stages=1) | config
+        if w.group_size % meta["BLOCK_K"]:
+            raise ValueError(f"GEMV BLOCK_K {meta['BLOCK_K']} must divide the group size {w.group_size}")
+        launch_grid = grid(meta)
+        meta.pop("SPLIT_K", None)
+        _w4a16_gemv_kernel[launch_grid](*args, **flags, **meta)
+    else:
+        _gemv_tuned[grid](*args, **flags)
+    return out.to(x.dtype)
+
+
 def _check_inputs(x: torch.Tensor, w: W4A16Weights) -> None:
     if x.dim() != 2 or x.shape[1] != w.in_features:
         raise ValueError(f"x must be [M, {w.in_features}], got {tuple(x.shape)}")
@@ -328,18 +526,29 @@ def _check_inputs(x: torch.Tensor, w: W4A16Weights) -> None:
 
 
 def w4a16_matmul(x: torch.Tensor, w: W4A16Weights, config: dict | None = None,
-                 fast_dequant: bool = True) -> torch.Tensor:
+                 fast_dequant: bool = True, path: str | None = None) -> torch.Tensor:
     """``x [M, K]`` fp16/bf16 -> ``x @ W^T`` ``[M, N]`` through the Triton kernel.
 
-    ``config`` (``BLOCK_N, BLOCK_M, BLOCK_K``, optional ``SPLIT_K, GROUP_N, num_warps, num_stages``)
-    bypasses the autotuner (tests, the interpreter); ``fast_dequant=False`` uses int->float
-    conversions instead of the exponent trick (kept for comparison).
+    ``path``: ``"gemv"`` (no tensor cores, M <= GEMV_MAX_M by default), ``"tc"`` (the tensor-core
+    kernel: split-K for M <= DECODE_MAX_M, direct store above) or None (by M).
+    ``config`` bypasses the autotuner (tests, the interpreter): for "tc" ``BLOCK_N, BLOCK_M,
+    BLOCK_K`` (optional ``SPLIT_K, GROUP_N, W_IS_A, W_GATHER, num_warps, num_stages``), for "gemv"
+    ``BLOCK_N, BLOCK_K`` (optional ``SPLIT_K, PIPE, num_warps``). ``fast_dequant=False`` uses
+    int->float conversions instead of the exponent trick (kept for comparison).
     """
     _check_inputs(x, w)
     if w.perm is not None:
         x = x[:, w.perm]
     m, k = x.shape
     n = w.out_features
+    if path is None:
+        path = "gemv" if m <= GEMV_MAX_M else "tc"
+    if path == "gemv":
+        if m > 64:
+            raise ValueError(f"the GEMV path takes at most 64 rows, got {m}")
+        return _gemv_matmul(x, w, config, fast_dequant)
+    if path != "tc":
+        raise ValueError(f"path must be 'gemv', 'tc' or None, got {path!r}")
     decode = m <= DECODE_MAX_M
     # The exponent trick needs MAGIC_VALUE + code exact: 8-bit codes overflow bf16's mantissa.
     use_magic = fast_dequant and (w.bits == 4 or x.dtype == torch.float16)
@@ -368,7 +577,7 @@ def w4a16_matmul(x: torch.Tensor, w: W4A16Weights, config: dict | None = None,
     if config is None and _interpreting():
         config = (DECODE_CONFIGS if decode else PREFILL_CONFIGS)[0].all_kwargs()
     if config is not None:
-        meta = dict(GROUP_N=8, W_IS_A=True, num_warps=4, num_stages=2) | config
+        meta = dict(GROUP_N=8, W_IS_A=True, W_GATHER=False, num_warps=4, num_stages=2) | config
         launch_grid = grid(meta)
         meta.pop("SPLIT_K", None)
         _w4a16_kernel[launch_grid](*args, **flags, **meta)

@@ -66,6 +66,23 @@ CASES = [
     (64, 192, 8, 64, False, False, 2, dict(BLOCK_N=32, BLOCK_M=16, BLOCK_K=64)),  # 8-bit
     (72, 576, 4, 128, False, True, 19, dict(BLOCK_N=32, BLOCK_M=16, BLOCK_K=64, W_IS_A=False)),
     (64, 256, 4, 32, False, False, 40, dict(BLOCK_N=64, BLOCK_M=32, BLOCK_K=128, W_IS_A=False)),
+    # W as B from redundant word loads (no reshape): full-tile and per-row scale gathers
+    (72, 576, 4, 128, False, True, 19, dict(BLOCK_N=32, BLOCK_M=16, BLOCK_K=64, W_IS_A=False, W_GATHER=True)),
+    (64, 256, 4, 32, True, False, 23, dict(BLOCK_N=32, BLOCK_M=16, BLOCK_K=64, W_IS_A=False, W_GATHER=True)),
+]
+
+# The decode GEMV (no tensor cores): (n, k, bits, group_size, sym, act_order, m, config)
+GEMV_CASES = [
+    (96, 256, 4, 128, True, False, 1, dict(BLOCK_N=32, BLOCK_K=64)),  # sym, M=1
+    (80, 256, 4, 64, False, False, 1, dict(BLOCK_N=16, BLOCK_K=64)),  # asym, N tail
+    (72, 576, 4, 128, False, False, 3, dict(BLOCK_N=32, BLOCK_K=128, SPLIT_K=2)),  # partial group
+    (72, 576, 4, 128, True, False, 7, dict(BLOCK_N=32, BLOCK_K=64, SPLIT_K=4)),  # split-K, uneven
+    (64, 256, 4, 64, False, True, 3, dict(BLOCK_N=32, BLOCK_K=32, SPLIT_K=3)),  # act-order asym
+    (64, 256, 4, 64, True, True, 7, dict(BLOCK_N=16, BLOCK_K=64, PIPE=3)),  # act-order sym
+    (64, 256, 4, 32, False, False, 16, dict(BLOCK_N=16, BLOCK_K=32)),  # g32, M=16
+    (64, 256, 4, -1, True, False, 5, dict(BLOCK_N=32, BLOCK_K=64, SPLIT_K=2)),  # per channel
+    (64, 192, 8, 64, False, False, 2, dict(BLOCK_N=32, BLOCK_K=64)),  # 8-bit
+    (48, 128, 4, 32, False, False, 3, None),  # default interpreter config
 ]
 
 
@@ -80,10 +97,39 @@ def test_kernel_interpreted(n, k, bits, gs, sym, act, m, config, fast):
     assert (w.zeros is None) == sym
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).half()
     ref = x.double() @ w_deq.double().t()
-    out = mod.w4a16_matmul(x, w, config=config, fast_dequant=fast)
+    out = mod.w4a16_matmul(x, w, config=config, fast_dequant=fast, path="tc")
     assert out.shape == (m, n) and out.dtype == torch.float16
     assert torch.isfinite(out).all()
     assert rel_err(out, ref) < 2e-3
+
+
+@pytest.mark.skipif(CUDA, reason="interpreter tests run on CPU-only machines")
+@pytest.mark.parametrize("fast", [True, False], ids=["magic", "cvt"])
+@pytest.mark.parametrize("n,k,bits,gs,sym,act,m,config", GEMV_CASES)
+def test_gemv_interpreted(n, k, bits, gs, sym, act, m, config, fast):
+    mod = _kernel_module()
+    tensors, w_deq = make_layer(n, k, bits, gs, sym, act, seed=n + k + m + 1)
+    w = mod.prepare_w4a16_weights(**tensors, bits=bits, group_size=gs, sym=sym)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m + 1)).half()
+    ref = x.double() @ w_deq.double().t()
+    out = mod.w4a16_matmul(x, w, config=config, fast_dequant=fast, path="gemv")
+    assert out.shape == (m, n) and out.dtype == torch.float16
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) < 2e-3
+
+
+@pytest.mark.skipif(CUDA, reason="interpreter tests run on CPU-only machines")
+def test_default_path_is_gemv_for_small_m():
+    mod = _kernel_module()
+    tensors, w_deq = make_layer(32, 128, 4, 64, False, False, seed=11)
+    w = mod.prepare_w4a16_weights(**tensors, bits=4, group_size=64, sym=False)
+    x = torch.randn(2, 128).half()
+    ref = x.double() @ w_deq.double().t()
+    assert rel_err(mod.w4a16_matmul(x, w), ref) < 2e-3  # M=2 -> GEMV with its default config
+    with pytest.raises(ValueError):
+        mod.w4a16_matmul(x, w, config=dict(BLOCK_N=32, BLOCK_K=128), path="gemv")  # BLOCK_K > group
+    with pytest.raises(ValueError):
+        mod.w4a16_matmul(x, w, path="nope")
 
 
 @pytest.mark.parametrize("act", [False, True])
@@ -138,32 +184,38 @@ GPU_SHAPES = [  # (n, k, group_size, sym, act_order): multiples of the group, no
 ]
 
 
-def _gpu_config(mod, m):
+def _gpu_path_config(mod, m, gs):
     # Fixed configs keep the compile count small; the autotuned path has its own test below.
+    # M 1/7/16: GEMV; M 9: the split-K wgmma decode kernel; 67: W-as-B gather; 334: W-as-A.
+    if m in (1, 7, 16):
+        bk = 64 if gs == -1 else min(64, gs)
+        return "gemv", dict(BLOCK_N=64, BLOCK_K=bk, num_warps=4, PIPE=3 if m == 7 else 1)
     if m <= mod.DECODE_MAX_M:
-        return mod.DECODE_CONFIGS[0].all_kwargs()
-    return dict(BLOCK_N=128, BLOCK_M=64, BLOCK_K=64, W_IS_A=m % 2 == 0, num_warps=4, num_stages=3)
+        return "tc", mod.DECODE_CONFIGS[0].all_kwargs()
+    return "tc", dict(BLOCK_N=128, BLOCK_M=64, BLOCK_K=64, W_IS_A=m % 2 == 0, W_GATHER=m % 2 == 1,
+                      num_warps=4, num_stages=3)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("n,k,gs,sym,act", GPU_SHAPES)
-@pytest.mark.parametrize("m", [1, 7, 16, 67, 334])
+@pytest.mark.parametrize("m", [1, 7, 9, 16, 67, 334])
 def test_kernel_gpu(n, k, gs, sym, act, m, dtype):
     mod = _kernel_module()
     tensors, w_deq = make_layer(n, k, 4, gs, sym, act, device="cuda", seed=torch.seed() % 2**31)
     w = mod.prepare_w4a16_weights(**tensors, bits=4, group_size=gs, sym=sym)
     x = torch.randn(m, k, device="cuda").to(dtype)
     ref = x.float() @ w_deq.t()
-    out = mod.w4a16_matmul(x, w, config=_gpu_config(mod, m))
+    path, config = _gpu_path_config(mod, m, gs)
+    out = mod.w4a16_matmul(x, w, config=config, path=path)
     assert out.dtype == dtype and out.shape == (m, n) and torch.isfinite(out).all()
     assert rel_err(out, ref) < 1e-2
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("m", [3, 100])
+@pytest.mark.parametrize("m", [3, 12, 100])
 def test_dispatch_autotuned_gpu(m):
     mod = _kernel_module()
     from quantkit.kernels.dispatch import kernel_supports, w4a16_linear
