@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
 from quantkit.config import QuantkitError
@@ -66,11 +67,19 @@ ARCHITECTURES: tuple[ArchSpec, ...] = (
         scaling=_llama_like_scaling("post_attention_layernorm"),
     ),
     ArchSpec(
+        family="gemma1",
+        model_types=("gemma",),
+        sequential=_LLAMA_SEQUENTIAL,
+        # Gemma 1 is laid out like Llama (the MLP reads post_attention_layernorm) with (1 + w) norms.
+        scaling=_llama_like_scaling("post_attention_layernorm"),
+        norm_offset=1.0,
+    ),
+    ArchSpec(
         family="gemma",
-        model_types=("gemma", "gemma2", "gemma3_text"),
+        model_types=("gemma2", "gemma3_text"),
         sequential=_LLAMA_SEQUENTIAL,
         # Gemma 2/3 normalize the attention output with post_attention_layernorm before the residual;
-        # the MLP's input comes from pre_feedforward_layernorm (Gemma 1 has no such norm).
+        # the MLP's input comes from pre_feedforward_layernorm.
         scaling=_llama_like_scaling("pre_feedforward_layernorm"),
         norm_offset=1.0,
     ),
@@ -98,8 +107,16 @@ def require_arch(model_type: str) -> ArchSpec:
     return spec
 
 
+def is_linear_like(module: nn.Module) -> bool:
+    """An ``nn.Linear`` or a packed linear (``QuantLinear``: in/out features and a ``qweight`` buffer)."""
+    return isinstance(module, nn.Linear) or (
+        hasattr(module, "in_features") and isinstance(getattr(module, "qweight", None), torch.Tensor)
+    )
+
+
 def find_decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
-    """The decoder layers: the longest ``nn.ModuleList`` of same-class blocks that contain linears."""
+    """The decoder layers: the longest ``nn.ModuleList`` of same-class blocks that contain linears
+    (plain or already packed)."""
     best: tuple[str, nn.ModuleList] | None = None
     for name, module in model.named_modules():
         if not isinstance(module, nn.ModuleList) or len(module) == 0:
@@ -107,7 +124,7 @@ def find_decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
         classes = {type(child) for child in module}
         if len(classes) != 1:
             continue
-        if not any(isinstance(m, nn.Linear) for m in module[0].modules()):
+        if not any(is_linear_like(m) for m in module[0].modules()):
             continue
         if best is None or len(module) > len(best[1]):
             best = (name, module)
@@ -119,8 +136,13 @@ def find_decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
 
 
 def find_linears(layer: nn.Module) -> dict[str, nn.Linear]:
-    """All ``nn.Linear`` sub-modules of a decoder layer, by path relative to it."""
+    """All ``nn.Linear`` sub-modules of a decoder layer (the ones a method can quantize), by relative path."""
     return {name: m for name, m in layer.named_modules() if isinstance(m, nn.Linear)}
+
+
+def find_linear_like(layer: nn.Module) -> dict[str, nn.Module]:
+    """Plain and packed linears of a decoder layer, in module order, by relative path."""
+    return {name: m for name, m in layer.named_modules() if is_linear_like(m)}
 
 
 def sequential_groups(spec: ArchSpec | None, linears: dict[str, nn.Linear]) -> list[list[str]]:

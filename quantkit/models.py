@@ -25,7 +25,10 @@ class LoadedModel:
 
 
 def _looks_like_path(spec: str) -> bool:
-    return spec.startswith((".", "/", "~")) or spec.endswith(".gguf") or Path(spec).exists()
+    """Hub ids are ``name`` or ``org/name``; anything else with a slash, a leading ./ or ~, a .gguf
+    suffix, or that exists on disk is a path."""
+    return (spec.startswith((".", "/", "~")) or spec.endswith(".gguf") or spec.count("/") > 1
+            or Path(spec).expanduser().exists())
 
 
 def _clear_gguf_quantizer_marks(model) -> None:

@@ -1,0 +1,418 @@
+"""Reading quantized checkpoints back: validation, loading into a model, and inspection.
+
+The reader trusts nothing it has not checked: ``config.json`` must describe a GPTQ v1 checkpoint
+with a supported bit width; every safetensors file must be complete (its header's byte ranges
+covered by the file); every tensor must be one the model expects, with the expected shape and
+dtype. Each failure is a :class:`QuantkitError` that names the file or the first bad key.
+
+The model is built from its config with its parameters on the meta device (no memory, no random
+initialization), the packed linears are swapped for :class:`QuantLinear`, and the tensors are
+assigned from the files through :func:`read_tensors`, the one function that reads tensor data (a
+later version can call it per decoder layer to materialize a model shard by shard).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import struct
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from quantkit.checkpoint import CONFIG_NAME, INDEX_NAME, WEIGHTS_NAME
+from quantkit.config import QuantkitError
+from quantkit.pack import SUPPORTED_BITS
+
+log = logging.getLogger(__name__)
+
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}  # fmt: skip
+_PACKED_DTYPES = {
+    "qweight": torch.int32,
+    "qzeros": torch.int32,
+    "g_idx": torch.int32,
+    "scales": torch.float16,
+}
+_MAX_HEADER_BYTES = 100 * 2**20
+
+
+@dataclass(frozen=True)
+class GPTQSettings:
+    """What ``quantization_config`` says about the packed linears."""
+
+    bits: int
+    group_size: int
+    sym: bool
+    desc_act: bool
+    checkpoint_format: str
+    raw: dict = field(repr=False, compare=False)
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    """Where one tensor lives and what its header says (no data read)."""
+
+    file: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+# -- config -----------------------------------------------------------------------------------------
+
+
+def read_config(path: Path) -> tuple[dict, GPTQSettings]:
+    """``config.json`` of the checkpoint at ``path`` and its validated quantization settings."""
+    if not path.is_dir():
+        raise QuantkitError(f"{path} is not a folder; pass the folder a quantized checkpoint was written to")
+    config_file = path / CONFIG_NAME
+    if not config_file.is_file():
+        raise QuantkitError(f"{path} has no {CONFIG_NAME}; it is not a complete checkpoint (re-create it)")
+    try:
+        config = json.loads(config_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise QuantkitError(f"{config_file} is not valid JSON ({exc}); the checkpoint is damaged") from exc
+    if not isinstance(config, dict):
+        raise QuantkitError(f"{config_file} does not hold a JSON object; the checkpoint is damaged")
+    return config, validate_quant_config(config.get("quantization_config"), config_file)
+
+
+def validate_quant_config(qc: Any, where: Path) -> GPTQSettings:
+    """Check that ``qc`` describes a GPTQ v1 checkpoint quantkit can serve; say what it is otherwise."""
+    if qc is None:
+        raise QuantkitError(
+            f"{where} has no quantization_config: this is an unquantized model; load it as a plain model "
+            "(or quantize it with `quantkit rtn`)"
+        )
+    if not isinstance(qc, dict):
+        raise QuantkitError(f"quantization_config in {where} is not an object; the checkpoint is damaged")
+    method = str(qc.get("quant_method", "")).lower()
+    if method != "gptq":
+        raise QuantkitError(
+            f"{where} is a {method or 'unknown-method'} checkpoint (quant_method={qc.get('quant_method')!r}); "
+            "quantkit reads GPTQ checkpoints (quant_method 'gptq'): load this one with the tool that made it"
+        )
+    fmt = str(qc.get("checkpoint_format", qc.get("format", "gptq"))).lower()
+    if fmt != "gptq":
+        raise QuantkitError(
+            f"{where} stores checkpoint_format={fmt!r}; quantkit reads only 'gptq' (v1, zero points stored "
+            "minus one). Convert it to v1 with GPTQModel first"
+        )
+    bits, group_size, sym = qc.get("bits"), qc.get("group_size", -1), qc.get("sym", True)
+    if not isinstance(bits, int) or bits not in SUPPORTED_BITS:
+        raise QuantkitError(
+            f"{where}: bits={bits!r} is not supported; the GPTQ layout holds {SUPPORTED_BITS}"
+        )
+    if not isinstance(group_size, int) or (group_size != -1 and group_size <= 0):
+        raise QuantkitError(f"{where}: group_size={group_size!r} must be -1 or a positive integer")
+    for pattern, override in (qc.get("dynamic") or {}).items():
+        if not str(pattern).startswith("-:") and override:
+            raise QuantkitError(
+                f"{where}: dynamic override {pattern!r} changes the scheme of some modules; quantkit reads "
+                "checkpoints with one scheme for every packed linear"
+            )
+    return GPTQSettings(bits, group_size, bool(sym), bool(qc.get("desc_act", False)), fmt, qc)
+
+
+# -- safetensors files ------------------------------------------------------------------------------
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The safetensors files of the checkpoint (from the index when there is one)."""
+    index = path / INDEX_NAME
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise QuantkitError(f"{index} is damaged ({exc}); re-create the checkpoint") from exc
+        files = [path / name for name in dict.fromkeys(weight_map.values())]
+    elif (path / WEIGHTS_NAME).is_file():
+        files = [path / WEIGHTS_NAME]
+    else:
+        raise QuantkitError(f"{path} has neither {WEIGHTS_NAME} nor {INDEX_NAME}; the weights are missing")
+    for file in files:
+        if not file.is_file():
+            raise QuantkitError(f"{file.name} is listed in {INDEX_NAME} but missing from {path}")
+    return files
+
+
+def read_header(file: Path) -> tuple[dict[str, TensorRecord], dict[str, str]]:
+    """Tensor records and ``__metadata__`` of one safetensors file, after checking it is complete."""
+    size = file.stat().st_size
+    with open(file, "rb") as handle:
+        head = handle.read(8)
+        if len(head) < 8:
+            raise QuantkitError(f"{file} is truncated ({size} bytes): not even a safetensors header")
+        (header_len,) = struct.unpack("<Q", head)
+        if header_len > min(size - 8, _MAX_HEADER_BYTES):
+            raise QuantkitError(
+                f"{file} is truncated or not a safetensors file (header of {header_len} bytes)"
+            )
+        try:
+            header = json.loads(handle.read(header_len))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise QuantkitError(f"{file} has a damaged safetensors header ({exc})") from exc
+    metadata = header.pop("__metadata__", None) or {}
+    records, data_end = {}, 0
+    for key, entry in header.items():
+        try:
+            dtype_name, shape, end = (
+                entry["dtype"],
+                tuple(int(d) for d in entry["shape"]),
+                int(entry["data_offsets"][1]),
+            )
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            raise QuantkitError(f"{file} has a damaged header entry for {key} ({exc!r})") from exc
+        if dtype_name not in SAFETENSORS_DTYPES:
+            raise QuantkitError(f"{file}: tensor {key} has unsupported dtype {dtype_name!r}")
+        records[key] = TensorRecord(file, SAFETENSORS_DTYPES[dtype_name], shape)
+        data_end = max(data_end, end)
+    expected = 8 + header_len + data_end
+    if size != expected:
+        state = "truncated" if size < expected else "longer than its header describes"
+        raise QuantkitError(
+            f"{file} is {state}: {size} bytes on disk, {expected} expected; the copy or the write was "
+            "interrupted, re-create or re-copy the checkpoint"
+        )
+    return records, metadata
+
+
+def index_tensors(path: Path) -> dict[str, TensorRecord]:
+    """Every tensor of the checkpoint by key, from the file headers (validated, no data read)."""
+    files = weight_files(path)
+    records: dict[str, TensorRecord] = {}
+    for file in files:
+        file_records, _ = read_header(file)
+        for key, record in file_records.items():
+            if key in records:
+                raise QuantkitError(f"tensor {key} appears in both {records[key].file.name} and {file.name}")
+            records[key] = record
+    index = path / INDEX_NAME
+    if index.is_file():
+        for key, name in json.loads(index.read_text())["weight_map"].items():
+            if key not in records or records[key].file.name != name:
+                raise QuantkitError(f"{INDEX_NAME} places {key} in {name}, but that file does not hold it")
+    return records
+
+
+def read_tensors(records: dict[str, TensorRecord], keys: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(key, tensor)`` for ``keys`` (CPU tensors as stored), opening each file once."""
+    from safetensors import safe_open
+
+    by_file: dict[Path, list[str]] = {}
+    for key in keys:
+        by_file.setdefault(records[key].file, []).append(key)
+    for file, file_keys in by_file.items():
+        with safe_open(str(file), framework="pt", device="cpu") as handle:
+            for key in file_keys:
+                yield key, handle.get_tensor(key)
+
+
+def packed_modules(records: dict[str, TensorRecord]) -> list[str]:
+    """Names of the packed linears (those with a ``.qweight``), in file order."""
+    return [key[: -len(".qweight")] for key in records if key.endswith(".qweight")]
+
+
+# -- loading ----------------------------------------------------------------------------------------
+
+
+def load_quantized(
+    path: str | os.PathLike, *, device: str | torch.device = "cpu", dtype: torch.dtype | str | None = None
+) -> tuple[nn.Module, Any]:
+    """Load a GPTQ v1 checkpoint as a transformers model with :class:`QuantLinear` layers.
+
+    ``dtype`` is the dtype of every unpacked tensor and of the activations (None: the dtype the
+    checkpoint was saved in). Returns ``(model, tokenizer)``; the tokenizer is None when the folder
+    has none. The validated ``quantization_config`` is kept as ``model.quantkit_quant_config``.
+    """
+    path = Path(path)
+    config, settings = read_config(path)
+    records = index_tensors(path)
+    model_dtype = _resolve_dtype(dtype, config)
+    model = build_empty_model(config, model_dtype)
+    install_quant_linears(model, records, settings, model_dtype)
+    expected = check_tensors(model, records)
+    for key, tensor in read_tensors(records, expected):
+        _assign(model, key, tensor, expected[key].dtype, device)
+    model.tie_weights()
+    model.to(device)  # non-persistent buffers (rotary tables) were built on the CPU
+    _check_materialized(model, path)
+    model.eval()
+    model.quantkit_quant_config = settings.raw
+    _load_generation_config(model, path)
+    return model, _load_tokenizer(path)
+
+
+def _resolve_dtype(dtype: torch.dtype | str | None, config: dict) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    name = (
+        dtype
+        if dtype not in (None, "auto")
+        else (config.get("dtype") or config.get("torch_dtype") or "float32")
+    )
+    aliases = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
+    name = aliases.get(str(name), str(name))
+    if name not in ("float32", "float16", "bfloat16"):
+        raise QuantkitError(f"dtype must be float32, float16 or bfloat16, got {name!r}")
+    return getattr(torch, name)
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Create every ``nn.Parameter`` on the meta device while the model is built.
+
+    Buffers stay real, so non-persistent ones computed in ``__init__`` (rotary frequency tables)
+    keep their values; parameters cost no memory and no initialization until loaded.
+    """
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def build_empty_model(config: dict, dtype: torch.dtype) -> nn.Module:
+    """The architecture of ``config`` with meta parameters, its own GPTQ integration kept out."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    plain = {k: v for k, v in config.items() if k not in ("quantization_config", "dtype", "torch_dtype")}
+    model_type = plain.pop("model_type", None)
+    try:
+        hf_config = AutoConfig.for_model(model_type, **plain)
+    except (ValueError, KeyError) as exc:
+        raise QuantkitError(
+            f"config.json names model_type {model_type!r}, which transformers does not know"
+        ) from exc
+    with parameters_on_meta():
+        return AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+
+
+def install_quant_linears(
+    model: nn.Module, records: dict[str, TensorRecord], settings: GPTQSettings, dtype: torch.dtype
+) -> list[str]:
+    """Replace each linear the checkpoint packs with an empty (meta) :class:`QuantLinear`."""
+    from quantkit.qlinear import QuantLinear
+
+    names = packed_modules(records)
+    if not names:
+        raise QuantkitError("the checkpoint declares GPTQ but holds no packed linear (no .qweight tensor)")
+    for name in names:
+        try:
+            linear = model.get_submodule(name)
+        except AttributeError:
+            linear = None
+        if not isinstance(linear, nn.Linear):
+            raise QuantkitError(f"{name}.qweight: {type(model).__name__} has no linear layer {name}")
+        try:
+            qlinear = QuantLinear(
+                linear.in_features,
+                linear.out_features,
+                settings.bits,
+                settings.group_size,
+                settings.sym,
+                bias=linear.bias is not None,
+                device="meta",
+                bias_dtype=dtype,
+            )
+        except ValueError as exc:
+            raise QuantkitError(f"{name} cannot be stored with bits={settings.bits}: {exc}") from exc
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, qlinear)
+    return names
+
+
+def check_tensors(model: nn.Module, records: dict[str, TensorRecord]) -> dict[str, torch.Tensor]:
+    """Match checkpoint keys, shapes and dtypes against the model; returns key -> model tensor."""
+    expected = dict(model.state_dict(keep_vars=True))
+    tied = set(getattr(model, "all_tied_weights_keys", None) or {})
+    packed = set(packed_modules(records))
+    for key, record in records.items():
+        target = expected.get(key)
+        if target is None:
+            raise QuantkitError(
+                f"unexpected tensor {key} in {record.file.name}: the model has no such weight"
+            )
+        if tuple(target.shape) != record.shape:
+            raise QuantkitError(
+                f"{key} in {record.file.name} has shape {list(record.shape)}, the model expects {list(target.shape)}"
+            )
+        _check_dtype(key, record, target, packed)
+    missing = [k for k in expected if k not in records and k not in tied]
+    if missing:
+        raise QuantkitError(f"the checkpoint lacks tensor {missing[0]} (and {len(missing) - 1} more)")
+    return {k: expected[k] for k in records}
+
+
+def _check_dtype(key: str, record: TensorRecord, target: torch.Tensor, packed: set[str]) -> None:
+    module_name, _, leaf = key.rpartition(".")
+    if module_name in packed and leaf in _PACKED_DTYPES:
+        want = _PACKED_DTYPES[leaf]
+        if record.dtype != want:
+            raise QuantkitError(
+                f"{key} is {record.dtype} in {record.file.name}; the GPTQ layout stores it as {want}"
+            )
+        return
+    if target.is_floating_point() != record.dtype.is_floating_point:
+        raise QuantkitError(
+            f"{key} is {record.dtype} in {record.file.name}, the model expects {target.dtype}"
+        )
+
+
+def _assign(model: nn.Module, key: str, tensor: torch.Tensor, target_dtype: torch.dtype, device) -> None:
+    module_name, _, leaf = key.rpartition(".")
+    module = model.get_submodule(module_name) if module_name else model
+    tensor = tensor.to(device=device, dtype=target_dtype if tensor.is_floating_point() else tensor.dtype)
+    if leaf in module._parameters:
+        setattr(module, leaf, nn.Parameter(tensor, requires_grad=False))
+    else:
+        setattr(module, leaf, tensor)
+
+
+def _check_materialized(model: nn.Module, path: Path) -> None:
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if tensor.device.type == "meta":
+            raise QuantkitError(f"{path}: the checkpoint lacks tensor {name}")
+
+
+def _load_tokenizer(path: Path) -> Any:
+    if not any(
+        (path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    ):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def _load_generation_config(model: nn.Module, path: Path) -> None:
+    if (path / "generation_config.json").is_file():
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(str(path))
+
+
+__all__ = ["index_tensors", "load_quantized", "read_config", "read_tensors", "validate_quant_config"]

@@ -1,0 +1,89 @@
+"""QuantLinear: the reference forward, the dispatch decision, and buffer handling."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from quantkit.config import QuantScheme
+from quantkit.primitives import compute_qparams, quantize
+from quantkit.qlinear import BACKEND_TORCH, BACKEND_W4A16, QuantLinear, select_backend
+from quantkit.qtensor import QuantizedWeight
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def packed(out_features=64, in_features=96, scheme=None, bias=True, seed=0) -> QuantizedWeight:
+    scheme = scheme or QuantScheme(4, 32, False)
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(out_features, in_features, generator=gen)
+    scales, zeros, g_idx = compute_qparams(w, scheme.bits, scheme.group_size, scheme.sym)
+    codes = quantize(w, scales, zeros, g_idx, scheme.bits)
+    b = torch.randn(out_features, generator=gen) if bias else None
+    return QuantizedWeight.from_codes(codes, scales, zeros, g_idx, scheme, bias=b)
+
+
+@pytest.mark.parametrize(
+    "scheme", [QuantScheme(4, 32, False), QuantScheme(8, -1, True), QuantScheme(3, 64, False)]
+)
+def test_forward_matches_dense_linear(scheme):
+    qw = packed(scheme=scheme)
+    layer = QuantLinear.from_weight(qw)
+    x = torch.randn(2, 5, 96)
+    expected = F.linear(x, qw.dequantize(), qw.bias)
+    assert torch.allclose(layer(x), expected, atol=1e-5, rtol=1e-5)
+    assert layer.state_dict().keys() == {"qweight", "qzeros", "scales", "g_idx", "bias"}
+
+
+def test_cpu_uses_reference_and_never_imports_triton():
+    layer = QuantLinear.from_weight(packed(bias=False))
+    assert select_backend(layer, torch.randn(3, 96)) == BACKEND_TORCH
+    # A fresh interpreter: other tests in this session may have imported the kernels already.
+    script = (
+        "import sys, torch\n"
+        "from quantkit.qlinear import QuantLinear\n"
+        "from tests.test_qlinear import packed\n"
+        "QuantLinear.from_weight(packed())(torch.randn(3, 96))\n"
+        "print(sorted(m for m in ('triton', 'quantkit.kernels.w4a16') if m in sys.modules))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=REPO
+    )
+    assert result.stdout.strip() == "[]"
+
+
+def test_w4a16_is_chosen_for_4bit_cuda_inputs():
+    layer = QuantLinear.from_weight(packed(bias=False))
+    eight = QuantLinear.from_weight(packed(scheme=QuantScheme(8, 32, True), bias=False))
+
+    class CudaInput:  # stands in for a CUDA tensor: the decision reads only ``is_cuda``
+        is_cuda = True
+
+    assert select_backend(layer, CudaInput()) == BACKEND_W4A16
+    assert select_backend(eight, CudaInput()) == BACKEND_TORCH
+
+
+def test_cache_follows_buffers():
+    first, second = packed(seed=1), packed(seed=2)
+    layer = QuantLinear.from_weight(first)
+    x = torch.randn(4, 96)
+    y1 = layer(x)
+    layer.load_state_dict(QuantLinear.from_weight(second).state_dict())
+    assert torch.allclose(layer(x), F.linear(x, second.dequantize(), second.bias), atol=1e-5)
+    assert not torch.allclose(layer(x), y1)
+
+
+def test_dtype_moves_keep_float16_scales():
+    layer = QuantLinear.from_weight(packed())
+    layer.to(torch.bfloat16)
+    assert layer.scales.dtype == torch.float16 and layer.bias.dtype == torch.bfloat16
+    assert layer.qweight.dtype == torch.int32
+    x = torch.randn(2, 96, dtype=torch.bfloat16)
+    assert layer(x).dtype == torch.bfloat16
+    layer.float()
+    assert layer.scales.dtype == torch.float16 and layer(x.float()).dtype == torch.float32
