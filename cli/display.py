@@ -5,12 +5,19 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from rich.console import Console
 from rich.logging import RichHandler
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from rich.table import Table
 
 
@@ -61,12 +68,15 @@ class LayerProgress:
 
     def __init__(self, con: Console, method: str) -> None:
         self.console = con
+        self.method = method
         self.progress = Progress(
-            TextColumn(f"[bold]{method}[/bold]"), BarColumn(), MofNCompleteColumn(), TextColumn("layers"),
+            TextColumn("[bold]{task.description}[/bold]"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("{task.fields[unit]}"),
             TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), TextColumn("{task.fields[peak]}"),
             console=con, transient=False,
         )
         self.task = None
+        self.calib_task = None
 
     def __enter__(self) -> LayerProgress:
         self.progress.__enter__()
@@ -75,9 +85,15 @@ class LayerProgress:
     def __exit__(self, *exc) -> None:
         self.progress.__exit__(*exc)
 
+    def on_calibration(self, done: int, total: int) -> None:
+        """Self-generated calibration: tokens generated so far."""
+        if self.calib_task is None:
+            self.calib_task = self.progress.add_task("self-calibration", total=total, unit="tokens", peak="")
+        self.progress.update(self.calib_task, completed=done)
+
     def on_layer(self, event) -> None:
         if self.task is None:
-            self.task = self.progress.add_task("layers", total=event.n_layers, peak="")
+            self.task = self.progress.add_task(self.method, total=event.n_layers, unit="layers", peak="")
         peak = f"peak {human_bytes(event.peak_memory_bytes)}" if event.peak_memory_bytes else ""
         self.progress.update(self.task, completed=event.index + 1, peak=peak)
         self.progress.console.print(_format_layer_line(event), highlight=False)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -17,7 +17,7 @@ def perplexity(
     model: Annotated[str, typer.Argument(help="A quantized checkpoint folder, a model folder, hub id or .gguf file.")],
     data: Annotated[str, typer.Option("--data", help="wikitext2 (hub) or a local .txt/.jsonl/.parquet file.")] = "wikitext2",
     seqlen: SeqLen = 2048,
-    max_windows: Annotated[Optional[int], typer.Option("--max-windows", help="Evaluate at most this many windows.")] = None,
+    max_windows: Annotated[int | None, typer.Option("--max-windows", help="Evaluate at most this many windows.")] = None,
     bos: Annotated[str, typer.Option("--bos", help="Start every window with BOS: auto (if the tokenizer expects one), on, off.")] = "auto",
     device: Device = "auto", dtype: Dtype = "auto", trust_remote_code: TrustRemoteCode = False,
     text_field: TextField = "text", json_: Json = False,

@@ -17,9 +17,10 @@ def register(app: typer.Typer) -> None:
                 json_: Json = False,
                 layers: Annotated[bool, typer.Option("--layers", help="List every quantized linear.")] = False) -> None:
         """Method, bits, group size, layers, size on disk and compression ratio of a checkpoint."""
+        from rich.table import Table
+
         from quantkit import api
         from quantkit.cli.display import console, human_bytes
-        from rich.table import Table
 
         info = api.inspect(path)
         data = info.to_dict()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -23,7 +23,7 @@ Overwrite = Annotated[bool, typer.Option("--overwrite", help="Replace an existin
 Json = Annotated[bool, typer.Option("--json", help="Print one machine-readable JSON object instead of tables.")]
 TrustRemoteCode = Annotated[bool, typer.Option("--trust-remote-code", help="Allow model code from the hub.")]
 TextField = Annotated[str, typer.Option("--text-field", help="Field holding the text in .jsonl/.parquet files.")]
-SaveStats = Annotated[Optional[Path], typer.Option(
+SaveStats = Annotated[Path | None, typer.Option(
     "--save-stats", help="Write per-layer errors as JSON to this file, with a PNG plot beside it.")]
 BatchSize = Annotated[int, typer.Option("--batch-size", help="Calibration windows per layer forward.")]
 ModelArg = Annotated[str, typer.Argument(help="Hugging Face model folder, hub id, or .gguf file.")]

@@ -4,14 +4,29 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
 
 import typer
 
 from quantkit.cli import display
 from quantkit.cli.options import (
-    BatchSize, Bits, Calib, Device, Dtype, GroupSize, Json, ModelArg, NSamples, Output, Overwrite, SaveStats,
-    Seed, SeqLen, Sym, TextField, TrustRemoteCode,
+    BatchSize,
+    Bits,
+    Calib,
+    Device,
+    Dtype,
+    GroupSize,
+    Json,
+    ModelArg,
+    NSamples,
+    Output,
+    Overwrite,
+    SaveStats,
+    Seed,
+    SeqLen,
+    Sym,
+    TextField,
+    TrustRemoteCode,
 )
 
 
@@ -30,7 +45,7 @@ def _run(method: str, model: str, output: Path, *, bits: int, group_size: int, s
     with display.LayerProgress(console, method) as progress, display.library_logs(console):
         report = api.quantize(model, output, method=method, scheme=scheme, method_options=options,
                               calib=calib_config, load=load, overwrite=overwrite, batch_size=batch_size,
-                              on_layer=progress.on_layer)
+                              on_layer=progress.on_layer, on_calib_progress=progress.on_calibration)
     if save_stats is not None:
         display.save_layer_stats(report, save_stats, console)
     if as_json:
@@ -76,7 +91,7 @@ def register(app: typer.Typer) -> None:
             grid: Annotated[int, typer.Option("--grid", help="Points of the scale-exponent grid over [0, 1].")] = 20,
             clip: Annotated[bool, typer.Option("--clip/--no-clip", help="Search a clipping range per group.")] = True,
             gptq: Annotated[bool, typer.Option("--gptq", help="Round with GPTQ after the AWQ scaling.")] = False,
-            fmt: Annotated[Optional[str], typer.Option("--format", help="Checkpoint layout: gptq (default) or awq (AWQ GEMM).")] = None,
+            fmt: Annotated[str | None, typer.Option("--format", help="Checkpoint layout: gptq (default) or awq (AWQ GEMM).")] = None,
             device: Device = "auto", dtype: Dtype = "auto", trust_remote_code: TrustRemoteCode = False,
             batch_size: BatchSize = 8, overwrite: Overwrite = False, json_: Json = False,
             save_stats: SaveStats = None) -> None:
