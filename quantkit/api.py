@@ -153,6 +153,8 @@ def quantize(
 
     t_start = time.perf_counter()
     out = check_output(output, overwrite)
+    method_options = dict(method_options or {})
+    layout = method_options.pop("format", "gptq")
     quant_method = build_method(method, scheme, method_options)
     device = resolve_device(load.device)
     loaded = load_model(model, load)
@@ -177,7 +179,7 @@ def quantize(
     if checkpoint_extra is not None:
         extra.update(checkpoint_extra())
     save_quantized(loaded.model, result.weights, out, tokenizer=loaded.tokenizer, method=method, scheme=scheme,
-                   extra=extra, overwrite=overwrite)
+                   extra=extra, overwrite=overwrite, layout=layout)
     t_end = time.perf_counter()
     peak = torch.cuda.max_memory_allocated() if device.startswith("cuda") else 0
     return QuantizeReport(

@@ -58,6 +58,7 @@ def save_quantized(
     overwrite: bool = False,
     max_shard_bytes: int = 4 * 2**30,
     save_dtype: str = "auto",
+    layout: str = "gptq",
 ) -> Path:
     """Write ``model`` with ``weights`` (full module name -> packed linear) as a GPTQ v1 checkpoint.
 
@@ -67,8 +68,12 @@ def save_quantized(
     modules already in ``model`` (a loaded checkpoint) are written as they are. ``extra`` is stored
     under ``quantization_config.quantkit`` (calibration info and the like); ``damp_percent``,
     ``true_sequential`` and ``static_groups`` in it are also written at the top level, where GPTQ
-    readers look for them. Returns the output folder.
+    readers look for them. ``layout="awq"`` writes the AWQ GEMM layout instead (4-bit, asymmetric,
+    contiguous groups; for tools that only read AutoAWQ checkpoints; quantkit's own reader reads the
+    GPTQ layout). Returns the output folder.
     """
+    if layout not in ("gptq", "awq"):
+        raise QuantkitError(f"--format must be gptq or awq, got {layout!r}")
     output = Path(output_dir)
     _refuse_existing(output, overwrite)
     if max_shard_bytes <= 0:
@@ -80,7 +85,10 @@ def save_quantized(
     state_dict, dropped_aliases = build_state_dict(model, weights, dtype)
     quant_config = build_quantization_config(model, weights, scheme=scheme, method=method, extra=extra)
     quant_config["quantkit"]["save_dtype"] = _dtype_name(dtype)
-    config = _config_dict(model, quant_config, dtype, lm_head_quantized=quant_config["lm_head"])
+    lm_head_quantized = quant_config["lm_head"]
+    if layout == "awq":
+        state_dict, quant_config = _to_awq_layout(state_dict, weights, scheme, quant_config)
+    config = _config_dict(model, quant_config, dtype, lm_head_quantized=lm_head_quantized)
 
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = output.parent / f".{output.name}.tmp-{uuid.uuid4().hex[:8]}"
@@ -107,6 +115,28 @@ def save_quantized(
 
 
 # -- what goes into the files -------------------------------------------------------------------
+
+
+def _to_awq_layout(
+    state: dict[str, PendingTensor], weights: dict[str, QuantizedWeight], scheme: QuantScheme, gptq_config: dict
+) -> tuple[dict[str, PendingTensor], dict]:
+    """Swap every packed linear's GPTQ tensors for the AWQ GEMM ones (bit order in quantkit.pack)."""
+    from quantkit.methods.awq import awq_quantization_config, export_awq_layout
+
+    awq_tensors = export_awq_layout(weights)
+    out: dict[str, PendingTensor] = {}
+    for key, pending in state.items():
+        module_name, _, leaf = key.rpartition(".")
+        if module_name in weights and leaf in ("qweight", "qzeros", "scales", "g_idx", "bias"):
+            for awq_key in (f"{module_name}.{k}" for k in ("qweight", "qzeros", "scales", "bias")):
+                if awq_key in awq_tensors and awq_key not in out:
+                    out[awq_key] = PendingTensor(awq_tensors[awq_key])
+            continue
+        out[key] = pending
+    unquantized = [n.rpartition(".")[2] for n in gptq_config.get("quantkit", {}).get("unquantized_linears", [])]
+    config = awq_quantization_config(scheme, sorted(set(unquantized)) or None)
+    config["quantkit"] = {**gptq_config.get("quantkit", {}), "layout": "awq_gemm"}
+    return out, config
 
 
 def _collect_weights(model: nn.Module, weights: dict[str, QuantizedWeight]) -> dict[str, QuantizedWeight]:
@@ -239,11 +269,12 @@ def _config_dict(model: nn.Module, quant_config: dict, dtype: torch.dtype, lm_he
 
 
 def _file_metadata(scheme: QuantScheme, quant_config: dict) -> dict[str, str]:
+    awq = quant_config["quant_method"] == "awq"
     return {
         "format": "pt",
-        "quant_method": "gptq",
-        "checkpoint_format": "gptq",
-        "quantkit_layout": LAYOUT,
+        "quant_method": quant_config["quant_method"],
+        "checkpoint_format": "awq_gemm" if awq else "gptq",
+        "quantkit_layout": "awq_gemm" if awq else LAYOUT,
         "bits": str(scheme.bits),
         "group_size": str(scheme.group_size),
         "sym": str(scheme.sym).lower(),
