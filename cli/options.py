@@ -27,3 +27,5 @@ SaveStats = Annotated[Path | None, typer.Option(
     "--save-stats", help="Write per-layer errors as JSON to this file, with a PNG plot beside it.")]
 BatchSize = Annotated[int, typer.Option("--batch-size", help="Calibration windows per layer forward.")]
 ModelArg = Annotated[str, typer.Argument(help="Hugging Face model folder, hub id, or .gguf file.")]
+LmHead = Annotated[bool, typer.Option(
+    "--quantize-lm-head", help="Also quantize the output projection (untied from the embeddings); default: 16 bits.")]

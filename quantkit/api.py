@@ -142,6 +142,7 @@ def quantize(
     batch_size: int = 8,
     on_layer: Callable[[LayerEvent], None] | None = None,
     on_calib_progress: Callable[[int, int], None] | None = None,
+    quantize_lm_head: bool = False,
 ) -> QuantizeReport:
     """Quantize ``model`` (folder, hub id or .gguf) with ``method`` and write a GPTQ-layout checkpoint.
 
@@ -168,7 +169,7 @@ def quantize(
     partial = partial_group_layers(loaded.model, scheme)
     warn_partial_groups(partial, loaded.model, scheme.group_size)
     result = walk(loaded.model, quant_method, device=device, token_ids=token_ids, batch_size=batch_size,
-                  on_layer=on_layer)
+                  on_layer=on_layer, quantize_lm_head=quantize_lm_head)
     t_quant = time.perf_counter()
 
     extra = {"source_model": model, "method": method, "layer_seconds": result.seconds}

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -279,12 +280,15 @@ def walk(
     batch_size: int = 8,
     skip: Callable[[str], bool] = lambda name: False,
     on_layer: Callable[[LayerEvent], None] | None = None,
+    quantize_lm_head: bool = False,
 ) -> WalkResult:
     """Quantize every decoder layer of ``model`` with ``method``; returns the packed weights by full name.
 
     ``token_ids [nsamples, seqlen]`` are the calibration windows (required when the method needs
-    calibration). ``skip(relative_name)`` keeps a linear in 16 bits. The model is left holding the
-    dequantized weights, so it computes what the checkpoint will.
+    calibration). ``skip(relative_name)`` keeps a linear in 16 bits. With ``quantize_lm_head`` the
+    output projection is quantized last, as one more "layer" whose input is the final norm's output
+    (tied embeddings are untied first: the input embeddings stay in 16 bits). The model is left
+    holding the dequantized weights, so it computes what the checkpoint will.
     """
     device = torch.device(device)
     prefix, layers = find_decoder_layers(model)
@@ -332,7 +336,58 @@ def walk(
         if on_layer is not None:
             on_layer(LayerEvent(i, len(source), ctx.prefix, seconds, time.perf_counter() - start,
                                 _peak_memory(device), result))
+    if quantize_lm_head:
+        name, qw, stats = quantize_output_head(model, method, hidden, device)
+        weights[name] = qw
+        layer_stats.append({"layer": len(source), "prefix": name, "seconds": stats.pop("_seconds"),
+                            "linears": {name: stats}, "notes": []})
     return WalkResult(weights=weights, layer_stats=layer_stats, seconds=time.perf_counter() - start)
+
+
+class _OutputHead(nn.Module):
+    """The final norm and the output projection, walked like one more decoder layer."""
+
+    def __init__(self, norm: nn.Module, lm_head: nn.Linear) -> None:
+        super().__init__()
+        self.norm = norm
+        self.lm_head = lm_head
+
+    def forward(self, hidden_states: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        return self.lm_head(self.norm(hidden_states))
+
+
+def quantize_output_head(
+    model: nn.Module, method: Method, hidden: list[torch.Tensor] | None, device: torch.device
+) -> tuple[str, QuantizedWeight, dict[str, float]]:
+    """Quantize ``lm_head`` with ``method``; ``hidden`` are the last decoder layer's outputs."""
+    from quantkit.config import QuantkitError
+
+    t0 = time.perf_counter()
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    norm = getattr(decoder, "norm", None)
+    if not isinstance(head, nn.Linear) or norm is None:
+        raise QuantkitError(f"--quantize-lm-head is not supported for {type(model).__name__}: no final norm "
+                            "and linear output projection found")
+    name = next(n for n, m in model.named_modules() if m is head)
+    embeddings = model.get_input_embeddings()
+    if embeddings is not None and embeddings.weight.data_ptr() == head.weight.data_ptr():
+        head.weight = nn.Parameter(head.weight.detach().clone())
+        model.config.tie_word_embeddings = False
+        log.info("untied %s from the input embeddings to quantize it", name)
+    block = _OutputHead(norm, head)
+    home = head.weight.device
+    block.to(device)
+    inputs = None if hidden is None else LayerInputs(hidden, {})
+    ctx = LayerContext(index=-1, n_layers=1, prefix="", layer=block, linears={"lm_head": head},
+                       groups=[["lm_head"]], spec=None, inputs=inputs, device=device)
+    result = method.quantize_layer(ctx)
+    qw = result.weights["lm_head"]
+    install_weight(head, qw)
+    block.to(home)
+    stats = dict(result.stats.get("lm_head", {}))
+    stats["_seconds"] = time.perf_counter() - t0
+    return name, qw, stats
 
 
 def iter_batches(token_ids: torch.Tensor, batch_size: int) -> Iterator[torch.Tensor]:

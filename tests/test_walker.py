@@ -9,7 +9,13 @@ from quantkit.arch import find_decoder_layers
 from quantkit.config import QuantScheme
 from quantkit.methods.rtn import RTNMethod
 from quantkit.walker import (
-    LayerInputs, LayerResult, ModelLayers, capture_layer_inputs, capture_linear_inputs, run_layer, walk,
+    LayerInputs,
+    LayerResult,
+    ModelLayers,
+    capture_layer_inputs,
+    capture_linear_inputs,
+    run_layer,
+    walk,
 )
 
 
@@ -114,3 +120,35 @@ def test_walk_requires_calibration_for_calibrated_methods():
 
     with pytest.raises(ValueError, match="calibration"):
         walk(LlamaForCausalLM(tiny_llama_config()), _RecordingMethod(), device="cpu")
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_quantize_lm_head_unties_and_packs_it(tied, tmp_path):
+    from transformers import LlamaForCausalLM
+
+    from quantkit.methods.gptq import GPTQConfig
+    from quantkit.methods.gptq_method import GPTQMethod
+    from tests.conftest import tiny_llama_config
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_llama_config(tie_word_embeddings=tied)).eval()
+    ids = torch.randint(0, 256, (4, 16))
+    embed_before = model.get_input_embeddings().weight.detach().clone()
+    method = GPTQMethod(QuantScheme(4, 32, sym=False), GPTQConfig())
+    result = walk(model, method, device="cpu", token_ids=ids, batch_size=2, quantize_lm_head=True)
+    assert "lm_head" in result.weights and result.layer_stats[-1]["prefix"] == "lm_head"
+    torch.testing.assert_close(model.lm_head.weight.data, result.weights["lm_head"].dequantize())
+    # The input embeddings keep their 16-bit values even when they were tied to lm_head.
+    torch.testing.assert_close(model.get_input_embeddings().weight, embed_before)
+    assert model.config.tie_word_embeddings is False or not tied
+    # Written and read back, the checkpoint computes what the walked model computes.
+    from quantkit.checkpoint import load_quantized, save_quantized
+
+    save_quantized(model, result.weights, tmp_path / "q", method="gptq", scheme=method.scheme)
+    reloaded, _ = load_quantized(tmp_path / "q", dtype=torch.float32)
+    assert type(reloaded.lm_head).__name__ == "QuantLinear"
+    with torch.no_grad():
+        expected = model(ids).logits
+        got = reloaded(ids).logits
+    # Embeddings and norms are saved in bf16 (the model was fp32): a small, bounded difference.
+    assert (got - expected).abs().max() < 0.05 * expected.abs().max()
