@@ -22,6 +22,7 @@ import time
 import torch
 import torch.nn.functional as F
 import triton
+
 from quantkit.kernels import w4a16 as kw
 
 SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336), (28672, 8192), (8192, 28672)]
@@ -110,7 +111,7 @@ def run_shape(n, k, ms, copy_tbs, rows, variants, deadline=float("inf")):
     ws = [make_weights(n, k)]
     packed_bytes = ws[0].qweight.numel() * 4 + ws[0].scales.numel() * 2
     w_kn = dequant_f32(ws[0])
-    err = {m: check(ws[0], w_kn, m) for m in (3, 333)}
+    err = {m: check(ws[0], w_kn, m) for m in (1, 3, 333)}  # GEMV, decode tensor-core, prefill
     del w_kn
     ws += [make_weights(n, k) for _ in range(rotations(packed_bytes) - 1)]
     bf16 = [torch.randn(n, k, device="cuda").bfloat16() for _ in range(rotations(2 * n * k))]
@@ -124,7 +125,7 @@ def run_shape(n, k, ms, copy_tbs, rows, variants, deadline=float("inf")):
             print(f"deadline: skipping N={n} K={k} M={m}", flush=True)
             continue
         xs = [torch.randn(m, k, device="cuda").bfloat16() for _ in range(max(len(ws), len(bf16)))]
-        row = dict(N=n, K=k, M=m, relerr_m3=err[3], relerr_m333=err[333])
+        row = dict(N=n, K=k, M=m, relerr_m1=err[1], relerr_m3=err[3], relerr_m333=err[333])
         row["triton_us"] = bench_graph([lambda x=x, w=w: kw.w4a16_matmul(x, w) for x, w in zip(xs, ws)])
         row["cublas_us"] = bench_graph([lambda x=x, w=w: F.linear(x, w) for x, w in zip(xs, bf16)])
         if i4:
@@ -144,7 +145,9 @@ def run_shape(n, k, ms, copy_tbs, rows, variants, deadline=float("inf")):
             row["weight_tbs"] = tbs
             row["pct_copy_bw"] = 100 * tbs / copy_tbs
         rows.append(row)
-        print(json.dumps(row), flush=True)
+        # One short progress line per point (the full rows go to the JSON): keeps earlier output, such
+        # as a test run's summary, inside a log tail.
+        print(f"N={n} K={k} M={m} triton {row['triton_us']:.1f} us", flush=True)
         del xs
 
 
@@ -184,22 +187,28 @@ def main():
         ms = sorted(set(ms) | {2, 8})  # the GEMV / tensor-core crossover
     copy_tbs = copy_bandwidth()
     rows = []
+    now = datetime.datetime.now(datetime.timezone.utc)
+    out = args.out or f"bench/results/w4a16_{now:%Y%m%d_%H%M}.json"
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+
+    def write(complete: bool):
+        # Written after every shape too, so that an outer timeout still leaves the finished shapes.
+        result = dict(
+            card=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+            date=now.isoformat(timespec="seconds"), group_size=GROUP, copy_tbs=copy_tbs, complete=complete,
+            timing="median of 20 CUDA-graph replays over rotating inputs (>3x L2); copy: do_bench median",
+            rows=sorted(rows, key=lambda r: (SHAPES.index((r["N"], r["K"])), r["M"])), tuned=tuned_configs(),
+        )
+        with open(out, "w") as f:
+            json.dump(result, f, indent=1)
+
     # Largest shapes first: they carry the targets, so a deadline cuts the small ones.
     for n, k in sorted(shapes, key=lambda s: -s[0] * s[1]):
         run_shape(n, k, ms, copy_tbs, rows, args.variants, t0 + args.deadline)
         torch.cuda.empty_cache()
+        write(False)
     rows.sort(key=lambda r: (SHAPES.index((r["N"], r["K"])), r["M"]))
-    now = datetime.datetime.now(datetime.timezone.utc)
-    result = dict(
-        card=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-        date=now.isoformat(timespec="seconds"), group_size=GROUP, copy_tbs=copy_tbs,
-        timing="median of 20 CUDA-graph replays over rotating inputs (>3x L2); copy: do_bench median",
-        rows=rows, tuned=tuned_configs(),
-    )
-    out = args.out or f"bench/results/w4a16_{now:%Y%m%d_%H%M}.json"
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(result, f, indent=1)
+    write(True)
     print_table(rows, copy_tbs)
 
 

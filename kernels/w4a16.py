@@ -16,8 +16,9 @@ How the kernel works
 * Three paths, one entry point (:func:`w4a16_matmul`):
   - GEMV (``M <= GEMV_MAX_M``): no tensor cores. Each program streams the packed words of BLOCK_N
     output rows over a K slice with 16-byte loads, unpacks them in the load's own register layout,
-    forms exact ``code - zero`` in fp32, reduces along K and scales once per group (split-K, fp32
-    atomics). ``_w4a16_gemv_kernel``; it shares the unpack helpers with the tensor-core kernel.
+    forms exact ``code - zero`` in fp32 (one ``lop3`` per code, exponent trick), reduces along K and
+    scales once per group (a tile may span several groups; split-K, fp32 atomics).
+    ``_w4a16_gemv_kernel``.
   - decode (``M <= 16``): memory bound. The grid is split along K (``SPLIT_K`` programs per output
     tile) so that even one row keeps all SMs streaming weights; partial sums meet in a float32
     buffer through atomics, then one cast to the output dtype.
@@ -48,7 +49,7 @@ _PER_CHANNEL_GROUP = 1 << 30
 DECODE_MAX_M = 16
 # M <= GEMV_MAX_M runs the no-tensor-core GEMV kernel; GEMV_MAX_M < M <= DECODE_MAX_M the split-K
 # wgmma kernel (see NOTES_w4a16.md for the measured crossover).
-GEMV_MAX_M = 2  # run 3: GEMV 108 us vs wgmma 162 us at M=2, 179 vs 160 at M=4 (28672x8192)
+GEMV_MAX_M = 2  # run 4: GEMV 89 us vs tensor-core 157 us at M=2, 178 vs 157 at M=4 (28672x8192)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -60,22 +61,30 @@ def _cfg(bn, bm, bk, warps, stages, group_n=8, w_is_a=True, gather=False):
     return triton.Config(kw, num_warps=warps, num_stages=stages)
 
 
-def _gemv_cfg(bn, bk, warps, pipe=1):
-    return triton.Config(dict(BLOCK_N=bn, BLOCK_K=bk, PIPE=pipe), num_warps=warps, num_stages=max(pipe, 1))
+def _gemv_cfg(bn, bk, warps, pipe=1, progs_per_sm=8):
+    return triton.Config(dict(BLOCK_N=bn, BLOCK_K=bk, PIPE=pipe, PROGS_PER_SM=progs_per_sm),
+                         num_warps=warps, num_stages=max(pipe, 1))
 
 
 # GEMV (M <= GEMV_MAX_M): BLOCK_M is the launcher's (next power of two >= M); the K split is the
-# grid's second axis (_gemv_split_k). Configs whose per-thread product tile is too large for the
-# registers at the given BLOCK_M, or whose BLOCK_K does not divide the group, are pruned.
+# grid's second axis (_gemv_split_k, about PROGS_PER_SM programs per SM, no empty K slices).
+# BLOCK_K may span several groups (v4: more bytes in flight per program). Configs whose per-thread
+# product tile is too large for the registers at the given BLOCK_M, or whose BLOCK_K neither
+# divides nor is a multiple of the group, are pruned.
 GEMV_CONFIGS = [
     _gemv_cfg(64, 128, 4),
-    _gemv_cfg(128, 128, 4),
-    _gemv_cfg(32, 128, 4),
-    _gemv_cfg(64, 64, 2),
-    _gemv_cfg(64, 128, 4, pipe=3),
+    _gemv_cfg(128, 128, 4),  # run 3's winner on every shape
     _gemv_cfg(128, 128, 8, pipe=3),
+    _gemv_cfg(128, 256, 4),
+    _gemv_cfg(128, 256, 8, pipe=2),
+    _gemv_cfg(64, 512, 4),
+    _gemv_cfg(128, 512, 8),
+    _gemv_cfg(128, 512, 8, progs_per_sm=4),
+    _gemv_cfg(256, 256, 8, progs_per_sm=4),
+    _gemv_cfg(64, 256, 4, pipe=3, progs_per_sm=16),
 ]
 _GEMV_MAX_PRODUCTS_PER_THREAD = 2048
+_GEMV_MAX_CODES_PER_THREAD = 256
 
 
 # Decode: BLOCK_M = 16 (the smallest dot tile). The K split is the grid's second axis, chosen per
@@ -85,6 +94,15 @@ DECODE_CONFIGS = [
     _cfg(128, 16, 128, 4, 4),
     _cfg(128, 16, 256, 4, 3),
     _cfg(64, 16, 128, 4, 4),
+    # v4: X tile as A, dequantized W tile through shared memory as B (no register-A layout change),
+    # and the gather unpack (word per K row + shift, no reshape).
+    _cfg(64, 16, 128, 4, 4, w_is_a=False),
+    _cfg(128, 16, 128, 4, 3, w_is_a=False),
+    _cfg(64, 16, 256, 4, 3, w_is_a=False),
+    _cfg(128, 16, 256, 8, 3, w_is_a=False),
+    _cfg(64, 16, 128, 4, 4, w_is_a=False, gather=True),
+    _cfg(128, 16, 128, 4, 3, w_is_a=False, gather=True),
+    _cfg(64, 16, 256, 4, 3, w_is_a=False, gather=True),
 ]
 PREFILL_CONFIGS = [
     _cfg(128, 32, 128, 4, 4),
@@ -347,38 +365,70 @@ def _w4a16_kernel(
 def _gemv_tile(acc, x_ptr, qw_ptr, scales_ptr, zeros_ptr, kt, offs_m, mask_m, offs_n, mask_n,
                M, K, K_WORDS, stride_xm, stride_qn, stride_sg, stride_zg,
                GROUP_SIZE: tl.constexpr, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, MAGIC: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One K tile of the GEMV: ``acc[m, n] += s[g, n] * sum_k (q[n, k] - z[g, n]) * x[m, k]``."""
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LOP3_ASM: tl.constexpr):
+    """One K tile of the GEMV: ``acc[m, n] += sum_g s[g, n] * sum_{k in g} (q[n, k] - z[g, n]) * x[m, k]``.
+
+    The tile may span several groups (BLOCK_K a multiple of GROUP_SIZE) or lie inside one (BLOCK_K
+    divides GROUP_SIZE). It is loaded 4-D, ``[BLOCK_N, NG, GW, 1]`` (NG groups of GW words): the
+    per-group partial sums are then a plain reduction over the last two axes, with no reshape.
+    """
     PER_WORD: tl.constexpr = 32 // BITS
+    NG: tl.constexpr = BLOCK_K // GROUP_SIZE if BLOCK_K > GROUP_SIZE else 1  # groups in the tile
+    GW: tl.constexpr = BLOCK_K // PER_WORD // NG  # words per group (or per tile when NG = 1)
     k0 = kt * BLOCK_K
-    # Packed words [BLOCK_N, BLOCK_K / PER_WORD], K-contiguous per output row: 16-byte vector loads.
-    # Loaded as a 3-D [BLOCK_N, words, 1] tile: the load's coalesced layout (4 words = 16 bytes per
-    # thread) then also holds the PER_WORD codes of each word in that thread, with no layout change.
-    rows_w = k0 // PER_WORD + tl.arange(0, BLOCK_K // PER_WORD)
-    words = tl.load(qw_ptr + offs_n[:, None, None] * stride_qn + rows_w[None, :, None],
-                    mask=mask_n[:, None, None] & (rows_w[None, :, None] < K_WORDS), other=0)
-    # Codes stay 3-D [BLOCK_N, words, PER_WORD] (no reshape).
-    shifts = tl.arange(0, PER_WORD) * BITS
-    codes = (words >> shifts[None, None, :]) & ((1 << BITS) - 1)
-    # BLOCK_K divides GROUP_SIZE: the tile lies in one group, one scale/zero per output row.
-    g = k0 // GROUP_SIZE
-    scale = tl.load(scales_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    offs_g = tl.arange(0, NG)
+    # Packed words, K-contiguous per output row: 16-byte vector loads. The load's coalesced layout
+    # (4 words = 16 bytes per thread) also holds the PER_WORD codes of each word in that thread.
+    rows_w = k0 // PER_WORD + offs_g[:, None] * GW + tl.arange(0, GW)[None, :]  # [NG, GW]
+    words = tl.load(qw_ptr + offs_n[:, None, None, None] * stride_qn + rows_w[None, :, :, None],
+                    mask=mask_n[:, None, None, None] & (rows_w[None, :, :, None] < K_WORDS), other=0)
+    # Unpack without moving codes to bit 0: code j (j = HALF*h + i) sits at bit 16*h + BITS*i and is
+    # masked in place after one 16-bit shift per word: ((w >> 16h) & (MASK << BITS*i)) | MAGIC is one
+    # LOP3 per code and reads as the float 2**23 + code * 2**(BITS*i), exactly (fields < 2**16).
+    # Subtracting 2**23 + zero * 2**(BITS*i) gives (code - zero) * 2**(BITS*i) exactly; the x values
+    # carry the 2**-(BITS*i) instead (exact, and x is shared by all the rows a thread holds).
+    HALF: tl.constexpr = PER_WORD // 2
+    jj = tl.arange(0, PER_WORD)
+    hi = ((jj // HALF) * 16).to(tl.uint32)
+    lo = (jj % HALF) * BITS
+    shifted = words.to(tl.uint32, bitcast=True) >> hi[None, None, None, :]  # [BLOCK_N, NG, GW, PER_WORD]
+    field_mask = (((1 << BITS) - 1) << lo).to(tl.uint32)[None, None, None, :]
+    # One scale / zero per (row, group of the tile); groups past K (partial last tile) are masked.
+    g = k0 // GROUP_SIZE + offs_g
+    g_mask = mask_n[:, None] & ((k0 + offs_g * GROUP_SIZE) < K)[None, :]
+    scale = tl.load(scales_ptr + g[None, :] * stride_sg + offs_n[:, None], mask=g_mask, other=0.0).to(tl.float32)
     if HAS_ZEROS:
-        zero = tl.load(zeros_ptr + g * stride_zg + offs_n, mask=mask_n, other=0).to(tl.float32)
+        zero = tl.load(zeros_ptr + g[None, :] * stride_zg + offs_n[:, None], mask=g_mask, other=0).to(tl.int32)
     else:
-        zero = tl.full([BLOCK_N], 1 << (BITS - 1), tl.float32)
+        zero = tl.full([BLOCK_N, NG], 1 << (BITS - 1), tl.int32)
+    zero_j = zero[:, :, None, None] << lo[None, None, None, :]  # zero * 2**(BITS*i) < 2**16
     if MAGIC != 0:
-        zero = zero + 8388608.0  # 2**23: the fp32 exponent trick, exact for codes < 2**23
-    q = _codes_to_float(codes, zero[:, None, None], MAGIC, tl.float32)  # exact (code - zero), fp32
-    # x rows as [words, PER_WORD] (16-byte loads); one row at a time keeps the tile 3-D.
-    rows_k = k0 + tl.arange(0, BLOCK_K // PER_WORD)[:, None] * PER_WORD + tl.arange(0, PER_WORD)[None, :]
+        # The fp32 exponent trick: no int->float conversion per code.
+        if LOP3_ASM:
+            # (shifted & mask) | MAGIC as one lop3 (ptxas emits two LOP3s for the two immediates).
+            bits = tl.inline_asm_elementwise(
+                "lop3.b32 $0, $1, $2, $3, 0xEA;", "=r,r,r,r",
+                [shifted, tl.broadcast_to(field_mask, shifted.shape),
+                 tl.full(shifted.shape, MAGIC, tl.uint32)],
+                dtype=tl.uint32, is_pure=True, pack=1)
+        else:
+            bits = (shifted & field_mask) | MAGIC
+        q = bits.to(tl.float32, bitcast=True) - (zero_j + 8388608).to(tl.float32)
+    else:
+        q = ((shifted & field_mask).to(tl.int32, bitcast=True) - zero_j).to(tl.float32)
+    unit = tl.exp2((-lo).to(tl.float32))  # 2**-(BITS*i), exact
+    # x rows as [NG, GW, PER_WORD] (16-byte loads); one row at a time keeps the tile 4-D.
+    rows_k = (k0 + (offs_g[:, None, None] * GW + tl.arange(0, GW)[None, :, None]) * PER_WORD
+              + jj[None, None, :])
     part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for m in tl.static_range(BLOCK_M):
         x = tl.load(x_ptr + m * stride_xm + rows_k, mask=(rows_k < K) & (m < M), other=0.0).to(tl.float32)
-        # Integer-code dot products per row in fp32; the group scale is applied once per tile.
-        p = tl.sum(tl.sum(q * x[None, :, :], axis=2), axis=1)  # [BLOCK_N]
+        x = x * unit[None, None, :]
+        # Integer-code dot products per (row, group) in fp32, then one scale per group.
+        pg = tl.sum(tl.sum(q * x[None, :, :, :], axis=3), axis=2)  # [BLOCK_N, NG]
+        p = tl.sum(pg * scale, axis=1)  # [BLOCK_N]
         part = tl.where(offs_m[:, None] == m, p[None, :], part)
-    return acc + part * scale[None, :]
+    return acc + part
 
 
 @triton.jit
@@ -388,12 +438,15 @@ def _w4a16_gemv_kernel(
     stride_xm, stride_qn, stride_sg, stride_zg, stride_cm,
     GROUP_SIZE: tl.constexpr, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, MAGIC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PIPE: tl.constexpr,
+    PROGS_PER_SM: tl.constexpr = 8, LOP3_ASM: tl.constexpr = False,
 ):
     """Decode GEMV, no tensor cores: ``c[M, N] += x[M, K] @ dequant(qw[N, K*BITS/32])^T`` over a K slice.
 
     Grid: (N tiles, K splits). Every program owns BLOCK_N output rows of W and all (<= BLOCK_M) rows
     of x, streams its K slice of packed words once and adds its float32 partial sums atomically into
-    a zeroed ``c``. x must be K-contiguous (the launcher makes it so).
+    a zeroed ``c``. x must be K-contiguous (the launcher makes it so). PROGS_PER_SM is read by the
+    launcher's grid only (the K split), a tuning knob of the config. LOP3_ASM (GPU only, not the
+    interpreter) builds each code's float bits with one inline ``lop3``.
     """
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -411,12 +464,12 @@ def _w4a16_gemv_kernel(
         for kt in tl.range(kt_start, kt_end, num_stages=PIPE):
             acc = _gemv_tile(acc, x_ptr, qw_ptr, scales_ptr, zeros_ptr, kt, offs_m, mask_m, offs_n, mask_n,
                              M, K, K_WORDS, stride_xm, stride_qn, stride_sg, stride_zg,
-                             GROUP_SIZE, BITS, HAS_ZEROS, MAGIC, BLOCK_M, BLOCK_N, BLOCK_K)
+                             GROUP_SIZE, BITS, HAS_ZEROS, MAGIC, BLOCK_M, BLOCK_N, BLOCK_K, LOP3_ASM)
     else:
         for kt in range(kt_start, kt_end):
             acc = _gemv_tile(acc, x_ptr, qw_ptr, scales_ptr, zeros_ptr, kt, offs_m, mask_m, offs_n, mask_n,
                              M, K, K_WORDS, stride_xm, stride_qn, stride_sg, stride_zg,
-                             GROUP_SIZE, BITS, HAS_ZEROS, MAGIC, BLOCK_M, BLOCK_N, BLOCK_K)
+                             GROUP_SIZE, BITS, HAS_ZEROS, MAGIC, BLOCK_M, BLOCK_N, BLOCK_K, LOP3_ASM)
     c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :]
     tl.atomic_add(c_ptrs, acc, mask=mask_m[:, None] & mask_n[None, :], sem="relaxed")
 
@@ -434,9 +487,18 @@ _prefill_tuned = triton.autotune(configs=PREFILL_CONFIGS, key=["M_BUCKET", "N", 
 )
 
 
+def _gemv_block_k_ok(block_k: int, group_size: int) -> bool:
+    """The GEMV tile lies inside one group or covers whole groups."""
+    return group_size % block_k == 0 or block_k % group_size == 0
+
+
 def _gemv_config_ok(meta: dict, block_m: int, group_size: int) -> bool:
-    per_thread = block_m * meta["BLOCK_N"] * meta["BLOCK_K"] // (32 * meta.get("num_warps", 4))
-    return group_size % meta["BLOCK_K"] == 0 and per_thread <= _GEMV_MAX_PRODUCTS_PER_THREAD
+    codes = meta["BLOCK_N"] * meta["BLOCK_K"] // (32 * meta.get("num_warps", 4))  # per thread per tile
+    # With several x rows the dequantized tile stays live across the row loop (one register per code):
+    # over 128 codes per thread it spills (sm_90 compile: 256 codes at BLOCK_M 2 -> 184 B of stack).
+    max_codes = _GEMV_MAX_CODES_PER_THREAD if block_m == 1 else _GEMV_MAX_CODES_PER_THREAD // 2
+    return (_gemv_block_k_ok(meta["BLOCK_K"], group_size) and codes <= max_codes
+            and block_m * codes <= _GEMV_MAX_PRODUCTS_PER_THREAD)
 
 
 def _gemv_prune(configs, named_args, **kwargs):
@@ -444,8 +506,8 @@ def _gemv_prune(configs, named_args, **kwargs):
           if _gemv_config_ok(c.all_kwargs(), kwargs["BLOCK_M"], kwargs["GROUP_SIZE"])]
     if ok:
         return ok
-    # Small groups (g16/g32): keep the configs whose BLOCK_K fits the group.
-    return [c for c in configs if kwargs["GROUP_SIZE"] % c.kwargs["BLOCK_K"] == 0] or configs[-1:]
+    # Odd group sizes: keep the configs whose BLOCK_K fits the group.
+    return [c for c in configs if _gemv_block_k_ok(c.kwargs["BLOCK_K"], kwargs["GROUP_SIZE"])] or configs[-1:]
 
 
 _gemv_tuned = triton.autotune(
@@ -470,10 +532,10 @@ def _decode_split_k(n_tiles: int, k_tiles: int, num_sms: int) -> int:
     return max(1, min(want, k_tiles // 2 if k_tiles >= 2 else 1))
 
 
-def _gemv_split_k(n_tiles: int, k_tiles: int, num_sms: int) -> int:
-    """Split K so the GEMV grid has about _GEMV_PROGRAMS_PER_SM programs per SM."""
-    want = max(1, round(_GEMV_PROGRAMS_PER_SM * num_sms / max(n_tiles, 1)))
-    return max(1, min(want, k_tiles))
+def _gemv_split_k(n_tiles: int, k_tiles: int, num_sms: int, progs_per_sm: int = _GEMV_PROGRAMS_PER_SM) -> int:
+    """Split K so the GEMV grid has about ``progs_per_sm`` programs per SM, every K slice non-empty."""
+    want = max(1, min(round(progs_per_sm * num_sms / max(n_tiles, 1)), k_tiles))
+    return triton.cdiv(k_tiles, triton.cdiv(k_tiles, want))
 
 
 def _gemv_matmul(x, w, config, magic):
@@ -488,7 +550,8 @@ def _gemv_matmul(x, w, config, magic):
 
     def grid(meta):
         split = meta.get("SPLIT_K") or _gemv_split_k(
-            triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(k, meta["BLOCK_K"]), num_sms)
+            triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(k, meta["BLOCK_K"]), num_sms,
+            meta.get("PROGS_PER_SM", _GEMV_PROGRAMS_PER_SM))
         return (triton.cdiv(n, meta["BLOCK_N"]), split)
 
     # K_WORDS (= K / PER_WORD) as its own argument: its divisibility by 16 lets the masked word
@@ -496,14 +559,15 @@ def _gemv_matmul(x, w, config, magic):
     args = (x, w.qweight, w.scales, zeros, out, m, n, k, w.qweight.shape[1], _m_bucket(m),
             x.stride(0), w.qweight.stride(0), w.scales.stride(0), zeros.stride(0), out.stride(0))
     flags = dict(GROUP_SIZE=w.group_size, BITS=w.bits, HAS_ZEROS=w.zeros is not None,
-                 MAGIC=0x4B000000 if magic else 0, BLOCK_M=block_m)
+                 MAGIC=0x4B000000 if magic else 0, BLOCK_M=block_m, LOP3_ASM=magic and not _interpreting())
     if config is None and _interpreting():
         ok = [c.all_kwargs() for c in GEMV_CONFIGS if _gemv_config_ok(c.all_kwargs(), block_m, w.group_size)]
         config = ok[0] if ok else dict(BLOCK_N=32, BLOCK_K=min(32, w.group_size))
     if config is not None:
         meta = dict(PIPE=1, num_warps=4, num_stages=1) | config
-        if w.group_size % meta["BLOCK_K"]:
-            raise ValueError(f"GEMV BLOCK_K {meta['BLOCK_K']} must divide the group size {w.group_size}")
+        if not _gemv_block_k_ok(meta["BLOCK_K"], w.group_size):
+            raise ValueError(f"GEMV BLOCK_K {meta['BLOCK_K']} must divide the group size {w.group_size} "
+                             "or be a multiple of it")
         launch_grid = grid(meta)
         meta.pop("SPLIT_K", None)
         _w4a16_gemv_kernel[launch_grid](*args, **flags, **meta)

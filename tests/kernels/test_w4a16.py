@@ -83,6 +83,12 @@ GEMV_CASES = [
     (64, 256, 4, -1, True, False, 5, dict(BLOCK_N=32, BLOCK_K=64, SPLIT_K=2)),  # per channel
     (64, 192, 8, 64, False, False, 2, dict(BLOCK_N=32, BLOCK_K=64)),  # 8-bit
     (48, 128, 4, 32, False, False, 3, None),  # default interpreter config
+    # Tiles spanning several groups (per-group scale inside the tile), incl. the K=576 partial group
+    (72, 576, 4, 128, False, False, 3, dict(BLOCK_N=32, BLOCK_K=256)),  # asym, M=3, 2 groups/tile
+    (72, 576, 4, 128, True, False, 1, dict(BLOCK_N=16, BLOCK_K=512, PIPE=2)),  # sym, M=1, tail tile
+    (64, 256, 4, 32, False, True, 7, dict(BLOCK_N=16, BLOCK_K=128, SPLIT_K=2)),  # act-order asym, M=7
+    (64, 256, 4, 64, True, True, 1, dict(BLOCK_N=32, BLOCK_K=256, PROGS_PER_SM=4)),  # act-order sym
+    (64, 192, 8, 64, False, False, 3, dict(BLOCK_N=32, BLOCK_K=128)),  # 8-bit, masked 2nd group
 ]
 
 
@@ -127,9 +133,20 @@ def test_default_path_is_gemv_for_small_m():
     ref = x.double() @ w_deq.double().t()
     assert rel_err(mod.w4a16_matmul(x, w), ref) < 2e-3  # M=2 -> GEMV with its default config
     with pytest.raises(ValueError):
-        mod.w4a16_matmul(x, w, config=dict(BLOCK_N=32, BLOCK_K=128), path="gemv")  # BLOCK_K > group
-    with pytest.raises(ValueError):
         mod.w4a16_matmul(x, w, path="nope")
+    tensors, _ = make_layer(32, 192, 4, 48, False, False, seed=12)
+    w48 = mod.prepare_w4a16_weights(**tensors, bits=4, group_size=48, sym=False)
+    with pytest.raises(ValueError):  # BLOCK_K neither divides the group nor covers whole groups
+        mod.w4a16_matmul(torch.randn(1, 192).half(), w48, config=dict(BLOCK_N=32, BLOCK_K=32), path="gemv")
+
+
+def test_gemv_split_k_has_no_empty_slices():
+    mod = _kernel_module()
+    for n_tiles, k_tiles in [(224, 16), (64, 56), (32, 4), (1, 1), (1000, 3), (7, 13)]:
+        for pps in (4, 8, 16):
+            split = mod._gemv_split_k(n_tiles, k_tiles, 132, pps)
+            per = -(-k_tiles // split)
+            assert 1 <= split <= k_tiles and (split - 1) * per < k_tiles  # the last slice is non-empty
 
 
 @pytest.mark.parametrize("act", [False, True])
@@ -186,12 +203,16 @@ GPU_SHAPES = [  # (n, k, group_size, sym, act_order): multiples of the group, no
 
 def _gpu_path_config(mod, m, gs):
     # Fixed configs keep the compile count small; the autotuned path has its own test below.
-    # M 1/7/16: GEMV; M 9: the split-K wgmma decode kernel; 67: W-as-B gather; 334: W-as-A.
-    if m in (1, 7, 16):
+    # M 1/7: GEMV (one group per tile / tiles spanning groups); M 9, 16: the split-K decode kernel with
+    # W as B (v4 decode configs: plain and gather unpack); 67: W-as-B gather; 334: W-as-A.
+    if m == 1:
         bk = 64 if gs == -1 else min(64, gs)
-        return "gemv", dict(BLOCK_N=64, BLOCK_K=bk, num_warps=4, PIPE=3 if m == 7 else 1)
+        return "gemv", dict(BLOCK_N=64, BLOCK_K=bk, num_warps=4)
+    if m == 7:
+        return "gemv", dict(BLOCK_N=128, BLOCK_K=256, num_warps=8, PIPE=2)
     if m <= mod.DECODE_MAX_M:
-        return "tc", mod.DECODE_CONFIGS[0].all_kwargs()
+        return "tc", dict(BLOCK_N=64, BLOCK_M=16, BLOCK_K=128, W_IS_A=False, W_GATHER=m == 16,
+                          num_warps=4, num_stages=4)
     return "tc", dict(BLOCK_N=128, BLOCK_M=64, BLOCK_K=64, W_IS_A=m % 2 == 0, W_GATHER=m % 2 == 1,
                       num_warps=4, num_stages=3)
 
