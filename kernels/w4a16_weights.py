@@ -1,0 +1,95 @@
+"""The W4A16 kernel's weights: the one-time repack of GPTQ tensors, and the plain-PyTorch reference.
+
+No Triton here, so the CPU path (and the reference the tests compare against) never imports it.
+The GPTQ layout itself is defined in :mod:`quantkit.pack`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from quantkit.pack import pack_rows, unpack_gptq, unpack_rows
+from quantkit.primitives import default_g_idx
+
+# Groups larger than any K: per-channel quantization is "one group", every K tile lies inside it.
+PER_CHANNEL_GROUP = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class W4A16Weights:
+    """Kernel-ready weights (see :func:`prepare_w4a16_weights`). ``N`` = out, ``K`` = in features.
+
+    * ``qweight`` int32 ``[N, K * bits / 32]``: codes packed along K, K contiguous per output row,
+      in the (possibly act-order permuted) K order the kernel reads.
+    * ``scales`` float16 ``[G, N]``; ``zeros`` uint8 ``[G, N]`` or ``None`` when symmetric
+      (zero = ``2**(bits-1)``).
+    * ``g_idx`` int32 ``[K]``: group of each (permuted) input row; ``perm`` int64 ``[K]`` or None:
+      the kernel multiplies ``x[:, perm]``.
+    * ``group_size``: the contiguous group length the kernel assumes, or None when the groups are
+      not contiguous runs of one length (the kernel then refuses; the reference still works).
+    """
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None
+    g_idx: torch.Tensor
+    perm: torch.Tensor | None
+    bits: int
+    group_size: int | None
+    in_features: int
+    out_features: int
+
+
+def prepare_w4a16_weights(qweight, qzeros, scales, g_idx, bits, group_size, sym) -> W4A16Weights:
+    """One-time repack of GPTQ tensors (layout of :mod:`quantkit.pack`) into :class:`W4A16Weights`.
+
+    qweight int32 ``[K*bits/32, N]``, qzeros int32 ``[G, N*bits/32]``, scales fp16 ``[G, N]``,
+    g_idx int ``[K]`` (or None), ``group_size`` as quantized (-1: per channel).
+    """
+    if bits not in (4, 8):
+        raise ValueError(f"the W4A16 kernel reads 4- or 8-bit codes, got {bits}")
+    n_words, n = qweight.shape
+    k = n_words * 32 // bits
+    if g_idx is None:
+        g_idx = default_g_idx(k, group_size, device=qweight.device)
+    g_idx = g_idx.to(device=qweight.device, dtype=torch.int32)
+    perm = None
+    if bool((g_idx[1:] < g_idx[:-1]).any()):
+        # Act-order: sort rows by group so each group is one contiguous run of K.
+        perm = torch.argsort(g_idx.long(), stable=True)
+        codes, _ = unpack_gptq(qweight, qzeros, bits, k, n)
+        qweight = pack_rows(codes[:, perm].t(), bits)
+        g_idx = g_idx[perm]
+    _, zeros = unpack_gptq(qweight[:0], qzeros, bits, 0, n)
+    if sym and bool((zeros == 2 ** (bits - 1)).all()):
+        zeros_u8 = None
+    else:
+        zeros_u8 = zeros.to(torch.uint8).contiguous()
+    kernel_group = None
+    gs = k if group_size == -1 else group_size
+    if torch.equal(g_idx, default_g_idx(k, gs, device=g_idx.device)):
+        kernel_group = PER_CHANNEL_GROUP if group_size == -1 else group_size
+    return W4A16Weights(
+        qweight=qweight.t().contiguous(),
+        scales=scales.to(torch.float16).contiguous(),
+        zeros=zeros_u8,
+        g_idx=g_idx,
+        perm=perm,
+        bits=bits,
+        group_size=kernel_group,
+        in_features=k,
+        out_features=n,
+    )
+
+
+def w4a16_matmul_ref(x: torch.Tensor, w: W4A16Weights) -> torch.Tensor:
+    """Plain-PyTorch reference: dequantize to float32, matmul. ``x [M, K]`` -> ``[M, N]`` (x's dtype)."""
+    codes = unpack_rows(w.qweight.t().contiguous(), w.bits, w.in_features)  # [K, N]
+    gi = w.g_idx.long()
+    zeros = 2 ** (w.bits - 1) if w.zeros is None else w.zeros[gi].float()
+    w_kn = (codes.float() - zeros) * w.scales[gi].float()
+    if w.perm is not None:
+        x = x[:, w.perm]
+    return (x.float() @ w_kn).to(x.dtype)
