@@ -5,10 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")  # files only; never needs a display
-import matplotlib.pyplot as plt  # noqa: E402
+# A bare Figure (no pyplot) renders to files with Agg and touches no global backend state.
+from matplotlib.figure import Figure
 
 _ERROR_KEYS = (("err_rtn", "err_gptq"), ("err_before", "err_after"), (None, "weight_error"))
 
@@ -32,7 +30,8 @@ def plot_layer_errors(layer_stats: list[dict[str, Any]], path: str | Path, title
     """One line per linear kind (q_proj, ..., down_proj): relative error by layer; dashed = before (RTN)."""
     path = Path(path)
     series = _series(layer_stats)
-    fig, ax = plt.subplots(figsize=(9, 4.5), dpi=120)
+    fig = Figure(figsize=(9, 4.5), dpi=120)
+    ax = fig.subplots()
     for i, (name, data) in enumerate(sorted(series.items())):
         color = f"C{i % 10}"
         if data["after"]:
@@ -49,5 +48,4 @@ def plot_layer_errors(layer_stats: list[dict[str, Any]], path: str | Path, title
     ax.legend(fontsize=8, ncol=2)
     fig.tight_layout()
     fig.savefig(path)
-    plt.close(fig)
     return path

@@ -4,7 +4,6 @@ On a machine without CUDA the Triton kernels run under the interpreter (TRITON_I
 `triton.jit` reads that variable when the kernel is *decorated*, i.e. when
 quantkit.kernels.attention is first imported, so it is set here before that import.
 """
-import math
 import os
 
 import pytest

@@ -1,0 +1,401 @@
+"""AWQ's pure core: activation-aware scales, their folding, the clip search and the AWQ GEMM export.
+
+AWQ (Lin et al., 2023) keeps every weight at 4 bits but protects the input channels that meet large
+activations. For a group of linears reading the same input ``x [n, in]`` it picks a per-channel scale
+``s [in]``, rounds ``W * s`` instead of ``W`` and divides the input by ``s`` (folded into the operation
+that produces ``x``: an RMSNorm weight or the output rows of a previous linear), so the
+full-precision function is unchanged while salient channels get a finer grid.
+
+* Scale search: ``s = mean|x| ** alpha`` (optionally divided by ``mean|w_normalized| ** (1 - alpha)``,
+  "duo scaling"), normalized so that ``sqrt(max s * min s) = 1``; ``alpha`` runs over a grid in
+  ``[0, 1]`` and the one whose quantized weights ``Q(W s) / s`` give the least mean squared error of
+  the block output (a callable: attention, MLP, or the linears themselves) wins. ``alpha = 0`` is
+  plain round-to-nearest, so the search never does worse than RTN on its own objective.
+* Clip search: per (group, output row) the min/max range is shrunk by ratios in
+  ``[1 - max_shrink, 1]``; the ratio whose rounded group gives the least error of the group's
+  partial products ``x_g . w_g`` over sampled tokens is kept (ratio 1 is on the grid, so the
+  objective never increases).
+* Everything here takes tensors and a frozen config and returns records; the walker glue lives in
+  ``awq_method.py`` (``AWQMethod``, importable from here).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from quantkit.config import QuantkitError, QuantScheme
+from quantkit.methods.gptq import GPTQConfig
+from quantkit.methods.rtn import RTNResult
+from quantkit.pack import pack_awq
+from quantkit.primitives import (
+    compute_qparams,
+    default_g_idx,
+    dequantize,
+    fake_quantize,
+    num_groups,
+    qparams_from_range,
+    quantize,
+)
+from quantkit.qtensor import QuantizedWeight
+
+log = logging.getLogger(__name__)
+
+PROPAGATE = ("fp", "quantized")
+
+
+@dataclass(frozen=True)
+class AWQConfig:
+    """AWQ's options.
+
+    ``grid``: alpha steps over [0, 1] (``grid + 1`` candidates). ``clip``: run the clip search;
+    ``clip_grid`` shrink ratios evenly over ``[1 - max_shrink, 1]`` on ``clip_tokens`` sampled tokens;
+    ``clip_skip_qk``: leave q/k projections unclipped (their error acts through the attention scores,
+    which the partial-product objective does not see). ``duo_scaling``: divide by the normalized weight
+    magnitude too. ``search_samples``: calibration windows whose block outputs score the scale search
+    (0: all; the per-channel activation means always use all). ``gptq``: GPTQ rounding after the
+    scaling (``gptq_config`` its options). ``gqa_tied_vo``: under grouped-query attention still scale
+    v -> o, one scale per value channel shared by the query heads that read it (peers skip v -> o
+    there). ``propagate``: the next layer's inputs come from the
+    full-precision layer (``"fp"``, as AutoAWQ) or from the quantized one (``"quantized"``).
+    """
+
+    grid: int = 20
+    duo_scaling: bool = True
+    clip: bool = True
+    clip_grid: int = 20
+    max_shrink: float = 0.5
+    clip_tokens: int = 512
+    clip_skip_qk: bool = True
+    search_samples: int = 8
+    gqa_tied_vo: bool = True
+    gptq: bool = False
+    gptq_config: GPTQConfig = field(default_factory=GPTQConfig)
+    propagate: str = "fp"
+
+    def __post_init__(self) -> None:
+        if self.grid < 1:
+            raise QuantkitError(f"--grid must be at least 1, got {self.grid}")
+        if self.clip_grid < 1:
+            raise QuantkitError(f"clip_grid must be at least 1, got {self.clip_grid}")
+        if not 0.0 <= self.max_shrink < 1.0:
+            raise QuantkitError(f"max_shrink must be in [0, 1), got {self.max_shrink}")
+        if self.clip_tokens < 1:
+            raise QuantkitError(f"clip_tokens must be at least 1, got {self.clip_tokens}")
+        if self.search_samples < 0:
+            raise QuantkitError(f"search_samples must be >= 0 (0: all windows), got {self.search_samples}")
+        if self.propagate not in PROPAGATE:
+            raise QuantkitError(f"propagate must be one of {PROPAGATE}, got {self.propagate!r}")
+        if self.gptq and self.gptq_config.desc_act and not self.gptq_config.static_groups:
+            raise QuantkitError("AWQ+GPTQ keeps contiguous groups: use desc_act only with static_groups")
+
+
+# --------------------------------------------------------------------------- records
+
+
+@dataclass(frozen=True)
+class ScaleSearch:
+    """Outcome of one scale search: the chosen ``alpha``, ``scales [in]`` and block MSEs per alpha."""
+
+    alpha: float
+    scales: torch.Tensor
+    error_rtn: float  # alpha = 0: plain round-to-nearest
+    error_best: float
+    errors: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class ClipSearch:
+    """Clip range per group: ``clip_min``/``clip_max`` ``[G, out]`` and the summed partial-product MSEs."""
+
+    clip_min: torch.Tensor
+    clip_max: torch.Tensor
+    error_before: float
+    error_after: float
+
+
+@dataclass(frozen=True)
+class GroupScale:
+    """A scale folded into ``prev`` (a norm or a linear's output rows) and ``linears``' input columns."""
+
+    prev: str
+    prev_kind: str
+    linears: tuple[str, ...]
+    scales: torch.Tensor  # [in]
+    alpha: float
+    # (n_rep, head_dim) when ``prev``'s outputs are repeated n_rep times per head for the consumers
+    # (grouped-query attention); ``scales`` is then tied across the repeats.
+    tie: tuple[int, int] | None = None
+
+    def prev_scales(self) -> torch.Tensor:
+        """The scale of each output of ``prev``: ``scales`` itself, or one per repeated channel."""
+        if self.tie is None:
+            return self.scales
+        n_rep, head_dim = self.tie
+        return self.scales.view(-1, n_rep, head_dim)[:, 0, :].reshape(-1)  # [kv * head_dim]
+
+
+@dataclass(frozen=True)
+class LayerRecord:
+    """The re-applicable result of AWQ on one decoder layer: scales per group, clips per linear."""
+
+    scales: tuple[GroupScale, ...] = ()
+    clips: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # name -> [G, out] x2
+
+    def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """Tensors (``scale/<prev>``, ``clip_min/<linear>``, ``clip_max/<linear>``) and JSON metadata."""
+        tensors: dict[str, torch.Tensor] = {}
+        meta: dict[str, Any] = {}
+        for g in self.scales:
+            tensors[f"scale/{g.prev}"] = g.scales.detach().cpu()
+            meta[f"scale/{g.prev}"] = {"prev_kind": g.prev_kind, "linears": list(g.linears), "alpha": g.alpha,
+                                       "tie": None if g.tie is None else list(g.tie)}
+        for name, (cmin, cmax) in self.clips.items():
+            tensors[f"clip_min/{name}"] = cmin.detach().cpu()
+            tensors[f"clip_max/{name}"] = cmax.detach().cpu()
+        return tensors, meta
+
+    @classmethod
+    def from_state_dict(cls, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> LayerRecord:
+        scales = tuple(
+            GroupScale(key[len("scale/"):], m["prev_kind"], tuple(m["linears"]), tensors[key], float(m["alpha"]),
+                       None if m.get("tie") is None else tuple(m["tie"]))
+            for key, m in meta.items()
+        )
+        clips = {
+            key[len("clip_min/"):]: (t, tensors["clip_max/" + key[len("clip_min/"):]])
+            for key, t in tensors.items() if key.startswith("clip_min/")
+        }
+        return cls(scales, clips)
+
+
+# --------------------------------------------------------------------------- scale search
+
+
+def weight_channel_mean(weights: list[torch.Tensor], group_size: int) -> torch.Tensor:
+    """Mean over output rows of ``|w|`` normalized by its group's max: ``[in]`` (duo scaling's weight term)."""
+    w = torch.cat([x.float() for x in weights], dim=0)  # [sum out, in]
+    out_features, in_features = w.shape
+    gs = in_features if group_size == -1 else group_size
+    pad = num_groups(in_features, group_size) * gs - in_features
+    wg = F.pad(w.abs(), (0, pad)).view(out_features, -1, gs)  # [out, G, gs]
+    wg = wg / wg.amax(dim=-1, keepdim=True).clamp_min(1e-12)
+    return wg.reshape(out_features, -1)[:, :in_features].mean(dim=0)
+
+
+def tie_repeats(v: torch.Tensor, tie: tuple[int, int] | None) -> torch.Tensor:
+    """Average ``v [kv * n_rep * head_dim]`` over the ``n_rep`` heads that share a kv head, expanded back."""
+    if tie is None:
+        return v
+    n_rep, head_dim = tie
+    return v.view(-1, n_rep, head_dim).mean(dim=1, keepdim=True).expand(-1, n_rep, -1).reshape(-1)
+
+
+def awq_scales(x_mean: torch.Tensor, alpha: float, w_mean: torch.Tensor | None = None) -> torch.Tensor:
+    """``s [in] = x_mean^alpha (/ w_mean^(1-alpha))``, clamped away from zero, geometric mid-range 1."""
+    s = x_mean.float().clamp_min(1e-4).pow(alpha)
+    if w_mean is not None:
+        s = s / w_mean.float().clamp_min(1e-4).pow(1.0 - alpha)
+    s = s.clamp_min(1e-4)
+    s = s / (s.max() * s.min()).sqrt()
+    if not torch.isfinite(s).all():
+        raise FloatingPointError("non-finite AWQ scales")
+    return s
+
+
+def fake_quantize_scaled(w: torch.Tensor, s: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
+    """``Q(w * s) / s`` for ``w [out, in]``, ``s [in]``: what the scaled weight contributes for input ``x``."""
+    ws = w.float() * s.view(1, -1)
+    scales, zeros, g_idx = compute_qparams(ws, scheme.bits, scheme.group_size, scheme.sym)
+    return fake_quantize(ws, scales, zeros, g_idx, scheme.bits) / s.view(1, -1)
+
+
+def search_scale(
+    x_mean: torch.Tensor,
+    weights: list[torch.Tensor],
+    block_fn: Callable[[list[torch.Tensor]], torch.Tensor],
+    target: torch.Tensor,
+    scheme: QuantScheme,
+    config: AWQConfig,
+    tie: tuple[int, int] | None = None,
+) -> ScaleSearch:
+    """Grid-search ``alpha`` for linears ``weights [out_i, in]`` sharing the input with channel means
+    ``x_mean [in]``. ``block_fn(candidate weights)`` returns the block output computed with them
+    (same shape as ``target``, the full-precision output); the least mean squared error wins.
+    ``tie = (n_rep, head_dim)`` makes the scales equal across repeated heads (see ``tie_repeats``)."""
+    w_mean = weight_channel_mean(weights, scheme.group_size) if config.duo_scaling else None
+    x_mean = tie_repeats(x_mean.float(), tie)
+    w_mean = None if w_mean is None else tie_repeats(w_mean, tie)
+    target = target.float()
+    errors: list[float] = []
+    best = (math.inf, 0.0, torch.ones_like(x_mean, dtype=torch.float32))
+    for i in range(config.grid + 1):
+        alpha = i / config.grid
+        s = awq_scales(x_mean, alpha, w_mean) if i else torch.ones_like(x_mean, dtype=torch.float32)
+        candidates = [fake_quantize_scaled(w, s, scheme).to(w.dtype) for w in weights]
+        err = float((block_fn(candidates).float() - target).pow(2).mean())
+        errors.append(err)
+        if err < best[0]:  # strict: ties keep the smaller alpha (alpha 0 is RTN)
+            best = (err, alpha, s)
+    if not math.isfinite(best[0]):
+        log.warning("AWQ scale search: every candidate gave a non-finite error; keeping RTN")
+        best = (errors[0], 0.0, torch.ones_like(x_mean, dtype=torch.float32))
+    return ScaleSearch(alpha=best[1], scales=best[2], error_rtn=errors[0], error_best=best[0], errors=tuple(errors))
+
+
+# --------------------------------------------------------------------------- folding
+
+
+def fold_into_norm(weight: torch.Tensor, s: torch.Tensor, offset: float = 0.0) -> torch.Tensor:
+    """Norm weight ``[in]`` whose output is divided by ``s``: ``(offset + w) / s - offset`` (Gemma: 1)."""
+    return ((offset + weight.float()) / s.float() - offset).to(weight.dtype)
+
+
+def fold_into_rows(weight: torch.Tensor, bias: torch.Tensor | None, s: torch.Tensor):
+    """A previous linear ``[out, in]`` whose outputs are divided by ``s [out]``: (weight, bias)."""
+    w = (weight.float() / s.float().view(-1, 1)).to(weight.dtype)
+    b = None if bias is None else (bias.float() / s.float()).to(bias.dtype)
+    return w, b
+
+
+def scale_columns(weight: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """A consumer ``[out, in]`` whose input was divided by ``s [in]``: columns multiplied by ``s``."""
+    return (weight.float() * s.float().view(1, -1)).to(weight.dtype)
+
+
+# --------------------------------------------------------------------------- clip search
+
+
+def _grouped(t: torch.Tensor, gs: int, n_groups: int) -> torch.Tensor:
+    """``t [rows, in]`` zero-padded to ``n_groups * gs`` columns -> ``[rows, G, gs]``."""
+    return F.pad(t, (0, n_groups * gs - t.shape[1])).view(t.shape[0], n_groups, gs)
+
+
+def search_clip(
+    w: torch.Tensor, x: torch.Tensor, scheme: QuantScheme, config: AWQConfig, chunk_rows: int = 1024
+) -> ClipSearch:
+    """Best shrink of each (group, output row) range of ``w [out, in]`` for inputs ``x [n, in]``.
+
+    Groups are contiguous (a partial last group is zero-padded: padded columns add nothing to the
+    partial products and do not move the min/max, which always include zero)."""
+    out_features, in_features = w.shape
+    gs = in_features if scheme.group_size == -1 else scheme.group_size
+    G = num_groups(in_features, scheme.group_size)
+    xg = _grouped(x.float(), gs, G).permute(1, 0, 2)  # [n, in] -> [G, n, gs]
+    ratios = [1.0 - config.max_shrink * i / config.clip_grid for i in range(config.clip_grid)]
+    cmin_all, cmax_all, before, after = [], [], 0.0, 0.0
+    for start in range(0, out_features, chunk_rows):
+        wg = _grouped(w[start : start + chunk_rows].float(), gs, G)  # [o, G, gs]
+        ref = torch.bmm(xg, wg.permute(1, 2, 0))  # [G, n, o]
+        wmin = wg.amin(dim=-1).clamp(max=0).t()  # [G, o]
+        wmax = wg.amax(dim=-1).clamp(min=0).t()
+        if scheme.sym:  # a symmetric grid clips both sides at the same magnitude
+            wmax = torch.maximum(-wmin, wmax)
+            wmin = -wmax
+        best_err = torch.full_like(wmin, math.inf)
+        best_ratio = torch.ones_like(wmin)
+        for ratio in ratios:
+            scale, zero = qparams_from_range(wmin * ratio, wmax * ratio, scheme.bits, scheme.sym)  # [G, o]
+            s3, z3 = scale.t().unsqueeze(-1), zero.t().unsqueeze(-1).float()  # [o, G, 1]
+            q = torch.clamp(torch.round(wg / s3) + z3, 0, scheme.maxq)
+            err = (torch.bmm(xg, ((q - z3) * s3).permute(1, 2, 0)) - ref).pow(2).mean(dim=1)  # [G, o]
+            if ratio == 1.0:
+                before += float(err.sum())
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best_ratio = torch.where(better, torch.full_like(best_ratio, ratio), best_ratio)
+        after += float(best_err.sum())
+        cmin_all.append(wmin * best_ratio)
+        cmax_all.append(wmax * best_ratio)
+    return ClipSearch(torch.cat(cmin_all, dim=1), torch.cat(cmax_all, dim=1), before, after)
+
+
+def clipped_rtn(w: torch.Tensor, clip_min: torch.Tensor, clip_max: torch.Tensor, scheme: QuantScheme) -> RTNResult:
+    """Round ``w [out, in]`` on the grid of its clipped ranges ``[G, out]`` (contiguous groups): exactly
+    the rounding the clip search scored. Values outside a range take the grid's extreme codes."""
+    scales, zeros = qparams_from_range(clip_min, clip_max, scheme.bits, scheme.sym)  # [G, out]
+    g_idx = default_g_idx(w.shape[1], scheme.group_size, device=w.device).to(torch.int32)
+    codes = quantize(w, scales, zeros, g_idx, scheme.bits)
+    w32 = w.float()
+    err = (dequantize(codes, scales, zeros, g_idx) - w32).norm() / w32.norm().clamp_min(1e-12)
+    return RTNResult(codes, scales, zeros, g_idx, float(err))
+
+
+def apply_clip(w: torch.Tensor, clip_min: torch.Tensor, clip_max: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Clamp ``w [out, in]`` to its per-group range ``clip_min``/``clip_max [G, out]`` (contiguous groups):
+    how a clip reaches GPTQ, which computes its own grid from the weights."""
+    in_features = w.shape[1]
+    gs = in_features if group_size == -1 else group_size
+    gi = torch.arange(in_features, device=w.device) // gs  # [in]
+    lo = clip_min.t()[:, gi].to(w.dtype)  # [out, in]
+    hi = clip_max.t()[:, gi].to(w.dtype)
+    return torch.maximum(torch.minimum(w, hi), lo)
+
+
+# --------------------------------------------------------------------------- AWQ GEMM export
+
+
+def check_awq_exportable(name: str, qw: QuantizedWeight) -> None:
+    """Raise ``QuantkitError`` unless ``qw`` fits the AWQ GEMM layout."""
+    problems = []
+    if qw.bits != 4:
+        problems.append(f"{qw.bits}-bit (the layout holds 4 bits only)")
+    if qw.sym:
+        problems.append("symmetric (AWQ readers expect asymmetric zero points: use --asym)")
+    if qw.group_size == -1 or qw.in_features % qw.group_size:
+        problems.append(f"group size {qw.group_size} does not divide in_features {qw.in_features}")
+    elif qw.act_order:
+        problems.append("act-order groups (the layout has no g_idx)")
+    if qw.out_features % 8:
+        problems.append(f"out_features {qw.out_features} is not a multiple of 8")
+    if problems:
+        raise QuantkitError(f"--format awq cannot hold {name}: " + "; ".join(problems)
+                            + ". Write the GPTQ layout (the default format) instead.")
+
+
+def export_awq_layout(weights: dict[str, QuantizedWeight]) -> dict[str, torch.Tensor]:
+    """Tensors of the AWQ GEMM layout by full name: ``<name>.qweight`` int32 ``[in, out/8]``,
+    ``<name>.qzeros`` int32 ``[G, out/8]``, ``<name>.scales`` float16 ``[G, out]`` (and ``.bias``)."""
+    tensors: dict[str, torch.Tensor] = {}
+    for name, qw in weights.items():
+        check_awq_exportable(name, qw)
+        codes, zeros = qw.unpack()  # [out, in], [G, out]
+        qweight, qzeros = pack_awq(codes, zeros)
+        tensors[f"{name}.qweight"] = qweight
+        tensors[f"{name}.qzeros"] = qzeros
+        tensors[f"{name}.scales"] = qw.scales.to(torch.float16).contiguous()
+        if qw.bias is not None:
+            tensors[f"{name}.bias"] = qw.bias.contiguous()
+    return tensors
+
+
+def awq_quantization_config(scheme: QuantScheme, modules_to_not_convert: list[str] | None = None) -> dict[str, Any]:
+    """``quantization_config`` for config.json that transformers' ``AwqConfig`` and vLLM's AWQ reader
+    accept (both spellings of bits and group size, as AutoAWQ writes them)."""
+    if scheme.bits != 4 or scheme.sym or scheme.group_size == -1:
+        raise QuantkitError("--format awq needs --bits 4, asymmetric quantization and a positive group size")
+    return {
+        "quant_method": "awq",
+        "version": "gemm",
+        "bits": 4,
+        "w_bit": 4,
+        "group_size": scheme.group_size,
+        "q_group_size": scheme.group_size,
+        "zero_point": True,
+        "modules_to_not_convert": modules_to_not_convert,
+    }
+
+
+def __getattr__(name: str):
+    # The walker glue imports this module, so it is reached lazily to avoid an import cycle.
+    if name == "AWQMethod":
+        from quantkit.methods.awq_method import AWQMethod
+
+        return AWQMethod
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,354 @@
+"""The walker's view of AWQ: capture one decoder layer's inputs, search, fold, clip, round.
+
+Per layer: one forward of the full-precision layer over the calibration batches records, for every
+scaling group of the architecture record (``ArchSpec.scaling``), the per-channel mean ``|x|`` of its
+input (all tokens), the inputs and outputs of the block its scale search scores (the first
+``search_samples`` windows), sampled tokens for the clip search, and the layer's output (the next
+layer's inputs under ``propagate="fp"``). Every group's scale is searched on that unmodified layer,
+then all are folded (the full-precision function is unchanged), the weights are clipped and rounded
+with the RTN core or GPTQ.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from quantkit.arch import ArchSpec, ScalingGroup
+from quantkit.config import QuantScheme
+from quantkit.methods.awq import (
+    AWQConfig,
+    GroupScale,
+    LayerRecord,
+    apply_clip,
+    clipped_rtn,
+    fold_into_norm,
+    fold_into_rows,
+    scale_columns,
+    search_clip,
+    search_scale,
+)
+from quantkit.methods.gptq import HessianAccumulator, gptq_quantize
+from quantkit.methods.rtn import rtn_quantize
+from quantkit.qtensor import QuantizedWeight
+from quantkit.walker import LayerContext, LayerInputs, LayerResult, capture_calls, first_output
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Site:
+    """One input shared by some linears: its statistics and the captures its searches need."""
+
+    linears: tuple[str, ...]  # consumers of this input (all present in the layer)
+    group: ScalingGroup | None  # None: no scale for this input (no record, or nothing to fold into)
+    block: str  # module whose output scores the scale search ("": the linears themselves)
+    tie: tuple[int, int] | None = None  # (n_rep, head_dim): prev's outputs repeated per head (GQA)
+    sum_abs: torch.Tensor | None = None  # [in]
+    count: int = 0
+    clip_x: list[torch.Tensor] = field(default_factory=list)  # [t, in] sampled tokens
+    calls: list[tuple[tuple, dict]] = field(default_factory=list)  # block inputs, search batches
+    outputs: list[torch.Tensor] = field(default_factory=list)  # fp block outputs, search batches
+    hessian: HessianAccumulator | None = None
+
+
+def _split_for_search(hidden: list[torch.Tensor], n_search: int) -> tuple[list[torch.Tensor], int]:
+    """Batches whose first ``k`` hold exactly the first ``n_search`` windows (0: all): (batches, k)."""
+    if n_search == 0:
+        return list(hidden), len(hidden)
+    out, k, left = [], 0, n_search
+    for h in hidden:
+        if left <= 0:
+            out.append(h)
+        elif h.shape[0] <= left:
+            out.append(h)
+            k, left = k + 1, left - h.shape[0]
+        else:
+            out.extend([h[:left], h[left:]])
+            k, left = k + 1, 0
+    return out, k
+
+
+def _module(layer: nn.Module, path: str) -> nn.Module | None:
+    try:
+        return layer.get_submodule(path)
+    except AttributeError:
+        return None
+
+
+def _sites(ctx: LayerContext, notes: list[str], allow_tie: bool) -> list[_Site]:
+    """Input sites of the layer: one per scaling group that can be folded, one per other linear."""
+    spec: ArchSpec | None = ctx.spec
+    sites: list[_Site] = []
+    covered: set[str] = set()
+    for g in spec.scaling if spec is not None else ():
+        consumers = tuple(n for n in g.linears if isinstance(_module(ctx.layer, n), nn.Linear))
+        if not any(n in ctx.linears for n in consumers):
+            continue
+        reason = _fold_problem(ctx.layer, g, consumers)
+        tie = _gqa_tie(ctx.layer, g, consumers) if reason and allow_tie else None
+        if reason and tie is None:
+            notes.append(f"{g.prev} -> {', '.join(consumers)}: scaling skipped ({reason})")
+        sites.append(_Site(consumers, g if tie or not reason else None, g.block, tie))
+        covered.update(consumers)
+    if spec is None:
+        notes.append("no architecture record: AWQ scaling skipped, clip search and rounding only")
+    sites += [_Site((n,), None, "") for n in ctx.linears if n not in covered]
+    return sites
+
+
+def _fold_problem(layer: nn.Module, g: ScalingGroup, consumers: tuple[str, ...]) -> str:
+    """Why ``1/s`` cannot be folded into ``g.prev`` ("" when it can)."""
+    prev = _module(layer, g.prev)
+    in_features = {layer.get_submodule(n).in_features for n in consumers}
+    if len(in_features) != 1:
+        return f"consumers disagree on input size {sorted(in_features)}"
+    n_in = in_features.pop()
+    if prev is None:
+        return f"no module {g.prev}"
+    if g.block and _module(layer, g.block) is None:
+        return f"no block module {g.block}"
+    if g.prev_kind == "linear":
+        if not isinstance(prev, nn.Linear):
+            return f"{g.prev} is not a linear"
+        if prev.out_features != n_in:
+            return (f"{g.prev} has {prev.out_features} outputs but the consumers read {n_in} channels "
+                    "(grouped-query attention repeats them)")
+        return ""
+    weight = getattr(prev, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.shape != (n_in,):
+        return f"{g.prev} has no per-channel weight of size {n_in}"
+    return ""
+
+
+def _gqa_tie(layer: nn.Module, g: ScalingGroup, consumers: tuple[str, ...]) -> tuple[int, int] | None:
+    """(n_rep, head_dim) when ``g.prev`` is an attention projection whose output heads are each read by
+    ``n_rep`` consecutive query heads of the consumers (transformers' ``repeat_kv`` order), else None."""
+    prev = _module(layer, g.prev)
+    parent = _module(layer, g.prev.rsplit(".", 1)[0]) if "." in g.prev else layer
+    head_dim = getattr(parent, "head_dim", None)
+    if g.prev_kind != "linear" or not isinstance(prev, nn.Linear) or not isinstance(head_dim, int):
+        return None
+    n_in = layer.get_submodule(consumers[0]).in_features
+    if len(consumers) != 1 or n_in % prev.out_features or prev.out_features % head_dim:
+        return None
+    return (n_in // prev.out_features, head_dim)
+
+
+def _capture(ctx: LayerContext, sites: list[_Site], config: AWQConfig, with_hessian: bool) -> tuple[
+        list[torch.Tensor], list[torch.Tensor]]:
+    """One forward over all batches filling every site; returns (batches used, layer outputs)."""
+    inputs = ctx.inputs
+    batches, n_search = _split_for_search(inputs.hidden, config.search_samples)
+    stride = max(1, inputs.n_tokens // config.clip_tokens)
+    by_linear = {s.linears[0]: s for s in sites}
+    by_block = {s.block: s for s in sites if s.group is not None and s.block}
+    state = {"batch": 0}
+    outputs: list[torch.Tensor] = []
+
+    def on_call(name: str, args: tuple, kwargs: dict, output: Any) -> None:
+        searching = state["batch"] < n_search
+        if name == "":
+            state["batch"] += 1
+            outputs.append(first_output(output).detach())
+            return
+        if name in by_block and searching:
+            by_block[name].calls.append((args, kwargs))
+            by_block[name].outputs.append(first_output(output).detach())
+        if name in by_linear:
+            site = by_linear[name]
+            x = args[0].detach()
+            x2 = x.reshape(-1, x.shape[-1])  # [t, in]
+            site.sum_abs = x2.float().abs().sum(0) + (0 if site.sum_abs is None else site.sum_abs)
+            site.count += x2.shape[0]
+            site.clip_x.append(x2[::stride].float())
+            if with_hessian:
+                site.hessian = site.hessian or HessianAccumulator(x2.shape[1], device=x2.device)
+                site.hessian.add(x2)
+            if searching and site.group is not None and not site.block:
+                site.calls.append(((x,), {}))
+
+    names = [""] + sorted(by_block) + sorted(by_linear)
+    capture_calls(ctx.layer, LayerInputs(batches, inputs.kwargs), names, on_call, stop_early=False)
+    return batches, outputs
+
+
+def _block_fn(layer: nn.Module, site: _Site, names: list[str]) -> Callable[[list[torch.Tensor]], torch.Tensor]:
+    """The callable the scale search scores: the block's output with ``names``' weights replaced."""
+    linears = [layer.get_submodule(n) for n in names]
+
+    if not site.block:
+        def linear_fn(ws: list[torch.Tensor]) -> torch.Tensor:
+            return torch.cat([torch.cat([F.linear(a[0], w) for w in ws], dim=-1).reshape(-1, sum(
+                w.shape[0] for w in ws)) for a, _ in site.calls])
+
+        return linear_fn
+    block = layer.get_submodule(site.block)
+
+    def module_fn(ws: list[torch.Tensor]) -> torch.Tensor:
+        originals = [lin.weight.data for lin in linears]
+        try:
+            for lin, w in zip(linears, ws):
+                lin.weight.data = w
+            outs = [first_output(block(*a, **k)) for a, k in site.calls]
+        finally:
+            for lin, w in zip(linears, originals):
+                lin.weight.data = w
+        return torch.cat([o.reshape(-1, o.shape[-1]) for o in outs])
+
+    return module_fn
+
+
+def _target(site: _Site, names: list[str], layer: nn.Module) -> torch.Tensor:
+    if site.block:
+        return torch.cat([o.reshape(-1, o.shape[-1]) for o in site.outputs])
+    return _block_fn(layer, site, names)([layer.get_submodule(n).weight.data for n in names])
+
+
+@torch.no_grad()
+def apply_group_scale(layer: nn.Module, g: GroupScale, norm_offset: float) -> None:
+    """Fold ``1/s`` into ``g.prev`` and ``s`` into the consumers' input columns, in place."""
+    s = g.scales.to(next(layer.parameters()).device)
+    prev = layer.get_submodule(g.prev)
+    if g.prev_kind == "linear":
+        s_prev = g.prev_scales().to(s.device)
+        w, b = fold_into_rows(prev.weight.data, prev.bias.data if prev.bias is not None else None, s_prev)
+        prev.weight.data.copy_(w)
+        if b is not None:
+            prev.bias.data.copy_(b)
+    else:
+        prev.weight.data.copy_(fold_into_norm(prev.weight.data, s, norm_offset))
+    for name in g.linears:
+        lin = layer.get_submodule(name)
+        lin.weight.data.copy_(scale_columns(lin.weight.data, s))
+
+
+@torch.no_grad()
+def apply_layer_record(layer: nn.Module, record: LayerRecord, norm_offset: float) -> None:
+    """Re-apply a saved search to a full-precision layer: fold every scale. Rounding each linear with
+    ``clipped_rtn`` on its recorded clip (``rtn_quantize`` where none) reproduces the method's weights."""
+    for g in record.scales:
+        apply_group_scale(layer, g, norm_offset)
+
+
+@dataclass(frozen=True)
+class AWQMethod:
+    """AWQ under the walker. ``records`` collects each layer's re-applicable ``LayerRecord`` by prefix."""
+
+    scheme: QuantScheme = field(default_factory=lambda: QuantScheme(bits=4, group_size=128, sym=False))
+    config: AWQConfig = field(default_factory=AWQConfig)
+    name: str = "awq"
+    needs_calibration: bool = True
+    records: dict[str, LayerRecord] = field(default_factory=dict, compare=False, repr=False)
+
+    def checkpoint_extra(self) -> dict:
+        """What the checkpoint records about the method (JSON-able)."""
+        return {"awq": dataclasses.asdict(self.config)}
+
+    @torch.no_grad()
+    def quantize_layer(self, ctx: LayerContext) -> LayerResult:
+        if ctx.inputs is None:
+            raise ValueError("AWQ needs calibration inputs")
+        notes: list[str] = []
+        sites = _sites(ctx, notes, self.config.gqa_tied_vo)
+        _, outputs = _capture(ctx, sites, self.config, with_hessian=self.config.gptq)
+        stats: dict[str, dict[str, float]] = {n: {} for n in ctx.linears}
+        scales = self._search_scales(ctx, sites, stats)
+        offset = ctx.spec.norm_offset if ctx.spec is not None else 0.0
+        for g in scales:
+            apply_group_scale(ctx.layer, g, offset)
+        clips = self._clip(ctx, sites, scales, stats) if self.config.clip else {}
+        weights = self._round(ctx, sites, scales, clips, stats)
+        # Kept on the host: a large model's clips would otherwise pile up on the accelerator.
+        self.records[ctx.prefix] = LayerRecord(
+            tuple(dataclasses.replace(g, scales=g.scales.cpu()) for g in scales),
+            {name: (lo.cpu(), hi.cpu()) for name, (lo, hi) in clips.items()},
+        )
+        if notes and ctx.index == 0:
+            for note in notes:
+                log.info("%s: %s", ctx.prefix, note)
+        next_hidden = outputs if self.config.propagate == "fp" else None
+        return LayerResult(weights=weights, stats=stats, notes=notes, next_hidden=next_hidden)
+
+    def _search_scales(self, ctx: LayerContext, sites: list[_Site], stats) -> list[GroupScale]:
+        found = []
+        for site in sites:
+            if site.group is None:
+                continue
+            names = [n for n in site.linears if n in ctx.linears]
+            weights = [ctx.layer.get_submodule(n).weight.data for n in names]
+            target = _target(site, names, ctx.layer)
+            x_mean = site.sum_abs / max(site.count, 1)
+            res = search_scale(x_mean, weights, _block_fn(ctx.layer, site, names), target, self.scheme, self.config,
+                               tie=site.tie)
+            power = float(target.float().pow(2).mean().clamp_min(1e-30))
+            for n in names:
+                stats[n].update(alpha=res.alpha, scale_err_rtn=res.error_rtn / power,
+                                scale_err_awq=res.error_best / power)
+            found.append(GroupScale(site.group.prev, site.group.prev_kind, site.linears, res.scales, res.alpha,
+                                    site.tie))
+            site.calls.clear()
+            site.outputs.clear()
+        return found
+
+    def _site_scale(self, site: _Site, scales: list[GroupScale]) -> torch.Tensor | None:
+        for g in scales:
+            if g.linears == site.linears:
+                return g.scales
+        return None
+
+    def _clip(self, ctx: LayerContext, sites: list[_Site], scales: list[GroupScale], stats):
+        clips: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for site in sites:
+            s = self._site_scale(site, scales)
+            x = torch.cat(site.clip_x)[: self.config.clip_tokens]  # [t, in]
+            if s is not None:
+                x = x / s.to(x.device)
+            for name in site.linears:
+                if name not in ctx.linears or (self.config.clip_skip_qk and _is_qk(name)):
+                    continue
+                lin = ctx.linears[name]
+                res = search_clip(lin.weight.data, x, self.scheme, self.config)
+                clips[name] = (res.clip_min, res.clip_max)
+                stats[name].update(clip_err_before=res.error_before, clip_err_after=res.error_after)
+        return clips
+
+    def _round(self, ctx: LayerContext, sites: list[_Site], scales: list[GroupScale], clips, stats):
+        weights: dict[str, QuantizedWeight] = {}
+        for site in sites:
+            H = None
+            if self.config.gptq:
+                s = self._site_scale(site, scales)
+                H = site.hessian.H
+                if s is not None:
+                    inv = 1.0 / s.to(H.device).float()
+                    H = H * inv.view(-1, 1) * inv.view(1, -1)  # inputs x / s
+            for name in site.linears:
+                if name not in ctx.linears:
+                    continue
+                lin = ctx.linears[name]
+                clip = clips.get(name)
+                if H is not None:
+                    if clip is not None:  # GPTQ computes its grid from the weights: clamp them
+                        lin.weight.data.copy_(apply_clip(lin.weight.data, *clip, self.scheme.group_size))
+                    res = gptq_quantize(lin.weight.data, H, self.scheme, self.config.gptq_config, name=name)
+                    stats[name].update(err_rtn=res.err_rtn, err_gptq=res.err_gptq)
+                else:
+                    res = rtn_quantize(lin.weight.data, self.scheme) if clip is None else clipped_rtn(
+                        lin.weight.data, *clip, self.scheme)
+                    stats[name].update(weight_error=res.weight_error)
+                weights[name] = QuantizedWeight.from_codes(
+                    res.codes, res.scales, res.zeros, res.g_idx, self.scheme, bias=lin.bias)
+        return weights
+
+
+def _is_qk(name: str) -> bool:
+    leaf = name.rsplit(".", 1)[-1]
+    return leaf in ("q_proj", "k_proj")

@@ -1,0 +1,345 @@
+"""GPTQ's pure core: a streamed Hessian and the column-by-column solver (tensors in, a record out).
+
+GPTQ (Frantar et al., 2022) quantizes the columns of ``W [out, in]`` one at a time and pushes each
+column's rounding error onto the columns not yet quantized, weighted by the inverse of the layer's
+input Hessian ``H = 2/n sum x x^T``. It minimizes the output error ``tr(dW H dW^T)`` greedily.
+
+* Hessian: float32, streamed batch by batch as a running mean (``n`` may grow), no activations kept.
+* Damping: ``damp * mean(diag H)`` on the diagonal; a Cholesky failure multiplies it by 10 (a few
+  times) and warns. Dead columns (zero diagonal: an input that is always zero) get ``H_ii = 1`` and
+  a zero weight, as their value cannot matter.
+* The inverse goes through Cholesky (float64 for the factorizations), and the solver works on the
+  upper Cholesky factor ``U`` of ``H^-1``: within a block of columns the error is pushed by rank-1
+  updates, between blocks by one matrix product (the "lazy batch" update).
+* Groups are aligned with blocks, so each group's scale is computed from fully updated weights.
+* ``desc_act``: columns in order of decreasing ``diag H``; the permutation ends up in ``g_idx``
+  (``g_idx[perm[j]] = j // group_size``). ``static_groups``: every group's scale is computed from the
+  original weights before the permutation, so ``g_idx`` stays contiguous (no reordering in kernels).
+* ``mse``: each group's range is shrunk over a small grid, keeping the scale with the least
+  ``sum |w - q(w)|^norm`` (the observer the best peers use: shrink up to 20 %, grid 100, norm 2.4).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from quantkit.config import QuantkitError, QuantScheme
+from quantkit.primitives import (
+    compute_qparams,
+    default_g_idx,
+    dequantize,
+    num_groups,
+    qparams_from_range,
+    quantize,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GPTQConfig:
+    """GPTQ's options. ``damp`` is a fraction of the mean Hessian diagonal."""
+
+    damp: float = 0.01
+    block_size: int = 128
+    desc_act: bool = False
+    static_groups: bool = False
+    true_sequential: bool = True
+    mse: bool = False
+    mse_max_shrink: float = 0.2
+    mse_grid: int = 100
+    mse_norm: float = 2.4
+    max_damp_escalations: int = 4
+    # Quantize each layer in one forward of the whole calibration set, the groups quantized inside
+    # it as the forward reaches them (true-sequential at the cost of one pass); falls back to one
+    # pass per group when the set holds more tokens than this.
+    single_pass_max_tokens: int = 1 << 19
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.damp < 1.0 or not math.isfinite(self.damp):
+            raise QuantkitError(f"--damp must be in [0, 1) (a fraction of the mean Hessian diagonal), got {self.damp}")
+        if self.block_size < 1:
+            raise QuantkitError(f"--block-size must be positive, got {self.block_size}")
+        if not 0.0 < self.mse_max_shrink < 1.0:
+            raise QuantkitError(f"mse_max_shrink must be in (0, 1), got {self.mse_max_shrink}")
+        if self.mse_grid < 1 or self.mse_norm <= 0:
+            raise QuantkitError(f"mse_grid must be >= 1 and mse_norm > 0, got {self.mse_grid}, {self.mse_norm}")
+        if self.max_damp_escalations < 0 or self.single_pass_max_tokens < 0:
+            raise QuantkitError("max_damp_escalations and single_pass_max_tokens must be >= 0")
+
+
+@dataclass(frozen=True)
+class GPTQResult:
+    """Codes int32 ``[out, in]`` (original column order), ``scales`` float32 / ``zeros`` int32 ``[G, out]``,
+    ``g_idx`` int32 ``[in]``, the damping fraction actually used, and per output row the H-weighted
+    squared errors ``dW_r H dW_r^T`` of GPTQ and of plain RTN and the row's energy ``W_r H W_r^T``
+    (float32 ``[out]`` each), so that the errors of any slice of rows (one of several stacked linears)
+    come without another matrix product."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    g_idx: torch.Tensor
+    damp: float
+    row_err_gptq: torch.Tensor
+    row_err_rtn: torch.Tensor
+    row_energy: torch.Tensor
+
+    @property
+    def err_gptq(self) -> float:
+        """Relative output error ``tr(dW H dW^T) / tr(W H W^T)`` of the GPTQ weights (after)."""
+        return relative_error(self.row_err_gptq, self.row_energy)
+
+    @property
+    def err_rtn(self) -> float:
+        """The same for plain round-to-nearest (before)."""
+        return relative_error(self.row_err_rtn, self.row_energy)
+
+    def dequantize(self) -> torch.Tensor:
+        """Float32 ``[out, in]``: exactly what a GPTQ reader reconstructs."""
+        return dequantize(self.codes, self.scales, self.zeros, self.g_idx)
+
+
+def relative_error(row_err: torch.Tensor, row_energy: torch.Tensor) -> float:
+    """Sum of per-row H-weighted errors over the rows' energy (``[rows]`` each)."""
+    return float(row_err.double().sum() / row_energy.double().sum().clamp_min(1e-30))
+
+
+class HessianAccumulator:
+    """``H = 2/n sum_t x_t x_t^T`` over every token seen so far, float32, kept as a running mean."""
+
+    _mm_out_fp32 = True  # whether torch.mm(..., out_dtype=float32) works here (probed on first use)
+
+    def __init__(self, in_features: int, device: torch.device | str = "cpu", chunk_rows: int = 8192) -> None:
+        self.H = torch.zeros(in_features, in_features, dtype=torch.float32, device=device)  # [in, in]
+        self.n = 0
+        self.chunk_rows = chunk_rows
+
+    @torch.no_grad()
+    def add(self, x: torch.Tensor) -> None:
+        """Add the tokens of ``x [..., in]`` (any float dtype); converted to float32 chunk by chunk."""
+        x = x.reshape(-1, x.shape[-1])  # [m, in]
+        m = x.shape[0]
+        if m == 0:
+            return
+        total = self.n + m
+        self.H.mul_(self.n / total)
+        # 16-bit activations on CUDA: products of 16-bit numbers are exact in float32, so a 16-bit
+        # matmul that accumulates and returns float32 is as accurate as casting first, and runs on
+        # the tensor cores (about 10x the float32 rate). Elsewhere: cast chunk by chunk.
+        low_precision = x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+        for start in range(0, m, self.chunk_rows):
+            xc = x[start : start + self.chunk_rows].to(self.H.device)  # [c, in]
+            if low_precision and self._mm_out_fp32:
+                try:
+                    self.H.add_(torch.mm(xc.t(), xc, out_dtype=torch.float32), alpha=2.0 / total)
+                    continue
+                except (RuntimeError, TypeError):
+                    HessianAccumulator._mm_out_fp32 = False
+            xc = xc.float()
+            self.H.addmm_(xc.t(), xc, alpha=2.0 / total)
+        self.n = total
+
+
+def output_error(w: torch.Tensor, w_hat: torch.Tensor, H: torch.Tensor) -> float:
+    """Relative output error ``tr(dW H dW^T) / tr(W H W^T)`` of ``w_hat`` for ``w [out, in]``."""
+    w = w.float()
+    dw = w_hat.float() - w
+    num = ((dw @ H) * dw).sum()
+    den = ((w @ H) * w).sum()
+    return float(num / den.clamp_min(1e-30))
+
+
+def group_qparams(
+    wg: torch.Tensor, scheme: QuantScheme, config: GPTQConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale float32 ``[out]`` and zero int32 ``[out]`` for the group ``wg [out, k]`` (min/max or mse)."""
+    wmin, wmax = wg.amin(dim=1), wg.amax(dim=1)  # [out]
+    scale, zero = qparams_from_range(wmin, wmax, scheme.bits, scheme.sym)
+    if not config.mse:
+        return scale, zero
+    best = _shrink_error(wg, scale, zero, scheme.bits, config.mse_norm)  # [out]
+    for k in range(1, int(config.mse_max_shrink * config.mse_grid) + 1):
+        p = 1.0 - k / config.mse_grid
+        s, z = qparams_from_range(wmin * p, wmax * p, scheme.bits, scheme.sym)
+        err = _shrink_error(wg, s, z, scheme.bits, config.mse_norm)
+        better = err < best
+        best = torch.where(better, err, best)
+        scale = torch.where(better, s, scale)
+        zero = torch.where(better, z, zero)
+    return scale, zero
+
+
+def _shrink_error(wg: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, norm: float) -> torch.Tensor:
+    s, z = scale[:, None], zero[:, None].float()  # [out, 1]
+    q = torch.clamp(torch.round(wg / s) + z, 0, 2**bits - 1)
+    return ((q - z) * s - wg).abs().pow(norm).sum(dim=1)  # [out]
+
+
+def damped_inverse_factor(
+    H: torch.Tensor, damp: float, max_escalations: int, name: str = ""
+) -> tuple[torch.Tensor, float]:
+    """Upper Cholesky factor ``U`` of ``(H + d I)^-1`` (float32 ``[in, in]``) and the damping used.
+
+    The factorizations run in float64. On failure the damping is multiplied by 10, up to
+    ``max_escalations`` times, with a warning; then a ``FloatingPointError`` names the layer.
+    """
+    H64 = H.double()
+    mean_diag = float(torch.diagonal(H64).mean())
+    idx = torch.arange(H.shape[0], device=H.device)
+    d = damp
+    for attempt in range(max_escalations + 1):
+        Hd = H64.clone()
+        Hd[idx, idx] += d * mean_diag
+        L, info = torch.linalg.cholesky_ex(Hd)
+        if int(info) == 0:
+            Hinv = torch.cholesky_inverse(L)
+            U, info = torch.linalg.cholesky_ex(Hinv, upper=True)
+            if int(info) == 0 and torch.isfinite(U).all():
+                return U.float(), d
+        if attempt < max_escalations:
+            new_d = max(d * 10.0, 1e-6)
+            warnings.warn(
+                f"GPTQ {name or 'layer'}: Cholesky factorization failed with damp={d:g}; "
+                f"escalating damping to {new_d:g} of the mean Hessian diagonal",
+                RuntimeWarning, stacklevel=2,
+            )
+            d = new_d
+    raise FloatingPointError(
+        f"GPTQ {name or 'layer'}: the Hessian is not positive definite even with damp={d:g}; "
+        "check the calibration data (NaN/Inf activations?) or raise --damp"
+    )
+
+
+def _columns(
+    W: torch.Tensor, U: torch.Tensor, scheme: QuantScheme, gs: int, config: GPTQConfig,
+    col_params: tuple[torch.Tensor, torch.Tensor] | None,
+) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The GPTQ column loop on ``W [out, in]`` (already permuted) and ``U [in, in]``.
+
+    ``gs``: the group size (the input width for one group).
+    ``col_params``: fixed per-column ``(scale, zero as float)`` ``[in, out]`` (static groups or one group),
+    or None to compute a group's parameters when the loop reaches its first column.
+    Returns codes int32 ``[out, in]`` and the per-position group parameters computed on the way.
+    The loop works on ``W^T [in, out]`` so that a column and the rank-1 updates are contiguous.
+    """
+    out_features, in_features = W.shape
+    block = config.block_size
+    if col_params is None and block % gs:
+        block = gs * max(1, block // gs)  # a group never straddles two blocks
+    Wt = W.t().contiguous()  # [in, out]
+    # Codes are built as floats (whole numbers) and converted once at the end: fewer small kernels
+    # per column, which is what the loop's time is made of on a GPU.
+    codes_t = torch.empty(in_features, out_features, dtype=torch.float32, device=W.device)  # [in, out]
+    dq = torch.empty(out_features, dtype=torch.float32, device=W.device)  # [out] scratch
+    maxq = 2**scheme.bits - 1
+    groups: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for i1 in range(0, in_features, block):
+        i2 = min(i1 + block, in_features)
+        W1 = Wt[i1:i2].clone()  # [B, out]
+        E1 = torch.empty_like(W1)  # [B, out] scaled errors
+        U1 = U[i1:i2, i1:i2]  # [B, B]
+        for i in range(i2 - i1):
+            col = i1 + i
+            if col_params is not None:
+                scale, zero_f = col_params[0][col], col_params[1][col]
+            elif col % gs == 0:
+                scale, zero = group_qparams(W1[i : i + gs].t(), scheme, config)
+                groups.append((scale, zero))
+                zero_f = zero.float()
+            w = W1[i]  # [out]
+            # primitives.quantize_column's arithmetic, in place: q = clamp(round(w / s) + z), dq = (q - z) s
+            q = torch.div(w, scale, out=codes_t[col]).round_().add_(zero_f).clamp_(0, maxq)
+            torch.sub(q, zero_f, out=dq).mul_(scale)
+            err = torch.sub(w, dq, out=E1[i]).div_(U1[i, i])
+            W1[i + 1 :].addr_(U1[i, i + 1 :], err, alpha=-1.0)
+        if i2 < in_features:
+            Wt[i2:].addmm_(U[i1:i2, i2:].t(), E1, alpha=-1.0)
+    return codes_t.t().to(torch.int32), groups
+
+
+def gptq_quantize(
+    w: torch.Tensor, H: torch.Tensor, scheme: QuantScheme, config: GPTQConfig = GPTQConfig(), name: str = ""
+) -> GPTQResult:
+    """Quantize ``w [out, in]`` against the input Hessian ``H [in, in]``; ``name`` labels errors."""
+    out_features, in_features = w.shape
+    if H.shape != (in_features, in_features):
+        raise ValueError(f"{name}: Hessian {tuple(H.shape)} does not match weight {tuple(w.shape)}")
+    for what, t in (("weight", w), ("Hessian", H)):
+        if not torch.isfinite(t).all():
+            raise FloatingPointError(f"GPTQ {name or 'layer'}: NaN or Inf in the {what}")
+    w32 = w.detach().float()
+    H32 = H.detach().float()
+    W = w32.clone()  # [out, in]
+    Hw = H32.clone()
+    dead = torch.diagonal(Hw) == 0
+    Hw[dead, dead] = 1.0
+    W[:, dead] = 0.0
+
+    gs = scheme.group_size if scheme.group_size != -1 else in_features
+    G = num_groups(in_features, scheme.group_size)
+    static = config.static_groups or scheme.group_size == -1
+    g_idx = default_g_idx(in_features, scheme.group_size, device=W.device)  # [in]
+    fixed = None
+    if static:
+        scales_g, zeros_g = _static_params(W, scheme, config, gs)  # [G, out]
+    perm = torch.argsort(torch.diagonal(Hw), descending=True) if config.desc_act else None
+    if perm is not None:
+        W = W[:, perm]
+        Hw = Hw[perm][:, perm]
+    if static:
+        col_group = g_idx.long() if perm is None else g_idx.long()[perm]  # group of each position
+        fixed = (scales_g[col_group], zeros_g[col_group].float())  # [in, out] each
+
+    U, damp_used = damped_inverse_factor(Hw, config.damp, config.max_damp_escalations, name)
+    codes_p, groups = _columns(W, U, scheme, gs, config, fixed)
+
+    if static:
+        scales, zeros = scales_g, zeros_g
+    else:
+        scales = torch.stack([s for s, _ in groups])  # [G, out], in position order
+        zeros = torch.stack([z for _, z in groups])
+    codes = codes_p
+    if perm is not None:
+        codes = torch.empty_like(codes_p)
+        codes[:, perm] = codes_p
+        if not static:
+            g_idx = torch.empty_like(g_idx)
+            g_idx[perm] = torch.arange(in_features, device=W.device, dtype=torch.int32) // gs
+    assert scales.shape == (G, out_features), (scales.shape, G)
+    result_w = dequantize(codes, scales, zeros, g_idx)
+    if not torch.isfinite(result_w).all():
+        raise FloatingPointError(f"GPTQ {name or 'layer'}: NaN or Inf in the quantized weight")
+    rows = _row_errors(w32, result_w, H32, scheme)  # [3, out]
+    return GPTQResult(codes, scales, zeros, g_idx, damp_used, rows[0], rows[1], rows[2])
+
+
+def _row_errors(w: torch.Tensor, w_gptq: torch.Tensor, H: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
+    """Per row of ``w [out, in]``: ``dW H dW^T`` of GPTQ and of plain RTN, and ``W H W^T``: ``[3, out]``."""
+    scales, zeros, g_idx = compute_qparams(w, scheme.bits, scheme.group_size, scheme.sym)
+    w_rtn = dequantize(quantize(w, scales, zeros, g_idx, scheme.bits), scales, zeros, g_idx)
+    d = torch.cat([w_gptq - w, w_rtn - w, w])  # [3 out, in]
+    return ((d @ H) * d).sum(dim=1).reshape(3, w.shape[0])
+
+
+def _static_params(
+    W: torch.Tensor, scheme: QuantScheme, config: GPTQConfig, gs: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-group parameters ``[G, out]`` of the original (unpermuted) weights."""
+    pairs = [group_qparams(W[:, c : c + gs], scheme, config) for c in range(0, W.shape[1], gs)]
+    return torch.stack([s for s, _ in pairs]), torch.stack([z for _, z in pairs])
+
+
+def __getattr__(name: str):
+    """``GPTQMethod`` (the walker glue) lives in ``gptq_method``; reachable from here lazily so the
+    core imports nothing of the walker."""
+    if name == "GPTQMethod":
+        from quantkit.methods.gptq_method import GPTQMethod
+
+        return GPTQMethod
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,200 @@
+"""The walker's view of GPTQ: Hessians of each decoder layer's linears, solved group by group.
+
+Linears that read the same input (q/k/v, gate/up) share one Hessian and are solved as one stacked
+weight: GPTQ treats output rows independently, so stacking gives the same codes as solving each
+alone, with a third of the Python column loop.
+
+True-sequential (the default) quantizes the groups of ``ctx.groups`` in order, each on inputs that
+come through the already quantized groups before it. It runs in one of two ways:
+
+* single pass (the whole calibration set holds at most ``single_pass_max_tokens`` tokens): one
+  forward of the layer on all calibration samples at once; a pre-hook on each group's first linear
+  accumulates its Hessian, quantizes the group and installs the result before the forward goes on.
+  The forward's output is then the quantized layer's output: capture, every group and propagation
+  cost one pass.
+* group by group: one (early-stopped) pass per group to collect its Hessian, batch by batch.
+
+``true_sequential=False`` collects every Hessian in one pass over the unquantized layer.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from quantkit.config import QuantkitError, QuantScheme
+from quantkit.methods.gptq import GPTQConfig, HessianAccumulator, gptq_quantize, relative_error
+from quantkit.qtensor import QuantizedWeight
+from quantkit.walker import LayerContext, LayerResult, capture_linear_inputs, first_output
+
+log = logging.getLogger(__name__)
+
+
+def _clock(device: torch.device) -> float:
+    """Wall time after the device's queued work is done (so GPU timings mean something)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+@dataclass
+class _LayerWork:
+    """Mutable bookkeeping of one layer's quantization (weights and stats as they are produced)."""
+
+    method: GPTQMethod
+    ctx: LayerContext
+    weights: dict[str, QuantizedWeight]
+    stats: dict[str, dict[str, float]]
+
+    def solve(self, members: list[str], H: torch.Tensor, hessian_seconds: float) -> None:
+        """GPTQ on the stacked weights of ``members`` (linears sharing ``H [in, in]``); installs them."""
+        scheme, ctx = self.method.scheme, self.ctx
+        t0 = _clock(ctx.device)
+        ws = [ctx.linears[n].weight.data for n in members]  # each [out_n, in]
+        w = ws[0] if len(ws) == 1 else torch.cat(ws)  # [sum out_n, in]
+        res = gptq_quantize(w, H, scheme, self.method.config, name=f"{ctx.prefix}.{'+'.join(members)}")
+        w_hat = res.dequantize()  # [sum out_n, in], what the packed weights dequantize to
+        row = 0
+        for name, wn in zip(members, ws):
+            rows = slice(row, row + wn.shape[0])
+            linear = ctx.linears[name]
+            qw = QuantizedWeight.from_codes(res.codes[rows], res.scales[:, rows], res.zeros[:, rows], res.g_idx,
+                                            scheme, bias=linear.bias)
+            # Install from the device copy (the walker installs ``qw`` again, from host memory).
+            linear.weight.data.copy_(w_hat[rows].to(linear.weight.dtype))
+            self.weights[name] = qw
+            self.stats[name] = {
+                "err_rtn": relative_error(res.row_err_rtn[rows], res.row_energy[rows]),
+                "err_gptq": relative_error(res.row_err_gptq[rows], res.row_energy[rows]),
+                "damp": res.damp, "share": wn.shape[0] / w.shape[0],
+            }
+            row += wn.shape[0]
+        seconds = _clock(ctx.device) - t0
+        for name in members:
+            share = self.stats[name].pop("share")
+            self.stats[name]["seconds"] = seconds * share
+            self.stats[name]["hessian_seconds"] = hessian_seconds * share
+
+
+def collect_hessians(
+    layer: torch.nn.Module, ctx: LayerContext, names: list[str]
+) -> tuple[dict[str, HessianAccumulator], dict[str, list[str]], float]:
+    """One pass over the calibration batches: a Hessian per distinct input of the named linears.
+
+    Returns the accumulators by owner name, the linears each owner's Hessian serves (linears whose
+    input is the very same tensor share an owner), and the seconds spent accumulating.
+    """
+    accs: dict[str, HessianAccumulator] = {}
+    owner_of: dict[str, str] = {}
+    batch_inputs: dict[tuple, str] = {}
+    seen: set[str] = set()
+    spent = [0.0]
+
+    def on_input(name: str, x: torch.Tensor) -> None:
+        if name in seen:  # a new batch began
+            seen.clear()
+            batch_inputs.clear()
+        seen.add(name)
+        key = (x.data_ptr(), tuple(x.shape), x.dtype)
+        owner = owner_of.setdefault(name, batch_inputs.get(key, name))
+        batch_inputs.setdefault(key, owner)
+        if owner == name:
+            t0 = _clock(ctx.device)
+            accs.setdefault(name, HessianAccumulator(x.shape[-1], ctx.device)).add(x)
+            spent[0] += _clock(ctx.device) - t0
+
+    capture_linear_inputs(layer, ctx.inputs, names, on_input)
+    missing = [n for n in names if n not in owner_of]
+    if missing:
+        raise QuantkitError(f"{ctx.prefix}: linears {missing} never ran in the calibration forward")
+    members: dict[str, list[str]] = {}
+    for name in names:
+        members.setdefault(owner_of[name], []).append(name)
+    return accs, members, spent[0]
+
+
+def _single_pass(work: _LayerWork) -> list[torch.Tensor]:
+    """Quantize every group inside one forward of all calibration samples; returns the layer's output
+    split back into the calibration batches."""
+    ctx = work.ctx
+    hidden = ctx.inputs.hidden
+    x = hidden[0] if len(hidden) == 1 else torch.cat(hidden)  # [n_samples, S, hidden]
+    group_of = {name: gi for gi, group in enumerate(ctx.groups) for name in group}
+    group_input: dict[int, int] = {}  # group -> data_ptr of the input it was solved on
+
+    def pre_hook(name: str) -> Callable:
+        def hook(module, args):
+            gi = group_of[name]
+            inp = args[0]  # [n_samples, S, in]
+            if gi in group_input:
+                if inp.data_ptr() != group_input[gi]:
+                    raise QuantkitError(
+                        f"{ctx.prefix}.{name} reads a different input than the rest of its group "
+                        f"{ctx.groups[gi]}; run GPTQ with single_pass_max_tokens=0")
+                return
+            group_input[gi] = inp.data_ptr()
+            t0 = _clock(ctx.device)
+            acc = HessianAccumulator(inp.shape[-1], ctx.device)
+            acc.add(inp)
+            work.solve(list(ctx.groups[gi]), acc.H, _clock(ctx.device) - t0)
+            return
+
+        return hook
+
+    handles = [ctx.linears[n].register_forward_pre_hook(pre_hook(n)) for n in group_of]
+    try:
+        with torch.no_grad():
+            out = first_output(ctx.layer(x, **ctx.inputs.kwargs))  # [n_samples, S, hidden]
+    finally:
+        for handle in handles:
+            handle.remove()
+    missing = [g for gi, g in enumerate(ctx.groups) if gi not in group_input]
+    if missing:
+        raise QuantkitError(f"{ctx.prefix}: linears {missing} never ran in the calibration forward")
+    return list(out.split([h.shape[0] for h in hidden]))
+
+
+@dataclass(frozen=True)
+class GPTQMethod:
+    """GPTQ for the walker: ``quantize_layer`` quantizes one decoder layer's linears."""
+
+    scheme: QuantScheme
+    config: GPTQConfig = field(default_factory=GPTQConfig)
+    name: str = "gptq"
+    needs_calibration: bool = True
+
+    def checkpoint_extra(self) -> dict:
+        """GPTQ's entries of ``quantization_config`` in config.json."""
+        return {
+            "desc_act": self.config.desc_act,
+            "static_groups": self.config.static_groups,
+            "damp_percent": self.config.damp,
+            "true_sequential": self.config.true_sequential,
+        }
+
+    def quantize_layer(self, ctx: LayerContext) -> LayerResult:
+        if ctx.inputs is None:
+            raise QuantkitError("GPTQ needs calibration inputs")
+        work = _LayerWork(self, ctx, {}, {})
+        next_hidden = None
+        if not self.config.true_sequential:
+            names = [n for group in ctx.groups for n in group]
+            self._collect_and_solve(work, names)
+        elif ctx.inputs.n_tokens <= self.config.single_pass_max_tokens:
+            next_hidden = _single_pass(work)
+        else:
+            for group in ctx.groups:
+                self._collect_and_solve(work, list(group))
+        # Report in the layer's module order.
+        stats = {n: work.stats[n] for n in ctx.linears if n in work.stats}
+        return LayerResult(weights=work.weights, stats=stats, next_hidden=next_hidden)
+
+    @staticmethod
+    def _collect_and_solve(work: _LayerWork, names: list[str]) -> None:
+        accs, members, seconds = collect_hessians(work.ctx.layer, work.ctx, names)
+        for owner, group in members.items():
+            work.solve(group, accs[owner].H, seconds * len(group) / len(names))
