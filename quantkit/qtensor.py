@@ -72,14 +72,16 @@ class QuantizedWeight:
         plain = torch.arange(self.in_features, device=self.g_idx.device) // self.group_size
         return self.n_groups != expected or not torch.equal(self.g_idx.long(), plain)
 
-    def unpack(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(codes int32 ``[out, in]``, zeros int32 ``[G, out]``)."""
-        return unpack_gptq(self.qweight, self.qzeros, self.bits, self.in_features, self.out_features)
+    def unpack(self, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes int32 ``[out, in]``, zeros int32 ``[G, out]``), unpacked on ``device`` (default: where they are)."""
+        return unpack_gptq(self.qweight.to(device), self.qzeros.to(device), self.bits, self.in_features,
+                           self.out_features)
 
-    def dequantize(self) -> torch.Tensor:
-        """Float32 ``[out, in]`` weights, exactly what any GPTQ reader reconstructs."""
-        codes, zeros = self.unpack()
-        return dequantize(codes, self.scales.float(), zeros, self.g_idx)
+    def dequantize(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """Float32 ``[out, in]`` weights, exactly what any GPTQ reader reconstructs; computed on ``device``
+        (an accelerator unpacks a layer's codes in milliseconds, the host in seconds)."""
+        codes, zeros = self.unpack(device)
+        return dequantize(codes, self.scales.to(device).float(), zeros, self.g_idx.to(device))
 
     def nbytes(self) -> int:
         tensors = [self.qweight, self.qzeros, self.scales, self.g_idx]

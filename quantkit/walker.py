@@ -265,7 +265,7 @@ def _peak_memory(device: torch.device) -> int:
 @torch.no_grad()
 def install_weight(linear: nn.Linear, qw: QuantizedWeight) -> None:
     """Replace a linear's weight by the dequantized one, in its own dtype and device."""
-    w = qw.dequantize().to(device=linear.weight.device, dtype=linear.weight.dtype)
+    w = qw.dequantize(linear.weight.device).to(dtype=linear.weight.dtype)
     if w.shape != linear.weight.shape:
         raise ValueError(f"quantized weight {tuple(w.shape)} does not match {tuple(linear.weight.shape)}")
     linear.weight.data.copy_(w)
