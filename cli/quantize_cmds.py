@@ -17,6 +17,7 @@ from quantkit.cli.options import (
     Dtype,
     GroupSize,
     Json,
+    LmHead,
     ModelArg,
     NSamples,
     Output,
