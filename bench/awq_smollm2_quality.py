@@ -1,4 +1,4 @@
-"""SmolLM2-135M quality table for AWQ (quantkit) vs RTN, protocol of /work/shared/MODELS.md.
+"""SmolLM2-135M quality table for AWQ (quantkit) vs RTN, protocol of ../shared/MODELS.md.
 
 Usage: python bench/awq_smollm2_quality.py ROW [ROW ...]   (rows below; JSON lines appended to $QK_OUT)
        python bench/awq_smollm2_quality.py --table   (collect $QK_OUT into bench/results/awq_smollm2_quality.json)
@@ -25,11 +25,13 @@ from quantkit.models import load_model
 from quantkit.walker import walk
 
 logging.basicConfig(level=logging.WARNING)
-GGUF = os.environ.get("QK_GGUF", "/root/.cache/quantkit/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
-DATA = os.environ.get("QK_DATA", "/work/shared/data/wikitext2")
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_CACHE = os.environ.get("QUANTKIT_CACHE", os.path.expanduser("~/.cache/quantkit"))
+GGUF = os.environ.get("QK_GGUF", os.path.join(_CACHE, "smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"))
+DATA = os.environ.get("QK_DATA", os.path.join(os.path.dirname(_REPO), "shared", "data", "wikitext2"))
 DEVICE = os.environ.get("QK_DEVICE", "cpu")  # the walker's work device and the evaluation's
-RECORDS = os.environ.get("QK_RECORDS", "/work/scratch")
-OUT = os.environ.get("QK_OUT", "/work/scratch/awq_quality.jsonl")
+RECORDS = os.environ.get("QK_RECORDS", ".")
+OUT = os.environ.get("QK_OUT", "awq_quality.jsonl")
 NWIN = int(os.environ.get("QK_NWIN", "40"))
 LAYERS = int(os.environ.get("QK_LAYERS", "0"))
 torch.set_num_threads(int(os.environ.get("QK_THREADS", "1")))
@@ -161,7 +163,7 @@ def main(names):
 
 
 def table(path="bench/results/awq_smollm2_quality.json"):
-    """The last measurement of every row, with the peers' numbers from /work/shared/MODELS.md."""
+    """The last measurement of every row, with the peers' numbers from ../shared/MODELS.md."""
     latest = {}
     with open(OUT) as f:
         for line in f:

@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 os.environ.setdefault("GPTQMODEL_CPU_WORKERS", str(min(2, os.cpu_count() or 1)))
 
-import torch
+import torch  # noqa: E402  (after the environment GPTQModel reads at import)
 
 
 def tiny_tokenizer(vocab_size: int):

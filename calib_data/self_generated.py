@@ -235,7 +235,8 @@ def _read_cache(path: Path, nsamples: int, seqlen: int) -> torch.Tensor | None:
         log.warning("ignoring unreadable calibration cache %s (%s)", path, err)
         return None
     if samples.dtype != torch.long or tuple(samples.shape) != (nsamples, seqlen):
-        log.warning("ignoring calibration cache %s: shape %s, expected (%d, %d)", path, tuple(samples.shape), nsamples, seqlen)
+        log.warning("ignoring calibration cache %s: shape %s, expected (%d, %d)", path, tuple(samples.shape),
+                    nsamples, seqlen)
         return None
     return samples
 

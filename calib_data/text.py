@@ -95,7 +95,9 @@ def _read_jsonl(path: Path, text_field: str) -> list[str]:
 def _text_of(row: Any, text_field: str, where: str) -> str:
     if not isinstance(row, dict) or text_field not in row:
         keys = ", ".join(map(str, row)) if isinstance(row, dict) else type(row).__name__
-        raise QuantkitError(f"{where} has no field {text_field!r} (has: {keys}); choose the text field with --text-field")
+        raise QuantkitError(
+            f"{where} has no field {text_field!r} (has: {keys}); choose the text field with --text-field"
+        )
     value = row[text_field]
     if not isinstance(value, str):
         raise QuantkitError(f"{where}: field {text_field!r} holds {type(value).__name__}, not text")

@@ -116,7 +116,8 @@ def unpack_rows(packed: torch.Tensor, bits: int, n: int | None = None) -> torch.
 
 
 def pack_gptq(codes: torch.Tensor, zeros: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Codes ``[out, in]`` and zero points ``[G, out]`` -> (``qweight [in*bits/32, out]``, ``qzeros [G, out*bits/32]``)."""
+    """Codes ``[out, in]`` and zero points ``[G, out]`` ->
+    (``qweight [in*bits/32, out]``, ``qzeros [G, out*bits/32]``)."""
     if zeros.numel() and (zeros.min() < 1 or zeros.max() >= 2**bits):
         raise ValueError(
             "GPTQ v1 checkpoints store zero - 1, so every zero point must lie in [1, 2**bits - 1]; "

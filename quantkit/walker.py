@@ -189,7 +189,7 @@ def _move_outside_layers(model: nn.Module, layers_prefix: str, device: torch.dev
     for module_name, module in model.named_modules():
         if module_name == layers_prefix or module_name.startswith(inside):
             continue
-        for key, param in module._parameters.items():
+        for param in module._parameters.values():
             if param is not None and param.device != device:
                 param.data = param.data.to(device)
         for key, buf in module._buffers.items():

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from quantkit.config import CalibConfig, LoadConfig, QuantkitError, QuantScheme
@@ -16,7 +18,7 @@ def test_scheme_validation():
 
 def test_frozen_and_aliases():
     scheme = QuantScheme()
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         scheme.bits = 8
     assert LoadConfig(dtype="bf16").dtype == "bfloat16"
     with pytest.raises(QuantkitError, match="dtype"):

@@ -78,7 +78,8 @@ def load_eval_tokens(source: str | Path, tokenizer: Any, *, text_field: str = "t
         documents = read_documents(source_name, text_field=text_field)
     else:
         raise QuantkitError(
-            f"unknown evaluation source {source_name!r}: use one of {', '.join(EVAL_SOURCES)} or a .txt/.jsonl/.parquet file"
+            f"unknown evaluation source {source_name!r}: use one of {', '.join(EVAL_SOURCES)} "
+            "or a .txt/.jsonl/.parquet file"
         )
     token_ids = tokenize_text(tokenizer, join_documents(documents))
     log.info("evaluation text %s: %d tokens", source_name, token_ids.numel())
