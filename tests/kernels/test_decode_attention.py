@@ -3,38 +3,12 @@
 Without CUDA the kernels run under TRITON_INTERPRET=1, set before the kernel module is
 imported because `triton.jit` reads it at decoration time.
 """
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-
-def _fix_interpreter_scalar_index():
-    """Triton 3.6's interpreter keeps scalars as 1-element arrays and turns them into Python ints
-    with int(array), which numpy >= 2.4 rejects, so any loop with run-time bounds fails
-    ('only 0-dimensional arrays can be converted to Python scalars'). Re-patch __index__ to
-    read the single element. Idempotent; a no-op when the interpreter is not in use."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        return
-    import triton.runtime.interpreter as interp
-
-    if getattr(interp._patch_lang_tensor, "_quantkit_fixed", False):
-        return
-    original = interp._patch_lang_tensor
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    patched._quantkit_fixed = True
-    interp._patch_lang_tensor = patched
-
-
-_fix_interpreter_scalar_index()
-
+# tests/kernels/conftest.py sets TRITON_INTERPRET=1 without CUDA (before this import) and patches
+# the interpreter for NumPy >= 2.4.
 from quantkit.kernels.decode_attention import decode_attention, decode_attention_ref  # noqa: E402
 
 CUDA = torch.cuda.is_available()
