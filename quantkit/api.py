@@ -159,6 +159,11 @@ def quantize(
     quant_method = build_method(method, scheme, method_options)
     device = resolve_device(load.device)
     loaded = load_model(model, load)
+    if method == "awq":
+        # AWQ folds scales through per-family records; without one it would only clip and round.
+        from quantkit.arch import require_arch
+
+        require_arch(getattr(loaded.model.config, "model_type", "?"))
     t_loaded = time.perf_counter()
 
     token_ids = None

@@ -133,11 +133,3 @@ def fake_quantize(
 ) -> torch.Tensor:
     """Quantize then dequantize (float32, same shape as ``w``)."""
     return dequantize(quantize(w, scales, zeros, g_idx, bits), scales, zeros, g_idx)
-
-
-def quantize_column(
-    col: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One input column ``[out]`` with its group's ``scale``/``zero`` ``[out]``: (codes, dequantized)."""
-    q = torch.clamp(torch.round(col.float() / scale) + zero, 0, 2**bits - 1)
-    return q.to(torch.int32), (q - zero) * scale

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -388,8 +388,3 @@ def quantize_output_head(
     stats = dict(result.stats.get("lm_head", {}))
     stats["_seconds"] = time.perf_counter() - t0
     return name, qw, stats
-
-
-def iter_batches(token_ids: torch.Tensor, batch_size: int) -> Iterator[torch.Tensor]:
-    for start in range(0, token_ids.shape[0], batch_size):
-        yield token_ids[start : start + batch_size]

@@ -253,7 +253,7 @@ def _columns(
                 groups.append((scale, zero))
                 zero_f = zero.float()
             w = W1[i]  # [out]
-            # primitives.quantize_column's arithmetic, in place: q = clamp(round(w / s) + z), dq = (q - z) s
+            # primitives.quantize's arithmetic for one column, in place: q = clamp(round(w / s) + z), dq = (q - z) s
             q = torch.div(w, scale, out=codes_t[col]).round_().add_(zero_f).clamp_(0, maxq)
             torch.sub(q, zero_f, out=dq).mul_(scale)
             err = torch.sub(w, dq, out=E1[i]).div_(U1[i, i])
