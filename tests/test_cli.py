@@ -77,3 +77,24 @@ def test_gptq_and_awq_commands(tiny_llama_dir, tiny_text_file, tmp_path):
     assert info["desc_act"] is True
     awq = json.loads(quantkit("awq", tiny_llama_dir, "-o", tmp_path / "a", *common).stdout)
     assert awq["method"] == "awq" and not awq["sym"]
+
+
+def test_foreign_architecture_rtn_works_awq_refuses(tmp_path, tiny_text_file):
+    """GPT-NeoX has no architecture record: RTN/GPTQ find its layers generically, AWQ says it cannot fold."""
+    import torch
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    from tests.conftest import tiny_tokenizer
+
+    torch.manual_seed(0)
+    tokenizer = tiny_tokenizer()
+    config = GPTNeoXConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, max_position_embeddings=128)
+    folder = tmp_path / "neox"
+    GPTNeoXForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    report = json.loads(quantkit("rtn", folder, "-o", tmp_path / "r", "--group-size", "32", "--json").stdout)
+    assert report["n_quantized"] == 2 * 4  # query_key_value, dense, dense_h_to_4h, dense_4h_to_h
+    proc = quantkit("awq", folder, "-o", tmp_path / "a", "--calib", tiny_text_file, "--nsamples", "2",
+                    "--seqlen", "32", check_code=2)
+    assert "not supported" in proc.stderr and not (tmp_path / "a").exists()
