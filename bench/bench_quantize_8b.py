@@ -78,21 +78,6 @@ def build_model(shape: dict, n_layers: int | None, dtype: torch.dtype, fill_devi
     return model
 
 
-def build_method(name: str, scheme, desc_act: bool):
-    if name == "rtn":
-        from quantkit.methods.rtn import RTNMethod
-
-        return RTNMethod(scheme)
-    if name == "gptq":
-        from quantkit.methods.gptq import GPTQConfig
-        from quantkit.methods.gptq_method import GPTQMethod
-
-        return GPTQMethod(scheme, GPTQConfig(desc_act=desc_act))
-    from quantkit.methods.awq import AWQConfig, AWQMethod
-
-    return AWQMethod(scheme, AWQConfig())
-
-
 def measure_ceilings(device: torch.device) -> dict:
     """Dense bf16 and fp32 matmul rates and the cost of one tiny op (the GPTQ column loop's unit)."""
     n = 8192 if device.type == "cuda" else 512
@@ -153,7 +138,9 @@ def run(args: argparse.Namespace) -> dict:
     n_layers = model.config.num_hidden_layers
     ceilings = measure_ceilings(device)
     scheme = QuantScheme(4, args.group_size, not args.asym)
-    method = build_method(args.method, scheme, args.desc_act)
+    from quantkit.api import build_method
+
+    method = build_method(args.method, scheme, {"desc_act": args.desc_act} if args.method == "gptq" else None)
     tokens = torch.randint(0, shape["vocab_size"], (nsamples, seqlen), generator=torch.Generator().manual_seed(0))
 
     rows = []
