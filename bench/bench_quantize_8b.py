@@ -93,13 +93,15 @@ def measure_ceilings(device: torch.device) -> dict:
         return 5 * 2 * n**3 / (time.perf_counter() - t0) / 1e12
 
     v = torch.randn(4096, device=device)
+    for _ in range(10):  # warm up the allocator and the kernel
+        v = v.mul(1.0)
     sync(device)
     t0 = time.perf_counter()
     for _ in range(1000):
         v = v.mul(1.0)
     sync(device)
-    return {"bf16_tflops": rate(torch.bfloat16), "fp32_tflops": rate(torch.float32),
-            "small_op_us": (time.perf_counter() - t0) * 1e3}
+    small_op_us = (time.perf_counter() - t0) * 1e3  # 1000 ops: seconds * 1e6 / 1000
+    return {"bf16_tflops": rate(torch.bfloat16), "fp32_tflops": rate(torch.float32), "small_op_us": small_op_us}
 
 
 def sync(device: torch.device) -> None:
@@ -107,20 +109,32 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def expected(shape: dict, nsamples: int, seqlen: int, n_layers: int, ceilings: dict) -> dict:
-    """The arithmetic of NOTES_gptq.md for these shapes (per layer unless said otherwise)."""
+def expected(method: str, shape: dict, nsamples: int, seqlen: int, n_layers: int, ceilings: dict) -> dict:
+    """The arithmetic of NOTES_gptq.md for these shapes (per layer unless said otherwise).
+
+    GPTQ: the Hessians, one forward of the layer (the single pass propagates while it calibrates), and
+    the sequential column steps at ~12 small ops each. AWQ: the full-precision forward that records,
+    the scale search (``grid`` block forwards on ``search_samples`` windows), and the forward of the
+    quantized layer that makes the next layer's inputs. Compute at the measured bf16 rate; launches excluded.
+    """
     h, f = shape["hidden_size"], shape["intermediate_size"]
     n_tokens = nsamples * seqlen
     kv = h * shape["num_key_value_heads"] // shape["num_attention_heads"]
-    hessian = 2 * n_tokens * (3 * h * h + f * f)  # inputs of q/k/v, o, gate/up (h wide) and down (f wide)
     params = h * (h + 2 * kv) + h * h + 3 * h * f
     forward = 2 * n_tokens * params + 2 * n_tokens * seqlen * h  # linears + causal attention (QK^T, PV)
-    columns = 3 * h + f  # sequential column steps: stacked qkv, o, stacked gate/up (h each), down (f)
     bf16 = ceilings["bf16_tflops"] * 1e12
+    if method == "awq":
+        grid, search_tokens = 20, min(8, nsamples) * seqlen  # AWQConfig defaults: grid 20, search_samples 8
+        # per grid point: the attention block, the MLP block, down alone, o alone
+        search = grid * 2 * search_tokens * (params + 2 * seqlen * h + h * f + h * h)
+        return {"forward_flop": 2 * forward, "search_flop": search, "forward_s": 2 * forward / bf16,
+                "search_s": search / bf16, "total_s": n_layers * (2 * forward + search) / bf16}
+    hessian = 2 * n_tokens * (3 * h * h + f * f)  # inputs of q/k/v, o, gate/up (h wide) and down (f wide)
+    columns = 3 * h + f  # sequential column steps: stacked qkv, o, stacked gate/up (h each), down (f)
+    column_s = columns * 12 * ceilings["small_op_us"] * 1e-6
     return {"hessian_flop": hessian, "forward_flop": forward, "column_steps": columns,
-            "hessian_s": hessian / bf16, "forward_s": forward / bf16,
-            "columns_s_at_12_ops": columns * 12 * ceilings["small_op_us"] * 1e-6,
-            "total_s": n_layers * (hessian / bf16 + forward / bf16 + columns * 12 * ceilings["small_op_us"] * 1e-6)}
+            "hessian_s": hessian / bf16, "forward_s": forward / bf16, "columns_s_at_12_ops": column_s,
+            "total_s": n_layers * (hessian / bf16 + forward / bf16 + column_s)}
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -174,7 +188,7 @@ def run(args: argparse.Namespace) -> dict:
         "dtype": str(dtype), "build_model_s": build_s, "total_s": total,
         "capture_s": total - sum(r["seconds"] for r in rows), "walk_s": result.seconds,
         "peak_gib": peak / 2**30, "per_layer": rows, "ceilings": ceilings,
-        "expected": expected(shape, nsamples, seqlen, n_layers, ceilings), "versions": versions(),
+        "expected": expected(args.method, shape, nsamples, seqlen, n_layers, ceilings), "versions": versions(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
 
@@ -203,9 +217,13 @@ def print_table(rec: dict) -> None:
     print(f"ceilings: bf16 {rec['ceilings']['bf16_tflops']:.0f} TFLOP/s, fp32 {rec['ceilings']['fp32_tflops']:.0f} "
           f"TFLOP/s, one small op {rec['ceilings']['small_op_us']:.1f} us")
     print(f"{'per layer':<22}{'measured s':>12}{'expected s':>12}")
-    print(f"{'hessian':<22}{mean['hessian_s']:>12.3f}{exp['hessian_s']:>12.3f}")
-    print(f"{'gptq solve':<22}{mean['solve_s']:>12.3f}{exp['columns_s_at_12_ops']:>12.3f}")
-    print(f"{'forward + other':<22}{mean['forward_other_s']:>12.3f}{exp['forward_s']:>12.3f}")
+    if rec["method"] == "awq":
+        print(f"{'two forwards':<22}{'':>12}{exp['forward_s']:>12.3f}")
+        print(f"{'scale search':<22}{'':>12}{exp['search_s']:>12.3f}")
+    else:
+        print(f"{'hessian':<22}{mean['hessian_s']:>12.3f}{exp['hessian_s']:>12.3f}")
+        print(f"{'gptq solve':<22}{mean['solve_s']:>12.3f}{exp['columns_s_at_12_ops']:>12.3f}")
+        print(f"{'forward + other':<22}{mean['forward_other_s']:>12.3f}{exp['forward_s']:>12.3f}")
     print(f"{'layer total':<22}{mean['seconds']:>12.3f}")
     print(f"total {rec['total_s']:.1f} s (input capture {rec['capture_s']:.1f} s), expected ~{exp['total_s']:.1f} s; "
           f"peak device memory {rec['peak_gib']:.2f} GiB; model build {rec['build_model_s']:.1f} s (not counted)")
