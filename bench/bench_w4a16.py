@@ -99,11 +99,11 @@ def dequant_f32(w) -> torch.Tensor:
     return (codes - 2 ** (w.bits - 1)) * w.scales[w.g_idx.long()].float()
 
 
-def check(w, w_kn: torch.Tensor, m: int) -> float:
+def check(w, w_kn: torch.Tensor, m: int, path: str | None = None) -> float:
     """Relative error of the (autotuned) kernel against float32 on fresh random bf16 inputs."""
     x = torch.randn(m, w.in_features, device="cuda").bfloat16()
     ref = x.float() @ w_kn
-    out = kw.w4a16_matmul(x, w)
+    out = kw.w4a16_matmul(x, w, path=path)
     return ((out.float() - ref).norm() / ref.norm()).item()
 
 
@@ -111,7 +111,10 @@ def run_shape(n, k, ms, copy_tbs, rows, variants, deadline=float("inf")):
     ws = [make_weights(n, k)]
     packed_bytes = ws[0].qweight.numel() * 4 + ws[0].scales.numel() * 2
     w_kn = dequant_f32(ws[0])
-    err = {m: check(ws[0], w_kn, m) for m in (1, 3, 333)}  # GEMV, decode tensor-core, prefill
+    err = {m: check(ws[0], w_kn, m) for m in (1, 3, 333)}  # the default path at decode and prefill sizes
+    paths = ["gemv", "tc"] + (["pairs"] if kw.pairs_supported(ws[0]) else [])
+    if variants:  # every kernel checked at a decode and a prefill size, not only the default's choice
+        err |= {f"{p}_m{m}": check(ws[0], w_kn, m, p) for p in paths for m in (3, 333) if p != "gemv" or m < 64}
     del w_kn
     ws += [make_weights(n, k) for _ in range(rotations(packed_bytes) - 1)]
     bf16 = [torch.randn(n, k, device="cuda").bfloat16() for _ in range(rotations(2 * n * k))]
@@ -125,20 +128,21 @@ def run_shape(n, k, ms, copy_tbs, rows, variants, deadline=float("inf")):
             print(f"deadline: skipping N={n} K={k} M={m}", flush=True)
             continue
         xs = [torch.randn(m, k, device="cuda").bfloat16() for _ in range(max(len(ws), len(bf16)))]
-        row = dict(N=n, K=k, M=m, relerr_m1=err[1], relerr_m3=err[3], relerr_m333=err[333])
+        row = dict(N=n, K=k, M=m, relerr_m1=err[1], relerr_m3=err[3], relerr_m333=err[333],
+                   path=kw.choose_path(m, ws[0]), relerr={str(key): v for key, v in err.items()})
         row["triton_us"] = bench_graph([lambda x=x, w=w: kw.w4a16_matmul(x, w) for x, w in zip(xs, ws)])
         row["cublas_us"] = bench_graph([lambda x=x, w=w: F.linear(x, w) for x, w in zip(xs, bf16)])
         if i4:
             row["torch_int4_us"] = bench_graph(
                 [lambda x=x, p=p: torch._weight_int4pack_mm(x, p[0], GROUP, p[1]) for x, p in zip(xs, i4)])
-        if variants and m <= kw.DECODE_MAX_M and n * k >= 8192 * 28672:
-            # The other decode kernel (split-K wgmma) at the same M: where the GEMV stops paying.
-            other = "tc" if m <= kw.GEMV_MAX_M else "gemv"
-            row[f"triton_{other}_us"] = bench_graph(
-                [lambda x=x, w=w: kw.w4a16_matmul(x, w, path=other) for x, w in zip(xs, ws)])
-        if variants and m == 1 and (n, k) == (28672, 8192):
-            row["triton_cvt_us"] = bench_graph(
-                [lambda x=x, w=w: kw.w4a16_matmul(x, w, fast_dequant=False) for x, w in zip(xs, ws)])
+        if variants:
+            # Every other kernel at the same M (the GEMV up to 16 rows): where each one stops paying.
+            for other in paths:
+                if other == row["path"] or (other == "gemv" and m > kw.DECODE_MAX_M):
+                    continue
+                row[f"triton_{other}_us"] = bench_graph(
+                    [lambda x=x, w=w, p=other: kw.w4a16_matmul(x, w, path=p) for x, w in zip(xs, ws)])
+            row[f"triton_{row['path']}_us"] = row["triton_us"]
         row["tflops"] = 2 * m * n * k / (row["triton_us"] * 1e-6) / 1e12
         if m <= kw.DECODE_MAX_M:
             tbs = packed_bytes / (row["triton_us"] * 1e-6) / 1e12
@@ -153,7 +157,8 @@ def run_shape(n, k, ms, copy_tbs, rows, variants, deadline=float("inf")):
 
 def tuned_configs() -> dict:
     out = {}
-    for name, tuner in (("gemv", kw._gemv_tuned), ("decode", kw._decode_tuned), ("prefill", kw._prefill_tuned)):
+    for name, tuner in (("gemv", kw._gemv_tuned), ("decode", kw._decode_tuned), ("prefill", kw._prefill_tuned),
+                        ("pairs", kw._pairs_tuned)):
         out[name] = {str(key): str(cfg) for key, cfg in tuner.cache.items()}
     return out
 
@@ -161,21 +166,21 @@ def tuned_configs() -> dict:
 def print_table(rows, copy_tbs):
     print(f"\ncopy bandwidth {copy_tbs:.2f} TB/s (read+write); us per call, median of graph replays")
     hdr = f"{'N':>6} {'K':>6} {'M':>5} {'triton':>9} {'cublas':>9} {'int4pt':>9} {'xcuBLAS':>7} " \
-          f"{'xint4':>6} {'%copy':>6} {'TFLOP/s':>7} {'cvt':>9} {'tc/gemv':>9}"
+          f"{'xint4':>6} {'%copy':>6} {'TFLOP/s':>7} {'path':>6} {'gemv':>9} {'pairs':>9} {'tc':>9}"
     print(hdr)
     for r in rows:
         i4 = r.get("torch_int4_us", float("nan"))
         print(f"{r['N']:>6} {r['K']:>6} {r['M']:>5} {r['triton_us']:>9.1f} {r['cublas_us']:>9.1f} "
               f"{i4:>9.1f} {r['cublas_us'] / r['triton_us']:>7.2f} {i4 / r['triton_us']:>6.2f} "
               f"{r.get('pct_copy_bw', float('nan')):>6.1f} {r['tflops']:>7.1f} "
-              f"{r.get('triton_cvt_us', float('nan')):>9.1f} "
-              f"{r.get('triton_tc_us', r.get('triton_gemv_us', float('nan'))):>9.1f}")
+              f"{r.get('path', '-'):>6} " + " ".join(f"{r.get(f'triton_{p}_us', float('nan')):>9.1f}"
+                                                   for p in ("gemv", "pairs", "tc")))
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="largest shape, M in 1, 16, 4096 only")
-    ap.add_argument("--variants", action="store_true", help="also time the int->float dequant path")
+    ap.add_argument("--variants", action="store_true", help="also time every other kernel at each M, and check each")
     ap.add_argument("--deadline", type=float, default=float("inf"),
                     help="seconds: points not started by then are skipped (the JSON says which ran)")
     ap.add_argument("--out", default=None)
@@ -184,7 +189,7 @@ def main():
     shapes = SHAPES[-1:] if args.quick else SHAPES
     ms = [1, 16, 4096] if args.quick else MS
     if args.variants and not args.quick:
-        ms = sorted(set(ms) | {2, 8})  # the GEMV / tensor-core crossover
+        ms = sorted(set(ms) | {2, 8, 32})  # the crossovers between the kernels
     copy_tbs = copy_bandwidth()
     rows = []
     now = datetime.datetime.now(datetime.timezone.utc)

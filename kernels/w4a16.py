@@ -8,22 +8,25 @@ How the kernel works
 * The weights are read packed from HBM (``K / 8`` int32 words per output row at 4 bits), unpacked in
   registers with shifts and masks, scaled to 16 bits and fed to ``tl.dot``. The 16-bit weights are
   never written back to memory.
-* The kernel computes the transposed product ``Y^T = W X^T`` tile by tile: the dequantized weight
-  tile ``[BLOCK_N, BLOCK_K]`` is the *first* operand, which Hopper's wgmma can take straight from
-  registers, and the activations ``[BLOCK_K, BLOCK_M]`` are the second one, loaded into shared
-  memory. ``BLOCK_M`` can then be as small as 16 (decode) while ``BLOCK_N`` keeps the tensor-core
-  instruction full.
-* Three paths, one entry point (:func:`w4a16_matmul`):
-  - GEMV (``M <= GEMV_MAX_M``): no tensor cores. Each program streams the packed words of BLOCK_N
-    output rows over a K slice with 16-byte loads, unpacks them in the load's own register layout,
-    forms exact ``code - zero`` in fp32 (one ``lop3`` per code, exponent trick), reduces along K and
-    scales once per group (a tile may span several groups; split-K, fp32 atomics).
-    ``_w4a16_gemv_kernel``.
-  - decode (``M <= 16``): memory bound. The grid is split along K (``SPLIT_K`` programs per output
-    tile) so that even one row keeps all SMs streaming weights; partial sums meet in a float32
-    buffer through atomics, then one cast to the output dtype.
-  - prefill (``M > 16``): compute bound. Big tiles, ``num_stages`` software pipelining, a grouped
-    launch order so that the weight tiles in flight stay in L2, and a direct 16-bit store.
+* The tensor-core kernels compute the transposed product ``Y^T = W X^T`` tile by tile: the
+  dequantized weight tile is the *first* operand, which Hopper's wgmma can take straight from
+  registers, and the activations are the second one, in shared memory. ``BLOCK_M`` can then be as
+  small as 16 (decode) while ``BLOCK_N`` keeps the tensor-core instruction full.
+* Three kernels, one entry point (:func:`w4a16_matmul`, which picks by M through :func:`choose_path`):
+  - GEMV (M = 1, and M = 2 on small layers): no tensor cores. Each program streams the packed words
+    of BLOCK_N output rows over a K slice with 16-byte loads, unpacks them in the load's own register
+    layout, forms exact ``code - zero`` in fp32 (one ``lop3`` per code, exponent trick), reduces
+    along K and scales once per group (split-K, fp32 atomics). ``_w4a16_gemv_kernel``.
+  - paired nibbles (every other M, 4-bit weights with K a multiple of 128): a tensor-core kernel
+    whose weight operand needs no reshape. Shifting a word right by 4j puts codes j and j+4 at bits
+    0 and 16; one ``lop3`` turns them into two 16-bit floats in one register, one packed subtract
+    and one packed multiply dequantize both, and that register *is* a wgmma A-operand register
+    (two neighbouring K positions). The activations are gathered once per call into the matching
+    column order (``W4A16Weights.pair_index``). Split-K with atomics up to 64 rows, one program
+    per output tile above. ``_w4a16_pairs_kernel``.
+  - the first tensor-core kernel (8-bit codes, K not a multiple of 128): the dequantized tile
+    ``[BLOCK_N, BLOCK_K]`` from a 3-D unpack and reshape, as wgmma's A (``W X^T``) or B operand,
+    split-K for M <= 16, pipelined big tiles with a grouped launch order above. ``_w4a16_kernel``.
 * The one-time repack (:func:`prepare_w4a16_weights`) transposes the GPTQ ``qweight`` so that each
   output row's codes are contiguous along K (one 16-byte load gives one thread 32 consecutive
   codes), unpacks the zero points to bytes and, for act-order checkpoints, permutes K so that every
@@ -42,15 +45,23 @@ import triton.language as tl
 
 # The repack and the reference live beside this file and are re-exported here, the kernel's one
 # import point.
-from quantkit.kernels.w4a16_weights import W4A16Weights, prepare_w4a16_weights, w4a16_matmul_ref
+from quantkit.kernels.w4a16_weights import (
+    PAIR_TILE_K,
+    W4A16Weights,
+    prepare_w4a16_weights,
+    w4a16_matmul_ref,
+)
 
 __all__ = ["W4A16Weights", "prepare_w4a16_weights", "w4a16_matmul", "w4a16_matmul_ref", "DECODE_MAX_M",
-           "GEMV_MAX_M"]
+           "GEMV_MAX_M", "pairs_supported", "choose_path"]
 
+# The first tensor-core kernel splits K (float32 atomics) up to this many rows.
 DECODE_MAX_M = 16
-# M <= GEMV_MAX_M runs the no-tensor-core GEMV kernel; GEMV_MAX_M < M <= DECODE_MAX_M the split-K
-# wgmma kernel (see NOTES_w4a16.md for the measured crossover).
-GEMV_MAX_M = 2  # run 4: GEMV 89 us vs tensor-core 157 us at M=2, 178 vs 157 at M=4 (28672x8192)
+# The default path (choose_path). Run 5 (28672x8192): M=1 GEMV 53 us vs paired-nibble 68; M=2 GEMV 89
+# vs 68 on the two 121 MB shapes but 12 vs 18 on 4096x4096; from M=4 up the paired-nibble kernel beats
+# the first tensor-core kernel at every M measured (70 vs 158 us at 16, 3.7 vs 6.6 ms at 4096).
+GEMV_MAX_M = 2
+GEMV_M2_MAX_WEIGHTS = 1 << 26  # at M = 2 the GEMV still wins below ~67 M weights
 
 
 # ----------------------------------------------------------------------------------------------
@@ -121,6 +132,37 @@ PREFILL_CONFIGS = [
     _cfg(256, 128, 64, 8, 3, w_is_a=False, gather=True),
     _cfg(128, 128, 64, 8, 4, w_is_a=False, gather=True),
 ]
+# Paired-nibble tensor-core kernel (4-bit, K a multiple of PAIR_TILE_K): BLOCK_M is the activation
+# tile (wgmma N, >= 16), BLOCK_N the weight rows (wgmma M). Up to PAIRS_SPLIT_MAX_M rows the grid is
+# split along K (about PROGS_PER_SM programs per SM, float32 atomics); above, one program per tile.
+def _pairs_cfg(bn, bm, warps, stages, progs_per_sm=4, group_n=8, w_as_b=False):
+    kw = dict(BLOCK_N=bn, BLOCK_M=bm, GROUP_N=group_n, PROGS_PER_SM=progs_per_sm, W_AS_B=w_as_b)
+    return triton.Config(kw, num_warps=warps, num_stages=stages)
+
+
+PAIRS_CONFIGS = [
+    # decode (run 5 winners: 64x16 4 stages 8/SM on 28672x8192, 128x16 3 stages 4/SM elsewhere)
+    _pairs_cfg(128, 16, 4, 3),
+    _pairs_cfg(128, 16, 4, 4, progs_per_sm=8),
+    _pairs_cfg(64, 16, 4, 4, progs_per_sm=8),
+    _pairs_cfg(64, 16, 4, 3, progs_per_sm=16),
+    _pairs_cfg(64, 16, 4, 5, progs_per_sm=4),
+    _pairs_cfg(256, 16, 8, 3),
+    _pairs_cfg(128, 32, 4, 3),
+    _pairs_cfg(64, 32, 4, 4, progs_per_sm=8),
+    _pairs_cfg(128, 64, 4, 3),
+    _pairs_cfg(128, 64, 8, 3, progs_per_sm=2),
+    # prefill (run 5 winner: 128x128, 8 warps, 3 stages)
+    _pairs_cfg(128, 128, 8, 3),
+    _pairs_cfg(128, 128, 8, 4),
+    _pairs_cfg(64, 128, 4, 4),
+    _pairs_cfg(256, 128, 8, 3),
+    _pairs_cfg(128, 256, 8, 3),
+    # weights through shared memory as wgmma's B (no register-operand waits on the weight tile)
+    _pairs_cfg(128, 128, 8, 3, w_as_b=True),
+    _pairs_cfg(128, 256, 8, 3, w_as_b=True),
+]
+PAIRS_SPLIT_MAX_M = 64
 # Aim for this many programs per SM in the decode grid: enough bytes in flight to cover latency.
 _DECODE_PROGRAMS_PER_SM = 4
 _GEMV_PROGRAMS_PER_SM = 8
@@ -397,6 +439,133 @@ def _w4a16_gemv_kernel(
     tl.atomic_add(c_ptrs, acc, mask=mask_m[:, None] & mask_n[None, :], sem="relaxed")
 
 
+@triton.jit
+def _nibble_pairs(words, zero_bias, scale, j: tl.constexpr, MAGIC2: tl.constexpr, PAIR_ASM: tl.constexpr,
+                  BLOCK_N: tl.constexpr, KW: tl.constexpr):
+    """Words ``[BLOCK_N, KW]`` -> dequantized codes ``j`` and ``j + 4`` of each word, ``[BLOCK_N, 2 * KW]``.
+
+    ``(w >> 4j) & 0x000F000F | MAGIC2`` is a pair of 16-bit floats ``MAGIC_VALUE + code`` (exact), the
+    two elements of one tensor-core operand register; ``zero_bias`` holds ``MAGIC_VALUE + zero``, so
+    one packed subtraction gives ``code - zero`` exactly and one packed multiply applies the scale.
+    With PAIR_ASM (GPU) that is one lop3, one sub.x2 and one mul.x2 per two codes, in place.
+    """
+    dtype = zero_bias.dtype
+    shifted = words >> (4 * j)
+    zb = tl.broadcast_to(zero_bias, [BLOCK_N, 2 * KW])
+    sc = tl.broadcast_to(scale, [BLOCK_N, 2 * KW])
+    if PAIR_ASM:
+        # Both 32-bit copies of the word reach the asm as $1, $2 (pack=2); the 16-bit operands arrive
+        # packed in pairs ($3, $4) and the result leaves as one register of two halves ($0).
+        both = tl.reshape(tl.join(shifted, shifted), [BLOCK_N, 2 * KW])
+        if dtype == tl.bfloat16:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 t; lop3.b32 t, $1, 0x000F000F, 0x43004300, 0xEA; "
+                "sub.bf16x2 t, t, $3; mul.bf16x2 $0, t, $4; }",
+                "=r,r,r,r,r", [both, zb, sc], dtype=dtype, is_pure=True, pack=2)
+        else:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 t; lop3.b32 t, $1, 0x000F000F, 0x64006400, 0xEA; "
+                "sub.f16x2 t, t, $3; mul.f16x2 $0, t, $4; }",
+                "=r,r,r,r,r", [both, zb, sc], dtype=dtype, is_pure=True, pack=2)
+    else:
+        pair = (shifted & 0x000F000F) | MAGIC2
+        lo = pair.to(tl.int16).to(dtype, bitcast=True)
+        hi = (pair >> 16).to(tl.int16).to(dtype, bitcast=True)
+        return (tl.reshape(tl.join(lo, hi), [BLOCK_N, 2 * KW]) - zb) * sc
+
+
+@triton.jit
+def _w4a16_pairs_kernel(
+    x_ptr, qw_ptr, scales_ptr, zeros_ptr, c_ptr,
+    M, N, K, M_BUCKET,
+    stride_xm, stride_qn, stride_sg, stride_zg, stride_cm,
+    GROUP_SIZE: tl.constexpr, HAS_ZEROS: tl.constexpr, MAGIC_VALUE: tl.constexpr, ATOMIC_OUT: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, KW: tl.constexpr, GROUP_N: tl.constexpr,
+    PAIR_ASM: tl.constexpr = False, PROGS_PER_SM: tl.constexpr = 4, W_AS_B: tl.constexpr = False,
+):
+    """Paired-nibble tensor-core kernel (4-bit): ``c[M, N] (+)= x[M, K] @ dequant(qw)^T`` over a K slice.
+
+    ``x`` arrives with its columns in :func:`paired_nibble_index` order, so each K tile of 8*KW codes is
+    four dots of width 2*KW whose weight operand comes out of the packed words already paired: no
+    reshape, no layout change, ~2 instructions per code (``_nibble_pairs``). The weight tile is
+    wgmma's A operand from registers, the activation tile B from shared memory, so BLOCK_M may be 16;
+    with W_AS_B (large M) the activation tile is A and the dequantized weights go through shared
+    memory as B.
+    Grid: (output tiles in grouped order, K splits); ATOMIC_OUT adds float32 partial sums into a
+    zeroed ``c``, otherwise ``c`` is written once. PROGS_PER_SM is read by the launcher's grid only.
+    """
+    DTYPE = x_ptr.dtype.element_ty
+    BLOCK_K: tl.constexpr = 8 * KW
+    MAGIC2: tl.constexpr = 0x43004300 if DTYPE == tl.bfloat16 else 0x64006400
+    # Groups cover whole tiles (one scale per row and tile) or several groups share a tile (per word).
+    TILE_GROUP: tl.constexpr = GROUP_SIZE % BLOCK_K == 0
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_in_group = GROUP_N * num_pid_m
+    first_pid_n = (pid // num_pid_in_group) * GROUP_N
+    group_size_n = min(num_pid_n - first_pid_n, GROUP_N)
+    pid_n = first_pid_n + (pid % num_pid_in_group) % group_size_n
+    pid_m = (pid % num_pid_in_group) // group_size_n
+    k_tiles = tl.cdiv(K, BLOCK_K)  # K is a multiple of BLOCK_K
+    tiles_per_split = tl.cdiv(k_tiles, tl.num_programs(1))
+    kt_start = pid_k * tiles_per_split
+    kt_end = min(kt_start + tiles_per_split, k_tiles)
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_w = tl.arange(0, KW)
+    offs_d = tl.arange(0, 2 * KW)
+    mask_n = offs_n < N
+    mask_m = offs_m < M
+    if W_AS_B:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for kt in range(kt_start, kt_end):
+        rows_w = kt * KW + offs_w
+        words = tl.load(qw_ptr + offs_n[:, None] * stride_qn + rows_w[None, :], mask=mask_n[:, None], other=0)
+        if TILE_GROUP:
+            g = (kt * BLOCK_K) // GROUP_SIZE
+            scale = tl.load(scales_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0).to(DTYPE)[:, None]
+            if HAS_ZEROS:
+                zero = tl.load(zeros_ptr + g * stride_zg + offs_n, mask=mask_n, other=0).to(tl.int32)[:, None]
+            else:
+                zero = tl.full([BLOCK_N, 1], 8, tl.int32)
+        else:
+            # Word w holds original columns 8w..8w+7, all in group (kt*BLOCK_K + 8w) // GROUP_SIZE; both
+            # codes of a pair come from one word, so the per-word scale is joined with itself.
+            g = (kt * BLOCK_K + 8 * offs_w) // GROUP_SIZE
+            sw = tl.load(scales_ptr + g[None, :] * stride_sg + offs_n[:, None], mask=mask_n[:, None], other=0.0)
+            scale = tl.reshape(tl.join(sw, sw), [BLOCK_N, 2 * KW]).to(DTYPE)
+            if HAS_ZEROS:
+                zw = tl.load(zeros_ptr + g[None, :] * stride_zg + offs_n[:, None], mask=mask_n[:, None], other=0)
+                zero = tl.reshape(tl.join(zw, zw), [BLOCK_N, 2 * KW]).to(tl.int32)
+            else:
+                zero = tl.full([BLOCK_N, 1], 8, tl.int32)
+        zero_bias = (zero + MAGIC_VALUE).to(DTYPE)  # exact: small integers
+        for j in tl.static_range(4):
+            w = _nibble_pairs(words, zero_bias, scale, j, MAGIC2, PAIR_ASM, BLOCK_N, KW)
+            cols = kt * BLOCK_K + j * 2 * KW + offs_d
+            if W_AS_B:
+                xa = tl.load(x_ptr + offs_m[:, None] * stride_xm + cols[None, :], mask=mask_m[:, None], other=0.0)
+                acc = tl.dot(xa, tl.trans(w), acc)
+            else:
+                xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + cols[:, None], mask=mask_m[None, :], other=0.0)
+                acc = tl.dot(w, xt, acc)
+    if W_AS_B:
+        c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :]
+        c_mask = mask_m[:, None] & mask_n[None, :]
+    else:
+        c_ptrs = c_ptr + offs_m[None, :] * stride_cm + offs_n[:, None]
+        c_mask = mask_n[:, None] & mask_m[None, :]
+    if ATOMIC_OUT:
+        tl.atomic_add(c_ptrs, acc, mask=c_mask, sem="relaxed")
+    else:
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+
+
 def _bench_quick(kernel_call, quantiles):
     # Short autotune timing: the configs differ by far more than the noise of 20 ms of runs.
     return triton.testing.do_bench(kernel_call, warmup=5, rep=20, quantiles=quantiles)
@@ -408,6 +577,20 @@ _decode_tuned = triton.autotune(
 _prefill_tuned = triton.autotune(configs=PREFILL_CONFIGS, key=["M_BUCKET", "N", "K"], do_bench=_bench_quick)(
     _w4a16_kernel
 )
+
+
+def _pairs_prune(configs, named_args, **kwargs):
+    """Keep the activation tiles that fit M: 16 up to M = 16, then the two powers of two around M."""
+    bucket = named_args["M_BUCKET"]
+    target = min(max(bucket, 16), 256)
+    ok = [c for c in configs if c.kwargs["BLOCK_M"] in (target, max(16, target // 2))]
+    return ok or configs[:1]
+
+
+_pairs_tuned = triton.autotune(
+    configs=PAIRS_CONFIGS, key=["M_BUCKET", "N", "K", "GROUP_SIZE", "HAS_ZEROS"], reset_to_zero=["c_ptr"],
+    prune_configs_by=dict(early_config_prune=_pairs_prune), do_bench=_bench_quick,
+)(_w4a16_pairs_kernel)
 
 
 def _gemv_block_k_ok(block_k: int, group_size: int) -> bool:
@@ -499,6 +682,56 @@ def _gemv_matmul(x, w, config, magic):
     return out.to(x.dtype)
 
 
+def pairs_supported(w: W4A16Weights) -> bool:
+    """Whether the paired-nibble kernel takes these weights (4-bit, K a multiple of PAIR_TILE_K)."""
+    return w.pair_index is not None and w.bits == 4
+
+
+def _pairs_matmul(x, w, config):
+    """The paired-nibble path. ``x`` is in the caller's column order; it is gathered once here."""
+    m, k = x.shape
+    n = w.out_features
+    xp = torch.index_select(x, 1, w.pair_index)
+    split = m <= PAIRS_SPLIT_MAX_M
+    out = (torch.zeros if split else torch.empty)((m, n), device=x.device, dtype=torch.float32 if split else x.dtype)
+    zeros = w.zeros if w.zeros is not None else w.scales  # dummy pointer when symmetric
+    num_sms = _num_sms(x.device)
+    k_tiles = k // PAIR_TILE_K
+
+    def grid(meta):
+        n_tiles = triton.cdiv(n, meta["BLOCK_N"])
+        out_tiles = n_tiles * triton.cdiv(m, meta["BLOCK_M"])
+        if not split:
+            return (out_tiles, 1)
+        s = meta.get("SPLIT_K") or _gemv_split_k(out_tiles, k_tiles, num_sms, meta.get("PROGS_PER_SM", 4))
+        return (out_tiles, s)
+
+    args = (xp, w.qweight, w.scales, zeros, out, m, n, k, _m_bucket(m),
+            xp.stride(0), w.qweight.stride(0), w.scales.stride(0), zeros.stride(0), out.stride(0))
+    flags = dict(GROUP_SIZE=w.group_size, HAS_ZEROS=w.zeros is not None,
+                 MAGIC_VALUE=128.0 if x.dtype == torch.bfloat16 else 1024.0, ATOMIC_OUT=split,
+                 KW=PAIR_TILE_K // 8, PAIR_ASM=not _interpreting())
+    if config is None and _interpreting():
+        config = dict(BLOCK_N=32, BLOCK_M=16)
+    if config is not None:
+        meta = dict(GROUP_N=8, num_warps=4, num_stages=3) | config
+        launch_grid = grid(meta)
+        meta.pop("SPLIT_K", None)
+        meta.pop("PROGS_PER_SM", None)
+        _w4a16_pairs_kernel[launch_grid](*args, **flags, **meta)
+    else:
+        _pairs_tuned[grid](*args, **flags)
+    return out.to(x.dtype) if split else out
+
+
+def choose_path(m: int, w: W4A16Weights) -> str:
+    """The kernel :func:`w4a16_matmul` runs for ``m`` activation rows by default."""
+    pairs = pairs_supported(w)
+    if m == 1 or (m <= GEMV_MAX_M and (not pairs or w.in_features * w.out_features < GEMV_M2_MAX_WEIGHTS)):
+        return "gemv"
+    return "pairs" if pairs else "tc"
+
+
 def _check_inputs(x: torch.Tensor, w: W4A16Weights) -> None:
     if x.dim() != 2 or x.shape[1] != w.in_features:
         raise ValueError(f"x must be [M, {w.in_features}], got {tuple(x.shape)}")
@@ -516,26 +749,32 @@ def w4a16_matmul(x: torch.Tensor, w: W4A16Weights, config: dict | None = None,
                  fast_dequant: bool = True, path: str | None = None) -> torch.Tensor:
     """``x [M, K]`` fp16/bf16 -> ``x @ W^T`` ``[M, N]`` through the Triton kernel.
 
-    ``path``: ``"gemv"`` (no tensor cores, M <= GEMV_MAX_M by default), ``"tc"`` (the tensor-core
-    kernel: split-K for M <= DECODE_MAX_M, direct store above) or None (by M).
+    ``path``: ``"gemv"`` (no tensor cores), ``"pairs"`` (the paired-nibble tensor-core kernel, 4-bit
+    with K a multiple of PAIR_TILE_K), ``"tc"`` (the first tensor-core kernel: split-K for
+    M <= DECODE_MAX_M, direct store above) or None (:func:`choose_path`: by M and what the weights allow).
     ``config`` bypasses the autotuner (tests, the interpreter): for "tc" ``BLOCK_N, BLOCK_M,
     BLOCK_K`` (optional ``SPLIT_K, GROUP_N, W_IS_A, W_GATHER, num_warps, num_stages``), for "gemv"
     ``BLOCK_N, BLOCK_K`` (optional ``SPLIT_K, PIPE, num_warps``). ``fast_dequant=False`` uses
     int->float conversions instead of the exponent trick (kept for comparison).
     """
     _check_inputs(x, w)
+    if path is None:
+        path = choose_path(x.shape[0], w)
+    if path == "pairs":
+        if not pairs_supported(w):
+            raise ValueError(f"the paired-nibble kernel needs 4-bit codes and K a multiple of {PAIR_TILE_K}, "
+                             f"got {w.bits}-bit, K = {w.in_features}")
+        return _pairs_matmul(x, w, config)
     if w.perm is not None:
         x = x[:, w.perm]
     m, k = x.shape
     n = w.out_features
-    if path is None:
-        path = "gemv" if m <= GEMV_MAX_M else "tc"
     if path == "gemv":
         if m > 64:
             raise ValueError(f"the GEMV path takes at most 64 rows, got {m}")
         return _gemv_matmul(x, w, config, fast_dequant)
     if path != "tc":
-        raise ValueError(f"path must be 'gemv', 'tc' or None, got {path!r}")
+        raise ValueError(f"path must be 'gemv', 'tc', 'pairs' or None, got {path!r}")
     decode = m <= DECODE_MAX_M
     # The exponent trick needs MAGIC_VALUE + code exact: 8-bit codes overflow bf16's mantissa.
     use_magic = fast_dequant and (w.bits == 4 or x.dtype == torch.float16)

@@ -29,6 +29,9 @@ class W4A16Weights:
       the kernel multiplies ``x[:, perm]``.
     * ``group_size``: the contiguous group length the kernel assumes, or None when the groups are
       not contiguous runs of one length (the kernel then refuses; the reference still works).
+    * ``pair_index`` int64 ``[K]`` or None: the activation columns in the order the paired-nibble
+      tensor-core kernel reads them (:func:`paired_nibble_index`, composed with ``perm``); None when
+      that kernel cannot take the layer (8-bit codes, or K not a multiple of ``PAIR_TILE_K``).
     """
 
     qweight: torch.Tensor
@@ -40,6 +43,29 @@ class W4A16Weights:
     group_size: int | None
     in_features: int
     out_features: int
+    pair_index: torch.Tensor | None = None
+
+
+# The paired-nibble kernel's K tile: 16 words of 8 codes.
+PAIR_TILE_K = 128
+
+
+def paired_nibble_index(k: int, device=None) -> torch.Tensor:
+    """Column order of the paired-nibble kernel: ``x[:, index]`` is what its j-th dot of a tile reads.
+
+    A 32-bit word holds 8 codes, code ``p`` at bit ``4p``. Shifting the word right by ``4j`` puts codes
+    ``j`` and ``j + 4`` at bits 0 and 16, so one mask-and-or makes a pair of 16-bit floats: two
+    neighbouring K positions of one tensor-core operand register, with no repacking. Within each
+    ``PAIR_TILE_K`` tile the kernel's dot ``j`` (of 4) therefore sees, at its column ``2 * w + h``, the
+    code ``j + 4h`` of word ``w``, i.e. original column ``8w + j + 4h``; this returns those originals in
+    the kernel's order, so that ``x[:, index]`` lines the activations up with the codes.
+    """
+    words = PAIR_TILE_K // 8
+    t = torch.arange(k // PAIR_TILE_K, device=device).view(-1, 1, 1, 1)
+    j = torch.arange(4, device=device).view(1, -1, 1, 1)
+    w = torch.arange(words, device=device).view(1, 1, -1, 1)
+    h = torch.arange(2, device=device).view(1, 1, 1, -1)
+    return (t * PAIR_TILE_K + 8 * w + j + 4 * h).reshape(-1)
 
 
 def prepare_w4a16_weights(qweight, qzeros, scales, g_idx, bits, group_size, sym) -> W4A16Weights:
@@ -71,6 +97,11 @@ def prepare_w4a16_weights(qweight, qzeros, scales, g_idx, bits, group_size, sym)
     gs = k if group_size == -1 else group_size
     if torch.equal(g_idx, default_g_idx(k, gs, device=g_idx.device)):
         kernel_group = PER_CHANNEL_GROUP if group_size == -1 else group_size
+    pair_index = None
+    if bits == 4 and k % PAIR_TILE_K == 0:
+        pair_index = paired_nibble_index(k, qweight.device)
+        if perm is not None:
+            pair_index = perm[pair_index]
     return W4A16Weights(
         qweight=qweight.t().contiguous(),
         scales=scales.to(torch.float16).contiguous(),
@@ -81,6 +112,7 @@ def prepare_w4a16_weights(qweight, qzeros, scales, g_idx, bits, group_size, sym)
         group_size=kernel_group,
         in_features=k,
         out_features=n,
+        pair_index=pair_index,
     )
 
 

@@ -124,6 +124,61 @@ def test_gemv_interpreted(n, k, bits, gs, sym, act, m, config, fast):
     assert rel_err(out, ref) < 2e-3
 
 
+# The paired-nibble tensor-core kernel (4-bit, K a multiple of 128): (n, k, group_size, sym, act_order, m, config)
+PAIRS_CASES = [
+    (64, 256, 128, True, False, 3, dict(BLOCK_N=32, BLOCK_M=16)),  # sym, one group per tile
+    (80, 384, 64, False, False, 5, dict(BLOCK_N=64, BLOCK_M=16, SPLIT_K=2)),  # per-word groups, N tail
+    (64, 256, 32, False, True, 20, dict(BLOCK_N=32, BLOCK_M=32)),  # g32 act-order, M tail
+    (64, 256, -1, True, False, 70, dict(BLOCK_N=32, BLOCK_M=64)),  # per channel, direct store (M > 64)
+    (48, 512, 128, False, True, 9, dict(BLOCK_N=16, BLOCK_M=16, SPLIT_K=3)),  # act-order, uneven split
+    (32, 128, 128, True, False, 1, None),  # default interpreter config, M = 1
+]
+
+
+@pytest.mark.skipif(CUDA, reason="interpreter tests run on CPU-only machines")
+@pytest.mark.parametrize("n,k,gs,sym,act,m,config", PAIRS_CASES)
+def test_pairs_interpreted(n, k, gs, sym, act, m, config):
+    mod = _kernel_module()
+    tensors, w_deq = make_layer(n, k, 4, gs, sym, act, seed=n + k + m + 2)
+    w = mod.prepare_w4a16_weights(**tensors, bits=4, group_size=gs, sym=sym)
+    assert mod.pairs_supported(w)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m + 2)).half()
+    ref = x.double() @ w_deq.double().t()
+    out = mod.w4a16_matmul(x, w, config=config, path="pairs")
+    assert out.shape == (m, n) and out.dtype == torch.float16
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) < 2e-3
+
+
+def test_paired_nibble_index_is_a_permutation_that_pairs_codes():
+    from quantkit.kernels.w4a16_weights import PAIR_TILE_K, paired_nibble_index
+
+    k = 3 * PAIR_TILE_K
+    idx = paired_nibble_index(k)
+    assert torch.equal(idx.sort().values, torch.arange(k))
+    # In every tile, dot j's column 2w + h is code j + 4h of word w: original column 8w + j + 4h.
+    tile = idx[PAIR_TILE_K:2 * PAIR_TILE_K] - PAIR_TILE_K
+    words = PAIR_TILE_K // 8
+    for j in range(4):
+        for w in (0, 5, words - 1):
+            for h in (0, 1):
+                assert tile[j * 2 * words + 2 * w + h] == 8 * w + j + 4 * h
+
+
+@pytest.mark.skipif(CUDA, reason="interpreter tests run on CPU-only machines")
+def test_pairs_path_needs_4_bit_and_whole_tiles():
+    mod = _kernel_module()
+    t8, _ = make_layer(32, 256, 8, 64, False, False, seed=3)
+    w8 = mod.prepare_w4a16_weights(**t8, bits=8, group_size=64, sym=False)
+    t576, _ = make_layer(32, 576, 4, 64, False, False, seed=4)
+    w576 = mod.prepare_w4a16_weights(**t576, bits=4, group_size=64, sym=False)
+    for w in (w8, w576):
+        assert not mod.pairs_supported(w)
+        assert mod.choose_path(8, w) == "tc"
+        with pytest.raises(ValueError, match="paired-nibble"):
+            mod.w4a16_matmul(torch.randn(4, w.in_features).half(), w, path="pairs")
+
+
 @pytest.mark.skipif(CUDA, reason="interpreter tests run on CPU-only machines")
 def test_default_path_is_gemv_for_small_m():
     mod = _kernel_module()
@@ -230,6 +285,24 @@ def test_kernel_gpu(n, k, gs, sym, act, m, dtype):
     ref = x.float() @ w_deq.t()
     path, config = _gpu_path_config(mod, m, gs)
     out = mod.w4a16_matmul(x, w, config=config, path=path)
+    assert out.dtype == dtype and out.shape == (m, n) and torch.isfinite(out).all()
+    assert rel_err(out, ref) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("n,k,gs,sym,act", [s for s in GPU_SHAPES if s[1] % 128 == 0])
+@pytest.mark.parametrize("m", [1, 5, 16, 40, 300])
+def test_pairs_gpu(n, k, gs, sym, act, m, dtype):
+    mod = _kernel_module()
+    tensors, w_deq = make_layer(n, k, 4, gs, sym, act, device="cuda", seed=torch.seed() % 2**31)
+    w = mod.prepare_w4a16_weights(**tensors, bits=4, group_size=gs, sym=sym)
+    x = torch.randn(m, k, device="cuda").to(dtype)
+    ref = x.float() @ w_deq.t()
+    block_m = 16 if m <= 16 else 64 if m <= 64 else 128
+    config = dict(BLOCK_N=128, BLOCK_M=block_m, num_warps=4 if block_m < 128 else 8, num_stages=3)
+    out = mod.w4a16_matmul(x, w, config=config, path="pairs")
     assert out.dtype == dtype and out.shape == (m, n) and torch.isfinite(out).all()
     assert rel_err(out, ref) < 1e-2
 
