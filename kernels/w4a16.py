@@ -692,10 +692,12 @@ def _pairs_matmul(x, w, config):
     m, k = x.shape
     n = w.out_features
     xp = torch.index_select(x, 1, w.pair_index)
-    split = m <= PAIRS_SPLIT_MAX_M
+    num_sms = _num_sms(x.device)
+    # Split K (float32 atomics) for decode, and wherever 128 x 128 output tiles would not fill the SMs
+    # (run 6: 8192x28672 at M = 256 ran 128 programs on 132 SMs, each over all of K: 0.42x cuBLAS).
+    split = m <= PAIRS_SPLIT_MAX_M or triton.cdiv(n, 128) * triton.cdiv(m, 128) < num_sms
     out = (torch.zeros if split else torch.empty)((m, n), device=x.device, dtype=torch.float32 if split else x.dtype)
     zeros = w.zeros if w.zeros is not None else w.scales  # dummy pointer when symmetric
-    num_sms = _num_sms(x.device)
     k_tiles = k // PAIR_TILE_K
 
     def grid(meta):

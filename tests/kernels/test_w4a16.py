@@ -129,7 +129,8 @@ PAIRS_CASES = [
     (64, 256, 128, True, False, 3, dict(BLOCK_N=32, BLOCK_M=16)),  # sym, one group per tile
     (80, 384, 64, False, False, 5, dict(BLOCK_N=64, BLOCK_M=16, SPLIT_K=2)),  # per-word groups, N tail
     (64, 256, 32, False, True, 20, dict(BLOCK_N=32, BLOCK_M=32)),  # g32 act-order, M tail
-    (64, 256, -1, True, False, 70, dict(BLOCK_N=32, BLOCK_M=64)),  # per channel, direct store (M > 64)
+    (64, 256, -1, True, False, 70, dict(BLOCK_N=32, BLOCK_M=64)),  # per channel, M > 64 (split: few tiles)
+    (640, 256, 128, False, False, 300, dict(BLOCK_N=64, BLOCK_M=64)),  # enough 128x128 tiles: direct store
     (48, 512, 128, False, True, 9, dict(BLOCK_N=16, BLOCK_M=16, SPLIT_K=3)),  # act-order, uneven split
     (32, 128, 128, True, False, 1, None),  # default interpreter config, M = 1
 ]
