@@ -26,8 +26,23 @@ range is split into a masked prologue (window edge), an unmasked middle and a ma
 Hopper (FA3) techniques, as Triton 3.6 allows: K/V tiles through tensor descriptors (TMA,
 USE_TMA), the K/V loop software-pipelined (num_stages) or warp-specialized
 (tl.range(..., warp_specialize=True): producer warps issue TMA, consumer warpgroups do the
-wgmma + softmax), and an FP8 e4m3 path (q, k, v and P in e4m3; per-token scales for q and k,
-per-head scale for v; optional Hadamard rotation of q and k to spread outliers).
+wgmma + softmax), and an FP8 e4m3 path (q, k, v and P in e4m3; per-token q scales and
+per-block K scales, both folded into the per-row exp2 scale; a per-head v scale; optional
+Hadamard rotation of q and k to spread outliers).
+
+FP8 P @ V without a shuffle: wgmma takes its A operand (P) from registers in a layout that
+differs from the one its accumulator (S = Q K^T, hence P) comes out in: per 32 keys a thread
+holds accumulator columns {8j + 2t + b} but needs A-operand columns {16h + 4t + e} (t = lane % 4;
+j < 4, b < 2, h < 2, e < 4), which Triton otherwise moves with warp shuffles, selects and byte
+permutes. The sum over keys does not care about their order, so `_perm_keys` renames P's
+columns by a register-only reshape/permute and V is read in the same permuted key order
+(`prepare_fp8` stores V^T that way).
+
+What plain Triton 3.6 cannot do here: overlap the softmax with the tensor cores. It waits for
+each wgmma right after issuing it (the Q K^T wait also retires the previous P V), so every key
+tile runs Q K^T -> softmax -> P V in sequence; software-pipelining Q K^T one tile ahead in the
+source changes nothing (the wait stays next to the issue). `attention_gluon.py` has the
+FA3-ordered kernel in Gluon; `attention_varlen(backend="auto")` uses it where it applies.
 """
 import math
 
@@ -38,89 +53,143 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 
 @triton.jit
+def _perm_keys(p, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Rename P's key columns so fp8 P needs no shuffle before P @ V (module docstring):
+    in each 32-key chunk, column c = (jh, jl, t, b) (bits, high to low: 1, 1, 2, 1) moves to
+    a = (jh, t, jl, b)."""
+    p = tl.reshape(p, [BLOCK_M, BLOCK_N // 32, 2, 2, 4, 2])
+    p = tl.permute(p, [0, 1, 2, 4, 3, 5])
+    return tl.reshape(p, [BLOCK_M, BLOCK_N])
+
+
+@triton.jit
+def _load_k(desc_k, k_ptr, kv_start, start_n, offs_n, offs_d, kv_col, seqlen_k, stride_kn, stride_kd,
+            MASK: tl.constexpr, USE_TMA: tl.constexpr):
+    """K tile [BLOCK_N, HEAD_DIM] of keys start_n.. of this sequence."""
+    if USE_TMA:
+        # Rows past the end of this sequence belong to the next one (or are zero-filled by TMA
+        # past the tensor): harmless, the MASK path sets their logits to -inf.
+        k = desc_k.load([kv_start + start_n, kv_col])
+    else:
+        cols = start_n + offs_n
+        k_ptrs = k_ptr + (kv_start + cols)[:, None] * stride_kn + offs_d[None, :] * stride_kd
+        if MASK:
+            k = tl.load(k_ptrs, mask=(cols < seqlen_k)[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+    return k
+
+
+@triton.jit
+def _load_v(desc_v, v_ptr, kv_start, start_n, offs_n, offs_d, kv_col, seqlen_k, stride_vn, stride_vd,
+            MASK: tl.constexpr, V_TRANS: tl.constexpr, V_TMA: tl.constexpr):
+    """V tile [BLOCK_N, HEAD_DIM]; for fp8 (V_TRANS) its rows in the key order of _perm_keys."""
+    cols = start_n + offs_n
+    if V_TRANS:
+        # FP8 wgmma wants both operands K-major: V is stored (D, tokens), load [D, BLOCK_N].
+        # The token order of that storage is permuted inside each 32-token chunk (prepare_fp8),
+        # so a tile that starts on a multiple of 32 already holds keys in _perm_keys order.
+        if V_TMA:
+            v = desc_v.load([kv_col, kv_start + start_n]).T
+        else:
+            # column a of the tile needs key c(a) of the sequence, stored at position pos(token)
+            c = (offs_n & -15) | ((offs_n & 2) << 2) | ((offs_n & 12) >> 1)
+            tok = kv_start + start_n + c
+            pos = (tok & -15) | ((tok & 8) >> 2) | ((tok & 6) << 1)
+            v_ptrs = v_ptr + pos[None, :] * stride_vn + offs_d[:, None] * stride_vd
+            if MASK:
+                v = tl.load(v_ptrs, mask=(start_n + c < seqlen_k)[None, :], other=0.0).T
+            else:
+                v = tl.load(v_ptrs).T
+    else:
+        if V_TMA:
+            v = desc_v.load([kv_start + start_n, kv_col])
+        else:
+            v_ptrs = v_ptr + (kv_start + cols)[:, None] * stride_vn + offs_d[None, :] * stride_vd
+            if MASK:
+                v = tl.load(v_ptrs, mask=(cols < seqlen_k)[:, None], other=0.0)
+            else:
+                v = tl.load(v_ptrs)
+    return v
+
+
+@triton.jit
+def _update(acc, l_i, m_i, qk, qk_scale, softcap_log2, inv_softcap,
+            v_ptr, desc_v, ks_ptr, kv_start, start_n, seqlen_k, delta, window_left,
+            offs_m, offs_n, offs_d, kv_col, stride_vn, stride_vd, stride_ksn,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+            MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+            HAS_SOFTCAP: tl.constexpr, IS_FP8: tl.constexpr, V_TRANS: tl.constexpr, V_TMA: tl.constexpr):
+    """Online softmax of one logit tile qk = Q K^T [BLOCK_M, BLOCK_N] (keys start_n..) and
+    acc += P V. Returns (acc, l_i, m_i)."""
+    cols = start_n + offs_n
+    if IS_FP8:
+        # per-block K scale: one scalar for the whole tile (prepare_fp8 makes it constant over
+        # each KV_SCALE_BLOCK keys), folded into the per-row exp2 scale: no per-logit multiply
+        ks = tl.load(ks_ptr + (kv_start + start_n) * stride_ksn)
+        qk_scale = qk_scale * ks
+        inv_softcap = inv_softcap * ks
+    if HAS_SOFTCAP:
+        # cap * tanh(s / cap), already in log2 units; tanh through exp2 so the interpreter
+        # runs it too
+        x = qk * inv_softcap[:, None]
+        qk = softcap_log2 * (1.0 - 2.0 / (tl.math.exp2(x * (2.0 * 1.4426950408889634)) + 1.0))
+    if MASK:
+        if not HAS_SOFTCAP:
+            qk = qk * qk_scale[:, None]
+        keep = cols[None, :] < seqlen_k
+        if IS_CAUSAL:
+            keep = keep & (cols[None, :] <= offs_m[:, None] + delta)
+        if HAS_WINDOW:
+            keep = keep & (cols[None, :] >= offs_m[:, None] + delta - window_left)
+        qk = tl.where(keep, qk, float("-inf"))
+        m_ij = tl.maximum(m_i, tl.max(qk, 1))
+        # a row may have seen no key yet: keep exp2 arguments finite (-inf - -inf = NaN)
+        m_safe = tl.where(m_ij == float("-inf"), 0.0, m_ij)
+        p = tl.math.exp2(qk - m_safe[:, None])
+    elif HAS_SOFTCAP:
+        m_ij = tl.maximum(m_i, tl.max(qk, 1))
+        m_safe = m_ij
+        p = tl.math.exp2(qk - m_ij[:, None])
+    else:
+        # unmasked blocks: the scale is folded into a single FMA per logit
+        m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        m_safe = m_ij
+        p = tl.math.exp2(qk * qk_scale[:, None] - m_ij[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    v = _load_v(desc_v, v_ptr, kv_start, start_n, offs_n, offs_d, kv_col, seqlen_k, stride_vn, stride_vd,
+                MASK, V_TRANS, V_TMA)
+    p = p.to(v.dtype)
+    if V_TRANS:
+        p = _perm_keys(p, BLOCK_M, BLOCK_N)
+    acc = tl.dot(p, v, acc)
+    return acc, l_i, m_ij
+
+
+@triton.jit
 def _attn_inner(acc, l_i, m_i, q, qk_scale, softcap_log2, inv_softcap,
                 k_ptr, v_ptr, desc_k, desc_v, ks_ptr,
                 kv_start, seqlen_k, delta, window_left, offs_m, offs_n, offs_d, kv_col,
                 stride_kn, stride_kd, stride_vn, stride_vd, stride_ksn,
                 lo, hi,
-                BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
                 HAS_SOFTCAP: tl.constexpr, USE_TMA: tl.constexpr, IS_FP8: tl.constexpr,
                 V_TRANS: tl.constexpr, V_TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
                 NUM_STAGES: tl.constexpr):
-    # One loop body for every variant: TMA vs pointer loads, masked vs unmasked blocks, fp8 vs
-    # 16-bit are constexpr branches resolved at compile time.
+    """Key tiles lo..hi, one after the other: Q K^T, softmax, P V."""
     for start_n in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES, warp_specialize=WARP_SPEC):
         start_n = tl.multiple_of(start_n, BLOCK_N)
-        cols = start_n + offs_n
-        # ---- load K tile [BLOCK_N, HEAD_DIM] ----
-        if USE_TMA:
-            # Rows past the end of this sequence belong to the next one (or are zero-filled
-            # by TMA past the tensor): harmless, the MASK path sets their logits to -inf.
-            k = desc_k.load([kv_start + start_n, kv_col])
-        else:
-            k_ptrs = k_ptr + (kv_start + cols)[:, None] * stride_kn + offs_d[None, :] * stride_kd
-            if MASK:
-                k = tl.load(k_ptrs, mask=(cols < seqlen_k)[:, None], other=0.0)
-            else:
-                k = tl.load(k_ptrs)
+        k = _load_k(desc_k, k_ptr, kv_start, start_n, offs_n, offs_d, kv_col, seqlen_k, stride_kn, stride_kd,
+                    MASK, USE_TMA)
         qk = tl.dot(q, k.T)
-        if IS_FP8:
-            # per-token K dequantization scale (q's scale is already inside qk_scale)
-            ks = tl.load(ks_ptr + (kv_start + cols) * stride_ksn, mask=cols < seqlen_k, other=0.0)
-            qk = qk * ks[None, :]
-        if HAS_SOFTCAP:
-            # cap * tanh(s / cap), already in log2 units; tanh through exp2 so the interpreter
-            # runs it too
-            x = qk * inv_softcap[:, None]
-            qk = softcap_log2 * (1.0 - 2.0 / (tl.math.exp2(x * (2.0 * 1.4426950408889634)) + 1.0))
-        if MASK:
-            if not HAS_SOFTCAP:
-                qk = qk * qk_scale[:, None]
-            keep = cols[None, :] < seqlen_k
-            if IS_CAUSAL:
-                keep = keep & (cols[None, :] <= offs_m[:, None] + delta)
-            if HAS_WINDOW:
-                keep = keep & (cols[None, :] >= offs_m[:, None] + delta - window_left)
-            qk = tl.where(keep, qk, float("-inf"))
-            m_ij = tl.maximum(m_i, tl.max(qk, 1))
-            # a row may have seen no key yet: keep exp2 arguments finite (-inf - -inf = NaN)
-            m_safe = tl.where(m_ij == float("-inf"), 0.0, m_ij)
-            p = tl.math.exp2(qk - m_safe[:, None])
-        elif HAS_SOFTCAP:
-            m_ij = tl.maximum(m_i, tl.max(qk, 1))
-            m_safe = m_ij
-            p = tl.math.exp2(qk - m_ij[:, None])
-        else:
-            # unmasked blocks: the scale is folded into a single FMA per logit
-            m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-            m_safe = m_ij
-            p = tl.math.exp2(qk * qk_scale[:, None] - m_ij[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        # ---- load V tile and accumulate P @ V ----
-        if V_TRANS:
-            # FP8 wgmma wants both operands K-major: V is stored (D, tokens), load [D, BLOCK_N]
-            if V_TMA:
-                v = desc_v.load([kv_col, kv_start + start_n]).T
-            else:
-                v_ptrs = v_ptr + (kv_start + cols)[None, :] * stride_vn + offs_d[:, None] * stride_vd
-                if MASK:
-                    v = tl.load(v_ptrs, mask=(cols < seqlen_k)[None, :], other=0.0).T
-                else:
-                    v = tl.load(v_ptrs).T
-        else:
-            if V_TMA:
-                v = desc_v.load([kv_start + start_n, kv_col])
-            else:
-                v_ptrs = v_ptr + (kv_start + cols)[:, None] * stride_vn + offs_d[None, :] * stride_vd
-                if MASK:
-                    v = tl.load(v_ptrs, mask=(cols < seqlen_k)[:, None], other=0.0)
-                else:
-                    v = tl.load(v_ptrs)
-        acc = tl.dot(p.to(v.dtype), v, acc)
-        m_i = m_ij
+        acc, l_i, m_i = _update(acc, l_i, m_i, qk, qk_scale, softcap_log2, inv_softcap,
+                                v_ptr, desc_v, ks_ptr, kv_start, start_n, seqlen_k, delta, window_left,
+                                offs_m, offs_n, offs_d, kv_col, stride_vn, stride_vd, stride_ksn,
+                                BLOCK_M, BLOCK_N, MASK, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, IS_FP8,
+                                V_TRANS, V_TMA)
     return acc, l_i, m_i
 
 
@@ -208,21 +277,21 @@ def _attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, desc_k, desc_v,
                                     k_ptr, v_ptr, desc_k, desc_v, ks_ptr,
                                     kv_start, seqlen_k, delta, window_left, offs_m, offs_n, offs_d, kv_col,
                                     stride_kn, stride_kd, stride_vn, stride_vd, stride_ksn, lo, end_pro,
-                                    BLOCK_N, HEAD_DIM, True, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
+                                    BLOCK_M, BLOCK_N, True, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
                                     USE_TMA, IS_FP8, V_TRANS, V_TMA, False, NUM_STAGES)
     # unmasked middle: the bulk of the work, no index arithmetic on the logits
     acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, qk_scale, softcap_log2, inv_softcap,
                                 k_ptr, v_ptr, desc_k, desc_v, ks_ptr,
                                 kv_start, seqlen_k, delta, window_left, offs_m, offs_n, offs_d, kv_col,
                                 stride_kn, stride_kd, stride_vn, stride_vd, stride_ksn, end_pro, end_mid,
-                                BLOCK_N, HEAD_DIM, False, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
+                                BLOCK_M, BLOCK_N, False, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
                                 USE_TMA, IS_FP8, V_TRANS, V_TMA, WARP_SPEC, NUM_STAGES)
     # masked epilogue: causal diagonal and the ragged end of the keys
     acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, qk_scale, softcap_log2, inv_softcap,
                                 k_ptr, v_ptr, desc_k, desc_v, ks_ptr,
                                 kv_start, seqlen_k, delta, window_left, offs_m, offs_n, offs_d, kv_col,
                                 stride_kn, stride_kd, stride_vn, stride_vd, stride_ksn, end_mid, hi,
-                                BLOCK_N, HEAD_DIM, True, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
+                                BLOCK_M, BLOCK_N, True, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
                                 USE_TMA, IS_FP8, V_TRANS, V_TMA, False, NUM_STAGES)
 
     # ---- epilogue: deferred normalisation; rows that saw no key output 0 ----
@@ -238,15 +307,15 @@ def _attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, desc_k, desc_v,
 def _default_config(head_dim, is_fp8, on_gpu, elem_bytes=2):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) chosen for the H200; small blocks on the CPU."""
     if not on_gpu:
-        return 16, 16, 4, 1
+        return (16, 32, 4, 1) if is_fp8 else (16, 16, 4, 1)  # fp8: _perm_keys works on 32 keys
     if elem_bytes == 4:  # float32 inputs (references): keep the tiles inside shared memory
         return 64, 32, 4, 2
     if is_fp8:
-        return 128, 128, 8, 3
-    if head_dim <= 64:
-        return 128, 128, 8, 3
+        # 64-row tiles, one warpgroup, 104 KB of shared memory: two programs per SM whose
+        # softmax and MMA phases interleave (H200, S=4096 hd128: 648 TFLOP/s vs 556 for 128x128 w8)
+        return (64, 128, 4, 3) if head_dim == 128 else (128, 128, 8, 3)
     if head_dim <= 128:
-        return 128, 128, 8, 2
+        return 128, 128, 8, 3
     return 128, 64, 8, 2
 
 
@@ -259,6 +328,9 @@ def hadamard_matrix(n, device=None, dtype=torch.float32):
     return h / math.sqrt(n)
 
 
+KV_SCALE_BLOCK = 128  # keys per K scale (per KV head), counted from each sequence's start
+
+
 def quantize_fp8_per_token(x):
     """x: (tokens, H, D) -> (e4m3 tensor (tokens, H, D), float32 scales (tokens, H))."""
     amax = x.abs().amax(dim=-1).float().clamp(min=1e-12)
@@ -267,34 +339,72 @@ def quantize_fp8_per_token(x):
     return xq, scale
 
 
-def prepare_fp8(q, k, v, hadamard=False, fp8_pv=True):
-    """Quantize for the FP8 path. q: (total_q, Hq, D); k, v: (total_k, Hkv, D), 16-bit.
+def quantize_fp8_per_block(x, cu_seqlens, block=KV_SCALE_BLOCK):
+    """x: (tokens, H, D) packed sequences -> (e4m3 (tokens, H, D), float32 scales (tokens, H)).
+
+    One scale per head and per `block` consecutive tokens of a sequence (blocks start at each
+    sequence's start, the last one may be short); the scale is written for every token of its
+    block, so a kernel tile of keys start..start + BLOCK_N (BLOCK_N dividing `block`) reads one
+    scalar at its first key."""
+    tokens = x.shape[0]
+    lens = cu_seqlens[1:] - cu_seqlens[:-1]
+    seq = torch.repeat_interleave(torch.arange(lens.numel(), device=x.device), lens.long(),
+                                  output_size=tokens)
+    local = torch.arange(tokens, device=x.device) - cu_seqlens[:-1].long()[seq]
+    first_block = torch.cumsum(torch.cat([lens.new_zeros(1), (lens + block - 1) // block]), 0)[:-1]
+    blk = (first_block.long()[seq] + local // block)  # (tokens,) global block id
+    amax_tok = x.abs().amax(dim=-1).float()  # (tokens, H)
+    amax_blk = torch.zeros(int(blk.max()) + 1 if tokens else 1, x.shape[1], device=x.device)
+    amax_blk.index_reduce_(0, blk, amax_tok, "amax")
+    scale = amax_blk[blk].clamp(min=1e-12) / 448.0  # (tokens, H)
+    xq = (x.float() / scale[..., None]).to(torch.float8_e4m3fn)
+    return xq, scale
+
+
+def _key_perm_positions(n, device=None):
+    """Storage position of each token of V^T for the fp8 P @ V (see _perm_keys): inside each
+    32-token chunk token c = (jh, jl, t, b) (bits 1, 1, 2, 1) is stored at a = (jh, t, jl, b)."""
+    c = torch.arange(n, device=device)
+    return (c & -15) | ((c & 8) >> 2) | ((c & 6) << 1)
+
+
+def prepare_fp8(q, k, v, hadamard=False, fp8_pv=True, cu_seqlens_k=None):
+    """Quantize for the FP8 path. q: (total_q, Hq, D); k, v: (total_k, Hkv, D), 16-bit;
+    cu_seqlens_k: (B + 1,) offsets of the key sequences (None: one sequence).
 
     Returns (q8, q_scale (total_q, Hq), k8, k_scale (total_k, Hkv), v8, v_scale (Hkv,)): e4m3
-    tensors with per-token scales for q and k and a per-head scale for v. v8 is a logical
-    (total_k, Hkv, D) view of (Hkv, D, total_k + >= 256 zeros) storage, so P @ V reads V
-    K-major as fp8 wgmma requires. hadamard=True rotates q and k by one orthogonal matrix first (QK^T unchanged,
-    outlier channels spread over all channels before rounding to 3 mantissa bits).
+    tensors. q: per-token scales (they fold into the per-row exp2 scale: free). k: one scale
+    per KV head and KV_SCALE_BLOCK keys of a sequence (stored per token, constant over the
+    block), so each kernel tile of keys has one scalar scale and no per-logit multiply. v: a
+    per-head scale. v8 is a (total_k, Hkv, D) view of (Hkv, D, total_k + >= 256 zeros)
+    storage, so P @ V reads V K-major as fp8 wgmma requires, with the tokens of each 32-token
+    chunk stored in the order of `_perm_keys` (v8[i] is not token i: only the kernel reads it).
+    hadamard=True rotates q and k by one orthogonal matrix first (QK^T unchanged, outlier
+    channels spread over all channels before rounding to 3 mantissa bits).
     fp8_pv=False keeps v (and so P @ V) in 16 bits: only Q K^T runs in fp8; v_scale is None."""
+    total_k, n_kv_heads, head_dim = k.shape
+    if cu_seqlens_k is None:
+        cu_seqlens_k = torch.tensor([0, total_k], dtype=torch.int32, device=k.device)
     if hadamard:
         h = hadamard_matrix(q.shape[-1], q.device)
         q, k = q.float() @ h, k.float() @ h
     q8, q_scale = quantize_fp8_per_token(q)
-    k8, k_scale = quantize_fp8_per_token(k)
+    k8, k_scale = quantize_fp8_per_block(k, cu_seqlens_k)
     if not fp8_pv:
         return q8, q_scale, k8, k_scale, v, None
     v_scale = v.abs().amax(dim=(0, 2)).float().clamp(min=1e-12) / 448.0
     # Token dim padded by one 256-wide tile of zeros, so no TMA box of V^T crosses the end.
-    total_k, n_kv_heads, head_dim = v.shape
-    n_pad = triton.cdiv(total_k + 256, 16) * 16
+    n_pad = triton.cdiv(total_k + 256, 32) * 32
     v8 = torch.zeros(n_kv_heads, head_dim, n_pad, dtype=torch.float8_e4m3fn, device=v.device)
-    v8[:, :, :total_k] = (v.float() / v_scale[None, :, None]).to(torch.float8_e4m3fn).permute(1, 2, 0)
+    pos = _key_perm_positions(n_pad, v.device)[:total_k]
+    v8[:, :, pos] = (v.float() / v_scale[None, :, None]).to(torch.float8_e4m3fn).permute(1, 2, 0)
     return q8, q_scale, k8, k_scale, v8[:, :, :total_k].permute(2, 0, 1), v_scale
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=False, sm_scale=None,
                      window_left=-1, softcap=0.0, fp8=False, hadamard=False, fp8_pv=True, use_tma=None,
-                     warp_specialize=False, config=None, fp8_prepared=None, out_dtype=None, v_tma=None):
+                     warp_specialize=False, config=None, fp8_prepared=None, out_dtype=None, v_tma=None,
+                     backend="auto"):
     """Packed variable-length attention forward.
 
     q: (total_q, Hq, D); k, v: (total_k, Hkv, D), fp16 or bf16 (fp32 runs too, for the CPU tests);
@@ -304,30 +414,51 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=F
     in directly (then q, k, v are only used for their shapes). hadamard, fp8_pv: see `prepare_fp8`.
     config: optional (BLOCK_M, BLOCK_N, num_warps, num_stages) override. use_tma / v_tma: load
     K / V tiles through tensor descriptors (default: on Hopper and newer; v_tma follows use_tma).
+    backend: "triton" (this file's kernel), "gluon" (`attention_gluon`: Hopper, head dim 64/128,
+    no window / soft-cap; config is then (BLOCK_M, BLOCK_N, num_warps, NUM_BUF)), or "auto":
+    gluon for 16-bit head dim 128 on Hopper when no Triton-only option is set (measured 0-5%
+    faster there), else triton (also for fp8: its 64-row config measured faster).
     Returns out: (total_q, Hq, D) in q's dtype (or out_dtype).
     """
+    fp8 = fp8 or fp8_prepared is not None
+    # auto: the gluon kernel where it measured faster on the H200 (16-bit, head dim 128: +0-5%)
+    if backend == "gluon" or (backend == "auto" and q.is_cuda and not fp8 and q.shape[-1] == 128
+                              and config is None and use_tma is not False and not warp_specialize
+                              and out_dtype in (None, q.dtype) and v_tma is None):
+        from quantkit.kernels import attention_gluon
+        if fp8_prepared is not None:
+            fp8_pv = fp8_prepared[4].dtype == torch.float8_e4m3fn
+        ok = attention_gluon.supported(q, k, causal, window_left, softcap, fp8, fp8_pv, cu_seqlens_k)
+        if ok or backend == "gluon":
+            assert ok, "the gluon kernel does not handle this call"
+            return attention_gluon.attention_varlen_gluon(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                          causal=causal, sm_scale=sm_scale, config=config,
+                                                          fp8=fp8, hadamard=hadamard, fp8_prepared=fp8_prepared)
     total_q, n_heads, head_dim = q.shape
     total_k, n_kv_heads, _ = k.shape
     assert n_heads % n_kv_heads == 0 and head_dim in (16, 32, 64, 128, 256)
     on_gpu = q.is_cuda
     sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
     out = torch.empty(q.shape, dtype=out_dtype or q.dtype, device=q.device)
-    fp8 = fp8 or fp8_prepared is not None
     block_m, block_n, num_warps, num_stages = config or _default_config(head_dim, fp8, on_gpu,
                                                                         q.element_size())
     if use_tma is None:
         use_tma = on_gpu and torch.cuda.get_device_capability(q.device)[0] >= 9
     q_scale = k_scale = v_scale = out  # placeholders, never read unless fp8
     if fp8:
-        q, q_scale, k, k_scale, v, v_scale = fp8_prepared or prepare_fp8(q, k, v, hadamard, fp8_pv)
+        q, q_scale, k, k_scale, v, v_scale = fp8_prepared or prepare_fp8(q, k, v, hadamard, fp8_pv,
+                                                                         cu_seqlens_k)
+        assert KV_SCALE_BLOCK % block_n == 0, "a K tile must lie inside one K scale block"
+        assert block_n % 32 == 0, "fp8 tiles hold whole 32-key chunks (_perm_keys)"
     v_trans = v.dtype == torch.float8_e4m3fn
     if v_tma is None:
         v_tma = use_tma
         if v_trans and use_tma:
             # A V^T box starts at token kv_start + n along its contiguous dim, and TMA needs that
             # 16-byte aligned: with 1-byte fp8, every sequence start must be a multiple of 16.
-            # (Unaligned, the H200 raised 'illegal instruction'; the interpreter asserts.)
-            v_tma = bool((cu_seqlens_k % 16 == 0).all())  # one host sync
+            # (Unaligned, the H200 raised 'illegal instruction'; the interpreter asserts.) The
+            # key permutation of the V^T storage also needs tiles on 32-token chunks.
+            v_tma = bool((cu_seqlens_k % 32 == 0).all())  # one host sync
     if v_scale is None:
         v_scale = out
     if k.stride(-1) != 1:

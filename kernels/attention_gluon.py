@@ -1,0 +1,316 @@
+"""
+Hopper attention forward in Gluon (`triton.experimental.gluon`): the FlashAttention-3 overlap
+of softmax and tensor cores that plain Triton 3.6 does not produce.
+
+Why a second kernel: in `attention._attn_fwd` Triton waits for every wgmma right after issuing
+it (the Q K^T wait also retires the previous P V), so each key tile runs
+Q K^T -> softmax -> P V one after the other and the MUFU/FP32 work of the softmax (~40% of the
+time at head dim 128) never overlaps the tensor cores. Gluon exposes the asynchronous wgmma and
+its wait, so this kernel orders each key tile j as FA3's intra-warpgroup pipelining does:
+
+    issue S_j = Q K_j^T        (async)
+    issue O  += P_{j-1} V_{j-1} (async, P_{j-1} from registers)
+    wait until S_j is done     (P V may still run)
+    softmax(S_j) -> P_j         <- runs under the P V wgmma
+    wait for P V; O *= alpha_j
+
+K/V tiles stream through a ring of NUM_BUF shared-memory stages filled by TMA (one mbarrier
+per tile and operand); a stage is refilled once the program's warpgroups have retired the P V
+that read it (a CTA barrier per tile).
+
+Measured on the H200 (bench/NOTES_attention.md): with two warpgroups on 128-row tiles this order
+alone gained nothing over the Triton kernel (473 vs 489 TFLOP/s, bf16 hd128 S=4096); with one
+warpgroup on 64-row tiles, two programs per SM, it is 0-5% faster, hence the default config.
+
+Scope: bf16/fp16 and the fp8 path of `attention.prepare_fp8` (e4m3 Q, K, V and P), head
+dim 64/128, causal or not, packed varlen, GQA; no window or soft-cap (`attention.attention_varlen`
+keeps those).
+
+Layout as in `attention.py`: q (total_q, Hq, D), k/v (total_k, Hkv, D), cu_seqlens (B + 1,),
+bottom-right causal alignment.
+"""
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+
+@gluon.jit
+def _softmax_tile(s, m_i, l_i, qk_scale, start_n, offs_m, offs_n, seqlen_k, delta, full_hi,
+                  IS_CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Online softmax of one logit tile s [BLOCK_M, BLOCK_N] (fp32, unscaled; qk_scale [BLOCK_M]
+    per row, log2(e) included): returns (p = exp2 of the scaled logits minus the new row max,
+    new m, new l, alpha)."""
+    if start_n + BLOCK_N > full_hi:  # the causal diagonal or the ragged end: mask
+        cols = start_n + offs_n
+        keep = gl.expand_dims(cols, 0) < seqlen_k
+        if IS_CAUSAL:
+            keep = keep & (gl.expand_dims(cols, 0) <= gl.expand_dims(offs_m, 1) + delta)
+        s = gl.where(keep, s * gl.expand_dims(qk_scale, 1), float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
+        p = gl.exp2(s - gl.expand_dims(m_safe, 1))
+    else:
+        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+        m_safe = m_new
+        p = gl.exp2(s * gl.expand_dims(qk_scale, 1) - gl.expand_dims(m_new, 1))
+    alpha = gl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + gl.sum(p, 1)
+    return p, m_new, l_i, alpha
+
+
+@gluon.jit
+def _load_kv(desc_k, desc_v, k_smem, v_smem, k_bars, v_bars, tile, n_tiles, kv_start, kv_col,
+             BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr, IS_FP8: gl.constexpr):
+    """TMA of key tile `tile` (K and V, each on its own barrier) into stage tile % NUM_BUF; fp8
+    V comes from its transposed (Hkv * D, tokens) storage as a [D, BLOCK_N] box."""
+    stage = tile % NUM_BUF
+    pred = tile < n_tiles
+    row = kv_start + tile * BLOCK_N
+    mbarrier.expect(k_bars.index(stage), desc_k.block_type.nbytes, pred=pred)
+    tma.async_copy_global_to_shared(desc_k, [row, kv_col], k_bars.index(stage), k_smem.index(stage), pred=pred)
+    mbarrier.expect(v_bars.index(stage), desc_v.block_type.nbytes, pred=pred)
+    if IS_FP8:
+        tma.async_copy_global_to_shared(desc_v, [kv_col, row], v_bars.index(stage), v_smem.index(stage),
+                                        pred=pred)
+    else:
+        tma.async_copy_global_to_shared(desc_v, [row, kv_col], v_bars.index(stage), v_smem.index(stage),
+                                        pred=pred)
+
+
+@gluon.jit
+def _p_operand(p, p_layout: gl.constexpr, dtype: gl.constexpr, IS_FP8: gl.constexpr, BLOCK_M: gl.constexpr,
+               BLOCK_N: gl.constexpr):
+    """P (fp32, accumulator layout) -> the A operand of the next P @ V, held in registers across
+    the loop's back edge. 16-bit: in dtype. fp8: the key columns are renamed inside each
+    32-key chunk, c = (jh, jl, t, b) -> (jh, t, jl, b) (bits 1, 1, 2, 1), which makes the
+    accumulator and A-operand layouts the same registers (see attention.py's docstring; V^T is
+    stored in that key order), and P is kept in fp16 (two values a register: an 8-bit loop
+    value would be carried one byte a register and repacked with byte permutes) until
+    `_p_fp8` converts it right before the wgmma."""
+    if IS_FP8:
+        p = gl.reshape(gl.permute(gl.reshape(p, [BLOCK_M, BLOCK_N // 32, 2, 2, 4, 2]), [0, 1, 2, 4, 3, 5]),
+                       [BLOCK_M, BLOCK_N])
+        return gl.convert_layout(p, p_layout, assert_trivial=True).to(gl.float16)
+    else:
+        return gl.convert_layout(p.to(dtype), p_layout)
+
+
+@gluon.jit
+def _pv(p_op, v_tile, acc, dtype: gl.constexpr, IS_FP8: gl.constexpr):
+    """Issue acc += P V (async); fp8: P from fp16 to e4m3 here, V^T tile viewed as V."""
+    if IS_FP8:
+        return warpgroup_mma(p_op.to(dtype), v_tile.permute((1, 0)), acc, is_async=True)
+    else:
+        return warpgroup_mma(p_op, v_tile, acc, is_async=True)
+
+
+@gluon.jit
+def _attn_fwd_gluon(desc_q, desc_k, desc_v, o_ptr, qs_ptr, ks_ptr, v_scale_ptr,
+                    cu_seqlens_q_ptr, cu_seqlens_k_ptr, sm_scale,
+                    stride_om, stride_oh, stride_qsm, stride_ksn, NUM_M_BLOCKS,
+                    GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                    BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr, IS_FP8: gl.constexpr,
+                    NUM_BUF: gl.constexpr, num_warps: gl.constexpr):
+    dtype: gl.constexpr = desc_q.dtype
+    MMA_K: gl.constexpr = 32 if IS_FP8 else 16  # wgmma k: 32 bytes of each operand
+    # one warp per 16 rows; S = Q K^T [BLOCK_M, BLOCK_N] and O [BLOCK_M, HEAD_DIM] accumulators
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, BLOCK_N, MMA_K])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, HEAD_DIM, MMA_K])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4 if IS_FP8 else 2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
+
+    pid_m = gl.program_id(0)
+    if IS_CAUSAL:
+        pid_m = NUM_M_BLOCKS - 1 - pid_m  # heaviest query blocks first
+    seq = gl.program_id(1)
+    head = gl.program_id(2)
+    kv_head = head // GROUP
+    q_start = gl.load(cu_seqlens_q_ptr + seq)
+    seqlen_q = gl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    kv_start = gl.load(cu_seqlens_k_ptr + seq)
+    seqlen_k = gl.load(cu_seqlens_k_ptr + seq + 1) - kv_start
+    m0 = pid_m * BLOCK_M
+    if m0 >= seqlen_q:
+        return
+    delta = seqlen_k - seqlen_q
+    hi = seqlen_k
+    full_hi = (seqlen_k // BLOCK_N) * BLOCK_N  # tiles below are visible to every row
+    if IS_CAUSAL:
+        hi = gl.minimum(seqlen_k, m0 + BLOCK_M + delta)
+        full_hi = gl.minimum(full_hi, gl.maximum(m0 + delta + 1, 0) // BLOCK_N * BLOCK_N)
+    hi = gl.maximum(hi, 0)
+    n_tiles = (hi + BLOCK_N - 1) // BLOCK_N
+    kv_col = kv_head * HEAD_DIM
+
+    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], desc_q.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, HEAD_DIM], desc_k.layout)
+    if IS_FP8:  # V^T tiles [D, BLOCK_N]: fp8 wgmma wants B K-major
+        v_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, HEAD_DIM, BLOCK_N], desc_v.layout)
+    else:
+        v_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, HEAD_DIM], desc_v.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    v_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(NUM_BUF):
+        mbarrier.init(k_bars.index(i), count=1)
+        mbarrier.init(v_bars.index(i), count=1)
+
+    # Q rows past this sequence belong to the next one: harmless, their outputs are not stored
+    mbarrier.expect(q_bar, desc_q.block_type.nbytes)
+    tma.async_copy_global_to_shared(desc_q, [q_start + m0, head * HEAD_DIM], q_bar, q_smem)
+    for t in gl.static_range(NUM_BUF):
+        _load_kv(desc_k, desc_v, k_smem, v_smem, k_bars, v_bars, t, n_tiles, kv_start, kv_col,
+                 BLOCK_N, NUM_BUF, IS_FP8)
+
+    offs_m = m0 + gl.arange(0, BLOCK_M, layout=row_s)
+    offs_n = gl.arange(0, BLOCK_N, layout=col_s)
+    # exp(x) = exp2(x * log2(e)): log2(e) and sm_scale in one per-row scale (fp8: times the
+    # per-token q scale here and the per-tile k scale in the loop)
+    qk_scale = gl.full([BLOCK_M], sm_scale * 1.4426950408889634, gl.float32, layout=row_s)
+    if IS_FP8:
+        qk_scale = qk_scale * gl.load(qs_ptr + (q_start + offs_m) * stride_qsm + head, mask=offs_m < seqlen_q,
+                                      other=0.0)
+    row_scale = qk_scale
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
+    l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
+    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+    mbarrier.wait(q_bar, 0)
+
+    if n_tiles > 0:
+        # tile 0: S_0 and its softmax (nothing to overlap with yet)
+        mbarrier.wait(k_bars.index(0), 0)
+        s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        if IS_FP8:  # one K scale per tile (prepare_fp8: per KV_SCALE_BLOCK keys)
+            row_scale = qk_scale * gl.load(ks_ptr + kv_start * stride_ksn + kv_head)
+        s = warpgroup_mma_wait(0, deps=[s])
+        p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, row_scale, 0, offs_m, offs_n, seqlen_k, delta,
+                                           full_hi, IS_CAUSAL, BLOCK_N)
+        p_op = _p_operand(p, p_layout, dtype, IS_FP8, BLOCK_M, BLOCK_N)
+        for j in range(1, n_tiles):
+            stage = j % NUM_BUF
+            prev = (j - 1) % NUM_BUF
+            mbarrier.wait(k_bars.index(stage), (j // NUM_BUF) & 1)
+            s = warpgroup_mma(q_smem, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False,
+                              is_async=True)
+            mbarrier.wait(v_bars.index(prev), ((j - 1) // NUM_BUF) & 1)
+            acc = _pv(p_op, v_smem.index(prev), acc, dtype, IS_FP8)
+            if IS_FP8:
+                row_scale = qk_scale * gl.load(ks_ptr + (kv_start + j * BLOCK_N) * stride_ksn + kv_head)
+            s = warpgroup_mma_wait(1, deps=[s])  # S_j done; P_{j-1} V_{j-1} may still run
+            p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, row_scale, j * BLOCK_N, offs_m, offs_n,
+                                               seqlen_k, delta, full_hi, IS_CAUSAL, BLOCK_N)
+            acc, p_op = warpgroup_mma_wait(0, deps=[acc, p_op])
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+            p_op = _p_operand(p, p_layout, dtype, IS_FP8, BLOCK_M, BLOCK_N)
+            # both warpgroups have retired the wgmmas that read stage `prev`: refill it
+            gl.thread_barrier()
+            _load_kv(desc_k, desc_v, k_smem, v_smem, k_bars, v_bars, j - 1 + NUM_BUF, n_tiles, kv_start,
+                     kv_col, BLOCK_N, NUM_BUF, IS_FP8)
+        last = n_tiles - 1
+        mbarrier.wait(v_bars.index(last % NUM_BUF), (last // NUM_BUF) & 1)
+        acc = _pv(p_op, v_smem.index(last % NUM_BUF), acc, dtype, IS_FP8)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+
+    # deferred normalisation; rows that saw no key output 0
+    l_safe = gl.where(l_i == 0.0, 1.0, l_i)
+    acc = acc / gl.expand_dims(gl.convert_layout(l_safe, row_o), 1)
+    if IS_FP8:
+        acc = acc * gl.load(v_scale_ptr + kv_head)
+    offs_mo = m0 + gl.arange(0, BLOCK_M, layout=row_o)
+    offs_d = gl.arange(0, HEAD_DIM, layout=col_o)
+    o_ptrs = (o_ptr + gl.expand_dims((q_start + offs_mo).to(gl.int64) * stride_om, 1) + head * stride_oh
+              + gl.expand_dims(offs_d, 0))
+    gl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=gl.expand_dims(offs_mo < seqlen_q, 1))
+
+
+def supported(q, k, causal=False, window_left=-1, softcap=0.0, fp8=False, fp8_pv=True, cu_seqlens_k=None):
+    """Whether `attention_varlen_gluon` handles this call (else use attention.attention_varlen).
+    fp8 needs fp8 P @ V and sequence starts on multiples of 32 keys (V^T TMA boxes, key order):
+    checked on cu_seqlens_k (one host sync)."""
+    ok = (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9
+          and q.dtype in (torch.bfloat16, torch.float16) and k.dtype == q.dtype
+          and q.shape[-1] in (64, 128) and window_left < 0 and softcap <= 0)
+    if ok and fp8:
+        ok = fp8_pv and cu_seqlens_k is not None and bool((cu_seqlens_k % 32 == 0).all())
+    return ok
+
+
+def _default_config(head_dim, fp8):
+    """(BLOCK_M, BLOCK_N, num_warps, NUM_BUF), from the H200 sweep at S=4096: 64-row tiles with one
+    warpgroup and a 3-deep ring (<= 113 KB of shared memory) run two programs per SM, whose
+    phases the schedulers interleave (bf16 hd128: 494 / 443 TFLOP/s non-causal / causal against
+    477 / 424 for 128x128 with two warpgroups and a 3-deep ring in 224 KB)."""
+    if head_dim == 128:
+        return (64, 128, 4, 3) if fp8 else (64, 64, 4, 3)
+    return (128, 128, 8, 3) if fp8 else (128, 128, 8, 5)
+
+
+def attention_varlen_gluon(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=False, sm_scale=None,
+                           config=None, fp8=False, hadamard=False, fp8_prepared=None):
+    """Same contract as `attention.attention_varlen` for the cases `supported` accepts.
+
+    q: (total_q, Hq, D); k, v: (total_k, Hkv, D), bf16/fp16; cu_seqlens_*: (B + 1,) int32.
+    fp8 / hadamard / fp8_prepared: as in attention_varlen (fp8 P @ V only; per-token q, per-block
+    k, per-head v scales from `attention.prepare_fp8`). config: (BLOCK_M, BLOCK_N, num_warps,
+    NUM_BUF), see `_default_config`. Returns (total_q, Hq, D) in q's dtype."""
+    from quantkit.kernels.attention import KV_SCALE_BLOCK, prepare_fp8
+
+    total_q, n_heads, head_dim = q.shape
+    total_k, n_kv_heads, _ = k.shape
+    assert n_heads % n_kv_heads == 0
+    sm_scale = head_dim ** -0.5 if sm_scale is None else sm_scale
+    fp8 = fp8 or fp8_prepared is not None
+    block_m, block_n, num_warps, num_buf = config or _default_config(head_dim, fp8)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    q_scale = k_scale = v_scale = out  # placeholders, never read unless fp8
+    if fp8:
+        q, q_scale, k, k_scale, v, v_scale = fp8_prepared or prepare_fp8(q, k, v, hadamard, True, cu_seqlens_k)
+        assert v.dtype == torch.float8_e4m3fn, "the gluon kernel runs P @ V in fp8 too"
+        assert KV_SCALE_BLOCK % block_n == 0 and block_n % 32 == 0
+        gdt = gl.float8e4nv
+    else:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    q_layout = gl.NVMMASharedLayout.get_default_for([block_m, head_dim], gdt)
+    kv_layout = gl.NVMMASharedLayout.get_default_for([block_n, head_dim], gdt)
+    # 2-D views (tokens, H * D): one descriptor serves every head and sequence
+    desc_q = TensorDescriptor(q, [total_q, n_heads * head_dim], [n_heads * head_dim, 1], [block_m, head_dim],
+                              q_layout)
+    desc_k = TensorDescriptor(k, [total_k, n_kv_heads * head_dim], [n_kv_heads * head_dim, 1],
+                              [block_n, head_dim], kv_layout)
+    if fp8:  # V^T storage (Hkv * D, padded tokens), see prepare_fp8
+        vt_layout = gl.NVMMASharedLayout.get_default_for([head_dim, block_n], gdt)
+        desc_v = TensorDescriptor(v, [n_kv_heads * head_dim, v.stride(2)], [v.stride(2), 1], [head_dim, block_n],
+                                  vt_layout)
+    else:
+        desc_v = TensorDescriptor(v, [total_k, n_kv_heads * head_dim], [n_kv_heads * head_dim, 1],
+                                  [block_n, head_dim], kv_layout)
+    n_m_blocks = triton.cdiv(max_seqlen_q, block_m)
+    grid = (n_m_blocks, cu_seqlens_q.numel() - 1, n_heads)
+    _attn_fwd_gluon[grid](desc_q, desc_k, desc_v, out, q_scale, k_scale, v_scale, cu_seqlens_q, cu_seqlens_k,
+                          sm_scale, out.stride(0), out.stride(1),
+                          q_scale.stride(0) if fp8 else 0, k_scale.stride(0) if fp8 else 0, n_m_blocks,
+                          GROUP=n_heads // n_kv_heads, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
+                          IS_CAUSAL=causal, IS_FP8=fp8, NUM_BUF=num_buf, num_warps=num_warps)
+    return out
+
+
+def attention_gluon(q, k, v, causal=False, **kwargs):
+    """Fixed-length batch: q (B, Sq, Hq, D), k, v (B, Sk, Hkv, D) -> out (B, Sq, Hq, D)."""
+    b, sq, hq, d = q.shape
+    sk = k.shape[1]
+    cu_q = torch.arange(0, (b + 1) * sq, sq, dtype=torch.int32, device=q.device)
+    cu_k = torch.arange(0, (b + 1) * sk, sk, dtype=torch.int32, device=q.device)
+    out = attention_varlen_gluon(q.reshape(b * sq, hq, d), k.reshape(b * sk, -1, d), v.reshape(b * sk, -1, d),
+                                 cu_q, cu_k, sq, causal=causal, **kwargs)
+    return out.view(b, sq, hq, d)
