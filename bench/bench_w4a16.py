@@ -183,11 +183,20 @@ def main():
     ap.add_argument("--variants", action="store_true", help="also time every other kernel at each M, and check each")
     ap.add_argument("--deadline", type=float, default=float("inf"),
                     help="seconds: points not started by then are skipped (the JSON says which ran)")
+    ap.add_argument("--shapes", default=None, help="NxK list, e.g. 8192x28672,4096x14336 (default: the issue's)")
+    ap.add_argument("--ms", default=None, help="M list, e.g. 1,256 (default: the issue's)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     t0 = time.time()
     shapes = SHAPES[-1:] if args.quick else SHAPES
+    if args.shapes:
+        shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+        unknown = [s for s in shapes if s not in SHAPES]
+        if unknown:
+            ap.error(f"--shapes: {unknown} are not among the benchmark shapes {SHAPES}")
     ms = [1, 16, 4096] if args.quick else MS
+    if args.ms:
+        ms = [int(v) for v in args.ms.split(",")]
     if args.variants and not args.quick:
         ms = sorted(set(ms) | {2, 8, 32})  # the crossovers between the kernels
     copy_tbs = copy_bandwidth()
