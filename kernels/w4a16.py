@@ -135,8 +135,8 @@ PREFILL_CONFIGS = [
 # Paired-nibble tensor-core kernel (4-bit, K a multiple of PAIR_TILE_K): BLOCK_M is the activation
 # tile (wgmma N, >= 16), BLOCK_N the weight rows (wgmma M). Up to PAIRS_SPLIT_MAX_M rows the grid is
 # split along K (about PROGS_PER_SM programs per SM, float32 atomics); above, one program per tile.
-def _pairs_cfg(bn, bm, warps, stages, progs_per_sm=4, group_n=8, w_as_b=False):
-    kw = dict(BLOCK_N=bn, BLOCK_M=bm, GROUP_N=group_n, PROGS_PER_SM=progs_per_sm, W_AS_B=w_as_b)
+def _pairs_cfg(bn, bm, warps, stages, progs_per_sm=4, group_n=8):
+    kw = dict(BLOCK_N=bn, BLOCK_M=bm, GROUP_N=group_n, PROGS_PER_SM=progs_per_sm)
     return triton.Config(kw, num_warps=warps, num_stages=stages)
 
 
@@ -158,9 +158,6 @@ PAIRS_CONFIGS = [
     _pairs_cfg(64, 128, 4, 4),
     _pairs_cfg(256, 128, 8, 3),
     _pairs_cfg(128, 256, 8, 3),
-    # weights through shared memory as wgmma's B (no register-operand waits on the weight tile)
-    _pairs_cfg(128, 128, 8, 3, w_as_b=True),
-    _pairs_cfg(128, 256, 8, 3, w_as_b=True),
 ]
 PAIRS_SPLIT_MAX_M = 64
 # Aim for this many programs per SM in the decode grid: enough bytes in flight to cover latency.
@@ -219,6 +216,30 @@ def _dequant_tile(words, scale, zero, BITS: tl.constexpr, MAGIC: tl.constexpr, M
 
 
 @triton.jit
+def _tile_and_k_slice(M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      GROUP_N: tl.constexpr):
+    """This program's output tile ``(pid_n, pid_m)`` and its K tiles ``[kt_start, kt_end)``.
+
+    Grouped order on grid axis 0: GROUP_N weight tiles are swept across all M tiles before the next
+    GROUP_N, so the weight tiles in flight stay in L2 while the activations stream. Axis 1 splits K.
+    """
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_in_group = GROUP_N * num_pid_m
+    first_pid_n = (pid // num_pid_in_group) * GROUP_N
+    group_size_n = min(num_pid_n - first_pid_n, GROUP_N)
+    pid_n = first_pid_n + (pid % num_pid_in_group) % group_size_n
+    pid_m = (pid % num_pid_in_group) // group_size_n
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    tiles_per_split = tl.cdiv(k_tiles, tl.num_programs(1))
+    kt_start = pid_k * tiles_per_split
+    kt_end = min(kt_start + tiles_per_split, k_tiles)
+    return pid_n, pid_m, kt_start, kt_end
+
+
+@triton.jit
 def _w4a16_kernel(
     x_ptr, qw_ptr, scales_ptr, zeros_ptr, c_ptr,
     M, N, K, M_BUCKET,
@@ -242,23 +263,7 @@ def _w4a16_kernel(
     """
     DTYPE = x_ptr.dtype.element_ty
     PER_WORD: tl.constexpr = 32 // BITS
-    # Grouped order: GROUP_N weight tiles are swept across all M tiles before the next GROUP_N,
-    # so the weight tiles in flight stay in L2 while the activations stream.
-    pid = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_in_group = GROUP_N * num_pid_m
-    first_pid_n = (pid // num_pid_in_group) * GROUP_N
-    group_size_n = min(num_pid_n - first_pid_n, GROUP_N)
-    pid_n = first_pid_n + (pid % num_pid_in_group) % group_size_n
-    pid_m = (pid % num_pid_in_group) // group_size_n
-
-    # This program's slice of K tiles.
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    tiles_per_split = tl.cdiv(k_tiles, tl.num_programs(1))
-    kt_start = pid_k * tiles_per_split
-    kt_end = min(kt_start + tiles_per_split, k_tiles)
+    pid_n, pid_m, kt_start, kt_end = _tile_and_k_slice(M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_N)
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -481,16 +486,15 @@ def _w4a16_pairs_kernel(
     stride_xm, stride_qn, stride_sg, stride_zg, stride_cm,
     GROUP_SIZE: tl.constexpr, HAS_ZEROS: tl.constexpr, MAGIC_VALUE: tl.constexpr, ATOMIC_OUT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, KW: tl.constexpr, GROUP_N: tl.constexpr,
-    PAIR_ASM: tl.constexpr = False, PROGS_PER_SM: tl.constexpr = 4, W_AS_B: tl.constexpr = False,
+    PAIR_ASM: tl.constexpr = False, PROGS_PER_SM: tl.constexpr = 4,
 ):
     """Paired-nibble tensor-core kernel (4-bit): ``c[M, N] (+)= x[M, K] @ dequant(qw)^T`` over a K slice.
 
     ``x`` arrives with its columns in :func:`paired_nibble_index` order, so each K tile of 8*KW codes is
     four dots of width 2*KW whose weight operand comes out of the packed words already paired: no
     reshape, no layout change, ~2 instructions per code (``_nibble_pairs``). The weight tile is
-    wgmma's A operand from registers, the activation tile B from shared memory, so BLOCK_M may be 16;
-    with W_AS_B (large M) the activation tile is A and the dequantized weights go through shared
-    memory as B.
+    wgmma's A operand from registers, the activation tile B from shared memory, so BLOCK_M may be 16.
+    (Staging the weights in shared memory as B instead never won an autotune in run 6: NOTES_w4a16.md.)
     Grid: (output tiles in grouped order, K splits); ATOMIC_OUT adds float32 partial sums into a
     zeroed ``c``, otherwise ``c`` is written once. PROGS_PER_SM is read by the launcher's grid only.
     """
@@ -499,19 +503,8 @@ def _w4a16_pairs_kernel(
     MAGIC2: tl.constexpr = 0x43004300 if DTYPE == tl.bfloat16 else 0x64006400
     # Groups cover whole tiles (one scale per row and tile) or several groups share a tile (per word).
     TILE_GROUP: tl.constexpr = GROUP_SIZE % BLOCK_K == 0
-    pid = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_in_group = GROUP_N * num_pid_m
-    first_pid_n = (pid // num_pid_in_group) * GROUP_N
-    group_size_n = min(num_pid_n - first_pid_n, GROUP_N)
-    pid_n = first_pid_n + (pid % num_pid_in_group) % group_size_n
-    pid_m = (pid % num_pid_in_group) // group_size_n
-    k_tiles = tl.cdiv(K, BLOCK_K)  # K is a multiple of BLOCK_K
-    tiles_per_split = tl.cdiv(k_tiles, tl.num_programs(1))
-    kt_start = pid_k * tiles_per_split
-    kt_end = min(kt_start + tiles_per_split, k_tiles)
+    # K is a multiple of BLOCK_K here.
+    pid_n, pid_m, kt_start, kt_end = _tile_and_k_slice(M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_N)
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -519,10 +512,7 @@ def _w4a16_pairs_kernel(
     offs_d = tl.arange(0, 2 * KW)
     mask_n = offs_n < N
     mask_m = offs_m < M
-    if W_AS_B:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for kt in range(kt_start, kt_end):
         rows_w = kt * KW + offs_w
         words = tl.load(qw_ptr + offs_n[:, None] * stride_qn + rows_w[None, :], mask=mask_n[:, None], other=0)
@@ -548,18 +538,10 @@ def _w4a16_pairs_kernel(
         for j in tl.static_range(4):
             w = _nibble_pairs(words, zero_bias, scale, j, MAGIC2, PAIR_ASM, BLOCK_N, KW)
             cols = kt * BLOCK_K + j * 2 * KW + offs_d
-            if W_AS_B:
-                xa = tl.load(x_ptr + offs_m[:, None] * stride_xm + cols[None, :], mask=mask_m[:, None], other=0.0)
-                acc = tl.dot(xa, tl.trans(w), acc)
-            else:
-                xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + cols[:, None], mask=mask_m[None, :], other=0.0)
-                acc = tl.dot(w, xt, acc)
-    if W_AS_B:
-        c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :]
-        c_mask = mask_m[:, None] & mask_n[None, :]
-    else:
-        c_ptrs = c_ptr + offs_m[None, :] * stride_cm + offs_n[:, None]
-        c_mask = mask_n[:, None] & mask_m[None, :]
+            xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + cols[:, None], mask=mask_m[None, :], other=0.0)
+            acc = tl.dot(w, xt, acc)
+    c_ptrs = c_ptr + offs_m[None, :] * stride_cm + offs_n[:, None]
+    c_mask = mask_n[:, None] & mask_m[None, :]
     if ATOMIC_OUT:
         tl.atomic_add(c_ptrs, acc, mask=c_mask, sem="relaxed")
     else:

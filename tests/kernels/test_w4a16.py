@@ -273,6 +273,16 @@ def _gpu_path_config(mod, m, gs):
                       num_warps=4, num_stages=3)
 
 
+def _run_gpu(mod, n, k, gs, sym, act, m, dtype, path, config):
+    """The kernel on fresh random CUDA inputs, checked against float32 (rel. err < 1e-2)."""
+    tensors, w_deq = make_layer(n, k, 4, gs, sym, act, device="cuda", seed=torch.seed() % 2**31)
+    w = mod.prepare_w4a16_weights(**tensors, bits=4, group_size=gs, sym=sym)
+    x = torch.randn(m, k, device="cuda").to(dtype)
+    out = mod.w4a16_matmul(x, w, config=config, path=path)
+    assert out.dtype == dtype and out.shape == (m, n) and torch.isfinite(out).all()
+    assert rel_err(out, x.float() @ w_deq.t()) < 1e-2
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -280,14 +290,8 @@ def _gpu_path_config(mod, m, gs):
 @pytest.mark.parametrize("m", [1, 7, 9, 16, 67, 334])
 def test_kernel_gpu(n, k, gs, sym, act, m, dtype):
     mod = _kernel_module()
-    tensors, w_deq = make_layer(n, k, 4, gs, sym, act, device="cuda", seed=torch.seed() % 2**31)
-    w = mod.prepare_w4a16_weights(**tensors, bits=4, group_size=gs, sym=sym)
-    x = torch.randn(m, k, device="cuda").to(dtype)
-    ref = x.float() @ w_deq.t()
     path, config = _gpu_path_config(mod, m, gs)
-    out = mod.w4a16_matmul(x, w, config=config, path=path)
-    assert out.dtype == dtype and out.shape == (m, n) and torch.isfinite(out).all()
-    assert rel_err(out, ref) < 1e-2
+    _run_gpu(mod, n, k, gs, sym, act, m, dtype, path, config)
 
 
 @pytest.mark.gpu
@@ -296,16 +300,9 @@ def test_kernel_gpu(n, k, gs, sym, act, m, dtype):
 @pytest.mark.parametrize("n,k,gs,sym,act", [s for s in GPU_SHAPES if s[1] % 128 == 0])
 @pytest.mark.parametrize("m", [1, 5, 16, 40, 300])
 def test_pairs_gpu(n, k, gs, sym, act, m, dtype):
-    mod = _kernel_module()
-    tensors, w_deq = make_layer(n, k, 4, gs, sym, act, device="cuda", seed=torch.seed() % 2**31)
-    w = mod.prepare_w4a16_weights(**tensors, bits=4, group_size=gs, sym=sym)
-    x = torch.randn(m, k, device="cuda").to(dtype)
-    ref = x.float() @ w_deq.t()
     block_m = 16 if m <= 16 else 64 if m <= 64 else 128
     config = dict(BLOCK_N=128, BLOCK_M=block_m, num_warps=4 if block_m < 128 else 8, num_stages=3)
-    out = mod.w4a16_matmul(x, w, config=config, path="pairs")
-    assert out.dtype == dtype and out.shape == (m, n) and torch.isfinite(out).all()
-    assert rel_err(out, ref) < 1e-2
+    _run_gpu(_kernel_module(), n, k, gs, sym, act, m, dtype, "pairs", config)
 
 
 @pytest.mark.gpu
