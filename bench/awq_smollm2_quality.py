@@ -8,15 +8,14 @@ ops), QK_LAYERS (probe: keep only the first N decoder layers, no perplexity).
 import dataclasses
 import json
 import logging
-import math
 import os
 import platform
 import sys
 import time
 
 import torch
-import torch.nn.functional as F
 import transformers
+from smollm2_protocol import DATA, GGUF, calibration, ppl, tokens_of_txt  # bench/, beside this script
 
 from quantkit.config import LoadConfig, QuantScheme
 from quantkit.methods.awq import AWQConfig, AWQMethod
@@ -25,10 +24,6 @@ from quantkit.models import load_model
 from quantkit.walker import walk
 
 logging.basicConfig(level=logging.WARNING)
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_CACHE = os.environ.get("QUANTKIT_CACHE", os.path.expanduser("~/.cache/quantkit"))
-GGUF = os.environ.get("QK_GGUF", os.path.join(_CACHE, "smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"))
-DATA = os.environ.get("QK_DATA", os.path.join(os.path.dirname(_REPO), "shared", "data", "wikitext2"))
 DEVICE = os.environ.get("QK_DEVICE", "cpu")  # the walker's work device and the evaluation's
 RECORDS = os.environ.get("QK_RECORDS", ".")
 OUT = os.environ.get("QK_OUT", "awq_quality.jsonl")
@@ -72,29 +67,6 @@ def reapply(model, records, keep, scheme):
         layer = model.get_submodule(prefix)
         apply_layer_record(layer, LayerRecord(tuple(g for g in rec.scales if keep(g))), norm_offset=0.0)
     return walk(model, RTNMethod(scheme), device=DEVICE)
-
-
-def tokens_of_txt(tok, path):
-    with open(path, encoding="utf-8") as f:
-        text = "\n\n".join(f.read().split("\n"))
-    return torch.tensor(tok(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
-
-
-def calibration(tok, n=128, seqlen=512, seed=0):
-    ids = tokens_of_txt(tok, f"{DATA}/valid.tokens.txt")
-    g = torch.Generator().manual_seed(seed)
-    starts = torch.randint(0, ids.numel() - seqlen, (n,), generator=g)
-    return torch.stack([ids[s : s + seqlen] for s in starts.tolist()])  # [n, seqlen]
-
-
-@torch.inference_mode()
-def ppl(model, ids, seqlen=2048, nwin=40):
-    nll, cnt = 0.0, 0
-    for w in range(min(nwin, ids.numel() // seqlen)):
-        x = ids[w * seqlen : (w + 1) * seqlen][None].to(DEVICE)
-        logits = model(input_ids=x, use_cache=False).logits[0, :-1].float()
-        nll += F.cross_entropy(logits, x[0, 1:], reduction="sum").item(); cnt += seqlen - 1
-    return math.exp(nll / cnt)
 
 
 def summarize(res):

@@ -8,15 +8,14 @@ The model is the GGUF the tests fetch (tests/conftest.py: smollm2_gguf) under $Q
 """
 import json
 import logging
-import math
 import os
 import platform
 import sys
 import time
 
 import torch
-import torch.nn.functional as F
 import transformers
+from smollm2_protocol import DATA, GGUF, calibration, ppl, tokens_of_txt  # bench/, beside this script
 
 from quantkit.config import LoadConfig, QuantScheme
 from quantkit.methods.gptq import GPTQConfig
@@ -26,10 +25,6 @@ from quantkit.models import load_model
 from quantkit.walker import walk
 
 logging.basicConfig(level=logging.WARNING)
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_CACHE = os.environ.get("QUANTKIT_CACHE", os.path.expanduser("~/.cache/quantkit"))
-GGUF = os.path.join(_CACHE, "smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
-DATA = os.path.join(os.path.dirname(_REPO), "shared", "data", "wikitext2")
 OUT = os.environ.get("QK_OUT", "gptq_quality.jsonl")
 NWIN = int(os.environ.get("QK_NWIN", "40"))
 
@@ -47,25 +42,6 @@ def rows():
                 r[f"gptq_{s}_g{g}_act{int(act)}_nots"] = ("gptq", QuantScheme(4, g, sym), GPTQConfig(desc_act=act, true_sequential=False))
                 r[f"gptq_{s}_g{g}_act{int(act)}_multipass"] = ("gptq", QuantScheme(4, g, sym), GPTQConfig(desc_act=act, single_pass_max_tokens=0))
     return r
-
-def tokens_of_txt(tok, path):
-    text = "\n\n".join(open(path, encoding="utf-8").read().split("\n"))
-    return torch.tensor(tok(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
-
-def calibration(tok, n=128, seqlen=512, seed=0):
-    ids = tokens_of_txt(tok, f"{DATA}/valid.tokens.txt")
-    g = torch.Generator().manual_seed(seed)
-    starts = torch.randint(0, ids.numel() - seqlen, (n,), generator=g)
-    return torch.stack([ids[s : s + seqlen] for s in starts.tolist()])  # [n, seqlen]
-
-@torch.inference_mode()
-def ppl(model, ids, seqlen=2048, nwin=40):
-    nll, cnt = 0.0, 0
-    for w in range(min(nwin, ids.numel() // seqlen)):
-        x = ids[w * seqlen : (w + 1) * seqlen][None]
-        logits = model(input_ids=x, use_cache=False).logits[0, :-1].float()
-        nll += F.cross_entropy(logits, x[0, 1:], reduction="sum").item(); cnt += seqlen - 1
-    return math.exp(nll / cnt)
 
 def main(names):
     torch.manual_seed(0)
