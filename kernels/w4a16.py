@@ -738,8 +738,10 @@ def w4a16_matmul(x: torch.Tensor, w: W4A16Weights, config: dict | None = None,
     M <= DECODE_MAX_M, direct store above) or None (:func:`choose_path`: by M and what the weights allow).
     ``config`` bypasses the autotuner (tests, the interpreter): for "tc" ``BLOCK_N, BLOCK_M,
     BLOCK_K`` (optional ``SPLIT_K, GROUP_N, W_IS_A, W_GATHER, num_warps, num_stages``), for "gemv"
-    ``BLOCK_N, BLOCK_K`` (optional ``SPLIT_K, PIPE, num_warps``). ``fast_dequant=False`` uses
-    int->float conversions instead of the exponent trick (kept for comparison).
+    ``BLOCK_N, BLOCK_K`` (optional ``SPLIT_K, PIPE, num_warps``), for "pairs" ``BLOCK_N, BLOCK_M``
+    (optional ``SPLIT_K, GROUP_N, num_warps, num_stages``). ``fast_dequant=False`` makes the GEMV and
+    the first tensor-core kernel use int->float conversions instead of the exponent trick (kept for
+    comparison); the paired kernel has only its packed form.
     """
     _check_inputs(x, w)
     if path is None:
