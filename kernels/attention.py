@@ -42,7 +42,8 @@ What plain Triton 3.6 cannot do here: overlap the softmax with the tensor cores.
 each wgmma right after issuing it (the Q K^T wait also retires the previous P V), so every key
 tile runs Q K^T -> softmax -> P V in sequence; software-pipelining Q K^T one tile ahead in the
 source changes nothing (the wait stays next to the issue). `attention_gluon.py` has the
-FA3-ordered kernel in Gluon; `attention_varlen(backend="auto")` uses it where it applies.
+FA3-ordered kernel in Gluon and `attention_gluon_ws.py` FA3's warp-specialized ping-pong;
+`attention_varlen(backend="auto")` picks the one measured fastest where they apply.
 """
 import math
 
@@ -401,6 +402,18 @@ def prepare_fp8(q, k, v, hadamard=False, fp8_pv=True, cu_seqlens_k=None):
     return q8, q_scale, k8, k_scale, v8[:, :, :total_k].permute(2, 0, 1), v_scale
 
 
+def _auto_backend(head_dim, fp8, causal, max_seqlen_q):
+    """The kernel `attention_varlen(backend="auto")` tries first (it falls back to "triton" where
+    the Gluon kernels do not apply), by the H200 measurements (bench/NOTES_attention.md, run 5)."""
+    if fp8:
+        return "triton"  # 64-row fp8 tiles beat both gluon kernels' fp8 (688 vs 615 / 595 at S=4096)
+    if head_dim == 128 and (max_seqlen_q <= 512 or (causal and max_seqlen_q <= 1024)):
+        # short rows: a 128-row program of the warp-specialized kernel has too few key tiles to
+        # amortize its pipeline fill; two 64-row programs per SM do better
+        return "gluon"
+    return "gluon_ws"  # FA3 structure: 579-614 TFLOP/s at S >= 4096 vs 491-510 (hd128 non-causal)
+
+
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=False, sm_scale=None,
                      window_left=-1, softcap=0.0, fp8=False, hadamard=False, fp8_pv=True, use_tma=None,
                      warp_specialize=False, config=None, fp8_prepared=None, out_dtype=None, v_tma=None,
@@ -415,25 +428,27 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=F
     config: optional (BLOCK_M, BLOCK_N, num_warps, num_stages) override. use_tma / v_tma: load
     K / V tiles through tensor descriptors (default: on Hopper and newer; v_tma follows use_tma).
     backend: "triton" (this file's kernel), "gluon" (`attention_gluon`: Hopper, head dim 64/128,
-    no window / soft-cap; config is then (BLOCK_M, BLOCK_N, num_warps, NUM_BUF)), or "auto":
-    gluon for 16-bit head dim 128 on Hopper when no Triton-only option is set (measured 0-5%
-    faster there), else triton (also for fp8: its 64-row config measured faster).
+    no window / soft-cap; config is then (BLOCK_M, BLOCK_N, num_warps, NUM_BUF)), "gluon_ws"
+    (`attention_gluon_ws`, FA3's warp-specialized ping-pong; same cases; config (BLOCK_N, NUM_BUF)),
+    or "auto": the kernel measured fastest on the H200 for the case (`_auto_backend`).
     Returns out: (total_q, Hq, D) in q's dtype (or out_dtype).
     """
     fp8 = fp8 or fp8_prepared is not None
-    # auto: the gluon kernel where it measured faster on the H200 (16-bit, head dim 128: +0-5%)
-    if backend == "gluon" or (backend == "auto" and q.is_cuda and not fp8 and q.shape[-1] == 128
-                              and config is None and use_tma is not False and not warp_specialize
-                              and out_dtype in (None, q.dtype) and v_tma is None):
-        from quantkit.kernels import attention_gluon
+    explicit = backend != "auto"
+    if backend == "auto" and q.is_cuda and config is None and use_tma is not False and not warp_specialize \
+            and out_dtype in (None, q.dtype) and v_tma is None:
+        backend = _auto_backend(q.shape[-1], fp8, causal, max_seqlen_q)
+    if backend in ("gluon", "gluon_ws"):
+        from quantkit.kernels import attention_gluon, attention_gluon_ws
         if fp8_prepared is not None:
             fp8_pv = fp8_prepared[4].dtype == torch.float8_e4m3fn
         ok = attention_gluon.supported(q, k, causal, window_left, softcap, fp8, fp8_pv, cu_seqlens_k)
-        if ok or backend == "gluon":
-            assert ok, "the gluon kernel does not handle this call"
-            return attention_gluon.attention_varlen_gluon(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                                          causal=causal, sm_scale=sm_scale, config=config,
-                                                          fp8=fp8, hadamard=hadamard, fp8_prepared=fp8_prepared)
+        if ok:
+            run = attention_gluon_ws.attention_varlen_ws if backend == "gluon_ws" else \
+                attention_gluon.attention_varlen_gluon
+            return run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=causal, sm_scale=sm_scale,
+                       config=config, fp8=fp8, hadamard=hadamard, fp8_prepared=fp8_prepared)
+        assert not explicit, f"the {backend} kernel does not handle this call"
     total_q, n_heads, head_dim = q.shape
     total_k, n_kv_heads, _ = k.shape
     assert n_heads % n_kv_heads == 0 and head_dim in (16, 32, 64, 128, 256)

@@ -1,0 +1,301 @@
+"""
+Hopper attention forward in Gluon with FlashAttention-3's full structure: warp specialization,
+two consumer warpgroups ping-ponged over the tensor core, and the intra-warpgroup overlap of
+`attention_gluon.py`.
+
+Why: the single-partition Gluon kernel orders each warpgroup's work right (softmax of tile j
+under the P V wgmma of tile j - 1) but measured only +0-5% over Triton. Its two warpgroups meet
+at a CTA barrier every tile (a stage is refilled only once both have read it) and issue their
+wgmmas together, so neither's softmax runs while the other one's matmuls occupy the tensor core.
+Here, as in FA3, no CTA-wide barrier is left in the loop:
+
+* partitions (`gl.warp_specialize`): a producer (the default partition, 4 warps, few
+  registers: `maxnreg` and `worker_num_regs` move the register file to the consumers) issues
+  every TMA load; two consumer warpgroups (workers, 4 warps each) own the two 64-row halves of a
+  128-row query tile;
+* K and V stages each have a "ready" mbarrier (TMA completion) and an "empty" one that each
+  consumer arrives on once its wgmma that read the stage has retired (count 2): the producer
+  refills a stage as soon as both are done with it, K ahead of V (K_j is needed one round
+  before V_j);
+* ping-pong: each consumer waits on its own "turn" mbarrier before it issues a round of wgmmas
+  (S_j = Q K_j^T and O += P_(j-1) V_(j-1)) and arrives on the other's right after issuing. The
+  tensor core then alternates between the warpgroups' rounds, and each warpgroup's softmax runs
+  while the other's round executes (Gluon 3.6 has no named barriers; an mbarrier handshake
+  between the partitions does the same job).
+
+Scope as `attention_gluon.py` (bf16/fp16 and its fp8 path, head dim 64/128, causal or not,
+packed varlen, GQA); layout q (total_q, Hq, D), k/v (total_k, Hkv, D), cu_seqlens (B + 1,).
+"""
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from quantkit.kernels.attention_gluon import _p_operand, _pv, _softmax_tile
+
+HALF_M = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M)
+_HALF_M = HALF_M.value
+
+
+@gluon.jit
+def _ws_producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty,
+                 q_row, q_col, kv_start, kv_col, n_tiles, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr,
+                 IS_FP8: gl.constexpr):
+    """TMA issue: the two Q halves, then K_j one step ahead of V_(j-1), each into its ring stage
+    once both consumers released it (fresh mbarriers count as released: wait on phase 1)."""
+    for h in gl.static_range(2):
+        mbarrier.expect(q_bars.index(h), desc_q.block_type.nbytes)
+        tma.async_copy_global_to_shared(desc_q, [q_row + h * HALF_M, q_col], q_bars.index(h), q_smem.index(h))
+    for j in range(n_tiles + 1):
+        if j < n_tiles:
+            stage = j % NUM_BUF
+            mbarrier.wait(k_empty.index(stage), ((j // NUM_BUF) & 1) ^ 1)
+            mbarrier.expect(k_ready.index(stage), desc_k.block_type.nbytes)
+            tma.async_copy_global_to_shared(desc_k, [kv_start + j * BLOCK_N, kv_col], k_ready.index(stage),
+                                            k_smem.index(stage))
+        if j > 0:
+            t = j - 1
+            stage = t % NUM_BUF
+            mbarrier.wait(v_empty.index(stage), ((t // NUM_BUF) & 1) ^ 1)
+            mbarrier.expect(v_ready.index(stage), desc_v.block_type.nbytes)
+            if IS_FP8:  # V^T storage (Hkv * D, tokens): a [D, BLOCK_N] box
+                tma.async_copy_global_to_shared(desc_v, [kv_col, kv_start + t * BLOCK_N], v_ready.index(stage),
+                                                v_smem.index(stage))
+            else:
+                tma.async_copy_global_to_shared(desc_v, [kv_start + t * BLOCK_N, kv_col], v_ready.index(stage),
+                                                v_smem.index(stage))
+
+
+@gluon.jit
+def _ws_consumer(wg, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, turn_bars,
+                 o_ptr, qs_ptr, ks_ptr, v_scale_ptr, sm_scale, stride_om, stride_oh, stride_qsm, stride_ksn,
+                 q_start, seqlen_q, kv_start, seqlen_k, blk_m0, head, kv_head, n_tiles,
+                 HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr, IS_FP8: gl.constexpr,
+                 NUM_BUF: gl.constexpr):
+    """One warpgroup: rows blk_m0 + wg * 64 .. + 63. Round j (j = 0..n_tiles) issues S_j and
+    P_(j-1) V_(j-1) inside this warpgroup's turn; the softmax of S_j then overlaps both the
+    P V wgmma (intra-warpgroup) and the other warpgroup's round (ping-pong)."""
+    dtype: gl.constexpr = q_smem.dtype
+    MMA_K: gl.constexpr = 32 if IS_FP8 else 16
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, MMA_K])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, MMA_K])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4 if IS_FP8 else 2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    my_turn = turn_bars.index(wg)
+    their_turn = turn_bars.index(1 - wg)
+    q_tile = q_smem.index(wg)
+    m0 = blk_m0 + wg * HALF_M
+    delta = seqlen_k - seqlen_q
+    full_hi = (seqlen_k // BLOCK_N) * BLOCK_N  # key tiles below are visible to all of this half's rows
+    if IS_CAUSAL:
+        full_hi = gl.minimum(full_hi, gl.maximum(m0 + delta + 1, 0) // BLOCK_N * BLOCK_N)
+    offs_m = m0 + gl.arange(0, HALF_M, layout=row_s)
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    # exp(x) = exp2(x * log2(e)); fp8: times the per-token q scale and, per tile, the k scale
+    qk_scale = gl.full([HALF_M], sm_scale * 1.4426950408889634, gl.float32, layout=row_s)
+    if IS_FP8:
+        qk_scale = qk_scale * gl.load(qs_ptr + (q_start + offs_m) * stride_qsm + head, mask=offs_m < seqlen_q,
+                                      other=0.0)
+    row_scale = qk_scale
+    m_i = gl.full([HALF_M], float("-inf"), gl.float32, layout=row_s)
+    l_i = gl.zeros([HALF_M], gl.float32, layout=row_s)
+    acc = gl.zeros([HALF_M, HEAD_DIM], gl.float32, layout=o_layout)
+    s_zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout=s_layout)
+    mbarrier.wait(q_bars.index(wg), 0)
+
+    if n_tiles > 0:
+        # round 0: S_0 alone
+        mbarrier.wait(k_ready.index(0), 0)
+        mbarrier.wait(my_turn, 0)
+        s = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        mbarrier.arrive(their_turn, count=1)
+        if IS_FP8:  # one K scale per tile (prepare_fp8: per KV_SCALE_BLOCK keys)
+            row_scale = qk_scale * gl.load(ks_ptr + kv_start * stride_ksn + kv_head)
+        s = warpgroup_mma_wait(0, deps=[s])
+        mbarrier.arrive(k_empty.index(0), count=1)
+        p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, row_scale, 0, offs_m, offs_n, seqlen_k, delta,
+                                           full_hi, IS_CAUSAL, BLOCK_N)
+        p_op = _p_operand(p, p_layout, dtype, IS_FP8, HALF_M, BLOCK_N)
+        for j in range(1, n_tiles):
+            stage = j % NUM_BUF
+            prev = (j - 1) % NUM_BUF
+            mbarrier.wait(k_ready.index(stage), (j // NUM_BUF) & 1)
+            mbarrier.wait(v_ready.index(prev), ((j - 1) // NUM_BUF) & 1)
+            mbarrier.wait(my_turn, j & 1)
+            s = warpgroup_mma(q_tile, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            acc = _pv(p_op, v_smem.index(prev), acc, dtype, IS_FP8)
+            mbarrier.arrive(their_turn, count=1)
+            if IS_FP8:
+                row_scale = qk_scale * gl.load(ks_ptr + (kv_start + j * BLOCK_N) * stride_ksn + kv_head)
+            s = warpgroup_mma_wait(1, deps=[s])  # S_j done; P_(j-1) V_(j-1) may still run
+            mbarrier.arrive(k_empty.index(stage), count=1)
+            p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, row_scale, j * BLOCK_N, offs_m, offs_n,
+                                               seqlen_k, delta, full_hi, IS_CAUSAL, BLOCK_N)
+            acc, p_op = warpgroup_mma_wait(0, deps=[acc, p_op])
+            mbarrier.arrive(v_empty.index(prev), count=1)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+            p_op = _p_operand(p, p_layout, dtype, IS_FP8, HALF_M, BLOCK_N)
+        # round n_tiles: the last P V, still in turn so both warpgroups run the same rounds
+        last = n_tiles - 1
+        mbarrier.wait(v_ready.index(last % NUM_BUF), (last // NUM_BUF) & 1)
+        mbarrier.wait(my_turn, n_tiles & 1)
+        acc = _pv(p_op, v_smem.index(last % NUM_BUF), acc, dtype, IS_FP8)
+        mbarrier.arrive(their_turn, count=1)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+
+    # deferred normalisation; rows that saw no key output 0
+    l_safe = gl.where(l_i == 0.0, 1.0, l_i)
+    acc = acc / gl.expand_dims(gl.convert_layout(l_safe, row_o), 1)
+    if IS_FP8:
+        acc = acc * gl.load(v_scale_ptr + kv_head)
+    offs_mo = m0 + gl.arange(0, HALF_M, layout=row_o)
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    o_ptrs = (o_ptr + gl.expand_dims((q_start + offs_mo).to(gl.int64) * stride_om, 1) + head * stride_oh
+              + gl.expand_dims(offs_d, 0))
+    gl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=gl.expand_dims(offs_mo < seqlen_q, 1))
+
+
+@gluon.jit
+def _attn_fwd_ws(desc_q, desc_k, desc_v, o_ptr, qs_ptr, ks_ptr, v_scale_ptr,
+                 cu_seqlens_q_ptr, cu_seqlens_k_ptr, sm_scale,
+                 stride_om, stride_oh, stride_qsm, stride_ksn, NUM_M_BLOCKS,
+                 GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                 IS_CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, NUM_BUF: gl.constexpr,
+                 CONSUMER_REGS: gl.constexpr):
+    BLOCK_M: gl.constexpr = 2 * HALF_M
+    dtype: gl.constexpr = desc_q.dtype
+    pid_m = gl.program_id(0)
+    if IS_CAUSAL:
+        pid_m = NUM_M_BLOCKS - 1 - pid_m  # heaviest query blocks first
+    seq = gl.program_id(1)
+    head = gl.program_id(2)
+    kv_head = head // GROUP
+    q_start = gl.load(cu_seqlens_q_ptr + seq)
+    seqlen_q = gl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    kv_start = gl.load(cu_seqlens_k_ptr + seq)
+    seqlen_k = gl.load(cu_seqlens_k_ptr + seq + 1) - kv_start
+    blk_m0 = pid_m * BLOCK_M
+    if blk_m0 >= seqlen_q:
+        return
+    # key tiles of the whole 128-row block: both warpgroups run the same rounds (the ping-pong
+    # handshake needs that); tiles a half does not see are masked to -inf by its softmax
+    hi = seqlen_k
+    if IS_CAUSAL:
+        hi = gl.minimum(seqlen_k, blk_m0 + BLOCK_M + seqlen_k - seqlen_q)
+    n_tiles = (gl.maximum(hi, 0) + BLOCK_N - 1) // BLOCK_N
+
+    q_smem = gl.allocate_shared_memory(dtype, [2, HALF_M, HEAD_DIM], desc_q.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, HEAD_DIM], desc_k.layout)
+    if IS_FP8:  # V^T tiles [D, BLOCK_N]: fp8 wgmma wants B K-major
+        v_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, HEAD_DIM, BLOCK_N], desc_v.layout)
+    else:
+        v_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, HEAD_DIM], desc_v.layout)
+    q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(q_bars.index(i), count=1)
+        mbarrier.init(turn_bars.index(i), count=1)
+    for i in gl.static_range(NUM_BUF):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)  # one arrive per consumer warpgroup
+        mbarrier.init(v_empty.index(i), count=2)
+    mbarrier.arrive(turn_bars.index(0), count=1)  # warpgroup 0 has the first turn
+    fence_async_shared()
+
+    # the two consumers get the same arguments but their warpgroup index (written out: a tuple
+    # concatenation in the kernel would turn the constexprs into run-time values)
+    gl.warp_specialize([
+        (_ws_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty,
+                        v_empty, q_start + blk_m0, head * HEAD_DIM, kv_start, kv_head * HEAD_DIM, n_tiles,
+                        BLOCK_N, NUM_BUF, IS_FP8)),
+        (_ws_consumer, (0, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, turn_bars,
+                        o_ptr, qs_ptr, ks_ptr, v_scale_ptr, sm_scale, stride_om, stride_oh, stride_qsm, stride_ksn,
+                        q_start, seqlen_q, kv_start, seqlen_k, blk_m0, head, kv_head, n_tiles,
+                        HEAD_DIM, BLOCK_N, IS_CAUSAL, IS_FP8, NUM_BUF)),
+        (_ws_consumer, (1, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, turn_bars,
+                        o_ptr, qs_ptr, ks_ptr, v_scale_ptr, sm_scale, stride_om, stride_oh, stride_qsm, stride_ksn,
+                        q_start, seqlen_q, kv_start, seqlen_k, blk_m0, head, kv_head, n_tiles,
+                        HEAD_DIM, BLOCK_N, IS_CAUSAL, IS_FP8, NUM_BUF)),
+    ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
+
+
+def _default_config(head_dim, fp8):
+    """(BLOCK_N, NUM_BUF): 128-key tiles; the ring as deep as shared memory allows (one CTA per
+    SM: Q 32 KB + 64 KB a stage at bf16 hd128)."""
+    if fp8:
+        return 128, 4
+    return (128, 2) if head_dim == 128 else (128, 4)
+
+
+# One CTA of 3 warpgroups (12 warps) per SM: maxnreg 168 caps the whole at 168 * 384 = 64512
+# registers; the consumers take CONSUMER_REGS each and the producer partition the rest
+# (FA3: 240 / 240 / 24).
+MAXNREG = 168
+CONSUMER_REGS = 240
+
+
+def attention_varlen_ws(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=False, sm_scale=None,
+                        config=None, fp8=False, hadamard=False, fp8_prepared=None, out=None):
+    """Same contract as `attention_gluon.attention_varlen_gluon` (and its `supported` cases).
+
+    q: (total_q, Hq, D); k, v: (total_k, Hkv, D), bf16/fp16; cu_seqlens_*: (B + 1,) int32.
+    config: (BLOCK_N, NUM_BUF), see `_default_config`; query tiles are 128 rows (2 x 64).
+    out: optional (total_q, Hq, D) buffer to write (tests pass a NaN-poisoned one).
+    Returns (total_q, Hq, D) in q's dtype."""
+    from quantkit.kernels.attention import KV_SCALE_BLOCK, prepare_fp8
+
+    total_q, n_heads, head_dim = q.shape
+    total_k, n_kv_heads, _ = k.shape
+    assert n_heads % n_kv_heads == 0
+    sm_scale = head_dim ** -0.5 if sm_scale is None else sm_scale
+    fp8 = fp8 or fp8_prepared is not None
+    block_n, num_buf = config or _default_config(head_dim, fp8)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
+    q_scale = k_scale = v_scale = out  # placeholders, never read unless fp8
+    if fp8:
+        q, q_scale, k, k_scale, v, v_scale = fp8_prepared or prepare_fp8(q, k, v, hadamard, True, cu_seqlens_k)
+        assert v.dtype == torch.float8_e4m3fn, "the gluon kernels run P @ V in fp8 too"
+        assert KV_SCALE_BLOCK % block_n == 0 and block_n % 32 == 0
+        gdt = gl.float8e4nv
+    else:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    q_layout = gl.NVMMASharedLayout.get_default_for([_HALF_M, head_dim], gdt)
+    kv_layout = gl.NVMMASharedLayout.get_default_for([block_n, head_dim], gdt)
+    # 2-D views (tokens, H * D): one descriptor serves every head and sequence
+    desc_q = TensorDescriptor(q, [total_q, n_heads * head_dim], [n_heads * head_dim, 1], [_HALF_M, head_dim],
+                              q_layout)
+    desc_k = TensorDescriptor(k, [total_k, n_kv_heads * head_dim], [n_kv_heads * head_dim, 1],
+                              [block_n, head_dim], kv_layout)
+    if fp8:  # V^T storage (Hkv * D, padded tokens), see prepare_fp8
+        vt_layout = gl.NVMMASharedLayout.get_default_for([head_dim, block_n], gdt)
+        desc_v = TensorDescriptor(v, [n_kv_heads * head_dim, v.stride(2)], [v.stride(2), 1], [head_dim, block_n],
+                                  vt_layout)
+    else:
+        desc_v = TensorDescriptor(v, [total_k, n_kv_heads * head_dim], [n_kv_heads * head_dim, 1],
+                                  [block_n, head_dim], kv_layout)
+    n_m_blocks = triton.cdiv(max_seqlen_q, 2 * _HALF_M)
+    grid = (n_m_blocks, cu_seqlens_q.numel() - 1, n_heads)
+    _attn_fwd_ws[grid](desc_q, desc_k, desc_v, out, q_scale, k_scale, v_scale, cu_seqlens_q, cu_seqlens_k,
+                       sm_scale, out.stride(0), out.stride(1),
+                       q_scale.stride(0) if fp8 else 0, k_scale.stride(0) if fp8 else 0, n_m_blocks,
+                       GROUP=n_heads // n_kv_heads, HEAD_DIM=head_dim, BLOCK_N=block_n, IS_CAUSAL=causal,
+                       IS_FP8=fp8, NUM_BUF=num_buf, CONSUMER_REGS=CONSUMER_REGS, num_warps=4, maxnreg=MAXNREG)
+    return out
