@@ -7,7 +7,9 @@ GQA row (32 query heads, 8 KV heads, head dim 128); causal and non-causal; bf16.
 TFLOP/s = 4 * batch * heads * seqlen^2 * headdim / time (halved for causal).
 Peers: scaled_dot_product_attention with each backend forced (flash, cuDNN, efficient).
 Ours: the Triton kernel (kernels/attention.py), the Gluon kernel with the FA3 overlap
-(kernels/attention_gluon.py; NO_GLUON=1 leaves it out) and the FP8 path (best of both).
+(kernels/attention_gluon.py; NO_GLUON=1 leaves it out), the warp-specialized FA3-structured Gluon
+kernel (kernels/attention_gluon_ws.py; NO_WS=1 leaves it out) and the FP8 path (best fp8 variant).
+Options restrict the run to fit a device lease: --seqlens, --heads, --variants, --peers, --sections.
 Also: a sweep of our kernel variants (tile shapes, ring depth, warp specialization) at seqlen
 4096 that picks the configs for the table, the FP8 path's accuracy (with and without the
 Hadamard rotation), and decode bandwidth (KV bytes read / time) against the measured device
@@ -99,18 +101,20 @@ BF16_VARIANTS = [
     ("gluon 128x128 w8 b3", dict(backend="gluon", config=(128, 128, 8, 3))),
     ("gluon 64x64 w4 b3", dict(backend="gluon", config=(64, 64, 4, 3))),
 ] if GLUON else []) + ([
-    # FA3 structure: TMA producer partition + two consumer warpgroups ping-ponged (attention_gluon_ws.py)
-    ("ws 128x128 b2", dict(backend="gluon_ws", config=(128, 2))),
-    ("ws 128x128 b3", dict(backend="gluon_ws", config=(128, 3))),
-    ("ws 128x64 b4", dict(backend="gluon_ws", config=(64, 4))),
+    # FA3 structure: TMA producer partition + two consumer warpgroups ping-ponged (attention_gluon_ws.py);
+    # config (BLOCK_N, NUM_BUF, persistent, pingpong). Run 5 (one program a tile) also timed 128x64 b4: slower
+    ("ws 128x128 b2", dict(backend="gluon_ws", config=(128, 2, True, True))),
+    ("ws 128x128 b3", dict(backend="gluon_ws", config=(128, 3, True, True))),
+    ("ws 128x128 b2 1tile", dict(backend="gluon_ws", config=(128, 2, False, True))),
+    ("ws 128x128 b3 1tile", dict(backend="gluon_ws", config=(128, 3, False, True))),
 ] if WS else [])
 FP8_VARIANTS = [  # (name, kwargs, fp8 P @ V too?)
     ("fp8 triton 64x128 w4 s3", dict(backend="triton", config=(64, 128, 4, 3)), True),
 ] + ([
     ("fp8 gluon 64x128 w4 b3", dict(backend="gluon", config=(64, 128, 4, 3)), True),
 ] if GLUON else []) + ([
-    ("fp8 ws 128x128 b4", dict(backend="gluon_ws", config=(128, 4)), True),
-    ("fp8 ws 128x128 b2", dict(backend="gluon_ws", config=(128, 2)), True),
+    ("fp8 ws 128x128 b4", dict(backend="gluon_ws", config=(128, 4, True, True)), True),
+    ("fp8 ws 128x128 b4 nopp", dict(backend="gluon_ws", config=(128, 4, True, False)), True),
 ] if WS else [])
 
 
@@ -134,6 +138,8 @@ def sweep(args, results):
                 for pv in (True, False)}
         runs = [(name, kw, "bf16", 1e-2) for name, kw in BF16_VARIANTS]
         runs += [(name, dict(kw, fp8_prepared=prep[pv]), "fp8", 0.06) for name, kw, pv in FP8_VARIANTS]
+        if args.variants:  # only the named variants (and so only their kinds in the table)
+            runs = [r for r in runs if r[0] in args.variants.split(",")]
         for name, kw, kind, tol in runs:
             row = {"variant": name, "causal": causal, "seqlen": s, "head_dim": d}
             try:
@@ -188,6 +194,9 @@ def prefill_table(args, results, best):
                     row[col] = round(f / t / 1e9, 1) if t else err
                 for name, be in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION),
                                  ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
+                    if name not in args.peers.split(","):
+                        row[name] = "not run"
+                        continue
                     tb, errb = try_time(lambda: sdpa_fn(q, k, v, causal, be))
                     row[name] = round(f / tb / 1e9, 1) if tb else errb
                 results["prefill"].append(row)
@@ -251,6 +260,8 @@ def main():
     ap.add_argument("--heads", help="comma list of hq/hkv/d for the prefill table, e.g. 16/16/128,32/8/128")
     ap.add_argument("--sections", default="prefill,fp8acc,decode", help="which of prefill,fp8acc,decode to run")
     ap.add_argument("--name", help="results file name (default attention_<date>.json)")
+    ap.add_argument("--variants", help="comma list of sweep variant names to run (default: all)")
+    ap.add_argument("--peers", default="flash,cudnn,efficient", help="SDPA backends to time")
     args = ap.parse_args()
     torch.manual_seed(0)
     props = torch.cuda.get_device_properties(0)

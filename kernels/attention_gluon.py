@@ -255,6 +255,42 @@ def _default_config(head_dim, fp8):
     return (128, 128, 8, 3) if fp8 else (128, 128, 8, 5)
 
 
+def make_descriptors(q, k, v, cu_seqlens_k, block_q, block_n, fp8, hadamard, fp8_prepared, placeholder):
+    """TMA descriptors shared by the Gluon kernels: (desc_q, desc_k, desc_v, q_scale, k_scale, v_scale).
+
+    q: (total_q, Hq, D); k, v: (total_k, Hkv, D) 16-bit. Each descriptor is a 2-D view (tokens, H * D),
+    so one serves every head and sequence; boxes [block_q, D] for Q, [block_n, D] for K and V. fp8:
+    the tensors of `attention.prepare_fp8` (or fp8_prepared) and V^T boxes [D, block_n] of its
+    (Hkv * D, padded tokens) storage; otherwise the scales are `placeholder` (never read)."""
+    from quantkit.kernels.attention import KV_SCALE_BLOCK, prepare_fp8
+
+    total_q, n_heads, head_dim = q.shape
+    total_k, n_kv_heads, _ = k.shape
+    q_scale = k_scale = v_scale = placeholder
+    if fp8:
+        q, q_scale, k, k_scale, v, v_scale = fp8_prepared or prepare_fp8(q, k, v, hadamard, True, cu_seqlens_k)
+        assert v.dtype == torch.float8_e4m3fn, "the gluon kernels run P @ V in fp8 too"
+        assert KV_SCALE_BLOCK % block_n == 0 and block_n % 32 == 0
+        gdt = gl.float8e4nv
+    else:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    q_layout = gl.NVMMASharedLayout.get_default_for([block_q, head_dim], gdt)
+    kv_layout = gl.NVMMASharedLayout.get_default_for([block_n, head_dim], gdt)
+    desc_q = TensorDescriptor(q, [total_q, n_heads * head_dim], [n_heads * head_dim, 1], [block_q, head_dim],
+                              q_layout)
+    desc_k = TensorDescriptor(k, [total_k, n_kv_heads * head_dim], [n_kv_heads * head_dim, 1],
+                              [block_n, head_dim], kv_layout)
+    if fp8:
+        vt_layout = gl.NVMMASharedLayout.get_default_for([head_dim, block_n], gdt)
+        desc_v = TensorDescriptor(v, [n_kv_heads * head_dim, v.stride(2)], [v.stride(2), 1], [head_dim, block_n],
+                                  vt_layout)
+    else:
+        desc_v = TensorDescriptor(v, [total_k, n_kv_heads * head_dim], [n_kv_heads * head_dim, 1],
+                                  [block_n, head_dim], kv_layout)
+    return desc_q, desc_k, desc_v, q_scale, k_scale, v_scale
+
+
 def attention_varlen_gluon(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=False, sm_scale=None,
                            config=None, fp8=False, hadamard=False, fp8_prepared=None):
     """Same contract as `attention.attention_varlen` for the cases `supported` accepts.
@@ -263,38 +299,15 @@ def attention_varlen_gluon(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ca
     fp8 / hadamard / fp8_prepared: as in attention_varlen (fp8 P @ V only; per-token q, per-block
     k, per-head v scales from `attention.prepare_fp8`). config: (BLOCK_M, BLOCK_N, num_warps,
     NUM_BUF), see `_default_config`. Returns (total_q, Hq, D) in q's dtype."""
-    from quantkit.kernels.attention import KV_SCALE_BLOCK, prepare_fp8
-
-    total_q, n_heads, head_dim = q.shape
-    total_k, n_kv_heads, _ = k.shape
-    assert n_heads % n_kv_heads == 0
+    head_dim = q.shape[-1]
     sm_scale = head_dim ** -0.5 if sm_scale is None else sm_scale
     fp8 = fp8 or fp8_prepared is not None
     block_m, block_n, num_warps, num_buf = config or _default_config(head_dim, fp8)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    q_scale = k_scale = v_scale = out  # placeholders, never read unless fp8
-    if fp8:
-        q, q_scale, k, k_scale, v, v_scale = fp8_prepared or prepare_fp8(q, k, v, hadamard, True, cu_seqlens_k)
-        assert v.dtype == torch.float8_e4m3fn, "the gluon kernel runs P @ V in fp8 too"
-        assert KV_SCALE_BLOCK % block_n == 0 and block_n % 32 == 0
-        gdt = gl.float8e4nv
-    else:
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    q_layout = gl.NVMMASharedLayout.get_default_for([block_m, head_dim], gdt)
-    kv_layout = gl.NVMMASharedLayout.get_default_for([block_n, head_dim], gdt)
-    # 2-D views (tokens, H * D): one descriptor serves every head and sequence
-    desc_q = TensorDescriptor(q, [total_q, n_heads * head_dim], [n_heads * head_dim, 1], [block_m, head_dim],
-                              q_layout)
-    desc_k = TensorDescriptor(k, [total_k, n_kv_heads * head_dim], [n_kv_heads * head_dim, 1],
-                              [block_n, head_dim], kv_layout)
-    if fp8:  # V^T storage (Hkv * D, padded tokens), see prepare_fp8
-        vt_layout = gl.NVMMASharedLayout.get_default_for([head_dim, block_n], gdt)
-        desc_v = TensorDescriptor(v, [n_kv_heads * head_dim, v.stride(2)], [v.stride(2), 1], [head_dim, block_n],
-                                  vt_layout)
-    else:
-        desc_v = TensorDescriptor(v, [total_k, n_kv_heads * head_dim], [n_kv_heads * head_dim, 1],
-                                  [block_n, head_dim], kv_layout)
+    desc_q, desc_k, desc_v, q_scale, k_scale, v_scale = make_descriptors(
+        q, k, v, cu_seqlens_k, block_m, block_n, fp8, hadamard, fp8_prepared, out)
+    n_heads, n_kv_heads = q.shape[1], k.shape[1]
+    assert n_heads % n_kv_heads == 0
     n_m_blocks = triton.cdiv(max_seqlen_q, block_m)
     grid = (n_m_blocks, cu_seqlens_q.numel() - 1, n_heads)
     _attn_fwd_gluon[grid](desc_q, desc_k, desc_v, out, q_scale, k_scale, v_scale, cu_seqlens_q, cu_seqlens_k,

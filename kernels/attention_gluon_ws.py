@@ -23,9 +23,18 @@ Here, as in FA3, no CTA-wide barrier is left in the loop:
   while the other's round executes (Gluon 3.6 has no named barriers; an mbarrier handshake
   between the partitions does the same job).
 
+* persistent grid (one program per SM, `_tile_coords` hands out the work tiles): the producer's
+  ring runs on across work tiles, so the next tile's loads overlap the current one's last rounds.
+
+Measured on the H200 (bench/NOTES_attention.md, runs 5-7), bf16 hd128, 16 heads: 563-603 TFLOP/s
+non-causal and 506-559 causal at S = 4096-16384 (0.94-1.01x cuDNN), against the earlier
+kernels (485-510 / 435-508); the fp8 path here is slower than the Triton fp8 kernel, which `auto` keeps.
+
 Scope as `attention_gluon.py` (bf16/fp16 and its fp8 path, head dim 64/128, causal or not,
 packed varlen, GQA); layout q (total_q, Hq, D), k/v (total_k, Hkv, D), cu_seqlens (B + 1,).
 """
+import functools
+
 import torch
 import triton
 from triton.experimental import gluon
@@ -37,52 +46,113 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from quantkit.kernels.attention_gluon import _p_operand, _pv, _softmax_tile
+from quantkit.kernels.attention_gluon import _p_operand, _pv, _softmax_tile, make_descriptors
 
 HALF_M = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M)
 _HALF_M = HALF_M.value
 
 
 @gluon.jit
-def _ws_producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty,
-                 q_row, q_col, kv_start, kv_col, n_tiles, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr,
-                 IS_FP8: gl.constexpr):
-    """TMA issue: the two Q halves, then K_j one step ahead of V_(j-1), each into its ring stage
-    once both consumers released it (fresh mbarriers count as released: wait on phase 1)."""
-    for h in gl.static_range(2):
-        mbarrier.expect(q_bars.index(h), desc_q.block_type.nbytes)
-        tma.async_copy_global_to_shared(desc_q, [q_row + h * HALF_M, q_col], q_bars.index(h), q_smem.index(h))
-    for j in range(n_tiles + 1):
-        if j < n_tiles:
-            stage = j % NUM_BUF
-            mbarrier.wait(k_empty.index(stage), ((j // NUM_BUF) & 1) ^ 1)
-            mbarrier.expect(k_ready.index(stage), desc_k.block_type.nbytes)
-            tma.async_copy_global_to_shared(desc_k, [kv_start + j * BLOCK_N, kv_col], k_ready.index(stage),
-                                            k_smem.index(stage))
-        if j > 0:
-            t = j - 1
-            stage = t % NUM_BUF
-            mbarrier.wait(v_empty.index(stage), ((t // NUM_BUF) & 1) ^ 1)
-            mbarrier.expect(v_ready.index(stage), desc_v.block_type.nbytes)
-            if IS_FP8:  # V^T storage (Hkv * D, tokens): a [D, BLOCK_N] box
-                tma.async_copy_global_to_shared(desc_v, [kv_col, kv_start + t * BLOCK_N], v_ready.index(stage),
-                                                v_smem.index(stage))
-            else:
-                tma.async_copy_global_to_shared(desc_v, [kv_start + t * BLOCK_N, kv_col], v_ready.index(stage),
-                                                v_smem.index(stage))
+def _tile_coords(k, cu_seqlens_q_ptr, cu_seqlens_k_ptr, NUM_M_BLOCKS, N_SEQ, N_WORK, SWIZZLE,
+                 GROUP: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """This program's k-th work tile -> (q_start, seqlen_q, kv_start, seqlen_k, blk_m0, head,
+    kv_head, n_tiles); n_tiles < 0: nothing to do (past the last tile, or a query block past the
+    end of its sequence: the tile grid is sized for the longest one).
+
+    Tile order: groups of SWIZZLE (sequence, head) pairs, the query block varying slowest inside
+    a group, heaviest (last) first. Round k hands tiles k * P .. k * P + P - 1 to the P programs,
+    in reverse order on odd rounds (zigzag), which evens out the causal work per program
+    (simulated max/mean 1.00-1.03 for the bench shapes; a plain stride over query-block-fastest
+    tiles gave some programs only heavy blocks: run 6, S=16384 causal, 437 TFLOP/s against 574 for
+    one program a tile). SWIZZLE = 1 (query block fastest) keeps the programs running at once on
+    a few K/V heads (L2); the launcher raises it to all pairs when the query blocks of one head
+    alone would fill the machine."""
+    n_prog = gl.num_programs(0)
+    pid = gl.program_id(0)
+    t = k * n_prog + pid + (k % 2) * (n_prog - 1 - 2 * pid)
+    valid = t < N_WORK
+    t = gl.minimum(t, N_WORK - 1)
+    n_pairs = N_WORK // NUM_M_BLOCKS
+    grp = t // (SWIZZLE * NUM_M_BLOCKS)
+    size = gl.minimum(n_pairs - grp * SWIZZLE, SWIZZLE)
+    r = t - grp * SWIZZLE * NUM_M_BLOCKS
+    pid_m = NUM_M_BLOCKS - 1 - r // size
+    pair = grp * SWIZZLE + r % size
+    seq = pair % N_SEQ
+    head = pair // N_SEQ
+    q_start = gl.load(cu_seqlens_q_ptr + seq)
+    seqlen_q = gl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    kv_start = gl.load(cu_seqlens_k_ptr + seq)
+    seqlen_k = gl.load(cu_seqlens_k_ptr + seq + 1) - kv_start
+    blk_m0 = pid_m * (2 * HALF_M)
+    # key tiles of the whole 128-row block: both warpgroups run the same rounds (the ping-pong
+    # handshake needs that); tiles a half does not see are masked to -inf by its softmax
+    hi = seqlen_k
+    if IS_CAUSAL:
+        hi = gl.minimum(seqlen_k, blk_m0 + 2 * HALF_M + seqlen_k - seqlen_q)
+    n_tiles = (gl.maximum(hi, 0) + BLOCK_N - 1) // BLOCK_N
+    if blk_m0 >= seqlen_q or not valid:
+        n_tiles = -1
+    return q_start, seqlen_q, kv_start, seqlen_k, blk_m0, head, head // GROUP, n_tiles
 
 
 @gluon.jit
-def _ws_consumer(wg, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, turn_bars,
-                 o_ptr, qs_ptr, ks_ptr, v_scale_ptr, sm_scale, stride_om, stride_oh, stride_qsm, stride_ksn,
-                 q_start, seqlen_q, kv_start, seqlen_k, blk_m0, head, kv_head, n_tiles,
-                 HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr, IS_FP8: gl.constexpr,
-                 NUM_BUF: gl.constexpr):
-    """One warpgroup: rows blk_m0 + wg * 64 .. + 63. Round j (j = 0..n_tiles) issues S_j and
-    P_(j-1) V_(j-1) inside this warpgroup's turn; the softmax of S_j then overlaps both the
-    P V wgmma (intra-warpgroup) and the other warpgroup's round (ping-pong)."""
+def _ws_producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bars, q_empty, k_ready, v_ready, k_empty,
+                 v_empty, cu_seqlens_q_ptr, cu_seqlens_k_ptr, NUM_M_BLOCKS, N_SEQ, N_WORK, SWIZZLE,
+                 GROUP: gl.constexpr,
+                 HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                 IS_FP8: gl.constexpr):
+    """TMA issue for every work tile of this program: the two Q halves (once their consumer has
+    retired its last Q K^T of the previous tile), then K_j one step ahead of V_(j-1), each into
+    its ring stage once both consumers released it (fresh mbarriers count as released: wait on
+    phase 1). The ring runs on across work tiles, so the next tile's loads overlap the last
+    rounds and the epilogue of the current one."""
+    cnt = 0  # K/V tiles issued so far: ring stage and phase
+    it = 0  # work tiles so far: Q buffer phase
+    for k in range(gl.cdiv(N_WORK, gl.num_programs(0))):
+        q_start, seqlen_q, kv_start, seqlen_k, blk_m0, head, kv_head, n_tiles = _tile_coords(
+            k, cu_seqlens_q_ptr, cu_seqlens_k_ptr, NUM_M_BLOCKS, N_SEQ, N_WORK, SWIZZLE, GROUP, BLOCK_N,
+            IS_CAUSAL)
+        kv_col = kv_head * HEAD_DIM
+        if n_tiles >= 0:
+            for h in gl.static_range(2):
+                mbarrier.wait(q_empty.index(h), (it & 1) ^ 1)
+                mbarrier.expect(q_bars.index(h), desc_q.block_type.nbytes)
+                tma.async_copy_global_to_shared(desc_q, [q_start + blk_m0 + h * HALF_M, head * HEAD_DIM],
+                                                q_bars.index(h), q_smem.index(h))
+            for j in range(n_tiles + 1):
+                if j < n_tiles:
+                    stage = (cnt + j) % NUM_BUF
+                    mbarrier.wait(k_empty.index(stage), (((cnt + j) // NUM_BUF) & 1) ^ 1)
+                    mbarrier.expect(k_ready.index(stage), desc_k.block_type.nbytes)
+                    tma.async_copy_global_to_shared(desc_k, [kv_start + j * BLOCK_N, kv_col], k_ready.index(stage),
+                                                    k_smem.index(stage))
+                if j > 0:
+                    stage = (cnt + j - 1) % NUM_BUF
+                    mbarrier.wait(v_empty.index(stage), (((cnt + j - 1) // NUM_BUF) & 1) ^ 1)
+                    mbarrier.expect(v_ready.index(stage), desc_v.block_type.nbytes)
+                    row = kv_start + (j - 1) * BLOCK_N
+                    if IS_FP8:  # V^T storage (Hkv * D, tokens): a [D, BLOCK_N] box
+                        tma.async_copy_global_to_shared(desc_v, [kv_col, row], v_ready.index(stage),
+                                                        v_smem.index(stage))
+                    else:
+                        tma.async_copy_global_to_shared(desc_v, [row, kv_col], v_ready.index(stage),
+                                                        v_smem.index(stage))
+            cnt += n_tiles
+            it += 1
+
+
+@gluon.jit
+def _consume_tile(wg, q_smem, k_smem, v_smem, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, turn_bars,
+                  o_ptr, qs_ptr, ks_ptr, v_scale_ptr, sm_scale, stride_om, stride_oh, stride_qsm, stride_ksn,
+                  q_start, seqlen_q, kv_start, seqlen_k, blk_m0, head, kv_head, n_tiles, cnt, it, rnd,
+                  HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr, IS_FP8: gl.constexpr,
+                  NUM_BUF: gl.constexpr, PINGPONG: gl.constexpr):
+    """One warpgroup, one work tile: rows blk_m0 + wg * 64 .. + 63. Round j (j = 0..n_tiles)
+    issues S_j and P_(j-1) V_(j-1) inside this warpgroup's turn; the softmax of S_j then overlaps
+    both the P V wgmma (intra-warpgroup) and the other warpgroup's round (ping-pong). cnt: ring
+    position of key tile 0; it: work tiles done (Q phase); rnd: rounds done (turn phase)."""
     dtype: gl.constexpr = q_smem.dtype
     MMA_K: gl.constexpr = 32 if IS_FP8 else 16
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -113,30 +183,35 @@ def _ws_consumer(wg, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, 
     l_i = gl.zeros([HALF_M], gl.float32, layout=row_s)
     acc = gl.zeros([HALF_M, HEAD_DIM], gl.float32, layout=o_layout)
     s_zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout=s_layout)
-    mbarrier.wait(q_bars.index(wg), 0)
+    mbarrier.wait(q_bars.index(wg), it & 1)
 
     if n_tiles > 0:
         # round 0: S_0 alone
-        mbarrier.wait(k_ready.index(0), 0)
-        mbarrier.wait(my_turn, 0)
-        s = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        mbarrier.arrive(their_turn, count=1)
+        mbarrier.wait(k_ready.index(cnt % NUM_BUF), (cnt // NUM_BUF) & 1)
+        if PINGPONG:
+            mbarrier.wait(my_turn, rnd & 1)
+        s = warpgroup_mma(q_tile, k_smem.index(cnt % NUM_BUF).permute((1, 0)), s_zero, use_acc=False,
+                          is_async=True)
+        if PINGPONG:
+            mbarrier.arrive(their_turn, count=1)
         if IS_FP8:  # one K scale per tile (prepare_fp8: per KV_SCALE_BLOCK keys)
             row_scale = qk_scale * gl.load(ks_ptr + kv_start * stride_ksn + kv_head)
         s = warpgroup_mma_wait(0, deps=[s])
-        mbarrier.arrive(k_empty.index(0), count=1)
+        mbarrier.arrive(k_empty.index(cnt % NUM_BUF), count=1)
         p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, row_scale, 0, offs_m, offs_n, seqlen_k, delta,
                                            full_hi, IS_CAUSAL, BLOCK_N)
         p_op = _p_operand(p, p_layout, dtype, IS_FP8, HALF_M, BLOCK_N)
         for j in range(1, n_tiles):
-            stage = j % NUM_BUF
-            prev = (j - 1) % NUM_BUF
-            mbarrier.wait(k_ready.index(stage), (j // NUM_BUF) & 1)
-            mbarrier.wait(v_ready.index(prev), ((j - 1) // NUM_BUF) & 1)
-            mbarrier.wait(my_turn, j & 1)
+            stage = (cnt + j) % NUM_BUF
+            prev = (cnt + j - 1) % NUM_BUF
+            mbarrier.wait(k_ready.index(stage), ((cnt + j) // NUM_BUF) & 1)
+            mbarrier.wait(v_ready.index(prev), ((cnt + j - 1) // NUM_BUF) & 1)
+            if PINGPONG:
+                mbarrier.wait(my_turn, (rnd + j) & 1)
             s = warpgroup_mma(q_tile, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             acc = _pv(p_op, v_smem.index(prev), acc, dtype, IS_FP8)
-            mbarrier.arrive(their_turn, count=1)
+            if PINGPONG:
+                mbarrier.arrive(their_turn, count=1)
             if IS_FP8:
                 row_scale = qk_scale * gl.load(ks_ptr + (kv_start + j * BLOCK_N) * stride_ksn + kv_head)
             s = warpgroup_mma_wait(1, deps=[s])  # S_j done; P_(j-1) V_(j-1) may still run
@@ -147,13 +222,19 @@ def _ws_consumer(wg, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, 
             mbarrier.arrive(v_empty.index(prev), count=1)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
             p_op = _p_operand(p, p_layout, dtype, IS_FP8, HALF_M, BLOCK_N)
+        mbarrier.arrive(q_empty.index(wg), count=1)  # every Q K^T of this tile retired
         # round n_tiles: the last P V, still in turn so both warpgroups run the same rounds
-        last = n_tiles - 1
+        last = cnt + n_tiles - 1
         mbarrier.wait(v_ready.index(last % NUM_BUF), (last // NUM_BUF) & 1)
-        mbarrier.wait(my_turn, n_tiles & 1)
+        if PINGPONG:
+            mbarrier.wait(my_turn, (rnd + n_tiles) & 1)
         acc = _pv(p_op, v_smem.index(last % NUM_BUF), acc, dtype, IS_FP8)
-        mbarrier.arrive(their_turn, count=1)
+        if PINGPONG:
+            mbarrier.arrive(their_turn, count=1)
         acc = warpgroup_mma_wait(0, deps=[acc])
+        mbarrier.arrive(v_empty.index(last % NUM_BUF), count=1)
+    else:
+        mbarrier.arrive(q_empty.index(wg), count=1)
 
     # deferred normalisation; rows that saw no key output 0
     l_safe = gl.where(l_i == 0.0, 1.0, l_i)
@@ -168,34 +249,41 @@ def _ws_consumer(wg, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, 
 
 
 @gluon.jit
+def _ws_consumer(wg, q_smem, k_smem, v_smem, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, turn_bars,
+                 o_ptr, qs_ptr, ks_ptr, v_scale_ptr, sm_scale, stride_om, stride_oh, stride_qsm, stride_ksn,
+                 cu_seqlens_q_ptr, cu_seqlens_k_ptr, NUM_M_BLOCKS, N_SEQ, N_WORK, SWIZZLE,
+                 GROUP: gl.constexpr,
+                 HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr, IS_FP8: gl.constexpr,
+                 NUM_BUF: gl.constexpr, PINGPONG: gl.constexpr):
+    """Consumer warpgroup `wg` over this program's work tiles (the producer's order)."""
+    cnt = 0  # K/V tiles consumed so far: ring stage and phase
+    it = 0  # work tiles so far: Q buffer phase
+    rnd = 0  # wgmma rounds so far: turn phase
+    for k in range(gl.cdiv(N_WORK, gl.num_programs(0))):
+        q_start, seqlen_q, kv_start, seqlen_k, blk_m0, head, kv_head, n_tiles = _tile_coords(
+            k, cu_seqlens_q_ptr, cu_seqlens_k_ptr, NUM_M_BLOCKS, N_SEQ, N_WORK, SWIZZLE, GROUP, BLOCK_N,
+            IS_CAUSAL)
+        if n_tiles >= 0:
+            _consume_tile(wg, q_smem, k_smem, v_smem, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
+                          turn_bars, o_ptr, qs_ptr, ks_ptr, v_scale_ptr, sm_scale, stride_om, stride_oh,
+                          stride_qsm, stride_ksn, q_start, seqlen_q, kv_start, seqlen_k, blk_m0, head, kv_head,
+                          n_tiles, cnt, it, rnd, HEAD_DIM, BLOCK_N, IS_CAUSAL, IS_FP8, NUM_BUF, PINGPONG)
+            cnt += n_tiles
+            it += 1
+            if n_tiles > 0:
+                rnd += n_tiles + 1
+
+
+@gluon.jit
 def _attn_fwd_ws(desc_q, desc_k, desc_v, o_ptr, qs_ptr, ks_ptr, v_scale_ptr,
                  cu_seqlens_q_ptr, cu_seqlens_k_ptr, sm_scale,
-                 stride_om, stride_oh, stride_qsm, stride_ksn, NUM_M_BLOCKS,
+                 stride_om, stride_oh, stride_qsm, stride_ksn, NUM_M_BLOCKS, N_SEQ, N_WORK, SWIZZLE,
                  GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
                  IS_CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, NUM_BUF: gl.constexpr,
-                 CONSUMER_REGS: gl.constexpr):
-    BLOCK_M: gl.constexpr = 2 * HALF_M
+                 PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+    """Grid: up to one program per SM, each looping over its work tiles (`_tile_coords`;
+    N_WORK = query blocks x sequences x heads; a grid of N_WORK programs runs one tile each)."""
     dtype: gl.constexpr = desc_q.dtype
-    pid_m = gl.program_id(0)
-    if IS_CAUSAL:
-        pid_m = NUM_M_BLOCKS - 1 - pid_m  # heaviest query blocks first
-    seq = gl.program_id(1)
-    head = gl.program_id(2)
-    kv_head = head // GROUP
-    q_start = gl.load(cu_seqlens_q_ptr + seq)
-    seqlen_q = gl.load(cu_seqlens_q_ptr + seq + 1) - q_start
-    kv_start = gl.load(cu_seqlens_k_ptr + seq)
-    seqlen_k = gl.load(cu_seqlens_k_ptr + seq + 1) - kv_start
-    blk_m0 = pid_m * BLOCK_M
-    if blk_m0 >= seqlen_q:
-        return
-    # key tiles of the whole 128-row block: both warpgroups run the same rounds (the ping-pong
-    # handshake needs that); tiles a half does not see are masked to -inf by its softmax
-    hi = seqlen_k
-    if IS_CAUSAL:
-        hi = gl.minimum(seqlen_k, blk_m0 + BLOCK_M + seqlen_k - seqlen_q)
-    n_tiles = (gl.maximum(hi, 0) + BLOCK_N - 1) // BLOCK_N
-
     q_smem = gl.allocate_shared_memory(dtype, [2, HALF_M, HEAD_DIM], desc_q.layout)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, HEAD_DIM], desc_k.layout)
     if IS_FP8:  # V^T tiles [D, BLOCK_N]: fp8 wgmma wants B K-major
@@ -203,6 +291,7 @@ def _attn_fwd_ws(desc_q, desc_k, desc_v, o_ptr, qs_ptr, ks_ptr, v_scale_ptr,
     else:
         v_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, HEAD_DIM], desc_v.layout)
     q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
@@ -210,6 +299,7 @@ def _attn_fwd_ws(desc_q, desc_k, desc_v, o_ptr, qs_ptr, ks_ptr, v_scale_ptr,
     v_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(q_bars.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=1)  # released by its own warpgroup
         mbarrier.init(turn_bars.index(i), count=1)
     for i in gl.static_range(NUM_BUF):
         mbarrier.init(k_ready.index(i), count=1)
@@ -222,17 +312,17 @@ def _attn_fwd_ws(desc_q, desc_k, desc_v, o_ptr, qs_ptr, ks_ptr, v_scale_ptr,
     # the two consumers get the same arguments but their warpgroup index (written out: a tuple
     # concatenation in the kernel would turn the constexprs into run-time values)
     gl.warp_specialize([
-        (_ws_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty,
-                        v_empty, q_start + blk_m0, head * HEAD_DIM, kv_start, kv_head * HEAD_DIM, n_tiles,
-                        BLOCK_N, NUM_BUF, IS_FP8)),
-        (_ws_consumer, (0, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, turn_bars,
+        (_ws_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bars, q_empty, k_ready, v_ready,
+                        k_empty, v_empty, cu_seqlens_q_ptr, cu_seqlens_k_ptr, NUM_M_BLOCKS, N_SEQ, N_WORK, SWIZZLE,
+                        GROUP, HEAD_DIM, BLOCK_N, NUM_BUF, IS_CAUSAL, IS_FP8)),
+        (_ws_consumer, (0, q_smem, k_smem, v_smem, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, turn_bars,
                         o_ptr, qs_ptr, ks_ptr, v_scale_ptr, sm_scale, stride_om, stride_oh, stride_qsm, stride_ksn,
-                        q_start, seqlen_q, kv_start, seqlen_k, blk_m0, head, kv_head, n_tiles,
-                        HEAD_DIM, BLOCK_N, IS_CAUSAL, IS_FP8, NUM_BUF)),
-        (_ws_consumer, (1, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, turn_bars,
+                        cu_seqlens_q_ptr, cu_seqlens_k_ptr, NUM_M_BLOCKS, N_SEQ, N_WORK, SWIZZLE,
+                        GROUP, HEAD_DIM, BLOCK_N, IS_CAUSAL, IS_FP8, NUM_BUF, PINGPONG)),
+        (_ws_consumer, (1, q_smem, k_smem, v_smem, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, turn_bars,
                         o_ptr, qs_ptr, ks_ptr, v_scale_ptr, sm_scale, stride_om, stride_oh, stride_qsm, stride_ksn,
-                        q_start, seqlen_q, kv_start, seqlen_k, blk_m0, head, kv_head, n_tiles,
-                        HEAD_DIM, BLOCK_N, IS_CAUSAL, IS_FP8, NUM_BUF)),
+                        cu_seqlens_q_ptr, cu_seqlens_k_ptr, NUM_M_BLOCKS, N_SEQ, N_WORK, SWIZZLE,
+                        GROUP, HEAD_DIM, BLOCK_N, IS_CAUSAL, IS_FP8, NUM_BUF, PINGPONG)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -256,46 +346,37 @@ def attention_varlen_ws(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causa
     """Same contract as `attention_gluon.attention_varlen_gluon` (and its `supported` cases).
 
     q: (total_q, Hq, D); k, v: (total_k, Hkv, D), bf16/fp16; cu_seqlens_*: (B + 1,) int32.
-    config: (BLOCK_N, NUM_BUF), see `_default_config`; query tiles are 128 rows (2 x 64).
+    config: (BLOCK_N, NUM_BUF[, persistent[, pingpong]]), see `_default_config`; query tiles are
+    128 rows (2 x 64). persistent (default True): one program per SM looping over the work
+    tiles, so a tile's loads overlap the previous tile's last rounds; else one program a tile.
+    pingpong (default True): the turn handshake between the consumer warpgroups.
     out: optional (total_q, Hq, D) buffer to write (tests pass a NaN-poisoned one).
     Returns (total_q, Hq, D) in q's dtype."""
-    from quantkit.kernels.attention import KV_SCALE_BLOCK, prepare_fp8
-
-    total_q, n_heads, head_dim = q.shape
-    total_k, n_kv_heads, _ = k.shape
+    n_heads, head_dim = q.shape[1], q.shape[2]
+    n_kv_heads = k.shape[1]
     assert n_heads % n_kv_heads == 0
     sm_scale = head_dim ** -0.5 if sm_scale is None else sm_scale
     fp8 = fp8 or fp8_prepared is not None
-    block_n, num_buf = config or _default_config(head_dim, fp8)
+    block_n, num_buf, persistent, pingpong = (tuple(config) + (True, True))[:4] if config else \
+        _default_config(head_dim, fp8) + (True, True)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
-    q_scale = k_scale = v_scale = out  # placeholders, never read unless fp8
-    if fp8:
-        q, q_scale, k, k_scale, v, v_scale = fp8_prepared or prepare_fp8(q, k, v, hadamard, True, cu_seqlens_k)
-        assert v.dtype == torch.float8_e4m3fn, "the gluon kernels run P @ V in fp8 too"
-        assert KV_SCALE_BLOCK % block_n == 0 and block_n % 32 == 0
-        gdt = gl.float8e4nv
-    else:
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    q_layout = gl.NVMMASharedLayout.get_default_for([_HALF_M, head_dim], gdt)
-    kv_layout = gl.NVMMASharedLayout.get_default_for([block_n, head_dim], gdt)
-    # 2-D views (tokens, H * D): one descriptor serves every head and sequence
-    desc_q = TensorDescriptor(q, [total_q, n_heads * head_dim], [n_heads * head_dim, 1], [_HALF_M, head_dim],
-                              q_layout)
-    desc_k = TensorDescriptor(k, [total_k, n_kv_heads * head_dim], [n_kv_heads * head_dim, 1],
-                              [block_n, head_dim], kv_layout)
-    if fp8:  # V^T storage (Hkv * D, padded tokens), see prepare_fp8
-        vt_layout = gl.NVMMASharedLayout.get_default_for([head_dim, block_n], gdt)
-        desc_v = TensorDescriptor(v, [n_kv_heads * head_dim, v.stride(2)], [v.stride(2), 1], [head_dim, block_n],
-                                  vt_layout)
-    else:
-        desc_v = TensorDescriptor(v, [total_k, n_kv_heads * head_dim], [n_kv_heads * head_dim, 1],
-                                  [block_n, head_dim], kv_layout)
+    desc_q, desc_k, desc_v, q_scale, k_scale, v_scale = make_descriptors(
+        q, k, v, cu_seqlens_k, _HALF_M, block_n, fp8, hadamard, fp8_prepared, out)
     n_m_blocks = triton.cdiv(max_seqlen_q, 2 * _HALF_M)
-    grid = (n_m_blocks, cu_seqlens_q.numel() - 1, n_heads)
-    _attn_fwd_ws[grid](desc_q, desc_k, desc_v, out, q_scale, k_scale, v_scale, cu_seqlens_q, cu_seqlens_k,
-                       sm_scale, out.stride(0), out.stride(1),
-                       q_scale.stride(0) if fp8 else 0, k_scale.stride(0) if fp8 else 0, n_m_blocks,
-                       GROUP=n_heads // n_kv_heads, HEAD_DIM=head_dim, BLOCK_N=block_n, IS_CAUSAL=causal,
-                       IS_FP8=fp8, NUM_BUF=num_buf, CONSUMER_REGS=CONSUMER_REGS, num_warps=4, maxnreg=MAXNREG)
+    n_work = n_m_blocks * (cu_seqlens_q.numel() - 1) * n_heads
+    n_prog = n_work if not persistent else min(n_work, _sm_count(q.device))
+    # all (sequence, head) pairs in one group when one head's query blocks nearly fill the grid
+    swizzle = n_work // n_m_blocks if causal and 2 * n_m_blocks > n_prog else 1
+    _attn_fwd_ws[(n_prog, )](desc_q, desc_k, desc_v, out, q_scale, k_scale, v_scale, cu_seqlens_q, cu_seqlens_k,
+                             sm_scale, out.stride(0), out.stride(1),
+                             q_scale.stride(0) if fp8 else 0, k_scale.stride(0) if fp8 else 0, n_m_blocks,
+                             cu_seqlens_q.numel() - 1, n_work, swizzle, GROUP=n_heads // n_kv_heads,
+                             HEAD_DIM=head_dim,
+                             BLOCK_N=block_n, IS_CAUSAL=causal, IS_FP8=fp8, NUM_BUF=num_buf, PINGPONG=pingpong,
+                             CONSUMER_REGS=CONSUMER_REGS, num_warps=4, maxnreg=MAXNREG)
     return out
+
+
+@functools.cache
+def _sm_count(device):
+    return torch.cuda.get_device_properties(device).multi_processor_count

@@ -37,6 +37,8 @@ def test_gluon_not_used_without_hopper():
 @pytest.mark.parametrize("backend,d,config", [
     ("gluon", 64, None), ("gluon", 128, None), ("gluon", 128, (128, 128, 8, 3)),
     ("gluon_ws", 64, None), ("gluon_ws", 128, None), ("gluon_ws", 128, (128, 3)), ("gluon_ws", 128, (64, 4)),
+    ("gluon_ws", 128, (128, 2, False, True)),  # one program a work tile
+    ("gluon_ws", 128, (128, 2, True, False)),  # no ping-pong handshake
 ])
 @pytest.mark.parametrize("lens_q,lens_k", [
     ([1000, 37, 300], [1000, 37, 300]),   # varlen, lengths off the block size
@@ -61,9 +63,11 @@ def test_gluon_varlen_gqa(causal, backend, d, config, lens_q, lens_k):
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU")
 @pytest.mark.parametrize("causal", [False, True])
-def test_gluon_ws_writes_every_row(causal):
+@pytest.mark.parametrize("config", [None, (128, 2, True, False), (128, 3, False, True)])
+def test_gluon_ws_writes_every_row(causal, config):
     """NaN-poisoned output: every element written, on fresh inputs twice (a race shows as a
-    moving error), at a size with many 128-row tiles and a ragged end."""
+    moving error), at a size with many 128-row tiles and a ragged end (each persistent program
+    runs several work tiles)."""
     lens = [2000, 333]
     cu = _cu(lens, "cuda")
     errs = []
@@ -71,7 +75,7 @@ def test_gluon_ws_writes_every_row(causal):
         gen = torch.Generator().manual_seed(seed)
         q, k, v = (torch.randn(sum(lens), h, 128, generator=gen).to("cuda", torch.bfloat16) for h in (16, 4, 4))
         out = torch.full_like(q, float("nan"))
-        attention_gluon_ws.attention_varlen_ws(q, k, v, cu, cu, max(lens), causal=causal, out=out)
+        attention_gluon_ws.attention_varlen_ws(q, k, v, cu, cu, max(lens), causal=causal, out=out, config=config)
         assert torch.isfinite(out).all()
         errs.append(_rel_err(out, attention_ref(q, k, v, cu, cu, causal=causal)))
     assert max(errs) < 1e-2
