@@ -112,9 +112,13 @@ def run_shape(n, k, ms, copy_tbs, rows, variants, deadline=float("inf")):
     packed_bytes = ws[0].qweight.numel() * 4 + ws[0].scales.numel() * 2
     w_kn = dequant_f32(ws[0])
     err = {m: check(ws[0], w_kn, m) for m in (1, 3, 333)}  # the default path at decode and prefill sizes
-    paths = ["gemv", "tc"] + (["pairs"] if kw.pairs_supported(ws[0]) else [])
+    probe = torch.empty(1, k, device="cuda", dtype=torch.bfloat16)
+    paths = (["gemv", "tc"] + (["pairs"] if kw.pairs_supported(ws[0]) else [])
+             + (["gluon"] if kw.gluon_available(probe, ws[0]) else []))
+    decode_only = ("gemv",)
     if variants:  # every kernel checked at a decode and a prefill size, not only the default's choice
-        err |= {f"{p}_m{m}": check(ws[0], w_kn, m, p) for p in paths for m in (3, 333) if p != "gemv" or m < 64}
+        err |= {f"{p}_m{m}": check(ws[0], w_kn, m, p) for p in paths for m in (1, 3, 16, 333)
+                if p not in decode_only or m <= kw.DECODE_MAX_M}
     del w_kn
     ws += [make_weights(n, k) for _ in range(rotations(packed_bytes) - 1)]
     bf16 = [torch.randn(n, k, device="cuda").bfloat16() for _ in range(rotations(2 * n * k))]
@@ -129,7 +133,7 @@ def run_shape(n, k, ms, copy_tbs, rows, variants, deadline=float("inf")):
             continue
         xs = [torch.randn(m, k, device="cuda").bfloat16() for _ in range(max(len(ws), len(bf16)))]
         row = dict(N=n, K=k, M=m, relerr_m1=err[1], relerr_m3=err[3], relerr_m333=err[333],
-                   path=kw.choose_path(m, ws[0]), relerr={str(key): v for key, v in err.items()})
+                   path=kw.choose_path(m, ws[0], "gluon" in paths), relerr={str(key): v for key, v in err.items()})
         row["triton_us"] = bench_graph([lambda x=x, w=w: kw.w4a16_matmul(x, w) for x, w in zip(xs, ws)])
         row["cublas_us"] = bench_graph([lambda x=x, w=w: F.linear(x, w) for x, w in zip(xs, bf16)])
         if i4:
@@ -138,7 +142,7 @@ def run_shape(n, k, ms, copy_tbs, rows, variants, deadline=float("inf")):
         if variants:
             # Every other kernel at the same M (the GEMV up to 16 rows): where each one stops paying.
             for other in paths:
-                if other == row["path"] or (other == "gemv" and m > kw.DECODE_MAX_M):
+                if other == row["path"] or (other in decode_only and m > kw.DECODE_MAX_M):
                     continue
                 row[f"triton_{other}_us"] = bench_graph(
                     [lambda x=x, w=w, p=other: kw.w4a16_matmul(x, w, path=p) for x, w in zip(xs, ws)])
@@ -160,13 +164,15 @@ def tuned_configs() -> dict:
     for name, tuner in (("gemv", kw._gemv_tuned), ("decode", kw._decode_tuned), ("prefill", kw._prefill_tuned),
                         ("pairs", kw._pairs_tuned)):
         out[name] = {str(key): str(cfg) for key, cfg in tuner.cache.items()}
+    if "quantkit.kernels.w4a16_gluon" in sys.modules:
+        out["gluon"] = {str(key): str(cfg) for key, cfg in sys.modules["quantkit.kernels.w4a16_gluon"].GLUON_TUNER.cache.items()}
     return out
 
 
 def print_table(rows, copy_tbs):
     print(f"\ncopy bandwidth {copy_tbs:.2f} TB/s (read+write); us per call, median of graph replays")
     hdr = f"{'N':>6} {'K':>6} {'M':>5} {'triton':>9} {'cublas':>9} {'int4pt':>9} {'xcuBLAS':>7} " \
-          f"{'xint4':>6} {'%copy':>6} {'TFLOP/s':>7} {'path':>6} {'gemv':>9} {'pairs':>9} {'tc':>9}"
+          f"{'xint4':>6} {'%copy':>6} {'TFLOP/s':>7} {'path':>6} {'gemv':>9} {'gluon':>9} {'pairs':>9} {'tc':>9}"
     print(hdr)
     for r in rows:
         i4 = r.get("torch_int4_us", float("nan"))
@@ -174,7 +180,7 @@ def print_table(rows, copy_tbs):
               f"{i4:>9.1f} {r['cublas_us'] / r['triton_us']:>7.2f} {i4 / r['triton_us']:>6.2f} "
               f"{r.get('pct_copy_bw', float('nan')):>6.1f} {r['tflops']:>7.1f} "
               f"{r.get('path', '-'):>6} " + " ".join(f"{r.get(f'triton_{p}_us', float('nan')):>9.1f}"
-                                                   for p in ("gemv", "pairs", "tc")))
+                                                   for p in ("gemv", "gluon", "pairs", "tc")))
 
 
 def main():

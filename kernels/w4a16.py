@@ -12,12 +12,16 @@ How the kernel works
   dequantized weight tile is the *first* operand, which Hopper's wgmma can take straight from
   registers, and the activations are the second one, in shared memory. ``BLOCK_M`` can then be as
   small as 16 (decode) while ``BLOCK_N`` keeps the tensor-core instruction full.
-* Three kernels, one entry point (:func:`w4a16_matmul`, which picks by M through :func:`choose_path`):
+* Three Triton kernels here and a Gluon one for Hopper (:mod:`quantkit.kernels.w4a16_gluon`), one
+  entry point (:func:`w4a16_matmul`, which picks by M and device through :func:`choose_path`):
   - GEMV (M = 1, and M = 2 on small layers): no tensor cores. Each program streams the packed words
     of BLOCK_N output rows over a K slice with 16-byte loads, unpacks them in the load's own register
     layout, forms exact ``code - zero`` in fp32 (one ``lop3`` per code, exponent trick), reduces
     along K and scales once per group (split-K, fp32 atomics). ``_w4a16_gemv_kernel``.
-  - paired nibbles (every other M, 4-bit weights with K a multiple of 128): a tensor-core kernel
+  - Gluon (Hopper, every other M, the paired layout below): the same paired-nibble dequantization
+    with the loads in a TMA ring fed by a producer warp, mma.sync for M <= 16 (stream-K over all
+    SMs) and asynchronous wgmma overlapped with the dequantization above.
+  - paired nibbles (every other M elsewhere, 4-bit weights with K a multiple of 128): a tensor-core kernel
     whose weight operand needs no reshape. Shifting a word right by 4j puts codes j and j+4 at bits
     0 and 16; one ``lop3`` turns them into two 16-bit floats in one register, one packed subtract
     and one packed multiply dequantize both, and that register *is* a wgmma A-operand register
@@ -53,7 +57,7 @@ from quantkit.kernels.w4a16_weights import (
 )
 
 __all__ = ["W4A16Weights", "prepare_w4a16_weights", "w4a16_matmul", "w4a16_matmul_ref", "DECODE_MAX_M",
-           "GEMV_MAX_M", "pairs_supported", "choose_path"]
+           "GEMV_MAX_M", "pairs_supported", "gluon_available", "choose_path"]
 
 # The first tensor-core kernel splits K (float32 atomics) up to this many rows.
 DECODE_MAX_M = 16
@@ -61,7 +65,9 @@ DECODE_MAX_M = 16
 # vs 68 on the two 121 MB shapes but 12 vs 18 on 4096x4096; from M=4 up the paired-nibble kernel beats
 # the first tensor-core kernel at every M measured (70 vs 158 us at 16, 3.7 vs 6.6 ms at 4096).
 GEMV_MAX_M = 2
-GEMV_M2_MAX_WEIGHTS = 1 << 26  # at M = 2 the GEMV still wins below ~67 M weights
+# At M = 2 the GEMV still wins below ~34 M weights (run 9: 12 vs 18 us at 16.8 M weights; at 58.7 M the
+# paired kernels win, 26-28 vs 30 us). At M = 1 it beats the Gluon kernel on every shape (run 9).
+GEMV_M2_MAX_WEIGHTS = 1 << 25
 
 
 # ----------------------------------------------------------------------------------------------
@@ -708,11 +714,23 @@ def _pairs_matmul(x, w, config):
     return out.to(x.dtype) if split else out
 
 
-def choose_path(m: int, w: W4A16Weights) -> str:
-    """The kernel :func:`w4a16_matmul` runs for ``m`` activation rows by default."""
+def gluon_available(x: torch.Tensor, w: W4A16Weights) -> bool:
+    """Whether the Gluon kernel (:mod:`quantkit.kernels.w4a16_gluon`, Hopper only) takes this call."""
+    if _interpreting() or not x.is_cuda or not pairs_supported(w):
+        return False
+    from quantkit.kernels.w4a16_gluon import gluon_supported
+
+    return gluon_supported(x, w)
+
+
+def choose_path(m: int, w: W4A16Weights, gluon: bool = False) -> str:
+    """The kernel :func:`w4a16_matmul` runs for ``m`` activation rows by default (``gluon``: the Gluon
+    kernel can run here, see :func:`gluon_available`)."""
     pairs = pairs_supported(w)
     if m == 1 or (m <= GEMV_MAX_M and (not pairs or w.in_features * w.out_features < GEMV_M2_MAX_WEIGHTS)):
         return "gemv"
+    if gluon:
+        return "gluon"
     return "pairs" if pairs else "tc"
 
 
@@ -733,19 +751,25 @@ def w4a16_matmul(x: torch.Tensor, w: W4A16Weights, config: dict | None = None,
                  fast_dequant: bool = True, path: str | None = None) -> torch.Tensor:
     """``x [M, K]`` fp16/bf16 -> ``x @ W^T`` ``[M, N]`` through the Triton kernel.
 
-    ``path``: ``"gemv"`` (no tensor cores), ``"pairs"`` (the paired-nibble tensor-core kernel, 4-bit
-    with K a multiple of PAIR_TILE_K), ``"tc"`` (the first tensor-core kernel: split-K for
+    ``path``: ``"gemv"`` (no tensor cores), ``"gluon"`` (the Gluon kernel: Hopper, the paired layout),
+    ``"pairs"`` (the paired-nibble tensor-core kernel, 4-bit with K a multiple of
+    PAIR_TILE_K), ``"tc"`` (the first tensor-core kernel: split-K for
     M <= DECODE_MAX_M, direct store above) or None (:func:`choose_path`: by M and what the weights allow).
     ``config`` bypasses the autotuner (tests, the interpreter): for "tc" ``BLOCK_N, BLOCK_M,
     BLOCK_K`` (optional ``SPLIT_K, GROUP_N, W_IS_A, W_GATHER, num_warps, num_stages``), for "gemv"
     ``BLOCK_N, BLOCK_K`` (optional ``SPLIT_K, PIPE, num_warps``), for "pairs" ``BLOCK_N, BLOCK_M``
-    (optional ``SPLIT_K, GROUP_N, num_warps, num_stages``). ``fast_dequant=False`` makes the GEMV and
+    (optional ``SPLIT_K, GROUP_N, num_warps, num_stages``), for "gluon" the fields of
+    ``w4a16_gluon.GluonConfig``. ``fast_dequant=False`` makes the GEMV and
     the first tensor-core kernel use int->float conversions instead of the exponent trick (kept for
     comparison); the paired kernel has only its packed form.
     """
     _check_inputs(x, w)
     if path is None:
-        path = choose_path(x.shape[0], w)
+        path = choose_path(x.shape[0], w, gluon_available(x, w))
+    if path == "gluon":
+        from quantkit.kernels.w4a16_gluon import GluonConfig, w4a16_gluon_matmul
+
+        return w4a16_gluon_matmul(x, w, GluonConfig(**config) if config is not None else None)
     if path == "pairs":
         if not pairs_supported(w):
             raise ValueError(f"the paired-nibble kernel needs 4-bit codes and K a multiple of {PAIR_TILE_K}, "
@@ -760,7 +784,7 @@ def w4a16_matmul(x: torch.Tensor, w: W4A16Weights, config: dict | None = None,
             raise ValueError(f"the GEMV path takes at most 64 rows, got {m}")
         return _gemv_matmul(x, w, config, fast_dequant)
     if path != "tc":
-        raise ValueError(f"path must be 'gemv', 'tc', 'pairs' or None, got {path!r}")
+        raise ValueError(f"path must be 'gemv', 'gluon', 'tc', 'pairs' or None, got {path!r}")
     decode = m <= DECODE_MAX_M
     # The exponent trick needs MAGIC_VALUE + code exact: 8-bit codes overflow bf16's mantissa.
     use_magic = fast_dequant and (w.bits == 4 or x.dtype == torch.float16)

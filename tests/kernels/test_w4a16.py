@@ -7,6 +7,7 @@ and fp16 at shapes that are multiples of the group size but not of the block siz
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 import sys
@@ -196,6 +197,23 @@ def test_default_path_is_gemv_for_small_m():
         mod.w4a16_matmul(torch.randn(1, 192).half(), w48, config=dict(BLOCK_N=32, BLOCK_K=32), path="gemv")
 
 
+def test_choose_path_by_m_shape_and_device():
+    mod = _kernel_module()
+    small = mod.W4A16Weights(qweight=torch.zeros(1), scales=torch.zeros(1), zeros=None, g_idx=torch.zeros(1),
+                             perm=None, bits=4, group_size=128, in_features=4096, out_features=4096,
+                             pair_index=torch.zeros(1))
+    large = dataclasses.replace(small, in_features=8192, out_features=28672)
+    odd_k = dataclasses.replace(small, in_features=576, pair_index=None)
+    # M = 1: the GEMV everywhere; M = 2: the GEMV on small layers only
+    assert [mod.choose_path(1, w, gluon) for w in (small, large) for gluon in (False, True)] == ["gemv"] * 4
+    assert mod.choose_path(2, small, True) == "gemv" and mod.choose_path(2, large, True) == "gluon"
+    assert mod.choose_path(2, large, False) == "pairs"
+    # above: the Gluon kernel on Hopper, the paired Triton kernel elsewhere, the first kernel when K % 128 != 0
+    assert [mod.choose_path(m, large, True) for m in (3, 16, 17, 4096)] == ["gluon"] * 4
+    assert [mod.choose_path(m, large, False) for m in (3, 4096)] == ["pairs"] * 2
+    assert mod.choose_path(64, odd_k, False) == "tc" and mod.choose_path(1, odd_k, False) == "gemv"
+
+
 def test_gemv_split_k_has_no_empty_slices():
     mod = _kernel_module()
     for n_tiles, k_tiles in [(224, 16), (64, 56), (32, 4), (1, 1), (1000, 3), (7, 13)]:
@@ -321,3 +339,61 @@ def test_dispatch_autotuned_gpu(m):
     out = w4a16_linear(x, w, bias)
     ref = x.float() @ w_deq.t() + bias.float()
     assert out.shape == (2, m, n) and rel_err(out, ref) < 1e-2
+
+
+# The Gluon kernel (Hopper). The tests run every candidate config of its tuner, so that a config the
+# tuner may pick is never untested: mma.sync decode (M <= 8 runs the mma's n = 8 tile, 9..16 the 16-row
+# one) and wgmma prefill, one program per tile or stream-K.
+def _gluon_configs():
+    from quantkit.kernels.w4a16_gluon import DECODE_GLUON_CONFIGS, PREFILL_GLUON_CONFIGS
+
+    return ([dataclasses.asdict(c) for c in DECODE_GLUON_CONFIGS],
+            [dataclasses.asdict(c) for c in PREFILL_GLUON_CONFIGS])
+
+
+HOPPER = CUDA and torch.cuda.get_device_capability()[0] == 9
+
+
+def test_gluon_configs_fit_the_h200():
+    from quantkit.kernels.w4a16_gluon import DECODE_GLUON_CONFIGS, PREFILL_GLUON_CONFIGS
+
+    assert all(c.fits(16, 128) for c in DECODE_GLUON_CONFIGS)
+    assert all(not c.WGMMA for c in DECODE_GLUON_CONFIGS) and all(c.WGMMA for c in PREFILL_GLUON_CONFIGS)
+    assert all(c.fits(c.BLOCK_M, 128) for c in PREFILL_GLUON_CONFIGS)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("n,k,gs,sym,act", [s for s in GPU_SHAPES if s[1] % 128 == 0])
+@pytest.mark.parametrize("m", [1, 6, 8, 13, 16, 17, 64, 100, 300])
+def test_gluon_gpu(n, k, gs, sym, act, m, dtype):
+    decode, prefill = _gluon_configs()
+    from quantkit.kernels.w4a16_gluon import GluonConfig
+
+    pool = [c for c in (decode if m <= 16 else prefill) if GluonConfig(**c).fits(m, gs)]
+    config = pool[(n + m) % len(pool)]
+    _run_gpu(_kernel_module(), n, k, gs, sym, act, m, dtype, "gluon", config)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("m", [1, 16, 64, 128, 333])
+@pytest.mark.parametrize("which", range(11))
+def test_gluon_every_config_gpu(which, m):
+    # 4224 x 4224: 33 K tiles and 17-33 weight tiles, so stream-K runs start and end inside tiles
+    decode, prefill = _gluon_configs()
+    from quantkit.kernels.w4a16_gluon import GluonConfig
+
+    configs = decode + prefill
+    if which >= len(configs) or not GluonConfig(**configs[which]).fits(m, 128):
+        pytest.skip("config does not take this M")
+    _run_gpu(_kernel_module(), 4096 + 128, 4096 + 128, 128, False, False, m, torch.bfloat16, "gluon",
+             configs[which])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("m", [2, 40, 700])
+def test_gluon_tuned_gpu(m):
+    _run_gpu(_kernel_module(), 2048, 1024, 64, False, True, m, torch.bfloat16, None, None)

@@ -1,0 +1,484 @@
+"""W4A16 GEMM in Gluon (`triton.experimental.gluon`) for Hopper: ``Y = X W^T``, decode and prefill.
+
+Why Gluon: the Triton paired-nibble kernel (``w4a16._w4a16_pairs_kernel``) reached only ~40 % of the
+copy bandwidth at M <= 16 and 0.6-0.8x cuBLAS at M >= 1024 on the H200 (bench/NOTES_w4a16.md,
+runs 5-7). Its weight operand goes to the tensor cores from registers, and Triton waits for each
+such wgmma to finish before the registers are rewritten, so dequantization and matrix multiply
+never overlap; its loads are also pipelined only a few tiles deep per program. Gluon lets us
+place both.
+
+One kernel, two tensor-core instructions (constexpr ``WGMMA``), same dequantization:
+
+* The paired-nibble trick (``w4a16_weights.paired_nibble_index``): shifting a packed word right by
+  4j puts codes j and j + 4 at bits 0 and 16, one ``lop3`` makes them a pair of 16-bit floats
+  ``MAGIC + code``, one packed subtraction and one packed multiply dequantize both, and that
+  register *is* a tensor-core A-operand register. Each 128-code K tile is four dots of K = 32; the
+  activations are gathered once per call into the matching column order.
+* The packed words are read from shared memory in the 32-bit A-operand layout (``k_width=1``):
+  thread (g, t) of a warp holds words t, t + 4, t + 8, t + 12 of rows g and g + 8 of each 16-row
+  block, which is where those words' pairs sit in the 16-bit A operand of a K = 32 dot
+  (``k_width=2``): the conversion is register renaming. The 64-byte swizzle of the word tiles makes
+  the reads free of bank conflicts.
+* A producer warp (``gl.warp_specialize``) streams the weight words and the activation tiles
+  through a ring of NUM_BUF shared-memory stages with TMA (one "ready" and one "empty" mbarrier per
+  stage), so the dequantizing warps never issue a load or wait on a CTA-wide barrier.
+
+Decode (M <= 16, ``WGMMA=False``): ``mma.sync`` m16n8k16 (``mma_v2``) with the weights as A. Its
+register operands are ordinary registers with scoreboard dependencies, so the dequantization of one
+dot overlaps the MMA of the previous one with no explicit wait; the activation rows are the n = 8
+side, so M <= 8 wastes nothing. The work is split stream-K: units are (output tile, K tile), each of
+``num_SMs * CTAS_PER_SM`` programs takes a contiguous run of units and adds its partial sums to a
+zeroed float32 output with atomics whenever its run leaves an output tile. Every program gets the
+same number of units: no tail wave, whatever the shape.
+
+Prefill (``WGMMA=True``): asynchronous wgmma with the dequantized weights as A from registers (two
+warpgroups of 64 weight rows each, or 128 with two m64 blocks) and the activation tile as B from
+shared memory. The dequantization of dot j + 1 runs while the wgmma of dot j is in flight
+(``warpgroup_mma_wait(1)``), and a ring stage is released as soon as the wgmmas that read it have
+retired. Each program owns one output tile (grouped order for L2 reuse) and stores it once.
+
+Scope: 4-bit codes, K a multiple of 128 (``w4a16.pairs_supported``), contiguous groups (any group
+size that is a multiple of 8, per channel included), sym or asym, act-order through ``pair_index``,
+fp16 or bf16 activations, sm_90. GPU only: Gluon has no interpreter path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from quantkit.kernels.w4a16_weights import PAIR_TILE_K, W4A16Weights
+
+# One K tile of the packed weights: 16 int32 words (128 codes) per output row, read as four dots of K = 32.
+_WORDS = gl.constexpr(PAIR_TILE_K // 8)
+_DOT_K = gl.constexpr(32)
+_TILE_K = gl.constexpr(PAIR_TILE_K)
+# The producer warp only issues TMA: few registers, leaving the rest to the dequantizing warps.
+LOAD_WARP_REGS = gl.constexpr(40)
+
+
+@gluon.jit
+def _tile_coords(tile, tiles_n, tiles_m, GROUP_N: gl.constexpr):
+    """Output tile index -> (weight-row tile, activation-row tile), GROUP_N weight tiles swept across
+    all activation tiles before the next GROUP_N (their packed words stay in L2 meanwhile)."""
+    per_group = GROUP_N * tiles_m
+    first_n = (tile // per_group) * GROUP_N
+    group_n = gl.minimum(tiles_n - first_n, GROUP_N)
+    tn = first_n + (tile % per_group) % group_n
+    tm = (tile % per_group) // group_n
+    return tn, tm
+
+
+@gluon.jit
+def _load_partition(desc_w, desc_x, w_smem, x_smem, ready, empty, u0, count, k_tiles, tiles_n, tiles_m,
+                    BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, GROUP_N: gl.constexpr, NUM_BUF: gl.constexpr):
+    """Producer warp: TMA of each unit's weight words [BLOCK_N, 16] and its four [BLOCK_M, 32]
+    activation boxes into ring stage i % NUM_BUF, once the consumers have released that stage."""
+    # stream-K runs (tiles_m == 1) walk weight tiles; other runs stay inside one output tile
+    tn, tm = _tile_coords(u0 // k_tiles, tiles_n, tiles_m, GROUP_N)
+    kt = u0 % k_tiles
+    for i in range(count):
+        stage = i % NUM_BUF
+        # the consumers release stage s for the r-th time after unit s + r * NUM_BUF
+        mbarrier.wait(empty.index(stage), ((i // NUM_BUF) + 1) & 1, pred=i >= NUM_BUF)
+        bar = ready.index(stage)
+        mbarrier.expect(bar, desc_w.block_type.nbytes + 4 * desc_x.block_type.nbytes)
+        tma.async_copy_global_to_shared(desc_w, [tn * BLOCK_N, kt * _WORDS], bar, w_smem.index(stage))
+        for j in gl.static_range(4):
+            tma.async_copy_global_to_shared(desc_x, [tm * BLOCK_M, kt * _TILE_K + j * _DOT_K], bar,
+                                            x_smem.index(stage * 4 + j))
+        kt += 1
+        if kt == k_tiles:
+            kt = 0
+            tn += 1
+
+
+@gluon.jit
+def _group_params(scales_ptr, zeros_ptr, tn, kt, N, stride_sg, stride_zg, offs_n, offs_w,
+                  GROUP_SIZE: gl.constexpr, HAS_ZEROS: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Scales (fp16) and zero points (int32) of weight-row tile ``tn``, K tile ``kt``: [BLOCK_N, 1] when
+    the K tile lies in one group, else [BLOCK_N, 16], one per word (a word's 8 codes share a group)."""
+    n = tn * BLOCK_N + offs_n
+    k0 = kt * _TILE_K
+    mask_n = n < N
+    if GROUP_SIZE % _TILE_K == 0:
+        g = k0 // GROUP_SIZE
+        scale = gl.expand_dims(gl.load(scales_ptr + g * stride_sg + n, mask=mask_n, other=0.0), 1)
+        if HAS_ZEROS:
+            zero = gl.expand_dims(gl.load(zeros_ptr + g * stride_zg + n, mask=mask_n, other=0).to(gl.int32), 1)
+        else:
+            zero = gl.full_like(scale, 8, dtype=gl.int32)
+    else:
+        g = gl.expand_dims((k0 + 8 * offs_w) // GROUP_SIZE, 0)
+        rows = gl.expand_dims(n, 1)
+        mask = gl.expand_dims(mask_n, 1)
+        scale = gl.load(scales_ptr + g * stride_sg + rows, mask=mask, other=0.0)
+        if HAS_ZEROS:
+            zero = gl.load(zeros_ptr + g * stride_zg + rows, mask=mask, other=0).to(gl.int32)
+        else:
+            zero = gl.full_like(scale, 8, dtype=gl.int32)
+    return scale, zero
+
+
+@gluon.jit
+def _pairs_of(v, a_layout: gl.constexpr, BLOCK_N: gl.constexpr):
+    """[BLOCK_N, 16 or 1] (one value per word) -> [BLOCK_N, 32] in the 16-bit A layout, each value twice
+    (both codes of a pair). Register renaming only (see the module docstring)."""
+    v = gl.broadcast(v, gl.full([BLOCK_N, _WORDS], 0, v.dtype, layout=v.type.layout))[0]
+    return gl.convert_layout(gl.reshape(gl.join(v, v), [BLOCK_N, 2 * _WORDS]), a_layout)
+
+
+@gluon.jit
+def _dequant_pairs(words, zero_bias, scale, j: gl.constexpr, a_layout: gl.constexpr, BLOCK_N: gl.constexpr,
+                   SCALED: gl.constexpr):
+    """Codes j and j + 4 of every word, dequantized: the A operand [BLOCK_N, 32] of dot j.
+
+    ``(w >> 4j) & 0x000F000F | MAGIC`` is a pair of 16-bit floats ``MAGIC_VALUE + code`` (exact); one
+    packed subtraction of ``MAGIC_VALUE + zero`` gives ``code - zero`` (exact) and, with SCALED, one
+    packed multiply applies the scale (without it the caller scales the accumulated tile instead).
+    """
+    shifted = _pairs_of(words >> (4 * j), a_layout, BLOCK_N)
+    if zero_bias.dtype == gl.bfloat16:
+        if SCALED:
+            return gl.inline_asm_elementwise(
+                "{ .reg .b32 t; lop3.b32 t, $1, 0x000F000F, 0x43004300, 0xEA; "
+                "sub.bf16x2 t, t, $3; mul.bf16x2 $0, t, $4; }",
+                "=r,r,r,r,r", [shifted, zero_bias, scale], dtype=gl.bfloat16, is_pure=True, pack=2)
+        else:
+            return gl.inline_asm_elementwise(
+                "{ .reg .b32 t; lop3.b32 t, $1, 0x000F000F, 0x43004300, 0xEA; sub.bf16x2 $0, t, $3; }",
+                "=r,r,r,r", [shifted, zero_bias], dtype=gl.bfloat16, is_pure=True, pack=2)
+    else:
+        if SCALED:
+            return gl.inline_asm_elementwise(
+                "{ .reg .b32 t; lop3.b32 t, $1, 0x000F000F, 0x64006400, 0xEA; "
+                "sub.f16x2 t, t, $3; mul.f16x2 $0, t, $4; }",
+                "=r,r,r,r,r", [shifted, zero_bias, scale], dtype=gl.float16, is_pure=True, pack=2)
+        else:
+            return gl.inline_asm_elementwise(
+                "{ .reg .b32 t; lop3.b32 t, $1, 0x000F000F, 0x64006400, 0xEA; sub.f16x2 $0, t, $3; }",
+                "=r,r,r,r", [shifted, zero_bias], dtype=gl.float16, is_pure=True, pack=2)
+
+
+@gluon.jit
+def _flush(acc, c_ptr, tn, tm, M, N, stride_cm, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
+           ATOMIC_OUT: gl.constexpr, acc_layout: gl.constexpr):
+    """The tile's sums into ``c`` [M, N]: float32 atomics (partial sums) or one store in c's dtype."""
+    n = tn * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
+    m = tm * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, acc_layout))
+    ptrs = c_ptr + gl.expand_dims(m, 0).to(gl.int64) * stride_cm + gl.expand_dims(n, 1)
+    mask = gl.expand_dims(n < N, 1) & gl.expand_dims(m < M, 0)
+    if ATOMIC_OUT:
+        gl.atomic_add(ptrs, acc, mask=mask, sem="relaxed")
+    else:
+        gl.store(ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@gluon.jit
+def _unit(acc, a_prev, scale, zero, w_smem, x_smem, ready, empty, scales_ptr, zeros_ptr, N, stride_sg, stride_zg,
+          u, u0, lo, hi, tn, kt_base, offs_n, offs_w, GROUP_SIZE: gl.constexpr, HAS_ZEROS: gl.constexpr,
+          BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, NUM_BUF: gl.constexpr, WGMMA: gl.constexpr,
+          SCALE_ACC: gl.constexpr, acc_layout: gl.constexpr):
+    """One unit (K tile) of the consumer: wait for its stage, dequantize the words into four K = 32 A
+    operands, multiply. Returns the accumulator, the wgmma A operand still in flight, and the next
+    unit's scales and zeros (issued here, used next time)."""
+    dtype: gl.constexpr = x_smem.dtype
+    MAGIC_VALUE: gl.constexpr = 128.0 if dtype == gl.bfloat16 else 1024.0
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=acc_layout, k_width=2)
+    w_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=1)
+    i = u - u0
+    stage = i % NUM_BUF
+    kt = u - kt_base
+    scale_next, zero_next = _group_params(scales_ptr, zeros_ptr, tn, gl.minimum(kt + 1, hi - 1 - kt_base), N,
+                                          stride_sg, stride_zg, offs_n, offs_w, GROUP_SIZE, HAS_ZEROS, BLOCK_N)
+    zb = _pairs_of((zero + MAGIC_VALUE).to(dtype), a_layout, BLOCK_N)  # exact: small integers
+    if SCALE_ACC:
+        sc = zb  # unused
+    else:
+        sc = _pairs_of(scale.to(dtype), a_layout, BLOCK_N)
+    mbarrier.wait(ready.index(stage), (i // NUM_BUF) & 1)
+    words = w_smem.index(stage).load(w_layout)
+    if WGMMA:
+        # dot j is issued, then dot j + 1 dequantized while it runs; wait(1) retires dot j - 1
+        for j in gl.static_range(4):
+            a = _dequant_pairs(words, zb, sc, j, a_layout, BLOCK_N, True)
+            acc = warpgroup_mma(a, x_smem.index(stage * 4 + j).permute((1, 0)), acc, is_async=True)
+            acc, a_prev = warpgroup_mma_wait(1, deps=[acc, a_prev])
+            if j == 0:
+                # the previous unit's wgmmas have all retired: its stage may be refilled
+                mbarrier.arrive(empty.index((i + NUM_BUF - 1) % NUM_BUF), pred=u > lo)
+            a_prev = a
+    else:
+        b0 = x_smem.index(stage * 4 + 0).permute((1, 0)).load(b_layout)
+        b1 = x_smem.index(stage * 4 + 1).permute((1, 0)).load(b_layout)
+        b2 = x_smem.index(stage * 4 + 2).permute((1, 0)).load(b_layout)
+        b3 = x_smem.index(stage * 4 + 3).permute((1, 0)).load(b_layout)
+        # the consumer warps hold the stage in registers: the producer may refill it
+        mbarrier.arrive(empty.index(stage))
+        if SCALE_ACC:
+            part = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=acc_layout)
+        else:
+            part = acc
+        part = mma_v2(_dequant_pairs(words, zb, sc, 0, a_layout, BLOCK_N, not SCALE_ACC), b0, part)
+        part = mma_v2(_dequant_pairs(words, zb, sc, 1, a_layout, BLOCK_N, not SCALE_ACC), b1, part)
+        part = mma_v2(_dequant_pairs(words, zb, sc, 2, a_layout, BLOCK_N, not SCALE_ACC), b2, part)
+        part = mma_v2(_dequant_pairs(words, zb, sc, 3, a_layout, BLOCK_N, not SCALE_ACC), b3, part)
+        if SCALE_ACC:
+            row_scale = gl.convert_layout(gl.reshape(scale, [BLOCK_N]), gl.SliceLayout(1, acc_layout))
+            acc = acc + part * gl.expand_dims(row_scale.to(gl.float32), 1)
+        else:
+            acc = part
+    return acc, a_prev, scale_next, zero_next
+
+
+@gluon.jit
+def _mma_partition(w_smem, x_smem, ready, empty, scales_ptr, zeros_ptr, c_ptr, M, N, u0, count, k_tiles,
+                   tiles_n, tiles_m, stride_sg, stride_zg, stride_cm, GROUP_SIZE: gl.constexpr,
+                   HAS_ZEROS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, GROUP_N: gl.constexpr,
+                   NUM_BUF: gl.constexpr, WGMMA: gl.constexpr, ATOMIC_OUT: gl.constexpr,
+                   num_warps: gl.constexpr):
+    """Consumer warps: the run, one segment per output tile it touches (one unless stream-K); each
+    segment's units, then its flush.
+
+    With wgmma the segment's last unit is peeled off the loop and drained in straight-line code: with
+    the drain after the loop, ptxas (sm_90, CUDA 12.8 in triton 3.6) read the accumulator before the
+    last wgmma had landed (H200 run 9: ~1 of K/32 dots lost per output, rel. err 0.03-0.07); with a
+    conditional drain inside the loop it serialized every wgmma."""
+    dtype: gl.constexpr = x_smem.dtype
+    if WGMMA:
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                             instr_shape=[16, BLOCK_M, 16])
+    else:
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1],
+                                                             instr_shape=[16, 8])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    w_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=1)
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, w_layout))
+    offs_w = gl.arange(0, _WORDS, layout=gl.SliceLayout(0, w_layout))
+    # mma.sync, one group per K tile: the scale multiplies the tile's float32 sums (16-32 FMAs per unit
+    # and thread) instead of every dequantized pair (64-128 packed multiplies)
+    SCALE_ACC: gl.constexpr = (not WGMMA) and (GROUP_SIZE % _TILE_K == 0)
+
+    # stream-K runs (ATOMIC_OUT, tiles_m == 1) walk weight tiles; other runs are one output tile
+    tn0, tm = _tile_coords(u0 // k_tiles, tiles_n, tiles_m, GROUP_N)
+    end = u0 + count
+    for t in range(u0 // k_tiles, (end - 1) // k_tiles + 1):
+        tn = tn0 + (t - u0 // k_tiles)
+        kt_base = t * k_tiles
+        lo = gl.maximum(u0, kt_base)
+        hi = gl.minimum(end, kt_base + k_tiles)
+        acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=acc_layout)
+        a_prev = gl.zeros([BLOCK_N, 2 * _WORDS], dtype, layout=a_layout)  # wgmma: the A operand in flight
+        scale, zero = _group_params(scales_ptr, zeros_ptr, tn, lo - kt_base, N, stride_sg, stride_zg, offs_n,
+                                    offs_w, GROUP_SIZE, HAS_ZEROS, BLOCK_N)
+        for u in range(lo, hi - 1 if WGMMA else hi):
+            acc, a_prev, scale, zero = _unit(acc, a_prev, scale, zero, w_smem, x_smem, ready, empty, scales_ptr,
+                                             zeros_ptr, N, stride_sg, stride_zg, u, u0, lo, hi, tn, kt_base,
+                                             offs_n, offs_w, GROUP_SIZE, HAS_ZEROS, BLOCK_N, BLOCK_M, NUM_BUF,
+                                             WGMMA, SCALE_ACC, acc_layout)
+        if WGMMA:
+            acc, a_prev, scale, zero = _unit(acc, a_prev, scale, zero, w_smem, x_smem, ready, empty, scales_ptr,
+                                             zeros_ptr, N, stride_sg, stride_zg, hi - 1, u0, lo, hi, tn, kt_base,
+                                             offs_n, offs_w, GROUP_SIZE, HAS_ZEROS, BLOCK_N, BLOCK_M, NUM_BUF,
+                                             WGMMA, SCALE_ACC, acc_layout)
+            acc = warpgroup_mma_wait(0, deps=[acc])
+            mbarrier.arrive(empty.index((hi - 1 - u0) % NUM_BUF))  # the segment's last stage
+        _flush(acc, c_ptr, tn, tm, M, N, stride_cm, BLOCK_N, BLOCK_M, ATOMIC_OUT, acc_layout)
+
+
+@gluon.jit
+def _w4a16_gluon_kernel(desc_w, desc_x, scales_ptr, zeros_ptr, c_ptr, M, N, k_tiles, tiles_n, tiles_m,
+                        stride_sg, stride_zg, stride_cm,
+                        GROUP_SIZE: gl.constexpr, HAS_ZEROS: gl.constexpr, BLOCK_N: gl.constexpr,
+                        BLOCK_M: gl.constexpr, GROUP_N: gl.constexpr, NUM_BUF: gl.constexpr,
+                        WGMMA: gl.constexpr, ATOMIC_OUT: gl.constexpr, num_warps: gl.constexpr):
+    """``c[M, N] (+)= x[M, K] @ dequant(qw)^T`` over this program's contiguous run of (tile, K tile) units.
+
+    ``x`` (behind ``desc_x``) is in paired-nibble column order. ATOMIC_OUT: ``c`` is float32 and zeroed,
+    runs may start and end inside a tile (stream-K); otherwise every run is exactly one tile. One
+    producer warp feeds the ring; the ``num_warps`` default warps dequantize and multiply.
+    """
+    pid = gl.program_id(0).to(gl.int64)
+    n_progs = gl.num_programs(0)
+    n_units = tiles_n * tiles_m * k_tiles
+    # runs differ in length by at most one unit (int64: pid * n_units passes 2**31 at M = 4096, BLOCK_M = 64)
+    u0 = ((pid * n_units) // n_progs).to(gl.int32)
+    count = (((pid + 1) * n_units) // n_progs).to(gl.int32) - u0
+
+    w_smem = gl.allocate_shared_memory(gl.int32, [NUM_BUF, BLOCK_N, _WORDS], desc_w.layout)
+    x_smem = gl.allocate_shared_memory(desc_x.dtype, [NUM_BUF * 4, BLOCK_M, _DOT_K], desc_x.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(NUM_BUF):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+    gl.warp_specialize([
+        (_mma_partition, (w_smem, x_smem, ready, empty, scales_ptr, zeros_ptr, c_ptr, M, N, u0, count, k_tiles,
+                          tiles_n, tiles_m, stride_sg, stride_zg, stride_cm, GROUP_SIZE, HAS_ZEROS, BLOCK_N,
+                          BLOCK_M, GROUP_N, NUM_BUF, WGMMA, ATOMIC_OUT, num_warps)),
+        (_load_partition, (desc_w, desc_x, w_smem, x_smem, ready, empty, u0, count, k_tiles, tiles_n, tiles_m,
+                           BLOCK_N, BLOCK_M, GROUP_N, NUM_BUF)),
+    ], [1], [LOAD_WARP_REGS])
+    for s in gl.static_range(NUM_BUF):
+        mbarrier.invalidate(ready.index(s))
+        mbarrier.invalidate(empty.index(s))
+
+
+@dataclasses.dataclass(frozen=True)
+class GluonConfig:
+    """One launch configuration of :func:`_w4a16_gluon_kernel`.
+
+    * BLOCK_N weight rows and BLOCK_M activation rows per output tile, NUM_BUF ring stages,
+      num_warps consumer warps (the producer warp adds a mostly idle warpgroup).
+    * WGMMA: asynchronous wgmma (prefill) instead of mma.sync (decode). mma.sync tiles take BLOCK_M 16
+      (8 whenever M <= 8) and 16 weight rows per warp; wgmma tiles 64 weight rows per warpgroup.
+    * STREAM_K: the units of one activation tile (M <= BLOCK_M) are split evenly over
+      ``num_SMs * CTAS_PER_SM`` programs, whose partial sums meet in a float32 output through
+      atomics; otherwise one program per output tile, stored once. All stream-K programs must be
+      resident at once, so the register cap per thread follows from CTAS_PER_SM (:meth:`maxnreg`).
+    """
+
+    BLOCK_N: int
+    BLOCK_M: int
+    NUM_BUF: int
+    num_warps: int = 4
+    CTAS_PER_SM: int = 1
+    WGMMA: bool = False
+    STREAM_K: bool = True
+    GROUP_N: int = 8
+
+    def block_m(self, m: int) -> int:
+        return 8 if (not self.WGMMA and m <= 8) else self.BLOCK_M
+
+    def smem_bytes(self, m: int) -> int:
+        return self.NUM_BUF * (self.BLOCK_N * int(_WORDS) * 4 + 4 * self.block_m(m) * int(_DOT_K) * 2) + 1024
+
+    def maxnreg(self) -> int:
+        threads = (self.num_warps + 4) * 32  # the producer's warpgroup counts whole
+        return min(255, _REGS_PER_SM // (self.CTAS_PER_SM * threads) // 8 * 8)
+
+    def fits(self, m: int, group_size: int) -> bool:
+        """Shared memory and registers for CTAS_PER_SM programs per SM, and a tile that suits M."""
+        if self.CTAS_PER_SM * self.smem_bytes(m) > _SMEM_PER_SM:
+            return False
+        # per-word scales (groups under 128) need more registers: under 80 the decode warps spill
+        if self.maxnreg() < (80 if group_size % PAIR_TILE_K else 64):
+            return False
+        if self.WGMMA:
+            return self.BLOCK_M <= max(64, triton.next_power_of_2(m)) and (not self.STREAM_K or m <= self.BLOCK_M)
+        return m <= self.BLOCK_M
+
+
+_REGS_PER_SM = 65536
+_SMEM_PER_SM = 228 * 1024
+
+# Candidates timed on first use per (M bucket, N, K, group, zeros, dtype); see ConfigTuner.
+DECODE_GLUON_CONFIGS = [  # mma.sync, stream-K, M <= 16
+    GluonConfig(128, 16, 6, 4, 3),
+    GluonConfig(128, 16, 4, 4, 4),
+    GluonConfig(256, 16, 4, 4, 2),
+    GluonConfig(256, 16, 5, 8, 2),
+    GluonConfig(128, 16, 8, 4, 2),
+    GluonConfig(64, 16, 8, 4, 3),
+]
+# (128 x 256 tiles spill at the 168 registers per thread that 12 warps leave: sm_90 compile, 462 spill ops.)
+PREFILL_GLUON_CONFIGS = [  # wgmma, two consumer warpgroups, one program per SM
+    GluonConfig(256, 128, 4, 8, WGMMA=True, STREAM_K=False),
+    GluonConfig(128, 128, 5, 8, WGMMA=True, STREAM_K=False),
+    GluonConfig(128, 64, 6, 8, WGMMA=True, STREAM_K=False),
+    # M <= BLOCK_M: K split stream-K over every SM (a handful of output tiles would leave most idle)
+    GluonConfig(128, 64, 6, 8, WGMMA=True, STREAM_K=True),
+    GluonConfig(128, 128, 5, 8, WGMMA=True, STREAM_K=True),
+]
+GLUON_DECODE_MAX_M = 16
+
+
+def gluon_supported(x: torch.Tensor, w: W4A16Weights) -> bool:
+    """Whether the Gluon kernel takes this call (a Hopper GPU, 4-bit codes in the paired layout)."""
+    return (x.is_cuda and torch.cuda.get_device_capability(x.device)[0] == 9 and w.pair_index is not None
+            and w.bits == 4 and w.group_size is not None and w.group_size % 8 == 0
+            and x.dtype in (torch.float16, torch.bfloat16))
+
+
+def w4a16_gluon_matmul(x: torch.Tensor, w: W4A16Weights, config: GluonConfig | None = None) -> torch.Tensor:
+    """``x [M, K]`` -> ``x @ W^T`` through the Gluon kernel (see the module docstring).
+
+    ``config``: None picks the fastest fitting candidate for this shape (timed on first use): the
+    mma.sync configs up to GLUON_DECODE_MAX_M rows, the wgmma ones above.
+    """
+    if not gluon_supported(x, w):
+        raise ValueError("the Gluon W4A16 kernel needs a Hopper GPU, fp16/bf16 activations and 4-bit weights "
+                         f"with K a multiple of {PAIR_TILE_K} and groups of a multiple of 8")
+    if config is None:
+        return GLUON_TUNER.run(x, w)
+    m, k = x.shape
+    n = w.out_features
+    if not config.fits(m, w.group_size):
+        raise ValueError(f"{config} does not fit M = {m}, group {w.group_size} (shared memory, registers or tile)")
+    block_m = config.block_m(m)
+    xp = torch.index_select(x, 1, w.pair_index)
+    w_layout = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=32, rank=2)
+    x_layout = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2)
+    desc_w = TensorDescriptor(w.qweight, [n, k // 8], [w.qweight.stride(0), 1], [config.BLOCK_N, int(_WORDS)],
+                              w_layout)
+    desc_x = TensorDescriptor(xp, [m, k], [xp.stride(0), 1], [block_m, int(_DOT_K)], x_layout)
+    k_tiles = k // PAIR_TILE_K
+    tiles_n, tiles_m = triton.cdiv(n, config.BLOCK_N), triton.cdiv(m, block_m)
+    stream_k = config.STREAM_K and tiles_m == 1
+    if stream_k:
+        out = torch.zeros((m, n), device=x.device, dtype=torch.float32)
+        n_sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+        grid = (min(tiles_n * k_tiles, n_sms * config.CTAS_PER_SM),)
+    else:
+        out = torch.empty((m, n), device=x.device, dtype=x.dtype)
+        grid = (tiles_n * tiles_m,)
+    zeros = w.zeros if w.zeros is not None else w.scales  # dummy pointer when symmetric
+    _w4a16_gluon_kernel[grid](desc_w, desc_x, w.scales, zeros, out, m, n, k_tiles, tiles_n, tiles_m,
+                              w.scales.stride(0), zeros.stride(0), out.stride(0),
+                              GROUP_SIZE=w.group_size, HAS_ZEROS=w.zeros is not None, BLOCK_N=config.BLOCK_N,
+                              BLOCK_M=block_m, GROUP_N=config.GROUP_N, NUM_BUF=config.NUM_BUF,
+                              WGMMA=config.WGMMA, ATOMIC_OUT=stream_k, num_warps=config.num_warps,
+                              maxnreg=config.maxnreg())
+    return out.to(x.dtype) if stream_k else out
+
+
+class ConfigTuner:
+    """Picks the fastest fitting config per (M bucket, N, K, group, zeros, dtype) on first use and caches it.
+
+    (A small stand-in for ``triton.autotune``, whose config meta-parameters cannot reach the block
+    shapes of host-side tensor descriptors.)"""
+
+    def __init__(self, decode_configs, prefill_configs):
+        self.decode_configs = list(decode_configs)
+        self.prefill_configs = list(prefill_configs)
+        self.cache: dict[tuple, GluonConfig] = {}
+
+    @staticmethod
+    def m_bucket(m: int) -> int:
+        return 8 if m <= 8 else min(triton.next_power_of_2(m), 4096)
+
+    def candidates(self, m: int, group_size: int) -> list[GluonConfig]:
+        pool = self.decode_configs if m <= GLUON_DECODE_MAX_M else self.prefill_configs
+        return [c for c in pool if c.fits(m, group_size)]
+
+    def run(self, x: torch.Tensor, w: W4A16Weights) -> torch.Tensor:
+        m = x.shape[0]
+        key = (self.m_bucket(m), w.out_features, w.in_features, w.group_size, w.zeros is not None, x.dtype)
+        if key not in self.cache:
+            times = {cfg: triton.testing.do_bench(lambda c=cfg: w4a16_gluon_matmul(x, w, c), warmup=5, rep=20)
+                     for cfg in self.candidates(m, w.group_size)}
+            if not times:
+                raise ValueError(f"no Gluon config fits M = {m}, group {w.group_size}")
+            self.cache[key] = min(times, key=times.get)
+        return w4a16_gluon_matmul(x, w, self.cache[key])
+
+
+GLUON_TUNER = ConfigTuner(DECODE_GLUON_CONFIGS, PREFILL_GLUON_CONFIGS)
