@@ -1,0 +1,113 @@
+"""The Gluon W4A16 kernel compiled for sm_90 on the CPU: properties of its machine code.
+
+Gluon has no interpreter, so the CPU cannot run this kernel; it can compile it (Triton ships ptxas and
+nvdisasm). These tests pin what the design relies on and what went wrong once:
+
+* the wgmma chain is drained (``WARPGROUP.DEPBAR.LE gsb0, 0x0``) before the accumulator is read: H200
+  run 9 lost the last dot of every tile when ptxas placed the conversions above the drain;
+* ptxas does not serialize the wgmmas (its C7514 notice);
+* the decode loop's A operand comes out of the packed words by register renaming (no shared-memory
+  round trip), and the main configs do not spill.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+_BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+if not all(os.path.exists(os.path.join(_BIN, tool)) for tool in ("ptxas", "nvdisasm")):
+    pytest.skip("this triton build ships no ptxas/nvdisasm", allow_module_level=True)
+
+_SMEM = "NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth={bits}, rank=2, transposed=False, " \
+        "fp4_padded=False, cga_layout=[])"
+
+
+def _compile(block_n, block_m, num_buf, num_warps, wgmma, group_size=128, has_zeros=False):
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from quantkit.kernels.w4a16_gluon import GluonConfig, _w4a16_gluon_kernel
+
+    cfg = GluonConfig(block_n, block_m, num_buf, num_warps, WGMMA=wgmma, STREAM_K=not wgmma,
+                      CTAS_PER_SM=1 if wgmma else 3)
+    out_ty = "*bf16" if wgmma else "*fp32"
+    signature = {
+        "desc_w": f"tensordesc<i32[{block_n}, 16],{_SMEM.format(bits=32)}>",
+        "desc_x": f"tensordesc<bf16[{block_m}, 32],{_SMEM.format(bits=16)}>",
+        "scales_ptr": "*fp16", "zeros_ptr": "*u8", "c_ptr": out_ty, "M": "i32", "N": "i32", "k_tiles": "i32",
+        "tiles_n": "i32", "tiles_m": "i32", "stride_sg": "i32", "stride_zg": "i32", "stride_cm": "i32",
+    }
+    constexprs = dict(GROUP_SIZE=group_size, HAS_ZEROS=has_zeros, BLOCK_N=block_n, BLOCK_M=block_m, GROUP_N=8,
+                      NUM_BUF=num_buf, WGMMA=wgmma, ATOMIC_OUT=not wgmma, num_warps=num_warps)
+    signature |= {name: "constexpr" for name in constexprs}
+    src = GluonASTSource(fn=_w4a16_gluon_kernel, signature=signature, constexprs=constexprs, attrs={})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps, "maxnreg": cfg.maxnreg()})
+
+
+def _tool(name, *args, stdin_file):
+    return subprocess.run([os.path.join(_BIN, name), *args, stdin_file], capture_output=True, text=True)
+
+
+def _sass(kernel) -> list[str]:
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(kernel.asm["cubin"])
+    try:
+        text = _tool("nvdisasm", "-c", stdin_file=f.name).stdout
+    finally:
+        os.unlink(f.name)
+    return [line for line in text.splitlines() if re.search(r"/\*[0-9a-f]{4}\*/", line)]
+
+
+def _ptxas_notices(kernel) -> str:
+    with tempfile.NamedTemporaryFile(suffix=".ptx", delete=False, mode="w") as f:
+        f.write(kernel.asm["ptx"])
+    try:
+        return _tool("ptxas", "-arch=sm_90a", "-v", "-o", os.devnull, stdin_file=f.name).stderr
+    finally:
+        os.unlink(f.name)
+
+
+@pytest.fixture(scope="module")
+def prefill_kernel():
+    return _compile(128, 128, 5, 8, wgmma=True)
+
+
+@pytest.fixture(scope="module")
+def decode_kernel():
+    return _compile(128, 16, 6, 4, wgmma=False)
+
+
+def test_wgmma_chain_is_drained_before_the_accumulator_is_read(prefill_kernel):
+    sass = _sass(prefill_kernel)
+    last_mma = max(i for i, line in enumerate(sass) if "HGMMA" in line)
+    acc_base = int(re.search(r"HGMMA\.\S+ R(\d+),", sass[last_mma]).group(1))
+    acc_regs = {f"R{r}" for r in range(acc_base, acc_base + 64)}  # 64 x 128 fp32 per warpgroup: 64 registers
+    first_read = next(i for i in range(last_mma + 1, len(sass))
+                      if "F2FP" in sass[i] and acc_regs & set(re.findall(r"R\d+", sass[i].split(",", 1)[1])))
+    assert any("WARPGROUP.DEPBAR.LE gsb0, 0x0" in line for line in sass[last_mma:first_read])
+
+
+def test_wgmmas_overlap_and_nothing_spills(prefill_kernel):
+    notices = _ptxas_notices(prefill_kernel)
+    assert "C7514" not in notices and "C7515" not in notices  # "wgmma ... serialized"
+    assert " 0 bytes spill stores" in notices
+    sass = "\n".join(_sass(prefill_kernel))
+    assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in sass  # one wgmma group stays in flight in the loop
+
+
+def test_decode_dequant_stays_in_registers(decode_kernel):
+    sass = _sass(decode_kernel)
+    ops = [re.search(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", line).group(1) for line in sass]
+    assert sum(op.startswith("HMMA") for op in ops) == 32  # 2 blocks x 4 dots x 2 k16 x 2 n8 per thread
+    # the only shared-memory stores are the barrier bookkeeping: no layout change goes through shared memory
+    assert sum(op.startswith("STS") for op in ops) <= 2
+    assert not any(op.startswith("SHFL") for op in ops)
+    assert " 0 bytes spill stores" in _ptxas_notices(decode_kernel)
