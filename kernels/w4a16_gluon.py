@@ -135,6 +135,20 @@ def _pairs_of(v, a_layout: gl.constexpr, BLOCK_N: gl.constexpr):
     return gl.convert_layout(gl.reshape(gl.join(v, v), [BLOCK_N, 2 * _WORDS]), a_layout)
 
 
+def _pair_asm(magic: int, suffix: str, scaled: bool) -> gl.constexpr:
+    """PTX for one register of two codes: ``lop3`` (mask and magic exponent), packed ``sub``, and with
+    ``scaled`` a packed ``mul``. Operands: $1 the shifted word, $3 the zero bias pair, $4 the scale pair."""
+    ops = f"sub.{suffix} t, t, $3; mul.{suffix} $0, t, $4;" if scaled else f"sub.{suffix} $0, t, $3;"
+    return gl.constexpr(f"{{ .reg .b32 t; lop3.b32 t, $1, 0x000F000F, {magic:#010x}, 0xEA; {ops} }}")
+
+
+# MAGIC_VALUE + code as bf16 pairs (128.0 = 0x4300) or fp16 pairs (1024.0 = 0x6400)
+_PAIR_ASM_BF16 = _pair_asm(0x43004300, "bf16x2", False)
+_PAIR_ASM_BF16_SCALED = _pair_asm(0x43004300, "bf16x2", True)
+_PAIR_ASM_F16 = _pair_asm(0x64006400, "f16x2", False)
+_PAIR_ASM_F16_SCALED = _pair_asm(0x64006400, "f16x2", True)
+
+
 @gluon.jit
 def _dequant_pairs(words, zero_bias, scale, j: gl.constexpr, a_layout: gl.constexpr, BLOCK_N: gl.constexpr,
                    SCALED: gl.constexpr):
@@ -147,24 +161,16 @@ def _dequant_pairs(words, zero_bias, scale, j: gl.constexpr, a_layout: gl.conste
     shifted = _pairs_of(words >> (4 * j), a_layout, BLOCK_N)
     if zero_bias.dtype == gl.bfloat16:
         if SCALED:
-            return gl.inline_asm_elementwise(
-                "{ .reg .b32 t; lop3.b32 t, $1, 0x000F000F, 0x43004300, 0xEA; "
-                "sub.bf16x2 t, t, $3; mul.bf16x2 $0, t, $4; }",
-                "=r,r,r,r,r", [shifted, zero_bias, scale], dtype=gl.bfloat16, is_pure=True, pack=2)
+            asm: gl.constexpr = _PAIR_ASM_BF16_SCALED
         else:
-            return gl.inline_asm_elementwise(
-                "{ .reg .b32 t; lop3.b32 t, $1, 0x000F000F, 0x43004300, 0xEA; sub.bf16x2 $0, t, $3; }",
-                "=r,r,r,r", [shifted, zero_bias], dtype=gl.bfloat16, is_pure=True, pack=2)
+            asm: gl.constexpr = _PAIR_ASM_BF16
     else:
         if SCALED:
-            return gl.inline_asm_elementwise(
-                "{ .reg .b32 t; lop3.b32 t, $1, 0x000F000F, 0x64006400, 0xEA; "
-                "sub.f16x2 t, t, $3; mul.f16x2 $0, t, $4; }",
-                "=r,r,r,r,r", [shifted, zero_bias, scale], dtype=gl.float16, is_pure=True, pack=2)
+            asm: gl.constexpr = _PAIR_ASM_F16_SCALED
         else:
-            return gl.inline_asm_elementwise(
-                "{ .reg .b32 t; lop3.b32 t, $1, 0x000F000F, 0x64006400, 0xEA; sub.f16x2 $0, t, $3; }",
-                "=r,r,r,r", [shifted, zero_bias], dtype=gl.float16, is_pure=True, pack=2)
+            asm: gl.constexpr = _PAIR_ASM_F16
+    return gl.inline_asm_elementwise(asm, "=r,r,r,r,r", [shifted, zero_bias, scale], dtype=zero_bias.dtype,
+                                     is_pure=True, pack=2)
 
 
 @gluon.jit
