@@ -12,10 +12,11 @@ nvdisasm). These tests pin what the design relies on and what went wrong once:
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
-import tempfile
+import sys
 
 import pytest
 
@@ -25,64 +26,70 @@ _BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin
 if not all(os.path.exists(os.path.join(_BIN, tool)) for tool in ("ptxas", "nvdisasm")):
     pytest.skip("this triton build ships no ptxas/nvdisasm", allow_module_level=True)
 
-_SMEM = "NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth={bits}, rank=2, transposed=False, " \
-        "fp4_padded=False, cga_layout=[])"
+# Compiled in a fresh interpreter: the CPU kernel tests run Triton's interpreter, which patches Triton's
+# tensor methods for the rest of the process (a Gluon compile after it fails in ``.to()``).
+_COMPILE = r"""
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from quantkit.kernels.w4a16_gluon import GluonConfig, _w4a16_gluon_kernel
+
+block_n, block_m, num_buf, num_warps, wgmma, group_size, out = json.loads(sys.argv[1])
+cfg = GluonConfig(block_n, block_m, num_buf, num_warps, WGMMA=wgmma, STREAM_K=not wgmma, CTAS_PER_SM=1 if wgmma else 3)
+smem = ("NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth={}, rank=2, transposed=False, "
+        "fp4_padded=False, cga_layout=[])")
+signature = {
+    "desc_w": f"tensordesc<i32[{block_n}, 16],{smem.format(32)}>",
+    "desc_x": f"tensordesc<bf16[{block_m}, 32],{smem.format(16)}>",
+    "scales_ptr": "*fp16", "zeros_ptr": "*u8", "c_ptr": "*bf16" if wgmma else "*fp32", "M": "i32", "N": "i32",
+    "k_tiles": "i32", "tiles_n": "i32", "tiles_m": "i32", "stride_sg": "i32", "stride_zg": "i32", "stride_cm": "i32",
+}
+constexprs = dict(GROUP_SIZE=group_size, HAS_ZEROS=False, BLOCK_N=block_n, BLOCK_M=block_m, GROUP_N=8,
+                  NUM_BUF=num_buf, WGMMA=wgmma, ATOMIC_OUT=not wgmma, num_warps=num_warps)
+signature |= {name: "constexpr" for name in constexprs}
+src = GluonASTSource(fn=_w4a16_gluon_kernel, signature=signature, constexprs=constexprs, attrs={})
+kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "maxnreg": cfg.maxnreg()})
+open(out + ".cubin", "wb").write(kernel.asm["cubin"])
+open(out + ".ptx", "w").write(kernel.asm["ptx"])
+"""
 
 
-def _compile(block_n, block_m, num_buf, num_warps, wgmma, group_size=128, has_zeros=False):
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
+class _Compiled:
+    def __init__(self, prefix: str):
+        self.cubin, self.ptx = prefix + ".cubin", prefix + ".ptx"
 
-    from quantkit.kernels.w4a16_gluon import GluonConfig, _w4a16_gluon_kernel
 
-    cfg = GluonConfig(block_n, block_m, num_buf, num_warps, WGMMA=wgmma, STREAM_K=not wgmma,
-                      CTAS_PER_SM=1 if wgmma else 3)
-    out_ty = "*bf16" if wgmma else "*fp32"
-    signature = {
-        "desc_w": f"tensordesc<i32[{block_n}, 16],{_SMEM.format(bits=32)}>",
-        "desc_x": f"tensordesc<bf16[{block_m}, 32],{_SMEM.format(bits=16)}>",
-        "scales_ptr": "*fp16", "zeros_ptr": "*u8", "c_ptr": out_ty, "M": "i32", "N": "i32", "k_tiles": "i32",
-        "tiles_n": "i32", "tiles_m": "i32", "stride_sg": "i32", "stride_zg": "i32", "stride_cm": "i32",
-    }
-    constexprs = dict(GROUP_SIZE=group_size, HAS_ZEROS=has_zeros, BLOCK_N=block_n, BLOCK_M=block_m, GROUP_N=8,
-                      NUM_BUF=num_buf, WGMMA=wgmma, ATOMIC_OUT=not wgmma, num_warps=num_warps)
-    signature |= {name: "constexpr" for name in constexprs}
-    src = GluonASTSource(fn=_w4a16_gluon_kernel, signature=signature, constexprs=constexprs, attrs={})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": num_warps, "maxnreg": cfg.maxnreg()})
+def _compile(tmp_path_factory, block_n, block_m, num_buf, num_warps, wgmma, group_size=128) -> _Compiled:
+    prefix = str(tmp_path_factory.mktemp("gluon") / "kernel")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    args = json.dumps([block_n, block_m, num_buf, num_warps, wgmma, group_size, prefix])
+    done = subprocess.run([sys.executable, "-c", _COMPILE, args], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return _Compiled(prefix)
 
 
 def _tool(name, *args, stdin_file):
     return subprocess.run([os.path.join(_BIN, name), *args, stdin_file], capture_output=True, text=True)
 
 
-def _sass(kernel) -> list[str]:
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(kernel.asm["cubin"])
-    try:
-        text = _tool("nvdisasm", "-c", stdin_file=f.name).stdout
-    finally:
-        os.unlink(f.name)
+def _sass(kernel: _Compiled) -> list[str]:
+    text = _tool("nvdisasm", "-c", stdin_file=kernel.cubin).stdout
     return [line for line in text.splitlines() if re.search(r"/\*[0-9a-f]{4}\*/", line)]
 
 
-def _ptxas_notices(kernel) -> str:
-    with tempfile.NamedTemporaryFile(suffix=".ptx", delete=False, mode="w") as f:
-        f.write(kernel.asm["ptx"])
-    try:
-        return _tool("ptxas", "-arch=sm_90a", "-v", "-o", os.devnull, stdin_file=f.name).stderr
-    finally:
-        os.unlink(f.name)
+def _ptxas_notices(kernel: _Compiled) -> str:
+    return _tool("ptxas", "-arch=sm_90a", "-v", "-o", os.devnull, stdin_file=kernel.ptx).stderr
 
 
 @pytest.fixture(scope="module")
-def prefill_kernel():
-    return _compile(128, 128, 5, 8, wgmma=True)
+def prefill_kernel(tmp_path_factory):
+    return _compile(tmp_path_factory, 128, 128, 5, 8, wgmma=True)
 
 
 @pytest.fixture(scope="module")
-def decode_kernel():
-    return _compile(128, 16, 6, 4, wgmma=False)
+def decode_kernel(tmp_path_factory):
+    return _compile(tmp_path_factory, 128, 16, 6, 4, wgmma=False)
 
 
 def test_wgmma_chain_is_drained_before_the_accumulator_is_read(prefill_kernel):
