@@ -418,7 +418,8 @@ def w4a16_gluon_matmul(x: torch.Tensor, w: W4A16Weights, config: GluonConfig | N
     """``x [M, K]`` -> ``x @ W^T`` through the Gluon kernel (see the module docstring).
 
     ``config``: None picks the fastest fitting candidate for this shape (timed on first use): the
-    mma.sync configs up to GLUON_DECODE_MAX_M rows, the wgmma ones above.
+    mma.sync configs up to GLUON_DECODE_MAX_M rows, the wgmma ones above. As with ``triton.autotune``,
+    make that first call per shape outside CUDA-graph capture (timing cannot run inside one).
     """
     if not gluon_supported(x, w):
         raise ValueError("the Gluon W4A16 kernel needs a Hopper GPU, fp16/bf16 activations and 4-bit weights "
