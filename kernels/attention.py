@@ -64,28 +64,27 @@ def _perm_keys(p, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _load_k(desc_k, k_ptr, kv_start, start_n, offs_n, offs_d, kv_col, seqlen_k, stride_kn, stride_kd,
-            MASK: tl.constexpr, USE_TMA: tl.constexpr):
-    """K tile [BLOCK_N, HEAD_DIM] of keys start_n.. of this sequence."""
+def _load_rows(desc, ptr, kv_start, start_n, offs_n, offs_d, kv_col, seqlen_k, stride_n, stride_d,
+               MASK: tl.constexpr, USE_TMA: tl.constexpr):
+    """K or V tile [BLOCK_N, HEAD_DIM] of keys start_n.. of this sequence, token-major storage."""
     if USE_TMA:
         # Rows past the end of this sequence belong to the next one (or are zero-filled by TMA
-        # past the tensor): harmless, the MASK path sets their logits to -inf.
-        k = desc_k.load([kv_start + start_n, kv_col])
+        # past the tensor): harmless, the MASK path sets their logits to -inf (K) and P to 0 (V).
+        tile = desc.load([kv_start + start_n, kv_col])
     else:
         cols = start_n + offs_n
-        k_ptrs = k_ptr + (kv_start + cols)[:, None] * stride_kn + offs_d[None, :] * stride_kd
+        ptrs = ptr + (kv_start + cols)[:, None] * stride_n + offs_d[None, :] * stride_d
         if MASK:
-            k = tl.load(k_ptrs, mask=(cols < seqlen_k)[:, None], other=0.0)
+            tile = tl.load(ptrs, mask=(cols < seqlen_k)[:, None], other=0.0)
         else:
-            k = tl.load(k_ptrs)
-    return k
+            tile = tl.load(ptrs)
+    return tile
 
 
 @triton.jit
 def _load_v(desc_v, v_ptr, kv_start, start_n, offs_n, offs_d, kv_col, seqlen_k, stride_vn, stride_vd,
             MASK: tl.constexpr, V_TRANS: tl.constexpr, V_TMA: tl.constexpr):
     """V tile [BLOCK_N, HEAD_DIM]; for fp8 (V_TRANS) its rows in the key order of _perm_keys."""
-    cols = start_n + offs_n
     if V_TRANS:
         # FP8 wgmma wants both operands K-major: V is stored (D, tokens), load [D, BLOCK_N].
         # The token order of that storage is permuted inside each 32-token chunk (prepare_fp8),
@@ -103,14 +102,8 @@ def _load_v(desc_v, v_ptr, kv_start, start_n, offs_n, offs_d, kv_col, seqlen_k, 
             else:
                 v = tl.load(v_ptrs).T
     else:
-        if V_TMA:
-            v = desc_v.load([kv_start + start_n, kv_col])
-        else:
-            v_ptrs = v_ptr + (kv_start + cols)[:, None] * stride_vn + offs_d[None, :] * stride_vd
-            if MASK:
-                v = tl.load(v_ptrs, mask=(cols < seqlen_k)[:, None], other=0.0)
-            else:
-                v = tl.load(v_ptrs)
+        v = _load_rows(desc_v, v_ptr, kv_start, start_n, offs_n, offs_d, kv_col, seqlen_k, stride_vn, stride_vd,
+                       MASK, V_TMA)
     return v
 
 
@@ -183,7 +176,7 @@ def _attn_inner(acc, l_i, m_i, q, qk_scale, softcap_log2, inv_softcap,
     """Key tiles lo..hi, one after the other: Q K^T, softmax, P V."""
     for start_n in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES, warp_specialize=WARP_SPEC):
         start_n = tl.multiple_of(start_n, BLOCK_N)
-        k = _load_k(desc_k, k_ptr, kv_start, start_n, offs_n, offs_d, kv_col, seqlen_k, stride_kn, stride_kd,
+        k = _load_rows(desc_k, k_ptr, kv_start, start_n, offs_n, offs_d, kv_col, seqlen_k, stride_kn, stride_kd,
                     MASK, USE_TMA)
         qk = tl.dot(q, k.T)
         acc, l_i, m_i = _update(acc, l_i, m_i, qk, qk_scale, softcap_log2, inv_softcap,
