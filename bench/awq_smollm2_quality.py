@@ -15,12 +15,11 @@ import time
 
 import torch
 import transformers
-from smollm2_protocol import DATA, GGUF, calibration, ppl, tokens_of_txt  # bench/, beside this script
+from smollm2_protocol import load_protocol, ppl  # bench/, beside this script
 
-from quantkit.config import LoadConfig, QuantScheme
+from quantkit.config import QuantScheme
 from quantkit.methods.awq import AWQConfig, AWQMethod
 from quantkit.methods.rtn import RTNMethod
-from quantkit.models import load_model
 from quantkit.walker import walk
 
 logging.basicConfig(level=logging.WARNING)
@@ -86,13 +85,7 @@ def summarize(res):
 
 def main(names):
     torch.manual_seed(0)
-    lm = load_model(GGUF, LoadConfig(dtype="float32", device="cpu"))
-    model, tok = lm.model, lm.tokenizer
-    if LAYERS:
-        model.model.layers = model.model.layers[:LAYERS]
-    fp_state = {k: v.clone() for k, v in model.state_dict().items()}
-    test_ids = tokens_of_txt(tok, f"{DATA}/test.raw.txt")
-    calib = calibration(tok)
+    model, tok, fp_state, test_ids, calib = load_protocol(LAYERS)
     table = rows()
     for name in names:
         model.load_state_dict(fp_state)

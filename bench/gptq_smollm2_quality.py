@@ -15,13 +15,12 @@ import time
 
 import torch
 import transformers
-from smollm2_protocol import DATA, GGUF, calibration, ppl, tokens_of_txt  # bench/, beside this script
+from smollm2_protocol import load_protocol, ppl  # bench/, beside this script
 
-from quantkit.config import LoadConfig, QuantScheme
+from quantkit.config import QuantScheme
 from quantkit.methods.gptq import GPTQConfig
 from quantkit.methods.gptq_method import GPTQMethod
 from quantkit.methods.rtn import RTNMethod
-from quantkit.models import load_model
 from quantkit.walker import walk
 
 logging.basicConfig(level=logging.WARNING)
@@ -47,11 +46,7 @@ def main(names):
     torch.manual_seed(0)
     if os.environ.get("QK_THREADS"):
         torch.set_num_threads(int(os.environ["QK_THREADS"]))
-    lm = load_model(GGUF, LoadConfig(dtype="float32", device="cpu"))
-    model, tok = lm.model, lm.tokenizer
-    fp_state = {k: v.clone() for k, v in model.state_dict().items()}
-    test_ids = tokens_of_txt(tok, f"{DATA}/test.raw.txt")
-    calib = calibration(tok)
+    model, tok, fp_state, test_ids, calib = load_protocol()
     table = rows()
     for name in names:
         model.load_state_dict(fp_state)

@@ -45,3 +45,19 @@ def ppl(model, ids, seqlen=2048, nwin=40):
         nll += F.cross_entropy(logits, x[0, 1:], reduction="sum").item()
         cnt += seqlen - 1
     return math.exp(nll / cnt)
+
+
+def load_protocol(layers=0):
+    """The fp32 model and what every row starts from: ``(model, tokenizer, fp_state, test_ids, calib)``.
+
+    ``layers`` > 0 keeps only the first decoder layers (quick runs); ``fp_state`` is a copy of the
+    unquantized state dict, loaded back before each row."""
+    from quantkit.config import LoadConfig
+    from quantkit.models import load_model
+
+    lm = load_model(GGUF, LoadConfig(dtype="float32", device="cpu"))
+    model, tok = lm.model, lm.tokenizer
+    if layers:
+        model.model.layers = model.model.layers[:layers]
+    fp_state = {k: v.clone() for k, v in model.state_dict().items()}
+    return model, tok, fp_state, tokens_of_txt(tok, f"{DATA}/test.raw.txt"), calibration(tok)
