@@ -426,10 +426,16 @@ def w4a16_gluon_matmul(x: torch.Tensor, w: W4A16Weights, config: GluonConfig | N
                          f"with K a multiple of {PAIR_TILE_K} and groups of a multiple of 8")
     if config is None:
         return GLUON_TUNER.run(x, w)
+    if not config.fits(x.shape[0], w.group_size):
+        raise ValueError(f"{config} does not fit M = {x.shape[0]}, group {w.group_size} "
+                         "(shared memory, registers or tile)")
+    return _launch(x, w, config)
+
+
+def _launch(x: torch.Tensor, w: W4A16Weights, config: GluonConfig) -> torch.Tensor:
+    """The launch itself, for inputs and a config already checked."""
     m, k = x.shape
     n = w.out_features
-    if not config.fits(m, w.group_size):
-        raise ValueError(f"{config} does not fit M = {m}, group {w.group_size} (shared memory, registers or tile)")
     block_m = config.block_m(m)
     xp = torch.index_select(x, 1, w.pair_index)
     w_layout = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=32, rank=2)
@@ -477,15 +483,16 @@ class ConfigTuner:
         return [c for c in pool if c.fits(m, group_size)]
 
     def run(self, x: torch.Tensor, w: W4A16Weights) -> torch.Tensor:
+        """``x @ W^T`` with the cached config for this shape; ``x`` and ``w`` as w4a16_gluon_matmul checked them."""
         m = x.shape[0]
         key = (self.m_bucket(m), w.out_features, w.in_features, w.group_size, w.zeros is not None, x.dtype)
         if key not in self.cache:
-            times = {cfg: triton.testing.do_bench(lambda c=cfg: w4a16_gluon_matmul(x, w, c), warmup=5, rep=20)
+            times = {cfg: triton.testing.do_bench(lambda c=cfg: _launch(x, w, c), warmup=5, rep=20)
                      for cfg in self.candidates(m, w.group_size)}
             if not times:
                 raise ValueError(f"no Gluon config fits M = {m}, group {w.group_size}")
             self.cache[key] = min(times, key=times.get)
-        return w4a16_gluon_matmul(x, w, self.cache[key])
+        return _launch(x, w, self.cache[key])
 
 
 GLUON_TUNER = ConfigTuner(DECODE_GLUON_CONFIGS, PREFILL_GLUON_CONFIGS)
