@@ -69,17 +69,17 @@ def _compile(tmp_path_factory, block_n, block_m, num_buf, num_warps, wgmma, grou
     return _Compiled(prefix)
 
 
-def _tool(name, *args, stdin_file):
-    return subprocess.run([os.path.join(_BIN, name), *args, stdin_file], capture_output=True, text=True)
+def _tool(name, *args, path):
+    return subprocess.run([os.path.join(_BIN, name), *args, path], capture_output=True, text=True)
 
 
 def _sass(kernel: _Compiled) -> list[str]:
-    text = _tool("nvdisasm", "-c", stdin_file=kernel.cubin).stdout
+    text = _tool("nvdisasm", "-c", path=kernel.cubin).stdout
     return [line for line in text.splitlines() if re.search(r"/\*[0-9a-f]{4}\*/", line)]
 
 
 def _ptxas_notices(kernel: _Compiled) -> str:
-    return _tool("ptxas", "-arch=sm_90a", "-v", "-o", os.devnull, stdin_file=kernel.ptx).stderr
+    return _tool("ptxas", "-arch=sm_90a", "-v", "-o", os.devnull, path=kernel.ptx).stderr
 
 
 @pytest.fixture(scope="module")
