@@ -399,7 +399,10 @@ def _auto_backend(head_dim, fp8, causal, max_seqlen_q):
     """The kernel `attention_varlen(backend="auto")` tries first (it falls back to "triton" where
     the Gluon kernels do not apply), by the H200 measurements (bench/NOTES_attention.md, run 5)."""
     if fp8:
-        return "triton"  # 64-row fp8 tiles beat both gluon kernels' fp8 (688 vs 615 / 595 at S=4096)
+        # the ws kernel without the ping-pong handshake (fp32 P carried, one e4m3 conversion), runs
+        # 8-9: hd128 S >= 2048 544-818 TFLOP/s (1.14-1.34x the bf16 ws kernel), hd64 354-505; the
+        # Triton fp8 kernel 418-772 and 214-366 (timed through attention_varlen, host sync included)
+        return "gluon_ws"
     if head_dim == 128 and (max_seqlen_q <= 512 or (causal and max_seqlen_q <= 1024)):
         # short rows: a 128-row program of the warp-specialized kernel has too few key tiles to
         # amortize its pipeline fill; two 64-row programs per SM do better

@@ -44,10 +44,13 @@ def _softmax_tile(s, m_i, l_i, qk_scale, start_n, offs_m, offs_n, seqlen_k, delt
     per row, log2(e) included): returns (p = exp2 of the scaled logits minus the new row max,
     new m, new l, alpha)."""
     if start_n + BLOCK_N > full_hi:  # the causal diagonal or the ragged end: mask
-        cols = start_n + offs_n
-        keep = gl.expand_dims(cols, 0) < seqlen_k
+        # key start_n + c is visible iff c < lim: one 32-bit compare a logit against a per-row
+        # (causal) or per-tile limit, instead of forming each key index and comparing twice
+        lim = seqlen_k - start_n
         if IS_CAUSAL:
-            keep = keep & (gl.expand_dims(cols, 0) <= gl.expand_dims(offs_m, 1) + delta)
+            keep = gl.expand_dims(offs_n, 0) < gl.expand_dims(gl.minimum(offs_m + (delta + 1 - start_n), lim), 1)
+        else:
+            keep = gl.expand_dims(offs_n, 0) < lim
         s = gl.where(keep, s * gl.expand_dims(qk_scale, 1), float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, 1))
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
@@ -81,26 +84,27 @@ def _load_kv(desc_k, desc_v, k_smem, v_smem, k_bars, v_bars, tile, n_tiles, kv_s
 
 
 @gluon.jit
-def _p_operand(p, p_layout: gl.constexpr, dtype: gl.constexpr, IS_FP8: gl.constexpr, BLOCK_M: gl.constexpr,
+def _p_operand(p, p_layout: gl.constexpr, out_dtype: gl.constexpr, IS_FP8: gl.constexpr, BLOCK_M: gl.constexpr,
                BLOCK_N: gl.constexpr):
-    """P (fp32, accumulator layout) -> the A operand of the next P @ V, held in registers across
-    the loop's back edge. 16-bit: in dtype. fp8: the key columns are renamed inside each
-    32-key chunk, c = (jh, jl, t, b) -> (jh, t, jl, b) (bits 1, 1, 2, 1), which makes the
-    accumulator and A-operand layouts the same registers (see attention.py's docstring; V^T is
-    stored in that key order), and P is kept in fp16 (two values a register: an 8-bit loop
-    value would be carried one byte a register and repacked with byte permutes) until
-    `_p_fp8` converts it right before the wgmma."""
+    """P (fp32, accumulator layout) -> the A operand of a P @ V wgmma, in out_dtype. fp8: the key
+    columns are renamed inside each 32-key chunk, c = (jh, jl, t, b) -> (jh, t, jl, b) (bits 1, 1,
+    2, 1), which makes the accumulator and A-operand layouts the same registers (see attention.py's
+    docstring; V^T is stored in that key order). out_dtype for fp8: e4m3 where P is used in the
+    same loop iteration (attention_gluon_ws), fp16 where it is carried across the loop's back edge
+    (here: an 8-bit loop value is carried one byte a register and repacked with byte permutes;
+    `_pv` converts it to e4m3 right before the wgmma)."""
     if IS_FP8:
         p = gl.reshape(gl.permute(gl.reshape(p, [BLOCK_M, BLOCK_N // 32, 2, 2, 4, 2]), [0, 1, 2, 4, 3, 5]),
                        [BLOCK_M, BLOCK_N])
-        return gl.convert_layout(p, p_layout, assert_trivial=True).to(gl.float16)
+        return gl.convert_layout(p, p_layout, assert_trivial=True).to(out_dtype)
     else:
-        return gl.convert_layout(p.to(dtype), p_layout)
+        return gl.convert_layout(p.to(out_dtype), p_layout)
 
 
 @gluon.jit
 def _pv(p_op, v_tile, acc, dtype: gl.constexpr, IS_FP8: gl.constexpr):
-    """Issue acc += P V (async); fp8: P from fp16 to e4m3 here, V^T tile viewed as V."""
+    """Issue acc += P V (async); fp8: P to e4m3 here if it is not yet (a no-op then), V^T tile
+    viewed as V."""
     if IS_FP8:
         return warpgroup_mma(p_op.to(dtype), v_tile.permute((1, 0)), acc, is_async=True)
     else:
@@ -116,6 +120,7 @@ def _attn_fwd_gluon(desc_q, desc_k, desc_v, o_ptr, qs_ptr, ks_ptr, v_scale_ptr,
                     NUM_BUF: gl.constexpr, num_warps: gl.constexpr):
     dtype: gl.constexpr = desc_q.dtype
     MMA_K: gl.constexpr = 32 if IS_FP8 else 16  # wgmma k: 32 bytes of each operand
+    p_dtype: gl.constexpr = gl.float16 if IS_FP8 else dtype  # P as carried across the loop (_p_operand)
     # one warp per 16 rows; S = Q K^T [BLOCK_M, BLOCK_N] and O [BLOCK_M, HEAD_DIM] accumulators
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, BLOCK_N, MMA_K])
@@ -195,7 +200,7 @@ def _attn_fwd_gluon(desc_q, desc_k, desc_v, o_ptr, qs_ptr, ks_ptr, v_scale_ptr,
         s = warpgroup_mma_wait(0, deps=[s])
         p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, row_scale, 0, offs_m, offs_n, seqlen_k, delta,
                                            full_hi, IS_CAUSAL, BLOCK_N)
-        p_op = _p_operand(p, p_layout, dtype, IS_FP8, BLOCK_M, BLOCK_N)
+        p_op = _p_operand(p, p_layout, p_dtype, IS_FP8, BLOCK_M, BLOCK_N)
         for j in range(1, n_tiles):
             stage = j % NUM_BUF
             prev = (j - 1) % NUM_BUF
@@ -211,7 +216,7 @@ def _attn_fwd_gluon(desc_q, desc_k, desc_v, o_ptr, qs_ptr, ks_ptr, v_scale_ptr,
                                                seqlen_k, delta, full_hi, IS_CAUSAL, BLOCK_N)
             acc, p_op = warpgroup_mma_wait(0, deps=[acc, p_op])
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-            p_op = _p_operand(p, p_layout, dtype, IS_FP8, BLOCK_M, BLOCK_N)
+            p_op = _p_operand(p, p_layout, p_dtype, IS_FP8, BLOCK_M, BLOCK_N)
             # both warpgroups have retired the wgmmas that read stage `prev`: refill it
             gl.thread_barrier()
             _load_kv(desc_k, desc_v, k_smem, v_smem, k_bars, v_bars, j - 1 + NUM_BUF, n_tiles, kv_start,

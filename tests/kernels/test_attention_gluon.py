@@ -85,16 +85,20 @@ def test_gluon_ws_writes_every_row(causal, config):
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU")
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("hadamard", [False, True])
-@pytest.mark.parametrize("backend", ["gluon", "gluon_ws"])
-def test_gluon_fp8(causal, hadamard, backend):
+@pytest.mark.parametrize("backend,d,config", [
+    ("gluon", 128, None), ("gluon_ws", 128, None),  # ws default: no ping-pong
+    ("gluon_ws", 128, (128, 4, True, True)), ("gluon_ws", 64, None),
+])
+def test_gluon_fp8(causal, hadamard, backend, d, config):
     """fp8 e4m3 Q, K, V and P; sequence starts on multiples of 32 (the gluon fp8 condition), lengths
     not multiples of the 128-key tile or K scale block."""
     gen = torch.Generator().manual_seed(8)
     lens = [1024, 96, 320]
-    q, k, v = (torch.randn(sum(lens), h, 128, generator=gen).to("cuda", torch.bfloat16) for h in (8, 2, 2))
+    q, k, v = (torch.randn(sum(lens), h, d, generator=gen).to("cuda", torch.bfloat16) for h in (8, 2, 2))
     cu = _cu(lens, "cuda")
     assert attention_gluon.supported(q, k, causal, fp8=True, cu_seqlens_k=cu)
-    out = attention_varlen(q, k, v, cu, cu, max(lens), causal=causal, fp8=True, hadamard=hadamard, backend=backend)
+    out = attention_varlen(q, k, v, cu, cu, max(lens), causal=causal, fp8=True, hadamard=hadamard, backend=backend,
+                           config=config)
     out_triton = attention_varlen(q, k, v, cu, cu, max(lens), causal=causal, fp8=True, hadamard=hadamard,
                                   backend="triton")
     ref = attention_ref(q, k, v, cu, cu, causal=causal)

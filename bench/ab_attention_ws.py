@@ -1,0 +1,95 @@
+"""A/B of attention kernel variants on one GPU, at 16384 tokens, bf16 inputs (fp8: `prepare_fp8` once, outside
+the timing): the ws kernel called directly (no dispatch, no host sync), `attention_varlen` (auto / triton, with
+their host-side checks), and cuDNN through SDPA. Runs 8-9 (bench/NOTES_attention.md).
+
+    AB_SHAPES=16/16/2048,16/16/2048/64 AB_VARS=new_bf16,new_fp8_nopp,cudnn python bench/ab_attention_ws.py
+
+Shapes hq/hkv/seqlen[/head_dim]; AB_VARS from the names in `fns` below. AB_BASELINE=<dir> holding an older
+copy of the ws kernel as ws_run7.py (runs 8-9: the kernels of commit 8c093a8, with attention_gluon.py as
+gluon_run7.py) enables the old_* variants. Writes $OUT/ab.json and prints a table last."""
+import json
+import os
+import sys
+import time
+
+import torch
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from quantkit.kernels import attention_gluon_ws as ws
+from quantkit.kernels.attention import attention_varlen, prepare_fp8
+
+ws_run7 = None
+if os.environ.get("AB_BASELINE"):
+    sys.path.insert(0, os.environ["AB_BASELINE"])
+    import ws_run7  # noqa: F811
+
+def bench(fn):
+    fn()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+rows = []
+shapes = [(16, 16, s, 128) for s in (2048, 4096, 8192, 16384)] + [(32, 8, s, 128) for s in (2048, 4096, 16384)]
+only = os.environ.get("AB_SHAPES")
+if only:
+    shapes = [tuple(int(x) for x in t.split("/")) for t in only.split(",")]
+shapes = [sh + (128,) * (len(sh) == 3) for sh in shapes]
+VARS = os.environ.get("AB_VARS", "old_bf16,new_bf16,old_fp8_nopp,new_fp8,new_fp8_nopp,new_fp8_b2_nopp,triton_fp8,cudnn").split(",")
+for hq, hkv, s, d in shapes:
+    b = 16384 // s
+    q = torch.randn(b * s, hq, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(b * s, hkv, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(b * s, hkv, d, device="cuda", dtype=torch.bfloat16)
+    cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device="cuda")
+    prep = prepare_fp8(q, k, v, cu_seqlens_k=cu)
+    for causal in (False, True):
+        f = 4.0 * b * hq * s * s * d / (2 if causal else 1)
+        cfg16 = (128, 3 if causal else 2) if d == 128 else (128, 4)
+        fns = {
+            "old_bf16": lambda: ws_run7.attention_varlen_ws(q, k, v, cu, cu, s, causal=causal, config=cfg16),
+            "new_bf16": lambda: ws.attention_varlen_ws(q, k, v, cu, cu, s, causal=causal, config=cfg16),
+            "old_fp8_nopp": lambda: ws_run7.attention_varlen_ws(q, k, v, cu, cu, s, causal=causal, fp8_prepared=prep, config=(128, 4, True, False)),
+            "old_fp8": lambda: ws_run7.attention_varlen_ws(q, k, v, cu, cu, s, causal=causal, fp8_prepared=prep, config=(128, 4, True, True)),
+            "new_fp8": lambda: ws.attention_varlen_ws(q, k, v, cu, cu, s, causal=causal, fp8_prepared=prep, config=(128, 4, True, True)),
+            "new_fp8_nopp": lambda: ws.attention_varlen_ws(q, k, v, cu, cu, s, causal=causal, fp8_prepared=prep, config=(128, 4, True, False)),
+            "new_fp8_b2_nopp": lambda: ws.attention_varlen_ws(q, k, v, cu, cu, s, causal=causal, fp8_prepared=prep, config=(128, 2, True, False)),
+            "new_fp8_b3": lambda: ws.attention_varlen_ws(q, k, v, cu, cu, s, causal=causal, fp8_prepared=prep, config=(128, 3, True, True)),
+            "new_bf16_b2": lambda: ws.attention_varlen_ws(q, k, v, cu, cu, s, causal=causal, config=(128, 2)),
+            "new_bf16_b3": lambda: ws.attention_varlen_ws(q, k, v, cu, cu, s, causal=causal, config=(128, 3)),
+            "new_bf16_1tile": lambda: ws.attention_varlen_ws(q, k, v, cu, cu, s, causal=causal, config=cfg16 + (False, True)),
+            "auto_bf16": lambda: attention_varlen(q, k, v, cu, cu, s, causal=causal),
+            "auto_fp8": lambda: attention_varlen(q, k, v, cu, cu, s, causal=causal, fp8_prepared=prep),
+            "triton_fp8_def": lambda: attention_varlen(q, k, v, cu, cu, s, causal=causal, fp8_prepared=prep, backend="triton"),
+            "triton_fp8": lambda: attention_varlen(q, k, v, cu, cu, s, causal=causal, fp8_prepared=prep, backend="triton", config=(64, 128, 4, 3)),
+        }
+        qt, kt, vt = (x.view(b, s, -1, d).transpose(1, 2).contiguous() for x in (q, k, v))
+        def cudnn():
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=hq != hkv)
+        fns["cudnn"] = cudnn
+        row = {"hq": hq, "hkv": hkv, "d": d, "seqlen": s, "batch": b, "causal": causal}
+        ref = None
+        for name in VARS:
+            try:
+                out = fns[name]()
+                if name == "cudnn":
+                    out = out.transpose(1, 2).reshape(b * s, hq, d)
+                if ref is None and name in ("new_bf16", "old_bf16", "auto_bf16"):
+                    ref = out
+                row[name] = round(f / bench(fns[name]) / 1e9, 1)
+                if ref is not None:
+                    row[name + "_err_vs_bf16"] = round(rel(out, ref), 4)
+            except Exception as e:
+                row[name] = f"{type(e).__name__}: {str(e)[:120]}"
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+out = os.environ.get("OUT", ".")
+json.dump({"card": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+           "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "vars": VARS, "rows": rows}, open(os.path.join(out, "ab.json"), "w"), indent=1)
+print("\nhq/hkv seqlen c | " + " ".join(f"{v[:12]:>12s}" for v in VARS))
+for r in rows:
+    print(f"{r['hq']}/{r['hkv']} {r['seqlen']:6d} {int(r['causal'])} | " + " ".join(f"{r[v]:12.1f}" if isinstance(r[v], float) else f"{'err':>12s}" for v in VARS))
