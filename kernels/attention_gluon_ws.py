@@ -26,9 +26,11 @@ Here, as in FA3, no CTA-wide barrier is left in the loop:
 * persistent grid (one program per SM, `_tile_coords` hands out the work tiles): the producer's
   ring runs on across work tiles, so the next tile's loads overlap the current one's last rounds.
 
-Measured on the H200 (bench/NOTES_attention.md, runs 5-7), bf16 hd128, 16 heads: 563-603 TFLOP/s
+Measured on the H200 (bench/NOTES_attention.md, runs 5-9), bf16 hd128, 16 heads: 563-603 TFLOP/s
 non-causal and 506-559 causal at S = 4096-16384 (0.94-1.01x cuDNN), against the earlier
-kernels (485-510 / 435-508); the fp8 path here is slower than the Triton fp8 kernel, which `auto` keeps.
+kernels (485-510 / 435-508). fp8 (runs 8-9, since P is carried in fp32 and converted to e4m3 in one
+step, without the ping-pong): 544-818 TFLOP/s at hd128 S >= 2048, 1.14-1.34x this kernel's bf16; `auto`
+uses it for fp8.
 
 Scope as `attention_gluon.py` (bf16/fp16 and its fp8 path, head dim 64/128, causal or not,
 packed varlen, GQA); layout q (total_q, Hq, D), k/v (total_k, Hkv, D), cu_seqlens (B + 1,).
