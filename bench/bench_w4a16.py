@@ -111,7 +111,7 @@ def run_shape(n, k, ms, copy_tbs, rows, variants, deadline=float("inf")):
     ws = [make_weights(n, k)]
     packed_bytes = ws[0].qweight.numel() * 4 + ws[0].scales.numel() * 2
     w_kn = dequant_f32(ws[0])
-    err = {m: check(ws[0], w_kn, m) for m in (1, 3, 333)}  # the default path at decode and prefill sizes
+    err = {m: check(ws[0], w_kn, m) for m in (1, 3, 16, 40, 333)}  # the default path at decode and prefill sizes
     probe = torch.empty(1, k, device="cuda", dtype=torch.bfloat16)
     paths = (["gemv", "tc"] + (["pairs"] if kw.pairs_supported(ws[0]) else [])
              + (["gluon"] if kw.gluon_available(probe, ws[0]) else []))

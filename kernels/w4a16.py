@@ -14,12 +14,13 @@ How the kernel works
   small as 16 (decode) while ``BLOCK_N`` keeps the tensor-core instruction full.
 * Three Triton kernels here and a Gluon one for Hopper (:mod:`quantkit.kernels.w4a16_gluon`), one
   entry point (:func:`w4a16_matmul`, which picks by M and device through :func:`choose_path`):
-  - GEMV (M = 1, and M = 2 on small layers): no tensor cores. Each program streams the packed words
+  - GEMV (M = 1 except on Hopper's largest layers; without the Gluon kernel also M = 2 on small
+    layers): no tensor cores. Each program streams the packed words
     of BLOCK_N output rows over a K slice with 16-byte loads, unpacks them in the load's own register
     layout, forms exact ``code - zero`` in fp32 (one ``lop3`` per code, exponent trick), reduces
     along K and scales once per group (split-K, fp32 atomics). ``_w4a16_gemv_kernel``.
   - Gluon (Hopper, every other M, the paired layout below): the same paired-nibble dequantization
-    with the loads in a TMA ring fed by a producer warp, mma.sync for M <= 16 (stream-K over all
+    with the loads in a TMA ring fed by a producer warp, mma.sync up to 64 rows (stream-K over all
     SMs) and asynchronous wgmma overlapped with the dequantization above.
   - paired nibbles (every other M elsewhere, 4-bit weights with K a multiple of 128): a tensor-core kernel
     whose weight operand needs no reshape. Shifting a word right by 4j puts codes j and j+4 at bits
@@ -65,9 +66,13 @@ DECODE_MAX_M = 16
 # vs 68 on the two 121 MB shapes but 12 vs 18 on 4096x4096; from M=4 up the paired-nibble kernel beats
 # the first tensor-core kernel at every M measured (70 vs 158 us at 16, 3.7 vs 6.6 ms at 4096).
 GEMV_MAX_M = 2
-# At M = 2 the GEMV still wins below ~34 M weights (run 9: 12 vs 18 us at 16.8 M weights; at 58.7 M the
-# paired kernels win, 26-28 vs 30 us). At M = 1 it beats the Gluon kernel on every shape (run 9).
+# Without the Gluon kernel, at M = 2 the GEMV still wins below ~34 M weights (run 9: 12 vs 18 us at 16.8 M
+# weights; at 58.7 M the paired kernels win, 26-28 vs 30 us).
 GEMV_M2_MAX_WEIGHTS = 1 << 25
+# With it (run 14, one launch less per call), the Gluon kernel wins at M = 2 on every shape (10.3 vs 12.2
+# us at 16.8 M weights, 44.5 vs 89.9 at 235 M) and at M = 1 on the two 235 M-weight shapes (44.2 vs 54.6
+# us); the GEMV keeps M = 1 up to 58.7 M weights (8.9 vs 10.3, 17.4 vs 18.0 us).
+GLUON_M1_MIN_WEIGHTS = 1 << 27
 
 
 # ----------------------------------------------------------------------------------------------
@@ -670,6 +675,42 @@ def _gemv_matmul(x, w, config, magic):
     return out.to(x.dtype)
 
 
+@triton.jit
+def _gather_columns_kernel(x_ptr, index_ptr, out_ptr, zero_ptr, M, K, n_zero, stride_xm,
+                           BLOCK: tl.constexpr):
+    """``out[m, c] = x[m, index[c]]`` (out contiguous) and, in the same launch, ``zero_ptr[:n_zero] = 0``."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < M * K
+    m = offs // K
+    c = offs % K
+    src = tl.load(index_ptr + c, mask=mask, other=0)
+    tl.store(out_ptr + offs, tl.load(x_ptr + m.to(tl.int64) * stride_xm + src, mask=mask), mask=mask)
+    tl.store(zero_ptr + offs, tl.zeros([BLOCK], dtype=zero_ptr.dtype.element_ty), mask=offs < n_zero)
+
+
+def gather_columns(x: torch.Tensor, index: torch.Tensor, zero: torch.Tensor | None = None) -> torch.Tensor:
+    """``x[:, index]`` (contiguous) and, in the same small launch, ``zero`` (a contiguous float32 or
+    int32 buffer, e.g. split-K partial sums) filled with zeros.
+
+    The paired-nibble kernels read the activations in ``W4A16Weights.pair_index`` order and, when
+    split over K, sum into a zeroed float32 buffer. ``torch.index_select`` over the columns took
+    ~7.5 us at every decode shape on the H200 (bench/profile_w4a16.py, run 12), as long as the GEMM on
+    the 4096 x 4096 layer, and the zeroing was one more launch; this is one launch for both.
+    """
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    out = torch.empty((m, k), device=x.device, dtype=x.dtype)
+    if zero is None:
+        zero = torch.empty(0, device=x.device, dtype=torch.float32)
+    if not zero.is_contiguous() or zero.dtype not in (torch.float32, torch.int32):
+        raise ValueError("zero must be a contiguous float32 or int32 buffer")
+    block = 1024
+    grid = (triton.cdiv(max(m * k, zero.numel(), 1), block),)
+    _gather_columns_kernel[grid](x, index, out, zero, m, k, zero.numel(), x.stride(0), BLOCK=block)
+    return out
+
+
 def pairs_supported(w: W4A16Weights) -> bool:
     """Whether the paired-nibble kernel takes these weights (4-bit, K a multiple of PAIR_TILE_K)."""
     return w.pair_index is not None and w.bits == 4
@@ -679,12 +720,12 @@ def _pairs_matmul(x, w, config):
     """The paired-nibble path. ``x`` is in the caller's column order; it is gathered once here."""
     m, k = x.shape
     n = w.out_features
-    xp = torch.index_select(x, 1, w.pair_index)
     num_sms = _num_sms(x.device)
     # Split K (float32 atomics) for decode, and wherever 128 x 128 output tiles would not fill the SMs
     # (run 6: 8192x28672 at M = 256 ran 128 programs on 132 SMs, each over all of K: 0.42x cuBLAS).
     split = m <= PAIRS_SPLIT_MAX_M or triton.cdiv(n, 128) * triton.cdiv(m, 128) < num_sms
-    out = (torch.zeros if split else torch.empty)((m, n), device=x.device, dtype=torch.float32 if split else x.dtype)
+    out = torch.empty((m, n), device=x.device, dtype=torch.float32 if split else x.dtype)
+    xp = gather_columns(x, w.pair_index, out if split else None)
     zeros = w.zeros if w.zeros is not None else w.scales  # dummy pointer when symmetric
     k_tiles = k // PAIR_TILE_K
 
@@ -727,10 +768,11 @@ def choose_path(m: int, w: W4A16Weights, gluon: bool = False) -> str:
     """The kernel :func:`w4a16_matmul` runs for ``m`` activation rows by default (``gluon``: the Gluon
     kernel can run here, see :func:`gluon_available`)."""
     pairs = pairs_supported(w)
-    if m == 1 or (m <= GEMV_MAX_M and (not pairs or w.in_features * w.out_features < GEMV_M2_MAX_WEIGHTS)):
-        return "gemv"
+    weights = w.in_features * w.out_features
     if gluon:
-        return "gluon"
+        return "gemv" if m == 1 and weights < GLUON_M1_MIN_WEIGHTS else "gluon"
+    if m == 1 or (m <= GEMV_MAX_M and (not pairs or weights < GEMV_M2_MAX_WEIGHTS)):
+        return "gemv"
     return "pairs" if pairs else "tc"
 
 

@@ -23,13 +23,16 @@ One kernel, two tensor-core instructions (constexpr ``WGMMA``), same dequantizat
   through a ring of NUM_BUF shared-memory stages with TMA (one "ready" and one "empty" mbarrier per
   stage), so the dequantizing warps never issue a load or wait on a CTA-wide barrier.
 
-Decode (M <= 16, ``WGMMA=False``): ``mma.sync`` m16n8k16 (``mma_v2``) with the weights as A. Its
+Decode (M <= 16, and as a candidate up to 64 rows with taller activation tiles; ``WGMMA=False``):
+``mma.sync`` m16n8k16 (``mma_v2``) with the weights as A. Its
 register operands are ordinary registers with scoreboard dependencies, so the dequantization of one
 dot overlaps the MMA of the previous one with no explicit wait; the activation rows are the n = 8
 side, so M <= 8 wastes nothing. The work is split stream-K: units are (output tile, K tile), each of
-``num_SMs * CTAS_PER_SM`` programs takes a contiguous run of units and adds its partial sums to a
-zeroed float32 output with atomics whenever its run leaves an output tile. Every program gets the
-same number of units: no tail wave, whatever the shape.
+``num_SMs * CTAS_PER_SM`` programs takes a contiguous run of units. Every program gets the same
+number of units: no tail wave, whatever the shape. A run that holds a whole tile stores it; partial
+tiles are summed in a float32 workspace with atomics, and the program that completes a tile's count
+of K tiles converts it to the output (no separate zeroing or cast kernel: those, and the column
+gather, cost ~10 us a call, H200 run 12).
 
 Prefill (``WGMMA=True``): asynchronous wgmma with the dequantized weights as A from registers (two
 warpgroups of 64 weight rows each, or 128 with two m64 blocks) and the activation tile as B from
@@ -54,6 +57,7 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from quantkit.kernels.w4a16 import gather_columns
 from quantkit.kernels.w4a16_weights import PAIR_TILE_K, W4A16Weights
 
 # One K tile of the packed weights: 16 int32 words (128 codes) per output row, read as four dots of K = 32.
@@ -174,17 +178,35 @@ def _dequant_pairs(words, zero_bias, scale, j: gl.constexpr, a_layout: gl.conste
 
 
 @gluon.jit
-def _flush(acc, c_ptr, tn, tm, M, N, stride_cm, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
-           ATOMIC_OUT: gl.constexpr, acc_layout: gl.constexpr):
-    """The tile's sums into ``c`` [M, N]: float32 atomics (partial sums) or one store in c's dtype."""
+def _flush(acc, c_ptr, ws_ptr, tile_units_ptr, tn, tm, M, N, seg_units, k_tiles, BLOCK_N: gl.constexpr,
+           BLOCK_M: gl.constexpr, ATOMIC_OUT: gl.constexpr, acc_layout: gl.constexpr):
+    """The tile's sums of ``seg_units`` K tiles into ``c`` [M, N] (contiguous, c's dtype).
+
+    One program per tile, or a stream-K run that holds all ``k_tiles`` of it: one store. Otherwise
+    (ATOMIC_OUT) the partial sums go into the zeroed float32 workspace ``ws`` [M, N] with atomics, then
+    ``seg_units`` is added to the tile's counter; the program whose addition completes ``k_tiles``
+    is the last one, and it converts the workspace tile into ``c``. No program waits for another."""
     n = tn * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
     m = tm * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, acc_layout))
-    ptrs = c_ptr + gl.expand_dims(m, 0).to(gl.int64) * stride_cm + gl.expand_dims(n, 1)
+    offs = gl.expand_dims(m, 0).to(gl.int64) * N + gl.expand_dims(n, 1)
     mask = gl.expand_dims(n < N, 1) & gl.expand_dims(m < M, 0)
     if ATOMIC_OUT:
-        gl.atomic_add(ptrs, acc, mask=mask, sem="relaxed")
+        if seg_units == k_tiles:
+            gl.store(c_ptr + offs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+        else:
+            gl.atomic_add(ws_ptr + offs, acc, mask=mask, sem="relaxed")
+            # All consumer threads have issued their sums (barrier) before one thread's release of the
+            # count, which covers them (the pattern of a split-K semaphore). A fence in every thread
+            # instead (fence.acq_rel.gpu before the barrier) made the H200 compute wrong partial sums in
+            # 10-60 of 224 tiles per call at 28672 x 8192, M = 16 (run 13, bench/debug/stream_k_tiles.py
+            # on that variant); not understood, not used.
+            gl.thread_barrier()
+            done = gl.atomic_add(tile_units_ptr + tn, seg_units, sem="acq_rel") + seg_units
+            if done == k_tiles:
+                total = gl.load(ws_ptr + offs, mask=mask, cache_modifier=".cg")
+                gl.store(c_ptr + offs, total.to(c_ptr.dtype.element_ty), mask=mask)
     else:
-        gl.store(ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+        gl.store(c_ptr + offs, acc.to(c_ptr.dtype.element_ty), mask=mask)
 
 
 @gluon.jit
@@ -246,8 +268,8 @@ def _unit(acc, a_prev, scale, zero, w_smem, x_smem, ready, empty, scales_ptr, ze
 
 
 @gluon.jit
-def _mma_partition(w_smem, x_smem, ready, empty, scales_ptr, zeros_ptr, c_ptr, M, N, u0, count, k_tiles,
-                   tiles_n, tiles_m, stride_sg, stride_zg, stride_cm, GROUP_SIZE: gl.constexpr,
+def _mma_partition(w_smem, x_smem, ready, empty, scales_ptr, zeros_ptr, c_ptr, ws_ptr, tile_units_ptr, M, N, u0,
+                   count, k_tiles, tiles_n, tiles_m, stride_sg, stride_zg, GROUP_SIZE: gl.constexpr,
                    HAS_ZEROS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, GROUP_N: gl.constexpr,
                    NUM_BUF: gl.constexpr, WGMMA: gl.constexpr, ATOMIC_OUT: gl.constexpr,
                    num_warps: gl.constexpr):
@@ -297,19 +319,21 @@ def _mma_partition(w_smem, x_smem, ready, empty, scales_ptr, zeros_ptr, c_ptr, M
                                              WGMMA, SCALE_ACC, acc_layout)
             acc = warpgroup_mma_wait(0, deps=[acc])
             mbarrier.arrive(empty.index((hi - 1 - u0) % NUM_BUF))  # the segment's last stage
-        _flush(acc, c_ptr, tn, tm, M, N, stride_cm, BLOCK_N, BLOCK_M, ATOMIC_OUT, acc_layout)
+        _flush(acc, c_ptr, ws_ptr, tile_units_ptr, tn, tm, M, N, hi - lo, k_tiles, BLOCK_N, BLOCK_M, ATOMIC_OUT,
+               acc_layout)
 
 
 @gluon.jit
-def _w4a16_gluon_kernel(desc_w, desc_x, scales_ptr, zeros_ptr, c_ptr, M, N, k_tiles, tiles_n, tiles_m,
-                        stride_sg, stride_zg, stride_cm,
+def _w4a16_gluon_kernel(desc_w, desc_x, scales_ptr, zeros_ptr, c_ptr, ws_ptr, tile_units_ptr, M, N, k_tiles,
+                        tiles_n, tiles_m, stride_sg, stride_zg,
                         GROUP_SIZE: gl.constexpr, HAS_ZEROS: gl.constexpr, BLOCK_N: gl.constexpr,
                         BLOCK_M: gl.constexpr, GROUP_N: gl.constexpr, NUM_BUF: gl.constexpr,
                         WGMMA: gl.constexpr, ATOMIC_OUT: gl.constexpr, num_warps: gl.constexpr):
     """``c[M, N] (+)= x[M, K] @ dequant(qw)^T`` over this program's contiguous run of (tile, K tile) units.
 
-    ``x`` (behind ``desc_x``) is in paired-nibble column order. ATOMIC_OUT: ``c`` is float32 and zeroed,
-    runs may start and end inside a tile (stream-K); otherwise every run is exactly one tile. One
+    ``x`` (behind ``desc_x``) is in paired-nibble column order; ``c`` is contiguous. ATOMIC_OUT: runs
+    may start and end inside a tile (stream-K), whose partial sums meet in ``ws`` (see ``_flush``);
+    otherwise every run is exactly one tile. One
     producer warp feeds the ring; the ``num_warps`` default warps dequantize and multiply.
     """
     pid = gl.program_id(0).to(gl.int64)
@@ -327,8 +351,8 @@ def _w4a16_gluon_kernel(desc_w, desc_x, scales_ptr, zeros_ptr, c_ptr, M, N, k_ti
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=1)
     gl.warp_specialize([
-        (_mma_partition, (w_smem, x_smem, ready, empty, scales_ptr, zeros_ptr, c_ptr, M, N, u0, count, k_tiles,
-                          tiles_n, tiles_m, stride_sg, stride_zg, stride_cm, GROUP_SIZE, HAS_ZEROS, BLOCK_N,
+        (_mma_partition, (w_smem, x_smem, ready, empty, scales_ptr, zeros_ptr, c_ptr, ws_ptr, tile_units_ptr, M, N,
+                          u0, count, k_tiles, tiles_n, tiles_m, stride_sg, stride_zg, GROUP_SIZE, HAS_ZEROS, BLOCK_N,
                           BLOCK_M, GROUP_N, NUM_BUF, WGMMA, ATOMIC_OUT, num_warps)),
         (_load_partition, (desc_w, desc_x, w_smem, x_smem, ready, empty, u0, count, k_tiles, tiles_n, tiles_m,
                            BLOCK_N, BLOCK_M, GROUP_N, NUM_BUF)),
@@ -347,7 +371,7 @@ class GluonConfig:
     * WGMMA: asynchronous wgmma (prefill) instead of mma.sync (decode). mma.sync tiles take BLOCK_M 16
       (8 whenever M <= 8) and 16 weight rows per warp; wgmma tiles 64 weight rows per warpgroup.
     * STREAM_K: the units of one activation tile (M <= BLOCK_M) are split evenly over
-      ``num_SMs * CTAS_PER_SM`` programs, whose partial sums meet in a float32 output through
+      ``num_SMs * CTAS_PER_SM`` programs, whose partial sums meet in a float32 workspace through
       atomics; otherwise one program per output tile, stored once. All stream-K programs must be
       resident at once, so the register cap per thread follows from CTAS_PER_SM (:meth:`maxnreg`).
     """
@@ -380,7 +404,8 @@ class GluonConfig:
             return False
         if self.WGMMA:
             return self.BLOCK_M <= max(64, triton.next_power_of_2(m)) and (not self.STREAM_K or m <= self.BLOCK_M)
-        return m <= self.BLOCK_M
+        # mma.sync: one activation tile, not more than twice as tall as M (16 is the smallest)
+        return m <= self.BLOCK_M and (self.BLOCK_M <= 16 or 2 * m > self.BLOCK_M)
 
 
 _REGS_PER_SM = 65536
@@ -395,6 +420,13 @@ DECODE_GLUON_CONFIGS = [  # mma.sync, stream-K, M <= 16
     GluonConfig(128, 16, 8, 4, 2),
     GluonConfig(64, 16, 8, 4, 3),
 ]
+# 17..64 rows: the same mma.sync stream-K on taller activation tiles, next to the wgmma configs. (Only
+# tiles whose sm_90 compile does not spill at these register caps: 128 x 64 spills at 128 registers.)
+MID_GLUON_CONFIGS = [
+    GluonConfig(128, 32, 6, 4, 2),
+    GluonConfig(64, 32, 8, 4, 2),
+    GluonConfig(64, 64, 4, 4, 2),
+]
 # (128 x 256 tiles spill at the 168 registers per thread that 12 warps leave: sm_90 compile, 462 spill ops.)
 PREFILL_GLUON_CONFIGS = [  # wgmma, two consumer warpgroups, one program per SM
     GluonConfig(256, 128, 4, 8, WGMMA=True, STREAM_K=False),
@@ -405,6 +437,8 @@ PREFILL_GLUON_CONFIGS = [  # wgmma, two consumer warpgroups, one program per SM
     GluonConfig(128, 128, 5, 8, WGMMA=True, STREAM_K=True),
 ]
 GLUON_DECODE_MAX_M = 16
+# above this many rows the mma.sync configs are not candidates (the wgmma ones take over)
+GLUON_MID_MAX_M = 64
 
 
 def gluon_supported(x: torch.Tensor, w: W4A16Weights) -> bool:
@@ -418,7 +452,8 @@ def w4a16_gluon_matmul(x: torch.Tensor, w: W4A16Weights, config: GluonConfig | N
     """``x [M, K]`` -> ``x @ W^T`` through the Gluon kernel (see the module docstring).
 
     ``config``: None picks the fastest fitting candidate for this shape (timed on first use): the
-    mma.sync configs up to GLUON_DECODE_MAX_M rows, the wgmma ones above. As with ``triton.autotune``,
+    mma.sync configs up to GLUON_DECODE_MAX_M rows, the taller mma.sync and the wgmma ones up to
+    GLUON_MID_MAX_M, the wgmma ones above. As with ``triton.autotune``,
     make that first call per shape outside CUDA-graph capture (timing cannot run inside one).
     """
     if not gluon_supported(x, w):
@@ -437,40 +472,49 @@ def _launch(x: torch.Tensor, w: W4A16Weights, config: GluonConfig) -> torch.Tens
     m, k = x.shape
     n = w.out_features
     block_m = config.block_m(m)
-    xp = torch.index_select(x, 1, w.pair_index)
+    k_tiles = k // PAIR_TILE_K
+    tiles_n, tiles_m = triton.cdiv(n, config.BLOCK_N), triton.cdiv(m, block_m)
+    stream_k = config.STREAM_K and tiles_m == 1
+    # one small launch gathers the activations into the paired column order and, for stream-K, zeroes
+    # the float32 workspace [M, N] and the per-tile unit counters behind it
+    ws = torch.empty(m * n + tiles_n if stream_k else 0, device=x.device, dtype=torch.float32)
+    xp = gather_columns(x, w.pair_index, ws)
+    out = torch.empty((m, n), device=x.device, dtype=x.dtype)
+    if stream_k:
+        tile_units = ws[m * n:].view(torch.int32)  # zero bits are int32 zeros
+        n_sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+        grid = (min(tiles_n * k_tiles, n_sms * config.CTAS_PER_SM),)
+    else:
+        ws, tile_units = out, out  # unused
+        grid = (tiles_n * tiles_m,)
     w_layout = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=32, rank=2)
     x_layout = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2)
     desc_w = TensorDescriptor(w.qweight, [n, k // 8], [w.qweight.stride(0), 1], [config.BLOCK_N, int(_WORDS)],
                               w_layout)
     desc_x = TensorDescriptor(xp, [m, k], [xp.stride(0), 1], [block_m, int(_DOT_K)], x_layout)
-    k_tiles = k // PAIR_TILE_K
-    tiles_n, tiles_m = triton.cdiv(n, config.BLOCK_N), triton.cdiv(m, block_m)
-    stream_k = config.STREAM_K and tiles_m == 1
-    if stream_k:
-        out = torch.zeros((m, n), device=x.device, dtype=torch.float32)
-        n_sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-        grid = (min(tiles_n * k_tiles, n_sms * config.CTAS_PER_SM),)
-    else:
-        out = torch.empty((m, n), device=x.device, dtype=x.dtype)
-        grid = (tiles_n * tiles_m,)
     zeros = w.zeros if w.zeros is not None else w.scales  # dummy pointer when symmetric
-    _w4a16_gluon_kernel[grid](desc_w, desc_x, w.scales, zeros, out, m, n, k_tiles, tiles_n, tiles_m,
-                              w.scales.stride(0), zeros.stride(0), out.stride(0),
+    _w4a16_gluon_kernel[grid](desc_w, desc_x, w.scales, zeros, out, ws, tile_units, m, n, k_tiles, tiles_n,
+                              tiles_m, w.scales.stride(0), zeros.stride(0),
                               GROUP_SIZE=w.group_size, HAS_ZEROS=w.zeros is not None, BLOCK_N=config.BLOCK_N,
                               BLOCK_M=block_m, GROUP_N=config.GROUP_N, NUM_BUF=config.NUM_BUF,
                               WGMMA=config.WGMMA, ATOMIC_OUT=stream_k, num_warps=config.num_warps,
                               maxnreg=config.maxnreg())
-    return out.to(x.dtype) if stream_k else out
+    return out
 
 
 class ConfigTuner:
     """Picks the fastest fitting config per (M bucket, N, K, group, zeros, dtype) on first use and caches it.
 
     (A small stand-in for ``triton.autotune``, whose config meta-parameters cannot reach the block
-    shapes of host-side tensor descriptors.)"""
+    shapes of host-side tensor descriptors.) Candidates are timed as the GPU runs them in a CUDA graph
+    with L2 flushed before each call (:func:`_gpu_time_us`), as a served model replays them. Eager
+    timing also counts the host's launch cost (~100 us of Python per Gluon launch on the device
+    machine), which can hide the GPU time of small shapes: in H200 run 11 the eager-tuned pick at
+    M = 32, 4096 x 14336 took 75 us in graph replays, where another fitting config's kernel takes ~30."""
 
-    def __init__(self, decode_configs, prefill_configs):
+    def __init__(self, decode_configs, mid_configs, prefill_configs):
         self.decode_configs = list(decode_configs)
+        self.mid_configs = list(mid_configs)
         self.prefill_configs = list(prefill_configs)
         self.cache: dict[tuple, GluonConfig] = {}
 
@@ -479,7 +523,12 @@ class ConfigTuner:
         return 8 if m <= 8 else min(triton.next_power_of_2(m), 4096)
 
     def candidates(self, m: int, group_size: int) -> list[GluonConfig]:
-        pool = self.decode_configs if m <= GLUON_DECODE_MAX_M else self.prefill_configs
+        if m <= GLUON_DECODE_MAX_M:
+            pool = self.decode_configs
+        elif m <= GLUON_MID_MAX_M:
+            pool = self.mid_configs + self.prefill_configs
+        else:
+            pool = self.prefill_configs
         return [c for c in pool if c.fits(m, group_size)]
 
     def run(self, x: torch.Tensor, w: W4A16Weights) -> torch.Tensor:
@@ -487,12 +536,52 @@ class ConfigTuner:
         m = x.shape[0]
         key = (self.m_bucket(m), w.out_features, w.in_features, w.group_size, w.zeros is not None, x.dtype)
         if key not in self.cache:
-            times = {cfg: triton.testing.do_bench(lambda c=cfg: _launch(x, w, c), warmup=5, rep=20)
-                     for cfg in self.candidates(m, w.group_size)}
-            if not times:
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    f"the Gluon W4A16 kernel has no tuned config yet for M = {m}, N = {w.out_features}, "
+                    f"K = {w.in_features}, and cannot time candidates inside a CUDA-graph capture: run the "
+                    "model once eagerly at each batch size before capturing (or pass a config)")
+            configs = self.candidates(m, w.group_size)
+            if not configs:
                 raise ValueError(f"no Gluon config fits M = {m}, group {w.group_size}")
+            flush = torch.empty(_L2_FLUSH_BYTES, dtype=torch.uint8, device=x.device)
+            times = {cfg: _gpu_time_us(lambda c=cfg: _launch(x, w, c), flush) for cfg in configs}
+            del flush
             self.cache[key] = min(times, key=times.get)
         return _launch(x, w, self.cache[key])
 
 
-GLUON_TUNER = ConfigTuner(DECODE_GLUON_CONFIGS, PREFILL_GLUON_CONFIGS)
+# Twice the H200's 50 MB L2 (60 MB on some Hopper parts): writing it evicts the weights of the call before.
+_L2_FLUSH_BYTES = 128 * 2**20
+
+
+def _gpu_time_us(fn, flush: torch.Tensor, calls: int = 8, replays: int = 3) -> float:
+    """Microseconds of GPU time per ``fn()`` with a cold L2 and no host overhead: the best of
+    ``replays`` replays of a CUDA graph of ``calls`` x (flush, fn), less the same graph without fn."""
+    fn()  # compile and allocator warm-up outside the capture
+    torch.cuda.synchronize()
+    graphs = []
+    for with_fn in (True, False):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                flush.zero_()
+                if with_fn:
+                    fn()
+        graphs.append(graph)
+    best = []
+    for graph in graphs:
+        graph.replay()  # first replay uploads the graph
+        times = []
+        for _ in range(replays):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3)
+        best.append(min(times))
+    return max(best[0] - best[1], 0.0) / calls
+
+
+GLUON_TUNER = ConfigTuner(DECODE_GLUON_CONFIGS, MID_GLUON_CONFIGS, PREFILL_GLUON_CONFIGS)

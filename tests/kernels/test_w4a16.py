@@ -168,6 +168,20 @@ def test_paired_nibble_index_is_a_permutation_that_pairs_codes():
 
 
 @pytest.mark.skipif(CUDA, reason="interpreter tests run on CPU-only machines")
+@pytest.mark.parametrize("m,k,zero_numel", [(3, 256, 0), (2, 128, 5000), (5, 384, 7)])
+def test_gather_columns_interpreted(m, k, zero_numel):
+    mod = _kernel_module()
+    g = torch.Generator().manual_seed(m * k)
+    wide = torch.randn(m, 2 * k, generator=g).half()
+    x = wide[:, ::2]  # not contiguous along K: gathered all the same
+    index = torch.randperm(k, generator=g)
+    zero = torch.full((zero_numel,), float("nan"))
+    xp = mod.gather_columns(x, index, zero)
+    assert torch.equal(xp, x[:, index]) and xp.is_contiguous()
+    assert torch.equal(zero, torch.zeros(zero_numel))
+
+
+@pytest.mark.skipif(CUDA, reason="interpreter tests run on CPU-only machines")
 def test_pairs_path_needs_4_bit_and_whole_tiles():
     mod = _kernel_module()
     t8, _ = make_layer(32, 256, 8, 64, False, False, seed=3)
@@ -204,10 +218,12 @@ def test_choose_path_by_m_shape_and_device():
                              pair_index=torch.zeros(1))
     large = dataclasses.replace(small, in_features=8192, out_features=28672)
     odd_k = dataclasses.replace(small, in_features=576, pair_index=None)
-    # M = 1: the GEMV everywhere; M = 2: the GEMV on small layers only
-    assert [mod.choose_path(1, w, gluon) for w in (small, large) for gluon in (False, True)] == ["gemv"] * 4
-    assert mod.choose_path(2, small, True) == "gemv" and mod.choose_path(2, large, True) == "gluon"
-    assert mod.choose_path(2, large, False) == "pairs"
+    # M = 1: the GEMV, except the Gluon kernel on large layers; M = 2: the Gluon kernel, else the GEMV on
+    # small layers only
+    assert [mod.choose_path(1, w, gluon) for w in (small, large) for gluon in (False, True)] == [
+        "gemv", "gemv", "gemv", "gluon"]
+    assert mod.choose_path(2, small, True) == "gluon" and mod.choose_path(2, large, True) == "gluon"
+    assert mod.choose_path(2, small, False) == "gemv" and mod.choose_path(2, large, False) == "pairs"
     # above: the Gluon kernel on Hopper, the paired Triton kernel elsewhere, the first kernel when K % 128 != 0
     assert [mod.choose_path(m, large, True) for m in (3, 16, 17, 4096)] == ["gluon"] * 4
     assert [mod.choose_path(m, large, False) for m in (3, 4096)] == ["pairs"] * 2
@@ -345,47 +361,51 @@ def test_dispatch_autotuned_gpu(m):
 # tuner may pick is never untested: mma.sync decode (M <= 8 runs the mma's n = 8 tile, 9..16 the 16-row
 # one) and wgmma prefill, one program per tile or stream-K.
 def _gluon_configs():
-    from quantkit.kernels.w4a16_gluon import DECODE_GLUON_CONFIGS, PREFILL_GLUON_CONFIGS
+    from quantkit.kernels.w4a16_gluon import DECODE_GLUON_CONFIGS, MID_GLUON_CONFIGS, PREFILL_GLUON_CONFIGS
 
-    return ([dataclasses.asdict(c) for c in DECODE_GLUON_CONFIGS],
-            [dataclasses.asdict(c) for c in PREFILL_GLUON_CONFIGS])
+    return [dataclasses.asdict(c) for c in DECODE_GLUON_CONFIGS + MID_GLUON_CONFIGS + PREFILL_GLUON_CONFIGS]
 
 
 HOPPER = CUDA and torch.cuda.get_device_capability()[0] == 9
 
 
 def test_gluon_configs_fit_the_h200():
-    from quantkit.kernels.w4a16_gluon import DECODE_GLUON_CONFIGS, PREFILL_GLUON_CONFIGS
+    from quantkit.kernels.w4a16_gluon import DECODE_GLUON_CONFIGS, GLUON_TUNER, MID_GLUON_CONFIGS, PREFILL_GLUON_CONFIGS
 
     assert all(c.fits(16, 128) for c in DECODE_GLUON_CONFIGS)
-    assert all(not c.WGMMA for c in DECODE_GLUON_CONFIGS) and all(c.WGMMA for c in PREFILL_GLUON_CONFIGS)
-    assert all(c.fits(c.BLOCK_M, 128) for c in PREFILL_GLUON_CONFIGS)
+    assert all(not c.WGMMA for c in DECODE_GLUON_CONFIGS + MID_GLUON_CONFIGS)
+    assert all(c.WGMMA for c in PREFILL_GLUON_CONFIGS)
+    assert all(c.fits(c.BLOCK_M, 128) for c in MID_GLUON_CONFIGS + PREFILL_GLUON_CONFIGS)
+    # every M has candidates, and the taller mma.sync tiles only between 17 and 64 rows
+    for m in (1, 8, 16, 17, 32, 33, 64, 65, 4096):
+        pool = GLUON_TUNER.candidates(m, 128)
+        assert pool and all(c.WGMMA or m <= c.BLOCK_M <= max(16, 2 * m - 1) for c in pool), m
+        assert any(not c.WGMMA for c in pool) == (m <= 64), m
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("n,k,gs,sym,act", [s for s in GPU_SHAPES if s[1] % 128 == 0])
-@pytest.mark.parametrize("m", [1, 6, 8, 13, 16, 17, 64, 100, 300])
+@pytest.mark.parametrize("m", [1, 6, 8, 13, 16, 17, 40, 64, 100, 300])
 def test_gluon_gpu(n, k, gs, sym, act, m, dtype):
-    decode, prefill = _gluon_configs()
-    from quantkit.kernels.w4a16_gluon import GluonConfig
+    from quantkit.kernels.w4a16_gluon import GLUON_TUNER
 
-    pool = [c for c in (decode if m <= 16 else prefill) if GluonConfig(**c).fits(m, gs)]
+    pool = [dataclasses.asdict(c) for c in GLUON_TUNER.candidates(m, gs)]
     config = pool[(n + m) % len(pool)]
     _run_gpu(_kernel_module(), n, k, gs, sym, act, m, dtype, "gluon", config)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU")
-@pytest.mark.parametrize("m", [1, 16, 64, 128, 333])
-@pytest.mark.parametrize("which", range(11))
+@pytest.mark.parametrize("m", [1, 16, 29, 64, 128, 333])
+@pytest.mark.parametrize("which", range(16))
 def test_gluon_every_config_gpu(which, m):
     # 4224 x 4224: 33 K tiles and 17-33 weight tiles, so stream-K runs start and end inside tiles
-    decode, prefill = _gluon_configs()
     from quantkit.kernels.w4a16_gluon import GluonConfig
 
-    configs = decode + prefill
+    configs = _gluon_configs()
+    assert len(configs) <= 16, "add indices to the parametrization"
     if which >= len(configs) or not GluonConfig(**configs[which]).fits(m, 128):
         pytest.skip("config does not take this M")
     _run_gpu(_kernel_module(), 4096 + 128, 4096 + 128, 128, False, False, m, torch.bfloat16, "gluon",

@@ -42,8 +42,8 @@ smem = ("NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth={}, rank=2, t
 signature = {
     "desc_w": f"tensordesc<i32[{block_n}, 16],{smem.format(32)}>",
     "desc_x": f"tensordesc<bf16[{block_m}, 32],{smem.format(16)}>",
-    "scales_ptr": "*fp16", "zeros_ptr": "*u8", "c_ptr": "*bf16" if wgmma else "*fp32", "M": "i32", "N": "i32",
-    "k_tiles": "i32", "tiles_n": "i32", "tiles_m": "i32", "stride_sg": "i32", "stride_zg": "i32", "stride_cm": "i32",
+    "scales_ptr": "*fp16", "zeros_ptr": "*u8", "c_ptr": "*bf16", "ws_ptr": "*fp32", "tile_units_ptr": "*i32",
+    "M": "i32", "N": "i32", "k_tiles": "i32", "tiles_n": "i32", "tiles_m": "i32", "stride_sg": "i32", "stride_zg": "i32",
 }
 constexprs = dict(GROUP_SIZE=group_size, HAS_ZEROS=False, BLOCK_N=block_n, BLOCK_M=block_m, GROUP_N=8,
                   NUM_BUF=num_buf, WGMMA=wgmma, ATOMIC_OUT=not wgmma, num_warps=num_warps)
@@ -114,7 +114,25 @@ def test_decode_dequant_stays_in_registers(decode_kernel):
     sass = _sass(decode_kernel)
     ops = [re.search(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", line).group(1) for line in sass]
     assert sum(op.startswith("HMMA") for op in ops) == 32  # 2 blocks x 4 dots x 2 k16 x 2 n8 per thread
-    # the only shared-memory stores are the barrier bookkeeping: no layout change goes through shared memory
-    assert sum(op.startswith("STS") for op in ops) <= 2
+    # the only shared-memory stores are the barrier bookkeeping and the broadcast of the tile counter: no
+    # layout change goes through shared memory
+    assert sum(op.startswith("STS") for op in ops) <= 3
     assert not any(op.startswith("SHFL") for op in ops)
     assert " 0 bytes spill stores" in _ptxas_notices(decode_kernel)
+
+
+def test_decode_tile_fixup_orders_sums_before_the_counter(decode_kernel):
+    # stream-K: partial sums go to the float32 workspace, then one thread adds to the tile's unit count;
+    # the program that completes it reads the workspace back. The sums must be fenced device-wide before
+    # the count, and the read must come from L2 (another SM's atomics are not in this SM's L1).
+    sass = _sass(decode_kernel)
+    sums = [i for i, line in enumerate(sass) if re.search(r"(ATOMG|REDG?)\.E\.ADD\.F32", line)]
+    count = next(i for i, line in enumerate(sass) if re.search(r"ATOMG\.E\.ADD\.STRONG\.GPU PT, R\d+", line))
+    assert sums and max(sums) < count
+    between = sass[max(sums):count]
+    barrier = next(i for i, line in enumerate(between) if "BAR.SYNC" in line)
+    # barrier first, then the counting thread's fence; a fence in every thread before the barrier gave
+    # wrong sums on the H200 (see _flush)
+    assert any("MEMBAR.ALL.GPU" in line for line in between[barrier:])
+    assert not any("MEMBAR" in line for line in between[:barrier])
+    assert any("LDG.E.STRONG.GPU" in line for line in sass[count:])
