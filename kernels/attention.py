@@ -348,7 +348,10 @@ def quantize_fp8_per_block(x, cu_seqlens, block=KV_SCALE_BLOCK):
     first_block = torch.cumsum(torch.cat([lens.new_zeros(1), (lens + block - 1) // block]), 0)[:-1]
     blk = (first_block.long()[seq] + local // block)  # (tokens,) global block id
     amax_tok = x.abs().amax(dim=-1).float()  # (tokens, H)
-    amax_blk = torch.zeros(int(blk.max()) + 1 if tokens else 1, x.shape[1], device=x.device)
+    # each sequence ends at most one partial block: a bound on the block count known on the host
+    # (blk.max() would cost a device sync on every call)
+    n_blocks = triton.cdiv(tokens, block) + lens.numel()
+    amax_blk = torch.zeros(n_blocks, x.shape[1], device=x.device)
     amax_blk.index_reduce_(0, blk, amax_tok, "amax")
     scale = amax_blk[blk].clamp(min=1e-12) / 448.0  # (tokens, H)
     xq = (x.float() / scale[..., None]).to(torch.float8_e4m3fn)
@@ -413,7 +416,7 @@ def _auto_backend(head_dim, fp8, causal, max_seqlen_q):
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=False, sm_scale=None,
                      window_left=-1, softcap=0.0, fp8=False, hadamard=False, fp8_pv=True, use_tma=None,
                      warp_specialize=False, config=None, fp8_prepared=None, out_dtype=None, v_tma=None,
-                     backend="auto"):
+                     backend="auto", kv_aligned=None):
     """Packed variable-length attention forward.
 
     q: (total_q, Hq, D); k, v: (total_k, Hkv, D), fp16 or bf16 (fp32 runs too, for the CPU tests);
@@ -427,6 +430,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=F
     no window / soft-cap; config is then (BLOCK_M, BLOCK_N, num_warps, NUM_BUF)), "gluon_ws"
     (`attention_gluon_ws`, FA3's warp-specialized ping-pong; same cases; config (BLOCK_N, NUM_BUF)),
     or "auto": the kernel measured fastest on the H200 for the case (`_auto_backend`).
+    kv_aligned: whether every entry of cu_seqlens_k is a multiple of 32, when the caller knows it
+    (`attention` does): the fp8 path's V^T tensor descriptor needs it, and None checks it on the
+    device at the cost of one host sync per call.
     Returns out: (total_q, Hq, D) in q's dtype (or out_dtype).
     """
     fp8 = fp8 or fp8_prepared is not None
@@ -438,7 +444,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=F
         from quantkit.kernels import attention_gluon, attention_gluon_ws
         if fp8_prepared is not None:
             fp8_pv = fp8_prepared[4].dtype == torch.float8_e4m3fn
-        ok = attention_gluon.supported(q, k, causal, window_left, softcap, fp8, fp8_pv, cu_seqlens_k)
+        ok = attention_gluon.supported(q, k, causal, window_left, softcap, fp8, fp8_pv, cu_seqlens_k, kv_aligned)
         if ok:
             run = attention_gluon_ws.attention_varlen_ws if backend == "gluon_ws" else \
                 attention_gluon.attention_varlen_gluon
@@ -469,7 +475,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=F
             # 16-byte aligned: with 1-byte fp8, every sequence start must be a multiple of 16.
             # (Unaligned, the H200 raised 'illegal instruction'; the interpreter asserts.) The
             # key permutation of the V^T storage also needs tiles on 32-token chunks.
-            v_tma = bool((cu_seqlens_k % 32 == 0).all())  # one host sync
+            v_tma = kv_starts_aligned(cu_seqlens_k, kv_aligned)
     if v_scale is None:
         v_scale = out
     if k.stride(-1) != 1:
@@ -504,6 +510,12 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=F
     return out
 
 
+def kv_starts_aligned(cu_seqlens_k, known=None) -> bool:
+    """Whether every key sequence starts on a multiple of 32 tokens (``known``, if the caller knows;
+    else read from the device: one host sync)."""
+    return bool((cu_seqlens_k % 32 == 0).all()) if known is None else bool(known)
+
+
 def attention(q, k, v, causal=False, **kwargs):
     """Fixed-length batch: q (B, Sq, Hq, D), k, v (B, Sk, Hkv, D) -> out (B, Sq, Hq, D)."""
     b, sq, hq, d = q.shape
@@ -511,6 +523,7 @@ def attention(q, k, v, causal=False, **kwargs):
     dev = q.device
     cu_q = torch.arange(0, (b + 1) * sq, sq, dtype=torch.int32, device=dev)
     cu_k = torch.arange(0, (b + 1) * sk, sk, dtype=torch.int32, device=dev)
+    kwargs.setdefault("kv_aligned", sk % 32 == 0)  # the key starts are multiples of sk
     out = attention_varlen(q.reshape(b * sq, hq, d), k.reshape(b * sk, -1, d), v.reshape(b * sk, -1, d),
                            cu_q, cu_k, sq, causal=causal, **kwargs)
     return out.view(b, sq, hq, d)

@@ -238,15 +238,18 @@ def _attn_fwd_gluon(desc_q, desc_k, desc_v, o_ptr, qs_ptr, ks_ptr, v_scale_ptr,
     gl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=gl.expand_dims(offs_mo < seqlen_q, 1))
 
 
-def supported(q, k, causal=False, window_left=-1, softcap=0.0, fp8=False, fp8_pv=True, cu_seqlens_k=None):
+def supported(q, k, causal=False, window_left=-1, softcap=0.0, fp8=False, fp8_pv=True, cu_seqlens_k=None,
+              kv_aligned=None):
     """Whether `attention_varlen_gluon` handles this call (else use attention.attention_varlen).
     fp8 needs fp8 P @ V and sequence starts on multiples of 32 keys (V^T TMA boxes, key order):
-    checked on cu_seqlens_k (one host sync)."""
+    ``kv_aligned`` when the caller knows, else checked on cu_seqlens_k (one host sync)."""
     ok = (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9
           and q.dtype in (torch.bfloat16, torch.float16) and k.dtype == q.dtype
           and q.shape[-1] in (64, 128) and window_left < 0 and softcap <= 0)
     if ok and fp8:
-        ok = fp8_pv and cu_seqlens_k is not None and bool((cu_seqlens_k % 32 == 0).all())
+        from quantkit.kernels.attention import kv_starts_aligned
+
+        ok = fp8_pv and cu_seqlens_k is not None and kv_starts_aligned(cu_seqlens_k, kv_aligned)
     return ok
 
 

@@ -154,3 +154,32 @@ def test_fp8_path_interpreter_or_gpu(seqlens, use_tma, fp8_pv):
     ref = attention_ref(q, k, v, cu_q, cu_k, causal=True)
     assert torch.isfinite(out).all()
     assert _rel_err(out, ref) < (0.07 if fp8_pv else 0.05)
+
+
+def test_fp8_key_scales_are_block_amax_without_a_host_sync():
+    # one scale per KV head and 128-key block of each sequence (blocks restart at every sequence)
+    from quantkit.kernels.attention import KV_SCALE_BLOCK, quantize_fp8_per_block
+
+    gen = torch.Generator().manual_seed(3)
+    lens = [300, 5, 128, 129]
+    x = torch.randn(sum(lens), 2, 16, generator=gen)
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
+    _, scale = quantize_fp8_per_block(x, cu)
+    start = 0
+    for n in lens:
+        for b0 in range(0, n, KV_SCALE_BLOCK):
+            rows = slice(start + b0, start + min(n, b0 + KV_SCALE_BLOCK))
+            expect = x[rows].abs().amax(dim=(0, 2)) / 448.0
+            assert torch.allclose(scale[rows], expect.expand_as(scale[rows]))
+        start += n
+
+
+@pytest.mark.parametrize("kv_aligned", [None, True, False])
+def test_kv_aligned_hint_gives_the_same_result(kv_aligned):
+    # the caller's alignment hint only saves the device check; False forces pointer loads of V^T
+    gen = torch.Generator().manual_seed(9)
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    q, k, v, cu_q, cu_k = _packed([32, 64], [32, 64], 4, 2, 64, dtype, gen=gen)
+    out = attention_varlen(q, k, v, cu_q, cu_k, 64, causal=True, fp8=True, use_tma=True, kv_aligned=kv_aligned)
+    ref = attention_ref(q, k, v, cu_q, cu_k, causal=True)
+    assert torch.isfinite(out).all() and _rel_err(out, ref) < 0.07
