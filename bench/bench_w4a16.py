@@ -38,8 +38,8 @@ def rotations(bytes_per_call: int, cap: int = 24) -> int:
     return max(2, min(cap, -(-3 * L2_BYTES // max(bytes_per_call, 1))))
 
 
-def bench_graph(fns, reps: int = 20) -> float:
-    """Median microseconds per call: one graph runs every fn of ``fns`` (rotating inputs) once."""
+def capture_graph(fns) -> torch.cuda.CUDAGraph:
+    """One CUDA graph that runs every fn of ``fns`` (rotating inputs) once, replayed once already."""
     for f in fns:
         f()  # compile, autotune, allocator warm-up: all outside the capture
     torch.cuda.synchronize()
@@ -49,6 +49,12 @@ def bench_graph(fns, reps: int = 20) -> float:
             f()
     graph.replay()
     torch.cuda.synchronize()
+    return graph
+
+
+def bench_graph(fns, reps: int = 20) -> float:
+    """Median microseconds per call over replays of :func:`capture_graph`."""
+    graph = capture_graph(fns)
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

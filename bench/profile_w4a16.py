@@ -24,7 +24,7 @@ import torch
 import triton
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_w4a16 import bench_graph, make_weights, rotations  # noqa: E402
+from bench_w4a16 import bench_graph, capture_graph, make_weights, rotations  # noqa: E402
 
 from quantkit.kernels import w4a16 as kw  # noqa: E402
 from quantkit.kernels import w4a16_gluon as kg  # noqa: E402
@@ -45,14 +45,7 @@ def config_times(ws, xs, m: int) -> list[dict]:
 def kernel_breakdown(ws, xs, replays: int = 20) -> list[dict]:
     """GPU time of each kernel that one default call launches (profiler over CUDA-graph replays)."""
     fns = [lambda x=x, w=w: kw.w4a16_matmul(x, w) for x, w in zip(xs, ws)]
-    for f in fns:
-        f()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for f in fns:
-            f()
-    graph.replay()
-    torch.cuda.synchronize()
+    graph = capture_graph(fns)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(replays):
             graph.replay()

@@ -57,7 +57,7 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from quantkit.kernels.w4a16 import gather_columns
+from quantkit.kernels.w4a16 import _num_sms, gather_columns
 from quantkit.kernels.w4a16_weights import PAIR_TILE_K, W4A16Weights
 
 # One K tile of the packed weights: 16 int32 words (128 codes) per output row, read as four dots of K = 32.
@@ -482,8 +482,7 @@ def _launch(x: torch.Tensor, w: W4A16Weights, config: GluonConfig) -> torch.Tens
     out = torch.empty((m, n), device=x.device, dtype=x.dtype)
     if stream_k:
         tile_units = ws[m * n:].view(torch.int32)  # zero bits are int32 zeros
-        n_sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-        grid = (min(tiles_n * k_tiles, n_sms * config.CTAS_PER_SM),)
+        grid = (min(tiles_n * k_tiles, _num_sms(x.device) * config.CTAS_PER_SM),)
     else:
         ws, tile_units = out, out  # unused
         grid = (tiles_n * tiles_m,)
