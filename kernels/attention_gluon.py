@@ -112,6 +112,27 @@ def _pv(p_op, v_tile, acc, dtype: gl.constexpr, IS_FP8: gl.constexpr):
 
 
 @gluon.jit
+def _row_state(qs_ptr, sm_scale, q_start, offs_m, seqlen_q, stride_qsm, head, HEAD_DIM: gl.constexpr,
+               BLOCK_N: gl.constexpr, IS_FP8: gl.constexpr, o_layout: gl.constexpr, s_layout: gl.constexpr):
+    """Start of the online softmax for query rows ``offs_m`` (in the S tile's row layout): the per-row
+    exp2 scale, the running max and sum, the O accumulator and a zero S accumulator.
+
+    exp(x) = exp2(x * log2(e)): log2(e) and sm_scale in one per-row scale (fp8: times the per-token q
+    scale here and the per-tile k scale in the loop)."""
+    rows: gl.constexpr = offs_m.shape[0]
+    row_layout: gl.constexpr = offs_m.type.layout
+    qk_scale = gl.full([rows], sm_scale * 1.4426950408889634, gl.float32, layout=row_layout)
+    if IS_FP8:
+        qk_scale = qk_scale * gl.load(qs_ptr + (q_start + offs_m) * stride_qsm + head, mask=offs_m < seqlen_q,
+                                      other=0.0)
+    m_i = gl.full([rows], float("-inf"), gl.float32, layout=row_layout)
+    l_i = gl.zeros([rows], gl.float32, layout=row_layout)
+    acc = gl.zeros([rows, HEAD_DIM], gl.float32, layout=o_layout)
+    s_zero = gl.zeros([rows, BLOCK_N], gl.float32, layout=s_layout)
+    return qk_scale, m_i, l_i, acc, s_zero
+
+
+@gluon.jit
 def _attn_fwd_gluon(desc_q, desc_k, desc_v, o_ptr, qs_ptr, ks_ptr, v_scale_ptr,
                     cu_seqlens_q_ptr, cu_seqlens_k_ptr, sm_scale,
                     stride_om, stride_oh, stride_qsm, stride_ksn, NUM_M_BLOCKS,
@@ -178,17 +199,9 @@ def _attn_fwd_gluon(desc_q, desc_k, desc_v, o_ptr, qs_ptr, ks_ptr, v_scale_ptr,
 
     offs_m = m0 + gl.arange(0, BLOCK_M, layout=row_s)
     offs_n = gl.arange(0, BLOCK_N, layout=col_s)
-    # exp(x) = exp2(x * log2(e)): log2(e) and sm_scale in one per-row scale (fp8: times the
-    # per-token q scale here and the per-tile k scale in the loop)
-    qk_scale = gl.full([BLOCK_M], sm_scale * 1.4426950408889634, gl.float32, layout=row_s)
-    if IS_FP8:
-        qk_scale = qk_scale * gl.load(qs_ptr + (q_start + offs_m) * stride_qsm + head, mask=offs_m < seqlen_q,
-                                      other=0.0)
+    qk_scale, m_i, l_i, acc, s_zero = _row_state(qs_ptr, sm_scale, q_start, offs_m, seqlen_q, stride_qsm, head,
+                                                 HEAD_DIM, BLOCK_N, IS_FP8, o_layout, s_layout)
     row_scale = qk_scale
-    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
-    l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
-    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
-    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
     mbarrier.wait(q_bar, 0)
 
     if n_tiles > 0:

@@ -49,7 +49,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from quantkit.kernels.attention_gluon import _p_operand, _pv, _softmax_tile, make_descriptors
+from quantkit.kernels.attention_gluon import _p_operand, _pv, _row_state, _softmax_tile, make_descriptors
 
 HALF_M = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M)
 _HALF_M = HALF_M.value
@@ -179,16 +179,9 @@ def _consume_tile(wg, q_smem, k_smem, v_smem, q_bars, q_empty, k_ready, v_ready,
         full_hi = gl.minimum(full_hi, gl.maximum(m0 + delta + 1, 0) // BLOCK_N * BLOCK_N)
     offs_m = m0 + gl.arange(0, HALF_M, layout=row_s)
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    # exp(x) = exp2(x * log2(e)); fp8: times the per-token q scale and, per tile, the k scale
-    qk_scale = gl.full([HALF_M], sm_scale * 1.4426950408889634, gl.float32, layout=row_s)
-    if IS_FP8:
-        qk_scale = qk_scale * gl.load(qs_ptr + (q_start + offs_m) * stride_qsm + head, mask=offs_m < seqlen_q,
-                                      other=0.0)
+    qk_scale, m_i, l_i, acc, s_zero = _row_state(qs_ptr, sm_scale, q_start, offs_m, seqlen_q, stride_qsm, head,
+                                                 HEAD_DIM, BLOCK_N, IS_FP8, o_layout, s_layout)
     row_scale = qk_scale
-    m_i = gl.full([HALF_M], float("-inf"), gl.float32, layout=row_s)
-    l_i = gl.zeros([HALF_M], gl.float32, layout=row_s)
-    acc = gl.zeros([HALF_M, HEAD_DIM], gl.float32, layout=o_layout)
-    s_zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout=s_layout)
     mbarrier.wait(q_bars.index(wg), it & 1)
 
     if n_tiles > 0:
