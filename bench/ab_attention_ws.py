@@ -19,18 +19,13 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from quantkit.kernels import attention_gluon_ws as ws
 from quantkit.kernels.attention import attention_varlen, prepare_fp8
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_attention import bench, rel_err  # noqa: E402  (the timing and error of the main bench)
+
 ws_run7 = None
 if os.environ.get("AB_BASELINE"):
     sys.path.insert(0, os.environ["AB_BASELINE"])
     import ws_run7  # noqa: F811
-
-def bench(fn):
-    fn()
-    torch.cuda.synchronize()
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-
-def rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 rows = []
 shapes = [(16, 16, s, 128) for s in (2048, 4096, 8192, 16384)] + [(32, 8, s, 128) for s in (2048, 4096, 16384)]
@@ -82,7 +77,7 @@ for hq, hkv, s, d in shapes:
                     ref = out
                 row[name] = round(f / bench(fns[name]) / 1e9, 1)
                 if ref is not None:
-                    row[name + "_err_vs_bf16"] = round(rel(out, ref), 4)
+                    row[name + "_err_vs_bf16"] = round(rel_err(out, ref), 4)
             except Exception as e:
                 row[name] = f"{type(e).__name__}: {str(e)[:120]}"
         rows.append(row)
