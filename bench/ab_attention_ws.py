@@ -4,7 +4,8 @@ their host-side checks), and cuDNN through SDPA. Runs 8-9 (bench/NOTES_attention
 
     AB_SHAPES=16/16/2048,16/16/2048/64 AB_VARS=new_bf16,new_fp8_nopp,cudnn python bench/ab_attention_ws.py
 
-Shapes hq/hkv/seqlen[/head_dim]; AB_VARS from the names in `fns` below. AB_BASELINE=<dir> holding an older
+Shapes hq/hkv/seqlen[/head_dim]; AB_VARS from the names in `fns` below (NAME.again times NAME once more, for the
+spread). AB_BASELINE=<dir> holding an older
 copy of the ws kernel as ws_run7.py (runs 8-9: the kernels of commit 8c093a8, with attention_gluon.py as
 gluon_run7.py) enables the old_* variants. Writes $OUT/ab.json and prints a table last."""
 import json
@@ -56,6 +57,16 @@ for hq, hkv, s, d in shapes:
             "new_bf16_b2": lambda: ws.attention_varlen_ws(q, k, v, cu, cu, s, causal=causal, config=(128, 2)),
             "new_bf16_b3": lambda: ws.attention_varlen_ws(q, k, v, cu, cu, s, causal=causal, config=(128, 3)),
             "new_bf16_1tile": lambda: ws.attention_varlen_ws(q, k, v, cu, cu, s, causal=causal, config=cfg16 + (False, True)),
+            # runs 10-11: the TMA-store epilogue (ts) and the producer-staged K scale (ks) of the fp8 path
+            "bf16_b2_ts": lambda: ws.attention_varlen_ws(q, k, v, cu, cu, s, causal=causal, config=(128, 2, True, True, True)),
+            "bf16_b4_ts": lambda: ws.attention_varlen_ws(q, k, v, cu, cu, s, causal=causal, config=(128, 4, True, True, True)),
+            "fp8_ts": lambda: ws.attention_varlen_ws(q, k, v, cu, cu, s, causal=causal, fp8_prepared=prep, config=(128, 4, True, False, True)),
+            "fp8_ts_ks": lambda: ws.attention_varlen_ws(q, k, v, cu, cu, s, causal=causal, fp8_prepared=prep, config=(128, 4, True, False, True, True)),
+            "fp8_ks": lambda: ws.attention_varlen_ws(q, k, v, cu, cu, s, causal=causal, fp8_prepared=prep, config=(128, 4, True, False, False, True)),
+            "fp8_ts_ks_pp": lambda: ws.attention_varlen_ws(q, k, v, cu, cu, s, causal=causal, fp8_prepared=prep, config=(128, 4, True, True, True, True)),
+            "default_bf16": lambda: ws.attention_varlen_ws(q, k, v, cu, cu, s, causal=causal),
+            "default_fp8": lambda: ws.attention_varlen_ws(q, k, v, cu, cu, s, causal=causal, fp8_prepared=prep),
+            "fp8_ts_ks_b3": lambda: ws.attention_varlen_ws(q, k, v, cu, cu, s, causal=causal, fp8_prepared=prep, config=(128, 3, True, False, True, True)),
             "auto_bf16": lambda: attention_varlen(q, k, v, cu, cu, s, causal=causal),
             "auto_fp8": lambda: attention_varlen(q, k, v, cu, cu, s, causal=causal, fp8_prepared=prep),
             "triton_fp8_def": lambda: attention_varlen(q, k, v, cu, cu, s, causal=causal, fp8_prepared=prep, backend="triton"),
@@ -70,12 +81,13 @@ for hq, hkv, s, d in shapes:
         ref = None
         for name in VARS:
             try:
-                out = fns[name]()
+                fn = fns[name.split(".")[0]]
+                out = fn()
                 if name == "cudnn":
                     out = out.transpose(1, 2).reshape(b * s, hq, d)
                 if ref is None and name in ("new_bf16", "old_bf16", "auto_bf16"):
                     ref = out
-                row[name] = round(f / bench(fns[name]) / 1e9, 1)
+                row[name] = round(f / bench(fn) / 1e9, 1)
                 if ref is not None:
                     row[name + "_err_vs_bf16"] = round(rel_err(out, ref), 4)
             except Exception as e:

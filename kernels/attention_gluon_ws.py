@@ -26,11 +26,14 @@ Here, as in FA3, no CTA-wide barrier is left in the loop:
 * persistent grid (one program per SM, `_tile_coords` hands out the work tiles): the producer's
   ring runs on across work tiles, so the next tile's loads overlap the current one's last rounds.
 
-Measured on the H200 (bench/NOTES_attention.md, runs 5-9), bf16 hd128, 16 heads: 563-603 TFLOP/s
-non-causal and 506-559 causal at S = 4096-16384 (0.94-1.01x cuDNN), against the earlier
-kernels (485-510 / 435-508). fp8 (runs 8-9, since P is carried in fp32 and converted to e4m3 in one
-step, without the ping-pong): 544-818 TFLOP/s at hd128 S >= 2048, 1.14-1.34x this kernel's bf16; `auto`
-uses it for fp8.
+* fixed costs off the rounds and the work tiles: the output of a 64-row half leaves through shared
+  memory and one TMA store (`TMA_STORE`), and at fp8 the producer stages each K tile's scale in
+  shared memory next to the tile (`STAGE_KS`), so no round waits on a global load.
+
+Measured on the H200 (bench/NOTES_attention.md, runs 10-12), bf16 hd128, 16 heads: 588-615 TFLOP/s
+non-causal and 499-576 causal at S = 2048-16384 (0.95-1.07x cuDNN in the same runs). fp8 (P carried
+in fp32 and converted to e4m3 in one step, without the ping-pong): 616-833 TFLOP/s at hd128, 1.16-1.44x
+this kernel's bf16; `auto` uses it for fp8.
 
 Scope as `attention_gluon.py` (bf16/fp16 and its fp8 path, head dim 64/128, causal or not,
 packed varlen, GQA); layout q (total_q, Hq, D), k/v (total_k, Hkv, D), cu_seqlens (B + 1,).
@@ -48,11 +51,29 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from quantkit.kernels.attention_gluon import _p_operand, _pv, _row_state, _softmax_tile, make_descriptors
 
 HALF_M = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M)
 _HALF_M = HALF_M.value
+_GL_DTYPE = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+
+
+# the producer partition's 4 warps hold a stage's K scale as HALF_M copies (KS_REG_LAYOUT) and store
+# them to a plain shared row; each consumer reads the copies of its own rows (the S rows' layout)
+KS_REG_LAYOUT = gl.constexpr(gl.BlockedLayout([1], [32], [4], [0]))
+KS_SMEM_LAYOUT = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))
+
+
+@gluon.jit
+def _k_scale(ks_smem, stage, ks_ptr, offset, row_layout: gl.constexpr, STAGE_KS: gl.constexpr):
+    """The K scale of the tile in ring stage `stage` (ks_ptr + offset), per S row: from the stage's
+    ks_smem row (STAGE_KS) or by a global load."""
+    if STAGE_KS:
+        return ks_smem.index(stage).load(row_layout)
+    else:
+        return gl.load(ks_ptr + offset)
 
 
 @gluon.jit
@@ -100,16 +121,17 @@ def _tile_coords(k, cu_seqlens_q_ptr, cu_seqlens_k_ptr, NUM_M_BLOCKS, N_SEQ, N_W
 
 
 @gluon.jit
-def _ws_producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bars, q_empty, k_ready, v_ready, k_empty,
-                 v_empty, cu_seqlens_q_ptr, cu_seqlens_k_ptr, NUM_M_BLOCKS, N_SEQ, N_WORK, SWIZZLE,
-                 GROUP: gl.constexpr,
+def _ws_producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, ks_smem, ks_ptr, stride_ksn, q_bars, q_empty,
+                 k_ready, v_ready, k_empty, v_empty, cu_seqlens_q_ptr, cu_seqlens_k_ptr, NUM_M_BLOCKS, N_SEQ, N_WORK,
+                 SWIZZLE, GROUP: gl.constexpr,
                  HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                 IS_FP8: gl.constexpr):
+                 IS_FP8: gl.constexpr, STAGE_KS: gl.constexpr):
     """TMA issue for every work tile of this program: the two Q halves (once their consumer has
     retired its last Q K^T of the previous tile), then K_j one step ahead of V_(j-1), each into
     its ring stage once both consumers released it (fresh mbarriers count as released: wait on
     phase 1). The ring runs on across work tiles, so the next tile's loads overlap the last
-    rounds and the epilogue of the current one."""
+    rounds and the epilogue of the current one. STAGE_KS: each K tile's scale (fp8) is loaded here and
+    stored to its stage's ks_smem row, then a second arrive on the stage's k_ready (count 2)."""
     cnt = 0  # K/V tiles issued so far: ring stage and phase
     it = 0  # work tiles so far: Q buffer phase
     for k in range(gl.cdiv(N_WORK, gl.num_programs(0))):
@@ -126,10 +148,17 @@ def _ws_producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bars, q_empty
             for j in range(n_tiles + 1):
                 if j < n_tiles:
                     stage = (cnt + j) % NUM_BUF
+                    if STAGE_KS:  # issued before the wait, which hides its latency
+                        ks = gl.load(ks_ptr + (kv_start + j * BLOCK_N) * stride_ksn + kv_head
+                                     + gl.zeros([HALF_M], gl.int32, layout=KS_REG_LAYOUT))
                     mbarrier.wait(k_empty.index(stage), (((cnt + j) // NUM_BUF) & 1) ^ 1)
                     mbarrier.expect(k_ready.index(stage), desc_k.block_type.nbytes)
                     tma.async_copy_global_to_shared(desc_k, [kv_start + j * BLOCK_N, kv_col], k_ready.index(stage),
                                                     k_smem.index(stage))
+                    if STAGE_KS:
+                        ks_smem.index(stage).store(ks)
+                        gl.thread_barrier()  # every producer thread's store before the (one-thread) arrive
+                        mbarrier.arrive(k_ready.index(stage), count=1)
                 if j > 0:
                     stage = (cnt + j - 1) % NUM_BUF
                     mbarrier.wait(v_empty.index(stage), (((cnt + j - 1) // NUM_BUF) & 1) ^ 1)
@@ -146,15 +175,20 @@ def _ws_producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bars, q_empty
 
 
 @gluon.jit
-def _consume_tile(wg, q_smem, k_smem, v_smem, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, turn_bars,
-                  o_ptr, qs_ptr, ks_ptr, v_scale_ptr, sm_scale, stride_om, stride_oh, stride_qsm, stride_ksn,
-                  q_start, seqlen_q, kv_start, seqlen_k, blk_m0, head, kv_head, n_tiles, cnt, it, rnd,
+def _consume_tile(wg, q_smem, k_smem, v_smem, ks_smem, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, turn_bars,
+                  desc_o, o_smem, o_ptr, qs_ptr, ks_ptr, v_scale_ptr, sm_scale, stride_om, stride_oh, stride_qsm,
+                  stride_ksn, q_start, seqlen_q, kv_start, seqlen_k, blk_m0, head, kv_head, n_tiles, cnt, it, rnd,
                   HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr, IS_FP8: gl.constexpr,
-                  NUM_BUF: gl.constexpr, PINGPONG: gl.constexpr):
+                  NUM_BUF: gl.constexpr, PINGPONG: gl.constexpr, TMA_STORE: gl.constexpr,
+                  STAGE_KS: gl.constexpr):
     """One warpgroup, one work tile: rows blk_m0 + wg * 64 .. + 63. Round j (j = 0..n_tiles)
     issues S_j and P_(j-1) V_(j-1) inside this warpgroup's turn; the softmax of S_j then overlaps
     both the P V wgmma (intra-warpgroup) and the other warpgroup's round (ping-pong). cnt: ring
-    position of key tile 0; it: work tiles done (Q phase); rnd: rounds done (turn phase)."""
+    position of key tile 0; it: work tiles done (Q phase); rnd: rounds done (turn phase).
+    TMA_STORE: a half whose 64 rows lie inside the sequence is written through this warpgroup's o_smem
+    buffer by one TMA store (else 32 masked 4-byte stores a thread). STAGE_KS (fp8): the per-tile K
+    scale comes from ks_smem, where the producer put it with the K tile (else a global load a round,
+    whose latency the short fp8 S wgmma does not cover)."""
     dtype: gl.constexpr = q_smem.dtype
     MMA_K: gl.constexpr = 32 if IS_FP8 else 16
     # P as carried across the loop's back edge: fp8 P stays fp32 (the registers are there: 240 a
@@ -194,7 +228,8 @@ def _consume_tile(wg, q_smem, k_smem, v_smem, q_bars, q_empty, k_ready, v_ready,
         if PINGPONG:
             mbarrier.arrive(their_turn, count=1)
         if IS_FP8:  # one K scale per tile (prepare_fp8: per KV_SCALE_BLOCK keys)
-            row_scale = qk_scale * gl.load(ks_ptr + kv_start * stride_ksn + kv_head)
+            row_scale = qk_scale * _k_scale(ks_smem, cnt % NUM_BUF, ks_ptr, kv_start * stride_ksn + kv_head,
+                                            row_s, STAGE_KS)
         s = warpgroup_mma_wait(0, deps=[s])
         mbarrier.arrive(k_empty.index(cnt % NUM_BUF), count=1)
         p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, row_scale, 0, offs_m, offs_n, seqlen_k, delta,
@@ -212,7 +247,8 @@ def _consume_tile(wg, q_smem, k_smem, v_smem, q_bars, q_empty, k_ready, v_ready,
             if PINGPONG:
                 mbarrier.arrive(their_turn, count=1)
             if IS_FP8:
-                row_scale = qk_scale * gl.load(ks_ptr + (kv_start + j * BLOCK_N) * stride_ksn + kv_head)
+                row_scale = qk_scale * _k_scale(ks_smem, stage, ks_ptr, (kv_start + j * BLOCK_N) * stride_ksn + kv_head,
+                                                row_s, STAGE_KS)
             s = warpgroup_mma_wait(1, deps=[s])  # S_j done; P_(j-1) V_(j-1) may still run
             mbarrier.arrive(k_empty.index(stage), count=1)
             p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, row_scale, j * BLOCK_N, offs_m, offs_n,
@@ -240,20 +276,31 @@ def _consume_tile(wg, q_smem, k_smem, v_smem, q_bars, q_empty, k_ready, v_ready,
     acc = acc / gl.expand_dims(gl.convert_layout(l_safe, row_o), 1)
     if IS_FP8:
         acc = acc * gl.load(v_scale_ptr + kv_head)
-    offs_mo = m0 + gl.arange(0, HALF_M, layout=row_o)
-    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-    o_ptrs = (o_ptr + gl.expand_dims((q_start + offs_mo).to(gl.int64) * stride_om, 1) + head * stride_oh
-              + gl.expand_dims(offs_d, 0))
-    gl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=gl.expand_dims(offs_mo < seqlen_q, 1))
+    if TMA_STORE and m0 + HALF_M <= seqlen_q:
+        # rows past seqlen_q belong to the next sequence: only whole halves go by TMA
+        o_buf = o_smem.index(wg)
+        tma.store_wait(0)  # this buffer's previous store has been read out
+        gl.thread_barrier()  # (the partition's named barrier) before any thread overwrites it
+        o_buf.store(acc.to(o_smem.dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        tma.async_copy_shared_to_global(desc_o, [q_start + m0, head * HEAD_DIM], o_buf)
+    else:
+        offs_mo = m0 + gl.arange(0, HALF_M, layout=row_o)
+        offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        o_ptrs = (o_ptr + gl.expand_dims((q_start + offs_mo).to(gl.int64) * stride_om, 1) + head * stride_oh
+                  + gl.expand_dims(offs_d, 0))
+        gl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=gl.expand_dims(offs_mo < seqlen_q, 1))
 
 
 @gluon.jit
-def _ws_consumer(wg, q_smem, k_smem, v_smem, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, turn_bars,
-                 o_ptr, qs_ptr, ks_ptr, v_scale_ptr, sm_scale, stride_om, stride_oh, stride_qsm, stride_ksn,
+def _ws_consumer(wg, q_smem, k_smem, v_smem, ks_smem, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
+                 turn_bars, desc_o, o_smem, o_ptr, qs_ptr, ks_ptr, v_scale_ptr, sm_scale, stride_om, stride_oh,
+                 stride_qsm, stride_ksn,
                  cu_seqlens_q_ptr, cu_seqlens_k_ptr, NUM_M_BLOCKS, N_SEQ, N_WORK, SWIZZLE,
                  GROUP: gl.constexpr,
                  HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr, IS_FP8: gl.constexpr,
-                 NUM_BUF: gl.constexpr, PINGPONG: gl.constexpr):
+                 NUM_BUF: gl.constexpr, PINGPONG: gl.constexpr, TMA_STORE: gl.constexpr, STAGE_KS: gl.constexpr):
     """Consumer warpgroup `wg` over this program's work tiles (the producer's order)."""
     cnt = 0  # K/V tiles consumed so far: ring stage and phase
     it = 0  # work tiles so far: Q buffer phase
@@ -263,23 +310,27 @@ def _ws_consumer(wg, q_smem, k_smem, v_smem, q_bars, q_empty, k_ready, v_ready, 
             k, cu_seqlens_q_ptr, cu_seqlens_k_ptr, NUM_M_BLOCKS, N_SEQ, N_WORK, SWIZZLE, GROUP, BLOCK_N,
             IS_CAUSAL)
         if n_tiles >= 0:
-            _consume_tile(wg, q_smem, k_smem, v_smem, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
-                          turn_bars, o_ptr, qs_ptr, ks_ptr, v_scale_ptr, sm_scale, stride_om, stride_oh,
-                          stride_qsm, stride_ksn, q_start, seqlen_q, kv_start, seqlen_k, blk_m0, head, kv_head,
-                          n_tiles, cnt, it, rnd, HEAD_DIM, BLOCK_N, IS_CAUSAL, IS_FP8, NUM_BUF, PINGPONG)
+            _consume_tile(wg, q_smem, k_smem, v_smem, ks_smem, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
+                          turn_bars, desc_o, o_smem, o_ptr, qs_ptr, ks_ptr, v_scale_ptr, sm_scale, stride_om,
+                          stride_oh, stride_qsm, stride_ksn, q_start, seqlen_q, kv_start, seqlen_k, blk_m0, head,
+                          kv_head, n_tiles, cnt, it, rnd, HEAD_DIM, BLOCK_N, IS_CAUSAL, IS_FP8, NUM_BUF, PINGPONG,
+                          TMA_STORE, STAGE_KS)
             cnt += n_tiles
             it += 1
             if n_tiles > 0:
                 rnd += n_tiles + 1
+    if TMA_STORE:
+        tma.store_wait(0)  # the last tile's store has read its buffer before the program exits
 
 
 @gluon.jit
-def _attn_fwd_ws(desc_q, desc_k, desc_v, o_ptr, qs_ptr, ks_ptr, v_scale_ptr,
+def _attn_fwd_ws(desc_q, desc_k, desc_v, desc_o, o_ptr, qs_ptr, ks_ptr, v_scale_ptr,
                  cu_seqlens_q_ptr, cu_seqlens_k_ptr, sm_scale,
                  stride_om, stride_oh, stride_qsm, stride_ksn, NUM_M_BLOCKS, N_SEQ, N_WORK, SWIZZLE,
                  GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
                  IS_CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, NUM_BUF: gl.constexpr,
-                 PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                 PINGPONG: gl.constexpr, TMA_STORE: gl.constexpr, STAGE_KS: gl.constexpr,
+                 CONSUMER_REGS: gl.constexpr):
     """Grid: up to one program per SM, each looping over its work tiles (`_tile_coords`;
     N_WORK = query blocks x sequences x heads; a grid of N_WORK programs runs one tile each)."""
     dtype: gl.constexpr = desc_q.dtype
@@ -289,8 +340,16 @@ def _attn_fwd_ws(desc_q, desc_k, desc_v, o_ptr, qs_ptr, ks_ptr, v_scale_ptr,
         v_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, HEAD_DIM, BLOCK_N], desc_v.layout)
     else:
         v_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, HEAD_DIM], desc_v.layout)
+    if TMA_STORE:  # one 64-row output buffer per consumer warpgroup
+        o_smem = gl.allocate_shared_memory(desc_o.dtype, [2, HALF_M, HEAD_DIM], desc_o.layout)
+    else:
+        o_smem = q_smem  # placeholder, never used
     q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    if STAGE_KS:  # fp8: the K tile's scale, written by the producer for each consumer row
+        ks_smem = gl.allocate_shared_memory(gl.float32, [NUM_BUF, HALF_M], KS_SMEM_LAYOUT)
+    else:
+        ks_smem = q_bars  # placeholder, never used
     turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
@@ -301,7 +360,7 @@ def _attn_fwd_ws(desc_q, desc_k, desc_v, o_ptr, qs_ptr, ks_ptr, v_scale_ptr,
         mbarrier.init(q_empty.index(i), count=1)  # released by its own warpgroup
         mbarrier.init(turn_bars.index(i), count=1)
     for i in gl.static_range(NUM_BUF):
-        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(k_ready.index(i), count=2 if STAGE_KS else 1)  # TMA bytes (+ the producer's K scale)
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=2)  # one arrive per consumer warpgroup
         mbarrier.init(v_empty.index(i), count=2)
@@ -311,27 +370,43 @@ def _attn_fwd_ws(desc_q, desc_k, desc_v, o_ptr, qs_ptr, ks_ptr, v_scale_ptr,
     # the two consumers get the same arguments but their warpgroup index (written out: a tuple
     # concatenation in the kernel would turn the constexprs into run-time values)
     gl.warp_specialize([
-        (_ws_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bars, q_empty, k_ready, v_ready,
-                        k_empty, v_empty, cu_seqlens_q_ptr, cu_seqlens_k_ptr, NUM_M_BLOCKS, N_SEQ, N_WORK, SWIZZLE,
-                        GROUP, HEAD_DIM, BLOCK_N, NUM_BUF, IS_CAUSAL, IS_FP8)),
-        (_ws_consumer, (0, q_smem, k_smem, v_smem, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, turn_bars,
-                        o_ptr, qs_ptr, ks_ptr, v_scale_ptr, sm_scale, stride_om, stride_oh, stride_qsm, stride_ksn,
+        (_ws_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, ks_smem, ks_ptr, stride_ksn, q_bars, q_empty,
+                        k_ready, v_ready, k_empty, v_empty, cu_seqlens_q_ptr, cu_seqlens_k_ptr, NUM_M_BLOCKS, N_SEQ,
+                        N_WORK, SWIZZLE,
+                        GROUP, HEAD_DIM, BLOCK_N, NUM_BUF, IS_CAUSAL, IS_FP8, STAGE_KS)),
+        (_ws_consumer, (0, q_smem, k_smem, v_smem, ks_smem, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
+                        turn_bars, desc_o, o_smem, o_ptr, qs_ptr, ks_ptr, v_scale_ptr, sm_scale, stride_om, stride_oh,
+                        stride_qsm, stride_ksn,
                         cu_seqlens_q_ptr, cu_seqlens_k_ptr, NUM_M_BLOCKS, N_SEQ, N_WORK, SWIZZLE,
-                        GROUP, HEAD_DIM, BLOCK_N, IS_CAUSAL, IS_FP8, NUM_BUF, PINGPONG)),
-        (_ws_consumer, (1, q_smem, k_smem, v_smem, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, turn_bars,
-                        o_ptr, qs_ptr, ks_ptr, v_scale_ptr, sm_scale, stride_om, stride_oh, stride_qsm, stride_ksn,
+                        GROUP, HEAD_DIM, BLOCK_N, IS_CAUSAL, IS_FP8, NUM_BUF, PINGPONG, TMA_STORE, STAGE_KS)),
+        (_ws_consumer, (1, q_smem, k_smem, v_smem, ks_smem, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
+                        turn_bars, desc_o, o_smem, o_ptr, qs_ptr, ks_ptr, v_scale_ptr, sm_scale, stride_om, stride_oh,
+                        stride_qsm, stride_ksn,
                         cu_seqlens_q_ptr, cu_seqlens_k_ptr, NUM_M_BLOCKS, N_SEQ, N_WORK, SWIZZLE,
-                        GROUP, HEAD_DIM, BLOCK_N, IS_CAUSAL, IS_FP8, NUM_BUF, PINGPONG)),
+                        GROUP, HEAD_DIM, BLOCK_N, IS_CAUSAL, IS_FP8, NUM_BUF, PINGPONG, TMA_STORE, STAGE_KS)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
-def _default_config(head_dim, fp8):
-    """(BLOCK_N, NUM_BUF, persistent, pingpong): 128-key tiles; the ring as deep as shared memory
-    allows (one CTA per SM: Q 32 KB + 64 KB a stage at bf16 hd128). fp8 without the ping-pong
-    handshake: its rounds' MMAs are half as long, so the turn only adds waiting (run 8: +1-6%)."""
+def _default_config(head_dim, fp8, max_seqlen_q):
+    """(BLOCK_N, NUM_BUF, persistent, pingpong, tma_store, stage_ks) measured fastest on the H200
+    (bench/NOTES_attention.md, runs 10-11): 128-key tiles; the ring as deep as shared memory allows
+    (one CTA per SM: Q 32 KB + 64 KB a stage at bf16 hd128, + 2 x 16 KB for the TMA-store buffers).
+    fp8 without the ping-pong handshake: its rounds' MMAs are half as long, so the turn only adds
+    waiting (run 8: +1-6%). TMA-store epilogue (bf16): +0-15% at rows <= 8192 (most at 2048, where a
+    work tile has fewest rounds); at 16384 603 against 597-631 for the plain store (runs 11-12), so not
+    taken there. Staged K scale (fp8): +0-7%; with the TMA store +1-14% at hd128, but the TMA store cost
+    3-10% at fp8 hd64 non-causal."""
     if fp8:
-        return 128, 4, True, False
-    return (128, 2, True, True) if head_dim == 128 else (128, 4, True, True)
+        return (128, 4, True, False, head_dim == 128, True)
+    return (128, 2 if head_dim == 128 else 4, True, True, max_seqlen_q <= 8192, False)
+
+
+def _full_config(config, head_dim, fp8, max_seqlen_q):
+    """A user config (BLOCK_N, NUM_BUF[, persistent[, pingpong[, tma_store[, stage_ks]]]]) completed
+    with True, True, False, False; None: `_default_config`."""
+    if not config:
+        return _default_config(head_dim, fp8, max_seqlen_q)
+    return (tuple(config) + (True, True, False, False)[len(config) - 2:])[:6]
 
 
 # One CTA of 3 warpgroups (12 warps) per SM: maxnreg 168 caps the whole at 168 * 384 = 64512
@@ -346,10 +421,13 @@ def attention_varlen_ws(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causa
     """Same contract as `attention_gluon.attention_varlen_gluon` (and its `supported` cases).
 
     q: (total_q, Hq, D); k, v: (total_k, Hkv, D), bf16/fp16; cu_seqlens_*: (B + 1,) int32.
-    config: (BLOCK_N, NUM_BUF[, persistent[, pingpong]]), see `_default_config`; query tiles are
-    128 rows (2 x 64). persistent (default True): one program per SM looping over the work
-    tiles, so a tile's loads overlap the previous tile's last rounds; else one program a tile.
-    pingpong (default True): the turn handshake between the consumer warpgroups.
+    config: (BLOCK_N, NUM_BUF[, persistent[, pingpong[, tma_store[, stage_ks]]]]), see
+    `_default_config`; query tiles are 128 rows (2 x 64). persistent (default True): one program
+    per SM looping over the work tiles, so a tile's loads overlap the previous tile's last rounds;
+    else one program a tile. pingpong (default True): the turn handshake between the consumer
+    warpgroups. tma_store: the output through shared memory and TMA. stage_ks (fp8 only): the
+    producer stages each K tile's scale in shared memory. A config of 2-5 entries is completed with
+    True, True, False, False (`_full_config`).
     out: optional (total_q, Hq, D) buffer to write (tests pass a NaN-poisoned one).
     Returns (total_q, Hq, D) in q's dtype."""
     n_heads, head_dim = q.shape[1], q.shape[2]
@@ -357,24 +435,33 @@ def attention_varlen_ws(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causa
     assert n_heads % n_kv_heads == 0
     sm_scale = head_dim ** -0.5 if sm_scale is None else sm_scale
     fp8 = fp8 or fp8_prepared is not None
-    block_n, num_buf, persistent, pingpong = (tuple(config) + (True, True))[:4] if config else \
-        _default_config(head_dim, fp8)
+    block_n, num_buf, persistent, pingpong, tma_store, stage_ks = _full_config(config, head_dim, fp8, max_seqlen_q)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
     desc_q, desc_k, desc_v, q_scale, k_scale, v_scale = make_descriptors(
         q, k, v, cu_seqlens_k, _HALF_M, block_n, fp8, hadamard, fp8_prepared, out)
+    desc_o = _output_descriptor(out) if tma_store else desc_q  # (a placeholder without the TMA store)
     n_m_blocks = triton.cdiv(max_seqlen_q, 2 * _HALF_M)
     n_work = n_m_blocks * (cu_seqlens_q.numel() - 1) * n_heads
     n_prog = n_work if not persistent else min(n_work, _sm_count(q.device))
     # all (sequence, head) pairs in one group when one head's query blocks nearly fill the grid
     swizzle = n_work // n_m_blocks if causal and 2 * n_m_blocks > n_prog else 1
-    _attn_fwd_ws[(n_prog, )](desc_q, desc_k, desc_v, out, q_scale, k_scale, v_scale, cu_seqlens_q, cu_seqlens_k,
+    _attn_fwd_ws[(n_prog, )](desc_q, desc_k, desc_v, desc_o, out, q_scale, k_scale, v_scale, cu_seqlens_q, cu_seqlens_k,
                              sm_scale, out.stride(0), out.stride(1),
                              q_scale.stride(0) if fp8 else 0, k_scale.stride(0) if fp8 else 0, n_m_blocks,
                              cu_seqlens_q.numel() - 1, n_work, swizzle, GROUP=n_heads // n_kv_heads,
                              HEAD_DIM=head_dim,
                              BLOCK_N=block_n, IS_CAUSAL=causal, IS_FP8=fp8, NUM_BUF=num_buf, PINGPONG=pingpong,
+                             TMA_STORE=bool(tma_store), STAGE_KS=bool(stage_ks and fp8),
                              CONSUMER_REGS=CONSUMER_REGS, num_warps=4, maxnreg=MAXNREG)
     return out
+
+
+def _output_descriptor(out):
+    """TMA descriptor of out (total_q, Hq, D) as (total_q, Hq * D), boxes of 64 rows of one head."""
+    head_dim = out.shape[2]
+    o2d = out.view(out.shape[0], out.shape[1] * head_dim)
+    layout = gl.NVMMASharedLayout.get_default_for([_HALF_M, head_dim], _GL_DTYPE[out.dtype])
+    return TensorDescriptor(o2d, list(o2d.shape), [o2d.stride(0), 1], [_HALF_M, head_dim], layout)
 
 
 @functools.cache

@@ -39,6 +39,7 @@ def test_gluon_not_used_without_hopper():
     ("gluon_ws", 64, None), ("gluon_ws", 128, None), ("gluon_ws", 128, (128, 3)), ("gluon_ws", 128, (64, 4)),
     ("gluon_ws", 128, (128, 2, False, True)),  # one program a work tile
     ("gluon_ws", 128, (128, 2, True, False)),  # no ping-pong handshake
+    ("gluon_ws", 128, (128, 2, True, True, True)), ("gluon_ws", 64, (128, 4, True, True, True)),  # TMA-store epilogue
 ])
 @pytest.mark.parametrize("lens_q,lens_k", [
     ([1000, 37, 300], [1000, 37, 300]),   # varlen, lengths off the block size
@@ -63,7 +64,7 @@ def test_gluon_varlen_gqa(causal, backend, d, config, lens_q, lens_k):
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU")
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("config", [None, (128, 2, True, False), (128, 3, False, True)])
+@pytest.mark.parametrize("config", [None, (128, 2, True, False), (128, 3, False, True), (128, 2, True, True, True)])
 def test_gluon_ws_writes_every_row(causal, config):
     """NaN-poisoned output: every element written, on fresh inputs twice (a race shows as a
     moving error), at a size with many 128-row tiles and a ragged end (each persistent program
@@ -88,13 +89,18 @@ def test_gluon_ws_writes_every_row(causal, config):
 @pytest.mark.parametrize("backend,d,config", [
     ("gluon", 128, None), ("gluon_ws", 128, None),  # ws default: no ping-pong
     ("gluon_ws", 128, (128, 4, True, True)), ("gluon_ws", 64, None),
+    ("gluon_ws", 128, (128, 4, True, False, True, True)), ("gluon_ws", 64, (128, 4, True, False, True, True)),
+    ("gluon_ws", 128, (128, 4, True, False, False, True)),  # K scale staged by the producer, plain stores
 ])
 def test_gluon_fp8(causal, hadamard, backend, d, config):
     """fp8 e4m3 Q, K, V and P; sequence starts on multiples of 32 (the gluon fp8 condition), lengths
-    not multiples of the 128-key tile or K scale block."""
+    not multiples of the 128-key tile or K scale block. K's magnitude differs between 128-key blocks
+    (x0.5, x1, x2), so a tile that used another tile's K scale would be off by 2-4x in its logits."""
     gen = torch.Generator().manual_seed(8)
     lens = [1024, 96, 320]
     q, k, v = (torch.randn(sum(lens), h, d, generator=gen).to("cuda", torch.bfloat16) for h in (8, 2, 2))
+    local = torch.cat([torch.arange(n) for n in lens]).to("cuda")
+    k = k * (2.0 ** ((local // 128) % 3 - 1)).to(k.dtype)[:, None, None]
     cu = _cu(lens, "cuda")
     assert attention_gluon.supported(q, k, causal, fp8=True, cu_seqlens_k=cu)
     out = attention_varlen(q, k, v, cu, cu, max(lens), causal=causal, fp8=True, hadamard=hadamard, backend=backend,
@@ -103,6 +109,36 @@ def test_gluon_fp8(causal, hadamard, backend, d, config):
                                   backend="triton")
     ref = attention_ref(q, k, v, cu, cu, causal=causal)
     assert torch.isfinite(out).all()
-    assert _rel_err(out, ref) < 0.06  # e4m3: ~3-5% on gaussian data
+    # e4m3: ~5% on gaussian data, 6-7% with the scaled K blocks (a float32 emulation of the same
+    # quantization on the CPU: 0.068-0.071 non-causal, 0.059-0.060 causal)
+    assert _rel_err(out, ref) < 0.08
     # same quantized inputs, same math: the kernels differ by accumulation order only
     assert _rel_err(out, out_triton) < 0.02
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp8_auto_uses_ws_without_host_sync(monkeypatch, d, causal):
+    """`attention(fp8=True)` (backend auto) runs the ws kernel at head dim 64 and 128, and neither the
+    fp8 quantization nor the dispatch synchronizes with the host (kv_aligned from the fixed length,
+    the host-side bound of quantize_fp8_per_block's block table)."""
+    from quantkit.kernels.attention import attention
+
+    calls = []
+    ws_launch = attention_gluon_ws.attention_varlen_ws
+    monkeypatch.setattr(attention_gluon_ws, "attention_varlen_ws", lambda *a, **kw: calls.append(1) or ws_launch(*a, **kw))
+    gen = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(2, 640, h, d, generator=gen).to("cuda", torch.bfloat16) for h in (8, 2, 2))
+    attention(q, k, v, causal=causal, fp8=True)  # compile outside the sync check
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = attention(q, k, v, causal=causal, fp8=True)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert len(calls) == 2
+    cu = _cu([640, 640], "cuda")
+    ref = attention_ref(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, cu, causal=causal)
+    assert _rel_err(out.flatten(0, 1), ref) < 0.06

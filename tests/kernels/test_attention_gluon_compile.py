@@ -1,0 +1,98 @@
+"""The warp-specialized Gluon attention kernel compiled for sm_90 on the CPU: properties of its machine code.
+
+Gluon has no interpreter, so the CPU cannot run this kernel; it can compile it (Triton ships ptxas and
+nvdisasm). One compile, the fp8 causal default config (TMA-store epilogue, K scale staged by the producer),
+with the launch's 16-divisibility attributes, pins what runs 10-11 measured:
+
+* no round reads its K scale from global memory between issuing S = Q K^T and waiting for it (the load
+  the short fp8 wgmma did not cover); the scale comes from shared memory;
+* the output leaves through a TMA store;
+* no spills beyond the one register (reloaded once per work tile) the fp8 causal build always had.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+_BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+if not all(os.path.exists(os.path.join(_BIN, tool)) for tool in ("ptxas", "nvdisasm")):
+    pytest.skip("this triton build ships no ptxas/nvdisasm", allow_module_level=True)
+
+# A fresh interpreter: the CPU kernel tests run Triton's interpreter, which patches Triton's tensor methods
+# for the rest of the process. Arguments as attention_varlen_ws passes them for 8 x 2048 tokens, 16 heads.
+_COMPILE = r"""
+import json, sys
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from triton.runtime.jit import mangle_type
+from quantkit.kernels import attention_gluon_ws as ws
+from quantkit.kernels.attention_gluon import make_descriptors
+
+fp8, causal, out_path = json.loads(sys.argv[1])
+d, tokens, heads = 128, 8 * 2048, 16
+q = torch.randn(tokens, heads, d, dtype=torch.bfloat16)
+k = torch.randn(tokens, heads, d, dtype=torch.bfloat16)
+cu = torch.arange(0, tokens + 1, 2048, dtype=torch.int32)
+out = torch.empty_like(q)
+desc_q, desc_k, desc_v, qs, ks, vs = make_descriptors(q, k, k, cu, ws._HALF_M, 128, fp8, False, None, out)
+block_n, num_buf, persistent, pingpong, tma_store, stage_ks = ws._default_config(d, fp8, 2048)
+desc_o = ws._output_descriptor(out) if tma_store else desc_q
+args = dict(desc_q=desc_q, desc_k=desc_k, desc_v=desc_v, desc_o=desc_o, o_ptr=out, qs_ptr=qs, ks_ptr=ks,
+            v_scale_ptr=vs, cu_seqlens_q_ptr=cu, cu_seqlens_k_ptr=cu, sm_scale=0.1, stride_om=heads * d,
+            stride_oh=d, stride_qsm=heads, stride_ksn=heads, NUM_M_BLOCKS=16, N_SEQ=8, N_WORK=2048, SWIZZLE=128)
+constexprs = dict(GROUP=1, HEAD_DIM=d, BLOCK_N=block_n, IS_CAUSAL=causal, IS_FP8=fp8, NUM_BUF=num_buf,
+                  PINGPONG=pingpong, TMA_STORE=tma_store, STAGE_KS=stage_ks and fp8, CONSUMER_REGS=ws.CONSUMER_REGS)
+signature, attrs = {}, {}
+for i, name in enumerate(ws._attn_fwd_ws.arg_names):
+    if name in constexprs:
+        signature[name] = "constexpr"
+        continue
+    a = args[name]
+    signature[name] = mangle_type(a)
+    if isinstance(a, torch.Tensor) or (isinstance(a, int) and a % 16 == 0):
+        attrs[(i,)] = [["tt.divisibility", 16]]
+src = GluonASTSource(fn=ws._attn_fwd_ws, signature=signature, constexprs=constexprs, attrs=attrs)
+kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": ws.MAXNREG})
+open(out_path, "wb").write(kernel.asm["cubin"])
+"""
+
+
+@pytest.fixture(scope="module")
+def fp8_causal_sass(tmp_path_factory) -> list[str]:
+    cubin = str(tmp_path_factory.mktemp("gluon_attn") / "ws.cubin")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps([True, True, cubin])], env=env,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    text = subprocess.run([os.path.join(_BIN, "nvdisasm"), "-c", cubin], capture_output=True, text=True).stdout
+    return [line for line in text.splitlines() if re.search(r"/\*[0-9a-f]{4,}\*/", line)]
+
+
+def test_k_scale_not_loaded_from_global_inside_a_round(fp8_causal_sass):
+    # S issue: the first QGMMA of a round starts from zero (RZ, !UPT); its wait: the next WARPGROUP.DEPBAR
+    rounds, inside = 0, False
+    for line in fp8_causal_sass:
+        if "QGMMA" in line and "RZ, !UPT" in line:
+            rounds, inside = rounds + 1, True
+        elif "WARPGROUP.DEPBAR" in line:
+            inside = False
+        assert not (inside and "LDG" in line), line
+    assert rounds >= 4  # round 0 and the loop, both consumer warpgroups
+    assert any("LDS" in line for line in fp8_causal_sass)
+
+
+def test_output_goes_through_tma_store(fp8_causal_sass):
+    assert any("UTMASTG" in line for line in fp8_causal_sass)
+
+
+def test_at_most_one_spilled_register(fp8_causal_sass):
+    assert sum("STL" in line for line in fp8_causal_sass) <= 1
