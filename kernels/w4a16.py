@@ -47,6 +47,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
 # The repack and the reference live beside this file and are re-exported here, the kernel's one
 # import point.
@@ -71,8 +72,11 @@ GEMV_MAX_M = 2
 GEMV_M2_MAX_WEIGHTS = 1 << 25
 # With it (run 14, one launch less per call), the Gluon kernel wins at M = 2 on every shape (10.3 vs 12.2
 # us at 16.8 M weights, 44.5 vs 89.9 at 235 M) and at M = 1 on the two 235 M-weight shapes (44.2 vs 54.6
-# us); the GEMV keeps M = 1 up to 58.7 M weights (8.9 vs 10.3, 17.4 vs 18.0 us).
-GLUON_M1_MIN_WEIGHTS = 1 << 27
+# us). The GEMV keeps M = 1 on 16.8 M weights (8.8-9.4 vs ~9.8 us). At 58.7 M it was 17.4-18.4 us against
+# the Gluon kernel's 17.9-18.2 at M = 2 (runs 14-18), but its autotuner times eagerly, and in run 17 it
+# picked a config that took 30.6 us on 4096 x 14336; the Gluon tuner times CUDA graphs with L2 evicted,
+# so from 2**25 weights up M = 1 goes to the Gluon kernel.
+GLUON_M1_MIN_WEIGHTS = 1 << 25
 
 
 # ----------------------------------------------------------------------------------------------
@@ -676,21 +680,36 @@ def _gemv_matmul(x, w, config, magic):
 
 
 @triton.jit
-def _gather_columns_kernel(x_ptr, index_ptr, out_ptr, zero_ptr, M, K, n_zero, stride_xm,
-                           BLOCK: tl.constexpr):
-    """``out[m, c] = x[m, index[c]]`` (out contiguous) and, in the same launch, ``zero_ptr[:n_zero] = 0``."""
+def _gather_columns_kernel(x_ptr, index_ptr, out_ptr, zero_ptr, sums_ptr, M, K, n_zero, stride_xm,
+                           BLOCK: tl.constexpr, SUM_TILE: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr):
+    """``out[m, c] = x[m, index[c]]`` (out contiguous) and, in the same launch, ``zero_ptr[:n_zero] = 0``
+    and, with SUM_TILE > 0, ``sums_ptr[m, t]`` = float32 sum of out[m, t*SUM_TILE : (t+1)*SUM_TILE].
+
+    LAUNCH_DEPENDENTS: let a kernel launched after this one with programmatic dependent launch start
+    now (it waits with ``griddepcontrol.wait`` before it reads what this one writes)."""
+    if LAUNCH_DEPENDENTS:
+        gdc_launch_dependents()
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < M * K
     m = offs // K
     c = offs % K
     src = tl.load(index_ptr + c, mask=mask, other=0)
-    tl.store(out_ptr + offs, tl.load(x_ptr + m.to(tl.int64) * stride_xm + src, mask=mask), mask=mask)
+    vals = tl.load(x_ptr + m.to(tl.int64) * stride_xm + src, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, vals, mask=mask)
     tl.store(zero_ptr + offs, tl.zeros([BLOCK], dtype=zero_ptr.dtype.element_ty), mask=offs < n_zero)
+    if SUM_TILE > 0:
+        # K is a multiple of SUM_TILE and SUM_TILE divides BLOCK: no tile straddles two rows or programs
+        sums = tl.sum(tl.reshape(vals.to(tl.float32), [BLOCK // SUM_TILE, SUM_TILE]), axis=1)
+        tiles = tl.program_id(0) * (BLOCK // SUM_TILE) + tl.arange(0, BLOCK // SUM_TILE)
+        tl.store(sums_ptr + tiles, sums, mask=tiles < M * (K // SUM_TILE))
 
 
-def gather_columns(x: torch.Tensor, index: torch.Tensor, zero: torch.Tensor | None = None) -> torch.Tensor:
+def gather_columns(x: torch.Tensor, index: torch.Tensor, zero: torch.Tensor | None = None,
+                   tile_sums: torch.Tensor | None = None) -> torch.Tensor:
     """``x[:, index]`` (contiguous) and, in the same small launch, ``zero`` (a contiguous float32 or
-    int32 buffer, e.g. split-K partial sums) filled with zeros.
+    int32 buffer, e.g. split-K partial sums) filled with zeros, and ``tile_sums`` (float32
+    ``[M, K / PAIR_TILE_K]``, contiguous) filled with the sum of each ``PAIR_TILE_K`` columns of the
+    result: what a kernel that multiplies the codes before subtracting their zero point subtracts.
 
     The paired-nibble kernels read the activations in ``W4A16Weights.pair_index`` order and, when
     split over K, sum into a zeroed float32 buffer. ``torch.index_select`` over the columns took
@@ -705,9 +724,19 @@ def gather_columns(x: torch.Tensor, index: torch.Tensor, zero: torch.Tensor | No
         zero = torch.empty(0, device=x.device, dtype=torch.float32)
     if not zero.is_contiguous() or zero.dtype not in (torch.float32, torch.int32):
         raise ValueError("zero must be a contiguous float32 or int32 buffer")
+    sum_tile = 0
+    if tile_sums is not None:
+        sum_tile = PAIR_TILE_K
+        if k % sum_tile or tile_sums.shape != (m, k // sum_tile) or tile_sums.dtype != torch.float32 \
+                or not tile_sums.is_contiguous():
+            raise ValueError(f"tile_sums must be a contiguous float32 [M, K / {sum_tile}] buffer, K a multiple "
+                             f"of {sum_tile}")
+    else:
+        tile_sums = zero  # unused
     block = 1024
     grid = (triton.cdiv(max(m * k, zero.numel(), 1), block),)
-    _gather_columns_kernel[grid](x, index, out, zero, m, k, zero.numel(), x.stride(0), BLOCK=block)
+    _gather_columns_kernel[grid](x, index, out, zero, tile_sums, m, k, zero.numel(), x.stride(0), BLOCK=block,
+                                 SUM_TILE=sum_tile, LAUNCH_DEPENDENTS=x.is_cuda and not _interpreting())
     return out
 
 

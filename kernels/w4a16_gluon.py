@@ -32,7 +32,12 @@ side, so M <= 8 wastes nothing. The work is split stream-K: units are (output ti
 number of units: no tail wave, whatever the shape. A run that holds a whole tile stores it; partial
 tiles are summed in a float32 workspace with atomics, and the program that completes a tile's count
 of K tiles converts it to the output (no separate zeroing or cast kernel: those, and the column
-gather, cost ~10 us a call, H200 run 12).
+gather, cost ~10 us a call, H200 run 12). With one group per K tile the zero point and the scale are
+applied to each K tile's float32 sums, not to every code pair (``_magic_pairs``).
+
+The kernel is launched with programmatic dependent launch behind the small kernel that gathers the
+activation columns (``w4a16.gather_columns``, which also zeroes the workspace and sums each K tile of
+the activations): its weight loads start before that kernel has finished (``_load_partition``).
 
 Prefill (``WGMMA=True``): asynchronous wgmma with the dequantized weights as A from registers (two
 warpgroups of 64 weight rows each, or 128 with two m64 blocks) and the activation tile as B from
@@ -81,27 +86,65 @@ def _tile_coords(tile, tiles_n, tiles_m, GROUP_N: gl.constexpr):
 
 
 @gluon.jit
-def _load_partition(desc_w, desc_x, w_smem, x_smem, ready, empty, u0, count, k_tiles, tiles_n, tiles_m,
-                    BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, GROUP_N: gl.constexpr, NUM_BUF: gl.constexpr):
+def _wait_for_previous_grid():
+    """``griddepcontrol.wait``: under programmatic dependent launch, block until the kernel launched
+    before this one has finished and its writes are visible; a no-op in an ordinary launch."""
+    gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _unit_coords(i, u0, pid, n_progs, k_tiles, tiles_n, tiles_m, GROUP_N: gl.constexpr, PERSISTENT: gl.constexpr):
+    """The program's i-th unit -> (weight-row tile, activation-row tile, K tile).
+
+    Contiguous runs (stream-K, or one tile per program) start at unit ``u0`` of the whole grid; a
+    PERSISTENT program owns output tiles pid, pid + n_progs, ... whole, in turn."""
+    if PERSISTENT:
+        tile = pid + (i // k_tiles) * n_progs
+        kt = i % k_tiles
+    else:
+        tile = (u0 + i) // k_tiles
+        kt = (u0 + i) % k_tiles
+    tn, tm = _tile_coords(tile, tiles_n, tiles_m, GROUP_N)
+    return tn, tm, kt
+
+
+@gluon.jit
+def _load_weights(desc_w, w_smem, ready, stage, tn, kt, x_bytes: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Arm ring stage ``stage`` for one unit (its weight words and ``x_bytes`` of activations) and TMA
+    the weight words [BLOCK_N, 16] of (tn, kt) into it."""
+    bar = ready.index(stage)
+    mbarrier.expect(bar, desc_w.block_type.nbytes + x_bytes)
+    tma.async_copy_global_to_shared(desc_w, [tn * BLOCK_N, kt * _WORDS], bar, w_smem.index(stage))
+
+
+@gluon.jit
+def _load_partition(desc_w, desc_x, w_smem, x_smem, ready, empty, u0, count, pid, n_progs, k_tiles, tiles_n, tiles_m,
+                    BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, GROUP_N: gl.constexpr, NUM_BUF: gl.constexpr,
+                    PERSISTENT: gl.constexpr):
     """Producer warp: TMA of each unit's weight words [BLOCK_N, 16] and its four [BLOCK_M, 32]
-    activation boxes into ring stage i % NUM_BUF, once the consumers have released that stage."""
-    # stream-K runs (tiles_m == 1) walk weight tiles; other runs stay inside one output tile
-    tn, tm = _tile_coords(u0 // k_tiles, tiles_n, tiles_m, GROUP_N)
-    kt = u0 % k_tiles
+    activation boxes into ring stage i % NUM_BUF, once the consumers have released that stage.
+
+    The kernel is launched as a programmatic dependent of the small kernel that gathers the activations
+    (and zeroes the stream-K workspace): the weights of the first NUM_BUF units do not depend on it, so
+    they are requested before waiting for it, and the launch gap, the gather and the first weight round
+    trip overlap."""
+    x_bytes: gl.constexpr = 4 * desc_x.block_type.nbytes
+    for i in range(gl.minimum(count, NUM_BUF)):
+        tn, tm, kt = _unit_coords(i, u0, pid, n_progs, k_tiles, tiles_n, tiles_m, GROUP_N,
+                                  PERSISTENT)
+        _load_weights(desc_w, w_smem, ready, i, tn, kt, x_bytes, BLOCK_N)
+    _wait_for_previous_grid()
     for i in range(count):
         stage = i % NUM_BUF
-        # the consumers release stage s for the r-th time after unit s + r * NUM_BUF
-        mbarrier.wait(empty.index(stage), ((i // NUM_BUF) + 1) & 1, pred=i >= NUM_BUF)
-        bar = ready.index(stage)
-        mbarrier.expect(bar, desc_w.block_type.nbytes + 4 * desc_x.block_type.nbytes)
-        tma.async_copy_global_to_shared(desc_w, [tn * BLOCK_N, kt * _WORDS], bar, w_smem.index(stage))
+        tn, tm, kt = _unit_coords(i, u0, pid, n_progs, k_tiles, tiles_n, tiles_m, GROUP_N,
+                                  PERSISTENT)
+        if i >= NUM_BUF:
+            # the consumers release stage s for the r-th time after unit s + r * NUM_BUF
+            mbarrier.wait(empty.index(stage), ((i // NUM_BUF) + 1) & 1)
+            _load_weights(desc_w, w_smem, ready, stage, tn, kt, x_bytes, BLOCK_N)
         for j in gl.static_range(4):
-            tma.async_copy_global_to_shared(desc_x, [tm * BLOCK_M, kt * _TILE_K + j * _DOT_K], bar,
+            tma.async_copy_global_to_shared(desc_x, [tm * BLOCK_M, kt * _TILE_K + j * _DOT_K], ready.index(stage),
                                             x_smem.index(stage * 4 + j))
-        kt += 1
-        if kt == k_tiles:
-            kt = 0
-            tn += 1
 
 
 @gluon.jit
@@ -151,6 +194,29 @@ _PAIR_ASM_BF16 = _pair_asm(0x43004300, "bf16x2", False)
 _PAIR_ASM_BF16_SCALED = _pair_asm(0x43004300, "bf16x2", True)
 _PAIR_ASM_F16 = _pair_asm(0x64006400, "f16x2", False)
 _PAIR_ASM_F16_SCALED = _pair_asm(0x64006400, "f16x2", True)
+# the lop3 alone: MAGIC_VALUE + code, the zero point left for the accumulator (see _magic_pairs)
+_PAIR_ASM_BF16_RAW = gl.constexpr("lop3.b32 $0, $1, 0x000F000F, 0x43004300, 0xEA;")
+_PAIR_ASM_F16_RAW = gl.constexpr("lop3.b32 $0, $1, 0x000F000F, 0x64006400, 0xEA;")
+
+
+@gluon.jit
+def _magic_pairs(words, j: gl.constexpr, dtype: gl.constexpr, a_layout: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Codes j and j + 4 of every word as 16-bit floats ``MAGIC_VALUE + code``: the A operand
+    [BLOCK_N, 32] of dot j, one shift and one ``lop3`` per register.
+
+    The dot then sums ``(MAGIC_VALUE + code) * x`` over the tile, and the caller subtracts
+    ``(MAGIC_VALUE + zero) * sum(x)`` from it per row in float32: one packed subtraction per register
+    (a quarter of the decode loop's instructions) becomes two FMAs per accumulator element, which at
+    M <= 16 are 8-16 times fewer. The cancellation costs ~5 of float32's 24 bits (bf16; ~8 for fp16),
+    far below the 16-bit output's precision."""
+    shifted = _pairs_of(words >> (4 * j), a_layout, BLOCK_N)
+    if dtype == gl.bfloat16:
+        pairs = gl.inline_asm_elementwise(_PAIR_ASM_BF16_RAW, "=r,r,r", [shifted], dtype=gl.bfloat16, is_pure=True,
+                                          pack=2)
+    else:
+        pairs = gl.inline_asm_elementwise(_PAIR_ASM_F16_RAW, "=r,r,r", [shifted], dtype=gl.float16, is_pure=True,
+                                          pack=2)
+    return pairs
 
 
 @gluon.jit
@@ -210,13 +276,17 @@ def _flush(acc, c_ptr, ws_ptr, tile_units_ptr, tn, tm, M, N, seg_units, k_tiles,
 
 
 @gluon.jit
-def _unit(acc, a_prev, scale, zero, w_smem, x_smem, ready, empty, scales_ptr, zeros_ptr, N, stride_sg, stride_zg,
-          u, u0, lo, hi, tn, kt_base, offs_n, offs_w, GROUP_SIZE: gl.constexpr, HAS_ZEROS: gl.constexpr,
-          BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, NUM_BUF: gl.constexpr, WGMMA: gl.constexpr,
-          SCALE_ACC: gl.constexpr, acc_layout: gl.constexpr):
+def _unit(acc, a_prev, scale, zero, w_smem, x_smem, ready, empty, scales_ptr, zeros_ptr, xsum_ptr, M, N, k_tiles,
+          stride_sg, stride_zg, u, u0, lo, hi, tn, tm, kt_base, offs_n, offs_w, GROUP_SIZE: gl.constexpr,
+          HAS_ZEROS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, NUM_BUF: gl.constexpr,
+          WGMMA: gl.constexpr, SCALE_ACC: gl.constexpr, acc_layout: gl.constexpr):
     """One unit (K tile) of the consumer: wait for its stage, dequantize the words into four K = 32 A
     operands, multiply. Returns the accumulator, the wgmma A operand still in flight, and the next
-    unit's scales and zeros (issued here, used next time)."""
+    unit's scales and zeros (issued here, used next time).
+
+    SCALE_ACC (mma.sync, one group per K tile): the dots multiply ``MAGIC_VALUE + code``
+    (:func:`_magic_pairs`) into a fresh float32 tile, and the zero point and the scale are applied
+    to that tile, with ``xsum`` [M, k_tiles] (each K tile's activation sums, from the gather)."""
     dtype: gl.constexpr = x_smem.dtype
     MAGIC_VALUE: gl.constexpr = 128.0 if dtype == gl.bfloat16 else 1024.0
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
@@ -227,10 +297,11 @@ def _unit(acc, a_prev, scale, zero, w_smem, x_smem, ready, empty, scales_ptr, ze
     kt = u - kt_base
     scale_next, zero_next = _group_params(scales_ptr, zeros_ptr, tn, gl.minimum(kt + 1, hi - 1 - kt_base), N,
                                           stride_sg, stride_zg, offs_n, offs_w, GROUP_SIZE, HAS_ZEROS, BLOCK_N)
-    zb = _pairs_of((zero + MAGIC_VALUE).to(dtype), a_layout, BLOCK_N)  # exact: small integers
     if SCALE_ACC:
-        sc = zb  # unused
+        m_idx = tm * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, acc_layout))
+        xsum = gl.load(xsum_ptr + m_idx * k_tiles + kt, mask=m_idx < M, other=0.0)
     else:
+        zb = _pairs_of((zero + MAGIC_VALUE).to(dtype), a_layout, BLOCK_N)  # exact: small integers
         sc = _pairs_of(scale.to(dtype), a_layout, BLOCK_N)
     mbarrier.wait(ready.index(stage), (i // NUM_BUF) & 1)
     words = w_smem.index(stage).load(w_layout)
@@ -253,28 +324,32 @@ def _unit(acc, a_prev, scale, zero, w_smem, x_smem, ready, empty, scales_ptr, ze
         mbarrier.arrive(empty.index(stage))
         if SCALE_ACC:
             part = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=acc_layout)
-        else:
-            part = acc
-        part = mma_v2(_dequant_pairs(words, zb, sc, 0, a_layout, BLOCK_N, not SCALE_ACC), b0, part)
-        part = mma_v2(_dequant_pairs(words, zb, sc, 1, a_layout, BLOCK_N, not SCALE_ACC), b1, part)
-        part = mma_v2(_dequant_pairs(words, zb, sc, 2, a_layout, BLOCK_N, not SCALE_ACC), b2, part)
-        part = mma_v2(_dequant_pairs(words, zb, sc, 3, a_layout, BLOCK_N, not SCALE_ACC), b3, part)
-        if SCALE_ACC:
+            part = mma_v2(_magic_pairs(words, 0, dtype, a_layout, BLOCK_N), b0, part)
+            part = mma_v2(_magic_pairs(words, 1, dtype, a_layout, BLOCK_N), b1, part)
+            part = mma_v2(_magic_pairs(words, 2, dtype, a_layout, BLOCK_N), b2, part)
+            part = mma_v2(_magic_pairs(words, 3, dtype, a_layout, BLOCK_N), b3, part)
             row_scale = gl.convert_layout(gl.reshape(scale, [BLOCK_N]), gl.SliceLayout(1, acc_layout))
-            acc = acc + part * gl.expand_dims(row_scale.to(gl.float32), 1)
+            row_bias = gl.convert_layout(gl.reshape(zero, [BLOCK_N]), gl.SliceLayout(1, acc_layout))
+            bias = gl.expand_dims(row_bias.to(gl.float32) + MAGIC_VALUE, 1) * gl.expand_dims(xsum, 0)
+            acc = acc + (part - bias) * gl.expand_dims(row_scale.to(gl.float32), 1)
         else:
-            acc = part
+            acc = mma_v2(_dequant_pairs(words, zb, sc, 0, a_layout, BLOCK_N, True), b0, acc)
+            acc = mma_v2(_dequant_pairs(words, zb, sc, 1, a_layout, BLOCK_N, True), b1, acc)
+            acc = mma_v2(_dequant_pairs(words, zb, sc, 2, a_layout, BLOCK_N, True), b2, acc)
+            acc = mma_v2(_dequant_pairs(words, zb, sc, 3, a_layout, BLOCK_N, True), b3, acc)
     return acc, a_prev, scale_next, zero_next
 
 
 @gluon.jit
-def _mma_partition(w_smem, x_smem, ready, empty, scales_ptr, zeros_ptr, c_ptr, ws_ptr, tile_units_ptr, M, N, u0,
-                   count, k_tiles, tiles_n, tiles_m, stride_sg, stride_zg, GROUP_SIZE: gl.constexpr,
+def _mma_partition(w_smem, x_smem, ready, empty, scales_ptr, zeros_ptr, xsum_ptr, c_ptr, ws_ptr, tile_units_ptr, M,
+                   N, u0,
+                   count, pid, n_progs, k_tiles, tiles_n, tiles_m, stride_sg, stride_zg, GROUP_SIZE: gl.constexpr,
                    HAS_ZEROS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, GROUP_N: gl.constexpr,
-                   NUM_BUF: gl.constexpr, WGMMA: gl.constexpr, ATOMIC_OUT: gl.constexpr,
+                   NUM_BUF: gl.constexpr, WGMMA: gl.constexpr, ATOMIC_OUT: gl.constexpr, PERSISTENT: gl.constexpr,
                    num_warps: gl.constexpr):
-    """Consumer warps: the run, one segment per output tile it touches (one unless stream-K); each
-    segment's units, then its flush.
+    """Consumer warps: the run, one segment per output tile it touches (one; several whole tiles when
+    PERSISTENT; stream-K pieces), each segment's units, then its flush. Units are numbered here by their
+    position in the program's ring order; ``kt_base`` maps those numbers to the segment's K tiles.
 
     With wgmma the segment's last unit is peeled off the loop and drained in straight-line code: with
     the drain after the loop, ptxas (sm_90, CUDA 12.8 in triton 3.6) read the accumulator before the
@@ -294,54 +369,74 @@ def _mma_partition(w_smem, x_smem, ready, empty, scales_ptr, zeros_ptr, c_ptr, w
     # mma.sync, one group per K tile: the scale multiplies the tile's float32 sums (16-32 FMAs per unit
     # and thread) instead of every dequantized pair (64-128 packed multiplies)
     SCALE_ACC: gl.constexpr = (not WGMMA) and (GROUP_SIZE % _TILE_K == 0)
+    # the activation sums and the stream-K workspace come from the gather launched before this kernel
+    _wait_for_previous_grid()
 
-    # stream-K runs (ATOMIC_OUT, tiles_m == 1) walk weight tiles; other runs are one output tile
-    tn0, tm = _tile_coords(u0 // k_tiles, tiles_n, tiles_m, GROUP_N)
-    end = u0 + count
-    for t in range(u0 // k_tiles, (end - 1) // k_tiles + 1):
-        tn = tn0 + (t - u0 // k_tiles)
-        kt_base = t * k_tiles
-        lo = gl.maximum(u0, kt_base)
-        hi = gl.minimum(end, kt_base + k_tiles)
+    if PERSISTENT:
+        n_segments = gl.cdiv(count, k_tiles)
+    else:
+        n_segments = (u0 + count - 1) // k_tiles - u0 // k_tiles + 1
+    for seg in range(n_segments):
+        if PERSISTENT:
+            tn, tm = _tile_coords(pid + seg * n_progs, tiles_n, tiles_m, GROUP_N)
+            kt_base = seg * k_tiles  # ring position of the tile's K tile 0
+            lo = kt_base
+            hi = kt_base + k_tiles
+        else:
+            t = u0 // k_tiles + seg
+            tn, tm = _tile_coords(t, tiles_n, tiles_m, GROUP_N)
+            kt_base = t * k_tiles - u0
+            lo = gl.maximum(0, kt_base)
+            hi = gl.minimum(count, kt_base + k_tiles)
         acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=acc_layout)
         a_prev = gl.zeros([BLOCK_N, 2 * _WORDS], dtype, layout=a_layout)  # wgmma: the A operand in flight
         scale, zero = _group_params(scales_ptr, zeros_ptr, tn, lo - kt_base, N, stride_sg, stride_zg, offs_n,
                                     offs_w, GROUP_SIZE, HAS_ZEROS, BLOCK_N)
         for u in range(lo, hi - 1 if WGMMA else hi):
             acc, a_prev, scale, zero = _unit(acc, a_prev, scale, zero, w_smem, x_smem, ready, empty, scales_ptr,
-                                             zeros_ptr, N, stride_sg, stride_zg, u, u0, lo, hi, tn, kt_base,
+                                             zeros_ptr, xsum_ptr, M, N, k_tiles, stride_sg, stride_zg, u, 0, lo,
+                                             hi, tn, tm, kt_base,
                                              offs_n, offs_w, GROUP_SIZE, HAS_ZEROS, BLOCK_N, BLOCK_M, NUM_BUF,
                                              WGMMA, SCALE_ACC, acc_layout)
         if WGMMA:
             acc, a_prev, scale, zero = _unit(acc, a_prev, scale, zero, w_smem, x_smem, ready, empty, scales_ptr,
-                                             zeros_ptr, N, stride_sg, stride_zg, hi - 1, u0, lo, hi, tn, kt_base,
+                                             zeros_ptr, xsum_ptr, M, N, k_tiles, stride_sg, stride_zg, hi - 1, 0,
+                                             lo, hi, tn, tm, kt_base,
                                              offs_n, offs_w, GROUP_SIZE, HAS_ZEROS, BLOCK_N, BLOCK_M, NUM_BUF,
                                              WGMMA, SCALE_ACC, acc_layout)
             acc = warpgroup_mma_wait(0, deps=[acc])
-            mbarrier.arrive(empty.index((hi - 1 - u0) % NUM_BUF))  # the segment's last stage
+            mbarrier.arrive(empty.index((hi - 1) % NUM_BUF))  # the segment's last stage
         _flush(acc, c_ptr, ws_ptr, tile_units_ptr, tn, tm, M, N, hi - lo, k_tiles, BLOCK_N, BLOCK_M, ATOMIC_OUT,
                acc_layout)
 
 
 @gluon.jit
-def _w4a16_gluon_kernel(desc_w, desc_x, scales_ptr, zeros_ptr, c_ptr, ws_ptr, tile_units_ptr, M, N, k_tiles,
+def _w4a16_gluon_kernel(desc_w, desc_x, scales_ptr, zeros_ptr, xsum_ptr, c_ptr, ws_ptr, tile_units_ptr, M, N, k_tiles,
                         tiles_n, tiles_m, stride_sg, stride_zg,
                         GROUP_SIZE: gl.constexpr, HAS_ZEROS: gl.constexpr, BLOCK_N: gl.constexpr,
                         BLOCK_M: gl.constexpr, GROUP_N: gl.constexpr, NUM_BUF: gl.constexpr,
-                        WGMMA: gl.constexpr, ATOMIC_OUT: gl.constexpr, num_warps: gl.constexpr):
+                        WGMMA: gl.constexpr, ATOMIC_OUT: gl.constexpr, PERSISTENT: gl.constexpr,
+                        num_warps: gl.constexpr):
     """``c[M, N] (+)= x[M, K] @ dequant(qw)^T`` over this program's contiguous run of (tile, K tile) units.
 
     ``x`` (behind ``desc_x``) is in paired-nibble column order; ``c`` is contiguous. ATOMIC_OUT: runs
-    may start and end inside a tile (stream-K), whose partial sums meet in ``ws`` (see ``_flush``);
-    otherwise every run is exactly one tile. One
-    producer warp feeds the ring; the ``num_warps`` default warps dequantize and multiply.
+    may start and end inside a tile (stream-K), whose partial sums meet in ``ws`` (see ``_flush``).
+    PERSISTENT: one program per SM takes every n_progs-th output tile, and its producer runs on into
+    the next tile while the consumers store the last (the launch and pipeline fill are paid once per
+    SM, not once per tile). Otherwise every run is exactly one tile. One producer warp feeds the ring;
+    the ``num_warps`` default warps dequantize and multiply.
     """
-    pid = gl.program_id(0).to(gl.int64)
+    pid = gl.program_id(0)
     n_progs = gl.num_programs(0)
-    n_units = tiles_n * tiles_m * k_tiles
-    # runs differ in length by at most one unit (int64: pid * n_units passes 2**31 at M = 4096, BLOCK_M = 64)
-    u0 = ((pid * n_units) // n_progs).to(gl.int32)
-    count = (((pid + 1) * n_units) // n_progs).to(gl.int32) - u0
+    n_tiles = tiles_n * tiles_m
+    if PERSISTENT:
+        u0 = 0
+        count = gl.cdiv(n_tiles - pid, n_progs) * k_tiles
+    else:
+        n_units = n_tiles * k_tiles
+        # runs differ in length by at most one unit (int64: pid * n_units passes 2**31 at M = 4096, BLOCK_M = 64)
+        u0 = ((pid.to(gl.int64) * n_units) // n_progs).to(gl.int32)
+        count = (((pid.to(gl.int64) + 1) * n_units) // n_progs).to(gl.int32) - u0
 
     w_smem = gl.allocate_shared_memory(gl.int32, [NUM_BUF, BLOCK_N, _WORDS], desc_w.layout)
     x_smem = gl.allocate_shared_memory(desc_x.dtype, [NUM_BUF * 4, BLOCK_M, _DOT_K], desc_x.layout)
@@ -351,11 +446,11 @@ def _w4a16_gluon_kernel(desc_w, desc_x, scales_ptr, zeros_ptr, c_ptr, ws_ptr, ti
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=1)
     gl.warp_specialize([
-        (_mma_partition, (w_smem, x_smem, ready, empty, scales_ptr, zeros_ptr, c_ptr, ws_ptr, tile_units_ptr, M, N,
-                          u0, count, k_tiles, tiles_n, tiles_m, stride_sg, stride_zg, GROUP_SIZE, HAS_ZEROS, BLOCK_N,
-                          BLOCK_M, GROUP_N, NUM_BUF, WGMMA, ATOMIC_OUT, num_warps)),
-        (_load_partition, (desc_w, desc_x, w_smem, x_smem, ready, empty, u0, count, k_tiles, tiles_n, tiles_m,
-                           BLOCK_N, BLOCK_M, GROUP_N, NUM_BUF)),
+        (_mma_partition, (w_smem, x_smem, ready, empty, scales_ptr, zeros_ptr, xsum_ptr, c_ptr, ws_ptr, tile_units_ptr,
+                          M, N, u0, count, pid, n_progs, k_tiles, tiles_n, tiles_m, stride_sg, stride_zg, GROUP_SIZE,
+                          HAS_ZEROS, BLOCK_N, BLOCK_M, GROUP_N, NUM_BUF, WGMMA, ATOMIC_OUT, PERSISTENT, num_warps)),
+        (_load_partition, (desc_w, desc_x, w_smem, x_smem, ready, empty, u0, count, pid, n_progs, k_tiles, tiles_n,
+                           tiles_m, BLOCK_N, BLOCK_M, GROUP_N, NUM_BUF, PERSISTENT)),
     ], [1], [LOAD_WARP_REGS])
     for s in gl.static_range(NUM_BUF):
         mbarrier.invalidate(ready.index(s))
@@ -374,6 +469,8 @@ class GluonConfig:
       ``num_SMs * CTAS_PER_SM`` programs, whose partial sums meet in a float32 workspace through
       atomics; otherwise one program per output tile, stored once. All stream-K programs must be
       resident at once, so the register cap per thread follows from CTAS_PER_SM (:meth:`maxnreg`).
+    * PERSISTENT (one program per tile otherwise): ``num_SMs * CTAS_PER_SM`` programs, each takes
+      every n-th output tile whole, its producer running ahead into the next tile during the store.
     """
 
     BLOCK_N: int
@@ -384,6 +481,7 @@ class GluonConfig:
     WGMMA: bool = False
     STREAM_K: bool = True
     GROUP_N: int = 8
+    PERSISTENT: bool = False
 
     def block_m(self, m: int) -> int:
         return 8 if (not self.WGMMA and m <= 8) else self.BLOCK_M
@@ -432,6 +530,10 @@ PREFILL_GLUON_CONFIGS = [  # wgmma, two consumer warpgroups, one program per SM
     GluonConfig(256, 128, 4, 8, WGMMA=True, STREAM_K=False),
     GluonConfig(128, 128, 5, 8, WGMMA=True, STREAM_K=False),
     GluonConfig(128, 64, 6, 8, WGMMA=True, STREAM_K=False),
+    # persistent: the fill of the ring and the store of a tile overlap the neighbouring tiles' work
+    GluonConfig(256, 128, 4, 8, WGMMA=True, STREAM_K=False, PERSISTENT=True),
+    GluonConfig(128, 128, 5, 8, WGMMA=True, STREAM_K=False, PERSISTENT=True),
+    GluonConfig(128, 64, 6, 8, WGMMA=True, STREAM_K=False, PERSISTENT=True),
     # M <= BLOCK_M: K split stream-K over every SM (a handful of output tiles would leave most idle)
     GluonConfig(128, 64, 6, 8, WGMMA=True, STREAM_K=True),
     GluonConfig(128, 128, 5, 8, WGMMA=True, STREAM_K=True),
@@ -475,10 +577,15 @@ def _launch(x: torch.Tensor, w: W4A16Weights, config: GluonConfig) -> torch.Tens
     k_tiles = k // PAIR_TILE_K
     tiles_n, tiles_m = triton.cdiv(n, config.BLOCK_N), triton.cdiv(m, block_m)
     stream_k = config.STREAM_K and tiles_m == 1
+    persistent = config.PERSISTENT and not stream_k
     # one small launch gathers the activations into the paired column order and, for stream-K, zeroes
     # the float32 workspace [M, N] and the per-tile unit counters behind it
     ws = torch.empty(m * n + tiles_n if stream_k else 0, device=x.device, dtype=torch.float32)
-    xp = gather_columns(x, w.pair_index, ws)
+    # and, for the mma.sync path with one group per K tile, each K tile's activation sums (_magic_pairs)
+    xsum = None
+    if not config.WGMMA and w.group_size % PAIR_TILE_K == 0:
+        xsum = torch.empty((m, k_tiles), device=x.device, dtype=torch.float32)
+    xp = gather_columns(x, w.pair_index, ws, xsum)
     out = torch.empty((m, n), device=x.device, dtype=x.dtype)
     if stream_k:
         tile_units = ws[m * n:].view(torch.int32)  # zero bits are int32 zeros
@@ -486,18 +593,22 @@ def _launch(x: torch.Tensor, w: W4A16Weights, config: GluonConfig) -> torch.Tens
     else:
         ws, tile_units = out, out  # unused
         grid = (tiles_n * tiles_m,)
+        if persistent:
+            grid = (min(tiles_n * tiles_m, _num_sms(x.device) * config.CTAS_PER_SM),)
     w_layout = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=32, rank=2)
     x_layout = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2)
     desc_w = TensorDescriptor(w.qweight, [n, k // 8], [w.qweight.stride(0), 1], [config.BLOCK_N, int(_WORDS)],
                               w_layout)
     desc_x = TensorDescriptor(xp, [m, k], [xp.stride(0), 1], [block_m, int(_DOT_K)], x_layout)
     zeros = w.zeros if w.zeros is not None else w.scales  # dummy pointer when symmetric
-    _w4a16_gluon_kernel[grid](desc_w, desc_x, w.scales, zeros, out, ws, tile_units, m, n, k_tiles, tiles_n,
+    _w4a16_gluon_kernel[grid](desc_w, desc_x, w.scales, zeros, xsum if xsum is not None else ws, out, ws, tile_units,
+                              m, n, k_tiles, tiles_n,
                               tiles_m, w.scales.stride(0), zeros.stride(0),
                               GROUP_SIZE=w.group_size, HAS_ZEROS=w.zeros is not None, BLOCK_N=config.BLOCK_N,
                               BLOCK_M=block_m, GROUP_N=config.GROUP_N, NUM_BUF=config.NUM_BUF,
-                              WGMMA=config.WGMMA, ATOMIC_OUT=stream_k, num_warps=config.num_warps,
-                              maxnreg=config.maxnreg())
+                              WGMMA=config.WGMMA, ATOMIC_OUT=stream_k, PERSISTENT=persistent,
+                              num_warps=config.num_warps,
+                              maxnreg=config.maxnreg(), launch_pdl=True)
     return out
 
 
@@ -554,17 +665,27 @@ class ConfigTuner:
 _L2_FLUSH_BYTES = 128 * 2**20
 
 
-def _gpu_time_us(fn, flush: torch.Tensor, calls: int = 8, replays: int = 3) -> float:
+def _gpu_time_us(fn, flush: torch.Tensor, calls: int = 8, replays: int = 3, evict_by_writing: bool = False) -> float:
     """Microseconds of GPU time per ``fn()`` with a cold L2 and no host overhead: the best of
-    ``replays`` replays of a CUDA graph of ``calls`` x (flush, fn), less the same graph without fn."""
+    ``replays`` replays of a CUDA graph of ``calls`` x (evict L2, fn), less the same graph without fn.
+
+    L2 is evicted by reading ``flush`` (twice its size), which leaves it full of clean lines, as the
+    previous layer's weights leave it in a served model. Writing it instead (``evict_by_writing``, the
+    usual cache flush) leaves up to the whole L2 dirty, and the first reads of ``fn`` then wait on its
+    write-back: a read-only stream of 121 MB measured ~3.3 TB/s that way on the H200 (run 15)."""
     fn()  # compile and allocator warm-up outside the capture
     torch.cuda.synchronize()
+    words = flush.view(torch.int64)
+    sink = torch.empty((), dtype=torch.int64, device=flush.device)
     graphs = []
     for with_fn in (True, False):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             for _ in range(calls):
-                flush.zero_()
+                if evict_by_writing:
+                    flush.zero_()
+                else:
+                    torch.sum(words, dim=0, out=sink)
                 if with_fn:
                     fn()
         graphs.append(graph)

@@ -7,7 +7,8 @@ nvdisasm). These tests pin what the design relies on and what went wrong once:
   run 9 lost the last dot of every tile when ptxas placed the conversions above the drain;
 * ptxas does not serialize the wgmmas (its C7514 notice);
 * the decode loop's A operand comes out of the packed words by register renaming (no shared-memory
-  round trip), and the main configs do not spill.
+  round trip) and with no packed zero-point subtraction, and the main configs do not spill;
+* programmatic dependent launch: the kernel waits for the gather (``griddepcontrol.wait``).
 """
 
 from __future__ import annotations
@@ -42,11 +43,11 @@ smem = ("NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth={}, rank=2, t
 signature = {
     "desc_w": f"tensordesc<i32[{block_n}, 16],{smem.format(32)}>",
     "desc_x": f"tensordesc<bf16[{block_m}, 32],{smem.format(16)}>",
-    "scales_ptr": "*fp16", "zeros_ptr": "*u8", "c_ptr": "*bf16", "ws_ptr": "*fp32", "tile_units_ptr": "*i32",
+    "scales_ptr": "*fp16", "zeros_ptr": "*u8", "xsum_ptr": "*fp32", "c_ptr": "*bf16", "ws_ptr": "*fp32", "tile_units_ptr": "*i32",
     "M": "i32", "N": "i32", "k_tiles": "i32", "tiles_n": "i32", "tiles_m": "i32", "stride_sg": "i32", "stride_zg": "i32",
 }
 constexprs = dict(GROUP_SIZE=group_size, HAS_ZEROS=False, BLOCK_N=block_n, BLOCK_M=block_m, GROUP_N=8,
-                  NUM_BUF=num_buf, WGMMA=wgmma, ATOMIC_OUT=not wgmma, num_warps=num_warps)
+                  NUM_BUF=num_buf, WGMMA=wgmma, ATOMIC_OUT=not wgmma, PERSISTENT=False, num_warps=num_warps)
 signature |= {name: "constexpr" for name in constexprs}
 src = GluonASTSource(fn=_w4a16_gluon_kernel, signature=signature, constexprs=constexprs, attrs={})
 kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "maxnreg": cfg.maxnreg()})
@@ -119,6 +120,18 @@ def test_decode_dequant_stays_in_registers(decode_kernel):
     assert sum(op.startswith("STS") for op in ops) <= 3
     assert not any(op.startswith("SHFL") for op in ops)
     assert " 0 bytes spill stores" in _ptxas_notices(decode_kernel)
+    # one group per K tile: the zero point comes off the accumulated tile (_magic_pairs), so the decode
+    # loop has no packed subtraction per code pair (64 per unit and thread before; a quarter of the loop)
+    assert sum(op.startswith("HADD2.BF16") or op.startswith("HFMA2.BF16") for op in ops) == 0
+
+
+def test_waits_for_the_gather_before_reading_what_it_wrote(decode_kernel, prefill_kernel):
+    # launched with PDL after the gather: the producer's first activation load and the consumers' first
+    # read of the tile sums and the workspace must come after griddepcontrol.wait (ACQBULK in the SASS)
+    for kernel in (decode_kernel, prefill_kernel):
+        ptx = open(kernel.ptx).read()
+        assert ptx.count("griddepcontrol.wait") >= 2  # the producer and the consumers
+        assert "ACQBULK" in "\n".join(_sass(kernel))
 
 
 def test_decode_tile_fixup_orders_sums_before_the_counter(decode_kernel):
