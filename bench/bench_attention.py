@@ -103,6 +103,8 @@ BF16_VARIANTS = [
 ] if GLUON else []) + ([
     # FA3 structure: TMA producer partition + two consumer warpgroups ping-ponged (attention_gluon_ws.py);
     # config (BLOCK_N, NUM_BUF, persistent, pingpong). Run 5 (one program a tile) also timed 128x64 b4: slower
+    # the kernel's own defaults per head dim, fp8 and length (attention_gluon_ws._default_config)
+    ("ws default", dict(backend="gluon_ws")),
     ("ws 128x128 b2", dict(backend="gluon_ws", config=(128, 2, True, True))),
     ("ws 128x128 b3", dict(backend="gluon_ws", config=(128, 3, True, True))),
     ("ws 128x128 b2 1tile", dict(backend="gluon_ws", config=(128, 2, False, True))),
@@ -113,6 +115,7 @@ FP8_VARIANTS = [  # (name, kwargs, fp8 P @ V too?)
 ] + ([
     ("fp8 gluon 64x128 w4 b3", dict(backend="gluon", config=(64, 128, 4, 3)), True),
 ] if GLUON else []) + ([
+    ("fp8 ws default", dict(backend="gluon_ws"), True),
     ("fp8 ws 128x128 b4", dict(backend="gluon_ws", config=(128, 4, True, True)), True),
     ("fp8 ws 128x128 b4 nopp", dict(backend="gluon_ws", config=(128, 4, True, False)), True),
 ] if WS else [])
