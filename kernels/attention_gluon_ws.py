@@ -38,8 +38,6 @@ this kernel's bf16; `auto` uses it for fp8.
 Scope as `attention_gluon.py` (bf16/fp16 and its fp8 path, head dim 64/128, causal or not,
 packed varlen, GQA); layout q (total_q, Hq, D), k/v (total_k, Hkv, D), cu_seqlens (B + 1,).
 """
-import functools
-
 import torch
 import triton
 from triton.experimental import gluon
@@ -54,6 +52,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from quantkit.kernels.attention_gluon import _p_operand, _pv, _row_state, _softmax_tile, make_descriptors
+from quantkit.kernels.device_info import num_sms
 
 HALF_M = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M)
 _HALF_M = HALF_M.value
@@ -442,7 +441,7 @@ def attention_varlen_ws(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causa
     desc_o = _output_descriptor(out) if tma_store else desc_q  # (a placeholder without the TMA store)
     n_m_blocks = triton.cdiv(max_seqlen_q, 2 * _HALF_M)
     n_work = n_m_blocks * (cu_seqlens_q.numel() - 1) * n_heads
-    n_prog = n_work if not persistent else min(n_work, _sm_count(q.device))
+    n_prog = n_work if not persistent else min(n_work, num_sms(q.device))
     # all (sequence, head) pairs in one group when one head's query blocks nearly fill the grid
     swizzle = n_work // n_m_blocks if causal and 2 * n_m_blocks > n_prog else 1
     _attn_fwd_ws[(n_prog, )](desc_q, desc_k, desc_v, desc_o, out, q_scale, k_scale, v_scale, cu_seqlens_q, cu_seqlens_k,
@@ -462,8 +461,3 @@ def _output_descriptor(out):
     o2d = out.view(out.shape[0], out.shape[1] * head_dim)
     layout = gl.NVMMASharedLayout.get_default_for([_HALF_M, head_dim], _GL_DTYPE[out.dtype])
     return TensorDescriptor(o2d, list(o2d.shape), [o2d.stride(0), 1], [_HALF_M, head_dim], layout)
-
-
-@functools.cache
-def _sm_count(device):
-    return torch.cuda.get_device_properties(device).multi_processor_count

@@ -51,6 +51,7 @@ from triton.language.extra.cuda import gdc_launch_dependents
 
 # The repack and the reference live beside this file and are re-exported here, the kernel's one
 # import point.
+from quantkit.kernels import device_info
 from quantkit.kernels.w4a16_weights import (
     PAIR_TILE_K,
     W4A16Weights,
@@ -623,12 +624,6 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _decode_split_k(n_tiles: int, k_tiles: int, num_sms: int) -> int:
     """Split K so the grid has about _DECODE_PROGRAMS_PER_SM programs per SM, at least 2 K tiles each."""
     want = max(1, (_DECODE_PROGRAMS_PER_SM * num_sms) // max(n_tiles, 1))
@@ -648,7 +643,7 @@ def _gemv_matmul(x, w, config, magic):
     x = x.contiguous()
     out = torch.zeros((m, n), device=x.device, dtype=torch.float32)
     zeros = w.zeros if w.zeros is not None else w.scales  # dummy pointer when symmetric
-    num_sms = _num_sms(x.device)
+    num_sms = device_info.num_sms(x.device)
     block_m = max(1, triton.next_power_of_2(m))
 
     def grid(meta):
@@ -749,7 +744,7 @@ def _pairs_matmul(x, w, config):
     """The paired-nibble path. ``x`` is in the caller's column order; it is gathered once here."""
     m, k = x.shape
     n = w.out_features
-    num_sms = _num_sms(x.device)
+    num_sms = device_info.num_sms(x.device)
     # Split K (float32 atomics) for decode, and wherever 128 x 128 output tiles would not fill the SMs
     # (run 6: 8192x28672 at M = 256 ran 128 programs on 132 SMs, each over all of K: 0.42x cuBLAS).
     split = m <= PAIRS_SPLIT_MAX_M or triton.cdiv(n, 128) * triton.cdiv(m, 128) < num_sms
@@ -865,7 +860,7 @@ def w4a16_matmul(x: torch.Tensor, w: W4A16Weights, config: dict | None = None,
     out = torch.zeros((m, n), device=x.device, dtype=torch.float32) if decode else torch.empty(
         (m, n), device=x.device, dtype=x.dtype)
     zeros = w.zeros if w.zeros is not None else w.scales  # dummy pointer when symmetric
-    num_sms = _num_sms(x.device)
+    num_sms = device_info.num_sms(x.device)
 
     def grid(meta):
         out_tiles = triton.cdiv(n, meta["BLOCK_N"]) * triton.cdiv(m, meta["BLOCK_M"])

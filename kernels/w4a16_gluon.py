@@ -62,7 +62,8 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from quantkit.kernels.w4a16 import _num_sms, gather_columns
+from quantkit.kernels.device_info import num_sms
+from quantkit.kernels.w4a16 import gather_columns
 from quantkit.kernels.w4a16_weights import PAIR_TILE_K, W4A16Weights
 
 # One K tile of the packed weights: 16 int32 words (128 codes) per output row, read as four dots of K = 32.
@@ -589,12 +590,12 @@ def _launch(x: torch.Tensor, w: W4A16Weights, config: GluonConfig) -> torch.Tens
     out = torch.empty((m, n), device=x.device, dtype=x.dtype)
     if stream_k:
         tile_units = ws[m * n:].view(torch.int32)  # zero bits are int32 zeros
-        grid = (min(tiles_n * k_tiles, _num_sms(x.device) * config.CTAS_PER_SM),)
+        grid = (min(tiles_n * k_tiles, num_sms(x.device) * config.CTAS_PER_SM),)
     else:
         ws, tile_units = out, out  # unused
         grid = (tiles_n * tiles_m,)
         if persistent:
-            grid = (min(tiles_n * tiles_m, _num_sms(x.device) * config.CTAS_PER_SM),)
+            grid = (min(tiles_n * tiles_m, num_sms(x.device) * config.CTAS_PER_SM),)
     w_layout = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=32, rank=2)
     x_layout = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2)
     desc_w = TensorDescriptor(w.qweight, [n, k // 8], [w.qweight.stride(0), 1], [config.BLOCK_N, int(_WORDS)],

@@ -1,0 +1,23 @@
+"""Facts about the device a kernel is launched on, shared by the kernel launchers."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+def num_sms(device: torch.device | str) -> int:
+    """Streaming multiprocessors of ``device``, which size persistent and split-K grids.
+
+    Off CUDA (Triton's interpreter) 4, so that interpreted grids stay small."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 4
+    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _cuda_sms(index: int) -> int:
+    # a fixed property of the card, asked on every launch: looked up once per device
+    return torch.cuda.get_device_properties(index).multi_processor_count
