@@ -14,7 +14,8 @@ Also: a sweep of our kernel variants (tile shapes, ring depth, warp specializati
 4096 that picks the configs for the table, the FP8 path's accuracy (with and without the
 Hadamard rotation), and decode bandwidth (KV bytes read / time) against the measured device
 copy bandwidth.
-Writes attention_<date>.json under --out and prints a compact table last.
+Writes attention_<date>.json under --out (and a PNG plot of the prefill table beside it when
+matplotlib is installed) and prints a compact table last.
 """
 import argparse
 import datetime
@@ -28,6 +29,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from quantkit.kernels.attention import attention, prepare_fp8
 from quantkit.kernels.decode_attention import decode_attention, decode_attention_ref
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from plot_results import plot_after_run  # noqa: E402
 
 TOKENS = 16384
 
@@ -286,6 +290,8 @@ def main():
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, args.name or f"attention_{datetime.date.today()}.json"), "w") as f:
             json.dump(results, f, indent=1)
+    if results["prefill"]:
+        plot_after_run(os.path.join(args.out, args.name or f"attention_{datetime.date.today()}.json"))
 
     # ---- compact table last ----
     print(f"\n{results['card']} torch {results['torch']} triton {results['triton']} "

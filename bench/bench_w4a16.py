@@ -8,6 +8,7 @@ in L2 and host launch overhead is out of the numbers (the eager launcher costs ~
 on the device machine's CPU, see NOTES). For M <= 16 the table also gives the bandwidth of the
 packed weight bytes (qweight + scales) against a device-to-device copy measured in the same run.
 Inputs are random (never zeros); a correctness check against a float32 reference runs per shape.
+Writes the JSON and, when matplotlib is installed, a PNG plot beside it (bench/plot_results.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ import torch.nn.functional as F
 import triton
 
 from quantkit.kernels import w4a16 as kw
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from plot_results import plot_after_run  # noqa: E402
 
 SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336), (28672, 8192), (8192, 28672)]
 MS = [1, 4, 16, 64, 256, 1024, 4096]
@@ -236,6 +240,7 @@ def main():
     rows.sort(key=lambda r: (SHAPES.index((r["N"], r["K"])), r["M"]))
     write(True)
     print_table(rows, copy_tbs)
+    plot_after_run(out)
 
 
 if __name__ == "__main__":
