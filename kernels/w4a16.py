@@ -52,6 +52,7 @@ from triton.language.extra.cuda import gdc_launch_dependents
 # The repack and the reference live beside this file and are re-exported here, the kernel's one
 # import point.
 from quantkit.kernels import device_info
+from quantkit.kernels.gpu_timing import gpu_time_us
 from quantkit.kernels.w4a16_weights import (
     PAIR_TILE_K,
     W4A16Weights,
@@ -74,9 +75,10 @@ GEMV_M2_MAX_WEIGHTS = 1 << 25
 # With it (run 14, one launch less per call), the Gluon kernel wins at M = 2 on every shape (10.3 vs 12.2
 # us at 16.8 M weights, 44.5 vs 89.9 at 235 M) and at M = 1 on the two 235 M-weight shapes (44.2 vs 54.6
 # us). The GEMV keeps M = 1 on 16.8 M weights (8.8-9.4 vs ~9.8 us). At 58.7 M it was 17.4-18.4 us against
-# the Gluon kernel's 17.9-18.2 at M = 2 (runs 14-18), but its autotuner times eagerly, and in run 17 it
-# picked a config that took 30.6 us on 4096 x 14336; the Gluon tuner times CUDA graphs with L2 evicted,
-# so from 2**25 weights up M = 1 goes to the Gluon kernel.
+# the Gluon kernel's 17.9-18.2 at M = 2 (runs 14-18), but its autotuner then timed eagerly, and in run 17
+# it picked a config that took 30.6 us on 4096 x 14336 (see _bench_quick, graph-timed since, not yet
+# re-measured on the GPU); from 2**25 weights up M = 1 goes to the Gluon kernel, measured 17.5-17.8 us
+# there in run 19.
 GLUON_M1_MIN_WEIGHTS = 1 << 25
 
 
@@ -565,8 +567,18 @@ def _w4a16_pairs_kernel(
 
 
 def _bench_quick(kernel_call, quantiles):
-    # Short autotune timing: the configs differ by far more than the noise of 20 ms of runs.
-    return triton.testing.do_bench(kernel_call, warmup=5, rep=20, quantiles=quantiles)
+    """Autotune timing, in ms (one value per quantile): GPU time from CUDA-graph replays with L2
+    evicted (:func:`gpu_timing.gpu_time_us`), as the Gluon tuner times its configs.
+
+    Eager timing (``do_bench``) measures the host when the kernel is shorter than its launch: on the
+    device machine a Triton launch costs ~100 us of Python against 5-20 us of GPU time for the GEMV,
+    so every config timed alike and the pick was arbitrary (H200 run 17: a 30.6 us GEMV config on
+    4096 x 14336, where 17-18 us is usual). Eager timing stays as the fallback if a capture fails."""
+    try:
+        ms = gpu_time_us(kernel_call) / 1e3
+    except RuntimeError:
+        return triton.testing.do_bench(kernel_call, warmup=5, rep=20, quantiles=quantiles)
+    return [ms] * len(quantiles) if quantiles else ms
 
 
 _decode_tuned = triton.autotune(

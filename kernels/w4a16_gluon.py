@@ -63,6 +63,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from quantkit.kernels.device_info import num_sms
+from quantkit.kernels.gpu_timing import gpu_time_us, l2_evict_buffer
 from quantkit.kernels.w4a16 import gather_columns
 from quantkit.kernels.w4a16_weights import PAIR_TILE_K, W4A16Weights
 
@@ -618,7 +619,7 @@ class ConfigTuner:
 
     (A small stand-in for ``triton.autotune``, whose config meta-parameters cannot reach the block
     shapes of host-side tensor descriptors.) Candidates are timed as the GPU runs them in a CUDA graph
-    with L2 flushed before each call (:func:`_gpu_time_us`), as a served model replays them. Eager
+    with L2 evicted before each call (:func:`gpu_timing.gpu_time_us`), as a served model replays them. Eager
     timing also counts the host's launch cost (~100 us of Python per Gluon launch on the device
     machine), which can hide the GPU time of small shapes: in H200 run 11 the eager-tuned pick at
     M = 32, 4096 x 14336 took 75 us in graph replays, where another fitting config's kernel takes ~30."""
@@ -655,54 +656,11 @@ class ConfigTuner:
             configs = self.candidates(m, w.group_size)
             if not configs:
                 raise ValueError(f"no Gluon config fits M = {m}, group {w.group_size}")
-            flush = torch.empty(_L2_FLUSH_BYTES, dtype=torch.uint8, device=x.device)
-            times = {cfg: _gpu_time_us(lambda c=cfg: _launch(x, w, c), flush) for cfg in configs}
-            del flush
+            evict = l2_evict_buffer(x.device)
+            times = {cfg: gpu_time_us(lambda c=cfg: _launch(x, w, c), evict) for cfg in configs}
+            del evict
             self.cache[key] = min(times, key=times.get)
         return _launch(x, w, self.cache[key])
-
-
-# Twice the H200's 50 MB L2 (60 MB on some Hopper parts): writing it evicts the weights of the call before.
-_L2_FLUSH_BYTES = 128 * 2**20
-
-
-def _gpu_time_us(fn, flush: torch.Tensor, calls: int = 8, replays: int = 3, evict_by_writing: bool = False) -> float:
-    """Microseconds of GPU time per ``fn()`` with a cold L2 and no host overhead: the best of
-    ``replays`` replays of a CUDA graph of ``calls`` x (evict L2, fn), less the same graph without fn.
-
-    L2 is evicted by reading ``flush`` (twice its size), which leaves it full of clean lines, as the
-    previous layer's weights leave it in a served model. Writing it instead (``evict_by_writing``, the
-    usual cache flush) leaves up to the whole L2 dirty, and the first reads of ``fn`` then wait on its
-    write-back: a read-only stream of 121 MB measured ~3.3 TB/s that way on the H200 (run 15)."""
-    fn()  # compile and allocator warm-up outside the capture
-    torch.cuda.synchronize()
-    words = flush.view(torch.int64)
-    sink = torch.empty((), dtype=torch.int64, device=flush.device)
-    graphs = []
-    for with_fn in (True, False):
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(calls):
-                if evict_by_writing:
-                    flush.zero_()
-                else:
-                    torch.sum(words, dim=0, out=sink)
-                if with_fn:
-                    fn()
-        graphs.append(graph)
-    best = []
-    for graph in graphs:
-        graph.replay()  # first replay uploads the graph
-        times = []
-        for _ in range(replays):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3)
-        best.append(min(times))
-    return max(best[0] - best[1], 0.0) / calls
 
 
 GLUON_TUNER = ConfigTuner(DECODE_GLUON_CONFIGS, MID_GLUON_CONFIGS, PREFILL_GLUON_CONFIGS)

@@ -30,7 +30,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from quantkit.kernels.w4a16_gluon import _L2_FLUSH_BYTES, _gpu_time_us
+from quantkit.kernels.gpu_timing import gpu_time_us, l2_evict_buffer
 
 
 @gluon.jit
@@ -95,7 +95,7 @@ def tma_time(buf: torch.Tensor, rows: int, cols: int, box: tuple[int, int], num_
     col_tiles = cols // box[1]
     n_units = (rows // box[0]) * col_tiles
     grid = (torch.cuda.get_device_properties(buf.device).multi_processor_count * ctas,)
-    return _gpu_time_us(lambda: _tma_stream_kernel[grid](desc, n_units, col_tiles, NUM_BUF=num_buf, num_warps=4),
+    return gpu_time_us(lambda: _tma_stream_kernel[grid](desc, n_units, col_tiles, NUM_BUF=num_buf, num_warps=4),
                         flush, evict_by_writing=evict_by_writing)
 
 
@@ -110,7 +110,7 @@ def main():
     dev = torch.device("cuda")
     buf = torch.randint(-2**31, 2**31 - 1, (args.rows * args.words,), dtype=torch.int32, device=dev)
     nbytes = buf.numel() * 4
-    flush = torch.empty(_L2_FLUSH_BYTES, dtype=torch.uint8, device=dev)
+    flush = l2_evict_buffer(dev)
     rows = []
 
     def add(name, us, moved=nbytes):
@@ -124,10 +124,10 @@ def main():
     for by_writing in (False, True):
         how = "evict by writing" if by_writing else "evict by reading"
         add(f"device copy (read + write), {how}",
-            _gpu_time_us(lambda: dst.copy_(buf), flush, evict_by_writing=by_writing), 2 * nbytes)
+            gpu_time_us(lambda: dst.copy_(buf), flush, evict_by_writing=by_writing), 2 * nbytes)
         for progs in (132 * 8, 132 * 16):
             add(f"triton read-only, {progs} programs x 4096 words, {how}",
-                _gpu_time_us(lambda p=progs: _read_sum_kernel[(p,)](buf, sink, buf.numel(), BLOCK=4096, num_warps=8),
+                gpu_time_us(lambda p=progs: _read_sum_kernel[(p,)](buf, sink, buf.numel(), BLOCK=4096, num_warps=8),
                              flush, evict_by_writing=by_writing))
         add(f"TMA strided 128x16 (the kernel's), 1 CTA/SM, 8 stages, {how}",
             tma_time(buf, args.rows, args.words, (128, 16), 8, 1, flush, by_writing))

@@ -420,3 +420,19 @@ def test_gluon_every_config_gpu(which, m):
 @pytest.mark.parametrize("m", [2, 40, 700])
 def test_gluon_tuned_gpu(m):
     _run_gpu(_kernel_module(), 2048, 1024, 64, False, True, m, torch.bfloat16, None, None)
+
+
+def test_autotune_timing_is_gpu_time_in_ms_with_an_eager_fallback(monkeypatch):
+    # Triton's autotuner asks do_bench(kernel_call, quantiles=(0.5, 0.2, 0.8)) for one value per quantile
+    # in ms; _bench_quick answers from CUDA-graph replays (us) and falls back to eager timing when a
+    # capture fails (the GPU itself is exercised by the GPU tests, which autotune on first use)
+    mod = _kernel_module()
+    monkeypatch.setattr(mod, "gpu_time_us", lambda fn: 12.5)
+    assert mod._bench_quick(lambda: None, (0.5, 0.2, 0.8)) == [0.0125] * 3
+
+    def capture_fails(fn):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(mod, "gpu_time_us", capture_fails)
+    monkeypatch.setattr(mod.triton.testing, "do_bench", lambda fn, warmup, rep, quantiles: [1.0, 0.9, 1.1])
+    assert mod._bench_quick(lambda: None, (0.5, 0.2, 0.8)) == [1.0, 0.9, 1.1]

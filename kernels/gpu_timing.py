@@ -1,0 +1,60 @@
+"""GPU time of a call as a served model sees it: CUDA-graph replays (no host launch cost), L2 evicted
+before each call (weights not resident). Used by the kernels' tuners and the benchmarks."""
+
+from __future__ import annotations
+
+import torch
+
+# Twice the H200's 50 MB L2 (60 MB on some Hopper parts): reading it evicts the weights of the call before.
+L2_EVICT_BYTES = 128 * 2**20
+
+
+def l2_evict_buffer(device) -> torch.Tensor:
+    """The buffer :func:`gpu_time_us` reads (or writes) between calls to evict L2."""
+    return torch.empty(L2_EVICT_BYTES, dtype=torch.uint8, device=device)
+
+
+def gpu_time_us(fn, flush: torch.Tensor | None = None, calls: int = 8, replays: int = 3,
+                evict_by_writing: bool = False) -> float:
+    """Microseconds of GPU time per ``fn()`` with a cold L2 and no host overhead: the best of
+    ``replays`` replays of a CUDA graph of ``calls`` x (evict L2, fn), less the same graph without fn.
+
+    L2 is evicted by reading ``flush`` (twice its size; :func:`l2_evict_buffer` when None), which leaves
+    it full of clean lines, as the previous layer's weights leave it in a served model. Writing it
+    instead (``evict_by_writing``, the usual cache flush) leaves up to the whole L2 dirty, and the first
+    reads of ``fn`` then wait on its write-back: a read-only stream of 121 MB measured ~3.3 TB/s that way
+    on the H200, 4.3 TB/s after a read (bench/debug/tma_stream.py, runs 15-16).
+
+    ``fn`` runs once eagerly first (compilation, allocator warm-up), so it must not be called inside
+    another CUDA-graph capture."""
+    if flush is None:
+        flush = l2_evict_buffer(torch.cuda.current_device())
+    fn()  # compile and allocator warm-up outside the capture
+    torch.cuda.synchronize()
+    words = flush.view(torch.int64)
+    sink = torch.empty((), dtype=torch.int64, device=flush.device)
+    graphs = []
+    for with_fn in (True, False):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                if evict_by_writing:
+                    flush.zero_()
+                else:
+                    torch.sum(words, dim=0, out=sink)
+                if with_fn:
+                    fn()
+        graphs.append(graph)
+    best = []
+    for graph in graphs:
+        graph.replay()  # first replay uploads the graph
+        times = []
+        for _ in range(replays):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3)
+        best.append(min(times))
+    return max(best[0] - best[1], 0.0) / calls
