@@ -95,6 +95,33 @@ def _wait_for_previous_grid():
 
 
 @gluon.jit
+def _even_run(pid, n_progs, n_units):
+    """Program ``pid``'s contiguous run (first unit, count) of ``n_units`` split over ``n_progs``: runs
+    differ in length by at most one (int64: pid * n_units passes 2**31 at M = 4096, BLOCK_M = 64)."""
+    u0 = ((pid.to(gl.int64) * n_units) // n_progs).to(gl.int32)
+    count = (((pid.to(gl.int64) + 1) * n_units) // n_progs).to(gl.int32) - u0
+    return u0, count
+
+
+@gluon.jit
+def _ring_barriers(NUM_BUF: gl.constexpr):
+    """The ring's "ready" (filled by TMA) and "empty" (released by the consumers) mbarriers, initialized."""
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(NUM_BUF):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+    return ready, empty
+
+
+@gluon.jit
+def _invalidate_ring(ready, empty, NUM_BUF: gl.constexpr):
+    for s in gl.static_range(NUM_BUF):
+        mbarrier.invalidate(ready.index(s))
+        mbarrier.invalidate(empty.index(s))
+
+
+@gluon.jit
 def _unit_coords(i, u0, pid, n_progs, k_tiles, tiles_n, tiles_m, GROUP_N: gl.constexpr, PERSISTENT: gl.constexpr):
     """The program's i-th unit -> (weight-row tile, activation-row tile, K tile).
 
@@ -279,7 +306,7 @@ def _flush(acc, c_ptr, ws_ptr, tile_units_ptr, tn, tm, M, N, seg_units, k_tiles,
 
 @gluon.jit
 def _unit(acc, a_prev, scale, zero, w_smem, x_smem, ready, empty, scales_ptr, zeros_ptr, xsum_ptr, M, N, k_tiles,
-          stride_sg, stride_zg, u, u0, lo, hi, tn, tm, kt_base, offs_n, offs_w, GROUP_SIZE: gl.constexpr,
+          stride_sg, stride_zg, u, lo, hi, tn, tm, kt_base, offs_n, offs_w, GROUP_SIZE: gl.constexpr,
           HAS_ZEROS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, NUM_BUF: gl.constexpr,
           WGMMA: gl.constexpr, SCALE_ACC: gl.constexpr, acc_layout: gl.constexpr):
     """One unit (K tile) of the consumer: wait for its stage, dequantize the words into four K = 32 A
@@ -294,7 +321,7 @@ def _unit(acc, a_prev, scale, zero, w_smem, x_smem, ready, empty, scales_ptr, ze
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=acc_layout, k_width=2)
     w_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=1)
-    i = u - u0
+    i = u  # units are numbered by their ring position (see _mma_partition)
     stage = i % NUM_BUF
     kt = u - kt_base
     scale_next, zero_next = _group_params(scales_ptr, zeros_ptr, tn, gl.minimum(kt + 1, hi - 1 - kt_base), N,
@@ -396,13 +423,13 @@ def _mma_partition(w_smem, x_smem, ready, empty, scales_ptr, zeros_ptr, xsum_ptr
                                     offs_w, GROUP_SIZE, HAS_ZEROS, BLOCK_N)
         for u in range(lo, hi - 1 if WGMMA else hi):
             acc, a_prev, scale, zero = _unit(acc, a_prev, scale, zero, w_smem, x_smem, ready, empty, scales_ptr,
-                                             zeros_ptr, xsum_ptr, M, N, k_tiles, stride_sg, stride_zg, u, 0, lo,
-                                             hi, tn, tm, kt_base,
+                                             zeros_ptr, xsum_ptr, M, N, k_tiles, stride_sg, stride_zg, u, lo, hi,
+                                             tn, tm, kt_base,
                                              offs_n, offs_w, GROUP_SIZE, HAS_ZEROS, BLOCK_N, BLOCK_M, NUM_BUF,
                                              WGMMA, SCALE_ACC, acc_layout)
         if WGMMA:
             acc, a_prev, scale, zero = _unit(acc, a_prev, scale, zero, w_smem, x_smem, ready, empty, scales_ptr,
-                                             zeros_ptr, xsum_ptr, M, N, k_tiles, stride_sg, stride_zg, hi - 1, 0,
+                                             zeros_ptr, xsum_ptr, M, N, k_tiles, stride_sg, stride_zg, hi - 1,
                                              lo, hi, tn, tm, kt_base,
                                              offs_n, offs_w, GROUP_SIZE, HAS_ZEROS, BLOCK_N, BLOCK_M, NUM_BUF,
                                              WGMMA, SCALE_ACC, acc_layout)
@@ -435,18 +462,11 @@ def _w4a16_gluon_kernel(desc_w, desc_x, scales_ptr, zeros_ptr, xsum_ptr, c_ptr, 
         u0 = 0
         count = gl.cdiv(n_tiles - pid, n_progs) * k_tiles
     else:
-        n_units = n_tiles * k_tiles
-        # runs differ in length by at most one unit (int64: pid * n_units passes 2**31 at M = 4096, BLOCK_M = 64)
-        u0 = ((pid.to(gl.int64) * n_units) // n_progs).to(gl.int32)
-        count = (((pid.to(gl.int64) + 1) * n_units) // n_progs).to(gl.int32) - u0
+        u0, count = _even_run(pid, n_progs, n_tiles * k_tiles)
 
     w_smem = gl.allocate_shared_memory(gl.int32, [NUM_BUF, BLOCK_N, _WORDS], desc_w.layout)
     x_smem = gl.allocate_shared_memory(desc_x.dtype, [NUM_BUF * 4, BLOCK_M, _DOT_K], desc_x.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(NUM_BUF):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=1)
+    ready, empty = _ring_barriers(NUM_BUF)
     gl.warp_specialize([
         (_mma_partition, (w_smem, x_smem, ready, empty, scales_ptr, zeros_ptr, xsum_ptr, c_ptr, ws_ptr, tile_units_ptr,
                           M, N, u0, count, pid, n_progs, k_tiles, tiles_n, tiles_m, stride_sg, stride_zg, GROUP_SIZE,
@@ -454,9 +474,7 @@ def _w4a16_gluon_kernel(desc_w, desc_x, scales_ptr, zeros_ptr, xsum_ptr, c_ptr, 
         (_load_partition, (desc_w, desc_x, w_smem, x_smem, ready, empty, u0, count, pid, n_progs, k_tiles, tiles_n,
                            tiles_m, BLOCK_N, BLOCK_M, GROUP_N, NUM_BUF, PERSISTENT)),
     ], [1], [LOAD_WARP_REGS])
-    for s in gl.static_range(NUM_BUF):
-        mbarrier.invalidate(ready.index(s))
-        mbarrier.invalidate(empty.index(s))
+    _invalidate_ring(ready, empty, NUM_BUF)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,6 +31,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from quantkit.kernels.gpu_timing import gpu_time_us, l2_evict_buffer
+from quantkit.kernels.w4a16_gluon import LOAD_WARP_REGS, _even_run, _invalidate_ring, _ring_barriers
 
 
 @gluon.jit
@@ -56,23 +57,15 @@ def _stream_partition(desc, smem, ready, empty, u0, count, col_tiles, NUM_BUF: g
 
 @gluon.jit
 def _tma_stream_kernel(desc, n_units, col_tiles, NUM_BUF: gl.constexpr, num_warps: gl.constexpr):
-    pid = gl.program_id(0).to(gl.int64)
-    n_progs = gl.num_programs(0)
-    u0 = ((pid * n_units) // n_progs).to(gl.int32)
-    count = (((pid + 1) * n_units) // n_progs).to(gl.int32) - u0
+    # the W4A16 kernel's run split and ring (kernels/w4a16_gluon.py)
+    u0, count = _even_run(gl.program_id(0), gl.num_programs(0), n_units)
     smem = gl.allocate_shared_memory(desc.dtype, [NUM_BUF] + desc.block_type.shape, desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(NUM_BUF):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=1)
+    ready, empty = _ring_barriers(NUM_BUF)
     gl.warp_specialize([
         (_release_partition, (ready, empty, count, NUM_BUF)),
         (_stream_partition, (desc, smem, ready, empty, u0, count, col_tiles, NUM_BUF)),
-    ], [1], [40])
-    for s in gl.static_range(NUM_BUF):
-        mbarrier.invalidate(ready.index(s))
-        mbarrier.invalidate(empty.index(s))
+    ], [1], [LOAD_WARP_REGS])
+    _invalidate_ring(ready, empty, NUM_BUF)
 
 
 @triton.jit
