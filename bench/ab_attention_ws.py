@@ -5,7 +5,9 @@ their host-side checks), and cuDNN through SDPA. Runs 8-9 (bench/NOTES_attention
     AB_SHAPES=16/16/2048,16/16/2048/64 AB_VARS=new_bf16,new_fp8_nopp,cudnn python bench/ab_attention_ws.py
 
 Shapes hq/hkv/seqlen[/head_dim]; AB_VARS from the names in `fns` below (NAME.again times NAME once more, for the
-spread). AB_BASELINE=<dir> holding an older
+spread); also bf16:CFG and fp8:CFG, CFG the ws config tuple with '/' between entries (1/0 for booleans),
+e.g. bf16:128/2/1/0 (ring 2, persistent, no ping-pong). AB_PROFILE=1: each variant runs twice and
+is not timed (for `ncu -k regex:_attn_fwd_ws --launch-skip 1 -c 1`); AB_CAUSAL=0/1 runs one mode. AB_BASELINE=<dir> holding an older
 copy of the ws kernel as ws_run7.py (runs 8-9: the kernels of commit 8c093a8, with attention_gluon.py as
 gluon_run7.py) enables the old_* variants. Writes $OUT/ab.json and prints a table last."""
 import json
@@ -77,15 +79,30 @@ for hq, hkv, s, d in shapes:
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=hq != hkv)
         fns["cudnn"] = cudnn
+        for name in VARS:  # bf16:CFG / fp8:CFG, the ws kernel with an explicit config
+            kind, _, cfg = name.split(".")[0].partition(":")
+            if cfg:
+                cfg = tuple(int(x) for x in cfg.split("/"))
+                prep_arg = prep if kind == "fp8" else None
+                fns[name.split(".")[0]] = (lambda cfg=cfg, prep_arg=prep_arg: ws.attention_varlen_ws(
+                    q, k, v, cu, cu, s, causal=causal, fp8_prepared=prep_arg, config=cfg))
         row = {"hq": hq, "hkv": hkv, "d": d, "seqlen": s, "batch": b, "causal": causal}
         ref = None
+        if os.environ.get("AB_CAUSAL") and int(os.environ["AB_CAUSAL"]) != causal:
+            continue
+        if os.environ.get("AB_PROFILE"):
+            for name in VARS:
+                fns[name.split(".")[0]]()
+                fns[name.split(".")[0]]()
+            torch.cuda.synchronize()
+            continue
         for name in VARS:
             try:
                 fn = fns[name.split(".")[0]]
                 out = fn()
                 if name == "cudnn":
                     out = out.transpose(1, 2).reshape(b * s, hq, d)
-                if ref is None and name in ("new_bf16", "old_bf16", "auto_bf16"):
+                if ref is None and name in ("new_bf16", "old_bf16", "auto_bf16", "default_bf16"):
                     ref = out
                 row[name] = round(f / bench(fn) / 1e9, 1)
                 if ref is not None:
