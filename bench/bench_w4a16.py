@@ -171,8 +171,8 @@ def run_shape(n, k, ms, copy_tbs, rows, variants, deadline=float("inf")):
 
 def tuned_configs() -> dict:
     out = {}
-    for name, tuner in (("gemv", kw._gemv_tuned), ("decode", kw._decode_tuned), ("prefill", kw._prefill_tuned),
-                        ("pairs", kw._pairs_tuned)):
+    for name, tuner in (("gemv", kw._gemv_tuned), ("gemv_direct", kw._gemv_direct_tuned), ("decode", kw._decode_tuned),
+                        ("prefill", kw._prefill_tuned), ("pairs", kw._pairs_tuned)):
         out[name] = {str(key): str(cfg) for key, cfg in tuner.cache.items()}
     if "quantkit.kernels.w4a16_gluon" in sys.modules:
         out["gluon"] = {str(key): str(cfg) for key, cfg in sys.modules["quantkit.kernels.w4a16_gluon"].GLUON_TUNER.cache.items()}

@@ -18,7 +18,8 @@ How the kernel works
     layers): no tensor cores. Each program streams the packed words
     of BLOCK_N output rows over a K slice with 16-byte loads, unpacks them in the load's own register
     layout, forms exact ``code - zero`` in fp32 (one ``lop3`` per code, exponent trick), reduces
-    along K and scales once per group (split-K, fp32 atomics). ``_w4a16_gemv_kernel``.
+    along K and scales once per group (split-K with fp32 atomics; on small layers one program per row
+    block over the whole K, stored directly: a single launch). ``_w4a16_gemv_kernel``.
   - Gluon (Hopper, every other M, the paired layout below): the same paired-nibble dequantization
     with the loads in a TMA ring fed by a producer warp, mma.sync up to 64 rows (stream-K over all
     SMs) and asynchronous wgmma overlapped with the dequantization above.
@@ -80,6 +81,10 @@ GEMV_M2_MAX_WEIGHTS = 1 << 25
 # re-measured on the GPU); from 2**25 weights up M = 1 goes to the Gluon kernel, measured 17.5-17.8 us
 # there in run 19.
 GLUON_M1_MIN_WEIGHTS = 1 << 25
+# Up to this many weights the GEMV does not split K: each program owns whole output rows and stores them
+# in the activations' dtype, so a call is one launch (no float32 zeroing before, no cast after: two of
+# the three kernels of a split GEMV call on a 4096 x 4096 layer, ~2 us of its ~9, profile run 17).
+GEMV_DIRECT_MAX_WEIGHTS = 1 << 24
 
 
 # ----------------------------------------------------------------------------------------------
@@ -101,6 +106,19 @@ def _gemv_cfg(bn, bk, warps, pipe=1, progs_per_sm=8):
 # BLOCK_K may span several groups (v4: more bytes in flight per program). Configs whose per-thread
 # product tile is too large for the registers at the given BLOCK_M, or whose BLOCK_K neither
 # divides nor is a multiple of the group, are pruned.
+# Direct (unsplit) GEMV, small layers: short row blocks so that the grid still covers the SMs
+# (4096 rows / 16 = 256 programs), every program streaming its rows' whole K through a pipelined loop.
+# Deep pipelines: a program has only its own rows to stream, so most of its K should be in flight at
+# once (4096 x 4096: 8 tiles of 512 codes per row block).
+GEMV_DIRECT_CONFIGS = [
+    _gemv_cfg(8, 512, 4, pipe=3),
+    _gemv_cfg(16, 512, 4, pipe=3),
+    _gemv_cfg(16, 512, 4, pipe=6),
+    _gemv_cfg(8, 512, 4, pipe=8),
+    _gemv_cfg(16, 256, 4, pipe=8),
+    _gemv_cfg(32, 256, 4, pipe=4),
+    _gemv_cfg(8, 256, 2, pipe=8),
+]
 GEMV_CONFIGS = [
     _gemv_cfg(64, 128, 4),
     _gemv_cfg(128, 128, 4),  # run 3's winner on every shape
@@ -426,15 +444,16 @@ def _w4a16_gemv_kernel(
     stride_xm, stride_qn, stride_sg, stride_zg, stride_cm,
     GROUP_SIZE: tl.constexpr, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, MAGIC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PIPE: tl.constexpr,
-    PROGS_PER_SM: tl.constexpr = 8, LOP3_ASM: tl.constexpr = False,
+    PROGS_PER_SM: tl.constexpr = 8, LOP3_ASM: tl.constexpr = False, DIRECT: tl.constexpr = False,
 ):
     """Decode GEMV, no tensor cores: ``c[M, N] += x[M, K] @ dequant(qw[N, K*BITS/32])^T`` over a K slice.
 
     Grid: (N tiles, K splits). Every program owns BLOCK_N output rows of W and all (<= BLOCK_M) rows
     of x, streams its K slice of packed words once and adds its float32 partial sums atomically into
-    a zeroed ``c``. x must be K-contiguous (the launcher makes it so). PROGS_PER_SM is read by the
-    launcher's grid only (the K split), a tuning knob of the config. LOP3_ASM (GPU only, not the
-    interpreter) builds each code's float bits with one inline ``lop3``.
+    a zeroed ``c``; with DIRECT (one K split) it stores its rows into ``c`` in c's dtype instead. x must
+    be K-contiguous (the launcher makes it so). PROGS_PER_SM is read by the launcher's grid only (the K
+    split), a tuning knob of the config. LOP3_ASM (GPU only, not the interpreter) builds each code's
+    float bits with one inline ``lop3``.
     """
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -459,7 +478,10 @@ def _w4a16_gemv_kernel(
                              M, K, K_WORDS, stride_xm, stride_qn, stride_sg, stride_zg,
                              GROUP_SIZE, BITS, HAS_ZEROS, MAGIC, BLOCK_M, BLOCK_N, BLOCK_K, LOP3_ASM)
     c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :]
-    tl.atomic_add(c_ptrs, acc, mask=mask_m[:, None] & mask_n[None, :], sem="relaxed")
+    if DIRECT:
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    else:
+        tl.atomic_add(c_ptrs, acc, mask=mask_m[:, None] & mask_n[None, :], sem="relaxed")
 
 
 @triton.jit
@@ -630,6 +652,10 @@ _gemv_tuned = triton.autotune(
     configs=GEMV_CONFIGS, key=["M_BUCKET", "N", "K", "GROUP_SIZE", "HAS_ZEROS"], reset_to_zero=["c_ptr"],
     prune_configs_by=dict(early_config_prune=_gemv_prune), do_bench=_bench_quick,
 )(_w4a16_gemv_kernel)
+_gemv_direct_tuned = triton.autotune(
+    configs=GEMV_DIRECT_CONFIGS, key=["M_BUCKET", "N", "K", "GROUP_SIZE", "HAS_ZEROS"],
+    prune_configs_by=dict(early_config_prune=_gemv_prune), do_bench=_bench_quick,
+)(_w4a16_gemv_kernel)
 
 
 def _interpreting() -> bool:
@@ -648,17 +674,26 @@ def _gemv_split_k(n_tiles: int, k_tiles: int, num_sms: int, progs_per_sm: int = 
     return triton.cdiv(k_tiles, triton.cdiv(k_tiles, want))
 
 
-def _gemv_matmul(x, w, config, magic):
-    """The GEMV path: fp32 atomics into a zeroed buffer, one cast at the end."""
+def _gemv_matmul(x, w, config, magic, direct: bool | None = None):
+    """The GEMV path: split K with float32 atomics into a zeroed buffer and one cast at the end, or with
+    ``direct`` (default: layers of at most GEMV_DIRECT_MAX_WEIGHTS; a config with ``SPLIT_K=1``) one
+    program per row block storing the result itself: a single launch."""
     m, k = x.shape
     n = w.out_features
     x = x.contiguous()
-    out = torch.zeros((m, n), device=x.device, dtype=torch.float32)
+    if direct is None:
+        direct = config.get("SPLIT_K") == 1 if config is not None else n * k <= GEMV_DIRECT_MAX_WEIGHTS
+    if direct:
+        out = torch.empty((m, n), device=x.device, dtype=x.dtype)
+    else:
+        out = torch.zeros((m, n), device=x.device, dtype=torch.float32)
     zeros = w.zeros if w.zeros is not None else w.scales  # dummy pointer when symmetric
     num_sms = device_info.num_sms(x.device)
     block_m = max(1, triton.next_power_of_2(m))
 
     def grid(meta):
+        if direct:
+            return (triton.cdiv(n, meta["BLOCK_N"]), 1)
         split = meta.get("SPLIT_K") or _gemv_split_k(
             triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(k, meta["BLOCK_K"]), num_sms,
             meta.get("PROGS_PER_SM", _GEMV_PROGRAMS_PER_SM))
@@ -669,9 +704,11 @@ def _gemv_matmul(x, w, config, magic):
     args = (x, w.qweight, w.scales, zeros, out, m, n, k, w.qweight.shape[1], _m_bucket(m),
             x.stride(0), w.qweight.stride(0), w.scales.stride(0), zeros.stride(0), out.stride(0))
     flags = dict(GROUP_SIZE=w.group_size, BITS=w.bits, HAS_ZEROS=w.zeros is not None,
-                 MAGIC=0x4B000000 if magic else 0, BLOCK_M=block_m, LOP3_ASM=magic and not _interpreting())
+                 MAGIC=0x4B000000 if magic else 0, BLOCK_M=block_m, LOP3_ASM=magic and not _interpreting(),
+                 DIRECT=direct)
+    configs = GEMV_DIRECT_CONFIGS if direct else GEMV_CONFIGS
     if config is None and _interpreting():
-        ok = [c.all_kwargs() for c in GEMV_CONFIGS if _gemv_config_ok(c.all_kwargs(), block_m, w.group_size)]
+        ok = [c.all_kwargs() for c in configs if _gemv_config_ok(c.all_kwargs(), block_m, w.group_size)]
         config = ok[0] if ok else dict(BLOCK_N=32, BLOCK_K=min(32, w.group_size))
     if config is not None:
         meta = dict(PIPE=1, num_warps=4, num_stages=1) | config
@@ -682,8 +719,8 @@ def _gemv_matmul(x, w, config, magic):
         meta.pop("SPLIT_K", None)
         _w4a16_gemv_kernel[launch_grid](*args, **flags, **meta)
     else:
-        _gemv_tuned[grid](*args, **flags)
-    return out.to(x.dtype)
+        (_gemv_direct_tuned if direct else _gemv_tuned)[grid](*args, **flags)
+    return out if direct else out.to(x.dtype)
 
 
 @triton.jit

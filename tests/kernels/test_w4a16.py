@@ -90,6 +90,10 @@ GEMV_CASES = [
     (64, 256, 4, 32, False, True, 7, dict(BLOCK_N=16, BLOCK_K=128, SPLIT_K=2)),  # act-order asym, M=7
     (64, 256, 4, 64, True, True, 1, dict(BLOCK_N=32, BLOCK_K=256, PROGS_PER_SM=4)),  # act-order sym
     (64, 192, 8, 64, False, False, 3, dict(BLOCK_N=32, BLOCK_K=128)),  # 8-bit, masked 2nd group
+    # Direct (one K split, stored in x's dtype, no float32 buffer)
+    (72, 576, 4, 128, False, False, 3, dict(BLOCK_N=16, BLOCK_K=256, SPLIT_K=1, PIPE=3)),  # asym, partial group
+    (64, 256, 4, 64, True, True, 1, dict(BLOCK_N=8, BLOCK_K=128, SPLIT_K=1)),  # act-order sym
+    (64, 192, 8, 64, False, False, 2, dict(BLOCK_N=8, BLOCK_K=64, SPLIT_K=1, num_warps=2)),  # 8-bit
 ]
 
 
