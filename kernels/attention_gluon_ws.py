@@ -30,10 +30,15 @@ Here, as in FA3, no CTA-wide barrier is left in the loop:
   memory and one TMA store (`TMA_STORE`), and at fp8 the producer stages each K tile's scale in
   shared memory next to the tile (`STAGE_KS`), so no round waits on a global load.
 
+* fp8 at hd128 (`ROWSUM_MMA`): the softmax row sums come from a P @ ones wgmma issued with P V, a fresh
+  accumulator each round added to fp32 sums, instead of 64 FADDs a thread and round; P is computed
+  times 2^8 so that its small values are normal e4m3 numbers.
+
 Measured on the H200 (bench/NOTES_attention.md, runs 10-12), bf16 hd128, 16 heads: 588-615 TFLOP/s
 non-causal and 499-576 causal at S = 2048-16384 (0.95-1.07x cuDNN in the same runs). fp8 (P carried
 in fp32 and converted to e4m3 in one step, without the ping-pong): 616-833 TFLOP/s at hd128, 1.16-1.44x
-this kernel's bf16; `auto` uses it for fp8.
+this kernel's bf16; with the row sums on the tensor core 644-841 (run 15b: +4-5% in the same process);
+`auto` uses it for fp8.
 
 Scope as `attention_gluon.py` (bf16/fp16 and its fp8 path, head dim 64/128, causal or not,
 packed varlen, GQA); layout q (total_q, Hq, D), k/v (total_k, Hkv, D), cu_seqlens (B + 1,).
@@ -63,6 +68,10 @@ _GL_DTYPE = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 # them to a plain shared row; each consumer reads the copies of its own rows (the S rows' layout)
 KS_REG_LAYOUT = gl.constexpr(gl.BlockedLayout([1], [32], [4], [0]))
 KS_SMEM_LAYOUT = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))
+# ROWSUM_MMA: N of the P @ ones wgmma (the smallest wgmma N) and the layout its ones tile is written from
+# (by the 4 warps that run before the partitions start)
+ONES_N = gl.constexpr(8)
+ONES_REG_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 1], [1, 32], [4, 1], [1, 0]))
 
 
 @gluon.jit
@@ -179,7 +188,7 @@ def _consume_tile(wg, q_smem, k_smem, v_smem, ks_smem, q_bars, q_empty, k_ready,
                   stride_ksn, q_start, seqlen_q, kv_start, seqlen_k, blk_m0, head, kv_head, n_tiles, cnt, it, rnd,
                   HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr, IS_FP8: gl.constexpr,
                   NUM_BUF: gl.constexpr, PINGPONG: gl.constexpr, TMA_STORE: gl.constexpr,
-                  STAGE_KS: gl.constexpr):
+                  STAGE_KS: gl.constexpr, ones_smem, ROWSUM_MMA: gl.constexpr):
     """One warpgroup, one work tile: rows blk_m0 + wg * 64 .. + 63. Round j (j = 0..n_tiles)
     issues S_j and P_(j-1) V_(j-1) inside this warpgroup's turn; the softmax of S_j then overlaps
     both the P V wgmma (intra-warpgroup) and the other warpgroup's round (ping-pong). cnt: ring
@@ -187,7 +196,12 @@ def _consume_tile(wg, q_smem, k_smem, v_smem, ks_smem, q_bars, q_empty, k_ready,
     TMA_STORE: a half whose 64 rows lie inside the sequence is written through this warpgroup's o_smem
     buffer by one TMA store (else 32 masked 4-byte stores a thread). STAGE_KS (fp8): the per-tile K
     scale comes from ks_smem, where the producer put it with the K tile (else a global load a round,
-    whose latency the short fp8 S wgmma does not cover)."""
+    whose latency the short fp8 S wgmma does not cover). ROWSUM_MMA (fp8): the softmax row sums of
+    P_(j-1) come from one more wgmma issued with P_(j-1) V_(j-1), P @ ones_smem (N = ONES_N), into a
+    fresh accumulator each round (use_acc=False: the fp8 wgmma's reduced-precision accumulation sums
+    one tile's BLOCK_N terms, never the whole row: run 14c's drift), which is then added to the fp32 running sums
+    l2d on the CUDA cores (every column of l2d holds the same row sums); instead of the softmax's
+    BLOCK_N / 2 FADDs a thread and round."""
     dtype: gl.constexpr = q_smem.dtype
     MMA_K: gl.constexpr = 32 if IS_FP8 else 16
     # P as carried across the loop's back edge: fp8 P stays fp32 (the registers are there: 240 a
@@ -201,6 +215,15 @@ def _consume_tile(wg, q_smem, k_smem, v_smem, ks_smem, q_bars, q_empty, k_ready,
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4 if IS_FP8 else 2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    # ROWSUM_MMA: the 64 x ONES_N accumulator of P @ ones (every column = the row sums)
+    l_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, ONES_N, MMA_K])
+    row_l: gl.constexpr = gl.SliceLayout(1, l_layout)
+    # ROWSUM_MMA: P scaled by 2^8 (<= 256 < 448, the e4m3 maximum), so that the small probabilities are
+    # normal e4m3 numbers (3 mantissa bits) and not subnormals, multiples of 2^-9: the P @ ones sums then
+    # match the fp32 sums of P (without it, fp8 test: 0.031 from the Triton kernel and 0.074 from the
+    # reference, against 0.067 for fp32 sums; with it 0.009 and 0.067: a float32 emulation on the CPU)
+    P_LOG2: gl.constexpr = 8.0 if ROWSUM_MMA else 0.0
 
     my_turn = turn_bars.index(wg)
     their_turn = turn_bars.index(1 - wg)
@@ -215,6 +238,9 @@ def _consume_tile(wg, q_smem, k_smem, v_smem, ks_smem, q_bars, q_empty, k_ready,
     qk_scale, m_i, l_i, acc, s_zero = _row_state(qs_ptr, sm_scale, q_start, offs_m, seqlen_q, stride_qsm, head,
                                                  HEAD_DIM, BLOCK_N, IS_FP8, o_layout, s_layout)
     row_scale = qk_scale
+    if ROWSUM_MMA:
+        l_zero = gl.zeros([HALF_M, ONES_N], gl.float32, layout=l_layout)
+        l2d = l_zero  # running row sums (fp32, on the CUDA cores), in every column
     mbarrier.wait(q_bars.index(wg), it & 1)
 
     if n_tiles > 0:
@@ -232,7 +258,7 @@ def _consume_tile(wg, q_smem, k_smem, v_smem, ks_smem, q_bars, q_empty, k_ready,
         s = warpgroup_mma_wait(0, deps=[s])
         mbarrier.arrive(k_empty.index(cnt % NUM_BUF), count=1)
         p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, row_scale, 0, offs_m, offs_n, seqlen_k, delta,
-                                           full_hi, IS_CAUSAL, BLOCK_N)
+                                           full_hi, IS_CAUSAL, BLOCK_N, not ROWSUM_MMA, P_LOG2)
         p_op = _p_operand(p, p_layout, p_dtype, IS_FP8, HALF_M, BLOCK_N)
         for j in range(1, n_tiles):
             stage = (cnt + j) % NUM_BUF
@@ -242,17 +268,31 @@ def _consume_tile(wg, q_smem, k_smem, v_smem, ks_smem, q_bars, q_empty, k_ready,
             if PINGPONG:
                 mbarrier.wait(my_turn, (rnd + j) & 1)
             s = warpgroup_mma(q_tile, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            acc = _pv(p_op, v_smem.index(prev), acc, dtype, IS_FP8)
+            if ROWSUM_MMA:
+                p8 = p_op.to(dtype)  # one e4m3 P for both wgmmas
+                acc = warpgroup_mma(p8, v_smem.index(prev).permute((1, 0)), acc, is_async=True)
+                rs = warpgroup_mma(p8, ones_smem.permute((1, 0)), l_zero, use_acc=False, is_async=True)
+            else:
+                acc = _pv(p_op, v_smem.index(prev), acc, dtype, IS_FP8)
             if PINGPONG:
                 mbarrier.arrive(their_turn, count=1)
             if IS_FP8:
                 row_scale = qk_scale * _k_scale(ks_smem, stage, ks_ptr, (kv_start + j * BLOCK_N) * stride_ksn + kv_head,
                                                 row_s, STAGE_KS)
-            s = warpgroup_mma_wait(1, deps=[s])  # S_j done; P_(j-1) V_(j-1) may still run
+            if ROWSUM_MMA:
+                s = warpgroup_mma_wait(2, deps=[s])  # S_j done; P V and P @ ones may still run
+            else:
+                s = warpgroup_mma_wait(1, deps=[s])  # S_j done; P_(j-1) V_(j-1) may still run
             mbarrier.arrive(k_empty.index(stage), count=1)
             p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, row_scale, j * BLOCK_N, offs_m, offs_n,
-                                               seqlen_k, delta, full_hi, IS_CAUSAL, BLOCK_N)
-            acc, p_op = warpgroup_mma_wait(0, deps=[acc, p_op])
+                                               seqlen_k, delta, full_hi, IS_CAUSAL, BLOCK_N, not ROWSUM_MMA,
+                                               P_LOG2)
+            if ROWSUM_MMA:
+                acc, rs, p_op = warpgroup_mma_wait(0, deps=[acc, rs, p_op])
+                # rows of P_(j-1) added in its max's scale, then all rescaled to this round's max
+                l2d = (l2d + rs) * gl.expand_dims(gl.convert_layout(alpha, row_l), 1)
+            else:
+                acc, p_op = warpgroup_mma_wait(0, deps=[acc, p_op])
             mbarrier.arrive(v_empty.index(prev), count=1)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
             p_op = _p_operand(p, p_layout, p_dtype, IS_FP8, HALF_M, BLOCK_N)
@@ -262,13 +302,24 @@ def _consume_tile(wg, q_smem, k_smem, v_smem, ks_smem, q_bars, q_empty, k_ready,
         mbarrier.wait(v_ready.index(last % NUM_BUF), (last // NUM_BUF) & 1)
         if PINGPONG:
             mbarrier.wait(my_turn, (rnd + n_tiles) & 1)
-        acc = _pv(p_op, v_smem.index(last % NUM_BUF), acc, dtype, IS_FP8)
+        if ROWSUM_MMA:
+            p8 = p_op.to(dtype)
+            acc = warpgroup_mma(p8, v_smem.index(last % NUM_BUF).permute((1, 0)), acc, is_async=True)
+            rs = warpgroup_mma(p8, ones_smem.permute((1, 0)), l_zero, use_acc=False, is_async=True)
+        else:
+            acc = _pv(p_op, v_smem.index(last % NUM_BUF), acc, dtype, IS_FP8)
         if PINGPONG:
             mbarrier.arrive(their_turn, count=1)
-        acc = warpgroup_mma_wait(0, deps=[acc])
+        if ROWSUM_MMA:
+            acc, rs, p_op = warpgroup_mma_wait(0, deps=[acc, rs, p_op])
+            l2d = l2d + rs
+        else:
+            acc = warpgroup_mma_wait(0, deps=[acc])
         mbarrier.arrive(v_empty.index(last % NUM_BUF), count=1)
     else:
         mbarrier.arrive(q_empty.index(wg), count=1)
+    if ROWSUM_MMA:  # the columns are equal: max picks one, exactly
+        l_i = gl.convert_layout(gl.max(l2d, 1), row_s)
 
     # deferred normalisation; rows that saw no key output 0
     l_safe = gl.where(l_i == 0.0, 1.0, l_i)
@@ -299,7 +350,8 @@ def _ws_consumer(wg, q_smem, k_smem, v_smem, ks_smem, q_bars, q_empty, k_ready, 
                  cu_seqlens_q_ptr, cu_seqlens_k_ptr, NUM_M_BLOCKS, N_SEQ, N_WORK, SWIZZLE,
                  GROUP: gl.constexpr,
                  HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr, IS_FP8: gl.constexpr,
-                 NUM_BUF: gl.constexpr, PINGPONG: gl.constexpr, TMA_STORE: gl.constexpr, STAGE_KS: gl.constexpr):
+                 NUM_BUF: gl.constexpr, PINGPONG: gl.constexpr, TMA_STORE: gl.constexpr, STAGE_KS: gl.constexpr,
+                 ones_smem, ROWSUM_MMA: gl.constexpr):
     """Consumer warpgroup `wg` over this program's work tiles (the producer's order)."""
     cnt = 0  # K/V tiles consumed so far: ring stage and phase
     it = 0  # work tiles so far: Q buffer phase
@@ -313,7 +365,7 @@ def _ws_consumer(wg, q_smem, k_smem, v_smem, ks_smem, q_bars, q_empty, k_ready, 
                           turn_bars, desc_o, o_smem, o_ptr, qs_ptr, ks_ptr, v_scale_ptr, sm_scale, stride_om,
                           stride_oh, stride_qsm, stride_ksn, q_start, seqlen_q, kv_start, seqlen_k, blk_m0, head,
                           kv_head, n_tiles, cnt, it, rnd, HEAD_DIM, BLOCK_N, IS_CAUSAL, IS_FP8, NUM_BUF, PINGPONG,
-                          TMA_STORE, STAGE_KS)
+                          TMA_STORE, STAGE_KS, ones_smem, ROWSUM_MMA)
             cnt += n_tiles
             it += 1
             if n_tiles > 0:
@@ -329,7 +381,7 @@ def _attn_fwd_ws(desc_q, desc_k, desc_v, desc_o, o_ptr, qs_ptr, ks_ptr, v_scale_
                  GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
                  IS_CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, NUM_BUF: gl.constexpr,
                  PINGPONG: gl.constexpr, TMA_STORE: gl.constexpr, STAGE_KS: gl.constexpr,
-                 CONSUMER_REGS: gl.constexpr):
+                 ROWSUM_MMA: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     """Grid: up to one program per SM, each looping over its work tiles (`_tile_coords`;
     N_WORK = query blocks x sequences x heads; a grid of N_WORK programs runs one tile each)."""
     dtype: gl.constexpr = desc_q.dtype
@@ -349,6 +401,14 @@ def _attn_fwd_ws(desc_q, desc_k, desc_v, desc_o, o_ptr, qs_ptr, ks_ptr, v_scale_
         ks_smem = gl.allocate_shared_memory(gl.float32, [NUM_BUF, HALF_M], KS_SMEM_LAYOUT)
     else:
         ks_smem = q_bars  # placeholder, never used
+    if ROWSUM_MMA:  # fp8: the B operand of P @ ones, K-major [ONES_N, BLOCK_N] (viewed as [BLOCK_N, ONES_N])
+        ones_smem = gl.allocate_shared_memory(dtype, [ONES_N, BLOCK_N],
+                                              gl.NVMMASharedLayout.get_default_for([ONES_N, BLOCK_N], dtype))
+        # e4m3 1.0 is the byte 0x38 (Gluon makes no fp8 constants), stored one byte a register: with 4 e4m3
+        # values a thread converted from fp32, Triton 3.6 stored two of them and two unrelated bytes (run 14b)
+        ones_smem.store(gl.full([ONES_N, BLOCK_N], 0x38, gl.int8, layout=ONES_REG_LAYOUT).to(dtype, bitcast=True))
+    else:
+        ones_smem = q_smem  # placeholder, never used
     turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
@@ -364,7 +424,7 @@ def _attn_fwd_ws(desc_q, desc_k, desc_v, desc_o, o_ptr, qs_ptr, ks_ptr, v_scale_
         mbarrier.init(k_empty.index(i), count=2)  # one arrive per consumer warpgroup
         mbarrier.init(v_empty.index(i), count=2)
     mbarrier.arrive(turn_bars.index(0), count=1)  # warpgroup 0 has the first turn
-    fence_async_shared()
+    fence_async_shared()  # (also orders the ones tile's stores before the consumers' wgmmas read it)
 
     # the two consumers get the same arguments but their warpgroup index (written out: a tuple
     # concatenation in the kernel would turn the constexprs into run-time values)
@@ -377,35 +437,39 @@ def _attn_fwd_ws(desc_q, desc_k, desc_v, desc_o, o_ptr, qs_ptr, ks_ptr, v_scale_
                         turn_bars, desc_o, o_smem, o_ptr, qs_ptr, ks_ptr, v_scale_ptr, sm_scale, stride_om, stride_oh,
                         stride_qsm, stride_ksn,
                         cu_seqlens_q_ptr, cu_seqlens_k_ptr, NUM_M_BLOCKS, N_SEQ, N_WORK, SWIZZLE,
-                        GROUP, HEAD_DIM, BLOCK_N, IS_CAUSAL, IS_FP8, NUM_BUF, PINGPONG, TMA_STORE, STAGE_KS)),
+                        GROUP, HEAD_DIM, BLOCK_N, IS_CAUSAL, IS_FP8, NUM_BUF, PINGPONG, TMA_STORE, STAGE_KS,
+                        ones_smem, ROWSUM_MMA)),
         (_ws_consumer, (1, q_smem, k_smem, v_smem, ks_smem, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
                         turn_bars, desc_o, o_smem, o_ptr, qs_ptr, ks_ptr, v_scale_ptr, sm_scale, stride_om, stride_oh,
                         stride_qsm, stride_ksn,
                         cu_seqlens_q_ptr, cu_seqlens_k_ptr, NUM_M_BLOCKS, N_SEQ, N_WORK, SWIZZLE,
-                        GROUP, HEAD_DIM, BLOCK_N, IS_CAUSAL, IS_FP8, NUM_BUF, PINGPONG, TMA_STORE, STAGE_KS)),
+                        GROUP, HEAD_DIM, BLOCK_N, IS_CAUSAL, IS_FP8, NUM_BUF, PINGPONG, TMA_STORE, STAGE_KS,
+                        ones_smem, ROWSUM_MMA)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
 def _default_config(head_dim, fp8, max_seqlen_q):
-    """(BLOCK_N, NUM_BUF, persistent, pingpong, tma_store, stage_ks) measured fastest on the H200
+    """(BLOCK_N, NUM_BUF, persistent, pingpong, tma_store, stage_ks, rowsum_mma) measured fastest on the H200
     (bench/NOTES_attention.md, runs 10-11): 128-key tiles; the ring as deep as shared memory allows
     (one CTA per SM: Q 32 KB + 64 KB a stage at bf16 hd128, + 2 x 16 KB for the TMA-store buffers).
     fp8 without the ping-pong handshake: its rounds' MMAs are half as long, so the turn only adds
     waiting (run 8: +1-6%). TMA-store epilogue (bf16): +0-15% at rows <= 8192 (most at 2048, where a
     work tile has fewest rounds); at 16384 603 against 597-631 for the plain store (runs 11-12), so not
     taken there. Staged K scale (fp8): +0-7%; with the TMA store +1-14% at hd128, but the TMA store cost
-    3-10% at fp8 hd64 non-causal."""
+    3-10% at fp8 hd64 non-causal. fp8 softmax row sums by a P @ ones wgmma a round (rowsum_mma, run 15):
+    +1-6% at hd128 (S = 2048-16384, GQA too; runs 15a-b), error against bf16 unchanged (0.047-0.054); at
+    hd64 -3% non-causal, +3.5% causal, so not taken there."""
     if fp8:
-        return (128, 4, True, False, head_dim == 128, True)
-    return (128, 2 if head_dim == 128 else 4, True, True, max_seqlen_q <= 8192, False)
+        return (128, 4, True, False, head_dim == 128, True, head_dim == 128)
+    return (128, 2 if head_dim == 128 else 4, True, True, max_seqlen_q <= 8192, False, False)
 
 
 def _full_config(config, head_dim, fp8, max_seqlen_q):
-    """A user config (BLOCK_N, NUM_BUF[, persistent[, pingpong[, tma_store[, stage_ks]]]]) completed
-    with True, True, False, False; None: `_default_config`."""
+    """A user config (BLOCK_N, NUM_BUF[, persistent[, pingpong[, tma_store[, stage_ks[, rowsum_mma]]]]])
+    completed with True, True, False, False, False; None: `_default_config`."""
     if not config:
         return _default_config(head_dim, fp8, max_seqlen_q)
-    return (tuple(config) + (True, True, False, False)[len(config) - 2:])[:6]
+    return (tuple(config) + (True, True, False, False, False)[len(config) - 2:])[:7]
 
 
 # One CTA of 3 warpgroups (12 warps) per SM: maxnreg 168 caps the whole at 168 * 384 = 64512
@@ -420,13 +484,14 @@ def attention_varlen_ws(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causa
     """Same contract as `attention_gluon.attention_varlen_gluon` (and its `supported` cases).
 
     q: (total_q, Hq, D); k, v: (total_k, Hkv, D), bf16/fp16; cu_seqlens_*: (B + 1,) int32.
-    config: (BLOCK_N, NUM_BUF[, persistent[, pingpong[, tma_store[, stage_ks]]]]), see
+    config: (BLOCK_N, NUM_BUF[, persistent[, pingpong[, tma_store[, stage_ks[, rowsum_mma]]]]]), see
     `_default_config`; query tiles are 128 rows (2 x 64). persistent (default True): one program
     per SM looping over the work tiles, so a tile's loads overlap the previous tile's last rounds;
     else one program a tile. pingpong (default True): the turn handshake between the consumer
     warpgroups. tma_store: the output through shared memory and TMA. stage_ks (fp8 only): the
-    producer stages each K tile's scale in shared memory. A config of 2-5 entries is completed with
-    True, True, False, False (`_full_config`).
+    producer stages each K tile's scale in shared memory. rowsum_mma (fp8 only): the softmax row sums
+    by a P @ ones wgmma a round (`_consume_tile`). A config of 2-6 entries is completed with True,
+    True, False, False, False (`_full_config`).
     out: optional (total_q, Hq, D) buffer to write (tests pass a NaN-poisoned one).
     Returns (total_q, Hq, D) in q's dtype."""
     n_heads, head_dim = q.shape[1], q.shape[2]
@@ -434,7 +499,8 @@ def attention_varlen_ws(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causa
     assert n_heads % n_kv_heads == 0
     sm_scale = head_dim ** -0.5 if sm_scale is None else sm_scale
     fp8 = fp8 or fp8_prepared is not None
-    block_n, num_buf, persistent, pingpong, tma_store, stage_ks = _full_config(config, head_dim, fp8, max_seqlen_q)
+    block_n, num_buf, persistent, pingpong, tma_store, stage_ks, rowsum_mma = _full_config(config, head_dim, fp8,
+                                                                                           max_seqlen_q)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
     desc_q, desc_k, desc_v, q_scale, k_scale, v_scale = make_descriptors(
         q, k, v, cu_seqlens_k, _HALF_M, block_n, fp8, hadamard, fp8_prepared, out)
@@ -451,6 +517,7 @@ def attention_varlen_ws(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causa
                              HEAD_DIM=head_dim,
                              BLOCK_N=block_n, IS_CAUSAL=causal, IS_FP8=fp8, NUM_BUF=num_buf, PINGPONG=pingpong,
                              TMA_STORE=bool(tma_store), STAGE_KS=bool(stage_ks and fp8),
+                             ROWSUM_MMA=bool(rowsum_mma and fp8),
                              CONSUMER_REGS=CONSUMER_REGS, num_warps=4, maxnreg=MAXNREG)
     return out
 

@@ -8,6 +8,10 @@ with the launch's 16-divisibility attributes, pins what runs 10-11 measured:
   the short fp8 wgmma did not cover); the scale comes from shared memory;
 * the output leaves through a TMA store;
 * no spills beyond the one register (reloaded once per work tile) the fp8 causal build always had.
+
+The default has the softmax row sums on the tensor core (rowsum_mma, a P @ ones wgmma a round): its wgmma
+starts from zero every round, its ones tile is stored whole, and the row-sum FADDs are gone (against a
+second compile with rowsum_mma off, which keeps the spill bound too).
 """
 
 from __future__ import annotations
@@ -37,20 +41,21 @@ from triton.runtime.jit import mangle_type
 from quantkit.kernels import attention_gluon_ws as ws
 from quantkit.kernels.attention_gluon import make_descriptors
 
-fp8, causal, out_path = json.loads(sys.argv[1])
+fp8, causal, out_path, config = json.loads(sys.argv[1])
 d, tokens, heads = 128, 8 * 2048, 16
 q = torch.randn(tokens, heads, d, dtype=torch.bfloat16)
 k = torch.randn(tokens, heads, d, dtype=torch.bfloat16)
 cu = torch.arange(0, tokens + 1, 2048, dtype=torch.int32)
 out = torch.empty_like(q)
 desc_q, desc_k, desc_v, qs, ks, vs = make_descriptors(q, k, k, cu, ws._HALF_M, 128, fp8, False, None, out)
-block_n, num_buf, persistent, pingpong, tma_store, stage_ks = ws._default_config(d, fp8, 2048)
+block_n, num_buf, persistent, pingpong, tma_store, stage_ks, rowsum_mma = ws._full_config(config, d, fp8, 2048)
 desc_o = ws._output_descriptor(out) if tma_store else desc_q
 args = dict(desc_q=desc_q, desc_k=desc_k, desc_v=desc_v, desc_o=desc_o, o_ptr=out, qs_ptr=qs, ks_ptr=ks,
             v_scale_ptr=vs, cu_seqlens_q_ptr=cu, cu_seqlens_k_ptr=cu, sm_scale=0.1, stride_om=heads * d,
             stride_oh=d, stride_qsm=heads, stride_ksn=heads, NUM_M_BLOCKS=16, N_SEQ=8, N_WORK=2048, SWIZZLE=128)
 constexprs = dict(GROUP=1, HEAD_DIM=d, BLOCK_N=block_n, IS_CAUSAL=causal, IS_FP8=fp8, NUM_BUF=num_buf,
-                  PINGPONG=pingpong, TMA_STORE=tma_store, STAGE_KS=stage_ks and fp8, CONSUMER_REGS=ws.CONSUMER_REGS)
+                  PINGPONG=pingpong, TMA_STORE=tma_store, STAGE_KS=stage_ks and fp8,
+                  ROWSUM_MMA=rowsum_mma and fp8, CONSUMER_REGS=ws.CONSUMER_REGS)
 signature, attrs = {}, {}
 for i, name in enumerate(ws._attn_fwd_ws.arg_names):
     if name in constexprs:
@@ -66,15 +71,25 @@ open(out_path, "wb").write(kernel.asm["cubin"])
 """
 
 
-@pytest.fixture(scope="module")
-def fp8_causal_sass(tmp_path_factory) -> list[str]:
+def _sass(tmp_path_factory, config) -> list[str]:
     cubin = str(tmp_path_factory.mktemp("gluon_attn") / "ws.cubin")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps([True, True, cubin])], env=env,
+    done = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps([True, True, cubin, config])], env=env,
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     text = subprocess.run([os.path.join(_BIN, "nvdisasm"), "-c", cubin], capture_output=True, text=True).stdout
     return [line for line in text.splitlines() if re.search(r"/\*[0-9a-f]{4,}\*/", line)]
+
+
+@pytest.fixture(scope="module")
+def fp8_causal_sass(tmp_path_factory) -> list[str]:
+    return _sass(tmp_path_factory, None)
+
+
+@pytest.fixture(scope="module")
+def fp8_causal_fp32_rowsum_sass(tmp_path_factory) -> list[str]:
+    """The default fp8 causal config with the softmax row sums as fp32 adds (rowsum_mma off)."""
+    return _sass(tmp_path_factory, [128, 4, True, False, True, True, False])
 
 
 def test_k_scale_not_loaded_from_global_inside_a_round(fp8_causal_sass):
@@ -96,3 +111,28 @@ def test_output_goes_through_tma_store(fp8_causal_sass):
 
 def test_at_most_one_spilled_register(fp8_causal_sass):
     assert sum("STL" in line for line in fp8_causal_sass) <= 1
+
+
+def test_rowsum_wgmma_starts_from_zero_every_round(fp8_causal_sass):
+    # P @ ones (N = 8): 4 k-steps of 32 a round, the first without the accumulator (RZ, !UPT), so the
+    # fp8 wgmma sums one 128-key tile and the running sum stays on the CUDA cores in fp32
+    steps = [line for line in fp8_causal_sass if "QGMMA.64x8x32" in line]
+    assert len(steps) >= 8 and len(steps) % 4 == 0
+    assert sum("RZ, !UPT" in line for line in steps) == len(steps) // 4
+
+
+def test_rowsum_ones_tile_stored_byte_by_byte(fp8_causal_sass):
+    # 8 x 128 e4m3 ones (0x38) by 128 threads: 8 one-byte stores each, of a register set to 0x38
+    # (run 14b: converted 4 to a register, Triton 3.6 stored two unrelated bytes)
+    stores = [line for line in fp8_causal_sass if "STS.U8" in line]
+    assert len(stores) == 8
+    regs = {re.search(r"\], (R\d+)", line).group(1) for line in stores}
+    assert len(regs) == 1
+    reg = regs.pop()
+    assert any(re.search(rf"MOV\S* {reg}, .*0x38 ;", line) for line in fp8_causal_sass)
+
+
+def test_rowsum_takes_the_row_sum_adds_off_the_cuda_cores(fp8_causal_sass, fp8_causal_fp32_rowsum_sass):
+    fadd = [sum("FADD" in line for line in sass) for sass in (fp8_causal_fp32_rowsum_sass, fp8_causal_sass)]
+    assert fadd[1] < 0.6 * fadd[0]  # 292 against 528 (both consumer warpgroups, masked and unmasked rounds)
+    assert sum("STL" in line for line in fp8_causal_fp32_rowsum_sass) <= 1
