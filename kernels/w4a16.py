@@ -82,8 +82,9 @@ GEMV_M2_MAX_WEIGHTS = 1 << 25
 # there in run 19.
 GLUON_M1_MIN_WEIGHTS = 1 << 25
 # Up to this many weights the GEMV does not split K: each program owns whole output rows and stores them
-# in the activations' dtype, so a call is one launch (no float32 zeroing before, no cast after: two of
-# the three kernels of a split GEMV call on a 4096 x 4096 layer, ~2 us of its ~9, profile run 17).
+# in the activations' dtype, so a call is one launch (no float32 zeroing before, no cast after). Run 21c
+# (M = 1): 5.0 vs 5.9 us at 2048 x 2048, 8.9 vs 9.0 at 4096 x 4096; 20.9 vs 17.5 at 14336 x 4096, hence the
+# bound.
 GEMV_DIRECT_MAX_WEIGHTS = 1 << 24
 
 
@@ -106,6 +107,18 @@ def _gemv_cfg(bn, bk, warps, pipe=1, progs_per_sm=8):
 # BLOCK_K may span several groups (v4: more bytes in flight per program). Configs whose per-thread
 # product tile is too large for the registers at the given BLOCK_M, or whose BLOCK_K neither
 # divides nor is a multiple of the group, are pruned.
+GEMV_CONFIGS = [
+    _gemv_cfg(64, 128, 4),
+    _gemv_cfg(128, 128, 4),  # run 3's winner on every shape
+    _gemv_cfg(128, 128, 8, pipe=3),
+    _gemv_cfg(128, 256, 4),
+    _gemv_cfg(128, 256, 8, pipe=2),
+    _gemv_cfg(64, 512, 4),
+    _gemv_cfg(128, 512, 8),
+    _gemv_cfg(128, 512, 8, progs_per_sm=4),
+    _gemv_cfg(256, 256, 8, progs_per_sm=4),
+    _gemv_cfg(64, 256, 4, pipe=3, progs_per_sm=16),
+]
 # Direct (unsplit) GEMV, small layers: short row blocks so that the grid still covers the SMs
 # (4096 rows / 16 = 256 programs), every program streaming its rows' whole K through a pipelined loop.
 # Deep pipelines: a program has only its own rows to stream, so most of its K should be in flight at
@@ -118,18 +131,6 @@ GEMV_DIRECT_CONFIGS = [
     _gemv_cfg(16, 256, 4, pipe=8),
     _gemv_cfg(32, 256, 4, pipe=4),
     _gemv_cfg(8, 256, 2, pipe=8),
-]
-GEMV_CONFIGS = [
-    _gemv_cfg(64, 128, 4),
-    _gemv_cfg(128, 128, 4),  # run 3's winner on every shape
-    _gemv_cfg(128, 128, 8, pipe=3),
-    _gemv_cfg(128, 256, 4),
-    _gemv_cfg(128, 256, 8, pipe=2),
-    _gemv_cfg(64, 512, 4),
-    _gemv_cfg(128, 512, 8),
-    _gemv_cfg(128, 512, 8, progs_per_sm=4),
-    _gemv_cfg(256, 256, 8, progs_per_sm=4),
-    _gemv_cfg(64, 256, 4, pipe=3, progs_per_sm=16),
 ]
 _GEMV_MAX_PRODUCTS_PER_THREAD = 2048
 _GEMV_MAX_CODES_PER_THREAD = 256
@@ -648,14 +649,15 @@ def _gemv_prune(configs, named_args, **kwargs):
     return [c for c in configs if _gemv_block_k_ok(c.kwargs["BLOCK_K"], kwargs["GROUP_SIZE"])] or configs[-1:]
 
 
-_gemv_tuned = triton.autotune(
-    configs=GEMV_CONFIGS, key=["M_BUCKET", "N", "K", "GROUP_SIZE", "HAS_ZEROS"], reset_to_zero=["c_ptr"],
-    prune_configs_by=dict(early_config_prune=_gemv_prune), do_bench=_bench_quick,
-)(_w4a16_gemv_kernel)
-_gemv_direct_tuned = triton.autotune(
-    configs=GEMV_DIRECT_CONFIGS, key=["M_BUCKET", "N", "K", "GROUP_SIZE", "HAS_ZEROS"],
-    prune_configs_by=dict(early_config_prune=_gemv_prune), do_bench=_bench_quick,
-)(_w4a16_gemv_kernel)
+def _gemv_autotuned(configs, **kwargs):
+    """The GEMV kernel autotuned over ``configs``, one cache per (M bucket, N, K, group, zeros)."""
+    return triton.autotune(configs=configs, key=["M_BUCKET", "N", "K", "GROUP_SIZE", "HAS_ZEROS"],
+                           prune_configs_by=dict(early_config_prune=_gemv_prune), do_bench=_bench_quick,
+                           **kwargs)(_w4a16_gemv_kernel)
+
+
+_gemv_tuned = _gemv_autotuned(GEMV_CONFIGS, reset_to_zero=["c_ptr"])  # split K: atomics into a zeroed c
+_gemv_direct_tuned = _gemv_autotuned(GEMV_DIRECT_CONFIGS)  # direct: every program stores its own rows
 
 
 def _interpreting() -> bool:
