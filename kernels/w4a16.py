@@ -726,11 +726,10 @@ def _gemv_matmul(x, w, config, magic, direct: bool | None = None):
 
 
 @triton.jit
-def _gather_columns_kernel(x_ptr, index_ptr, out_ptr, zero_ptr, sums_ptr, M, K, n_zero, stride_xm, stride_sm,
-                           stride_st, BLOCK: tl.constexpr, SUM_TILE: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr):
+def _gather_columns_kernel(x_ptr, index_ptr, out_ptr, zero_ptr, sums_ptr, M, K, n_zero, stride_xm,
+                           BLOCK: tl.constexpr, SUM_TILE: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr):
     """``out[m, c] = x[m, index[c]]`` (out contiguous) and, in the same launch, ``zero_ptr[:n_zero] = 0``
-    and, with SUM_TILE > 0, ``sums[m, t]`` (at ``sums_ptr + m * stride_sm + t * stride_st``) = float32 sum
-    of out[m, t*SUM_TILE : (t+1)*SUM_TILE].
+    and, with SUM_TILE > 0, ``sums_ptr[m, t]`` = float32 sum of out[m, t*SUM_TILE : (t+1)*SUM_TILE].
 
     LAUNCH_DEPENDENTS: let a kernel launched after this one with programmatic dependent launch start
     now (it waits with ``griddepcontrol.wait`` before it reads what this one writes)."""
@@ -748,18 +747,15 @@ def _gather_columns_kernel(x_ptr, index_ptr, out_ptr, zero_ptr, sums_ptr, M, K, 
         # K is a multiple of SUM_TILE and SUM_TILE divides BLOCK: no tile straddles two rows or programs
         sums = tl.sum(tl.reshape(vals.to(tl.float32), [BLOCK // SUM_TILE, SUM_TILE]), axis=1)
         tiles = tl.program_id(0) * (BLOCK // SUM_TILE) + tl.arange(0, BLOCK // SUM_TILE)
-        per_row = K // SUM_TILE
-        tl.store(sums_ptr + (tiles // per_row) * stride_sm + (tiles % per_row) * stride_st, sums,
-                 mask=tiles < M * per_row)
+        tl.store(sums_ptr + tiles, sums, mask=tiles < M * (K // SUM_TILE))
 
 
 def gather_columns(x: torch.Tensor, index: torch.Tensor, zero: torch.Tensor | None = None,
                    tile_sums: torch.Tensor | None = None) -> torch.Tensor:
     """``x[:, index]`` (contiguous) and, in the same small launch, ``zero`` (a contiguous float32 or
     int32 buffer, e.g. split-K partial sums) filled with zeros, and ``tile_sums`` (float32
-    ``[M, K / PAIR_TILE_K]``, any strides: the Gluon kernel passes a transposed view) filled with the sum
-    of each ``PAIR_TILE_K`` columns of the result: what a kernel that multiplies the codes before
-    subtracting their zero point subtracts.
+    ``[M, K / PAIR_TILE_K]``, contiguous) filled with the sum of each ``PAIR_TILE_K`` columns of the
+    result: what a kernel that multiplies the codes before subtracting their zero point subtracts.
 
     The paired-nibble kernels read the activations in ``W4A16Weights.pair_index`` order and, when
     split over K, sum into a zeroed float32 buffer. ``torch.index_select`` over the columns took
@@ -777,16 +773,15 @@ def gather_columns(x: torch.Tensor, index: torch.Tensor, zero: torch.Tensor | No
     sum_tile = 0
     if tile_sums is not None:
         sum_tile = PAIR_TILE_K
-        if k % sum_tile or tile_sums.shape != (m, k // sum_tile) or tile_sums.dtype != torch.float32:
-            raise ValueError(f"tile_sums must be a float32 [M, K / {sum_tile}] buffer, K a multiple of {sum_tile}")
-        sums_strides = tile_sums.stride()
+        if k % sum_tile or tile_sums.shape != (m, k // sum_tile) or tile_sums.dtype != torch.float32 \
+                or not tile_sums.is_contiguous():
+            raise ValueError(f"tile_sums must be a contiguous float32 [M, K / {sum_tile}] buffer, K a multiple "
+                             f"of {sum_tile}")
     else:
         tile_sums = zero  # unused
-        sums_strides = (0, 0)
     block = 1024
     grid = (triton.cdiv(max(m * k, zero.numel(), 1), block),)
-    _gather_columns_kernel[grid](x, index, out, zero, tile_sums, m, k, zero.numel(), x.stride(0), *sums_strides,
-                                 BLOCK=block,
+    _gather_columns_kernel[grid](x, index, out, zero, tile_sums, m, k, zero.numel(), x.stride(0), BLOCK=block,
                                  SUM_TILE=sum_tile, LAUNCH_DEPENDENTS=x.is_cuda and not _interpreting())
     return out
 

@@ -147,47 +147,21 @@ def _load_weights(desc_w, w_smem, ready, stage, tn, kt, x_bytes: gl.constexpr, B
 
 
 @gluon.jit
-def _load_group_params(params, ready, empty_p, stage, i, tn, kt, GROUP_SIZE: gl.constexpr, HAS_ZEROS: gl.constexpr,
-                       BLOCK_N: gl.constexpr, NUM_PBUF: gl.constexpr):
-    """PARAM_RING: TMA of unit i's scales (and zero points) row [1, BLOCK_N] into parameter stage
-    i % NUM_PBUF, on the weights' "ready" barrier ``stage``, once the consumers have released it."""
-    desc_s, desc_z, desc_xs, s_smem, z_smem, xs_smem = params
-    pstage = i % NUM_PBUF
-    if i >= NUM_PBUF:
-        mbarrier.wait(empty_p.index(pstage), ((i // NUM_PBUF) + 1) & 1)
-    g = kt * _TILE_K // GROUP_SIZE
-    tma.async_copy_global_to_shared(desc_s, [g, tn * BLOCK_N], ready.index(stage), s_smem.index(pstage))
-    if HAS_ZEROS:
-        tma.async_copy_global_to_shared(desc_z, [g, tn * BLOCK_N], ready.index(stage), z_smem.index(pstage))
-
-
-@gluon.jit
-def _load_partition(desc_w, desc_x, w_smem, x_smem, ready, empty, params, empty_p, u0, count, pid, n_progs, k_tiles,
-                    tiles_n, tiles_m, GROUP_SIZE: gl.constexpr, HAS_ZEROS: gl.constexpr,
+def _load_partition(desc_w, desc_x, w_smem, x_smem, ready, empty, u0, count, pid, n_progs, k_tiles, tiles_n, tiles_m,
                     BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, GROUP_N: gl.constexpr, NUM_BUF: gl.constexpr,
-                    PERSISTENT: gl.constexpr, PARAM_RING: gl.constexpr, NUM_PBUF: gl.constexpr):
+                    PERSISTENT: gl.constexpr):
     """Producer warp: TMA of each unit's weight words [BLOCK_N, 16] and its four [BLOCK_M, 32]
     activation boxes into ring stage i % NUM_BUF, once the consumers have released that stage.
-    PARAM_RING: also the unit's scales, zero points and activation sums (see _mma_partition), into
-    parameter stage i % NUM_PBUF, on the same "ready" barrier.
 
     The kernel is launched as a programmatic dependent of the small kernel that gathers the activations
     (and zeroes the stream-K workspace): the weights of the first NUM_BUF units do not depend on it, so
     they are requested before waiting for it, and the launch gap, the gather and the first weight round
     trip overlap."""
-    desc_s, desc_z, desc_xs, s_smem, z_smem, xs_smem = params
     x_bytes: gl.constexpr = 4 * desc_x.block_type.nbytes
-    if PARAM_RING:
-        p_bytes: gl.constexpr = desc_s.block_type.nbytes + desc_xs.block_type.nbytes + (
-            desc_z.block_type.nbytes if HAS_ZEROS else 0)
-    else:
-        p_bytes: gl.constexpr = 0
     for i in range(gl.minimum(count, NUM_BUF)):
         tn, tm, kt = _unit_coords(i, u0, pid, n_progs, k_tiles, tiles_n, tiles_m, GROUP_N,
                                   PERSISTENT)
-        _load_weights(desc_w, w_smem, ready, i, tn, kt, x_bytes + p_bytes, BLOCK_N)
-        if PARAM_RING:
-            _load_group_params(params, ready, empty_p, i, i, tn, kt, GROUP_SIZE, HAS_ZEROS, BLOCK_N, NUM_PBUF)
+        _load_weights(desc_w, w_smem, ready, i, tn, kt, x_bytes, BLOCK_N)
     _wait_for_previous_grid()
     for i in range(count):
         stage = i % NUM_BUF
@@ -196,16 +170,10 @@ def _load_partition(desc_w, desc_x, w_smem, x_smem, ready, empty, params, empty_
         if i >= NUM_BUF:
             # the consumers release stage s for the r-th time after unit s + r * NUM_BUF
             mbarrier.wait(empty.index(stage), ((i // NUM_BUF) + 1) & 1)
-            _load_weights(desc_w, w_smem, ready, stage, tn, kt, x_bytes + p_bytes, BLOCK_N)
-            if PARAM_RING:
-                _load_group_params(params, ready, empty_p, stage, i, tn, kt, GROUP_SIZE, HAS_ZEROS, BLOCK_N,
-                                   NUM_PBUF)
+            _load_weights(desc_w, w_smem, ready, stage, tn, kt, x_bytes, BLOCK_N)
         for j in gl.static_range(4):
             tma.async_copy_global_to_shared(desc_x, [tm * BLOCK_M, kt * _TILE_K + j * _DOT_K], ready.index(stage),
                                             x_smem.index(stage * 4 + j))
-        if PARAM_RING:  # the activation sums come from the gather: after the wait above
-            tma.async_copy_global_to_shared(desc_xs, [kt, tm * BLOCK_M], ready.index(stage),
-                                            xs_smem.index(i % NUM_PBUF))
 
 
 @gluon.jit
@@ -281,28 +249,6 @@ def _magic_pairs(words, j: gl.constexpr, dtype: gl.constexpr, a_layout: gl.const
 
 
 @gluon.jit
-def _stage_params(params, pstage, HAS_ZEROS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
-                  acc_layout: gl.constexpr):
-    """PARAM_RING: parameter stage ``pstage`` -> the unit's scales and zero points per weight row and its
-    activation sums per activation row, in the accumulator's row and column layouts."""
-    desc_s, desc_z, desc_xs, s_smem, z_smem, xs_smem = params
-    row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
-    # the TMA boxes [1, width] land unswizzled: each stage is a plain row, read as one (a rank-1 layout over
-    # [stages, width]: indexing a stage leaves one row)
-    flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    s_rows = s_smem._reinterpret(s_smem.dtype, [s_smem.shape[0], s_smem.shape[2]], flat)
-    scale = s_rows.index(pstage).slice(0, BLOCK_N).load(row_layout)
-    if HAS_ZEROS:
-        z_rows = z_smem._reinterpret(z_smem.dtype, [z_smem.shape[0], z_smem.shape[2]], flat)
-        zero = z_rows.index(pstage).slice(0, BLOCK_N).load(row_layout)
-    else:
-        zero = gl.full([BLOCK_N], 8, gl.int32, layout=row_layout)
-    xs_rows = xs_smem._reinterpret(xs_smem.dtype, [xs_smem.shape[0], xs_smem.shape[2]], flat)
-    xsum = xs_rows.index(pstage).slice(0, BLOCK_M).load(gl.SliceLayout(0, acc_layout))
-    return scale, zero, xsum
-
-
-@gluon.jit
 def _dequant_pairs(words, zero_bias, scale, j: gl.constexpr, a_layout: gl.constexpr, BLOCK_N: gl.constexpr,
                    SCALED: gl.constexpr):
     """Codes j and j + 4 of every word, dequantized: the A operand [BLOCK_N, 32] of dot j.
@@ -359,19 +305,17 @@ def _flush(acc, c_ptr, ws_ptr, tile_units_ptr, tn, tm, M, N, seg_units, k_tiles,
 
 
 @gluon.jit
-def _unit(acc, a_prev, scale, zero, w_smem, x_smem, ready, empty, params, empty_p, scales_ptr, zeros_ptr, xsum_ptr,
-          M, N, stride_xs, stride_sg, stride_zg, u, lo, hi, tn, tm, kt_base, offs_n, offs_w, GROUP_SIZE: gl.constexpr,
+def _unit(acc, a_prev, scale, zero, w_smem, x_smem, ready, empty, scales_ptr, zeros_ptr, xsum_ptr, M, N, k_tiles,
+          stride_sg, stride_zg, u, lo, hi, tn, tm, kt_base, offs_n, offs_w, GROUP_SIZE: gl.constexpr,
           HAS_ZEROS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, NUM_BUF: gl.constexpr,
-          WGMMA: gl.constexpr, SCALE_ACC: gl.constexpr, PARAM_RING: gl.constexpr, NUM_PBUF: gl.constexpr,
-          acc_layout: gl.constexpr):
+          WGMMA: gl.constexpr, SCALE_ACC: gl.constexpr, acc_layout: gl.constexpr):
     """One unit (K tile) of the consumer: wait for its stage, dequantize the words into four K = 32 A
     operands, multiply. Returns the accumulator, the wgmma A operand still in flight, and the next
-    unit's scales and zeros (issued here, used next time; with PARAM_RING they come with the unit's
-    stage instead, and ``scale``, ``zero`` pass through unused).
+    unit's scales and zeros (issued here, used next time).
 
     SCALE_ACC (mma.sync, one group per K tile): the dots multiply ``MAGIC_VALUE + code``
     (:func:`_magic_pairs`) into a fresh float32 tile, and the zero point and the scale are applied
-    to that tile, with ``xsum`` [k_tiles, stride_xs] (each K tile's activation sums, from the gather)."""
+    to that tile, with ``xsum`` [M, k_tiles] (each K tile's activation sums, from the gather)."""
     dtype: gl.constexpr = x_smem.dtype
     MAGIC_VALUE: gl.constexpr = 128.0 if dtype == gl.bfloat16 else 1024.0
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
@@ -380,25 +324,16 @@ def _unit(acc, a_prev, scale, zero, w_smem, x_smem, ready, empty, params, empty_
     i = u  # units are numbered by their ring position (see _mma_partition)
     stage = i % NUM_BUF
     kt = u - kt_base
-    row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
-    if PARAM_RING:
-        scale_next = scale
-        zero_next = zero
-    else:
-        scale_next, zero_next = _group_params(scales_ptr, zeros_ptr, tn, gl.minimum(kt + 1, hi - 1 - kt_base), N,
-                                              stride_sg, stride_zg, offs_n, offs_w, GROUP_SIZE, HAS_ZEROS, BLOCK_N)
-    if PARAM_RING:
-        pass  # read from the parameter stage once it has landed (below)
-    elif SCALE_ACC:
+    scale_next, zero_next = _group_params(scales_ptr, zeros_ptr, tn, gl.minimum(kt + 1, hi - 1 - kt_base), N,
+                                          stride_sg, stride_zg, offs_n, offs_w, GROUP_SIZE, HAS_ZEROS, BLOCK_N)
+    if SCALE_ACC:
         m_idx = tm * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, acc_layout))
-        xsum = gl.load(xsum_ptr + kt * stride_xs + m_idx, mask=m_idx < M, other=0.0)
+        xsum = gl.load(xsum_ptr + m_idx * k_tiles + kt, mask=m_idx < M, other=0.0)
     else:
         zb = _pairs_of((zero + MAGIC_VALUE).to(dtype), a_layout, BLOCK_N)  # exact: small integers
         sc = _pairs_of(scale.to(dtype), a_layout, BLOCK_N)
     mbarrier.wait(ready.index(stage), (i // NUM_BUF) & 1)
     words = w_smem.index(stage).load(w_layout)
-    if PARAM_RING:
-        row_scale, row_bias, xsum = _stage_params(params, i % NUM_PBUF, HAS_ZEROS, BLOCK_N, BLOCK_M, acc_layout)
     if WGMMA:
         # dot j is issued, then dot j + 1 dequantized while it runs; wait(1) retires dot j - 1
         for j in gl.static_range(4):
@@ -422,13 +357,10 @@ def _unit(acc, a_prev, scale, zero, w_smem, x_smem, ready, empty, params, empty_
             part = mma_v2(_magic_pairs(words, 1, dtype, a_layout, BLOCK_N), b1, part)
             part = mma_v2(_magic_pairs(words, 2, dtype, a_layout, BLOCK_N), b2, part)
             part = mma_v2(_magic_pairs(words, 3, dtype, a_layout, BLOCK_N), b3, part)
-            if not PARAM_RING:
-                row_scale = gl.convert_layout(gl.reshape(scale, [BLOCK_N]), row_layout)
-                row_bias = gl.convert_layout(gl.reshape(zero, [BLOCK_N]), row_layout)
+            row_scale = gl.convert_layout(gl.reshape(scale, [BLOCK_N]), gl.SliceLayout(1, acc_layout))
+            row_bias = gl.convert_layout(gl.reshape(zero, [BLOCK_N]), gl.SliceLayout(1, acc_layout))
             bias = gl.expand_dims(row_bias.to(gl.float32) + MAGIC_VALUE, 1) * gl.expand_dims(xsum, 0)
             acc = acc + (part - bias) * gl.expand_dims(row_scale.to(gl.float32), 1)
-            if PARAM_RING:  # the parameters were read into registers above
-                mbarrier.arrive(empty_p.index(i % NUM_PBUF))
         else:
             acc = mma_v2(_dequant_pairs(words, zb, sc, 0, a_layout, BLOCK_N, True), b0, acc)
             acc = mma_v2(_dequant_pairs(words, zb, sc, 1, a_layout, BLOCK_N, True), b1, acc)
@@ -438,21 +370,15 @@ def _unit(acc, a_prev, scale, zero, w_smem, x_smem, ready, empty, params, empty_
 
 
 @gluon.jit
-def _mma_partition(w_smem, x_smem, ready, empty, params, empty_p, scales_ptr, zeros_ptr, xsum_ptr, c_ptr, ws_ptr,
-                   tile_units_ptr, M, N, u0, count, pid, n_progs, k_tiles, tiles_n, tiles_m, stride_xs, stride_sg,
-                   stride_zg, GROUP_SIZE: gl.constexpr,
+def _mma_partition(w_smem, x_smem, ready, empty, scales_ptr, zeros_ptr, xsum_ptr, c_ptr, ws_ptr, tile_units_ptr, M,
+                   N, u0,
+                   count, pid, n_progs, k_tiles, tiles_n, tiles_m, stride_sg, stride_zg, GROUP_SIZE: gl.constexpr,
                    HAS_ZEROS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, GROUP_N: gl.constexpr,
                    NUM_BUF: gl.constexpr, WGMMA: gl.constexpr, ATOMIC_OUT: gl.constexpr, PERSISTENT: gl.constexpr,
-                   PARAM_RING: gl.constexpr, NUM_PBUF: gl.constexpr, num_warps: gl.constexpr):
+                   num_warps: gl.constexpr):
     """Consumer warps: the run, one segment per output tile it touches (one; several whole tiles when
     PERSISTENT; stream-K pieces), each segment's units, then its flush. Units are numbered here by their
     position in the program's ring order; ``kt_base`` maps those numbers to the segment's K tiles.
-
-    PARAM_RING (mma.sync, one group per K tile): each unit's scales, zero points and activation sums
-    arrive by TMA with its weights, in a ring of their own that is NUM_PBUF = 2 * NUM_BUF deep, so that
-    it can be released after the multiplies without holding back the weights' ring. Loaded by the
-    consumers instead, one unit ahead, they were waited for in 17 % of the loop's stall samples (ncu,
-    H200 run 20): under a full weight stream a global load takes longer than a unit.
 
     With wgmma the segment's last unit is peeled off the loop and drained in straight-line code: with
     the drain after the loop, ptxas (sm_90, CUDA 12.8 in triton 3.6) read the accumulator before the
@@ -493,24 +419,20 @@ def _mma_partition(w_smem, x_smem, ready, empty, params, empty_p, scales_ptr, ze
             hi = gl.minimum(count, kt_base + k_tiles)
         acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=acc_layout)
         a_prev = gl.zeros([BLOCK_N, 2 * _WORDS], dtype, layout=a_layout)  # wgmma: the A operand in flight
-        if PARAM_RING:
-            scale = 0  # unused (the parameters come through the ring)
-            zero = 0
-        else:
-            scale, zero = _group_params(scales_ptr, zeros_ptr, tn, lo - kt_base, N, stride_sg, stride_zg, offs_n,
-                                        offs_w, GROUP_SIZE, HAS_ZEROS, BLOCK_N)
+        scale, zero = _group_params(scales_ptr, zeros_ptr, tn, lo - kt_base, N, stride_sg, stride_zg, offs_n,
+                                    offs_w, GROUP_SIZE, HAS_ZEROS, BLOCK_N)
         for u in range(lo, hi - 1 if WGMMA else hi):
-            acc, a_prev, scale, zero = _unit(acc, a_prev, scale, zero, w_smem, x_smem, ready, empty, params, empty_p,
-                                             scales_ptr, zeros_ptr, xsum_ptr, M, N, stride_xs, stride_sg, stride_zg,
-                                             u, lo, hi, tn, tm, kt_base,
+            acc, a_prev, scale, zero = _unit(acc, a_prev, scale, zero, w_smem, x_smem, ready, empty, scales_ptr,
+                                             zeros_ptr, xsum_ptr, M, N, k_tiles, stride_sg, stride_zg, u, lo, hi,
+                                             tn, tm, kt_base,
                                              offs_n, offs_w, GROUP_SIZE, HAS_ZEROS, BLOCK_N, BLOCK_M, NUM_BUF,
-                                             WGMMA, SCALE_ACC, PARAM_RING, NUM_PBUF, acc_layout)
+                                             WGMMA, SCALE_ACC, acc_layout)
         if WGMMA:
-            acc, a_prev, scale, zero = _unit(acc, a_prev, scale, zero, w_smem, x_smem, ready, empty, params, empty_p,
-                                             scales_ptr, zeros_ptr, xsum_ptr, M, N, stride_xs, stride_sg, stride_zg,
-                                             hi - 1, lo, hi, tn, tm, kt_base,
+            acc, a_prev, scale, zero = _unit(acc, a_prev, scale, zero, w_smem, x_smem, ready, empty, scales_ptr,
+                                             zeros_ptr, xsum_ptr, M, N, k_tiles, stride_sg, stride_zg, hi - 1,
+                                             lo, hi, tn, tm, kt_base,
                                              offs_n, offs_w, GROUP_SIZE, HAS_ZEROS, BLOCK_N, BLOCK_M, NUM_BUF,
-                                             WGMMA, SCALE_ACC, PARAM_RING, NUM_PBUF, acc_layout)
+                                             WGMMA, SCALE_ACC, acc_layout)
             acc = warpgroup_mma_wait(0, deps=[acc])
             mbarrier.arrive(empty.index((hi - 1) % NUM_BUF))  # the segment's last stage
         _flush(acc, c_ptr, ws_ptr, tile_units_ptr, tn, tm, M, N, hi - lo, k_tiles, BLOCK_N, BLOCK_M, ATOMIC_OUT,
@@ -518,12 +440,12 @@ def _mma_partition(w_smem, x_smem, ready, empty, params, empty_p, scales_ptr, ze
 
 
 @gluon.jit
-def _w4a16_gluon_kernel(desc_w, desc_x, desc_s, desc_z, desc_xs, scales_ptr, zeros_ptr, xsum_ptr, c_ptr, ws_ptr,
-                        tile_units_ptr, M, N, k_tiles, tiles_n, tiles_m, stride_xs, stride_sg, stride_zg,
+def _w4a16_gluon_kernel(desc_w, desc_x, scales_ptr, zeros_ptr, xsum_ptr, c_ptr, ws_ptr, tile_units_ptr, M, N, k_tiles,
+                        tiles_n, tiles_m, stride_sg, stride_zg,
                         GROUP_SIZE: gl.constexpr, HAS_ZEROS: gl.constexpr, BLOCK_N: gl.constexpr,
                         BLOCK_M: gl.constexpr, GROUP_N: gl.constexpr, NUM_BUF: gl.constexpr,
                         WGMMA: gl.constexpr, ATOMIC_OUT: gl.constexpr, PERSISTENT: gl.constexpr,
-                        PARAM_RING: gl.constexpr, num_warps: gl.constexpr):
+                        num_warps: gl.constexpr):
     """``c[M, N] (+)= x[M, K] @ dequant(qw)^T`` over this program's contiguous run of (tile, K tile) units.
 
     ``x`` (behind ``desc_x``) is in paired-nibble column order; ``c`` is contiguous. ATOMIC_OUT: runs
@@ -545,31 +467,14 @@ def _w4a16_gluon_kernel(desc_w, desc_x, desc_s, desc_z, desc_xs, scales_ptr, zer
     w_smem = gl.allocate_shared_memory(gl.int32, [NUM_BUF, BLOCK_N, _WORDS], desc_w.layout)
     x_smem = gl.allocate_shared_memory(desc_x.dtype, [NUM_BUF * 4, BLOCK_M, _DOT_K], desc_x.layout)
     ready, empty = _ring_barriers(NUM_BUF)
-    NUM_PBUF: gl.constexpr = 2 * NUM_BUF
-    if PARAM_RING:
-        # stage i % NUM_PBUF: one [1, width] TMA box each (rows of >= 128 bytes, a TMA destination's alignment)
-        s_smem = gl.allocate_shared_memory(desc_s.dtype, [NUM_PBUF] + desc_s.block_type.shape, desc_s.layout)
-        z_smem = gl.allocate_shared_memory(desc_z.dtype, [NUM_PBUF] + desc_z.block_type.shape, desc_z.layout)
-        xs_smem = gl.allocate_shared_memory(desc_xs.dtype, [NUM_PBUF] + desc_xs.block_type.shape, desc_xs.layout)
-        empty_p = gl.allocate_shared_memory(gl.int64, [NUM_PBUF, 1], mbarrier.MBarrierLayout())
-        for s in gl.static_range(NUM_PBUF):
-            mbarrier.init(empty_p.index(s), count=1)
-    else:
-        s_smem, z_smem, xs_smem, empty_p = w_smem, w_smem, w_smem, empty  # unused
-    params = (desc_s, desc_z, desc_xs, s_smem, z_smem, xs_smem)
     gl.warp_specialize([
-        (_mma_partition, (w_smem, x_smem, ready, empty, params, empty_p, scales_ptr, zeros_ptr, xsum_ptr, c_ptr, ws_ptr,
-                          tile_units_ptr, M, N, u0, count, pid, n_progs, k_tiles, tiles_n, tiles_m, stride_xs,
-                          stride_sg, stride_zg, GROUP_SIZE, HAS_ZEROS, BLOCK_N, BLOCK_M, GROUP_N, NUM_BUF, WGMMA,
-                          ATOMIC_OUT, PERSISTENT, PARAM_RING, NUM_PBUF, num_warps)),
-        (_load_partition, (desc_w, desc_x, w_smem, x_smem, ready, empty, params, empty_p, u0, count, pid, n_progs,
-                           k_tiles, tiles_n, tiles_m, GROUP_SIZE, HAS_ZEROS, BLOCK_N, BLOCK_M, GROUP_N, NUM_BUF,
-                           PERSISTENT, PARAM_RING, NUM_PBUF)),
+        (_mma_partition, (w_smem, x_smem, ready, empty, scales_ptr, zeros_ptr, xsum_ptr, c_ptr, ws_ptr, tile_units_ptr,
+                          M, N, u0, count, pid, n_progs, k_tiles, tiles_n, tiles_m, stride_sg, stride_zg, GROUP_SIZE,
+                          HAS_ZEROS, BLOCK_N, BLOCK_M, GROUP_N, NUM_BUF, WGMMA, ATOMIC_OUT, PERSISTENT, num_warps)),
+        (_load_partition, (desc_w, desc_x, w_smem, x_smem, ready, empty, u0, count, pid, n_progs, k_tiles, tiles_n,
+                           tiles_m, BLOCK_N, BLOCK_M, GROUP_N, NUM_BUF, PERSISTENT)),
     ], [1], [LOAD_WARP_REGS])
     _invalidate_ring(ready, empty, NUM_BUF)
-    if PARAM_RING:
-        for s in gl.static_range(NUM_PBUF):
-            mbarrier.invalidate(empty_p.index(s))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -597,16 +502,12 @@ class GluonConfig:
     STREAM_K: bool = True
     GROUP_N: int = 8
     PERSISTENT: bool = False
-    PARAM_RING: bool = False
 
     def block_m(self, m: int) -> int:
         return 8 if (not self.WGMMA and m <= 8) else self.BLOCK_M
 
     def smem_bytes(self, m: int) -> int:
-        ring = self.NUM_BUF * (self.BLOCK_N * int(_WORDS) * 4 + 4 * self.block_m(m) * int(_DOT_K) * 2)
-        if self.PARAM_RING:  # scales, zero points, activation sums and a barrier per parameter stage
-            ring += 2 * self.NUM_BUF * (2 * _param_cols(self.BLOCK_N, 2) + _param_cols(self.BLOCK_N, 1) + 128 + 8)
-        return ring + 1024
+        return self.NUM_BUF * (self.BLOCK_N * int(_WORDS) * 4 + 4 * self.block_m(m) * int(_DOT_K) * 2) + 1024
 
     def maxnreg(self) -> int:
         threads = (self.num_warps + 4) * 32  # the producer's warpgroup counts whole
@@ -625,17 +526,11 @@ class GluonConfig:
         return m <= self.BLOCK_M and (self.BLOCK_M <= 16 or 2 * m > self.BLOCK_M)
 
 
-def _param_cols(block_n: int, elem_bytes: int) -> int:
-    """Width of a PARAM_RING box of per-row parameters: BLOCK_N, but at least 128 bytes (the alignment
-    of a TMA destination: the parameter stages follow each other in shared memory)."""
-    return max(block_n, 128 // elem_bytes)
-
-
 _REGS_PER_SM = 65536
 _SMEM_PER_SM = 228 * 1024
 
 # Candidates timed on first use per (M bucket, N, K, group, zeros, dtype); see ConfigTuner.
-_DECODE_BASE = [  # mma.sync, stream-K, M <= 16
+DECODE_GLUON_CONFIGS = [  # mma.sync, stream-K, M <= 16
     GluonConfig(128, 16, 6, 4, 3),
     GluonConfig(128, 16, 4, 4, 4),
     GluonConfig(256, 16, 4, 4, 2),
@@ -643,7 +538,6 @@ _DECODE_BASE = [  # mma.sync, stream-K, M <= 16
     GluonConfig(128, 16, 8, 4, 2),
     GluonConfig(64, 16, 8, 4, 3),
 ]
-DECODE_GLUON_CONFIGS = _DECODE_BASE + [dataclasses.replace(c, PARAM_RING=True) for c in _DECODE_BASE]
 # 17..64 rows: the same mma.sync stream-K on taller activation tiles, next to the wgmma configs. (Only
 # tiles whose sm_90 compile does not spill at these register caps: 128 x 64 spills at 128 registers.)
 MID_GLUON_CONFIGS = [
@@ -707,15 +601,11 @@ def _launch(x: torch.Tensor, w: W4A16Weights, config: GluonConfig) -> torch.Tens
     # one small launch gathers the activations into the paired column order and, for stream-K, zeroes
     # the float32 workspace [M, N] and the per-tile unit counters behind it
     ws = torch.empty(m * n + tiles_n if stream_k else 0, device=x.device, dtype=torch.float32)
-    # and, for the mma.sync path with one group per K tile, each K tile's activation sums (_magic_pairs),
-    # stored [k_tiles, M rounded up to 4] so that a K tile's sums are one row (a TMA box with PARAM_RING)
-    scale_acc = not config.WGMMA and w.group_size % PAIR_TILE_K == 0
-    # PARAM_RING's TMA boxes need 16-byte row strides: N a multiple of 16 (the uint8 zero points)
-    param_ring = config.PARAM_RING and scale_acc and n % 16 == 0
-    xsum_rows = None
-    if scale_acc:
-        xsum_rows = torch.empty((k_tiles, triton.cdiv(m, 4) * 4), device=x.device, dtype=torch.float32)
-    xp = gather_columns(x, w.pair_index, ws, None if xsum_rows is None else xsum_rows[:, :m].t())
+    # and, for the mma.sync path with one group per K tile, each K tile's activation sums (_magic_pairs)
+    xsum = None
+    if not config.WGMMA and w.group_size % PAIR_TILE_K == 0:
+        xsum = torch.empty((m, k_tiles), device=x.device, dtype=torch.float32)
+    xp = gather_columns(x, w.pair_index, ws, xsum)
     out = torch.empty((m, n), device=x.device, dtype=x.dtype)
     if stream_k:
         tile_units = ws[m * n:].view(torch.int32)  # zero bits are int32 zeros
@@ -731,28 +621,15 @@ def _launch(x: torch.Tensor, w: W4A16Weights, config: GluonConfig) -> torch.Tens
                               w_layout)
     desc_x = TensorDescriptor(xp, [m, k], [xp.stride(0), 1], [block_m, int(_DOT_K)], x_layout)
     zeros = w.zeros if w.zeros is not None else w.scales  # dummy pointer when symmetric
-    if param_ring:
-        desc_s = _row_descriptor(w.scales, _param_cols(config.BLOCK_N, 2))
-        desc_z = _row_descriptor(zeros, _param_cols(config.BLOCK_N, zeros.element_size()))
-        desc_xs = _row_descriptor(xsum_rows, 32)
-    else:
-        desc_s = desc_z = desc_xs = desc_w  # unused
-    xsum_arg = xsum_rows if xsum_rows is not None else ws
-    _w4a16_gluon_kernel[grid](desc_w, desc_x, desc_s, desc_z, desc_xs, w.scales, zeros, xsum_arg, out, ws,
-                              tile_units, m, n, k_tiles, tiles_n, tiles_m, xsum_arg.stride(0), w.scales.stride(0),
-                              zeros.stride(0),
+    _w4a16_gluon_kernel[grid](desc_w, desc_x, w.scales, zeros, xsum if xsum is not None else ws, out, ws, tile_units,
+                              m, n, k_tiles, tiles_n,
+                              tiles_m, w.scales.stride(0), zeros.stride(0),
                               GROUP_SIZE=w.group_size, HAS_ZEROS=w.zeros is not None, BLOCK_N=config.BLOCK_N,
                               BLOCK_M=block_m, GROUP_N=config.GROUP_N, NUM_BUF=config.NUM_BUF,
                               WGMMA=config.WGMMA, ATOMIC_OUT=stream_k, PERSISTENT=persistent,
-                              PARAM_RING=param_ring, num_warps=config.num_warps,
+                              num_warps=config.num_warps,
                               maxnreg=config.maxnreg(), launch_pdl=True)
     return out
-
-
-def _row_descriptor(t: torch.Tensor, cols: int) -> TensorDescriptor:
-    """A TMA descriptor over the rows of a 2-D tensor, one [1, cols] box at a time, unswizzled."""
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8 * t.element_size(), rank=2)
-    return TensorDescriptor(t, list(t.shape), [t.stride(0), 1], [1, cols], layout)
 
 
 class ConfigTuner:

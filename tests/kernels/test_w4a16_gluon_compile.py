@@ -36,24 +36,18 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from quantkit.kernels.w4a16_gluon import GluonConfig, _w4a16_gluon_kernel
 
-block_n, block_m, num_buf, num_warps, wgmma, group_size, param_ring, has_zeros, out = json.loads(sys.argv[1])
-cfg = GluonConfig(block_n, block_m, num_buf, num_warps, WGMMA=wgmma, STREAM_K=not wgmma, CTAS_PER_SM=1 if wgmma else 3,
-                  PARAM_RING=param_ring)
-smem = ("NVMMASharedLayout(swizzle_byte_width={}, element_bitwidth={}, rank=2, transposed=False, "
+block_n, block_m, num_buf, num_warps, wgmma, group_size, out = json.loads(sys.argv[1])
+cfg = GluonConfig(block_n, block_m, num_buf, num_warps, WGMMA=wgmma, STREAM_K=not wgmma, CTAS_PER_SM=1 if wgmma else 3)
+smem = ("NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth={}, rank=2, transposed=False, "
         "fp4_padded=False, cga_layout=[])")
 signature = {
-    "desc_w": f"tensordesc<i32[{block_n}, 16],{smem.format(64, 32)}>",
-    "desc_x": f"tensordesc<bf16[{block_m}, 32],{smem.format(64, 16)}>",
-    "desc_s": f"tensordesc<fp16[1, {max(block_n, 64)}],{smem.format(0, 16)}>",
-    "desc_z": f"tensordesc<u8[1, {max(block_n, 128)}],{smem.format(0, 8)}>",
-    "desc_xs": f"tensordesc<fp32[1, 32],{smem.format(0, 32)}>",
+    "desc_w": f"tensordesc<i32[{block_n}, 16],{smem.format(32)}>",
+    "desc_x": f"tensordesc<bf16[{block_m}, 32],{smem.format(16)}>",
     "scales_ptr": "*fp16", "zeros_ptr": "*u8", "xsum_ptr": "*fp32", "c_ptr": "*bf16", "ws_ptr": "*fp32", "tile_units_ptr": "*i32",
-    "M": "i32", "N": "i32", "k_tiles": "i32", "tiles_n": "i32", "tiles_m": "i32", "stride_xs": "i32", "stride_sg": "i32",
-    "stride_zg": "i32",
+    "M": "i32", "N": "i32", "k_tiles": "i32", "tiles_n": "i32", "tiles_m": "i32", "stride_sg": "i32", "stride_zg": "i32",
 }
-constexprs = dict(GROUP_SIZE=group_size, HAS_ZEROS=has_zeros, BLOCK_N=block_n, BLOCK_M=block_m, GROUP_N=8,
-                  NUM_BUF=num_buf, WGMMA=wgmma, ATOMIC_OUT=not wgmma, PERSISTENT=False, PARAM_RING=param_ring,
-                  num_warps=num_warps)
+constexprs = dict(GROUP_SIZE=group_size, HAS_ZEROS=False, BLOCK_N=block_n, BLOCK_M=block_m, GROUP_N=8,
+                  NUM_BUF=num_buf, WGMMA=wgmma, ATOMIC_OUT=not wgmma, PERSISTENT=False, num_warps=num_warps)
 signature |= {name: "constexpr" for name in constexprs}
 src = GluonASTSource(fn=_w4a16_gluon_kernel, signature=signature, constexprs=constexprs, attrs={})
 kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "maxnreg": cfg.maxnreg()})
@@ -67,11 +61,10 @@ class _Compiled:
         self.cubin, self.ptx = prefix + ".cubin", prefix + ".ptx"
 
 
-def _compile(tmp_path_factory, block_n, block_m, num_buf, num_warps, wgmma, group_size=128, param_ring=False,
-             has_zeros=False) -> _Compiled:
+def _compile(tmp_path_factory, block_n, block_m, num_buf, num_warps, wgmma, group_size=128) -> _Compiled:
     prefix = str(tmp_path_factory.mktemp("gluon") / "kernel")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    args = json.dumps([block_n, block_m, num_buf, num_warps, wgmma, group_size, param_ring, has_zeros, prefix])
+    args = json.dumps([block_n, block_m, num_buf, num_warps, wgmma, group_size, prefix])
     done = subprocess.run([sys.executable, "-c", _COMPILE, args], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     return _Compiled(prefix)
@@ -130,22 +123,6 @@ def test_decode_dequant_stays_in_registers(decode_kernel):
     # one group per K tile: the zero point comes off the accumulated tile (_magic_pairs), so the decode
     # loop has no packed subtraction per code pair (64 per unit and thread before; a quarter of the loop)
     assert sum(op.startswith("HADD2.BF16") or op.startswith("HFMA2.BF16") for op in ops) == 0
-
-
-@pytest.fixture(scope="module")
-def decode_param_ring_kernel(tmp_path_factory):
-    return _compile(tmp_path_factory, 128, 16, 6, 4, wgmma=False, param_ring=True, has_zeros=True)
-
-
-def test_param_ring_reads_no_parameter_from_global_memory(decode_param_ring_kernel, decode_kernel):
-    # PARAM_RING: the scales (fp16), zero points (uint8) and activation sums arrive by TMA with the weights;
-    # the consumers read them from shared memory, so no 16- or 8-bit global load is left (the stream-K
-    # fixup's 32-bit read of the workspace is the only global load)
-    sass = "\n".join(_sass(decode_param_ring_kernel))
-    assert not re.search(r"LDG\.E\.(U16|U8)", sass)
-    assert re.search(r"LDG\.E\.U16", "\n".join(_sass(decode_kernel)))  # the default reads its scales itself
-    assert len(re.findall(r"UTMALDG", sass)) >= 4  # weights, activations, scales, zeros, sums
-    assert " 0 bytes spill stores" in _ptxas_notices(decode_param_ring_kernel)
 
 
 def test_waits_for_the_gather_before_reading_what_it_wrote(decode_kernel, prefill_kernel):
