@@ -6,7 +6,9 @@ their host-side checks), and cuDNN through SDPA. Runs 8-9 (bench/NOTES_attention
 
 Shapes hq/hkv/seqlen[/head_dim]; AB_VARS from the names in `fns` below (NAME.again times NAME once more, for the
 spread); also bf16:CFG and fp8:CFG, CFG the ws config tuple with '/' between entries (1/0 for booleans),
-e.g. bf16:128/2/1/0 (ring 2, persistent, no ping-pong). AB_PROFILE=1: each variant runs twice and
+e.g. bf16:128/2/1/0 (ring 2, persistent, no ping-pong); bf16+lazy:L and fp8+lazy:L, the kernel's default config
+for the shape with its lazy_rescale entry set to L (0 or 1; run 17). AB_REF32=1: each variant's error against a float32
+reference (SDPA's efficient backend on the inputs in float32) as NAME_err_vs_fp32. AB_PROFILE=1: each variant runs twice and
 is not timed (for `ncu -k regex:_attn_fwd_ws --launch-skip 1 -c 1`); AB_CAUSAL=0/1 runs one mode. AB_BASELINE=<dir> holding an older
 copy of the ws kernel as ws_run7.py (runs 8-9: the kernels of commit 8c093a8, with attention_gluon.py as
 gluon_run7.py) enables the old_* variants. Writes $OUT/ab.json and prints a table last."""
@@ -81,15 +83,26 @@ for hq, hkv, s, d in shapes:
         fns["cudnn"] = cudnn
         for name in VARS:  # bf16:CFG / fp8:CFG, the ws kernel with an explicit config
             kind, _, cfg = name.split(".")[0].partition(":")
-            if cfg:
+            if kind.endswith("+lazy"):  # the default config for this shape, lazy_rescale = cfg
+                kind = kind[:-len("+lazy")]
+                cfg = ws._default_config(d, kind == "fp8", s)[:7] + (int(cfg),)
+                prep_arg = prep if kind == "fp8" else None
+                fns[name.split(".")[0]] = (lambda cfg=cfg, prep_arg=prep_arg: ws.attention_varlen_ws(
+                    q, k, v, cu, cu, s, causal=causal, fp8_prepared=prep_arg, config=cfg))
+            elif cfg:
                 cfg = tuple(int(x) for x in cfg.split("/"))
                 prep_arg = prep if kind == "fp8" else None
                 fns[name.split(".")[0]] = (lambda cfg=cfg, prep_arg=prep_arg: ws.attention_varlen_ws(
                     q, k, v, cu, cu, s, causal=causal, fp8_prepared=prep_arg, config=cfg))
         row = {"hq": hq, "hkv": hkv, "d": d, "seqlen": s, "batch": b, "causal": causal}
-        ref = None
+        ref = ref32 = None
         if os.environ.get("AB_CAUSAL") and int(os.environ["AB_CAUSAL"]) != causal:
             continue
+        if os.environ.get("AB_REF32") and not os.environ.get("AB_PROFILE"):
+            with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+                ref32 = torch.nn.functional.scaled_dot_product_attention(
+                    qt.float(), *(x.float().repeat_interleave(hq // hkv, 1) for x in (kt, vt)), is_causal=causal)
+            ref32 = ref32.transpose(1, 2).reshape(b * s, hq, d)
         if os.environ.get("AB_PROFILE"):
             for name in VARS:
                 fns[name.split(".")[0]]()
@@ -107,6 +120,8 @@ for hq, hkv, s, d in shapes:
                 row[name] = round(f / bench(fn) / 1e9, 1)
                 if ref is not None:
                     row[name + "_err_vs_bf16"] = round(rel_err(out, ref), 4)
+                if ref32 is not None:
+                    row[name + "_err_vs_fp32"] = round(rel_err(out, ref32), 4)
             except Exception as e:
                 row[name] = f"{type(e).__name__}: {str(e)[:120]}"
         rows.append(row)

@@ -1,7 +1,9 @@
 """CPU float32 emulation of the fp8 ws attention kernel's math, on the inputs of tests/kernels/test_attention_gluon.py's
 test_gluon_fp8 (run 15, bench/NOTES_attention.md): 128-key tiles of online softmax over the prepare_fp8 values, P
 rounded to e4m3 for P @ V, and the row sums either from the fp32 P (the Triton fp8 kernel, the ws kernel before
-rowsum_mma) or from the e4m3 P (what a P @ ones wgmma sums), with P computed times 2**p_log2.
+rowsum_mma) or from the e4m3 P (what a P @ ones wgmma sums), with P computed times 2**p_log2. tau > 0 (run 17, lazy
+rescale): a row's running max is only raised when a tile's max exceeds it by more than tau (log2 units), so P is
+up to 2**(p_log2 + tau).
 
     TRITON_INTERPRET=1 python bench/fp8_attention_rowsum_emulation.py
 
@@ -18,7 +20,7 @@ def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def emulate(q, k, v, cu, causal, e4m3_sums, p_log2=0.0, block_n=128):
+def emulate(q, k, v, cu, causal, e4m3_sums, p_log2=0.0, block_n=128, tau=0.0):
     q8, qs, k8, ks, _, vs = prepare_fp8(q, k, v, cu_seqlens_k=cu)
     vq = (v.float() / vs[None, :, None]).to(torch.float8_e4m3fn).float()  # the values of the kernel's V^T
     group, d = q.shape[1] // k.shape[1], q.shape[2]
@@ -35,7 +37,8 @@ def emulate(q, k, v, cu, causal, e4m3_sums, p_log2=0.0, block_n=128):
                 s = (qq @ kk[j:j + block_n].T) * (scale * ks[s0 + j, kh])[:, None]
                 if causal:
                     s = torch.where(torch.arange(j, min(j + block_n, n))[None] <= torch.arange(n)[:, None], s, -math.inf)
-                m_new = torch.maximum(m, s.max(1).values)
+                m_tile = s.max(1).values
+                m_new = torch.where(m_tile > m + tau, m_tile, m) if tau > 0 else torch.maximum(m, m_tile)
                 m_safe = torch.where(m_new == -math.inf, 0.0, m_new)
                 p, alpha = torch.exp2(s - m_safe[:, None] + p_log2), torch.exp2(m - m_safe)
                 p8 = p.to(torch.float8_e4m3fn).float()
@@ -61,6 +64,12 @@ def main():
                 o = emulate(q, k, v, cu, causal, e4m3_sums, p_log2)
                 print(f"causal={int(causal)} P x 2^{p_log2:.0f} row sums of {'e4m3' if e4m3_sums else 'fp32'} P: "
                       f"vs reference {rel(o, ref):.4f}, vs fp32 sums of unscaled P {rel(o, base):.4f}")
+        # lazy rescale: P up to 2^(p_log2 + tau) <= 256 with the e4m3 sums; tau 8 with fp32 sums (hd64's default)
+        for p_log2, tau, e4m3_sums in ((6.0, 2.0, True), (5.0, 3.0, True), (0.0, 8.0, False)):
+            o = emulate(q, k, v, cu, causal, e4m3_sums, p_log2, tau=tau)
+            print(f"causal={int(causal)} lazy max tau {tau:.0f}, P x 2^{p_log2:.0f}, row sums of "
+                  f"{'e4m3' if e4m3_sums else 'fp32'} P: vs reference {rel(o, ref):.4f}, "
+                  f"vs fp32 sums of unscaled P {rel(o, base):.4f}")
 
 
 if __name__ == "__main__":

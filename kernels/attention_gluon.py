@@ -39,11 +39,16 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 @gluon.jit
 def _softmax_tile(s, m_i, l_i, qk_scale, start_n, offs_m, offs_n, seqlen_k, delta, full_hi,
-                  IS_CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, ROW_SUM: gl.constexpr, P_LOG2: gl.constexpr):
+                  IS_CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, ROW_SUM: gl.constexpr, P_LOG2: gl.constexpr,
+                  TAU: gl.constexpr):
     """Online softmax of one logit tile s [BLOCK_M, BLOCK_N] (fp32, unscaled; qk_scale [BLOCK_M]
     per row, log2(e) included): returns (p = exp2 of the scaled logits minus the new row max,
     new m, new l, alpha). ROW_SUM False: l_i is returned as given (the caller sums p elsewhere).
-    P_LOG2: p scaled by 2**P_LOG2 (the same in every tile, so it cancels in O / l)."""
+    P_LOG2: p scaled by 2**P_LOG2 (the same in every tile, so it cancels in O / l).
+    TAU > 0 (log2 units): the row max m is a stale bound, raised only when the tile's max exceeds it by more
+    than TAU (or the row had none, -inf); p is then <= 2**(P_LOG2 + TAU) and alpha is exactly 1 for the rows
+    not raised, so the caller may skip their O rescale (attention_gluon_ws, LAZY_RESCALE). O and l use the
+    same m, so the result is the same softmax."""
     if start_n + BLOCK_N > full_hi:  # the causal diagonal or the ragged end: mask
         # key start_n + c is visible iff c < lim: one 32-bit compare a logit against a per-row
         # (causal) or per-tile limit, instead of forming each key index and comparing twice
@@ -53,11 +58,19 @@ def _softmax_tile(s, m_i, l_i, qk_scale, start_n, offs_m, offs_n, seqlen_k, delt
         else:
             keep = gl.expand_dims(offs_n, 0) < lim
         s = gl.where(keep, s * gl.expand_dims(qk_scale, 1), float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 1))
+        if TAU > 0:
+            m_tile = gl.max(s, 1)
+            m_new = gl.where(m_tile > m_i + TAU, m_tile, m_i)
+        else:
+            m_new = gl.maximum(m_i, gl.max(s, 1))
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
         p = gl.exp2(s - gl.expand_dims(m_safe - P_LOG2, 1))
     else:
-        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+        if TAU > 0:
+            m_tile = gl.max(s, 1) * qk_scale
+            m_new = gl.where(m_tile > m_i + TAU, m_tile, m_i)
+        else:
+            m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
         m_safe = m_new
         p = gl.exp2(s * gl.expand_dims(qk_scale, 1) - gl.expand_dims(m_new - P_LOG2, 1))
     alpha = gl.exp2(m_i - m_safe)
@@ -214,7 +227,7 @@ def _attn_fwd_gluon(desc_q, desc_k, desc_v, o_ptr, qs_ptr, ks_ptr, v_scale_ptr,
             row_scale = qk_scale * gl.load(ks_ptr + kv_start * stride_ksn + kv_head)
         s = warpgroup_mma_wait(0, deps=[s])
         p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, row_scale, 0, offs_m, offs_n, seqlen_k, delta,
-                                           full_hi, IS_CAUSAL, BLOCK_N, True, 0)
+                                           full_hi, IS_CAUSAL, BLOCK_N, True, 0, 0)
         p_op = _p_operand(p, p_layout, p_dtype, IS_FP8, BLOCK_M, BLOCK_N)
         for j in range(1, n_tiles):
             stage = j % NUM_BUF
@@ -228,7 +241,7 @@ def _attn_fwd_gluon(desc_q, desc_k, desc_v, o_ptr, qs_ptr, ks_ptr, v_scale_ptr,
                 row_scale = qk_scale * gl.load(ks_ptr + (kv_start + j * BLOCK_N) * stride_ksn + kv_head)
             s = warpgroup_mma_wait(1, deps=[s])  # S_j done; P_{j-1} V_{j-1} may still run
             p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, row_scale, j * BLOCK_N, offs_m, offs_n,
-                                               seqlen_k, delta, full_hi, IS_CAUSAL, BLOCK_N, True, 0)
+                                               seqlen_k, delta, full_hi, IS_CAUSAL, BLOCK_N, True, 0, 0)
             acc, p_op = warpgroup_mma_wait(0, deps=[acc, p_op])
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
             p_op = _p_operand(p, p_layout, p_dtype, IS_FP8, BLOCK_M, BLOCK_N)

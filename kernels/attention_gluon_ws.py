@@ -34,6 +34,11 @@ Here, as in FA3, no CTA-wide barrier is left in the loop:
   accumulator each round added to fp32 sums, instead of 64 FADDs a thread and round; P is computed
   times 2^8 so that its small values are normal e4m3 numbers.
 
+* bf16 at hd128, rows <= 8192 (`LAZY_RESCALE`, FA4's conditional rescale): a row's max is raised only when
+  a tile's scaled logits exceed it by more than 8 (log2 units: P up to 256), and a warp skips the O rescale
+  (64 FMULs a thread and round) when none of its rows raised it: a warp vote and a uniform branch in inline
+  PTX.
+
 Measured on the H200 (bench/NOTES_attention.md, runs 10-12), bf16 hd128, 16 heads: 588-615 TFLOP/s
 non-causal and 499-576 causal at S = 2048-16384 (0.95-1.07x cuDNN in the same runs). fp8 (P carried
 in fp32 and converted to e4m3 in one step, without the ping-pong): 616-833 TFLOP/s at hd128, 1.16-1.44x
@@ -72,6 +77,38 @@ KS_SMEM_LAYOUT = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))
 # (by the 4 warps that run before the partitions start)
 ONES_N = gl.constexpr(8)
 ONES_REG_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 1], [1, 32], [4, 1], [1, 0]))
+
+
+def _rescale_asm(n):
+    """LAZY_RESCALE: PTX for one thread's n O-accumulator values ($0..$n-1, tied to the inputs $n..$2n-1) and
+    their rows' alphas ($2n..$3n-1): multiply only if some row of the warp has alpha != 1. In the wgmma
+    accumulator layout a thread holds two rows; its values 0 and 2 are one of each (register bases: col + 1, row
+    + 8, then columns). The vote makes the branch warp-uniform (bra.uni), so a warp skips the n FMULs when none
+    of its 16 rows was rescaled, with no exchange between the warps."""
+    body = [f"setp.neu.f32 lzp0, ${2 * n}, 0f3F800000;",
+            f"setp.neu.or.f32 lzp0, ${2 * n + 2}, 0f3F800000, lzp0;",
+            "vote.sync.any.pred lzp1, lzp0, -1;",
+            "@!lzp1 bra.uni LZ_SKIP;"]
+    body += [f"mul.f32 ${i}, ${i}, ${2 * n + i};" for i in range(n)]
+    asm = "{\n.reg .pred lzp0, lzp1;\n" + "\n".join(body) + "\nLZ_SKIP:\n}"
+    constraints = ",".join(["=f"] * n + [str(i) for i in range(n)] + ["f"] * n)
+    return asm, constraints
+
+
+_RESCALE_ASM_32, _RESCALE_CON_32 = (gl.constexpr(x) for x in _rescale_asm(32))  # head dim 64
+_RESCALE_ASM_64, _RESCALE_CON_64 = (gl.constexpr(x) for x in _rescale_asm(64))  # head dim 128
+
+
+@gluon.jit
+def _rescale_o(acc, alpha_o, HEAD_DIM: gl.constexpr):
+    """acc * alpha (alpha_o: per row, acc's row layout), skipped by each warp whose rows all have alpha 1."""
+    a = gl.expand_dims(alpha_o, 1)
+    if HEAD_DIM == 128:
+        return gl.inline_asm_elementwise(_RESCALE_ASM_64, _RESCALE_CON_64, [acc, a], dtype=gl.float32,
+                                         is_pure=True, pack=64)
+    else:
+        return gl.inline_asm_elementwise(_RESCALE_ASM_32, _RESCALE_CON_32, [acc, a], dtype=gl.float32,
+                                         is_pure=True, pack=32)
 
 
 @gluon.jit
@@ -188,7 +225,7 @@ def _consume_tile(wg, q_smem, k_smem, v_smem, ks_smem, q_bars, q_empty, k_ready,
                   stride_ksn, q_start, seqlen_q, kv_start, seqlen_k, blk_m0, head, kv_head, n_tiles, cnt, it, rnd,
                   HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr, IS_FP8: gl.constexpr,
                   NUM_BUF: gl.constexpr, PINGPONG: gl.constexpr, TMA_STORE: gl.constexpr,
-                  STAGE_KS: gl.constexpr, ones_smem, ROWSUM_MMA: gl.constexpr):
+                  STAGE_KS: gl.constexpr, ones_smem, ROWSUM_MMA: gl.constexpr, LAZY_RESCALE: gl.constexpr):
     """One warpgroup, one work tile: rows blk_m0 + wg * 64 .. + 63. Round j (j = 0..n_tiles)
     issues S_j and P_(j-1) V_(j-1) inside this warpgroup's turn; the softmax of S_j then overlaps
     both the P V wgmma (intra-warpgroup) and the other warpgroup's round (ping-pong). cnt: ring
@@ -201,7 +238,15 @@ def _consume_tile(wg, q_smem, k_smem, v_smem, ks_smem, q_bars, q_empty, k_ready,
     fresh accumulator each round (use_acc=False: the fp8 wgmma's reduced-precision accumulation sums
     one tile's BLOCK_N terms, never the whole row: run 14c's drift), which is then added to the fp32 running sums
     l2d on the CUDA cores (every column of l2d holds the same row sums); instead of the softmax's
-    BLOCK_N / 2 FADDs a thread and round."""
+    BLOCK_N / 2 FADDs a thread and round.
+    LAZY_RESCALE (FA4's conditional rescale): each row keeps a stale max, raised only when a tile's max exceeds
+    it by more than TAU (`_softmax_tile`), so alpha is exactly 1 for most rows in most rounds, and each warp
+    skips the O rescale (HEAD_DIM / 2 FMULs a thread and round) when all its 16 rows have alpha 1 (`_rescale_o`:
+    a vote and a uniform branch in inline PTX, no exchange between warps; a branch for the whole warpgroup on a
+    cross-warp max of the flags measured slower, run 17a: its shared-memory reduction adds two partition
+    barriers a round). The row sums use the same alpha, so the result is the same softmax (P is then up to
+    2**(P_LOG2 + TAU)). Measured (bench/NOTES_attention.md, runs 17a-b): bf16 hd128 +0.3-3.8% at S = 2048-8192;
+    fp8 1.6-4.1% slower at hd128 and 10-14% at hd64, where a stale max without the skip was slower too."""
     dtype: gl.constexpr = q_smem.dtype
     MMA_K: gl.constexpr = 32 if IS_FP8 else 16
     # P as carried across the loop's back edge: fp8 P stays fp32 (the registers are there: 240 a
@@ -223,7 +268,9 @@ def _consume_tile(wg, q_smem, k_smem, v_smem, ks_smem, q_bars, q_empty, k_ready,
     # normal e4m3 numbers (3 mantissa bits) and not subnormals, multiples of 2^-9: the P @ ones sums then
     # match the fp32 sums of P (without it, fp8 test: 0.031 from the Triton kernel and 0.074 from the
     # reference, against 0.067 for fp32 sums; with it 0.009 and 0.067: a float32 emulation on the CPU)
-    P_LOG2: gl.constexpr = 8.0 if ROWSUM_MMA else 0.0
+    # LAZY_RESCALE: p <= 2^(P_LOG2 + TAU), within e4m3's 448 at fp8 (and far inside bf16/fp16's range)
+    TAU: gl.constexpr = (2.0 if ROWSUM_MMA else 8.0) if LAZY_RESCALE else 0.0
+    P_LOG2: gl.constexpr = 8.0 - TAU if ROWSUM_MMA else 0.0
 
     my_turn = turn_bars.index(wg)
     their_turn = turn_bars.index(1 - wg)
@@ -258,7 +305,7 @@ def _consume_tile(wg, q_smem, k_smem, v_smem, ks_smem, q_bars, q_empty, k_ready,
         s = warpgroup_mma_wait(0, deps=[s])
         mbarrier.arrive(k_empty.index(cnt % NUM_BUF), count=1)
         p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, row_scale, 0, offs_m, offs_n, seqlen_k, delta,
-                                           full_hi, IS_CAUSAL, BLOCK_N, not ROWSUM_MMA, P_LOG2)
+                                           full_hi, IS_CAUSAL, BLOCK_N, not ROWSUM_MMA, P_LOG2, TAU)
         p_op = _p_operand(p, p_layout, p_dtype, IS_FP8, HALF_M, BLOCK_N)
         for j in range(1, n_tiles):
             stage = (cnt + j) % NUM_BUF
@@ -286,7 +333,7 @@ def _consume_tile(wg, q_smem, k_smem, v_smem, ks_smem, q_bars, q_empty, k_ready,
             mbarrier.arrive(k_empty.index(stage), count=1)
             p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, row_scale, j * BLOCK_N, offs_m, offs_n,
                                                seqlen_k, delta, full_hi, IS_CAUSAL, BLOCK_N, not ROWSUM_MMA,
-                                               P_LOG2)
+                                               P_LOG2, TAU)
             if ROWSUM_MMA:
                 acc, rs, p_op = warpgroup_mma_wait(0, deps=[acc, rs, p_op])
                 # rows of P_(j-1) added in its max's scale, then all rescaled to this round's max
@@ -294,7 +341,10 @@ def _consume_tile(wg, q_smem, k_smem, v_smem, ks_smem, q_bars, q_empty, k_ready,
             else:
                 acc, p_op = warpgroup_mma_wait(0, deps=[acc, p_op])
             mbarrier.arrive(v_empty.index(prev), count=1)
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+            if LAZY_RESCALE:
+                acc = _rescale_o(acc, gl.convert_layout(alpha, row_o), HEAD_DIM)
+            else:
+                acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
             p_op = _p_operand(p, p_layout, p_dtype, IS_FP8, HALF_M, BLOCK_N)
         mbarrier.arrive(q_empty.index(wg), count=1)  # every Q K^T of this tile retired
         # round n_tiles: the last P V, still in turn so both warpgroups run the same rounds
@@ -351,7 +401,7 @@ def _ws_consumer(wg, q_smem, k_smem, v_smem, ks_smem, q_bars, q_empty, k_ready, 
                  GROUP: gl.constexpr,
                  HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr, IS_FP8: gl.constexpr,
                  NUM_BUF: gl.constexpr, PINGPONG: gl.constexpr, TMA_STORE: gl.constexpr, STAGE_KS: gl.constexpr,
-                 ones_smem, ROWSUM_MMA: gl.constexpr):
+                 ones_smem, ROWSUM_MMA: gl.constexpr, LAZY_RESCALE: gl.constexpr):
     """Consumer warpgroup `wg` over this program's work tiles (the producer's order)."""
     cnt = 0  # K/V tiles consumed so far: ring stage and phase
     it = 0  # work tiles so far: Q buffer phase
@@ -365,7 +415,7 @@ def _ws_consumer(wg, q_smem, k_smem, v_smem, ks_smem, q_bars, q_empty, k_ready, 
                           turn_bars, desc_o, o_smem, o_ptr, qs_ptr, ks_ptr, v_scale_ptr, sm_scale, stride_om,
                           stride_oh, stride_qsm, stride_ksn, q_start, seqlen_q, kv_start, seqlen_k, blk_m0, head,
                           kv_head, n_tiles, cnt, it, rnd, HEAD_DIM, BLOCK_N, IS_CAUSAL, IS_FP8, NUM_BUF, PINGPONG,
-                          TMA_STORE, STAGE_KS, ones_smem, ROWSUM_MMA)
+                          TMA_STORE, STAGE_KS, ones_smem, ROWSUM_MMA, LAZY_RESCALE)
             cnt += n_tiles
             it += 1
             if n_tiles > 0:
@@ -381,7 +431,7 @@ def _attn_fwd_ws(desc_q, desc_k, desc_v, desc_o, o_ptr, qs_ptr, ks_ptr, v_scale_
                  GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
                  IS_CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, NUM_BUF: gl.constexpr,
                  PINGPONG: gl.constexpr, TMA_STORE: gl.constexpr, STAGE_KS: gl.constexpr,
-                 ROWSUM_MMA: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                 ROWSUM_MMA: gl.constexpr, LAZY_RESCALE: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     """Grid: up to one program per SM, each looping over its work tiles (`_tile_coords`;
     N_WORK = query blocks x sequences x heads; a grid of N_WORK programs runs one tile each)."""
     dtype: gl.constexpr = desc_q.dtype
@@ -438,19 +488,19 @@ def _attn_fwd_ws(desc_q, desc_k, desc_v, desc_o, o_ptr, qs_ptr, ks_ptr, v_scale_
                         stride_qsm, stride_ksn,
                         cu_seqlens_q_ptr, cu_seqlens_k_ptr, NUM_M_BLOCKS, N_SEQ, N_WORK, SWIZZLE,
                         GROUP, HEAD_DIM, BLOCK_N, IS_CAUSAL, IS_FP8, NUM_BUF, PINGPONG, TMA_STORE, STAGE_KS,
-                        ones_smem, ROWSUM_MMA)),
+                        ones_smem, ROWSUM_MMA, LAZY_RESCALE)),
         (_ws_consumer, (1, q_smem, k_smem, v_smem, ks_smem, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
                         turn_bars, desc_o, o_smem, o_ptr, qs_ptr, ks_ptr, v_scale_ptr, sm_scale, stride_om, stride_oh,
                         stride_qsm, stride_ksn,
                         cu_seqlens_q_ptr, cu_seqlens_k_ptr, NUM_M_BLOCKS, N_SEQ, N_WORK, SWIZZLE,
                         GROUP, HEAD_DIM, BLOCK_N, IS_CAUSAL, IS_FP8, NUM_BUF, PINGPONG, TMA_STORE, STAGE_KS,
-                        ones_smem, ROWSUM_MMA)),
+                        ones_smem, ROWSUM_MMA, LAZY_RESCALE)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
 def _default_config(head_dim, fp8, max_seqlen_q):
-    """(BLOCK_N, NUM_BUF, persistent, pingpong, tma_store, stage_ks, rowsum_mma) measured fastest on the H200
-    (bench/NOTES_attention.md, runs 10-11): 128-key tiles; the ring as deep as shared memory allows
+    """(BLOCK_N, NUM_BUF, persistent, pingpong, tma_store, stage_ks, rowsum_mma, lazy_rescale) measured fastest on
+    the H200 (bench/NOTES_attention.md, runs 10-11): 128-key tiles; the ring as deep as shared memory allows
     (one CTA per SM: Q 32 KB + 64 KB a stage at bf16 hd128, + 2 x 16 KB for the TMA-store buffers).
     fp8 without the ping-pong handshake: its rounds' MMAs are half as long, so the turn only adds
     waiting (run 8: +1-6%). TMA-store epilogue (bf16): +0-15% at rows <= 8192 (most at 2048, where a
@@ -458,18 +508,22 @@ def _default_config(head_dim, fp8, max_seqlen_q):
     taken there. Staged K scale (fp8): +0-7%; with the TMA store +1-14% at hd128, but the TMA store cost
     3-10% at fp8 hd64 non-causal. fp8 softmax row sums by a P @ ones wgmma a round (rowsum_mma, run 15):
     +1-6% at hd128 (S = 2048-16384, GQA too; runs 15a-b), error against bf16 unchanged (0.047-0.054); at
-    hd64 -3% non-causal, +3.5% causal, so not taken there."""
+    hd64 -3% non-causal, +3.5% causal, so not taken there. Lazy O rescale (lazy_rescale, runs 17a-b): bf16 hd128
+    +0.3-3.8% at S = 2048-8192 (31 of 32 paired timings faster, error unchanged), at 16384 -1.4% / +2.7%
+    non-causal and -4.5% / +0.2% causal, at hd64 +1.0% / -0.9%, so taken with the TMA store (rows <= 8192) at
+    hd128 only; fp8 1.6-4.1% slower at hd128, 10-14% at hd64, so never."""
     if fp8:
-        return (128, 4, True, False, head_dim == 128, True, head_dim == 128)
-    return (128, 2 if head_dim == 128 else 4, True, True, max_seqlen_q <= 8192, False, False)
+        return (128, 4, True, False, head_dim == 128, True, head_dim == 128, False)
+    short = max_seqlen_q <= 8192
+    return (128, 2 if head_dim == 128 else 4, True, True, short, False, False, short and head_dim == 128)
 
 
 def _full_config(config, head_dim, fp8, max_seqlen_q):
-    """A user config (BLOCK_N, NUM_BUF[, persistent[, pingpong[, tma_store[, stage_ks[, rowsum_mma]]]]])
-    completed with True, True, False, False, False; None: `_default_config`."""
+    """A user config (BLOCK_N, NUM_BUF[, persistent[, pingpong[, tma_store[, stage_ks[, rowsum_mma[,
+    lazy_rescale]]]]]]) completed with True, True, False, False, False, False; None: `_default_config`."""
     if not config:
         return _default_config(head_dim, fp8, max_seqlen_q)
-    return (tuple(config) + (True, True, False, False, False)[len(config) - 2:])[:7]
+    return (tuple(config) + (True, True, False, False, False, False)[len(config) - 2:])[:8]
 
 
 # One CTA of 3 warpgroups (12 warps) per SM: maxnreg 168 caps the whole at 168 * 384 = 64512
@@ -484,14 +538,15 @@ def attention_varlen_ws(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causa
     """Same contract as `attention_gluon.attention_varlen_gluon` (and its `supported` cases).
 
     q: (total_q, Hq, D); k, v: (total_k, Hkv, D), bf16/fp16; cu_seqlens_*: (B + 1,) int32.
-    config: (BLOCK_N, NUM_BUF[, persistent[, pingpong[, tma_store[, stage_ks[, rowsum_mma]]]]]), see
+    config: (BLOCK_N, NUM_BUF[, persistent[, pingpong[, tma_store[, stage_ks[, rowsum_mma[, lazy_rescale]]]]]]), see
     `_default_config`; query tiles are 128 rows (2 x 64). persistent (default True): one program
     per SM looping over the work tiles, so a tile's loads overlap the previous tile's last rounds;
     else one program a tile. pingpong (default True): the turn handshake between the consumer
     warpgroups. tma_store: the output through shared memory and TMA. stage_ks (fp8 only): the
     producer stages each K tile's scale in shared memory. rowsum_mma (fp8 only): the softmax row sums
-    by a P @ ones wgmma a round (`_consume_tile`). A config of 2-6 entries is completed with True,
-    True, False, False, False (`_full_config`).
+    by a P @ ones wgmma a round (`_consume_tile`). lazy_rescale: a stale row max, and each warp skips the O
+    rescale when none of its rows raised it (`_consume_tile`). A config of 2-7 entries is completed with True,
+    True, False, False, False, False (`_full_config`).
     out: optional (total_q, Hq, D) buffer to write (tests pass a NaN-poisoned one).
     Returns (total_q, Hq, D) in q's dtype."""
     n_heads, head_dim = q.shape[1], q.shape[2]
@@ -499,8 +554,8 @@ def attention_varlen_ws(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causa
     assert n_heads % n_kv_heads == 0
     sm_scale = head_dim ** -0.5 if sm_scale is None else sm_scale
     fp8 = fp8 or fp8_prepared is not None
-    block_n, num_buf, persistent, pingpong, tma_store, stage_ks, rowsum_mma = _full_config(config, head_dim, fp8,
-                                                                                           max_seqlen_q)
+    block_n, num_buf, persistent, pingpong, tma_store, stage_ks, rowsum_mma, lazy_rescale = _full_config(
+        config, head_dim, fp8, max_seqlen_q)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
     desc_q, desc_k, desc_v, q_scale, k_scale, v_scale = make_descriptors(
         q, k, v, cu_seqlens_k, _HALF_M, block_n, fp8, hadamard, fp8_prepared, out)
@@ -517,7 +572,7 @@ def attention_varlen_ws(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causa
                              HEAD_DIM=head_dim,
                              BLOCK_N=block_n, IS_CAUSAL=causal, IS_FP8=fp8, NUM_BUF=num_buf, PINGPONG=pingpong,
                              TMA_STORE=bool(tma_store), STAGE_KS=bool(stage_ks and fp8),
-                             ROWSUM_MMA=bool(rowsum_mma and fp8),
+                             ROWSUM_MMA=bool(rowsum_mma and fp8), LAZY_RESCALE=bool(lazy_rescale),
                              CONSUMER_REGS=CONSUMER_REGS, num_warps=4, maxnreg=MAXNREG)
     return out
 

@@ -12,6 +12,10 @@ with the launch's 16-divisibility attributes, pins what runs 10-11 measured:
 The default has the softmax row sums on the tensor core (rowsum_mma, a P @ ones wgmma a round): its wgmma
 starts from zero every round, its ones tile is stored whole, and the row-sum FADDs are gone (against a
 second compile with rowsum_mma off, which keeps the spill bound too).
+
+The lazy O rescale (lazy_rescale, config entry 8; run 17), compiled at bf16 and fp8, causal: each consumer
+warpgroup's round has one warp vote and a branch over exactly the HEAD_DIM / 2 FMULs of its O rescale, no
+partition barrier more than the eager build, and no more spills.
 """
 
 from __future__ import annotations
@@ -48,14 +52,14 @@ k = torch.randn(tokens, heads, d, dtype=torch.bfloat16)
 cu = torch.arange(0, tokens + 1, 2048, dtype=torch.int32)
 out = torch.empty_like(q)
 desc_q, desc_k, desc_v, qs, ks, vs = make_descriptors(q, k, k, cu, ws._HALF_M, 128, fp8, False, None, out)
-block_n, num_buf, persistent, pingpong, tma_store, stage_ks, rowsum_mma = ws._full_config(config, d, fp8, 2048)
+block_n, num_buf, persistent, pingpong, tma_store, stage_ks, rowsum_mma, lazy = ws._full_config(config, d, fp8, 2048)
 desc_o = ws._output_descriptor(out) if tma_store else desc_q
 args = dict(desc_q=desc_q, desc_k=desc_k, desc_v=desc_v, desc_o=desc_o, o_ptr=out, qs_ptr=qs, ks_ptr=ks,
             v_scale_ptr=vs, cu_seqlens_q_ptr=cu, cu_seqlens_k_ptr=cu, sm_scale=0.1, stride_om=heads * d,
             stride_oh=d, stride_qsm=heads, stride_ksn=heads, NUM_M_BLOCKS=16, N_SEQ=8, N_WORK=2048, SWIZZLE=128)
 constexprs = dict(GROUP=1, HEAD_DIM=d, BLOCK_N=block_n, IS_CAUSAL=causal, IS_FP8=fp8, NUM_BUF=num_buf,
                   PINGPONG=pingpong, TMA_STORE=tma_store, STAGE_KS=stage_ks and fp8,
-                  ROWSUM_MMA=rowsum_mma and fp8, CONSUMER_REGS=ws.CONSUMER_REGS)
+                  ROWSUM_MMA=rowsum_mma and fp8, LAZY_RESCALE=int(lazy), CONSUMER_REGS=ws.CONSUMER_REGS)
 signature, attrs = {}, {}
 for i, name in enumerate(ws._attn_fwd_ws.arg_names):
     if name in constexprs:
@@ -71,10 +75,10 @@ open(out_path, "wb").write(kernel.asm["cubin"])
 """
 
 
-def _sass(tmp_path_factory, config) -> list[str]:
+def _sass(tmp_path_factory, config, fp8=True, causal=True) -> list[str]:
     cubin = str(tmp_path_factory.mktemp("gluon_attn") / "ws.cubin")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps([True, True, cubin, config])], env=env,
+    done = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps([fp8, causal, cubin, config])], env=env,
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     text = subprocess.run([os.path.join(_BIN, "nvdisasm"), "-c", cubin], capture_output=True, text=True).stdout
@@ -136,3 +140,59 @@ def test_rowsum_takes_the_row_sum_adds_off_the_cuda_cores(fp8_causal_sass, fp8_c
     fadd = [sum("FADD" in line for line in sass) for sass in (fp8_causal_fp32_rowsum_sass, fp8_causal_sass)]
     assert fadd[1] < 0.6 * fadd[0]  # 292 against 528 (both consumer warpgroups, masked and unmasked rounds)
     assert sum("STL" in line for line in fp8_causal_fp32_rowsum_sass) <= 1
+
+
+# bf16 causal at 2048 tokens (ring 2, ping-pong, TMA store) with the O rescale eager / lazy (the default)
+_BF16_CONFIG = [128, 2, True, True, True, False, False]
+_FP8_CONFIG = [128, 4, True, False, True, True, True]  # the fp8 hd128 default
+
+
+@pytest.fixture(scope="module")
+def bf16_causal_sass(tmp_path_factory) -> list[str]:
+    return _sass(tmp_path_factory, _BF16_CONFIG + [False], fp8=False)
+
+
+@pytest.fixture(scope="module")
+def bf16_causal_lazy_sass(tmp_path_factory) -> list[str]:
+    return _sass(tmp_path_factory, None, fp8=False)  # the bf16 default at 2048 tokens: lazy_rescale on
+
+
+@pytest.fixture(scope="module")
+def fp8_causal_lazy_sass(tmp_path_factory) -> list[str]:
+    return _sass(tmp_path_factory, _FP8_CONFIG + [True])
+
+
+def _count(sass, op):
+    return sum(re.search(rf"\b{op}\b", line) is not None for line in sass)
+
+
+def _voted_rescales(sass) -> list[int]:
+    """For each warp vote (VOTE.ANY Pn): the run of FMULs right after the next branch on !Pn."""
+    runs = []
+    for i, line in enumerate(sass):
+        vote = re.search(r"VOTE\.ANY (P\d), \1 ;", line)
+        if not vote:
+            continue
+        j = next(j for j in range(i + 1, len(sass)) if "BRA" in sass[j])
+        assert f"@!{vote.group(1)} BRA" in sass[j], sass[j]
+        k = j + 1
+        while "FMUL" in sass[k]:
+            k += 1
+        runs.append(k - j - 1)
+    return runs
+
+
+def test_lazy_rescale_warp_vote_branches_over_the_o_rescale(bf16_causal_sass, bf16_causal_lazy_sass,
+                                                            fp8_causal_lazy_sass):
+    # one vote a round in each consumer warpgroup's loop, each skipping its 64 FMULs (head dim 128: 64 x 128
+    # accumulator values over 128 threads); no barrier added
+    assert _voted_rescales(bf16_causal_lazy_sass) == [64, 64]
+    assert _voted_rescales(fp8_causal_lazy_sass) == [64, 64]
+    assert _count(bf16_causal_lazy_sass, "BAR") == _count(bf16_causal_sass, "BAR")
+    assert _count(bf16_causal_sass, "VOTE") == 0
+
+
+def test_lazy_rescale_spills_no_more(bf16_causal_sass, bf16_causal_lazy_sass, fp8_causal_lazy_sass):
+    assert sum("STL" in line for line in bf16_causal_sass) == 0
+    assert sum("STL" in line for line in bf16_causal_lazy_sass) == 0
+    assert sum("STL" in line for line in fp8_causal_lazy_sass) <= 1
