@@ -43,7 +43,9 @@ Measured on the H200 (bench/NOTES_attention.md, runs 10-12), bf16 hd128, 16 head
 non-causal and 499-576 causal at S = 2048-16384 (0.95-1.07x cuDNN in the same runs). fp8 (P carried
 in fp32 and converted to e4m3 in one step, without the ping-pong): 616-833 TFLOP/s at hd128, 1.16-1.44x
 this kernel's bf16; with the row sums on the tensor core 644-841 (run 15b: +4-5% in the same process);
-`auto` uses it for fp8.
+`auto` uses it for fp8. Run 16 (bench_attention.py, hd128, S = 2048-16384): bf16 573-631 / 486-586
+non-causal / causal (0.95-1.03x cuDNN), fp8 766-860 / 576-840; the lazy O rescale (runs 17a-b) then
+added +0.3-3.8% to bf16 at S <= 8192.
 
 Scope as `attention_gluon.py` (bf16/fp16 and its fp8 path, head dim 64/128, causal or not,
 packed varlen, GQA); layout q (total_q, Hq, D), k/v (total_k, Hkv, D), cu_seqlens (B + 1,).
@@ -246,7 +248,7 @@ def _consume_tile(wg, q_smem, k_smem, v_smem, ks_smem, q_bars, q_empty, k_ready,
     cross-warp max of the flags measured slower, run 17a: its shared-memory reduction adds two partition
     barriers a round). The row sums use the same alpha, so the result is the same softmax (P is then up to
     2**(P_LOG2 + TAU)). Measured (bench/NOTES_attention.md, runs 17a-b): bf16 hd128 +0.3-3.8% at S = 2048-8192;
-    fp8 1.6-4.1% slower at hd128 and 10-14% at hd64, where a stale max without the skip was slower too."""
+    fp8 1.6-4.1% slower at hd128 and 9.5-14% at hd64, where a stale max without the skip was slower too."""
     dtype: gl.constexpr = q_smem.dtype
     MMA_K: gl.constexpr = 32 if IS_FP8 else 16
     # P as carried across the loop's back edge: fp8 P stays fp32 (the registers are there: 240 a
@@ -511,7 +513,7 @@ def _default_config(head_dim, fp8, max_seqlen_q):
     hd64 -3% non-causal, +3.5% causal, so not taken there. Lazy O rescale (lazy_rescale, runs 17a-b): bf16 hd128
     +0.3-3.8% at S = 2048-8192 (31 of 32 paired timings faster, error unchanged), at 16384 -1.4% / +2.7%
     non-causal and -4.5% / +0.2% causal, at hd64 +1.0% / -0.9%, so taken with the TMA store (rows <= 8192) at
-    hd128 only; fp8 1.6-4.1% slower at hd128, 10-14% at hd64, so never."""
+    hd128 only; fp8 1.6-4.1% slower at hd128, 9.5-14% at hd64, so never."""
     if fp8:
         return (128, 4, True, False, head_dim == 128, True, head_dim == 128, False)
     short = max_seqlen_q <= 8192
