@@ -1,0 +1,68 @@
+"""A/B of fixed Gluon W4A16 configs against cuBLAS on one Hopper GPU, same process, same inputs.
+
+    python3 bench/debug/ab_gluon_configs.py --shapes 4096x4096,28672x8192 --ms 1024,4096 \\
+        --configs "BLOCK_N=256,BLOCK_M=128,NUM_BUF=4,num_warps=8,WGMMA=1,STREAM_K=0;..." [--repeat 2] [--json F]
+
+Every config (``;``-separated, the fields of ``GluonConfig``) is checked against the float32 product and
+graph-timed over rotating weights (L2 clean), like bench_w4a16.py; each config is timed ``--repeat``
+times, interleaved, so that drift shows as spread. Prints one line per (shape, M) with cuBLAS bf16
+and every config's microseconds and ratio to cuBLAS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_w4a16 import bench_graph, dequant_f32, make_weights, rotations  # noqa: E402
+from ncu_w4a16 import parse_config  # noqa: E402
+
+from quantkit.kernels import w4a16_gluon as kg  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="4096x4096")
+    ap.add_argument("--ms", default="4096")
+    ap.add_argument("--configs", required=True)
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    configs = [parse_config(text) for text in args.configs.split(";") if text]
+    rows = []
+    for shape in args.shapes.split(","):
+        n, k = (int(v) for v in shape.split("x"))
+        w0 = make_weights(n, k)
+        w_kn = dequant_f32(w0)
+        ws = [w0] + [make_weights(n, k) for _ in range(rotations(w0.qweight.numel() * 4) - 1)]
+        bf16 = [torch.randn(n, k, device="cuda").bfloat16() for _ in range(rotations(2 * n * k))]
+        for m in (int(v) for v in args.ms.split(",")):
+            xs = [torch.randn(m, k, device="cuda").bfloat16() for _ in range(max(len(ws), len(bf16)))]
+            ref = xs[0].float() @ w_kn
+            cublas = bench_graph([lambda x=x, w=w: F.linear(x, w) for x, w in zip(xs, bf16)])
+            cells = [f"cuBLAS {cublas:8.1f}"]
+            for cfg in configs:
+                if not cfg.fits(m, w0.group_size):
+                    continue
+                err = ((kg._launch(xs[0], w0, cfg).float() - ref).norm() / ref.norm()).item()
+                times = [bench_graph([lambda x=x, w=w, c=cfg: kg._launch(x, w, c) for x, w in zip(xs, ws)])
+                         for _ in range(args.repeat)]
+                rows.append(dict(shape=shape, m=m, config=str(cfg), us=times, cublas_us=cublas, rel_err=err))
+                name = (f"{cfg.BLOCK_N}x{cfg.BLOCK_M}/{cfg.NUM_BUF}{'/P' if cfg.PERSISTENT else ''}"
+                        f"{'/S' if cfg.SPLIT_WG else ''}{'/K' if cfg.STREAM_K else ''}")
+                cells.append(f"{name} {' '.join(f'{t:.1f}' for t in times)} ({cublas / min(times):.2f}x, {err:.0e})")
+            print(f"{shape} M={m}: " + " | ".join(cells), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
