@@ -104,14 +104,13 @@ def _even_run(pid, n_progs, n_units):
 
 
 @gluon.jit
-def _ring_barriers(NUM_BUF: gl.constexpr, CONSUMERS: gl.constexpr):
-    """The ring's "ready" (filled by TMA) and "empty" (released by each of the CONSUMERS consumer
-    partitions) mbarriers, initialized."""
+def _ring_barriers(NUM_BUF: gl.constexpr):
+    """The ring's "ready" (filled by TMA) and "empty" (released by the consumers) mbarriers, initialized."""
     ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(NUM_BUF):
         mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=CONSUMERS)
+        mbarrier.init(empty.index(s), count=1)
     return ready, empty
 
 
@@ -178,11 +177,11 @@ def _load_partition(desc_w, desc_x, w_smem, x_smem, ready, empty, u0, count, pid
 
 
 @gluon.jit
-def _group_params(scales_ptr, zeros_ptr, n0, kt, N, stride_sg, stride_zg, offs_n, offs_w,
+def _group_params(scales_ptr, zeros_ptr, tn, kt, N, stride_sg, stride_zg, offs_n, offs_w,
                   GROUP_SIZE: gl.constexpr, HAS_ZEROS: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Scales (fp16) and zero points (int32) of the BLOCK_N weight rows from ``n0``, K tile ``kt``: [BLOCK_N, 1]
-    when the K tile lies in one group, else [BLOCK_N, 16], one per word (a word's 8 codes share a group)."""
-    n = n0 + offs_n
+    """Scales (fp16) and zero points (int32) of weight-row tile ``tn``, K tile ``kt``: [BLOCK_N, 1] when
+    the K tile lies in one group, else [BLOCK_N, 16], one per word (a word's 8 codes share a group)."""
+    n = tn * BLOCK_N + offs_n
     k0 = kt * _TILE_K
     mask_n = n < N
     if GROUP_SIZE % _TILE_K == 0:
@@ -274,17 +273,15 @@ def _dequant_pairs(words, zero_bias, scale, j: gl.constexpr, a_layout: gl.conste
 
 
 @gluon.jit
-def _flush(acc, c_ptr, ws_ptr, tile_units_ptr, n0, counter, tm, M, N, seg_units, k_tiles, BLOCK_N: gl.constexpr,
+def _flush(acc, c_ptr, ws_ptr, tile_units_ptr, tn, tm, M, N, seg_units, k_tiles, BLOCK_N: gl.constexpr,
            BLOCK_M: gl.constexpr, ATOMIC_OUT: gl.constexpr, acc_layout: gl.constexpr):
-    """The sums of ``seg_units`` K tiles of weight rows n0 .. n0 + BLOCK_N - 1 and activation-row tile ``tm``
-    into ``c`` [M, N] (contiguous, c's dtype).
+    """The tile's sums of ``seg_units`` K tiles into ``c`` [M, N] (contiguous, c's dtype).
 
     One program per tile, or a stream-K run that holds all ``k_tiles`` of it: one store. Otherwise
     (ATOMIC_OUT) the partial sums go into the zeroed float32 workspace ``ws`` [M, N] with atomics, then
-    ``seg_units`` is added to these rows' counter (``tile_units_ptr[counter]``); the program whose
-    addition completes ``k_tiles`` is the last one, and it converts the workspace rows into ``c``. No
-    program waits for another."""
-    n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
+    ``seg_units`` is added to the tile's counter; the program whose addition completes ``k_tiles``
+    is the last one, and it converts the workspace tile into ``c``. No program waits for another."""
+    n = tn * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
     m = tm * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, acc_layout))
     offs = gl.expand_dims(m, 0).to(gl.int64) * N + gl.expand_dims(n, 1)
     mask = gl.expand_dims(n < N, 1) & gl.expand_dims(m < M, 0)
@@ -299,7 +296,7 @@ def _flush(acc, c_ptr, ws_ptr, tile_units_ptr, n0, counter, tm, M, N, seg_units,
             # 10-60 of 224 tiles per call at 28672 x 8192, M = 16 (run 13, bench/debug/stream_k_tiles.py
             # on that variant); not understood, not used.
             gl.thread_barrier()
-            done = gl.atomic_add(tile_units_ptr + counter, seg_units, sem="acq_rel") + seg_units
+            done = gl.atomic_add(tile_units_ptr + tn, seg_units, sem="acq_rel") + seg_units
             if done == k_tiles:
                 total = gl.load(ws_ptr + offs, mask=mask, cache_modifier=".cg")
                 gl.store(c_ptr + offs, total.to(c_ptr.dtype.element_ty), mask=mask)
@@ -309,9 +306,9 @@ def _flush(acc, c_ptr, ws_ptr, tile_units_ptr, n0, counter, tm, M, N, seg_units,
 
 @gluon.jit
 def _unit(acc, a_prev, scale, zero, w_smem, x_smem, ready, empty, scales_ptr, zeros_ptr, xsum_ptr, M, N, k_tiles,
-          stride_sg, stride_zg, u, lo, hi, n0, tm, kt_base, offs_n, offs_w, GROUP_SIZE: gl.constexpr,
+          stride_sg, stride_zg, u, lo, hi, tn, tm, kt_base, offs_n, offs_w, GROUP_SIZE: gl.constexpr,
           HAS_ZEROS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, NUM_BUF: gl.constexpr,
-          WGMMA: gl.constexpr, SCALE_ACC: gl.constexpr, ROW0: gl.constexpr, acc_layout: gl.constexpr):
+          WGMMA: gl.constexpr, SCALE_ACC: gl.constexpr, acc_layout: gl.constexpr):
     """One unit (K tile) of the consumer: wait for its stage, dequantize the words into four K = 32 A
     operands, multiply. Returns the accumulator, the wgmma A operand still in flight, and the next
     unit's scales and zeros (issued here, used next time).
@@ -327,7 +324,7 @@ def _unit(acc, a_prev, scale, zero, w_smem, x_smem, ready, empty, scales_ptr, ze
     i = u  # units are numbered by their ring position (see _mma_partition)
     stage = i % NUM_BUF
     kt = u - kt_base
-    scale_next, zero_next = _group_params(scales_ptr, zeros_ptr, n0, gl.minimum(kt + 1, hi - 1 - kt_base), N,
+    scale_next, zero_next = _group_params(scales_ptr, zeros_ptr, tn, gl.minimum(kt + 1, hi - 1 - kt_base), N,
                                           stride_sg, stride_zg, offs_n, offs_w, GROUP_SIZE, HAS_ZEROS, BLOCK_N)
     if SCALE_ACC:
         m_idx = tm * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, acc_layout))
@@ -336,7 +333,7 @@ def _unit(acc, a_prev, scale, zero, w_smem, x_smem, ready, empty, scales_ptr, ze
         zb = _pairs_of((zero + MAGIC_VALUE).to(dtype), a_layout, BLOCK_N)  # exact: small integers
         sc = _pairs_of(scale.to(dtype), a_layout, BLOCK_N)
     mbarrier.wait(ready.index(stage), (i // NUM_BUF) & 1)
-    words = w_smem.index(stage).slice(ROW0, BLOCK_N).load(w_layout)  # this partition's rows of the stage
+    words = w_smem.index(stage).load(w_layout)
     if WGMMA:
         # dot j is issued, then dot j + 1 dequantized while it runs; wait(1) retires dot j - 1
         for j in gl.static_range(4):
@@ -378,12 +375,10 @@ def _mma_partition(w_smem, x_smem, ready, empty, scales_ptr, zeros_ptr, xsum_ptr
                    count, pid, n_progs, k_tiles, tiles_n, tiles_m, stride_sg, stride_zg, GROUP_SIZE: gl.constexpr,
                    HAS_ZEROS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, GROUP_N: gl.constexpr,
                    NUM_BUF: gl.constexpr, WGMMA: gl.constexpr, ATOMIC_OUT: gl.constexpr, PERSISTENT: gl.constexpr,
-                   ROW0: gl.constexpr, TILE_N: gl.constexpr, num_warps: gl.constexpr):
+                   num_warps: gl.constexpr):
     """Consumer warps: the run, one segment per output tile it touches (one; several whole tiles when
     PERSISTENT; stream-K pieces), each segment's units, then its flush. Units are numbered here by their
     position in the program's ring order; ``kt_base`` maps those numbers to the segment's K tiles.
-    The partition owns rows ROW0 .. ROW0 + BLOCK_N - 1 of each TILE_N-row weight tile (all of them, or
-    one half with SPLIT_WG; each half has its own stream-K counter).
 
     With wgmma the segment's last unit is peeled off the loop and drained in straight-line code: with
     the drain after the loop, ptxas (sm_90, CUDA 12.8 in triton 3.6) read the accumulator before the
@@ -400,7 +395,6 @@ def _mma_partition(w_smem, x_smem, ready, empty, scales_ptr, zeros_ptr, xsum_ptr
     w_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=1)
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, w_layout))
     offs_w = gl.arange(0, _WORDS, layout=gl.SliceLayout(0, w_layout))
-    PARTS: gl.constexpr = TILE_N // BLOCK_N
     # mma.sync, one group per K tile: the scale multiplies the tile's float32 sums (16-32 FMAs per unit
     # and thread) instead of every dequantized pair (64-128 packed multiplies)
     SCALE_ACC: gl.constexpr = (not WGMMA) and (GROUP_SIZE % _TILE_K == 0)
@@ -423,27 +417,26 @@ def _mma_partition(w_smem, x_smem, ready, empty, scales_ptr, zeros_ptr, xsum_ptr
             kt_base = t * k_tiles - u0
             lo = gl.maximum(0, kt_base)
             hi = gl.minimum(count, kt_base + k_tiles)
-        n0 = tn * TILE_N + ROW0
         acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=acc_layout)
         a_prev = gl.zeros([BLOCK_N, 2 * _WORDS], dtype, layout=a_layout)  # wgmma: the A operand in flight
-        scale, zero = _group_params(scales_ptr, zeros_ptr, n0, lo - kt_base, N, stride_sg, stride_zg, offs_n,
+        scale, zero = _group_params(scales_ptr, zeros_ptr, tn, lo - kt_base, N, stride_sg, stride_zg, offs_n,
                                     offs_w, GROUP_SIZE, HAS_ZEROS, BLOCK_N)
         for u in range(lo, hi - 1 if WGMMA else hi):
             acc, a_prev, scale, zero = _unit(acc, a_prev, scale, zero, w_smem, x_smem, ready, empty, scales_ptr,
                                              zeros_ptr, xsum_ptr, M, N, k_tiles, stride_sg, stride_zg, u, lo, hi,
-                                             n0, tm, kt_base,
+                                             tn, tm, kt_base,
                                              offs_n, offs_w, GROUP_SIZE, HAS_ZEROS, BLOCK_N, BLOCK_M, NUM_BUF,
-                                             WGMMA, SCALE_ACC, ROW0, acc_layout)
+                                             WGMMA, SCALE_ACC, acc_layout)
         if WGMMA:
             acc, a_prev, scale, zero = _unit(acc, a_prev, scale, zero, w_smem, x_smem, ready, empty, scales_ptr,
                                              zeros_ptr, xsum_ptr, M, N, k_tiles, stride_sg, stride_zg, hi - 1,
-                                             lo, hi, n0, tm, kt_base,
+                                             lo, hi, tn, tm, kt_base,
                                              offs_n, offs_w, GROUP_SIZE, HAS_ZEROS, BLOCK_N, BLOCK_M, NUM_BUF,
-                                             WGMMA, SCALE_ACC, ROW0, acc_layout)
+                                             WGMMA, SCALE_ACC, acc_layout)
             acc = warpgroup_mma_wait(0, deps=[acc])
             mbarrier.arrive(empty.index((hi - 1) % NUM_BUF))  # the segment's last stage
-        _flush(acc, c_ptr, ws_ptr, tile_units_ptr, n0, tn * PARTS + ROW0 // BLOCK_N, tm, M, N, hi - lo, k_tiles,
-               BLOCK_N, BLOCK_M, ATOMIC_OUT, acc_layout)
+        _flush(acc, c_ptr, ws_ptr, tile_units_ptr, tn, tm, M, N, hi - lo, k_tiles, BLOCK_N, BLOCK_M, ATOMIC_OUT,
+               acc_layout)
 
 
 @gluon.jit
@@ -452,7 +445,7 @@ def _w4a16_gluon_kernel(desc_w, desc_x, scales_ptr, zeros_ptr, xsum_ptr, c_ptr, 
                         GROUP_SIZE: gl.constexpr, HAS_ZEROS: gl.constexpr, BLOCK_N: gl.constexpr,
                         BLOCK_M: gl.constexpr, GROUP_N: gl.constexpr, NUM_BUF: gl.constexpr,
                         WGMMA: gl.constexpr, ATOMIC_OUT: gl.constexpr, PERSISTENT: gl.constexpr,
-                        SPLIT_WG: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                        num_warps: gl.constexpr):
     """``c[M, N] (+)= x[M, K] @ dequant(qw)^T`` over this program's contiguous run of (tile, K tile) units.
 
     ``x`` (behind ``desc_x``) is in paired-nibble column order; ``c`` is contiguous. ATOMIC_OUT: runs
@@ -460,16 +453,7 @@ def _w4a16_gluon_kernel(desc_w, desc_x, scales_ptr, zeros_ptr, xsum_ptr, c_ptr, 
     PERSISTENT: one program per SM takes every n_progs-th output tile, and its producer runs on into
     the next tile while the consumers store the last (the launch and pipeline fill are paid once per
     SM, not once per tile). Otherwise every run is exactly one tile. One producer warp feeds the ring;
-    the ``num_warps`` default warps dequantize and multiply, or with SPLIT_WG (wgmma) two consumer
-    partitions of one warpgroup each, the default one and a worker with CONSUMER_REGS registers, take the
-    top and bottom halves of each weight tile.
-
-    Why SPLIT_WG: Gluon orders a partition's shared-memory reads before an mbarrier arrive, and its waits,
-    with barriers across the partition's warps (four ``bar.sync`` per unit in the sm_90 code). One
-    partition of two warpgroups is thereby held in lockstep, so neither warpgroup's dequantization
-    runs while the other's wgmmas keep the tensor core busy; a quarter of the consumers' stall samples
-    sat at those barriers (ncu, 4096 x 4096 at M = 4096, H200 run 27). As two partitions each warpgroup
-    waits only for its own warps, and each releases a ring stage by itself (two arrivals).
+    the ``num_warps`` default warps dequantize and multiply.
     """
     pid = gl.program_id(0)
     n_progs = gl.num_programs(0)
@@ -482,35 +466,14 @@ def _w4a16_gluon_kernel(desc_w, desc_x, scales_ptr, zeros_ptr, xsum_ptr, c_ptr, 
 
     w_smem = gl.allocate_shared_memory(gl.int32, [NUM_BUF, BLOCK_N, _WORDS], desc_w.layout)
     x_smem = gl.allocate_shared_memory(desc_x.dtype, [NUM_BUF * 4, BLOCK_M, _DOT_K], desc_x.layout)
-    if SPLIT_WG:
-        # as the FA3-style attention kernel: the producer is the default partition (num_warps = 4, the
-        # registers the consumers leave: 40 of 168 with CONSUMER_REGS 232), each consumer warpgroup a
-        # worker. (With a consumer as the default partition, ptxas serialized the wgmmas for lack of
-        # registers, C7512, and spilled.)
-        ready, empty = _ring_barriers(NUM_BUF, 2)
-        HALF_N: gl.constexpr = BLOCK_N // 2
-        gl.warp_specialize([
-            (_load_partition, (desc_w, desc_x, w_smem, x_smem, ready, empty, u0, count, pid, n_progs, k_tiles,
-                               tiles_n, tiles_m, BLOCK_N, BLOCK_M, GROUP_N, NUM_BUF, PERSISTENT)),
-            (_mma_partition, (w_smem, x_smem, ready, empty, scales_ptr, zeros_ptr, xsum_ptr, c_ptr, ws_ptr,
-                              tile_units_ptr, M, N, u0, count, pid, n_progs, k_tiles, tiles_n, tiles_m, stride_sg,
-                              stride_zg, GROUP_SIZE, HAS_ZEROS, HALF_N, BLOCK_M, GROUP_N, NUM_BUF, WGMMA, ATOMIC_OUT,
-                              PERSISTENT, 0, BLOCK_N, 4)),
-            (_mma_partition, (w_smem, x_smem, ready, empty, scales_ptr, zeros_ptr, xsum_ptr, c_ptr, ws_ptr,
-                              tile_units_ptr, M, N, u0, count, pid, n_progs, k_tiles, tiles_n, tiles_m, stride_sg,
-                              stride_zg, GROUP_SIZE, HAS_ZEROS, HALF_N, BLOCK_M, GROUP_N, NUM_BUF, WGMMA, ATOMIC_OUT,
-                              PERSISTENT, HALF_N, BLOCK_N, 4)),
-        ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
-    else:
-        ready, empty = _ring_barriers(NUM_BUF, 1)
-        gl.warp_specialize([
-            (_mma_partition, (w_smem, x_smem, ready, empty, scales_ptr, zeros_ptr, xsum_ptr, c_ptr, ws_ptr,
-                              tile_units_ptr, M, N, u0, count, pid, n_progs, k_tiles, tiles_n, tiles_m, stride_sg,
-                              stride_zg, GROUP_SIZE, HAS_ZEROS, BLOCK_N, BLOCK_M, GROUP_N, NUM_BUF, WGMMA, ATOMIC_OUT,
-                              PERSISTENT, 0, BLOCK_N, num_warps)),
-            (_load_partition, (desc_w, desc_x, w_smem, x_smem, ready, empty, u0, count, pid, n_progs, k_tiles,
-                               tiles_n, tiles_m, BLOCK_N, BLOCK_M, GROUP_N, NUM_BUF, PERSISTENT)),
-        ], [1], [LOAD_WARP_REGS])
+    ready, empty = _ring_barriers(NUM_BUF)
+    gl.warp_specialize([
+        (_mma_partition, (w_smem, x_smem, ready, empty, scales_ptr, zeros_ptr, xsum_ptr, c_ptr, ws_ptr, tile_units_ptr,
+                          M, N, u0, count, pid, n_progs, k_tiles, tiles_n, tiles_m, stride_sg, stride_zg, GROUP_SIZE,
+                          HAS_ZEROS, BLOCK_N, BLOCK_M, GROUP_N, NUM_BUF, WGMMA, ATOMIC_OUT, PERSISTENT, num_warps)),
+        (_load_partition, (desc_w, desc_x, w_smem, x_smem, ready, empty, u0, count, pid, n_progs, k_tiles, tiles_n,
+                           tiles_m, BLOCK_N, BLOCK_M, GROUP_N, NUM_BUF, PERSISTENT)),
+    ], [1], [LOAD_WARP_REGS])
     _invalidate_ring(ready, empty, NUM_BUF)
 
 
@@ -528,8 +491,6 @@ class GluonConfig:
       resident at once, so the register cap per thread follows from CTAS_PER_SM (:meth:`maxnreg`).
     * PERSISTENT (one program per tile otherwise): ``num_SMs * CTAS_PER_SM`` programs, each takes
       every n-th output tile whole, its producer running ahead into the next tile during the store.
-    * SPLIT_WG (wgmma, 8 warps): the two consumer warpgroups as two partitions, each with half of the
-      tile's weight rows (see the kernel's docstring).
     """
 
     BLOCK_N: int
@@ -541,11 +502,6 @@ class GluonConfig:
     STREAM_K: bool = True
     GROUP_N: int = 8
     PERSISTENT: bool = False
-    SPLIT_WG: bool = False
-
-    def __post_init__(self):
-        if self.SPLIT_WG and not (self.WGMMA and self.num_warps == 8 and self.BLOCK_N % 128 == 0):
-            raise ValueError("SPLIT_WG needs wgmma, 8 consumer warps and at least 64 weight rows per warpgroup")
 
     def block_m(self, m: int) -> int:
         return 8 if (not self.WGMMA and m <= 8) else self.BLOCK_M
@@ -571,8 +527,6 @@ class GluonConfig:
 
 
 _REGS_PER_SM = 65536
-# SPLIT_WG: each consumer warpgroup's registers; the producer's warpgroup keeps 168 * 3 - 2 * 232 = 40
-SPLIT_CONSUMER_REGS = 232
 _SMEM_PER_SM = 228 * 1024
 
 # Candidates timed on first use per (M bucket, N, K, group, zeros, dtype); see ConfigTuner.
@@ -603,13 +557,6 @@ PREFILL_GLUON_CONFIGS = [  # wgmma, two consumer warpgroups, one program per SM
     # M <= BLOCK_M: K split stream-K over every SM (a handful of output tiles would leave most idle)
     GluonConfig(128, 64, 6, 8, WGMMA=True, STREAM_K=True),
     GluonConfig(128, 128, 5, 8, WGMMA=True, STREAM_K=True),
-    # the two consumer warpgroups as two partitions (SPLIT_WG)
-    GluonConfig(128, 128, 5, 8, WGMMA=True, STREAM_K=False, SPLIT_WG=True),
-    GluonConfig(128, 64, 6, 8, WGMMA=True, STREAM_K=False, SPLIT_WG=True),
-    GluonConfig(128, 128, 5, 8, WGMMA=True, STREAM_K=False, PERSISTENT=True, SPLIT_WG=True),
-    GluonConfig(128, 64, 6, 8, WGMMA=True, STREAM_K=False, PERSISTENT=True, SPLIT_WG=True),
-    GluonConfig(128, 64, 6, 8, WGMMA=True, STREAM_K=True, SPLIT_WG=True),
-    GluonConfig(128, 128, 5, 8, WGMMA=True, STREAM_K=True, SPLIT_WG=True),
 ]
 GLUON_DECODE_MAX_M = 16
 # above this many rows the mma.sync configs are not candidates (the wgmma ones take over)
@@ -653,8 +600,7 @@ def _launch(x: torch.Tensor, w: W4A16Weights, config: GluonConfig) -> torch.Tens
     persistent = config.PERSISTENT and not stream_k
     # one small launch gathers the activations into the paired column order and, for stream-K, zeroes
     # the float32 workspace [M, N] and the per-tile unit counters behind it
-    counters = tiles_n * (2 if config.SPLIT_WG else 1)  # one per weight tile, or per half of one
-    ws = torch.empty(m * n + counters if stream_k else 0, device=x.device, dtype=torch.float32)
+    ws = torch.empty(m * n + tiles_n if stream_k else 0, device=x.device, dtype=torch.float32)
     # and, for the mma.sync path with one group per K tile, each K tile's activation sums (_magic_pairs)
     xsum = None
     if not config.WGMMA and w.group_size % PAIR_TILE_K == 0:
@@ -681,8 +627,7 @@ def _launch(x: torch.Tensor, w: W4A16Weights, config: GluonConfig) -> torch.Tens
                               GROUP_SIZE=w.group_size, HAS_ZEROS=w.zeros is not None, BLOCK_N=config.BLOCK_N,
                               BLOCK_M=block_m, GROUP_N=config.GROUP_N, NUM_BUF=config.NUM_BUF,
                               WGMMA=config.WGMMA, ATOMIC_OUT=stream_k, PERSISTENT=persistent,
-                              SPLIT_WG=config.SPLIT_WG, CONSUMER_REGS=SPLIT_CONSUMER_REGS,
-                              num_warps=4 if config.SPLIT_WG else config.num_warps,
+                              num_warps=config.num_warps,
                               maxnreg=config.maxnreg(), launch_pdl=True)
     return out
 

@@ -29,8 +29,7 @@ def parse_config(text: str) -> kg.GluonConfig:
     fields = {}
     for item in text.split(","):
         key, value = item.split("=")
-        fields[key] = (value in ("True", "true", "1") if key in ("WGMMA", "STREAM_K", "PERSISTENT", "SPLIT_WG")
-                       else int(value))
+        fields[key] = value in ("True", "true", "1") if key in ("WGMMA", "STREAM_K", "PERSISTENT") else int(value)
     return kg.GluonConfig(**fields)
 
 

@@ -36,9 +36,8 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from quantkit.kernels.w4a16_gluon import GluonConfig, _w4a16_gluon_kernel
 
-block_n, block_m, num_buf, num_warps, wgmma, group_size, split_wg, out = json.loads(sys.argv[1])
-cfg = GluonConfig(block_n, block_m, num_buf, num_warps, WGMMA=wgmma, STREAM_K=not wgmma, CTAS_PER_SM=1 if wgmma else 3,
-                  SPLIT_WG=split_wg)
+block_n, block_m, num_buf, num_warps, wgmma, group_size, out = json.loads(sys.argv[1])
+cfg = GluonConfig(block_n, block_m, num_buf, num_warps, WGMMA=wgmma, STREAM_K=not wgmma, CTAS_PER_SM=1 if wgmma else 3)
 smem = ("NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth={}, rank=2, transposed=False, "
         "fp4_padded=False, cga_layout=[])")
 signature = {
@@ -48,12 +47,10 @@ signature = {
     "M": "i32", "N": "i32", "k_tiles": "i32", "tiles_n": "i32", "tiles_m": "i32", "stride_sg": "i32", "stride_zg": "i32",
 }
 constexprs = dict(GROUP_SIZE=group_size, HAS_ZEROS=False, BLOCK_N=block_n, BLOCK_M=block_m, GROUP_N=8,
-                  NUM_BUF=num_buf, WGMMA=wgmma, ATOMIC_OUT=not wgmma, PERSISTENT=False, SPLIT_WG=split_wg,
-                  CONSUMER_REGS=232, num_warps=4 if split_wg else num_warps)
+                  NUM_BUF=num_buf, WGMMA=wgmma, ATOMIC_OUT=not wgmma, PERSISTENT=False, num_warps=num_warps)
 signature |= {name: "constexpr" for name in constexprs}
 src = GluonASTSource(fn=_w4a16_gluon_kernel, signature=signature, constexprs=constexprs, attrs={})
-kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                        options={"num_warps": constexprs["num_warps"], "maxnreg": cfg.maxnreg()})
+kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "maxnreg": cfg.maxnreg()})
 open(out + ".cubin", "wb").write(kernel.asm["cubin"])
 open(out + ".ptx", "w").write(kernel.asm["ptx"])
 """
@@ -64,10 +61,10 @@ class _Compiled:
         self.cubin, self.ptx = prefix + ".cubin", prefix + ".ptx"
 
 
-def _compile(tmp_path_factory, block_n, block_m, num_buf, num_warps, wgmma, group_size=128, split_wg=False) -> _Compiled:
+def _compile(tmp_path_factory, block_n, block_m, num_buf, num_warps, wgmma, group_size=128) -> _Compiled:
     prefix = str(tmp_path_factory.mktemp("gluon") / "kernel")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    args = json.dumps([block_n, block_m, num_buf, num_warps, wgmma, group_size, split_wg, prefix])
+    args = json.dumps([block_n, block_m, num_buf, num_warps, wgmma, group_size, prefix])
     done = subprocess.run([sys.executable, "-c", _COMPILE, args], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     return _Compiled(prefix)
@@ -92,11 +89,6 @@ def prefill_kernel(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def prefill_split_kernel(tmp_path_factory):
-    return _compile(tmp_path_factory, 128, 128, 5, 8, wgmma=True, split_wg=True)
-
-
-@pytest.fixture(scope="module")
 def decode_kernel(tmp_path_factory):
     return _compile(tmp_path_factory, 128, 16, 6, 4, wgmma=False)
 
@@ -117,17 +109,6 @@ def test_wgmmas_overlap_and_nothing_spills(prefill_kernel):
     assert " 0 bytes spill stores" in notices
     sass = "\n".join(_sass(prefill_kernel))
     assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in sass  # one wgmma group stays in flight in the loop
-
-
-def test_split_warpgroups_sync_only_their_own_warps(prefill_kernel, prefill_split_kernel):
-    # one consumer partition of two warpgroups: its barriers span 256 threads (0x100) and tie the two
-    # together; SPLIT_WG: each warpgroup is a partition and its barriers span its 128 threads only
-    split = "\n".join(_sass(prefill_split_kernel))
-    assert "BAR.SYNC.DEFER_BLOCKING 0x0, 0x100" in "\n".join(_sass(prefill_kernel))
-    assert not re.search(r"BAR\.SYNC\.DEFER_BLOCKING 0x\w+, 0x100", split)
-    assert re.search(r"BAR\.SYNC\.DEFER_BLOCKING 0x\w+, 0x80", split)
-    notices = _ptxas_notices(prefill_split_kernel)
-    assert " 0 bytes spill stores" in notices and "C7514" not in notices and "C7515" not in notices
 
 
 def test_decode_dequant_stays_in_registers(decode_kernel):
