@@ -352,7 +352,8 @@ def quantize_fp8_per_block(x, cu_seqlens, block=KV_SCALE_BLOCK):
     # (blk.max() would cost a device sync on every call)
     n_blocks = triton.cdiv(tokens, block) + lens.numel()
     amax_blk = torch.zeros(n_blocks, x.shape[1], device=x.device)
-    amax_blk.index_reduce_(0, blk, amax_tok, "amax")
+    # (scatter_reduce_, not index_reduce_: the same result without index_reduce_'s beta warning on every call)
+    amax_blk.scatter_reduce_(0, blk[:, None].expand(-1, x.shape[1]), amax_tok, reduce="amax")
     scale = amax_blk[blk].clamp(min=1e-12) / 448.0  # (tokens, H)
     xq = (x.float() / scale[..., None]).to(torch.float8_e4m3fn)
     return xq, scale
