@@ -25,6 +25,7 @@ import torch.nn.functional as F
 import triton
 
 from quantkit.kernels import w4a16 as kw
+from quantkit.kernels.gpu_timing import replay_us
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from plot_results import plot_after_run  # noqa: E402
@@ -59,14 +60,7 @@ def capture_graph(fns) -> torch.cuda.CUDAGraph:
 def bench_graph(fns, reps: int = 20) -> float:
     """Median microseconds per call over replays of :func:`capture_graph`."""
     graph = capture_graph(fns)
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(fns))
+    times = [us / len(fns) for us in replay_us(graph, reps)]
     del graph
     return sorted(times)[len(times) // 2]
 
