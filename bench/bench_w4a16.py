@@ -87,6 +87,16 @@ def make_weights(n: int, k: int):
     return w
 
 
+def packed_bytes(w) -> int:
+    """Bytes of packed weights one call reads: the int32 words and the fp16 scales."""
+    return w.qweight.numel() * 4 + w.scales.numel() * 2
+
+
+def rotating_weights(w0, n: int, k: int) -> list:
+    """``w0`` and enough fresh copies of its shape that one pass over all of them overflows L2."""
+    return [w0] + [make_weights(n, k) for _ in range(rotations(packed_bytes(w0)) - 1)]
+
+
 def torch_int4_weights(n: int, k: int):
     """Operands of torch._weight_int4pack_mm: packed weight and bf16 [K/G, N, 2] scales+zeros."""
     w_u8 = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda")
@@ -113,7 +123,6 @@ def check(w, w_kn: torch.Tensor, m: int, path: str | None = None) -> float:
 
 def run_shape(n, k, ms, copy_tbs, rows, variants, deadline=float("inf")):
     ws = [make_weights(n, k)]
-    packed_bytes = ws[0].qweight.numel() * 4 + ws[0].scales.numel() * 2
     w_kn = dequant_f32(ws[0])
     err = {m: check(ws[0], w_kn, m) for m in (1, 3, 16, 40, 333)}  # the default path at decode and prefill sizes
     probe = torch.empty(1, k, device="cuda", dtype=torch.bfloat16)
@@ -124,10 +133,10 @@ def run_shape(n, k, ms, copy_tbs, rows, variants, deadline=float("inf")):
         err |= {f"{p}_m{m}": check(ws[0], w_kn, m, p) for p in paths for m in (1, 3, 16, 333)
                 if p not in decode_only or m <= kw.DECODE_MAX_M}
     del w_kn
-    ws += [make_weights(n, k) for _ in range(rotations(packed_bytes) - 1)]
+    ws = rotating_weights(ws[0], n, k)
     bf16 = [torch.randn(n, k, device="cuda").bfloat16() for _ in range(rotations(2 * n * k))]
     try:
-        i4 = [torch_int4_weights(n, k) for _ in range(rotations(packed_bytes))]
+        i4 = [torch_int4_weights(n, k) for _ in range(rotations(packed_bytes(ws[0])))]
     except Exception as e:
         print(f"torch int4 unavailable: {e!r}", file=sys.stderr)
         i4 = []

@@ -24,7 +24,7 @@ import torch
 import triton
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_w4a16 import bench_graph, capture_graph, make_weights, rotations  # noqa: E402
+from bench_w4a16 import bench_graph, capture_graph, make_weights, rotating_weights  # noqa: E402
 
 from quantkit.kernels import w4a16 as kw  # noqa: E402
 from quantkit.kernels import w4a16_gluon as kg  # noqa: E402
@@ -73,7 +73,7 @@ def main():
     for shape in args.shapes.split(","):
         n, k = (int(v) for v in shape.split("x"))
         w0 = make_weights(n, k)
-        ws = [w0] + [make_weights(n, k) for _ in range(rotations(w0.qweight.numel() * 4) - 1)]
+        ws = rotating_weights(w0, n, k)
         for m in (int(v) for v in args.ms.split(",")):
             xs = [torch.randn(m, k, device="cuda").bfloat16() for _ in ws]
             kw.w4a16_matmul(xs[0], w0)  # tunes (graph-timed, see ConfigTuner)

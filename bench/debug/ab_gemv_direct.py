@@ -15,7 +15,16 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench_w4a16 import GROUP, bench_graph, dequant_f32, make_weights, rotations, torch_int4_weights  # noqa: E402
+from bench_w4a16 import (  # noqa: E402
+    GROUP,
+    bench_graph,
+    dequant_f32,
+    make_weights,
+    packed_bytes,
+    rotating_weights,
+    rotations,
+    torch_int4_weights,
+)
 
 from quantkit.kernels import w4a16 as kw  # noqa: E402
 
@@ -40,9 +49,8 @@ def main():
         n, k = (int(v) for v in shape.split("x"))
         w0 = make_weights(n, k)
         w_kn = dequant_f32(w0)
-        packed = w0.qweight.numel() * 4 + w0.scales.numel() * 2
-        ws = [w0] + [make_weights(n, k) for _ in range(rotations(packed) - 1)]
-        i4 = [torch_int4_weights(n, k) for _ in range(rotations(packed))]
+        ws = rotating_weights(w0, n, k)
+        i4 = [torch_int4_weights(n, k) for _ in range(rotations(packed_bytes(w0)))]
         fns = variants(kw.gluon_available(torch.empty(1, k, device="cuda", dtype=torch.bfloat16), w0))
         for m in (int(v) for v in args.ms.split(",")):
             xs = [torch.randn(m, k, device="cuda").bfloat16() for _ in range(max(len(ws), len(i4)))]

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_w4a16 import bench_graph, dequant_f32, make_weights, rotations  # noqa: E402
+from bench_w4a16 import bench_graph, dequant_f32, make_weights, rotating_weights, rotations  # noqa: E402
 from ncu_w4a16 import parse_config  # noqa: E402
 
 from quantkit.kernels import w4a16_gluon as kg  # noqa: E402
@@ -41,7 +41,7 @@ def main():
         n, k = (int(v) for v in shape.split("x"))
         w0 = make_weights(n, k)
         w_kn = dequant_f32(w0)
-        ws = [w0] + [make_weights(n, k) for _ in range(rotations(w0.qweight.numel() * 4) - 1)]
+        ws = rotating_weights(w0, n, k)
         bf16 = [torch.randn(n, k, device="cuda").bfloat16() for _ in range(rotations(2 * n * k))]
         for m in (int(v) for v in args.ms.split(",")):
             xs = [torch.randn(m, k, device="cuda").bfloat16() for _ in range(max(len(ws), len(bf16)))]

@@ -33,7 +33,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_w4a16 import bench_graph, make_weights, rotations  # noqa: E402
+from bench_w4a16 import bench_graph, make_weights, rotating_weights  # noqa: E402
 
 from quantkit.kernels import w4a16_gluon as kg  # noqa: E402
 
@@ -139,8 +139,7 @@ def main():
     for shape in args.shapes.split(","):
         n, k = (int(v) for v in shape.split("x"))
         w0 = make_weights(n, k)
-        packed = w0.qweight.numel() * 4 + w0.scales.numel() * 2
-        ws = [w0] + [make_weights(n, k) for _ in range(rotations(packed) - 1)]
+        ws = rotating_weights(w0, n, k)
         for m in (int(v) for v in args.ms.split(",")):
             xs = [torch.randn(m, k, device="cuda").bfloat16() for _ in ws]
             cells = []
