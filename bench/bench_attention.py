@@ -282,16 +282,17 @@ def main():
     print("chosen:", results["chosen"], flush=True)
     sections = {"prefill": lambda: prefill_table(args, results, best), "fp8acc": lambda: fp8_accuracy(results),
                 "decode": lambda: decode_table(results, results["copy_TBps"])}
+    result_path = os.path.join(args.out, args.name or f"attention_{datetime.date.today()}.json")
     for name in args.sections.split(","):
         try:
             sections[name]()
         except Exception as e:
             print("section failed:", type(e).__name__, str(e)[:300], flush=True)
         os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, args.name or f"attention_{datetime.date.today()}.json"), "w") as f:
+        with open(result_path, "w") as f:  # after every section, so a later failure keeps what ran
             json.dump(results, f, indent=1)
     if results["prefill"]:
-        plot_after_run(os.path.join(args.out, args.name or f"attention_{datetime.date.today()}.json"))
+        plot_after_run(result_path)
 
     # ---- compact table last ----
     print(f"\n{results['card']} torch {results['torch']} triton {results['triton']} "
