@@ -211,21 +211,24 @@ def _pairs_of(v, a_layout: gl.constexpr, BLOCK_N: gl.constexpr):
     return gl.convert_layout(gl.reshape(gl.join(v, v), [BLOCK_N, 2 * _WORDS]), a_layout)
 
 
-def _pair_asm(magic: int, suffix: str, scaled: bool) -> gl.constexpr:
-    """PTX for one register of two codes: ``lop3`` (mask and magic exponent), packed ``sub``, and with
-    ``scaled`` a packed ``mul``. Operands: $1 the shifted word, $3 the zero bias pair, $4 the scale pair."""
-    ops = f"sub.{suffix} t, t, $3; mul.{suffix} $0, t, $4;" if scaled else f"sub.{suffix} $0, t, $3;"
-    return gl.constexpr(f"{{ .reg .b32 t; lop3.b32 t, $1, 0x000F000F, {magic:#010x}, 0xEA; {ops} }}")
+def _lop3(magic: int, dst: str) -> str:
+    """PTX that masks codes j and j + 4 of the shifted word $1 and ORs in the magic exponent: ``dst`` is a pair
+    of 16-bit floats ``MAGIC_VALUE + code``."""
+    return f"lop3.b32 {dst}, $1, 0x000F000F, {magic:#010x}, 0xEA;"
+
+
+def _pair_asm(magic: int, suffix: str) -> gl.constexpr:
+    """PTX for one register of two codes: ``lop3``, a packed ``sub`` of the zero bias pair $3 and a packed
+    ``mul`` by the scale pair $4."""
+    return gl.constexpr(f"{{ .reg .b32 t; {_lop3(magic, 't')} sub.{suffix} t, t, $3; mul.{suffix} $0, t, $4; }}")
 
 
 # MAGIC_VALUE + code as bf16 pairs (128.0 = 0x4300) or fp16 pairs (1024.0 = 0x6400)
-_PAIR_ASM_BF16 = _pair_asm(0x43004300, "bf16x2", False)
-_PAIR_ASM_BF16_SCALED = _pair_asm(0x43004300, "bf16x2", True)
-_PAIR_ASM_F16 = _pair_asm(0x64006400, "f16x2", False)
-_PAIR_ASM_F16_SCALED = _pair_asm(0x64006400, "f16x2", True)
+_PAIR_ASM_BF16_SCALED = _pair_asm(0x43004300, "bf16x2")
+_PAIR_ASM_F16_SCALED = _pair_asm(0x64006400, "f16x2")
 # the lop3 alone: MAGIC_VALUE + code, the zero point left for the accumulator (see _magic_pairs)
-_PAIR_ASM_BF16_RAW = gl.constexpr("lop3.b32 $0, $1, 0x000F000F, 0x43004300, 0xEA;")
-_PAIR_ASM_F16_RAW = gl.constexpr("lop3.b32 $0, $1, 0x000F000F, 0x64006400, 0xEA;")
+_PAIR_ASM_BF16_RAW = gl.constexpr(_lop3(0x43004300, "$0"))
+_PAIR_ASM_F16_RAW = gl.constexpr(_lop3(0x64006400, "$0"))
 
 
 @gluon.jit
@@ -249,25 +252,18 @@ def _magic_pairs(words, j: gl.constexpr, dtype: gl.constexpr, a_layout: gl.const
 
 
 @gluon.jit
-def _dequant_pairs(words, zero_bias, scale, j: gl.constexpr, a_layout: gl.constexpr, BLOCK_N: gl.constexpr,
-                   SCALED: gl.constexpr):
+def _dequant_pairs(words, zero_bias, scale, j: gl.constexpr, a_layout: gl.constexpr, BLOCK_N: gl.constexpr):
     """Codes j and j + 4 of every word, dequantized: the A operand [BLOCK_N, 32] of dot j.
 
     ``(w >> 4j) & 0x000F000F | MAGIC`` is a pair of 16-bit floats ``MAGIC_VALUE + code`` (exact); one
-    packed subtraction of ``MAGIC_VALUE + zero`` gives ``code - zero`` (exact) and, with SCALED, one
-    packed multiply applies the scale (without it the caller scales the accumulated tile instead).
+    packed subtraction of ``MAGIC_VALUE + zero`` gives ``code - zero`` (exact) and one packed multiply
+    applies the scale.
     """
     shifted = _pairs_of(words >> (4 * j), a_layout, BLOCK_N)
     if zero_bias.dtype == gl.bfloat16:
-        if SCALED:
-            asm: gl.constexpr = _PAIR_ASM_BF16_SCALED
-        else:
-            asm: gl.constexpr = _PAIR_ASM_BF16
+        asm: gl.constexpr = _PAIR_ASM_BF16_SCALED
     else:
-        if SCALED:
-            asm: gl.constexpr = _PAIR_ASM_F16_SCALED
-        else:
-            asm: gl.constexpr = _PAIR_ASM_F16
+        asm: gl.constexpr = _PAIR_ASM_F16_SCALED
     return gl.inline_asm_elementwise(asm, "=r,r,r,r,r", [shifted, zero_bias, scale], dtype=zero_bias.dtype,
                                      is_pure=True, pack=2)
 
@@ -337,7 +333,7 @@ def _unit(acc, a_prev, scale, zero, w_smem, x_smem, ready, empty, scales_ptr, ze
     if WGMMA:
         # dot j is issued, then dot j + 1 dequantized while it runs; wait(1) retires dot j - 1
         for j in gl.static_range(4):
-            a = _dequant_pairs(words, zb, sc, j, a_layout, BLOCK_N, True)
+            a = _dequant_pairs(words, zb, sc, j, a_layout, BLOCK_N)
             acc = warpgroup_mma(a, x_smem.index(stage * 4 + j).permute((1, 0)), acc, is_async=True)
             acc, a_prev = warpgroup_mma_wait(1, deps=[acc, a_prev])
             if j == 0:
@@ -362,10 +358,10 @@ def _unit(acc, a_prev, scale, zero, w_smem, x_smem, ready, empty, scales_ptr, ze
             bias = gl.expand_dims(row_bias.to(gl.float32) + MAGIC_VALUE, 1) * gl.expand_dims(xsum, 0)
             acc = acc + (part - bias) * gl.expand_dims(row_scale.to(gl.float32), 1)
         else:
-            acc = mma_v2(_dequant_pairs(words, zb, sc, 0, a_layout, BLOCK_N, True), b0, acc)
-            acc = mma_v2(_dequant_pairs(words, zb, sc, 1, a_layout, BLOCK_N, True), b1, acc)
-            acc = mma_v2(_dequant_pairs(words, zb, sc, 2, a_layout, BLOCK_N, True), b2, acc)
-            acc = mma_v2(_dequant_pairs(words, zb, sc, 3, a_layout, BLOCK_N, True), b3, acc)
+            acc = mma_v2(_dequant_pairs(words, zb, sc, 0, a_layout, BLOCK_N), b0, acc)
+            acc = mma_v2(_dequant_pairs(words, zb, sc, 1, a_layout, BLOCK_N), b1, acc)
+            acc = mma_v2(_dequant_pairs(words, zb, sc, 2, a_layout, BLOCK_N), b2, acc)
+            acc = mma_v2(_dequant_pairs(words, zb, sc, 3, a_layout, BLOCK_N), b3, acc)
     return acc, a_prev, scale_next, zero_next
 
 
