@@ -157,7 +157,8 @@ def _load_partition(desc_w, desc_x, w_smem, x_smem, ready, empty, u0, count, pid
     (and zeroes the stream-K workspace): the weights of the first NUM_BUF units do not depend on it, so
     they are requested before waiting for it, and the launch gap, the gather and the first weight round
     trip overlap."""
-    x_bytes: gl.constexpr = 4 * desc_x.block_type.nbytes
+    BOXES: gl.constexpr = _TILE_K // desc_x.block_type.shape[1]  # activation boxes per unit
+    x_bytes: gl.constexpr = BOXES * desc_x.block_type.nbytes
     for i in range(gl.minimum(count, NUM_BUF)):
         tn, tm, kt = _unit_coords(i, u0, pid, n_progs, k_tiles, tiles_n, tiles_m, GROUP_N,
                                   PERSISTENT)
@@ -171,9 +172,9 @@ def _load_partition(desc_w, desc_x, w_smem, x_smem, ready, empty, u0, count, pid
             # the consumers release stage s for the r-th time after unit s + r * NUM_BUF
             mbarrier.wait(empty.index(stage), ((i // NUM_BUF) + 1) & 1)
             _load_weights(desc_w, w_smem, ready, stage, tn, kt, x_bytes, BLOCK_N)
-        for j in gl.static_range(4):
-            tma.async_copy_global_to_shared(desc_x, [tm * BLOCK_M, kt * _TILE_K + j * _DOT_K], ready.index(stage),
-                                            x_smem.index(stage * 4 + j))
+        for j in gl.static_range(BOXES):
+            tma.async_copy_global_to_shared(desc_x, [tm * BLOCK_M, kt * _TILE_K + j * (_TILE_K // BOXES)],
+                                            ready.index(stage), x_smem.index(stage * BOXES + j))
 
 
 @gluon.jit
@@ -301,6 +302,18 @@ def _flush(acc, c_ptr, ws_ptr, tile_units_ptr, tn, tm, M, N, seg_units, k_tiles,
 
 
 @gluon.jit
+def _x_dot(x_smem, stage, j: gl.constexpr):
+    """The [BLOCK_M, 32] activation columns of dot j of ring stage ``stage``: a box of its own, or a column
+    slice of a 64-column box (128-byte rows)."""
+    BOX_K: gl.constexpr = x_smem.shape[2]
+    box = x_smem.index(stage * (_TILE_K // BOX_K) + (j * _DOT_K) // BOX_K)
+    if BOX_K == _DOT_K:
+        return box
+    else:
+        return box.slice((j * _DOT_K) % BOX_K, _DOT_K, dim=1)
+
+
+@gluon.jit
 def _unit(acc, a_prev, scale, zero, w_smem, x_smem, ready, empty, scales_ptr, zeros_ptr, xsum_ptr, M, N, k_tiles,
           stride_sg, stride_zg, u, lo, hi, tn, tm, kt_base, offs_n, offs_w, GROUP_SIZE: gl.constexpr,
           HAS_ZEROS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, NUM_BUF: gl.constexpr,
@@ -334,17 +347,17 @@ def _unit(acc, a_prev, scale, zero, w_smem, x_smem, ready, empty, scales_ptr, ze
         # dot j is issued, then dot j + 1 dequantized while it runs; wait(1) retires dot j - 1
         for j in gl.static_range(4):
             a = _dequant_pairs(words, zb, sc, j, a_layout, BLOCK_N)
-            acc = warpgroup_mma(a, x_smem.index(stage * 4 + j).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma(a, _x_dot(x_smem, stage, j).permute((1, 0)), acc, is_async=True)
             acc, a_prev = warpgroup_mma_wait(1, deps=[acc, a_prev])
             if j == 0:
                 # the previous unit's wgmmas have all retired: its stage may be refilled
                 mbarrier.arrive(empty.index((i + NUM_BUF - 1) % NUM_BUF), pred=u > lo)
             a_prev = a
     else:
-        b0 = x_smem.index(stage * 4 + 0).permute((1, 0)).load(b_layout)
-        b1 = x_smem.index(stage * 4 + 1).permute((1, 0)).load(b_layout)
-        b2 = x_smem.index(stage * 4 + 2).permute((1, 0)).load(b_layout)
-        b3 = x_smem.index(stage * 4 + 3).permute((1, 0)).load(b_layout)
+        b0 = _x_dot(x_smem, stage, 0).permute((1, 0)).load(b_layout)
+        b1 = _x_dot(x_smem, stage, 1).permute((1, 0)).load(b_layout)
+        b2 = _x_dot(x_smem, stage, 2).permute((1, 0)).load(b_layout)
+        b3 = _x_dot(x_smem, stage, 3).permute((1, 0)).load(b_layout)
         # the consumer warps hold the stage in registers: the producer may refill it
         mbarrier.arrive(empty.index(stage))
         if SCALE_ACC:
@@ -461,7 +474,8 @@ def _w4a16_gluon_kernel(desc_w, desc_x, scales_ptr, zeros_ptr, xsum_ptr, c_ptr, 
         u0, count = _even_run(pid, n_progs, n_tiles * k_tiles)
 
     w_smem = gl.allocate_shared_memory(gl.int32, [NUM_BUF, BLOCK_N, _WORDS], desc_w.layout)
-    x_smem = gl.allocate_shared_memory(desc_x.dtype, [NUM_BUF * 4, BLOCK_M, _DOT_K], desc_x.layout)
+    BOX_K: gl.constexpr = desc_x.block_type.shape[1]
+    x_smem = gl.allocate_shared_memory(desc_x.dtype, [NUM_BUF * (_TILE_K // BOX_K), BLOCK_M, BOX_K], desc_x.layout)
     ready, empty = _ring_barriers(NUM_BUF)
     gl.warp_specialize([
         (_mma_partition, (w_smem, x_smem, ready, empty, scales_ptr, zeros_ptr, xsum_ptr, c_ptr, ws_ptr, tile_units_ptr,
@@ -487,6 +501,8 @@ class GluonConfig:
       resident at once, so the register cap per thread follows from CTAS_PER_SM (:meth:`maxnreg`).
     * PERSISTENT (one program per tile otherwise): ``num_SMs * CTAS_PER_SM`` programs, each takes
       every n-th output tile whole, its producer running ahead into the next tile during the store.
+    * X_BOX_K: activation columns per TMA box, 32 (four boxes a unit, 64-byte rows, 64-byte swizzle) or 64
+      (two boxes, 128-byte rows and swizzle; each dot reads a column slice).
     """
 
     BLOCK_N: int
@@ -498,6 +514,7 @@ class GluonConfig:
     STREAM_K: bool = True
     GROUP_N: int = 8
     PERSISTENT: bool = False
+    X_BOX_K: int = 32
 
     def block_m(self, m: int) -> int:
         return 8 if (not self.WGMMA and m <= 8) else self.BLOCK_M
@@ -612,10 +629,10 @@ def _launch(x: torch.Tensor, w: W4A16Weights, config: GluonConfig) -> torch.Tens
         if persistent:
             grid = (min(tiles_n * tiles_m, num_sms(x.device) * config.CTAS_PER_SM),)
     w_layout = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=32, rank=2)
-    x_layout = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2)
+    x_layout = gl.NVMMASharedLayout(swizzle_byte_width=2 * config.X_BOX_K, element_bitwidth=16, rank=2)
     desc_w = TensorDescriptor(w.qweight, [n, k // 8], [w.qweight.stride(0), 1], [config.BLOCK_N, int(_WORDS)],
                               w_layout)
-    desc_x = TensorDescriptor(xp, [m, k], [xp.stride(0), 1], [block_m, int(_DOT_K)], x_layout)
+    desc_x = TensorDescriptor(xp, [m, k], [xp.stride(0), 1], [block_m, config.X_BOX_K], x_layout)
     zeros = w.zeros if w.zeros is not None else w.scales  # dummy pointer when symmetric
     _w4a16_gluon_kernel[grid](desc_w, desc_x, w.scales, zeros, xsum if xsum is not None else ws, out, ws, tile_units,
                               m, n, k_tiles, tiles_n,

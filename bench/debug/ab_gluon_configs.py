@@ -55,7 +55,8 @@ def main():
                 times = [bench_graph([lambda x=x, w=w, c=cfg: kg._launch(x, w, c) for x, w in zip(xs, ws)])
                          for _ in range(args.repeat)]
                 rows.append(dict(shape=shape, m=m, config=str(cfg), us=times, cublas_us=cublas, rel_err=err))
-                name = f"{cfg.BLOCK_N}x{cfg.BLOCK_M}/{cfg.NUM_BUF}{'/P' if cfg.PERSISTENT else ''}{'/K' if cfg.STREAM_K else ''}"
+                name = (f"{cfg.BLOCK_N}x{cfg.BLOCK_M}/{cfg.NUM_BUF}{'/P' if cfg.PERSISTENT else ''}"
+                        f"{'/K' if cfg.STREAM_K else ''}/x{cfg.X_BOX_K}")
                 cells.append(f"{name} {' '.join(f'{t:.1f}' for t in times)} ({cublas / min(times):.2f}x, {err:.0e})")
             print(f"{shape} M={m}: " + " | ".join(cells), flush=True)
     if args.json:

@@ -421,6 +421,28 @@ def test_gluon_every_config_gpu(which, m):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("n,k,gs,sym,act", [(4096 + 128, 4096 + 128, 128, False, False), (1024, 2048, 128, True, True),
+                                            (1408, 2880 - 64, 64, False, False)])
+@pytest.mark.parametrize("m", [1, 13, 40, 300])
+def test_gluon_x_box_64_gpu(n, k, gs, sym, act, m):
+    # 64-column activation boxes (128-byte rows and swizzle): each dot reads a column slice of a box, in the
+    # mma.sync path (ldmatrix) and the wgmma path (shared-memory descriptor of the slice)
+    from quantkit.kernels.w4a16_gluon import GLUON_TUNER, w4a16_gluon_matmul
+
+    if k % 128:
+        pytest.skip("the Gluon kernel takes whole 128-column tiles")
+    mod = _kernel_module()
+    tensors, w_deq = make_layer(n, k, 4, gs, sym, act, device="cuda", seed=torch.seed() % 2**31)
+    w = mod.prepare_w4a16_weights(**tensors, bits=4, group_size=gs, sym=sym)
+    x = torch.randn(m, k, device="cuda").bfloat16()
+    ref = x.float() @ w_deq.t()
+    for cfg in GLUON_TUNER.candidates(m, w.group_size):
+        out = w4a16_gluon_matmul(x, w, dataclasses.replace(cfg, X_BOX_K=64))
+        assert rel_err(out, ref) < 1e-2, cfg
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU")
 @pytest.mark.parametrize("m", [2, 40, 700])
 def test_gluon_tuned_gpu(m):
     _run_gpu(_kernel_module(), 2048, 1024, 64, False, True, m, torch.bfloat16, None, None)

@@ -36,13 +36,14 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from quantkit.kernels.w4a16_gluon import GluonConfig, _w4a16_gluon_kernel
 
-block_n, block_m, num_buf, num_warps, wgmma, group_size, out = json.loads(sys.argv[1])
-cfg = GluonConfig(block_n, block_m, num_buf, num_warps, WGMMA=wgmma, STREAM_K=not wgmma, CTAS_PER_SM=1 if wgmma else 3)
-smem = ("NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth={}, rank=2, transposed=False, "
+block_n, block_m, num_buf, num_warps, wgmma, group_size, x_box_k, out = json.loads(sys.argv[1])
+cfg = GluonConfig(block_n, block_m, num_buf, num_warps, WGMMA=wgmma, STREAM_K=not wgmma, CTAS_PER_SM=1 if wgmma else 3,
+                  X_BOX_K=x_box_k)
+smem = ("NVMMASharedLayout(swizzle_byte_width={}, element_bitwidth={}, rank=2, transposed=False, "
         "fp4_padded=False, cga_layout=[])")
 signature = {
-    "desc_w": f"tensordesc<i32[{block_n}, 16],{smem.format(32)}>",
-    "desc_x": f"tensordesc<bf16[{block_m}, 32],{smem.format(16)}>",
+    "desc_w": f"tensordesc<i32[{block_n}, 16],{smem.format(64, 32)}>",
+    "desc_x": f"tensordesc<bf16[{block_m}, {x_box_k}],{smem.format(2 * x_box_k, 16)}>",
     "scales_ptr": "*fp16", "zeros_ptr": "*u8", "xsum_ptr": "*fp32", "c_ptr": "*bf16", "ws_ptr": "*fp32", "tile_units_ptr": "*i32",
     "M": "i32", "N": "i32", "k_tiles": "i32", "tiles_n": "i32", "tiles_m": "i32", "stride_sg": "i32", "stride_zg": "i32",
 }
@@ -61,10 +62,10 @@ class _Compiled:
         self.cubin, self.ptx = prefix + ".cubin", prefix + ".ptx"
 
 
-def _compile(tmp_path_factory, block_n, block_m, num_buf, num_warps, wgmma, group_size=128) -> _Compiled:
+def _compile(tmp_path_factory, block_n, block_m, num_buf, num_warps, wgmma, group_size=128, x_box_k=32) -> _Compiled:
     prefix = str(tmp_path_factory.mktemp("gluon") / "kernel")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    args = json.dumps([block_n, block_m, num_buf, num_warps, wgmma, group_size, prefix])
+    args = json.dumps([block_n, block_m, num_buf, num_warps, wgmma, group_size, x_box_k, prefix])
     done = subprocess.run([sys.executable, "-c", _COMPILE, args], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     return _Compiled(prefix)
@@ -123,6 +124,20 @@ def test_decode_dequant_stays_in_registers(decode_kernel):
     # one group per K tile: the zero point comes off the accumulated tile (_magic_pairs), so the decode
     # loop has no packed subtraction per code pair (64 per unit and thread before; a quarter of the loop)
     assert sum(op.startswith("HADD2.BF16") or op.startswith("HFMA2.BF16") for op in ops) == 0
+
+
+@pytest.mark.parametrize("wgmma", [False, True], ids=["decode", "prefill"])
+def test_64_column_activation_boxes_halve_the_activation_loads(tmp_path_factory, wgmma):
+    # X_BOX_K = 64: two TMA loads of activations a unit instead of four, and the dots read column slices
+    # of the 128-byte-swizzled boxes with no extra shared-memory traffic or spills
+    shape = (128, 128, 5, 8) if wgmma else (128, 16, 6, 4)
+    narrow, wide = (_compile(tmp_path_factory, *shape, wgmma=wgmma, x_box_k=x) for x in (32, 64))
+    narrow_sass, wide_sass = ("\n".join(_sass(c)) for c in (narrow, wide))
+    assert wide_sass.count("UTMALDG") < narrow_sass.count("UTMALDG")
+    for op in ("HGMMA", "LDSM", "HMMA"):
+        assert wide_sass.count(op) == narrow_sass.count(op), op
+    notices = _ptxas_notices(wide)
+    assert " 0 bytes spill stores" in notices and "C7512" not in notices and "C7514" not in notices
 
 
 def test_waits_for_the_gather_before_reading_what_it_wrote(decode_kernel, prefill_kernel):
