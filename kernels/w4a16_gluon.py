@@ -270,14 +270,30 @@ def _dequant_pairs(words, zero_bias, scale, j: gl.constexpr, a_layout: gl.conste
 
 
 @gluon.jit
-def _flush(acc, c_ptr, ws_ptr, tile_units_ptr, tn, tm, M, N, seg_units, k_tiles, BLOCK_N: gl.constexpr,
-           BLOCK_M: gl.constexpr, ATOMIC_OUT: gl.constexpr, acc_layout: gl.constexpr):
+def _part_offsets(prog, slot, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, acc_layout: gl.constexpr):
+    """Offsets of partial-sum slot ``slot`` (0: the program's first tile, 1: its last) of program ``prog`` in the
+    stream-K workspace [programs, 2, BLOCK_N, BLOCK_M] (float32), in the accumulator's layout."""
+    rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
+    cols = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, acc_layout))
+    base = (prog * 2 + slot) * (BLOCK_N * BLOCK_M)  # int32: programs x 2 x BLOCK_N x BLOCK_M < 2**31
+    return base + gl.expand_dims(rows, 1) * BLOCK_M + gl.expand_dims(cols, 0)
+
+
+@gluon.jit
+def _flush(acc, c_ptr, ws_ptr, tile_units_ptr, tn, tm, M, N, seg_units, k_tiles, tile, seg, pid, n_progs, n_units,
+           BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, ATOMIC_OUT: gl.constexpr, acc_layout: gl.constexpr):
     """The tile's sums of ``seg_units`` K tiles into ``c`` [M, N] (contiguous, c's dtype).
 
     One program per tile, or a stream-K run that holds all ``k_tiles`` of it: one store. Otherwise
-    (ATOMIC_OUT) the partial sums go into the zeroed float32 workspace ``ws`` [M, N] with atomics, then
-    ``seg_units`` is added to the tile's counter; the program whose addition completes ``k_tiles``
-    is the last one, and it converts the workspace tile into ``c``. No program waits for another."""
+    (ATOMIC_OUT; ``tile`` the output tile, ``seg`` the segment of this program's run) the program stores its
+    partial sums in its own workspace slot (plain stores: no atomics, no zeroing), then adds ``seg_units`` to
+    the tile's counter; the program whose addition completes ``k_tiles`` is the tile's last: it adds the
+    other programs' slots of this tile (the programs whose runs cover it, found from the even split) to its
+    own sums and stores the tile into ``c``. No program waits for another.
+
+    Why slots and not float32 atomics into one [M, N] workspace (until the seventh session): at M = 16 on
+    28672 x 8192 the ~1.1 M scalar atomics (2.4 per output, the number of programs sharing a tile) took 6-7 us
+    of ~48 (H200 run 25, bench/debug/bottleneck_w4a16.py)."""
     n = tn * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
     m = tm * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, acc_layout))
     offs = gl.expand_dims(m, 0).to(gl.int64) * N + gl.expand_dims(n, 1)
@@ -286,16 +302,27 @@ def _flush(acc, c_ptr, ws_ptr, tile_units_ptr, tn, tm, M, N, seg_units, k_tiles,
         if seg_units == k_tiles:
             gl.store(c_ptr + offs, acc.to(c_ptr.dtype.element_ty), mask=mask)
         else:
-            gl.atomic_add(ws_ptr + offs, acc, mask=mask, sem="relaxed")
-            # All consumer threads have issued their sums (barrier) before one thread's release of the
-            # count, which covers them (the pattern of a split-K semaphore). A fence in every thread
-            # instead (fence.acq_rel.gpu before the barrier) made the H200 compute wrong partial sums in
-            # 10-60 of 224 tiles per call at 28672 x 8192, M = 16 (run 13, bench/debug/stream_k_tiles.py
-            # on that variant); not understood, not used.
+            gl.store(ws_ptr + _part_offsets(pid, gl.minimum(seg, 1), BLOCK_N, BLOCK_M, acc_layout), acc)
+            # All consumer threads have stored their sums (barrier) before one thread's release of the count,
+            # which covers them (the pattern of a split-K semaphore). A fence in every thread instead
+            # (fence.acq_rel.gpu before the barrier) made the H200 compute wrong partial sums in 10-60 of 224
+            # tiles per call at 28672 x 8192, M = 16 (run 13, bench/debug/stream_k_tiles.py on that variant);
+            # not understood, not used.
             gl.thread_barrier()
             done = gl.atomic_add(tile_units_ptr + tn, seg_units, sem="acq_rel") + seg_units
             if done == k_tiles:
-                total = gl.load(ws_ptr + offs, mask=mask, cache_modifier=".cg")
+                # programs p own units [p * n_units // n_progs, (p + 1) * n_units // n_progs): the first and
+                # last programs whose runs hold a unit of this tile
+                first = ((tile * k_tiles + 1) * n_progs + n_units - 1) // n_units - 1
+                last = (((tile + 1) * k_tiles) * n_progs + n_units - 1) // n_units - 1
+                total = acc
+                for q in range(first, last + 1):
+                    if q != pid:
+                        # the tile is q's first one (slot 0) unless q's run starts in an earlier tile
+                        q_first_tile = (q.to(gl.int64) * n_units // n_progs).to(gl.int32) // k_tiles
+                        slot = gl.where(q_first_tile == tile, 0, 1)
+                        total += gl.load(ws_ptr + _part_offsets(q, slot, BLOCK_N, BLOCK_M, acc_layout),
+                                         cache_modifier=".cg")
                 gl.store(c_ptr + offs, total.to(c_ptr.dtype.element_ty), mask=mask)
     else:
         gl.store(c_ptr + offs, acc.to(c_ptr.dtype.element_ty), mask=mask)
@@ -444,8 +471,8 @@ def _mma_partition(w_smem, x_smem, ready, empty, scales_ptr, zeros_ptr, xsum_ptr
                                              WGMMA, SCALE_ACC, acc_layout)
             acc = warpgroup_mma_wait(0, deps=[acc])
             mbarrier.arrive(empty.index((hi - 1) % NUM_BUF))  # the segment's last stage
-        _flush(acc, c_ptr, ws_ptr, tile_units_ptr, tn, tm, M, N, hi - lo, k_tiles, BLOCK_N, BLOCK_M, ATOMIC_OUT,
-               acc_layout)
+        _flush(acc, c_ptr, ws_ptr, tile_units_ptr, tn, tm, M, N, hi - lo, k_tiles, u0 // k_tiles + seg, seg, pid,
+               n_progs, tiles_n * tiles_m * k_tiles, BLOCK_N, BLOCK_M, ATOMIC_OUT, acc_layout)
 
 
 @gluon.jit
@@ -612,17 +639,17 @@ def _launch(x: torch.Tensor, w: W4A16Weights, config: GluonConfig) -> torch.Tens
     stream_k = config.STREAM_K and tiles_m == 1
     persistent = config.PERSISTENT and not stream_k
     # one small launch gathers the activations into the paired column order and, for stream-K, zeroes
-    # the float32 workspace [M, N] and the per-tile unit counters behind it
-    ws = torch.empty(m * n + tiles_n if stream_k else 0, device=x.device, dtype=torch.float32)
+    # the per-tile unit counters (the partial-sum slots behind them need no zeroing: see _flush)
+    tile_units = torch.empty(tiles_n if stream_k else 0, device=x.device, dtype=torch.int32)
     # and, for the mma.sync path with one group per K tile, each K tile's activation sums (_magic_pairs)
     xsum = None
     if not config.WGMMA and w.group_size % PAIR_TILE_K == 0:
         xsum = torch.empty((m, k_tiles), device=x.device, dtype=torch.float32)
-    xp = gather_columns(x, w.pair_index, ws, xsum)
+    xp = gather_columns(x, w.pair_index, tile_units, xsum)
     out = torch.empty((m, n), device=x.device, dtype=x.dtype)
     if stream_k:
-        tile_units = ws[m * n:].view(torch.int32)  # zero bits are int32 zeros
         grid = (min(tiles_n * k_tiles, num_sms(x.device) * config.CTAS_PER_SM),)
+        ws = torch.empty(grid[0] * 2 * config.BLOCK_N * block_m, device=x.device, dtype=torch.float32)
     else:
         ws, tile_units = out, out  # unused
         grid = (tiles_n * tiles_m,)

@@ -150,13 +150,15 @@ def test_waits_for_the_gather_before_reading_what_it_wrote(decode_kernel, prefil
 
 
 def test_decode_tile_fixup_orders_sums_before_the_counter(decode_kernel):
-    # stream-K: partial sums go to the float32 workspace, then one thread adds to the tile's unit count;
-    # the program that completes it reads the workspace back. The sums must be fenced device-wide before
-    # the count, and the read must come from L2 (another SM's atomics are not in this SM's L1).
+    # stream-K: each program stores its partial sums (float32, plain stores, no atomics) in its own workspace
+    # slot, then one thread adds to the tile's unit count; the program that completes it reads the other
+    # programs' slots. The sums must be fenced device-wide before the count, and the reads must come from L2
+    # (another SM's stores are not in this SM's L1).
     sass = _sass(decode_kernel)
-    sums = [i for i, line in enumerate(sass) if re.search(r"(ATOMG|REDG?)\.E\.ADD\.F32", line)]
+    assert not any(re.search(r"(ATOMG|REDG?)\.E\.ADD\.F32", line) for line in sass)
     count = next(i for i, line in enumerate(sass) if re.search(r"ATOMG\.E\.ADD\.STRONG\.GPU PT, R\d+", line))
-    assert sums and max(sums) < count
+    sums = [i for i, line in enumerate(sass[:count]) if re.search(r"STG\.E(\.64|\.128)? ", line)]
+    assert sums
     between = sass[max(sums):count]
     barrier = next(i for i, line in enumerate(between) if "BAR.SYNC" in line)
     # barrier first, then the counting thread's fence; a fence in every thread before the barrier gave
