@@ -281,19 +281,22 @@ def _part_offsets(prog, slot, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, acc_
 
 @gluon.jit
 def _flush(acc, c_ptr, ws_ptr, tile_units_ptr, tn, tm, M, N, seg_units, k_tiles, tile, seg, pid, n_progs, n_units,
-           BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, ATOMIC_OUT: gl.constexpr, acc_layout: gl.constexpr):
+           BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, ATOMIC_OUT: gl.constexpr, SLOT_PARTIALS: gl.constexpr,
+           acc_layout: gl.constexpr):
     """The tile's sums of ``seg_units`` K tiles into ``c`` [M, N] (contiguous, c's dtype).
 
     One program per tile, or a stream-K run that holds all ``k_tiles`` of it: one store. Otherwise
-    (ATOMIC_OUT; ``tile`` the output tile, ``seg`` the segment of this program's run) the program stores its
-    partial sums in its own workspace slot (plain stores: no atomics, no zeroing), then adds ``seg_units`` to
-    the tile's counter; the program whose addition completes ``k_tiles`` is the tile's last: it adds the
-    other programs' slots of this tile (the programs whose runs cover it, found from the even split) to its
-    own sums and stores the tile into ``c``. No program waits for another.
-
-    Why slots and not float32 atomics into one [M, N] workspace (until the seventh session): at M = 16 on
-    28672 x 8192 the ~1.1 M scalar atomics (2.4 per output, the number of programs sharing a tile) took 6-7 us
-    of ~48 (H200 run 25, bench/debug/bottleneck_w4a16.py)."""
+    (ATOMIC_OUT; ``tile`` the output tile, ``seg`` the segment of this program's run) the partial sums go
+    to the workspace ``ws``, then ``seg_units`` is added to the tile's counter; the program whose addition
+    completes ``k_tiles`` is the tile's last, and it stores the whole tile into ``c``. No program waits for
+    another. The workspace is either
+    * [M, N] float32, zeroed by the gather: the partial sums are added with float32 atomics and the last
+      program reads the tile back; or
+    * SLOT_PARTIALS: [programs, 2, BLOCK_N, BLOCK_M] float32, one slot for a program's first tile and one for
+      its last (a run's middle tiles are whole), written with plain stores and never zeroed; the last
+      program adds the other programs' slots of the tile (which programs follow from the even split).
+      Motive: at M = 16 on 28672 x 8192 the ~1.1 M scalar atomics (2.4 per output) took 6-7 us of ~48
+      (H200 run 25, bench/debug/bottleneck_w4a16.py)."""
     n = tn * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
     m = tm * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, acc_layout))
     offs = gl.expand_dims(m, 0).to(gl.int64) * N + gl.expand_dims(n, 1)
@@ -302,7 +305,10 @@ def _flush(acc, c_ptr, ws_ptr, tile_units_ptr, tn, tm, M, N, seg_units, k_tiles,
         if seg_units == k_tiles:
             gl.store(c_ptr + offs, acc.to(c_ptr.dtype.element_ty), mask=mask)
         else:
-            gl.store(ws_ptr + _part_offsets(pid, gl.minimum(seg, 1), BLOCK_N, BLOCK_M, acc_layout), acc)
+            if SLOT_PARTIALS:
+                gl.store(ws_ptr + _part_offsets(pid, gl.minimum(seg, 1), BLOCK_N, BLOCK_M, acc_layout), acc)
+            else:
+                gl.atomic_add(ws_ptr + offs, acc, mask=mask, sem="relaxed")
             # All consumer threads have stored their sums (barrier) before one thread's release of the count,
             # which covers them (the pattern of a split-K semaphore). A fence in every thread instead
             # (fence.acq_rel.gpu before the barrier) made the H200 compute wrong partial sums in 10-60 of 224
@@ -315,14 +321,17 @@ def _flush(acc, c_ptr, ws_ptr, tile_units_ptr, tn, tm, M, N, seg_units, k_tiles,
                 # last programs whose runs hold a unit of this tile
                 first = ((tile * k_tiles + 1) * n_progs + n_units - 1) // n_units - 1
                 last = (((tile + 1) * k_tiles) * n_progs + n_units - 1) // n_units - 1
-                total = acc
-                for q in range(first, last + 1):
-                    if q != pid:
-                        # the tile is q's first one (slot 0) unless q's run starts in an earlier tile
-                        q_first_tile = (q.to(gl.int64) * n_units // n_progs).to(gl.int32) // k_tiles
-                        slot = gl.where(q_first_tile == tile, 0, 1)
-                        total += gl.load(ws_ptr + _part_offsets(q, slot, BLOCK_N, BLOCK_M, acc_layout),
-                                         cache_modifier=".cg")
+                if SLOT_PARTIALS:
+                    total = acc
+                    for q in range(first, last + 1):
+                        if q != pid:
+                            # the tile is q's first one (slot 0) unless q's run starts in an earlier tile
+                            q_first_tile = (q.to(gl.int64) * n_units // n_progs).to(gl.int32) // k_tiles
+                            slot = gl.where(q_first_tile == tile, 0, 1)
+                            total += gl.load(ws_ptr + _part_offsets(q, slot, BLOCK_N, BLOCK_M, acc_layout),
+                                             cache_modifier=".cg")
+                else:
+                    total = gl.load(ws_ptr + offs, mask=mask, cache_modifier=".cg")
                 gl.store(c_ptr + offs, total.to(c_ptr.dtype.element_ty), mask=mask)
     else:
         gl.store(c_ptr + offs, acc.to(c_ptr.dtype.element_ty), mask=mask)
@@ -410,8 +419,8 @@ def _mma_partition(w_smem, x_smem, ready, empty, scales_ptr, zeros_ptr, xsum_ptr
                    N, u0,
                    count, pid, n_progs, k_tiles, tiles_n, tiles_m, stride_sg, stride_zg, GROUP_SIZE: gl.constexpr,
                    HAS_ZEROS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, GROUP_N: gl.constexpr,
-                   NUM_BUF: gl.constexpr, WGMMA: gl.constexpr, ATOMIC_OUT: gl.constexpr, PERSISTENT: gl.constexpr,
-                   num_warps: gl.constexpr):
+                   NUM_BUF: gl.constexpr, WGMMA: gl.constexpr, ATOMIC_OUT: gl.constexpr, SLOT_PARTIALS: gl.constexpr,
+                   PERSISTENT: gl.constexpr, num_warps: gl.constexpr):
     """Consumer warps: the run, one segment per output tile it touches (one; several whole tiles when
     PERSISTENT; stream-K pieces), each segment's units, then its flush. Units are numbered here by their
     position in the program's ring order; ``kt_base`` maps those numbers to the segment's K tiles.
@@ -472,7 +481,7 @@ def _mma_partition(w_smem, x_smem, ready, empty, scales_ptr, zeros_ptr, xsum_ptr
             acc = warpgroup_mma_wait(0, deps=[acc])
             mbarrier.arrive(empty.index((hi - 1) % NUM_BUF))  # the segment's last stage
         _flush(acc, c_ptr, ws_ptr, tile_units_ptr, tn, tm, M, N, hi - lo, k_tiles, u0 // k_tiles + seg, seg, pid,
-               n_progs, tiles_n * tiles_m * k_tiles, BLOCK_N, BLOCK_M, ATOMIC_OUT, acc_layout)
+               n_progs, tiles_n * tiles_m * k_tiles, BLOCK_N, BLOCK_M, ATOMIC_OUT, SLOT_PARTIALS, acc_layout)
 
 
 @gluon.jit
@@ -480,8 +489,8 @@ def _w4a16_gluon_kernel(desc_w, desc_x, scales_ptr, zeros_ptr, xsum_ptr, c_ptr, 
                         tiles_n, tiles_m, stride_sg, stride_zg,
                         GROUP_SIZE: gl.constexpr, HAS_ZEROS: gl.constexpr, BLOCK_N: gl.constexpr,
                         BLOCK_M: gl.constexpr, GROUP_N: gl.constexpr, NUM_BUF: gl.constexpr,
-                        WGMMA: gl.constexpr, ATOMIC_OUT: gl.constexpr, PERSISTENT: gl.constexpr,
-                        num_warps: gl.constexpr):
+                        WGMMA: gl.constexpr, ATOMIC_OUT: gl.constexpr, SLOT_PARTIALS: gl.constexpr,
+                        PERSISTENT: gl.constexpr, num_warps: gl.constexpr):
     """``c[M, N] (+)= x[M, K] @ dequant(qw)^T`` over this program's contiguous run of (tile, K tile) units.
 
     ``x`` (behind ``desc_x``) is in paired-nibble column order; ``c`` is contiguous. ATOMIC_OUT: runs
@@ -507,7 +516,8 @@ def _w4a16_gluon_kernel(desc_w, desc_x, scales_ptr, zeros_ptr, xsum_ptr, c_ptr, 
     gl.warp_specialize([
         (_mma_partition, (w_smem, x_smem, ready, empty, scales_ptr, zeros_ptr, xsum_ptr, c_ptr, ws_ptr, tile_units_ptr,
                           M, N, u0, count, pid, n_progs, k_tiles, tiles_n, tiles_m, stride_sg, stride_zg, GROUP_SIZE,
-                          HAS_ZEROS, BLOCK_N, BLOCK_M, GROUP_N, NUM_BUF, WGMMA, ATOMIC_OUT, PERSISTENT, num_warps)),
+                          HAS_ZEROS, BLOCK_N, BLOCK_M, GROUP_N, NUM_BUF, WGMMA, ATOMIC_OUT, SLOT_PARTIALS, PERSISTENT,
+                          num_warps)),
         (_load_partition, (desc_w, desc_x, w_smem, x_smem, ready, empty, u0, count, pid, n_progs, k_tiles, tiles_n,
                            tiles_m, BLOCK_N, BLOCK_M, GROUP_N, NUM_BUF, PERSISTENT)),
     ], [1], [LOAD_WARP_REGS])
@@ -523,9 +533,10 @@ class GluonConfig:
     * WGMMA: asynchronous wgmma (prefill) instead of mma.sync (decode). mma.sync tiles take BLOCK_M 16
       (8 whenever M <= 8) and 16 weight rows per warp; wgmma tiles 64 weight rows per warpgroup.
     * STREAM_K: the units of one activation tile (M <= BLOCK_M) are split evenly over
-      ``num_SMs * CTAS_PER_SM`` programs, whose partial sums meet in a float32 workspace through
-      atomics; otherwise one program per output tile, stored once. All stream-K programs must be
-      resident at once, so the register cap per thread follows from CTAS_PER_SM (:meth:`maxnreg`).
+      ``num_SMs * CTAS_PER_SM`` programs, whose partial sums meet in a float32 workspace, through
+      atomics or (SLOT_PARTIALS) per-program slots, see ``_flush``; otherwise one program per output
+      tile, stored once. All stream-K programs must be resident at once, so the register cap per
+      thread follows from CTAS_PER_SM (:meth:`maxnreg`).
     * PERSISTENT (one program per tile otherwise): ``num_SMs * CTAS_PER_SM`` programs, each takes
       every n-th output tile whole, its producer running ahead into the next tile during the store.
     * X_BOX_K: activation columns per TMA box, 32 (four boxes a unit, 64-byte rows, 64-byte swizzle) or 64
@@ -542,6 +553,7 @@ class GluonConfig:
     GROUP_N: int = 8
     PERSISTENT: bool = False
     X_BOX_K: int = 32
+    SLOT_PARTIALS: bool = False
 
     def block_m(self, m: int) -> int:
         return 8 if (not self.WGMMA and m <= 8) else self.BLOCK_M
@@ -639,17 +651,24 @@ def _launch(x: torch.Tensor, w: W4A16Weights, config: GluonConfig) -> torch.Tens
     stream_k = config.STREAM_K and tiles_m == 1
     persistent = config.PERSISTENT and not stream_k
     # one small launch gathers the activations into the paired column order and, for stream-K, zeroes
-    # the per-tile unit counters (the partial-sum slots behind them need no zeroing: see _flush)
-    tile_units = torch.empty(tiles_n if stream_k else 0, device=x.device, dtype=torch.int32)
+    # the per-tile unit counters (SLOT_PARTIALS: the partial-sum slots need no zeroing, see _flush) or the
+    # float32 workspace [M, N] and the counters behind it
+    slots = config.SLOT_PARTIALS
+    zeroed = torch.empty((tiles_n if slots else m * n + tiles_n) if stream_k else 0, device=x.device,
+                         dtype=torch.int32 if slots else torch.float32)
     # and, for the mma.sync path with one group per K tile, each K tile's activation sums (_magic_pairs)
     xsum = None
     if not config.WGMMA and w.group_size % PAIR_TILE_K == 0:
         xsum = torch.empty((m, k_tiles), device=x.device, dtype=torch.float32)
-    xp = gather_columns(x, w.pair_index, tile_units, xsum)
+    xp = gather_columns(x, w.pair_index, zeroed, xsum)
     out = torch.empty((m, n), device=x.device, dtype=x.dtype)
     if stream_k:
         grid = (min(tiles_n * k_tiles, num_sms(x.device) * config.CTAS_PER_SM),)
-        ws = torch.empty(grid[0] * 2 * config.BLOCK_N * block_m, device=x.device, dtype=torch.float32)
+        if slots:
+            tile_units = zeroed
+            ws = torch.empty(grid[0] * 2 * config.BLOCK_N * block_m, device=x.device, dtype=torch.float32)
+        else:
+            ws, tile_units = zeroed, zeroed[m * n:].view(torch.int32)  # zero bits are int32 zeros
     else:
         ws, tile_units = out, out  # unused
         grid = (tiles_n * tiles_m,)
@@ -666,7 +685,8 @@ def _launch(x: torch.Tensor, w: W4A16Weights, config: GluonConfig) -> torch.Tens
                               tiles_m, w.scales.stride(0), zeros.stride(0),
                               GROUP_SIZE=w.group_size, HAS_ZEROS=w.zeros is not None, BLOCK_N=config.BLOCK_N,
                               BLOCK_M=block_m, GROUP_N=config.GROUP_N, NUM_BUF=config.NUM_BUF,
-                              WGMMA=config.WGMMA, ATOMIC_OUT=stream_k, PERSISTENT=persistent,
+                              WGMMA=config.WGMMA, ATOMIC_OUT=stream_k, SLOT_PARTIALS=slots,
+                              PERSISTENT=persistent,
                               num_warps=config.num_warps,
                               maxnreg=config.maxnreg(), launch_pdl=True)
     return out

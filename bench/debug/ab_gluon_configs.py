@@ -1,17 +1,21 @@
 """A/B of fixed Gluon W4A16 configs against cuBLAS on one Hopper GPU, same process, same inputs.
 
     python3 bench/debug/ab_gluon_configs.py --shapes 4096x4096,28672x8192 --ms 1024,4096 \\
-        --configs "BLOCK_N=256,BLOCK_M=128,NUM_BUF=4,num_warps=8,WGMMA=1,STREAM_K=0;..." [--repeat 2] [--json F]
+        --configs "BLOCK_N=256,BLOCK_M=128,NUM_BUF=4,num_warps=8,WGMMA=1,STREAM_K=0;..." [--repeat 2] [--json F] \\
+        [--variants "X_BOX_K=64;SLOT_PARTIALS=1"] [--decode]
 
 Every config (``;``-separated, the fields of ``GluonConfig``) is checked against the float32 product and
 graph-timed over rotating weights (L2 clean), like bench_w4a16.py; each config is timed ``--repeat``
-times, interleaved, so that drift shows as spread. Prints one line per (shape, M) with cuBLAS bf16
+times, interleaved, so that drift shows as spread. ``--variants``: each config is also run with each
+variant's fields replaced (``;``-separated), right after it; ``--decode`` adds the decode candidates
+(DECODE_GLUON_CONFIGS) to ``--configs``. Prints one line per (shape, M) with cuBLAS bf16
 and every config's microseconds and ratio to cuBLAS.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -22,7 +26,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_w4a16 import bench_graph, dequant_f32, make_weights, rotating_weights, rotations  # noqa: E402
-from ncu_w4a16 import parse_config  # noqa: E402
+from ncu_w4a16 import parse_config, parse_fields  # noqa: E402
 
 from quantkit.kernels import w4a16_gluon as kg  # noqa: E402
 
@@ -31,11 +35,16 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="4096x4096")
     ap.add_argument("--ms", default="4096")
-    ap.add_argument("--configs", required=True)
+    ap.add_argument("--configs", default="")
+    ap.add_argument("--variants", default="")
+    ap.add_argument("--decode", action="store_true")
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    configs = [parse_config(text) for text in args.configs.split(";") if text]
+    base = [parse_config(text) for text in args.configs.split(";") if text]
+    base += list(kg.DECODE_GLUON_CONFIGS) if args.decode else []
+    variants = [parse_fields(text) for text in args.variants.split(";") if text]
+    configs = [c for cfg in base for c in [cfg] + [dataclasses.replace(cfg, **v) for v in variants]]
     rows = []
     for shape in args.shapes.split(","):
         n, k = (int(v) for v in shape.split("x"))
@@ -56,7 +65,7 @@ def main():
                          for _ in range(args.repeat)]
                 rows.append(dict(shape=shape, m=m, config=str(cfg), us=times, cublas_us=cublas, rel_err=err))
                 name = (f"{cfg.BLOCK_N}x{cfg.BLOCK_M}/{cfg.NUM_BUF}{'/P' if cfg.PERSISTENT else ''}"
-                        f"{'/K' if cfg.STREAM_K else ''}/x{cfg.X_BOX_K}")
+                        f"{'/K' if cfg.STREAM_K else ''}/x{cfg.X_BOX_K}{'/S' if cfg.SLOT_PARTIALS else ''}")
                 cells.append(f"{name} {' '.join(f'{t:.1f}' for t in times)} ({cublas / min(times):.2f}x, {err:.0e})")
             print(f"{shape} M={m}: " + " | ".join(cells), flush=True)
     if args.json:

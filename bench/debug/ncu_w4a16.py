@@ -12,6 +12,7 @@ the graph-timed microseconds of the config (L2 evicted), which is a quick check 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -25,12 +26,18 @@ from quantkit.kernels import w4a16_gluon as kg  # noqa: E402
 from quantkit.kernels.gpu_timing import gpu_time_us, l2_evict_buffer  # noqa: E402
 
 
-def parse_config(text: str) -> kg.GluonConfig:
+def parse_fields(text: str) -> dict:
+    """``"BLOCK_N=256,WGMMA=1"`` -> GluonConfig fields (the boolean ones, those with a bool default, from 0/1)."""
+    flags = {f.name for f in dataclasses.fields(kg.GluonConfig) if isinstance(f.default, bool)}
     fields = {}
     for item in text.split(","):
         key, value = item.split("=")
-        fields[key] = value in ("True", "true", "1") if key in ("WGMMA", "STREAM_K", "PERSISTENT") else int(value)
-    return kg.GluonConfig(**fields)
+        fields[key] = value in ("True", "true", "1") if key in flags else int(value)
+    return fields
+
+
+def parse_config(text: str) -> kg.GluonConfig:
+    return kg.GluonConfig(**parse_fields(text))
 
 
 def main():
