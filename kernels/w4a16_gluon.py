@@ -270,33 +270,14 @@ def _dequant_pairs(words, zero_bias, scale, j: gl.constexpr, a_layout: gl.conste
 
 
 @gluon.jit
-def _part_offsets(prog, slot, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, acc_layout: gl.constexpr):
-    """Offsets of partial-sum slot ``slot`` (0: the program's first tile, 1: its last) of program ``prog`` in the
-    stream-K workspace [programs, 2, BLOCK_N, BLOCK_M] (float32), in the accumulator's layout."""
-    rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
-    cols = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, acc_layout))
-    base = (prog * 2 + slot) * (BLOCK_N * BLOCK_M)  # int32: programs x 2 x BLOCK_N x BLOCK_M < 2**31
-    return base + gl.expand_dims(rows, 1) * BLOCK_M + gl.expand_dims(cols, 0)
-
-
-@gluon.jit
-def _flush(acc, c_ptr, ws_ptr, tile_units_ptr, tn, tm, M, N, seg_units, k_tiles, tile, seg, pid, n_progs, n_units,
-           BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, ATOMIC_OUT: gl.constexpr, SLOT_PARTIALS: gl.constexpr,
-           acc_layout: gl.constexpr):
+def _flush(acc, c_ptr, ws_ptr, tile_units_ptr, tn, tm, M, N, seg_units, k_tiles, BLOCK_N: gl.constexpr,
+           BLOCK_M: gl.constexpr, ATOMIC_OUT: gl.constexpr, acc_layout: gl.constexpr):
     """The tile's sums of ``seg_units`` K tiles into ``c`` [M, N] (contiguous, c's dtype).
 
     One program per tile, or a stream-K run that holds all ``k_tiles`` of it: one store. Otherwise
-    (ATOMIC_OUT; ``tile`` the output tile, ``seg`` the segment of this program's run) the partial sums go
-    to the workspace ``ws``, then ``seg_units`` is added to the tile's counter; the program whose addition
-    completes ``k_tiles`` is the tile's last, and it stores the whole tile into ``c``. No program waits for
-    another. The workspace is either
-    * [M, N] float32, zeroed by the gather: the partial sums are added with float32 atomics and the last
-      program reads the tile back; or
-    * SLOT_PARTIALS: [programs, 2, BLOCK_N, BLOCK_M] float32, one slot for a program's first tile and one for
-      its last (a run's middle tiles are whole), written with plain stores and never zeroed; the last
-      program adds the other programs' slots of the tile (which programs follow from the even split).
-      Motive: at M = 16 on 28672 x 8192 the ~1.1 M scalar atomics (2.4 per output) took 6-7 us of ~48
-      (H200 run 25, bench/debug/bottleneck_w4a16.py)."""
+    (ATOMIC_OUT) the partial sums go into the zeroed float32 workspace ``ws`` [M, N] with atomics, then
+    ``seg_units`` is added to the tile's counter; the program whose addition completes ``k_tiles``
+    is the last one, and it converts the workspace tile into ``c``. No program waits for another."""
     n = tn * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
     m = tm * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, acc_layout))
     offs = gl.expand_dims(m, 0).to(gl.int64) * N + gl.expand_dims(n, 1)
@@ -305,33 +286,16 @@ def _flush(acc, c_ptr, ws_ptr, tile_units_ptr, tn, tm, M, N, seg_units, k_tiles,
         if seg_units == k_tiles:
             gl.store(c_ptr + offs, acc.to(c_ptr.dtype.element_ty), mask=mask)
         else:
-            if SLOT_PARTIALS:
-                gl.store(ws_ptr + _part_offsets(pid, gl.minimum(seg, 1), BLOCK_N, BLOCK_M, acc_layout), acc)
-            else:
-                gl.atomic_add(ws_ptr + offs, acc, mask=mask, sem="relaxed")
-            # All consumer threads have stored their sums (barrier) before one thread's release of the count,
-            # which covers them (the pattern of a split-K semaphore). A fence in every thread instead
-            # (fence.acq_rel.gpu before the barrier) made the H200 compute wrong partial sums in 10-60 of 224
-            # tiles per call at 28672 x 8192, M = 16 (run 13, bench/debug/stream_k_tiles.py on that variant);
-            # not understood, not used.
+            gl.atomic_add(ws_ptr + offs, acc, mask=mask, sem="relaxed")
+            # All consumer threads have issued their sums (barrier) before one thread's release of the
+            # count, which covers them (the pattern of a split-K semaphore). A fence in every thread
+            # instead (fence.acq_rel.gpu before the barrier) made the H200 compute wrong partial sums in
+            # 10-60 of 224 tiles per call at 28672 x 8192, M = 16 (run 13, bench/debug/stream_k_tiles.py
+            # on that variant); not understood, not used.
             gl.thread_barrier()
             done = gl.atomic_add(tile_units_ptr + tn, seg_units, sem="acq_rel") + seg_units
             if done == k_tiles:
-                # programs p own units [p * n_units // n_progs, (p + 1) * n_units // n_progs): the first and
-                # last programs whose runs hold a unit of this tile
-                first = ((tile * k_tiles + 1) * n_progs + n_units - 1) // n_units - 1
-                last = (((tile + 1) * k_tiles) * n_progs + n_units - 1) // n_units - 1
-                if SLOT_PARTIALS:
-                    total = acc
-                    for q in range(first, last + 1):
-                        if q != pid:
-                            # the tile is q's first one (slot 0) unless q's run starts in an earlier tile
-                            q_first_tile = (q.to(gl.int64) * n_units // n_progs).to(gl.int32) // k_tiles
-                            slot = gl.where(q_first_tile == tile, 0, 1)
-                            total += gl.load(ws_ptr + _part_offsets(q, slot, BLOCK_N, BLOCK_M, acc_layout),
-                                             cache_modifier=".cg")
-                else:
-                    total = gl.load(ws_ptr + offs, mask=mask, cache_modifier=".cg")
+                total = gl.load(ws_ptr + offs, mask=mask, cache_modifier=".cg")
                 gl.store(c_ptr + offs, total.to(c_ptr.dtype.element_ty), mask=mask)
     else:
         gl.store(c_ptr + offs, acc.to(c_ptr.dtype.element_ty), mask=mask)
@@ -419,8 +383,8 @@ def _mma_partition(w_smem, x_smem, ready, empty, scales_ptr, zeros_ptr, xsum_ptr
                    N, u0,
                    count, pid, n_progs, k_tiles, tiles_n, tiles_m, stride_sg, stride_zg, GROUP_SIZE: gl.constexpr,
                    HAS_ZEROS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, GROUP_N: gl.constexpr,
-                   NUM_BUF: gl.constexpr, WGMMA: gl.constexpr, ATOMIC_OUT: gl.constexpr, SLOT_PARTIALS: gl.constexpr,
-                   PERSISTENT: gl.constexpr, num_warps: gl.constexpr):
+                   NUM_BUF: gl.constexpr, WGMMA: gl.constexpr, ATOMIC_OUT: gl.constexpr, PERSISTENT: gl.constexpr,
+                   num_warps: gl.constexpr):
     """Consumer warps: the run, one segment per output tile it touches (one; several whole tiles when
     PERSISTENT; stream-K pieces), each segment's units, then its flush. Units are numbered here by their
     position in the program's ring order; ``kt_base`` maps those numbers to the segment's K tiles.
@@ -480,8 +444,8 @@ def _mma_partition(w_smem, x_smem, ready, empty, scales_ptr, zeros_ptr, xsum_ptr
                                              WGMMA, SCALE_ACC, acc_layout)
             acc = warpgroup_mma_wait(0, deps=[acc])
             mbarrier.arrive(empty.index((hi - 1) % NUM_BUF))  # the segment's last stage
-        _flush(acc, c_ptr, ws_ptr, tile_units_ptr, tn, tm, M, N, hi - lo, k_tiles, u0 // k_tiles + seg, seg, pid,
-               n_progs, tiles_n * tiles_m * k_tiles, BLOCK_N, BLOCK_M, ATOMIC_OUT, SLOT_PARTIALS, acc_layout)
+        _flush(acc, c_ptr, ws_ptr, tile_units_ptr, tn, tm, M, N, hi - lo, k_tiles, BLOCK_N, BLOCK_M, ATOMIC_OUT,
+               acc_layout)
 
 
 @gluon.jit
@@ -489,8 +453,8 @@ def _w4a16_gluon_kernel(desc_w, desc_x, scales_ptr, zeros_ptr, xsum_ptr, c_ptr, 
                         tiles_n, tiles_m, stride_sg, stride_zg,
                         GROUP_SIZE: gl.constexpr, HAS_ZEROS: gl.constexpr, BLOCK_N: gl.constexpr,
                         BLOCK_M: gl.constexpr, GROUP_N: gl.constexpr, NUM_BUF: gl.constexpr,
-                        WGMMA: gl.constexpr, ATOMIC_OUT: gl.constexpr, SLOT_PARTIALS: gl.constexpr,
-                        PERSISTENT: gl.constexpr, num_warps: gl.constexpr):
+                        WGMMA: gl.constexpr, ATOMIC_OUT: gl.constexpr, PERSISTENT: gl.constexpr,
+                        num_warps: gl.constexpr):
     """``c[M, N] (+)= x[M, K] @ dequant(qw)^T`` over this program's contiguous run of (tile, K tile) units.
 
     ``x`` (behind ``desc_x``) is in paired-nibble column order; ``c`` is contiguous. ATOMIC_OUT: runs
@@ -516,8 +480,7 @@ def _w4a16_gluon_kernel(desc_w, desc_x, scales_ptr, zeros_ptr, xsum_ptr, c_ptr, 
     gl.warp_specialize([
         (_mma_partition, (w_smem, x_smem, ready, empty, scales_ptr, zeros_ptr, xsum_ptr, c_ptr, ws_ptr, tile_units_ptr,
                           M, N, u0, count, pid, n_progs, k_tiles, tiles_n, tiles_m, stride_sg, stride_zg, GROUP_SIZE,
-                          HAS_ZEROS, BLOCK_N, BLOCK_M, GROUP_N, NUM_BUF, WGMMA, ATOMIC_OUT, SLOT_PARTIALS, PERSISTENT,
-                          num_warps)),
+                          HAS_ZEROS, BLOCK_N, BLOCK_M, GROUP_N, NUM_BUF, WGMMA, ATOMIC_OUT, PERSISTENT, num_warps)),
         (_load_partition, (desc_w, desc_x, w_smem, x_smem, ready, empty, u0, count, pid, n_progs, k_tiles, tiles_n,
                            tiles_m, BLOCK_N, BLOCK_M, GROUP_N, NUM_BUF, PERSISTENT)),
     ], [1], [LOAD_WARP_REGS])
@@ -533,10 +496,9 @@ class GluonConfig:
     * WGMMA: asynchronous wgmma (prefill) instead of mma.sync (decode). mma.sync tiles take BLOCK_M 16
       (8 whenever M <= 8) and 16 weight rows per warp; wgmma tiles 64 weight rows per warpgroup.
     * STREAM_K: the units of one activation tile (M <= BLOCK_M) are split evenly over
-      ``num_SMs * CTAS_PER_SM`` programs, whose partial sums meet in a float32 workspace, through
-      atomics or (SLOT_PARTIALS) per-program slots, see ``_flush``; otherwise one program per output
-      tile, stored once. All stream-K programs must be resident at once, so the register cap per
-      thread follows from CTAS_PER_SM (:meth:`maxnreg`).
+      ``num_SMs * CTAS_PER_SM`` programs, whose partial sums meet in a float32 workspace through
+      atomics; otherwise one program per output tile, stored once. All stream-K programs must be
+      resident at once, so the register cap per thread follows from CTAS_PER_SM (:meth:`maxnreg`).
     * PERSISTENT (one program per tile otherwise): ``num_SMs * CTAS_PER_SM`` programs, each takes
       every n-th output tile whole, its producer running ahead into the next tile during the store.
     * X_BOX_K: activation columns per TMA box, 32 (four boxes a unit, 64-byte rows, 64-byte swizzle) or 64
@@ -553,7 +515,6 @@ class GluonConfig:
     GROUP_N: int = 8
     PERSISTENT: bool = False
     X_BOX_K: int = 32
-    SLOT_PARTIALS: bool = False
 
     def block_m(self, m: int) -> int:
         return 8 if (not self.WGMMA and m <= 8) else self.BLOCK_M
@@ -582,13 +543,16 @@ _REGS_PER_SM = 65536
 _SMEM_PER_SM = 228 * 1024
 
 # Candidates timed on first use per (M bucket, N, K, group, zeros, dtype); see ConfigTuner.
+# Decode takes 64-column activation boxes: with them the fastest config of each decode cell was 0-0.7 us
+# faster and never slower (H200 run 31: 28672 x 8192, 14336 x 4096, 4096 x 4096 at M = 1, 4, 16); prefill
+# keeps 32 (equal at 256 x 128, 4-10 % slower at 128 x 128).
 DECODE_GLUON_CONFIGS = [  # mma.sync, stream-K, M <= 16
-    GluonConfig(128, 16, 6, 4, 3),
-    GluonConfig(128, 16, 4, 4, 4),
-    GluonConfig(256, 16, 4, 4, 2),
-    GluonConfig(256, 16, 5, 8, 2),
-    GluonConfig(128, 16, 8, 4, 2),
-    GluonConfig(64, 16, 8, 4, 3),
+    GluonConfig(128, 16, 6, 4, 3, X_BOX_K=64),
+    GluonConfig(128, 16, 4, 4, 4, X_BOX_K=64),
+    GluonConfig(256, 16, 4, 4, 2, X_BOX_K=64),
+    GluonConfig(256, 16, 5, 8, 2, X_BOX_K=64),
+    GluonConfig(128, 16, 8, 4, 2, X_BOX_K=64),
+    GluonConfig(64, 16, 8, 4, 3, X_BOX_K=64),
 ]
 # 17..64 rows: the same mma.sync stream-K on taller activation tiles, next to the wgmma configs. (Only
 # tiles whose sm_90 compile does not spill at these register caps: 128 x 64 spills at 128 registers.)
@@ -651,24 +615,17 @@ def _launch(x: torch.Tensor, w: W4A16Weights, config: GluonConfig) -> torch.Tens
     stream_k = config.STREAM_K and tiles_m == 1
     persistent = config.PERSISTENT and not stream_k
     # one small launch gathers the activations into the paired column order and, for stream-K, zeroes
-    # the per-tile unit counters (SLOT_PARTIALS: the partial-sum slots need no zeroing, see _flush) or the
-    # float32 workspace [M, N] and the counters behind it
-    slots = config.SLOT_PARTIALS
-    zeroed = torch.empty((tiles_n if slots else m * n + tiles_n) if stream_k else 0, device=x.device,
-                         dtype=torch.int32 if slots else torch.float32)
+    # the float32 workspace [M, N] and the per-tile unit counters behind it
+    ws = torch.empty(m * n + tiles_n if stream_k else 0, device=x.device, dtype=torch.float32)
     # and, for the mma.sync path with one group per K tile, each K tile's activation sums (_magic_pairs)
     xsum = None
     if not config.WGMMA and w.group_size % PAIR_TILE_K == 0:
         xsum = torch.empty((m, k_tiles), device=x.device, dtype=torch.float32)
-    xp = gather_columns(x, w.pair_index, zeroed, xsum)
+    xp = gather_columns(x, w.pair_index, ws, xsum)
     out = torch.empty((m, n), device=x.device, dtype=x.dtype)
     if stream_k:
+        tile_units = ws[m * n:].view(torch.int32)  # zero bits are int32 zeros
         grid = (min(tiles_n * k_tiles, num_sms(x.device) * config.CTAS_PER_SM),)
-        if slots:
-            tile_units = zeroed
-            ws = torch.empty(grid[0] * 2 * config.BLOCK_N * block_m, device=x.device, dtype=torch.float32)
-        else:
-            ws, tile_units = zeroed, zeroed[m * n:].view(torch.int32)  # zero bits are int32 zeros
     else:
         ws, tile_units = out, out  # unused
         grid = (tiles_n * tiles_m,)
@@ -685,8 +642,7 @@ def _launch(x: torch.Tensor, w: W4A16Weights, config: GluonConfig) -> torch.Tens
                               tiles_m, w.scales.stride(0), zeros.stride(0),
                               GROUP_SIZE=w.group_size, HAS_ZEROS=w.zeros is not None, BLOCK_N=config.BLOCK_N,
                               BLOCK_M=block_m, GROUP_N=config.GROUP_N, NUM_BUF=config.NUM_BUF,
-                              WGMMA=config.WGMMA, ATOMIC_OUT=stream_k, SLOT_PARTIALS=slots,
-                              PERSISTENT=persistent,
+                              WGMMA=config.WGMMA, ATOMIC_OUT=stream_k, PERSISTENT=persistent,
                               num_warps=config.num_warps,
                               maxnreg=config.maxnreg(), launch_pdl=True)
     return out

@@ -2,7 +2,7 @@
 
     python3 bench/debug/ab_gluon_configs.py --shapes 4096x4096,28672x8192 --ms 1024,4096 \\
         --configs "BLOCK_N=256,BLOCK_M=128,NUM_BUF=4,num_warps=8,WGMMA=1,STREAM_K=0;..." [--repeat 2] [--json F] \\
-        [--variants "X_BOX_K=64;SLOT_PARTIALS=1"] [--decode]
+        [--variants "X_BOX_K=64;NUM_BUF=6"] [--decode]
 
 Every config (``;``-separated, the fields of ``GluonConfig``) is checked against the float32 product and
 graph-timed over rotating weights (L2 clean), like bench_w4a16.py; each config is timed ``--repeat``
@@ -65,7 +65,7 @@ def main():
                          for _ in range(args.repeat)]
                 rows.append(dict(shape=shape, m=m, config=str(cfg), us=times, cublas_us=cublas, rel_err=err))
                 name = (f"{cfg.BLOCK_N}x{cfg.BLOCK_M}/{cfg.NUM_BUF}{'/P' if cfg.PERSISTENT else ''}"
-                        f"{'/K' if cfg.STREAM_K else ''}/x{cfg.X_BOX_K}{'/S' if cfg.SLOT_PARTIALS else ''}")
+                        f"{'/K' if cfg.STREAM_K else ''}/x{cfg.X_BOX_K}")
                 cells.append(f"{name} {' '.join(f'{t:.1f}' for t in times)} ({cublas / min(times):.2f}x, {err:.0e})")
             print(f"{shape} M={m}: " + " | ".join(cells), flush=True)
     if args.json:

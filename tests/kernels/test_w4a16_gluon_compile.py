@@ -36,9 +36,9 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from quantkit.kernels.w4a16_gluon import GluonConfig, _w4a16_gluon_kernel
 
-block_n, block_m, num_buf, num_warps, wgmma, group_size, x_box_k, slots, out = json.loads(sys.argv[1])
+block_n, block_m, num_buf, num_warps, wgmma, group_size, x_box_k, out = json.loads(sys.argv[1])
 cfg = GluonConfig(block_n, block_m, num_buf, num_warps, WGMMA=wgmma, STREAM_K=not wgmma, CTAS_PER_SM=1 if wgmma else 3,
-                  X_BOX_K=x_box_k, SLOT_PARTIALS=slots)
+                  X_BOX_K=x_box_k)
 smem = ("NVMMASharedLayout(swizzle_byte_width={}, element_bitwidth={}, rank=2, transposed=False, "
         "fp4_padded=False, cga_layout=[])")
 signature = {
@@ -48,8 +48,7 @@ signature = {
     "M": "i32", "N": "i32", "k_tiles": "i32", "tiles_n": "i32", "tiles_m": "i32", "stride_sg": "i32", "stride_zg": "i32",
 }
 constexprs = dict(GROUP_SIZE=group_size, HAS_ZEROS=False, BLOCK_N=block_n, BLOCK_M=block_m, GROUP_N=8,
-                  NUM_BUF=num_buf, WGMMA=wgmma, ATOMIC_OUT=not wgmma, SLOT_PARTIALS=slots, PERSISTENT=False,
-                  num_warps=num_warps)
+                  NUM_BUF=num_buf, WGMMA=wgmma, ATOMIC_OUT=not wgmma, PERSISTENT=False, num_warps=num_warps)
 signature |= {name: "constexpr" for name in constexprs}
 src = GluonASTSource(fn=_w4a16_gluon_kernel, signature=signature, constexprs=constexprs, attrs={})
 kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "maxnreg": cfg.maxnreg()})
@@ -63,11 +62,10 @@ class _Compiled:
         self.cubin, self.ptx = prefix + ".cubin", prefix + ".ptx"
 
 
-def _compile(tmp_path_factory, block_n, block_m, num_buf, num_warps, wgmma, group_size=128, x_box_k=32,
-             slots=False) -> _Compiled:
+def _compile(tmp_path_factory, block_n, block_m, num_buf, num_warps, wgmma, group_size=128, x_box_k=32) -> _Compiled:
     prefix = str(tmp_path_factory.mktemp("gluon") / "kernel")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    args = json.dumps([block_n, block_m, num_buf, num_warps, wgmma, group_size, x_box_k, slots, prefix])
+    args = json.dumps([block_n, block_m, num_buf, num_warps, wgmma, group_size, x_box_k, prefix])
     done = subprocess.run([sys.executable, "-c", _COMPILE, args], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     return _Compiled(prefix)
@@ -93,7 +91,7 @@ def prefill_kernel(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def decode_kernel(tmp_path_factory):
-    return _compile(tmp_path_factory, 128, 16, 6, 4, wgmma=False)
+    return _compile(tmp_path_factory, 128, 16, 6, 4, wgmma=False, x_box_k=64)  # as DECODE_GLUON_CONFIGS
 
 
 def test_wgmma_chain_is_drained_before_the_accumulator_is_read(prefill_kernel):
@@ -151,25 +149,13 @@ def test_waits_for_the_gather_before_reading_what_it_wrote(decode_kernel, prefil
         assert "ACQBULK" in "\n".join(_sass(kernel))
 
 
-@pytest.fixture(scope="module")
-def decode_slots_kernel(tmp_path_factory):
-    return _compile(tmp_path_factory, 128, 16, 6, 4, wgmma=False, slots=True)
-
-
-@pytest.mark.parametrize("slots", [False, True], ids=["atomics", "slots"])
-def test_decode_tile_fixup_orders_sums_before_the_counter(decode_kernel, decode_slots_kernel, slots):
-    # stream-K: the partial sums go to the float32 workspace (float32 atomics into [M, N], or plain stores
-    # into the program's own slot), then one thread adds to the tile's unit count; the program that
-    # completes it reads the workspace back. The sums must be fenced device-wide before the count, and the
-    # read must come from L2 (another SM's sums are not in this SM's L1).
-    sass = _sass(decode_slots_kernel if slots else decode_kernel)
-    atomics = [i for i, line in enumerate(sass) if re.search(r"(ATOMG|REDG?)\.E\.ADD\.F32", line)]
+def test_decode_tile_fixup_orders_sums_before_the_counter(decode_kernel):
+    # stream-K: partial sums go to the float32 workspace, then one thread adds to the tile's unit count;
+    # the program that completes it reads the workspace back. The sums must be fenced device-wide before
+    # the count, and the read must come from L2 (another SM's atomics are not in this SM's L1).
+    sass = _sass(decode_kernel)
+    sums = [i for i, line in enumerate(sass) if re.search(r"(ATOMG|REDG?)\.E\.ADD\.F32", line)]
     count = next(i for i, line in enumerate(sass) if re.search(r"ATOMG\.E\.ADD\.STRONG\.GPU PT, R\d+", line))
-    if slots:
-        assert not atomics
-        sums = [i for i, line in enumerate(sass[:count]) if re.search(r"STG\.E(\.64|\.128)? ", line)]
-    else:
-        sums = atomics
     assert sums and max(sums) < count
     between = sass[max(sums):count]
     barrier = next(i for i, line in enumerate(between) if "BAR.SYNC" in line)
