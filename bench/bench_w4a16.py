@@ -162,7 +162,7 @@ def run_shape(n, k, ms, copy_tbs, rows, variants, deadline=float("inf")):
             row[f"triton_{row['path']}_us"] = row["triton_us"]
         row["tflops"] = 2 * m * n * k / (row["triton_us"] * 1e-6) / 1e12
         if m <= kw.DECODE_MAX_M:
-            tbs = packed_bytes / (row["triton_us"] * 1e-6) / 1e12
+            tbs = packed_bytes(ws[0]) / (row["triton_us"] * 1e-6) / 1e12
             row["weight_tbs"] = tbs
             row["pct_copy_bw"] = 100 * tbs / copy_tbs
         rows.append(row)
