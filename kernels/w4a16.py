@@ -131,6 +131,12 @@ GEMV_DIRECT_CONFIGS = [
     _gemv_cfg(16, 256, 4, pipe=8),
     _gemv_cfg(32, 256, 4, pipe=4),
     _gemv_cfg(8, 256, 2, pipe=8),
+    # whole rows in one or two tiles: every load of a program issued at once (more programs, no loop)
+    _gemv_cfg(4, 2048, 4, pipe=2),
+    _gemv_cfg(4, 4096, 4),
+    _gemv_cfg(2, 4096, 2),
+    _gemv_cfg(8, 2048, 4, pipe=2),
+    _gemv_cfg(8, 1024, 4, pipe=4),
 ]
 _GEMV_MAX_PRODUCTS_PER_THREAD = 2048
 _GEMV_MAX_CODES_PER_THREAD = 256

@@ -1,9 +1,10 @@
 """A/B of the small-M W4A16 paths on one GPU: the direct GEMV (one launch), the split-K GEMV (zeroing,
 atomics, cast), the Gluon kernel and PyTorch's int4 kernel, graph-timed over rotating weights.
 
-    python3 bench/debug/ab_gemv_direct.py [--shapes 4096x4096,14336x4096] [--ms 1,2,4]
+    python3 bench/debug/ab_gemv_direct.py [--shapes 4096x4096,14336x4096] [--ms 1,2,4] [--each]
 
-Prints one line per (shape, M) with each variant's microseconds and relative error against float32.
+Prints one line per (shape, M) with each variant's microseconds and relative error against float32;
+``--each`` adds a line with every direct-GEMV config that fits (BLOCK_N x BLOCK_K / pipe / warps: us).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import os
 import sys
 
 import torch
+import triton
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_w4a16 import (  # noqa: E402
@@ -44,6 +46,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="4096x4096,14336x4096,4096x14336")
     ap.add_argument("--ms", default="1,2,4")
+    ap.add_argument("--each", action="store_true")
     args = ap.parse_args()
     for shape in args.shapes.split(","):
         n, k = (int(v) for v in shape.split("x"))
@@ -65,6 +68,18 @@ def main():
             us = bench_graph([lambda x=x, p=p: torch._weight_int4pack_mm(x, p[0], GROUP, p[1]) for x, p in zip(xs, i4)])
             cells.append(f"int4 {us:6.1f}")
             print(f"{shape} M={m}: " + " | ".join(cells), flush=True)
+            if args.each:
+                block_m = max(1, triton.next_power_of_2(m))
+                each = []
+                for c in kw.GEMV_DIRECT_CONFIGS:
+                    meta = c.all_kwargs()
+                    if not kw._gemv_config_ok(meta, block_m, w0.group_size):
+                        continue
+                    cfg = dict(meta, SPLIT_K=1)
+                    us = bench_graph([lambda x=x, w=w, c=cfg: kw._gemv_matmul(x, w, c, True, direct=True)
+                                      for x, w in zip(xs, ws)])
+                    each.append(f"{meta['BLOCK_N']}x{meta['BLOCK_K']}/{meta['PIPE']}/w{meta['num_warps']} {us:5.1f}")
+                print("  direct configs: " + " | ".join(each), flush=True)
 
 
 if __name__ == "__main__":

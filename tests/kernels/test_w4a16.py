@@ -94,6 +94,9 @@ GEMV_CASES = [
     (72, 576, 4, 128, False, False, 3, dict(BLOCK_N=16, BLOCK_K=256, SPLIT_K=1, PIPE=3)),  # asym, partial group
     (64, 256, 4, 64, True, True, 1, dict(BLOCK_N=8, BLOCK_K=128, SPLIT_K=1)),  # act-order sym
     (64, 192, 8, 64, False, False, 2, dict(BLOCK_N=8, BLOCK_K=64, SPLIT_K=1, num_warps=2)),  # 8-bit
+    # whole rows in one tile (16 groups), and a tile wider than K (576: 4 groups and a partial one, masked)
+    (16, 2048, 4, 128, False, False, 1, dict(BLOCK_N=2, BLOCK_K=2048, SPLIT_K=1, num_warps=2)),
+    (24, 576, 4, 128, True, False, 1, dict(BLOCK_N=4, BLOCK_K=1024, SPLIT_K=1)),
 ]
 
 
@@ -332,6 +335,23 @@ def test_kernel_gpu(n, k, gs, sym, act, m, dtype):
     mod = _kernel_module()
     path, config = _gpu_path_config(mod, m, gs)
     _run_gpu(mod, n, k, gs, sym, act, m, dtype, path, config)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("which", range(16))
+@pytest.mark.parametrize("n,k,gs,sym,act", [GPU_SHAPES[0], GPU_SHAPES[1], GPU_SHAPES[3]])
+@pytest.mark.parametrize("m", [1, 3])
+def test_gemv_direct_every_config_gpu(which, n, k, gs, sym, act, m):
+    # every direct-GEMV candidate (one launch, whole rows per program; some tiles wider than K)
+    mod = _kernel_module()
+    assert len(mod.GEMV_DIRECT_CONFIGS) <= 16, "add indices to the parametrization"
+    if which >= len(mod.GEMV_DIRECT_CONFIGS):
+        pytest.skip("no such config")
+    meta = mod.GEMV_DIRECT_CONFIGS[which].all_kwargs()
+    if not mod._gemv_config_ok(meta, 1 << (m - 1).bit_length(), gs):
+        pytest.skip("config does not take this M or group")
+    _run_gpu(mod, n, k, gs, sym, act, m, torch.bfloat16, "gemv", dict(meta, SPLIT_K=1))
 
 
 @pytest.mark.gpu
