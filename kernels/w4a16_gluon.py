@@ -339,10 +339,8 @@ def _unit(acc, a_prev, scale, zero, w_smem, x_smem, ready, empty, scales_ptr, ze
         m_idx = tm * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, acc_layout))
         xsum = gl.load(xsum_ptr + m_idx * k_tiles + kt, mask=m_idx < M, other=0.0)
     else:
-        xsum = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(0, acc_layout))  # unused
-        if WGMMA:
-            zb = _pairs_of((zero + MAGIC_VALUE).to(dtype), a_layout, BLOCK_N)  # exact: small integers
-            sc = _pairs_of(scale.to(dtype), a_layout, BLOCK_N)
+        zb = _pairs_of((zero + MAGIC_VALUE).to(dtype), a_layout, BLOCK_N)  # exact: small integers
+        sc = _pairs_of(scale.to(dtype), a_layout, BLOCK_N)
     mbarrier.wait(ready.index(stage), (i // NUM_BUF) & 1)
     words = w_smem.index(stage).load(w_layout)
     if WGMMA:
@@ -356,68 +354,28 @@ def _unit(acc, a_prev, scale, zero, w_smem, x_smem, ready, empty, scales_ptr, ze
                 mbarrier.arrive(empty.index((i + NUM_BUF - 1) % NUM_BUF), pred=u > lo)
             a_prev = a
     else:
-        b0, b1, b2, b3 = _x_operands(x_smem, stage, b_layout)
+        b0 = _x_dot(x_smem, stage, 0).permute((1, 0)).load(b_layout)
+        b1 = _x_dot(x_smem, stage, 1).permute((1, 0)).load(b_layout)
+        b2 = _x_dot(x_smem, stage, 2).permute((1, 0)).load(b_layout)
+        b3 = _x_dot(x_smem, stage, 3).permute((1, 0)).load(b_layout)
         # the consumer warps hold the stage in registers: the producer may refill it
         mbarrier.arrive(empty.index(stage))
-        acc = _sync_math(acc, words, b0, b1, b2, b3, xsum, scale, zero, BLOCK_N, BLOCK_M, SCALE_ACC, acc_layout)
+        if SCALE_ACC:
+            part = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=acc_layout)
+            part = mma_v2(_magic_pairs(words, 0, dtype, a_layout, BLOCK_N), b0, part)
+            part = mma_v2(_magic_pairs(words, 1, dtype, a_layout, BLOCK_N), b1, part)
+            part = mma_v2(_magic_pairs(words, 2, dtype, a_layout, BLOCK_N), b2, part)
+            part = mma_v2(_magic_pairs(words, 3, dtype, a_layout, BLOCK_N), b3, part)
+            row_scale = gl.convert_layout(gl.reshape(scale, [BLOCK_N]), gl.SliceLayout(1, acc_layout))
+            row_bias = gl.convert_layout(gl.reshape(zero, [BLOCK_N]), gl.SliceLayout(1, acc_layout))
+            bias = gl.expand_dims(row_bias.to(gl.float32) + MAGIC_VALUE, 1) * gl.expand_dims(xsum, 0)
+            acc = acc + (part - bias) * gl.expand_dims(row_scale.to(gl.float32), 1)
+        else:
+            acc = mma_v2(_dequant_pairs(words, zb, sc, 0, a_layout, BLOCK_N), b0, acc)
+            acc = mma_v2(_dequant_pairs(words, zb, sc, 1, a_layout, BLOCK_N), b1, acc)
+            acc = mma_v2(_dequant_pairs(words, zb, sc, 2, a_layout, BLOCK_N), b2, acc)
+            acc = mma_v2(_dequant_pairs(words, zb, sc, 3, a_layout, BLOCK_N), b3, acc)
     return acc, a_prev, scale_next, zero_next
-
-
-@gluon.jit
-def _x_operands(x_smem, stage, b_layout: gl.constexpr):
-    """The four K = 32 activation operands of ring stage ``stage`` (mma.sync B, from shared memory)."""
-    b0 = _x_dot(x_smem, stage, 0).permute((1, 0)).load(b_layout)
-    b1 = _x_dot(x_smem, stage, 1).permute((1, 0)).load(b_layout)
-    b2 = _x_dot(x_smem, stage, 2).permute((1, 0)).load(b_layout)
-    b3 = _x_dot(x_smem, stage, 3).permute((1, 0)).load(b_layout)
-    return b0, b1, b2, b3
-
-
-@gluon.jit
-def _sync_math(acc, words, b0, b1, b2, b3, xsum, scale, zero, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
-               SCALE_ACC: gl.constexpr, acc_layout: gl.constexpr):
-    """One unit's multiplies on the mma.sync path, from operands already in registers."""
-    dtype: gl.constexpr = b0.dtype
-    MAGIC_VALUE: gl.constexpr = 128.0 if dtype == gl.bfloat16 else 1024.0
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    if SCALE_ACC:
-        part = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=acc_layout)
-        part = mma_v2(_magic_pairs(words, 0, dtype, a_layout, BLOCK_N), b0, part)
-        part = mma_v2(_magic_pairs(words, 1, dtype, a_layout, BLOCK_N), b1, part)
-        part = mma_v2(_magic_pairs(words, 2, dtype, a_layout, BLOCK_N), b2, part)
-        part = mma_v2(_magic_pairs(words, 3, dtype, a_layout, BLOCK_N), b3, part)
-        row_scale = gl.convert_layout(gl.reshape(scale, [BLOCK_N]), gl.SliceLayout(1, acc_layout))
-        row_bias = gl.convert_layout(gl.reshape(zero, [BLOCK_N]), gl.SliceLayout(1, acc_layout))
-        bias = gl.expand_dims(row_bias.to(gl.float32) + MAGIC_VALUE, 1) * gl.expand_dims(xsum, 0)
-        acc = acc + (part - bias) * gl.expand_dims(row_scale.to(gl.float32), 1)
-    else:
-        zb = _pairs_of((zero + MAGIC_VALUE).to(dtype), a_layout, BLOCK_N)  # exact: small integers
-        sc = _pairs_of(scale.to(dtype), a_layout, BLOCK_N)
-        acc = mma_v2(_dequant_pairs(words, zb, sc, 0, a_layout, BLOCK_N), b0, acc)
-        acc = mma_v2(_dequant_pairs(words, zb, sc, 1, a_layout, BLOCK_N), b1, acc)
-        acc = mma_v2(_dequant_pairs(words, zb, sc, 2, a_layout, BLOCK_N), b2, acc)
-        acc = mma_v2(_dequant_pairs(words, zb, sc, 3, a_layout, BLOCK_N), b3, acc)
-    return acc
-
-
-@gluon.jit
-def _fetch_sync(w_smem, x_smem, ready, empty, xsum_ptr, M, k_tiles, u, kt_base, tm, BLOCK_M: gl.constexpr,
-                NUM_BUF: gl.constexpr, SCALE_ACC: gl.constexpr, acc_layout: gl.constexpr):
-    """Unit ``u``'s operands into registers (mma.sync path): wait for its stage, read the words and the
-    activations, release the stage; and its activation sums (SCALE_ACC)."""
-    b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=acc_layout, k_width=2)
-    w_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=1)
-    stage = u % NUM_BUF
-    m_idx = tm * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, acc_layout))
-    if SCALE_ACC:
-        xsum = gl.load(xsum_ptr + m_idx * k_tiles + (u - kt_base), mask=m_idx < M, other=0.0)
-    else:
-        xsum = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(0, acc_layout))  # unused
-    mbarrier.wait(ready.index(stage), (u // NUM_BUF) & 1)
-    words = w_smem.index(stage).load(w_layout)
-    b0, b1, b2, b3 = _x_operands(x_smem, stage, b_layout)
-    mbarrier.arrive(empty.index(stage))
-    return words, b0, b1, b2, b3, xsum
 
 
 @gluon.jit
@@ -426,7 +384,7 @@ def _mma_partition(w_smem, x_smem, ready, empty, scales_ptr, zeros_ptr, xsum_ptr
                    count, pid, n_progs, k_tiles, tiles_n, tiles_m, stride_sg, stride_zg, GROUP_SIZE: gl.constexpr,
                    HAS_ZEROS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, GROUP_N: gl.constexpr,
                    NUM_BUF: gl.constexpr, WGMMA: gl.constexpr, ATOMIC_OUT: gl.constexpr, PERSISTENT: gl.constexpr,
-                   PREFETCH: gl.constexpr, num_warps: gl.constexpr):
+                   num_warps: gl.constexpr):
     """Consumer warps: the run, one segment per output tile it touches (one; several whole tiles when
     PERSISTENT; stream-K pieces), each segment's units, then its flush. Units are numbered here by their
     position in the program's ring order; ``kt_base`` maps those numbers to the segment's K tiles.
@@ -472,37 +430,20 @@ def _mma_partition(w_smem, x_smem, ready, empty, scales_ptr, zeros_ptr, xsum_ptr
         a_prev = gl.zeros([BLOCK_N, 2 * _WORDS], dtype, layout=a_layout)  # wgmma: the A operand in flight
         scale, zero = _group_params(scales_ptr, zeros_ptr, tn, lo - kt_base, N, stride_sg, stride_zg, offs_n,
                                     offs_w, GROUP_SIZE, HAS_ZEROS, BLOCK_N)
-        if PREFETCH and not WGMMA:
-            # register double buffering: unit u + 1's operands are read (and its stage released) before
-            # unit u's multiplies, so the shared-memory reads and the wait overlap the math
-            words, b0, b1, b2, b3, xsum = _fetch_sync(w_smem, x_smem, ready, empty, xsum_ptr, M, k_tiles, lo,
-                                                      kt_base, tm, BLOCK_M, NUM_BUF, SCALE_ACC, acc_layout)
-            for u in range(lo, hi - 1):
-                scale_n, zero_n = _group_params(scales_ptr, zeros_ptr, tn, u + 1 - kt_base, N, stride_sg,
-                                                stride_zg, offs_n, offs_w, GROUP_SIZE, HAS_ZEROS, BLOCK_N)
-                words_n, b0_n, b1_n, b2_n, b3_n, xsum_n = _fetch_sync(
-                    w_smem, x_smem, ready, empty, xsum_ptr, M, k_tiles, u + 1, kt_base, tm, BLOCK_M, NUM_BUF,
-                    SCALE_ACC, acc_layout)
-                acc = _sync_math(acc, words, b0, b1, b2, b3, xsum, scale, zero, BLOCK_N, BLOCK_M, SCALE_ACC,
-                                 acc_layout)
-                words, b0, b1, b2, b3, xsum = words_n, b0_n, b1_n, b2_n, b3_n, xsum_n
-                scale, zero = scale_n, zero_n
-            acc = _sync_math(acc, words, b0, b1, b2, b3, xsum, scale, zero, BLOCK_N, BLOCK_M, SCALE_ACC, acc_layout)
-        else:
-            for u in range(lo, hi - 1 if WGMMA else hi):
-                acc, a_prev, scale, zero = _unit(acc, a_prev, scale, zero, w_smem, x_smem, ready, empty, scales_ptr,
-                                                 zeros_ptr, xsum_ptr, M, N, k_tiles, stride_sg, stride_zg, u, lo, hi,
-                                                 tn, tm, kt_base,
-                                                 offs_n, offs_w, GROUP_SIZE, HAS_ZEROS, BLOCK_N, BLOCK_M, NUM_BUF,
-                                                 WGMMA, SCALE_ACC, acc_layout)
-            if WGMMA:
-                acc, a_prev, scale, zero = _unit(acc, a_prev, scale, zero, w_smem, x_smem, ready, empty, scales_ptr,
-                                                 zeros_ptr, xsum_ptr, M, N, k_tiles, stride_sg, stride_zg, hi - 1,
-                                                 lo, hi, tn, tm, kt_base,
-                                                 offs_n, offs_w, GROUP_SIZE, HAS_ZEROS, BLOCK_N, BLOCK_M, NUM_BUF,
-                                                 WGMMA, SCALE_ACC, acc_layout)
-                acc = warpgroup_mma_wait(0, deps=[acc])
-                mbarrier.arrive(empty.index((hi - 1) % NUM_BUF))  # the segment's last stage
+        for u in range(lo, hi - 1 if WGMMA else hi):
+            acc, a_prev, scale, zero = _unit(acc, a_prev, scale, zero, w_smem, x_smem, ready, empty, scales_ptr,
+                                             zeros_ptr, xsum_ptr, M, N, k_tiles, stride_sg, stride_zg, u, lo, hi,
+                                             tn, tm, kt_base,
+                                             offs_n, offs_w, GROUP_SIZE, HAS_ZEROS, BLOCK_N, BLOCK_M, NUM_BUF,
+                                             WGMMA, SCALE_ACC, acc_layout)
+        if WGMMA:
+            acc, a_prev, scale, zero = _unit(acc, a_prev, scale, zero, w_smem, x_smem, ready, empty, scales_ptr,
+                                             zeros_ptr, xsum_ptr, M, N, k_tiles, stride_sg, stride_zg, hi - 1,
+                                             lo, hi, tn, tm, kt_base,
+                                             offs_n, offs_w, GROUP_SIZE, HAS_ZEROS, BLOCK_N, BLOCK_M, NUM_BUF,
+                                             WGMMA, SCALE_ACC, acc_layout)
+            acc = warpgroup_mma_wait(0, deps=[acc])
+            mbarrier.arrive(empty.index((hi - 1) % NUM_BUF))  # the segment's last stage
         _flush(acc, c_ptr, ws_ptr, tile_units_ptr, tn, tm, M, N, hi - lo, k_tiles, BLOCK_N, BLOCK_M, ATOMIC_OUT,
                acc_layout)
 
@@ -513,7 +454,7 @@ def _w4a16_gluon_kernel(desc_w, desc_x, scales_ptr, zeros_ptr, xsum_ptr, c_ptr, 
                         GROUP_SIZE: gl.constexpr, HAS_ZEROS: gl.constexpr, BLOCK_N: gl.constexpr,
                         BLOCK_M: gl.constexpr, GROUP_N: gl.constexpr, NUM_BUF: gl.constexpr,
                         WGMMA: gl.constexpr, ATOMIC_OUT: gl.constexpr, PERSISTENT: gl.constexpr,
-                        PREFETCH: gl.constexpr, num_warps: gl.constexpr):
+                        num_warps: gl.constexpr):
     """``c[M, N] (+)= x[M, K] @ dequant(qw)^T`` over this program's contiguous run of (tile, K tile) units.
 
     ``x`` (behind ``desc_x``) is in paired-nibble column order; ``c`` is contiguous. ATOMIC_OUT: runs
@@ -539,8 +480,7 @@ def _w4a16_gluon_kernel(desc_w, desc_x, scales_ptr, zeros_ptr, xsum_ptr, c_ptr, 
     gl.warp_specialize([
         (_mma_partition, (w_smem, x_smem, ready, empty, scales_ptr, zeros_ptr, xsum_ptr, c_ptr, ws_ptr, tile_units_ptr,
                           M, N, u0, count, pid, n_progs, k_tiles, tiles_n, tiles_m, stride_sg, stride_zg, GROUP_SIZE,
-                          HAS_ZEROS, BLOCK_N, BLOCK_M, GROUP_N, NUM_BUF, WGMMA, ATOMIC_OUT, PERSISTENT, PREFETCH,
-                          num_warps)),
+                          HAS_ZEROS, BLOCK_N, BLOCK_M, GROUP_N, NUM_BUF, WGMMA, ATOMIC_OUT, PERSISTENT, num_warps)),
         (_load_partition, (desc_w, desc_x, w_smem, x_smem, ready, empty, u0, count, pid, n_progs, k_tiles, tiles_n,
                            tiles_m, BLOCK_N, BLOCK_M, GROUP_N, NUM_BUF, PERSISTENT)),
     ], [1], [LOAD_WARP_REGS])
@@ -563,8 +503,6 @@ class GluonConfig:
       every n-th output tile whole, its producer running ahead into the next tile during the store.
     * X_BOX_K: activation columns per TMA box, 32 (four boxes a unit, 64-byte rows, 64-byte swizzle) or 64
       (two boxes, 128-byte rows and swizzle; each dot reads a column slice).
-    * PREFETCH (mma.sync): each unit's operands are read from shared memory one unit ahead, into a second
-      set of registers.
     """
 
     BLOCK_N: int
@@ -577,7 +515,6 @@ class GluonConfig:
     GROUP_N: int = 8
     PERSISTENT: bool = False
     X_BOX_K: int = 32
-    PREFETCH: bool = False
 
     def block_m(self, m: int) -> int:
         return 8 if (not self.WGMMA and m <= 8) else self.BLOCK_M
@@ -593,11 +530,8 @@ class GluonConfig:
         """Shared memory and registers for CTAS_PER_SM programs per SM, and a tile that suits M."""
         if self.CTAS_PER_SM * self.smem_bytes(m) > _SMEM_PER_SM:
             return False
-        # per-word scales (groups under 128) need more registers: under 80 the decode warps spill; so do two
-        # units' operands (PREFETCH) under 128 (sm_90 compile: 60-564 bytes of spill at 64-80)
+        # per-word scales (groups under 128) need more registers: under 80 the decode warps spill
         if self.maxnreg() < (80 if group_size % PAIR_TILE_K else 64):
-            return False
-        if self.PREFETCH and not self.WGMMA and self.maxnreg() < 128:
             return False
         if self.WGMMA:
             return self.BLOCK_M <= max(64, triton.next_power_of_2(m)) and (not self.STREAM_K or m <= self.BLOCK_M)
@@ -709,7 +643,6 @@ def _launch(x: torch.Tensor, w: W4A16Weights, config: GluonConfig) -> torch.Tens
                               GROUP_SIZE=w.group_size, HAS_ZEROS=w.zeros is not None, BLOCK_N=config.BLOCK_N,
                               BLOCK_M=block_m, GROUP_N=config.GROUP_N, NUM_BUF=config.NUM_BUF,
                               WGMMA=config.WGMMA, ATOMIC_OUT=stream_k, PERSISTENT=persistent,
-                              PREFETCH=config.PREFETCH,
                               num_warps=config.num_warps,
                               maxnreg=config.maxnreg(), launch_pdl=True)
     return out

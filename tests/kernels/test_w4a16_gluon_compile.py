@@ -36,9 +36,9 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from quantkit.kernels.w4a16_gluon import GluonConfig, _w4a16_gluon_kernel
 
-block_n, block_m, num_buf, num_warps, wgmma, group_size, x_box_k, ctas, prefetch, out = json.loads(sys.argv[1])
-cfg = GluonConfig(block_n, block_m, num_buf, num_warps, WGMMA=wgmma, STREAM_K=not wgmma, CTAS_PER_SM=ctas,
-                  X_BOX_K=x_box_k, PREFETCH=prefetch)
+block_n, block_m, num_buf, num_warps, wgmma, group_size, x_box_k, out = json.loads(sys.argv[1])
+cfg = GluonConfig(block_n, block_m, num_buf, num_warps, WGMMA=wgmma, STREAM_K=not wgmma, CTAS_PER_SM=1 if wgmma else 3,
+                  X_BOX_K=x_box_k)
 smem = ("NVMMASharedLayout(swizzle_byte_width={}, element_bitwidth={}, rank=2, transposed=False, "
         "fp4_padded=False, cga_layout=[])")
 signature = {
@@ -48,8 +48,7 @@ signature = {
     "M": "i32", "N": "i32", "k_tiles": "i32", "tiles_n": "i32", "tiles_m": "i32", "stride_sg": "i32", "stride_zg": "i32",
 }
 constexprs = dict(GROUP_SIZE=group_size, HAS_ZEROS=False, BLOCK_N=block_n, BLOCK_M=block_m, GROUP_N=8,
-                  NUM_BUF=num_buf, WGMMA=wgmma, ATOMIC_OUT=not wgmma, PERSISTENT=False, PREFETCH=prefetch,
-                  num_warps=num_warps)
+                  NUM_BUF=num_buf, WGMMA=wgmma, ATOMIC_OUT=not wgmma, PERSISTENT=False, num_warps=num_warps)
 signature |= {name: "constexpr" for name in constexprs}
 src = GluonASTSource(fn=_w4a16_gluon_kernel, signature=signature, constexprs=constexprs, attrs={})
 kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "maxnreg": cfg.maxnreg()})
@@ -63,12 +62,10 @@ class _Compiled:
         self.cubin, self.ptx = prefix + ".cubin", prefix + ".ptx"
 
 
-def _compile(tmp_path_factory, block_n, block_m, num_buf, num_warps, wgmma, group_size=128, x_box_k=32, ctas=None,
-             prefetch=False) -> _Compiled:
+def _compile(tmp_path_factory, block_n, block_m, num_buf, num_warps, wgmma, group_size=128, x_box_k=32) -> _Compiled:
     prefix = str(tmp_path_factory.mktemp("gluon") / "kernel")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    ctas = ctas or (1 if wgmma else 3)
-    args = json.dumps([block_n, block_m, num_buf, num_warps, wgmma, group_size, x_box_k, ctas, prefetch, prefix])
+    args = json.dumps([block_n, block_m, num_buf, num_warps, wgmma, group_size, x_box_k, prefix])
     done = subprocess.run([sys.executable, "-c", _COMPILE, args], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     return _Compiled(prefix)
@@ -167,12 +164,3 @@ def test_decode_tile_fixup_orders_sums_before_the_counter(decode_kernel):
     assert any("MEMBAR.ALL.GPU" in line for line in between[barrier:])
     assert not any("MEMBAR" in line for line in between[:barrier])
     assert any("LDG.E.STRONG.GPU" in line for line in sass[count:])
-
-
-def test_decode_prefetch_holds_two_units_without_spilling(tmp_path_factory):
-    # PREFETCH: unit u + 1's words and activations are read before unit u's multiplies (two operand sets live,
-    # the last unit peeled); at two programs per SM (128 registers) that must not spill
-    sass = "\n".join(_sass(kernel := _compile(tmp_path_factory, 128, 16, 8, 4, wgmma=False, x_box_k=64, ctas=2,
-                                               prefetch=True)))
-    assert sass.count("HMMA") == 64  # the loop's unit and the peeled last one: 2 x 32
-    assert " 0 bytes spill stores" in _ptxas_notices(kernel)
