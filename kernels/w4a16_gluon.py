@@ -546,9 +546,13 @@ _SMEM_PER_SM = 228 * 1024
 # Decode takes 64-column activation boxes: with them the fastest config of each decode cell was 0-0.7 us
 # faster and never slower (H200 run 31: 28672 x 8192, 14336 x 4096, 4096 x 4096 at M = 1, 4, 16); prefill
 # keeps 32 (equal at 256 x 128, 4-10 % slower at 128 x 128).
+# The two programs-per-SM versions of the 128-row tiles: 16.5 / 18.9 us against 17.3 / 21.2 for the best
+# other config at 14336 x 4096, M = 1 / 16, and 10.9 against 11.2 at 4096², M = 16 (run 34).
 DECODE_GLUON_CONFIGS = [  # mma.sync, stream-K, M <= 16
     GluonConfig(128, 16, 6, 4, 3, X_BOX_K=64),
     GluonConfig(128, 16, 4, 4, 4, X_BOX_K=64),
+    GluonConfig(128, 16, 4, 4, 2, X_BOX_K=64),
+    GluonConfig(128, 16, 6, 4, 2, X_BOX_K=64),
     GluonConfig(256, 16, 4, 4, 2, X_BOX_K=64),
     GluonConfig(256, 16, 5, 8, 2, X_BOX_K=64),
     GluonConfig(128, 16, 8, 4, 2, X_BOX_K=64),
