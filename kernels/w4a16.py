@@ -134,6 +134,10 @@ GEMV_DIRECT_CONFIGS = [
     # 1024-code tiles: 4.6 against 5.0 us at 2048 x 2048, M = 1 (H200 run 33). Whole rows in one or two
     # tiles (every load of a program issued at once: 2-8 rows x 2048-4096 codes) were never faster.
     _gemv_cfg(8, 1024, 4, pipe=4),
+    # twice the warps per SM at the same tile count
+    _gemv_cfg(8, 512, 8, pipe=3),
+    _gemv_cfg(4, 512, 4, pipe=3),
+    _gemv_cfg(8, 256, 8, pipe=6),
 ]
 _GEMV_MAX_PRODUCTS_PER_THREAD = 2048
 _GEMV_MAX_CODES_PER_THREAD = 256
