@@ -132,12 +132,9 @@ GEMV_DIRECT_CONFIGS = [
     _gemv_cfg(32, 256, 4, pipe=4),
     _gemv_cfg(8, 256, 2, pipe=8),
     # 1024-code tiles: 4.6 against 5.0 us at 2048 x 2048, M = 1 (H200 run 33). Whole rows in one or two
-    # tiles (every load of a program issued at once: 2-8 rows x 2048-4096 codes) were never faster.
+    # tiles (every load of a program issued at once: 2-8 rows x 2048-4096 codes, run 33) and twice the warps
+    # per SM (8 warps a program, or 4 rows a program: run 36) were never faster.
     _gemv_cfg(8, 1024, 4, pipe=4),
-    # twice the warps per SM at the same tile count
-    _gemv_cfg(8, 512, 8, pipe=3),
-    _gemv_cfg(4, 512, 4, pipe=3),
-    _gemv_cfg(8, 256, 8, pipe=6),
 ]
 _GEMV_MAX_PRODUCTS_PER_THREAD = 2048
 _GEMV_MAX_CODES_PER_THREAD = 256
