@@ -11,7 +11,8 @@ for the shape with its lazy_rescale entry set to L (0 or 1; run 17). AB_REF32=1:
 reference (SDPA's efficient backend on the inputs in float32) as NAME_err_vs_fp32. AB_PROFILE=1: each variant runs twice and
 is not timed (for `ncu -k regex:_attn_fwd_ws --launch-skip 1 -c 1`); AB_CAUSAL=0/1 runs one mode. AB_BASELINE=<dir> holding an older
 copy of the ws kernel as ws_run7.py (runs 8-9: the kernels of commit 8c093a8, with attention_gluon.py as
-gluon_run7.py) enables the old_* variants. Writes $OUT/ab.json and prints a table last."""
+gluon_run7.py) enables the old_* variants (old_default_fp8: that copy's default fp8 config). AB_PATCH=no_qscale
+(diagnostic, wrong numbers): the ws kernel without its per-tile load of the fp8 Q scales. Writes $OUT/ab.json and prints a table last."""
 import json
 import os
 import sys
@@ -26,6 +27,28 @@ from quantkit.kernels.attention import attention_varlen, prepare_fp8
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_attention import bench, rel_err  # noqa: E402  (the timing and error of the main bench)
+
+if os.environ.get("AB_PATCH") == "no_qscale":
+    # Diagnostic only (wrong numbers): the fp8 per-token Q scale is not loaded at a tile's start, which bounds
+    # what hiding that load's latency could gain (run 19b: ~4 % at S = 2048 causal). Must run before the first
+    # compile.
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+
+    @gluon.jit
+    def _row_state_no_qscale(qs_ptr, sm_scale, q_start, offs_m, seqlen_q, stride_qsm, head, HEAD_DIM: gl.constexpr,
+                             BLOCK_N: gl.constexpr, IS_FP8: gl.constexpr, o_layout: gl.constexpr,
+                             s_layout: gl.constexpr):
+        rows: gl.constexpr = offs_m.shape[0]
+        row_layout: gl.constexpr = offs_m.type.layout
+        qk_scale = gl.full([rows], sm_scale * 1.4426950408889634, gl.float32, layout=row_layout)
+        m_i = gl.full([rows], float("-inf"), gl.float32, layout=row_layout)
+        l_i = gl.zeros([rows], gl.float32, layout=row_layout)
+        acc = gl.zeros([rows, HEAD_DIM], gl.float32, layout=o_layout)
+        s_zero = gl.zeros([rows, BLOCK_N], gl.float32, layout=s_layout)
+        return qk_scale, m_i, l_i, acc, s_zero
+
+    ws._row_state = _row_state_no_qscale
 
 ws_run7 = None
 if os.environ.get("AB_BASELINE"):
@@ -69,6 +92,7 @@ for hq, hkv, s, d in shapes:
             "fp8_ks": lambda: ws.attention_varlen_ws(q, k, v, cu, cu, s, causal=causal, fp8_prepared=prep, config=(128, 4, True, False, False, True)),
             "fp8_ts_ks_pp": lambda: ws.attention_varlen_ws(q, k, v, cu, cu, s, causal=causal, fp8_prepared=prep, config=(128, 4, True, True, True, True)),
             "default_bf16": lambda: ws.attention_varlen_ws(q, k, v, cu, cu, s, causal=causal),
+            "old_default_fp8": lambda: ws_run7.attention_varlen_ws(q, k, v, cu, cu, s, causal=causal, fp8_prepared=prep),
             "default_fp8": lambda: ws.attention_varlen_ws(q, k, v, cu, cu, s, causal=causal, fp8_prepared=prep),
             "fp8_ts_ks_b3": lambda: ws.attention_varlen_ws(q, k, v, cu, cu, s, causal=causal, fp8_prepared=prep, config=(128, 3, True, False, True, True)),
             "auto_bf16": lambda: attention_varlen(q, k, v, cu, cu, s, causal=causal),
