@@ -6,7 +6,11 @@ first.
 """
 
 import os
+import re
+import subprocess
+import sys
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -32,3 +36,39 @@ def _fix_interpreter_index():
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     _fix_interpreter_index()
+
+
+class Sm90Tools:
+    """Triton's own ptxas and nvdisasm, for the tests that compile Gluon kernels for sm_90 on the CPU (Gluon has
+    no interpreter) and read their machine code."""
+
+    def __init__(self, bin_dir: str):
+        self.bin_dir = bin_dir
+
+    def compile(self, script: str, *args: str) -> None:
+        """Run a compile script in a fresh interpreter: the kernel tests run Triton's interpreter, which patches
+        Triton's tensor methods for the rest of the process (a Gluon compile after it fails in ``.to()``)."""
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        done = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-3000:]
+
+    def sass(self, cubin: str) -> list[str]:
+        """The instruction lines of a cubin's SASS."""
+        text = self._run("nvdisasm", "-c", cubin).stdout
+        return [line for line in text.splitlines() if re.search(r"/\*[0-9a-f]{4,}\*/", line)]
+
+    def ptxas_notices(self, ptx: str) -> str:
+        """ptxas's report on a PTX file: registers, spills, and notices such as "wgmma serialized" (C7514)."""
+        return self._run("ptxas", "-arch=sm_90a", "-v", "-o", os.devnull, ptx).stderr
+
+    def _run(self, tool: str, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([os.path.join(self.bin_dir, tool), *args], capture_output=True, text=True)
+
+
+@pytest.fixture(scope="session")
+def sm90() -> Sm90Tools:
+    triton = pytest.importorskip("triton")
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    if not all(os.path.exists(os.path.join(bin_dir, tool)) for tool in ("ptxas", "nvdisasm")):
+        pytest.skip("this triton build ships no ptxas/nvdisasm")
+    return Sm90Tools(bin_dir)

@@ -21,21 +21,12 @@ partition barrier more than the eager build, and no more spills.
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 
-triton = pytest.importorskip("triton")
-
-_BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-if not all(os.path.exists(os.path.join(_BIN, tool)) for tool in ("ptxas", "nvdisasm")):
-    pytest.skip("this triton build ships no ptxas/nvdisasm", allow_module_level=True)
-
-# A fresh interpreter: the CPU kernel tests run Triton's interpreter, which patches Triton's tensor methods
-# for the rest of the process. Arguments as attention_varlen_ws passes them for 8 x 2048 tokens, 16 heads.
+# Run by the sm90 fixture (conftest.py) in a fresh interpreter. Arguments as attention_varlen_ws passes them for
+# 8 x 2048 tokens, 16 heads.
 _COMPILE = r"""
 import json, sys
 import torch, triton
@@ -75,25 +66,21 @@ open(out_path, "wb").write(kernel.asm["cubin"])
 """
 
 
-def _sass(tmp_path_factory, config, fp8=True, causal=True) -> list[str]:
+def _sass(sm90, tmp_path_factory, config, fp8=True, causal=True) -> list[str]:
     cubin = str(tmp_path_factory.mktemp("gluon_attn") / "ws.cubin")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps([fp8, causal, cubin, config])], env=env,
-                          capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-3000:]
-    text = subprocess.run([os.path.join(_BIN, "nvdisasm"), "-c", cubin], capture_output=True, text=True).stdout
-    return [line for line in text.splitlines() if re.search(r"/\*[0-9a-f]{4,}\*/", line)]
+    sm90.compile(_COMPILE, json.dumps([fp8, causal, cubin, config]))
+    return sm90.sass(cubin)
 
 
 @pytest.fixture(scope="module")
-def fp8_causal_sass(tmp_path_factory) -> list[str]:
-    return _sass(tmp_path_factory, None)
+def fp8_causal_sass(sm90, tmp_path_factory) -> list[str]:
+    return _sass(sm90, tmp_path_factory, None)
 
 
 @pytest.fixture(scope="module")
-def fp8_causal_fp32_rowsum_sass(tmp_path_factory) -> list[str]:
+def fp8_causal_fp32_rowsum_sass(sm90, tmp_path_factory) -> list[str]:
     """The default fp8 causal config with the softmax row sums as fp32 adds (rowsum_mma off)."""
-    return _sass(tmp_path_factory, [128, 4, True, False, True, True, False])
+    return _sass(sm90, tmp_path_factory, [128, 4, True, False, True, True, False])
 
 
 def test_k_scale_not_loaded_from_global_inside_a_round(fp8_causal_sass):
@@ -148,18 +135,18 @@ _FP8_CONFIG = [128, 4, True, False, True, True, True]  # the fp8 hd128 default
 
 
 @pytest.fixture(scope="module")
-def bf16_causal_sass(tmp_path_factory) -> list[str]:
-    return _sass(tmp_path_factory, _BF16_CONFIG + [False], fp8=False)
+def bf16_causal_sass(sm90, tmp_path_factory) -> list[str]:
+    return _sass(sm90, tmp_path_factory, _BF16_CONFIG + [False], fp8=False)
 
 
 @pytest.fixture(scope="module")
-def bf16_causal_lazy_sass(tmp_path_factory) -> list[str]:
-    return _sass(tmp_path_factory, None, fp8=False)  # the bf16 default at 2048 tokens: lazy_rescale on
+def bf16_causal_lazy_sass(sm90, tmp_path_factory) -> list[str]:
+    return _sass(sm90, tmp_path_factory, None, fp8=False)  # the bf16 default at 2048 tokens: lazy_rescale on
 
 
 @pytest.fixture(scope="module")
-def fp8_causal_lazy_sass(tmp_path_factory) -> list[str]:
-    return _sass(tmp_path_factory, _FP8_CONFIG + [True])
+def fp8_causal_lazy_sass(sm90, tmp_path_factory) -> list[str]:
+    return _sass(sm90, tmp_path_factory, _FP8_CONFIG + [True])
 
 
 def _count(sass, op):

@@ -14,21 +14,11 @@ nvdisasm). These tests pin what the design relies on and what went wrong once:
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 
-triton = pytest.importorskip("triton")
-
-_BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-if not all(os.path.exists(os.path.join(_BIN, tool)) for tool in ("ptxas", "nvdisasm")):
-    pytest.skip("this triton build ships no ptxas/nvdisasm", allow_module_level=True)
-
-# Compiled in a fresh interpreter: the CPU kernel tests run Triton's interpreter, which patches Triton's
-# tensor methods for the rest of the process (a Gluon compile after it fails in ``.to()``).
+# Run by the sm90 fixture (conftest.py) in a fresh interpreter.
 _COMPILE = r"""
 import json, sys
 import triton
@@ -58,40 +48,33 @@ open(out + ".ptx", "w").write(kernel.asm["ptx"])
 
 
 class _Compiled:
-    def __init__(self, prefix: str):
-        self.cubin, self.ptx = prefix + ".cubin", prefix + ".ptx"
+    def __init__(self, prefix: str, tools):
+        self.cubin, self.ptx, self.tools = prefix + ".cubin", prefix + ".ptx", tools
 
 
-def _compile(tmp_path_factory, block_n, block_m, num_buf, num_warps, wgmma, group_size=128, x_box_k=32) -> _Compiled:
+def _compile(sm90, tmp_path_factory, block_n, block_m, num_buf, num_warps, wgmma, group_size=128,
+             x_box_k=32) -> _Compiled:
     prefix = str(tmp_path_factory.mktemp("gluon") / "kernel")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    args = json.dumps([block_n, block_m, num_buf, num_warps, wgmma, group_size, x_box_k, prefix])
-    done = subprocess.run([sys.executable, "-c", _COMPILE, args], env=env, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return _Compiled(prefix)
-
-
-def _tool(name, *args, path):
-    return subprocess.run([os.path.join(_BIN, name), *args, path], capture_output=True, text=True)
+    sm90.compile(_COMPILE, json.dumps([block_n, block_m, num_buf, num_warps, wgmma, group_size, x_box_k, prefix]))
+    return _Compiled(prefix, sm90)
 
 
 def _sass(kernel: _Compiled) -> list[str]:
-    text = _tool("nvdisasm", "-c", path=kernel.cubin).stdout
-    return [line for line in text.splitlines() if re.search(r"/\*[0-9a-f]{4}\*/", line)]
+    return kernel.tools.sass(kernel.cubin)
 
 
 def _ptxas_notices(kernel: _Compiled) -> str:
-    return _tool("ptxas", "-arch=sm_90a", "-v", "-o", os.devnull, path=kernel.ptx).stderr
+    return kernel.tools.ptxas_notices(kernel.ptx)
 
 
 @pytest.fixture(scope="module")
-def prefill_kernel(tmp_path_factory):
-    return _compile(tmp_path_factory, 128, 128, 5, 8, wgmma=True)
+def prefill_kernel(sm90, tmp_path_factory):
+    return _compile(sm90, tmp_path_factory, 128, 128, 5, 8, wgmma=True)
 
 
 @pytest.fixture(scope="module")
-def decode_kernel(tmp_path_factory):
-    return _compile(tmp_path_factory, 128, 16, 6, 4, wgmma=False, x_box_k=64)  # as DECODE_GLUON_CONFIGS
+def decode_kernel(sm90, tmp_path_factory):
+    return _compile(sm90, tmp_path_factory, 128, 16, 6, 4, wgmma=False, x_box_k=64)  # as DECODE_GLUON_CONFIGS
 
 
 def test_wgmma_chain_is_drained_before_the_accumulator_is_read(prefill_kernel):
@@ -127,11 +110,11 @@ def test_decode_dequant_stays_in_registers(decode_kernel):
 
 
 @pytest.mark.parametrize("wgmma", [False, True], ids=["decode", "prefill"])
-def test_64_column_activation_boxes_halve_the_activation_loads(tmp_path_factory, wgmma):
+def test_64_column_activation_boxes_halve_the_activation_loads(sm90, tmp_path_factory, wgmma):
     # X_BOX_K = 64: two TMA loads of activations a unit instead of four, and the dots read column slices
     # of the 128-byte-swizzled boxes with no extra shared-memory traffic or spills
     shape = (128, 128, 5, 8) if wgmma else (128, 16, 6, 4)
-    narrow, wide = (_compile(tmp_path_factory, *shape, wgmma=wgmma, x_box_k=x) for x in (32, 64))
+    narrow, wide = (_compile(sm90, tmp_path_factory, *shape, wgmma=wgmma, x_box_k=x) for x in (32, 64))
     narrow_sass, wide_sass = ("\n".join(_sass(c)) for c in (narrow, wide))
     assert wide_sass.count("UTMALDG") < narrow_sass.count("UTMALDG")
     for op in ("HGMMA", "LDSM", "HMMA"):
