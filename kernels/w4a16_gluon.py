@@ -516,6 +516,10 @@ class GluonConfig:
     PERSISTENT: bool = False
     X_BOX_K: int = 32
 
+    def __post_init__(self):
+        if self.X_BOX_K not in (32, 64):  # the swizzle is 2 * X_BOX_K bytes: 64 or 128
+            raise ValueError(f"X_BOX_K must be 32 or 64, got {self.X_BOX_K}")
+
     def block_m(self, m: int) -> int:
         return 8 if (not self.WGMMA and m <= 8) else self.BLOCK_M
 

@@ -395,6 +395,13 @@ def _gluon_configs():
 HOPPER = CUDA and torch.cuda.get_device_capability()[0] == 9
 
 
+def test_gluon_config_rejects_an_activation_box_it_cannot_swizzle():
+    from quantkit.kernels.w4a16_gluon import GluonConfig
+
+    with pytest.raises(ValueError, match="X_BOX_K must be 32 or 64"):
+        GluonConfig(128, 16, 4, X_BOX_K=128)
+
+
 def test_gluon_configs_fit_the_h200():
     from quantkit.kernels.w4a16_gluon import DECODE_GLUON_CONFIGS, GLUON_TUNER, MID_GLUON_CONFIGS, PREFILL_GLUON_CONFIGS
 
