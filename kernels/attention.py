@@ -52,6 +52,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from quantkit.kernels.device_info import capability
+
 
 @triton.jit
 def _perm_keys(p, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -461,7 +463,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=F
     block_m, block_n, num_warps, num_stages = config or _default_config(head_dim, fp8, on_gpu,
                                                                         q.element_size())
     if use_tma is None:
-        use_tma = on_gpu and torch.cuda.get_device_capability(q.device)[0] >= 9
+        use_tma = on_gpu and capability(q.device)[0] >= 9
     q_scale = k_scale = v_scale = out  # placeholders, never read unless fp8
     if fp8:
         q, q_scale, k, k_scale, v, v_scale = fp8_prepared or prepare_fp8(q, k, v, hadamard, fp8_pv,
@@ -523,7 +525,8 @@ def attention(q, k, v, causal=False, **kwargs):
     sk = k.shape[1]
     dev = q.device
     cu_q = torch.arange(0, (b + 1) * sq, sq, dtype=torch.int32, device=dev)
-    cu_k = torch.arange(0, (b + 1) * sk, sk, dtype=torch.int32, device=dev)
+    # (one tensor for both when the lengths match: each arange is a launch and ~10 us of host time)
+    cu_k = cu_q if sk == sq else torch.arange(0, (b + 1) * sk, sk, dtype=torch.int32, device=dev)
     kwargs.setdefault("kv_aligned", sk % 32 == 0)  # the key starts are multiples of sk
     out = attention_varlen(q.reshape(b * sq, hq, d), k.reshape(b * sk, -1, d), v.reshape(b * sk, -1, d),
                            cu_q, cu_k, sq, causal=causal, **kwargs)

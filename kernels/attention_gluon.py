@@ -29,12 +29,16 @@ keeps those).
 Layout as in `attention.py`: q (total_q, Hq, D), k/v (total_k, Hkv, D), cu_seqlens (B + 1,),
 bottom-right causal alignment.
 """
+import functools
+
 import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from quantkit.kernels.device_info import capability
 
 
 @gluon.jit
@@ -271,7 +275,7 @@ def supported(q, k, causal=False, window_left=-1, softcap=0.0, fp8=False, fp8_pv
     """Whether `attention_varlen_gluon` handles this call (else use attention.attention_varlen).
     fp8 needs fp8 P @ V and sequence starts on multiples of 32 keys (V^T TMA boxes, key order):
     ``kv_aligned`` when the caller knows, else checked on cu_seqlens_k (one host sync)."""
-    ok = (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9
+    ok = (q.is_cuda and capability(q.device)[0] == 9
           and q.dtype in (torch.bfloat16, torch.float16) and k.dtype == q.dtype
           and q.shape[-1] in (64, 128) and window_left < 0 and softcap <= 0)
     if ok and fp8:
@@ -289,6 +293,14 @@ def _default_config(head_dim, fp8):
     if head_dim == 128:
         return (64, 128, 4, 3) if fp8 else (64, 64, 4, 3)
     return (128, 128, 8, 3) if fp8 else (128, 128, 8, 5)
+
+
+@functools.cache
+def smem_layout(rows: int, cols: int, dtype) -> gl.NVMMASharedLayout:
+    """The wgmma/TMA shared-memory layout of a [rows, cols] tile of ``dtype`` (a Gluon dtype). Built on every
+    launch it cost ~20 us of host time a layout (a constexpr function with validation); it depends on the
+    tile shape and dtype alone, so each is built once."""
+    return gl.NVMMASharedLayout.get_default_for([rows, cols], dtype)
 
 
 def make_descriptors(q, k, v, cu_seqlens_k, block_q, block_n, fp8, hadamard, fp8_prepared, placeholder):
@@ -311,14 +323,14 @@ def make_descriptors(q, k, v, cu_seqlens_k, block_q, block_n, fp8, hadamard, fp8
     else:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    q_layout = gl.NVMMASharedLayout.get_default_for([block_q, head_dim], gdt)
-    kv_layout = gl.NVMMASharedLayout.get_default_for([block_n, head_dim], gdt)
+    q_layout = smem_layout(block_q, head_dim, gdt)
+    kv_layout = smem_layout(block_n, head_dim, gdt)
     desc_q = TensorDescriptor(q, [total_q, n_heads * head_dim], [n_heads * head_dim, 1], [block_q, head_dim],
                               q_layout)
     desc_k = TensorDescriptor(k, [total_k, n_kv_heads * head_dim], [n_kv_heads * head_dim, 1],
                               [block_n, head_dim], kv_layout)
     if fp8:
-        vt_layout = gl.NVMMASharedLayout.get_default_for([head_dim, block_n], gdt)
+        vt_layout = smem_layout(head_dim, block_n, gdt)
         desc_v = TensorDescriptor(v, [n_kv_heads * head_dim, v.stride(2)], [v.stride(2), 1], [head_dim, block_n],
                                   vt_layout)
     else:

@@ -63,7 +63,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from quantkit.kernels.attention_gluon import _p_operand, _pv, _row_state, _softmax_tile, make_descriptors
+from quantkit.kernels.attention_gluon import _p_operand, _pv, _row_state, _softmax_tile, make_descriptors, smem_layout
 from quantkit.kernels.device_info import num_sms
 
 HALF_M = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M)
@@ -583,5 +583,5 @@ def _output_descriptor(out):
     """TMA descriptor of out (total_q, Hq, D) as (total_q, Hq * D), boxes of 64 rows of one head."""
     head_dim = out.shape[2]
     o2d = out.view(out.shape[0], out.shape[1] * head_dim)
-    layout = gl.NVMMASharedLayout.get_default_for([_HALF_M, head_dim], _GL_DTYPE[out.dtype])
+    layout = smem_layout(_HALF_M, head_dim, _GL_DTYPE[out.dtype])
     return TensorDescriptor(o2d, list(o2d.shape), [o2d.stride(0), 1], [_HALF_M, head_dim], layout)

@@ -21,3 +21,16 @@ def num_sms(device: torch.device | str) -> int:
 def _cuda_sms(index: int) -> int:
     # a fixed property of the card, asked on every launch: looked up once per device
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def capability(device: torch.device | str) -> tuple[int, int]:
+    """Compute capability (major, minor) of the CUDA ``device``; every launcher asks it on every call, and
+    ``torch.cuda.get_device_capability`` costs ~10 us of host time each (a property query), so it is
+    looked up once per device."""
+    device = torch.device(device)
+    return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _cuda_capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)

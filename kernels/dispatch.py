@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from quantkit.kernels.device_info import capability
+
 
 def _triton_available() -> tuple[bool, str]:
     try:
@@ -22,7 +24,7 @@ def kernel_supports(x: torch.Tensor, prepared) -> tuple[bool, str]:
     """Whether the W4A16 Triton kernel can run ``x [..., K]`` against ``prepared`` (W4A16Weights)."""
     if not x.is_cuda:
         return False, "input is not on a CUDA device"
-    if torch.cuda.get_device_capability(x.device) < (8, 0):
+    if capability(x.device) < (8, 0):
         return False, "needs an sm_80 or newer GPU"
     ok, reason = _triton_available()
     if not ok:

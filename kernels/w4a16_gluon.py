@@ -53,6 +53,7 @@ fp16 or bf16 activations, sm_90. GPU only: Gluon has no interpreter path.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import triton
@@ -62,7 +63,7 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from quantkit.kernels.device_info import num_sms
+from quantkit.kernels.device_info import capability, num_sms
 from quantkit.kernels.gpu_timing import gpu_time_us, l2_evict_buffer
 from quantkit.kernels.w4a16 import gather_columns
 from quantkit.kernels.w4a16_weights import PAIR_TILE_K, W4A16Weights
@@ -589,7 +590,7 @@ GLUON_MID_MAX_M = 64
 
 def gluon_supported(x: torch.Tensor, w: W4A16Weights) -> bool:
     """Whether the Gluon kernel takes this call (a Hopper GPU, 4-bit codes in the paired layout)."""
-    return (x.is_cuda and torch.cuda.get_device_capability(x.device)[0] == 9 and w.pair_index is not None
+    return (x.is_cuda and capability(x.device)[0] == 9 and w.pair_index is not None
             and w.bits == 4 and w.group_size is not None and w.group_size % 8 == 0
             and x.dtype in (torch.float16, torch.bfloat16))
 
@@ -639,11 +640,10 @@ def _launch(x: torch.Tensor, w: W4A16Weights, config: GluonConfig) -> torch.Tens
         grid = (tiles_n * tiles_m,)
         if persistent:
             grid = (min(tiles_n * tiles_m, num_sms(x.device) * config.CTAS_PER_SM),)
-    w_layout = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=32, rank=2)
-    x_layout = gl.NVMMASharedLayout(swizzle_byte_width=2 * config.X_BOX_K, element_bitwidth=16, rank=2)
     desc_w = TensorDescriptor(w.qweight, [n, k // 8], [w.qweight.stride(0), 1], [config.BLOCK_N, int(_WORDS)],
-                              w_layout)
-    desc_x = TensorDescriptor(xp, [m, k], [xp.stride(0), 1], [block_m, config.X_BOX_K], x_layout)
+                              _swizzled_layout(64, 32))
+    desc_x = TensorDescriptor(xp, [m, k], [xp.stride(0), 1], [block_m, config.X_BOX_K],
+                              _swizzled_layout(2 * config.X_BOX_K, 16))
     zeros = w.zeros if w.zeros is not None else w.scales  # dummy pointer when symmetric
     _w4a16_gluon_kernel[grid](desc_w, desc_x, w.scales, zeros, xsum if xsum is not None else ws, out, ws, tile_units,
                               m, n, k_tiles, tiles_n,
@@ -654,6 +654,13 @@ def _launch(x: torch.Tensor, w: W4A16Weights, config: GluonConfig) -> torch.Tens
                               num_warps=config.num_warps,
                               maxnreg=config.maxnreg(), launch_pdl=True)
     return out
+
+
+@functools.cache
+def _swizzled_layout(swizzle_bytes: int, bits: int) -> gl.NVMMASharedLayout:
+    """A TMA/MMA shared layout (2-D, ``swizzle_bytes`` swizzle, ``bits``-wide elements), built once: its
+    construction validates and costs host time on every decode call otherwise."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=swizzle_bytes, element_bitwidth=bits, rank=2)
 
 
 class ConfigTuner:
