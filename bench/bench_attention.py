@@ -4,7 +4,9 @@
 
 Prefill: batch x seqlen = 16384 tokens, seqlen 512..16384, 16 heads at head dim 64 and 128, and a
 GQA row (32 query heads, 8 KV heads, head dim 128); causal and non-causal; bf16.
-TFLOP/s = 4 * batch * heads * seqlen^2 * headdim / time (halved for causal).
+TFLOP/s = 4 * batch * heads * seqlen^2 * headdim / time (halved for causal); time = the median of CUDA-graph
+replays (the GPU time; --eager: eager calls with an L2 flush, as runs up to 22 timed them). Each prefill row
+also has the host microseconds per call of our two paths and of cuDNN (*_host_us), which eager callers pay.
 Peers: scaled_dot_product_attention with each backend forced (flash, cuDNN, efficient).
 Ours: the Triton kernel (kernels/attention.py), the Gluon kernel with the FA3 overlap
 (kernels/attention_gluon.py; NO_GLUON=1 leaves it out), the warp-specialized FA3-structured Gluon
@@ -22,6 +24,7 @@ import datetime
 import json
 import os
 import sys
+import time
 
 import torch
 import triton
@@ -36,10 +39,27 @@ from plot_results import plot_after_run  # noqa: E402
 TOKENS = 16384
 
 
-def bench(fn):
+def bench(fn, graph=False):
+    """Median milliseconds of ``fn``: CUDA-graph replays (graph, the GPU time alone), or eager calls with an L2
+    flush before each (Triton's do_bench: a call whose host side outlasts the flush is timed with the GPU
+    waiting for it, as an eager caller sees it)."""
     fn()
     torch.cuda.synchronize()
+    if graph:
+        return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def host_us(fn, calls=100):
+    """Microseconds of host time per call: ``calls`` calls with no synchronisation (the GPU queue takes them)."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return round(elapsed / calls * 1e6, 1)
 
 
 def rel_err(a, b):
@@ -70,9 +90,9 @@ def sdpa_fn(q, k, v, causal, backend):
     return run
 
 
-def try_time(make_fn):
+def try_time(make_fn, graph=False):
     try:
-        return round(bench(make_fn()), 4), None
+        return round(bench(make_fn(), graph), 4), None
     except Exception as e:  # a backend or variant that does not run here is reported, not fatal
         return None, f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
 
@@ -152,7 +172,7 @@ def sweep(args, results):
             try:
                 out = attention(q, k, v, causal=causal, **kw)
                 row["rel_err"] = rel_err(out, ref)
-                ms = bench(lambda: attention(q, k, v, causal=causal, **kw))
+                ms = bench(lambda: attention(q, k, v, causal=causal, **kw), args.graph)
                 row["ms"] = round(ms, 4)
                 row["tflops"] = round(flops(b, h, s, d, causal) / ms / 1e9, 1)
                 key = ("fp8" if kind == "fp8" else kw["backend"], causal)
@@ -197,15 +217,19 @@ def prefill_table(args, results, best):
                         kw.pop("config")
                     if kind == "fp8":
                         kw["fp8_prepared"] = prep[pv]
-                    t, err = try_time(lambda: (lambda: attention(q, k, v, causal=causal, **kw)))
+                    t, err = try_time(lambda: (lambda: attention(q, k, v, causal=causal, **kw)), args.graph)
                     row[col] = round(f / t / 1e9, 1) if t else err
+                    if t:
+                        row[f"{col}_host_us"] = host_us(lambda: attention(q, k, v, causal=causal, **kw))
                 for name, be in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION),
                                  ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
                     if name not in args.peers.split(","):
                         row[name] = "not run"
                         continue
-                    tb, errb = try_time(lambda: sdpa_fn(q, k, v, causal, be))
+                    tb, errb = try_time(lambda: sdpa_fn(q, k, v, causal, be), args.graph)
                     row[name] = round(f / tb / 1e9, 1) if tb else errb
+                    if tb and name == "cudnn":
+                        row["cudnn_host_us"] = host_us(sdpa_fn(q, k, v, causal, be))
                 results["prefill"].append(row)
                 print("prefill", row, flush=True)
             del q, k, v, prep
@@ -269,12 +293,15 @@ def main():
     ap.add_argument("--name", help="results file name (default attention_<date>.json)")
     ap.add_argument("--variants", help="comma list of sweep variant names to run (default: all)")
     ap.add_argument("--peers", default="flash,cudnn,efficient", help="SDPA backends to time")
+    ap.add_argument("--eager", dest="graph", action="store_false",
+                    help="time eager calls with an L2 flush (do_bench; runs up to 22) instead of CUDA-graph replays")
     args = ap.parse_args()
     torch.manual_seed(0)
     props = torch.cuda.get_device_properties(0)
     results = {"card": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
                "triton": triton.__version__, "cuda": torch.version.cuda,
                "date": datetime.datetime.now().isoformat(timespec="seconds"), "tokens": TOKENS,
+               "timing": "cuda graph replays" if args.graph else "eager, L2 flushed (do_bench)",
                "sweep": [], "prefill": [], "fp8_accuracy": [], "decode": []}
     results["copy_TBps"] = round(copy_bandwidth(), 3)
     best = {} if args.skip_sweep else sweep(args, results)
