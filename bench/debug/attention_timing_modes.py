@@ -15,26 +15,17 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import time
+import os
+import sys
 
 import torch
 import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from quantkit.kernels.attention import attention, prepare_fp8
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench_attention import TOKENS, host_us  # noqa: E402
 
-TOKENS = 16384
-
-
-def host_us(fn, calls=200):
-    fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / calls * 1e6
+from quantkit.kernels.attention import attention, prepare_fp8  # noqa: E402
 
 
 def main():
@@ -67,7 +58,7 @@ def main():
                    "fp8": lambda causal=causal: attention(q, k, v, causal=causal, fp8_prepared=prep),
                    "cudnn": cudnn}
             for name, fn in fns.items():
-                h = host_us(fn)
+                h = host_us(fn, calls=200)
                 eager = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
                 graph = triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median") * 1e3
                 rows.append(dict(hq=hq, hkv=hkv, seqlen=s, head_dim=d, causal=causal, name=name, host_us=h,
