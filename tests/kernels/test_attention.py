@@ -86,6 +86,21 @@ def test_fixed_batch_wrapper_and_sdpa():
     assert _rel_err(out, ref) < (1e-5 if not CUDA else 1e-3)
 
 
+def test_fixed_batch_wrapper_keys_longer_than_queries():
+    """`attention` with Sk != Sq (new queries against a longer context, bottom-right causal): its query and key
+    offsets are separate tensors then (one tensor serves both when the lengths match)."""
+    gen = torch.Generator().manual_seed(4)
+    b, sq, sk = 3, 17, 45
+    q = torch.randn(b, sq, 4, 64, generator=gen).to(DEV)
+    k = torch.randn(b, sk, 2, 64, generator=gen).to(DEV)
+    v = torch.randn(b, sk, 2, 64, generator=gen).to(DEV)
+    out = attention(q, k, v, causal=True)
+    cu_q = torch.arange(0, (b + 1) * sq, sq, dtype=torch.int32, device=DEV)
+    cu_k = torch.arange(0, (b + 1) * sk, sk, dtype=torch.int32, device=DEV)
+    ref = attention_ref(q.reshape(-1, 4, 64), k.reshape(-1, 2, 64), v.reshape(-1, 2, 64), cu_q, cu_k, causal=True)
+    assert _rel_err(out.reshape(-1, 4, 64), ref) < (1e-5 if not CUDA else 1e-3)
+
+
 def test_reference_detects_wrong_mask():
     """Guard against a test that cannot fail: causal and non-causal outputs must differ."""
     q, k, v, cu_q, cu_k = _packed([20], [20], 1, 1, 64, torch.float32, device="cpu",
