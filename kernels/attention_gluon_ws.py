@@ -114,6 +114,21 @@ def _rescale_o(acc, alpha_o, HEAD_DIM: gl.constexpr):
 
 
 @gluon.jit
+def _issue_pv(p_op, v_tile, acc, ones_smem, l_zero, dtype: gl.constexpr, IS_FP8: gl.constexpr,
+              ROWSUM_MMA: gl.constexpr):
+    """Issue O += P V (async); with ROWSUM_MMA also the row sums of P, P @ ones_smem into the fresh accumulator
+    l_zero, from the same e4m3 P. Returns (acc, rs); rs is l_zero itself without ROWSUM_MMA (nothing issued)."""
+    if ROWSUM_MMA:
+        p8 = p_op.to(dtype)  # one e4m3 P for both wgmmas
+        acc = warpgroup_mma(p8, v_tile.permute((1, 0)), acc, is_async=True)
+        rs = warpgroup_mma(p8, ones_smem.permute((1, 0)), l_zero, use_acc=False, is_async=True)
+    else:
+        acc = _pv(p_op, v_tile, acc, dtype, IS_FP8)
+        rs = l_zero
+    return acc, rs
+
+
+@gluon.jit
 def _k_scale(ks_smem, stage, ks_ptr, offset, row_layout: gl.constexpr, STAGE_KS: gl.constexpr):
     """The K scale of the tile in ring stage `stage` (ks_ptr + offset), per S row: from the stage's
     ks_smem row (STAGE_KS) or by a global load."""
@@ -287,9 +302,10 @@ def _consume_tile(wg, q_smem, k_smem, v_smem, ks_smem, q_bars, q_empty, k_ready,
     qk_scale, m_i, l_i, acc, s_zero = _row_state(qs_ptr, sm_scale, q_start, offs_m, seqlen_q, stride_qsm, head,
                                                  HEAD_DIM, BLOCK_N, IS_FP8, o_layout, s_layout)
     row_scale = qk_scale
-    if ROWSUM_MMA:
-        l_zero = gl.zeros([HALF_M, ONES_N], gl.float32, layout=l_layout)
-        l2d = l_zero  # running row sums (fp32, on the CUDA cores), in every column
+    # ROWSUM_MMA: each round's P @ ones starts from l_zero; l2d holds the running row sums (fp32, on the CUDA
+    # cores), in every column (unused, and compiled away, without ROWSUM_MMA)
+    l_zero = gl.zeros([HALF_M, ONES_N], gl.float32, layout=l_layout)
+    l2d = l_zero
     mbarrier.wait(q_bars.index(wg), it & 1)
 
     if n_tiles > 0:
@@ -317,12 +333,7 @@ def _consume_tile(wg, q_smem, k_smem, v_smem, ks_smem, q_bars, q_empty, k_ready,
             if PINGPONG:
                 mbarrier.wait(my_turn, (rnd + j) & 1)
             s = warpgroup_mma(q_tile, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            if ROWSUM_MMA:
-                p8 = p_op.to(dtype)  # one e4m3 P for both wgmmas
-                acc = warpgroup_mma(p8, v_smem.index(prev).permute((1, 0)), acc, is_async=True)
-                rs = warpgroup_mma(p8, ones_smem.permute((1, 0)), l_zero, use_acc=False, is_async=True)
-            else:
-                acc = _pv(p_op, v_smem.index(prev), acc, dtype, IS_FP8)
+            acc, rs = _issue_pv(p_op, v_smem.index(prev), acc, ones_smem, l_zero, dtype, IS_FP8, ROWSUM_MMA)
             if PINGPONG:
                 mbarrier.arrive(their_turn, count=1)
             if IS_FP8:
@@ -354,12 +365,7 @@ def _consume_tile(wg, q_smem, k_smem, v_smem, ks_smem, q_bars, q_empty, k_ready,
         mbarrier.wait(v_ready.index(last % NUM_BUF), (last // NUM_BUF) & 1)
         if PINGPONG:
             mbarrier.wait(my_turn, (rnd + n_tiles) & 1)
-        if ROWSUM_MMA:
-            p8 = p_op.to(dtype)
-            acc = warpgroup_mma(p8, v_smem.index(last % NUM_BUF).permute((1, 0)), acc, is_async=True)
-            rs = warpgroup_mma(p8, ones_smem.permute((1, 0)), l_zero, use_acc=False, is_async=True)
-        else:
-            acc = _pv(p_op, v_smem.index(last % NUM_BUF), acc, dtype, IS_FP8)
+        acc, rs = _issue_pv(p_op, v_smem.index(last % NUM_BUF), acc, ones_smem, l_zero, dtype, IS_FP8, ROWSUM_MMA)
         if PINGPONG:
             mbarrier.arrive(their_turn, count=1)
         if ROWSUM_MMA:
