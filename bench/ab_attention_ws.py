@@ -110,14 +110,13 @@ for hq, hkv, s, d in shapes:
             if kind.endswith("+lazy"):  # the default config for this shape, lazy_rescale = cfg
                 kind = kind[:-len("+lazy")]
                 cfg = ws._default_config(d, kind == "fp8", s)[:7] + (int(cfg),)
-                prep_arg = prep if kind == "fp8" else None
-                fns[name.split(".")[0]] = (lambda cfg=cfg, prep_arg=prep_arg: ws.attention_varlen_ws(
-                    q, k, v, cu, cu, s, causal=causal, fp8_prepared=prep_arg, config=cfg))
             elif cfg:
                 cfg = tuple(int(x) for x in cfg.split("/"))
-                prep_arg = prep if kind == "fp8" else None
-                fns[name.split(".")[0]] = (lambda cfg=cfg, prep_arg=prep_arg: ws.attention_varlen_ws(
-                    q, k, v, cu, cu, s, causal=causal, fp8_prepared=prep_arg, config=cfg))
+            else:
+                continue  # a named variant of `fns`
+            prep_arg = prep if kind == "fp8" else None
+            fns[name.split(".")[0]] = (lambda cfg=cfg, prep_arg=prep_arg: ws.attention_varlen_ws(
+                q, k, v, cu, cu, s, causal=causal, fp8_prepared=prep_arg, config=cfg))
         row = {"hq": hq, "hkv": hkv, "d": d, "seqlen": s, "batch": b, "causal": causal}
         ref = ref32 = None
         if os.environ.get("AB_CAUSAL") and int(os.environ["AB_CAUSAL"]) != causal:
