@@ -362,21 +362,43 @@ def _unit(acc, a_prev, scale, zero, w_smem, x_smem, ready, empty, scales_ptr, ze
         # the consumer warps hold the stage in registers: the producer may refill it
         mbarrier.arrive(empty.index(stage))
         if SCALE_ACC:
-            part = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=acc_layout)
-            part = mma_v2(_magic_pairs(words, 0, dtype, a_layout, BLOCK_N), b0, part)
-            part = mma_v2(_magic_pairs(words, 1, dtype, a_layout, BLOCK_N), b1, part)
-            part = mma_v2(_magic_pairs(words, 2, dtype, a_layout, BLOCK_N), b2, part)
-            part = mma_v2(_magic_pairs(words, 3, dtype, a_layout, BLOCK_N), b3, part)
-            row_scale = gl.convert_layout(gl.reshape(scale, [BLOCK_N]), gl.SliceLayout(1, acc_layout))
-            row_bias = gl.convert_layout(gl.reshape(zero, [BLOCK_N]), gl.SliceLayout(1, acc_layout))
-            bias = gl.expand_dims(row_bias.to(gl.float32) + MAGIC_VALUE, 1) * gl.expand_dims(xsum, 0)
-            acc = acc + (part - bias) * gl.expand_dims(row_scale.to(gl.float32), 1)
+            acc = _mma_sync_unit(acc, words, b0, b1, b2, b3, scale, zero, xsum, zero, zero, True, acc_layout)
         else:
-            acc = mma_v2(_dequant_pairs(words, zb, sc, 0, a_layout, BLOCK_N), b0, acc)
-            acc = mma_v2(_dequant_pairs(words, zb, sc, 1, a_layout, BLOCK_N), b1, acc)
-            acc = mma_v2(_dequant_pairs(words, zb, sc, 2, a_layout, BLOCK_N), b2, acc)
-            acc = mma_v2(_dequant_pairs(words, zb, sc, 3, a_layout, BLOCK_N), b3, acc)
+            acc = _mma_sync_unit(acc, words, b0, b1, b2, b3, scale, zero, scale, zb, sc, False, acc_layout)
     return acc, a_prev, scale_next, zero_next
+
+
+@gluon.jit
+def _mma_sync_unit(acc, words, b0, b1, b2, b3, scale, zero, xsum, zb, sc, SCALE_ACC: gl.constexpr,
+                   acc_layout: gl.constexpr):
+    """One unit's four mma.sync dots on its packed words [BLOCK_N, 16] (A layout, ``k_width=1``) and the
+    activation operands of dots 0-3, added to ``acc``.
+
+    SCALE_ACC: the dots multiply ``MAGIC_VALUE + code`` (:func:`_magic_pairs`) into a fresh float32 tile,
+    and the zero point and the scale [BLOCK_N, 1] are applied to that tile with the unit's activation
+    sums ``xsum`` [BLOCK_M]. Otherwise every pair is dequantized with ``zb`` / ``sc`` (the zero bias and
+    the scale in pairs, :func:`_dequant_pairs`); ``xsum`` is unused."""
+    dtype: gl.constexpr = b0.dtype
+    BLOCK_N: gl.constexpr = words.shape[0]
+    BLOCK_M: gl.constexpr = acc.shape[1]
+    MAGIC_VALUE: gl.constexpr = 128.0 if dtype == gl.bfloat16 else 1024.0
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    if SCALE_ACC:
+        part = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=acc_layout)
+        part = mma_v2(_magic_pairs(words, 0, dtype, a_layout, BLOCK_N), b0, part)
+        part = mma_v2(_magic_pairs(words, 1, dtype, a_layout, BLOCK_N), b1, part)
+        part = mma_v2(_magic_pairs(words, 2, dtype, a_layout, BLOCK_N), b2, part)
+        part = mma_v2(_magic_pairs(words, 3, dtype, a_layout, BLOCK_N), b3, part)
+        row_scale = gl.convert_layout(gl.reshape(scale, [BLOCK_N]), gl.SliceLayout(1, acc_layout))
+        row_bias = gl.convert_layout(gl.reshape(zero, [BLOCK_N]), gl.SliceLayout(1, acc_layout))
+        bias = gl.expand_dims(row_bias.to(gl.float32) + MAGIC_VALUE, 1) * gl.expand_dims(xsum, 0)
+        acc = acc + (part - bias) * gl.expand_dims(row_scale.to(gl.float32), 1)
+    else:
+        acc = mma_v2(_dequant_pairs(words, zb, sc, 0, a_layout, BLOCK_N), b0, acc)
+        acc = mma_v2(_dequant_pairs(words, zb, sc, 1, a_layout, BLOCK_N), b1, acc)
+        acc = mma_v2(_dequant_pairs(words, zb, sc, 2, a_layout, BLOCK_N), b2, acc)
+        acc = mma_v2(_dequant_pairs(words, zb, sc, 3, a_layout, BLOCK_N), b3, acc)
+    return acc
 
 
 @gluon.jit
@@ -488,6 +510,179 @@ def _w4a16_gluon_kernel(desc_w, desc_x, scales_ptr, zeros_ptr, xsum_ptr, c_ptr, 
     _invalidate_ring(ready, empty, NUM_BUF)
 
 
+# --- The direct-load decode kernel (DIRECT configs) -------------------------------------------------------------
+# The ring kernel above streams the weights through shared memory with TMA from a producer warp, and pays for it
+# with fixed costs per call: the ring's set-up, the producer's first round trip, barriers. On layers of 8-30 MB
+# those are a large part of a decode call. Here every warp loads its own operands from global memory straight
+# into the registers of the mma.sync operands: no shared memory, no barriers, no producer.
+#
+# The A layout (``k_width=1``) gives thread (g, t) words t, t + 4, t + 8, t + 12 of its rows: four scattered 4-byte
+# loads. But a dot sums over K, so any order of a tile's 16 words serves, as long as the activations follow it.
+# Reading the thread's four *physical* words 4t .. 4t + 3 (one 16-byte load) as the A operand's words
+# t, t + 4, t + 8, t + 12, and its activation columns the same way, relabels both operands with one permutation of
+# the words; the products, and the gathered activations in memory, are unchanged. The loads happen in linear
+# layouts whose registers hold 16 contiguous bytes; a reshape and a permute relabel them, and the conversion to the
+# dot-operand layouts moves no data (``assert_trivial``).
+#
+# Why only the small layers gain (H200 runs 38-40, bench/NOTES_w4a16.md): all of a warp's global loads share one
+# scoreboard in the sm_90 code, so the first use of any loaded value waits for every load in flight, and a
+# prefetch carried in registers lands no earlier than the current unit's operands. The stream then runs at about
+# half the copy bandwidth (55 against 42 us for the ring at 121 MB), while on 8-30 MB layers the saved fixed
+# costs win (7.6 against 9.0 us on 4096 x 4096, M = 1). Per-thread cp.async stages (counted waits) did not
+# recover the bandwidth either (run 39-40: 57-60 us).
+
+
+@triton.constexpr_function
+def _direct_words_layout(block_n, num_warps):
+    """[block_n, 16] packed words, thread (g, t) of warp w holding physical words 4t .. 4t + 3 (registers 0-3) of
+    rows g and g + 8 of each 16-row block: the A layout of :func:`_mma_partition` after :func:`_as_a_words`."""
+    reg = [[0, 1], [0, 2], [8, 0]]
+    rows = 16 * num_warps
+    while rows < block_n:
+        reg.append([rows, 0])
+        rows *= 2
+    warps = [[16 << i, 0] for i in range(num_warps.bit_length() - 1)]
+    return gl.DistributedLinearLayout(reg, [[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]], warps, [], [block_n, 16])
+
+
+@triton.constexpr_function
+def _direct_x_layout(block_m, num_warps):
+    """[block_m, 32] activations of one dot, thread (g, t) holding columns 8t .. 8t + 7 of rows g (and g + 8): the
+    B layout after :func:`_as_b_columns`. Every warp holds the whole tile (the B operand is shared)."""
+    reg = [[0, 1], [0, 2], [0, 4]] + ([[8, 0]] if block_m == 16 else [])
+    warps = [[0, 0] for _ in range(num_warps.bit_length() - 1)]
+    return gl.DistributedLinearLayout(reg, [[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]], warps, [], [block_m, 32])
+
+
+@gluon.jit
+def _as_a_words(words, w_layout: gl.constexpr):
+    """Physical word 4t + i of a row -> A-operand word t + 4i (registers relabelled, nothing moves)."""
+    BLOCK_N: gl.constexpr = words.shape[0]
+    words = gl.reshape(gl.permute(gl.reshape(words, [BLOCK_N, 4, 4]), (0, 2, 1)), [BLOCK_N, 16])
+    return gl.convert_layout(words, w_layout, assert_trivial=True)
+
+
+@gluon.jit
+def _as_b_columns(x, b_layout: gl.constexpr):
+    """[BLOCK_M, 32] activation columns 8t + 2i + h (pair h of physical word 4t + i) -> the B operand [32, BLOCK_M]
+    at K position 8i + 2t + h, which is pair h of A-operand word t + 4i: the same relabelling as :func:`_as_a_words`."""
+    BLOCK_M: gl.constexpr = x.shape[0]
+    x = gl.reshape(gl.permute(gl.reshape(x, [BLOCK_M, 4, 4, 2]), (0, 2, 1, 3)), [BLOCK_M, 32])
+    return gl.convert_layout(gl.permute(x, (1, 0)), b_layout, assert_trivial=True)
+
+
+@gluon.jit
+def _direct_words(w_ptr, stride_wn, N, tn, kt, ok, offs_n, offs_q, w_layout: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Unit (tn, kt)'s packed words [BLOCK_N, 16] in the A layout; nothing is read unless ``ok``."""
+    rows = tn * BLOCK_N + offs_n
+    ptrs = w_ptr + gl.expand_dims(rows * stride_wn, 1) + gl.expand_dims(kt * _WORDS + offs_q, 0)
+    words = gl.load(ptrs, mask=gl.expand_dims((rows < N) & ok, 1), other=0)
+    return _as_a_words(words, w_layout)
+
+
+@gluon.jit
+def _direct_x(x_ptr, stride_xm, M, kt, j: gl.constexpr, ok, offs_m, offs_c, b_layout: gl.constexpr):
+    """Dot j of K tile kt: the gathered activations' columns [BLOCK_M, 32] as the B operand."""
+    ptrs = x_ptr + gl.expand_dims(offs_m * stride_xm, 1) + gl.expand_dims(kt * _TILE_K + j * _DOT_K + offs_c, 0)
+    x = gl.load(ptrs, mask=gl.expand_dims((offs_m < M) & ok, 1), other=0.0)
+    return _as_b_columns(x, b_layout)
+
+
+@gluon.jit
+def _direct_operands(w_ptr, x_ptr, xsum_ptr, stride_wn, stride_xm, M, N, k_tiles, u, ok, offs_n_load, offs_q,
+                     offs_m, offs_c, m_idx, w_layout: gl.constexpr, b_layout: gl.constexpr, BLOCK_N: gl.constexpr,
+                     SCALE_ACC: gl.constexpr):
+    """Unit u's words, its four activation operands and its activation sums (SCALE_ACC), loaded unless ``ok``
+    is false."""
+    kt = u % k_tiles
+    words = _direct_words(w_ptr, stride_wn, N, u // k_tiles, kt, ok, offs_n_load, offs_q, w_layout, BLOCK_N)
+    x0 = _direct_x(x_ptr, stride_xm, M, kt, 0, ok, offs_m, offs_c, b_layout)
+    x1 = _direct_x(x_ptr, stride_xm, M, kt, 1, ok, offs_m, offs_c, b_layout)
+    x2 = _direct_x(x_ptr, stride_xm, M, kt, 2, ok, offs_m, offs_c, b_layout)
+    x3 = _direct_x(x_ptr, stride_xm, M, kt, 3, ok, offs_m, offs_c, b_layout)
+    xsum = gl.load(xsum_ptr + m_idx * k_tiles + kt, mask=(m_idx < M) & ok & SCALE_ACC, other=0.0)
+    return words, x0, x1, x2, x3, xsum
+
+
+@gluon.jit
+def _w4a16_direct_kernel(w_ptr, x_ptr, scales_ptr, zeros_ptr, xsum_ptr, c_ptr, ws_ptr, tile_units_ptr, M, N, k_tiles,
+                         tiles_n, stride_wn, stride_xm, stride_sg, stride_zg,
+                         GROUP_SIZE: gl.constexpr, HAS_ZEROS: gl.constexpr, BLOCK_N: gl.constexpr,
+                         BLOCK_M: gl.constexpr, num_warps: gl.constexpr):
+    """Decode, stream-K (one activation tile, M <= BLOCK_M): ``c[M, N] (+)= x[M, K] @ dequant(qw)^T`` over this
+    program's contiguous run of (weight tile, K tile) units, as :func:`_w4a16_gluon_kernel` with mma.sync, but every
+    warp loads its own operands, the next unit's before this unit's multiplies. ``w_ptr``: the packed words
+    [N, K / 8] as stored; ``x_ptr``: the gathered activations [M, K] (paired-nibble column order)."""
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, 8])
+    w_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=1)
+    b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=acc_layout, k_width=2)
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    load_w_layout: gl.constexpr = _direct_words_layout(BLOCK_N, num_warps)
+    load_x_layout: gl.constexpr = _direct_x_layout(BLOCK_M, num_warps)
+    dtype: gl.constexpr = c_ptr.dtype.element_ty
+    MAGIC_VALUE: gl.constexpr = 128.0 if dtype == gl.bfloat16 else 1024.0
+    SCALE_ACC: gl.constexpr = GROUP_SIZE % _TILE_K == 0
+
+    offs_q = gl.arange(0, _WORDS, layout=gl.SliceLayout(0, load_w_layout))
+    offs_n_load = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, load_w_layout))
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, w_layout))
+    p = gl.arange(0, _WORDS, layout=gl.SliceLayout(0, w_layout))
+    offs_w = 4 * (p % 4) + p // 4  # the physical word behind A-operand word p (per-word groups)
+    offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, load_x_layout))
+    offs_c = gl.arange(0, _DOT_K, layout=gl.SliceLayout(0, load_x_layout))
+    m_idx = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, acc_layout))
+
+    pid = gl.program_id(0)
+    u0, count = _even_run(pid, gl.num_programs(0), tiles_n * k_tiles)  # count >= 1: the grid has <= units
+
+    # unit 0's weights and parameters do not depend on the gather launched before this kernel: request them
+    # before waiting for it
+    words = _direct_words(w_ptr, stride_wn, N, u0 // k_tiles, u0 % k_tiles, True, offs_n_load, offs_q, w_layout,
+                          BLOCK_N)
+    scale, zero = _group_params(scales_ptr, zeros_ptr, u0 // k_tiles, u0 % k_tiles, N, stride_sg, stride_zg, offs_n,
+                                offs_w, GROUP_SIZE, HAS_ZEROS, BLOCK_N)
+    _wait_for_previous_grid()
+    kt = u0 % k_tiles
+    x0 = _direct_x(x_ptr, stride_xm, M, kt, 0, True, offs_m, offs_c, b_layout)
+    x1 = _direct_x(x_ptr, stride_xm, M, kt, 1, True, offs_m, offs_c, b_layout)
+    x2 = _direct_x(x_ptr, stride_xm, M, kt, 2, True, offs_m, offs_c, b_layout)
+    x3 = _direct_x(x_ptr, stride_xm, M, kt, 3, True, offs_m, offs_c, b_layout)
+    xsum = gl.load(xsum_ptr + m_idx * k_tiles + kt, mask=(m_idx < M) & SCALE_ACC, other=0.0)
+
+    acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=acc_layout)
+    seg_first = 0
+    for i in range(count):
+        u = u0 + i
+        # the next unit's operands (clamped to the run, and not read past it)
+        un = u0 + gl.minimum(i + 1, count - 1)
+        w_n, x0_n, x1_n, x2_n, x3_n, xsum_n = _direct_operands(w_ptr, x_ptr, xsum_ptr, stride_wn, stride_xm, M, N,
+                                                               k_tiles, un, i + 1 < count, offs_n_load, offs_q,
+                                                               offs_m, offs_c, m_idx, w_layout, b_layout, BLOCK_N,
+                                                               SCALE_ACC)
+        scale_n, zero_n = _group_params(scales_ptr, zeros_ptr, un // k_tiles, un % k_tiles, N, stride_sg, stride_zg,
+                                        offs_n, offs_w, GROUP_SIZE, HAS_ZEROS, BLOCK_N)
+        if SCALE_ACC:
+            acc = _mma_sync_unit(acc, words, x0, x1, x2, x3, scale, zero, xsum, zero, zero, True, acc_layout)
+        else:
+            zb = _pairs_of((zero + MAGIC_VALUE).to(dtype), a_layout, BLOCK_N)  # exact: small integers
+            sc = _pairs_of(scale.to(dtype), a_layout, BLOCK_N)
+            acc = _mma_sync_unit(acc, words, x0, x1, x2, x3, scale, zero, scale, zb, sc, False, acc_layout)
+        if ((u % k_tiles) == k_tiles - 1) | (i == count - 1):  # the unit ends a tile or the run
+            _flush(acc, c_ptr, ws_ptr, tile_units_ptr, u // k_tiles, 0, M, N, i + 1 - seg_first, k_tiles, BLOCK_N,
+                   BLOCK_M, True, acc_layout)
+            acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=acc_layout)
+            seg_first = i + 1
+        words = w_n
+        x0 = x0_n
+        x1 = x1_n
+        x2 = x2_n
+        x3 = x3_n
+        xsum = xsum_n
+        scale = scale_n
+        zero = zero_n
+
+
 @dataclasses.dataclass(frozen=True)
 class GluonConfig:
     """One launch configuration of :func:`_w4a16_gluon_kernel`.
@@ -504,6 +699,8 @@ class GluonConfig:
       every n-th output tile whole, its producer running ahead into the next tile during the store.
     * X_BOX_K: activation columns per TMA box, 32 (four boxes a unit, 64-byte rows, 64-byte swizzle) or 64
       (two boxes, 128-byte rows and swizzle; each dot reads a column slice).
+    * DIRECT (mma.sync stream-K only): :func:`_w4a16_direct_kernel`, every warp loads its own operands into
+      registers, one unit ahead; no ring (NUM_BUF and X_BOX_K do not apply).
     """
 
     BLOCK_N: int
@@ -516,19 +713,24 @@ class GluonConfig:
     GROUP_N: int = 8
     PERSISTENT: bool = False
     X_BOX_K: int = 32
+    DIRECT: bool = False
 
     def __post_init__(self):
         if self.X_BOX_K not in (32, 64):  # the swizzle is 2 * X_BOX_K bytes: 64 or 128
             raise ValueError(f"X_BOX_K must be 32 or 64, got {self.X_BOX_K}")
+        if self.DIRECT and (self.WGMMA or not self.STREAM_K or self.PERSISTENT or self.BLOCK_N < 16 * self.num_warps):
+            raise ValueError("DIRECT configs are mma.sync stream-K with at least 16 weight rows a warp")
 
     def block_m(self, m: int) -> int:
         return 8 if (not self.WGMMA and m <= 8) else self.BLOCK_M
 
     def smem_bytes(self, m: int) -> int:
+        if self.DIRECT:
+            return 1024
         return self.NUM_BUF * (self.BLOCK_N * int(_WORDS) * 4 + 4 * self.block_m(m) * int(_DOT_K) * 2) + 1024
 
     def maxnreg(self) -> int:
-        threads = (self.num_warps + 4) * 32  # the producer's warpgroup counts whole
+        threads = (self.num_warps + (0 if self.DIRECT else 4)) * 32  # the producer's warpgroup counts whole
         return min(255, _REGS_PER_SM // (self.CTAS_PER_SM * threads) // 8 * 8)
 
     def fits(self, m: int, group_size: int) -> bool:
@@ -538,6 +740,11 @@ class GluonConfig:
         # per-word scales (groups under 128) need more registers: under 80 the decode warps spill
         if self.maxnreg() < (80 if group_size % PAIR_TILE_K else 64):
             return False
+        if self.DIRECT:
+            # one group per K tile only, and 16 activation rows only from 160 registers: the sm_90 compile spills
+            # below that (16-112 bytes at 128 registers with per-word groups or 16 rows)
+            if group_size % PAIR_TILE_K or (m > 8 and self.maxnreg() < 160):
+                return False
         if self.WGMMA:
             return self.BLOCK_M <= max(64, triton.next_power_of_2(m)) and (not self.STREAM_K or m <= self.BLOCK_M)
         # mma.sync: one activation tile, not more than twice as tall as M (16 is the smallest)
@@ -553,6 +760,15 @@ _SMEM_PER_SM = 228 * 1024
 # keeps 32 (equal at 256 x 128, 4-10 % slower at 128 x 128).
 # The two programs-per-SM versions of the 128-row tiles: 16.5 / 18.9 us against 17.3 / 21.2 for the best
 # other config at 14336 x 4096, M = 1 / 16, and 10.9 against 11.2 at 4096², M = 16 (run 34).
+# The direct-load kernel (no ring; NUM_BUF unused): 7.6-7.7 against 9.0 us at 4096², M = 1, and 15.3-15.4 against
+# 16.6 at 14336 x 4096, M = 1 (H200 run 38); slower than the ring from ~100 MB. The first two take M <= 8. Not yet
+# the tuner's: this form of the kernel (after run 38's) has not run on a GPU; the next device session runs
+# test_gluon_direct_gpu and then adds them to DECODE_GLUON_CONFIGS.
+DIRECT_GLUON_CONFIGS = [
+    GluonConfig(128, 16, 1, 4, 4, DIRECT=True),
+    GluonConfig(256, 16, 1, 8, 2, DIRECT=True),
+    GluonConfig(128, 16, 1, 4, 3, DIRECT=True),
+]
 DECODE_GLUON_CONFIGS = [  # mma.sync, stream-K, M <= 16
     GluonConfig(128, 16, 6, 4, 3, X_BOX_K=64),
     GluonConfig(128, 16, 4, 4, 4, X_BOX_K=64),
@@ -640,11 +856,19 @@ def _launch(x: torch.Tensor, w: W4A16Weights, config: GluonConfig) -> torch.Tens
         grid = (tiles_n * tiles_m,)
         if persistent:
             grid = (min(tiles_n * tiles_m, num_sms(x.device) * config.CTAS_PER_SM),)
+    zeros = w.zeros if w.zeros is not None else w.scales  # dummy pointer when symmetric
+    if config.DIRECT:
+        _w4a16_direct_kernel[grid](w.qweight, xp, w.scales, zeros, xsum if xsum is not None else ws, out, ws,
+                                   tile_units, m, n, k_tiles, tiles_n, w.qweight.stride(0), xp.stride(0),
+                                   w.scales.stride(0), zeros.stride(0),
+                                   GROUP_SIZE=w.group_size, HAS_ZEROS=w.zeros is not None, BLOCK_N=config.BLOCK_N,
+                                   BLOCK_M=block_m, num_warps=config.num_warps,
+                                   maxnreg=config.maxnreg(), launch_pdl=True)
+        return out
     desc_w = TensorDescriptor(w.qweight, [n, k // 8], [w.qweight.stride(0), 1], [config.BLOCK_N, int(_WORDS)],
                               _swizzled_layout(64, 32))
     desc_x = TensorDescriptor(xp, [m, k], [xp.stride(0), 1], [block_m, config.X_BOX_K],
                               _swizzled_layout(2 * config.X_BOX_K, 16))
-    zeros = w.zeros if w.zeros is not None else w.scales  # dummy pointer when symmetric
     _w4a16_gluon_kernel[grid](desc_w, desc_x, w.scales, zeros, xsum if xsum is not None else ws, out, ws, tile_units,
                               m, n, k_tiles, tiles_n,
                               tiles_m, w.scales.stride(0), zeros.stride(0),

@@ -8,7 +8,7 @@ Every config (``;``-separated, the fields of ``GluonConfig``) is checked against
 graph-timed over rotating weights (L2 clean), like bench_w4a16.py; each config is timed ``--repeat``
 times, interleaved, so that drift shows as spread. ``--variants``: each config is also run with each
 variant's fields replaced (``;``-separated), right after it; ``--decode`` adds the decode candidates
-(DECODE_GLUON_CONFIGS) to ``--configs``. Prints one line per (shape, M) with cuBLAS bf16
+(DECODE_GLUON_CONFIGS) to ``--configs``, ``--direct`` the direct-load ones (DIRECT_GLUON_CONFIGS). Prints one line per (shape, M) with cuBLAS bf16
 and every config's microseconds and ratio to cuBLAS.
 """
 
@@ -40,11 +40,13 @@ def main():
     ap.add_argument("--configs", default="")
     ap.add_argument("--variants", default="")
     ap.add_argument("--decode", action="store_true")
+    ap.add_argument("--direct", action="store_true", help="add the direct-load candidates (DIRECT_GLUON_CONFIGS)")
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     base = [parse_config(text) for text in args.configs.split(";") if text]
     base += list(kg.DECODE_GLUON_CONFIGS) if args.decode else []
+    base += list(kg.DIRECT_GLUON_CONFIGS) if args.direct else []
     variants = [parse_fields(text) for text in args.variants.split(";") if text]
     configs = [c for cfg in base for c in [cfg] + [dataclasses.replace(cfg, **v) for v in variants]]
     rows = []
@@ -66,8 +68,9 @@ def main():
                 times = [bench_graph([lambda x=x, w=w, c=cfg: kg._launch(x, w, c) for x, w in zip(xs, ws)])
                          for _ in range(args.repeat)]
                 rows.append(dict(shape=shape, m=m, config=str(cfg), us=times, cublas_us=cublas, rel_err=err))
-                name = (f"{cfg.BLOCK_N}x{cfg.BLOCK_M}/{cfg.NUM_BUF}{'/P' if cfg.PERSISTENT else ''}"
-                        f"{'/K' if cfg.STREAM_K else ''}/x{cfg.X_BOX_K}")
+                name = (f"{cfg.BLOCK_N}x{cfg.BLOCK_M}/{cfg.NUM_BUF}/w{cfg.num_warps}c{cfg.CTAS_PER_SM}"
+                        f"{'/P' if cfg.PERSISTENT else ''}{'/K' if cfg.STREAM_K else ''}"
+                        + ("/direct" if cfg.DIRECT else f"/x{cfg.X_BOX_K}"))
                 cells.append(f"{name} {' '.join(f'{t:.1f}' for t in times)} ({cublas / min(times):.2f}x, {err:.0e})")
             print(f"{shape} M={m}: " + " | ".join(cells), flush=True)
     if args.json:

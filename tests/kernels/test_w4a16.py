@@ -402,10 +402,20 @@ def test_gluon_config_rejects_an_activation_box_it_cannot_swizzle():
         GluonConfig(128, 16, 4, X_BOX_K=128)
 
 
+def test_direct_gluon_configs_take_one_group_per_k_tile():
+    # the direct kernel's per-word group path spills at the register caps its configs run at
+    from quantkit.kernels.w4a16_gluon import DIRECT_GLUON_CONFIGS as direct
+
+    assert direct and not any(c.fits(1, 64) or c.fits(1, 32) for c in direct)
+    assert all(c.fits(1, 128) and c.fits(8, 256) for c in direct)
+    assert any(c.fits(16, 128) for c in direct)
+
+
 def test_gluon_configs_fit_the_h200():
     from quantkit.kernels.w4a16_gluon import DECODE_GLUON_CONFIGS, GLUON_TUNER, MID_GLUON_CONFIGS, PREFILL_GLUON_CONFIGS
 
-    assert all(c.fits(16, 128) for c in DECODE_GLUON_CONFIGS)
+    assert all(c.fits(16, 128) for c in DECODE_GLUON_CONFIGS if not c.DIRECT)
+    assert all(c.fits(8, 128) for c in DECODE_GLUON_CONFIGS)
     assert all(not c.WGMMA for c in DECODE_GLUON_CONFIGS + MID_GLUON_CONFIGS)
     assert all(c.WGMMA for c in PREFILL_GLUON_CONFIGS)
     assert all(c.fits(c.BLOCK_M, 128) for c in MID_GLUON_CONFIGS + PREFILL_GLUON_CONFIGS)
@@ -469,6 +479,32 @@ def test_gluon_x_box_gpu(x_box_k, n, k, gs, sym, act, m):
     for cfg in GLUON_TUNER.candidates(m, w.group_size):
         out = w4a16_gluon_matmul(x, w, dataclasses.replace(cfg, X_BOX_K=x_box_k))
         assert rel_err(out, ref) < 1e-2, cfg
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("n,k,gs,sym,act", [(4096 + 128, 4096 + 128, 128, False, False), (1024, 2048, 128, True, True),
+                                            (1408, 2816, 256, False, False), (768, 1536, -1, False, False),
+                                            (65536 + 128, 256, 128, False, False)])
+@pytest.mark.parametrize("m", [1, 5, 8, 13, 16])
+def test_gluon_direct_gpu(n, k, gs, sym, act, m, dtype):
+    # every direct-load candidate (operands loaded by every warp, relabelled into the mma operands): runs that start
+    # and end inside tiles (4224 x 4224) and runs longer than a tile (65664 x 256, 2 K tiles); groups of two K tiles,
+    # per channel, act-order, asym, N not a multiple of the tile
+    from quantkit.kernels.w4a16_gluon import DIRECT_GLUON_CONFIGS, w4a16_gluon_matmul
+
+    mod = _kernel_module()
+    tensors, w_deq = make_layer(n, k, 4, gs, sym, act, device="cuda", seed=torch.seed() % 2**31)
+    w = mod.prepare_w4a16_weights(**tensors, bits=4, group_size=gs, sym=sym)
+    x = torch.randn(m, k, device="cuda").to(dtype)
+    ref = x.float() @ w_deq.t()
+    direct = DIRECT_GLUON_CONFIGS
+    assert direct
+    for cfg in direct:
+        if cfg.fits(m, w.group_size):
+            out = w4a16_gluon_matmul(x, w, cfg)
+            assert out.dtype == dtype and rel_err(out, ref) < 1e-2, cfg
 
 
 @pytest.mark.gpu

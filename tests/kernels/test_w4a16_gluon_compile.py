@@ -8,7 +8,9 @@ nvdisasm). These tests pin what the design relies on and what went wrong once:
 * ptxas does not serialize the wgmmas (its C7514 notice);
 * the decode loop's A operand comes out of the packed words by register renaming (no shared-memory
   round trip) and with no packed zero-point subtraction, and the main configs do not spill;
-* programmatic dependent launch: the kernel waits for the gather (``griddepcontrol.wait``).
+* programmatic dependent launch: the kernel waits for the gather (``griddepcontrol.wait``);
+* the direct-load decode kernel reads its words in 16-byte loads straight into the mma.sync operands (no
+  shared memory) and does not spill.
 """
 
 from __future__ import annotations
@@ -41,6 +43,33 @@ constexprs = dict(GROUP_SIZE=group_size, HAS_ZEROS=False, BLOCK_N=block_n, BLOCK
                   NUM_BUF=num_buf, WGMMA=wgmma, ATOMIC_OUT=not wgmma, PERSISTENT=False, num_warps=num_warps)
 signature |= {name: "constexpr" for name in constexprs}
 src = GluonASTSource(fn=_w4a16_gluon_kernel, signature=signature, constexprs=constexprs, attrs={})
+kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "maxnreg": cfg.maxnreg()})
+open(out + ".cubin", "wb").write(kernel.asm["cubin"])
+open(out + ".ptx", "w").write(kernel.asm["ptx"])
+"""
+
+
+_COMPILE_DIRECT = r"""
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from quantkit.kernels.w4a16_gluon import GluonConfig, _w4a16_direct_kernel
+
+block_n, block_m, num_warps, ctas, group_size, has_zeros, out = json.loads(sys.argv[1])
+cfg = GluonConfig(block_n, block_m, 1, num_warps, ctas, DIRECT=True)
+signature = {
+    "w_ptr": "*i32", "x_ptr": "*bf16", "scales_ptr": "*fp16", "zeros_ptr": "*u8", "xsum_ptr": "*fp32", "c_ptr": "*bf16",
+    "ws_ptr": "*fp32", "tile_units_ptr": "*i32", "M": "i32", "N": "i32", "k_tiles": "i32", "tiles_n": "i32",
+    "stride_wn": "i32", "stride_xm": "i32", "stride_sg": "i32", "stride_zg": "i32",
+}
+names = list(signature)
+# what the launcher's specialization sees: 16-byte aligned pointers, strides that are multiples of 16
+aligned = [n for n in names if n.endswith("_ptr")] + ["N", "stride_wn", "stride_xm", "stride_sg", "stride_zg"]
+attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+constexprs = dict(GROUP_SIZE=group_size, HAS_ZEROS=has_zeros, BLOCK_N=block_n, BLOCK_M=block_m, num_warps=num_warps)
+signature |= {name: "constexpr" for name in constexprs}
+src = GluonASTSource(fn=_w4a16_direct_kernel, signature=signature, constexprs=constexprs, attrs=attrs)
 kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "maxnreg": cfg.maxnreg()})
 open(out + ".cubin", "wb").write(kernel.asm["cubin"])
 open(out + ".ptx", "w").write(kernel.asm["ptx"])
@@ -147,3 +176,31 @@ def test_decode_tile_fixup_orders_sums_before_the_counter(decode_kernel):
     assert any("MEMBAR.ALL.GPU" in line for line in between[barrier:])
     assert not any("MEMBAR" in line for line in between[:barrier])
     assert any("LDG.E.STRONG.GPU" in line for line in sass[count:])
+
+
+def _direct_configs():
+    from quantkit.kernels.w4a16_gluon import DIRECT_GLUON_CONFIGS
+
+    return list(DIRECT_GLUON_CONFIGS)
+
+
+@pytest.mark.parametrize("block_m,has_zeros", [(8, False), (8, True), (16, False), (16, True)])
+def test_direct_decode_loads_operands_into_registers(sm90, tmp_path_factory, block_m, has_zeros):
+    group_size = 128
+    configs = [c for c in _direct_configs() if c.fits(block_m, group_size)]
+    assert configs
+    for cfg in configs:
+        prefix = str(tmp_path_factory.mktemp("direct") / "kernel")
+        sm90.compile(_COMPILE_DIRECT, json.dumps([cfg.BLOCK_N, block_m, cfg.num_warps, cfg.CTAS_PER_SM, group_size,
+                                                  has_zeros, prefix]))
+        kernel = _Compiled(prefix, sm90)
+        assert " 0 bytes spill stores" in _ptxas_notices(kernel), cfg
+        sass = _sass(kernel)
+        ops = [re.search(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", line).group(1) for line in sass]
+        # the words in 16-byte loads: two rows of each 16-row block a thread, once before the loop and once in it
+        rows_per_warp = cfg.BLOCK_N // cfg.num_warps
+        assert ops.count("LDG.E.128") >= 2 * (rows_per_warp // 16) * 2, cfg
+        # no operand goes through shared memory: the only shared access is the broadcast of the tile counter
+        assert not any(op.startswith(("LDSM", "LDS.", "STS.", "SHFL")) for op in ops), cfg
+        assert ops.count("LDS") + ops.count("STS") <= 2, cfg
+        assert "griddepcontrol.wait" in open(kernel.ptx).read()
