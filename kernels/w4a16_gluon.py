@@ -589,19 +589,15 @@ def _direct_x(x_ptr, stride_xm, M, kt, j: gl.constexpr, ok, offs_m, offs_c, b_la
 
 
 @gluon.jit
-def _direct_operands(w_ptr, x_ptr, xsum_ptr, stride_wn, stride_xm, M, N, k_tiles, u, ok, offs_n_load, offs_q,
-                     offs_m, offs_c, m_idx, w_layout: gl.constexpr, b_layout: gl.constexpr, BLOCK_N: gl.constexpr,
-                     SCALE_ACC: gl.constexpr):
-    """Unit u's words, its four activation operands and its activation sums (SCALE_ACC), loaded unless ``ok``
-    is false."""
-    kt = u % k_tiles
-    words = _direct_words(w_ptr, stride_wn, N, u // k_tiles, kt, ok, offs_n_load, offs_q, w_layout, BLOCK_N)
+def _direct_activations(x_ptr, xsum_ptr, stride_xm, M, k_tiles, kt, ok, offs_m, offs_c, m_idx,
+                        b_layout: gl.constexpr):
+    """K tile kt's four activation operands and its activation sums; nothing is read unless ``ok``."""
     x0 = _direct_x(x_ptr, stride_xm, M, kt, 0, ok, offs_m, offs_c, b_layout)
     x1 = _direct_x(x_ptr, stride_xm, M, kt, 1, ok, offs_m, offs_c, b_layout)
     x2 = _direct_x(x_ptr, stride_xm, M, kt, 2, ok, offs_m, offs_c, b_layout)
     x3 = _direct_x(x_ptr, stride_xm, M, kt, 3, ok, offs_m, offs_c, b_layout)
-    xsum = gl.load(xsum_ptr + m_idx * k_tiles + kt, mask=(m_idx < M) & ok & SCALE_ACC, other=0.0)
-    return words, x0, x1, x2, x3, xsum
+    xsum = gl.load(xsum_ptr + m_idx * k_tiles + kt, mask=(m_idx < M) & ok, other=0.0)
+    return x0, x1, x2, x3, xsum
 
 
 @gluon.jit
@@ -617,18 +613,15 @@ def _w4a16_direct_kernel(w_ptr, x_ptr, scales_ptr, zeros_ptr, xsum_ptr, c_ptr, w
                                                          instr_shape=[16, 8])
     w_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=1)
     b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=acc_layout, k_width=2)
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     load_w_layout: gl.constexpr = _direct_words_layout(BLOCK_N, num_warps)
     load_x_layout: gl.constexpr = _direct_x_layout(BLOCK_M, num_warps)
-    dtype: gl.constexpr = c_ptr.dtype.element_ty
-    MAGIC_VALUE: gl.constexpr = 128.0 if dtype == gl.bfloat16 else 1024.0
-    SCALE_ACC: gl.constexpr = GROUP_SIZE % _TILE_K == 0
+    # one group per K tile (GluonConfig.fits): the zero point and the scale go onto each unit's float32 sums
+    gl.static_assert(GROUP_SIZE % _TILE_K == 0, "the direct kernel takes one group per K tile")
 
     offs_q = gl.arange(0, _WORDS, layout=gl.SliceLayout(0, load_w_layout))
     offs_n_load = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, load_w_layout))
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, w_layout))
-    p = gl.arange(0, _WORDS, layout=gl.SliceLayout(0, w_layout))
-    offs_w = 4 * (p % 4) + p // 4  # the physical word behind A-operand word p (per-word groups)
+    offs_w = gl.arange(0, _WORDS, layout=gl.SliceLayout(0, w_layout))  # unused by _group_params here
     offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, load_x_layout))
     offs_c = gl.arange(0, _DOT_K, layout=gl.SliceLayout(0, load_x_layout))
     m_idx = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, acc_layout))
@@ -643,12 +636,8 @@ def _w4a16_direct_kernel(w_ptr, x_ptr, scales_ptr, zeros_ptr, xsum_ptr, c_ptr, w
     scale, zero = _group_params(scales_ptr, zeros_ptr, u0 // k_tiles, u0 % k_tiles, N, stride_sg, stride_zg, offs_n,
                                 offs_w, GROUP_SIZE, HAS_ZEROS, BLOCK_N)
     _wait_for_previous_grid()
-    kt = u0 % k_tiles
-    x0 = _direct_x(x_ptr, stride_xm, M, kt, 0, True, offs_m, offs_c, b_layout)
-    x1 = _direct_x(x_ptr, stride_xm, M, kt, 1, True, offs_m, offs_c, b_layout)
-    x2 = _direct_x(x_ptr, stride_xm, M, kt, 2, True, offs_m, offs_c, b_layout)
-    x3 = _direct_x(x_ptr, stride_xm, M, kt, 3, True, offs_m, offs_c, b_layout)
-    xsum = gl.load(xsum_ptr + m_idx * k_tiles + kt, mask=(m_idx < M) & SCALE_ACC, other=0.0)
+    x0, x1, x2, x3, xsum = _direct_activations(x_ptr, xsum_ptr, stride_xm, M, k_tiles, u0 % k_tiles, True, offs_m,
+                                               offs_c, m_idx, b_layout)
 
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=acc_layout)
     seg_first = 0
@@ -656,18 +645,14 @@ def _w4a16_direct_kernel(w_ptr, x_ptr, scales_ptr, zeros_ptr, xsum_ptr, c_ptr, w
         u = u0 + i
         # the next unit's operands (clamped to the run, and not read past it)
         un = u0 + gl.minimum(i + 1, count - 1)
-        w_n, x0_n, x1_n, x2_n, x3_n, xsum_n = _direct_operands(w_ptr, x_ptr, xsum_ptr, stride_wn, stride_xm, M, N,
-                                                               k_tiles, un, i + 1 < count, offs_n_load, offs_q,
-                                                               offs_m, offs_c, m_idx, w_layout, b_layout, BLOCK_N,
-                                                               SCALE_ACC)
+        more = i + 1 < count
+        w_n = _direct_words(w_ptr, stride_wn, N, un // k_tiles, un % k_tiles, more, offs_n_load, offs_q, w_layout,
+                            BLOCK_N)
+        x0_n, x1_n, x2_n, x3_n, xsum_n = _direct_activations(x_ptr, xsum_ptr, stride_xm, M, k_tiles, un % k_tiles,
+                                                             more, offs_m, offs_c, m_idx, b_layout)
         scale_n, zero_n = _group_params(scales_ptr, zeros_ptr, un // k_tiles, un % k_tiles, N, stride_sg, stride_zg,
                                         offs_n, offs_w, GROUP_SIZE, HAS_ZEROS, BLOCK_N)
-        if SCALE_ACC:
-            acc = _mma_sync_unit(acc, words, x0, x1, x2, x3, scale, zero, xsum, zero, zero, True, acc_layout)
-        else:
-            zb = _pairs_of((zero + MAGIC_VALUE).to(dtype), a_layout, BLOCK_N)  # exact: small integers
-            sc = _pairs_of(scale.to(dtype), a_layout, BLOCK_N)
-            acc = _mma_sync_unit(acc, words, x0, x1, x2, x3, scale, zero, scale, zb, sc, False, acc_layout)
+        acc = _mma_sync_unit(acc, words, x0, x1, x2, x3, scale, zero, xsum, zero, zero, True, acc_layout)
         if ((u % k_tiles) == k_tiles - 1) | (i == count - 1):  # the unit ends a tile or the run
             _flush(acc, c_ptr, ws_ptr, tile_units_ptr, u // k_tiles, 0, M, N, i + 1 - seg_first, k_tiles, BLOCK_N,
                    BLOCK_M, True, acc_layout)

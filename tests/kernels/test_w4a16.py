@@ -499,9 +499,8 @@ def test_gluon_direct_gpu(n, k, gs, sym, act, m, dtype):
     w = mod.prepare_w4a16_weights(**tensors, bits=4, group_size=gs, sym=sym)
     x = torch.randn(m, k, device="cuda").to(dtype)
     ref = x.float() @ w_deq.t()
-    direct = DIRECT_GLUON_CONFIGS
-    assert direct
-    for cfg in direct:
+    assert DIRECT_GLUON_CONFIGS
+    for cfg in DIRECT_GLUON_CONFIGS:
         if cfg.fits(m, w.group_size):
             out = w4a16_gluon_matmul(x, w, cfg)
             assert out.dtype == dtype and rel_err(out, ref) < 1e-2, cfg

@@ -178,16 +178,12 @@ def test_decode_tile_fixup_orders_sums_before_the_counter(decode_kernel):
     assert any("LDG.E.STRONG.GPU" in line for line in sass[count:])
 
 
-def _direct_configs():
-    from quantkit.kernels.w4a16_gluon import DIRECT_GLUON_CONFIGS
-
-    return list(DIRECT_GLUON_CONFIGS)
-
-
 @pytest.mark.parametrize("block_m,has_zeros", [(8, False), (8, True), (16, False), (16, True)])
 def test_direct_decode_loads_operands_into_registers(sm90, tmp_path_factory, block_m, has_zeros):
+    from quantkit.kernels.w4a16_gluon import DIRECT_GLUON_CONFIGS
+
     group_size = 128
-    configs = [c for c in _direct_configs() if c.fits(block_m, group_size)]
+    configs = [c for c in DIRECT_GLUON_CONFIGS if c.fits(block_m, group_size)]
     assert configs
     for cfg in configs:
         prefix = str(tmp_path_factory.mktemp("direct") / "kernel")
