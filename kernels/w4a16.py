@@ -81,6 +81,10 @@ GEMV_M2_MAX_WEIGHTS = 1 << 25
 # re-measured on the GPU); from 2**25 weights up M = 1 goes to the Gluon kernel, measured 17.5-17.8 us
 # there in run 19.
 GLUON_M1_MIN_WEIGHTS = 1 << 25
+# Layers the direct-load Gluon kernel takes (whole 128-column K tiles per group; it reads the caller's
+# activations in one launch) go to it at M = 1 from this many weights: 4.4 against the GEMV's 4.7 us at
+# 2048 x 2048, 7.2 against 8.8 at 4096 x 4096 (H200 runs 41 and 43; the GEMV's numbers from run 41).
+GLUON_DIRECT_M1_MIN_WEIGHTS = 1 << 22
 # Up to this many weights the GEMV does not split K: each program owns whole output rows and stores them
 # in the activations' dtype, so a call is one launch (no float32 zeroing before, no cast after). Run 21c
 # (M = 1): 5.0 vs 5.9 us at 2048 x 2048, 8.9 vs 9.0 at 4096 x 4096; 20.9 vs 17.5 at 14336 x 4096, hence the
@@ -849,7 +853,9 @@ def choose_path(m: int, w: W4A16Weights, gluon: bool = False) -> str:
     pairs = pairs_supported(w)
     weights = w.in_features * w.out_features
     if gluon:
-        return "gemv" if m == 1 and weights < GLUON_M1_MIN_WEIGHTS else "gluon"
+        direct = w.partial_sums is not None  # the direct Gluon kernel takes this layer
+        return "gemv" if m == 1 and weights < (GLUON_DIRECT_M1_MIN_WEIGHTS if direct else GLUON_M1_MIN_WEIGHTS) \
+            else "gluon"
     if m == 1 or (m <= GEMV_MAX_M and (not pairs or weights < GEMV_M2_MAX_WEIGHTS)):
         return "gemv"
     return "pairs" if pairs else "tc"

@@ -39,6 +39,15 @@ The kernel is launched with programmatic dependent launch behind the small kerne
 activation columns (``w4a16.gather_columns``, which also zeroes the workspace and sums each K tile of
 the activations): its weight loads start before that kernel has finished (``_load_partition``).
 
+Decode without the ring (``DIRECT`` configs, M <= 8, one group per K tile): :func:`_w4a16_direct_kernel`.
+Every warp loads its own operands straight into the mma.sync registers, one unit ahead (a thread's four
+A words of a row are one 16-byte load, relabelled). It reads the caller's activations and splits their
+columns in registers, and sums each K tile itself: one launch, no gather (``GATHER_X`` configs, and
+act-order weights, take the gathered ones instead). Its partial tiles meet in the layer's own workspace
+and counters (``W4A16Weights.partial_sums``, ``tile_counters``), which the finishing program zeroes again
+for the next call. On the H200 it beats the ring on layers up to ~60 M weights (4096²: 7.1 against
+9.0 us at M = 1; runs 38-45 in bench/NOTES_w4a16.md).
+
 Prefill (``WGMMA=True``): asynchronous wgmma with the dequantized weights as A from registers (two
 warpgroups of 64 weight rows each, or 128 with two m64 blocks) and the activation tile as B from
 shared memory. The dequantization of dot j + 1 runs while the wgmma of dot j is in flight
@@ -66,7 +75,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from quantkit.kernels.device_info import capability, num_sms
 from quantkit.kernels.gpu_timing import gpu_time_us, l2_evict_buffer
 from quantkit.kernels.w4a16 import gather_columns
-from quantkit.kernels.w4a16_weights import PAIR_TILE_K, W4A16Weights
+from quantkit.kernels.w4a16_weights import DIRECT_MAX_M, PAIR_TILE_K, W4A16Weights
 
 # One K tile of the packed weights: 16 int32 words (128 codes) per output row, read as four dots of K = 32.
 _WORDS = gl.constexpr(PAIR_TILE_K // 8)
@@ -272,13 +281,15 @@ def _dequant_pairs(words, zero_bias, scale, j: gl.constexpr, a_layout: gl.conste
 
 @gluon.jit
 def _flush(acc, c_ptr, ws_ptr, tile_units_ptr, tn, tm, M, N, seg_units, k_tiles, BLOCK_N: gl.constexpr,
-           BLOCK_M: gl.constexpr, ATOMIC_OUT: gl.constexpr, acc_layout: gl.constexpr):
+           BLOCK_M: gl.constexpr, ATOMIC_OUT: gl.constexpr, acc_layout: gl.constexpr, RESET: gl.constexpr):
     """The tile's sums of ``seg_units`` K tiles into ``c`` [M, N] (contiguous, c's dtype).
 
     One program per tile, or a stream-K run that holds all ``k_tiles`` of it: one store. Otherwise
     (ATOMIC_OUT) the partial sums go into the zeroed float32 workspace ``ws`` [M, N] with atomics, then
     ``seg_units`` is added to the tile's counter; the program whose addition completes ``k_tiles``
-    is the last one, and it converts the workspace tile into ``c``. No program waits for another."""
+    is the last one, and it converts the workspace tile into ``c``. No program waits for another.
+    RESET: that program also zeroes the workspace tile and the counter again, so that the next call finds
+    them zeroed without a zeroing launch (one layer's calls must then run one at a time)."""
     n = tn * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
     m = tm * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, acc_layout))
     offs = gl.expand_dims(m, 0).to(gl.int64) * N + gl.expand_dims(n, 1)
@@ -298,6 +309,9 @@ def _flush(acc, c_ptr, ws_ptr, tile_units_ptr, tn, tm, M, N, seg_units, k_tiles,
             if done == k_tiles:
                 total = gl.load(ws_ptr + offs, mask=mask, cache_modifier=".cg")
                 gl.store(c_ptr + offs, total.to(c_ptr.dtype.element_ty), mask=mask)
+                if RESET:
+                    gl.store(ws_ptr + offs, gl.zeros_like(total), mask=mask)
+                    gl.store(tile_units_ptr + tn, 0)
     else:
         gl.store(c_ptr + offs, acc.to(c_ptr.dtype.element_ty), mask=mask)
 
@@ -468,7 +482,7 @@ def _mma_partition(w_smem, x_smem, ready, empty, scales_ptr, zeros_ptr, xsum_ptr
             acc = warpgroup_mma_wait(0, deps=[acc])
             mbarrier.arrive(empty.index((hi - 1) % NUM_BUF))  # the segment's last stage
         _flush(acc, c_ptr, ws_ptr, tile_units_ptr, tn, tm, M, N, hi - lo, k_tiles, BLOCK_N, BLOCK_M, ATOMIC_OUT,
-               acc_layout)
+               acc_layout, False)
 
 
 @gluon.jit
@@ -554,6 +568,16 @@ def _direct_x_layout(block_m, num_warps):
     return gl.DistributedLinearLayout(reg, [[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]], warps, [], [block_m, 32])
 
 
+@triton.constexpr_function
+def _direct_raw_x_layout(block_m, num_warps):
+    """[block_m, 128] activations of one K tile in the caller's column order, thread (g, t) holding columns
+    32t .. 32t + 31 of rows g (and g + 8): exactly the columns that its four B operands need (see
+    :func:`_direct_raw_activations`). Every warp holds the whole tile."""
+    reg = [[0, 1], [0, 2], [0, 4], [0, 8], [0, 16]] + ([[8, 0]] if block_m == 16 else [])
+    warps = [[0, 0] for _ in range(num_warps.bit_length() - 1)]
+    return gl.DistributedLinearLayout(reg, [[0, 32], [0, 64], [1, 0], [2, 0], [4, 0]], warps, [], [block_m, 128])
+
+
 @gluon.jit
 def _as_a_words(words, w_layout: gl.constexpr):
     """Physical word 4t + i of a row -> A-operand word t + 4i (registers relabelled, nothing moves)."""
@@ -589,32 +613,73 @@ def _direct_x(x_ptr, stride_xm, M, kt, j: gl.constexpr, ok, offs_m, offs_c, b_la
 
 
 @gluon.jit
-def _direct_activations(x_ptr, xsum_ptr, stride_xm, M, k_tiles, kt, ok, offs_m, offs_c, m_idx,
-                        b_layout: gl.constexpr):
-    """K tile kt's four activation operands and its activation sums; nothing is read unless ``ok``."""
-    x0 = _direct_x(x_ptr, stride_xm, M, kt, 0, ok, offs_m, offs_c, b_layout)
-    x1 = _direct_x(x_ptr, stride_xm, M, kt, 1, ok, offs_m, offs_c, b_layout)
-    x2 = _direct_x(x_ptr, stride_xm, M, kt, 2, ok, offs_m, offs_c, b_layout)
-    x3 = _direct_x(x_ptr, stride_xm, M, kt, 3, ok, offs_m, offs_c, b_layout)
-    xsum = gl.load(xsum_ptr + m_idx * k_tiles + kt, mask=(m_idx < M) & ok, other=0.0)
+def _direct_activations(x_ptr, xsum_ptr, stride_xm, M, k_tiles, kt, ok, b_layout: gl.constexpr,
+                        sum_layout: gl.constexpr, GATHERED: gl.constexpr, BLOCK_M: gl.constexpr,
+                        num_warps: gl.constexpr):
+    """K tile kt's four activation operands and its activation sums [BLOCK_M] (``sum_layout``); nothing is read
+    unless ``ok``. GATHERED: from the gathered activations and the sums the gather wrote; otherwise from the
+    caller's activations (:func:`_direct_raw_activations`)."""
+    if GATHERED:
+        load_x_layout: gl.constexpr = _direct_x_layout(BLOCK_M, num_warps)
+        offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, load_x_layout))
+        offs_c = gl.arange(0, _DOT_K, layout=gl.SliceLayout(0, load_x_layout))
+        m_idx = gl.arange(0, BLOCK_M, layout=sum_layout)
+        x0 = _direct_x(x_ptr, stride_xm, M, kt, 0, ok, offs_m, offs_c, b_layout)
+        x1 = _direct_x(x_ptr, stride_xm, M, kt, 1, ok, offs_m, offs_c, b_layout)
+        x2 = _direct_x(x_ptr, stride_xm, M, kt, 2, ok, offs_m, offs_c, b_layout)
+        x3 = _direct_x(x_ptr, stride_xm, M, kt, 3, ok, offs_m, offs_c, b_layout)
+        xsum = gl.load(xsum_ptr + m_idx * k_tiles + kt, mask=(m_idx < M) & ok, other=0.0)
+    else:
+        raw_layout: gl.constexpr = _direct_raw_x_layout(BLOCK_M, num_warps)
+        offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, raw_layout))
+        offs_k = gl.arange(0, _TILE_K, layout=gl.SliceLayout(0, raw_layout))
+        x0, x1, x2, x3, xsum = _direct_raw_activations(x_ptr, stride_xm, M, kt, ok, offs_m, offs_k, b_layout,
+                                                       sum_layout)
     return x0, x1, x2, x3, xsum
 
 
 @gluon.jit
-def _w4a16_direct_kernel(w_ptr, x_ptr, scales_ptr, zeros_ptr, xsum_ptr, c_ptr, ws_ptr, tile_units_ptr, M, N, k_tiles,
+def _direct_raw_activations(x_ptr, stride_xm, M, kt, ok, offs_m, offs_k, b_layout: gl.constexpr,
+                            sum_layout: gl.constexpr):
+    """As :func:`_direct_activations`, from the activations in the caller's column order (no gather launch) and
+    with the K tile's sums computed here.
+
+    Dot j, column c = 8t + 2i + h (pair h of physical word 4t + i) multiplies code j + 4h of that word, which is
+    original column 8 (4t + i) + j + 4h = 32t + 8i + 4h + j (``w4a16_weights.paired_nibble_index``). So thread
+    (g, t)'s four dots together read columns 32t .. 32t + 31: one contiguous 64-byte run, which it loads as such;
+    splitting the two low bits of the column (j) off in registers gives the four operands."""
+    BLOCK_M: gl.constexpr = offs_m.shape[0]
+    ptrs = x_ptr + gl.expand_dims(offs_m * stride_xm, 1) + gl.expand_dims(kt * _TILE_K + offs_k, 0)
+    x = gl.load(ptrs, mask=gl.expand_dims((offs_m < M) & ok, 1), other=0.0)
+    xsum = gl.convert_layout(gl.sum(x.to(gl.float32), axis=1), sum_layout)
+    # [BLOCK_M, (t, i, h), j // 2, j % 2]
+    x_even, x_odd = gl.split(gl.reshape(x, [BLOCK_M, _DOT_K, 2, 2]))
+    x0, x2 = gl.split(x_even)
+    x1, x3 = gl.split(x_odd)
+    return (_as_b_columns(x0, b_layout), _as_b_columns(x1, b_layout), _as_b_columns(x2, b_layout),
+            _as_b_columns(x3, b_layout), xsum)
+
+
+@gluon.jit
+def _w4a16_direct_kernel(w_ptr, x_ptr, scales_ptr, zeros_ptr, xsum_ptr, c_ptr, ws_ptr, counters_ptr, M, N, k_tiles,
                          tiles_n, stride_wn, stride_xm, stride_sg, stride_zg,
                          GROUP_SIZE: gl.constexpr, HAS_ZEROS: gl.constexpr, BLOCK_N: gl.constexpr,
-                         BLOCK_M: gl.constexpr, num_warps: gl.constexpr):
+                         BLOCK_M: gl.constexpr, GATHERED: gl.constexpr, num_warps: gl.constexpr):
     """Decode, stream-K (one activation tile, M <= BLOCK_M): ``c[M, N] (+)= x[M, K] @ dequant(qw)^T`` over this
     program's contiguous run of (weight tile, K tile) units, as :func:`_w4a16_gluon_kernel` with mma.sync, but every
     warp loads its own operands, the next unit's before this unit's multiplies. ``w_ptr``: the packed words
-    [N, K / 8] as stored; ``x_ptr``: the gathered activations [M, K] (paired-nibble column order)."""
+    [N, K / 8] as stored; ``x_ptr``: the activations [M, K].
+
+    GATHERED: launched behind ``w4a16.gather_columns``, which wrote the activations in the paired-nibble column
+    order and their K-tile sums ``xsum`` (act-order weights, or GluonConfig.GATHER_X). Otherwise the kernel is the
+    whole call: it reads the caller's activations and sums them itself. Partial tiles meet through
+    :func:`_flush` with atomics into the layer's workspace ``ws`` and counters, which it leaves zeroed."""
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1],
                                                          instr_shape=[16, 8])
     w_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=1)
     b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=acc_layout, k_width=2)
     load_w_layout: gl.constexpr = _direct_words_layout(BLOCK_N, num_warps)
-    load_x_layout: gl.constexpr = _direct_x_layout(BLOCK_M, num_warps)
+    sum_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
     # one group per K tile (GluonConfig.fits): the zero point and the scale go onto each unit's float32 sums
     gl.static_assert(GROUP_SIZE % _TILE_K == 0, "the direct kernel takes one group per K tile")
 
@@ -622,22 +687,19 @@ def _w4a16_direct_kernel(w_ptr, x_ptr, scales_ptr, zeros_ptr, xsum_ptr, c_ptr, w
     offs_n_load = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, load_w_layout))
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, w_layout))
     offs_w = gl.arange(0, _WORDS, layout=gl.SliceLayout(0, w_layout))  # unused by _group_params here
-    offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, load_x_layout))
-    offs_c = gl.arange(0, _DOT_K, layout=gl.SliceLayout(0, load_x_layout))
-    m_idx = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, acc_layout))
 
     pid = gl.program_id(0)
     u0, count = _even_run(pid, gl.num_programs(0), tiles_n * k_tiles)  # count >= 1: the grid has <= units
 
-    # unit 0's weights and parameters do not depend on the gather launched before this kernel: request them
-    # before waiting for it
+    # unit 0's weights and parameters do not depend on the kernel launched before this one (the gather, or
+    # whatever wrote x): request them before waiting for it
     words = _direct_words(w_ptr, stride_wn, N, u0 // k_tiles, u0 % k_tiles, True, offs_n_load, offs_q, w_layout,
                           BLOCK_N)
     scale, zero = _group_params(scales_ptr, zeros_ptr, u0 // k_tiles, u0 % k_tiles, N, stride_sg, stride_zg, offs_n,
                                 offs_w, GROUP_SIZE, HAS_ZEROS, BLOCK_N)
     _wait_for_previous_grid()
-    x0, x1, x2, x3, xsum = _direct_activations(x_ptr, xsum_ptr, stride_xm, M, k_tiles, u0 % k_tiles, True, offs_m,
-                                               offs_c, m_idx, b_layout)
+    x0, x1, x2, x3, xsum = _direct_activations(x_ptr, xsum_ptr, stride_xm, M, k_tiles, u0 % k_tiles, True, b_layout,
+                                               sum_layout, GATHERED, BLOCK_M, num_warps)
 
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=acc_layout)
     seg_first = 0
@@ -649,13 +711,13 @@ def _w4a16_direct_kernel(w_ptr, x_ptr, scales_ptr, zeros_ptr, xsum_ptr, c_ptr, w
         w_n = _direct_words(w_ptr, stride_wn, N, un // k_tiles, un % k_tiles, more, offs_n_load, offs_q, w_layout,
                             BLOCK_N)
         x0_n, x1_n, x2_n, x3_n, xsum_n = _direct_activations(x_ptr, xsum_ptr, stride_xm, M, k_tiles, un % k_tiles,
-                                                             more, offs_m, offs_c, m_idx, b_layout)
+                                                             more, b_layout, sum_layout, GATHERED, BLOCK_M, num_warps)
         scale_n, zero_n = _group_params(scales_ptr, zeros_ptr, un // k_tiles, un % k_tiles, N, stride_sg, stride_zg,
                                         offs_n, offs_w, GROUP_SIZE, HAS_ZEROS, BLOCK_N)
         acc = _mma_sync_unit(acc, words, x0, x1, x2, x3, scale, zero, xsum, zero, zero, True, acc_layout)
         if ((u % k_tiles) == k_tiles - 1) | (i == count - 1):  # the unit ends a tile or the run
-            _flush(acc, c_ptr, ws_ptr, tile_units_ptr, u // k_tiles, 0, M, N, i + 1 - seg_first, k_tiles, BLOCK_N,
-                   BLOCK_M, True, acc_layout)
+            _flush(acc, c_ptr, ws_ptr, counters_ptr, u // k_tiles, 0, M, N, i + 1 - seg_first, k_tiles, BLOCK_N,
+                   BLOCK_M, True, acc_layout, True)
             acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=acc_layout)
             seg_first = i + 1
         words = w_n
@@ -685,7 +747,9 @@ class GluonConfig:
     * X_BOX_K: activation columns per TMA box, 32 (four boxes a unit, 64-byte rows, 64-byte swizzle) or 64
       (two boxes, 128-byte rows and swizzle; each dot reads a column slice).
     * DIRECT (mma.sync stream-K only): :func:`_w4a16_direct_kernel`, every warp loads its own operands into
-      registers, one unit ahead; no ring (NUM_BUF and X_BOX_K do not apply).
+      registers, one unit ahead; no ring (NUM_BUF and X_BOX_K do not apply). GATHER_X (DIRECT only): behind the
+      column gather, as the ring kernel always is, rather than on the caller's activations (act-order weights are
+      always gathered).
     """
 
     BLOCK_N: int
@@ -699,12 +763,15 @@ class GluonConfig:
     PERSISTENT: bool = False
     X_BOX_K: int = 32
     DIRECT: bool = False
+    GATHER_X: bool = False
 
     def __post_init__(self):
         if self.X_BOX_K not in (32, 64):  # the swizzle is 2 * X_BOX_K bytes: 64 or 128
             raise ValueError(f"X_BOX_K must be 32 or 64, got {self.X_BOX_K}")
         if self.DIRECT and (self.WGMMA or not self.STREAM_K or self.PERSISTENT or self.BLOCK_N < 16 * self.num_warps):
             raise ValueError("DIRECT configs are mma.sync stream-K with at least 16 weight rows a warp")
+        if self.GATHER_X and not self.DIRECT:
+            raise ValueError("GATHER_X applies to DIRECT configs only (the ring kernel always gathers)")
 
     def block_m(self, m: int) -> int:
         return 8 if (not self.WGMMA and m <= 8) else self.BLOCK_M
@@ -726,9 +793,9 @@ class GluonConfig:
         if self.maxnreg() < (80 if group_size % PAIR_TILE_K else 64):
             return False
         if self.DIRECT:
-            # one group per K tile only, and 16 activation rows only from 160 registers: the sm_90 compile spills
-            # below that (16-112 bytes at 128 registers with per-word groups or 16 rows)
-            if group_size % PAIR_TILE_K or (m > 8 and self.maxnreg() < 160):
+            # one group per K tile and up to 8 activation rows only: with 16, the sm_90 compile of the candidates
+            # spills (24-32 bytes at 168 registers), and at M = 16 the ring kernel was faster anyway (H200 run 41)
+            if group_size % PAIR_TILE_K or m > DIRECT_MAX_M:
                 return False
         if self.WGMMA:
             return self.BLOCK_M <= max(64, triton.next_power_of_2(m)) and (not self.STREAM_K or m <= self.BLOCK_M)
@@ -745,14 +812,18 @@ _SMEM_PER_SM = 228 * 1024
 # keeps 32 (equal at 256 x 128, 4-10 % slower at 128 x 128).
 # The two programs-per-SM versions of the 128-row tiles: 16.5 / 18.9 us against 17.3 / 21.2 for the best
 # other config at 14336 x 4096, M = 1 / 16, and 10.9 against 11.2 at 4096², M = 16 (run 34).
-# The direct-load kernel (no ring; NUM_BUF unused): 7.6-7.7 against 9.0 us at 4096², M = 1, and 15.3-15.4 against
-# 16.6 at 14336 x 4096, M = 1 (H200 run 38); slower than the ring from ~100 MB. The first two take M <= 8. Not yet
-# the tuner's: this form of the kernel (after run 38's) has not run on a GPU; the next device session runs
-# test_gluon_direct_gpu and then adds them to DECODE_GLUON_CONFIGS.
+# The direct-load kernel (no ring; NUM_BUF unused), M <= 8. On the caller's activations (one launch) at 4096²,
+# M = 1: 7.2-7.4 us against 7.5-8.2 gathered and 9.0 for the ring; at 2048², 4.4-4.5 against 5.4. From
+# 14336 x 4096 up the gathered form is 1-2 us faster (15.1 against 16.1 at M = 1, 50.1 against 51.3 at
+# 28672 x 8192, where the ring's 41.4 wins): the in-register column split costs more than the gather's
+# launch once the weights stream long enough (H200 run 43, bench/results/w4a16_2026-12-01_run43_ab_direct_flush.*;
+# the tuner's picks in run 45: raw at 4096², gathered at 14336 x 4096 and 4096 x 14336).
 DIRECT_GLUON_CONFIGS = [
     GluonConfig(128, 16, 1, 4, 4, DIRECT=True),
     GluonConfig(256, 16, 1, 8, 2, DIRECT=True),
     GluonConfig(128, 16, 1, 4, 3, DIRECT=True),
+    GluonConfig(256, 16, 1, 8, 2, DIRECT=True, GATHER_X=True),
+    GluonConfig(128, 16, 1, 4, 4, DIRECT=True, GATHER_X=True),
 ]
 DECODE_GLUON_CONFIGS = [  # mma.sync, stream-K, M <= 16
     GluonConfig(128, 16, 6, 4, 3, X_BOX_K=64),
@@ -763,7 +834,7 @@ DECODE_GLUON_CONFIGS = [  # mma.sync, stream-K, M <= 16
     GluonConfig(256, 16, 5, 8, 2, X_BOX_K=64),
     GluonConfig(128, 16, 8, 4, 2, X_BOX_K=64),
     GluonConfig(64, 16, 8, 4, 3, X_BOX_K=64),
-]
+] + DIRECT_GLUON_CONFIGS
 # 17..64 rows: the same mma.sync stream-K on taller activation tiles, next to the wgmma configs. (Only
 # tiles whose sm_90 compile does not spill at these register caps: 128 x 64 spills at 128 registers.)
 MID_GLUON_CONFIGS = [
@@ -817,6 +888,8 @@ def w4a16_gluon_matmul(x: torch.Tensor, w: W4A16Weights, config: GluonConfig | N
 
 def _launch(x: torch.Tensor, w: W4A16Weights, config: GluonConfig) -> torch.Tensor:
     """The launch itself, for inputs and a config already checked."""
+    if config.DIRECT:
+        return _launch_direct(x, w, config)
     m, k = x.shape
     n = w.out_features
     block_m = config.block_m(m)
@@ -842,14 +915,6 @@ def _launch(x: torch.Tensor, w: W4A16Weights, config: GluonConfig) -> torch.Tens
         if persistent:
             grid = (min(tiles_n * tiles_m, num_sms(x.device) * config.CTAS_PER_SM),)
     zeros = w.zeros if w.zeros is not None else w.scales  # dummy pointer when symmetric
-    if config.DIRECT:
-        _w4a16_direct_kernel[grid](w.qweight, xp, w.scales, zeros, xsum if xsum is not None else ws, out, ws,
-                                   tile_units, m, n, k_tiles, tiles_n, w.qweight.stride(0), xp.stride(0),
-                                   w.scales.stride(0), zeros.stride(0),
-                                   GROUP_SIZE=w.group_size, HAS_ZEROS=w.zeros is not None, BLOCK_N=config.BLOCK_N,
-                                   BLOCK_M=block_m, num_warps=config.num_warps,
-                                   maxnreg=config.maxnreg(), launch_pdl=True)
-        return out
     desc_w = TensorDescriptor(w.qweight, [n, k // 8], [w.qweight.stride(0), 1], [config.BLOCK_N, int(_WORDS)],
                               _swizzled_layout(64, 32))
     desc_x = TensorDescriptor(xp, [m, k], [xp.stride(0), 1], [block_m, config.X_BOX_K],
@@ -862,6 +927,35 @@ def _launch(x: torch.Tensor, w: W4A16Weights, config: GluonConfig) -> torch.Tens
                               WGMMA=config.WGMMA, ATOMIC_OUT=stream_k, PERSISTENT=persistent,
                               num_warps=config.num_warps,
                               maxnreg=config.maxnreg(), launch_pdl=True)
+    return out
+
+
+def _launch_direct(x: torch.Tensor, w: W4A16Weights, config: GluonConfig) -> torch.Tensor:
+    """:func:`_w4a16_direct_kernel`: one launch on the caller's activations, or two behind the column gather
+    (act-order weights, or GATHER_X)."""
+    m, k = x.shape
+    n = w.out_features
+    if w.tile_counters is None or w.partial_sums is None or w.partial_sums.numel() < m * n:
+        raise ValueError("the direct W4A16 kernel needs the layer's zeroed stream-K workspace (M <= "
+                         f"{DIRECT_MAX_M}): prepare the weights with prepare_w4a16_weights")
+    block_m = config.block_m(m)
+    k_tiles = k // PAIR_TILE_K
+    tiles_n = triton.cdiv(n, config.BLOCK_N)
+    gathered = w.perm is not None or config.GATHER_X
+    if gathered:
+        xsum = torch.empty((m, k_tiles), device=x.device, dtype=torch.float32)
+        x = gather_columns(x, w.pair_index, None, xsum)
+    else:
+        x = x if x.stride(1) == 1 else x.contiguous()
+        xsum = w.partial_sums  # unused
+    out = torch.empty((m, n), device=x.device, dtype=x.dtype)
+    zeros = w.zeros if w.zeros is not None else w.scales  # dummy pointer when symmetric
+    grid = (min(tiles_n * k_tiles, num_sms(x.device) * config.CTAS_PER_SM),)
+    _w4a16_direct_kernel[grid](w.qweight, x, w.scales, zeros, xsum, out, w.partial_sums, w.tile_counters, m, n,
+                               k_tiles, tiles_n, w.qweight.stride(0), x.stride(0), w.scales.stride(0),
+                               zeros.stride(0), GROUP_SIZE=w.group_size, HAS_ZEROS=w.zeros is not None,
+                               BLOCK_N=config.BLOCK_N, BLOCK_M=block_m, GATHERED=gathered,
+                               num_warps=config.num_warps, maxnreg=config.maxnreg(), launch_pdl=True)
     return out
 
 

@@ -32,6 +32,12 @@ class W4A16Weights:
     * ``pair_index`` int64 ``[K]`` or None: the activation columns in the order the paired-nibble
       tensor-core kernel reads them (:func:`paired_nibble_index`, composed with ``perm``); None when
       that kernel cannot take the layer (8-bit codes, or K not a multiple of ``PAIR_TILE_K``).
+    * ``tile_counters`` int32 ``[N / 16 + 1]`` and ``partial_sums`` float32 ``[DIRECT_MAX_M * N]``, zeros, where
+      the direct decode kernel takes the layer (``pair_index`` set, whole K tiles per group): its stream-K tile
+      counters and the workspace its partial sums meet in, both left zeroed after each call (no zeroing launch;
+      32 bytes per output feature, about 1.5 % of the packed weights at K = 4096). They make a layer's calls on
+      the GPU run one at a time, as a model's forward does; a layer shared by two streams at once needs two
+      copies of its weights.
     """
 
     qweight: torch.Tensor
@@ -44,10 +50,14 @@ class W4A16Weights:
     in_features: int
     out_features: int
     pair_index: torch.Tensor | None = None
+    tile_counters: torch.Tensor | None = None
+    partial_sums: torch.Tensor | None = None
 
 
 # The paired-nibble kernel's K tile: 16 words of 8 codes.
 PAIR_TILE_K = 128
+# The direct decode kernel's activation rows at most (its stream-K workspace holds this many).
+DIRECT_MAX_M = 8
 
 
 def paired_nibble_index(k: int, device=None) -> torch.Tensor:
@@ -102,6 +112,8 @@ def prepare_w4a16_weights(qweight, qzeros, scales, g_idx, bits, group_size, sym)
         pair_index = paired_nibble_index(k, qweight.device)
         if perm is not None:
             pair_index = perm[pair_index]
+    # the direct decode kernel takes whole K tiles per group (w4a16_gluon.GluonConfig.fits)
+    direct = pair_index is not None and kernel_group is not None and kernel_group % PAIR_TILE_K == 0
     return W4A16Weights(
         qweight=qweight.t().contiguous(),
         scales=scales.to(torch.float16).contiguous(),
@@ -113,6 +125,8 @@ def prepare_w4a16_weights(qweight, qzeros, scales, g_idx, bits, group_size, sym)
         in_features=k,
         out_features=n,
         pair_index=pair_index,
+        tile_counters=torch.zeros(n // 16 + 1, device=qweight.device, dtype=torch.int32) if direct else None,
+        partial_sums=torch.zeros(DIRECT_MAX_M * n, device=qweight.device, dtype=torch.float32) if direct else None,
     )
 
 

@@ -227,10 +227,14 @@ def test_choose_path_by_m_shape_and_device():
                              pair_index=torch.zeros(1))
     large = dataclasses.replace(small, in_features=8192, out_features=28672)
     odd_k = dataclasses.replace(small, in_features=576, pair_index=None)
-    # M = 1: the GEMV, except the Gluon kernel on large layers; M = 2: the Gluon kernel, else the GEMV on
-    # small layers only
+    small_direct = dataclasses.replace(small, partial_sums=torch.zeros(1))  # the direct Gluon kernel takes it
+    tiny_direct = dataclasses.replace(small_direct, in_features=1024, out_features=1024)
+    # M = 1: the GEMV, except the Gluon kernel on large layers, and from 4 M weights on layers its direct-load
+    # kernel takes; M = 2: the Gluon kernel, else the GEMV on small layers only
     assert [mod.choose_path(1, w, gluon) for w in (small, large) for gluon in (False, True)] == [
         "gemv", "gemv", "gemv", "gluon"]
+    assert [mod.choose_path(1, w, True) for w in (small_direct, tiny_direct)] == ["gluon", "gemv"]
+    assert mod.choose_path(1, small_direct, False) == "gemv"
     assert mod.choose_path(2, small, True) == "gluon" and mod.choose_path(2, large, True) == "gluon"
     assert mod.choose_path(2, small, False) == "gemv" and mod.choose_path(2, large, False) == "pairs"
     # above: the Gluon kernel on Hopper, the paired Triton kernel elsewhere, the first kernel when K % 128 != 0
@@ -402,13 +406,33 @@ def test_gluon_config_rejects_an_activation_box_it_cannot_swizzle():
         GluonConfig(128, 16, 4, X_BOX_K=128)
 
 
-def test_direct_gluon_configs_take_one_group_per_k_tile():
-    # the direct kernel's per-word group path spills at the register caps its configs run at
+def test_direct_gluon_configs_take_one_group_per_k_tile_and_up_to_8_rows():
+    # the direct kernel's per-word group path, and its 16-row tiles, spill at the register caps its configs run at
     from quantkit.kernels.w4a16_gluon import DIRECT_GLUON_CONFIGS as direct
+    from quantkit.kernels.w4a16_gluon import GluonConfig
 
     assert direct and not any(c.fits(1, 64) or c.fits(1, 32) for c in direct)
     assert all(c.fits(1, 128) and c.fits(8, 256) for c in direct)
-    assert any(c.fits(16, 128) for c in direct)
+    assert not any(c.fits(9, 128) for c in direct)
+    assert any(c.GATHER_X for c in direct) and not all(c.GATHER_X for c in direct)  # the tuner times both forms
+    with pytest.raises(ValueError, match="GATHER_X applies to DIRECT configs only"):
+        GluonConfig(128, 16, 4, GATHER_X=True)
+
+
+@pytest.mark.parametrize("k,gs,direct", [(256, 128, True), (512, -1, True), (256, 64, False), (576, 128, False)])
+def test_direct_kernel_workspace_only_for_layers_it_takes(k, gs, direct):
+    # whole K tiles per group and K a multiple of the tile: zeroed tile counters and DIRECT_MAX_M rows of sums
+    from quantkit.kernels.w4a16_weights import DIRECT_MAX_M
+
+    mod = _kernel_module()
+    tensors, _ = make_layer(48, k, 4, gs, True, False)
+    w = mod.prepare_w4a16_weights(**tensors, bits=4, group_size=gs, sym=True)
+    assert (w.tile_counters is not None) == direct and (w.partial_sums is not None) == direct
+    if direct:
+        assert w.tile_counters.dtype == torch.int32 and w.tile_counters.shape == (48 // 16 + 1,)
+        assert not w.tile_counters.any()
+        assert w.partial_sums.dtype == torch.float32 and w.partial_sums.shape == (DIRECT_MAX_M * 48,)
+        assert not w.partial_sums.any()
 
 
 def test_gluon_configs_fit_the_h200():
@@ -486,24 +510,30 @@ def test_gluon_x_box_gpu(x_box_k, n, k, gs, sym, act, m):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("n,k,gs,sym,act", [(4096 + 128, 4096 + 128, 128, False, False), (1024, 2048, 128, True, True),
                                             (1408, 2816, 256, False, False), (768, 1536, -1, False, False),
-                                            (65536 + 128, 256, 128, False, False)])
-@pytest.mark.parametrize("m", [1, 5, 8, 13, 16])
+                                            (65536 + 128, 256, 128, False, False), (256, 16384, 128, True, False)])
+@pytest.mark.parametrize("m", [1, 3, 8])
 def test_gluon_direct_gpu(n, k, gs, sym, act, m, dtype):
     # every direct-load candidate (operands loaded by every warp, relabelled into the mma operands): runs that start
-    # and end inside tiles (4224 x 4224) and runs longer than a tile (65664 x 256, 2 K tiles); groups of two K tiles,
-    # per channel, act-order, asym, N not a multiple of the tile
+    # and end inside tiles (4224 x 4224), runs longer than a tile (65664 x 256, 2 K tiles), tiles summed from 128
+    # one-unit runs (256 x 16384); groups of two K tiles, per channel, act-order (through the gather; the others read
+    # x as given, here rows with a stride, or through the gather with GATHER_X), asym, N not a multiple of the tile.
+    # The layer's tile counters and partial-sum workspace are left zeroed: a second call, with a different M, sees
+    # nothing of the first.
     from quantkit.kernels.w4a16_gluon import DIRECT_GLUON_CONFIGS, w4a16_gluon_matmul
 
     mod = _kernel_module()
     tensors, w_deq = make_layer(n, k, 4, gs, sym, act, device="cuda", seed=torch.seed() % 2**31)
     w = mod.prepare_w4a16_weights(**tensors, bits=4, group_size=gs, sym=sym)
-    x = torch.randn(m, k, device="cuda").to(dtype)
+    x = torch.randn(m, k + 64, device="cuda").to(dtype)[:, 32:k + 32]
     ref = x.float() @ w_deq.t()
     assert DIRECT_GLUON_CONFIGS
     for cfg in DIRECT_GLUON_CONFIGS:
         if cfg.fits(m, w.group_size):
             out = w4a16_gluon_matmul(x, w, cfg)
             assert out.dtype == dtype and rel_err(out, ref) < 1e-2, cfg
+            assert not w.tile_counters.any() and not w.partial_sums.any(), cfg
+            assert rel_err(w4a16_gluon_matmul(x[:1], w, cfg), ref[:1]) < 1e-2, cfg
+            assert not w.tile_counters.any() and not w.partial_sums.any(), cfg
 
 
 @pytest.mark.gpu

@@ -56,18 +56,19 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from quantkit.kernels.w4a16_gluon import GluonConfig, _w4a16_direct_kernel
 
-block_n, block_m, num_warps, ctas, group_size, has_zeros, out = json.loads(sys.argv[1])
+block_n, block_m, num_warps, ctas, group_size, has_zeros, gathered, out = json.loads(sys.argv[1])
 cfg = GluonConfig(block_n, block_m, 1, num_warps, ctas, DIRECT=True)
 signature = {
     "w_ptr": "*i32", "x_ptr": "*bf16", "scales_ptr": "*fp16", "zeros_ptr": "*u8", "xsum_ptr": "*fp32", "c_ptr": "*bf16",
-    "ws_ptr": "*fp32", "tile_units_ptr": "*i32", "M": "i32", "N": "i32", "k_tiles": "i32", "tiles_n": "i32",
+    "ws_ptr": "*fp32", "counters_ptr": "*i32", "M": "i32", "N": "i32", "k_tiles": "i32", "tiles_n": "i32",
     "stride_wn": "i32", "stride_xm": "i32", "stride_sg": "i32", "stride_zg": "i32",
 }
 names = list(signature)
 # what the launcher's specialization sees: 16-byte aligned pointers, strides that are multiples of 16
 aligned = [n for n in names if n.endswith("_ptr")] + ["N", "stride_wn", "stride_xm", "stride_sg", "stride_zg"]
 attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-constexprs = dict(GROUP_SIZE=group_size, HAS_ZEROS=has_zeros, BLOCK_N=block_n, BLOCK_M=block_m, num_warps=num_warps)
+constexprs = dict(GROUP_SIZE=group_size, HAS_ZEROS=has_zeros, BLOCK_N=block_n, BLOCK_M=block_m, GATHERED=gathered,
+                  num_warps=num_warps)
 signature |= {name: "constexpr" for name in constexprs}
 src = GluonASTSource(fn=_w4a16_direct_kernel, signature=signature, constexprs=constexprs, attrs=attrs)
 kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "maxnreg": cfg.maxnreg()})
@@ -178,17 +179,18 @@ def test_decode_tile_fixup_orders_sums_before_the_counter(decode_kernel):
     assert any("LDG.E.STRONG.GPU" in line for line in sass[count:])
 
 
-@pytest.mark.parametrize("block_m,has_zeros", [(8, False), (8, True), (16, False), (16, True)])
-def test_direct_decode_loads_operands_into_registers(sm90, tmp_path_factory, block_m, has_zeros):
+@pytest.mark.parametrize("has_zeros", [False, True], ids=["sym", "asym"])
+@pytest.mark.parametrize("gathered", [False, True], ids=["raw_x", "gathered_x"])
+def test_direct_decode_loads_operands_into_registers(sm90, tmp_path_factory, has_zeros, gathered):
     from quantkit.kernels.w4a16_gluon import DIRECT_GLUON_CONFIGS
 
-    group_size = 128
-    configs = [c for c in DIRECT_GLUON_CONFIGS if c.fits(block_m, group_size)]
+    group_size, block_m = 128, 8
+    configs = {(c.BLOCK_N, c.num_warps, c.CTAS_PER_SM): c for c in DIRECT_GLUON_CONFIGS if c.fits(block_m, group_size)}
     assert configs
-    for cfg in configs:
+    for cfg in configs.values():  # (GATHER_X picks the kernel's GATHERED, parametrized here)
         prefix = str(tmp_path_factory.mktemp("direct") / "kernel")
         sm90.compile(_COMPILE_DIRECT, json.dumps([cfg.BLOCK_N, block_m, cfg.num_warps, cfg.CTAS_PER_SM, group_size,
-                                                  has_zeros, prefix]))
+                                                  has_zeros, gathered, prefix]))
         kernel = _Compiled(prefix, sm90)
         assert " 0 bytes spill stores" in _ptxas_notices(kernel), cfg
         sass = _sass(kernel)
@@ -197,6 +199,24 @@ def test_direct_decode_loads_operands_into_registers(sm90, tmp_path_factory, blo
         rows_per_warp = cfg.BLOCK_N // cfg.num_warps
         assert ops.count("LDG.E.128") >= 2 * (rows_per_warp // 16) * 2, cfg
         # no operand goes through shared memory: the only shared access is the broadcast of the tile counter
-        assert not any(op.startswith(("LDSM", "LDS.", "STS.", "SHFL")) for op in ops), cfg
+        assert not any(op.startswith(("LDSM", "LDS.", "STS.")) for op in ops), cfg
         assert ops.count("LDS") + ops.count("STS") <= 2, cfg
+        # the caller's activations: each thread's 64 contiguous bytes a row in 16-byte loads, and the K tile's sums
+        # reduced across the four threads of a row and handed to the accumulator layout in shuffles (two a reduction
+        # and two a hand-over, before the loop and in it); the gathered ones take no shuffle
+        shuffles = sum(op.startswith("SHFL") for op in ops)
+        assert shuffles == (0 if gathered else 8), cfg
+        assert ops.count("LDG.E.128") >= 2 * (rows_per_warp // 16) * 2 + (0 if gathered else 2 * 4), cfg
         assert "griddepcontrol.wait" in open(kernel.ptx).read()
+        # partial tiles (_flush with RESET): float32 reductions into the layer's workspace, a barrier, the counting
+        # thread's fence and count, then the last run's reads from L2, its output stores, and the reset of the
+        # workspace tile and the counter (stores of zero): no zeroing launch before the next call
+        count = ops.index("ATOMG.E.ADD.STRONG.GPU")
+        sums = [i for i, op in enumerate(ops[:count]) if op.startswith("REDG.E.ADD.F32")]
+        assert len(sums) == rows_per_warp // 16 * 4, cfg  # a 16 x 8 accumulator block: 4 sums a thread
+        barrier = ops.index("BAR.SYNC.DEFER_BLOCKING", max(sums))
+        assert barrier < ops.index("MEMBAR.ALL.GPU", barrier) < count, cfg
+        reads = [i for i, op in enumerate(ops) if op == "LDG.E.STRONG.GPU"]
+        assert len(reads) == len(sums) and min(reads) > count, cfg
+        resets = [line for line in sass[max(reads):] if re.search(r"STG\.E desc\[\w+\]\[R\d+\.64(\+0x\w+)?\], RZ", line)]
+        assert len(resets) == len(sums) + 1, cfg
