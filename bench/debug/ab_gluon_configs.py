@@ -48,7 +48,14 @@ def main():
     base += list(kg.DECODE_GLUON_CONFIGS) if args.decode else []
     base += list(kg.DIRECT_GLUON_CONFIGS) if args.direct else []
     variants = [parse_fields(text) for text in args.variants.split(";") if text]
-    configs = [c for cfg in base for c in [cfg] + [dataclasses.replace(cfg, **v) for v in variants]]
+    configs = []
+    for cfg in base:
+        configs.append(cfg)
+        for v in variants:
+            try:
+                configs.append(dataclasses.replace(cfg, **v))
+            except ValueError:  # a variant that does not apply to this kind of config
+                pass
     rows = []
     for shape in args.shapes.split(","):
         n, k = (int(v) for v in shape.split("x"))
@@ -70,7 +77,8 @@ def main():
                 rows.append(dict(shape=shape, m=m, config=str(cfg), us=times, cublas_us=cublas, rel_err=err))
                 name = (f"{cfg.BLOCK_N}x{cfg.BLOCK_M}/{cfg.NUM_BUF}/w{cfg.num_warps}c{cfg.CTAS_PER_SM}"
                         f"{'/P' if cfg.PERSISTENT else ''}{'/K' if cfg.STREAM_K else ''}"
-                        + (("/direct" + ("/gx" if cfg.GATHER_X else "")) if cfg.DIRECT else f"/x{cfg.X_BOX_K}"))
+                        + (("/direct" + ("/gx" if cfg.GATHER_X else "") + f"/u{cfg.UNITS_PER_STEP}") if cfg.DIRECT
+                           else f"/x{cfg.X_BOX_K}"))
                 cells.append(f"{name} {' '.join(f'{t:.1f}' for t in times)} ({cublas / min(times):.2f}x, {err:.0e})")
             print(f"{shape} M={m}: " + " | ".join(cells), flush=True)
     if args.json:
