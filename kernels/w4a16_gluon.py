@@ -664,8 +664,7 @@ def _direct_raw_activations(x_ptr, stride_xm, M, kt, ok, offs_m, offs_k, b_layou
 def _w4a16_direct_kernel(w_ptr, x_ptr, scales_ptr, zeros_ptr, xsum_ptr, c_ptr, ws_ptr, counters_ptr, M, N, k_tiles,
                          tiles_n, stride_wn, stride_xm, stride_sg, stride_zg,
                          GROUP_SIZE: gl.constexpr, HAS_ZEROS: gl.constexpr, BLOCK_N: gl.constexpr,
-                         BLOCK_M: gl.constexpr, GATHERED: gl.constexpr, UNITS_PER_STEP: gl.constexpr,
-                         num_warps: gl.constexpr):
+                         BLOCK_M: gl.constexpr, GATHERED: gl.constexpr, num_warps: gl.constexpr):
     """Decode, stream-K (one activation tile, M <= BLOCK_M): ``c[M, N] (+)= x[M, K] @ dequant(qw)^T`` over this
     program's contiguous run of (weight tile, K tile) units, as :func:`_w4a16_gluon_kernel` with mma.sync, but every
     warp loads its own operands, the next unit's before this unit's multiplies. ``w_ptr``: the packed words
@@ -692,91 +691,43 @@ def _w4a16_direct_kernel(w_ptr, x_ptr, scales_ptr, zeros_ptr, xsum_ptr, c_ptr, w
     pid = gl.program_id(0)
     u0, count = _even_run(pid, gl.num_programs(0), tiles_n * k_tiles)  # count >= 1: the grid has <= units
 
+    # unit 0's weights and parameters do not depend on the kernel launched before this one (the gather, or
+    # whatever wrote x): request them before waiting for it
+    words = _direct_words(w_ptr, stride_wn, N, u0 // k_tiles, u0 % k_tiles, True, offs_n_load, offs_q, w_layout,
+                          BLOCK_N)
+    scale, zero = _group_params(scales_ptr, zeros_ptr, u0 // k_tiles, u0 % k_tiles, N, stride_sg, stride_zg, offs_n,
+                                offs_w, GROUP_SIZE, HAS_ZEROS, BLOCK_N)
+    _wait_for_previous_grid()
+    x0, x1, x2, x3, xsum = _direct_activations(x_ptr, xsum_ptr, stride_xm, M, k_tiles, u0 % k_tiles, True, b_layout,
+                                               sum_layout, GATHERED, BLOCK_M, num_warps)
+
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=acc_layout)
     seg_first = 0
-    if UNITS_PER_STEP == 2:
-        # two units a step, all their loads issued together and the multiplies after them (see GluonConfig)
-        ub = u0 + gl.minimum(1, count - 1)
-        words = _direct_words(w_ptr, stride_wn, N, u0 // k_tiles, u0 % k_tiles, True, offs_n_load, offs_q, w_layout,
-                              BLOCK_N)
-        words_b = _direct_words(w_ptr, stride_wn, N, ub // k_tiles, ub % k_tiles, count > 1, offs_n_load, offs_q,
-                                w_layout, BLOCK_N)
-        scale, zero = _group_params(scales_ptr, zeros_ptr, u0 // k_tiles, u0 % k_tiles, N, stride_sg, stride_zg,
-                                    offs_n, offs_w, GROUP_SIZE, HAS_ZEROS, BLOCK_N)
-        scale_b, zero_b = _group_params(scales_ptr, zeros_ptr, ub // k_tiles, ub % k_tiles, N, stride_sg, stride_zg,
+    for i in range(count):
+        u = u0 + i
+        # the next unit's operands (clamped to the run, and not read past it)
+        un = u0 + gl.minimum(i + 1, count - 1)
+        more = i + 1 < count
+        w_n = _direct_words(w_ptr, stride_wn, N, un // k_tiles, un % k_tiles, more, offs_n_load, offs_q, w_layout,
+                            BLOCK_N)
+        x0_n, x1_n, x2_n, x3_n, xsum_n = _direct_activations(x_ptr, xsum_ptr, stride_xm, M, k_tiles, un % k_tiles,
+                                                             more, b_layout, sum_layout, GATHERED, BLOCK_M, num_warps)
+        scale_n, zero_n = _group_params(scales_ptr, zeros_ptr, un // k_tiles, un % k_tiles, N, stride_sg, stride_zg,
                                         offs_n, offs_w, GROUP_SIZE, HAS_ZEROS, BLOCK_N)
-        _wait_for_previous_grid()
-        for i in range(0, count, 2):
-            u = u0 + i
-            ub = u0 + gl.minimum(i + 1, count - 1)
-            ok_b = i + 1 < count
-            x0, x1, x2, x3, xsum = _direct_activations(x_ptr, xsum_ptr, stride_xm, M, k_tiles, u % k_tiles, True,
-                                                       b_layout, sum_layout, GATHERED, BLOCK_M, num_warps)
-            y0, y1, y2, y3, ysum = _direct_activations(x_ptr, xsum_ptr, stride_xm, M, k_tiles, ub % k_tiles, ok_b,
-                                                       b_layout, sum_layout, GATHERED, BLOCK_M, num_warps)
-            acc, seg_first = _direct_step(acc, seg_first, words, x0, x1, x2, x3, xsum, scale, zero, u, i, True,
-                                          count, c_ptr, ws_ptr, counters_ptr, M, N, k_tiles, acc_layout)
-            acc, seg_first = _direct_step(acc, seg_first, words_b, y0, y1, y2, y3, ysum, scale_b, zero_b, ub, i + 1,
-                                          ok_b, count, c_ptr, ws_ptr, counters_ptr, M, N, k_tiles, acc_layout)
-            # the next step's weights (clamped to the run, and not read past it)
-            un = u0 + gl.minimum(i + 2, count - 1)
-            ub = u0 + gl.minimum(i + 3, count - 1)
-            words = _direct_words(w_ptr, stride_wn, N, un // k_tiles, un % k_tiles, i + 2 < count, offs_n_load,
-                                  offs_q, w_layout, BLOCK_N)
-            words_b = _direct_words(w_ptr, stride_wn, N, ub // k_tiles, ub % k_tiles, i + 3 < count, offs_n_load,
-                                    offs_q, w_layout, BLOCK_N)
-            scale, zero = _group_params(scales_ptr, zeros_ptr, un // k_tiles, un % k_tiles, N, stride_sg, stride_zg,
-                                        offs_n, offs_w, GROUP_SIZE, HAS_ZEROS, BLOCK_N)
-            scale_b, zero_b = _group_params(scales_ptr, zeros_ptr, ub // k_tiles, ub % k_tiles, N, stride_sg,
-                                            stride_zg, offs_n, offs_w, GROUP_SIZE, HAS_ZEROS, BLOCK_N)
-    else:
-        # unit 0's weights and parameters do not depend on the kernel launched before this one (the gather, or
-        # whatever wrote x): request them before waiting for it
-        words = _direct_words(w_ptr, stride_wn, N, u0 // k_tiles, u0 % k_tiles, True, offs_n_load, offs_q, w_layout,
-                              BLOCK_N)
-        scale, zero = _group_params(scales_ptr, zeros_ptr, u0 // k_tiles, u0 % k_tiles, N, stride_sg, stride_zg,
-                                    offs_n, offs_w, GROUP_SIZE, HAS_ZEROS, BLOCK_N)
-        _wait_for_previous_grid()
-        x0, x1, x2, x3, xsum = _direct_activations(x_ptr, xsum_ptr, stride_xm, M, k_tiles, u0 % k_tiles, True,
-                                                   b_layout, sum_layout, GATHERED, BLOCK_M, num_warps)
-        for i in range(count):
-            u = u0 + i
-            # the next unit's operands (clamped to the run, and not read past it)
-            un = u0 + gl.minimum(i + 1, count - 1)
-            more = i + 1 < count
-            w_n = _direct_words(w_ptr, stride_wn, N, un // k_tiles, un % k_tiles, more, offs_n_load, offs_q,
-                                w_layout, BLOCK_N)
-            x0_n, x1_n, x2_n, x3_n, xsum_n = _direct_activations(x_ptr, xsum_ptr, stride_xm, M, k_tiles,
-                                                                 un % k_tiles, more, b_layout, sum_layout, GATHERED,
-                                                                 BLOCK_M, num_warps)
-            scale_n, zero_n = _group_params(scales_ptr, zeros_ptr, un // k_tiles, un % k_tiles, N, stride_sg,
-                                            stride_zg, offs_n, offs_w, GROUP_SIZE, HAS_ZEROS, BLOCK_N)
-            acc, seg_first = _direct_step(acc, seg_first, words, x0, x1, x2, x3, xsum, scale, zero, u, i, True,
-                                          count, c_ptr, ws_ptr, counters_ptr, M, N, k_tiles, acc_layout)
-            words = w_n
-            x0 = x0_n
-            x1 = x1_n
-            x2 = x2_n
-            x3 = x3_n
-            xsum = xsum_n
-            scale = scale_n
-            zero = zero_n
-
-
-@gluon.jit
-def _direct_step(acc, seg_first, words, x0, x1, x2, x3, xsum, scale, zero, u, i, ok, count, c_ptr, ws_ptr,
-                 counters_ptr, M, N, k_tiles, acc_layout: gl.constexpr):
-    """Unit u (the run's i-th) added to ``acc`` and, where it ends a tile or the run, flushed (the tile's first
-    unit in this run is the ``seg_first``-th); nothing is flushed unless ``ok``. Returns (acc, seg_first)."""
-    BLOCK_N: gl.constexpr = acc.shape[0]
-    BLOCK_M: gl.constexpr = acc.shape[1]
-    acc = _mma_sync_unit(acc, words, x0, x1, x2, x3, scale, zero, xsum, zero, zero, True, acc_layout)
-    if ok & (((u % k_tiles) == k_tiles - 1) | (i == count - 1)):
-        _flush(acc, c_ptr, ws_ptr, counters_ptr, u // k_tiles, 0, M, N, i + 1 - seg_first, k_tiles, BLOCK_N,
-               BLOCK_M, True, acc_layout, True)
-        acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=acc_layout)
-        seg_first = i + 1
-    return acc, seg_first
+        acc = _mma_sync_unit(acc, words, x0, x1, x2, x3, scale, zero, xsum, zero, zero, True, acc_layout)
+        if ((u % k_tiles) == k_tiles - 1) | (i == count - 1):  # the unit ends a tile or the run
+            _flush(acc, c_ptr, ws_ptr, counters_ptr, u // k_tiles, 0, M, N, i + 1 - seg_first, k_tiles, BLOCK_N,
+                   BLOCK_M, True, acc_layout, True)
+            acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=acc_layout)
+            seg_first = i + 1
+        words = w_n
+        x0 = x0_n
+        x1 = x1_n
+        x2 = x2_n
+        x3 = x3_n
+        xsum = xsum_n
+        scale = scale_n
+        zero = zero_n
 
 
 @dataclasses.dataclass(frozen=True)
@@ -813,7 +764,6 @@ class GluonConfig:
     X_BOX_K: int = 32
     DIRECT: bool = False
     GATHER_X: bool = False
-    UNITS_PER_STEP: int = 1
 
     def __post_init__(self):
         if self.X_BOX_K not in (32, 64):  # the swizzle is 2 * X_BOX_K bytes: 64 or 128
@@ -822,8 +772,6 @@ class GluonConfig:
             raise ValueError("DIRECT configs are mma.sync stream-K with at least 16 weight rows a warp")
         if self.GATHER_X and not self.DIRECT:
             raise ValueError("GATHER_X applies to DIRECT configs only (the ring kernel always gathers)")
-        if self.UNITS_PER_STEP not in (1, 2) or (self.UNITS_PER_STEP != 1 and not self.DIRECT):
-            raise ValueError("UNITS_PER_STEP is 1 or 2, and 2 applies to DIRECT configs only")
 
     def block_m(self, m: int) -> int:
         return 8 if (not self.WGMMA and m <= 8) else self.BLOCK_M
@@ -877,7 +825,6 @@ DIRECT_GLUON_CONFIGS = [
     GluonConfig(256, 16, 1, 8, 2, DIRECT=True, GATHER_X=True),
     GluonConfig(128, 16, 1, 4, 4, DIRECT=True, GATHER_X=True),
 ]
-DIRECT_GLUON_CONFIGS += [dataclasses.replace(c, UNITS_PER_STEP=2) for c in DIRECT_GLUON_CONFIGS]  # A/B, run 46
 DECODE_GLUON_CONFIGS = [  # mma.sync, stream-K, M <= 16
     GluonConfig(128, 16, 6, 4, 3, X_BOX_K=64),
     GluonConfig(128, 16, 4, 4, 4, X_BOX_K=64),
@@ -1008,8 +955,7 @@ def _launch_direct(x: torch.Tensor, w: W4A16Weights, config: GluonConfig) -> tor
                                k_tiles, tiles_n, w.qweight.stride(0), x.stride(0), w.scales.stride(0),
                                zeros.stride(0), GROUP_SIZE=w.group_size, HAS_ZEROS=w.zeros is not None,
                                BLOCK_N=config.BLOCK_N, BLOCK_M=block_m, GATHERED=gathered,
-                               UNITS_PER_STEP=config.UNITS_PER_STEP, num_warps=config.num_warps,
-                               maxnreg=config.maxnreg(), launch_pdl=True)
+                               num_warps=config.num_warps, maxnreg=config.maxnreg(), launch_pdl=True)
     return out
 
 

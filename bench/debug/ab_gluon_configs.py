@@ -77,8 +77,7 @@ def main():
                 rows.append(dict(shape=shape, m=m, config=str(cfg), us=times, cublas_us=cublas, rel_err=err))
                 name = (f"{cfg.BLOCK_N}x{cfg.BLOCK_M}/{cfg.NUM_BUF}/w{cfg.num_warps}c{cfg.CTAS_PER_SM}"
                         f"{'/P' if cfg.PERSISTENT else ''}{'/K' if cfg.STREAM_K else ''}"
-                        + (("/direct" + ("/gx" if cfg.GATHER_X else "") + f"/u{cfg.UNITS_PER_STEP}") if cfg.DIRECT
-                           else f"/x{cfg.X_BOX_K}"))
+                        + (("/direct" + ("/gx" if cfg.GATHER_X else "")) if cfg.DIRECT else f"/x{cfg.X_BOX_K}"))
                 cells.append(f"{name} {' '.join(f'{t:.1f}' for t in times)} ({cublas / min(times):.2f}x, {err:.0e})")
             print(f"{shape} M={m}: " + " | ".join(cells), flush=True)
     if args.json:
