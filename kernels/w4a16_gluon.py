@@ -45,8 +45,8 @@ A words of a row are one 16-byte load, relabelled). It reads the caller's activa
 columns in registers, and sums each K tile itself: one launch, no gather (``GATHER_X`` configs, and
 act-order weights, take the gathered ones instead). Its partial tiles meet in the layer's own workspace
 and counters (``W4A16Weights.partial_sums``, ``tile_counters``), which the finishing program zeroes again
-for the next call. On the H200 it beats the ring on layers up to ~60 M weights (4096²: 7.1 against
-9.0 us at M = 1; runs 38-45 in bench/NOTES_w4a16.md).
+for the next call. On the H200 it beats the ring on layers up to ~60 M weights (4096²: 7.0 against
+9.0 us at M = 1; runs 38-50 in bench/NOTES_w4a16.md).
 
 Prefill (``WGMMA=True``): asynchronous wgmma with the dequantized weights as A from registers (two
 warpgroups of 64 weight rows each, or 128 with two m64 blocks) and the activation tile as B from
@@ -664,7 +664,8 @@ def _direct_raw_activations(x_ptr, stride_xm, M, kt, ok, offs_m, offs_k, b_layou
 def _w4a16_direct_kernel(w_ptr, x_ptr, scales_ptr, zeros_ptr, xsum_ptr, c_ptr, ws_ptr, counters_ptr, M, N, k_tiles,
                          tiles_n, stride_wn, stride_xm, stride_sg, stride_zg,
                          GROUP_SIZE: gl.constexpr, HAS_ZEROS: gl.constexpr, BLOCK_N: gl.constexpr,
-                         BLOCK_M: gl.constexpr, GATHERED: gl.constexpr, num_warps: gl.constexpr):
+                         BLOCK_M: gl.constexpr, GATHERED: gl.constexpr, UNROLL: gl.constexpr,
+                         num_warps: gl.constexpr):
     """Decode, stream-K (one activation tile, M <= BLOCK_M): ``c[M, N] (+)= x[M, K] @ dequant(qw)^T`` over this
     program's contiguous run of (weight tile, K tile) units, as :func:`_w4a16_gluon_kernel` with mma.sync, but every
     warp loads its own operands, the next unit's before this unit's multiplies. ``w_ptr``: the packed words
@@ -703,31 +704,58 @@ def _w4a16_direct_kernel(w_ptr, x_ptr, scales_ptr, zeros_ptr, xsum_ptr, c_ptr, w
 
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=acc_layout)
     seg_first = 0
-    for i in range(count):
-        u = u0 + i
-        # the next unit's operands (clamped to the run, and not read past it)
-        un = u0 + gl.minimum(i + 1, count - 1)
-        more = i + 1 < count
-        w_n = _direct_words(w_ptr, stride_wn, N, un // k_tiles, un % k_tiles, more, offs_n_load, offs_q, w_layout,
-                            BLOCK_N)
-        x0_n, x1_n, x2_n, x3_n, xsum_n = _direct_activations(x_ptr, xsum_ptr, stride_xm, M, k_tiles, un % k_tiles,
-                                                             more, b_layout, sum_layout, GATHERED, BLOCK_M, num_warps)
-        scale_n, zero_n = _group_params(scales_ptr, zeros_ptr, un // k_tiles, un % k_tiles, N, stride_sg, stride_zg,
-                                        offs_n, offs_w, GROUP_SIZE, HAS_ZEROS, BLOCK_N)
-        acc = _mma_sync_unit(acc, words, x0, x1, x2, x3, scale, zero, xsum, zero, zero, True, acc_layout)
-        if ((u % k_tiles) == k_tiles - 1) | (i == count - 1):  # the unit ends a tile or the run
-            _flush(acc, c_ptr, ws_ptr, counters_ptr, u // k_tiles, 0, M, N, i + 1 - seg_first, k_tiles, BLOCK_N,
-                   BLOCK_M, True, acc_layout, True)
-            acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=acc_layout)
-            seg_first = i + 1
-        words = w_n
-        x0 = x0_n
-        x1 = x1_n
-        x2 = x2_n
-        x3 = x3_n
-        xsum = xsum_n
-        scale = scale_n
-        zero = zero_n
+    if UNROLL == 2:
+        # Two units an iteration, the operand sets trading places: with one, the next unit's operands are moved back
+        # into the loop's registers at the end of each iteration (50 register moves a unit in the sm_90 SASS, against
+        # 12). Past the run (odd counts) the second unit reads and adds nothing, at the cost of its instructions.
+        for i in range(0, count, 2):
+            acc, seg_first, w_b, y0, y1, y2, y3, ysum, scale_b, zero_b = _direct_unit(
+                acc, seg_first, words, x0, x1, x2, x3, xsum, scale, zero, i, u0, count, w_ptr, x_ptr, scales_ptr,
+                zeros_ptr, xsum_ptr, c_ptr, ws_ptr, counters_ptr, M, N, k_tiles, stride_wn, stride_xm, stride_sg,
+                stride_zg, offs_n_load, offs_q, offs_n, offs_w, w_layout, b_layout, sum_layout, acc_layout,
+                GROUP_SIZE, HAS_ZEROS, GATHERED, num_warps)
+            acc, seg_first, words, x0, x1, x2, x3, xsum, scale, zero = _direct_unit(
+                acc, seg_first, w_b, y0, y1, y2, y3, ysum, scale_b, zero_b, i + 1, u0, count, w_ptr, x_ptr,
+                scales_ptr, zeros_ptr, xsum_ptr, c_ptr, ws_ptr, counters_ptr, M, N, k_tiles, stride_wn, stride_xm,
+                stride_sg, stride_zg, offs_n_load, offs_q, offs_n, offs_w, w_layout, b_layout, sum_layout,
+                acc_layout, GROUP_SIZE, HAS_ZEROS, GATHERED, num_warps)
+    else:
+        for i in range(count):
+            acc, seg_first, words, x0, x1, x2, x3, xsum, scale, zero = _direct_unit(
+                acc, seg_first, words, x0, x1, x2, x3, xsum, scale, zero, i, u0, count, w_ptr, x_ptr, scales_ptr,
+                zeros_ptr, xsum_ptr, c_ptr, ws_ptr, counters_ptr, M, N, k_tiles, stride_wn, stride_xm, stride_sg,
+                stride_zg, offs_n_load, offs_q, offs_n, offs_w, w_layout, b_layout, sum_layout, acc_layout,
+                GROUP_SIZE, HAS_ZEROS, GATHERED, num_warps)
+
+
+@gluon.jit
+def _direct_unit(acc, seg_first, words, x0, x1, x2, x3, xsum, scale, zero, i, u0, count, w_ptr, x_ptr, scales_ptr,
+                 zeros_ptr, xsum_ptr, c_ptr, ws_ptr, counters_ptr, M, N, k_tiles, stride_wn, stride_xm, stride_sg,
+                 stride_zg, offs_n_load, offs_q, offs_n, offs_w, w_layout: gl.constexpr, b_layout: gl.constexpr,
+                 sum_layout: gl.constexpr, acc_layout: gl.constexpr, GROUP_SIZE: gl.constexpr,
+                 HAS_ZEROS: gl.constexpr, GATHERED: gl.constexpr, num_warps: gl.constexpr):
+    """The run's i-th unit in :func:`_w4a16_direct_kernel`: requests unit i + 1's operands (clamped to the run, and
+    not read past it), multiplies unit i's (``words`` .. ``zero``) into ``acc``, and flushes the tile where the unit
+    ends it or the run (``seg_first``: the run's index of the tile's first unit). Past the run (i >= count) the
+    operands are zeros and nothing is flushed. Returns (acc, seg_first, unit i + 1's operands)."""
+    BLOCK_N: gl.constexpr = acc.shape[0]
+    BLOCK_M: gl.constexpr = acc.shape[1]
+    u = u0 + i
+    un = u0 + gl.minimum(i + 1, count - 1)
+    more = i + 1 < count
+    w_n = _direct_words(w_ptr, stride_wn, N, un // k_tiles, un % k_tiles, more, offs_n_load, offs_q, w_layout,
+                        BLOCK_N)
+    x0_n, x1_n, x2_n, x3_n, xsum_n = _direct_activations(x_ptr, xsum_ptr, stride_xm, M, k_tiles, un % k_tiles, more,
+                                                         b_layout, sum_layout, GATHERED, BLOCK_M, num_warps)
+    scale_n, zero_n = _group_params(scales_ptr, zeros_ptr, un // k_tiles, un % k_tiles, N, stride_sg, stride_zg,
+                                    offs_n, offs_w, GROUP_SIZE, HAS_ZEROS, BLOCK_N)
+    acc = _mma_sync_unit(acc, words, x0, x1, x2, x3, scale, zero, xsum, zero, zero, True, acc_layout)
+    if (i < count) & (((u % k_tiles) == k_tiles - 1) | (i == count - 1)):  # the unit ends a tile or the run
+        _flush(acc, c_ptr, ws_ptr, counters_ptr, u // k_tiles, 0, M, N, i + 1 - seg_first, k_tiles, BLOCK_N, BLOCK_M,
+               True, acc_layout, True)
+        acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=acc_layout)
+        seg_first = i + 1
+    return acc, seg_first, w_n, x0_n, x1_n, x2_n, x3_n, xsum_n, scale_n, zero_n
 
 
 @dataclasses.dataclass(frozen=True)
@@ -749,7 +777,7 @@ class GluonConfig:
     * DIRECT (mma.sync stream-K only): :func:`_w4a16_direct_kernel`, every warp loads its own operands into
       registers, one unit ahead; no ring (NUM_BUF and X_BOX_K do not apply). GATHER_X (DIRECT only): behind the
       column gather, as the ring kernel always is, rather than on the caller's activations (act-order weights are
-      always gathered).
+      always gathered). UNROLL (DIRECT only): 2 runs the loop two units an iteration.
     """
 
     BLOCK_N: int
@@ -764,6 +792,7 @@ class GluonConfig:
     X_BOX_K: int = 32
     DIRECT: bool = False
     GATHER_X: bool = False
+    UNROLL: int = 1
 
     def __post_init__(self):
         if self.X_BOX_K not in (32, 64):  # the swizzle is 2 * X_BOX_K bytes: 64 or 128
@@ -772,6 +801,8 @@ class GluonConfig:
             raise ValueError("DIRECT configs are mma.sync stream-K with at least 16 weight rows a warp")
         if self.GATHER_X and not self.DIRECT:
             raise ValueError("GATHER_X applies to DIRECT configs only (the ring kernel always gathers)")
+        if self.UNROLL not in (1, 2) or (self.UNROLL == 2 and not self.DIRECT):
+            raise ValueError("UNROLL is 1, or 2 for DIRECT configs")
 
     def block_m(self, m: int) -> int:
         return 8 if (not self.WGMMA and m <= 8) else self.BLOCK_M
@@ -824,6 +855,9 @@ DIRECT_GLUON_CONFIGS = [
     GluonConfig(128, 16, 1, 4, 3, DIRECT=True),
     GluonConfig(256, 16, 1, 8, 2, DIRECT=True, GATHER_X=True),
     GluonConfig(128, 16, 1, 4, 4, DIRECT=True, GATHER_X=True),
+    # the loop unrolled by two: 6.9 against 7.2 us at 4096², M = 1, but 0.6-1.8 us slower at 2048² and 14336 x 4096
+    # (run 48), so a candidate of its own
+    GluonConfig(128, 16, 1, 4, 4, DIRECT=True, UNROLL=2),
 ]
 DECODE_GLUON_CONFIGS = [  # mma.sync, stream-K, M <= 16
     GluonConfig(128, 16, 6, 4, 3, X_BOX_K=64),
@@ -954,7 +988,7 @@ def _launch_direct(x: torch.Tensor, w: W4A16Weights, config: GluonConfig) -> tor
     _w4a16_direct_kernel[grid](w.qweight, x, w.scales, zeros, xsum, out, w.partial_sums, w.tile_counters, m, n,
                                k_tiles, tiles_n, w.qweight.stride(0), x.stride(0), w.scales.stride(0),
                                zeros.stride(0), GROUP_SIZE=w.group_size, HAS_ZEROS=w.zeros is not None,
-                               BLOCK_N=config.BLOCK_N, BLOCK_M=block_m, GATHERED=gathered,
+                               BLOCK_N=config.BLOCK_N, BLOCK_M=block_m, GATHERED=gathered, UNROLL=config.UNROLL,
                                num_warps=config.num_warps, maxnreg=config.maxnreg(), launch_pdl=True)
     return out
 

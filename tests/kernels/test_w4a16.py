@@ -417,6 +417,10 @@ def test_direct_gluon_configs_take_one_group_per_k_tile_and_up_to_8_rows():
     assert any(c.GATHER_X for c in direct) and not all(c.GATHER_X for c in direct)  # the tuner times both forms
     with pytest.raises(ValueError, match="GATHER_X applies to DIRECT configs only"):
         GluonConfig(128, 16, 4, GATHER_X=True)
+    with pytest.raises(ValueError, match="UNROLL is 1, or 2 for DIRECT configs"):
+        GluonConfig(128, 16, 4, UNROLL=2)
+    with pytest.raises(ValueError, match="UNROLL is 1, or 2 for DIRECT configs"):
+        GluonConfig(128, 16, 1, DIRECT=True, UNROLL=3)
 
 
 @pytest.mark.parametrize("k,gs,direct", [(256, 128, True), (512, -1, True), (256, 64, False), (576, 128, False)])

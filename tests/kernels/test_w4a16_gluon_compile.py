@@ -56,7 +56,7 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from quantkit.kernels.w4a16_gluon import GluonConfig, _w4a16_direct_kernel
 
-block_n, block_m, num_warps, ctas, group_size, has_zeros, gathered, out = json.loads(sys.argv[1])
+block_n, block_m, num_warps, ctas, group_size, has_zeros, gathered, unroll, out = json.loads(sys.argv[1])
 cfg = GluonConfig(block_n, block_m, 1, num_warps, ctas, DIRECT=True)
 signature = {
     "w_ptr": "*i32", "x_ptr": "*bf16", "scales_ptr": "*fp16", "zeros_ptr": "*u8", "xsum_ptr": "*fp32", "c_ptr": "*bf16",
@@ -68,7 +68,7 @@ names = list(signature)
 aligned = [n for n in names if n.endswith("_ptr")] + ["N", "stride_wn", "stride_xm", "stride_sg", "stride_zg"]
 attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
 constexprs = dict(GROUP_SIZE=group_size, HAS_ZEROS=has_zeros, BLOCK_N=block_n, BLOCK_M=block_m, GATHERED=gathered,
-                  num_warps=num_warps)
+                  UNROLL=unroll, num_warps=num_warps)
 signature |= {name: "constexpr" for name in constexprs}
 src = GluonASTSource(fn=_w4a16_direct_kernel, signature=signature, constexprs=constexprs, attrs=attrs)
 kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "maxnreg": cfg.maxnreg()})
@@ -185,38 +185,45 @@ def test_direct_decode_loads_operands_into_registers(sm90, tmp_path_factory, has
     from quantkit.kernels.w4a16_gluon import DIRECT_GLUON_CONFIGS
 
     group_size, block_m = 128, 8
-    configs = {(c.BLOCK_N, c.num_warps, c.CTAS_PER_SM): c for c in DIRECT_GLUON_CONFIGS if c.fits(block_m, group_size)}
-    assert configs
+    configs = {(c.BLOCK_N, c.num_warps, c.CTAS_PER_SM, c.UNROLL): c for c in DIRECT_GLUON_CONFIGS
+               if c.fits(block_m, group_size)}
+    assert configs and {c.UNROLL for c in configs.values()} == {1, 2}
     for cfg in configs.values():  # (GATHER_X picks the kernel's GATHERED, parametrized here)
         prefix = str(tmp_path_factory.mktemp("direct") / "kernel")
         sm90.compile(_COMPILE_DIRECT, json.dumps([cfg.BLOCK_N, block_m, cfg.num_warps, cfg.CTAS_PER_SM, group_size,
-                                                  has_zeros, gathered, prefix]))
+                                                  has_zeros, gathered, cfg.UNROLL, prefix]))
         kernel = _Compiled(prefix, sm90)
         assert " 0 bytes spill stores" in _ptxas_notices(kernel), cfg
         sass = _sass(kernel)
         ops = [re.search(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", line).group(1) for line in sass]
-        # the words in 16-byte loads: two rows of each 16-row block a thread, once before the loop and once in it
+        # one unit's operands are read before the loop, and each of the loop's UNROLL units reads the next one's
+        reads_of_units = 1 + cfg.UNROLL
+        # the words in 16-byte loads: two rows of each 16-row block a thread
         rows_per_warp = cfg.BLOCK_N // cfg.num_warps
-        assert ops.count("LDG.E.128") >= 2 * (rows_per_warp // 16) * 2, cfg
-        # no operand goes through shared memory: the only shared access is the broadcast of the tile counter
+        assert ops.count("LDG.E.128") >= reads_of_units * (rows_per_warp // 16) * 2, cfg
+        # no operand goes through shared memory: the only shared access is the broadcast of the tile counter, at each
+        # of the loop's UNROLL flush sites
         assert not any(op.startswith(("LDSM", "LDS.", "STS.")) for op in ops), cfg
-        assert ops.count("LDS") + ops.count("STS") <= 2, cfg
+        assert ops.count("LDS") + ops.count("STS") <= 2 * cfg.UNROLL, cfg
         # the caller's activations: each thread's 64 contiguous bytes a row in 16-byte loads, and the K tile's sums
         # reduced across the four threads of a row and handed to the accumulator layout in shuffles (two a reduction
-        # and two a hand-over, before the loop and in it); the gathered ones take no shuffle
+        # and two a hand-over a unit read); the gathered ones take no shuffle
         shuffles = sum(op.startswith("SHFL") for op in ops)
-        assert shuffles == (0 if gathered else 8), cfg
-        assert ops.count("LDG.E.128") >= 2 * (rows_per_warp // 16) * 2 + (0 if gathered else 2 * 4), cfg
+        assert shuffles == (0 if gathered else 4 * reads_of_units), cfg
+        assert ops.count("LDG.E.128") >= reads_of_units * ((rows_per_warp // 16) * 2 + (0 if gathered else 4)), cfg
         assert "griddepcontrol.wait" in open(kernel.ptx).read()
-        # partial tiles (_flush with RESET): float32 reductions into the layer's workspace, a barrier, the counting
-        # thread's fence and count, then the last run's reads from L2, its output stores, and the reset of the
-        # workspace tile and the counter (stores of zero): no zeroing launch before the next call
-        count = ops.index("ATOMG.E.ADD.STRONG.GPU")
-        sums = [i for i, op in enumerate(ops[:count]) if op.startswith("REDG.E.ADD.F32")]
-        assert len(sums) == rows_per_warp // 16 * 4, cfg  # a 16 x 8 accumulator block: 4 sums a thread
-        barrier = ops.index("BAR.SYNC.DEFER_BLOCKING", max(sums))
-        assert barrier < ops.index("MEMBAR.ALL.GPU", barrier) < count, cfg
+        # partial tiles (_flush with RESET), at each flush site: float32 reductions into the layer's workspace, a
+        # barrier, the counting thread's fence and count, then the last run's reads from L2, its output stores, and
+        # the reset of the workspace tile and the counter (stores of zero): no zeroing launch before the next call
+        counts = [i for i, op in enumerate(ops) if op == "ATOMG.E.ADD.STRONG.GPU"]
+        sums = [i for i, op in enumerate(ops) if op.startswith("REDG.E.ADD.F32")]
         reads = [i for i, op in enumerate(ops) if op == "LDG.E.STRONG.GPU"]
-        assert len(reads) == len(sums) and min(reads) > count, cfg
-        resets = [line for line in sass[max(reads):] if re.search(r"STG\.E desc\[\w+\]\[R\d+\.64(\+0x\w+)?\], RZ", line)]
-        assert len(resets) == len(sums) + 1, cfg
+        resets = [line for line in sass if re.search(r"STG\.E desc\[\w+\]\[R\d+\.64(\+0x\w+)?\], RZ", line)]
+        per_site = rows_per_warp // 16 * 4  # a 16 x 8 accumulator block: 4 sums a thread
+        assert len(counts) == cfg.UNROLL and len(sums) == len(reads) == cfg.UNROLL * per_site, cfg
+        assert len(resets) == cfg.UNROLL * (per_site + 1), cfg
+        for start, count, end in zip([0] + counts, counts, counts[1:] + [len(ops)]):
+            site_sums = [i for i in sums if start < i < count]
+            barrier = ops.index("BAR.SYNC.DEFER_BLOCKING", max(site_sums))
+            assert len(site_sums) == per_site and barrier < ops.index("MEMBAR.ALL.GPU", barrier) < count, cfg
+            assert len([i for i in reads if count < i < end]) == per_site, cfg
