@@ -341,15 +341,22 @@ def test_kernel_gpu(n, k, gs, sym, act, m, dtype):
     _run_gpu(mod, n, k, gs, sym, act, m, dtype, path, config)
 
 
+# the GPU tests below run every candidate by index; these CPU checks keep the indices covering them all
+GEMV_DIRECT_SLOTS = 16
+
+
+def test_gemv_direct_slots_cover_the_candidates():
+    assert len(_kernel_module().GEMV_DIRECT_CONFIGS) <= GEMV_DIRECT_SLOTS, "raise GEMV_DIRECT_SLOTS"
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("which", range(16))
+@pytest.mark.parametrize("which", range(GEMV_DIRECT_SLOTS))
 @pytest.mark.parametrize("n,k,gs,sym,act", [GPU_SHAPES[0], GPU_SHAPES[1], GPU_SHAPES[3]])
 @pytest.mark.parametrize("m", [1, 3])
 def test_gemv_direct_every_config_gpu(which, n, k, gs, sym, act, m):
     # every direct-GEMV candidate (one launch, whole rows per program; some tiles wider than K)
     mod = _kernel_module()
-    assert len(mod.GEMV_DIRECT_CONFIGS) <= 16, "add indices to the parametrization"
     if which >= len(mod.GEMV_DIRECT_CONFIGS):
         pytest.skip("no such config")
     meta = mod.GEMV_DIRECT_CONFIGS[which].all_kwargs()
@@ -397,6 +404,13 @@ def _gluon_configs():
 
 
 HOPPER = CUDA and torch.cuda.get_device_capability()[0] == 9
+# test_gluon_every_config_gpu is parametrized by index (collection must not compile or import Gluon);
+# test_every_config_slots_cover_the_candidates checks on the CPU that no candidate is left out
+EVERY_CONFIG_SLOTS = 32
+
+
+def test_every_config_slots_cover_the_candidates():
+    assert len(_gluon_configs()) <= EVERY_CONFIG_SLOTS, "raise EVERY_CONFIG_SLOTS"
 
 
 def test_gluon_config_rejects_an_activation_box_it_cannot_swizzle():
@@ -470,14 +484,13 @@ def test_gluon_gpu(n, k, gs, sym, act, m, dtype):
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU")
 @pytest.mark.parametrize("m", [1, 16, 29, 64, 128, 333, 1000])
-@pytest.mark.parametrize("which", range(24))
+@pytest.mark.parametrize("which", range(EVERY_CONFIG_SLOTS))
 def test_gluon_every_config_gpu(which, m):
     # 4224 x 4224: 33 K tiles and 17-33 weight tiles, so stream-K runs start and end inside tiles; at
     # M = 1000 the 128-row tiles outnumber the SMs, so persistent programs take two tiles
     from quantkit.kernels.w4a16_gluon import GluonConfig
 
     configs = _gluon_configs()
-    assert len(configs) <= 24, "add indices to the parametrization"
     if which >= len(configs) or not GluonConfig(**configs[which]).fits(m, 128):
         pytest.skip("config does not take this M")
     _run_gpu(_kernel_module(), 4096 + 128, 4096 + 128, 128, False, False, m, torch.bfloat16, "gluon",
