@@ -105,7 +105,7 @@ def _load_partition_no_x(desc_w, desc_x, w_smem, x_smem, ready, empty, u0, count
 
 @gluon.jit
 def _flush_none(acc, c_ptr, ws_ptr, tile_units_ptr, tn, tm, M, N, seg_units, k_tiles, BLOCK_N: gl.constexpr,
-                BLOCK_M: gl.constexpr, ATOMIC_OUT: gl.constexpr, acc_layout: gl.constexpr):
+                BLOCK_M: gl.constexpr, ATOMIC_OUT: gl.constexpr, acc_layout: gl.constexpr, RESET: gl.constexpr):
     pass
 
 
