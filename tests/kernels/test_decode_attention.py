@@ -10,13 +10,10 @@ import torch
 # tests/kernels/conftest.py sets TRITON_INTERPRET=1 without CUDA (before this import) and patches
 # the interpreter for NumPy >= 2.4.
 from quantkit.kernels.decode_attention import decode_attention, decode_attention_ref  # noqa: E402
+from tests.conftest import rel_err  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
-
-
-def _rel_err(out, ref):
-    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
 def _make(b, sq, hq, hkv, d, s_max, lengths, dtype, gen=None):
@@ -44,7 +41,7 @@ def test_decode_matches_reference(sq, hq, hkv, d, lengths, num_splits):
     out = decode_attention(q, k, v, seqlens, num_splits=num_splits)
     ref = decode_attention_ref(q, k, v, seqlens)
     assert torch.isfinite(out).all()
-    assert _rel_err(out, ref) < (2e-3 if CUDA else 1e-5)
+    assert rel_err(out, ref) < (2e-3 if CUDA else 1e-5)
 
 
 def test_split_count_does_not_change_result():
@@ -52,7 +49,7 @@ def test_split_count_does_not_change_result():
     q, k, v, seqlens = _make(1, 1, 2, 2, 64, 96, [96], torch.float32, gen)
     a = decode_attention(q, k, v, seqlens, num_splits=1)
     b = decode_attention(q, k, v, seqlens, num_splits=5)
-    assert _rel_err(a, b) < 1e-5
+    assert rel_err(a, b) < 1e-5
 
 
 @pytest.mark.gpu
@@ -68,4 +65,4 @@ def test_gpu_decode_vs_sdpa(dtype, sq, hq, hkv, d):
     naive = decode_attention_ref(q, k, v, seqlens).to(dtype)  # float32 math on rounded inputs
     assert torch.isfinite(out).all()
     # bf16 output rounding dominates: allow twice what rounding the exact result gives
-    assert _rel_err(out, ref) <= 2 * _rel_err(ref.to(dtype), ref) + 2 * _rel_err(naive, ref) + 1e-4
+    assert rel_err(out, ref) <= 2 * rel_err(ref.to(dtype), ref) + 2 * rel_err(naive, ref) + 1e-4

@@ -17,6 +17,7 @@ import torch
 
 from quantkit.pack import pack_gptq
 from quantkit.primitives import compute_qparams, dequantize, quantize
+from tests.conftest import rel_err
 
 CUDA = torch.cuda.is_available()
 
@@ -48,10 +49,6 @@ def make_layer(n, k, bits, group_size, sym, act_order, device="cpu", seed=0):
     w_deq = dequantize(codes, scales.half(), zeros, g_idx)  # the checkpoint stores fp16 scales
     tensors = dict(qweight=qweight, qzeros=qzeros, scales=scales.half(), g_idx=g_idx)
     return {name: t.to(device) for name, t in tensors.items()}, w_deq.to(device)
-
-
-def rel_err(out, ref):
-    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
 # (n, k, bits, group_size, sym, act_order, m, config)
