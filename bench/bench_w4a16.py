@@ -78,13 +78,15 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() / (t_us * 1e-6) / 1e12
 
 
-def make_weights(n: int, k: int):
-    """Random GPTQ-layout sym weights (zero 8 stored as 7), prepared for the kernel."""
+def make_weights(n: int, k: int, sym: bool = True):
+    """Random GPTQ-layout weights, prepared for the kernel: sym (zero 8, stored as 7) or random zero points."""
     qweight = torch.randint(-(2**31), 2**31 - 1, (k // 8, n), dtype=torch.int32, device="cuda")
-    qzeros = torch.full((k // GROUP, n // 8), 0x77777777, dtype=torch.int32, device="cuda")
+    if sym:
+        qzeros = torch.full((k // GROUP, n // 8), 0x77777777, dtype=torch.int32, device="cuda")
+    else:
+        qzeros = torch.randint(-(2**31), 2**31 - 1, (k // GROUP, n // 8), dtype=torch.int32, device="cuda")
     scales = (torch.rand(k // GROUP, n, device="cuda") * 2e-3 + 1e-3).half()
-    w = kw.prepare_w4a16_weights(qweight, qzeros, scales, None, 4, GROUP, True)
-    return w
+    return kw.prepare_w4a16_weights(qweight, qzeros, scales, None, 4, GROUP, sym)
 
 
 def packed_bytes(w) -> int:

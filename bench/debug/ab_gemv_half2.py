@@ -30,22 +30,12 @@ CONFIGS = [(64, 4, 8, 1), (64, 4, 8, 2), (64, 4, 4, 2), (64, 4, 16, 2), (128, 8,
            (32, 4, 16, 2)]
 
 
-def random_weights(n, k, sym):
-    qweight = torch.randint(-(2**31), 2**31 - 1, (k // 8, n), dtype=torch.int32, device="cuda")
-    if sym:
-        qzeros = torch.full((k // 128, n // 8), 0x77777777, dtype=torch.int32, device="cuda")
-    else:
-        qzeros = torch.randint(-(2**31), 2**31 - 1, (k // 128, n // 8), dtype=torch.int32, device="cuda")
-    scales = (torch.rand(k // 128, n, device="cuda") * 2e-3 + 1e-3).half()
-    return kw.prepare_w4a16_weights(qweight, qzeros, scales, None, 4, 128, sym)
-
-
 def correctness():
     rows = []
     for dtype in (torch.bfloat16, torch.float16):
         for sym in (True, False):
             for n, k in ((4096 + 96, 4096), (1000, 1024), (28672, 8192)):
-                w = random_weights(n, k, sym)
+                w = make_weights(n, k, sym)
                 for outliers in (False, True):
                     x = torch.randn(1, k, device="cuda")
                     if outliers:
