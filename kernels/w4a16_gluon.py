@@ -61,7 +61,6 @@ fp16 or bf16 activations, sm_90. GPU only: Gluon has no interpreter path.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import torch
@@ -73,13 +72,16 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from quantkit.kernels.device_info import capability, num_sms
-from quantkit.kernels.gpu_timing import gpu_time_us, l2_evict_buffer
-from quantkit.kernels.w4a16 import gather_columns
-from quantkit.kernels.w4a16_weights import DIRECT_MAX_M, PAIR_TILE_K, W4A16Weights
+from quantkit.kernels.w4a16_configs import _DOT_K, _WORDS, DIRECT_MAX_M, PAIR_TILE_K, GluonConfig
+from quantkit.kernels.w4a16_gather import gather_columns
+from quantkit.kernels.w4a16_select import gluon_supports, gpu_arch
+from quantkit.kernels.w4a16_weights import W4A16Weights
+
+__all__ = ["GluonConfig", "gluon_supported", "w4a16_gluon_matmul"]
 
 # One K tile of the packed weights: 16 int32 words (128 codes) per output row, read as four dots of K = 32.
-_WORDS = gl.constexpr(PAIR_TILE_K // 8)
-_DOT_K = gl.constexpr(32)
+_WORDS = gl.constexpr(_WORDS)
+_DOT_K = gl.constexpr(_DOT_K)
 _TILE_K = gl.constexpr(PAIR_TILE_K)
 # The producer warp only issues TMA: few registers, leaving the rest to the dequantizing warps.
 LOAD_WARP_REGS = gl.constexpr(40)
@@ -758,162 +760,17 @@ def _direct_unit(acc, seg_first, words, x0, x1, x2, x3, xsum, scale, zero, i, u0
     return acc, seg_first, w_n, x0_n, x1_n, x2_n, x3_n, xsum_n, scale_n, zero_n
 
 
-@dataclasses.dataclass(frozen=True)
-class GluonConfig:
-    """One launch configuration of :func:`_w4a16_gluon_kernel`.
-
-    * BLOCK_N weight rows and BLOCK_M activation rows per output tile, NUM_BUF ring stages,
-      num_warps consumer warps (the producer warp adds a mostly idle warpgroup).
-    * WGMMA: asynchronous wgmma (prefill) instead of mma.sync (decode). mma.sync tiles take BLOCK_M 16
-      (8 whenever M <= 8) and 16 weight rows per warp; wgmma tiles 64 weight rows per warpgroup.
-    * STREAM_K: the units of one activation tile (M <= BLOCK_M) are split evenly over
-      ``num_SMs * CTAS_PER_SM`` programs, whose partial sums meet in a float32 workspace through
-      atomics; otherwise one program per output tile, stored once. All stream-K programs must be
-      resident at once, so the register cap per thread follows from CTAS_PER_SM (:meth:`maxnreg`).
-    * PERSISTENT (one program per tile otherwise): ``num_SMs * CTAS_PER_SM`` programs, each takes
-      every n-th output tile whole, its producer running ahead into the next tile during the store.
-    * X_BOX_K: activation columns per TMA box, 32 (four boxes a unit, 64-byte rows, 64-byte swizzle) or 64
-      (two boxes, 128-byte rows and swizzle; each dot reads a column slice).
-    * DIRECT (mma.sync stream-K only): :func:`_w4a16_direct_kernel`, every warp loads its own operands into
-      registers, one unit ahead; no ring (NUM_BUF and X_BOX_K do not apply). GATHER_X (DIRECT only): behind the
-      column gather, as the ring kernel always is, rather than on the caller's activations (act-order weights are
-      always gathered). UNROLL (DIRECT only): 2 runs the loop two units an iteration.
-    """
-
-    BLOCK_N: int
-    BLOCK_M: int
-    NUM_BUF: int
-    num_warps: int = 4
-    CTAS_PER_SM: int = 1
-    WGMMA: bool = False
-    STREAM_K: bool = True
-    GROUP_N: int = 8
-    PERSISTENT: bool = False
-    X_BOX_K: int = 32
-    DIRECT: bool = False
-    GATHER_X: bool = False
-    UNROLL: int = 1
-
-    def __post_init__(self):
-        if self.X_BOX_K not in (32, 64):  # the swizzle is 2 * X_BOX_K bytes: 64 or 128
-            raise ValueError(f"X_BOX_K must be 32 or 64, got {self.X_BOX_K}")
-        if self.DIRECT and (self.WGMMA or not self.STREAM_K or self.PERSISTENT or self.BLOCK_N < 16 * self.num_warps):
-            raise ValueError("DIRECT configs are mma.sync stream-K with at least 16 weight rows a warp")
-        if self.GATHER_X and not self.DIRECT:
-            raise ValueError("GATHER_X applies to DIRECT configs only (the ring kernel always gathers)")
-        if self.UNROLL not in (1, 2) or (self.UNROLL == 2 and not self.DIRECT):
-            raise ValueError("UNROLL is 1, or 2 for DIRECT configs")
-
-    def block_m(self, m: int) -> int:
-        return 8 if (not self.WGMMA and m <= 8) else self.BLOCK_M
-
-    def smem_bytes(self, m: int) -> int:
-        if self.DIRECT:
-            return 1024
-        return self.NUM_BUF * (self.BLOCK_N * int(_WORDS) * 4 + 4 * self.block_m(m) * int(_DOT_K) * 2) + 1024
-
-    def maxnreg(self) -> int:
-        threads = (self.num_warps + (0 if self.DIRECT else 4)) * 32  # the producer's warpgroup counts whole
-        return min(255, _REGS_PER_SM // (self.CTAS_PER_SM * threads) // 8 * 8)
-
-    def fits(self, m: int, group_size: int) -> bool:
-        """Shared memory and registers for CTAS_PER_SM programs per SM, and a tile that suits M."""
-        if self.CTAS_PER_SM * self.smem_bytes(m) > _SMEM_PER_SM:
-            return False
-        # per-word scales (groups under 128) need more registers: under 80 the decode warps spill
-        if self.maxnreg() < (80 if group_size % PAIR_TILE_K else 64):
-            return False
-        if self.DIRECT:
-            # one group per K tile and up to 8 activation rows only: with 16, the sm_90 compile of the candidates
-            # spills (24-32 bytes at 168 registers), and at M = 16 the ring kernel was faster anyway (H200 run 41)
-            if group_size % PAIR_TILE_K or m > DIRECT_MAX_M:
-                return False
-        if self.WGMMA:
-            return self.BLOCK_M <= max(64, triton.next_power_of_2(m)) and (not self.STREAM_K or m <= self.BLOCK_M)
-        # mma.sync: one activation tile, not more than twice as tall as M (16 is the smallest)
-        return m <= self.BLOCK_M and (self.BLOCK_M <= 16 or 2 * m > self.BLOCK_M)
-
-
-_REGS_PER_SM = 65536
-_SMEM_PER_SM = 228 * 1024
-
-# Candidates timed on first use per (M bucket, N, K, group, zeros, dtype); see ConfigTuner.
-# Decode takes 64-column activation boxes: with them the fastest config of each decode cell was 0-0.7 us
-# faster and never slower (H200 run 31: 28672 x 8192, 14336 x 4096, 4096 x 4096 at M = 1, 4, 16); prefill
-# keeps 32 (equal at 256 x 128, 4-10 % slower at 128 x 128).
-# The two programs-per-SM versions of the 128-row tiles: 16.5 / 18.9 us against 17.3 / 21.2 for the best
-# other config at 14336 x 4096, M = 1 / 16, and 10.9 against 11.2 at 4096², M = 16 (run 34).
-# The direct-load kernel (no ring; NUM_BUF unused), M <= 8. On the caller's activations (one launch) at 4096²,
-# M = 1: 7.2-7.4 us against 7.5-8.2 gathered and 9.0 for the ring; at 2048², 4.4-4.5 against 5.4. From
-# 14336 x 4096 up the gathered form is 1-2 us faster (15.1 against 16.1 at M = 1, 50.1 against 51.3 at
-# 28672 x 8192, where the ring's 41.4 wins): the in-register column split costs more than the gather's
-# launch once the weights stream long enough (H200 run 43, bench/results/w4a16_2026-12-01_run43_ab_direct_flush.*;
-# the tuner's picks in run 45: raw at 4096², gathered at 14336 x 4096 and 4096 x 14336).
-DIRECT_GLUON_CONFIGS = [
-    GluonConfig(128, 16, 1, 4, 4, DIRECT=True),
-    GluonConfig(256, 16, 1, 8, 2, DIRECT=True),
-    GluonConfig(128, 16, 1, 4, 3, DIRECT=True),
-    GluonConfig(256, 16, 1, 8, 2, DIRECT=True, GATHER_X=True),
-    GluonConfig(128, 16, 1, 4, 4, DIRECT=True, GATHER_X=True),
-    # the loop unrolled by two: 6.9 against 7.2 us at 4096², M = 1, but 0.6-1.8 us slower at 2048² and 14336 x 4096
-    # (run 48), so a candidate of its own
-    GluonConfig(128, 16, 1, 4, 4, DIRECT=True, UNROLL=2),
-]
-DECODE_GLUON_CONFIGS = [  # mma.sync, stream-K, M <= 16
-    GluonConfig(128, 16, 6, 4, 3, X_BOX_K=64),
-    GluonConfig(128, 16, 4, 4, 4, X_BOX_K=64),
-    GluonConfig(128, 16, 4, 4, 2, X_BOX_K=64),
-    GluonConfig(128, 16, 6, 4, 2, X_BOX_K=64),
-    GluonConfig(256, 16, 4, 4, 2, X_BOX_K=64),
-    GluonConfig(256, 16, 5, 8, 2, X_BOX_K=64),
-    GluonConfig(128, 16, 8, 4, 2, X_BOX_K=64),
-    GluonConfig(64, 16, 8, 4, 3, X_BOX_K=64),
-] + DIRECT_GLUON_CONFIGS
-# 17..64 rows: the same mma.sync stream-K on taller activation tiles, next to the wgmma configs. (Only
-# tiles whose sm_90 compile does not spill at these register caps: 128 x 64 spills at 128 registers.)
-MID_GLUON_CONFIGS = [
-    GluonConfig(128, 32, 6, 4, 2),
-    GluonConfig(64, 32, 8, 4, 2),
-    GluonConfig(64, 64, 4, 4, 2),
-]
-# (128 x 256 tiles spill at the 168 registers per thread that 12 warps leave: sm_90 compile, 462 spill ops.)
-PREFILL_GLUON_CONFIGS = [  # wgmma, two consumer warpgroups, one program per SM
-    GluonConfig(256, 128, 4, 8, WGMMA=True, STREAM_K=False),
-    GluonConfig(128, 128, 5, 8, WGMMA=True, STREAM_K=False),
-    GluonConfig(128, 64, 6, 8, WGMMA=True, STREAM_K=False),
-    # persistent: the fill of the ring and the store of a tile overlap the neighbouring tiles' work
-    GluonConfig(256, 128, 4, 8, WGMMA=True, STREAM_K=False, PERSISTENT=True),
-    GluonConfig(128, 128, 5, 8, WGMMA=True, STREAM_K=False, PERSISTENT=True),
-    GluonConfig(128, 64, 6, 8, WGMMA=True, STREAM_K=False, PERSISTENT=True),
-    # M <= BLOCK_M: K split stream-K over every SM (a handful of output tiles would leave most idle)
-    GluonConfig(128, 64, 6, 8, WGMMA=True, STREAM_K=True),
-    GluonConfig(128, 128, 5, 8, WGMMA=True, STREAM_K=True),
-]
-GLUON_DECODE_MAX_M = 16
-# above this many rows the mma.sync configs are not candidates (the wgmma ones take over)
-GLUON_MID_MAX_M = 64
-
-
 def gluon_supported(x: torch.Tensor, w: W4A16Weights) -> bool:
-    """Whether the Gluon kernel takes this call (a Hopper GPU, 4-bit codes in the paired layout)."""
-    return (x.is_cuda and capability(x.device)[0] == 9 and w.pair_index is not None
-            and w.bits == 4 and w.group_size is not None and w.group_size % 8 == 0
+    """Whether the Gluon kernels take this call (a Hopper GPU, 4-bit codes in the paired layout, fp16/bf16)."""
+    return (x.is_cuda and gluon_supports(w.facts(), gpu_arch(capability(x.device))) and w.pair_index is not None
             and x.dtype in (torch.float16, torch.bfloat16))
 
 
-def w4a16_gluon_matmul(x: torch.Tensor, w: W4A16Weights, config: GluonConfig | None = None) -> torch.Tensor:
-    """``x [M, K]`` -> ``x @ W^T`` through the Gluon kernel (see the module docstring).
-
-    ``config``: None picks the fastest fitting candidate for this shape (timed on first use): the
-    mma.sync configs up to GLUON_DECODE_MAX_M rows, the taller mma.sync and the wgmma ones up to
-    GLUON_MID_MAX_M, the wgmma ones above. As with ``triton.autotune``,
-    make that first call per shape outside CUDA-graph capture (timing cannot run inside one).
-    """
+def w4a16_gluon_matmul(x: torch.Tensor, w: W4A16Weights, config: GluonConfig) -> torch.Tensor:
+    """``x [M, K]`` -> ``x @ W^T`` through the Gluon kernel ``config`` selects (see the module docstring)."""
     if not gluon_supported(x, w):
         raise ValueError("the Gluon W4A16 kernel needs a Hopper GPU, fp16/bf16 activations and 4-bit weights "
                          f"with K a multiple of {PAIR_TILE_K} and groups of a multiple of 8")
-    if config is None:
-        return GLUON_TUNER.run(x, w)
     if not config.fits(x.shape[0], w.group_size):
         raise ValueError(f"{config} does not fit M = {x.shape[0]}, group {w.group_size} "
                          "(shared memory, registers or tile)")
@@ -998,55 +855,3 @@ def _swizzled_layout(swizzle_bytes: int, bits: int) -> gl.NVMMASharedLayout:
     """A TMA/MMA shared layout (2-D, ``swizzle_bytes`` swizzle, ``bits``-wide elements), built once: its
     construction validates and costs host time on every decode call otherwise."""
     return gl.NVMMASharedLayout(swizzle_byte_width=swizzle_bytes, element_bitwidth=bits, rank=2)
-
-
-class ConfigTuner:
-    """Picks the fastest fitting config per (M bucket, N, K, group, zeros, dtype) on first use and caches it.
-
-    (A small stand-in for ``triton.autotune``, whose config meta-parameters cannot reach the block
-    shapes of host-side tensor descriptors.) Candidates are timed as the GPU runs them in a CUDA graph
-    with L2 evicted before each call (:func:`gpu_timing.gpu_time_us`), as a served model replays them. Eager
-    timing also counts the host's launch cost (~100 us of Python per Gluon launch on the device
-    machine), which can hide the GPU time of small shapes: in H200 run 11 the eager-tuned pick at
-    M = 32, 4096 x 14336 took 75 us in graph replays, where another fitting config's kernel takes ~30."""
-
-    def __init__(self, decode_configs, mid_configs, prefill_configs):
-        self.decode_configs = list(decode_configs)
-        self.mid_configs = list(mid_configs)
-        self.prefill_configs = list(prefill_configs)
-        self.cache: dict[tuple, GluonConfig] = {}
-
-    @staticmethod
-    def m_bucket(m: int) -> int:
-        return 8 if m <= 8 else min(triton.next_power_of_2(m), 4096)
-
-    def candidates(self, m: int, group_size: int) -> list[GluonConfig]:
-        if m <= GLUON_DECODE_MAX_M:
-            pool = self.decode_configs
-        elif m <= GLUON_MID_MAX_M:
-            pool = self.mid_configs + self.prefill_configs
-        else:
-            pool = self.prefill_configs
-        return [c for c in pool if c.fits(m, group_size)]
-
-    def run(self, x: torch.Tensor, w: W4A16Weights) -> torch.Tensor:
-        """``x @ W^T`` with the cached config for this shape; ``x`` and ``w`` as w4a16_gluon_matmul checked them."""
-        m = x.shape[0]
-        key = (self.m_bucket(m), w.out_features, w.in_features, w.group_size, w.zeros is not None, x.dtype)
-        if key not in self.cache:
-            if torch.cuda.is_current_stream_capturing():
-                raise RuntimeError(
-                    f"the Gluon W4A16 kernel has no tuned config yet for M = {m}, N = {w.out_features}, "
-                    f"K = {w.in_features}, and cannot time candidates inside a CUDA-graph capture: run the "
-                    "model once eagerly at each batch size before capturing (or pass a config)")
-            configs = self.candidates(m, w.group_size)
-            if not configs:
-                raise ValueError(f"no Gluon config fits M = {m}, group {w.group_size}")
-            evict = l2_evict_buffer(x.device)
-            times = {cfg: gpu_time_us(lambda c=cfg: _launch(x, w, c), evict) for cfg in configs}
-            del evict
-            self.cache[key] = min(times, key=times.get)
-        return _launch(x, w, self.cache[key])
-
-
-GLUON_TUNER = ConfigTuner(DECODE_GLUON_CONFIGS, MID_GLUON_CONFIGS, PREFILL_GLUON_CONFIGS)

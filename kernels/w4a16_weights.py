@@ -10,11 +10,13 @@ import dataclasses
 
 import torch
 
+from quantkit.kernels.w4a16_configs import DIRECT_MAX_M, PAIR_TILE_K, PER_CHANNEL_GROUP, kernel_group_size
+from quantkit.kernels.w4a16_select import LayerFacts, W4A16Plan, plan_w4a16
 from quantkit.pack import pack_rows, unpack_gptq, unpack_rows
 from quantkit.primitives import default_g_idx
 
-# Groups larger than any K: per-channel quantization is "one group", every K tile lies inside it.
-PER_CHANNEL_GROUP = 1 << 30
+__all__ = ["W4A16Weights", "prepare_w4a16_weights", "w4a16_matmul_ref", "paired_nibble_index", "PAIR_TILE_K",
+           "DIRECT_MAX_M", "PER_CHANNEL_GROUP"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,8 +29,9 @@ class W4A16Weights:
       (zero = ``2**(bits-1)``).
     * ``g_idx`` int32 ``[K]``: group of each (permuted) input row; ``perm`` int64 ``[K]`` or None:
       the kernel multiplies ``x[:, perm]``.
-    * ``group_size``: the contiguous group length the kernel assumes, or None when the groups are
-      not contiguous runs of one length (the kernel then refuses; the reference still works).
+    * ``group_size``: the contiguous group length the kernel assumes (``PER_CHANNEL_GROUP`` for one group per
+      output channel), or None when the groups are not contiguous runs of one length (the kernels then
+      refuse; the reference still works).
     * ``pair_index`` int64 ``[K]`` or None: the activation columns in the order the paired-nibble
       tensor-core kernel reads them (:func:`paired_nibble_index`, composed with ``perm``); None when
       that kernel cannot take the layer (8-bit codes, or K not a multiple of ``PAIR_TILE_K``).
@@ -38,6 +41,8 @@ class W4A16Weights:
       32 bytes per output feature, about 1.5 % of the packed weights at K = 4096). They make a layer's calls on
       the GPU run one at a time, as a model's forward does; a layer shared by two streams at once needs two
       copies of its weights.
+    * ``plan``: the kernel and config for each activation-row bucket on the weights' GPU
+      (:mod:`quantkit.kernels.w4a16_select`), decided here once; None off CUDA.
     """
 
     qweight: torch.Tensor
@@ -52,12 +57,12 @@ class W4A16Weights:
     pair_index: torch.Tensor | None = None
     tile_counters: torch.Tensor | None = None
     partial_sums: torch.Tensor | None = None
+    plan: W4A16Plan | None = None
 
-
-# The paired-nibble kernel's K tile: 16 words of 8 codes.
-PAIR_TILE_K = 128
-# The direct decode kernel's activation rows at most (its stream-K workspace holds this many).
-DIRECT_MAX_M = 8
+    def facts(self) -> LayerFacts:
+        """What kernel selection reads of these weights."""
+        return LayerFacts(self.out_features, self.in_features, self.bits, self.group_size,
+                          has_zeros=self.zeros is not None, act_order=self.perm is not None)
 
 
 def paired_nibble_index(k: int, device=None) -> torch.Tensor:
@@ -106,14 +111,16 @@ def prepare_w4a16_weights(qweight, qzeros, scales, g_idx, bits, group_size, sym)
     kernel_group = None
     gs = k if group_size == -1 else group_size
     if torch.equal(g_idx, default_g_idx(k, gs, device=g_idx.device)):
-        kernel_group = PER_CHANNEL_GROUP if group_size == -1 else group_size
+        kernel_group = kernel_group_size(group_size, k)
     pair_index = None
     if bits == 4 and k % PAIR_TILE_K == 0:
         pair_index = paired_nibble_index(k, qweight.device)
         if perm is not None:
             pair_index = perm[pair_index]
-    # the direct decode kernel takes whole K tiles per group (w4a16_gluon.GluonConfig.fits)
-    direct = pair_index is not None and kernel_group is not None and kernel_group % PAIR_TILE_K == 0
+    facts = LayerFacts(n, k, bits, kernel_group, has_zeros=zeros_u8 is not None, act_order=perm is not None)
+    arch = gpu_arch_of(qweight.device)
+    # the direct decode kernel takes whole K tiles per group (GluonConfig.fits); it needs its workspace
+    direct = facts.direct
     return W4A16Weights(
         qweight=qweight.t().contiguous(),
         scales=scales.to(torch.float16).contiguous(),
@@ -127,7 +134,18 @@ def prepare_w4a16_weights(qweight, qzeros, scales, g_idx, bits, group_size, sym)
         pair_index=pair_index,
         tile_counters=torch.zeros(n // 16 + 1, device=qweight.device, dtype=torch.int32) if direct else None,
         partial_sums=torch.zeros(DIRECT_MAX_M * n, device=qweight.device, dtype=torch.float32) if direct else None,
+        plan=plan_w4a16(facts, arch),
     )
+
+
+def gpu_arch_of(device: torch.device) -> str | None:
+    """``"sm90"`` and the like for a CUDA device, None otherwise."""
+    if device.type != "cuda":
+        return None
+    from quantkit.kernels.device_info import capability
+    from quantkit.kernels.w4a16_select import gpu_arch
+
+    return gpu_arch(capability(device))
 
 
 def w4a16_matmul_ref(x: torch.Tensor, w: W4A16Weights) -> torch.Tensor:

@@ -1,0 +1,196 @@
+"""Launch configurations of the W4A16 kernels: one frozen dataclass per kernel family.
+
+No Triton here: the selection table (:mod:`quantkit.kernels.w4a16_select`), ``explain`` and the CPU tests
+read and validate configs without importing a compiler. Field names are the kernels' constexpr names.
+
+Families (the kernels in :mod:`quantkit.kernels.w4a16` and :mod:`quantkit.kernels.w4a16_gluon`):
+
+* ``gemv``: CUDA-core GEMV for 1-2 activation rows; ``SPLIT_K = 1`` stores each row block directly (one
+  launch), otherwise K is split over the grid with float32 atomics.
+* ``pairs``: the paired-nibble tensor-core kernel (4-bit, K a multiple of 128), any GPU from sm_80.
+* ``tc``: the general tensor-core kernel (8-bit codes, or K not a multiple of 128).
+* ``gluon``: the Hopper kernel (TMA ring, mma.sync or wgmma; ``DIRECT``: the ring-less decode kernel).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+# The paired-nibble kernels' K tile: 16 words of 8 codes.
+PAIR_TILE_K = 128
+# The direct decode kernel's activation rows at most (its stream-K workspace holds this many).
+DIRECT_MAX_M = 8
+# A group size larger than any K: how per-channel quantization (one group per output channel, ``-1`` in a
+# checkpoint) reaches the kernels, so that every K tile lies inside one group. The only spelling past
+# :func:`kernel_group_size`.
+PER_CHANNEL_GROUP = 1 << 30
+
+# Hopper's per-SM budgets, which decide whether CTAS_PER_SM Gluon programs can be resident at once.
+_REGS_PER_SM = 65536
+_SMEM_PER_SM = 228 * 1024
+_WORDS = PAIR_TILE_K // 8  # int32 words of one K tile
+_DOT_K = 32  # K of one mma / wgmma step
+
+
+def kernel_group_size(group_size: int, in_features: int) -> int:
+    """The group length the kernels index with: ``group_size``, or PER_CHANNEL_GROUP for ``-1`` / ``>= K``."""
+    return PER_CHANNEL_GROUP if group_size == -1 or group_size >= in_features else group_size
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+@dataclasses.dataclass(frozen=True)
+class GemvConfig:
+    """GEMV: BLOCK_N output rows x BLOCK_K codes per step, PIPE loads in flight; PROGS_PER_SM sizes the K split
+    (SPLIT_K fixes it; 1: no split, direct store)."""
+
+    BLOCK_N: int
+    BLOCK_K: int
+    num_warps: int = 4
+    PIPE: int = 1
+    PROGS_PER_SM: int = 8
+    SPLIT_K: int | None = None
+
+    def __post_init__(self):
+        if self.BLOCK_N < 1 or self.BLOCK_K < 8 or self.PIPE < 1:
+            raise ValueError(f"bad GEMV config {self}")
+
+
+@dataclasses.dataclass(frozen=True)
+class PairsConfig:
+    """Paired-nibble tensor-core kernel: BLOCK_N weight rows x BLOCK_M activation rows per tile."""
+
+    BLOCK_N: int
+    BLOCK_M: int
+    num_warps: int = 4
+    num_stages: int = 3
+    PROGS_PER_SM: int = 4
+    GROUP_N: int = 8
+    SPLIT_K: int | None = None
+
+    def __post_init__(self):
+        if self.BLOCK_M < 16 or self.BLOCK_N < 16:
+            raise ValueError(f"tensor-core tiles are at least 16 x 16, got {self}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TcConfig:
+    """General tensor-core kernel. W_IS_A: the dequantized weight tile is wgmma's A operand (``W X^T``);
+    W_GATHER: built from one word load per K row instead of a 3-D unpack."""
+
+    BLOCK_N: int
+    BLOCK_M: int
+    BLOCK_K: int
+    num_warps: int = 4
+    num_stages: int = 2
+    GROUP_N: int = 8
+    W_IS_A: bool = True
+    W_GATHER: bool = False
+    SPLIT_K: int | None = None
+
+    def __post_init__(self):
+        if self.BLOCK_M < 16 or self.BLOCK_N < 16 or self.BLOCK_K < 16:
+            raise ValueError(f"tensor-core tiles are at least 16 x 16 x 16, got {self}")
+
+
+@dataclasses.dataclass(frozen=True)
+class GluonConfig:
+    """One launch configuration of the Hopper Gluon kernels (:mod:`quantkit.kernels.w4a16_gluon`).
+
+    * BLOCK_N weight rows and BLOCK_M activation rows per output tile, NUM_BUF ring stages,
+      num_warps consumer warps (the producer warp adds a mostly idle warpgroup).
+    * WGMMA: asynchronous wgmma (prefill) instead of mma.sync (decode). mma.sync tiles take BLOCK_M 16
+      (8 whenever M <= 8) and 16 weight rows per warp; wgmma tiles 64 weight rows per warpgroup.
+    * STREAM_K: the units of one activation tile (M <= BLOCK_M) are split evenly over
+      ``num_SMs * CTAS_PER_SM`` programs, whose partial sums meet in a float32 workspace through
+      atomics; otherwise one program per output tile, stored once. All stream-K programs must be
+      resident at once, so the register cap per thread follows from CTAS_PER_SM (:meth:`maxnreg`).
+    * PERSISTENT (one program per tile otherwise): ``num_SMs * CTAS_PER_SM`` programs, each takes
+      every n-th output tile whole, its producer running ahead into the next tile during the store.
+    * X_BOX_K: activation columns per TMA box, 32 (64-byte swizzle) or 64 (128-byte swizzle).
+    * DIRECT (mma.sync stream-K only): the ring-less kernel, every warp loads its own operands into
+      registers, one unit ahead. GATHER_X (DIRECT only): reads the column-gathered activations, as the ring
+      kernel always does (act-order weights are always gathered). UNROLL (DIRECT only): 2 runs the loop two
+      units an iteration.
+    """
+
+    BLOCK_N: int
+    BLOCK_M: int
+    NUM_BUF: int
+    num_warps: int = 4
+    CTAS_PER_SM: int = 1
+    WGMMA: bool = False
+    STREAM_K: bool = True
+    GROUP_N: int = 8
+    PERSISTENT: bool = False
+    X_BOX_K: int = 32
+    DIRECT: bool = False
+    GATHER_X: bool = False
+    UNROLL: int = 1
+
+    def __post_init__(self):
+        if self.X_BOX_K not in (32, 64):  # the swizzle is 2 * X_BOX_K bytes: 64 or 128
+            raise ValueError(f"X_BOX_K must be 32 or 64, got {self.X_BOX_K}")
+        if self.DIRECT and (self.WGMMA or not self.STREAM_K or self.PERSISTENT or self.BLOCK_N < 16 * self.num_warps):
+            raise ValueError("DIRECT configs are mma.sync stream-K with at least 16 weight rows a warp")
+        if self.GATHER_X and not self.DIRECT:
+            raise ValueError("GATHER_X applies to DIRECT configs only (the ring kernel always gathers)")
+        if self.UNROLL not in (1, 2) or (self.UNROLL == 2 and not self.DIRECT):
+            raise ValueError("UNROLL is 1, or 2 for DIRECT configs")
+
+    def block_m(self, m: int) -> int:
+        return 8 if (not self.WGMMA and m <= 8) else self.BLOCK_M
+
+    def smem_bytes(self, m: int) -> int:
+        if self.DIRECT:
+            return 1024
+        return self.NUM_BUF * (self.BLOCK_N * _WORDS * 4 + 4 * self.block_m(m) * _DOT_K * 2) + 1024
+
+    def maxnreg(self) -> int:
+        threads = (self.num_warps + (0 if self.DIRECT else 4)) * 32  # the producer's warpgroup counts whole
+        return min(255, _REGS_PER_SM // (self.CTAS_PER_SM * threads) // 8 * 8)
+
+    def fits(self, m: int, group_size: int) -> bool:
+        """Shared memory and registers for CTAS_PER_SM programs per SM, and a tile that suits M."""
+        if self.CTAS_PER_SM * self.smem_bytes(m) > _SMEM_PER_SM:
+            return False
+        # per-word scales (groups under 128) need more registers: under 80 the decode warps spill
+        if self.maxnreg() < (80 if group_size % PAIR_TILE_K else 64):
+            return False
+        # the direct kernel: one group per K tile and up to 8 activation rows (with 16 its sm_90 compile spills)
+        if self.DIRECT and (group_size % PAIR_TILE_K or m > DIRECT_MAX_M):
+            return False
+        if self.WGMMA:
+            return self.BLOCK_M <= max(64, _next_pow2(m)) and (not self.STREAM_K or m <= self.BLOCK_M)
+        # mma.sync: one activation tile, not more than twice as tall as M (16 is the smallest)
+        return m <= self.BLOCK_M and (self.BLOCK_M <= 16 or 2 * m > self.BLOCK_M)
+
+
+CONFIG_TYPES = {"gemv": GemvConfig, "pairs": PairsConfig, "tc": TcConfig, "gluon": GluonConfig}
+
+
+def config_from_dict(kernel: str, fields: dict):
+    """The config of ``kernel`` ("gemv", "pairs", "tc", "gluon") with ``fields`` (as the JSON table stores it)."""
+    if kernel not in CONFIG_TYPES:
+        raise ValueError(f"unknown W4A16 kernel {kernel!r}; known: {', '.join(CONFIG_TYPES)}")
+    return CONFIG_TYPES[kernel](**fields)
+
+
+def config_to_dict(config) -> dict:
+    """The fields of ``config`` that differ from their defaults (the JSON table's form)."""
+    out = {}
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if f.default is dataclasses.MISSING or value != f.default:
+            out[f.name] = value
+    return out
+
+
+def config_label(config) -> str:
+    """A short readable form, e.g. ``GluonConfig(128x16, NUM_BUF=4, CTAS_PER_SM=4, X_BOX_K=64)``."""
+    fields = config_to_dict(config)
+    second = fields.pop("BLOCK_M") if "BLOCK_M" in fields else fields.pop("BLOCK_K")
+    head = [f"{fields.pop('BLOCK_N')}x{second}"]
+    return f"{type(config).__name__}({', '.join(head + [f'{k}={v}' for k, v in fields.items()])})"

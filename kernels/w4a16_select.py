@@ -1,0 +1,262 @@
+"""Which W4A16 kernel and config serve a layer: one pure function, decided when the weights are prepared.
+
+Read this file to answer "which kernel runs for this shape?". Inputs are the layer's static facts
+(:class:`LayerFacts`: N, K, bits, group size, zero points, act-order), the activation-row bucket and the GPU
+generation; the answer is a :class:`KernelChoice` (kernel family, its config from
+:mod:`quantkit.kernels.w4a16_configs`, and why). :func:`prepare_w4a16_weights
+<quantkit.kernels.w4a16_weights.prepare_w4a16_weights>` stores the choice for every bucket in the layer's
+:class:`W4A16Plan`; a call only looks its bucket up. Nothing is timed at run time: timing is the opt-in tuner
+``bench/tune_w4a16.py``, which writes the table this module reads.
+
+The rules:
+
+1. :func:`w4a16_supports` (the one capability check): CUDA from sm_80, Triton installed, fp16/bf16
+   activations, 4- or 8-bit codes in contiguous groups of one length. Otherwise the plain-PyTorch reference.
+2. Hopper (sm_90), 4-bit, K a multiple of 128, groups a multiple of 8 (except one activation row on layers
+   under ``GLUON_DIRECT_M1_MIN_WEIGHTS`` / ``GLUON_M1_MIN_WEIGHTS``, where the GEMV wins): the measured table
+   (``w4a16_h200.json``, one H200). The entry of the nearest measured shape (distance in log2 N and log2 K) at
+   the nearest measured M bucket whose config fits this layer; exact shapes and buckets are their own nearest.
+3. Elsewhere, or where no table entry fits: fixed rules. One or two activation rows: the CUDA-core GEMV
+   (direct store up to ``GEMV_DIRECT_MAX_WEIGHTS`` weights, split K above; at two rows only below
+   ``GEMV_M2_MAX_WEIGHTS`` when the paired kernel can take the layer). More rows: the paired-nibble tensor-core
+   kernel (4-bit, K a multiple of 128), else the general tensor-core kernel. Their configs are the winners of
+   the H200 autotuning runs recorded in bench/NOTES_w4a16.md (runs 3-9); no other GPU has been measured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+from quantkit.kernels.w4a16_configs import (
+    PAIR_TILE_K,
+    PER_CHANNEL_GROUP,
+    GemvConfig,
+    GluonConfig,
+    PairsConfig,
+    TcConfig,
+    config_from_dict,
+    config_label,
+)
+
+TABLE_PATH = Path(__file__).with_name("w4a16_h200.json")
+# Activation-row buckets: a call with M rows uses the plan of the next power of two (capped).
+M_BUCKETS = tuple(2**i for i in range(13))  # 1 .. 4096
+# Rule 3 bounds (H200 runs 5, 9, 21c in bench/NOTES_w4a16.md).
+GEMV_M2_MAX_WEIGHTS = 1 << 25
+GEMV_DIRECT_MAX_WEIGHTS = 1 << 24
+# Hopper, one activation row: below these many weights the GEMV beats the Gluon kernels (direct-capable layers:
+# 4.4 against 4.7 us at 2048 x 2048, H200 runs 41 and 43; others: runs 14-19).
+GLUON_DIRECT_M1_MIN_WEIGHTS = 1 << 22
+GLUON_M1_MIN_WEIGHTS = 1 << 25
+PAIRS_SPLIT_MAX_M = 64
+KERNELS = ("gemv", "pairs", "tc", "gluon", "reference")
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerFacts:
+    """What the selection reads of a layer. ``group_size`` is the kernels' encoding
+    (:func:`~quantkit.kernels.w4a16_configs.kernel_group_size`), None when the groups are not contiguous runs."""
+
+    n: int
+    k: int
+    bits: int
+    group_size: int | None
+    has_zeros: bool
+    act_order: bool
+
+    def __post_init__(self):
+        if self.n < 1 or self.k < 1:
+            raise ValueError(f"a layer has positive N and K, got {self.n} x {self.k}")
+
+    @property
+    def paired(self) -> bool:
+        """The paired-nibble layout applies: 4-bit codes, K a multiple of the 128-code tile."""
+        return self.bits == 4 and self.k % PAIR_TILE_K == 0
+
+    @property
+    def direct(self) -> bool:
+        """The direct Gluon decode kernel can take it (whole K tiles per group); it then gets a workspace."""
+        return self.paired and self.group_size is not None and self.group_size % PAIR_TILE_K == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelChoice:
+    """A kernel family (``KERNELS``), its config (None for the reference) and why it was chosen."""
+
+    kernel: str
+    config: GemvConfig | PairsConfig | TcConfig | GluonConfig | None
+    reason: str
+
+    def label(self) -> str:
+        return self.kernel if self.config is None else f"{self.kernel} {config_label(self.config)}"
+
+
+@dataclasses.dataclass(frozen=True)
+class W4A16Plan:
+    """The choice for each M bucket of one layer on one GPU generation (``arch``, e.g. "sm90")."""
+
+    arch: str
+    choices: tuple[tuple[int, KernelChoice], ...]
+
+    def choice(self, m: int) -> KernelChoice:
+        bucket = m_bucket(m)
+        for b, c in self.choices:
+            if b == bucket:
+                return c
+        raise KeyError(f"no plan for M = {m}")
+
+
+def m_bucket(m: int) -> int:
+    """The next power of two at or above ``m``, capped at the largest bucket."""
+    return min(1 << max(m - 1, 0).bit_length(), M_BUCKETS[-1])
+
+
+def gpu_arch(capability: tuple[int, int]) -> str:
+    """``(9, 0)`` -> ``"sm90"``."""
+    return f"sm{capability[0]}{capability[1]}"
+
+
+def _arch_at_least(arch: str, major: int) -> bool:
+    return arch.startswith("sm") and int(arch[2:-1] or 0) >= major
+
+
+def w4a16_supports(facts: LayerFacts, arch: str | None, dtype=None) -> tuple[bool, str]:
+    """Whether a W4A16 kernel can serve ``facts`` on ``arch`` (None: not a CUDA device) with activations of
+    ``dtype`` (a torch dtype, or None to leave it out): ``(True, "")`` or ``(False, reason)``."""
+    if arch is None:
+        return False, "input is not on a CUDA device"
+    if not _arch_at_least(arch, 8):
+        return False, f"needs an sm_80 or newer GPU, this one is {arch}"
+    if importlib.util.find_spec("triton") is None:
+        return False, "triton is not installed"
+    if dtype is not None and str(dtype) not in ("torch.float16", "torch.bfloat16"):
+        return False, f"activations are {dtype}, the kernels take float16/bfloat16"
+    if facts.bits not in (4, 8):
+        return False, f"{facts.bits}-bit codes are not supported (4 or 8)"
+    if facts.group_size is None:
+        return False, "groups are not contiguous runs of one length"
+    return True, ""
+
+
+def gluon_supports(facts: LayerFacts, arch: str | None) -> bool:
+    """Whether the Hopper Gluon kernel can take the layer (sm_90, paired layout, groups a multiple of 8)."""
+    return arch == "sm90" and facts.paired and facts.group_size is not None and facts.group_size % 8 == 0
+
+
+@functools.cache
+def load_table(path: str | None = None) -> tuple[dict, ...]:
+    """The entries of a measured table (default: the shipped H200 one), each with its config built."""
+    with open(path or TABLE_PATH) as f:
+        data = json.load(f)
+    return tuple(dict(e, config=config_from_dict(e["kernel"], e["config"])) for e in data["entries"])
+
+
+def select_w4a16(m: int, facts: LayerFacts, arch: str | None, table: tuple[dict, ...] | None = None,
+                 dtype=None) -> KernelChoice:
+    """The kernel and config for ``m`` activation rows (its bucket) of the layer ``facts`` on ``arch``.
+
+    ``table``: measured entries for sm_90 (default: the shipped H200 table)."""
+    ok, reason = w4a16_supports(facts, arch, dtype)
+    if not ok:
+        return KernelChoice("reference", None, reason)
+    bucket = m_bucket(m)
+    if gluon_supports(facts, arch) and not _small_for_gluon(bucket, facts):
+        picked = _from_table(bucket, facts, load_table() if table is None else table)
+        if picked is not None:
+            return picked
+    return _by_rule(bucket, facts, arch)
+
+
+def plan_w4a16(facts: LayerFacts, arch: str | None, table: tuple[dict, ...] | None = None) -> W4A16Plan | None:
+    """The choice for every M bucket (None off CUDA: the caller runs the reference or names a kernel)."""
+    if arch is None:
+        return None
+    return W4A16Plan(arch, tuple((b, select_w4a16(b, facts, arch, table)) for b in M_BUCKETS))
+
+
+def _fits(kernel: str, config, bucket: int, facts: LayerFacts) -> bool:
+    """Whether ``config`` serves every M of ``bucket`` on this layer."""
+    lo = bucket // 2 + 1 if bucket > 1 else 1
+    if kernel == "gluon":
+        if config.DIRECT and not facts.direct:
+            return False
+        return config.fits(lo, facts.group_size) and config.fits(bucket, facts.group_size)
+    if kernel == "gemv":
+        return bucket <= 2 and _gemv_block_k_ok(config.BLOCK_K, facts.group_size) and (
+            (config.SPLIT_K == 1) == (facts.n * facts.k <= GEMV_DIRECT_MAX_WEIGHTS))
+    if kernel == "pairs":
+        return facts.paired
+    return kernel == "tc"
+
+
+def _from_table(bucket: int, facts: LayerFacts, table) -> KernelChoice | None:
+    """The nearest measured entry (shape, then M bucket) whose config fits, or None."""
+
+    def distance(e):
+        shape = abs(math.log2(e["n"] / facts.n)) + abs(math.log2(e["k"] / facts.k))
+        return shape, abs(math.log2(e["m"] / bucket)), e["m"] > bucket
+
+    for e in sorted(table, key=distance):
+        if _fits(e["kernel"], e["config"], bucket, facts):
+            exact = (e["n"], e["k"], e["m"]) == (facts.n, facts.k, bucket)
+            where = "measured" if exact else f"nearest measured: {e['n']}x{e['k']} at M={e['m']}"
+            return KernelChoice(e["kernel"], e["config"], f"H200 table, {where} ({e.get('source', '')})")
+    return None
+
+
+def _gemv_block_k_ok(block_k: int, group_size: int) -> bool:
+    """A GEMV K tile either lies inside one group or covers whole groups."""
+    return group_size % block_k == 0 or block_k % group_size == 0
+
+
+def _by_rule(bucket: int, facts: LayerFacts, arch: str) -> KernelChoice:
+    weights = facts.n * facts.k
+    gemv_ok = bucket == 1 or (bucket == 2 and (not facts.paired or weights < GEMV_M2_MAX_WEIGHTS))
+    if gluon_supports(facts, arch) and not _small_for_gluon(bucket, facts):
+        return KernelChoice("gluon", _gluon_default(bucket, facts), "rule: Hopper, no table entry fits")
+    if gemv_ok:
+        direct = weights <= GEMV_DIRECT_MAX_WEIGHTS
+        for block_k in (512, 256, 128, 64, 32):
+            if _gemv_block_k_ok(block_k, facts.group_size):
+                if direct:
+                    config = GemvConfig(8, block_k, 4, PIPE=3, SPLIT_K=1)  # GEMV_DIRECT_CONFIGS[0] of run 33
+                else:
+                    config = GemvConfig(128, min(block_k, 128), 4)  # run 3's winner on every shape
+                return KernelChoice("gemv", config, f"rule: {bucket} row(s), {'direct' if direct else 'split K'}")
+    if facts.paired:
+        if bucket <= 16:
+            config = PairsConfig(128, 16, 4, 3)  # run 5's decode winner
+        elif bucket <= PAIRS_SPLIT_MAX_M:
+            config = PairsConfig(128, bucket, 4, 3)
+        else:
+            config = PairsConfig(128, 128, 8, 3)  # run 5's prefill winner
+        return KernelChoice("pairs", config, "rule: paired-nibble layout")
+    if bucket <= 16:
+        config = TcConfig(64, 16, 256, 4, 3)
+    else:
+        config = TcConfig(128, 128, 64, 8, 4, W_IS_A=False)
+    return KernelChoice("tc", config, f"rule: {facts.bits}-bit codes, K = {facts.k}")
+
+
+def _small_for_gluon(bucket: int, facts: LayerFacts) -> bool:
+    """One activation row on a layer small enough that the GEMV is faster than the Gluon kernels on Hopper."""
+    return bucket == 1 and facts.n * facts.k < (GLUON_DIRECT_M1_MIN_WEIGHTS if facts.direct else GLUON_M1_MIN_WEIGHTS)
+
+
+def _gluon_default(bucket: int, facts: LayerFacts) -> GluonConfig:
+    if bucket <= 16:
+        return GluonConfig(128, 16, 4, 4, 2, X_BOX_K=64)
+    if bucket <= 64:
+        return GluonConfig(128, 64, 6, 8, WGMMA=True, STREAM_K=True)
+    return GluonConfig(256, 128, 4, 8, WGMMA=True, STREAM_K=False)
+
+
+def facts_of(n: int, k: int, bits: int, group_size: int | None, sym: bool, act_order: bool) -> LayerFacts:
+    """LayerFacts from checkpoint-level facts (``group_size`` -1 for per channel, as a checkpoint stores it)."""
+    group = None if group_size is None else (PER_CHANNEL_GROUP if group_size == -1 or group_size >= k else group_size)
+    return LayerFacts(n, k, bits, group, has_zeros=not sym, act_order=act_order)

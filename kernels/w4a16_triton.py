@@ -1,0 +1,402 @@
+"""The Triton W4A16 kernels (jit functions only; launched by :mod:`quantkit.kernels.w4a16`).
+
+``Y = X W^T`` with 16-bit activations ``X [M, K]`` and packed 4- or 8-bit weights ``W [N, K]`` (K contiguous per
+output row, :class:`~quantkit.kernels.w4a16_weights.W4A16Weights`), per-group scales and optional zero points.
+The weights are read packed, unpacked in registers and scaled to 16 bits; they are never written back.
+
+* ``_w4a16_gemv_kernel``: CUDA cores, for one or two activation rows. 16-byte loads of packed words, exact
+  ``code - zero`` in float32 by the exponent trick (one ``lop3`` per code), one scale per group; split K with
+  float32 atomics, or (``DIRECT``) one program per row block over the whole K storing its rows itself.
+* ``_w4a16_pairs_kernel``: tensor cores, 4-bit with K a multiple of 128. Shifting a word right by 4j puts codes
+  j and j + 4 at bits 0 and 16; one ``lop3`` makes them two 16-bit floats in one register, which *is* a wgmma
+  A-operand register (two neighbouring K positions), so the weight tile needs no reshape. The activations are
+  gathered once per call into the matching column order (``W4A16Weights.pair_index``).
+* ``_w4a16_kernel``: tensor cores, the general case (8-bit codes, K not a multiple of 128): the dequantized
+  tile from a 3-D unpack and reshape, as wgmma's A (``W X^T``, so BLOCK_M can be 16) or B operand.
+
+``M_BUCKET`` is an unused argument kept so the launch signature stays that of earlier versions' autotune keys.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _unpack_codes(words, BITS: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Packed words ``[ROWS, BLOCK_K*BITS/32]`` (K-contiguous) -> int32 codes ``[ROWS, BLOCK_K]``.
+
+    Code j of a word sits at bit BITS*j and belongs to K index PER_WORD*word + j: a 3-D unpack whose
+    reshape keeps each word's codes in the thread that loaded it.
+    """
+    PER_WORD: tl.constexpr = 32 // BITS
+    shifts = tl.arange(0, PER_WORD) * BITS
+    codes = (words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
+    return tl.reshape(codes, [ROWS, BLOCK_K])
+
+
+@triton.jit
+def _codes_to_float(codes, zero, MAGIC: tl.constexpr, DTYPE: tl.constexpr):
+    """Integer codes -> ``code - zero`` in DTYPE. With MAGIC, ``zero`` holds ``MAGIC_VALUE + zero``.
+
+    MAGIC ORs the code into the mantissa of a float whose ulp is 1 (1024.0 in fp16, 128.0 in bf16,
+    2**23 in fp32): the bits then read MAGIC_VALUE + code, exactly, with no int->float conversion
+    (those run at a quarter of the FMA rate); one subtraction gives ``code - zero`` exactly.
+    """
+    if MAGIC != 0:
+        if DTYPE == tl.float32:
+            q = (codes | MAGIC).to(tl.float32, bitcast=True)
+        else:
+            q = (codes | MAGIC).to(tl.int16).to(DTYPE, bitcast=True)
+        return q - zero
+    else:
+        return (codes - zero).to(DTYPE)
+
+
+@triton.jit
+def _dequant_tile(words, scale, zero, BITS: tl.constexpr, MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr):
+    """Packed words ``[BLOCK_N, BLOCK_K*BITS/32]`` -> 16-bit weights ``[BLOCK_N, BLOCK_K]``.
+
+    ``scale``/``zero`` broadcast against ``[BLOCK_N, BLOCK_K]`` (``[BLOCK_N, 1]`` or full tiles).
+    """
+    codes = _unpack_codes(words, BITS, BLOCK_N, BLOCK_K)
+    return _codes_to_float(codes, zero, MAGIC, DTYPE) * scale
+
+
+@triton.jit
+def _tile_and_k_slice(M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      GROUP_N: tl.constexpr):
+    """This program's output tile ``(pid_n, pid_m)`` and its K tiles ``[kt_start, kt_end)``.
+
+    Grouped order on grid axis 0: GROUP_N weight tiles are swept across all M tiles before the next
+    GROUP_N, so the weight tiles in flight stay in L2 while the activations stream. Axis 1 splits K.
+    """
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_in_group = GROUP_N * num_pid_m
+    first_pid_n = (pid // num_pid_in_group) * GROUP_N
+    group_size_n = min(num_pid_n - first_pid_n, GROUP_N)
+    pid_n = first_pid_n + (pid % num_pid_in_group) % group_size_n
+    pid_m = (pid % num_pid_in_group) // group_size_n
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    tiles_per_split = tl.cdiv(k_tiles, tl.num_programs(1))
+    kt_start = pid_k * tiles_per_split
+    kt_end = min(kt_start + tiles_per_split, k_tiles)
+    return pid_n, pid_m, kt_start, kt_end
+
+
+@triton.jit
+def _w4a16_kernel(
+    x_ptr, qw_ptr, scales_ptr, zeros_ptr, c_ptr,
+    M, N, K, M_BUCKET,
+    stride_xm, stride_xk,
+    stride_qn, stride_qk,
+    stride_sg, stride_sn,
+    stride_zg, stride_zn,
+    stride_cm, stride_cn,
+    GROUP_SIZE: tl.constexpr, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr,
+    MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr, ATOMIC_OUT: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
+    W_IS_A: tl.constexpr, W_GATHER: tl.constexpr = False,
+):
+    """``c[M, N] (+)= x[M, K] @ dequant(qw[N, K*BITS/32])^T`` over this program's K slice.
+
+    Grid: (output tiles, K splits). With ATOMIC_OUT the partial sums are atomically added into a
+    zeroed float32 ``c``; otherwise ``c`` (x's dtype) is written once. W_IS_A computes the tile
+    as ``W X^T`` (weights from registers as wgmma's A), else as ``X W^T`` (weights as B).
+    W_GATHER (with W_IS_A False) builds the ``[BLOCK_K, BLOCK_N]`` weight tile from redundant word
+    loads (index ``k // PER_WORD``, served by L1) and a per-row shift: no 3-D unpack, no reshape.
+    """
+    DTYPE = x_ptr.dtype.element_ty
+    PER_WORD: tl.constexpr = 32 // BITS
+    pid_n, pid_m, kt_start, kt_end = _tile_and_k_slice(M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_N)
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_kw = tl.arange(0, BLOCK_K // PER_WORD)
+    mask_n = offs_n < N
+    mask_m = offs_m < M
+
+    if W_IS_A:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for kt in range(kt_start, kt_end):
+        k0 = kt * BLOCK_K
+        rows_k = k0 + offs_k
+        x_ptrs = x_ptr + offs_m[None, :] * stride_xm + rows_k[:, None] * stride_xk
+        xt = tl.load(x_ptrs, mask=mask_m[None, :] & (rows_k[:, None] < K), other=0.0)  # [BLOCK_K, BLOCK_M]
+
+        if GROUP_SIZE % BLOCK_K == 0:
+            # The whole K tile lies in one group: one scale (and zero) row per tile.
+            g = k0 // GROUP_SIZE
+            s_ptrs = scales_ptr + g * stride_sg + offs_n[:, None] * stride_sn
+            z_ptrs = zeros_ptr + g * stride_zg + offs_n[:, None] * stride_zn
+            g_mask = mask_n[:, None]
+        else:
+            # Several groups per tile (e.g. g32 with BLOCK_K 128): per-row gather, served from L1.
+            g = rows_k // GROUP_SIZE
+            s_ptrs = scales_ptr + g[None, :] * stride_sg + offs_n[:, None] * stride_sn
+            z_ptrs = zeros_ptr + g[None, :] * stride_zg + offs_n[:, None] * stride_zn
+            g_mask = mask_n[:, None] & (rows_k[None, :] < K)
+        scale = tl.load(s_ptrs, mask=g_mask, other=0.0).to(DTYPE)
+        if HAS_ZEROS:
+            zero = tl.load(z_ptrs, mask=g_mask, other=0).to(tl.int32)
+        else:
+            zero = tl.full([1, 1], 1 << (BITS - 1), tl.int32)
+        if MAGIC != 0:
+            zero = (zero + MAGIC_VALUE).to(DTYPE)  # exact: small integers
+        if W_GATHER:
+            # [BLOCK_K, BLOCK_N]: every K row re-reads its word (same address for PER_WORD rows).
+            wg_ptrs = qw_ptr + offs_n[None, :] * stride_qn + (rows_k // PER_WORD)[:, None] * stride_qk
+            words_kn = tl.load(wg_ptrs, mask=mask_n[None, :] & (rows_k[:, None] < K), other=0)
+            codes = (words_kn >> ((rows_k % PER_WORD) * BITS)[:, None]) & ((1 << BITS) - 1)
+            w_kn = _codes_to_float(codes, tl.trans(zero), MAGIC, DTYPE) * tl.trans(scale)
+            acc = tl.dot(tl.trans(xt), w_kn, acc)
+        else:
+            # K is a multiple of PER_WORD, so word-level masking is exact at the K tail.
+            rows_w = k0 // PER_WORD + offs_kw
+            w_ptrs = qw_ptr + offs_n[:, None] * stride_qn + rows_w[None, :] * stride_qk
+            words = tl.load(w_ptrs, mask=mask_n[:, None] & (rows_w[None, :] < K // PER_WORD), other=0)
+            w = _dequant_tile(words, scale, zero, BITS, MAGIC, MAGIC_VALUE, BLOCK_N, BLOCK_K, DTYPE)
+            if W_IS_A:
+                acc = tl.dot(w, xt, acc)
+            else:
+                acc = tl.dot(tl.trans(xt), tl.trans(w), acc)
+
+    if W_IS_A:
+        c_ptrs = c_ptr + offs_m[None, :] * stride_cm + offs_n[:, None] * stride_cn
+        c_mask = mask_n[:, None] & mask_m[None, :]
+    else:
+        c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+        c_mask = mask_m[:, None] & mask_n[None, :]
+    if ATOMIC_OUT:
+        tl.atomic_add(c_ptrs, acc, mask=c_mask, sem="relaxed")
+    else:
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+
+
+@triton.jit
+def _gemv_tile(acc, x_ptr, qw_ptr, scales_ptr, zeros_ptr, kt, offs_m, mask_m, offs_n, mask_n,
+               M, K, K_WORDS, stride_xm, stride_qn, stride_sg, stride_zg,
+               GROUP_SIZE: tl.constexpr, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, MAGIC: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LOP3_ASM: tl.constexpr):
+    """One K tile of the GEMV: ``acc[m, n] += sum_g s[g, n] * sum_{k in g} (q[n, k] - z[g, n]) * x[m, k]``.
+
+    The tile may span several groups (BLOCK_K a multiple of GROUP_SIZE) or lie inside one (BLOCK_K
+    divides GROUP_SIZE). It is loaded 4-D, ``[BLOCK_N, NG, GW, 1]`` (NG groups of GW words): the
+    per-group partial sums are then a plain reduction over the last two axes, with no reshape.
+    """
+    PER_WORD: tl.constexpr = 32 // BITS
+    NG: tl.constexpr = BLOCK_K // GROUP_SIZE if BLOCK_K > GROUP_SIZE else 1  # groups in the tile
+    GW: tl.constexpr = BLOCK_K // PER_WORD // NG  # words per group (or per tile when NG = 1)
+    k0 = kt * BLOCK_K
+    offs_g = tl.arange(0, NG)
+    # Packed words, K-contiguous per output row: 16-byte vector loads. The load's coalesced layout
+    # (4 words = 16 bytes per thread) also holds the PER_WORD codes of each word in that thread.
+    rows_w = k0 // PER_WORD + offs_g[:, None] * GW + tl.arange(0, GW)[None, :]  # [NG, GW]
+    words = tl.load(qw_ptr + offs_n[:, None, None, None] * stride_qn + rows_w[None, :, :, None],
+                    mask=mask_n[:, None, None, None] & (rows_w[None, :, :, None] < K_WORDS), other=0)
+    # Unpack without moving codes to bit 0: code j (j = HALF*h + i) sits at bit 16*h + BITS*i and is
+    # masked in place after one 16-bit shift per word: ((w >> 16h) & (MASK << BITS*i)) | MAGIC is one
+    # LOP3 per code and reads as the float 2**23 + code * 2**(BITS*i), exactly (fields < 2**16).
+    # Subtracting 2**23 + zero * 2**(BITS*i) gives (code - zero) * 2**(BITS*i) exactly; the x values
+    # carry the 2**-(BITS*i) instead (exact, and x is shared by all the rows a thread holds).
+    HALF: tl.constexpr = PER_WORD // 2
+    jj = tl.arange(0, PER_WORD)
+    hi = ((jj // HALF) * 16).to(tl.uint32)
+    lo = (jj % HALF) * BITS
+    shifted = words.to(tl.uint32, bitcast=True) >> hi[None, None, None, :]  # [BLOCK_N, NG, GW, PER_WORD]
+    field_mask = (((1 << BITS) - 1) << lo).to(tl.uint32)[None, None, None, :]
+    # One scale / zero per (row, group of the tile); groups past K (partial last tile) are masked.
+    g = k0 // GROUP_SIZE + offs_g
+    g_mask = mask_n[:, None] & ((k0 + offs_g * GROUP_SIZE) < K)[None, :]
+    scale = tl.load(scales_ptr + g[None, :] * stride_sg + offs_n[:, None], mask=g_mask, other=0.0).to(tl.float32)
+    if HAS_ZEROS:
+        zero = tl.load(zeros_ptr + g[None, :] * stride_zg + offs_n[:, None], mask=g_mask, other=0).to(tl.int32)
+    else:
+        zero = tl.full([BLOCK_N, NG], 1 << (BITS - 1), tl.int32)
+    zero_j = zero[:, :, None, None] << lo[None, None, None, :]  # zero * 2**(BITS*i) < 2**16
+    if MAGIC != 0:
+        # The fp32 exponent trick: no int->float conversion per code.
+        if LOP3_ASM:
+            # (shifted & mask) | MAGIC as one lop3 (ptxas emits two LOP3s for the two immediates).
+            bits = tl.inline_asm_elementwise(
+                "lop3.b32 $0, $1, $2, $3, 0xEA;", "=r,r,r,r",
+                [shifted, tl.broadcast_to(field_mask, shifted.shape),
+                 tl.full(shifted.shape, MAGIC, tl.uint32)],
+                dtype=tl.uint32, is_pure=True, pack=1)
+        else:
+            bits = (shifted & field_mask) | MAGIC
+        q = bits.to(tl.float32, bitcast=True) - (zero_j + 8388608).to(tl.float32)
+    else:
+        q = ((shifted & field_mask).to(tl.int32, bitcast=True) - zero_j).to(tl.float32)
+    unit = tl.exp2((-lo).to(tl.float32))  # 2**-(BITS*i), exact
+    # x rows as [NG, GW, PER_WORD] (16-byte loads); one row at a time keeps the tile 4-D.
+    rows_k = (k0 + (offs_g[:, None, None] * GW + tl.arange(0, GW)[None, :, None]) * PER_WORD
+              + jj[None, None, :])
+    part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for m in tl.static_range(BLOCK_M):
+        x = tl.load(x_ptr + m * stride_xm + rows_k, mask=(rows_k < K) & (m < M), other=0.0).to(tl.float32)
+        x = x * unit[None, None, :]
+        # Integer-code dot products per (row, group) in fp32, then one scale per group.
+        pg = tl.sum(tl.sum(q * x[None, :, :, :], axis=3), axis=2)  # [BLOCK_N, NG]
+        p = tl.sum(pg * scale, axis=1)  # [BLOCK_N]
+        part = tl.where(offs_m[:, None] == m, p[None, :], part)
+    return acc + part
+
+
+@triton.jit
+def _w4a16_gemv_kernel(
+    x_ptr, qw_ptr, scales_ptr, zeros_ptr, c_ptr,
+    M, N, K, K_WORDS, M_BUCKET,
+    stride_xm, stride_qn, stride_sg, stride_zg, stride_cm,
+    GROUP_SIZE: tl.constexpr, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, MAGIC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PIPE: tl.constexpr,
+    PROGS_PER_SM: tl.constexpr = 8, LOP3_ASM: tl.constexpr = False, DIRECT: tl.constexpr = False,
+):
+    """Decode GEMV, no tensor cores: ``c[M, N] += x[M, K] @ dequant(qw[N, K*BITS/32])^T`` over a K slice.
+
+    Grid: (N tiles, K splits). Every program owns BLOCK_N output rows of W and all (<= BLOCK_M) rows
+    of x, streams its K slice of packed words once and adds its float32 partial sums atomically into
+    a zeroed ``c``; with DIRECT (one K split) it stores its rows into ``c`` in c's dtype instead. x must
+    be K-contiguous (the launcher makes it so). PROGS_PER_SM is read by the launcher's grid only (the K
+    split), a tuning knob of the config. LOP3_ASM (GPU only, not the interpreter) builds each code's
+    float bits with one inline ``lop3``.
+    """
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    tiles_per_split = tl.cdiv(k_tiles, tl.num_programs(1))
+    kt_start = pid_k * tiles_per_split
+    kt_end = min(kt_start + tiles_per_split, k_tiles)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    mask_n = offs_n < N
+    mask_m = offs_m < M
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if PIPE > 1:
+        # Software-pipelined loads (a dot-less loop is pipelined only when asked explicitly).
+        for kt in tl.range(kt_start, kt_end, num_stages=PIPE):
+            acc = _gemv_tile(acc, x_ptr, qw_ptr, scales_ptr, zeros_ptr, kt, offs_m, mask_m, offs_n, mask_n,
+                             M, K, K_WORDS, stride_xm, stride_qn, stride_sg, stride_zg,
+                             GROUP_SIZE, BITS, HAS_ZEROS, MAGIC, BLOCK_M, BLOCK_N, BLOCK_K, LOP3_ASM)
+    else:
+        for kt in range(kt_start, kt_end):
+            acc = _gemv_tile(acc, x_ptr, qw_ptr, scales_ptr, zeros_ptr, kt, offs_m, mask_m, offs_n, mask_n,
+                             M, K, K_WORDS, stride_xm, stride_qn, stride_sg, stride_zg,
+                             GROUP_SIZE, BITS, HAS_ZEROS, MAGIC, BLOCK_M, BLOCK_N, BLOCK_K, LOP3_ASM)
+    c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :]
+    if DIRECT:
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    else:
+        tl.atomic_add(c_ptrs, acc, mask=mask_m[:, None] & mask_n[None, :], sem="relaxed")
+
+
+@triton.jit
+def _nibble_pairs(words, zero_bias, scale, j: tl.constexpr, MAGIC2: tl.constexpr, PAIR_ASM: tl.constexpr,
+                  BLOCK_N: tl.constexpr, KW: tl.constexpr):
+    """Words ``[BLOCK_N, KW]`` -> dequantized codes ``j`` and ``j + 4`` of each word, ``[BLOCK_N, 2 * KW]``.
+
+    ``(w >> 4j) & 0x000F000F | MAGIC2`` is a pair of 16-bit floats ``MAGIC_VALUE + code`` (exact), the
+    two elements of one tensor-core operand register; ``zero_bias`` holds ``MAGIC_VALUE + zero``, so
+    one packed subtraction gives ``code - zero`` exactly and one packed multiply applies the scale.
+    With PAIR_ASM (GPU) that is one lop3, one sub.x2 and one mul.x2 per two codes, in place.
+    """
+    dtype = zero_bias.dtype
+    shifted = words >> (4 * j)
+    zb = tl.broadcast_to(zero_bias, [BLOCK_N, 2 * KW])
+    sc = tl.broadcast_to(scale, [BLOCK_N, 2 * KW])
+    if PAIR_ASM:
+        # Both 32-bit copies of the word reach the asm as $1, $2 (pack=2); the 16-bit operands arrive
+        # packed in pairs ($3, $4) and the result leaves as one register of two halves ($0).
+        both = tl.reshape(tl.join(shifted, shifted), [BLOCK_N, 2 * KW])
+        if dtype == tl.bfloat16:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 t; lop3.b32 t, $1, 0x000F000F, 0x43004300, 0xEA; "
+                "sub.bf16x2 t, t, $3; mul.bf16x2 $0, t, $4; }",
+                "=r,r,r,r,r", [both, zb, sc], dtype=dtype, is_pure=True, pack=2)
+        else:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 t; lop3.b32 t, $1, 0x000F000F, 0x64006400, 0xEA; "
+                "sub.f16x2 t, t, $3; mul.f16x2 $0, t, $4; }",
+                "=r,r,r,r,r", [both, zb, sc], dtype=dtype, is_pure=True, pack=2)
+    else:
+        pair = (shifted & 0x000F000F) | MAGIC2
+        lo = pair.to(tl.int16).to(dtype, bitcast=True)
+        hi = (pair >> 16).to(tl.int16).to(dtype, bitcast=True)
+        return (tl.reshape(tl.join(lo, hi), [BLOCK_N, 2 * KW]) - zb) * sc
+
+
+@triton.jit
+def _w4a16_pairs_kernel(
+    x_ptr, qw_ptr, scales_ptr, zeros_ptr, c_ptr,
+    M, N, K, M_BUCKET,
+    stride_xm, stride_qn, stride_sg, stride_zg, stride_cm,
+    GROUP_SIZE: tl.constexpr, HAS_ZEROS: tl.constexpr, MAGIC_VALUE: tl.constexpr, ATOMIC_OUT: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, KW: tl.constexpr, GROUP_N: tl.constexpr,
+    PAIR_ASM: tl.constexpr = False, PROGS_PER_SM: tl.constexpr = 4,
+):
+    """Paired-nibble tensor-core kernel (4-bit): ``c[M, N] (+)= x[M, K] @ dequant(qw)^T`` over a K slice.
+
+    ``x`` arrives with its columns in :func:`paired_nibble_index` order, so each K tile of 8*KW codes is
+    four dots of width 2*KW whose weight operand comes out of the packed words already paired: no
+    reshape, no layout change, ~2 instructions per code (``_nibble_pairs``). The weight tile is
+    wgmma's A operand from registers, the activation tile B from shared memory, so BLOCK_M may be 16.
+    Grid: (output tiles in grouped order, K splits); ATOMIC_OUT adds float32 partial sums into a
+    zeroed ``c``, otherwise ``c`` is written once. PROGS_PER_SM is read by the launcher's grid only.
+    """
+    DTYPE = x_ptr.dtype.element_ty
+    BLOCK_K: tl.constexpr = 8 * KW
+    MAGIC2: tl.constexpr = 0x43004300 if DTYPE == tl.bfloat16 else 0x64006400
+    # Groups cover whole tiles (one scale per row and tile) or several groups share a tile (per word).
+    TILE_GROUP: tl.constexpr = GROUP_SIZE % BLOCK_K == 0
+    # K is a multiple of BLOCK_K here.
+    pid_n, pid_m, kt_start, kt_end = _tile_and_k_slice(M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_N)
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_w = tl.arange(0, KW)
+    offs_d = tl.arange(0, 2 * KW)
+    mask_n = offs_n < N
+    mask_m = offs_m < M
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for kt in range(kt_start, kt_end):
+        rows_w = kt * KW + offs_w
+        words = tl.load(qw_ptr + offs_n[:, None] * stride_qn + rows_w[None, :], mask=mask_n[:, None], other=0)
+        if TILE_GROUP:
+            g = (kt * BLOCK_K) // GROUP_SIZE
+            scale = tl.load(scales_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0).to(DTYPE)[:, None]
+            if HAS_ZEROS:
+                zero = tl.load(zeros_ptr + g * stride_zg + offs_n, mask=mask_n, other=0).to(tl.int32)[:, None]
+            else:
+                zero = tl.full([BLOCK_N, 1], 8, tl.int32)
+        else:
+            # Word w holds original columns 8w..8w+7, all in group (kt*BLOCK_K + 8w) // GROUP_SIZE; both
+            # codes of a pair come from one word, so the per-word scale is joined with itself.
+            g = (kt * BLOCK_K + 8 * offs_w) // GROUP_SIZE
+            sw = tl.load(scales_ptr + g[None, :] * stride_sg + offs_n[:, None], mask=mask_n[:, None], other=0.0)
+            scale = tl.reshape(tl.join(sw, sw), [BLOCK_N, 2 * KW]).to(DTYPE)
+            if HAS_ZEROS:
+                zw = tl.load(zeros_ptr + g[None, :] * stride_zg + offs_n[:, None], mask=mask_n[:, None], other=0)
+                zero = tl.reshape(tl.join(zw, zw), [BLOCK_N, 2 * KW]).to(tl.int32)
+            else:
+                zero = tl.full([BLOCK_N, 1], 8, tl.int32)
+        zero_bias = (zero + MAGIC_VALUE).to(DTYPE)  # exact: small integers
+        for j in tl.static_range(4):
+            w = _nibble_pairs(words, zero_bias, scale, j, MAGIC2, PAIR_ASM, BLOCK_N, KW)
+            cols = kt * BLOCK_K + j * 2 * KW + offs_d
+            xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + cols[:, None], mask=mask_m[None, :], other=0.0)
+            acc = tl.dot(w, xt, acc)
+    c_ptrs = c_ptr + offs_m[None, :] * stride_cm + offs_n[:, None]
+    c_mask = mask_n[:, None] & mask_m[None, :]
+    if ATOMIC_OUT:
+        tl.atomic_add(c_ptrs, acc, mask=c_mask, sem="relaxed")
+    else:
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+
