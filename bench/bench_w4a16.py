@@ -9,12 +9,18 @@ on the device machine's CPU, see NOTES). For M <= 16 the table also gives the ba
 packed weight bytes (qweight + scales) against a device-to-device copy measured in the same run.
 Inputs are random (never zeros); a correctness check against a float32 reference runs per shape.
 Writes the JSON and, when matplotlib is installed, a PNG plot beside it (bench/plot_results.py).
+
+``QUANTKIT_W4A16_MODULE`` names the kernel module to time (default ``quantkit.kernels.w4a16``): an A/B against
+another version of the kernels stages that version as its own package (e.g. ``main_kernels.w4a16``, see
+bench/ab_w4a16.sh) and runs this script once per module in the same device call. Modules from before the
+selection table (autotuned on first use) are timed through their own ``choose_path`` and tuner caches.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
 import json
 import os
 import sys
@@ -24,8 +30,10 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from quantkit.kernels import w4a16 as kw
 from quantkit.kernels.gpu_timing import replay_us
+
+kw = importlib.import_module(os.environ.get("QUANTKIT_W4A16_MODULE", "quantkit.kernels.w4a16"))
+PLANNED = hasattr(kw, "planned_choice")  # the selection-table API (else: autotuned on first use)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from plot_results import plot_after_run  # noqa: E402
@@ -86,7 +94,13 @@ def make_weights(n: int, k: int, sym: bool = True):
     else:
         qzeros = torch.randint(-(2**31), 2**31 - 1, (k // GROUP, n // 8), dtype=torch.int32, device="cuda")
     scales = (torch.rand(k // GROUP, n, device="cuda") * 2e-3 + 1e-3).half()
-    return kw.prepare_w4a16_weights(qweight, qzeros, scales, None, 4, GROUP, sym)
+    w = kw.prepare_w4a16_weights(qweight, qzeros, scales, None, 4, GROUP, sym)
+    if PLANNED:
+        _PLANS[(n, k)] = w.plan
+    return w
+
+
+_PLANS = {}
 
 
 def packed_bytes(w) -> int:
@@ -128,8 +142,12 @@ def run_shape(n, k, ms, copy_tbs, rows, variants, deadline=float("inf")):
     w_kn = dequant_f32(ws[0])
     err = {m: check(ws[0], w_kn, m) for m in (1, 3, 16, 40, 333)}  # the default path at decode and prefill sizes
     probe = torch.empty(1, k, device="cuda", dtype=torch.bfloat16)
-    paths = (["gemv", "tc"] + (["pairs"] if kw.pairs_supported(ws[0]) else [])
-             + (["gluon"] if kw.gluon_available(probe, ws[0]) else []))
+    if PLANNED:
+        paths = sorted({c.kernel for _, c in ws[0].plan.choices})
+        variants = False  # the planned API takes a config with every named path: time the plan only
+    else:
+        paths = (["gemv", "tc"] + (["pairs"] if kw.pairs_supported(ws[0]) else [])
+                 + (["gluon"] if kw.gluon_available(probe, ws[0]) else []))
     decode_only = ("gemv",)
     if variants:  # every kernel checked at a decode and a prefill size, not only the default's choice
         err |= {f"{p}_m{m}": check(ws[0], w_kn, m, p) for p in paths for m in (1, 3, 16, 333)
@@ -148,7 +166,7 @@ def run_shape(n, k, ms, copy_tbs, rows, variants, deadline=float("inf")):
             continue
         xs = [torch.randn(m, k, device="cuda").bfloat16() for _ in range(max(len(ws), len(bf16)))]
         row = dict(N=n, K=k, M=m, relerr_m1=err[1], relerr_m3=err[3], relerr_m333=err[333],
-                   path=kw.choose_path(m, ws[0], "gluon" in paths), relerr={str(key): v for key, v in err.items()})
+                   path=_path(m, ws[0], paths), relerr={str(key): v for key, v in err.items()})
         row["triton_us"] = bench_graph([lambda x=x, w=w: kw.w4a16_matmul(x, w) for x, w in zip(xs, ws)])
         row["cublas_us"] = bench_graph([lambda x=x, w=w: F.linear(x, w) for x, w in zip(xs, bf16)])
         if i4:
@@ -174,7 +192,15 @@ def run_shape(n, k, ms, copy_tbs, rows, variants, deadline=float("inf")):
         del xs
 
 
+def _path(m, w, paths) -> str:
+    if PLANNED:
+        return w.plan.choice(m).kernel
+    return kw.choose_path(m, w, "gluon" in paths)
+
+
 def tuned_configs() -> dict:
+    if PLANNED:  # what the plans of the timed shapes hold (filled as shapes are prepared)
+        return {f"{n}x{k}": {str(b): c.label() for b, c in plan.choices} for (n, k), plan in _PLANS.items()}
     out = {}
     for name, tuner in (("gemv", kw._gemv_tuned), ("gemv_direct", kw._gemv_direct_tuned), ("decode", kw._decode_tuned),
                         ("prefill", kw._prefill_tuned), ("pairs", kw._pairs_tuned)):

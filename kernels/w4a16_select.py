@@ -172,10 +172,13 @@ def select_w4a16(m: int, facts: LayerFacts, arch: str | None, table: tuple[dict,
     return _by_rule(bucket, facts, arch)
 
 
-def plan_w4a16(facts: LayerFacts, arch: str | None, table: tuple[dict, ...] | None = None) -> W4A16Plan | None:
-    """The choice for every M bucket (None off CUDA: the caller runs the reference or names a kernel)."""
+@functools.lru_cache(maxsize=4096)
+def plan_w4a16(facts: LayerFacts, arch: str | None, table_path: str | None = None) -> W4A16Plan | None:
+    """The choice for every M bucket (None off CUDA: the caller runs the reference or names a kernel).
+    Pure, so memoized: every layer of one shape shares one plan."""
     if arch is None:
         return None
+    table = load_table(table_path) if table_path else None
     return W4A16Plan(arch, tuple((b, select_w4a16(b, facts, arch, table)) for b in M_BUCKETS))
 
 

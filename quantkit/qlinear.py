@@ -5,10 +5,14 @@ The layer keeps the checkpoint tensors as buffers, exactly as they are stored (l
 ``scales`` float16 ``[G, out]``, ``g_idx`` int32 ``[in]`` and an optional ``bias [out]``. Its state
 dict is therefore the checkpoint's, key for key.
 
-``forward`` goes through :func:`quantized_linear`, which asks :func:`select_backend` once per call:
-on CUDA with 4-bit codes the Triton W4A16 kernel (through ``quantkit.kernels.dispatch``, imported
-lazily so CPU use never imports Triton); everywhere else the plain-PyTorch reference, which
-dequantizes once (cached in the activation dtype) and calls ``F.linear``.
+``forward`` goes through :func:`quantized_linear`, which asks :func:`select_backend`: on CUDA with 4- or
+8-bit codes the W4A16 kernels, through the custom op ``quantkit::w4a16_linear``
+(:mod:`quantkit.kernels.ops`, imported lazily so CPU use never imports Triton), so that the layer works inside
+``torch.compile``; everywhere else the plain-PyTorch reference, which dequantizes once (cached in the activation
+dtype) and calls ``F.linear``. Inside ``torch.compile`` on the CPU the custom op runs too, with the reference
+behind it. Which kernel and config serve each batch size is decided when the layer's weights are prepared for
+the kernels (:meth:`QuantLinear.prepared_w4a16`, at load and on every move), see
+:mod:`quantkit.kernels.w4a16_select`.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ log = logging.getLogger(__name__)
 
 BACKEND_W4A16 = "w4a16"
 BACKEND_TORCH = "torch"
+# Code widths the W4A16 kernels read (kernels.w4a16_select.w4a16_supports checks the rest).
+KERNEL_BITS = (4, 8)
 
 
 class QuantLinear(nn.Module):
@@ -115,9 +121,9 @@ class QuantLinear(nn.Module):
         return cached
 
     def prepared_w4a16(self) -> Any:
-        """The kernel's one-time repack of the buffers (``quantkit.kernels.w4a16.W4A16Weights``)."""
+        """The kernels' one-time repack of the buffers and their plan (``W4A16Weights``)."""
         if self._w4a16_prepared is None:
-            from quantkit.kernels.w4a16 import prepare_w4a16_weights
+            from quantkit.kernels.w4a16_weights import prepare_w4a16_weights
 
             self._w4a16_prepared = prepare_w4a16_weights(
                 self.qweight, self.qzeros, self.scales, self.g_idx, self.bits, self.group_size, self.sym
@@ -143,6 +149,12 @@ class QuantLinear(nn.Module):
         self._dequantized = None
         self._w4a16_prepared = None
 
+    def _prepare_on_gpu(self) -> None:
+        # Load time on a GPU: repack for the kernels and decide their plan now, so that neither runs inside a
+        # forward (nor inside a torch.compile trace of one).
+        if self.qweight.is_cuda and self.bits in KERNEL_BITS:
+            self.prepared_w4a16()
+
     def _apply(self, fn, recurse: bool = True):
         # ``model.to(dtype)`` casts every floating buffer; the checkpoint format keeps scales in
         # float16 (so a reload, a re-save and the kernel all see the same bytes), so put them back.
@@ -150,21 +162,21 @@ class QuantLinear(nn.Module):
         if self.scales.dtype != torch.float16 and self.scales.device.type != "meta":
             self.scales = self.scales.to(torch.float16)
         self.invalidate_cache()
+        self._prepare_on_gpu()
         return self
 
     def _load_from_state_dict(self, *args, **kwargs):
         self.invalidate_cache()
         super()._load_from_state_dict(*args, **kwargs)
+        self._prepare_on_gpu()
 
 
 def select_backend(layer: QuantLinear, x: torch.Tensor) -> str:
-    """Which implementation serves ``layer(x)``: the single place this decision is made.
-
-    The Triton W4A16 path is taken on CUDA for 4-bit codes; ``quantkit.kernels.dispatch`` then checks
-    the finer requirements (GPU generation, activation dtype, group layout) and falls back to its own
-    reference when one is not met.
-    """
-    if x.is_cuda and layer.bits == 4:
+    """Which implementation serves ``layer(x)``: the W4A16 custom op on CUDA for 4- and 8-bit codes (its
+    dispatch runs the plain-PyTorch reference where the finer capability check,
+    ``quantkit.kernels.w4a16_select.w4a16_supports``, says no), and inside ``torch.compile``; the cached
+    dequantized ``F.linear`` otherwise."""
+    if layer.bits in KERNEL_BITS and (x.is_cuda or torch.compiler.is_compiling()):
         return BACKEND_W4A16
     return BACKEND_TORCH
 
@@ -172,9 +184,9 @@ def select_backend(layer: QuantLinear, x: torch.Tensor) -> str:
 def quantized_linear(layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
     """``x [..., in] @ W.T + b`` -> ``[..., out]`` through the backend :func:`select_backend` picks."""
     if select_backend(layer, x) == BACKEND_W4A16:
-        from quantkit.kernels.dispatch import w4a16_linear
+        from quantkit.kernels.ops import w4a16_linear_call
 
-        return w4a16_linear(x, layer.prepared_w4a16(), layer.bias)
+        return w4a16_linear_call(x, layer.prepared_w4a16(), layer.bias)
     weight = layer.dequantized_weight(x.dtype, x.device)
     bias = None if layer.bias is None else layer.bias.to(x.dtype)
     return F.linear(x, weight, bias)

@@ -57,15 +57,17 @@ def test_cpu_uses_reference_and_never_imports_triton():
     assert result.stdout.strip() == "[]"
 
 
-def test_w4a16_is_chosen_for_4bit_cuda_inputs():
+def test_w4a16_is_chosen_for_4_and_8_bit_cuda_inputs():
     layer = QuantLinear.from_weight(packed(bias=False))
     eight = QuantLinear.from_weight(packed(scheme=QuantScheme(8, 32, True), bias=False))
+    three = QuantLinear.from_weight(packed(scheme=QuantScheme(3, 32, True), bias=False))
 
     class CudaInput:  # stands in for a CUDA tensor: the decision reads only ``is_cuda``
         is_cuda = True
 
     assert select_backend(layer, CudaInput()) == BACKEND_W4A16
-    assert select_backend(eight, CudaInput()) == BACKEND_TORCH
+    assert select_backend(eight, CudaInput()) == BACKEND_W4A16  # the general tensor-core kernel reads 8-bit codes
+    assert select_backend(three, CudaInput()) == BACKEND_TORCH
 
 
 def test_cache_follows_buffers():

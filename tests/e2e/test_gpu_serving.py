@@ -22,23 +22,23 @@ CASES = {
 @pytest.fixture
 def kernel_calls(monkeypatch):
     """The W4A16 paths the model's calls took, and how often QuantLinear fell back to the reference."""
-    from quantkit.kernels import w4a16
+    from quantkit.kernels import w4a16, w4a16_weights
 
     calls = {"paths": [], "reference": 0}
-    choose = w4a16.choose_path
-    reference = w4a16.w4a16_matmul_ref
+    choose = w4a16.planned_choice
+    reference = w4a16_weights.w4a16_matmul_ref
 
     def recording_choose(*args, **kwargs):
-        path = choose(*args, **kwargs)
-        calls["paths"].append(path)
-        return path
+        choice = choose(*args, **kwargs)
+        calls["paths"].append(choice.kernel)
+        return choice
 
     def counting_reference(*args, **kwargs):
         calls["reference"] += 1
         return reference(*args, **kwargs)
 
-    monkeypatch.setattr(w4a16, "choose_path", recording_choose)
-    monkeypatch.setattr(w4a16, "w4a16_matmul_ref", counting_reference)
+    monkeypatch.setattr(w4a16, "planned_choice", recording_choose)
+    monkeypatch.setattr(w4a16_weights, "w4a16_matmul_ref", counting_reference)
     return calls
 
 
