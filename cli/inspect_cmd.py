@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Annotated
@@ -15,7 +16,10 @@ def register(app: typer.Typer) -> None:
     @app.command("inspect")
     def inspect(path: Annotated[Path, typer.Argument(help="A quantized checkpoint folder.")],
                 json_: Json = False,
-                layers: Annotated[bool, typer.Option("--layers", help="List every quantized linear.")] = False) -> None:
+                layers: Annotated[bool, typer.Option("--layers", help="List every quantized linear.")] = False,
+                kernels: Annotated[bool, typer.Option(
+                    "--kernels", help="Which W4A16 kernel and config each linear runs at M = 1, 16, 2048 (H200).")
+                ] = False) -> None:
         """Method, bits, group size, layers, size on disk and compression ratio of a checkpoint."""
         from rich.table import Table
 
@@ -24,6 +28,10 @@ def register(app: typer.Typer) -> None:
 
         info = api.inspect(path)
         data = info.to_dict()
+        if kernels:
+            from quantkit.kernel_plan import explain
+
+            data["kernels"] = [dataclasses.asdict(row) for row in explain(path)]
         if json_:
             typer.echo(json.dumps(data, indent=2, default=str))
             return
@@ -50,3 +58,9 @@ def register(app: typer.Typer) -> None:
                 lt.add_row(str(row.get("name")), str(row.get("in_features")), str(row.get("out_features")),
                            str(row.get("n_groups", "")))
             con.print(lt)
+        if kernels:
+            kt = Table("linear", "out x in", "M", "kernel", "config", "why", title="W4A16 kernels (H200 selection)")
+            for row in data["kernels"]:
+                kt.add_row(row["name"], f"{row['out_features']} x {row['in_features']}", str(row["m"]), row["kernel"],
+                           row["config"], row["reason"])
+            con.print(kt)

@@ -11,7 +11,7 @@ dict is therefore the checkpoint's, key for key.
 ``torch.compile``; everywhere else the plain-PyTorch reference, which dequantizes once (cached in the activation
 dtype) and calls ``F.linear``. Inside ``torch.compile`` on the CPU the custom op runs too, with the reference
 behind it. Which kernel and config serve each batch size is decided when the layer's weights are prepared for
-the kernels (:meth:`QuantLinear.prepared_w4a16`, at load and on every move), see
+the kernels (:meth:`QuantLinear.prepared_w4a16`, at load and on every move, on any device), see
 :mod:`quantkit.kernels.w4a16_select`.
 """
 
@@ -97,6 +97,7 @@ class QuantLinear(nn.Module):
         layer.g_idx = qw.g_idx.to(torch.int32)
         if bias is not None:
             layer.bias = bias.detach().to(bias_dtype or bias.dtype)
+        layer._prepare_for_kernels()
         return layer
 
     def extra_repr(self) -> str:
@@ -149,10 +150,10 @@ class QuantLinear(nn.Module):
         self._dequantized = None
         self._w4a16_prepared = None
 
-    def _prepare_on_gpu(self) -> None:
-        # Load time on a GPU: repack for the kernels and decide their plan now, so that neither runs inside a
-        # forward (nor inside a torch.compile trace of one).
-        if self.qweight.is_cuda and self.bits in KERNEL_BITS:
+    def _prepare_for_kernels(self) -> None:
+        # Load time: repack for the kernels and decide their plan now (on the CPU too, for torch.compile), so that
+        # neither runs inside a forward nor inside a torch.compile trace of one.
+        if self.qweight.device.type != "meta" and self.bits in KERNEL_BITS:
             self.prepared_w4a16()
 
     def _apply(self, fn, recurse: bool = True):
@@ -162,13 +163,13 @@ class QuantLinear(nn.Module):
         if self.scales.dtype != torch.float16 and self.scales.device.type != "meta":
             self.scales = self.scales.to(torch.float16)
         self.invalidate_cache()
-        self._prepare_on_gpu()
+        self._prepare_for_kernels()
         return self
 
     def _load_from_state_dict(self, *args, **kwargs):
         self.invalidate_cache()
         super()._load_from_state_dict(*args, **kwargs)
-        self._prepare_on_gpu()
+        self._prepare_for_kernels()
 
 
 def select_backend(layer: QuantLinear, x: torch.Tensor) -> str:

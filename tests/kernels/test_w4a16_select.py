@@ -1,0 +1,130 @@
+"""The W4A16 selection (kernels/w4a16_select.py): the shipped H200 table pinned for the Llama-3-8B and
+benchmark shapes, the rules elsewhere, and the one capability check. CPU only: selection is a pure function."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from quantkit.kernels.w4a16_configs import (
+    PER_CHANNEL_GROUP,
+    GemvConfig,
+    GluonConfig,
+    PairsConfig,
+    TcConfig,
+    config_from_dict,
+    config_to_dict,
+    kernel_group_size,
+)
+from quantkit.kernels.w4a16_select import (
+    TABLE_PATH,
+    LayerFacts,
+    facts_of,
+    load_table,
+    m_bucket,
+    plan_w4a16,
+    select_w4a16,
+    w4a16_supports,
+)
+
+G = GluonConfig
+# (N, K, M) -> the kernel and config the shipped H200 table gives (sym, group 128). Regenerate with
+# bench/tune_w4a16.py on the GPU; a changed table must change this list too.
+PINNED_SM90 = {
+    (4096, 4096, 1): ("gluon", G(128, 16, 1, 4, 4, DIRECT=True, UNROLL=2)),
+    (4096, 4096, 16): ("gluon", G(128, 16, 4, 4, 2, X_BOX_K=64)),
+    (4096, 4096, 2048): ("gluon", G(256, 128, 4, 8, WGMMA=True, STREAM_K=False)),
+    (6144, 4096, 1): ("gluon", G(128, 16, 1, 4, 4, DIRECT=True, UNROLL=2)),
+    (6144, 4096, 16): ("gluon", G(128, 16, 4, 4, 2, X_BOX_K=64)),
+    (6144, 4096, 2048): ("gluon", G(256, 128, 4, 8, WGMMA=True, STREAM_K=False)),
+    (28672, 4096, 1): ("gluon", G(256, 16, 1, 8, 2, DIRECT=True, GATHER_X=True)),
+    (28672, 4096, 16): ("gluon", G(128, 16, 4, 4, 2, X_BOX_K=64)),
+    (28672, 4096, 2048): ("gluon", G(128, 128, 5, 8, WGMMA=True, STREAM_K=False, PERSISTENT=True)),
+    (4096, 14336, 1): ("gluon", G(256, 16, 1, 8, 2, DIRECT=True, GATHER_X=True)),
+    (4096, 14336, 16): ("gluon", G(128, 16, 4, 4, 2, X_BOX_K=64)),
+    (4096, 14336, 2048): ("gluon", G(256, 128, 4, 8, WGMMA=True, STREAM_K=False)),
+    (28672, 8192, 1): ("gluon", G(128, 16, 4, 4, 4, X_BOX_K=64)),
+    (28672, 8192, 4096): ("gluon", G(256, 128, 4, 8, WGMMA=True, STREAM_K=False)),
+    (8192, 28672, 64): ("gluon", G(128, 64, 6, 8, WGMMA=True, STREAM_K=True)),
+}
+
+
+@pytest.mark.parametrize("n,k,m", list(PINNED_SM90))
+def test_the_h200_table_is_pinned(n, k, m):
+    choice = select_w4a16(m, facts_of(n, k, 4, 128, True, False), "sm90")
+    assert (choice.kernel, choice.config) == PINNED_SM90[(n, k, m)], choice.reason
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 9, 16, 17, 31, 32, 33, 64, 100, 333, 2048, 5000])
+@pytest.mark.parametrize("n,k,gs", [(6144, 4096, 128), (1000, 3072, 64), (4096, 4096, -1), (128, 256, 32)])
+def test_every_gluon_pick_fits_every_m_of_its_bucket(n, k, gs, m):
+    facts = facts_of(n, k, 4, gs, False, True)
+    choice = select_w4a16(m, facts, "sm90")
+    if choice.kernel == "gluon":
+        assert choice.config.fits(m, facts.group_size), choice
+        assert not choice.config.DIRECT or facts.direct
+    else:
+        assert choice.kernel == "gemv" and m == 1  # the GEMV keeps one row on small layers
+
+
+def test_rules_off_hopper_and_outside_the_paired_layout():
+    def pick(m, n, k, bits=4, gs=128, arch="sm80"):
+        c = select_w4a16(m, facts_of(n, k, bits, gs, True, False), arch)
+        return c.kernel, c.config
+
+    # one row: the GEMV, direct store up to 16 M weights, split K above
+    assert pick(1, 4096, 4096) == ("gemv", GemvConfig(8, 512, 4, PIPE=3, SPLIT_K=1))
+    assert pick(1, 28672, 4096) == ("gemv", GemvConfig(128, 128, 4))
+    # two rows: the GEMV below 32 M weights, the paired kernel above
+    assert pick(2, 4096, 4096)[0] == "gemv" and pick(2, 28672, 4096)[0] == "pairs"
+    assert pick(16, 4096, 4096) == ("pairs", PairsConfig(128, 16, 4, 3))
+    assert pick(2048, 4096, 4096) == ("pairs", PairsConfig(128, 128, 8, 3))
+    # 8-bit codes and K off the 128-code tile: the general tensor-core kernel, also on Hopper
+    for arch in ("sm80", "sm90"):
+        assert pick(16, 4096, 4096, bits=8, arch=arch) == ("tc", TcConfig(64, 16, 256, 4, 3))
+        assert pick(2048, 1536, 576, arch=arch)[0] == "tc"
+    # Hopper, one row on a layer under 4 M weights: the GEMV (H200 runs 41, 43)
+    assert pick(1, 576, 1536, arch="sm90")[0] == "gemv" and pick(2, 576, 1536, arch="sm90")[0] == "gluon"
+    # a GEMV K tile must lie inside a group or cover whole ones
+    kernel, config = pick(1, 1024, 960, gs=192)
+    assert kernel != "gemv" or 192 % config.BLOCK_K == 0 or config.BLOCK_K % 192 == 0
+
+
+def test_one_capability_check_with_reasons():
+    facts = facts_of(4096, 4096, 4, 128, True, False)
+    assert w4a16_supports(facts, "sm90") == (True, "")
+    assert w4a16_supports(facts, None) == (False, "input is not on a CUDA device")
+    assert "sm_80" in w4a16_supports(facts, "sm75")[1]
+    assert "float32" in w4a16_supports(facts, "sm90", "torch.float32")[1]
+    assert "3-bit" in w4a16_supports(facts_of(4096, 4096, 3, 128, True, False), "sm90")[1]
+    irregular = LayerFacts(4096, 4096, 4, None, False, True)
+    assert not w4a16_supports(irregular, "sm90")[0]
+    assert select_w4a16(16, irregular, "sm90").kernel == "reference"
+
+
+def test_per_channel_has_one_encoding_past_the_checkpoint():
+    assert kernel_group_size(-1, 4096) == PER_CHANNEL_GROUP == kernel_group_size(4096, 4096)
+    assert kernel_group_size(128, 4096) == 128
+    assert facts_of(4096, 4096, 4, -1, True, False).group_size == PER_CHANNEL_GROUP
+
+
+def test_plan_is_decided_once_per_bucket():
+    facts = facts_of(4096, 4096, 4, 128, True, False)
+    plan = plan_w4a16(facts, "sm90")
+    assert plan is plan_w4a16(facts, "sm90")  # memoized: layers of one shape share it
+    assert [m_bucket(m) for m in (1, 2, 3, 4, 5, 4096, 10**6)] == [1, 2, 4, 4, 8, 4096, 4096]
+    for m in (1, 7, 16, 300, 4096, 9000):
+        assert plan.choice(m) == select_w4a16(m, facts, "sm90")
+    assert plan_w4a16(facts, None) is None
+
+
+def test_the_shipped_table_is_readable_and_valid():
+    with open(TABLE_PATH) as f:
+        data = json.load(f)
+    assert data["card"] == "NVIDIA H200" and data["entries"]
+    for entry in data["entries"]:
+        config = config_from_dict(entry["kernel"], entry["config"])
+        assert config_to_dict(config) == entry["config"]  # written in the short form
+        assert entry["m"] == m_bucket(entry["m"]) and entry.get("source")
+    assert len(load_table()) == len(data["entries"])
