@@ -12,8 +12,9 @@ The rules:
 
 1. :func:`w4a16_supports` (the one capability check): CUDA from sm_80, Triton installed, fp16/bf16
    activations, 4- or 8-bit codes in contiguous groups of one length. Otherwise the plain-PyTorch reference.
-2. Hopper (sm_90), 4-bit, K a multiple of 128, groups a multiple of 8 (except one activation row on layers
-   under ``GLUON_DIRECT_M1_MIN_WEIGHTS`` / ``GLUON_M1_MIN_WEIGHTS``, where the GEMV wins): the measured table
+2. Hopper (sm_90), 4-bit, K a multiple of 128, groups a multiple of 8: the Gluon kernels, except one activation
+   row on layers under ``GLUON_DIRECT_M1_MIN_WEIGHTS`` / ``GLUON_M1_MIN_WEIGHTS`` (the GEMV). The config: the
+   measured table
    (``w4a16_h200.json``, one H200). The entry of the nearest measured shape (distance in log2 N and log2 K) at
    the nearest measured M bucket whose config fits this layer; exact shapes and buckets are their own nearest.
 3. Elsewhere, or where no table entry fits: fixed rules. One or two activation rows: the CUDA-core GEMV
@@ -165,8 +166,9 @@ def select_w4a16(m: int, facts: LayerFacts, arch: str | None, table: tuple[dict,
     if not ok:
         return KernelChoice("reference", None, reason)
     bucket = m_bucket(m)
-    if gluon_supports(facts, arch) and not _small_for_gluon(bucket, facts):
-        picked = _from_table(bucket, facts, load_table() if table is None else table)
+    if gluon_supports(facts, arch):
+        kernel = "gemv" if _small_for_gluon(bucket, facts) else "gluon"
+        picked = _from_table(bucket, facts, load_table() if table is None else table, kernel)
         if picked is not None:
             return picked
     return _by_rule(bucket, facts, arch)
@@ -197,15 +199,15 @@ def _fits(kernel: str, config, bucket: int, facts: LayerFacts) -> bool:
     return kernel == "tc"
 
 
-def _from_table(bucket: int, facts: LayerFacts, table) -> KernelChoice | None:
-    """The nearest measured entry (shape, then M bucket) whose config fits, or None."""
+def _from_table(bucket: int, facts: LayerFacts, table, kernel: str) -> KernelChoice | None:
+    """The nearest measured entry of ``kernel`` (shape, then M bucket) whose config fits, or None."""
 
     def distance(e):
         shape = abs(math.log2(e["n"] / facts.n)) + abs(math.log2(e["k"] / facts.k))
         return shape, abs(math.log2(e["m"] / bucket)), e["m"] > bucket
 
-    for e in sorted(table, key=distance):
-        if _fits(e["kernel"], e["config"], bucket, facts):
+    for e in sorted((e for e in table if e["kernel"] == kernel), key=distance):
+        if _fits(kernel, e["config"], bucket, facts):
             exact = (e["n"], e["k"], e["m"]) == (facts.n, facts.k, bucket)
             where = "measured" if exact else f"nearest measured: {e['n']}x{e['k']} at M={e['m']}"
             return KernelChoice(e["kernel"], e["config"], f"H200 table, {where} ({e.get('source', '')})")

@@ -32,21 +32,22 @@ G = GluonConfig
 # (N, K, M) -> the kernel and config the shipped H200 table gives (sym, group 128). Regenerate with
 # bench/tune_w4a16.py on the GPU; a changed table must change this list too.
 PINNED_SM90 = {
-    (4096, 4096, 1): ("gluon", G(128, 16, 1, 4, 4, DIRECT=True, UNROLL=2)),
+    (4096, 4096, 1): ("gluon", G(128, 16, 1, 4, 4, DIRECT=True)),
     (4096, 4096, 16): ("gluon", G(128, 16, 4, 4, 2, X_BOX_K=64)),
-    (4096, 4096, 2048): ("gluon", G(256, 128, 4, 8, WGMMA=True, STREAM_K=False)),
-    (6144, 4096, 1): ("gluon", G(128, 16, 1, 4, 4, DIRECT=True, UNROLL=2)),
+    (4096, 4096, 2048): ("gluon", G(256, 128, 4, 8, WGMMA=True, STREAM_K=False, PERSISTENT=True)),
+    (6144, 4096, 1): ("gluon", G(256, 16, 1, 8, 2, DIRECT=True)),
     (6144, 4096, 16): ("gluon", G(128, 16, 4, 4, 2, X_BOX_K=64)),
-    (6144, 4096, 2048): ("gluon", G(256, 128, 4, 8, WGMMA=True, STREAM_K=False)),
-    (28672, 4096, 1): ("gluon", G(256, 16, 1, 8, 2, DIRECT=True, GATHER_X=True)),
+    (6144, 4096, 2048): ("gluon", G(256, 128, 4, 8, WGMMA=True, STREAM_K=False, PERSISTENT=True)),
+    (28672, 4096, 1): ("gluon", G(256, 16, 4, 4, 2, X_BOX_K=64)),
     (28672, 4096, 16): ("gluon", G(128, 16, 4, 4, 2, X_BOX_K=64)),
-    (28672, 4096, 2048): ("gluon", G(128, 128, 5, 8, WGMMA=True, STREAM_K=False, PERSISTENT=True)),
+    (28672, 4096, 2048): ("gluon", G(256, 128, 4, 8, WGMMA=True, STREAM_K=False, PERSISTENT=True)),
     (4096, 14336, 1): ("gluon", G(256, 16, 1, 8, 2, DIRECT=True, GATHER_X=True)),
     (4096, 14336, 16): ("gluon", G(128, 16, 4, 4, 2, X_BOX_K=64)),
     (4096, 14336, 2048): ("gluon", G(256, 128, 4, 8, WGMMA=True, STREAM_K=False)),
-    (28672, 8192, 1): ("gluon", G(128, 16, 4, 4, 4, X_BOX_K=64)),
+    (28672, 8192, 1): ("gluon", G(256, 16, 4, 4, 2, X_BOX_K=64)),
     (28672, 8192, 4096): ("gluon", G(256, 128, 4, 8, WGMMA=True, STREAM_K=False)),
     (8192, 28672, 64): ("gluon", G(128, 64, 6, 8, WGMMA=True, STREAM_K=True)),
+    (576, 1536, 1): ("gemv", GemvConfig(8, 1024, 4, PIPE=4, SPLIT_K=1)),  # tuned GEMV: one row, small layer
 }
 
 
