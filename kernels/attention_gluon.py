@@ -38,6 +38,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from quantkit.kernels.attention_fp8 import KV_SCALE_BLOCK, kv_starts_aligned, prepare_fp8
 from quantkit.kernels.device_info import capability
 
 
@@ -279,8 +280,6 @@ def supported(q, k, causal=False, window_left=-1, softcap=0.0, fp8=False, fp8_pv
           and q.dtype in (torch.bfloat16, torch.float16) and k.dtype == q.dtype
           and q.shape[-1] in (64, 128) and window_left < 0 and softcap <= 0)
     if ok and fp8:
-        from quantkit.kernels.attention import kv_starts_aligned
-
         ok = fp8_pv and cu_seqlens_k is not None and kv_starts_aligned(cu_seqlens_k, kv_aligned)
     return ok
 
@@ -310,7 +309,6 @@ def make_descriptors(q, k, v, cu_seqlens_k, block_q, block_n, fp8, hadamard, fp8
     so one serves every head and sequence; boxes [block_q, D] for Q, [block_n, D] for K and V. fp8:
     the tensors of `attention.prepare_fp8` (or fp8_prepared) and V^T boxes [D, block_n] of its
     (Hkv * D, padded tokens) storage; otherwise the scales are `placeholder` (never read)."""
-    from quantkit.kernels.attention import KV_SCALE_BLOCK, prepare_fp8
 
     total_q, n_heads, head_dim = q.shape
     total_k, n_kv_heads, _ = k.shape

@@ -14,16 +14,14 @@ def l2_evict_buffer(device) -> torch.Tensor:
     return torch.empty(L2_EVICT_BYTES, dtype=torch.uint8, device=device)
 
 
-def gpu_time_us(fn, flush: torch.Tensor | None = None, calls: int = 8, replays: int = 3,
-                evict_by_writing: bool = False) -> float:
+def gpu_time_us(fn, flush: torch.Tensor | None = None, calls: int = 8, replays: int = 3) -> float:
     """Microseconds of GPU time per ``fn()`` with a cold L2 and no host overhead: the best of
     ``replays`` replays of a CUDA graph of ``calls`` x (evict L2, fn), less the same graph without fn.
 
     L2 is evicted by reading ``flush`` (twice its size; :func:`l2_evict_buffer` when None), which leaves
-    it full of clean lines, as the previous layer's weights leave it in a served model. Writing it
-    instead (``evict_by_writing``, the usual cache flush) leaves up to the whole L2 dirty, and the first
-    reads of ``fn`` then wait on its write-back: a read-only stream of 121 MB measured ~3.3 TB/s that way
-    on the H200, 4.3 TB/s after a read (bench/debug/tma_stream.py, runs 15-16).
+    it full of clean lines, as the previous layer's weights leave it in a served model. (Writing it, the
+    usual cache flush, leaves L2 dirty and the first reads of ``fn`` wait on the write-back: ~3.3 against
+    4.3 TB/s for a 121 MB read-only stream on the H200, bench/NOTES_w4a16.md.)
 
     ``fn`` runs once eagerly first (compilation, allocator warm-up), so it must not be called inside
     another CUDA-graph capture."""
@@ -38,10 +36,7 @@ def gpu_time_us(fn, flush: torch.Tensor | None = None, calls: int = 8, replays: 
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             for _ in range(calls):
-                if evict_by_writing:
-                    flush.zero_()
-                else:
-                    torch.sum(words, dim=0, out=sink)
+                torch.sum(words, dim=0, out=sink)
                 if with_fn:
                     fn()
         graphs.append(graph)

@@ -149,7 +149,7 @@ def _tc_matmul(x, w, config: TcConfig):
         w.scales.stride(0), w.scales.stride(1), zeros.stride(0), zeros.stride(1), out.stride(0), out.stride(1),
         GROUP_SIZE=w.group_size, BITS=w.bits, HAS_ZEROS=w.zeros is not None, MAGIC=magic, MAGIC_VALUE=magic_value,
         ATOMIC_OUT=decode, BLOCK_N=config.BLOCK_N, BLOCK_M=config.BLOCK_M, BLOCK_K=config.BLOCK_K,
-        GROUP_N=config.GROUP_N, W_IS_A=config.W_IS_A, W_GATHER=config.W_GATHER, num_warps=config.num_warps,
+        GROUP_N=config.GROUP_N, W_IS_A=config.W_IS_A, num_warps=config.num_warps,
         num_stages=config.num_stages)
     return out.to(x.dtype) if decode else out
 

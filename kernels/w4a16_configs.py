@@ -77,8 +77,7 @@ class PairsConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TcConfig:
-    """General tensor-core kernel. W_IS_A: the dequantized weight tile is wgmma's A operand (``W X^T``);
-    W_GATHER: built from one word load per K row instead of a 3-D unpack."""
+    """General tensor-core kernel. W_IS_A: the dequantized weight tile is wgmma's A operand (``W X^T``), else B."""
 
     BLOCK_N: int
     BLOCK_M: int
@@ -87,7 +86,6 @@ class TcConfig:
     num_stages: int = 2
     GROUP_N: int = 8
     W_IS_A: bool = True
-    W_GATHER: bool = False
     SPLIT_K: int | None = None
 
     def __post_init__(self):

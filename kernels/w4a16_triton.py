@@ -101,15 +101,13 @@ def _w4a16_kernel(
     GROUP_SIZE: tl.constexpr, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr,
     MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr, ATOMIC_OUT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
-    W_IS_A: tl.constexpr, W_GATHER: tl.constexpr = False,
+    W_IS_A: tl.constexpr,
 ):
     """``c[M, N] (+)= x[M, K] @ dequant(qw[N, K*BITS/32])^T`` over this program's K slice.
 
     Grid: (output tiles, K splits). With ATOMIC_OUT the partial sums are atomically added into a
     zeroed float32 ``c``; otherwise ``c`` (x's dtype) is written once. W_IS_A computes the tile
     as ``W X^T`` (weights from registers as wgmma's A), else as ``X W^T`` (weights as B).
-    W_GATHER (with W_IS_A False) builds the ``[BLOCK_K, BLOCK_N]`` weight tile from redundant word
-    loads (index ``k // PER_WORD``, served by L1) and a per-row shift: no 3-D unpack, no reshape.
     """
     DTYPE = x_ptr.dtype.element_ty
     PER_WORD: tl.constexpr = 32 // BITS
@@ -151,23 +149,15 @@ def _w4a16_kernel(
             zero = tl.full([1, 1], 1 << (BITS - 1), tl.int32)
         if MAGIC != 0:
             zero = (zero + MAGIC_VALUE).to(DTYPE)  # exact: small integers
-        if W_GATHER:
-            # [BLOCK_K, BLOCK_N]: every K row re-reads its word (same address for PER_WORD rows).
-            wg_ptrs = qw_ptr + offs_n[None, :] * stride_qn + (rows_k // PER_WORD)[:, None] * stride_qk
-            words_kn = tl.load(wg_ptrs, mask=mask_n[None, :] & (rows_k[:, None] < K), other=0)
-            codes = (words_kn >> ((rows_k % PER_WORD) * BITS)[:, None]) & ((1 << BITS) - 1)
-            w_kn = _codes_to_float(codes, tl.trans(zero), MAGIC, DTYPE) * tl.trans(scale)
-            acc = tl.dot(tl.trans(xt), w_kn, acc)
+        # K is a multiple of PER_WORD, so word-level masking is exact at the K tail.
+        rows_w = k0 // PER_WORD + offs_kw
+        w_ptrs = qw_ptr + offs_n[:, None] * stride_qn + rows_w[None, :] * stride_qk
+        words = tl.load(w_ptrs, mask=mask_n[:, None] & (rows_w[None, :] < K // PER_WORD), other=0)
+        w = _dequant_tile(words, scale, zero, BITS, MAGIC, MAGIC_VALUE, BLOCK_N, BLOCK_K, DTYPE)
+        if W_IS_A:
+            acc = tl.dot(w, xt, acc)
         else:
-            # K is a multiple of PER_WORD, so word-level masking is exact at the K tail.
-            rows_w = k0 // PER_WORD + offs_kw
-            w_ptrs = qw_ptr + offs_n[:, None] * stride_qn + rows_w[None, :] * stride_qk
-            words = tl.load(w_ptrs, mask=mask_n[:, None] & (rows_w[None, :] < K // PER_WORD), other=0)
-            w = _dequant_tile(words, scale, zero, BITS, MAGIC, MAGIC_VALUE, BLOCK_N, BLOCK_K, DTYPE)
-            if W_IS_A:
-                acc = tl.dot(w, xt, acc)
-            else:
-                acc = tl.dot(tl.trans(xt), tl.trans(w), acc)
+            acc = tl.dot(tl.trans(xt), tl.trans(w), acc)
 
     if W_IS_A:
         c_ptrs = c_ptr + offs_m[None, :] * stride_cm + offs_n[:, None] * stride_cn

@@ -71,9 +71,7 @@ CASES = [
     (64, 192, 8, 64, False, False, 2, dict(BLOCK_N=32, BLOCK_M=16, BLOCK_K=64)),  # 8-bit
     (72, 576, 4, 128, False, True, 19, dict(BLOCK_N=32, BLOCK_M=16, BLOCK_K=64, W_IS_A=False)),
     (64, 256, 4, 32, False, False, 40, dict(BLOCK_N=64, BLOCK_M=32, BLOCK_K=128, W_IS_A=False)),
-    # W as B from redundant word loads (no reshape): full-tile and per-row scale gathers
-    (72, 576, 4, 128, False, True, 19, dict(BLOCK_N=32, BLOCK_M=16, BLOCK_K=64, W_IS_A=False, W_GATHER=True)),
-    (64, 256, 4, 32, True, False, 23, dict(BLOCK_N=32, BLOCK_M=16, BLOCK_K=64, W_IS_A=False, W_GATHER=True)),
+    (64, 256, 4, 32, True, False, 23, dict(BLOCK_N=32, BLOCK_M=16, BLOCK_K=64, W_IS_A=False)),
 ]
 
 # The decode GEMV (no tensor cores): (n, k, bits, group_size, sym, act_order, m, config)
@@ -291,18 +289,18 @@ GPU_SHAPES = [  # (n, k, group_size, sym, act_order): multiples of the group, no
 
 
 def _gpu_path_config(mod, m, gs):
-    # Fixed configs keep the compile count small; the autotuned path has its own test below.
-    # M 1/7: GEMV (one group per tile / tiles spanning groups); M 9, 16: the split-K decode kernel with
-    # W as B (v4 decode configs: plain and gather unpack); 67: W-as-B gather; 334: W-as-A.
+    # Fixed configs keep the compile count small; the planned path has its own test below.
+    # M 1/7: GEMV (one group per tile / tiles spanning groups); M 9 / 16: the split-K decode kernel with W as B / A;
+    # 67: W as B; 334: W as A.
     if m == 1:
         bk = 64 if gs == -1 else min(64, gs)
         return "gemv", dict(BLOCK_N=64, BLOCK_K=bk, num_warps=4)
     if m == 7:
         return "gemv", dict(BLOCK_N=128, BLOCK_K=256, num_warps=8, PIPE=2)
     if m <= mod.DECODE_MAX_M:
-        return "tc", dict(BLOCK_N=64, BLOCK_M=16, BLOCK_K=128, W_IS_A=False, W_GATHER=m == 16,
+        return "tc", dict(BLOCK_N=64, BLOCK_M=16, BLOCK_K=128, W_IS_A=m == 16,
                           num_warps=4, num_stages=4)
-    return "tc", dict(BLOCK_N=128, BLOCK_M=64, BLOCK_K=64, W_IS_A=m % 2 == 0, W_GATHER=m % 2 == 1,
+    return "tc", dict(BLOCK_N=128, BLOCK_M=64, BLOCK_K=64, W_IS_A=m % 2 == 0,
                       num_warps=4, num_stages=3)
 
 
