@@ -24,9 +24,8 @@ range is split into a masked prologue (window edge), an unmasked middle and a ma
 (causal diagonal / ragged end): one inner loop body, called with a constexpr MASK flag.
 
 Hopper (FA3) techniques, as Triton 3.6 allows: K/V tiles through tensor descriptors (TMA,
-USE_TMA), the K/V loop software-pipelined (num_stages) or warp-specialized
-(tl.range(..., warp_specialize=True): producer warps issue TMA, consumer warpgroups do the
-wgmma + softmax), and an FP8 e4m3 path (q, k, v and P in e4m3; per-token q scales and
+USE_TMA), the K/V loop software-pipelined (num_stages; Triton's warp-specialized loop was measured
+and dropped, bench/NOTES_attention.md), and an FP8 e4m3 path (q, k, v and P in e4m3; per-token q scales and
 per-block K scales, both folded into the per-row exp2 scale; a per-head v scale; optional
 Hadamard rotation of q and k to spread outliers).
 
@@ -181,10 +180,9 @@ def _attn_inner(acc, l_i, m_i, q, qk_scale, softcap_log2, inv_softcap,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
                 HAS_SOFTCAP: tl.constexpr, USE_TMA: tl.constexpr, IS_FP8: tl.constexpr,
-                V_TRANS: tl.constexpr, V_TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
-                NUM_STAGES: tl.constexpr):
+                V_TRANS: tl.constexpr, V_TMA: tl.constexpr, NUM_STAGES: tl.constexpr):
     """Key tiles lo..hi, one after the other: Q K^T, softmax, P V."""
-    for start_n in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES, warp_specialize=WARP_SPEC):
+    for start_n in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         k = _load_rows(desc_k, k_ptr, kv_start, start_n, offs_n, offs_d, kv_col, seqlen_k, stride_kn, stride_kd,
                     MASK, USE_TMA)
@@ -211,7 +209,7 @@ def _attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, desc_k, desc_v,
               HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
               USE_TMA: tl.constexpr, IS_FP8: tl.constexpr, V_TRANS: tl.constexpr, V_TMA: tl.constexpr,
-              WARP_SPEC: tl.constexpr, NUM_STAGES: tl.constexpr):
+              NUM_STAGES: tl.constexpr):
     pid_m = tl.program_id(0)
     if IS_CAUSAL:
         # heaviest (last) query blocks first, so the tail of the grid is made of short programs
@@ -282,21 +280,21 @@ def _attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, desc_k, desc_v,
                                     kv_start, seqlen_k, delta, window_left, offs_m, offs_n, offs_d, kv_col,
                                     stride_kn, stride_kd, stride_vn, stride_vd, stride_ksn, lo, end_pro,
                                     BLOCK_M, BLOCK_N, True, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
-                                    USE_TMA, IS_FP8, V_TRANS, V_TMA, False, NUM_STAGES)
+                                    USE_TMA, IS_FP8, V_TRANS, V_TMA, NUM_STAGES)
     # unmasked middle: the bulk of the work, no index arithmetic on the logits
     acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, qk_scale, softcap_log2, inv_softcap,
                                 k_ptr, v_ptr, desc_k, desc_v, ks_ptr,
                                 kv_start, seqlen_k, delta, window_left, offs_m, offs_n, offs_d, kv_col,
                                 stride_kn, stride_kd, stride_vn, stride_vd, stride_ksn, end_pro, end_mid,
                                 BLOCK_M, BLOCK_N, False, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
-                                USE_TMA, IS_FP8, V_TRANS, V_TMA, WARP_SPEC, NUM_STAGES)
+                                USE_TMA, IS_FP8, V_TRANS, V_TMA, NUM_STAGES)
     # masked epilogue: causal diagonal and the ragged end of the keys
     acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, qk_scale, softcap_log2, inv_softcap,
                                 k_ptr, v_ptr, desc_k, desc_v, ks_ptr,
                                 kv_start, seqlen_k, delta, window_left, offs_m, offs_n, offs_d, kv_col,
                                 stride_kn, stride_kd, stride_vn, stride_vd, stride_ksn, end_mid, hi,
                                 BLOCK_M, BLOCK_N, True, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
-                                USE_TMA, IS_FP8, V_TRANS, V_TMA, False, NUM_STAGES)
+                                USE_TMA, IS_FP8, V_TRANS, V_TMA, NUM_STAGES)
 
     # ---- epilogue: deferred normalisation; rows that saw no key output 0 ----
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -340,7 +338,7 @@ def _auto_backend(head_dim, fp8, causal, max_seqlen_q):
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=False, sm_scale=None,
                      window_left=-1, softcap=0.0, fp8=False, hadamard=False, fp8_pv=True, use_tma=None,
-                     warp_specialize=False, config=None, fp8_prepared=None, out_dtype=None, v_tma=None,
+                     config=None, fp8_prepared=None,
                      backend="auto", kv_aligned=None):
     """Packed variable-length attention forward.
 
@@ -349,8 +347,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=F
     Hq must be a multiple of Hkv (GQA/MQA). window_left < 0: no window. softcap <= 0: none.
     fp8=True quantizes q, k, v (and P) to e4m3 (`prepare_fp8`); fp8_prepared passes its result
     in directly (then q, k, v are only used for their shapes). hadamard, fp8_pv: see `prepare_fp8`.
-    config: optional (BLOCK_M, BLOCK_N, num_warps, num_stages) override. use_tma / v_tma: load
-    K / V tiles through tensor descriptors (default: on Hopper and newer; v_tma follows use_tma).
+    config: optional (BLOCK_M, BLOCK_N, num_warps, num_stages) override. use_tma: load K / V tiles
+    through tensor descriptors (default: on Hopper and newer; V follows K where its layout allows).
     backend: "triton" (this file's kernel), "gluon" (`attention_gluon`: Hopper, head dim 64/128,
     no window / soft-cap; config is then (BLOCK_M, BLOCK_N, num_warps, NUM_BUF)), "gluon_ws"
     (`attention_gluon_ws`, FA3's warp-specialized ping-pong; same cases; config (BLOCK_N, NUM_BUF)),
@@ -358,12 +356,11 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=F
     kv_aligned: whether every entry of cu_seqlens_k is a multiple of 32, when the caller knows it
     (`attention` does): the fp8 path's V^T tensor descriptor needs it, and None checks it on the
     device at the cost of one host sync per call.
-    Returns out: (total_q, Hq, D) in q's dtype (or out_dtype).
+    Returns out: (total_q, Hq, D) in q's dtype.
     """
     fp8 = fp8 or fp8_prepared is not None
     explicit = backend != "auto"
-    if backend == "auto" and q.is_cuda and config is None and use_tma is not False and not warp_specialize \
-            and out_dtype in (None, q.dtype) and v_tma is None:
+    if backend == "auto" and q.is_cuda and config is None and use_tma is not False:
         backend = _auto_backend(q.shape[-1], fp8, causal, max_seqlen_q)
     if backend in ("gluon", "gluon_ws"):
         from quantkit.kernels import attention_gluon, attention_gluon_ws
@@ -381,7 +378,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=F
     assert n_heads % n_kv_heads == 0 and head_dim in (16, 32, 64, 128, 256)
     on_gpu = q.is_cuda
     sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
-    out = torch.empty(q.shape, dtype=out_dtype or q.dtype, device=q.device)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     block_m, block_n, num_warps, num_stages = config or _default_config(head_dim, fp8, on_gpu,
                                                                         q.element_size())
     if use_tma is None:
@@ -393,14 +390,13 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=F
         assert KV_SCALE_BLOCK % block_n == 0, "a K tile must lie inside one K scale block"
         assert block_n % 32 == 0, "fp8 tiles hold whole 32-key chunks (_perm_keys)"
     v_trans = v.dtype == torch.float8_e4m3fn
-    if v_tma is None:
-        v_tma = use_tma
-        if v_trans and use_tma:
-            # A V^T box starts at token kv_start + n along its contiguous dim, and TMA needs that
-            # 16-byte aligned: with 1-byte fp8, every sequence start must be a multiple of 16.
-            # (Unaligned, the H200 raised 'illegal instruction'; the interpreter asserts.) The
-            # key permutation of the V^T storage also needs tiles on 32-token chunks.
-            v_tma = kv_starts_aligned(cu_seqlens_k, kv_aligned)
+    v_tma = use_tma
+    if v_trans and use_tma:
+        # A V^T box starts at token kv_start + n along its contiguous dim, and TMA needs that
+        # 16-byte aligned: with 1-byte fp8, every sequence start must be a multiple of 16.
+        # (Unaligned, the H200 raised 'illegal instruction'; the interpreter asserts.) The
+        # key permutation of the V^T storage also needs tiles on 32-token chunks.
+        v_tma = kv_starts_aligned(cu_seqlens_k, kv_aligned)
     if v_scale is None:
         v_scale = out
     if k.stride(-1) != 1:
@@ -430,7 +426,6 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=F
         n_m_blocks, GROUP=n_heads // n_kv_heads, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
         IS_CAUSAL=causal, HAS_WINDOW=window_left >= 0, HAS_SOFTCAP=softcap > 0,
         USE_TMA=bool(use_tma), IS_FP8=fp8, V_TRANS=v_trans, V_TMA=bool(v_tma),
-        WARP_SPEC=bool(warp_specialize),
         NUM_STAGES=num_stages, num_warps=num_warps, num_stages=num_stages)
     return out
 

@@ -39,13 +39,8 @@ Here, as in FA3, no CTA-wide barrier is left in the loop:
   (64 FMULs a thread and round) when none of its rows raised it: a warp vote and a uniform branch in inline
   PTX.
 
-Measured on the H200 (bench/NOTES_attention.md, runs 10-12), bf16 hd128, 16 heads: 588-615 TFLOP/s
-non-causal and 499-576 causal at S = 2048-16384 (0.95-1.07x cuDNN in the same runs). fp8 (P carried
-in fp32 and converted to e4m3 in one step, without the ping-pong): 616-833 TFLOP/s at hd128, 1.16-1.44x
-this kernel's bf16; with the row sums on the tensor core 644-841 (run 15b: +4-5% in the same process);
-`auto` uses it for fp8. Run 16 (bench_attention.py, hd128, S = 2048-16384): bf16 573-631 / 486-586
-non-causal / causal (0.95-1.03x cuDNN), fp8 766-860 / 576-840; the lazy O rescale (runs 17a-b) then
-added +0.3-3.8% to bf16 at S <= 8192.
+Measured on the H200 (bench/NOTES_attention.md): bf16 hd128 0.95-1.07x cuDNN at S = 2048-16384; fp8 1.16-1.44x
+this kernel's bf16, so `auto` uses it for fp8. Which flag helps where is in `_default_config` and the notes.
 
 Scope as `attention_gluon.py` (bf16/fp16 and its fp8 path, head dim 64/128, causal or not,
 packed varlen, GQA); layout q (total_q, Hq, D), k/v (total_k, Hkv, D), cu_seqlens (B + 1,).
@@ -508,18 +503,10 @@ def _attn_fwd_ws(desc_q, desc_k, desc_v, desc_o, o_ptr, qs_ptr, ks_ptr, v_scale_
 
 def _default_config(head_dim, fp8, max_seqlen_q):
     """(BLOCK_N, NUM_BUF, persistent, pingpong, tma_store, stage_ks, rowsum_mma, lazy_rescale) measured fastest on
-    the H200 (bench/NOTES_attention.md, runs 10-11): 128-key tiles; the ring as deep as shared memory allows
-    (one CTA per SM: Q 32 KB + 64 KB a stage at bf16 hd128, + 2 x 16 KB for the TMA-store buffers).
-    fp8 without the ping-pong handshake: its rounds' MMAs are half as long, so the turn only adds
-    waiting (run 8: +1-6%). TMA-store epilogue (bf16): +0-15% at rows <= 8192 (most at 2048, where a
-    work tile has fewest rounds); at 16384 603 against 597-631 for the plain store (runs 11-12), so not
-    taken there. Staged K scale (fp8): +0-7%; with the TMA store +1-14% at hd128, but the TMA store cost
-    3-10% at fp8 hd64 non-causal. fp8 softmax row sums by a P @ ones wgmma a round (rowsum_mma, run 15):
-    +1-6% at hd128 (S = 2048-16384, GQA too; runs 15a-b), error against bf16 unchanged (0.047-0.054); at
-    hd64 -3% non-causal, +3.5% causal, so not taken there. Lazy O rescale (lazy_rescale, runs 17a-b): bf16 hd128
-    +0.3-3.8% at S = 2048-8192 (31 of 32 paired timings faster, error unchanged), at 16384 -1.4% / +2.7%
-    non-causal and -4.5% / +0.2% causal, at hd64 +1.0% / -0.9%, so taken with the TMA store (rows <= 8192) at
-    hd128 only; fp8 1.6-4.1% slower at hd128, 9.5-14% at hd64, so never."""
+    the H200 (bench/NOTES_attention.md): 128-key tiles, the ring as deep as shared memory allows; fp8 without the
+    ping-pong handshake (its rounds' MMAs are half as long); the TMA-store epilogue up to 8192 rows (bf16) and at
+    fp8 hd128, with the staged K scale at fp8; P @ ones row sums at fp8 hd128 only; the lazy O rescale for bf16
+    hd128 up to 8192 rows only (slower at fp8 and hd64)."""
     if fp8:
         return (128, 4, True, False, head_dim == 128, True, head_dim == 128, False)
     short = max_seqlen_q <= 8192

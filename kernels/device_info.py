@@ -27,7 +27,7 @@ def _cuda_sms(index: int) -> int:
 def capability(device: torch.device | str) -> tuple[int, int]:
     """Compute capability (major, minor) of the CUDA ``device``; every launcher asks it on every call, and
     ``torch.cuda.get_device_capability`` cost ~14 us of host time a query under cProfile (a device-properties
-    lookup; NOTES_attention run 21b), so it is looked up once per device."""
+    lookup; bench/NOTES_attention.md), so it is looked up once per device."""
     device = torch.device(device)
     return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())
 

@@ -46,7 +46,7 @@ def gather_columns(x: torch.Tensor, index: torch.Tensor, zero: torch.Tensor | No
 
     The paired-nibble kernels read the activations in ``W4A16Weights.pair_index`` order and, when
     split over K, sum into a zeroed float32 buffer. ``torch.index_select`` over the columns took
-    ~7.5 us at every decode shape on the H200 (bench/profile_w4a16.py, run 12), as long as the GEMM on
+    ~7.5 us at every decode shape on the H200 (bench/NOTES_w4a16.md), as long as the GEMM on
     the 4096 x 4096 layer, and the zeroing was one more launch; this is one launch for both.
     """
     if x.stride(1) != 1:

@@ -2,7 +2,7 @@
 
 Why Gluon: the Triton paired-nibble kernel (``w4a16._w4a16_pairs_kernel``) reached only ~40 % of the
 copy bandwidth at M <= 16 and 0.6-0.8x cuBLAS at M >= 1024 on the H200 (bench/NOTES_w4a16.md,
-runs 5-7). Its weight operand goes to the tensor cores from registers, and Triton waits for each
+(bench/NOTES_w4a16.md). Its weight operand goes to the tensor cores from registers, and Triton waits for each
 such wgmma to finish before the registers are rewritten, so dequantization and matrix multiply
 never overlap; its loads are also pipelined only a few tiles deep per program. Gluon lets us
 place both.
@@ -32,7 +32,7 @@ side, so M <= 8 wastes nothing. The work is split stream-K: units are (output ti
 number of units: no tail wave, whatever the shape. A run that holds a whole tile stores it; partial
 tiles are summed in a float32 workspace with atomics, and the program that completes a tile's count
 of K tiles converts it to the output (no separate zeroing or cast kernel: those, and the column
-gather, cost ~10 us a call, H200 run 12). With one group per K tile the zero point and the scale are
+gather, cost ~10 us a call on the H200). With one group per K tile the zero point and the scale are
 applied to each K tile's float32 sums, not to every code pair (``_magic_pairs``).
 
 The kernel is launched with programmatic dependent launch behind the small kernel that gathers the
@@ -46,7 +46,7 @@ columns in registers, and sums each K tile itself: one launch, no gather (``GATH
 act-order weights, take the gathered ones instead). Its partial tiles meet in the layer's own workspace
 and counters (``W4A16Weights.partial_sums``, ``tile_counters``), which the finishing program zeroes again
 for the next call. On the H200 it beats the ring on layers up to ~60 M weights (4096²: 7.0 against
-9.0 us at M = 1; runs 38-50 in bench/NOTES_w4a16.md).
+9.0 us at M = 1; bench/NOTES_w4a16.md).
 
 Prefill (``WGMMA=True``): asynchronous wgmma with the dequantized weights as A from registers (two
 warpgroups of 64 weight rows each, or 128 with two m64 blocks) and the activation tile as B from
@@ -304,8 +304,8 @@ def _flush(acc, c_ptr, ws_ptr, tile_units_ptr, tn, tm, M, N, seg_units, k_tiles,
             # All consumer threads have issued their sums (barrier) before one thread's release of the
             # count, which covers them (the pattern of a split-K semaphore). A fence in every thread
             # instead (fence.acq_rel.gpu before the barrier) made the H200 compute wrong partial sums in
-            # 10-60 of 224 tiles per call at 28672 x 8192, M = 16 (run 13, bench/debug/stream_k_tiles.py
-            # on that variant); not understood, not used.
+            # 10-60 of 224 tiles per call at 28672 x 8192, M = 16 (bench/NOTES_w4a16.md); not understood,
+            # not used.
             gl.thread_barrier()
             done = gl.atomic_add(tile_units_ptr + tn, seg_units, sem="acq_rel") + seg_units
             if done == k_tiles:
@@ -430,7 +430,7 @@ def _mma_partition(w_smem, x_smem, ready, empty, scales_ptr, zeros_ptr, xsum_ptr
 
     With wgmma the segment's last unit is peeled off the loop and drained in straight-line code: with
     the drain after the loop, ptxas (sm_90, CUDA 12.8 in triton 3.6) read the accumulator before the
-    last wgmma had landed (H200 run 9: ~1 of K/32 dots lost per output, rel. err 0.03-0.07); with a
+    last wgmma had landed (~1 of K/32 dots lost per output on the H200, rel. err 0.03-0.07); with a
     conditional drain inside the loop it serialized every wgmma."""
     dtype: gl.constexpr = x_smem.dtype
     if WGMMA:
@@ -540,12 +540,9 @@ def _w4a16_gluon_kernel(desc_w, desc_x, scales_ptr, zeros_ptr, xsum_ptr, c_ptr, 
 # layouts whose registers hold 16 contiguous bytes; a reshape and a permute relabel them, and the conversion to the
 # dot-operand layouts moves no data (``assert_trivial``).
 #
-# Why only the small layers gain (H200 runs 38-40, bench/NOTES_w4a16.md): all of a warp's global loads share one
-# scoreboard in the sm_90 code, so the first use of any loaded value waits for every load in flight, and a
-# prefetch carried in registers lands no earlier than the current unit's operands. The stream then runs at about
-# half the copy bandwidth (55 against 42 us for the ring at 121 MB), while on 8-30 MB layers the saved fixed
-# costs win (7.6 against 9.0 us on 4096 x 4096, M = 1). Per-thread cp.async stages (counted waits) did not
-# recover the bandwidth either (run 39-40: 57-60 us).
+# Why only the small layers gain (bench/NOTES_w4a16.md): all of a warp's global loads share one scoreboard in the
+# sm_90 code, so the first use of any loaded value waits for every load in flight; the stream runs at about half
+# the copy bandwidth, while on 8-30 MB layers the saved fixed costs win.
 
 
 @triton.constexpr_function

@@ -104,7 +104,7 @@ def prefill_kernel(sm90, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def decode_kernel(sm90, tmp_path_factory):
-    return _compile(sm90, tmp_path_factory, 128, 16, 6, 4, wgmma=False, x_box_k=64)  # as DECODE_GLUON_CONFIGS
+    return _compile(sm90, tmp_path_factory, 128, 16, 6, 4, wgmma=False, x_box_k=64)  # a ring decode config (a tuner candidate)
 
 
 def test_wgmma_chain_is_drained_before_the_accumulator_is_read(prefill_kernel):
@@ -182,12 +182,13 @@ def test_decode_tile_fixup_orders_sums_before_the_counter(decode_kernel):
 @pytest.mark.parametrize("has_zeros", [False, True], ids=["sym", "asym"])
 @pytest.mark.parametrize("gathered", [False, True], ids=["raw_x", "gathered_x"])
 def test_direct_decode_loads_operands_into_registers(sm90, tmp_path_factory, has_zeros, gathered):
-    from quantkit.kernels.w4a16_gluon import DIRECT_GLUON_CONFIGS
+    from quantkit.kernels.w4a16_select import load_table
 
     group_size, block_m = 128, 8
-    configs = {(c.BLOCK_N, c.num_warps, c.CTAS_PER_SM, c.UNROLL): c for c in DIRECT_GLUON_CONFIGS
-               if c.fits(block_m, group_size)}
-    assert configs and {c.UNROLL for c in configs.values()} == {1, 2}
+    # every direct config the shipped table holds
+    configs = {(c.BLOCK_N, c.num_warps, c.CTAS_PER_SM, c.UNROLL): c for c in (e["config"] for e in load_table())
+               if getattr(c, "DIRECT", False) and c.fits(block_m, group_size)}
+    assert configs
     for cfg in configs.values():  # (GATHER_X picks the kernel's GATHERED, parametrized here)
         prefix = str(tmp_path_factory.mktemp("direct") / "kernel")
         sm90.compile(_COMPILE_DIRECT, json.dumps([cfg.BLOCK_N, block_m, cfg.num_warps, cfg.CTAS_PER_SM, group_size,

@@ -1,0 +1,44 @@
+"""explain / `quantkit inspect --kernels`: the kernel and config each quantized linear runs at M = 1, 16, 2048."""
+
+from __future__ import annotations
+
+import json
+
+from quantkit.kernel_plan import explain
+from quantkit.kernels.w4a16_select import facts_of, select_w4a16
+from tests.test_cli import quantkit
+
+
+def test_explain_layers_given_as_tuples_follows_the_selection():
+    rows = explain([("mlp.down_proj", 4096, 14336, 4, 128, True, False), ("odd", 1536, 576, 8, -1, False, False)])
+    assert [(r.name, r.m) for r in rows] == [(n, m) for n in ("mlp.down_proj", "odd") for m in (1, 16, 2048)]
+    for r in rows:
+        choice = select_w4a16(r.m, facts_of(r.out_features, r.in_features, r.bits, r.group_size, True, False), "sm90")
+        assert r.kernel == choice.kernel and r.reason == choice.reason
+    assert {r.kernel for r in rows[:3]} == {"gluon"} and {r.kernel for r in rows[4:]} == {"tc"}
+    assert all(r.config for r in rows)
+    assert [r.kernel for r in explain([("x", 4096, 4096, 4, 128, True, False)], ms=(16,), arch="sm80")] == ["pairs"]
+
+
+def test_explain_a_checkpoint_and_the_cli(tiny_llama_dir, tmp_path):
+    import quantkit as qk
+    from quantkit import QuantScheme
+
+    out = tmp_path / "rtn"
+    qk.quantize(str(tiny_llama_dir), out, method="rtn", scheme=QuantScheme(bits=4, group_size=32, sym=False))
+    rows = explain(out)
+    assert len(rows) == 14 * 3 and {r.m for r in rows} == {1, 16, 2048}
+    info = json.loads(quantkit("inspect", out, "--kernels", "--json").stdout)
+    assert [(k["name"], k["m"], k["kernel"]) for k in info["kernels"]] == [(r.name, r.m, r.kernel) for r in rows]
+
+
+def test_explain_a_model_of_quant_linears():
+    from quantkit.config import QuantScheme
+    from tests.kernels.test_ops import TinyMLP, quantize_linears
+
+    model = quantize_linears(TinyMLP(), QuantScheme(4, 32, False))
+    rows = explain(model, ms=(1, 2048))
+    assert [(r.name, r.out_features, r.in_features, r.m) for r in rows] == [
+        ("up", 256, 128, 1), ("up", 256, 128, 2048), ("down", 128, 256, 1), ("down", 128, 256, 2048)]
+    assert rows == explain([("up", 256, 128, 4, 32, False, False), ("down", 128, 256, 4, 32, False, False)],
+                           ms=(1, 2048))
