@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -11,9 +12,12 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from quantkit.plots import plot_attention_bench, plot_w4a16_bench  # noqa: E402
-
 REPO = Path(__file__).resolve().parents[1]
+# the plots know the benchmarks' JSON schemas, so they live with the benchmarks (bench/plot_results.py)
+_spec = importlib.util.spec_from_file_location("plot_results", REPO / "bench" / "plot_results.py")
+plot_results = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(plot_results)
+plot_attention_bench, plot_w4a16_bench = plot_results.plot_attention_bench, plot_results.plot_w4a16_bench
 
 
 def _png_ok(path: Path) -> bool:
