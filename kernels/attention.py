@@ -59,6 +59,7 @@ from quantkit.kernels.attention_fp8 import (  # noqa: F401  (re-exported: the fp
     quantize_fp8_per_block,
     quantize_fp8_per_token,
 )
+from quantkit.kernels.attention_select import BACKENDS, AttentionCall, gluon_attention_supports, select_attention
 from quantkit.kernels.device_info import capability
 
 
@@ -321,19 +322,14 @@ def _default_config(head_dim, is_fp8, on_gpu, elem_bytes=2):
     return 128, 64, 8, 2
 
 
-def _auto_backend(head_dim, fp8, causal, max_seqlen_q):
-    """The kernel `attention_varlen(backend="auto")` tries first (it falls back to "triton" where
-    the Gluon kernels do not apply), by the H200 measurements (bench/NOTES_attention.md, run 5)."""
-    if fp8:
-        # the ws kernel without the ping-pong handshake (fp32 P carried, one e4m3 conversion), runs
-        # 8-9: hd128 S >= 2048 544-818 TFLOP/s (1.14-1.34x the bf16 ws kernel), hd64 354-505; the
-        # Triton fp8 kernel 418-772 and 214-366 (timed through attention_varlen, host sync included)
-        return "gluon_ws"
-    if head_dim == 128 and (max_seqlen_q <= 512 or (causal and max_seqlen_q <= 1024)):
-        # short rows: a 128-row program of the warp-specialized kernel has too few key tiles to
-        # amortize its pipeline fill; two 64-row programs per SM do better
-        return "gluon"
-    return "gluon_ws"  # FA3 structure: 579-614 TFLOP/s at S >= 4096 vs 491-510 (hd128 non-causal)
+def _call_facts(q, k, causal, window_left, softcap, fp8, fp8_pv, cu_seqlens_k, kv_aligned, max_seqlen_q):
+    """The :class:`AttentionCall` of a call; the key alignment is read (one host sync) only where it matters."""
+    arch = f"sm{''.join(map(str, capability(q.device)))}" if q.is_cuda else None
+    aligned = True
+    if fp8 and fp8_pv and arch == "sm90":
+        aligned = cu_seqlens_k is not None and kv_starts_aligned(cu_seqlens_k, kv_aligned)
+    return AttentionCall(arch, str(q.dtype), str(k.dtype), q.shape[-1], causal, window_left, softcap, fp8, fp8_pv,
+                         aligned, max_seqlen_q)
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=False, sm_scale=None,
@@ -352,27 +348,33 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=F
     backend: "triton" (this file's kernel), "gluon" (`attention_gluon`: Hopper, head dim 64/128,
     no window / soft-cap; config is then (BLOCK_M, BLOCK_N, num_warps, NUM_BUF)), "gluon_ws"
     (`attention_gluon_ws`, FA3's warp-specialized ping-pong; same cases; config (BLOCK_N, NUM_BUF)),
-    or "auto": the kernel measured fastest on the H200 for the case (`_auto_backend`).
+    or "auto": the kernel measured fastest on the H200 for the case (`attention_select.select_attention`).
     kv_aligned: whether every entry of cu_seqlens_k is a multiple of 32, when the caller knows it
     (`attention` does): the fp8 path's V^T tensor descriptor needs it, and None checks it on the
     device at the cost of one host sync per call.
     Returns out: (total_q, Hq, D) in q's dtype.
     """
     fp8 = fp8 or fp8_prepared is not None
-    explicit = backend != "auto"
-    if backend == "auto" and q.is_cuda and config is None and use_tma is not False:
-        backend = _auto_backend(q.shape[-1], fp8, causal, max_seqlen_q)
+    if fp8_prepared is not None:
+        fp8_pv = fp8_prepared[4].dtype == torch.float8_e4m3fn
+    if backend not in ("auto",) + BACKENDS:
+        raise ValueError(f"backend must be 'auto' or one of {BACKENDS}, got {backend!r}")
+    if backend != "triton":
+        call = _call_facts(q, k, causal, window_left, softcap, fp8, fp8_pv, cu_seqlens_k, kv_aligned, max_seqlen_q)
+        if backend == "auto":
+            # an explicit Triton config or use_tma=False asks for the Triton kernel
+            backend = select_attention(call)[0] if config is None and use_tma is not False else "triton"
+        else:
+            ok, reason = gluon_attention_supports(call)
+            if not ok:
+                raise ValueError(f"the {backend} kernel does not handle this call: {reason}")
     if backend in ("gluon", "gluon_ws"):
         from quantkit.kernels import attention_gluon, attention_gluon_ws
-        if fp8_prepared is not None:
-            fp8_pv = fp8_prepared[4].dtype == torch.float8_e4m3fn
-        ok = attention_gluon.supported(q, k, causal, window_left, softcap, fp8, fp8_pv, cu_seqlens_k, kv_aligned)
-        if ok:
-            run = attention_gluon_ws.attention_varlen_ws if backend == "gluon_ws" else \
-                attention_gluon.attention_varlen_gluon
-            return run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=causal, sm_scale=sm_scale,
-                       config=config, fp8=fp8, hadamard=hadamard, fp8_prepared=fp8_prepared)
-        assert not explicit, f"the {backend} kernel does not handle this call"
+
+        run = attention_gluon_ws.attention_varlen_ws if backend == "gluon_ws" else \
+            attention_gluon.attention_varlen_gluon
+        return run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=causal, sm_scale=sm_scale,
+                   config=config, fp8=fp8, hadamard=hadamard, fp8_prepared=fp8_prepared)
     total_q, n_heads, head_dim = q.shape
     total_k, n_kv_heads, _ = k.shape
     assert n_heads % n_kv_heads == 0 and head_dim in (16, 32, 64, 128, 256)

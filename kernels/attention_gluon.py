@@ -39,6 +39,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from quantkit.kernels.attention_fp8 import KV_SCALE_BLOCK, kv_starts_aligned, prepare_fp8
+from quantkit.kernels.attention_select import AttentionCall, gluon_attention_supports
 from quantkit.kernels.device_info import capability
 
 
@@ -273,15 +274,16 @@ def _attn_fwd_gluon(desc_q, desc_k, desc_v, o_ptr, qs_ptr, ks_ptr, v_scale_ptr,
 
 def supported(q, k, causal=False, window_left=-1, softcap=0.0, fp8=False, fp8_pv=True, cu_seqlens_k=None,
               kv_aligned=None):
-    """Whether `attention_varlen_gluon` handles this call (else use attention.attention_varlen).
+    """Whether `attention_varlen_gluon` handles this call (`attention_select.gluon_attention_supports`).
     fp8 needs fp8 P @ V and sequence starts on multiples of 32 keys (V^T TMA boxes, key order):
     ``kv_aligned`` when the caller knows, else checked on cu_seqlens_k (one host sync)."""
-    ok = (q.is_cuda and capability(q.device)[0] == 9
-          and q.dtype in (torch.bfloat16, torch.float16) and k.dtype == q.dtype
-          and q.shape[-1] in (64, 128) and window_left < 0 and softcap <= 0)
-    if ok and fp8:
-        ok = fp8_pv and cu_seqlens_k is not None and kv_starts_aligned(cu_seqlens_k, kv_aligned)
-    return ok
+    arch = f"sm{''.join(map(str, capability(q.device)))}" if q.is_cuda else None
+    aligned = True
+    if fp8 and fp8_pv and arch == "sm90":
+        aligned = cu_seqlens_k is not None and kv_starts_aligned(cu_seqlens_k, kv_aligned)
+    call = AttentionCall(arch, str(q.dtype), str(k.dtype), q.shape[-1], causal, window_left, softcap, fp8, fp8_pv,
+                         aligned)
+    return gluon_attention_supports(call)[0]
 
 
 def _default_config(head_dim, fp8):

@@ -1,0 +1,63 @@
+"""Which attention kernel serves a call: the one capability check of the Gluon kernels and one pure selection.
+
+The kernels: the Triton kernel (``attention.py``: any GPU from sm_80 and the CPU interpreter, every mask, sliding
+windows, soft-capping, fp8), the Gluon FA3-ordered kernel (``attention_gluon.py``) and the Gluon warp-specialized
+ping-pong kernel (``attention_gluon_ws.py``); both Gluon kernels take Hopper, bf16/fp16, head dim 64 or 128, no
+window or soft-cap, and fp8 only with fp8 P @ V and key sequences starting on multiples of 32 tokens. Among them
+the H200 measurements (bench/NOTES_attention.md) pick: fp8 and long rows the warp-specialized kernel; bf16 hd128
+rows up to 512 (1024 causal) the FA3-ordered one, whose two 64-row programs per SM amortize their pipeline fill
+better than one 128-row program of the warp-specialized kernel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+BACKENDS = ("triton", "gluon", "gluon_ws")
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionCall:
+    """What the selection reads of a call. ``arch``: e.g. "sm90", None off CUDA; ``dtype``, ``k_dtype`` as
+    strings (``str(torch dtype)``); ``kv_aligned``: every key sequence starts on a multiple of 32 tokens."""
+
+    arch: str | None
+    dtype: str
+    k_dtype: str
+    head_dim: int
+    causal: bool = False
+    window_left: int = -1
+    softcap: float = 0.0
+    fp8: bool = False
+    fp8_pv: bool = True
+    kv_aligned: bool = True
+    max_seqlen_q: int = 0
+
+
+def gluon_attention_supports(call: AttentionCall) -> tuple[bool, str]:
+    """Whether the Gluon attention kernels take the call: ``(True, "")`` or ``(False, reason)``."""
+    if call.arch != "sm90":
+        return False, f"the Gluon kernels need a Hopper GPU (sm90), this is {call.arch or 'not a CUDA device'}"
+    if call.dtype not in ("torch.bfloat16", "torch.float16") or call.k_dtype != call.dtype:
+        return False, f"q and k must both be bf16 or fp16, got {call.dtype} / {call.k_dtype}"
+    if call.head_dim not in (64, 128):
+        return False, f"head dim {call.head_dim} (the Gluon kernels take 64 or 128)"
+    if call.window_left >= 0 or call.softcap > 0:
+        return False, "sliding windows and soft-capping run in the Triton kernel"
+    if call.fp8 and not call.fp8_pv:
+        return False, "fp8 Q K^T with 16-bit P @ V runs in the Triton kernel"
+    if call.fp8 and not call.kv_aligned:
+        return False, "fp8 needs key sequences starting on multiples of 32 tokens (V^T TMA boxes)"
+    return True, ""
+
+
+def select_attention(call: AttentionCall) -> tuple[str, str]:
+    """``(backend, reason)``: the kernel the H200 measurements pick for the call, where it applies."""
+    ok, reason = gluon_attention_supports(call)
+    if not ok:
+        return "triton", reason
+    if call.fp8:
+        return "gluon_ws", "fp8: the warp-specialized kernel (1.14-1.34x its bf16 at hd128, S >= 2048)"
+    if call.head_dim == 128 and (call.max_seqlen_q <= 512 or (call.causal and call.max_seqlen_q <= 1024)):
+        return "gluon", "short rows: two 64-row programs per SM amortize the pipeline fill better"
+    return "gluon_ws", "FA3's warp-specialized ping-pong"
