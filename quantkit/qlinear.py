@@ -6,9 +6,9 @@ The layer keeps the checkpoint tensors as buffers, exactly as they are stored (l
 dict is therefore the checkpoint's, key for key.
 
 ``forward`` goes through :func:`quantized_linear`, which asks :func:`select_backend`: on CUDA with 4- or
-8-bit codes the W4A16 kernels, through the custom op ``quantkit::w4a16_linear``
-(:mod:`quantkit.kernels.ops`, imported lazily so CPU use never imports Triton), so that the layer works inside
-``torch.compile``; everywhere else the plain-PyTorch reference, which dequantizes once (cached in the activation
+8-bit codes the W4A16 kernels through ``quantkit.kernels.dispatch`` (imported lazily so CPU use never imports
+Triton), and inside ``torch.compile`` through the custom op ``quantkit::w4a16_linear`` (:mod:`quantkit.kernels.ops`)
+that wraps the same call; everywhere else the plain-PyTorch reference, which dequantizes once (cached in the activation
 dtype) and calls ``F.linear``. Inside ``torch.compile`` on the CPU the custom op runs too, with the reference
 behind it. Which kernel and config serve each batch size is decided when the layer's weights are prepared for
 the kernels (:meth:`QuantLinear.prepared_w4a16`, at load and on every move, on any device), see
@@ -185,9 +185,14 @@ def select_backend(layer: QuantLinear, x: torch.Tensor) -> str:
 def quantized_linear(layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
     """``x [..., in] @ W.T + b`` -> ``[..., out]`` through the backend :func:`select_backend` picks."""
     if select_backend(layer, x) == BACKEND_W4A16:
-        from quantkit.kernels.ops import w4a16_linear_call
+        if torch.compiler.is_compiling():
+            # one opaque node for the compiler (inductor cannot re-emit the Triton / Gluon launchers)
+            from quantkit.kernels.ops import w4a16_linear_call
 
-        return w4a16_linear_call(x, layer.prepared_w4a16(), layer.bias)
+            return w4a16_linear_call(x, layer.prepared_w4a16(), layer.bias)
+        from quantkit.kernels.dispatch import w4a16_linear  # eager: the same call without the op's dispatch cost
+
+        return w4a16_linear(x, layer.prepared_w4a16(), layer.bias)
     weight = layer.dequantized_weight(x.dtype, x.device)
     bias = None if layer.bias is None else layer.bias.to(x.dtype)
     return F.linear(x, weight, bias)
