@@ -59,7 +59,13 @@ from quantkit.kernels.attention_fp8 import (  # noqa: F401  (re-exported: the fp
     quantize_fp8_per_block,
     quantize_fp8_per_token,
 )
-from quantkit.kernels.attention_select import BACKENDS, AttentionCall, gluon_attention_supports, select_attention
+from quantkit.kernels.attention_select import (
+    BACKENDS,
+    AttentionCall,
+    AttentionTiles,
+    gluon_attention_supports,
+    select_attention,
+)
 from quantkit.kernels.device_info import capability
 
 
@@ -307,19 +313,19 @@ def _attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, desc_k, desc_v,
     tl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-def _default_config(head_dim, is_fp8, on_gpu, elem_bytes=2):
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) chosen for the H200; small blocks on the CPU."""
+def _default_config(head_dim, is_fp8, on_gpu, elem_bytes=2) -> AttentionTiles:
+    """The tiles chosen for the H200; small blocks on the CPU."""
     if not on_gpu:
-        return (16, 32, 4, 1) if is_fp8 else (16, 16, 4, 1)  # fp8: _perm_keys works on 32 keys
+        return AttentionTiles(16, 32 if is_fp8 else 16, 4, 1)  # fp8: _perm_keys works on 32 keys
     if elem_bytes == 4:  # float32 inputs (references): keep the tiles inside shared memory
-        return 64, 32, 4, 2
+        return AttentionTiles(64, 32, 4, 2)
     if is_fp8:
         # 64-row tiles, one warpgroup, 104 KB of shared memory: two programs per SM whose
         # softmax and MMA phases interleave (H200, S=4096 hd128: 648 TFLOP/s vs 556 for 128x128 w8)
-        return (64, 128, 4, 3) if head_dim == 128 else (128, 128, 8, 3)
+        return AttentionTiles(64, 128, 4, 3) if head_dim == 128 else AttentionTiles(128, 128, 8, 3)
     if head_dim <= 128:
-        return 128, 128, 8, 3
-    return 128, 64, 8, 2
+        return AttentionTiles(128, 128, 8, 3)
+    return AttentionTiles(128, 64, 8, 2)
 
 
 def _call_facts(q, k, causal, window_left, softcap, fp8, fp8_pv, cu_seqlens_k, kv_aligned, max_seqlen_q):
@@ -343,11 +349,12 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=F
     Hq must be a multiple of Hkv (GQA/MQA). window_left < 0: no window. softcap <= 0: none.
     fp8=True quantizes q, k, v (and P) to e4m3 (`prepare_fp8`); fp8_prepared passes its result
     in directly (then q, k, v are only used for their shapes). hadamard, fp8_pv: see `prepare_fp8`.
-    config: optional (BLOCK_M, BLOCK_N, num_warps, num_stages) override. use_tma: load K / V tiles
-    through tensor descriptors (default: on Hopper and newer; V follows K where its layout allows).
+    config: optional `attention_select.AttentionTiles` (BLOCK_M, BLOCK_N, num_warps, num_stages).
+    use_tma: load K / V tiles through tensor descriptors (default: on Hopper and newer; V follows K
+    where its layout allows).
     backend: "triton" (this file's kernel), "gluon" (`attention_gluon`: Hopper, head dim 64/128,
-    no window / soft-cap; config is then (BLOCK_M, BLOCK_N, num_warps, NUM_BUF)), "gluon_ws"
-    (`attention_gluon_ws`, FA3's warp-specialized ping-pong; same cases; config (BLOCK_N, NUM_BUF)),
+    no window / soft-cap; config is then AttentionTiles with NUM_BUF as num_stages), "gluon_ws"
+    (`attention_gluon_ws`, FA3's warp-specialized ping-pong; same cases; config an `attention_select.WsConfig`),
     or "auto": the kernel measured fastest on the H200 for the case (`attention_select.select_attention`).
     kv_aligned: whether every entry of cu_seqlens_k is a multiple of 32, when the caller knows it
     (`attention` does): the fp8 path's V^T tensor descriptor needs it, and None checks it on the
@@ -381,8 +388,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=F
     on_gpu = q.is_cuda
     sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    block_m, block_n, num_warps, num_stages = config or _default_config(head_dim, fp8, on_gpu,
-                                                                        q.element_size())
+    tiles = AttentionTiles(*config) if config else _default_config(head_dim, fp8, on_gpu, q.element_size())
+    block_m, block_n, num_warps, num_stages = tiles
     if use_tma is None:
         use_tma = on_gpu and capability(q.device)[0] >= 9
     q_scale = k_scale = v_scale = out  # placeholders, never read unless fp8

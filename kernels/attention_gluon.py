@@ -39,7 +39,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from quantkit.kernels.attention_fp8 import KV_SCALE_BLOCK, kv_starts_aligned, prepare_fp8
-from quantkit.kernels.attention_select import AttentionCall, gluon_attention_supports
+from quantkit.kernels.attention_select import AttentionCall, AttentionTiles, gluon_attention_supports
 from quantkit.kernels.device_info import capability
 
 
@@ -286,14 +286,14 @@ def supported(q, k, causal=False, window_left=-1, softcap=0.0, fp8=False, fp8_pv
     return gluon_attention_supports(call)[0]
 
 
-def _default_config(head_dim, fp8):
-    """(BLOCK_M, BLOCK_N, num_warps, NUM_BUF), from the H200 sweep at S=4096: 64-row tiles with one
+def _default_config(head_dim, fp8) -> AttentionTiles:
+    """(BLOCK_M, BLOCK_N, num_warps, NUM_BUF as num_stages), from the H200 sweep at S=4096: 64-row tiles with one
     warpgroup and a 3-deep ring (<= 113 KB of shared memory) run two programs per SM, whose
     phases the schedulers interleave (bf16 hd128: 494 / 443 TFLOP/s non-causal / causal against
     477 / 424 for 128x128 with two warpgroups and a 3-deep ring in 224 KB)."""
     if head_dim == 128:
-        return (64, 128, 4, 3) if fp8 else (64, 64, 4, 3)
-    return (128, 128, 8, 3) if fp8 else (128, 128, 8, 5)
+        return AttentionTiles(64, 128, 4, 3) if fp8 else AttentionTiles(64, 64, 4, 3)
+    return AttentionTiles(128, 128, 8, 3) if fp8 else AttentionTiles(128, 128, 8, 5)
 
 
 @functools.cache
@@ -345,12 +345,12 @@ def attention_varlen_gluon(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ca
 
     q: (total_q, Hq, D); k, v: (total_k, Hkv, D), bf16/fp16; cu_seqlens_*: (B + 1,) int32.
     fp8 / hadamard / fp8_prepared: as in attention_varlen (fp8 P @ V only; per-token q, per-block
-    k, per-head v scales from `attention.prepare_fp8`). config: (BLOCK_M, BLOCK_N, num_warps,
+    k, per-head v scales from `attention.prepare_fp8`). config: `AttentionTiles` (BLOCK_M, BLOCK_N, num_warps,
     NUM_BUF), see `_default_config`. Returns (total_q, Hq, D) in q's dtype."""
     head_dim = q.shape[-1]
     sm_scale = head_dim ** -0.5 if sm_scale is None else sm_scale
     fp8 = fp8 or fp8_prepared is not None
-    block_m, block_n, num_warps, num_buf = config or _default_config(head_dim, fp8)
+    block_m, block_n, num_warps, num_buf = AttentionTiles(*config) if config else _default_config(head_dim, fp8)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     desc_q, desc_k, desc_v, q_scale, k_scale, v_scale = make_descriptors(
         q, k, v, cu_seqlens_k, block_m, block_n, fp8, hadamard, fp8_prepared, out)

@@ -59,6 +59,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from quantkit.kernels.attention_gluon import _p_operand, _pv, _row_state, _softmax_tile, make_descriptors, smem_layout
+from quantkit.kernels.attention_select import WsConfig
 from quantkit.kernels.device_info import num_sms
 
 HALF_M = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M)
@@ -508,17 +509,17 @@ def _default_config(head_dim, fp8, max_seqlen_q):
     fp8 hd128, with the staged K scale at fp8; P @ ones row sums at fp8 hd128 only; the lazy O rescale for bf16
     hd128 up to 8192 rows only (slower at fp8 and hd64)."""
     if fp8:
-        return (128, 4, True, False, head_dim == 128, True, head_dim == 128, False)
+        return WsConfig(128, 4, True, False, head_dim == 128, True, head_dim == 128, False)
     short = max_seqlen_q <= 8192
-    return (128, 2 if head_dim == 128 else 4, True, True, short, False, False, short and head_dim == 128)
+    return WsConfig(128, 2 if head_dim == 128 else 4, True, True, short, False, False, short and head_dim == 128)
 
 
-def _full_config(config, head_dim, fp8, max_seqlen_q):
-    """A user config (BLOCK_N, NUM_BUF[, persistent[, pingpong[, tma_store[, stage_ks[, rowsum_mma[,
-    lazy_rescale]]]]]]) completed with True, True, False, False, False, False; None: `_default_config`."""
+def _full_config(config, head_dim, fp8, max_seqlen_q) -> WsConfig:
+    """A user config (a WsConfig, or a tuple of its first 2-8 fields, completed with its defaults: True, True,
+    False, False, False, False); None: `_default_config`."""
     if not config:
         return _default_config(head_dim, fp8, max_seqlen_q)
-    return (tuple(config) + (True, True, False, False, False, False)[len(config) - 2:])[:8]
+    return WsConfig(*config)
 
 
 # One CTA of 3 warpgroups (12 warps) per SM: maxnreg 168 caps the whole at 168 * 384 = 64512
@@ -533,15 +534,15 @@ def attention_varlen_ws(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causa
     """Same contract as `attention_gluon.attention_varlen_gluon` (and its `supported` cases).
 
     q: (total_q, Hq, D); k, v: (total_k, Hkv, D), bf16/fp16; cu_seqlens_*: (B + 1,) int32.
-    config: (BLOCK_N, NUM_BUF[, persistent[, pingpong[, tma_store[, stage_ks[, rowsum_mma[, lazy_rescale]]]]]]), see
-    `_default_config`; query tiles are 128 rows (2 x 64). persistent (default True): one program
+    config: `attention_select.WsConfig` (BLOCK_N, NUM_BUF, persistent, pingpong, tma_store, stage_ks, rowsum_mma,
+    lazy_rescale), see `_default_config`; query tiles are 128 rows (2 x 64). persistent (default True): one program
     per SM looping over the work tiles, so a tile's loads overlap the previous tile's last rounds;
     else one program a tile. pingpong (default True): the turn handshake between the consumer
     warpgroups. tma_store: the output through shared memory and TMA. stage_ks (fp8 only): the
     producer stages each K tile's scale in shared memory. rowsum_mma (fp8 only): the softmax row sums
     by a P @ ones wgmma a round (`_consume_tile`). lazy_rescale: a stale row max, and each warp skips the O
-    rescale when none of its rows raised it (`_consume_tile`). A config of 2-7 entries is completed with True,
-    True, False, False, False, False (`_full_config`).
+    rescale when none of its rows raised it (`_consume_tile`). A tuple of 2-7 entries is completed with WsConfig's
+    defaults (`_full_config`).
     out: optional (total_q, Hq, D) buffer to write (tests pass a NaN-poisoned one).
     Returns (total_q, Hq, D) in q's dtype."""
     n_heads, head_dim = q.shape[1], q.shape[2]

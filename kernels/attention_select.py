@@ -12,8 +12,36 @@ better than one 128-row program of the warp-specialized kernel.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 BACKENDS = ("triton", "gluon", "gluon_ws")
+
+
+class AttentionTiles(NamedTuple):
+    """Config of the Triton kernel and of the Gluon FA3-ordered kernel: query and key tile, warps, and the K/V
+    pipeline depth (``num_stages`` for Triton, the ring's NUM_BUF for Gluon). A tuple, so ``(128, 128, 8, 3)``
+    reads the same."""
+
+    BLOCK_M: int
+    BLOCK_N: int
+    num_warps: int
+    num_stages: int
+
+
+class WsConfig(NamedTuple):
+    """Config of the warp-specialized Gluon kernel (``attention_gluon_ws``): 128-row query tiles, BLOCK_N keys, a
+    NUM_BUF-deep ring; PERSISTENT programs (one per SM), the PINGPONG turn between the two consumer warpgroups,
+    the TMA_STORE epilogue, the K scale staged in shared memory (STAGE_KS, fp8), the fp8 row sums by a P @ ones
+    wgmma (ROWSUM_MMA) and the LAZY_RESCALE of O. ``WsConfig(*t)`` completes a shorter tuple with the defaults."""
+
+    BLOCK_N: int
+    NUM_BUF: int
+    PERSISTENT: bool = True
+    PINGPONG: bool = True
+    TMA_STORE: bool = False
+    STAGE_KS: bool = False
+    ROWSUM_MMA: bool = False
+    LAZY_RESCALE: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
