@@ -23,9 +23,9 @@ import triton
 
 from quantkit.kernels import device_info
 from quantkit.kernels.device_info import interpreting
-from quantkit.kernels.w4a16_configs import GemvConfig, GluonConfig, PairsConfig, TcConfig
+from quantkit.kernels.w4a16_configs import CONFIG_TYPES, GemvConfig, PairsConfig, TcConfig
 from quantkit.kernels.w4a16_gather import gather_columns
-from quantkit.kernels.w4a16_select import KernelChoice, m_bucket, select_w4a16
+from quantkit.kernels.w4a16_select import PAIRS_SPLIT_MAX_M, KernelChoice, m_bucket, select_w4a16
 from quantkit.kernels.w4a16_triton import _w4a16_gemv_kernel, _w4a16_kernel, _w4a16_pairs_kernel
 from quantkit.kernels.w4a16_weights import (
     PAIR_TILE_K,
@@ -39,8 +39,6 @@ __all__ = ["W4A16Weights", "prepare_w4a16_weights", "w4a16_matmul", "w4a16_matmu
 
 # The general tensor-core kernel splits K (float32 atomics) up to this many rows.
 DECODE_MAX_M = 16
-# The paired kernel splits K up to this many rows (and wherever 128 x 128 tiles would not fill the SMs).
-PAIRS_SPLIT_MAX_M = 64
 # Programs per SM the general kernel's K split aims for: enough bytes in flight to cover latency.
 _DECODE_PROGRAMS_PER_SM = 4
 # A GEMV thread's codes per tile (over 128 at two or more rows, the dequantized tile spills), and products.
@@ -107,7 +105,8 @@ def _pairs_matmul(x, w, config: PairsConfig):
     m, k = x.shape
     n = w.out_features
     num_sms = device_info.num_sms(x.device)
-    # Split K (float32 atomics) for decode, and wherever 128 x 128 output tiles would not fill the SMs.
+    # Split K (float32 atomics) up to PAIRS_SPLIT_MAX_M rows, and wherever 128 x 128 output tiles would not fill
+    # the SMs.
     split = m <= PAIRS_SPLIT_MAX_M or triton.cdiv(n, 128) * triton.cdiv(m, 128) < num_sms
     out = torch.empty((m, n), device=x.device, dtype=torch.float32 if split else x.dtype)
     xp = gather_columns(x, w.pair_index, out if split else None)
@@ -180,9 +179,6 @@ def _check_inputs(x: torch.Tensor, w: W4A16Weights) -> None:
         raise ValueError(f"x on {x.device}, weights on {w.qweight.device}")
 
 
-_CONFIG_TYPES = {"gemv": GemvConfig, "pairs": PairsConfig, "tc": TcConfig, "gluon": GluonConfig}
-
-
 def w4a16_matmul(x: torch.Tensor, w: W4A16Weights, path: str | None = None, config=None) -> torch.Tensor:
     """``x [M, K]`` fp16/bf16 -> ``x @ W^T`` ``[M, N]`` through a W4A16 kernel.
 
@@ -196,10 +192,10 @@ def w4a16_matmul(x: torch.Tensor, w: W4A16Weights, path: str | None = None, conf
         if choice.kernel == "reference":
             raise ValueError(f"no W4A16 kernel serves this layer: {choice.reason}; use w4a16_matmul_ref")
         path, config = choice.kernel, choice.config
-    if path not in _CONFIG_TYPES:
+    if path not in CONFIG_TYPES:
         raise ValueError(f"path must be 'gemv', 'gluon', 'tc', 'pairs' or None, got {path!r}")
-    if not isinstance(config, _CONFIG_TYPES[path]):
-        raise TypeError(f"the {path!r} kernel takes a {_CONFIG_TYPES[path].__name__}, got {config!r}")
+    if not isinstance(config, CONFIG_TYPES[path]):
+        raise TypeError(f"the {path!r} kernel takes a {CONFIG_TYPES[path].__name__}, got {config!r}")
     if path == "gluon":
         from quantkit.kernels.w4a16_gluon import w4a16_gluon_matmul
 

@@ -54,6 +54,7 @@ GEMV_DIRECT_MAX_WEIGHTS = 1 << 24
 # 4.4 against 4.7 us at 2048 x 2048, H200 runs 41 and 43; others: runs 14-19).
 GLUON_DIRECT_M1_MIN_WEIGHTS = 1 << 22
 GLUON_M1_MIN_WEIGHTS = 1 << 25
+# The paired Triton kernel splits K (float32 atomics) up to this many rows: its configs below carry BLOCK_M = M.
 PAIRS_SPLIT_MAX_M = 64
 KERNELS = ("gemv", "pairs", "tc", "gluon", "reference")
 
