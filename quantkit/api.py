@@ -62,11 +62,13 @@ def build_method(name: str, scheme: QuantScheme, options: dict[str, Any] | None 
             raise QuantkitError(f"rtn takes no options, got {sorted(options)}")
         return RTNMethod(scheme)
     if name == "gptq":
-        from quantkit.methods.gptq import GPTQConfig, GPTQMethod
+        from quantkit.methods.gptq import GPTQConfig
+        from quantkit.methods.gptq_method import GPTQMethod
 
         return GPTQMethod(scheme, GPTQConfig(**options))
     if name == "awq":
-        from quantkit.methods.awq import AWQConfig, AWQMethod
+        from quantkit.methods.awq import AWQConfig
+        from quantkit.methods.awq_method import AWQMethod
 
         return AWQMethod(scheme, AWQConfig(**options))
     raise QuantkitError(f"unknown method {name!r}; choose one of {', '.join(METHOD_NAMES)}")

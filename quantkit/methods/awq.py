@@ -16,7 +16,7 @@ full-precision function is unchanged while salient channels get a finer grid.
   partial products ``x_g . w_g`` over sampled tokens is kept (ratio 1 is on the grid, so the
   objective never increases).
 * Everything here takes tensors and a frozen config and returns records; the walker glue lives in
-  ``awq_method.py`` (``AWQMethod``, importable from here).
+  ``awq_method.py`` (``AWQMethod``), which imports this module and never the other way round.
 """
 
 from __future__ import annotations
@@ -391,11 +391,3 @@ def awq_quantization_config(scheme: QuantScheme, modules_to_not_convert: list[st
         "modules_to_not_convert": modules_to_not_convert,
     }
 
-
-def __getattr__(name: str):
-    # The walker glue imports this module, so it is reached lazily to avoid an import cycle.
-    if name == "AWQMethod":
-        from quantkit.methods.awq_method import AWQMethod
-
-        return AWQMethod
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -334,12 +334,3 @@ def _static_params(
     pairs = [group_qparams(W[:, c : c + gs], scheme, config) for c in range(0, W.shape[1], gs)]
     return torch.stack([s for s, _ in pairs]), torch.stack([z for _, z in pairs])
 
-
-def __getattr__(name: str):
-    """``GPTQMethod`` (the walker glue) lives in ``gptq_method``; reachable from here lazily so the
-    core imports nothing of the walker."""
-    if name == "GPTQMethod":
-        from quantkit.methods.gptq_method import GPTQMethod
-
-        return GPTQMethod
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
