@@ -64,7 +64,7 @@ class _LayerWork:
         t0 = _clock(ctx.device)
         stacks = [_stacked(ctx, members) for members, _ in sets]  # each [sum out_n, in]
         items = plan_solves([tuple(w.shape) for w in stacks], comm.world_size, config.split_min_rows)
-        hessians = [_global_hessian(ctx, acc, {it.owner for it in items if it.key == k})
+        hessians = [global_hessian(ctx, acc, {it.owner for it in items if it.key == k})
                     for k, (_, acc) in enumerate(sets)]
         hessian_seconds += _clock(ctx.device) - t0
         t1 = _clock(ctx.device)
@@ -114,7 +114,7 @@ def _stacked(ctx: LayerContext, members: list[str]) -> torch.Tensor:
     return ws[0] if len(ws) == 1 else torch.cat(ws)
 
 
-def _global_hessian(ctx: LayerContext, acc: HessianAccumulator, owners: set[int]) -> torch.Tensor | None:
+def global_hessian(ctx: LayerContext, acc: HessianAccumulator, owners: set[int]) -> torch.Tensor | None:
     """The Hessian over every rank's tokens, on the ranks in ``owners`` (None elsewhere).
 
     Each rank's running mean is weighted by its share of the tokens and summed: reduced onto a
@@ -185,6 +185,9 @@ def collect_hessians(
     accs: dict[str, HessianAccumulator] = {}
     owner_of: dict[str, str] = {}
     batch_inputs: dict[tuple, str] = {}
+    # The inputs seen in the current batch, held so that a freed one's address cannot be taken by a
+    # later input of the same batch and mistaken for it (which would share a Hessian wrongly).
+    held: list[torch.Tensor] = []
     seen: set[str] = set()
     spent = [0.0]
 
@@ -192,6 +195,8 @@ def collect_hessians(
         if name in seen:  # a new batch began
             seen.clear()
             batch_inputs.clear()
+            held.clear()
+        held.append(x)
         seen.add(name)
         key = (x.data_ptr(), tuple(x.shape), x.dtype)
         owner = owner_of.setdefault(name, batch_inputs.get(key, name))
