@@ -73,10 +73,15 @@ class TorchComm:
     rank: int
     world_size: int
     backend: str
+    owns_group: bool = True  # whether quantkit created the process group (and destroys it)
 
     def _staged(self, t: torch.Tensor) -> torch.Tensor:
         t = t.contiguous()
-        return t.cpu() if self.backend == "gloo" and t.is_cuda else t
+        if self.backend == "gloo" and t.is_cuda:
+            return t.cpu()
+        if self.backend == "nccl" and not t.is_cuda:
+            return t.to(torch.device("cuda", torch.cuda.current_device()))
+        return t
 
     def _run(self, what: str, fn, *args, **kwargs):
         import torch.distributed as dist

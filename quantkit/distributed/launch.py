@@ -15,18 +15,23 @@ returns the communicator and the rank's device.
 from __future__ import annotations
 
 import datetime
+import functools
 import logging
 import os
 import socket
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import ParamSpec, TypeVar
 
 from quantkit.config import QuantkitError
 from quantkit.distributed.comm import LOCAL, Communicator, TorchComm
 
 log = logging.getLogger(__name__)
+P = ParamSpec("P")
+R = TypeVar("R")
 
 REPORT_DIR_ENV = "QUANTKIT_DIST_REPORT_DIR"
 TIMEOUT_ENV = "QUANTKIT_DIST_TIMEOUT"
@@ -89,15 +94,18 @@ def launch(entry: list[str], args: list[str], nproc: int, *, timeout_s: float | 
 
 def _failure_message(reports: Path, logs: Path, nproc: int, returncode: int) -> str:
     found = {int(p.stem.removeprefix("rank")): p.read_text().strip() for p in sorted(reports.glob("rank*.txt"))}
+    # A rank's own error first; "a collective failed" only says that some other rank died.
+    own = {r: t for r, t in found.items() if not t.startswith("DistributedError")}
     lines = [f"the {nproc}-rank run failed (torchrun exit code {returncode}); nothing was written."]
-    for rank, text in sorted(found.items()):
+    for rank, text in sorted(own.items()) + sorted((r, t) for r, t in found.items() if r not in own):
         lines.append(f"  rank {rank}: {text}")
-    if not found:
-        lines.append("  no rank reported an error: a rank was killed (out of memory? a signal?)")
+    if not own:
+        silent = [r for r in range(nproc) if r not in found]
+        lines.append(f"  rank(s) {silent or '?'} died without an error report: killed (out of memory? a signal?)")
         for stderr in sorted(logs.glob("**/stderr.log")):
             tail = stderr.read_text(errors="replace").strip().splitlines()[-3:]
             if tail:
-                lines.append(f"  {stderr.parent.name} stderr: " + " | ".join(tail))
+                lines.append(f"  local rank {stderr.parent.name} stderr: " + " | ".join(tail))
     return "\n".join(lines)
 
 
@@ -114,6 +122,20 @@ def report_failure(rank: int, err: BaseException) -> None:
         (Path(folder) / f"rank{rank}.txt").write_text(text[:2000])
     except OSError:
         pass
+
+
+def reports_rank_failures(fn: Callable[P, R]) -> Callable[P, R]:
+    """Decorator: an exception leaving ``fn`` in a launched rank is reported (``report_failure``), then re-raised."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return fn(*args, **kwargs)
+        except BaseException as err:
+            report_failure(int(os.environ.get("RANK", "0")), err)
+            raise
+
+    return wrapper
 
 
 def setup(gpus: int | None, device: str) -> tuple[Communicator, str]:
@@ -144,14 +166,26 @@ def setup(gpus: int | None, device: str) -> tuple[Communicator, str]:
     else:
         backend = "gloo"
     timeout = datetime.timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S)))
-    if not dist.is_initialized():
+    owns_group = not dist.is_initialized()
+    if owns_group:
         dist.init_process_group(backend, timeout=timeout)
-    return TorchComm(rank, world, backend), device
+    return TorchComm(rank, world, backend, owns_group), device
 
 
 def teardown(comm: Communicator) -> None:
-    if comm.world_size > 1:
+    """Destroy the process group if ``setup`` created it (one a caller made stays theirs)."""
+    if getattr(comm, "owns_group", False):
         import torch.distributed as dist
 
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def launch_cli(command: str, gpus: int) -> None:
+    """Run this process's own ``quantkit`` command line again on ``gpus`` ranks (``--gpus`` included:
+    the ranks see torchrun's environment and do not launch again)."""
+    args = sys.argv[1:]
+    if command not in args:
+        raise QuantkitError(f"cannot relaunch `quantkit {command}` from this command line {args}: run it under "
+                            f"`torchrun --nproc-per-node {gpus} -m quantkit.cli.app {command} ...` instead")
+    launch(["-m", "quantkit.cli.app"], args, gpus)

@@ -55,9 +55,10 @@ def plan_solves(shapes: list[tuple[int, int]], world_size: int, min_rows: int = 
     """Split solves ``shapes[k] = (rows, in_features)`` into items and give each an owner rank.
 
     Owners come from greedy bin-packing (largest item first, to the least loaded rank). Before that,
-    while there are fewer items than ranks or the largest item costs more than a rank's fair share,
-    the largest is cut in two by output rows (GPTQ solves rows independently), down to ``min_rows``
-    rows. With one rank nothing is cut and rank 0 owns everything, in the given order.
+    the largest item is cut in two by output rows (GPTQ solves rows independently), down to
+    ``min_rows`` rows, while a rank would otherwise idle, or while it costs more than a rank's fair
+    share and cutting saves at least a quarter of it (``rows >= _LAUNCH_ROWS``: the column steps'
+    launch cost is not cut). With one rank nothing is cut and rank 0 owns everything, in order.
     """
     items = [(k, 0, rows, in_f) for k, (rows, in_f) in enumerate(shapes)]
     if world_size > 1:
@@ -65,8 +66,9 @@ def plan_solves(shapes: list[tuple[int, int]], world_size: int, min_rows: int = 
         for _ in range(64 * world_size):
             items.sort(key=lambda it: (-solve_cost(it[2] - it[1], it[3]), it[0], it[1]))
             k, r0, r1, in_f = items[0]
-            too_big = solve_cost(r1 - r0, in_f) > total / world_size
-            if not (len(items) < world_size or too_big) or r1 - r0 < 2 * min_rows:
+            idle = len(items) < world_size
+            worth = solve_cost(r1 - r0, in_f) > total / world_size and r1 - r0 >= _LAUNCH_ROWS
+            if not (idle or worth) or r1 - r0 < 2 * min_rows:
                 break
             mid = r0 + (r1 - r0) // 2
             items[0:1] = [(k, r0, mid, in_f), (k, mid, r1, in_f)]
