@@ -14,6 +14,7 @@ returns the communicator and the rank's device.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import functools
 import logging
@@ -169,16 +170,22 @@ def setup(gpus: int | None, device: str) -> tuple[Communicator, str]:
     owns_group = not dist.is_initialized()
     if owns_group:
         dist.init_process_group(backend, timeout=timeout)
-    return TorchComm(rank, world, backend, owns_group), device
+        atexit.register(_destroy_at_exit)
+    return TorchComm(rank, world, dist.get_backend(), owns_group), device
 
 
 def teardown(comm: Communicator) -> None:
-    """Destroy the process group if ``setup`` created it (one a caller made stays theirs)."""
-    if getattr(comm, "owns_group", False):
-        import torch.distributed as dist
+    """End of one quantization: the ranks leave it together. The process group stays for the next
+    call in this process (torch cannot set up a second one on torchrun's store: the new group would
+    read the old one's addresses) and is destroyed when the process exits (``setup`` arranges it)."""
+    comm.barrier()
 
-        if dist.is_initialized():
-            dist.destroy_process_group()
+
+def _destroy_at_exit() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def launch_cli(command: str, gpus: int) -> None:
