@@ -102,7 +102,8 @@ def _failure_message(reports: Path, logs: Path, nproc: int, returncode: int) -> 
         lines.append(f"  rank {rank}: {text}")
     if not own:
         silent = [r for r in range(nproc) if r not in found]
-        lines.append(f"  rank(s) {silent or '?'} died without an error report: killed (out of memory? a signal?)")
+        lines.append(f"  rank(s) {silent or '?'} died without an error report: killed (out of memory? a signal?) "
+                     "or failed outside quantkit.api (see the stderr tail)")
         for stderr in sorted(logs.glob("**/stderr.log")):
             tail = stderr.read_text(errors="replace").strip().splitlines()[-3:]
             if tail:
