@@ -18,7 +18,8 @@ import transformers
 from smollm2_protocol import load_protocol, ppl  # bench/, beside this script
 
 from quantkit.config import QuantScheme
-from quantkit.methods.awq import AWQConfig, AWQMethod
+from quantkit.methods.awq import AWQConfig
+from quantkit.methods.awq_method import AWQMethod
 from quantkit.methods.rtn import RTNMethod
 from quantkit.walker import walk
 

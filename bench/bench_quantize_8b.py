@@ -9,6 +9,12 @@ and the matmul rate measured in the same run. Writes JSON under bench/results/.
     python bench/bench_quantize_8b.py --method gptq               # the whole 8B shape on cuda
     python bench/bench_quantize_8b.py --method gptq --layers 4    # fewer layers
     python bench/bench_quantize_8b.py --tiny                      # CPU smoke run (tiny shapes)
+    python bench/bench_quantize_8b.py --method gptq --gpus 2      # 2 ranks through torchrun (one GPU each)
+    python bench/bench_quantize_8b.py --tiny --gpus 2 --batch-size 2   # 2 gloo ranks on the CPU (smoke run)
+
+``--gpus 1`` (the default) is the single-process path: no torchrun, the walker's no-op communicator.
+With ``--gpus N`` the script relaunches itself through torchrun; every rank builds the same random
+model (same seed) and rank 0 prints and writes the JSON.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
 import time
 from pathlib import Path
 
@@ -42,6 +49,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--asym", action="store_true")
     p.add_argument("--desc-act", action="store_true")
     p.add_argument("--device", default=None, help="default cuda (cpu with --tiny)")
+    p.add_argument("--batch-size", type=int, default=8, help="calibration windows per forward (each rank needs one)")
+    p.add_argument("--gpus", type=int, default=1, help="ranks sharing the work (torchrun; gloo on the CPU)")
     p.add_argument("--out", default=None, help="JSON path (default bench/results/quantize_8b_<method>_<date>.json)")
     return p.parse_args()
 
@@ -139,10 +148,13 @@ def expected(method: str, shape: dict, nsamples: int, seqlen: int, n_layers: int
 
 def run(args: argparse.Namespace) -> dict:
     from quantkit.config import QuantScheme
+    from quantkit.distributed.launch import setup
     from quantkit.walker import walk
 
     shape = TINY if args.tiny else LLAMA3_8B
-    device = torch.device(args.device or ("cpu" if args.tiny else "cuda"))
+    # Outside torchrun (--gpus 1) ``setup`` returns the no-op communicator and the device unchanged.
+    comm, device_name = setup(args.gpus, args.device or ("cpu" if args.tiny else "cuda"))
+    device = torch.device(device_name)
     nsamples = args.nsamples or (8 if args.tiny else 128)
     seqlen = args.seqlen or (64 if args.tiny else 2048)
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
@@ -174,14 +186,15 @@ def run(args: argparse.Namespace) -> dict:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     sync(device)
+    comm.barrier()  # the ranks start the clock together (a no-op in one process)
     t0 = time.perf_counter()
     result = walk(model, method, device=device, token_ids=tokens if method.needs_calibration else None,
-                  batch_size=8, on_layer=on_layer)
+                  batch_size=args.batch_size, on_layer=on_layer if comm.rank == 0 else None, comm=comm)
     sync(device)
     total = time.perf_counter() - t0
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
     return {
-        "method": args.method, "scheme": {"bits": 4, "group_size": args.group_size, "sym": not args.asym,
+        "method": args.method, "gpus": comm.world_size, "scheme": {"bits": 4, "group_size": args.group_size, "sym": not args.asym,
                                           "desc_act": args.desc_act},
         "shape": {**shape, "num_hidden_layers": n_layers}, "nsamples": nsamples, "seqlen": seqlen,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU {platform.processor()}",
@@ -212,7 +225,7 @@ def print_table(rec: dict) -> None:
     exp = rec["expected"]
     mean = {k: sum(r[k] for r in rows) / n for k in ("seconds", "hessian_s", "solve_s", "forward_other_s")}
     print()
-    print(f"{rec['method']} on {rec['device']}, {rec['shape']['num_hidden_layers']} layers, "
+    print(f"{rec['method']} on {rec['gpus']} x {rec['device']}, {rec['shape']['num_hidden_layers']} layers, "
           f"{rec['nsamples']} x {rec['seqlen']} tokens")
     print(f"ceilings: bf16 {rec['ceilings']['bf16_tflops']:.0f} TFLOP/s, fp32 {rec['ceilings']['fp32_tflops']:.0f} "
           f"TFLOP/s, one small op {rec['ceilings']['small_op_us']:.1f} us")
@@ -230,11 +243,19 @@ def print_table(rec: dict) -> None:
 
 
 def main() -> None:
+    from quantkit.distributed.launch import is_secondary_rank, launch, needs_launch
+
     args = parse_args()
+    if needs_launch(args.gpus):
+        launch([str(Path(__file__).resolve())], sys.argv[1:], args.gpus)
+        return
     rec = run(args)
+    if is_secondary_rank():
+        return
     print_table(rec)
+    gpus = f"_{rec['gpus']}gpu" if rec["gpus"] > 1 else ""
     out = Path(args.out) if args.out else RESULTS / (
-        f"quantize_8b_{rec['method']}{'_tiny' if args.tiny else ''}_{time.strftime('%Y%m%d-%H%M%S')}.json")
+        f"quantize_8b_{rec['method']}{'_tiny' if args.tiny else ''}{gpus}_{time.strftime('%Y%m%d-%H%M%S')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(rec, indent=1))
     print(f"wrote {out}")

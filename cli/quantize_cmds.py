@@ -34,20 +34,27 @@ from quantkit.cli.options import (
 def _run(method: str, model: str, output: Path, *, bits: int, group_size: int, sym: bool, device: str, dtype: str,
          trust_remote_code: bool, overwrite: bool, as_json: bool, options: dict[str, Any] | None = None,
          calib: str = "self", nsamples: int = 128, seqlen: int = 2048, seed: int = 0, text_field: str = "text",
-         batch_size: int = 8, save_stats: Path | None = None, quantize_lm_head: bool = False) -> None:
+         batch_size: int = 8, save_stats: Path | None = None, quantize_lm_head: bool = False,
+         gpus: int | None = None) -> None:
     from quantkit import api
     from quantkit.config import CalibConfig, LoadConfig, QuantScheme
+    from quantkit.distributed.launch import is_secondary_rank, launch_cli, needs_launch
 
     scheme = QuantScheme(bits=bits, group_size=group_size, sym=sym)
     load = LoadConfig(dtype=dtype, device=device, trust_remote_code=trust_remote_code)
     calib_config = CalibConfig(source=calib, nsamples=nsamples, seqlen=seqlen, seed=seed, text_field=text_field)
     api.check_output(output, overwrite)  # fail before loading anything
+    if needs_launch(gpus):  # start `gpus` ranks through torchrun, each running this same command line
+        launch_cli(method, gpus)
+        return
     console = display.console(stderr=as_json)
     with display.LayerProgress(console, method) as progress, display.library_logs(console):
         report = api.quantize(model, output, method=method, scheme=scheme, method_options=options,
                               calib=calib_config, load=load, overwrite=overwrite, batch_size=batch_size,
                               on_layer=progress.on_layer, on_calib_progress=progress.on_calibration,
-                              quantize_lm_head=quantize_lm_head)
+                              quantize_lm_head=quantize_lm_head, gpus=gpus)
+    if is_secondary_rank():  # rank 0 alone reports
+        return
     if save_stats is not None:
         display.save_layer_stats(report, save_stats, console)
     if as_json:
@@ -79,14 +86,16 @@ def register(app: typer.Typer) -> None:
              mse: Annotated[bool, typer.Option("--mse", help="Search each group's range for the least quantization error.")] = False,
              device: Device = "auto", dtype: Dtype = "auto", trust_remote_code: TrustRemoteCode = False,
              batch_size: BatchSize = 8, overwrite: Overwrite = False, json_: Json = False,
-             save_stats: SaveStats = None, quantize_lm_head: LmHead = False) -> None:
+             save_stats: SaveStats = None, quantize_lm_head: LmHead = False,
+             gpus: Annotated[int | None, typer.Option("--gpus", help="Ranks to share the work (torchrun; one GPU each, gloo on the CPU).")] = None,
+    ) -> None:
         """GPTQ: column-by-column rounding with inverse-Hessian error compensation."""
         options = dict(damp=damp, block_size=block_size, desc_act=desc_act, static_groups=static_groups,
                        true_sequential=true_sequential, mse=mse)
         _run("gptq", model, output, bits=bits, group_size=group_size, sym=sym, device=device, dtype=dtype,
              trust_remote_code=trust_remote_code, overwrite=overwrite, as_json=json_, options=options, calib=calib,
              nsamples=nsamples, seqlen=seqlen, seed=seed, text_field=text_field, batch_size=batch_size,
-             save_stats=save_stats, quantize_lm_head=quantize_lm_head)
+             save_stats=save_stats, quantize_lm_head=quantize_lm_head, gpus=gpus)
 
     @app.command("awq")
     def awq(model: ModelArg, output: Output, bits: Bits = 4, group_size: GroupSize = 128, sym: Sym = False,
@@ -98,7 +107,9 @@ def register(app: typer.Typer) -> None:
             fmt: Annotated[str | None, typer.Option("--format", help="Checkpoint layout: gptq (default) or awq (AWQ GEMM).")] = None,
             device: Device = "auto", dtype: Dtype = "auto", trust_remote_code: TrustRemoteCode = False,
             batch_size: BatchSize = 8, overwrite: Overwrite = False, json_: Json = False,
-            save_stats: SaveStats = None, quantize_lm_head: LmHead = False) -> None:
+            save_stats: SaveStats = None, quantize_lm_head: LmHead = False,
+            gpus: Annotated[int | None, typer.Option("--gpus", help="Ranks to share the work (torchrun; one GPU each, gloo on the CPU).")] = None,
+    ) -> None:
         """AWQ: activation-aware scaling of salient input channels, folded into the previous op, then rounding."""
         options: dict[str, Any] = dict(grid=grid, clip=clip, gptq=gptq)
         if fmt is not None:
@@ -106,4 +117,4 @@ def register(app: typer.Typer) -> None:
         _run("awq", model, output, bits=bits, group_size=group_size, sym=sym, device=device, dtype=dtype,
              trust_remote_code=trust_remote_code, overwrite=overwrite, as_json=json_, options=options, calib=calib,
              nsamples=nsamples, seqlen=seqlen, seed=seed, text_field=text_field, batch_size=batch_size,
-             save_stats=save_stats, quantize_lm_head=quantize_lm_head)
+             save_stats=save_stats, quantize_lm_head=quantize_lm_head, gpus=gpus)

@@ -16,6 +16,9 @@ from typing import Any
 import torch
 
 from quantkit.config import CalibConfig, LoadConfig, QuantkitError, QuantScheme, resolve_device
+from quantkit.distributed.launch import reports_rank_failures
+from quantkit.distributed.launch import setup as setup_ranks
+from quantkit.distributed.launch import teardown as teardown_ranks
 from quantkit.walker import LayerEvent, Method, walk
 
 log = logging.getLogger(__name__)
@@ -62,11 +65,13 @@ def build_method(name: str, scheme: QuantScheme, options: dict[str, Any] | None 
             raise QuantkitError(f"rtn takes no options, got {sorted(options)}")
         return RTNMethod(scheme)
     if name == "gptq":
-        from quantkit.methods.gptq import GPTQConfig, GPTQMethod
+        from quantkit.methods.gptq import GPTQConfig
+        from quantkit.methods.gptq_method import GPTQMethod
 
         return GPTQMethod(scheme, GPTQConfig(**options))
     if name == "awq":
-        from quantkit.methods.awq import AWQConfig, AWQMethod
+        from quantkit.methods.awq import AWQConfig
+        from quantkit.methods.awq_method import AWQMethod
 
         return AWQMethod(scheme, AWQConfig(**options))
     raise QuantkitError(f"unknown method {name!r}; choose one of {', '.join(METHOD_NAMES)}")
@@ -129,6 +134,7 @@ def calibration_tokens(calib: CalibConfig, loaded, device: str, on_progress: Cal
     return load_calibration(calib, loaded.tokenizer, model=loaded.model, on_progress=on_progress)
 
 
+@reports_rank_failures
 def quantize(
     model: str,
     output: str | Path,
@@ -143,8 +149,12 @@ def quantize(
     on_layer: Callable[[LayerEvent], None] | None = None,
     on_calib_progress: Callable[[int, int], None] | None = None,
     quantize_lm_head: bool = False,
+    gpus: int | None = None,
 ) -> QuantizeReport:
     """Quantize ``model`` (folder, hub id or .gguf) with ``method`` and write a GPTQ-layout checkpoint.
+
+    ``gpus``: under torchrun, the ranks share the work (``quantkit.distributed``; None: as many as
+    torchrun started, else one process); rank 0 alone writes the checkpoint.
 
     ``on_layer`` receives a :class:`~quantkit.walker.LayerEvent` after each decoder layer and
     ``on_calib_progress(done, total)`` follows self-generated calibration.
@@ -157,7 +167,7 @@ def quantize(
     method_options = dict(method_options or {})
     layout = method_options.pop("format", "gptq")
     quant_method = build_method(method, scheme, method_options)
-    device = resolve_device(load.device)
+    comm, device = setup_ranks(gpus, resolve_device(load.device))
     loaded = load_model(model, load)
     if method == "awq":
         # AWQ folds scales through per-family records; without one it would only clip and round.
@@ -168,13 +178,14 @@ def quantize(
 
     token_ids = None
     if quant_method.needs_calibration:
-        token_ids = calibration_tokens(calib, loaded, device, on_calib_progress)
+        token_ids = calibration_tokens(calib, loaded, device, on_calib_progress) if comm.rank == 0 else None
+        token_ids = comm.broadcast_object(token_ids, src=0)  # every rank calibrates on rank 0's windows
     t_calib = time.perf_counter()
 
     partial = partial_group_layers(loaded.model, scheme)
     warn_partial_groups(partial, loaded.model, scheme.group_size)
     result = walk(loaded.model, quant_method, device=device, token_ids=token_ids, batch_size=batch_size,
-                  on_layer=on_layer, quantize_lm_head=quantize_lm_head)
+                  on_layer=on_layer if comm.rank == 0 else None, quantize_lm_head=quantize_lm_head, comm=comm)
     t_quant = time.perf_counter()
 
     extra = {"source_model": model, "method": method, "layer_seconds": result.seconds}
@@ -184,8 +195,11 @@ def quantize(
     checkpoint_extra = getattr(quant_method, "checkpoint_extra", None)
     if checkpoint_extra is not None:
         extra.update(checkpoint_extra())
-    save_quantized(loaded.model, result.weights, out, tokenizer=loaded.tokenizer, method=method, scheme=scheme,
-                   extra=extra, overwrite=overwrite, layout=layout)
+    comm.barrier()  # every rank finished its share before rank 0 writes
+    if comm.rank == 0:
+        save_quantized(loaded.model, result.weights, out, tokenizer=loaded.tokenizer, method=method, scheme=scheme,
+                       extra=extra, overwrite=overwrite, layout=layout)
+    teardown_ranks(comm)
     t_end = time.perf_counter()
     peak = torch.cuda.max_memory_allocated() if device.startswith("cuda") else 0
     return QuantizeReport(

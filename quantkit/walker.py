@@ -22,6 +22,8 @@ import torch
 from torch import nn
 
 from quantkit.arch import ArchSpec, arch_for, find_decoder_layers, find_linears, sequential_groups
+from quantkit.distributed.comm import LOCAL, Communicator
+from quantkit.distributed.plan import shard_windows
 from quantkit.qtensor import QuantizedWeight
 
 log = logging.getLogger(__name__)
@@ -36,14 +38,26 @@ class StopForward(Exception):
 
 @dataclass
 class LayerInputs:
-    """Calibration inputs of one decoder layer: batches ``[b, S, H]`` and the layer's keyword arguments."""
+    """Calibration inputs of one decoder layer: batches ``[b, S, H]`` and the layer's keyword arguments.
+
+    Under several ranks ``hidden`` is this rank's share, windows ``first_window ..`` of the whole set
+    of ``total_tokens`` tokens (None: this share is the whole set).
+    """
 
     hidden: list[torch.Tensor]
     kwargs: dict[str, Any]
+    first_window: int = 0
+    total_tokens: int | None = None
 
     @property
     def n_tokens(self) -> int:
+        """Tokens of this rank's share."""
         return sum(h.shape[0] * h.shape[1] for h in self.hidden)
+
+    @property
+    def n_tokens_all(self) -> int:
+        """Tokens of the whole calibration set, over every rank (decisions that must agree use it)."""
+        return self.n_tokens if self.total_tokens is None else self.total_tokens
 
 
 @dataclass
@@ -59,6 +73,7 @@ class LayerContext:
     spec: ArchSpec | None
     inputs: LayerInputs | None  # None for methods without calibration
     device: torch.device
+    comm: Communicator = LOCAL  # the ranks sharing this layer's work (one process: LOCAL)
 
 
 @dataclass
@@ -281,6 +296,7 @@ def walk(
     skip: Callable[[str], bool] = lambda name: False,
     on_layer: Callable[[LayerEvent], None] | None = None,
     quantize_lm_head: bool = False,
+    comm: Communicator = LOCAL,
 ) -> WalkResult:
     """Quantize every decoder layer of ``model`` with ``method``; returns the packed weights by full name.
 
@@ -289,6 +305,10 @@ def walk(
     output projection is quantized last, as one more "layer" whose input is the final norm's output
     (tied embeddings are untied first: the input embeddings stay in 16 bits). The model is left
     holding the dequantized weights, so it computes what the checkpoint will.
+
+    With a ``comm`` of several ranks (each holding the same model and ``token_ids``), each rank runs
+    every layer on its share of whole calibration batches; the method reduces statistics and shares
+    solved weights through ``comm``, so every rank ends with the same weights.
     """
     device = torch.device(device)
     prefix, layers = find_decoder_layers(model)
@@ -299,10 +319,13 @@ def walk(
                     getattr(model.config, "model_type", "?"))
     hidden: list[torch.Tensor] | None = None
     layer_kwargs: list[dict[str, Any]] = [{} for _ in range(len(source))]
+    share, total_tokens = slice(0, 0), None
     if method.needs_calibration:
         if token_ids is None:
             raise ValueError(f"{method.name} needs calibration token ids")
-        hidden, layer_kwargs = capture_layer_inputs(model, source, token_ids, device, batch_size)
+        share = shard_windows(token_ids.shape[0], batch_size, comm.world_size, comm.rank)
+        total_tokens = token_ids.shape[0] * token_ids.shape[1]
+        hidden, layer_kwargs = capture_layer_inputs(model, source, token_ids[share], device, batch_size)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
@@ -315,10 +338,10 @@ def walk(
         home = next(layer.parameters()).device
         layer.to(device)
         linears = iter_quantizable(layer, skip)
-        inputs = None if hidden is None else LayerInputs(hidden, layer_kwargs[i])
+        inputs = None if hidden is None else LayerInputs(hidden, layer_kwargs[i], share.start, total_tokens)
         ctx = LayerContext(
             index=i, n_layers=len(source), prefix=f"{prefix}.{i}", layer=layer, linears=linears,
-            groups=sequential_groups(spec, linears), spec=spec, inputs=inputs, device=device,
+            groups=sequential_groups(spec, linears), spec=spec, inputs=inputs, device=device, comm=comm,
         )
         result = method.quantize_layer(ctx)
         for name, qw in result.weights.items():
@@ -337,7 +360,8 @@ def walk(
             on_layer(LayerEvent(i, len(source), ctx.prefix, seconds, time.perf_counter() - start,
                                 _peak_memory(device), result))
     if quantize_lm_head:
-        name, qw, stats = quantize_output_head(model, method, hidden, device)
+        inputs = None if hidden is None else LayerInputs(hidden, {}, share.start, total_tokens)
+        name, qw, stats = quantize_output_head(model, method, inputs, device, comm)
         weights[name] = qw
         layer_stats.append({"layer": len(source), "prefix": name, "seconds": stats.pop("_seconds"),
                             "linears": {name: stats}, "notes": []})
@@ -357,9 +381,9 @@ class _OutputHead(nn.Module):
 
 
 def quantize_output_head(
-    model: nn.Module, method: Method, hidden: list[torch.Tensor] | None, device: torch.device
+    model: nn.Module, method: Method, inputs: LayerInputs | None, device: torch.device, comm: Communicator = LOCAL
 ) -> tuple[str, QuantizedWeight, dict[str, float]]:
-    """Quantize ``lm_head`` with ``method``; ``hidden`` are the last decoder layer's outputs."""
+    """Quantize ``lm_head`` with ``method``; ``inputs`` hold the last decoder layer's outputs."""
     from quantkit.config import QuantkitError
 
     t0 = time.perf_counter()
@@ -378,9 +402,8 @@ def quantize_output_head(
     block = _OutputHead(norm, head)
     home = head.weight.device
     block.to(device)
-    inputs = None if hidden is None else LayerInputs(hidden, {})
     ctx = LayerContext(index=-1, n_layers=1, prefix="", layer=block, linears={"lm_head": head},
-                       groups=[["lm_head"]], spec=None, inputs=inputs, device=device)
+                       groups=[["lm_head"]], spec=None, inputs=inputs, device=device, comm=comm)
     result = method.quantize_layer(ctx)
     qw = result.weights["lm_head"]
     install_weight(head, qw)

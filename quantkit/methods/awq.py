@@ -16,7 +16,7 @@ full-precision function is unchanged while salient channels get a finer grid.
   partial products ``x_g . w_g`` over sampled tokens is kept (ratio 1 is on the grid, so the
   objective never increases).
 * Everything here takes tensors and a frozen config and returns records; the walker glue lives in
-  ``awq_method.py`` (``AWQMethod``, importable from here).
+  ``awq_method.py`` (``AWQMethod``), which imports this module and never the other way round.
 """
 
 from __future__ import annotations
@@ -224,25 +224,42 @@ def search_scale(
     scheme: QuantScheme,
     config: AWQConfig,
     tie: tuple[int, int] | None = None,
+    reduce_sums: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> ScaleSearch:
     """Grid-search ``alpha`` for linears ``weights [out_i, in]`` sharing the input with channel means
     ``x_mean [in]``. ``block_fn(candidate weights)`` returns the block output computed with them
     (same shape as ``target``, the full-precision output); the least mean squared error wins.
-    ``tie = (n_rep, head_dim)`` makes the scales equal across repeated heads (see ``tie_repeats``)."""
+    ``tie = (n_rep, head_dim)`` makes the scales equal across repeated heads (see ``tie_repeats``).
+
+    ``reduce_sums``: when the search windows are spread over several processes, each computes its
+    squared-error sums and element counts ``[grid + 1, 2]`` (float64; a process without search
+    windows passes empty outputs) and ``reduce_sums`` returns their sum over the processes; the mean
+    errors then come from the totals. None: one process, the errors are local means."""
     w_mean = weight_channel_mean(weights, scheme.group_size) if config.duo_scaling else None
     x_mean = tie_repeats(x_mean.float(), tie)
     w_mean = None if w_mean is None else tie_repeats(w_mean, tie)
     target = target.float()
     errors: list[float] = []
-    best = (math.inf, 0.0, torch.ones_like(x_mean, dtype=torch.float32))
+    sums: list[torch.Tensor] = []
+    candidates_s: list[torch.Tensor] = []
     for i in range(config.grid + 1):
         alpha = i / config.grid
         s = awq_scales(x_mean, alpha, w_mean) if i else torch.ones_like(x_mean, dtype=torch.float32)
         candidates = [fake_quantize_scaled(w, s, scheme).to(w.dtype) for w in weights]
-        err = float((block_fn(candidates).float() - target).pow(2).mean())
-        errors.append(err)
+        diff = block_fn(candidates).float() - target
+        if reduce_sums is None:
+            errors.append(float(diff.pow(2).mean()))
+        else:
+            sq = diff.double().pow(2).sum()
+            sums.append(torch.stack([sq, sq.new_tensor(float(diff.numel()))]))
+        candidates_s.append(s)
+    if reduce_sums is not None:
+        totals = reduce_sums(torch.stack(sums)).tolist()  # [grid + 1, 2]
+        errors = [a / n if n else math.nan for a, n in totals]
+    best = (math.inf, 0.0, torch.ones_like(x_mean, dtype=torch.float32))
+    for i, err in enumerate(errors):
         if err < best[0]:  # strict: ties keep the smaller alpha (alpha 0 is RTN)
-            best = (err, alpha, s)
+            best = (err, i / config.grid, candidates_s[i])
     if not math.isfinite(best[0]):
         log.warning("AWQ scale search: every candidate gave a non-finite error; keeping RTN")
         best = (errors[0], 0.0, torch.ones_like(x_mean, dtype=torch.float32))
@@ -391,11 +408,3 @@ def awq_quantization_config(scheme: QuantScheme, modules_to_not_convert: list[st
         "modules_to_not_convert": modules_to_not_convert,
     }
 
-
-def __getattr__(name: str):
-    # The walker glue imports this module, so it is reached lazily to avoid an import cycle.
-    if name == "AWQMethod":
-        from quantkit.methods.awq_method import AWQMethod
-
-        return AWQMethod
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -23,6 +23,7 @@ from torch import nn
 
 from quantkit.arch import ArchSpec, ScalingGroup
 from quantkit.config import QuantScheme
+from quantkit.distributed.plan import assign_owners
 from quantkit.methods.awq import (
     AWQConfig,
     GroupScale,
@@ -36,6 +37,7 @@ from quantkit.methods.awq import (
     search_scale,
 )
 from quantkit.methods.gptq import HessianAccumulator, gptq_quantize
+from quantkit.methods.gptq_method import global_hessian
 from quantkit.methods.rtn import rtn_quantize
 from quantkit.qtensor import QuantizedWeight
 from quantkit.walker import LayerContext, LayerInputs, LayerResult, capture_calls, first_output
@@ -74,6 +76,38 @@ def _split_for_search(hidden: list[torch.Tensor], n_search: int) -> tuple[list[t
             out.extend([h[:left], h[left:]])
             k, left = k + 1, 0
     return out, k
+
+
+def _local_search_windows(inputs: LayerInputs, n_search: int) -> int:
+    """How many of the first ``n_search`` windows of the whole set (0: all) this rank's share holds."""
+    if n_search == 0:
+        return 0
+    local = sum(h.shape[0] for h in inputs.hidden)
+    return max(0, min(n_search - inputs.first_window, local))
+
+
+def _reduce_sites(ctx: LayerContext, sites: list[_Site]) -> None:
+    """Turn each site's statistics over this rank's windows into statistics over every rank's:
+    summed channel means and counts, the clip tokens of all ranks in window order, summed Hessians."""
+    comm = ctx.comm
+    if comm.world_size == 1:
+        return
+    counts = comm.all_reduce_sum(torch.tensor([float(s.count) for s in sites], dtype=torch.float64))
+    for site, count in zip(sites, counts.tolist()):
+        site.sum_abs = comm.all_reduce_sum(site.sum_abs)
+        site.count = int(count)
+        site.clip_x = comm.all_gather_rows(torch.cat(site.clip_x))
+        if site.hessian is not None:
+            site.hessian.H = global_hessian(ctx, site.hessian, set(range(comm.world_size)))
+
+
+def _mean_square(comm, t: torch.Tensor) -> float:
+    """Mean of ``t**2`` over every rank's elements (a rank may hold none)."""
+    if comm.world_size == 1:
+        return float(t.float().pow(2).mean())
+    sq = t.double().pow(2).sum()
+    total = comm.all_reduce_sum(torch.stack([sq, sq.new_tensor(float(t.numel()))])).tolist()
+    return total[0] / total[1] if total[1] else 0.0
 
 
 def _module(layer: nn.Module, path: str) -> nn.Module | None:
@@ -146,8 +180,12 @@ def _capture(ctx: LayerContext, sites: list[_Site], config: AWQConfig, with_hess
         list[torch.Tensor], list[torch.Tensor]]:
     """One forward over all batches filling every site; returns (batches used, layer outputs)."""
     inputs = ctx.inputs
-    batches, n_search = _split_for_search(inputs.hidden, config.search_samples)
-    stride = max(1, inputs.n_tokens // config.clip_tokens)
+    local_search = _local_search_windows(inputs, config.search_samples)
+    if local_search == 0 and config.search_samples:  # this rank holds none of the search windows
+        batches, n_search = list(inputs.hidden), 0
+    else:
+        batches, n_search = _split_for_search(inputs.hidden, local_search)
+    stride = max(1, inputs.n_tokens_all // config.clip_tokens)
     by_linear = {s.linears[0]: s for s in sites}
     by_block = {s.block: s for s in sites if s.group is not None and s.block}
     state = {"batch": 0}
@@ -183,6 +221,8 @@ def _capture(ctx: LayerContext, sites: list[_Site], config: AWQConfig, with_hess
 def _block_fn(layer: nn.Module, site: _Site, names: list[str]) -> Callable[[list[torch.Tensor]], torch.Tensor]:
     """The callable the scale search scores: the block's output with ``names``' weights replaced."""
     linears = [layer.get_submodule(n) for n in names]
+    if not site.calls:  # no search windows on this rank: nothing to score here
+        return lambda ws: torch.empty(0)
 
     if not site.block:
         def linear_fn(ws: list[torch.Tensor]) -> torch.Tensor:
@@ -207,6 +247,8 @@ def _block_fn(layer: nn.Module, site: _Site, names: list[str]) -> Callable[[list
 
 
 def _target(site: _Site, names: list[str], layer: nn.Module) -> torch.Tensor:
+    if not site.calls:  # no search windows on this rank
+        return torch.empty(0)
     if site.block:
         return torch.cat([o.reshape(-1, o.shape[-1]) for o in site.outputs])
     return _block_fn(layer, site, names)([layer.get_submodule(n).weight.data for n in names])
@@ -259,13 +301,14 @@ class AWQMethod:
         notes: list[str] = []
         sites = _sites(ctx, notes, self.config.gqa_tied_vo)
         _, outputs = _capture(ctx, sites, self.config, with_hessian=self.config.gptq)
+        _reduce_sites(ctx, sites)
         stats: dict[str, dict[str, float]] = {n: {} for n in ctx.linears}
         scales = self._search_scales(ctx, sites, stats)
         offset = ctx.spec.norm_offset if ctx.spec is not None else 0.0
         for g in scales:
             apply_group_scale(ctx.layer, g, offset)
-        clips = self._clip(ctx, sites, scales, stats) if self.config.clip else {}
-        weights = self._round(ctx, sites, scales, clips, stats)
+        clips: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        weights = self._clip_and_round(ctx, sites, scales, clips, stats)
         # Kept on the host: a large model's clips would otherwise pile up on the accelerator.
         self.records[ctx.prefix] = LayerRecord(
             tuple(dataclasses.replace(g, scales=g.scales.cpu()) for g in scales),
@@ -286,9 +329,10 @@ class AWQMethod:
             weights = [ctx.layer.get_submodule(n).weight.data for n in names]
             target = _target(site, names, ctx.layer)
             x_mean = site.sum_abs / max(site.count, 1)
+            reduce_sums = None if ctx.comm.world_size == 1 else ctx.comm.all_reduce_sum
             res = search_scale(x_mean, weights, _block_fn(ctx.layer, site, names), target, self.scheme, self.config,
-                               tie=site.tie)
-            power = float(target.float().pow(2).mean().clamp_min(1e-30))
+                               tie=site.tie, reduce_sums=reduce_sums)
+            power = max(_mean_square(ctx.comm, target), 1e-30)
             for n in names:
                 stats[n].update(alpha=res.alpha, scale_err_rtn=res.error_rtn / power,
                                 scale_err_awq=res.error_best / power)
@@ -304,49 +348,82 @@ class AWQMethod:
                 return g.scales
         return None
 
-    def _clip(self, ctx: LayerContext, sites: list[_Site], scales: list[GroupScale], stats):
-        clips: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        for site in sites:
+    def _clip_and_round(self, ctx: LayerContext, sites: list[_Site], scales: list[GroupScale], clips, stats):
+        """Clip search and rounding of every linear, each on its owner rank (greedy bin-packing by size),
+        the results broadcast so every rank holds every weight, clip and stat."""
+        comm = ctx.comm
+        jobs = [(site, name) for site in sites for name in site.linears if name in ctx.linears]
+        owners = assign_owners([float(ctx.linears[n].weight.numel()) for _, n in jobs], comm.world_size)
+        clip_inputs: dict[int, torch.Tensor] = {}
+        hessians: dict[int, torch.Tensor | None] = {}
+        weights: dict[str, QuantizedWeight] = {}
+        for (site, name), owner in zip(jobs, owners):
+            if owner != comm.rank:
+                continue
             s = self._site_scale(site, scales)
-            x = torch.cat(site.clip_x)[: self.config.clip_tokens]  # [t, in]
-            if s is not None:
-                x = x / s.to(x.device)
-            for name in site.linears:
-                if name not in ctx.linears or (self.config.clip_skip_qk and _is_qk(name)):
-                    continue
-                lin = ctx.linears[name]
-                res = search_clip(lin.weight.data, x, self.scheme, self.config)
+            if self.config.clip and not (self.config.clip_skip_qk and _is_qk(name)):
+                if id(site) not in clip_inputs:
+                    x = torch.cat(site.clip_x)[: self.config.clip_tokens]  # [t, in]
+                    clip_inputs[id(site)] = x if s is None else x / s.to(x.device)
+                res = search_clip(ctx.linears[name].weight.data, clip_inputs[id(site)], self.scheme, self.config)
                 clips[name] = (res.clip_min, res.clip_max)
                 stats[name].update(clip_err_before=res.error_before, clip_err_after=res.error_after)
-        return clips
-
-    def _round(self, ctx: LayerContext, sites: list[_Site], scales: list[GroupScale], clips, stats):
-        weights: dict[str, QuantizedWeight] = {}
-        for site in sites:
-            H = None
-            if self.config.gptq:
-                s = self._site_scale(site, scales)
-                H = site.hessian.H
-                if s is not None:
-                    inv = 1.0 / s.to(H.device).float()
-                    H = H * inv.view(-1, 1) * inv.view(1, -1)  # inputs x / s
-            for name in site.linears:
-                if name not in ctx.linears:
-                    continue
-                lin = ctx.linears[name]
-                clip = clips.get(name)
-                if H is not None:
-                    if clip is not None:  # GPTQ computes its grid from the weights: clamp them
-                        lin.weight.data.copy_(apply_clip(lin.weight.data, *clip, self.scheme.group_size))
-                    res = gptq_quantize(lin.weight.data, H, self.scheme, self.config.gptq_config, name=name)
-                    stats[name].update(err_rtn=res.err_rtn, err_gptq=res.err_gptq)
-                else:
-                    res = rtn_quantize(lin.weight.data, self.scheme) if clip is None else clipped_rtn(
-                        lin.weight.data, *clip, self.scheme)
-                    stats[name].update(weight_error=res.weight_error)
-                weights[name] = QuantizedWeight.from_codes(
-                    res.codes, res.scales, res.zeros, res.g_idx, self.scheme, bias=lin.bias)
+            if id(site) not in hessians:
+                hessians[id(site)] = self._site_hessian(site, s)
+            weights[name] = self._round_one(name, ctx.linears[name], clips.get(name), hessians[id(site)], stats[name])
+        if comm.world_size > 1:
+            for (_, name), owner in zip(jobs, owners):
+                weights[name] = _share_linear(comm, owner, name, ctx.linears[name], self.scheme, weights.get(name),
+                                              clips, stats)
         return weights
+
+    def _site_hessian(self, site: _Site, s: torch.Tensor | None) -> torch.Tensor | None:
+        """The Hessian of the site's inputs after the scaling (``x / s``), for GPTQ rounding; else None."""
+        if not self.config.gptq:
+            return None
+        H = site.hessian.H
+        if s is not None:
+            inv = 1.0 / s.to(H.device).float()
+            H = H * inv.view(-1, 1) * inv.view(1, -1)  # inputs x / s
+        return H
+
+    def _round_one(
+        self, name: str, lin: nn.Linear, clip, H: torch.Tensor | None, stats: dict[str, float]
+    ) -> QuantizedWeight:
+        if H is not None:
+            if clip is not None:  # GPTQ computes its grid from the weights: clamp them
+                lin.weight.data.copy_(apply_clip(lin.weight.data, *clip, self.scheme.group_size))
+            res = gptq_quantize(lin.weight.data, H, self.scheme, self.config.gptq_config, name=name)
+            stats.update(err_rtn=res.err_rtn, err_gptq=res.err_gptq)
+        else:
+            res = rtn_quantize(lin.weight.data, self.scheme) if clip is None else clipped_rtn(
+                lin.weight.data, *clip, self.scheme)
+            stats.update(weight_error=res.weight_error)
+        return QuantizedWeight.from_codes(res.codes, res.scales, res.zeros, res.g_idx, self.scheme, bias=lin.bias)
+
+
+def _share_linear(comm, owner: int, name: str, linear: nn.Linear, scheme: QuantScheme, qw: QuantizedWeight | None,
+                  clips, stats) -> QuantizedWeight:
+    """``name``'s quantized weight, clip and stats, broadcast from ``owner`` (packed tensors as tensors)."""
+    mine = comm.rank == owner
+    fields = ("qweight", "qzeros", "scales", "g_idx")
+    meta = None
+    if mine:
+        clip = clips.get(name)
+        meta = {"stats": stats[name], "clip": None if clip is None else (clip[0].cpu(), clip[1].cpu()),
+                "shapes": [(tuple(getattr(qw, f).shape), getattr(qw, f).dtype) for f in fields]}
+    meta = comm.broadcast_object(meta, src=owner)
+    tensors = [getattr(qw, f) if mine else torch.empty(shape, dtype=dtype)
+               for f, (shape, dtype) in zip(fields, meta["shapes"])]
+    tensors = [comm.broadcast(t, src=owner) for t in tensors]
+    if mine:
+        return qw
+    stats[name] = meta["stats"]
+    if meta["clip"] is not None:
+        clips[name] = meta["clip"]
+    return QuantizedWeight(*tensors, bits=scheme.bits, group_size=scheme.group_size, sym=scheme.sym,
+                           in_features=linear.in_features, out_features=linear.out_features,
+                           bias=None if linear.bias is None else linear.bias.detach().cpu())
 
 
 def _is_qk(name: str) -> bool:

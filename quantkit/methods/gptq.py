@@ -59,6 +59,9 @@ class GPTQConfig:
     # it as the forward reaches them (true-sequential at the cost of one pass); falls back to one
     # pass per group when the set holds more tokens than this.
     single_pass_max_tokens: int = 1 << 19
+    # Under several ranks a stack of linears is cut by output rows between ranks down to this many
+    # rows (GPTQ solves rows independently); no effect in one process.
+    split_min_rows: int = 256
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.damp < 1.0 or not math.isfinite(self.damp):
@@ -71,6 +74,8 @@ class GPTQConfig:
             raise QuantkitError(f"mse_grid must be >= 1 and mse_norm > 0, got {self.mse_grid}, {self.mse_norm}")
         if self.max_damp_escalations < 0 or self.single_pass_max_tokens < 0:
             raise QuantkitError("max_damp_escalations and single_pass_max_tokens must be >= 0")
+        if self.split_min_rows < 1:
+            raise QuantkitError(f"split_min_rows must be >= 1, got {self.split_min_rows}")
 
 
 @dataclass(frozen=True)
@@ -334,12 +339,3 @@ def _static_params(
     pairs = [group_qparams(W[:, c : c + gs], scheme, config) for c in range(0, W.shape[1], gs)]
     return torch.stack([s for s, _ in pairs]), torch.stack([z for _, z in pairs])
 
-
-def __getattr__(name: str):
-    """``GPTQMethod`` (the walker glue) lives in ``gptq_method``; reachable from here lazily so the
-    core imports nothing of the walker."""
-    if name == "GPTQMethod":
-        from quantkit.methods.gptq_method import GPTQMethod
-
-        return GPTQMethod
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -27,7 +27,9 @@ from dataclasses import dataclass, field
 import torch
 
 from quantkit.config import QuantkitError, QuantScheme
-from quantkit.methods.gptq import GPTQConfig, HessianAccumulator, gptq_quantize, relative_error
+from quantkit.distributed.plan import SolveItem, plan_solves
+from quantkit.methods.gptq import GPTQConfig, GPTQResult, HessianAccumulator, gptq_quantize, relative_error
+from quantkit.primitives import num_groups
 from quantkit.qtensor import QuantizedWeight
 from quantkit.walker import LayerContext, LayerResult, capture_linear_inputs, first_output
 
@@ -50,18 +52,49 @@ class _LayerWork:
     weights: dict[str, QuantizedWeight]
     stats: dict[str, dict[str, float]]
 
-    def solve(self, members: list[str], H: torch.Tensor, hessian_seconds: float) -> None:
-        """GPTQ on the stacked weights of ``members`` (linears sharing ``H [in, in]``); installs them."""
-        scheme, ctx = self.method.scheme, self.ctx
+    def solve(self, sets: list[tuple[list[str], HessianAccumulator]], hessian_seconds: float) -> None:
+        """GPTQ on each stack of linears sharing one Hessian (``members``, their accumulator); installs them.
+
+        One process: each stack solved whole, in order. Several ranks: the Hessians are summed over
+        the ranks onto the ranks that need them, the stacks' rows solved by their owners (``plan_solves``:
+        greedy bin-packing, huge stacks cut by rows), every part broadcast, and every rank installs the
+        same weights.
+        """
+        ctx, comm, config = self.ctx, self.ctx.comm, self.method.config
         t0 = _clock(ctx.device)
-        ws = [ctx.linears[n].weight.data for n in members]  # each [out_n, in]
-        w = ws[0] if len(ws) == 1 else torch.cat(ws)  # [sum out_n, in]
-        res = gptq_quantize(w, H, scheme, self.method.config, name=f"{ctx.prefix}.{'+'.join(members)}")
+        stacks = [_stacked(ctx, members) for members, _ in sets]  # each [sum out_n, in]
+        items = plan_solves([tuple(w.shape) for w in stacks], comm.world_size, config.split_min_rows)
+        hessians = [global_hessian(ctx, acc, {it.owner for it in items if it.key == k})
+                    for k, (_, acc) in enumerate(sets)]
+        hessian_seconds += _clock(ctx.device) - t0
+        t1 = _clock(ctx.device)
+        parts: dict[tuple[int, int], GPTQResult] = {}
+        for it in items:
+            if it.owner == comm.rank:
+                members = sets[it.key][0]
+                parts[it.key, it.row_start] = gptq_quantize(
+                    stacks[it.key][it.row_start : it.row_stop], hessians[it.key], self.method.scheme, config,
+                    name=f"{ctx.prefix}.{'+'.join(members)}")
+        for it in items:
+            parts[it.key, it.row_start] = _share_part(ctx, parts.get((it.key, it.row_start)), it,
+                                                      stacks[it.key].shape[1], self.method.scheme)
+        seconds = _clock(ctx.device) - t1
+        total = sum(w.numel() for w in stacks)
+        for k, (members, _) in enumerate(sets):
+            res = _join([parts[it.key, it.row_start] for it in items if it.key == k])
+            self._install(members, stacks[k], res)
+            for name in members:
+                share = ctx.linears[name].weight.numel() / total
+                self.stats[name]["seconds"] = seconds * share
+                self.stats[name]["hessian_seconds"] = hessian_seconds * share
+
+    def _install(self, members: list[str], w: torch.Tensor, res: GPTQResult) -> None:
+        scheme, ctx = self.method.scheme, self.ctx
         w_hat = res.dequantize()  # [sum out_n, in], what the packed weights dequantize to
         row = 0
-        for name, wn in zip(members, ws):
-            rows = slice(row, row + wn.shape[0])
+        for name in members:
             linear = ctx.linears[name]
+            rows = slice(row, row + linear.weight.shape[0])
             qw = QuantizedWeight.from_codes(res.codes[rows], res.scales[:, rows], res.zeros[:, rows], res.g_idx,
                                             scheme, bias=linear.bias)
             # Install from the device copy (the walker installs ``qw`` again, from host memory).
@@ -70,14 +103,75 @@ class _LayerWork:
             self.stats[name] = {
                 "err_rtn": relative_error(res.row_err_rtn[rows], res.row_energy[rows]),
                 "err_gptq": relative_error(res.row_err_gptq[rows], res.row_energy[rows]),
-                "damp": res.damp, "share": wn.shape[0] / w.shape[0],
+                "damp": res.damp,
             }
-            row += wn.shape[0]
-        seconds = _clock(ctx.device) - t0
-        for name in members:
-            share = self.stats[name].pop("share")
-            self.stats[name]["seconds"] = seconds * share
-            self.stats[name]["hessian_seconds"] = hessian_seconds * share
+            row = rows.stop
+        assert row == w.shape[0], (row, w.shape)
+
+
+def _stacked(ctx: LayerContext, members: list[str]) -> torch.Tensor:
+    ws = [ctx.linears[n].weight.data for n in members]  # each [out_n, in]
+    return ws[0] if len(ws) == 1 else torch.cat(ws)
+
+
+def global_hessian(ctx: LayerContext, acc: HessianAccumulator, owners: set[int]) -> torch.Tensor | None:
+    """The Hessian over every rank's tokens, on the ranks in ``owners`` (None elsewhere).
+
+    Each rank's running mean is weighted by its share of the tokens and summed: reduced onto a
+    single owner, all-reduced when a stack is cut between several ranks."""
+    comm = ctx.comm
+    if comm.world_size == 1:
+        return acc.H
+    weight = acc.n / ctx.inputs.n_tokens_all
+    H = acc.H.mul_(weight) if weight != 1.0 else acc.H
+    if len(owners) == 1:
+        (owner,) = owners
+        H = comm.reduce_sum(H, dst=owner)
+        return H if owner == comm.rank else None
+    H = comm.all_reduce_sum(H)
+    return H if comm.rank in owners else None
+
+
+def _share_part(
+    ctx: LayerContext, res: GPTQResult | None, item: SolveItem, in_features: int, scheme: QuantScheme
+) -> GPTQResult:
+    """The solved rows of ``item``, broadcast from their owner (codes travel as bytes)."""
+    comm = ctx.comm
+    if comm.world_size == 1:
+        return res
+    rows = item.row_stop - item.row_start
+    G = num_groups(in_features, scheme.group_size)
+    dev = ctx.device
+    mine = item.owner == comm.rank
+    if mine:
+        codes = res.codes.to(torch.uint8)  # [rows, in]; bits <= 8
+        floats = torch.cat([res.scales.double().flatten(), res.row_err_gptq.double(), res.row_err_rtn.double(),
+                            res.row_energy.double(), torch.tensor([res.damp], dtype=torch.float64, device=dev)])
+        ints = torch.cat([res.zeros.to(torch.int32).flatten(), res.g_idx.to(torch.int32)])
+    else:
+        codes = torch.empty(rows, in_features, dtype=torch.uint8, device=dev)
+        floats = torch.empty(G * rows + 3 * rows + 1, dtype=torch.float64, device=dev)
+        ints = torch.empty(G * rows + in_features, dtype=torch.int32, device=dev)
+    codes = comm.broadcast(codes, src=item.owner)
+    floats = comm.broadcast(floats, src=item.owner)
+    ints = comm.broadcast(ints, src=item.owner)
+    if mine:
+        return res
+    f = floats.split([G * rows, rows, rows, rows, 1])
+    zeros, g_idx = ints.split([G * rows, in_features])
+    return GPTQResult(codes.to(torch.int32), f[0].float().view(G, rows), zeros.view(G, rows), g_idx,
+                      float(f[4]), f[1].float(), f[2].float(), f[3].float())
+
+
+def _join(parts: list[GPTQResult]) -> GPTQResult:
+    """One result from parts holding consecutive rows of the same stack (same Hessian, same g_idx)."""
+    if len(parts) == 1:
+        return parts[0]
+    return GPTQResult(
+        torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts], dim=1),
+        torch.cat([p.zeros for p in parts], dim=1), parts[0].g_idx, max(p.damp for p in parts),
+        torch.cat([p.row_err_gptq for p in parts]), torch.cat([p.row_err_rtn for p in parts]),
+        torch.cat([p.row_energy for p in parts]))
 
 
 def collect_hessians(
@@ -91,6 +185,9 @@ def collect_hessians(
     accs: dict[str, HessianAccumulator] = {}
     owner_of: dict[str, str] = {}
     batch_inputs: dict[tuple, str] = {}
+    # The inputs seen in the current batch, held so that a freed one's address cannot be taken by a
+    # later input of the same batch and mistaken for it (which would share a Hessian wrongly).
+    held: list[torch.Tensor] = []
     seen: set[str] = set()
     spent = [0.0]
 
@@ -98,6 +195,8 @@ def collect_hessians(
         if name in seen:  # a new batch began
             seen.clear()
             batch_inputs.clear()
+            held.clear()
+        held.append(x)
         seen.add(name)
         key = (x.data_ptr(), tuple(x.shape), x.dtype)
         owner = owner_of.setdefault(name, batch_inputs.get(key, name))
@@ -140,7 +239,7 @@ def _single_pass(work: _LayerWork) -> list[torch.Tensor]:
             t0 = _clock(ctx.device)
             acc = HessianAccumulator(inp.shape[-1], ctx.device)
             acc.add(inp)
-            work.solve(list(ctx.groups[gi]), acc.H, _clock(ctx.device) - t0)
+            work.solve([(list(ctx.groups[gi]), acc)], _clock(ctx.device) - t0)
             return
 
         return hook
@@ -184,7 +283,7 @@ class GPTQMethod:
         if not self.config.true_sequential:
             names = [n for group in ctx.groups for n in group]
             self._collect_and_solve(work, names)
-        elif ctx.inputs.n_tokens <= self.config.single_pass_max_tokens:
+        elif ctx.inputs.n_tokens_all <= self.config.single_pass_max_tokens:
             next_hidden = _single_pass(work)
         else:
             for group in ctx.groups:
@@ -196,5 +295,4 @@ class GPTQMethod:
     @staticmethod
     def _collect_and_solve(work: _LayerWork, names: list[str]) -> None:
         accs, members, seconds = collect_hessians(work.ctx.layer, work.ctx, names)
-        for owner, group in members.items():
-            work.solve(group, accs[owner].H, seconds * len(group) / len(names))
+        work.solve([(group, accs[owner]) for owner, group in members.items()], seconds)

@@ -6,13 +6,16 @@ The baseline every other method must beat, and the rounding core the others reus
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from quantkit.config import QuantScheme
 from quantkit.primitives import compute_qparams, dequantize, quantize
 from quantkit.qtensor import QuantizedWeight
-from quantkit.walker import LayerContext, LayerResult
+
+if TYPE_CHECKING:  # the RTN core (used by AWQ's core) stays free of the walker; only RTNMethod meets it
+    from quantkit.walker import LayerContext, LayerResult
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,8 @@ class RTNMethod:
     needs_calibration: bool = False
 
     def quantize_layer(self, ctx: LayerContext) -> LayerResult:
+        from quantkit.walker import LayerResult
+
         weights, stats = {}, {}
         for name, linear in ctx.linears.items():
             res = rtn_quantize(linear.weight.data, self.scheme)

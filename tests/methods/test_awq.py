@@ -10,7 +10,6 @@ from quantkit.arch import arch_for
 from quantkit.config import QuantkitError, QuantScheme
 from quantkit.methods.awq import (
     AWQConfig,
-    AWQMethod,
     GroupScale,
     LayerRecord,
     awq_quantization_config,
@@ -21,7 +20,7 @@ from quantkit.methods.awq import (
     search_scale,
     tie_repeats,
 )
-from quantkit.methods.awq_method import _fold_problem, _gqa_tie, apply_group_scale, apply_layer_record
+from quantkit.methods.awq_method import AWQMethod, _fold_problem, _gqa_tie, apply_group_scale, apply_layer_record
 from quantkit.methods.rtn import RTNMethod, rtn_quantize
 from quantkit.pack import unpack_awq
 from quantkit.qtensor import QuantizedWeight

@@ -1,0 +1,63 @@
+"""Run by torchrun from test_distributed.py: each rank quantizes the tiny model for every case, or fails.
+
+Usage: _rank_worker.py MODEL_DIR TEXT_FILE OUT_DIR MODE   (MODE: ok | raise | kill)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+
+CASES = {  # name -> (method, options); shared with the test, which runs the same cases in one process
+    "gptq": ("gptq", {"split_min_rows": 16}),
+    "gptq_act": ("gptq", {"desc_act": True}),
+    "gptq_nts": ("gptq", {"true_sequential": False}),
+    "awq": ("awq", {"grid": 4, "clip_grid": 4, "clip_tokens": 64}),
+}
+
+
+def quantize_case(model_dir: str, text: str, out: str, name: str, gpus: int | None = None):
+    from quantkit import api
+    from quantkit.config import CalibConfig, LoadConfig, QuantScheme
+
+    method, options = CASES[name]
+    scheme = QuantScheme(4, 32, method == "gptq")
+    return api.quantize(model_dir, out, method=method, scheme=scheme, method_options=dict(options),
+                        calib=CalibConfig(source=text, nsamples=8, seqlen=32, seed=0),
+                        load=LoadConfig(device="cpu", dtype="float32"), batch_size=2, gpus=gpus)
+
+
+def inject_failure(mode: str) -> None:
+    """Rank 1 fails while quantizing layer 1: an exception, or SIGKILL (no chance to report)."""
+    from quantkit.methods.gptq_method import GPTQMethod
+
+    original = GPTQMethod.quantize_layer
+
+    def failing(self, ctx):
+        if ctx.comm.rank == 1 and ctx.index == 1:
+            if mode == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise RuntimeError("injected failure on rank 1")
+        return original(self, ctx)
+
+    GPTQMethod.quantize_layer = failing
+
+
+def main() -> None:
+    model_dir, text, out, mode = sys.argv[1:5]
+    assert os.environ.get("NCCL_NVLS_ENABLE") == "0", "the launcher must turn NVLink multicast off"
+    if mode != "ok":
+        inject_failure(mode)
+        quantize_case(model_dir, text, os.path.join(out, "gptq"), "gptq", gpus=2)
+        return
+    for name in CASES:
+        quantize_case(model_dir, text, os.path.join(out, name), name, gpus=2)
+    if os.environ["RANK"] == "0":
+        with open(os.path.join(out, "ranks.json"), "w") as f:
+            json.dump({"world_size": int(os.environ["WORLD_SIZE"])}, f)
+
+
+if __name__ == "__main__":
+    main()
