@@ -166,6 +166,8 @@ class AsyncEngine:
             except Exception:  # the worker must outlive any engine failure
                 log.exception("engine worker: unexpected failure; failing the requests in the engine")
                 self._fail_active("the engine failed while serving this request")
+                self._failed_steps += 1
+                time.sleep(min(0.01 * 2**self._failed_steps, 1.0))
         self._fail_active("the server is shutting down")
         self._drain_after_stop()
         log.info("engine worker stopped")

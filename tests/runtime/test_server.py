@@ -532,11 +532,12 @@ def test_signal_shuts_down_gracefully(sig):
 
         wait_until(healthy, timeout=30, what="the server process to start")
         result = {}
-        # An in-flight request (20 steps of 20 ms) that the shutdown must let finish.
+        # An in-flight request (40 steps of 20 ms) that the shutdown must let finish.
         caller = threading.Thread(target=lambda: result.update(r=httpx.post(
-            f"{url}/v1/completions", json={"prompt": [3], "max_tokens": 20}, timeout=30)))
+            f"{url}/v1/completions", json={"prompt": [3], "max_tokens": 40}, timeout=30)))
         caller.start()
-        time.sleep(0.15)
+        wait_until(lambda: httpx.get(f"{url}/health", timeout=5).json()["in_flight"] == 1, timeout=20,
+                   what="the request to be in flight")
         proc.send_signal(sig)
         out, err = proc.communicate(timeout=30)
         caller.join(10)
@@ -544,6 +545,19 @@ def test_signal_shuts_down_gracefully(sig):
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, err
-    assert "served out" in out and "engine worker stopped" in err or "Shutting down" in err
+    assert "served out" in out and "Shutting down" in err and "Application shutdown complete" in err
     assert result["r"].status_code == 200
-    assert result["r"].json()["choices"][0]["text"] == FakeEngine.expected([3], 20)
+    assert result["r"].json()["choices"][0]["text"] == FakeEngine.expected([3], 40)
+
+
+def test_serve_command_checks_options_before_loading(tmp_path):
+    from typer.testing import CliRunner
+
+    from quantkit.cli.app import app
+
+    runner = CliRunner()
+    assert "--max-queue" in runner.invoke(app, ["serve", "--help"]).output
+    for args, message in ((["--port", "70000"], "--port"), (["--max-queue", "-1"], "--max-queue"),
+                          (["--max-tokens", "0"], "--max-tokens"), (["--log-level", "loud"], "--log-level")):
+        result = runner.invoke(app, ["serve", str(tmp_path / "no-such-model"), *args])
+        assert isinstance(result.exception, QuantkitError) and message in str(result.exception), result.output
