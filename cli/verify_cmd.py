@@ -22,12 +22,13 @@ def register(app: typer.Typer) -> None:
         min_top1: Annotated[float, typer.Option("--min-top1", help="Least top-1 agreement that passes (flips at logit ties forgiven).")] = 0.98,
         base: Annotated[str | None, typer.Option("--base", help="The unquantized model: adds perplexity and KL divergence on --data.")] = None,
         data: Annotated[str | None, typer.Option("--data", help="Local .txt/.jsonl/.parquet text for --base (required with it: verify never downloads).")] = None,
+        decode_tokens: Annotated[int, typer.Option("--decode-tokens", help="Greedy tokens per prompt decoded by the engine (KV cache, decode kernels, CUDA graphs) and checked against the reference's argmax; 0: skip.")] = 16,
         seqlen: SeqLen = 512,
         max_windows: Annotated[int, typer.Option("--max-windows", help="Windows of --data scored with --base.")] = 4,
         device: Device = "auto", dtype: Dtype = "auto", trust_remote_code: TrustRemoteCode = False, json_: Json = False,
     ) -> None:
         """Run prompts through the path `serve` uses and through independent references; compare logits
-        (max/mean/relative error, top-1 agreement). Exit 1 when beyond the tolerance."""
+        (max/mean/relative error, top-1 agreement) and greedy decoded tokens. Exit 1 when beyond the tolerance."""
         from quantkit.cli.display import console, library_logs
         from quantkit.runtime import verify as verify_mod
 
@@ -37,7 +38,7 @@ def register(app: typer.Typer) -> None:
             report = verify_mod.verify(model, prompts=prompt_list, references=tuple(reference or ("auto",)),
                                        device=device, dtype=dtype, backend=backend, base=base, data=data,
                                        seqlen=seqlen, max_windows=max_windows, trust_remote_code=trust_remote_code,
-                                       rtol=rtol, min_top1=min_top1)
+                                       rtol=rtol, min_top1=min_top1, decode_tokens=decode_tokens)
         if json_:
             typer.echo(json.dumps(report.to_dict(), indent=2, default=str))
         else:
@@ -71,6 +72,11 @@ def _print_report(con, report) -> None:
         con.print(f"against {b.base} on {b.n_windows} windows of {b.seqlen} tokens of {b.data}: perplexity "
                   f"base {b.ppl_base:.4f}, served {b.ppl_quant:.4f}; KL mean {b.kld.mean_kld:.4g}, "
                   f"p99 {b.kld.p99_kld:.4g}, top-1 changed {b.kld.top1_changed:.2%} of {b.kld.n_tokens} tokens")
+    for path in report.paths:
+        if path.decode is not None:
+            d = path.decode
+            con.print(f"greedy decode through the engine against {path.reference}: {d.n_exact}/{d.n_tokens} tokens "
+                      f"equal, {d.agreement(path.tolerance):.1%} with ties forgiven")
     for path in report.paths:
         if not path.passed:
             con.print(f"[red]verify failed against {path.reference}: {'; '.join(path.problems)}[/red]")

@@ -126,6 +126,45 @@ def compare_logits(test: torch.Tensor, reference: torch.Tensor) -> LogitsCompari
 
 
 @dataclass(frozen=True)
+class DecodeComparison:
+    """Greedy tokens the engine decoded (KV cache, decode kernels, CUDA graphs) against the reference's
+    argmax on the same sequences (teacher-forced, so later tokens stay comparable after a flip).
+
+    ``flip_gaps``: for each disagreeing token, the reference's gap between its argmax and the engine's
+    token over the row's RMS logit (a tie under a tolerance as in :class:`LogitsComparison`)."""
+
+    n_tokens: int
+    n_exact: int
+    first_disagreement: int | None
+    flip_gaps: tuple[float, ...] = ()
+
+    def agreement(self, tolerance: Tolerance) -> float:
+        ties = sum(gap <= 2 * tolerance.max_rel_err for gap in self.flip_gaps)
+        return (self.n_exact + ties) / self.n_tokens
+
+    def problems(self, tolerance: Tolerance) -> list[str]:
+        agreement = self.agreement(tolerance)
+        if agreement >= tolerance.min_top1:
+            return []
+        return [f"greedy decode agreed on {agreement:.1%} of {self.n_tokens} tokens (ties forgiven) < "
+                f"{tolerance.min_top1:.1%}; first disagreement at generated token {self.first_disagreement}"]
+
+
+def compare_greedy(tokens: torch.Tensor, reference: torch.Tensor) -> DecodeComparison:
+    """Engine tokens ``[N]`` against the reference's logits ``[N, V]`` at the positions that predicted them."""
+    if tokens.dim() != 1 or reference.dim() != 2 or tokens.shape[0] != reference.shape[0] or tokens.numel() == 0:
+        raise ValueError(f"need tokens [N] and logits [N, V]; got {tuple(tokens.shape)} and {tuple(reference.shape)}")
+    reference = reference.float()
+    best = reference.argmax(-1)  # [N]
+    flipped = best != tokens
+    gap = (reference.gather(-1, best[:, None]) - reference.gather(-1, tokens[:, None].long())).squeeze(-1)  # [N]
+    rms = reference.pow(2).mean(-1).sqrt().clamp_min(1e-30)  # [N]
+    first = int(flipped.nonzero()[0, 0]) if flipped.any() else None
+    return DecodeComparison(n_tokens=tokens.numel(), n_exact=int((~flipped).sum()), first_disagreement=first,
+                            flip_gaps=tuple((gap / rms)[flipped].tolist()))
+
+
+@dataclass(frozen=True)
 class PathResult:
     """The served path against one reference: per prompt and over all positions."""
 
@@ -133,10 +172,12 @@ class PathResult:
     per_prompt: tuple[LogitsComparison, ...]
     overall: LogitsComparison
     tolerance: Tolerance
+    decode: DecodeComparison | None = None
 
     @property
     def problems(self) -> list[str]:
-        return self.overall.problems(self.tolerance)
+        found = self.overall.problems(self.tolerance)
+        return found + (self.decode.problems(self.tolerance) if self.decode is not None else [])
 
     @property
     def passed(self) -> bool:
@@ -177,6 +218,8 @@ class VerifyReport:
         for path, raw in zip(self.paths, out["paths"]):
             raw["passed"], raw["problems"] = path.passed, path.problems
             raw["overall"]["top1_with_ties"] = path.overall.top1_with_ties(path.tolerance)
+            if path.decode is not None:
+                raw["decode"]["agreement_with_ties"] = path.decode.agreement(path.tolerance)
         return out
 
 
@@ -191,6 +234,41 @@ def read_prompts(path: str | Path) -> list[str]:
     if len(prompts) > MAX_PROMPTS:
         raise QuantkitError(f"--prompts {path} holds {len(prompts)} prompts; verify takes at most {MAX_PROMPTS}")
     return prompts
+
+
+def _engine_loader():
+    try:
+        from quantkit.runtime.loader import load_engine
+    except ImportError as exc:
+        raise QuantkitError(f"this quantkit has no serving runtime (quantkit.runtime.loader: {exc})") from exc
+    return load_engine
+
+
+def greedy_through_engine(model: str, batches: list[torch.Tensor], n_tokens: int, *, device: str, dtype: str,
+                          backend: str, trust_remote_code: bool = False) -> list[list[int]]:
+    """``n_tokens`` greedy tokens per prompt from the engine ``serve`` runs (prefill, then decode steps over
+    the KV cache; CUDA graphs where the runtime uses them), all prompts batched together, EOS ignored."""
+    from quantkit.runtime.types import SamplingParams
+
+    longest = max(batch.shape[1] for batch in batches)
+    engine = _engine_loader()(model, device=device, dtype=dtype, backend=backend, max_batch=len(batches),
+                              max_seq_len=longest + n_tokens + 1, trust_remote_code=trust_remote_code)
+    params = SamplingParams(max_tokens=n_tokens, temperature=0.0, ignore_eos=True)
+    index = {engine.add_request(batch[0].tolist(), params): i for i, batch in enumerate(batches)}
+    tokens: list[list[int]] = [[] for _ in batches]
+    pending = set(index)
+    for _ in range(n_tokens + len(batches) + 8):  # a bound: every step decodes one token of each running request
+        if not pending:
+            break
+        for event in engine.step():
+            if event.token_id is not None:
+                tokens[index[event.request_id]].append(int(event.token_id))
+            if event.finished:
+                pending.discard(event.request_id)
+    if pending or any(len(t) < n_tokens for t in tokens):
+        counts = [len(t) for t in tokens]
+        raise RuntimeError(f"the engine did not decode {n_tokens} tokens for every prompt: got {counts}")
+    return [t[:n_tokens] for t in tokens]
 
 
 def _runtime_loader():
@@ -268,17 +346,21 @@ def verify(
     data: str | None = None,
     seqlen: int = 512,
     max_windows: int = 4,
+    decode_tokens: int = 16,
     trust_remote_code: bool = False,
 ) -> VerifyReport:
     """Compare the served path's logits on ``prompts`` with each reference; with ``base``, add
     perplexity and KL divergence against the unquantized model on ``data`` (a local text file).
 
-    ``rtol`` None: :func:`default_tolerance` of the served dtype."""
+    ``rtol`` None: :func:`default_tolerance` of the served dtype. ``decode_tokens`` > 0 also decodes that
+    many greedy tokens per prompt through the engine and checks each against the reference's argmax."""
     if base is not None and data is None:
         raise QuantkitError("--base needs --data FILE: a local .txt/.jsonl/.parquet text (verify never downloads), "
                             "e.g. --data ../shared/data/wikitext2/test.raw.txt")
     if rtol is not None:
         Tolerance(max_rel_err=rtol, min_top1=min_top1)  # bad values fail before any model loads
+    if decode_tokens < 0:
+        raise QuantkitError(f"--decode-tokens must be >= 0, got {decode_tokens}")
     dev = resolve_device(device)
     test_model, tokenizer = _runtime_loader()(model, device=dev, dtype=dtype, backend=backend,
                                               trust_remote_code=trust_remote_code)
@@ -293,16 +375,38 @@ def verify(
         base_result = compare_to_base(test_model.forward_logits, tokenizer, base, data, device=dev, dtype=dtype,
                                       seqlen=seqlen, max_windows=max_windows, trust_remote_code=trust_remote_code)
     del test_model
+    decoded = None
+    if decode_tokens:
+        decoded = greedy_through_engine(model, batches, decode_tokens, device=dev, dtype=dtype, backend=backend,
+                                        trust_remote_code=trust_remote_code)
     paths = []
     for reference in _choose_references(references, backend_used):
         log.info("verify: reference %s", reference)
-        ref_logits = _reference_logits(reference, model, batches, dev, trust_remote_code)
-        per_prompt = tuple(compare_logits(t, r) for t, r in zip(test_logits, ref_logits))
-        overall = compare_logits(torch.cat(test_logits), torch.cat(ref_logits))
-        paths.append(PathResult(reference, per_prompt, overall, tolerance))
+        paths.append(_compare_path(reference, model, batches, test_logits, decoded, tolerance, dev,
+                                   trust_remote_code))
     return VerifyReport(model=model, device=dev, dtype=str(resolve_dtype(dtype, dev)).removeprefix("torch."),
                         backend=str(backend_used), prompt_tokens=tuple(b.shape[1] for b in batches),
                         paths=tuple(paths), base=base_result)
+
+
+def _compare_path(reference: str, model: str, batches: list[torch.Tensor], test_logits: list[torch.Tensor],
+                  decoded: list[list[int]] | None, tolerance: Tolerance, device: str,
+                  trust_remote_code: bool) -> PathResult:
+    """One reference over each prompt followed by the engine's tokens (all but the last): its logits on the
+    prompt positions against the served forward, and its argmax after them against the engine's tokens."""
+    sequences = batches
+    if decoded is not None:
+        sequences = [torch.cat([b, torch.tensor([d[:-1]], dtype=torch.long)], dim=1) for b, d in zip(batches, decoded)]
+    ref_logits = _reference_logits(reference, model, sequences, device, trust_remote_code)
+    prompt_logits = [r[: b.shape[1]] for r, b in zip(ref_logits, batches)]
+    per_prompt = tuple(compare_logits(t, r) for t, r in zip(test_logits, prompt_logits))
+    overall = compare_logits(torch.cat(test_logits), torch.cat(prompt_logits))
+    decode = None
+    if decoded is not None:
+        # Position P - 1 + k predicted generated token k (P prompt tokens).
+        predicting = [r[b.shape[1] - 1 :] for r, b in zip(ref_logits, batches)]
+        decode = compare_greedy(torch.tensor([t for d in decoded for t in d]), torch.cat(predicting))
+    return PathResult(reference, per_prompt, overall, tolerance, decode)
 
 
 def compare_to_base(forward_logits: Callable, tokenizer, base: str, data: str, *, device: str, dtype: str,

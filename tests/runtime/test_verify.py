@@ -66,6 +66,21 @@ def test_nonfinite_and_shape_mismatch():
         compare_logits(torch.zeros(2, 4), torch.zeros(2, 5))
 
 
+def test_greedy_tokens_against_reference_argmax():
+    from quantkit.runtime.verify import compare_greedy
+
+    ref = torch.tensor([[3.0, 1.0, 0.0], [1.0, 1.02, 0.0], [0.0, 0.0, 5.0]])
+    exact = compare_greedy(torch.tensor([0, 1, 2]), ref)
+    assert exact.n_exact == 3 and exact.first_disagreement is None and exact.agreement(Tolerance(1e-3)) == 1
+    # Token 1 picks the runner-up 0.02 below the best (a tie at 5% tolerance), token 2 a clear loser.
+    flips = compare_greedy(torch.tensor([0, 0, 0]), ref)
+    assert flips.n_exact == 1 and flips.first_disagreement == 1 and len(flips.flip_gaps) == 2
+    assert flips.agreement(Tolerance(0.05)) == pytest.approx(2 / 3)
+    assert "first disagreement at generated token 1" in flips.problems(Tolerance(0.05, min_top1=0.9))[0]
+    with pytest.raises(ValueError):
+        compare_greedy(torch.tensor([0, 1]), ref)
+
+
 def test_tolerances():
     assert default_tolerance(torch.float32).max_rel_err < default_tolerance(torch.float16).max_rel_err
     assert default_tolerance(torch.float16).max_rel_err < default_tolerance(torch.bfloat16).max_rel_err
@@ -112,9 +127,11 @@ def stand_in_loader(model, *, device="auto", dtype="auto", backend="auto", trust
 
 @pytest.fixture(params=["stand-in", pytest.param("runtime", marks=needs_runtime)])
 def runtime_path(request, monkeypatch):
+    """Extra CLI arguments for the path: the stand-in has no engine, so no greedy decode check."""
     if request.param == "stand-in":
         monkeypatch.setattr(verify_mod, "_runtime_loader", lambda: stand_in_loader)
-    return request.param
+        return ["--decode-tokens", "0"]
+    return ["--decode-tokens", "12"]
 
 
 def corrupt_reference_scales(monkeypatch):
@@ -142,20 +159,25 @@ def run_cli(*args):
 
 
 def test_verify_passes_on_agreeing_paths(tiny_quantized_llama, runtime_path):
-    result = run_cli("verify", tiny_quantized_llama, "--device", "cpu", "--json")
+    result = run_cli("verify", tiny_quantized_llama, "--device", "cpu", "--json", *runtime_path)
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert report["passed"] and [p["reference"] for p in report["paths"]] == ["transformers"]
     overall = report["paths"][0]["overall"]
     assert overall["n_positions"] == sum(report["prompt_tokens"]) > 0
     assert overall["rel_err"] < 1e-4 and overall["top1_agreement"] == 1.0
-    human = run_cli("verify", tiny_quantized_llama, "--device", "cpu")
+    decode = report["paths"][0]["decode"]
+    if "12" in runtime_path:  # 12 greedy tokens for each of the 4 built-in prompts, through the real engine
+        assert decode["n_tokens"] == 48 and decode["n_exact"] == 48 and decode["first_disagreement"] is None
+    else:
+        assert decode is None
+    human = run_cli("verify", tiny_quantized_llama, "--device", "cpu", *runtime_path)
     assert human.exit_code == 0 and "verify passed" in human.output and "tolerance: rel err <= 1e-03" in human.output
 
 
 def test_verify_fails_with_exit_1_on_corrupted_scales(tiny_quantized_llama, runtime_path, monkeypatch):
     corrupt_reference_scales(monkeypatch)
-    result = run_cli("verify", tiny_quantized_llama, "--device", "cpu")
+    result = run_cli("verify", tiny_quantized_llama, "--device", "cpu", *runtime_path)
     assert result.exit_code == 1, result.output
     assert "FAIL" in result.output and "verify failed against transformers: relative error" in result.output
 
@@ -164,7 +186,7 @@ def test_verify_prompts_file_and_base(tiny_quantized_llama, tiny_llama_dir, tiny
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("the quick brown fox\nquantization rounds weights\n")
     result = run_cli("verify", tiny_quantized_llama, "--device", "cpu", "--prompts", prompts, "--base",
-                     tiny_llama_dir, "--data", tiny_text_file, "--seqlen", "32", "--max-windows", "2", "--json")
+                     tiny_llama_dir, "--data", tiny_text_file, "--seqlen", "32", "--max-windows", "2", "--json", *runtime_path)
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert len(report["prompt_tokens"]) == 2 and len(report["paths"][0]["per_prompt"]) == 2
