@@ -77,6 +77,8 @@ def _print_report(con, report) -> None:
             d = path.decode
             con.print(f"greedy decode through the engine against {path.reference}: {d.n_exact}/{d.n_tokens} tokens "
                       f"equal, {d.agreement(path.tolerance):.1%} with ties forgiven")
+    for note in report.notes:
+        con.print(f"note: {note}")
     for path in report.paths:
         if not path.passed:
             con.print(f"[red]verify failed against {path.reference}: {'; '.join(path.problems)}[/red]")

@@ -379,14 +379,18 @@ def verify(
     if decode_tokens:
         decoded = greedy_through_engine(model, batches, decode_tokens, device=dev, dtype=dtype, backend=backend,
                                         trust_remote_code=trust_remote_code)
-    paths = []
-    for reference in _choose_references(references, backend_used):
+    paths, notes = [], []
+    chosen = _choose_references(references, backend_used)
+    if "runtime" in chosen and backend_used == "reference":
+        notes.append("the served path already runs the runtime's reference ops: the runtime reference compares them "
+                     "with themselves in float32; use --reference transformers for an independent check")
+    for reference in chosen:
         log.info("verify: reference %s", reference)
         paths.append(_compare_path(reference, model, batches, test_logits, decoded, tolerance, dev,
                                    trust_remote_code))
     return VerifyReport(model=model, device=dev, dtype=str(resolve_dtype(dtype, dev)).removeprefix("torch."),
                         backend=str(backend_used), prompt_tokens=tuple(b.shape[1] for b in batches),
-                        paths=tuple(paths), base=base_result)
+                        paths=tuple(paths), base=base_result, notes=tuple(notes))
 
 
 def _compare_path(reference: str, model: str, batches: list[torch.Tensor], test_logits: list[torch.Tensor],

@@ -196,8 +196,18 @@ def test_verify_prompts_file_and_base(tiny_quantized_llama, tiny_llama_dir, tiny
     assert 0 < base["kld"]["mean_kld"] < 1 and 0.5 < base["ppl_quant"] / base["ppl_base"] < 2
 
 
+def test_runtime_reference_on_the_reference_backend_is_noted(tiny_quantized_llama, monkeypatch):
+    monkeypatch.setattr(verify_mod, "_runtime_loader", lambda: stand_in_loader)
+    report = verify_mod.verify(str(tiny_quantized_llama), references=("runtime", "transformers"), device="cpu",
+                               decode_tokens=0)
+    assert report.passed and [p.reference for p in report.paths] == ["runtime", "transformers"]
+    assert "compares them with themselves" in report.notes[0]
+
+
 def test_verify_base_needs_local_data(tiny_quantized_llama, tiny_llama_dir):
     with pytest.raises(QuantkitError, match="--data"):
         verify_mod.verify(str(tiny_quantized_llama), base=str(tiny_llama_dir), device="cpu")
     with pytest.raises(QuantkitError, match="--reference"):
         verify_mod._choose_references(("nonsense",), "reference")
+    with pytest.raises(QuantkitError, match="--decode-tokens"):
+        verify_mod.verify(str(tiny_quantized_llama), decode_tokens=-1, device="cpu")
