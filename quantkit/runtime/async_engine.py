@@ -232,10 +232,10 @@ class AsyncEngine:
             handle = self._active.get(event.request_id)
             if handle is None:  # a request already failed and aborted after an engine error
                 continue
-            handle.deliver(event)
-            if event.finished:
+            if event.finished:  # free the place before the client can see its answer and send the next request
                 del self._active[event.request_id]
                 self._release()
+            handle.deliver(event)
 
     def _abort_in_engine(self, engine_id: int) -> None:
         try:
@@ -250,8 +250,8 @@ class AsyncEngine:
         self._active.clear()
 
     def _fail(self, handle: RequestHandle, error: RequestFailed) -> None:
-        handle.deliver(_Failed(error))
         self._release()
+        handle.deliver(_Failed(error))
 
     def _release(self) -> None:
         with self._lock:

@@ -108,7 +108,7 @@ def test_engine_failures_fail_only_their_requests(tokenizer, caplog):
         assert "step exploded" in caplog.text and "add_request exploded" in caplog.text
         ok = client.post("/v1/completions", json={"prompt": [3, 4], "max_tokens": 2})
         assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == FakeEngine.expected([3, 4], 2)
-        assert client.get("/health").json() | {"in_flight": 0} == client.get("/health").json()
+        assert client.get("/health").json()["in_flight"] == 0
         assert app.state.worker.alive
 
 
