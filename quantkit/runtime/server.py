@@ -1,0 +1,370 @@
+"""An OpenAI-compatible HTTP server over a continuous-batching :class:`~quantkit.runtime.types.Engine`.
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both stream with ``"stream": true``
+as server-sent events in OpenAI's chunk format, closed by ``data: [DONE]``), ``GET /v1/models``,
+``GET /health``. FastAPI and uvicorn are an optional extra (``pip install quantkit[serve]``), imported
+only when a server is built.
+
+The engine runs on one worker thread (:mod:`quantkit.runtime.async_engine`); every request handler
+awaits its own queue of events. Limits, each answered with OpenAI's error body
+``{"error": {"message", "type", "param", "code"}}``: a body over ``max_body_bytes`` (413), malformed
+JSON or a field of the wrong type or range (400), a prompt longer than the engine's sequence (400,
+``context_length_exceeded``), ``max_tokens`` above ``max_tokens`` (400), an unknown model name (404),
+every place taken (503, ``queue_full``), an engine failure (500, only for the requests it hit). A
+client that disconnects, streaming or not, has its request aborted in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import json
+import logging
+import signal
+import socket
+import threading
+from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from quantkit.config import QuantkitError
+from quantkit.runtime.async_engine import AsyncEngine, QueueFull, RequestFailed, RequestHandle
+from quantkit.runtime.openai_schema import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ResponseFormat,
+    parse_request,
+)
+from quantkit.runtime.types import Engine, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Where the server listens and what it accepts."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_queue: int = 64  # requests waiting for a slot beyond the engine's max_batch running ones
+    max_tokens: int = 1024  # the most tokens one request may ask for
+    max_body_bytes: int = 1 << 20
+    served_model_name: str | None = None  # default: the engine's model_name
+    shutdown_timeout: float = 10.0  # seconds in-flight requests get to finish on SIGINT/SIGTERM
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not 0 <= self.port <= 65535:
+            problems.append(f"--port must be in 0..65535, got {self.port}")
+        if self.max_queue < 0:
+            problems.append(f"--max-queue must be >= 0, got {self.max_queue}")
+        if self.max_tokens < 1:
+            problems.append(f"--max-tokens must be >= 1, got {self.max_tokens}")
+        if self.max_body_bytes < 1024:
+            problems.append(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
+        if self.shutdown_timeout < 0:
+            problems.append(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
+        if problems:
+            raise QuantkitError("; ".join(problems))
+
+
+class _ClientGone(Exception):
+    pass
+
+
+def text_prompt(prompt: str | list[int]):
+    """A prompt builder (runs on the engine thread) for a completion prompt: text or token ids."""
+
+    def build(tokenizer) -> list[int]:
+        if isinstance(prompt, str):
+            return list(tokenizer(prompt)["input_ids"])
+        vocab = len(tokenizer)
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise RequestFailed(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}", client_error=True,
+                                param="prompt", code="invalid_value")
+        return list(prompt)
+
+    return build
+
+
+def chat_prompt(messages: list[dict[str, str]]):
+    """A prompt builder for a conversation, rendered by the tokenizer's own chat template."""
+
+    def build(tokenizer) -> list[int]:
+        if not getattr(tokenizer, "chat_template", None):
+            raise RequestFailed("this model's tokenizer has no chat template; use /v1/completions with a prompt",
+                                client_error=True, param="messages", code="no_chat_template")
+        from jinja2 import TemplateError
+
+        try:
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except TemplateError as exc:  # templates raise on what they refuse, e.g. roles that do not alternate
+            raise RequestFailed(f"the chat template refused these messages: {exc}", client_error=True,
+                                param="messages", code="invalid_value") from exc
+        # The template already wrote the special tokens (BOS, role markers) it wants.
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    return build
+
+
+def _failure_error(exc: RequestFailed) -> APIError:
+    if exc.client_error:
+        return APIError(400, exc.message, param=exc.param, code=exc.code or "invalid_value")
+    return APIError(500, exc.message, type="server_error", code=exc.code or "engine_error")
+
+
+def _sse(body: dict[str, Any]) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+async def _read_json(request, limit: int) -> Any:
+    """The request's JSON body, read up to ``limit`` bytes (413 beyond; 400 if it is not JSON)."""
+    declared = request.headers.get("content-length")
+    too_large = APIError(413, f"the request body is larger than this server's limit of {limit} bytes",
+                         code="request_too_large")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    if not chunks or not b"".join(chunks).strip():
+        raise APIError(400, "the request body is empty; send a JSON object", code="invalid_json")
+
+    def refuse_constant(name: str):
+        raise ValueError(f"{name} is not valid JSON")
+
+    try:
+        return json.loads(b"".join(chunks), parse_constant=refuse_constant)
+    except ValueError as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from exc
+
+
+async def _wait_disconnect(request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request, coro):
+    """Await ``coro``; if the client disconnects first, cancel it and raise :class:`_ClientGone`."""
+    task = asyncio.ensure_future(coro)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task in done:
+        return task.result()
+    raise _ClientGone()
+
+
+async def _collect(handle: RequestHandle) -> tuple[str, str | None, int]:
+    """Text, finish reason and generated-token count of a whole (non-streamed) request."""
+    parts, finish_reason, counted, generated = [], None, 0, 0
+    async for event in handle.events():
+        parts.append(event.text)
+        counted += event.token_id is not None
+        if event.finished:
+            finish_reason, generated = event.finish_reason, event.generated_tokens or counted
+    return "".join(parts), finish_reason, generated
+
+
+class _Service:
+    """The request handlers, bound to one engine worker."""
+
+    def __init__(self, worker: AsyncEngine, config: ServerConfig, model_name: str) -> None:
+        self.worker, self.config, self.model_name = worker, config, model_name
+
+    async def health(self, request):
+        from fastapi.responses import JSONResponse
+
+        engine = self.worker.engine
+        body = {"status": "ok" if self.worker.alive else "unavailable", "model": self.model_name,
+                "in_flight": self.worker.in_flight, "capacity": self.worker.capacity,
+                "max_batch": engine.max_batch, "max_seq_len": engine.max_seq_len}
+        return JSONResponse(body, status_code=200 if self.worker.alive else 503)
+
+    async def models(self, request):
+        from fastapi.responses import JSONResponse
+
+        model = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "quantkit",
+                 "max_model_len": self.worker.engine.max_seq_len}
+        return JSONResponse({"object": "list", "data": [model]})
+
+    async def completions(self, request):
+        body = parse_request(CompletionRequest, await _read_json(request, self.config.max_body_bytes))
+        self._check_model(body.model)
+        params = body.params(self.config.max_tokens)
+        fmt = ResponseFormat.new(chat=False, model=self.model_name)
+        return await self._generate(request, text_prompt(body.single_prompt()), "prompt", params, fmt,
+                                    bool(body.stream), body.include_usage)
+
+    async def chat_completions(self, request):
+        body = parse_request(ChatCompletionRequest, await _read_json(request, self.config.max_body_bytes))
+        self._check_model(body.model)
+        params = body.params(self.config.max_tokens)
+        fmt = ResponseFormat.new(chat=True, model=self.model_name)
+        return await self._generate(request, chat_prompt(body.template_messages()), "messages", params, fmt,
+                                    bool(body.stream), body.include_usage)
+
+    def _check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise APIError(404, f"the model {name!r} does not exist here; this server serves {self.model_name!r} "
+                           "(see GET /v1/models)", param="model", code="model_not_found")
+
+    async def _generate(self, request, build, prompt_param: str, params: SamplingParams, fmt: ResponseFormat,
+                        stream: bool, include_usage: bool):
+        from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+        try:
+            handle = self.worker.submit(build, params, prompt_param=prompt_param)
+        except QueueFull as exc:
+            raise APIError(503, f"the server is busy ({exc}); retry later", type="server_error",
+                           code="queue_full") from exc
+        except RequestFailed as exc:
+            raise APIError(503, exc.message, type="server_error", code="engine_unavailable") from exc
+        streaming = False
+        try:
+            prompt_tokens = await _unless_disconnected(request, handle.accepted())
+            if stream:
+                streaming = True  # from here the event stream owns the request
+                return StreamingResponse(self._stream(handle, fmt, prompt_tokens, include_usage),
+                                         media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            text, finish_reason, generated = await _unless_disconnected(request, _collect(handle))
+            return JSONResponse(fmt.full(text, finish_reason, prompt_tokens, generated))
+        except RequestFailed as exc:
+            raise _failure_error(exc) from exc
+        except _ClientGone:
+            log.info("client went away; request aborted")
+            return Response(status_code=499)
+        finally:
+            if not streaming and not handle.finished:
+                self.worker.abort(handle)
+
+    async def _stream(self, handle: RequestHandle, fmt: ResponseFormat, prompt_tokens: int, include_usage: bool):
+        """Server-sent events: a role chunk (chat), one chunk per text delta, the finish chunk, [DONE]."""
+        try:
+            if fmt.chat:
+                yield _sse(fmt.chunk(None, role=True))
+            counted, generated = 0, 0
+            async for event in handle.events():
+                counted += event.token_id is not None
+                if event.text:
+                    yield _sse(fmt.chunk(event.text))
+                if event.finished:
+                    generated = event.generated_tokens or counted
+                    yield _sse(fmt.chunk(None, event.finish_reason))
+            if include_usage:
+                yield _sse(fmt.usage_chunk(prompt_tokens, generated))
+        except RequestFailed as exc:
+            yield _sse(_failure_error(exc).body())
+        finally:
+            if not handle.finished:  # the client disconnected (the response was cancelled) or the loop stops
+                log.info("stream ended early; request aborted")
+                self.worker.abort(handle)
+        yield "data: [DONE]\n\n"
+
+
+def _install_error_handlers(app) -> None:
+    from fastapi.responses import JSONResponse
+    from starlette.exceptions import HTTPException
+
+    async def api_error(request, exc: APIError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    async def http_error(request, exc: HTTPException):
+        error = APIError(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None)
+        return JSONResponse(error.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    async def unexpected(request, exc: Exception):
+        log.exception("unexpected error while serving %s", request.url.path)
+        error = APIError(500, f"internal error: {type(exc).__name__}", type="server_error", code="internal_error")
+        return JSONResponse(error.body(), status_code=500)
+
+    app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(HTTPException, http_error)
+    app.add_exception_handler(Exception, unexpected)
+
+
+def create_app(engine: Engine, config: ServerConfig = ServerConfig()):
+    """The FastAPI application serving ``engine``; its worker thread starts and stops with the app."""
+    from fastapi import FastAPI
+
+    worker = AsyncEngine(engine, max_queue=config.max_queue)
+    service = _Service(worker, config, config.served_model_name or engine.model_name)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        worker.start()
+        try:
+            yield
+        finally:
+            worker.stop()
+
+    app = FastAPI(title="quantkit", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.worker = worker
+    _install_error_handlers(app)
+
+    # Plain Starlette routes: each handler takes the request and parses its body itself, so every
+    # problem (413, bad JSON, a wrong field) gets OpenAI's error body rather than FastAPI's 422.
+    app.add_route("/health", service.health, methods=["GET"])
+    app.add_route("/v1/models", service.models, methods=["GET"])
+    app.add_route("/v1/completions", service.completions, methods=["POST"])
+    app.add_route("/v1/chat/completions", service.chat_completions, methods=["POST"])
+    return app
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def uvicorn_server(engine: Engine, config: ServerConfig):
+    """A ``uvicorn.Server`` for ``engine`` (``.run()`` serves until SIGINT/SIGTERM, then shuts down gracefully)."""
+    try:
+        import uvicorn
+    except ImportError as exc:
+        raise QuantkitError("serving needs FastAPI and uvicorn: pip install 'quantkit[serve]'") from exc
+    if not is_loopback(config.host):
+        log.warning("listening on %s: reachable from other machines, and there is no authentication", config.host)
+    uv_config = uvicorn.Config(create_app(engine, config), host=config.host, port=config.port,
+                               log_level=config.log_level, timeout_graceful_shutdown=config.shutdown_timeout,
+                               lifespan="on")
+    return uvicorn.Server(uv_config)
+
+
+def serve(engine: Engine, config: ServerConfig = ServerConfig(), sock: socket.socket | None = None) -> None:
+    """Serve ``engine`` until SIGINT/SIGTERM; in-flight requests get ``shutdown_timeout`` s to finish,
+    then the engine worker stops and this returns normally."""
+    server = uvicorn_server(engine, config)
+    with _signals_absorbed():
+        server.run(sockets=[sock] if sock is not None else None)
+    log.info("server stopped")
+
+
+@contextmanager
+def _signals_absorbed():
+    """uvicorn handles SIGINT/SIGTERM (graceful shutdown), then re-raises the signal to the handler it
+    found. Let it find a no-op one, so that a shutdown asked for by a signal ends with exit status 0."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
