@@ -139,11 +139,11 @@ def settings_from_sources(sources: list[tuple[str, dict]], folder: Path | None =
             if key in canon and canon[key] != value:
                 raise QuantkitError(
                     f"the quantization settings contradict each other: {said[key]}, but {where} says "
-                    f"{spelled}={value!r}. Remove the stale file or fix the wrong value (the tool that "
-                    "made the checkpoint knows which is right)"
+                    f"{spelled}. Remove the stale file or fix the wrong value (the tool that made the "
+                    "checkpoint knows which is right)"
                 )
             if key not in canon:
-                canon[key], said[key] = value, f"{where} says {spelled}={value!r}"
+                canon[key], said[key] = value, f"{where} says {spelled}"
     raw: dict = {}
     for _, qc in reversed(sources):  # the first-read source wins on keys that are not settings
         raw.update(qc)
@@ -156,7 +156,8 @@ def settings_from_sources(sources: list[tuple[str, dict]], folder: Path | None =
 
 
 def canonical_settings(qc: dict, where: str) -> dict[str, tuple[str, Any]]:
-    """Canonical setting -> (key as spelled, value) of one source; two spellings must agree."""
+    """Canonical setting -> (``key=value`` as the source spells it, canonical value) of one source;
+    two spellings of one setting in it must agree."""
     out: dict[str, tuple[str, Any]] = {}
     spellings = dict(_SPELLINGS)
     if str(qc.get("quant_method", qc.get("method", ""))).lower() == "awq":
@@ -170,21 +171,20 @@ def canonical_settings(qc: dict, where: str) -> dict[str, tuple[str, Any]]:
                     "fix the wrong key (both name the same setting)"
                 )
         if present:
-            out[canon] = present[0]
+            out[canon] = (f"{present[0][0]}={present[0][1]!r}", present[0][1])
     if qc.get("is_marlin_format"):
         if "format" in out and out["format"][1] != "marlin":
-            raise QuantkitError(f"{where} contradicts itself: is_marlin_format=true but {out['format'][0]}="
-                                f"{out['format'][1]!r}")
-        out["format"] = ("is_marlin_format", "marlin")
-    sym = [("sym", bool(qc["sym"]))] if qc.get("sym") is not None else []
+            raise QuantkitError(f"{where} contradicts itself: is_marlin_format=true but {out['format'][0]}")
+        out["format"] = ("is_marlin_format=True", "marlin")
+    sym = [(f"sym={qc['sym']!r}", bool(qc["sym"]))] if qc.get("sym") is not None else []
     if qc.get("zero_point") is not None:
-        sym.append(("zero_point", not bool(qc["zero_point"])))
+        sym.append((f"zero_point={qc['zero_point']!r}", not bool(qc["zero_point"])))
     if len(sym) == 2 and sym[0][1] != sym[1][1]:
-        raise QuantkitError(f"{where} contradicts itself: sym={qc['sym']!r} but zero_point={qc['zero_point']!r}")
+        raise QuantkitError(f"{where} contradicts itself: {sym[0][0]} but {sym[1][0]}")
     if sym:
-        out["sym"] = (sym[0][0], sym[0][1])
+        out["sym"] = sym[0]
     if qc.get("desc_act") is not None:
-        out["desc_act"] = ("desc_act", bool(qc["desc_act"]))
+        out["desc_act"] = (f"desc_act={qc['desc_act']!r}", bool(qc["desc_act"]))
     return out
 
 
