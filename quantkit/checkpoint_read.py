@@ -18,6 +18,7 @@ packed tensors of another layout are converted to GPTQ v1 on the way
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -30,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from quantkit.checkpoint_format import INDEX_NAME, WEIGHTS_NAME
+from quantkit.checkpoint_format import INDEX_NAME, QUANT_SUFFIXES, WEIGHTS_NAME
 from quantkit.checkpoint_layouts import PackedGeometry, packed_geometry, stored_leaves, to_gptq_v1
 from quantkit.checkpoint_settings import GPTQSettings, read_config, validate_quant_config
 from quantkit.config import QuantkitError
@@ -159,6 +160,60 @@ def read_tensors(records: dict[str, TensorRecord], keys: Iterable[str]) -> Itera
 def packed_modules(records: dict[str, TensorRecord]) -> list[str]:
     """Names of the packed linears (those with a ``.qweight``), in file order."""
     return [key[: -len(".qweight")] for key in records if key.endswith(".qweight")]
+
+
+# -- tensors as quantkit holds them ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CheckpointTensors:
+    """A validated checkpoint folder whose packed linears read as GPTQ v1, whatever layout stores them.
+
+    For readers that build their own model (the runtime): ``names`` are the keys a GPTQ v1
+    checkpoint of the same model would hold (``<linear>.qweight/.qzeros/.scales/.g_idx`` and
+    every other stored tensor), ``read(keys)`` returns them, converting packed linears on the way.
+    """
+
+    path: Path
+    config: dict
+    settings: GPTQSettings
+    records: dict[str, TensorRecord]
+    geometry: dict[str, PackedGeometry]
+
+    @functools.cached_property
+    def names(self) -> set[str]:
+        leaves = stored_leaves(self.settings.layout)
+        stored = {k for k in self.records if k.rpartition(".")[0] not in self.geometry
+                  or k.rpartition(".")[2] not in leaves}
+        return stored | {f"{name}.{leaf}" for name in self.geometry for leaf in QUANT_SUFFIXES}
+
+    def read(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
+        keys = list(keys)
+        unknown = [k for k in keys if k not in self.names]
+        if unknown:
+            raise QuantkitError(f"{self.path} holds no tensor {name_keys(unknown)}")
+        leaves = stored_leaves(self.settings.layout)
+        modules = {k.rpartition(".")[0] for k in keys if k.rpartition(".")[0] in self.geometry
+                   and k.rpartition(".")[2] in QUANT_SUFFIXES}
+        plain = [k for k in keys if k.rpartition(".")[0] not in modules or k.rpartition(".")[2] == "bias"]
+        out = dict(read_tensors(self.records, plain))
+        for name in modules:
+            stored = {k.rpartition(".")[2]: t for k, t in read_tensors(self.records, [f"{name}.{x}" for x in leaves])}
+            converted = to_gptq_v1(name, stored, self.settings, self.geometry[name])
+            out.update({f"{name}.{leaf}": t for leaf, t in converted.items() if f"{name}.{leaf}" in keys})
+        return {k: out[k] for k in keys}
+
+
+def open_checkpoint(path: str | os.PathLike) -> CheckpointTensors:
+    """Validate the checkpoint at ``path`` (settings, files, settings against tensor shapes); no data read."""
+    path = Path(path)
+    config, settings = read_config(path)
+    records = index_tensors(path)
+    names = packed_modules(records)
+    if not names:
+        raise QuantkitError(f"{path} declares a quantized layout but holds no packed linear (no .qweight)")
+    geometry = {name: packed_geometry(name, records, settings) for name in names}
+    return CheckpointTensors(path, config, settings, records, geometry)
 
 
 # -- loading ----------------------------------------------------------------------------------------
@@ -323,7 +378,7 @@ def check_tensors(
                 f"{name} is stored with {geo.in_features} inputs and {geo.out_features} outputs; the model's layer "
                 f"has {layer.in_features} and {layer.out_features} (config.json does not match the weights)"
             )
-    provided = {f"{name}.{leaf}" for name in geometry for leaf in ("qweight", "qzeros", "scales", "g_idx")}
+    provided = {f"{name}.{leaf}" for name in geometry for leaf in QUANT_SUFFIXES}
     unexpected = [k for k in records if k not in expected and k not in provided]
     if unexpected:
         files = sorted({records[k].file.name for k in unexpected})
@@ -389,6 +444,6 @@ def _load_generation_config(model: nn.Module, path: Path) -> None:
 
 
 __all__ = [
-    "GPTQSettings", "TensorRecord", "index_tensors", "load_quantized", "name_keys", "read_config", "read_tensors",
-    "validate_quant_config",
+    "CheckpointTensors", "GPTQSettings", "TensorRecord", "index_tensors", "load_quantized", "name_keys",
+    "open_checkpoint", "read_config", "read_tensors", "validate_quant_config",
 ]

@@ -118,8 +118,13 @@ def read_json_object(file: Path) -> dict:
     return value
 
 
-def validate_quant_config(qc: Any, where: Path | str) -> GPTQSettings:
-    """Settings from one ``quantization_config`` object; says what the checkpoint is when unreadable."""
+def validate_quant_config(qc: Any, where: Path | str, layouts: tuple[str, ...] = (LAYOUT,)) -> GPTQSettings:
+    """Settings from one ``quantization_config`` object; says what the checkpoint is when unreadable.
+
+    ``layouts`` are the stored layouts the caller converts: by default only GPTQ v1, for callers that
+    read the packed tensors as they are stored; :func:`quantkit.checkpoint_read.open_checkpoint` hands
+    out every readable layout already converted to v1.
+    """
     if qc is None:
         raise QuantkitError(
             f"{where} has no quantization_config (and the folder has no {' or '.join(QUANTIZE_CONFIG_NAMES)}): "
@@ -127,7 +132,14 @@ def validate_quant_config(qc: Any, where: Path | str) -> GPTQSettings:
         )
     if not isinstance(qc, dict):
         raise QuantkitError(f"quantization_config in {where} is not an object; the checkpoint is damaged")
-    return settings_from_sources([(str(where), qc)])
+    settings = settings_from_sources([(str(where), qc)])
+    if settings.layout not in layouts:
+        raise QuantkitError(
+            f"{where} stores the {settings.layout} layout; this reader takes {', '.join(layouts)} tensors as they "
+            "are stored. Read the folder through quantkit.checkpoint_read.open_checkpoint (or load_quantized), "
+            "which converts it"
+        )
+    return settings
 
 
 def settings_from_sources(sources: list[tuple[str, dict]], folder: Path | None = None) -> GPTQSettings:

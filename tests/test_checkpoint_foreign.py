@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from quantkit.checkpoint import inspect_checkpoint, load_quantized, save_quantized
+from quantkit.checkpoint_read import open_checkpoint, validate_quant_config
 from quantkit.config import QuantkitError, QuantScheme
 from quantkit.pack import pack_awq, pack_rows, unpack_gptq
 from tests.conftest import tiny_llama_config, tiny_tokenizer
@@ -141,6 +142,19 @@ def test_each_layout_loads_to_the_same_logits(original, original_logits, tmp_pat
     info = inspect_checkpoint(folder)
     assert (info.bits, info.group_size, info.sym, info.n_quantized) == (4, 32, False, 14)
     assert info.layout == {to_v2: "gptq_v2", to_awq_gemm: "awq_gemm", None: "gptq_v1"}[convert]
+    # What readers that build their own model (the runtime) get: the original's v1 tensors, bit for bit.
+    ours, theirs = open_checkpoint(original), open_checkpoint(folder)
+    assert theirs.names == ours.names
+    keys = sorted(ours.names)
+    expected, got = ours.read(keys), theirs.read(keys)
+    assert all(torch.equal(expected[k], got[k]) for k in keys)
+
+
+def test_raw_tensor_readers_get_only_the_layout_they_take(original):
+    settings = gptqmodel_settings(method="gptq", format="gptq_v2")
+    with pytest.raises(QuantkitError, match="stores the gptq_v2 layout.*open_checkpoint"):
+        validate_quant_config(settings, "config.json")
+    assert validate_quant_config(settings, "config.json", layouts=("gptq_v1", "gptq_v2")).layout == "gptq_v2"
 
 
 def test_quantkit_reads_its_own_awq_export(original, original_logits, tmp_path):
@@ -238,12 +252,15 @@ def test_cli_eval_of_a_folder_with_missing_weights_exits_2_naming_them(tiny_llam
 
 
 def test_cli_eval_reads_settings_from_quantize_config_json(original, tiny_text_file, tmp_path):
+    """The issue's folder: quantization_config removed from config.json, quantize_config.json kept."""
+    from quantkit.api import evaluate_perplexity
+    from quantkit.config import LoadConfig
+
     config, files, _ = LAYOUTS["autogptq-quantize-config-only"]
     folder = derive(original, tmp_path, "autogptq", config, files)
-    args = ["--data", tiny_text_file, "--seqlen", "64", "--max-windows", "3", "--json"]
-    results = []
-    for path in (original, folder):
-        proc = quantkit_cli("eval", "perplexity", path, *args)
-        assert proc.returncode == 0, proc.stderr
-        results.append(json.loads(proc.stdout)["ppl"])
-    assert results[0] == results[1]
+    proc = quantkit_cli("eval", "perplexity", folder, "--data", tiny_text_file, "--seqlen", "64", "--max-windows",
+                        "3", "--device", "cpu", "--json")
+    assert proc.returncode == 0, proc.stderr
+    expected = evaluate_perplexity(str(original), data=str(tiny_text_file), seqlen=64, max_windows=3,
+                                   load=LoadConfig(device="cpu"))
+    assert json.loads(proc.stdout)["ppl"] == pytest.approx(expected.ppl, rel=1e-6)
