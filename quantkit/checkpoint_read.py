@@ -77,8 +77,13 @@ def weight_files(path: Path) -> list[Path]:
         files = [path / name for name in dict.fromkeys(weight_map.values())]
     elif (path / WEIGHTS_NAME).is_file():
         files = [path / WEIGHTS_NAME]
+    elif len(others := sorted(path.glob("*.safetensors"))) == 1:
+        # AutoGPTQ-era folders name their one file after the settings' model_file_base_name
+        # (gptq_model-4bit-128g.safetensors).
+        files = others
     else:
-        raise QuantkitError(f"{path} has neither {WEIGHTS_NAME} nor {INDEX_NAME}; the weights are missing")
+        found = f" but {len(others)} other .safetensors files and no index to say which" if others else ""
+        raise QuantkitError(f"{path} has neither {WEIGHTS_NAME} nor {INDEX_NAME}{found}; the weights are missing")
     for file in files:
         if not file.is_file():
             raise QuantkitError(f"{file.name} is listed in {INDEX_NAME} but missing from {path}")

@@ -116,7 +116,8 @@ LAYOUTS = {
     "autogptq-quantize-config-only": (
         None, {"quantize_config.json": gptq_settings(quant_method="gptq", checkpoint_format="gptq",
                                                      model_file_base_name="model")}, None),
-    "autogptq-old-no-method": (None, {"quantize_config.json": gptq_settings(model_file_base_name="model")}, None),
+    "autogptq-old-no-method": (
+        None, {"quantize_config.json": gptq_settings(model_file_base_name="gptq_model-4bit-32g")}, None),
     "gptqmodel-v1-both-files": (
         gptqmodel_settings(method="gptq", quant_method="gptq", format="gptq", checkpoint_format="gptq"),
         {"quantize_config.json": gptqmodel_settings(method="gptq", quant_method="gptq", format="gptq",
@@ -138,6 +139,8 @@ def test_each_layout_loads_to_the_same_logits(original, original_logits, tmp_pat
     folder = derive(original, tmp_path, layout, config, files)
     if convert is not None:
         rewrite_packed(folder, convert)
+    base_name = (files or {}).get("quantize_config.json", {}).get("model_file_base_name", "model")
+    (folder / "model.safetensors").rename(folder / f"{base_name}.safetensors")  # AutoGPTQ's file name
     assert torch.equal(logits(folder), original_logits)
     info = inspect_checkpoint(folder)
     assert (info.bits, info.group_size, info.sym, info.n_quantized) == (4, 32, False, 14)
