@@ -37,7 +37,7 @@ def register(app: typer.Typer) -> None:
             return
         con = console()
         table = Table(title=f"{path}", show_header=False)
-        for key in ("method", "quant_method", "bits", "group_size", "sym", "desc_act", "n_quantized"):
+        for key in ("method", "quant_method", "layout", "bits", "group_size", "sym", "desc_act", "n_quantized"):
             if key in data:
                 table.add_row(key.replace("_", " "), str(data[key]))
         for key in ("size_on_disk", "size_16bit"):

@@ -211,29 +211,41 @@ def quantize(
 
 
 def is_quantized_checkpoint(path: str | Path) -> bool:
-    """True for a folder whose config.json carries a quantization_config."""
+    """True for a folder that declares quantization settings: ``config.json``'s ``quantization_config``
+    or a ``quantize_config.json`` / ``quant_config.json`` beside it (AutoGPTQ, GPTQModel).
+
+    Such a folder is read by quantkit's checkpoint reader (which reads it or refuses it saying what it
+    is), never as a plain model, where transformers would leave every packed layer at random init.
+    """
     import json
 
-    config = Path(path).expanduser() / "config.json"
-    if not config.is_file():
+    from quantkit.checkpoint_format import CONFIG_NAME, QUANTIZE_CONFIG_NAMES
+
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
         return False
+    if any((folder / name).is_file() for name in QUANTIZE_CONFIG_NAMES):
+        return True
     try:
-        return "quantization_config" in json.loads(config.read_text())
+        config = json.loads((folder / CONFIG_NAME).read_text())
     except (OSError, ValueError):
         return False
+    return isinstance(config, dict) and config.get("quantization_config") is not None
 
 
 def load_any(model: str, load: LoadConfig = LoadConfig()):
-    """(model, tokenizer) for a quantized checkpoint folder or any model ``load_model`` takes."""
+    """(model, tokenizer) for a quantized checkpoint folder or any model ``load_model`` takes.
+
+    ``load.dtype`` means the same for both: ``auto`` is bfloat16 on CUDA and float32 on the CPU.
+    """
     from quantkit.config import resolve_dtype
 
     device = resolve_device(load.device)
+    dtype = resolve_dtype(load.dtype, device)
     if is_quantized_checkpoint(model):
-        from quantkit.checkpoint import load_quantized
+        from quantkit.checkpoint_read import load_quantized as read_checkpoint
 
-        dtype = None if load.dtype == "auto" else resolve_dtype(load.dtype, device)
-        qmodel, tokenizer = load_quantized(model, device="cpu", dtype=dtype)
-        return qmodel, tokenizer
+        return read_checkpoint(Path(model).expanduser(), device="cpu", dtype=dtype)
     from quantkit.models import load_model
 
     loaded = load_model(model, load)
@@ -272,15 +284,20 @@ def evaluate_perplexity(
                       on_window=on_window)
 
 
-def load_quantized(path: str | Path, *, device: str = "cpu", dtype: torch.dtype | None = None):
-    """(model, tokenizer) from a quantkit checkpoint, with quantized linears served by QuantLinear."""
-    from quantkit.checkpoint import load_quantized as _load
+def load_quantized(path: str | Path, *, device: str = "cpu", dtype: torch.dtype | str | None = None):
+    """(model, tokenizer) from a GPTQ (v1/v2) or AutoAWQ GEMM checkpoint, quantized linears served by QuantLinear.
 
-    return _load(path, device=device, dtype=dtype)
+    ``dtype``: None keeps the checkpoint's saved dtype, ``"auto"`` is bfloat16 on CUDA and float32 on the
+    CPU, or a dtype (name) forces one. Weights missing from the files, or tensors the model does not
+    have, are a ``QuantkitError`` naming them.
+    """
+    from quantkit.checkpoint_read import load_quantized as read_checkpoint
+
+    return read_checkpoint(path, device=device, dtype=dtype)
 
 
 def inspect(path: str | Path):
-    """What a checkpoint holds (see ``quantkit.checkpoint.inspect_checkpoint``)."""
-    from quantkit.checkpoint import inspect_checkpoint
+    """What a checkpoint holds (see ``quantkit.checkpoint_inspect.inspect_checkpoint``)."""
+    from quantkit.checkpoint_inspect import inspect_checkpoint
 
     return inspect_checkpoint(path)

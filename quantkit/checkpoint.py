@@ -16,6 +16,8 @@ complete, so an interrupted write never leaves a folder that looks like a checkp
 
 Reading lives in :mod:`quantkit.checkpoint_read` and :mod:`quantkit.checkpoint_inspect`;
 ``load_quantized`` and ``inspect_checkpoint`` are re-exported here so callers import one module.
+File names and layout tags shared by both sides are in :mod:`quantkit.checkpoint_format`; the AWQ
+GEMM layout in :mod:`quantkit.checkpoint_layouts`.
 """
 
 from __future__ import annotations
@@ -32,16 +34,28 @@ from typing import Any
 import torch
 from torch import nn
 
-from quantkit.checkpoint_config import LAYOUT, build_quantization_config
+from quantkit.checkpoint_config import build_quantization_config
+from quantkit.checkpoint_format import (
+    CONFIG_NAME,
+    INDEX_NAME,
+    LAYOUT,
+    LAYOUT_AWQ_GEMM,
+    QUANT_SUFFIXES,
+    WEIGHTS_NAME,
+)
+from quantkit.checkpoint_inspect import CheckpointInfo, inspect_checkpoint
+from quantkit.checkpoint_layouts import awq_quantization_config, export_awq_layout
+from quantkit.checkpoint_read import load_quantized
 from quantkit.config import QuantkitError, QuantScheme
 from quantkit.qtensor import QuantizedWeight
 
 log = logging.getLogger(__name__)
 
-CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
-INDEX_NAME = "model.safetensors.index.json"
-QUANT_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")
+__all__ = [
+    "CONFIG_NAME", "INDEX_NAME", "QUANT_SUFFIXES", "WEIGHTS_NAME", "CheckpointInfo", "PendingTensor",
+    "build_state_dict", "inspect_checkpoint", "load_quantized", "plan_shards", "resolve_save_dtype",
+    "save_quantized", "shard_name", "write_shards",
+]
 SAVE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 _SAVE_DTYPE_ALIASES = {"fp16": "float16", "half": "float16", "bf16": "bfloat16"}
 
@@ -121,8 +135,6 @@ def _to_awq_layout(
     state: dict[str, PendingTensor], weights: dict[str, QuantizedWeight], scheme: QuantScheme, gptq_config: dict
 ) -> tuple[dict[str, PendingTensor], dict]:
     """Swap every packed linear's GPTQ tensors for the AWQ GEMM ones (bit order in quantkit.pack)."""
-    from quantkit.methods.awq import awq_quantization_config, export_awq_layout
-
     awq_tensors = export_awq_layout(weights)
     out: dict[str, PendingTensor] = {}
     for key, pending in state.items():
@@ -135,7 +147,7 @@ def _to_awq_layout(
         out[key] = pending
     unquantized = [n.rpartition(".")[2] for n in gptq_config.get("quantkit", {}).get("unquantized_linears", [])]
     config = awq_quantization_config(scheme, sorted(set(unquantized)) or None)
-    config["quantkit"] = {**gptq_config.get("quantkit", {}), "layout": "awq_gemm"}
+    config["quantkit"] = {**gptq_config.get("quantkit", {}), "layout": LAYOUT_AWQ_GEMM}
     return out, config
 
 
@@ -273,8 +285,8 @@ def _file_metadata(scheme: QuantScheme, quant_config: dict) -> dict[str, str]:
     return {
         "format": "pt",
         "quant_method": quant_config["quant_method"],
-        "checkpoint_format": "awq_gemm" if awq else "gptq",
-        "quantkit_layout": "awq_gemm" if awq else LAYOUT,
+        "checkpoint_format": LAYOUT_AWQ_GEMM if awq else "gptq",
+        "quantkit_layout": LAYOUT_AWQ_GEMM if awq else LAYOUT,
         "bits": str(scheme.bits),
         "group_size": str(scheme.group_size),
         "sym": str(scheme.sym).lower(),
@@ -398,15 +410,3 @@ def _json_default(value: Any) -> Any:
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
-
-def __getattr__(name: str):
-    # Re-exported lazily so writing a checkpoint does not import the reader and vice versa.
-    if name == "load_quantized":
-        from quantkit.checkpoint_read import load_quantized
-
-        return load_quantized
-    if name in ("inspect_checkpoint", "CheckpointInfo"):
-        from quantkit import checkpoint_inspect
-
-        return getattr(checkpoint_inspect, name)
-    raise AttributeError(f"module 'quantkit.checkpoint' has no attribute {name!r}")

@@ -15,10 +15,10 @@ from typing import Any
 from torch import nn
 
 from quantkit.arch import arch_for, find_decoder_layers, find_linear_like, sequential_groups
+from quantkit.checkpoint_format import LAYOUT
 from quantkit.config import QuantkitError, QuantScheme
 from quantkit.qtensor import QuantizedWeight
 
-LAYOUT = "gptq_v1"  # quantkit.pack's GPTQ layout, zero points stored minus one
 # Fields GPTQ readers know that a method may report through ``extra`` (lifted to the top level).
 _METHOD_FIELDS = ("damp_percent", "true_sequential", "static_groups")
 

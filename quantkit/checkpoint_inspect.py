@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from quantkit.checkpoint_layouts import packed_geometry, stored_leaves
 from quantkit.checkpoint_read import index_tensors, packed_modules, read_config, weight_files
 from quantkit.config import QuantkitError
 
@@ -32,6 +33,8 @@ class CheckpointInfo:
     size_on_disk_bytes: int
     equivalent_16bit_bytes: int
     calibration: dict | None
+    layout: str = "gptq_v1"  # as stored: gptq_v1, gptq_v2 or awq_gemm (all read as GPTQ v1)
+    settings_source: str = "config.json"  # the file(s) the quantization settings were read from
 
     @property
     def n_quantized(self) -> int:
@@ -57,25 +60,30 @@ class CheckpointInfo:
 
 
 def inspect_checkpoint(path: str | os.PathLike) -> CheckpointInfo:
-    """Describe the checkpoint at ``path`` after validating its config and files."""
+    """Describe the checkpoint at ``path`` after validating its settings and files.
+
+    The settings are checked against the tensor shapes (bit width, group size, layout), so what this
+    reports is what the loader will load.
+    """
     path = Path(path)
     config, settings = read_config(path)
     records = index_tensors(path)
     quantized, partial = [], []
     equivalent = 0
-    for name in packed_modules(records):
-        g_idx, scales = records.get(f"{name}.g_idx"), records.get(f"{name}.scales")
-        if g_idx is None or scales is None:
-            raise QuantkitError(f"{name} has a qweight but no g_idx/scales; the checkpoint is damaged")
-        in_features, out_features = g_idx.shape[0], scales.shape[-1]
-        quantized.append((name, in_features, out_features, scales.shape[0]))
+    names = packed_modules(records)
+    if not names:
+        raise QuantkitError(f"{path} declares a quantized layout but holds no packed linear (no .qweight)")
+    for name in names:
+        geometry = packed_geometry(name, records, settings)
+        in_features, out_features = geometry.in_features, geometry.out_features
+        quantized.append((name, in_features, out_features, geometry.n_groups))
         if settings.group_size > 0 and in_features % settings.group_size:
             partial.append(name)
         bias = records.get(f"{name}.bias")
         equivalent += 2 * in_features * out_features + (2 * bias.numel if bias is not None else 0)
-    packed = {row[0] for row in quantized}
+    packed_keys = {f"{row[0]}.{leaf}" for row in quantized for leaf in (*stored_leaves(settings.layout), "bias")}
     # A 16-bit checkpoint stores every other tensor at two bytes per element (tied ones once, as here).
-    equivalent += sum(2 * r.numel for key, r in records.items() if key.rpartition(".")[0] not in packed)
+    equivalent += sum(2 * r.numel for key, r in records.items() if key not in packed_keys)
     unquantized = [
         key[: -len(".weight")]
         for key, r in records.items()
@@ -84,7 +92,7 @@ def inspect_checkpoint(path: str | os.PathLike) -> CheckpointInfo:
     ours = settings.raw.get("quantkit") or {}
     return CheckpointInfo(
         path=str(path),
-        quant_method="gptq",
+        quant_method=settings.quant_method,
         method=ours.get("method"),
         producer=tuple((settings.raw.get("meta") or {}).get("quantizer") or ()),
         bits=settings.bits,
@@ -100,4 +108,6 @@ def inspect_checkpoint(path: str | os.PathLike) -> CheckpointInfo:
         size_on_disk_bytes=sum(f.stat().st_size for f in weight_files(path)),
         equivalent_16bit_bytes=equivalent,
         calibration=ours.get("calibration"),
+        layout=settings.layout,
+        settings_source=settings.source,
     )

@@ -1,34 +1,40 @@
-"""Reading quantized checkpoints back: validation, loading into a model, and inspection.
+"""Reading quantized checkpoints back: validation, loading into a model.
 
-The reader trusts nothing it has not checked: ``config.json`` must describe a GPTQ v1 checkpoint
-with a supported bit width; every safetensors file must be complete (its header's byte ranges
+The reader trusts nothing it has not checked: the quantization settings (``config.json``'s
+``quantization_config`` and/or ``quantize_config.json``, see :mod:`quantkit.checkpoint_settings`)
+must name a layout quantkit reads (GPTQ v1, GPTQ v2, AutoAWQ GEMM) with a supported bit width, and
+agree with the tensor shapes; every safetensors file must be complete (its header's byte ranges
 covered by the file); every tensor must be one the model expects, with the expected shape and
-dtype. Each failure is a :class:`QuantkitError` that names the file or the first bad key.
+dtype, and every weight the model needs must be in the files. Each failure is a
+:class:`QuantkitError` that names the file or the bad keys.
 
 The model is built from its config with its parameters on the meta device (no memory, no random
 initialization), the packed linears are swapped for :class:`QuantLinear`, and the tensors are
-assigned from the files through :func:`read_tensors`, the one function that reads tensor data (a
-later version can call it per decoder layer to materialize a model shard by shard).
+assigned from the files through :func:`read_tensors`, the one function that reads tensor data;
+packed tensors of another layout are converted to GPTQ v1 on the way
+(:mod:`quantkit.checkpoint_layouts`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
 import struct
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from quantkit.checkpoint import CONFIG_NAME, INDEX_NAME, WEIGHTS_NAME
+from quantkit.checkpoint_format import INDEX_NAME, QUANT_SUFFIXES, WEIGHTS_NAME
+from quantkit.checkpoint_layouts import PackedGeometry, packed_geometry, stored_leaves, to_gptq_v1
+from quantkit.checkpoint_settings import GPTQSettings, read_config, validate_quant_config
 from quantkit.config import QuantkitError
-from quantkit.pack import SUPPORTED_BITS
 
 log = logging.getLogger(__name__)
 
@@ -37,25 +43,8 @@ SAFETENSORS_DTYPES = {
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool,
 }  # fmt: skip
-_PACKED_DTYPES = {
-    "qweight": torch.int32,
-    "qzeros": torch.int32,
-    "g_idx": torch.int32,
-    "scales": torch.float16,
-}
 _MAX_HEADER_BYTES = 100 * 2**20
-
-
-@dataclass(frozen=True)
-class GPTQSettings:
-    """What ``quantization_config`` says about the packed linears."""
-
-    bits: int
-    group_size: int
-    sym: bool
-    desc_act: bool
-    checkpoint_format: str
-    raw: dict = field(repr=False, compare=False)
+_SHOW_KEYS = 5  # keys named in a message before "and N more"
 
 
 @dataclass(frozen=True)
@@ -74,62 +63,6 @@ class TensorRecord:
         return n
 
 
-# -- config -----------------------------------------------------------------------------------------
-
-
-def read_config(path: Path) -> tuple[dict, GPTQSettings]:
-    """``config.json`` of the checkpoint at ``path`` and its validated quantization settings."""
-    if not path.is_dir():
-        raise QuantkitError(f"{path} is not a folder; pass the folder a quantized checkpoint was written to")
-    config_file = path / CONFIG_NAME
-    if not config_file.is_file():
-        raise QuantkitError(f"{path} has no {CONFIG_NAME}; it is not a complete checkpoint (re-create it)")
-    try:
-        config = json.loads(config_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise QuantkitError(f"{config_file} is not valid JSON ({exc}); the checkpoint is damaged") from exc
-    if not isinstance(config, dict):
-        raise QuantkitError(f"{config_file} does not hold a JSON object; the checkpoint is damaged")
-    return config, validate_quant_config(config.get("quantization_config"), config_file)
-
-
-def validate_quant_config(qc: Any, where: Path) -> GPTQSettings:
-    """Check that ``qc`` describes a GPTQ v1 checkpoint quantkit can serve; say what it is otherwise."""
-    if qc is None:
-        raise QuantkitError(
-            f"{where} has no quantization_config: this is an unquantized model; load it as a plain model "
-            "(or quantize it with `quantkit rtn`)"
-        )
-    if not isinstance(qc, dict):
-        raise QuantkitError(f"quantization_config in {where} is not an object; the checkpoint is damaged")
-    method = str(qc.get("quant_method", "")).lower()
-    if method != "gptq":
-        raise QuantkitError(
-            f"{where} is a {method or 'unknown-method'} checkpoint (quant_method={qc.get('quant_method')!r}); "
-            "quantkit reads GPTQ checkpoints (quant_method 'gptq'): load this one with the tool that made it"
-        )
-    fmt = str(qc.get("checkpoint_format", qc.get("format", "gptq"))).lower()
-    if fmt != "gptq":
-        raise QuantkitError(
-            f"{where} stores checkpoint_format={fmt!r}; quantkit reads only 'gptq' (v1, zero points stored "
-            "minus one). Convert it to v1 with GPTQModel first"
-        )
-    bits, group_size, sym = qc.get("bits"), qc.get("group_size", -1), qc.get("sym", True)
-    if not isinstance(bits, int) or bits not in SUPPORTED_BITS:
-        raise QuantkitError(
-            f"{where}: bits={bits!r} is not supported; the GPTQ layout holds {SUPPORTED_BITS}"
-        )
-    if not isinstance(group_size, int) or (group_size != -1 and group_size <= 0):
-        raise QuantkitError(f"{where}: group_size={group_size!r} must be -1 or a positive integer")
-    for pattern, override in (qc.get("dynamic") or {}).items():
-        if not str(pattern).startswith("-:") and override:
-            raise QuantkitError(
-                f"{where}: dynamic override {pattern!r} changes the scheme of some modules; quantkit reads "
-                "checkpoints with one scheme for every packed linear"
-            )
-    return GPTQSettings(bits, group_size, bool(sym), bool(qc.get("desc_act", False)), fmt, qc)
-
-
 # -- safetensors files ------------------------------------------------------------------------------
 
 
@@ -144,8 +77,13 @@ def weight_files(path: Path) -> list[Path]:
         files = [path / name for name in dict.fromkeys(weight_map.values())]
     elif (path / WEIGHTS_NAME).is_file():
         files = [path / WEIGHTS_NAME]
+    elif len(others := sorted(path.glob("*.safetensors"))) == 1:
+        # AutoGPTQ-era folders name their one file after the settings' model_file_base_name
+        # (gptq_model-4bit-128g.safetensors).
+        files = others
     else:
-        raise QuantkitError(f"{path} has neither {WEIGHTS_NAME} nor {INDEX_NAME}; the weights are missing")
+        found = f" but {len(others)} other .safetensors files and no index to say which" if others else ""
+        raise QuantkitError(f"{path} has neither {WEIGHTS_NAME} nor {INDEX_NAME}{found}; the weights are missing")
     for file in files:
         if not file.is_file():
             raise QuantkitError(f"{file.name} is listed in {INDEX_NAME} but missing from {path}")
@@ -229,27 +167,83 @@ def packed_modules(records: dict[str, TensorRecord]) -> list[str]:
     return [key[: -len(".qweight")] for key in records if key.endswith(".qweight")]
 
 
+# -- tensors as quantkit holds them ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CheckpointTensors:
+    """A validated checkpoint folder whose packed linears read as GPTQ v1, whatever layout stores them.
+
+    For readers that build their own model (the runtime): ``names`` are the keys a GPTQ v1
+    checkpoint of the same model would hold (``<linear>.qweight/.qzeros/.scales/.g_idx`` and
+    every other stored tensor), ``read(keys)`` returns them, converting packed linears on the way.
+    """
+
+    path: Path
+    config: dict
+    settings: GPTQSettings
+    records: dict[str, TensorRecord]
+    geometry: dict[str, PackedGeometry]
+
+    @functools.cached_property
+    def names(self) -> set[str]:
+        leaves = stored_leaves(self.settings.layout)
+        stored = {k for k in self.records if k.rpartition(".")[0] not in self.geometry
+                  or k.rpartition(".")[2] not in leaves}
+        return stored | {f"{name}.{leaf}" for name in self.geometry for leaf in QUANT_SUFFIXES}
+
+    def read(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
+        keys = list(keys)
+        unknown = [k for k in keys if k not in self.names]
+        if unknown:
+            raise QuantkitError(f"{self.path} holds no tensor {name_keys(unknown)}")
+        leaves = stored_leaves(self.settings.layout)
+        modules = {k.rpartition(".")[0] for k in keys if k.rpartition(".")[0] in self.geometry
+                   and k.rpartition(".")[2] in QUANT_SUFFIXES}
+        plain = [k for k in keys if k.rpartition(".")[0] not in modules or k.rpartition(".")[2] == "bias"]
+        out = dict(read_tensors(self.records, plain))
+        for name in modules:
+            stored = {k.rpartition(".")[2]: t for k, t in read_tensors(self.records, [f"{name}.{x}" for x in leaves])}
+            converted = to_gptq_v1(name, stored, self.settings, self.geometry[name])
+            out.update({f"{name}.{leaf}": t for leaf, t in converted.items() if f"{name}.{leaf}" in keys})
+        return {k: out[k] for k in keys}
+
+
+def open_checkpoint(path: str | os.PathLike) -> CheckpointTensors:
+    """Validate the checkpoint at ``path`` (settings, files, settings against tensor shapes); no data read."""
+    path = Path(path)
+    config, settings = read_config(path)
+    records = index_tensors(path)
+    names = packed_modules(records)
+    if not names:
+        raise QuantkitError(f"{path} declares a quantized layout but holds no packed linear (no .qweight)")
+    geometry = {name: packed_geometry(name, records, settings) for name in names}
+    return CheckpointTensors(path, config, settings, records, geometry)
+
+
 # -- loading ----------------------------------------------------------------------------------------
 
 
 def load_quantized(
     path: str | os.PathLike, *, device: str | torch.device = "cpu", dtype: torch.dtype | str | None = None
 ) -> tuple[nn.Module, Any]:
-    """Load a GPTQ v1 checkpoint as a transformers model with :class:`QuantLinear` layers.
+    """Load a GPTQ (v1 or v2) or AutoAWQ GEMM checkpoint as a transformers model with :class:`QuantLinear` layers.
 
-    ``dtype`` is the dtype of every unpacked tensor and of the activations (None: the dtype the
-    checkpoint was saved in). Returns ``(model, tokenizer)``; the tokenizer is None when the folder
-    has none. The validated ``quantization_config`` is kept as ``model.quantkit_quant_config``.
+    ``dtype`` is the dtype of every unpacked tensor and of the activations: None keeps the dtype the
+    checkpoint was saved in; ``"auto"`` is bfloat16 on CUDA and float32 on the CPU (as ``--dtype
+    auto``); a name or torch dtype forces one. Returns ``(model, tokenizer)``; the tokenizer is None
+    when the folder has none. The quantization settings are kept as ``model.quantkit_quant_config``.
     """
     path = Path(path)
     config, settings = read_config(path)
     records = index_tensors(path)
-    model_dtype = _resolve_dtype(dtype, config)
+    model_dtype = _resolve_dtype(dtype, config, device)
     model = build_empty_model(config, model_dtype)
+    # Settings that the tensors contradict are refused before anything is built from them.
+    geometry = {name: packed_geometry(name, records, settings) for name in _packed_linears(model, records)}
     install_quant_linears(model, records, settings, model_dtype)
-    expected = check_tensors(model, records)
-    for key, tensor in read_tensors(records, expected):
-        _assign(model, key, tensor, expected[key].dtype, device)
+    expected = check_tensors(model, records, geometry)
+    _assign_tensors(model, records, expected, settings, geometry, device)
     model.tie_weights()
     model.to(device)  # non-persistent buffers (rotary tables) were built on the CPU
     _check_materialized(model, path)
@@ -259,19 +253,36 @@ def load_quantized(
     return model, _load_tokenizer(path)
 
 
-def _resolve_dtype(dtype: torch.dtype | str | None, config: dict) -> torch.dtype:
+def _resolve_dtype(dtype: torch.dtype | str | None, config: dict, device: str | torch.device = "cpu") -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
-    name = (
-        dtype
-        if dtype not in (None, "auto")
-        else (config.get("dtype") or config.get("torch_dtype") or "float32")
-    )
+    if dtype == "auto":
+        return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+    name = dtype if dtype is not None else (config.get("dtype") or config.get("torch_dtype") or "float32")
     aliases = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
     name = aliases.get(str(name), str(name))
     if name not in ("float32", "float16", "bfloat16"):
         raise QuantkitError(f"dtype must be float32, float16 or bfloat16, got {name!r}")
     return getattr(torch, name)
+
+
+def _assign_tensors(model: nn.Module, records: dict[str, TensorRecord], expected: dict[str, torch.Tensor],
+                    settings: GPTQSettings, geometry: dict[str, PackedGeometry], device) -> None:
+    """Read every tensor once; packed linears are converted to GPTQ v1 as soon as their parts are read."""
+    leaves = stored_leaves(settings.layout)
+    packed_keys = {f"{name}.{leaf}": name for name in geometry for leaf in leaves}
+    targets = dict(model.state_dict(keep_vars=True))
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in read_tensors(records, [*expected, *packed_keys]):
+        name = packed_keys.get(key)
+        if name is None:
+            _assign(model, key, tensor, expected[key].dtype, device)
+            continue
+        parts = pending.setdefault(name, {})
+        parts[key.rpartition(".")[2]] = tensor
+        if len(parts) == len(leaves):
+            for leaf, value in to_gptq_v1(name, pending.pop(name), settings, geometry[name]).items():
+                _assign(model, f"{name}.{leaf}", value, targets[f"{name}.{leaf}"].dtype, device)
 
 
 @contextlib.contextmanager
@@ -317,16 +328,9 @@ def install_quant_linears(
     """Replace each linear the checkpoint packs with an empty (meta) :class:`QuantLinear`."""
     from quantkit.qlinear import QuantLinear
 
-    names = packed_modules(records)
-    if not names:
-        raise QuantkitError("the checkpoint declares GPTQ but holds no packed linear (no .qweight tensor)")
+    names = _packed_linears(model, records)
     for name in names:
-        try:
-            linear = model.get_submodule(name)
-        except AttributeError:
-            linear = None
-        if not isinstance(linear, nn.Linear):
-            raise QuantkitError(f"{name}.qweight: {type(model).__name__} has no linear layer {name}")
+        linear = model.get_submodule(name)
         try:
             qlinear = QuantLinear(
                 linear.in_features,
@@ -345,41 +349,70 @@ def install_quant_linears(
     return names
 
 
-def check_tensors(model: nn.Module, records: dict[str, TensorRecord]) -> dict[str, torch.Tensor]:
-    """Match checkpoint keys, shapes and dtypes against the model; returns key -> model tensor."""
+def _packed_linears(model: nn.Module, records: dict[str, TensorRecord]) -> list[str]:
+    """Names of the packed linears, each checked to be a linear layer of ``model``."""
+    names = packed_modules(records)
+    if not names:
+        raise QuantkitError("the checkpoint declares a quantized layout but holds no packed linear (no .qweight)")
+    for name in names:
+        try:
+            linear = model.get_submodule(name)
+        except AttributeError:
+            linear = None
+        if not isinstance(linear, nn.Linear):
+            raise QuantkitError(f"{name}.qweight: {type(model).__name__} has no linear layer {name}")
+    return names
+
+
+def check_tensors(
+    model: nn.Module, records: dict[str, TensorRecord], geometry: dict[str, PackedGeometry] | None = None
+) -> dict[str, torch.Tensor]:
+    """Match checkpoint keys, shapes and dtypes against the model; returns key -> model tensor.
+
+    The packed linears in ``geometry`` (checked against the settings by ``packed_geometry``) must have
+    the model layer's sizes; their stored tensors are left out of the result (they are converted,
+    not copied). Every tensor the model needs must be in the files, and every tensor in the files
+    must be one the model has: otherwise the error names them (first few and the count).
+    """
+    geometry = geometry or {}
     expected = dict(model.state_dict(keep_vars=True))
-    tied = set(getattr(model, "all_tied_weights_keys", None) or {})
-    packed = set(packed_modules(records))
-    for key, record in records.items():
-        target = expected.get(key)
-        if target is None:
+    for name, geo in geometry.items():
+        layer = model.get_submodule(name)
+        if (layer.in_features, layer.out_features) != (geo.in_features, geo.out_features):
             raise QuantkitError(
-                f"unexpected tensor {key} in {record.file.name}: the model has no such weight"
+                f"{name} is stored with {geo.in_features} inputs and {geo.out_features} outputs; the model's layer "
+                f"has {layer.in_features} and {layer.out_features} (config.json does not match the weights)"
             )
+    provided = {f"{name}.{leaf}" for name in geometry for leaf in QUANT_SUFFIXES}
+    unexpected = [k for k in records if k not in expected and k not in provided]
+    if unexpected:
+        files = sorted({records[k].file.name for k in unexpected})
+        raise QuantkitError(f"unexpected tensor {name_keys(unexpected)} in {', '.join(files)}: the model has no "
+                            "such weight; the checkpoint does not belong to this config.json")
+    out = {}
+    for key, record in records.items():
+        if key in provided:
+            continue
+        target = expected[key]
         if tuple(target.shape) != record.shape:
             raise QuantkitError(
                 f"{key} in {record.file.name} has shape {list(record.shape)}, the model expects {list(target.shape)}"
             )
-        _check_dtype(key, record, target, packed)
-    missing = [k for k in expected if k not in records and k not in tied]
+        if target.is_floating_point() != record.dtype.is_floating_point:
+            raise QuantkitError(f"{key} is {record.dtype} in {record.file.name}, the model expects {target.dtype}")
+        out[key] = target
+    tied = set(getattr(model, "all_tied_weights_keys", None) or {})
+    missing = [k for k in expected if k not in records and k not in provided and k not in tied]
     if missing:
-        raise QuantkitError(f"the checkpoint lacks tensor {missing[0]} (and {len(missing) - 1} more)")
-    return {k: expected[k] for k in records}
+        raise QuantkitError(f"the checkpoint lacks tensor {name_keys(missing)}; without them the model would run "
+                            "on random weights. Re-create or re-copy the checkpoint")
+    return out
 
 
-def _check_dtype(key: str, record: TensorRecord, target: torch.Tensor, packed: set[str]) -> None:
-    module_name, _, leaf = key.rpartition(".")
-    if module_name in packed and leaf in _PACKED_DTYPES:
-        want = _PACKED_DTYPES[leaf]
-        if record.dtype != want:
-            raise QuantkitError(
-                f"{key} is {record.dtype} in {record.file.name}; the GPTQ layout stores it as {want}"
-            )
-        return
-    if target.is_floating_point() != record.dtype.is_floating_point:
-        raise QuantkitError(
-            f"{key} is {record.dtype} in {record.file.name}, the model expects {target.dtype}"
-        )
+def name_keys(keys: list[str]) -> str:
+    """The first few ``keys`` and how many there are, for messages."""
+    shown = ", ".join(keys[:_SHOW_KEYS])
+    return shown if len(keys) <= _SHOW_KEYS else f"{shown} and {len(keys) - _SHOW_KEYS} more ({len(keys)} in all)"
 
 
 def _assign(model: nn.Module, key: str, tensor: torch.Tensor, target_dtype: torch.dtype, device) -> None:
@@ -415,4 +448,7 @@ def _load_generation_config(model: nn.Module, path: Path) -> None:
         model.generation_config = GenerationConfig.from_pretrained(str(path))
 
 
-__all__ = ["index_tensors", "load_quantized", "read_config", "read_tensors", "validate_quant_config"]
+__all__ = [
+    "CheckpointTensors", "GPTQSettings", "TensorRecord", "index_tensors", "load_quantized", "name_keys",
+    "open_checkpoint", "read_config", "read_tensors", "validate_quant_config",
+]

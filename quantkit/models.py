@@ -83,10 +83,16 @@ def load_model(spec: str, load: LoadConfig = LoadConfig()) -> LoadedModel:
     else:
         folder = spec
     try:
-        model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
+        model, loading_info = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(folder, **{k: v for k, v in kwargs.items() if k != "dtype"})
     except (OSError, ValueError) as exc:
         raise QuantkitError(_explain_load_error(spec, exc)) from exc
+    except RuntimeError as exc:
+        if "ignore_mismatched_sizes" not in str(exc) and "size mismatch" not in str(exc):
+            raise
+        raise QuantkitError(f"{spec}: some weights in the files have shapes the model's config.json does not "
+                            f"give ({str(exc).splitlines()[0]}); the weights do not belong to this config") from exc
+    check_loading_info(spec, loading_info)
     if gguf_file is not None:
         _clear_gguf_quantizer_marks(model)
         _fix_gguf_eos(model, tokenizer)
@@ -105,3 +111,30 @@ def _explain_load_error(spec: str, exc: Exception) -> str:
         return (f"could not load {spec!r} from the Hugging Face hub ({text.splitlines()[0]}). Without network, "
                 "download it elsewhere and pass its local folder, or a .gguf file")
     return f"could not load {spec}: {text.splitlines()[0]}"
+
+
+def check_loading_info(spec: str, info: dict) -> None:
+    """Refuse a load that left weights at random init or ignored tensors in the files.
+
+    ``info`` is transformers' ``output_loading_info`` record (``missing_keys``, ``unexpected_keys``,
+    ``mismatched_keys``); transformers only logs these, and a model with random layers evaluates to a
+    plausible-looking number, so each is a :class:`QuantkitError` naming the keys.
+    """
+    from quantkit.checkpoint_read import name_keys
+
+    problems = []
+    for field, what in (("missing_keys", "missing from the files (they would stay at random init)"),
+                        ("unexpected_keys", "in the files but not in the model"),
+                        ("mismatched_keys", "of another shape than the model's")):
+        keys = sorted(str(k if isinstance(k, str) else k[0]) for k in info.get(field) or ())
+        if keys:
+            problems.append(f"{len(keys)} weight(s) {what}: {name_keys(keys)}")
+    if not problems:
+        return
+    unexpected = [str(k) for k in info.get("unexpected_keys") or ()]
+    hint = "the files do not match the model's config.json; re-download or re-create the model"
+    if any(k.endswith((".qweight", ".qzeros")) for k in unexpected):
+        hint = ("the files hold packed GPTQ/AWQ tensors (.qweight) but the folder declares no quantization "
+                "settings (config.json quantization_config or quantize_config.json): add the settings file "
+                "the quantizing tool wrote")
+    raise QuantkitError(f"{spec} does not load as a complete model: " + "; ".join(problems) + f". {hint}")

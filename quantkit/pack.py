@@ -19,6 +19,8 @@ For a linear layer ``y = x @ W.T`` with ``W`` of shape ``[out, in]`` and ``G`` q
   ``[1, 2**bits - 1]`` so the stored value never wraps (see ``primitives.compute_qparams``).
 * ``scales`` float16 ``[G, out]``; ``g_idx`` int32 ``[in]``: the group of every input row.
 * Dequantization: ``W[o, i] = (code[o, i] - zero[g_idx[i], o]) * scales[g_idx[i], o]``.
+* GPTQModel's "v2" (``format = "gptq_v2"``) is the same layout with zero points stored as they are
+  (no minus one); :func:`qzeros_v2_to_v1` converts its ``qzeros``.
 
 AWQ GEMM layout (``quant_method = "awq"``, ``version = "gemm"``; 4 bits only)
 -------------------------------------------------------------------------------
@@ -162,3 +164,14 @@ def unpack_awq(qweight: torch.Tensor, qzeros: torch.Tensor) -> tuple[torch.Tenso
     codes = unpack_rows(qweight.t().contiguous(), 4)[inverse]
     zeros = unpack_rows(qzeros.t().contiguous(), 4)[inverse].t().contiguous()
     return codes.contiguous(), zeros
+
+
+def qzeros_v2_to_v1(qzeros: torch.Tensor, bits: int, out_features: int) -> torch.Tensor:
+    """GPTQ v2 ``qzeros`` (zero points stored as they are) -> v1 (stored minus one), same packing.
+
+    Raises ``ValueError`` when a zero point is 0: v1 cannot hold it (its stored value would wrap).
+    """
+    zeros = unpack_rows(qzeros.t().contiguous(), bits, out_features)  # [out, G], the zero points
+    if zeros.numel() and zeros.min() < 1:
+        raise ValueError("a zero point is 0, which GPTQ v1 (zero - 1 stored) cannot hold")
+    return pack_rows(zeros - 1, bits).t().contiguous()

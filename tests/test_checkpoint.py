@@ -318,9 +318,18 @@ def rewrite_tensors(path: Path, edit):
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
-        ({"quant_method": "awq", "version": "gemm"}, "awq checkpoint"),
-        ({"quant_method": "compressed-tensors"}, "compressed-tensors checkpoint"),
-        ({"checkpoint_format": "gptq_v2"}, "gptq_v2"),
+        ({"quant_method": "awq", "version": "gemm", "checkpoint_format": None}, "g_idx is stored"),  # GPTQ tensors labelled AWQ
+        ({"quant_method": "compressed-tensors"}, "llm-compressor checkpoint (compressed-tensors)"),
+        ({"checkpoint_format": "marlin"}, "repacked for the Marlin kernel"),
+        ({"quant_method": "bitsandbytes"}, "a bitsandbytes checkpoint"),
+        ({"quant_method": "exl2"}, "ExLlamaV2 (EXL2)"),
+        ({"quant_method": "awq", "version": "gemv", "checkpoint_format": None}, "AutoAWQ GEMV-layout"),
+        ({"quant_method": "awq", "version": "gemm"}, "checkpoint_format='gptq' but version='gemm'"),
+        ({"pack_dtype": "int16"}, "pack_dtype='int16'"),
+        ({"format": "gptq_v2"}, "checkpoint_format='gptq' but format='gptq_v2'"),
+        ({"method": "awq"}, "quant_method='gptq' but method='awq'"),
+        ({"bits": 3}, "says bits=3, but the tensors of model.layers.0.mlp.down_proj hold 4 bits"),
+        ({"group_size": 64}, "says group_size=64, but model.layers.0.mlp.down_proj stores 4 groups"),
         ({"bits": 5}, "bits=5"),
         ({"group_size": 0}, "group_size=0"),
         ({"dynamic": {"+:.*down_proj": {"bits": 8}}}, "one scheme"),

@@ -18,6 +18,7 @@ from quantkit.pack import (
     pack_awq,
     pack_gptq,
     pack_rows,
+    qzeros_v2_to_v1,
     unpack_awq,
     unpack_gptq,
     unpack_rows,
@@ -205,3 +206,16 @@ def test_partial_last_group_g_idx():
     assert g_idx[:64].eq(0).all() and g_idx[64:].eq(1).all()
     assert num_groups(96, 64) == 2 and num_groups(96, -1) == 1
     assert default_g_idx(96, -1).eq(0).all()
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_gptq_v2_zeros_convert_to_v1(bits):
+    g = torch.Generator().manual_seed(bits)
+    zeros = torch.randint(1, 2**bits, (3, 64), generator=g, dtype=torch.int32)  # [G, out]
+    codes = torch.randint(0, 2**bits, (64, 32), generator=g, dtype=torch.int32)  # [out, in]
+    v2 = pack_rows(zeros.t().contiguous(), bits).t().contiguous()  # zero points stored as they are
+    _, v1 = pack_gptq(codes, zeros, bits)
+    assert torch.equal(qzeros_v2_to_v1(v2, bits, 64), v1)
+    zeros[1, 5] = 0
+    with pytest.raises(ValueError, match="zero point is 0"):
+        qzeros_v2_to_v1(pack_rows(zeros.t().contiguous(), bits).t().contiguous(), bits, 64)

@@ -1,4 +1,4 @@
-"""AWQ's pure core: activation-aware scales, their folding, the clip search and the AWQ GEMM export.
+"""AWQ's pure core: activation-aware scales, their folding, and the clip search.
 
 AWQ (Lin et al., 2023) keeps every weight at 4 bits but protects the input channels that meet large
 activations. For a group of linears reading the same input ``x [n, in]`` it picks a per-channel scale
@@ -33,7 +33,6 @@ import torch.nn.functional as F
 from quantkit.config import QuantkitError, QuantScheme
 from quantkit.methods.gptq import GPTQConfig
 from quantkit.methods.rtn import RTNResult
-from quantkit.pack import pack_awq
 from quantkit.primitives import (
     compute_qparams,
     default_g_idx,
@@ -43,7 +42,6 @@ from quantkit.primitives import (
     qparams_from_range,
     quantize,
 )
-from quantkit.qtensor import QuantizedWeight
 
 log = logging.getLogger(__name__)
 
@@ -353,58 +351,3 @@ def apply_clip(w: torch.Tensor, clip_min: torch.Tensor, clip_max: torch.Tensor, 
     lo = clip_min.t()[:, gi].to(w.dtype)  # [out, in]
     hi = clip_max.t()[:, gi].to(w.dtype)
     return torch.maximum(torch.minimum(w, hi), lo)
-
-
-# --------------------------------------------------------------------------- AWQ GEMM export
-
-
-def check_awq_exportable(name: str, qw: QuantizedWeight) -> None:
-    """Raise ``QuantkitError`` unless ``qw`` fits the AWQ GEMM layout."""
-    problems = []
-    if qw.bits != 4:
-        problems.append(f"{qw.bits}-bit (the layout holds 4 bits only)")
-    if qw.sym:
-        problems.append("symmetric (AWQ readers expect asymmetric zero points: use --asym)")
-    if qw.group_size == -1 or qw.in_features % qw.group_size:
-        problems.append(f"group size {qw.group_size} does not divide in_features {qw.in_features}")
-    elif qw.act_order:
-        problems.append("act-order groups (the layout has no g_idx)")
-    if qw.out_features % 8:
-        problems.append(f"out_features {qw.out_features} is not a multiple of 8")
-    if problems:
-        raise QuantkitError(f"--format awq cannot hold {name}: " + "; ".join(problems)
-                            + ". Write the GPTQ layout (the default format) instead.")
-
-
-def export_awq_layout(weights: dict[str, QuantizedWeight]) -> dict[str, torch.Tensor]:
-    """Tensors of the AWQ GEMM layout by full name: ``<name>.qweight`` int32 ``[in, out/8]``,
-    ``<name>.qzeros`` int32 ``[G, out/8]``, ``<name>.scales`` float16 ``[G, out]`` (and ``.bias``)."""
-    tensors: dict[str, torch.Tensor] = {}
-    for name, qw in weights.items():
-        check_awq_exportable(name, qw)
-        codes, zeros = qw.unpack()  # [out, in], [G, out]
-        qweight, qzeros = pack_awq(codes, zeros)
-        tensors[f"{name}.qweight"] = qweight
-        tensors[f"{name}.qzeros"] = qzeros
-        tensors[f"{name}.scales"] = qw.scales.to(torch.float16).contiguous()
-        if qw.bias is not None:
-            tensors[f"{name}.bias"] = qw.bias.contiguous()
-    return tensors
-
-
-def awq_quantization_config(scheme: QuantScheme, modules_to_not_convert: list[str] | None = None) -> dict[str, Any]:
-    """``quantization_config`` for config.json that transformers' ``AwqConfig`` and vLLM's AWQ reader
-    accept (both spellings of bits and group size, as AutoAWQ writes them)."""
-    if scheme.bits != 4 or scheme.sym or scheme.group_size == -1:
-        raise QuantkitError("--format awq needs --bits 4, asymmetric quantization and a positive group size")
-    return {
-        "quant_method": "awq",
-        "version": "gemm",
-        "bits": 4,
-        "w_bit": 4,
-        "group_size": scheme.group_size,
-        "q_group_size": scheme.group_size,
-        "zero_point": True,
-        "modules_to_not_convert": modules_to_not_convert,
-    }
-

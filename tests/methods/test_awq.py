@@ -7,14 +7,13 @@ import torch
 import transformers
 
 from quantkit.arch import arch_for
+from quantkit.checkpoint_layouts import awq_quantization_config, export_awq_layout
 from quantkit.config import QuantkitError, QuantScheme
 from quantkit.methods.awq import (
     AWQConfig,
     GroupScale,
     LayerRecord,
-    awq_quantization_config,
     clipped_rtn,
-    export_awq_layout,
     fake_quantize_scaled,
     search_clip,
     search_scale,
