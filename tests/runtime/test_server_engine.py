@@ -12,6 +12,9 @@ import importlib.util
 import pytest
 import torch
 
+# The shared helpers live in test_server, which needs the serve extra: skip before importing them.
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
 from tests.runtime.test_server import assert_error, running_server, sse_events, wait_until
 
 httpx = pytest.importorskip("httpx")

@@ -17,6 +17,9 @@ from pathlib import Path
 
 import pytest
 
+# The shared helpers live in test_server, which needs the serve extra: skip before importing them.
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
 from tests.runtime.test_server import FakeEngine, assert_error, running_server, sse_events, wait_until
 
 httpx = pytest.importorskip("httpx")
