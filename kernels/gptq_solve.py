@@ -26,9 +26,9 @@ from triton.language.extra import libdevice
 from quantkit.kernels.device_info import interpreting
 
 _MAX_BLOCK = 256  # columns per launch held in registers (x the row tile)
-_HALF_MAX = 65504.0
-_HALF_TINY = 6.103515625e-05  # torch.finfo(torch.float16).tiny
-_ROUND_MAGIC = 12582912.0  # 1.5 * 2**23: (x + M) - M is x rounded half-to-even for |x| < 2**22
+_HALF_MAX = tl.constexpr(65504.0)
+_HALF_TINY = tl.constexpr(6.103515625e-05)  # torch.finfo(torch.float16).tiny
+_ROUND_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23: (x + M) - M is x rounded half-to-even for |x| < 2**22
 
 
 @triton.jit

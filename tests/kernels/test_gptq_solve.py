@@ -18,6 +18,9 @@ import torch
 from quantkit.config import QuantScheme
 from quantkit.methods.gptq import GPTQConfig, _columns, damped_inverse_factor, gptq_quantize, solve_columns
 
+# On a CUDA machine the interpreter is off and solver="triton" on CPU tensors would quietly take the loop.
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run on CPU-only machines")
+
 
 def _problem(rows: int, cols: int, seed: int = 0, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
@@ -28,6 +31,9 @@ def _problem(rows: int, cols: int, seed: int = 0, device: str = "cpu") -> tuple[
 
 
 def _reference_and_kernel(w, H, scheme, config, static_params=None):
+    from quantkit.kernels.gptq_solve import block_solve_supported
+
+    assert block_solve_supported(config.block_size, w.device) == (True, "")  # the kernel, not the loop, runs
     U, _ = damped_inverse_factor(H, config.damp, 0)
     gs = scheme.group_size if scheme.group_size != -1 else w.shape[1]
     ref = solve_columns(w, U, scheme, gs, dataclasses.replace(config, solver="torch"), static_params)
@@ -108,3 +114,45 @@ def test_capability_check():
     ok, reason = block_solve_supported(512, torch.device("cuda"))
     assert not ok and "512" in reason
     assert block_solve_supported(128, torch.device("cuda")) == (True, "")
+
+
+_COMPILE = r"""
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from quantkit.kernels.gptq_solve import _gptq_block_kernel
+
+static, mse, sym, block, tile, out = json.loads(sys.argv[1])
+signature = {"wt_ptr": "*fp32", "u_ptr": "*fp32", "codes_ptr": "*i32", "err_ptr": "*fp32", "cscale_ptr": "*fp32",
+             "czero_ptr": "*fp32", "gscale_ptr": "*fp32", "gzero_ptr": "*i32", "shrink_ptr": "*fp32", "i1": "i32",
+             "n_cols": "i32", "n_out": "i32", "ld_u": "i32", "gs": "i32", "inv_maxq": "fp32", "inv_maxq_m1": "fp32",
+             "norm": "fp32"}
+constexprs = dict(BLOCK=block, TILE=tile, MAXQ=15, SYM=sym, STATIC=static, MSE=mse, N_SHRINK=20 if mse else 0,
+                  RECIP=True, EMULATE=False)
+signature |= {k: "constexpr" for k in constexprs}
+src = ASTSource(fn=_gptq_block_kernel, signature=signature, constexprs=constexprs, attrs={})
+kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "enable_fp_fusion": False})
+open(out + ".ptx", "w").write(kernel.asm["ptx"])
+"""
+
+
+@pytest.mark.parametrize("static,mse,sym,block,tile", [(False, True, False, 128, 32), (True, False, True, 256, 16)])
+def test_compiles_for_sm90_with_ieee_arithmetic(sm90, tmp_path, static, mse, sym, block, tile):
+    """The compiled path (no interpreter): it builds for sm_90, divides with IEEE rounding (``div.rn``, as
+    torch does), keeps the in-block update as fused multiply-adds, and does not spill."""
+    import json
+
+    out = str(tmp_path / "k")
+    sm90.compile(_COMPILE, json.dumps([static, mse, sym, block, tile, out]))
+    ptx = open(out + ".ptx").read()
+    assert "div.rn.f32" in ptx and "div.full" not in ptx and "div.approx.f32" not in ptx
+    assert ptx.count("fma.rn.f32") >= block * tile // 128  # the rank-1 update: one fma per element and thread
+    assert "0 bytes spill stores" in sm90.ptxas_notices(out + ".ptx")
+
+
+def test_solver_option_is_validated():
+    from quantkit.config import QuantkitError
+
+    with pytest.raises(QuantkitError, match="solver"):
+        GPTQConfig(solver="cuda")
