@@ -172,20 +172,24 @@ def _row_tile(n_out: int, block: int) -> int:
 def gptq_columns_triton(
     W: torch.Tensor, U: torch.Tensor, bits: int, sym: bool, gs: int, block: int,
     col_params: tuple[torch.Tensor, torch.Tensor] | None, mse: bool = False, mse_max_shrink: float = 0.2,
-    mse_grid: int = 100, mse_norm: float = 2.4,
+    mse_grid: int = 100, mse_norm: float = 2.4, errors: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """``gptq._columns`` with one launch per block: codes int32 ``[out, in]`` and, when ``col_params`` is
     None, the groups' scales float32 / zeros int32 ``[G, out]`` (else None, None).
 
     ``W [out, in]`` float32 (already permuted), ``U [in, in]`` its inverse-Hessian factor, ``block`` the
     columns per launch (the caller makes it a multiple of ``gs`` when groups are computed here).
+    ``errors``: if given (float32 ``[in, out]``, contiguous), receives every column's scaled error.
     """
     n_out, n_in = W.shape
     dev = W.device
     Wt = W.t().contiguous()  # [in, out], updated in place by the trailing GEMMs
     U = U.contiguous()
     codes_t = torch.empty(n_in, n_out, dtype=torch.int32, device=dev)
-    err = torch.empty(block, n_out, dtype=torch.float32, device=dev)
+    if errors is None:
+        err_rows = torch.empty(block, n_out, dtype=torch.float32, device=dev)
+    else:
+        assert errors.shape == (n_in, n_out) and errors.is_contiguous(), errors.shape
     static = col_params is not None
     n_groups = 0 if static else -(-n_in // gs)
     gscale = torch.empty(max(n_groups, 1), n_out, dtype=torch.float32, device=dev)
@@ -205,6 +209,7 @@ def gptq_columns_triton(
     extra = {} if interpreting() else {"enable_fp_fusion": False, "num_warps": 4}
     for i1 in range(0, n_in, block):
         i2 = min(i1 + block, n_in)
+        err = err_rows if errors is None else errors[i1:i2]
         _gptq_block_kernel[grid](
             Wt, U, codes_t, err, cscale, czero, gscale, gzero, shrink,
             i1, i2 - i1, n_out, U.stride(0), gs, inv_maxq, inv_maxq_m1, float(mse_norm),

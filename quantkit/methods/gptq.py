@@ -228,13 +228,14 @@ def damped_inverse_factor(
 
 def _columns(
     W: torch.Tensor, U: torch.Tensor, scheme: QuantScheme, gs: int, config: GPTQConfig,
-    col_params: tuple[torch.Tensor, torch.Tensor] | None,
+    col_params: tuple[torch.Tensor, torch.Tensor] | None, errors: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
     """The GPTQ column loop on ``W [out, in]`` (already permuted) and ``U [in, in]``.
 
     ``gs``: the group size (the input width for one group).
     ``col_params``: fixed per-column ``(scale, zero as float)`` ``[in, out]`` (static groups or one group),
     or None to compute a group's parameters when the loop reaches its first column.
+    ``errors``: if given (float32 ``[in, out]``), receives every column's scaled error (for tests).
     Returns codes int32 ``[out, in]`` and the per-position group parameters computed on the way.
     The loop works on ``W^T [in, out]`` so that a column and the rank-1 updates are contiguous.
     """
@@ -268,6 +269,8 @@ def _columns(
             torch.sub(q, zero_f, out=dq).mul_(scale)
             err = torch.sub(w, dq, out=E1[i]).div_(U1[i, i])
             W1[i + 1 :].addr_(U1[i, i + 1 :], err, alpha=-1.0)
+        if errors is not None:
+            errors[i1:i2] = E1
         if i2 < in_features:
             Wt[i2:].addmm_(U[i1:i2, i2:].t(), E1, alpha=-1.0)
     return codes_t.t().to(torch.int32), groups

@@ -98,6 +98,27 @@ def test_gptq_quantize_through_kernel(desc_act):
     assert torch.equal(ref.scales, ker.scales) and torch.equal(ref.zeros, ker.zeros)
 
 
+@pytest.mark.parametrize("bits,gs,sym,block,mse,static", [
+    (4, 32, True, 64, False, False), (3, 48, False, 96, False, False), (4, 32, False, 64, True, False),
+    (8, 64, True, 32, False, True),
+])
+def test_every_scaled_error_bitwise(bits, gs, sym, block, mse, static):
+    """Not only the codes (a last-bit difference rarely flips one): every column's scaled error
+    ``(w - dq) / U_ii``, which carries every op of the in-block update and of the trailing GEMM's input."""
+    from quantkit.kernels.gptq_solve import gptq_columns_triton
+
+    w, H = _problem(32, 192, seed=11)
+    scheme, config = QuantScheme(bits, gs, sym), GPTQConfig(block_size=block, mse=mse, mse_grid=20)
+    U, _ = damped_inverse_factor(H, config.damp, 0)
+    params = _static(w, scheme, config, gs) if static else None
+    e_ref, e_ker = torch.zeros(192, 32), torch.zeros(192, 32)
+    c_ref, _ = _columns(w, U, scheme, gs, config, params, errors=e_ref)
+    c_ker, _, _ = gptq_columns_triton(w, U, bits, sym, gs, block, params, mse, config.mse_max_shrink,
+                                      config.mse_grid, config.mse_norm, errors=e_ker)
+    assert torch.equal(c_ref, c_ker)
+    assert torch.equal(e_ref, e_ker), (e_ref - e_ker).abs().max()
+
+
 def test_loop_is_the_reference():
     """solve_columns with solver='torch' is _columns unchanged (the baseline of these tests)."""
     w, H = _problem(16, 64, seed=9)
