@@ -206,7 +206,10 @@ def gptq_columns_triton(
     bw = triton.next_power_of_2(block)
     tile = _row_tile(n_out, bw)
     grid = (triton.cdiv(n_out, tile),)
-    extra = {} if interpreting() else {"enable_fp_fusion": False, "num_warps": 4}
+    # A warp per 1024 tile elements: small tiles reduce each column within one warp (shuffles, no
+    # barrier), which is the latency of every sequential step.
+    warps = max(1, min(4, bw * tile // 1024))
+    extra = {} if interpreting() else {"enable_fp_fusion": False, "num_warps": warps}
     for i1 in range(0, n_in, block):
         i2 = min(i1 + block, n_in)
         err = err_rows if errors is None else errors[i1:i2]

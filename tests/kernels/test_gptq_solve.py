@@ -144,7 +144,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from quantkit.kernels.gptq_solve import _gptq_block_kernel
 
-static, mse, sym, block, tile, out = json.loads(sys.argv[1])
+static, mse, sym, block, tile, warps, out = json.loads(sys.argv[1])
 signature = {"wt_ptr": "*fp32", "u_ptr": "*fp32", "codes_ptr": "*i32", "err_ptr": "*fp32", "cscale_ptr": "*fp32",
              "czero_ptr": "*fp32", "gscale_ptr": "*fp32", "gzero_ptr": "*i32", "shrink_ptr": "*fp32", "i1": "i32",
              "n_cols": "i32", "n_out": "i32", "ld_u": "i32", "gs": "i32", "inv_maxq": "fp32", "inv_maxq_m1": "fp32",
@@ -153,22 +153,23 @@ constexprs = dict(BLOCK=block, TILE=tile, MAXQ=15, SYM=sym, STATIC=static, MSE=m
                   RECIP=True, EMULATE=False)
 signature |= {k: "constexpr" for k in constexprs}
 src = ASTSource(fn=_gptq_block_kernel, signature=signature, constexprs=constexprs, attrs={})
-kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "enable_fp_fusion": False})
+kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "enable_fp_fusion": False})
 open(out + ".ptx", "w").write(kernel.asm["ptx"])
 """
 
 
-@pytest.mark.parametrize("static,mse,sym,block,tile", [(False, True, False, 128, 32), (True, False, True, 256, 16)])
-def test_compiles_for_sm90_with_ieee_arithmetic(sm90, tmp_path, static, mse, sym, block, tile):
+@pytest.mark.parametrize("static,mse,sym,block,tile,warps", [(False, True, False, 128, 8, 1),
+                                                             (True, False, True, 256, 16, 4)])
+def test_compiles_for_sm90_with_ieee_arithmetic(sm90, tmp_path, static, mse, sym, block, tile, warps):
     """The compiled path (no interpreter): it builds for sm_90, divides with IEEE rounding (``div.rn``, as
     torch does), keeps the in-block update as fused multiply-adds, and does not spill."""
     import json
 
     out = str(tmp_path / "k")
-    sm90.compile(_COMPILE, json.dumps([static, mse, sym, block, tile, out]))
+    sm90.compile(_COMPILE, json.dumps([static, mse, sym, block, tile, warps, out]))
     ptx = open(out + ".ptx").read()
     assert "div.rn.f32" in ptx and "div.full" not in ptx and "div.approx.f32" not in ptx
-    assert ptx.count("fma.rn.f32") >= block * tile // 128  # the rank-1 update: one fma per element and thread
+    assert ptx.count("fma.rn.f32") >= block * tile // (32 * warps)  # the rank-1 update: an fma per element
     assert "0 bytes spill stores" in sm90.ptxas_notices(out + ".ptx")
 
 
