@@ -8,6 +8,7 @@ and the matmul rate measured in the same run. Writes JSON under bench/results/.
 
     python bench/bench_quantize_8b.py --method gptq               # the whole 8B shape on cuda
     python bench/bench_quantize_8b.py --method gptq --layers 4    # fewer layers
+    python bench/bench_quantize_8b.py --method gptq --layers 4 --solver torch   # the column loop, for comparison
     python bench/bench_quantize_8b.py --tiny                      # CPU smoke run (tiny shapes)
     python bench/bench_quantize_8b.py --method gptq --gpus 2      # 2 ranks through torchrun (one GPU each)
     python bench/bench_quantize_8b.py --tiny --gpus 2 --batch-size 2   # 2 gloo ranks on the CPU (smoke run)
@@ -48,6 +49,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--group-size", type=int, default=128)
     p.add_argument("--asym", action="store_true")
     p.add_argument("--desc-act", action="store_true")
+    p.add_argument("--solver", choices=("auto", "torch", "triton"), default="auto",
+                   help="GPTQ column solve: auto (the Triton block kernel on CUDA), torch (the column loop), triton")
     p.add_argument("--device", default=None, help="default cuda (cpu with --tiny)")
     p.add_argument("--batch-size", type=int, default=8, help="calibration windows per forward (each rank needs one)")
     p.add_argument("--gpus", type=int, default=1, help="ranks sharing the work (torchrun; gloo on the CPU)")
@@ -166,7 +169,8 @@ def run(args: argparse.Namespace) -> dict:
     scheme = QuantScheme(4, args.group_size, not args.asym)
     from quantkit.api import build_method
 
-    method = build_method(args.method, scheme, {"desc_act": args.desc_act} if args.method == "gptq" else None)
+    options = {"desc_act": args.desc_act, "solver": args.solver} if args.method == "gptq" else None
+    method = build_method(args.method, scheme, options)
     tokens = torch.randint(0, shape["vocab_size"], (nsamples, seqlen), generator=torch.Generator().manual_seed(0))
 
     rows = []
@@ -196,6 +200,7 @@ def run(args: argparse.Namespace) -> dict:
     return {
         "method": args.method, "gpus": comm.world_size, "scheme": {"bits": 4, "group_size": args.group_size, "sym": not args.asym,
                                           "desc_act": args.desc_act},
+        "solver": args.solver if args.method == "gptq" else None,
         "shape": {**shape, "num_hidden_layers": n_layers}, "nsamples": nsamples, "seqlen": seqlen,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU {platform.processor()}",
         "dtype": str(dtype), "build_model_s": build_s, "total_s": total,
@@ -225,7 +230,8 @@ def print_table(rec: dict) -> None:
     exp = rec["expected"]
     mean = {k: sum(r[k] for r in rows) / n for k in ("seconds", "hessian_s", "solve_s", "forward_other_s")}
     print()
-    print(f"{rec['method']} on {rec['gpus']} x {rec['device']}, {rec['shape']['num_hidden_layers']} layers, "
+    solver = f" (solver {rec['solver']})" if rec.get("solver") else ""
+    print(f"{rec['method']}{solver} on {rec['gpus']} x {rec['device']}, {rec['shape']['num_hidden_layers']} layers, "
           f"{rec['nsamples']} x {rec['seqlen']} tokens")
     print(f"ceilings: bf16 {rec['ceilings']['bf16_tflops']:.0f} TFLOP/s, fp32 {rec['ceilings']['fp32_tflops']:.0f} "
           f"TFLOP/s, one small op {rec['ceilings']['small_op_us']:.1f} us")

@@ -62,6 +62,9 @@ class GPTQConfig:
     # Under several ranks a stack of linears is cut by output rows between ranks down to this many
     # rows (GPTQ solves rows independently); no effect in one process.
     split_min_rows: int = 256
+    # The column solve: "auto" (the Triton block kernel on CUDA where it supports the options, else the
+    # torch loop), "torch" (always the loop), "triton" (the kernel, also under TRITON_INTERPRET=1 on the CPU).
+    solver: str = "auto"
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.damp < 1.0 or not math.isfinite(self.damp):
@@ -74,6 +77,8 @@ class GPTQConfig:
             raise QuantkitError(f"mse_grid must be >= 1 and mse_norm > 0, got {self.mse_grid}, {self.mse_norm}")
         if self.max_damp_escalations < 0 or self.single_pass_max_tokens < 0:
             raise QuantkitError("max_damp_escalations and single_pass_max_tokens must be >= 0")
+        if self.solver not in ("auto", "torch", "triton"):
+            raise QuantkitError(f"solver must be auto, torch or triton, got {self.solver!r}")
         if self.split_min_rows < 1:
             raise QuantkitError(f"split_min_rows must be >= 1, got {self.split_min_rows}")
 
@@ -223,13 +228,14 @@ def damped_inverse_factor(
 
 def _columns(
     W: torch.Tensor, U: torch.Tensor, scheme: QuantScheme, gs: int, config: GPTQConfig,
-    col_params: tuple[torch.Tensor, torch.Tensor] | None,
+    col_params: tuple[torch.Tensor, torch.Tensor] | None, errors: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
     """The GPTQ column loop on ``W [out, in]`` (already permuted) and ``U [in, in]``.
 
     ``gs``: the group size (the input width for one group).
     ``col_params``: fixed per-column ``(scale, zero as float)`` ``[in, out]`` (static groups or one group),
     or None to compute a group's parameters when the loop reaches its first column.
+    ``errors``: if given (float32 ``[in, out]``), receives every column's scaled error (for tests).
     Returns codes int32 ``[out, in]`` and the per-position group parameters computed on the way.
     The loop works on ``W^T [in, out]`` so that a column and the rank-1 updates are contiguous.
     """
@@ -263,9 +269,47 @@ def _columns(
             torch.sub(q, zero_f, out=dq).mul_(scale)
             err = torch.sub(w, dq, out=E1[i]).div_(U1[i, i])
             W1[i + 1 :].addr_(U1[i, i + 1 :], err, alpha=-1.0)
+        if errors is not None:
+            errors[i1:i2] = E1
         if i2 < in_features:
             Wt[i2:].addmm_(U[i1:i2, i2:].t(), E1, alpha=-1.0)
     return codes_t.t().to(torch.int32), groups
+
+
+def solve_columns(
+    W: torch.Tensor, U: torch.Tensor, scheme: QuantScheme, gs: int, config: GPTQConfig,
+    col_params: tuple[torch.Tensor, torch.Tensor] | None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The column solve (arguments of :func:`_columns`): codes int32 ``[out, in]`` and, without
+    ``col_params``, the groups' scales / zeros ``[G, out]`` in position order (else None, None).
+
+    The one dispatch point between the Triton block kernel (``config.solver``, see GPTQConfig) and the
+    torch loop; an option the kernel cannot take falls back to the loop with a debug log saying why.
+    """
+    use_kernel = config.solver == "triton" or (config.solver == "auto" and W.is_cuda)
+    if use_kernel:
+        block = config.block_size
+        if col_params is None and block % gs:
+            block = gs * max(1, block // gs)  # a group never straddles two blocks (as in _columns)
+        ok, reason = _kernel_supported(block, W.device)
+        if ok:
+            from quantkit.kernels.gptq_solve import gptq_columns_triton
+
+            return gptq_columns_triton(W, U, scheme.bits, scheme.sym, gs, block, col_params, config.mse,
+                                       config.mse_max_shrink, config.mse_grid, config.mse_norm)
+        log.debug("GPTQ solve on the torch loop: %s", reason)
+    codes, groups = _columns(W, U, scheme, gs, config, col_params)
+    if col_params is not None:
+        return codes, None, None
+    return codes, torch.stack([s for s, _ in groups]), torch.stack([z for _, z in groups])
+
+
+def _kernel_supported(block: int, device: torch.device) -> tuple[bool, str]:
+    try:
+        from quantkit.kernels.gptq_solve import block_solve_supported
+    except ImportError as exc:  # no Triton on this platform
+        return False, f"Triton is not available ({exc})"
+    return block_solve_supported(block, device)
 
 
 def gptq_quantize(
@@ -302,13 +346,9 @@ def gptq_quantize(
         fixed = (scales_g[col_group], zeros_g[col_group].float())  # [in, out] each
 
     U, damp_used = damped_inverse_factor(Hw, config.damp, config.max_damp_escalations, name)
-    codes_p, groups = _columns(W, U, scheme, gs, config, fixed)
-
+    codes_p, scales, zeros = solve_columns(W, U, scheme, gs, config, fixed)
     if static:
         scales, zeros = scales_g, zeros_g
-    else:
-        scales = torch.stack([s for s, _ in groups])  # [G, out], in position order
-        zeros = torch.stack([z for _, z in groups])
     codes = codes_p
     if perm is not None:
         codes = torch.empty_like(codes_p)

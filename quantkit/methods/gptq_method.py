@@ -203,7 +203,10 @@ def collect_hessians(
         batch_inputs.setdefault(key, owner)
         if owner == name:
             t0 = _clock(ctx.device)
-            accs.setdefault(name, HessianAccumulator(x.shape[-1], ctx.device)).add(x)
+            acc = accs.get(name)
+            if acc is None:  # not setdefault: that would allocate (and zero) an [in, in] matrix every batch
+                acc = accs[name] = HessianAccumulator(x.shape[-1], ctx.device)
+            acc.add(x)
             spent[0] += _clock(ctx.device) - t0
 
     capture_linear_inputs(layer, ctx.inputs, names, on_input)

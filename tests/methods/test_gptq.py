@@ -243,3 +243,33 @@ def test_dequantize_through_g_idx_matches_record():
     res = gptq_quantize(torch.randn(8, 64), H, QuantScheme(4, 32, True), GPTQConfig(desc_act=True))
     manual = dequantize(res.codes, res.scales, res.zeros, res.g_idx)
     assert torch.equal(manual, res.dequantize())
+
+
+@pytest.mark.parametrize("config", [GPTQConfig(), GPTQConfig(single_pass_max_tokens=0),
+                                    GPTQConfig(true_sequential=False)], ids=["single-pass", "by-group", "one-pass"])
+def test_same_input_linears_share_one_hessian_and_solve(tiny_model_and_data, config, monkeypatch):
+    """q/k/v and gate/up read one input: one Hessian each and one stacked solve (4 per layer, not 7)."""
+    from quantkit.methods import gptq_method
+    from quantkit.walker import walk
+
+    model, calib, _ = tiny_model_and_data
+    built, solved = [], []
+    real_acc, real_solve = gptq_method.HessianAccumulator, gptq_method.gptq_quantize
+
+    def counting_acc(*args, **kwargs):
+        built.append(args[0])
+        return real_acc(*args, **kwargs)
+
+    def counting_solve(w, H, *args, **kwargs):
+        solved.append((tuple(w.shape), kwargs.get("name", "")))
+        return real_solve(w, H, *args, **kwargs)
+
+    monkeypatch.setattr(gptq_method, "HessianAccumulator", counting_acc)
+    monkeypatch.setattr(gptq_method, "gptq_quantize", counting_solve)
+    walk(copy.deepcopy(model), GPTQMethod(QuantScheme(4, 32, True), config), device="cpu", token_ids=calib,
+         batch_size=4)
+    n_layers = model.config.num_hidden_layers
+    assert len(built) == 4 * n_layers and len(solved) == 4 * n_layers
+    names = [n.split(".", 3)[-1] for _, n in solved[:4]]
+    assert "self_attn.q_proj+self_attn.k_proj+self_attn.v_proj" in names[0]
+    assert any("mlp.gate_proj+mlp.up_proj" in n for n in names)
