@@ -10,7 +10,7 @@ import sys
 
 import typer
 
-from quantkit.cli import eval_cmds, inspect_cmd, quantize_cmds
+from quantkit.cli import batch_cmd, eval_cmds, inspect_cmd, quantize_cmds
 
 app = typer.Typer(
     name="quantkit",
@@ -23,6 +23,7 @@ app = typer.Typer(
 quantize_cmds.register(app)
 inspect_cmd.register(app)
 app.add_typer(eval_cmds.eval_app, name="eval")
+app.add_typer(batch_cmd.batch_app, name="batch")
 
 
 def main() -> None:

@@ -143,11 +143,13 @@ def quantize(
     on_layer: Callable[[LayerEvent], None] | None = None,
     on_calib_progress: Callable[[int, int], None] | None = None,
     quantize_lm_head: bool = False,
+    calib_tokens: torch.Tensor | None = None,
 ) -> QuantizeReport:
     """Quantize ``model`` (folder, hub id or .gguf) with ``method`` and write a GPTQ-layout checkpoint.
 
     ``on_layer`` receives a :class:`~quantkit.walker.LayerEvent` after each decoder layer and
-    ``on_calib_progress(done, total)`` follows self-generated calibration.
+    ``on_calib_progress(done, total)`` follows self-generated calibration. ``calib_tokens``
+    (``[nsamples, seqlen]``) replaces drawing windows from ``calib``: a batch computes them once per model.
     """
     from quantkit.checkpoint import save_quantized
     from quantkit.models import load_model
@@ -168,7 +170,9 @@ def quantize(
 
     token_ids = None
     if quant_method.needs_calibration:
-        token_ids = calibration_tokens(calib, loaded, device, on_calib_progress)
+        token_ids = calib_tokens
+        if token_ids is None:
+            token_ids = calibration_tokens(calib, loaded, device, on_calib_progress)
     t_calib = time.perf_counter()
 
     partial = partial_group_layers(loaded.model, scheme)
@@ -256,6 +260,45 @@ def evaluate_perplexity(
     return perplexity(net.to(device), token_ids, seqlen=seqlen, max_windows=max_windows,
                       bos_token_id=tokenizer.bos_token_id if use_bos else None, device=device,
                       on_window=on_window)
+
+
+def evaluate_kld(
+    base: str,
+    quantized: str,
+    *,
+    data: str = "wikitext2",
+    seqlen: int = 512,
+    max_windows: int | None = 8,
+    bos: str = "auto",
+    load: LoadConfig = LoadConfig(),
+    text_field: str = "text",
+    on_window: Callable | None = None,
+):
+    """KL divergence of ``quantized``'s next-token distributions from ``base``'s on windows of ``data``
+    (:class:`~quantkit.eval.kld.KLDResult`). Both models are loaded; base logits are computed chunk by chunk."""
+    from quantkit.eval.kld import LiveReference, kld_windows, model_kld
+    from quantkit.eval.perplexity import _vocab_size, load_eval_tokens, needs_bos
+
+    if bos not in ("auto", "on", "off"):
+        raise QuantkitError(f"--bos must be auto, on or off, got {bos!r}")
+    device = resolve_device(load.device)
+    base_net, tokenizer = load_any(base, load)
+    quant_net, _ = load_any(quantized, load)
+    if tokenizer is None:
+        raise QuantkitError(f"{base} has no tokenizer files; KL divergence needs one")
+    base_vocab = _vocab_size(base_net, base_net.get_output_embeddings())
+    quant_vocab = _vocab_size(quant_net, quant_net.get_output_embeddings())
+    if base_vocab != quant_vocab:
+        raise QuantkitError(f"{base} has {base_vocab} output tokens but {quantized} has {quant_vocab}: "
+                            "KL divergence compares a model with a quantized copy of itself")
+    use_bos = needs_bos(tokenizer, base_net.config) if bos == "auto" else bos == "on"
+    if use_bos and tokenizer.bos_token_id is None:
+        raise QuantkitError("--bos on, but the tokenizer has no BOS token")
+    token_ids = load_eval_tokens(data, tokenizer, text_field=text_field)
+    windows = kld_windows(token_ids, seqlen=seqlen, max_windows=max_windows,
+                          bos_token_id=tokenizer.bos_token_id if use_bos else None)
+    reference = LiveReference(base_net.to(device), windows, device)
+    return model_kld(reference, quant_net.to(device), windows, device=device, on_window=on_window)
 
 
 def load_quantized(path: str | Path, *, device: str = "cpu", dtype: torch.dtype | None = None):
