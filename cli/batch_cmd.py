@@ -75,11 +75,11 @@ def _print_plan(con, plan, resume: bool) -> None:
     for index, job in enumerate(plan.jobs, start=1):
         done = resume and complete_result(plan.output, job.name, job.settings()) is not None
         con.print(f"  {index:>3}. {job.name:<40} -> {checkpoint_path(plan.output, job.name)}"
-                  + ("  (complete: skipped)" if done else ""), highlight=False)
+                  + ("  (complete: skipped)" if done else ""), highlight=False, soft_wrap=True)
     eval_ = plan.eval
     con.print(f"eval: perplexity on {', '.join(eval_.perplexity) or 'nothing'} ({eval_.max_windows} windows of "
               f"{eval_.seqlen}); KL " + (f"on {eval_.kld_max_windows} windows of {eval_.kld_source}" if eval_.kld
-                                          else "off"), highlight=False)
+                                          else "off"), highlight=False, soft_wrap=True)
 
 
 def _run_with_progress(con, plan, resume: bool):
