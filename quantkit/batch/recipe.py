@@ -31,6 +31,7 @@ from typing import Any
 from quantkit.batch.jobs import EvalSpec, Job, default_job_name
 from quantkit.batch.source import expand_env, read_recipe_file
 from quantkit.config import CalibConfig, LoadConfig, QuantkitError, QuantScheme
+from quantkit.eval.perplexity import EVAL_SOURCES
 
 TOP_LEVEL = ("output", "models", "defaults", "eval", "grid", "jobs")
 # Job fields that are not method options, with their type.
@@ -214,11 +215,11 @@ def _eval_spec(table: Any, lines: dict, problems: _Problems) -> EvalSpec:
                     _env(value) if isinstance(value, str) else value)
             except QuantkitError as exc:
                 problems.add("eval", name, str(exc), line)
-    for name in ("perplexity", "kld_data"):
-        for source in ([kwargs[name]] if name == "kld_data" and name in kwargs else kwargs.get(name, []) if
-                       name == "perplexity" else []):
-            if source != "wikitext2" and not Path(source).expanduser().is_file():
-                problems.add("eval", name, f"evaluation text {source} not found", lines.get(("eval", name)))
+    sources = [("perplexity", s) for s in kwargs.get("perplexity", [])]
+    sources += [("kld_data", kwargs["kld_data"])] if "kld_data" in kwargs else []
+    for name, source in sources:
+        if source not in EVAL_SOURCES and not Path(source).expanduser().is_file():
+            problems.add("eval", name, f"evaluation text {source} not found", lines.get(("eval", name)))
     try:
         return EvalSpec(**kwargs)
     except QuantkitError as exc:

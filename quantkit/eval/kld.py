@@ -1,9 +1,12 @@
-"""KL divergence between the next-token distributions of a base model and a quantized one (pure core).
+"""KL divergence between the next-token distributions of a base model and a quantized one.
 
-For each scored position, ``KL(P_base || P_quant) = sum_v p_base(v) * (log p_base(v) - log p_quant(v))``,
-in float32 from log-softmaxed logits, and whether the two argmax tokens differ. A model-level driver
-(windows over a text, chunked heads) builds on :func:`token_kld`; :func:`summarize_kld` turns the
-per-token values into the numbers a report shows.
+Pure core: for each position, ``KL(P_base || P_quant) = sum_v p_base(v) * (log p_base(v) - log p_quant(v))``,
+in float32 from log-softmaxed logits, and whether the two argmax tokens differ (:func:`token_kld`);
+:func:`summarize_kld` turns the per-token values into the numbers a report shows.
+
+Model-level driver: :func:`kld_windows` cuts a token stream into windows, :func:`model_kld` scores every
+position of every window against a reference (the live base model, or its logits stored once by
+:func:`store_reference` and shared by all quantized variants of that model).
 """
 
 from __future__ import annotations
