@@ -73,7 +73,7 @@ def _print_plan(con, plan, resume: bool) -> None:
 
     con.print(f"{len(plan.jobs)} jobs into {plan.output}:")
     for index, job in enumerate(plan.jobs, start=1):
-        done = resume and complete_result(plan.output, job.name, job.settings()) is not None
+        done = resume and complete_result(plan.output, job.name, job.settings(), plan.eval.to_dict()) is not None
         con.print(f"  {index:>3}. {job.name:<40} -> {checkpoint_path(plan.output, job.name)}"
                   + ("  (complete: skipped)" if done else ""), highlight=False, soft_wrap=True)
     eval_ = plan.eval

@@ -29,6 +29,7 @@ class JobResult:
     name: str
     status: str
     settings: dict[str, Any]
+    eval: dict[str, Any] | None = None  # the EvalSpec it was measured with
     output: str | None = None
     seconds: float | None = None
     seconds_quantize: float | None = None
@@ -87,10 +88,14 @@ def read_record(path: Path) -> dict[str, Any] | None:
         return None
 
 
-def complete_result(output_dir: Path, name: str, settings: dict[str, Any]) -> JobResult | None:
-    """The previous result of a job when it finished with the same settings and its checkpoint is there."""
+def complete_result(output_dir: Path, name: str, settings: dict[str, Any],
+                    eval_spec: dict[str, Any] | None = None) -> JobResult | None:
+    """The previous result of a job when it finished with the same settings (and evaluation, when
+    given) and its checkpoint is there."""
     data = read_record(record_path(output_dir, name))
     if data is None or data.get("status") != "ok" or data.get("settings") != settings:
+        return None
+    if eval_spec is not None and data.get("eval") != eval_spec:
         return None
     if not (checkpoint_path(output_dir, name) / "config.json").is_file():
         return None

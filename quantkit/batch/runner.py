@@ -134,7 +134,7 @@ def run_batch(jobs: list[Job], output_dir: str | Path, *, eval: EvalSpec | None 
     for index, job in enumerate(jobs, start=1):
         if observer.job_started is not None:
             observer.job_started(index, len(jobs), job)
-        previous = complete_result(output_dir, job.name, job.settings()) if resume else None
+        previous = complete_result(output_dir, job.name, job.settings(), eval.to_dict()) if resume else None
         if previous is not None:
             result = previous
         else:
@@ -166,7 +166,7 @@ def _run_one(job: Job, context: ModelContext, model_jobs: list[Job], output_dir:
     except Exception as exc:  # recorded; the batch goes on (KeyboardInterrupt still stops it)
         log.error("job %s failed: %s: %s", job.name, type(exc).__name__, exc)
         log.debug("%s", traceback.format_exc())
-        result = JobResult(name=job.name, status="failed", settings=job.settings(),
+        result = JobResult(name=job.name, status="failed", settings=job.settings(), eval=eval.to_dict(),
                            seconds=time.perf_counter() - started, error=f"{type(exc).__name__}: {exc}")
     write_json_atomic(record, result.to_dict())
     return result
@@ -187,8 +187,8 @@ def _measure(job: Job, context: ModelContext, model_jobs: list[Job], output_dir:
                           method_options=job.method_options, calib=job.calib, load=job.load, overwrite=True,
                           batch_size=job.batch_size, on_layer=observer.on_layer,
                           quantize_lm_head=job.quantize_lm_head, calib_tokens=calib_tokens)
-    dtype = None if job.load.dtype == "auto" else resolve_dtype(job.load.dtype, device)
-    model, _ = api.load_quantized(checkpoint, device=device, dtype=dtype)
+    # The unquantized reference ran in this dtype too (auto: float32 on the CPU, bfloat16 on CUDA).
+    model, _ = api.load_quantized(checkpoint, device=device, dtype=resolve_dtype(job.load.dtype, device))
     ppl = {}
     for source in eval.perplexity:
         observer._stage(f"perplexity {source}")
@@ -200,6 +200,6 @@ def _measure(job: Job, context: ModelContext, model_jobs: list[Job], output_dir:
         observer._stage("KL divergence")
         kld = model_kld(context.reference(), model, context.kld_windows(), device=device,
                         on_window=observer.on_window).to_dict()
-    return JobResult(name=job.name, status="ok", settings=job.settings(), output=str(checkpoint),
+    return JobResult(name=job.name, status="ok", settings=job.settings(), eval=eval.to_dict(), output=str(checkpoint),
                      seconds_quantize=report.seconds_total, size_bytes=folder_bytes(checkpoint),
                      bits_per_weight=quantized_bits_per_weight(checkpoint), perplexity=ppl, kld=kld)

@@ -1,4 +1,4 @@
-"""A tiny batch: the session's random Llama, calibrated and evaluated on the tiny text file."""
+"""Fixtures of the batch tests."""
 
 from __future__ import annotations
 
@@ -6,35 +6,7 @@ from pathlib import Path
 
 import pytest
 
-
-def write_recipe(path: Path, model: Path, text: Path, output: Path, jobs: str = "") -> Path:
-    path.write_text(f'''
-output = "{output}"
-[models]
-tiny = "{model}"
-[defaults]
-model = "tiny"
-sym = false
-group_size = 32
-calib = "{text}"
-nsamples = 4
-seqlen = 32
-device = "cpu"
-dtype = "fp32"
-[eval]
-perplexity = ["{text}"]
-seqlen = 32
-max_windows = 3
-kld_max_windows = 2
-''' + (jobs or '''
-[[grid]]
-method = ["rtn", "gptq"]
-bits = 4
-[[jobs]]
-method = "gptq"
-bits = 3
-'''))
-    return path
+from tests.batch.recipes import write_recipe
 
 
 @pytest.fixture

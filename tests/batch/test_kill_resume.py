@@ -13,8 +13,7 @@ from quantkit.batch.recipe import load_recipe
 from quantkit.batch.records import read_record, record_path
 from quantkit.batch.report import markdown_table, table_rows
 from quantkit.batch.runner import run_recipe
-
-from .conftest import write_recipe
+from tests.batch.recipes import write_recipe
 
 
 def _start(recipe):

@@ -4,7 +4,7 @@ import pytest
 
 from quantkit import api
 from quantkit.batch.jobs import EvalSpec, Job
-from quantkit.batch.records import checkpoint_path, record_path
+from quantkit.batch.records import checkpoint_path, complete_result, record_path
 from quantkit.batch.report import markdown_table, table_rows
 from quantkit.batch.runner import BatchObserver, run_batch
 from quantkit.config import CalibConfig, LoadConfig, QuantScheme
@@ -45,6 +45,12 @@ def test_api_runs_jobs_records_them_and_resumes(tmp_path, tiny_llama_dir, tiny_t
     again = run_batch(jobs, out, eval=_eval(tiny_text_file))
     assert all(r.reused for r in again.results)
     assert [r.to_dict() for r in again.results] == [r.to_dict() for r in batch.results]
+    # Measured differently or quantized differently: not complete any more.
+    other_eval = EvalSpec(perplexity=(str(tiny_text_file),), seqlen=32, max_windows=2, kld_max_windows=2)
+    assert complete_result(out, "rtn-g32", jobs[0].settings(), other_eval.to_dict()) is None
+    other_job = Job(name="rtn-g32", model=str(tiny_llama_dir), scheme=QuantScheme(4, 64, sym=False))
+    assert complete_result(out, "rtn-g32", other_job.settings(), _eval(tiny_text_file).to_dict()) is None
+    assert complete_result(out, "rtn-g32", jobs[0].settings(), _eval(tiny_text_file).to_dict()) is not None
 
 
 def test_failed_job_is_recorded_and_the_batch_goes_on(tmp_path, tiny_llama_dir, tiny_text_file, monkeypatch):
