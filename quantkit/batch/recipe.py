@@ -184,6 +184,9 @@ def _expand(data: dict, lines: dict, known: set, problems: _Problems) -> list[tu
         key = ("grid", index) if isinstance(data.get("grid"), list) else ("grid",)
         table = _table(grid, f"grid[{index}]", key, lines, known, problems)
         axes = {name: v for name, v in table.items() if isinstance(v.value, list)}
+        for name, axis in axes.items():
+            if not axis.value:
+                problems.add(axis.where, name, "an empty list makes no jobs: give at least one value", axis.line)
         for combo in itertools.product(*(v.value for v in axes.values())):
             fields = {**table, **{name: _Value(value, table[name].where, table[name].line)
                                   for name, value in zip(axes, combo)}}
