@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -114,3 +115,13 @@ def test_cli_bad_recipe_exits_2_and_writes_nothing(tmp_path, tiny_llama_dir):
         assert needle in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_cli_dry_run_lists_jobs_and_folders_and_writes_nothing(tiny_recipe):
+    proc = subprocess.run([sys.executable, "-m", "quantkit.cli.app", "batch", str(tiny_recipe), "--dry-run"],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "200"})
+    assert proc.returncode == 0, proc.stderr
+    assert "3 jobs into" in proc.stdout
+    for name in ("tiny-rtn-w4-g32-asym", "tiny-gptq-w4-g32-asym", "tiny-gptq-w3-g32-asym"):
+        assert f"checkpoints/{name}" in proc.stdout
+    assert not (tiny_recipe.parent / "out").exists()
