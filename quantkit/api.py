@@ -281,7 +281,13 @@ def evaluate_kld(
 
     if bos not in ("auto", "on", "off"):
         raise QuantkitError(f"--bos must be auto, on or off, got {bos!r}")
+    from dataclasses import replace
+
+    from quantkit.config import resolve_dtype
+
     device = resolve_device(load.device)
+    # Both models in one dtype (auto: float32 on the CPU, bfloat16 on CUDA), whatever the checkpoint stores.
+    load = replace(load, dtype=str(resolve_dtype(load.dtype, device)).removeprefix("torch."))
     base_net, tokenizer = load_any(base, load)
     quant_net, _ = load_any(quantized, load)
     if tokenizer is None:
