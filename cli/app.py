@@ -10,7 +10,7 @@ import sys
 
 import typer
 
-from quantkit.cli import eval_cmds, inspect_cmd, quantize_cmds, serve_cmd, verify_cmd
+from quantkit.cli import batch_cmd, eval_cmds, inspect_cmd, quantize_cmds, serve_cmd, verify_cmd
 
 app = typer.Typer(
     name="quantkit",
@@ -25,6 +25,7 @@ inspect_cmd.register(app)
 serve_cmd.register(app)
 verify_cmd.register(app)
 app.add_typer(eval_cmds.eval_app, name="eval")
+app.add_typer(batch_cmd.batch_app, name="batch")
 
 
 def main() -> None:

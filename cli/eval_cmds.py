@@ -52,3 +52,46 @@ def perplexity(
     bos_note = "every window starts with BOS" if result.bos_prepended else "no BOS (the tokenizer adds none)"
     con.print(f"[bold]perplexity {result.ppl:.4f}[/bold]  on {result.n_tokens} tokens in {result.n_windows} windows "
               f"of {result.seqlen} ({bos_note}), {result.seconds:.1f} s")
+
+
+@eval_app.command("kld")
+def kld(
+    base: Annotated[str, typer.Argument(help="The unquantized model: folder, hub id or .gguf file.")],
+    quantized: Annotated[str, typer.Argument(help="A quantized checkpoint folder of that model (or any model with its vocabulary).")],
+    data: Annotated[str, typer.Option("--data", help="wikitext2 (hub) or a local .txt/.jsonl/.parquet file.")] = "wikitext2",
+    seqlen: SeqLen = 512,
+    max_windows: Annotated[int, typer.Option("--max-windows", help="Compare on at most this many windows.")] = 8,
+    bos: Annotated[str, typer.Option("--bos", help="Start every window with BOS: auto (if the tokenizer expects one), on, off.")] = "auto",
+    device: Device = "auto", dtype: Dtype = "auto", trust_remote_code: TrustRemoteCode = False,
+    text_field: TextField = "text", json_: Json = False,
+) -> None:
+    """KL divergence of the quantized model's next-token distributions from the base model's: mean, 99th
+    percentile, and the share of positions whose top-1 token changed."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from quantkit import api
+    from quantkit.cli.display import console, library_logs
+    from quantkit.config import LoadConfig
+
+    load = LoadConfig(dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+    con = console(stderr=json_)
+    progress = Progress(TextColumn("KL divergence"), BarColumn(), MofNCompleteColumn(), TextColumn("windows"),
+                        TimeRemainingColumn(), console=con)
+    state: dict = {}
+
+    def on_window(done: int, total: int, *rest) -> None:
+        if "task" not in state:
+            state["task"] = progress.add_task("kld", total=total)
+        progress.update(state["task"], completed=done)
+
+    with progress, library_logs(con):
+        result = api.evaluate_kld(base, quantized, data=data, seqlen=seqlen, max_windows=max_windows, bos=bos,
+                                  load=load, text_field=text_field, on_window=on_window)
+    out = {"base": base, "quantized": quantized, "data": data, **result.to_dict()}
+    if json_:
+        typer.echo(json.dumps(out, indent=2))
+        return
+    stats = result.stats
+    con.print(f"[bold]KL divergence mean {stats.mean_kld:.5f}[/bold]  p99 {stats.p99_kld:.5f}  top-1 changed "
+              f"{100 * stats.top1_changed:.2f}%  on {stats.n_tokens} tokens in {result.n_windows} windows of "
+              f"{result.seqlen}, {result.seconds:.1f} s")

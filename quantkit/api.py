@@ -150,6 +150,7 @@ def quantize(
     on_calib_progress: Callable[[int, int], None] | None = None,
     quantize_lm_head: bool = False,
     gpus: int | None = None,
+    calib_tokens: torch.Tensor | None = None,
 ) -> QuantizeReport:
     """Quantize ``model`` (folder, hub id or .gguf) with ``method`` and write a GPTQ-layout checkpoint.
 
@@ -157,7 +158,8 @@ def quantize(
     torchrun started, else one process); rank 0 alone writes the checkpoint.
 
     ``on_layer`` receives a :class:`~quantkit.walker.LayerEvent` after each decoder layer and
-    ``on_calib_progress(done, total)`` follows self-generated calibration.
+    ``on_calib_progress(done, total)`` follows self-generated calibration. ``calib_tokens``
+    (``[nsamples, seqlen]``) replaces drawing windows from ``calib``: a batch computes them once per model.
     """
     from quantkit.checkpoint import save_quantized
     from quantkit.models import load_model
@@ -178,8 +180,10 @@ def quantize(
 
     token_ids = None
     if quant_method.needs_calibration:
-        token_ids = calibration_tokens(calib, loaded, device, on_calib_progress) if comm.rank == 0 else None
-        token_ids = comm.broadcast_object(token_ids, src=0)  # every rank calibrates on rank 0's windows
+        token_ids = calib_tokens
+        if token_ids is None:
+            token_ids = calibration_tokens(calib, loaded, device, on_calib_progress) if comm.rank == 0 else None
+            token_ids = comm.broadcast_object(token_ids, src=0)  # every rank calibrates on rank 0's windows
     t_calib = time.perf_counter()
 
     partial = partial_group_layers(loaded.model, scheme)
@@ -282,6 +286,51 @@ def evaluate_perplexity(
     return perplexity(net.to(device), token_ids, seqlen=seqlen, max_windows=max_windows,
                       bos_token_id=tokenizer.bos_token_id if use_bos else None, device=device,
                       on_window=on_window)
+
+
+def evaluate_kld(
+    base: str,
+    quantized: str,
+    *,
+    data: str = "wikitext2",
+    seqlen: int = 512,
+    max_windows: int | None = 8,
+    bos: str = "auto",
+    load: LoadConfig = LoadConfig(),
+    text_field: str = "text",
+    on_window: Callable | None = None,
+):
+    """KL divergence of ``quantized``'s next-token distributions from ``base``'s on windows of ``data``
+    (:class:`~quantkit.eval.kld.KLDResult`). Both models are loaded; base logits are computed chunk by chunk."""
+    from quantkit.eval.kld import LiveReference, kld_windows, model_kld
+    from quantkit.eval.perplexity import _vocab_size, load_eval_tokens, needs_bos
+
+    if bos not in ("auto", "on", "off"):
+        raise QuantkitError(f"--bos must be auto, on or off, got {bos!r}")
+    from dataclasses import replace
+
+    from quantkit.config import resolve_dtype
+
+    device = resolve_device(load.device)
+    # Both models in one dtype (auto: float32 on the CPU, bfloat16 on CUDA), whatever the checkpoint stores.
+    load = replace(load, dtype=str(resolve_dtype(load.dtype, device)).removeprefix("torch."))
+    base_net, tokenizer = load_any(base, load)
+    quant_net, _ = load_any(quantized, load)
+    if tokenizer is None:
+        raise QuantkitError(f"{base} has no tokenizer files; KL divergence needs one")
+    base_vocab = _vocab_size(base_net, base_net.get_output_embeddings())
+    quant_vocab = _vocab_size(quant_net, quant_net.get_output_embeddings())
+    if base_vocab != quant_vocab:
+        raise QuantkitError(f"{base} has {base_vocab} output tokens but {quantized} has {quant_vocab}: "
+                            "KL divergence compares a model with a quantized copy of itself")
+    use_bos = needs_bos(tokenizer, base_net.config) if bos == "auto" else bos == "on"
+    if use_bos and tokenizer.bos_token_id is None:
+        raise QuantkitError("--bos on, but the tokenizer has no BOS token")
+    token_ids = load_eval_tokens(data, tokenizer, text_field=text_field)
+    windows = kld_windows(token_ids, seqlen=seqlen, max_windows=max_windows,
+                          bos_token_id=tokenizer.bos_token_id if use_bos else None)
+    reference = LiveReference(base_net.to(device), windows, device)
+    return model_kld(reference, quant_net.to(device), windows, device=device, on_window=on_window)
 
 
 def load_quantized(path: str | Path, *, device: str = "cpu", dtype: torch.dtype | str | None = None):
