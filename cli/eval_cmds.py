@@ -14,7 +14,7 @@ eval_app = typer.Typer(help="Measure what quantization cost.", no_args_is_help=T
 
 @eval_app.command("perplexity")
 def perplexity(
-    model: Annotated[str, typer.Argument(help="A quantized checkpoint folder, a model folder, hub id or .gguf file.")],
+    model: Annotated[str, typer.Argument(metavar="MODEL", help="A quantized checkpoint folder, a model folder, hub id or .gguf file.")],
     data: Annotated[str, typer.Option("--data", help="wikitext2 (WikiText-2 test from the Hugging Face hub: needs the "
                                       "network and `datasets`, or their cache) or a local .txt/.jsonl/.parquet file.")] = "wikitext2",
     seqlen: SeqLen = 2048,
