@@ -403,10 +403,10 @@ def evaluate_perplexity(
     check_text_source(str(data), EVAL_SOURCES, "--data")  # before the model load, which takes long
     device = resolve_device(load.device)
     net, tokenizer = load_any(model, load)
-    check_seqlen(net, seqlen)
     if tokenizer is None:
         raise QuantkitError(f"{model} has no tokenizer files; perplexity needs one")
     token_ids = load_eval_tokens(data, tokenizer, text_field=text_field)
+    check_seqlen(net, seqlen)
     use_bos = needs_bos(tokenizer, net.config) if bos == "auto" else bos == "on"
     if use_bos and tokenizer.bos_token_id is None:
         raise QuantkitError("--bos on, but the tokenizer has no BOS token")
