@@ -65,8 +65,8 @@ _DESC_ACT_HELP = ("Act-order: quantize columns by decreasing Hessian diagonal (d
                   "SmolLM2 sym g64 28.32 -> 24.05).")
 _STATIC_HELP = ("With act-order, fix each group's scale before reordering so g_idx stays contiguous (default: no "
                 "reordering at inference); --no-static-groups writes a permuted g_idx.")
-_MSE_HELP = ("Search each group's range (shrink up to 20%) for the least error (default: a few seconds more per "
-             "layer, lower perplexity).")
+_MSE_HELP = ("Search each group's range (shrink up to 20%) for the least error (default: about 15% more time, "
+             "SmolLM2 g64 23.01 -> 22.50).")
 
 
 def register(app: typer.Typer) -> None:
