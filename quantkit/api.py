@@ -217,8 +217,11 @@ def calibration_tokens(calib: CalibConfig, loaded, on_progress: Callable | None 
     from quantkit.calib_data.sources import load_calibration
 
     check_seqlen(loaded.model, calib.seqlen)
-    log.info("calibration: %s, %d windows x %d tokens (--calib, --nsamples, --seqlen set them)",
-             calib.source, calib.nsamples, calib.seqlen)
+    note = ""
+    if calib.source == "self" and (calib.nsamples, calib.seqlen) == SELF_CALIB_CPU_SIZE:
+        note = "; self-generated text is sized down on a CPU, where generating is slow"
+    log.info("calibration: %s, %d windows x %d tokens (--calib, --nsamples, --seqlen set them%s)",
+             calib.source, calib.nsamples, calib.seqlen, note)
     return load_calibration(calib, loaded.tokenizer, model=loaded.model, on_progress=on_progress)
 
 
