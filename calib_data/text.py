@@ -58,6 +58,25 @@ class HubTextSpec:
 # --------------------------------------------------------------------------- local files
 
 
+def check_local_text(source: str | Path, option: str = "--calib") -> None:
+    """Cheap checks of a local text file before a model is loaded for it: it exists, is a file of a
+    readable type and is not empty (``.txt``: some text in its first megabyte). ``read_documents``
+    checks the rest when it reads the file."""
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise QuantkitError(f"{option} {source}: no such file; {local_file_hint(option)}")
+    if not path.is_file():
+        raise QuantkitError(f"{option} {source} is a folder, not a text file; {local_file_hint(option)}")
+    if path.suffix.lower() not in LOCAL_SUFFIXES:
+        raise QuantkitError(f"{option} {source}: supported file types are {', '.join(LOCAL_SUFFIXES)}")
+    if path.stat().st_size == 0:
+        raise QuantkitError(f"{option} {source} is empty")
+    if path.suffix.lower() == ".txt":
+        with path.open(encoding="utf-8", errors="replace") as handle:
+            if not handle.read(1 << 20).strip():
+                raise QuantkitError(f"{option} {source} holds no text")
+
+
 def read_documents(path: str | Path, *, text_field: str = "text") -> list[str]:
     """Documents of a local file: the lines of a ``.txt``, ``text_field`` of each ``.jsonl`` row or
     ``.parquet`` row. Raises ``QuantkitError`` for a missing, empty or foreign file or a missing field."""

@@ -20,6 +20,8 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from quantkit.progress import format_layer_line
+
 
 def console(stderr: bool = False) -> Console:
     return Console(stderr=stderr)
@@ -47,20 +49,6 @@ def library_logs(con: Console) -> Iterator[None]:
     finally:
         logger.removeHandler(handler)
         logger.setLevel(previous)
-
-
-def _format_layer_line(event) -> str:
-    parts = []
-    for name, stats in event.result.stats.items():
-        short = name.split(".")[-1]
-        before = stats.get("err_rtn", stats.get("err_before"))
-        after = stats.get("err_gptq", stats.get("err_after", stats.get("weight_error")))
-        if before is not None and after is not None:
-            parts.append(f"{short} {before:.4f}->{after:.4f}")
-        elif after is not None:
-            parts.append(f"{short} {after:.4f}")
-    peak = f"  peak {human_bytes(event.peak_memory_bytes)}" if event.peak_memory_bytes else ""
-    return f"layer {event.index + 1}/{event.n_layers}  {event.seconds:.1f}s{peak}  " + "  ".join(parts)
 
 
 class LayerProgress:
@@ -96,7 +84,7 @@ class LayerProgress:
             self.task = self.progress.add_task(self.method, total=event.n_layers, unit="layers", peak="")
         peak = f"peak {human_bytes(event.peak_memory_bytes)}" if event.peak_memory_bytes else ""
         self.progress.update(self.task, completed=event.index + 1, peak=peak)
-        self.progress.console.print(_format_layer_line(event), highlight=False)
+        self.progress.console.print(format_layer_line(event), highlight=False, overflow="ellipsis", no_wrap=True)
         for note in event.result.notes:
             self.progress.console.print(f"  note: {note}", style="yellow", highlight=False)
 
@@ -104,6 +92,9 @@ class LayerProgress:
 def print_quantize_summary(con: Console, report) -> None:
     table = Table(title=f"quantkit {report.method}: {report.output}", show_header=False)
     table.add_row("scheme", f"W{report.scheme.bits} g{report.scheme.group_size} {'sym' if report.scheme.sym else 'asym'}")
+    flags = [name.replace("_", "-") for name, value in report.options.items() if value is True]
+    if flags:
+        table.add_row("options", ", ".join(flags))
     table.add_row("quantized linears", str(report.n_quantized))
     table.add_row("time", f"{report.seconds_total:.1f} s (load {report.seconds_load:.1f}, calibration "
                   f"{report.seconds_calibration:.1f}, layers {report.seconds_quantize:.1f}, save {report.seconds_save:.1f})")
@@ -111,6 +102,8 @@ def print_quantize_summary(con: Console, report) -> None:
         table.add_row("peak accelerator memory", human_bytes(report.peak_memory_bytes))
     if report.partial_group_layers:
         table.add_row("partial last group", f"{len(report.partial_group_layers)} linears (stored through g_idx)")
+    for engine, kernel in report.engine_kernels.items():
+        table.add_row(f"{engine} kernel", kernel)
     con.print(table)
 
 

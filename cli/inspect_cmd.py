@@ -14,7 +14,7 @@ from quantkit.cli.options import Json
 
 def register(app: typer.Typer) -> None:
     @app.command("inspect")
-    def inspect(path: Annotated[Path, typer.Argument(help="A quantized checkpoint folder.")],
+    def inspect(path: Annotated[Path, typer.Argument(metavar="DIR", help="A quantized checkpoint folder.")],
                 json_: Json = False,
                 layers: Annotated[bool, typer.Option("--layers", help="List every quantized linear.")] = False,
                 kernels: Annotated[bool, typer.Option(

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -21,9 +21,64 @@ from quantkit.distributed.launch import setup as setup_ranks
 from quantkit.distributed.launch import teardown as teardown_ranks
 from quantkit.walker import LayerEvent, Method, walk
 
+if TYPE_CHECKING:
+    from quantkit.models import LoadedModel
+
 log = logging.getLogger(__name__)
 
 METHOD_NAMES = ("rtn", "gptq", "awq")
+
+# The defaults are the best settings measured on SmolLM2 (README, "Quality and speed") that stay cheap
+# and that vLLM's and SGLang's fastest kernels serve (README, "Serving the checkpoint"):
+# * symmetric for GPTQ and RTN: only symmetric GPTQ checkpoints get Marlin/Machete; asymmetric ones
+#   fall back to the float16-only gptq_gemm kernel. AWQ keeps its zero points (asymmetric).
+# * GPTQ: act-order with static groups (the column order that helps most, with group scales fixed
+#   up front so g_idx stays contiguous and no kernel reorders anything) and the MSE range search.
+# * group size: the largest of 128/64/32 dividing every quantized input size (AUTO_GROUP_SIZES).
+DEFAULT_SYM = {"rtn": True, "gptq": True, "awq": False}
+DEFAULT_OPTIONS: dict[str, dict[str, Any]] = {
+    "rtn": {},
+    "gptq": {"desc_act": True, "static_groups": True, "mse": True},
+    "awq": {},
+}
+AUTO_GROUP_SIZES = (128, 64, 32)
+# Calibration windows x tokens: GPTQ's usual 128 x 2048 and AWQ's 128 x 512; text the model writes
+# itself (``self``) is sized down on the CPU, where generating 128 x 2048 tokens takes over half an
+# hour even for a 135M model (calib_data/self_generated.py has the measurements).
+DEFAULT_CALIB_SIZE = {"gptq": (128, 2048), "awq": (128, 512), "rtn": (128, 2048)}
+SELF_CALIB_CPU_SIZE = (32, 512)
+
+
+@dataclass(frozen=True)
+class AutoScheme:
+    """A scheme whose group size is chosen per model by :func:`choose_group_size` (``sym=None``: the
+    method's default, ``DEFAULT_SYM``)."""
+
+    bits: int = 4
+    sym: bool | None = None
+
+    def resolve(self, method: str, input_sizes: list[int]) -> QuantScheme:
+        sym = DEFAULT_SYM.get(method, True) if self.sym is None else self.sym
+        return QuantScheme(bits=self.bits, group_size=choose_group_size(input_sizes), sym=sym)
+
+
+def choose_group_size(input_sizes: list[int]) -> int:
+    """The largest of 128/64/32 that divides every size in ``input_sizes``; 128 when none does (the
+    last groups are then partial, which the output warns about)."""
+    for size in AUTO_GROUP_SIZES:
+        if all(n % size == 0 for n in input_sizes):
+            return size
+    return AUTO_GROUP_SIZES[0]
+
+
+def default_calibration(method: str, source: str = "self", device: str = "cpu", *, nsamples: int | None = None,
+                        seqlen: int | None = None, seed: int = 0, text_field: str = "text") -> CalibConfig:
+    """The calibration settings for ``method`` on ``device``; ``nsamples``/``seqlen`` given win."""
+    n, length = DEFAULT_CALIB_SIZE.get(method, DEFAULT_CALIB_SIZE["gptq"])
+    if source == "self" and not device.startswith("cuda"):
+        n, length = SELF_CALIB_CPU_SIZE
+    return CalibConfig(source=source, nsamples=n if nsamples is None else nsamples,
+                       seqlen=length if seqlen is None else seqlen, seed=seed, text_field=text_field)
 
 
 @dataclass(frozen=True)
@@ -42,6 +97,8 @@ class QuantizeReport:
     peak_memory_bytes: int
     partial_group_layers: list[str]
     layer_stats: list[dict[str, Any]] = field(repr=False)
+    engine_kernels: dict[str, str] = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -52,12 +109,14 @@ class QuantizeReport:
                         "save": self.seconds_save},
             "peak_memory_bytes": self.peak_memory_bytes,
             "partial_group_layers": self.partial_group_layers,
+            "engine_kernels": self.engine_kernels,
+            "options": self.options,
         }
 
 
 def build_method(name: str, scheme: QuantScheme, options: dict[str, Any] | None = None) -> Method:
     """The method object for ``name`` with its own config built from ``options`` (CLI option names)."""
-    options = dict(options or {})
+    options = {**DEFAULT_OPTIONS.get(name, {}), **(options or {})}
     if name == "rtn":
         from quantkit.methods.rtn import RTNMethod
 
@@ -80,10 +139,11 @@ def build_method(name: str, scheme: QuantScheme, options: dict[str, Any] | None 
 def check_output(output: str | Path, overwrite: bool) -> Path:
     """Refuse an existing output folder before any long work starts."""
     out = Path(output).expanduser()
+    if out.exists() and not out.is_dir():
+        raise QuantkitError(f"output {out} is an existing file, not a folder; choose another --output "
+                            "(--overwrite replaces only a folder)")
     if out.exists() and not overwrite:
         raise QuantkitError(f"output folder {out} already exists; choose another --output or pass --overwrite")
-    if out.exists() and not out.is_dir():
-        raise QuantkitError(f"output {out} exists and is not a folder")
     return out
 
 
@@ -116,22 +176,82 @@ def warn_partial_groups(names: list[str], model: torch.nn.Module, group_size: in
     )
 
 
-# Self-generated calibration on a CPU: about 0.2 s per decoding step of a 16-sequence batch for a
-# 135M model (calib_data/self_generated.py); beyond this many tokens, say what it will cost.
-_SELF_CPU_WARN_TOKENS = 128 * 512
+def quantized_input_sizes(model: torch.nn.Module, quantize_lm_head: bool = False) -> list[int]:
+    """Input sizes of every linear that will be quantized (the decoder's, and lm_head's when asked)."""
+    from quantkit.arch import find_decoder_layers, find_linears
+
+    _, layers = find_decoder_layers(model)
+    sizes = {linear.in_features for layer in layers for linear in find_linears(layer).values()}
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    if quantize_lm_head and head is not None:
+        sizes.add(head.in_features)
+    return sorted(sizes)
 
 
-def calibration_tokens(calib: CalibConfig, loaded, device: str, on_progress: Callable | None = None) -> torch.Tensor:
+def max_positions(model: torch.nn.Module) -> int | None:
+    """The longest sequence the model's config allows (``max_position_embeddings``), if it says."""
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    value = getattr(config, "max_position_embeddings", None)
+    return int(value) if value else None
+
+
+def check_seqlen(model: torch.nn.Module, seqlen: int) -> None:
+    """Refuse windows longer than the model's positions before any work on them."""
+    limit = max_positions(model)
+    if limit is not None and seqlen > limit:
+        raise QuantkitError(f"--seqlen {seqlen} is longer than the model's {limit} positions; use --seqlen {limit} "
+                            "or less")
+
+
+def resolve_scheme(scheme: QuantScheme | AutoScheme | None, method: str, loaded: LoadedModel,
+                   quantize_lm_head: bool) -> QuantScheme:
+    """A fixed scheme as given; an automatic one with its group size chosen for this model (logged)."""
+    if isinstance(scheme, QuantScheme):
+        return scheme
+    sizes = quantized_input_sizes(loaded.model, quantize_lm_head)
+    resolved = (scheme or AutoScheme()).resolve(method, sizes)
+    log.info("group size %d: the largest of %s dividing every quantized input size (%s); --group-size sets "
+             "another", resolved.group_size, "/".join(map(str, AUTO_GROUP_SIZES)), ", ".join(map(str, sizes)))
+    return resolved
+
+
+def calibration_tokens(calib: CalibConfig, loaded, on_progress: Callable | None = None) -> torch.Tensor:
     """``[nsamples, seqlen]`` calibration token ids for a loaded model."""
     from quantkit.calib_data.sources import load_calibration
 
-    if calib.source == "self" and device == "cpu" and calib.nsamples * calib.seqlen > _SELF_CPU_WARN_TOKENS:
-        log.warning(
-            "--calib self generates %d x %d tokens with the model on the CPU: that can take hours for larger "
-            "models. Use --nsamples 128 --seqlen 512, or --calib FILE with local text, to be quicker.",
-            calib.nsamples, calib.seqlen,
-        )
+    check_seqlen(loaded.model, calib.seqlen)
+    note = ""
+    if calib.source == "self" and (calib.nsamples, calib.seqlen) == SELF_CALIB_CPU_SIZE:
+        note = "; self-generated text is sized down on a CPU, where generating is slow"
+    log.info("calibration: %s, %d windows x %d tokens (--calib, --nsamples, --seqlen set them%s)",
+             calib.source, calib.nsamples, calib.seqlen, note)
     return load_calibration(calib, loaded.tokenizer, model=loaded.model, on_progress=on_progress)
+
+
+def check_text_source(source: str, named: Any, option: str) -> None:
+    """Before any model is loaded: a local file must exist and hold text; a named hub source needs the hub
+    (reachable, or offline mode set with a cached copy, which ``datasets`` checks when it loads)."""
+    from quantkit.calib_data.text import check_local_text, env_offline, hub_reachable, local_file_hint
+
+    if source == "self":
+        return
+    if source in named:
+        if not env_offline() and not hub_reachable():
+            raise QuantkitError(f"{option} {source} is on the Hugging Face hub, which cannot be reached from here; "
+                                f"{local_file_hint(option)}")
+        return
+    check_local_text(source, option)
+
+
+def serving_kernels(scheme: QuantScheme, weights: dict, partial: list[str], layout: str) -> dict[str, str]:
+    """The vLLM / SGLang kernel the written checkpoint gets (``quantkit.engines``)."""
+    from quantkit.engines import CheckpointTraits, engine_kernels
+
+    act_order = any(getattr(qw, "act_order", False) for qw in weights.values())
+    return engine_kernels(CheckpointTraits(bits=scheme.bits, group_size=scheme.group_size, sym=scheme.sym,
+                                           act_order=act_order, partial_groups=bool(partial), layout=layout))
 
 
 @reports_rank_failures
@@ -139,10 +259,10 @@ def quantize(
     model: str,
     output: str | Path,
     *,
-    method: str = "rtn",
-    scheme: QuantScheme = QuantScheme(),
+    method: str = "gptq",
+    scheme: QuantScheme | AutoScheme | None = None,
     method_options: dict[str, Any] | None = None,
-    calib: CalibConfig = CalibConfig(),
+    calib: CalibConfig | None = None,
     load: LoadConfig = LoadConfig(),
     overwrite: bool = False,
     batch_size: int = 8,
@@ -151,38 +271,69 @@ def quantize(
     quantize_lm_head: bool = False,
     gpus: int | None = None,
     calib_tokens: torch.Tensor | None = None,
+    progress: bool | None = None,
 ) -> QuantizeReport:
     """Quantize ``model`` (folder, hub id or .gguf) with ``method`` and write a GPTQ-layout checkpoint.
 
-    ``gpus``: under torchrun, the ranks share the work (``quantkit.distributed``; None: as many as
-    torchrun started, else one process); rank 0 alone writes the checkpoint.
+    Defaults are the best measured settings (``DEFAULT_OPTIONS``, ``DEFAULT_SYM``): ``scheme=None``
+    is 4 bits with the group size chosen for the model (:class:`AutoScheme`); ``calib=None`` is
+    :func:`default_calibration` (sized to the device). ``on_layer`` receives a
+    :class:`~quantkit.walker.LayerEvent` after each decoder layer and ``on_calib_progress(done, total)``
+    follows self-generated calibration. Without them, progress is logged (``quantkit.progress``);
+    ``progress=None`` also shows those lines on stderr in interactive sessions, ``False`` never.
 
-    ``on_layer`` receives a :class:`~quantkit.walker.LayerEvent` after each decoder layer and
-    ``on_calib_progress(done, total)`` follows self-generated calibration. ``calib_tokens``
+    ``gpus``: under torchrun, the ranks share the work (``quantkit.distributed``; None: as many as
+    torchrun started, else one process); rank 0 alone writes the checkpoint. ``calib_tokens``
     (``[nsamples, seqlen]``) replaces drawing windows from ``calib``: a batch computes them once per model.
     """
+    from quantkit.progress import LogProgress, is_interactive, visible_logs
+
+    show = is_interactive() if progress is None else progress
+    logged = LogProgress()
+    with visible_logs(show and on_layer is None):
+        return _quantize(model, output, method=method, scheme=scheme, method_options=method_options, calib=calib,
+                         load=load, overwrite=overwrite, batch_size=batch_size,
+                         on_layer=on_layer or logged.on_layer,
+                         on_calib_progress=on_calib_progress or logged.on_calibration,
+                         quantize_lm_head=quantize_lm_head, gpus=gpus, calib_tokens=calib_tokens)
+
+
+def _quantize(model: str, output: str | Path, *, method: str, scheme: QuantScheme | AutoScheme | None,
+              method_options: dict[str, Any] | None, calib: CalibConfig | None, load: LoadConfig, overwrite: bool,
+              batch_size: int, on_layer: Callable, on_calib_progress: Callable,
+              quantize_lm_head: bool, gpus: int | None, calib_tokens: torch.Tensor | None) -> QuantizeReport:
     from quantkit.checkpoint import save_quantized
-    from quantkit.models import load_model
+    from quantkit.models import load_model, quiet_transformers
 
     t_start = time.perf_counter()
     out = check_output(output, overwrite)
     method_options = dict(method_options or {})
     layout = method_options.pop("format", "gptq")
-    quant_method = build_method(method, scheme, method_options)
+    if method not in METHOD_NAMES:
+        raise QuantkitError(f"unknown method {method!r}; choose one of {', '.join(METHOD_NAMES)}")
+    # Options are checked before the model loads (the scheme may still depend on the model).
+    probe = build_method(method, scheme if isinstance(scheme, QuantScheme) else QuantScheme(), method_options)
     comm, device = setup_ranks(gpus, resolve_device(load.device))
+    calib = calib or default_calibration(method, device=device)
+    if probe.needs_calibration:
+        from quantkit.calib_data.sources import NAMED_SOURCES
+
+        check_text_source(calib.source, NAMED_SOURCES, "--calib")
     loaded = load_model(model, load)
     if method == "awq":
         # AWQ folds scales through per-family records; without one it would only clip and round.
         from quantkit.arch import require_arch
 
         require_arch(getattr(loaded.model.config, "model_type", "?"))
+    scheme = resolve_scheme(scheme, method, loaded, quantize_lm_head)
+    quant_method = build_method(method, scheme, method_options)
     t_loaded = time.perf_counter()
 
     token_ids = None
     if quant_method.needs_calibration:
         token_ids = calib_tokens
         if token_ids is None:
-            token_ids = calibration_tokens(calib, loaded, device, on_calib_progress) if comm.rank == 0 else None
+            token_ids = calibration_tokens(calib, loaded, on_calib_progress) if comm.rank == 0 else None
             token_ids = comm.broadcast_object(token_ids, src=0)  # every rank calibrates on rank 0's windows
     t_calib = time.perf_counter()
 
@@ -199,10 +350,12 @@ def quantize(
     checkpoint_extra = getattr(quant_method, "checkpoint_extra", None)
     if checkpoint_extra is not None:
         extra.update(checkpoint_extra())
+    loaded.restore_config()  # the checkpoint carries the model's own use_cache, not the calibration setting
     comm.barrier()  # every rank finished its share before rank 0 writes
     if comm.rank == 0:
-        save_quantized(loaded.model, result.weights, out, tokenizer=loaded.tokenizer, method=method, scheme=scheme,
-                       extra=extra, overwrite=overwrite, layout=layout)
+        with quiet_transformers():
+            save_quantized(loaded.model, result.weights, out, tokenizer=loaded.tokenizer, method=method,
+                           scheme=scheme, extra=extra, overwrite=overwrite, layout=layout)
     teardown_ranks(comm)
     t_end = time.perf_counter()
     peak = torch.cuda.max_memory_allocated() if device.startswith("cuda") else 0
@@ -211,6 +364,8 @@ def quantize(
         seconds_total=t_end - t_start, seconds_load=t_loaded - t_start, seconds_calibration=t_calib - t_loaded,
         seconds_quantize=t_quant - t_calib, seconds_save=t_end - t_quant, peak_memory_bytes=peak,
         partial_group_layers=partial, layer_stats=result.layer_stats,
+        engine_kernels=serving_kernels(scheme, result.weights, partial, layout),
+        options={**DEFAULT_OPTIONS.get(method, {}), **method_options, "format": layout},
     )
 
 
@@ -270,22 +425,32 @@ def evaluate_perplexity(
     """Perplexity of a model or quantized checkpoint on a named source or local file (GPTQ protocol).
 
     ``bos``: ``auto`` starts every window with BOS when the model's tokenizer expects one; ``on``/``off`` force it.
+    ``on_window(done, total, running_ppl, seconds)`` follows the windows (``seconds`` since the first began).
     """
-    from quantkit.eval.perplexity import load_eval_tokens, needs_bos, perplexity
+    from quantkit.eval.perplexity import EVAL_SOURCES, load_eval_tokens, needs_bos, perplexity
 
     if bos not in ("auto", "on", "off"):
         raise QuantkitError(f"--bos must be auto, on or off, got {bos!r}")
+    if max_windows is not None and max_windows < 1:
+        raise QuantkitError(f"--max-windows must be at least 1, got {max_windows}")
+    check_text_source(str(data), EVAL_SOURCES, "--data")  # before the model load, which takes long
     device = resolve_device(load.device)
     net, tokenizer = load_any(model, load)
     if tokenizer is None:
         raise QuantkitError(f"{model} has no tokenizer files; perplexity needs one")
     token_ids = load_eval_tokens(data, tokenizer, text_field=text_field)
+    check_seqlen(net, seqlen)
     use_bos = needs_bos(tokenizer, net.config) if bos == "auto" else bos == "on"
     if use_bos and tokenizer.bos_token_id is None:
         raise QuantkitError("--bos on, but the tokenizer has no BOS token")
+    started = time.perf_counter()
+
+    def timed(done: int, total: int, running_ppl: float) -> None:
+        on_window(done, total, running_ppl, time.perf_counter() - started)
+
     return perplexity(net.to(device), token_ids, seqlen=seqlen, max_windows=max_windows,
                       bos_token_id=tokenizer.bos_token_id if use_bos else None, device=device,
-                      on_window=on_window)
+                      on_window=timed if on_window is not None else None)
 
 
 def evaluate_kld(

@@ -5,16 +5,13 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 
+from quantkit.errors import QuantkitError  # defined apart so the CLI catches it without torch
 from quantkit.pack import SUPPORTED_BITS
 
 # Group sizes the fast kernels (ours, vLLM's, transformers') serve; others are valid in the format.
 KERNEL_GROUP_SIZES = (-1, 32, 64, 128)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
-
-
-class QuantkitError(Exception):
-    """A user-facing error: the message says what is wrong and what to do. The CLI exits with 2."""
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,9 @@ Models are loaded into host memory; the walker moves one decoder layer at a time
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +24,12 @@ class LoadedModel:
     tokenizer: object
     source: str  # what the user named
     gguf_file: str | None = None
+    use_cache: bool | None = None  # the model's own setting, switched off while quantizing
+
+    def restore_config(self) -> None:
+        """Put back what loading changed for calibration, so a saved checkpoint keeps the model's settings."""
+        if self.use_cache is not None:
+            self.model.config.use_cache = self.use_cache
 
 
 def _looks_like_path(spec: str) -> bool:
@@ -82,9 +90,12 @@ def load_model(spec: str, load: LoadConfig = LoadConfig()) -> LoadedModel:
         folder = str(path)
     else:
         folder = spec
+        if hub_offline(spec):
+            kwargs["local_files_only"] = True
     try:
-        model, loading_info = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True, **kwargs)
-        tokenizer = AutoTokenizer.from_pretrained(folder, **{k: v for k, v in kwargs.items() if k != "dtype"})
+        with quiet_transformers(gguf=gguf_file is not None):
+            model, loading_info = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True, **kwargs)
+            tokenizer = AutoTokenizer.from_pretrained(folder, **{k: v for k, v in kwargs.items() if k != "dtype"})
     except (OSError, ValueError) as exc:
         raise QuantkitError(_explain_load_error(spec, exc)) from exc
     except RuntimeError as exc:
@@ -97,8 +108,70 @@ def load_model(spec: str, load: LoadConfig = LoadConfig()) -> LoadedModel:
         _clear_gguf_quantizer_marks(model)
         _fix_gguf_eos(model, tokenizer)
     model.eval()
-    model.config.use_cache = False
-    return LoadedModel(model=model, tokenizer=tokenizer, source=spec, gguf_file=gguf_file)
+    use_cache = getattr(model.config, "use_cache", None)
+    model.config.use_cache = False  # calibration forwards need no KV cache
+    return LoadedModel(model=model, tokenizer=tokenizer, source=spec, gguf_file=gguf_file, use_cache=use_cache)
+
+
+@contextlib.contextmanager
+def quiet_transformers(gguf: bool = False) -> Iterator[None]:
+    """No tqdm bars from transformers and huggingface_hub while loading ("Loading weights", GGUF
+    conversion): the CLI draws its own progress and the bars leak onto stderr."""
+    import functools
+
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    # The GGUF converter calls tqdm itself, past transformers' switch: hand it a disabled one meanwhile.
+    gguf_utils = None
+    if gguf:
+        try:
+            import transformers.modeling_gguf_pytorch_utils as gguf_utils
+        except ImportError:  # no gguf package: loading will say so
+            gguf_utils = None
+    original = getattr(gguf_utils, "tqdm", None)
+    if original is not None:
+        gguf_utils.tqdm = functools.partial(original, disable=True)
+    try:
+        yield
+    finally:
+        if original is not None:
+            gguf_utils.tqdm = original
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
+def hub_offline(repo_id: str) -> bool:
+    """Whether hub id ``repo_id`` must be loaded from the local cache; refuses at once (QuantkitError)
+    when it is not cached and the hub cannot be reached, instead of transformers' retries (35 s).
+
+    Offline: ``HF_HUB_OFFLINE``/``HF_DATASETS_OFFLINE`` is set, or the hub does not answer a TCP
+    connection within a few seconds (``calib_data.text.hub_reachable``)."""
+    from quantkit.calib_data.text import env_offline, hub_reachable
+
+    if env_offline():
+        why = "offline mode is set (HF_HUB_OFFLINE)"
+    elif hub_reachable():
+        return False
+    else:
+        why = "the Hugging Face hub cannot be reached from here"
+    if not _hub_cached(repo_id):
+        raise QuantkitError(f"{repo_id!r} looks like a Hugging Face hub id, but {why} and it is not in the local "
+                            "cache: pass a local model folder or a .gguf file, or download it where there is "
+                            "network")
+    return True
+
+
+def _hub_cached(repo_id: str) -> bool:
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:  # pragma: no cover - transformers depends on huggingface_hub
+        return False
+    try:
+        return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+    except Exception:  # noqa: BLE001 - an invalid repo id is simply not cached
+        return False
 
 
 def _explain_load_error(spec: str, exc: Exception) -> str:

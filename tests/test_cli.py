@@ -70,7 +70,7 @@ def test_gptq_and_awq_commands(tiny_llama_dir, tiny_text_file, tmp_path):
     common = ["--calib", tiny_text_file, "--nsamples", "4", "--seqlen", "32", "--group-size", "32", "--json"]
     stats = tmp_path / "stats.json"
     gptq = json.loads(quantkit("gptq", tiny_llama_dir, "-o", tmp_path / "g", *common, "--desc-act",
-                               "--save-stats", stats).stdout)
+                               "--no-static-groups", "--save-stats", stats).stdout)
     assert gptq["method"] == "gptq" and gptq["n_quantized"] == 14
     assert json.loads(stats.read_text())["layers"] and stats.with_suffix(".png").is_file()
     info = json.loads(quantkit("inspect", tmp_path / "g", "--json").stdout)

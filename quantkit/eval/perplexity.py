@@ -137,7 +137,7 @@ def perplexity(
                 on_window(index + 1, n_windows, math.exp(total_nll / n_scored))
     seconds = time.perf_counter() - started
     mean_nll = total_nll / n_scored
-    log.info("perplexity %.4f over %d windows of %d (%d tokens scored) in %.1f s",
+    log.debug("perplexity %.4f over %d windows of %d (%d tokens scored) in %.1f s",
              math.exp(mean_nll), n_windows, seqlen, n_scored, seconds)
     return PerplexityResult(
         ppl=math.exp(mean_nll),
