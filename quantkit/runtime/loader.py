@@ -89,6 +89,7 @@ def _read_folder(path: Path):
         config = json.loads(config_file.read_text())
     except json.JSONDecodeError as exc:
         raise QuantkitError(f"{config_file} is not valid JSON ({exc})") from exc
+    hf_config(config)  # an unsupported architecture fails here, before any tensor is read
     quant = None
     if config.get("quantization_config") is not None:
         settings = validate_quant_config(config["quantization_config"], config_file)
