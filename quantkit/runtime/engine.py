@@ -66,7 +66,7 @@ class Engine:
 
     def __init__(self, model: RuntimeModel, tokenizer, *, max_batch: int = 32, max_seq_len: int = 2048,
                  eos_token_ids: tuple[int, ...] = (), cuda_graphs: bool = False, model_name: str = "model",
-                 max_prefill_tokens: int = 8192) -> None:
+                 max_prefill_tokens: int = 8192, graph_buckets: tuple[int, ...] | None = None) -> None:
         if max_batch < 1 or max_seq_len < 2:
             raise QuantkitError(f"max_batch must be >= 1 and max_seq_len >= 2, got {max_batch} and {max_seq_len}")
         if max_seq_len > model.max_positions:
@@ -80,7 +80,7 @@ class Engine:
         if cuda_graphs:
             from quantkit.runtime.graphs import DecodeGraphs
 
-            self.graphs = DecodeGraphs(model, self.cache, max_batch)
+            self.graphs = DecodeGraphs(model, self.cache, max_batch, buckets=graph_buckets)
         self.stats = EngineStats()
         self._next_id = 0
         self._queue: deque[_Request] = deque()
@@ -223,8 +223,11 @@ class Engine:
         return max((len(s) for s in req.params.stop), default=0)
 
     def _detokenize(self, req: _Request, token: int) -> str:
-        """Newly decodable text after ``token`` (empty while a multi-byte character is incomplete)."""
+        """Newly decodable text after ``token`` (empty while a multi-byte character is incomplete; always
+        empty without a tokenizer, as for benchmarks on random weights)."""
         req.ids.append(token)
+        if self._tokenizer is None:
+            return ""
         decode = self._tokenizer.decode
         prefix = decode(req.ids[req.prefix_offset:req.read_offset], skip_special_tokens=True)
         full = decode(req.ids[req.prefix_offset:], skip_special_tokens=True)

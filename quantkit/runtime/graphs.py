@@ -28,9 +28,10 @@ def buckets_for(max_batch: int) -> tuple[int, ...]:
 class DecodeGraphs:
     """One captured decode step per bucket; :meth:`run` fills the static inputs and replays."""
 
-    def __init__(self, model: RuntimeModel, cache: KVCache, max_batch: int, warmup: int = 2) -> None:
+    def __init__(self, model: RuntimeModel, cache: KVCache, max_batch: int, warmup: int = 2,
+                 buckets: tuple[int, ...] | None = None) -> None:
         self.model, self.cache = model, cache
-        self.buckets = buckets_for(max_batch)
+        self.buckets = tuple(sorted({b for b in (buckets or buckets_for(max_batch)) if b < max_batch} | {max_batch}))
         dev = model.device
         self.scratch_slot = cache.slots - 1
         self.tokens = torch.zeros(max_batch, dtype=torch.long, device=dev)

@@ -109,8 +109,11 @@ def _read_folder(path: Path):
 
 
 def load_runtime_model(model: str, *, device: str = "auto", dtype: str = "auto", backend: str = "auto",
-                       trust_remote_code: bool = False, max_positions: int | None = None):
-    """``(RuntimeModel, tokenizer)`` for a checkpoint folder, a 16-bit model folder, a hub id or a .gguf file."""
+                       trust_remote_code: bool = False, max_positions: int | None = None, dequantize: bool = False):
+    """``(RuntimeModel, tokenizer)`` for a checkpoint folder, a 16-bit model folder, a hub id or a .gguf file.
+
+    ``dequantize``: hold packed linears as 16-bit weights (the same model in bf16, for comparisons).
+    """
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     chosen = resolve_backend(backend, dev)
@@ -125,7 +128,7 @@ def load_runtime_model(model: str, *, device: str = "auto", dtype: str = "auto",
         raise QuantkitError(f"{model} is neither a model folder nor a .gguf file")
     cfg = hf_config(config, trust_remote_code)
     spec = spec_from_config(cfg)
-    weights = load_weights(source, names, spec, quant, torch_dtype, dev, packed_kernel=chosen == "kernels",
+    weights = load_weights(source, names, spec, quant, torch_dtype, dev, packed_kernel=chosen == "kernels" and not dequantize,
                            on_layer=lambda i: log.debug("loaded layer %d", i))
     positions = max_positions or min(spec.max_position_embeddings, DEFAULT_MAX_POSITIONS)
     runtime = RuntimeModel(spec, cfg, weights, backend=chosen, dtype=torch_dtype, device=dev, max_positions=positions,
