@@ -37,7 +37,6 @@ class DecodeGraphs:
         self.tokens = torch.zeros(max_batch, dtype=torch.long, device=dev)
         self.positions = torch.zeros(max_batch, dtype=torch.int32, device=dev)
         self.slots = torch.full((max_batch,), self.scratch_slot, dtype=torch.int32, device=dev)
-        self.inputs = torch.empty(3, max_batch, dtype=torch.int64).pin_memory()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         pool = None
@@ -68,15 +67,8 @@ class DecodeGraphs:
         n = len(tokens)
         b = self.bucket(n)
         pad = b - n
-        host = self.inputs[:, :b]
-        host[0, :n] = torch.tensor(tokens)
-        host[1, :n] = torch.tensor(positions)
-        host[2, :n] = torch.tensor(slots)
-        if pad:
-            host[0, n:] = 0
-            host[1, n:] = 0
-            host[2, n:] = self.scratch_slot
-        dev = host.to(self.model.device, non_blocking=True)
+        host = torch.tensor([tokens + [0] * pad, positions + [0] * pad, slots + [self.scratch_slot] * pad])
+        dev = host.to(self.model.device)
         self.tokens[:b].copy_(dev[0])
         self.positions[:b].copy_(dev[1])
         self.slots[:b].copy_(dev[2])

@@ -130,6 +130,8 @@ def _can_concat_packed(get: dict, names: list[str], quant: QuantInfo) -> bool:
 
 def fused_linear(get: dict, names: list[str], quant: QuantInfo | None, dtype, device, packed_kernel: bool) -> Linear:
     """One linear whose output is the concatenation of ``names``' outputs (q/k/v or gate/up)."""
+    if len(names) == 1:
+        return _linear(get, names[0], quant, dtype, device, packed_kernel)
     packed = [f"{n}.qweight" in get for n in names]
     biases = [get.get(f"{n}.bias") for n in names]
     if any(b is not None for b in biases) and any(b is None for b in biases):
