@@ -10,7 +10,7 @@ import sys
 
 import typer
 
-from quantkit.cli import eval_cmds, inspect_cmd, quantize_cmds
+from quantkit.cli import bench_cmd, eval_cmds, generate_cmd, inspect_cmd, quantize_cmds
 
 app = typer.Typer(
     name="quantkit",
@@ -22,6 +22,8 @@ app = typer.Typer(
 )
 quantize_cmds.register(app)
 inspect_cmd.register(app)
+generate_cmd.register(app)
+bench_cmd.register(app)
 app.add_typer(eval_cmds.eval_app, name="eval")
 
 

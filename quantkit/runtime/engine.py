@@ -212,6 +212,7 @@ class Engine:
             req.text = req.text[:cut]
             return self._finish(req, token, FINISH_STOP)
         if len(req.output) >= req.max_new:
+            req.text += self._undecoded(req)
             return self._finish(req, token, FINISH_LENGTH)
         safe = len(req.text) - max(0, self._longest_stop(req) - 1)  # a stop string may still be forming
         delta = req.text[req.emitted:safe] if safe > req.emitted else ""
@@ -235,6 +236,13 @@ class Engine:
             req.prefix_offset, req.read_offset = req.read_offset, len(req.ids)
             return full[len(prefix):]
         return ""
+
+    def _undecoded(self, req: _Request) -> str:
+        """Text of tokens held back as an incomplete character, when the request ends (replacement marks)."""
+        if self._tokenizer is None or req.read_offset == len(req.ids):
+            return ""
+        prefix = self._tokenizer.decode(req.ids[req.prefix_offset:req.read_offset], skip_special_tokens=True)
+        return self._tokenizer.decode(req.ids[req.prefix_offset:], skip_special_tokens=True)[len(prefix):]
 
     def _finish(self, req: _Request, token: int, reason: str) -> TokenEvent:
         self._running.pop(req.id, None)
