@@ -23,18 +23,49 @@ from quantkit.runtime.weights import QuantInfo, load_weights
 log = logging.getLogger(__name__)
 
 SHAPES = {
-    "llama3-8b": dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                      num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, rms_norm_eps=1e-5,
-                      max_position_embeddings=8192, tie_word_embeddings=False,
-                      rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-                      rope_theta=500000.0),
-    "smollm2-135m": dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
-                         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, rms_norm_eps=1e-5,
-                         max_position_embeddings=8192, tie_word_embeddings=True, rope_theta=100000.0),
+    "llama3-8b": dict(
+        model_type="llama",
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=8192,
+        tie_word_embeddings=False,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        rope_theta=500000.0,
+    ),
+    "smollm2-135m": dict(
+        model_type="llama",
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+        rope_theta=100000.0,
+    ),
 }
-LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-           "mlp.up_proj", "mlp.down_proj")
+LINEARS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
 
 
 def sync_time(fn: Callable[[], object], repeat: int = 1) -> float:
@@ -86,13 +117,19 @@ def quantize_randomly(model, group_size: int = 128, seed: int = 0) -> QuantInfo:
                 qzeros=torch.full((groups, n // 8), 0x77777777, dtype=torch.int32, device=dev),  # zero 8, stored 7
                 scales=(torch.rand(groups, n, device=dev, generator=gen) * 2e-3 / k**0.5 * 64).to(torch.float16),
                 g_idx=(torch.arange(k, device=dev) // group_size).to(torch.int32),
-                bits=4, group_size=group_size, sym=True, in_features=k, out_features=n,
+                bits=4,
+                group_size=group_size,
+                sym=True,
+                in_features=k,
+                out_features=n,
             )
             setattr(parent, name, QuantLinear.from_weight(qw))
     return QuantInfo(4, group_size, True)
 
 
-def runtime_from_hf(model, quant: QuantInfo | None, *, backend: str = "kernels", max_positions: int = 4096) -> RuntimeModel:
+def runtime_from_hf(
+    model, quant: QuantInfo | None, *, backend: str = "kernels", max_positions: int = 4096
+) -> RuntimeModel:
     """A RuntimeModel over a transformers model's tensors (shared where no fusion copies them)."""
     state = model.state_dict()
     if getattr(model.config, "tie_word_embeddings", False):
@@ -104,8 +141,16 @@ def runtime_from_hf(model, quant: QuantInfo | None, *, backend: str = "kernels",
     cfg = model.config
     spec = spec_from_config(cfg)
     weights = load_weights(source, set(state), spec, quant, model.dtype, model.device, packed_kernel=quant is not None)
-    return RuntimeModel(spec, cfg, weights, backend=backend, dtype=model.dtype, device=model.device,
-                        max_positions=max_positions, name=cfg.model_type)
+    return RuntimeModel(
+        spec,
+        cfg,
+        weights,
+        backend=backend,
+        dtype=model.dtype,
+        device=model.device,
+        max_positions=max_positions,
+        name=cfg.model_type,
+    )
 
 
 def decode_tps(engine: Engine, batch: int, steps: int, prompt_len: int = 128, seed: int = 0) -> float:
@@ -133,8 +178,9 @@ def hf_generate_tps(model, prompt_len: int = 128, new_tokens: int = 17) -> dict:
     ids = torch.randint(0, model.config.vocab_size, (1, prompt_len), device=model.device)
 
     def run(n):
-        return sync_time(lambda: model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                                                pad_token_id=0), repeat=1)
+        return sync_time(
+            lambda: model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0), repeat=1
+        )
 
     with torch.inference_mode():
         run(2)  # warm-up
@@ -177,7 +223,9 @@ def time_split(engine: Engine, context: int = 128) -> dict:
     def attention():
         q = qkv[:, : s.q_size].view(1, 1, s.num_heads, s.head_dim)
         for i in range(s.num_layers):
-            o.decode_attention(q, cache.k[i], cache.v[i], pos + 1, slot, s.softmax_scale, s.window_left(i), s.attn_softcap)
+            o.decode_attention(
+                q, cache.k[i], cache.v[i], pos + 1, slot, s.softmax_scale, s.window_left(i), s.attn_softcap
+            )
 
     def small_ops():
         cos, sin = model.layer_rope[0]
@@ -189,20 +237,37 @@ def time_split(engine: Engine, context: int = 128) -> dict:
         o.add_rms_norm(h, h, w.final_norm, s.rms_eps, s.norm_offset)
 
     tokens = torch.zeros(1, dtype=torch.long, device=dev)
-    parts = {"linears": _graph_time(linears), "attention": _graph_time(attention), "norms_rope_act": _graph_time(small_ops),
-             "decode_step_graph": _graph_time(lambda: model.decode(tokens, pos, slot, cache))}
-    parts["other_in_graph"] = parts["decode_step_graph"] - parts["linears"] - parts["attention"] - parts["norms_rope_act"]
+    parts = {
+        "linears": _graph_time(linears),
+        "attention": _graph_time(attention),
+        "norms_rope_act": _graph_time(small_ops),
+        "decode_step_graph": _graph_time(lambda: model.decode(tokens, pos, slot, cache)),
+    }
+    parts["other_in_graph"] = (
+        parts["decode_step_graph"] - parts["linears"] - parts["attention"] - parts["norms_rope_act"]
+    )
     return {k: v * 1e3 for k, v in parts.items()}  # milliseconds
 
 
-def bench_runtime(model: RuntimeModel, batches: tuple[int, ...], steps: int, prefill_tokens: int,
-                  split: bool = False) -> dict:
+def bench_runtime(
+    model: RuntimeModel, batches: tuple[int, ...], steps: int, prefill_tokens: int, split: bool = False
+) -> dict:
     """Decode tokens/s per batch size, prefill tokens/s, peak memory and weight bytes for one RuntimeModel."""
     torch.cuda.reset_peak_memory_stats()
     max_batch = max(batches)
-    engine = Engine(model, None, max_batch=max_batch, max_seq_len=max(prefill_tokens + 1, 128 + steps + 2),
-                    cuda_graphs=True, graph_buckets=batches)
-    result = {"weight_bytes_per_token": model.weights.nbytes(), "kv_cache_bytes": engine.cache.nbytes(), "decode_tps": {}}
+    engine = Engine(
+        model,
+        None,
+        max_batch=max_batch,
+        max_seq_len=max(prefill_tokens + 1, 128 + steps + 2),
+        cuda_graphs=True,
+        graph_buckets=batches,
+    )
+    result = {
+        "weight_bytes_per_token": model.weights.nbytes(),
+        "kv_cache_bytes": engine.cache.nbytes(),
+        "decode_tps": {},
+    }
     for b in batches:
         result["decode_tps"][str(b)] = decode_tps(engine, b, steps if b == 1 else max(16, steps // 2))
         log.info("decode batch %d: %.1f tok/s", b, result["decode_tps"][str(b)])
@@ -218,7 +283,9 @@ def bench_runtime(model: RuntimeModel, batches: tuple[int, ...], steps: int, pre
         torch.cuda.synchronize()
         result["time_split_ms"] = time_split(engine)
         result["time_split_ms"]["engine_step_wall"] = (time.perf_counter() - start) / n * 1e3
-        result["time_split_ms"]["host"] = result["time_split_ms"]["engine_step_wall"] - result["time_split_ms"]["decode_step_graph"]
+        result["time_split_ms"]["host"] = (
+            result["time_split_ms"]["engine_step_wall"] - result["time_split_ms"]["decode_step_graph"]
+        )
     result["peak_memory_bytes"] = torch.cuda.max_memory_allocated()
     del engine
     return result

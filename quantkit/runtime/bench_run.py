@@ -25,9 +25,15 @@ def _card() -> dict:
     import triton
 
     props = torch.cuda.get_device_properties(0)
-    return {"gpu": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
-            "triton": triton.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    return {
+        "gpu": props.name,
+        "sms": props.multi_processor_count,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
 
 
 def _logits_check(runtime, reference_fn, vocab: int) -> float:
@@ -44,15 +50,28 @@ def _free() -> None:
     torch.cuda.empty_cache()
 
 
-def run(target: str, *, shape: bool, batches: tuple[int, ...] = (1, 8, 32), steps: int = 128,
-        prefill_tokens: int = 2048, baselines: bool = True, on_result: Callable[[dict], None] | None = None) -> dict:
+def run(
+    target: str,
+    *,
+    shape: bool,
+    batches: tuple[int, ...] = (1, 8, 32),
+    steps: int = 128,
+    prefill_tokens: int = 2048,
+    baselines: bool = True,
+    on_result: Callable[[dict], None] | None = None,
+) -> dict:
     """Benchmark ``target`` (a shape name from ``bench.SHAPES`` when ``shape``, else a checkpoint folder)."""
     if not torch.cuda.is_available():
         raise QuantkitError("quantkit bench measures the GPU runtime and needs CUDA")
     if shape and target not in bench.SHAPES:
         raise QuantkitError(f"unknown shape {target!r}; known: {', '.join(bench.SHAPES)}")
-    record: dict = {"target": target, "card": _card(), "batches": list(batches), "steps": steps,
-                    "prefill_tokens": prefill_tokens}
+    record: dict = {
+        "target": target,
+        "card": _card(),
+        "batches": list(batches),
+        "steps": steps,
+        "prefill_tokens": prefill_tokens,
+    }
 
     def publish(key: str, value) -> None:
         record[key] = value
@@ -95,8 +114,9 @@ def _checkpoint_phases(target, batches, steps, prefill_tokens, baselines, publis
     from quantkit.runtime.loader import load_runtime_model
 
     for key, dequantize in (("bf16", True), ("int4", False)):
-        runtime, _ = load_runtime_model(target, device="cuda", dtype="bfloat16", dequantize=dequantize,
-                                        max_positions=max(4096, prefill_tokens + 1))
+        runtime, _ = load_runtime_model(
+            target, device="cuda", dtype="bfloat16", dequantize=dequantize, max_positions=max(4096, prefill_tokens + 1)
+        )
         publish(key, bench.bench_runtime(runtime, batches, steps, prefill_tokens, split=key == "int4"))
         del runtime
         _free()
@@ -143,15 +163,24 @@ def format_table(record: dict) -> str:
         if key in record:
             r = record[key]
             cells = " | ".join(f"{r['decode_tps'][str(b)]:.0f}" for b in batches)
-            lines.append(f"| runtime {key} | {cells} | {r['prefill_tps']:.0f} | {r['weight_bytes_per_token'] / 1e9:.2f}"
-                         f" | {r['peak_memory_bytes'] / 1e9:.1f} |")
+            lines.append(
+                f"| runtime {key} | {cells} | {r['prefill_tps']:.0f} | {r['weight_bytes_per_token'] / 1e9:.2f}"
+                f" | {r['peak_memory_bytes'] / 1e9:.1f} |"
+            )
     for key in ("transformers_quantlinear", "transformers_bf16"):
         if key in record:
             r = record[key]
-            lines.append(f"| {key} generate | {r['decode_tps']:.1f} | " + " | ".join("-" for _ in batches[1:])
-                         + f" | {r['prefill_tps']:.0f} (128 tok) | | |")
-    lines.append(f"copy bandwidth {record.get('copy_bandwidth_gbs', 0):.0f} GB/s; rooflines "
-                 + ", ".join(f"{k} {v:.0f} tok/s" for k, v in record.get("roofline_tps", {}).items()))
+            lines.append(
+                f"| {key} generate | {r['decode_tps']:.1f} | "
+                + " | ".join("-" for _ in batches[1:])
+                + f" | {r['prefill_tps']:.0f} (128 tok) | | |"
+            )
+    lines.append(
+        f"copy bandwidth {record.get('copy_bandwidth_gbs', 0):.0f} GB/s; rooflines "
+        + ", ".join(f"{k} {v:.0f} tok/s" for k, v in record.get("roofline_tps", {}).items())
+    )
     if "time_split_ms" in record.get("int4", {}):
-        lines.append("int4 batch-1 step (ms): " + ", ".join(f"{k} {v:.3f}" for k, v in record["int4"]["time_split_ms"].items()))
+        lines.append(
+            "int4 batch-1 step (ms): " + ", ".join(f"{k} {v:.3f}" for k, v in record["int4"]["time_split_ms"].items())
+        )
     return "\n".join(lines)

@@ -64,9 +64,19 @@ class _Request:
 class Engine:
     """Implements :class:`quantkit.runtime.types.Engine` over a :class:`RuntimeModel`."""
 
-    def __init__(self, model: RuntimeModel, tokenizer, *, max_batch: int = 32, max_seq_len: int = 2048,
-                 eos_token_ids: tuple[int, ...] = (), cuda_graphs: bool = False, model_name: str = "model",
-                 max_prefill_tokens: int = 8192, graph_buckets: tuple[int, ...] | None = None) -> None:
+    def __init__(
+        self,
+        model: RuntimeModel,
+        tokenizer,
+        *,
+        max_batch: int = 32,
+        max_seq_len: int = 2048,
+        eos_token_ids: tuple[int, ...] = (),
+        cuda_graphs: bool = False,
+        model_name: str = "model",
+        max_prefill_tokens: int = 8192,
+        graph_buckets: tuple[int, ...] | None = None,
+    ) -> None:
         if max_batch < 1 or max_seq_len < 2:
             raise QuantkitError(f"max_batch must be >= 1 and max_seq_len >= 2, got {max_batch} and {max_seq_len}")
         if max_seq_len > model.max_positions:
@@ -124,8 +134,17 @@ class Engine:
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
         gen = None if params.greedy else sampling.make_generator(params.seed, self.model.device)
         context = prompt[-_PROMPT_CONTEXT:]
-        req = _Request(self._next_id, prompt, params, min(params.max_tokens, self._max_seq_len - len(prompt)),
-                       frozenset(stop_ids), gen, ids=list(context), prefix_offset=0, read_offset=len(context))
+        req = _Request(
+            self._next_id,
+            prompt,
+            params,
+            min(params.max_tokens, self._max_seq_len - len(prompt)),
+            frozenset(stop_ids),
+            gen,
+            ids=list(context),
+            prefix_offset=0,
+            read_offset=len(context),
+        )
         self._next_id += 1
         self._queue.append(req)
         return req.id
@@ -186,8 +205,12 @@ class Engine:
             logits = self.graphs.run(tokens, positions, slots)
         else:
             dev = self.model.device
-            logits = self.model.decode(torch.tensor(tokens, device=dev), torch.tensor(positions, dtype=torch.int32, device=dev),
-                                       torch.tensor(slots, dtype=torch.int32, device=dev), self.cache)
+            logits = self.model.decode(
+                torch.tensor(tokens, device=dev),
+                torch.tensor(positions, dtype=torch.int32, device=dev),
+                torch.tensor(slots, dtype=torch.int32, device=dev),
+                self.cache,
+            )
         new = self._sample(logits, reqs)
         self.stats.decode_seconds += time.perf_counter() - start
         self.stats.decode_tokens += len(reqs)
@@ -195,8 +218,12 @@ class Engine:
         return [self._advance(r, t) for r, t in zip(reqs, new)]
 
     def _sample(self, logits: torch.Tensor, reqs: list[_Request]) -> list[int]:
-        seen = [torch.tensor(r.prompt + r.output, device=logits.device) if r.params.repetition_penalty != 1.0
-                else torch.empty(0, dtype=torch.long) for r in reqs]
+        seen = [
+            torch.tensor(r.prompt + r.output, device=logits.device)
+            if r.params.repetition_penalty != 1.0
+            else torch.empty(0, dtype=torch.long)
+            for r in reqs
+        ]
         return sampling.sample_batch(logits, [r.params for r in reqs], seen, [r.generator for r in reqs])
 
     # -- per-request bookkeeping ----------------------------------------------------------------------
@@ -215,7 +242,7 @@ class Engine:
             req.text += self._undecoded(req)
             return self._finish(req, token, FINISH_LENGTH)
         safe = len(req.text) - max(0, self._longest_stop(req) - 1)  # a stop string may still be forming
-        delta = req.text[req.emitted:safe] if safe > req.emitted else ""
+        delta = req.text[req.emitted : safe] if safe > req.emitted else ""
         req.emitted += len(delta)
         return TokenEvent(req.id, token, delta, prompt_tokens=len(req.prompt), generated_tokens=len(req.output))
 
@@ -230,29 +257,36 @@ class Engine:
         if self._tokenizer is None:
             return ""
         decode = self._tokenizer.decode
-        prefix = decode(req.ids[req.prefix_offset:req.read_offset], skip_special_tokens=True)
-        full = decode(req.ids[req.prefix_offset:], skip_special_tokens=True)
+        prefix = decode(req.ids[req.prefix_offset : req.read_offset], skip_special_tokens=True)
+        full = decode(req.ids[req.prefix_offset :], skip_special_tokens=True)
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             req.prefix_offset, req.read_offset = req.read_offset, len(req.ids)
-            return full[len(prefix):]
+            return full[len(prefix) :]
         return ""
 
     def _undecoded(self, req: _Request) -> str:
         """Text of tokens held back as an incomplete character, when the request ends (replacement marks)."""
         if self._tokenizer is None or req.read_offset == len(req.ids):
             return ""
-        prefix = self._tokenizer.decode(req.ids[req.prefix_offset:req.read_offset], skip_special_tokens=True)
-        return self._tokenizer.decode(req.ids[req.prefix_offset:], skip_special_tokens=True)[len(prefix):]
+        prefix = self._tokenizer.decode(req.ids[req.prefix_offset : req.read_offset], skip_special_tokens=True)
+        return self._tokenizer.decode(req.ids[req.prefix_offset :], skip_special_tokens=True)[len(prefix) :]
 
     def _finish(self, req: _Request, token: int, reason: str) -> TokenEvent:
         self._running.pop(req.id, None)
         self._free_slots.append(req.slot)
         self._free_slots.sort(reverse=True)
-        delta = req.text[req.emitted:]
+        delta = req.text[req.emitted :]
         req.emitted = len(req.text)
         return self._final(req, token, delta, reason)
 
     @staticmethod
     def _final(req: _Request, token: int | None, text: str, reason: str) -> TokenEvent:
-        return TokenEvent(req.id, token, text, finished=True, finish_reason=reason, prompt_tokens=len(req.prompt),
-                          generated_tokens=len(req.output))
+        return TokenEvent(
+            req.id,
+            token,
+            text,
+            finished=True,
+            finish_reason=reason,
+            prompt_tokens=len(req.prompt),
+            generated_tokens=len(req.output),
+        )

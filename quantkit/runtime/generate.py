@@ -32,7 +32,9 @@ def prompt_ids(tokenizer, prompt: str, chat: bool, system: str | None = None) ->
     return list(ids)
 
 
-def generate(engine, ids: list[int], params: SamplingParams, on_text: Callable[[str], None] | None = None) -> GenerateResult:
+def generate(
+    engine, ids: list[int], params: SamplingParams, on_text: Callable[[str], None] | None = None
+) -> GenerateResult:
     """Run one request to its end on ``engine``; ``on_text`` receives each piece of text as it is decoded."""
     before_p = (engine.stats.prefill_tokens, engine.stats.prefill_seconds)
     before_d = (engine.stats.decode_tokens, engine.stats.decode_seconds)
@@ -55,6 +57,11 @@ def generate(engine, ids: list[int], params: SamplingParams, on_text: Callable[[
     def rate(n, t):
         return n / t if t > 0 else 0.0
 
-    return GenerateResult("".join(pieces), tuple(tokens), reason, len(ids),
-                          rate(s.prefill_tokens - before_p[0], s.prefill_seconds - before_p[1]),
-                          rate(s.decode_tokens - before_d[0], s.decode_seconds - before_d[1]))
+    return GenerateResult(
+        "".join(pieces),
+        tuple(tokens),
+        reason,
+        len(ids),
+        rate(s.prefill_tokens - before_p[0], s.prefill_seconds - before_p[1]),
+        rate(s.decode_tokens - before_d[0], s.decode_seconds - before_d[1]),
+    )

@@ -108,8 +108,16 @@ def _read_folder(path: Path):
     return config, quant, source, names, tokenizer, gen
 
 
-def load_runtime_model(model: str, *, device: str = "auto", dtype: str = "auto", backend: str = "auto",
-                       trust_remote_code: bool = False, max_positions: int | None = None, dequantize: bool = False):
+def load_runtime_model(
+    model: str,
+    *,
+    device: str = "auto",
+    dtype: str = "auto",
+    backend: str = "auto",
+    trust_remote_code: bool = False,
+    max_positions: int | None = None,
+    dequantize: bool = False,
+):
     """``(RuntimeModel, tokenizer)`` for a checkpoint folder, a 16-bit model folder, a hub id or a .gguf file.
 
     ``dequantize``: hold packed linears as 16-bit weights (the same model in bf16, for comparisons).
@@ -128,27 +136,64 @@ def load_runtime_model(model: str, *, device: str = "auto", dtype: str = "auto",
         raise QuantkitError(f"{model} is neither a model folder nor a .gguf file")
     cfg = hf_config(config, trust_remote_code)
     spec = spec_from_config(cfg)
-    weights = load_weights(source, names, spec, quant, torch_dtype, dev, packed_kernel=chosen == "kernels" and not dequantize,
-                           on_layer=lambda i: log.debug("loaded layer %d", i))
+    weights = load_weights(
+        source,
+        names,
+        spec,
+        quant,
+        torch_dtype,
+        dev,
+        packed_kernel=chosen == "kernels" and not dequantize,
+        on_layer=lambda i: log.debug("loaded layer %d", i),
+    )
     positions = max_positions or min(spec.max_position_embeddings, DEFAULT_MAX_POSITIONS)
-    runtime = RuntimeModel(spec, cfg, weights, backend=chosen, dtype=torch_dtype, device=dev, max_positions=positions,
-                           name=path.name if path.exists() else model)
+    runtime = RuntimeModel(
+        spec,
+        cfg,
+        weights,
+        backend=chosen,
+        dtype=torch_dtype,
+        device=dev,
+        max_positions=positions,
+        name=path.name if path.exists() else model,
+    )
     runtime.eos_token_ids = _eos_ids(generation, tokenizer)
     runtime.quant = quant
     return runtime, tokenizer
 
 
-def load_engine(model: str, *, device: str = "auto", dtype: str = "auto", max_batch: int = 32,
-                max_seq_len: int | None = None, backend: str = "auto", cuda_graphs: bool | None = None,
-                trust_remote_code: bool = False) -> Engine:
+def load_engine(
+    model: str,
+    *,
+    device: str = "auto",
+    dtype: str = "auto",
+    max_batch: int = 32,
+    max_seq_len: int | None = None,
+    backend: str = "auto",
+    cuda_graphs: bool | None = None,
+    trust_remote_code: bool = False,
+) -> Engine:
     """An :class:`Engine` (types.Engine) serving ``model``; ``cuda_graphs`` None: on with the kernels backend."""
-    runtime, tokenizer = load_runtime_model(model, device=device, dtype=dtype, backend=backend,
-                                            trust_remote_code=trust_remote_code, max_positions=max_seq_len)
+    runtime, tokenizer = load_runtime_model(
+        model,
+        device=device,
+        dtype=dtype,
+        backend=backend,
+        trust_remote_code=trust_remote_code,
+        max_positions=max_seq_len,
+    )
     if tokenizer is None:
         raise QuantkitError(f"{model} has no tokenizer files; the engine needs one to decode text")
     seq_len = max_seq_len or min(runtime.spec.max_position_embeddings, 4096)
     graphs = runtime.backend == "kernels" and runtime.device.type == "cuda" if cuda_graphs is None else cuda_graphs
     if graphs and runtime.device.type != "cuda":
         raise QuantkitError("CUDA graphs need a CUDA device")
-    return Engine(runtime, tokenizer, max_batch=max_batch, max_seq_len=seq_len, eos_token_ids=runtime.eos_token_ids,
-                  cuda_graphs=graphs, model_name=runtime.name)
+    return Engine(
+        runtime,
+        tokenizer,
+        max_batch=max_batch,
+        max_seq_len=seq_len,
+        eos_token_ids=runtime.eos_token_ids,
+        cuda_graphs=graphs,
+        model_name=runtime.name,
+    )

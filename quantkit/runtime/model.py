@@ -30,8 +30,10 @@ class KVCache:
     @classmethod
     def allocate(cls, spec: ModelSpec, slots: int, max_seq_len: int, dtype, device) -> KVCache:
         shape = (slots, max_seq_len, spec.num_kv_heads, spec.head_dim)
-        return cls([torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)],
-                   [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)])
+        return cls(
+            [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)],
+            [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)],
+        )
 
     @property
     def slots(self) -> int:
@@ -56,15 +58,17 @@ class _Reference:
     def prefill_attention(q, k, v, cu_seqlens, max_len, scale, window_left, softcap):
         from quantkit.kernels.attention import attention_ref
 
-        return attention_ref(q, k, v, cu_seqlens, cu_seqlens, causal=True, sm_scale=scale, window_left=window_left,
-                             softcap=softcap).to(q.dtype)
+        return attention_ref(
+            q, k, v, cu_seqlens, cu_seqlens, causal=True, sm_scale=scale, window_left=window_left, softcap=softcap
+        ).to(q.dtype)
 
     @staticmethod
     def decode_attention(q, k_cache, v_cache, seqlens, slots, scale, window_left, softcap):
         from quantkit.kernels.decode_attention import decode_attention_ref
 
-        return decode_attention_ref(q, k_cache, v_cache, seqlens, sm_scale=scale, cache_slots=slots,
-                                    window_left=window_left, softcap=softcap).to(q.dtype)
+        return decode_attention_ref(
+            q, k_cache, v_cache, seqlens, sm_scale=scale, cache_slots=slots, window_left=window_left, softcap=softcap
+        ).to(q.dtype)
 
 
 class _Kernels:
@@ -81,22 +85,43 @@ class _Kernels:
     def prefill_attention(q, k, v, cu_seqlens, max_len, scale, window_left, softcap):
         from quantkit.kernels.attention import attention_varlen
 
-        return attention_varlen(q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens, cu_seqlens, max_len,
-                                causal=True, sm_scale=scale, window_left=window_left, softcap=softcap)
+        return attention_varlen(
+            q.contiguous(),
+            k.contiguous(),
+            v.contiguous(),
+            cu_seqlens,
+            cu_seqlens,
+            max_len,
+            causal=True,
+            sm_scale=scale,
+            window_left=window_left,
+            softcap=softcap,
+        )
 
     @staticmethod
     def decode_attention(q, k_cache, v_cache, seqlens, slots, scale, window_left, softcap):
         from quantkit.kernels.decode_attention import decode_attention
 
-        return decode_attention(q, k_cache, v_cache, seqlens, sm_scale=scale, cache_slots=slots,
-                                window_left=window_left, softcap=softcap)
+        return decode_attention(
+            q, k_cache, v_cache, seqlens, sm_scale=scale, cache_slots=slots, window_left=window_left, softcap=softcap
+        )
 
 
 class RuntimeModel:
     """A decoder's weights, its rope tables and the backend that runs it. ``config``: the HF config."""
 
-    def __init__(self, spec: ModelSpec, config, weights: ModelWeights, *, backend: str, dtype: torch.dtype,
-                 device: torch.device | str, max_positions: int | None = None, name: str = "model") -> None:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        config,
+        weights: ModelWeights,
+        *,
+        backend: str,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        max_positions: int | None = None,
+        name: str = "model",
+    ) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.spec, self.config, self.weights = spec, config, weights
@@ -113,12 +138,13 @@ class RuntimeModel:
         s = self.spec
         m = qkv.shape[0]
         q = qkv[:, : s.q_size].view(m, s.num_heads, s.head_dim)
-        k = qkv[:, s.q_size: s.q_size + s.kv_size].view(m, s.num_kv_heads, s.head_dim)
+        k = qkv[:, s.q_size : s.q_size + s.kv_size].view(m, s.num_kv_heads, s.head_dim)
         q.copy_(ops.rms_norm_ref(q, layer.q_norm, s.rms_eps, s.norm_offset))
         k.copy_(ops.rms_norm_ref(k, layer.k_norm, s.rms_eps, s.norm_offset))
 
-    def _hidden(self, ids: torch.Tensor, positions: torch.Tensor, attend, cache: KVCache | None,
-                slots: torch.Tensor | None) -> torch.Tensor:
+    def _hidden(
+        self, ids: torch.Tensor, positions: torch.Tensor, attend, cache: KVCache | None, slots: torch.Tensor | None
+    ) -> torch.Tensor:
         """Final-normed hidden states ``[M, H]`` of token rows ``ids [M]`` at ``positions [M]``.
 
         ``attend(layer, qkv) -> [M, Hq * D]`` runs attention on the rotated ``qkv`` (the cache, if any,
@@ -135,8 +161,18 @@ class RuntimeModel:
             if s.qk_norm:
                 self._qk_norm(qkv, lw)
             cos, sin = self.layer_rope[i]
-            o.rope_cache(qkv, cos, sin, positions, s.num_heads, s.num_kv_heads, s.head_dim,
-                         None if cache is None else cache.k[i], None if cache is None else cache.v[i], slots)
+            o.rope_cache(
+                qkv,
+                cos,
+                sin,
+                positions,
+                s.num_heads,
+                s.num_kv_heads,
+                s.head_dim,
+                None if cache is None else cache.k[i],
+                None if cache is None else cache.v[i],
+                slots,
+            )
             delta = lw.o(attend(i, qkv))
             if s.sandwich_norms:
                 delta, _ = o.add_rms_norm(delta, None, lw.post_attn_norm, s.rms_eps, s.norm_offset)
@@ -159,10 +195,11 @@ class RuntimeModel:
         def attend(i: int, qkv: torch.Tensor) -> torch.Tensor:
             m = qkv.shape[0]
             q = qkv[:, : s.q_size].view(m, s.num_heads, s.head_dim)
-            k = qkv[:, s.q_size: s.q_size + s.kv_size].view(m, s.num_kv_heads, s.head_dim)
-            v = qkv[:, s.q_size + s.kv_size:].view(m, s.num_kv_heads, s.head_dim)
-            out = self.ops.prefill_attention(q, k, v, cu_seqlens, max_len, s.softmax_scale, s.window_left(i),
-                                             s.attn_softcap)
+            k = qkv[:, s.q_size : s.q_size + s.kv_size].view(m, s.num_kv_heads, s.head_dim)
+            v = qkv[:, s.q_size + s.kv_size :].view(m, s.num_kv_heads, s.head_dim)
+            out = self.ops.prefill_attention(
+                q, k, v, cu_seqlens, max_len, s.softmax_scale, s.window_left(i), s.attn_softcap
+            )
             return out.reshape(m, s.q_size)
 
         return attend
@@ -196,7 +233,9 @@ class RuntimeModel:
         last = torch.tensor(offsets[1:], dtype=torch.long, device=dev) - 1
         return self.logits(hidden[last])
 
-    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def decode(
+        self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cache: KVCache
+    ) -> torch.Tensor:
         """One token per row: ``tokens [B]`` long at ``positions [B]`` int32 in cache ``slots [B]`` int32 ->
         float32 logits ``[B, V]``. Graph-safe: fixed shapes, no host sync on the kernels backend."""
         s = self.spec
@@ -205,8 +244,9 @@ class RuntimeModel:
 
         def attend(i: int, qkv: torch.Tensor) -> torch.Tensor:
             q = qkv[:, : s.q_size].view(b, 1, s.num_heads, s.head_dim)
-            out = self.ops.decode_attention(q, cache.k[i], cache.v[i], seqlens, slots, s.softmax_scale,
-                                            s.window_left(i), s.attn_softcap)
+            out = self.ops.decode_attention(
+                q, cache.k[i], cache.v[i], seqlens, slots, s.softmax_scale, s.window_left(i), s.attn_softcap
+            )
             return out.reshape(b, s.q_size)
 
         with torch.inference_mode():

@@ -123,9 +123,7 @@ def _can_concat_packed(get: dict, names: list[str], quant: QuantInfo) -> bool:
     if not per_word:
         return False
     first = get[f"{names[0]}.g_idx"]
-    return all(
-        torch.equal(get[f"{n}.g_idx"], first) and get[f"{n}.qweight"].shape[1] % per_word == 0 for n in names
-    )
+    return all(torch.equal(get[f"{n}.g_idx"], first) and get[f"{n}.qweight"].shape[1] % per_word == 0 for n in names)
 
 
 def fused_linear(get: dict, names: list[str], quant: QuantInfo | None, dtype, device, packed_kernel: bool) -> Linear:
@@ -138,7 +136,8 @@ def fused_linear(get: dict, names: list[str], quant: QuantInfo | None, dtype, de
         return Linear(0, parts=[_linear(get, n, quant, dtype, device, packed_kernel) for n in names])
     if all(packed) and packed_kernel and _can_concat_packed(get, names, quant):
         merged = {
-            f"cat.{part}": torch.cat([get[f"{n}.{part}"] for n in names], dim=1) for part in ("qweight", "qzeros", "scales")
+            f"cat.{part}": torch.cat([get[f"{n}.{part}"] for n in names], dim=1)
+            for part in ("qweight", "qzeros", "scales")
         }
         merged["cat.g_idx"] = get[f"{names[0]}.g_idx"]
         if biases[0] is not None:
@@ -163,10 +162,18 @@ def layer_keys(prefix: str, available: set[str]) -> list[str]:
     return [k for k in available if k.startswith(prefix)]
 
 
-def load_layer(source: TensorSource, available: set[str], prefix: str, spec: ModelSpec, quant: QuantInfo | None,
-               dtype, device, packed_kernel: bool) -> LayerWeights:
+def load_layer(
+    source: TensorSource,
+    available: set[str],
+    prefix: str,
+    spec: ModelSpec,
+    quant: QuantInfo | None,
+    dtype,
+    device,
+    packed_kernel: bool,
+) -> LayerWeights:
     """The weights of the decoder layer whose tensor names start with ``prefix`` (``model.layers.3.``)."""
-    get = {k[len(prefix):]: v for k, v in source(layer_keys(prefix, available)).items()}
+    get = {k[len(prefix) :]: v for k, v in source(layer_keys(prefix, available)).items()}
     a, m = "self_attn.", "mlp."
     lin = dict(quant=quant, dtype=dtype, device=device, packed_kernel=packed_kernel)
     layer = LayerWeights(
@@ -194,8 +201,16 @@ def find_prefix(available: set[str]) -> str:
     raise QuantkitError("no embed_tokens.weight among the tensors: not a decoder checkpoint the runtime reads")
 
 
-def load_weights(source: TensorSource, available: set[str], spec: ModelSpec, quant: QuantInfo | None, dtype,
-                 device, packed_kernel: bool, on_layer: Callable[[int], None] | None = None) -> ModelWeights:
+def load_weights(
+    source: TensorSource,
+    available: set[str],
+    spec: ModelSpec,
+    quant: QuantInfo | None,
+    dtype,
+    device,
+    packed_kernel: bool,
+    on_layer: Callable[[int], None] | None = None,
+) -> ModelWeights:
     """Every weight the runtime needs, layer by layer (``on_layer(i)`` after each: progress)."""
     prefix = find_prefix(available)
     head_prefix = prefix[: -len("model.")] if prefix.endswith("model.") else ""
@@ -212,5 +227,6 @@ def load_weights(source: TensorSource, available: set[str], spec: ModelSpec, qua
         lm_head = _linear(source(head_keys), head_name, quant, dtype, device, packed_kernel)
     else:
         lm_head = Linear(embed.shape[0], dense=embed)
-    return ModelWeights(embed=embed, layers=layers, final_norm=_norm(final, f"{prefix}norm.weight", device),
-                        lm_head=lm_head)
+    return ModelWeights(
+        embed=embed, layers=layers, final_norm=_norm(final, f"{prefix}norm.weight", device), lm_head=lm_head
+    )
