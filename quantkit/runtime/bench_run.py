@@ -75,6 +75,8 @@ def run(
 
     def publish(key: str, value) -> None:
         record[key] = value
+        bw = record.get("copy_bandwidth_gbs", 0) * 1e9
+        record["roofline_tps"] = {k: bw / record[k]["weight_bytes_per_token"] for k in ("int4", "bf16") if k in record}
         log.info("%s: %s", key, value)
         if on_result is not None:
             on_result(record)
@@ -84,21 +86,14 @@ def run(
         _shape_phases(target, batches, steps, prefill_tokens, baselines, publish)
     else:
         _checkpoint_phases(target, batches, steps, prefill_tokens, baselines, publish)
-    bw = record["copy_bandwidth_gbs"] * 1e9
-    publish("roofline_tps", {k: bw / record[k]["weight_bytes_per_token"] for k in ("int4", "bf16") if k in record})
     return record
 
 
 def _shape_phases(target, batches, steps, prefill_tokens, baselines, publish) -> None:
+    # int4 first (the number the run is for), each phase published as soon as it exists; the bf16 model is a second
+    # random model of the same shape (its linears are what the int4 model's QuantLinears replaced)
     hf = bench.random_hf_model(target, "cuda")
     vocab = hf.config.vocab_size
-    runtime = bench.runtime_from_hf(hf, None)
-    publish("check_bf16_rel_err_vs_transformers", _logits_check(runtime, lambda ids: hf(ids).logits, vocab))
-    publish("bf16", bench.bench_runtime(runtime, batches, steps, prefill_tokens))
-    del runtime
-    _free()
-    if baselines:
-        publish("transformers_bf16", bench.hf_generate_tps(hf))
     quant = bench.quantize_randomly(hf)
     _free()
     runtime = bench.runtime_from_hf(hf, quant)
@@ -108,6 +103,16 @@ def _shape_phases(target, batches, steps, prefill_tokens, baselines, publish) ->
     _free()
     if baselines:
         publish("transformers_quantlinear", bench.hf_generate_tps(hf))
+    del hf
+    _free()
+    hf = bench.random_hf_model(target, "cuda")
+    runtime = bench.runtime_from_hf(hf, None)
+    publish("check_bf16_rel_err_vs_transformers", _logits_check(runtime, lambda ids: hf(ids).logits, vocab))
+    publish("bf16", bench.bench_runtime(runtime, batches, steps, prefill_tokens))
+    del runtime
+    _free()
+    if baselines:
+        publish("transformers_bf16", bench.hf_generate_tps(hf))
 
 
 def _checkpoint_phases(target, batches, steps, prefill_tokens, baselines, publish) -> None:
