@@ -1,4 +1,4 @@
-"""`quantkit generate` on SmolLM2-135M-Instruct quantized with RTN and with GPTQ (a few samples): greedy text equals
+"""`quantkit generate` on SmolLM2-135M-Instruct quantized with RTN, GPTQ and AWQ (a few samples): greedy text equals
 transformers' greedy generate through QuantLinear on the same checkpoint, and the chat answer names Paris."""
 
 from __future__ import annotations
@@ -15,16 +15,23 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def checkpoints(smollm2_gguf, tmp_path_factory, tiny_text_file):
+def checkpoint(smollm2_gguf, tmp_path_factory, tiny_text_file):
+    """``checkpoint(method) -> folder``: SmolLM2 quantized with ``method`` (asym g64), made on first use."""
     from quantkit import api
     from quantkit.config import CalibConfig, LoadConfig, QuantScheme
 
     root = tmp_path_factory.mktemp("smollm2_runtime")
-    load = LoadConfig(dtype="float32", device="cpu")
-    api.quantize(str(smollm2_gguf), root / "rtn", method="rtn", scheme=QuantScheme(4, 64, sym=False), load=load)
-    api.quantize(str(smollm2_gguf), root / "gptq", method="gptq", scheme=QuantScheme(4, 64, sym=False), load=load,
-                 calib=CalibConfig(source=str(tiny_text_file), nsamples=4, seqlen=64))
-    return root
+    made = {}
+
+    def get(method: str):
+        if method not in made:
+            calib = {} if method == "rtn" else {"calib": CalibConfig(source=str(tiny_text_file), nsamples=4, seqlen=64)}
+            api.quantize(str(smollm2_gguf), root / method, method=method, scheme=QuantScheme(4, 64, sym=False),
+                         load=LoadConfig(dtype="float32", device="cpu"), **calib)
+            made[method] = root / method
+        return made[method]
+
+    return get
 
 
 def _cli_generate(folder, prompt: str, *extra: str) -> dict:
@@ -35,11 +42,11 @@ def _cli_generate(folder, prompt: str, *extra: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("method", ["rtn", "gptq"])
-def test_generate_equals_transformers_greedy(checkpoints, method):
+@pytest.mark.parametrize("method", ["rtn", "gptq", "awq"])
+def test_generate_equals_transformers_greedy(checkpoint, method):
     import quantkit
 
-    folder = checkpoints / method
+    folder = checkpoint(method)
     result = _cli_generate(folder, "The capital of France is", "--max-tokens", "24", "--ignore-eos")
     model, tokenizer = quantkit.load_quantized(folder, device="cpu", dtype=torch.float32)
     ids = tokenizer("The capital of France is", return_tensors="pt")["input_ids"]
@@ -51,8 +58,8 @@ def test_generate_equals_transformers_greedy(checkpoints, method):
     assert result["decode_tps"] > 0 and result["prefill_tps"] > 0
 
 
-def test_chat_answer_stops_at_im_end(checkpoints):
-    result = _cli_generate(checkpoints / "rtn", "What is the capital of France?", "--chat", "--max-tokens", "40")
+def test_chat_answer_stops_at_im_end(checkpoint):
+    result = _cli_generate(checkpoint("rtn"), "What is the capital of France?", "--chat", "--max-tokens", "40")
     assert result["finish_reason"] == "stop"  # the generation config's eos (<|im_end|>, id 2), not the tokenizer's
     assert result["token_ids"][-1] == 2
     assert "Paris" in result["text"]
