@@ -17,7 +17,16 @@ from typing import Annotated
 
 import typer
 
-from quantkit.cli import batch_cmd, eval_cmds, inspect_cmd, quantize_cmds, serve_cmd, verify_cmd
+from quantkit.cli import (
+    batch_cmd,
+    bench_cmd,
+    eval_cmds,
+    generate_cmd,
+    inspect_cmd,
+    quantize_cmds,
+    serve_cmd,
+    verify_cmd,
+)
 
 # One help text format for every command: plain click output (wraps at the terminal width, never
 # cuts option names, no type labels on flags) and -h as well as --help.
@@ -55,6 +64,8 @@ quantize_cmds.register(app)
 inspect_cmd.register(app)
 serve_cmd.register(app)
 verify_cmd.register(app)
+generate_cmd.register(app)
+bench_cmd.register(app)
 app.add_typer(eval_cmds.eval_app, name="eval")
 app.add_typer(batch_cmd.batch_app, name="batch")
 

@@ -27,19 +27,25 @@ import triton.language as tl
 
 
 @triton.jit
-def _decode_split_kernel(q_ptr, k_ptr, v_ptr, seqlens_ptr, o_part_ptr, lse_part_ptr,
-                         sm_scale, chunk,
+def _decode_split_kernel(q_ptr, k_ptr, v_ptr, seqlens_ptr, slots_ptr, o_part_ptr, lse_part_ptr,
+                         sm_scale, chunk, window_left, softcap,
                          stride_qb, stride_qs, stride_qh, stride_qd,
                          stride_kb, stride_kn, stride_kh, stride_kd,
                          stride_vb, stride_vn, stride_vh, stride_vd,
                          stride_ob, stride_oh, stride_os, stride_osp, stride_od,
                          stride_lb, stride_lh, stride_ls, stride_lsp,
                          SQ: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SLOTS: tl.constexpr,
+                         HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
     split = tl.program_id(0)
     b = tl.program_id(1)
     kv_head = tl.program_id(2)
     seqlen = tl.load(seqlens_ptr + b)
+    # the cache row this query row reads (a slot of a cache shared by the batch, or row b itself)
+    if HAS_SLOTS:
+        cache_b = tl.load(slots_ptr + b).to(tl.int64)
+    else:
+        cache_b = b.to(tl.int64)
 
     # rows of the tile: (query head within the group, new token)
     offs_r = tl.arange(0, BLOCK_M)
@@ -56,10 +62,13 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, seqlens_ptr, o_part_ptr, lse_part_
     q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
     qk_scale = sm_scale * 1.4426950408889634  # exp2 with log2(e) folded in
 
-    k_base = k_ptr + b.to(tl.int64) * stride_kb + kv_head * stride_kh
-    v_base = v_ptr + b.to(tl.int64) * stride_vb + kv_head * stride_vh
+    k_base = k_ptr + cache_b * stride_kb + kv_head * stride_kh
+    v_base = v_ptr + cache_b * stride_vb + kv_head * stride_vh
     lo = split * chunk
     hi = tl.minimum(lo + chunk, seqlen)
+    if HAS_WINDOW:
+        # keys before the earliest row's window are never visible: skip whole tiles of them
+        lo = tl.maximum(lo, (tl.maximum(seqlen - SQ - window_left, 0) // BLOCK_N) * BLOCK_N)
 
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -71,9 +80,17 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, seqlens_ptr, o_part_ptr, lse_part_
                     mask=col_ok[:, None], other=0.0)
         v = tl.load(v_base + cols.to(tl.int64)[:, None] * stride_vn + offs_d[None, :] * stride_vd,
                     mask=col_ok[:, None], other=0.0)
-        qk = tl.dot(q, k.T) * qk_scale
+        if HAS_SOFTCAP:
+            # softcap * tanh(s / softcap) on the scaled logits s, then into log2 units
+            s = tl.dot(q, k.T) * sm_scale / softcap
+            qk = (2.0 / (1.0 + tl.exp(-2.0 * s)) - 1.0) * softcap * 1.4426950408889634
+        else:
+            qk = tl.dot(q, k.T) * qk_scale
         # masking is cheap here (memory-bound), so every tile is masked: ragged end + causal
-        qk = tl.where(col_ok[None, :] & (cols[None, :] <= pos[:, None]), qk, float("-inf"))
+        keep = col_ok[None, :] & (cols[None, :] <= pos[:, None])
+        if HAS_WINDOW:
+            keep = keep & (cols[None, :] >= pos[:, None] - window_left)
+        qk = tl.where(keep, qk, float("-inf"))
         m_ij = tl.maximum(m_i, tl.max(qk, 1))
         m_safe = tl.where(m_ij == float("-inf"), 0.0, m_ij)
         p = tl.math.exp2(qk - m_safe[:, None])
@@ -128,9 +145,12 @@ def _num_splits(batch, n_kv_heads, max_len, block_n, n_sms):
 
 
 def decode_attention(q, k_cache, v_cache, cache_seqlens, sm_scale=None, num_splits=None, block_n=None,
-                     num_warps=4):
-    """Flash-decoding. q (B, Sq, Hq, D); k_cache, v_cache (B, S_max, Hkv, D);
-    cache_seqlens (B,) int32 (keys valid per sequence, new tokens included). -> (B, Sq, Hq, D)."""
+                     num_warps=4, cache_slots=None, window_left=-1, softcap=0.0):
+    """Flash-decoding. q (B, Sq, Hq, D); k_cache, v_cache (B, S_max, Hkv, D), or (slots, S_max, Hkv, D)
+    with ``cache_slots`` (B,) int32 naming the cache row of each query row (continuous batching);
+    cache_seqlens (B,) int32 (keys valid per sequence, new tokens included). ``window_left >= 0``: a
+    token at position p sees keys p - window_left .. p only (sliding window); ``softcap > 0``: logits
+    ``softcap * tanh(s / softcap)``. -> (B, Sq, Hq, D). No host sync: safe inside a CUDA graph."""
     b, sq, n_heads, head_dim = q.shape
     _, s_max, n_kv_heads, _ = k_cache.shape
     assert n_heads % n_kv_heads == 0
@@ -149,27 +169,38 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, sm_scale=None, num_spli
     lse_part = torch.empty(b, n_heads, sq, num_splits, device=q.device, dtype=torch.float32)
     out = torch.empty_like(q)
     _decode_split_kernel[(num_splits, b, n_kv_heads)](
-        q, k_cache, v_cache, cache_seqlens, o_part, lse_part, sm_scale, chunk,
+        q, k_cache, v_cache, cache_seqlens, cache_slots if cache_slots is not None else cache_seqlens,
+        o_part, lse_part, sm_scale, chunk, int(window_left), float(softcap),
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *o_part.stride(), *lse_part.stride(),
-        SQ=sq, GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
+        SQ=sq, GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
+        HAS_SLOTS=cache_slots is not None, HAS_WINDOW=window_left >= 0, HAS_SOFTCAP=softcap > 0,
+        num_warps=num_warps)
     _decode_reduce_kernel[(b, n_heads, sq)](
         o_part, lse_part, out, num_splits, *o_part.stride(), *lse_part.stride(), *out.stride(),
         HEAD_DIM=head_dim, SPLITS_P2=triton.next_power_of_2(num_splits))
     return out
 
 
-def decode_attention_ref(q, k_cache, v_cache, cache_seqlens, sm_scale=None):
-    """Plain-PyTorch reference (float32 math), same shapes and masking as `decode_attention`."""
+def decode_attention_ref(q, k_cache, v_cache, cache_seqlens, sm_scale=None, cache_slots=None, window_left=-1,
+                         softcap=0.0):
+    """Plain-PyTorch reference (float32 math), same shapes, arguments and masking as `decode_attention`."""
     b, sq, n_heads, head_dim = q.shape
     group = n_heads // k_cache.shape[2]
     sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    for i, length in enumerate(cache_seqlens.tolist()):
+    rows = range(b) if cache_slots is None else cache_slots.tolist()
+    for i, (length, row) in enumerate(zip(cache_seqlens.tolist(), rows)):
         qb = q[i].float().transpose(0, 1)  # (Hq, Sq, D)
-        kb = k_cache[i, :length].float().repeat_interleave(group, 1).transpose(0, 1)
-        vb = v_cache[i, :length].float().repeat_interleave(group, 1).transpose(0, 1)
+        kb = k_cache[row, :length].float().repeat_interleave(group, 1).transpose(0, 1)
+        vb = v_cache[row, :length].float().repeat_interleave(group, 1).transpose(0, 1)
         s = qb @ kb.transpose(1, 2) * sm_scale
+        if softcap > 0:
+            s = softcap * torch.tanh(s / softcap)
         pos = torch.arange(sq, device=q.device)[:, None] + length - sq
-        s = s.masked_fill(torch.arange(length, device=q.device)[None, :] > pos, float("-inf"))
+        cols = torch.arange(length, device=q.device)[None, :]
+        hidden = cols > pos
+        if window_left >= 0:
+            hidden |= cols < pos - window_left
+        s = s.masked_fill(hidden, float("-inf"))
         out[i] = (torch.softmax(s, -1).nan_to_num(0.0) @ vb).transpose(0, 1)
     return out

@@ -1,0 +1,283 @@
+"""Serving benchmark: decode and prefill throughput of the runtime, int4 against bf16 in one run.
+
+Models come from a checkpoint (the bf16 model is the same checkpoint dequantized) or, with a shape
+name, from random weights built on the device: a transformers model in bf16 whose decoder linears are
+then swapped for :class:`QuantLinear` s with random GPTQ tensors (so plain transformers ``generate``
+runs on exactly the weights the runtime serves). Timings are CUDA-synchronized wall clock.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+
+from quantkit.runtime.engine import Engine
+from quantkit.runtime.model import RuntimeModel
+from quantkit.runtime.spec import hf_config, spec_from_config
+from quantkit.runtime.types import SamplingParams
+from quantkit.runtime.weights import QuantInfo, load_weights
+
+log = logging.getLogger(__name__)
+
+SHAPES = {
+    "llama3-8b": dict(
+        model_type="llama",
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=8192,
+        tie_word_embeddings=False,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        rope_theta=500000.0,
+    ),
+    "smollm2-135m": dict(
+        model_type="llama",
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+        rope_theta=100000.0,
+    ),
+}
+LINEARS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
+
+
+def sync_time(fn: Callable[[], object], repeat: int = 1) -> float:
+    """Seconds per call of ``fn`` (best of ``repeat``), the device synchronized around each."""
+    best = float("inf")
+    for _ in range(repeat):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def copy_bandwidth(device, nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy bandwidth in GB/s (bytes read + written), best of 5."""
+    src = torch.empty(nbytes // 2, dtype=torch.float16, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    return 2 * nbytes / sync_time(lambda: dst.copy_(src), repeat=5) / 1e9
+
+
+def random_hf_model(shape: str, device, dtype=torch.bfloat16):
+    """A transformers model of ``shape`` with random weights, built on the device."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = hf_config(SHAPES[shape])
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    return model.eval()
+
+
+def quantize_randomly(model, group_size: int = 128, seed: int = 0) -> QuantInfo:
+    """Swap every decoder linear of ``model`` for a QuantLinear with random 4-bit GPTQ tensors (sym, g128)."""
+    from quantkit.qlinear import QuantLinear
+    from quantkit.qtensor import QuantizedWeight
+
+    gen = torch.Generator(device=model.device).manual_seed(seed)
+    dev = model.device
+    for layer in model.model.layers:
+        for path in LINEARS:
+            parent_name, name = path.split(".")
+            parent = getattr(layer, parent_name)
+            lin = getattr(parent, name)
+            k, n = lin.in_features, lin.out_features
+            groups = (k + group_size - 1) // group_size
+            qw = QuantizedWeight(
+                qweight=torch.randint(-(2**31), 2**31 - 1, (k // 8, n), dtype=torch.int32, device=dev, generator=gen),
+                qzeros=torch.full((groups, n // 8), 0x77777777, dtype=torch.int32, device=dev),  # zero 8, stored 7
+                scales=(torch.rand(groups, n, device=dev, generator=gen) * 2e-3 / k**0.5 * 64).to(torch.float16),
+                g_idx=(torch.arange(k, device=dev) // group_size).to(torch.int32),
+                bits=4,
+                group_size=group_size,
+                sym=True,
+                in_features=k,
+                out_features=n,
+            )
+            setattr(parent, name, QuantLinear.from_weight(qw))
+    return QuantInfo(4, group_size, True)
+
+
+def runtime_from_hf(
+    model, quant: QuantInfo | None, *, backend: str = "kernels", max_positions: int = 4096
+) -> RuntimeModel:
+    """A RuntimeModel over a transformers model's tensors (shared where no fusion copies them)."""
+    state = model.state_dict()
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+
+    def source(keys):
+        return {k: state[k] for k in keys if k in state}
+
+    cfg = model.config
+    spec = spec_from_config(cfg)
+    weights = load_weights(source, set(state), spec, quant, model.dtype, model.device, packed_kernel=quant is not None)
+    return RuntimeModel(
+        spec,
+        cfg,
+        weights,
+        backend=backend,
+        dtype=model.dtype,
+        device=model.device,
+        max_positions=max_positions,
+        name=cfg.model_type,
+    )
+
+
+def decode_tps(engine: Engine, batch: int, steps: int, prompt_len: int = 128, seed: int = 0) -> float:
+    """Decode tokens/s of ``batch`` greedy requests of ``prompt_len`` random tokens, ``steps`` decode steps each."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab = engine.model.spec.vocab_size
+    params = SamplingParams(max_tokens=steps + 1, ignore_eos=True)
+    for _ in range(batch):
+        engine.add_request(torch.randint(0, vocab, (prompt_len,), generator=gen).tolist(), params)
+    engine.step()  # the prefill
+    before = (engine.stats.decode_tokens, engine.stats.decode_seconds)
+    while engine.has_work():
+        engine.step()
+    return (engine.stats.decode_tokens - before[0]) / (engine.stats.decode_seconds - before[1])
+
+
+def prefill_tps(engine: Engine, n_tokens: int = 2048) -> float:
+    prompt = torch.randint(0, engine.model.spec.vocab_size, (n_tokens,)).tolist()
+    seconds = sync_time(lambda: engine.model.prefill([prompt], [0], engine.cache), repeat=3)
+    return n_tokens / seconds
+
+
+def hf_generate_tps(model, prompt_len: int = 128, new_tokens: int = 17) -> dict:
+    """transformers ``generate`` (greedy, its default dynamic cache): prefill and decode tokens/s."""
+    ids = torch.randint(0, model.config.vocab_size, (1, prompt_len), device=model.device)
+
+    def run(n):
+        return sync_time(
+            lambda: model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0), repeat=1
+        )
+
+    with torch.inference_mode():
+        run(2)  # warm-up
+        one, many = run(1), run(new_tokens)
+    return {"prefill_tps": prompt_len / one, "decode_tps": (new_tokens - 1) / (many - one)}
+
+
+def _graph_time(fn: Callable[[], object], replays: int = 20) -> float:
+    """Seconds per replay of ``fn`` captured in a CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return sync_time(lambda: [graph.replay() for _ in range(replays)], repeat=3) / replays
+
+
+def time_split(engine: Engine, context: int = 128) -> dict:
+    """Per-token time of one batch-1 decode step by part: each part captured alone in a graph with the step's
+    shapes (linears, attention, norms/rope/activation), the whole step's replay, and the engine's host share."""
+    model, cache, s = engine.model, engine.cache, engine.model.spec
+    dev, w = model.device, model.weights
+    h = torch.randn(1, s.hidden_size, device=dev, dtype=model.dtype)
+    q_in = torch.randn(1, s.q_size, device=dev, dtype=model.dtype)
+    mid = torch.randn(1, s.intermediate_size, device=dev, dtype=model.dtype)
+    gate_up = torch.randn(1, 2 * s.intermediate_size, device=dev, dtype=model.dtype)
+    qkv = torch.randn(1, s.q_size + 2 * s.kv_size, device=dev, dtype=model.dtype)
+    pos = torch.full((1,), context, dtype=torch.int32, device=dev)
+    slot = torch.zeros(1, dtype=torch.int32, device=dev)
+    o = model.ops
+
+    def linears():
+        for lw in w.layers:
+            lw.qkv(h), lw.o(q_in), lw.gate_up(h), lw.down(mid)
+        w.lm_head(h)
+
+    def attention():
+        q = qkv[:, : s.q_size].view(1, 1, s.num_heads, s.head_dim)
+        for i in range(s.num_layers):
+            o.decode_attention(
+                q, cache.k[i], cache.v[i], pos + 1, slot, s.softmax_scale, s.window_left(i), s.attn_softcap
+            )
+
+    def small_ops():
+        cos, sin = model.layer_rope[0]
+        for i, lw in enumerate(w.layers):
+            o.add_rms_norm(h, h, lw.input_norm, s.rms_eps, s.norm_offset)
+            o.rope_cache(qkv, cos, sin, pos, s.num_heads, s.num_kv_heads, s.head_dim, cache.k[i], cache.v[i], slot)
+            o.add_rms_norm(h, h, lw.post_attn_norm, s.rms_eps, s.norm_offset)
+            o.act_mul(gate_up, s.activation)
+        o.add_rms_norm(h, h, w.final_norm, s.rms_eps, s.norm_offset)
+
+    tokens = torch.zeros(1, dtype=torch.long, device=dev)
+    parts = {
+        "linears": _graph_time(linears),
+        "attention": _graph_time(attention),
+        "norms_rope_act": _graph_time(small_ops),
+        "decode_step_graph": _graph_time(lambda: model.decode(tokens, pos, slot, cache)),
+    }
+    parts["other_in_graph"] = (
+        parts["decode_step_graph"] - parts["linears"] - parts["attention"] - parts["norms_rope_act"]
+    )
+    return {k: v * 1e3 for k, v in parts.items()}  # milliseconds
+
+
+def bench_runtime(
+    model: RuntimeModel, batches: tuple[int, ...], steps: int, prefill_tokens: int, split: bool = False
+) -> dict:
+    """Decode tokens/s per batch size, prefill tokens/s, peak memory and weight bytes for one RuntimeModel."""
+    torch.cuda.reset_peak_memory_stats()
+    max_batch = max(batches)
+    engine = Engine(
+        model,
+        None,
+        max_batch=max_batch,
+        max_seq_len=max(prefill_tokens + 1, 128 + steps + 2),
+        cuda_graphs=True,
+        graph_buckets=batches,
+    )
+    result = {
+        "weight_bytes_per_token": model.weights.nbytes(),
+        "kv_cache_bytes": engine.cache.nbytes(),
+        "decode_tps": {},
+    }
+    for b in batches:
+        result["decode_tps"][str(b)] = decode_tps(engine, b, steps if b == 1 else max(16, steps // 2))
+        log.info("decode batch %d: %.1f tok/s", b, result["decode_tps"][str(b)])
+    result["prefill_tps"] = prefill_tps(engine, prefill_tokens)
+    if split and 1 in batches:
+        ms = time_split(engine)
+        # the engine's whole batch-1 step (sampling and Python included) from the decode run above
+        ms["engine_step_wall"] = 1e3 / result["decode_tps"]["1"]
+        ms["host"] = ms["engine_step_wall"] - ms["decode_step_graph"]
+        result["time_split_ms"] = ms
+    result["peak_memory_bytes"] = torch.cuda.max_memory_allocated()
+    del engine
+    return result

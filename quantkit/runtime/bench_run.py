@@ -1,0 +1,191 @@
+"""The whole serving benchmark (what ``quantkit bench`` and ``bench/bench_serve.py`` run): one record out.
+
+Each phase's numbers are handed to ``on_result`` as soon as they exist, so a run cut short still
+leaves what it measured.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import logging
+import platform
+from collections.abc import Callable
+
+import torch
+
+from quantkit.config import QuantkitError
+from quantkit.runtime import bench
+
+log = logging.getLogger(__name__)
+
+
+def _card() -> dict:
+    import transformers
+    import triton
+
+    props = torch.cuda.get_device_properties(0)
+    return {
+        "gpu": props.name,
+        "sms": props.multi_processor_count,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def _logits_check(runtime, reference_fn, vocab: int) -> float:
+    """Relative error of the runtime's logits against another implementation on the same weights."""
+    ids = torch.randint(0, vocab, (1, 16), generator=torch.Generator().manual_seed(0))
+    got = runtime.forward_logits(ids.to(runtime.device))
+    with torch.inference_mode():
+        ref = reference_fn(ids.to(runtime.device)).float()
+    return ((got - ref).norm() / ref.norm()).item()
+
+
+def _free() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def run(
+    target: str,
+    *,
+    shape: bool,
+    batches: tuple[int, ...] = (1, 8, 32),
+    steps: int = 128,
+    prefill_tokens: int = 2048,
+    baselines: bool = True,
+    on_result: Callable[[dict], None] | None = None,
+) -> dict:
+    """Benchmark ``target`` (a shape name from ``bench.SHAPES`` when ``shape``, else a checkpoint folder)."""
+    if not torch.cuda.is_available():
+        raise QuantkitError("quantkit bench measures the GPU runtime and needs CUDA")
+    if shape and target not in bench.SHAPES:
+        raise QuantkitError(f"unknown shape {target!r}; known: {', '.join(bench.SHAPES)}")
+    record: dict = {
+        "target": target,
+        "card": _card(),
+        "batches": list(batches),
+        "steps": steps,
+        "prefill_tokens": prefill_tokens,
+    }
+
+    def publish(key: str, value) -> None:
+        record[key] = value
+        bw = record.get("copy_bandwidth_gbs", 0) * 1e9
+        record["roofline_tps"] = {k: bw / record[k]["weight_bytes_per_token"] for k in ("int4", "bf16") if k in record}
+        log.info("%s: %s", key, value)
+        if on_result is not None:
+            on_result(record)
+
+    publish("copy_bandwidth_gbs", bench.copy_bandwidth("cuda"))
+    if shape:
+        _shape_phases(target, batches, steps, prefill_tokens, baselines, publish)
+    else:
+        _checkpoint_phases(target, batches, steps, prefill_tokens, baselines, publish)
+    return record
+
+
+def _shape_phases(target, batches, steps, prefill_tokens, baselines, publish) -> None:
+    # int4 first (the number the run is for), each phase published as soon as it exists; the bf16 model is a second
+    # random model of the same shape (its linears are what the int4 model's QuantLinears replaced)
+    hf = bench.random_hf_model(target, "cuda")
+    vocab = hf.config.vocab_size
+    quant = bench.quantize_randomly(hf)
+    _free()
+    runtime = bench.runtime_from_hf(hf, quant)
+    publish("check_int4_rel_err_vs_quantlinear", _logits_check(runtime, lambda ids: hf(ids).logits, vocab))
+    publish("int4", bench.bench_runtime(runtime, batches, steps, prefill_tokens, split=True))
+    del runtime
+    _free()
+    if baselines:
+        publish("transformers_quantlinear", bench.hf_generate_tps(hf))
+    del hf
+    _free()
+    hf = bench.random_hf_model(target, "cuda")
+    runtime = bench.runtime_from_hf(hf, None)
+    publish("check_bf16_rel_err_vs_transformers", _logits_check(runtime, lambda ids: hf(ids).logits, vocab))
+    publish("bf16", bench.bench_runtime(runtime, batches, steps, prefill_tokens))
+    del runtime
+    _free()
+    if baselines:
+        publish("transformers_bf16", bench.hf_generate_tps(hf))
+
+
+def _checkpoint_phases(target, batches, steps, prefill_tokens, baselines, publish) -> None:
+    from quantkit.runtime.loader import load_runtime_model
+
+    for key, dequantize in (("bf16", True), ("int4", False)):
+        runtime, _ = load_runtime_model(
+            target, device="cuda", dtype="bfloat16", dequantize=dequantize, max_positions=max(4096, prefill_tokens + 1)
+        )
+        publish(key, bench.bench_runtime(runtime, batches, steps, prefill_tokens, split=key == "int4"))
+        del runtime
+        _free()
+    if baselines:
+        import quantkit
+
+        hf, _ = quantkit.load_quantized(target, device="cuda", dtype=torch.bfloat16)
+        publish("transformers_quantlinear", bench.hf_generate_tps(hf))
+
+
+def plot(record: dict, path) -> None:
+    """Decode tokens/s by batch size, int4 against bf16 (with transformers' batch-1 numbers)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    batches = record["batches"]
+    xs = range(len(batches))
+    for i, key in enumerate(k for k in ("int4", "bf16") if k in record):
+        values = [record[key]["decode_tps"][str(b)] for b in batches]
+        ax.bar([x + 0.4 * i for x in xs], values, width=0.4, label=f"runtime {key}")
+    for key, style in (("transformers_quantlinear", "--"), ("transformers_bf16", ":")):
+        if key in record:
+            ax.axhline(record[key]["decode_tps"], linestyle=style, color="gray", label=f"{key} (batch 1)")
+    ax.set_xticks([x + 0.2 for x in xs], [str(b) for b in batches])
+    ax.set_xlabel("batch")
+    ax.set_ylabel("decode tokens/s")
+    ax.set_yscale("log")
+    ax.set_title(f"{record['target']} on {record['card']['gpu']}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def format_table(record: dict) -> str:
+    """The record as a Markdown table (tokens/s), the form the README quotes."""
+    batches = record["batches"]
+    head = "| model | " + " | ".join(f"decode b={b}" for b in batches) + " | prefill | weight GB/token | peak GB |"
+    lines = [head, "|" + "---|" * (len(batches) + 4)]
+    for key in ("int4", "bf16"):
+        if key in record:
+            r = record[key]
+            cells = " | ".join(f"{r['decode_tps'][str(b)]:.0f}" for b in batches)
+            lines.append(
+                f"| runtime {key} | {cells} | {r['prefill_tps']:.0f} | {r['weight_bytes_per_token'] / 1e9:.2f}"
+                f" | {r['peak_memory_bytes'] / 1e9:.1f} |"
+            )
+    for key in ("transformers_quantlinear", "transformers_bf16"):
+        if key in record:
+            r = record[key]
+            lines.append(
+                f"| {key} generate | {r['decode_tps']:.1f} | "
+                + " | ".join("-" for _ in batches[1:])
+                + f" | {r['prefill_tps']:.0f} (128 tok) | | |"
+            )
+    lines.append(
+        f"copy bandwidth {record.get('copy_bandwidth_gbs', 0):.0f} GB/s; rooflines "
+        + ", ".join(f"{k} {v:.0f} tok/s" for k, v in record.get("roofline_tps", {}).items())
+    )
+    if "time_split_ms" in record.get("int4", {}):
+        lines.append(
+            "int4 batch-1 step (ms): " + ", ".join(f"{k} {v:.3f}" for k, v in record["int4"]["time_split_ms"].items())
+        )
+    return "\n".join(lines)

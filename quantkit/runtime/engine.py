@@ -1,0 +1,292 @@
+"""The continuous-batching engine: requests join and leave between decode steps (types.Engine).
+
+Each running request owns one KV-cache slot. A step first admits queued requests into free slots
+(one packed prefill, which also gives each its first token), then runs one decode step for the
+requests that were already running. Every request stops on its own condition: an end-of-sequence or
+stop token, a stop string (never part of the text it returns), max_tokens, or the end of its slot.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from quantkit.config import QuantkitError
+from quantkit.runtime import sampling
+from quantkit.runtime.model import KVCache, RuntimeModel
+from quantkit.runtime.types import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, SamplingParams, TokenEvent
+
+log = logging.getLogger(__name__)
+
+_PROMPT_CONTEXT = 4  # prompt tokens decoded in front of the output, so the first word keeps its space
+
+
+@dataclass
+class EngineStats:
+    """Cumulative timings (wall clock, device work included)."""
+
+    prefill_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_tokens: int = 0
+    decode_steps: int = 0
+    decode_seconds: float = 0.0
+
+    @property
+    def prefill_tps(self) -> float:
+        return self.prefill_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
+
+
+@dataclass
+class _Request:
+    id: int
+    prompt: list[int]
+    params: SamplingParams
+    max_new: int
+    stop_ids: frozenset[int]
+    generator: torch.Generator | None
+    slot: int = -1
+    output: list[int] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)  # prompt context + output, for detokenizing
+    prefix_offset: int = 0
+    read_offset: int = 0
+    text: str = ""  # decoded output so far
+    emitted: int = 0  # characters of text already returned
+
+
+class Engine:
+    """Implements :class:`quantkit.runtime.types.Engine` over a :class:`RuntimeModel`."""
+
+    def __init__(
+        self,
+        model: RuntimeModel,
+        tokenizer,
+        *,
+        max_batch: int = 32,
+        max_seq_len: int = 2048,
+        eos_token_ids: tuple[int, ...] = (),
+        cuda_graphs: bool = False,
+        model_name: str = "model",
+        max_prefill_tokens: int = 8192,
+        graph_buckets: tuple[int, ...] | None = None,
+    ) -> None:
+        if max_batch < 1 or max_seq_len < 2:
+            raise QuantkitError(f"max_batch must be >= 1 and max_seq_len >= 2, got {max_batch} and {max_seq_len}")
+        if max_seq_len > model.max_positions:
+            raise QuantkitError(f"max_seq_len {max_seq_len} exceeds the model's {model.max_positions} positions")
+        self.model, self._tokenizer, self._model_name = model, tokenizer, model_name
+        self._max_batch, self._max_seq_len = max_batch, max_seq_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_prefill_tokens = max_prefill_tokens
+        self.cache = KVCache.allocate(model.spec, max_batch + 1, max_seq_len, model.dtype, model.device)
+        self.graphs = None
+        if cuda_graphs:
+            from quantkit.runtime.graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(model, self.cache, max_batch, buckets=graph_buckets)
+        self.stats = EngineStats()
+        self._next_id = 0
+        self._queue: deque[_Request] = deque()
+        self._running: dict[int, _Request] = {}
+        self._free_slots = list(range(max_batch - 1, -1, -1))  # pop() hands out the lowest first
+        self._aborted: list[TokenEvent] = []
+
+    # -- the Engine protocol --------------------------------------------------------------------------
+
+    @property
+    def max_seq_len(self) -> int:
+        return self._max_seq_len
+
+    @property
+    def max_batch(self) -> int:
+        return self._max_batch
+
+    @property
+    def tokenizer(self):
+        return self._tokenizer
+
+    @property
+    def model_name(self) -> str:
+        return self._model_name
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> int:
+        if not isinstance(params, SamplingParams):
+            raise QuantkitError(f"params must be a SamplingParams, got {type(params).__name__}")
+        prompt = [int(t) for t in prompt_ids]
+        if not prompt:
+            raise QuantkitError("the prompt is empty: give at least one token")
+        if len(prompt) + 1 > self._max_seq_len:
+            raise QuantkitError(
+                f"the prompt has {len(prompt)} tokens; a slot holds {self._max_seq_len} (prompt + 1 generated at "
+                "least): shorten the prompt or raise max_seq_len"
+            )
+        vocab = self.model.spec.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise QuantkitError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+        gen = None if params.greedy else sampling.make_generator(params.seed, self.model.device)
+        context = prompt[-_PROMPT_CONTEXT:]
+        req = _Request(
+            self._next_id,
+            prompt,
+            params,
+            min(params.max_tokens, self._max_seq_len - len(prompt)),
+            frozenset(stop_ids),
+            gen,
+            ids=list(context),
+            prefix_offset=0,
+            read_offset=len(context),
+        )
+        self._next_id += 1
+        self._queue.append(req)
+        return req.id
+
+    def abort(self, request_id: int) -> None:
+        for req in list(self._queue):
+            if req.id == request_id:
+                self._queue.remove(req)
+                self._aborted.append(self._final(req, None, "", FINISH_ABORT))
+                return
+        req = self._running.pop(request_id, None)
+        if req is not None:
+            self._free_slots.append(req.slot)
+            self._free_slots.sort(reverse=True)
+            self._aborted.append(self._final(req, None, "", FINISH_ABORT))
+
+    def has_work(self) -> bool:
+        return bool(self._queue or self._running or self._aborted)
+
+    def step(self) -> list[TokenEvent]:
+        events, self._aborted = self._aborted, []
+        decoding = list(self._running.values())
+        admitted = self._admit()
+        if admitted:
+            events += self._prefill(admitted)
+        if decoding:
+            events += self._decode(decoding)
+        return events
+
+    # -- steps ----------------------------------------------------------------------------------------
+
+    def _admit(self) -> list[_Request]:
+        admitted, budget = [], self.max_prefill_tokens
+        while self._queue and self._free_slots:
+            if admitted and len(self._queue[0].prompt) > budget:
+                break
+            req = self._queue.popleft()
+            req.slot = self._free_slots.pop()
+            budget -= len(req.prompt)
+            admitted.append(req)
+            self._running[req.id] = req
+        return admitted
+
+    def _prefill(self, reqs: list[_Request]) -> list[TokenEvent]:
+        start = time.perf_counter()
+        logits = self.model.prefill([r.prompt for r in reqs], [r.slot for r in reqs], self.cache)
+        tokens = self._sample(logits, reqs)
+        self.stats.prefill_seconds += time.perf_counter() - start
+        self.stats.prefill_tokens += sum(len(r.prompt) for r in reqs)
+        return [self._advance(r, t) for r, t in zip(reqs, tokens)]
+
+    def _decode(self, reqs: list[_Request]) -> list[TokenEvent]:
+        start = time.perf_counter()
+        tokens = [r.output[-1] for r in reqs]
+        positions = [len(r.prompt) + len(r.output) - 1 for r in reqs]
+        slots = [r.slot for r in reqs]
+        if self.graphs is not None:
+            logits = self.graphs.run(tokens, positions, slots)
+        else:
+            dev = self.model.device
+            logits = self.model.decode(
+                torch.tensor(tokens, device=dev),
+                torch.tensor(positions, dtype=torch.int32, device=dev),
+                torch.tensor(slots, dtype=torch.int32, device=dev),
+                self.cache,
+            )
+        new = self._sample(logits, reqs)
+        self.stats.decode_seconds += time.perf_counter() - start
+        self.stats.decode_tokens += len(reqs)
+        self.stats.decode_steps += 1
+        return [self._advance(r, t) for r, t in zip(reqs, new)]
+
+    def _sample(self, logits: torch.Tensor, reqs: list[_Request]) -> list[int]:
+        seen = [
+            torch.tensor(r.prompt + r.output, device=logits.device)
+            if r.params.repetition_penalty != 1.0
+            else torch.empty(0, dtype=torch.long)
+            for r in reqs
+        ]
+        return sampling.sample_batch(logits, [r.params for r in reqs], seen, [r.generator for r in reqs])
+
+    # -- per-request bookkeeping ----------------------------------------------------------------------
+
+    def _advance(self, req: _Request, token: int) -> TokenEvent:
+        """Record ``token`` for ``req``; the event says what text it adds and whether the request ended."""
+        req.output.append(token)
+        if token in req.stop_ids:
+            return self._finish(req, token, FINISH_STOP)
+        req.text += self._detokenize(req, token)
+        cut = sampling.find_stop(req.text, req.params.stop, max(0, req.emitted - self._longest_stop(req)))
+        if cut >= 0:
+            req.text = req.text[:cut]
+            return self._finish(req, token, FINISH_STOP)
+        if len(req.output) >= req.max_new:
+            req.text += self._undecoded(req)
+            return self._finish(req, token, FINISH_LENGTH)
+        safe = len(req.text) - max(0, self._longest_stop(req) - 1)  # a stop string may still be forming
+        delta = req.text[req.emitted : safe] if safe > req.emitted else ""
+        req.emitted += len(delta)
+        return TokenEvent(req.id, token, delta, prompt_tokens=len(req.prompt), generated_tokens=len(req.output))
+
+    @staticmethod
+    def _longest_stop(req: _Request) -> int:
+        return max((len(s) for s in req.params.stop), default=0)
+
+    def _detokenize(self, req: _Request, token: int) -> str:
+        """Newly decodable text after ``token`` (empty while a multi-byte character is incomplete; always
+        empty without a tokenizer, as for benchmarks on random weights)."""
+        req.ids.append(token)
+        if self._tokenizer is None:
+            return ""
+        decode = self._tokenizer.decode
+        prefix = decode(req.ids[req.prefix_offset : req.read_offset], skip_special_tokens=True)
+        full = decode(req.ids[req.prefix_offset :], skip_special_tokens=True)
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            req.prefix_offset, req.read_offset = req.read_offset, len(req.ids)
+            return full[len(prefix) :]
+        return ""
+
+    def _undecoded(self, req: _Request) -> str:
+        """Text of tokens held back as an incomplete character, when the request ends (replacement marks)."""
+        if self._tokenizer is None or req.read_offset == len(req.ids):
+            return ""
+        prefix = self._tokenizer.decode(req.ids[req.prefix_offset : req.read_offset], skip_special_tokens=True)
+        return self._tokenizer.decode(req.ids[req.prefix_offset :], skip_special_tokens=True)[len(prefix) :]
+
+    def _finish(self, req: _Request, token: int, reason: str) -> TokenEvent:
+        self._running.pop(req.id, None)
+        self._free_slots.append(req.slot)
+        self._free_slots.sort(reverse=True)
+        delta = req.text[req.emitted :]
+        req.emitted = len(req.text)
+        return self._final(req, token, delta, reason)
+
+    @staticmethod
+    def _final(req: _Request, token: int | None, text: str, reason: str) -> TokenEvent:
+        return TokenEvent(
+            req.id,
+            token,
+            text,
+            finished=True,
+            finish_reason=reason,
+            prompt_tokens=len(req.prompt),
+            generated_tokens=len(req.output),
+        )

@@ -1,0 +1,253 @@
+"""The runtime's decoder: one forward for the Llama and Gemma families over a preallocated KV cache.
+
+Three entry points share :meth:`RuntimeModel._hidden`: ``forward_logits`` (a full causal pass, no
+cache: verification), ``prefill`` (packed prompts of several sequences, written into their cache
+slots) and ``decode`` (one token per sequence; no host sync and no data-dependent Python control
+flow, so a CUDA graph can capture it). The backend decides which implementation each operation
+takes: "kernels" (quantkit's Triton kernels, CUDA) or "reference" (plain PyTorch, any device).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from quantkit.runtime import ops
+from quantkit.runtime.spec import ModelSpec, layer_rope_key, rope_tables
+from quantkit.runtime.weights import ModelWeights
+
+BACKENDS = ("kernels", "reference")
+
+
+@dataclass
+class KVCache:
+    """Per layer ``k[i], v[i] [slots, max_seq_len, Hkv, D]``; the last slot is scratch (padding rows)."""
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+
+    @classmethod
+    def allocate(cls, spec: ModelSpec, slots: int, max_seq_len: int, dtype, device) -> KVCache:
+        shape = (slots, max_seq_len, spec.num_kv_heads, spec.head_dim)
+        return cls(
+            [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)],
+            [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)],
+        )
+
+    @property
+    def slots(self) -> int:
+        return self.k[0].shape[0]
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.k[0].shape[1]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+class _Reference:
+    """Plain PyTorch for every small operation and attention."""
+
+    add_rms_norm = staticmethod(ops.add_rms_norm_ref)
+    rope_cache = staticmethod(ops.rope_cache_ref)
+    act_mul = staticmethod(ops.act_mul_ref)
+
+    @staticmethod
+    def prefill_attention(q, k, v, cu_seqlens, max_len, scale, window_left, softcap):
+        from quantkit.kernels.attention import attention_ref
+
+        return attention_ref(
+            q, k, v, cu_seqlens, cu_seqlens, causal=True, sm_scale=scale, window_left=window_left, softcap=softcap
+        ).to(q.dtype)
+
+    @staticmethod
+    def decode_attention(q, k_cache, v_cache, seqlens, slots, scale, window_left, softcap):
+        from quantkit.kernels.decode_attention import decode_attention_ref
+
+        return decode_attention_ref(
+            q, k_cache, v_cache, seqlens, sm_scale=scale, cache_slots=slots, window_left=window_left, softcap=softcap
+        ).to(q.dtype)
+
+
+class _Kernels:
+    """quantkit's Triton kernels (the W4A16 GEMM is chosen per linear by :class:`.weights.Linear`)."""
+
+    def __init__(self) -> None:
+        from quantkit.runtime import fused_kernels
+
+        self.add_rms_norm = fused_kernels.add_rms_norm
+        self.rope_cache = fused_kernels.rope_cache
+        self.act_mul = fused_kernels.act_mul
+
+    @staticmethod
+    def prefill_attention(q, k, v, cu_seqlens, max_len, scale, window_left, softcap):
+        from quantkit.kernels.attention import attention_varlen
+
+        return attention_varlen(
+            q.contiguous(),
+            k.contiguous(),
+            v.contiguous(),
+            cu_seqlens,
+            cu_seqlens,
+            max_len,
+            causal=True,
+            sm_scale=scale,
+            window_left=window_left,
+            softcap=softcap,
+        )
+
+    @staticmethod
+    def decode_attention(q, k_cache, v_cache, seqlens, slots, scale, window_left, softcap):
+        from quantkit.kernels.decode_attention import decode_attention
+
+        return decode_attention(
+            q, k_cache, v_cache, seqlens, sm_scale=scale, cache_slots=slots, window_left=window_left, softcap=softcap
+        )
+
+
+class RuntimeModel:
+    """A decoder's weights, its rope tables and the backend that runs it. ``config``: the HF config."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        config,
+        weights: ModelWeights,
+        *,
+        backend: str,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        max_positions: int | None = None,
+        name: str = "model",
+    ) -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        self.spec, self.config, self.weights = spec, config, weights
+        self.backend, self.dtype, self.device, self.name = backend, dtype, torch.device(device), name
+        self.ops = _Kernels() if backend == "kernels" else _Reference()
+        self.max_positions = max_positions or spec.max_position_embeddings
+        self.rope = rope_tables(config, spec, self.device, self.max_positions)
+        self.layer_rope = [self.rope[layer_rope_key(config, i, self.rope)] for i in range(spec.num_layers)]
+        self.embed_scale = torch.tensor(spec.embed_scale, dtype=dtype).item() if spec.embed_scale != 1.0 else 1.0
+
+    # -- the decoder ----------------------------------------------------------------------------------
+
+    def _qk_norm(self, qkv: torch.Tensor, layer) -> None:
+        s = self.spec
+        m = qkv.shape[0]
+        q = qkv[:, : s.q_size].view(m, s.num_heads, s.head_dim)
+        k = qkv[:, s.q_size : s.q_size + s.kv_size].view(m, s.num_kv_heads, s.head_dim)
+        q.copy_(ops.rms_norm_ref(q, layer.q_norm, s.rms_eps, s.norm_offset))
+        k.copy_(ops.rms_norm_ref(k, layer.k_norm, s.rms_eps, s.norm_offset))
+
+    def _hidden(
+        self, ids: torch.Tensor, positions: torch.Tensor, attend, cache: KVCache | None, slots: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Final-normed hidden states ``[M, H]`` of token rows ``ids [M]`` at ``positions [M]``.
+
+        ``attend(layer, qkv) -> [M, Hq * D]`` runs attention on the rotated ``qkv`` (the cache, if any,
+        already holds this step's keys and values).
+        """
+        s, o = self.spec, self.ops
+        h = self.weights.embed[ids]
+        if self.embed_scale != 1.0:
+            h = h * self.embed_scale
+        delta, residual = h, None
+        for i, lw in enumerate(self.weights.layers):
+            x, residual = o.add_rms_norm(delta, residual, lw.input_norm, s.rms_eps, s.norm_offset)
+            qkv = lw.qkv(x)
+            if s.qk_norm:
+                self._qk_norm(qkv, lw)
+            cos, sin = self.layer_rope[i]
+            o.rope_cache(
+                qkv,
+                cos,
+                sin,
+                positions,
+                s.num_heads,
+                s.num_kv_heads,
+                s.head_dim,
+                None if cache is None else cache.k[i],
+                None if cache is None else cache.v[i],
+                slots,
+            )
+            delta = lw.o(attend(i, qkv))
+            if s.sandwich_norms:
+                delta, _ = o.add_rms_norm(delta, None, lw.post_attn_norm, s.rms_eps, s.norm_offset)
+                x, residual = o.add_rms_norm(delta, residual, lw.pre_ff_norm, s.rms_eps, s.norm_offset)
+            else:
+                x, residual = o.add_rms_norm(delta, residual, lw.post_attn_norm, s.rms_eps, s.norm_offset)
+            delta = lw.down(o.act_mul(lw.gate_up(x), s.activation))
+            if s.sandwich_norms:
+                delta, _ = o.add_rms_norm(delta, None, lw.post_ff_norm, s.rms_eps, s.norm_offset)
+        x, _ = o.add_rms_norm(delta, residual, self.weights.final_norm, s.rms_eps, s.norm_offset)
+        return x
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits ``[M, V]`` of final hidden states (with Gemma's final soft-cap)."""
+        return ops.softcap(self.weights.lm_head(hidden).float(), self.spec.final_softcap)
+
+    def _prefill_attend(self, cu_seqlens: torch.Tensor, max_len: int):
+        s = self.spec
+
+        def attend(i: int, qkv: torch.Tensor) -> torch.Tensor:
+            m = qkv.shape[0]
+            q = qkv[:, : s.q_size].view(m, s.num_heads, s.head_dim)
+            k = qkv[:, s.q_size : s.q_size + s.kv_size].view(m, s.num_kv_heads, s.head_dim)
+            v = qkv[:, s.q_size + s.kv_size :].view(m, s.num_kv_heads, s.head_dim)
+            out = self.ops.prefill_attention(
+                q, k, v, cu_seqlens, max_len, s.softmax_scale, s.window_left(i), s.attn_softcap
+            )
+            return out.reshape(m, s.q_size)
+
+        return attend
+
+    # -- entry points ---------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """One causal pass without a cache: ``input_ids [B, T]`` -> float32 logits ``[B, T, V]``."""
+        b, t = input_ids.shape
+        ids = input_ids.to(self.device).reshape(-1)
+        positions = torch.arange(t, device=self.device, dtype=torch.int32).repeat(b)
+        cu = torch.arange(0, (b + 1) * t, t, device=self.device, dtype=torch.int32)
+        hidden = self._hidden(ids, positions, self._prefill_attend(cu, t), None, None)
+        return self.logits(hidden).view(b, t, -1)
+
+    @torch.inference_mode()
+    def prefill(self, prompts: list[list[int]], slots: list[int], cache: KVCache) -> torch.Tensor:
+        """Run whole prompts (each from position 0) into their cache ``slots``; float32 logits ``[B, V]``
+        of each prompt's last token."""
+        lengths = [len(p) for p in prompts]
+        dev = self.device
+        ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=dev)
+        positions = torch.tensor([i for n in lengths for i in range(n)], dtype=torch.int32, device=dev)
+        token_slots = torch.tensor([s for s, n in zip(slots, lengths) for _ in range(n)], dtype=torch.int32, device=dev)
+        offsets = [0]
+        for n in lengths:
+            offsets.append(offsets[-1] + n)
+        cu = torch.tensor(offsets, dtype=torch.int32, device=dev)
+        hidden = self._hidden(ids, positions, self._prefill_attend(cu, max(lengths)), cache, token_slots)
+        last = torch.tensor(offsets[1:], dtype=torch.long, device=dev) - 1
+        return self.logits(hidden[last])
+
+    def decode(
+        self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cache: KVCache
+    ) -> torch.Tensor:
+        """One token per row: ``tokens [B]`` long at ``positions [B]`` int32 in cache ``slots [B]`` int32 ->
+        float32 logits ``[B, V]``. Graph-safe: fixed shapes, no host sync on the kernels backend."""
+        s = self.spec
+        seqlens = positions + 1
+        b = tokens.shape[0]
+
+        def attend(i: int, qkv: torch.Tensor) -> torch.Tensor:
+            q = qkv[:, : s.q_size].view(b, 1, s.num_heads, s.head_dim)
+            out = self.ops.decode_attention(
+                q, cache.k[i], cache.v[i], seqlens, slots, s.softmax_scale, s.window_left(i), s.attn_softcap
+            )
+            return out.reshape(b, s.q_size)
+
+        with torch.inference_mode():
+            return self.logits(self._hidden(tokens, positions, attend, cache, slots))

@@ -1,0 +1,67 @@
+"""The small operations of a decoder step, in plain PyTorch: the references the fused Triton kernels
+(:mod:`quantkit.runtime.fused_kernels`) are tested against, and the CPU path.
+
+Shapes: ``x [M, H]`` token rows; ``qkv [M, (Hq + 2 Hkv) * D]`` the fused projection's output; the KV
+cache ``[slots, S_max, Hkv, D]`` per layer; ``positions`` / ``slots`` ``[M]`` int (where each token sits).
+Every function computes in float32 and rounds once to the activation dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
+    """``x / rms(x) * (offset + weight)`` over the last dimension."""
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (normed * (offset + weight.float())).to(x.dtype)
+
+
+def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                     offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``residual += x`` (rounded to x's dtype, as a model adds in its dtype), then the norm of it.
+
+    Returns ``(normed, new_residual)``; ``residual=None`` starts a stream (the new residual is x).
+    """
+    summed = x if residual is None else (residual.float() + x.float()).to(x.dtype)
+    return rms_norm_ref(summed, weight, eps, offset), summed
+
+
+def rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE in the half-split layout: ``x [M, heads, D]``, ``cos, sin [M, D/2]`` float32."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
+
+
+def rope_cache_ref(qkv: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor, positions: torch.Tensor,
+                   n_heads: int, n_kv_heads: int, head_dim: int, k_cache: torch.Tensor | None = None,
+                   v_cache: torch.Tensor | None = None, slots: torch.Tensor | None = None) -> None:
+    """Rotate q and k of ``qkv`` in place and, with a cache, write k and v at ``[slots, positions]``."""
+    m = qkv.shape[0]
+    q_size, kv_size = n_heads * head_dim, n_kv_heads * head_dim
+    pos = positions.long()
+    cos, sin = cos_table[pos], sin_table[pos]
+    q = qkv[:, :q_size].view(m, n_heads, head_dim)
+    k = qkv[:, q_size:q_size + kv_size].view(m, n_kv_heads, head_dim)
+    v = qkv[:, q_size + kv_size:].view(m, n_kv_heads, head_dim)
+    q.copy_(rotate_ref(q, cos, sin))
+    k.copy_(rotate_ref(k, cos, sin))
+    if k_cache is not None:
+        k_cache[slots.long(), pos] = k.to(k_cache.dtype)
+        v_cache[slots.long(), pos] = v.to(v_cache.dtype)
+
+
+def act_mul_ref(gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """``act(gate) * up`` for ``gate_up [M, 2 I]`` (gate first) -> ``[M, I]``."""
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    act = F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
+    return (act * up).to(gate_up.dtype)
+
+
+def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """``cap * tanh(x / cap)`` (identity when cap is 0)."""
+    return x if not cap else torch.tanh(x / cap) * cap

@@ -1,0 +1,63 @@
+"""The fused Triton kernels of a decoder step against their plain-PyTorch references (TRITON_INTERPRET=1 on the
+CPU, float32 and float16)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from quantkit.runtime import fused_kernels, ops  # noqa: E402
+from tests.conftest import rel_err  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16]
+
+
+def _tol(dtype):
+    return 1e-6 if dtype == torch.float32 else 2e-3
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_residual,offset", [(False, 0.0), (True, 0.0), (True, 1.0)])
+def test_add_rms_norm(dtype, with_residual, offset):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 96, generator=g).to(DEV, dtype)
+    res = torch.randn(3, 96, generator=g).to(DEV, dtype) if with_residual else None
+    w = torch.randn(96, generator=g).to(DEV)
+    out, new_res = fused_kernels.add_rms_norm(x, res, w, 1e-6, offset)
+    ref_out, ref_res = ops.add_rms_norm_ref(x, res, w, 1e-6, offset)
+    assert rel_err(out, ref_out) < _tol(dtype)
+    assert torch.equal(new_res, ref_res)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("write_cache", [False, True])
+def test_rope_cache(dtype, write_cache):
+    g = torch.Generator().manual_seed(1)
+    hq, hkv, d, m = 4, 2, 16, 5
+    qkv = torch.randn(m, (hq + 2 * hkv) * d, generator=g).to(DEV, dtype)
+    angles = torch.rand(32, d // 2, generator=g) * 6
+    cos, sin = angles.cos().to(DEV), angles.sin().to(DEV)
+    positions = torch.tensor([0, 3, 7, 31, 2], dtype=torch.int32, device=DEV)
+    slots = torch.tensor([1, 1, 0, 2, 3], dtype=torch.int32, device=DEV)
+    caches = [torch.zeros(4, 32, hkv, d, dtype=dtype, device=DEV) for _ in range(4)] if write_cache else [None] * 4
+    expected = qkv.clone()
+    ops.rope_cache_ref(expected, cos, sin, positions, hq, hkv, d, caches[0], caches[1], slots if write_cache else None)
+    fused_kernels.rope_cache(qkv, cos, sin, positions, hq, hkv, d, caches[2], caches[3], slots if write_cache else None)
+    assert rel_err(qkv, expected) < _tol(dtype)
+    if write_cache:
+        assert rel_err(caches[2], caches[0]) < _tol(dtype) and caches[0].abs().sum() > 0
+        assert torch.equal(caches[3], caches[1])  # values are copied, not rotated
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_act_mul(dtype, activation):
+    x = torch.randn(3, 2 * 200, generator=torch.Generator().manual_seed(2)).to(DEV, dtype) * 3
+    out = fused_kernels.act_mul(x, activation)
+    assert rel_err(out, ops.act_mul_ref(x, activation)) < _tol(dtype) * 2
