@@ -267,3 +267,19 @@ def test_cli_eval_reads_settings_from_quantize_config_json(original, tiny_text_f
     expected = evaluate_perplexity(str(original), data=str(tiny_text_file), seqlen=64, max_windows=3,
                                    load=LoadConfig(device="cpu"))
     assert json.loads(proc.stdout)["ppl"] == pytest.approx(expected.ppl, rel=1e-6)
+
+
+@pytest.mark.parametrize("layout", ["autogptq-quantize-config-only", "gptqmodel-v2-format", "autoawq-gemm"])
+def test_the_runtime_reads_each_layout_as_the_original(original, tmp_path, layout):
+    """The serving runtime loads through the same reader: the same logits as from quantkit's own folder."""
+    from quantkit.runtime.loader import load_runtime_model
+
+    config, files, convert = LAYOUTS[layout]
+    folder = derive(original, tmp_path, layout, config, files)
+    if convert is not None:
+        rewrite_packed(folder, convert)
+    ids = torch.randint(0, 200, (1, 12), generator=torch.Generator().manual_seed(1))
+    ours, _ = load_runtime_model(str(original), device="cpu", dtype="float32", backend="reference")
+    theirs, _ = load_runtime_model(str(folder), device="cpu", dtype="float32", backend="reference")
+    assert theirs.quant == ours.quant
+    assert torch.equal(theirs.forward_logits(ids), ours.forward_logits(ids))

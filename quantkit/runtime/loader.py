@@ -38,6 +38,7 @@ def resolve_backend(backend: str, device: str) -> str:
 
 
 def _folder_source(path: Path):
+    """A tensor source over a plain 16-bit model folder (validated headers, ``read_tensors``)."""
     from quantkit.checkpoint_read import index_tensors, read_tensors
 
     records = index_tensors(path)
@@ -46,6 +47,17 @@ def _folder_source(path: Path):
         return dict(read_tensors(records, keys))
 
     return source, set(records)
+
+
+def _checkpoint_source(path: Path):
+    """``(QuantInfo, source, names)`` of a quantized folder in any layout quantkit reads (GPTQ v1/v2, AutoAWQ
+    GEMM; settings from config.json or quantize_config.json): the one checkpoint reader, packed linears
+    converted to GPTQ v1 as they are read; other layouts are refused there, saying what they are."""
+    from quantkit.checkpoint_read import open_checkpoint
+
+    checkpoint = open_checkpoint(path)
+    settings = checkpoint.settings
+    return QuantInfo(settings.bits, settings.group_size, settings.sym), checkpoint.read, checkpoint.names
 
 
 def _transformers_source(model: str, dtype: torch.dtype, trust_remote_code: bool):
@@ -78,7 +90,7 @@ def _eos_ids(generation_config, tokenizer) -> tuple[int, ...]:
 
 def _read_folder(path: Path):
     """(config dict, quant info or None, tensor source, tensor names, tokenizer, generation config)."""
-    from quantkit.checkpoint_read import validate_quant_config
+    from quantkit.api import is_quantized_checkpoint
 
     config_file = path / "config.json"
     if not config_file.is_file():
@@ -90,11 +102,11 @@ def _read_folder(path: Path):
     except json.JSONDecodeError as exc:
         raise QuantkitError(f"{config_file} is not valid JSON ({exc})") from exc
     hf_config(config)  # an unsupported architecture fails here, before any tensor is read
-    quant = None
-    if config.get("quantization_config") is not None:
-        settings = validate_quant_config(config["quantization_config"], config_file)
-        quant = QuantInfo(settings.bits, settings.group_size, settings.sym)
-    source, names = _folder_source(path)
+    if is_quantized_checkpoint(path):
+        quant, source, names = _checkpoint_source(path)
+    else:
+        quant = None
+        source, names = _folder_source(path)
     tokenizer = None
     if any((path / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         from transformers import AutoTokenizer
