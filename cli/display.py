@@ -20,7 +20,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from quantkit.progress import format_layer_line
+from quantkit.progress import format_layer_line, quantkit_logs_to
 
 
 def console(stderr: bool = False) -> Console:
@@ -38,17 +38,10 @@ def human_bytes(n: float) -> str:
 @contextlib.contextmanager
 def library_logs(con: Console) -> Iterator[None]:
     """Show quantkit's warnings and info lines above the progress bar while a command runs."""
-    logger = logging.getLogger("quantkit")
     handler = RichHandler(console=con, show_time=False, show_path=False, markup=False)
     handler.setLevel(logging.INFO)
-    previous = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
+    with quantkit_logs_to(handler):
         yield
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(previous)
 
 
 class LayerProgress:

@@ -89,14 +89,9 @@ def is_interactive() -> bool:
 
 
 @contextlib.contextmanager
-def visible_logs(enabled: bool) -> Iterator[None]:
-    """While ``enabled`` and no handler would show quantkit's INFO lines, add a stderr handler."""
+def quantkit_logs_to(handler: logging.Handler) -> Iterator[None]:
+    """Send quantkit's INFO lines (and above) to ``handler`` for the duration of the block."""
     logger = logging.getLogger("quantkit")
-    if not enabled or logger.handlers or logging.getLogger().handlers:
-        yield
-        return
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(message)s"))
     previous = logger.level
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
@@ -105,3 +100,15 @@ def visible_logs(enabled: bool) -> Iterator[None]:
     finally:
         logger.removeHandler(handler)
         logger.setLevel(previous)
+
+
+@contextlib.contextmanager
+def visible_logs(enabled: bool) -> Iterator[None]:
+    """While ``enabled`` and no handler would show quantkit's INFO lines, add a stderr handler."""
+    if not enabled or logging.getLogger("quantkit").handlers or logging.getLogger().handlers:
+        yield
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    with quantkit_logs_to(handler):
+        yield
