@@ -22,7 +22,7 @@ batch_app = typer.Typer(cls=_RunByDefault, no_args_is_help=True,
                         help="Quantize many models x methods x settings from a recipe (TOML/YAML), resumably, "
                         "and compare them: `quantkit batch RECIPE`, `quantkit batch report RECIPE_OR_DIR`.")
 
-Recipe = Annotated[Path, typer.Argument(help="Recipe file (.toml, .yaml): [defaults], [[grid]], [[jobs]], [eval].")]
+Recipe = Annotated[Path, typer.Argument(metavar="RECIPE", help="Recipe file (.toml, .yaml): [defaults], [[grid]], [[jobs]], [eval].")]
 OutputOverride = Annotated[Path | None, typer.Option("--output", "-o", help="Batch folder (overrides the recipe's output).")]
 
 
@@ -54,7 +54,7 @@ def run(
 
 @batch_app.command("report")
 def report(
-    target: Annotated[Path, typer.Argument(help="A recipe file or a batch output folder.")],
+    target: Annotated[Path, typer.Argument(metavar="RECIPE_OR_DIR", help="A recipe file or a batch output folder.")],
     json_: Annotated[bool, typer.Option("--json", help="Print the table as JSON on stdout.")] = False,
 ) -> None:
     """Write report.md, report.csv, report.json and report.png in the batch folder, and print the table."""

@@ -13,7 +13,7 @@ import typer
 def register(app: typer.Typer) -> None:
     @app.command("bench")
     def bench(
-        target: Annotated[str | None, typer.Argument(help="A quantized checkpoint folder (or use --shape).")] = None,
+        target: Annotated[str | None, typer.Argument(metavar="CKPT", help="A quantized checkpoint folder (or use --shape).")] = None,
         shape: Annotated[str | None, typer.Option("--shape", help="Random weights of a known shape: llama3-8b, "
                                                                   "smollm2-135m (built on the GPU, no download).")] = None,
         batches: Annotated[str, typer.Option("--batches", help="Decode batch sizes, comma-separated.")] = "1,8,32",

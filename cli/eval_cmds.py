@@ -66,8 +66,8 @@ def perplexity(
 
 @eval_app.command("kld")
 def kld(
-    base: Annotated[str, typer.Argument(help="The unquantized model: folder, hub id or .gguf file.")],
-    quantized: Annotated[str, typer.Argument(help="A quantized checkpoint folder of that model (or any model with its vocabulary).")],
+    base: Annotated[str, typer.Argument(metavar="BASE", help="The unquantized model: folder, hub id or .gguf file.")],
+    quantized: Annotated[str, typer.Argument(metavar="QUANTIZED", help="A quantized checkpoint folder of that model (or any model with its vocabulary).")],
     data: Annotated[str, typer.Option("--data", help="wikitext2 (hub) or a local .txt/.jsonl/.parquet file.")] = "wikitext2",
     seqlen: SeqLen = 512,
     max_windows: Annotated[int, typer.Option("--max-windows", help="Compare on at most this many windows.")] = 8,

@@ -13,8 +13,8 @@ from quantkit.cli.options import Device, Dtype, Json, TrustRemoteCode
 def register(app: typer.Typer) -> None:
     @app.command("generate")
     def generate(
-        model: Annotated[str, typer.Argument(help="A quantized checkpoint folder, a 16-bit model folder, hub id or .gguf.")],
-        prompt: Annotated[str, typer.Argument(help="The prompt text.")],
+        model: Annotated[str, typer.Argument(metavar="MODEL", help="A quantized checkpoint folder, a 16-bit model folder, hub id or .gguf.")],
+        prompt: Annotated[str, typer.Argument(metavar="PROMPT", help="The prompt text.")],
         chat: Annotated[bool, typer.Option("--chat", help="Wrap the prompt in the model's chat template.")] = False,
         system: Annotated[str | None, typer.Option("--system", help="System message (with --chat).")] = None,
         max_tokens: Annotated[int, typer.Option("--max-tokens", help="Tokens to generate at most.")] = 128,

@@ -12,7 +12,7 @@ from quantkit.cli.options import Device, Dtype, TrustRemoteCode
 def register(app: typer.Typer) -> None:
     @app.command("serve")
     def serve(
-        model: Annotated[str, typer.Argument(help="A quantized checkpoint folder, or a 16-bit model folder, hub id or .gguf.")],
+        model: Annotated[str, typer.Argument(metavar="MODEL", help="A quantized checkpoint folder, or a 16-bit model folder, hub id or .gguf.")],
         host: Annotated[str, typer.Option("--host", help="Address to listen on; the default answers only this machine.")] = "127.0.0.1",
         port: Annotated[int, typer.Option("--port", help="TCP port.")] = 8000,
         max_batch: Annotated[int, typer.Option("--max-batch", help="Sequences decoded together at most (cache slots).")] = 32,

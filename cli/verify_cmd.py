@@ -14,7 +14,7 @@ from quantkit.cli.options import Device, Dtype, Json, SeqLen, TrustRemoteCode
 def register(app: typer.Typer) -> None:
     @app.command("verify")
     def verify(
-        model: Annotated[str, typer.Argument(help="A quantized checkpoint folder (or a 16-bit model folder, hub id, .gguf).")],
+        model: Annotated[str, typer.Argument(metavar="MODEL", help="A quantized checkpoint folder (or a 16-bit model folder, hub id, .gguf).")],
         prompts: Annotated[Path | None, typer.Option("--prompts", help="A text file, one prompt per line (default: 4 built-in prompts).")] = None,
         reference: Annotated[list[str] | None, typer.Option("--reference", help="runtime (the runtime's reference ops, fp32) and/or transformers (its modeling code, fp32 on the CPU); default: both on CUDA, transformers on the CPU.")] = None,
         backend: Annotated[str, typer.Option("--backend", help="The served path: auto (kernels on CUDA, reference elsewhere), kernels, reference.")] = "auto",
