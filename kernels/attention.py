@@ -59,6 +59,7 @@ from quantkit.kernels.attention_fp8 import (  # noqa: F401  (re-exported: the fp
     quantize_fp8_per_block,
     quantize_fp8_per_token,
 )
+from quantkit.kernels.attention_fp8_quant import fp8_operands, quantize_qkv_fp8
 from quantkit.kernels.attention_select import (
     BACKENDS,
     AttentionCall,
@@ -341,14 +342,21 @@ def _call_facts(q, k, causal, window_left, softcap, fp8, fp8_pv, cu_seqlens_k, k
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=False, sm_scale=None,
                      window_left=-1, softcap=0.0, fp8=False, hadamard=False, fp8_pv=True, use_tma=None,
                      config=None, fp8_prepared=None,
-                     backend="auto", kv_aligned=None):
+                     backend="auto", kv_aligned=None, max_seqlen_k=None,
+                     q_descale=None, k_descale=None, v_descale=None, out_dtype=torch.bfloat16):
     """Packed variable-length attention forward.
 
     q: (total_q, Hq, D); k, v: (total_k, Hkv, D), fp16 or bf16 (fp32 runs too, for the CPU tests);
     cu_seqlens_q, cu_seqlens_k: (B + 1,) int32 cumulative offsets; max_seqlen_q: int.
     Hq must be a multiple of Hkv (GQA/MQA). window_left < 0: no window. softcap <= 0: none.
-    fp8=True quantizes q, k, v (and P) to e4m3 (`prepare_fp8`); fp8_prepared passes its result
-    in directly (then q, k, v are only used for their shapes). hadamard, fp8_pv: see `prepare_fp8`.
+    fp8=True quantizes q, k, v (and P) to e4m3: per-token q, per-128-key-block k and per-head v scales, by the
+    fused Triton kernels of `attention_fp8_quant.quantize_qkv_fp8` (two launches, no host sync), or by the
+    plain-PyTorch `prepare_fp8` with hadamard=True or fp8_pv=False (see there); max_seqlen_k sizes its grid
+    (None: max_seqlen_q when cu_seqlens_k is cu_seqlens_q, else total_k). fp8_prepared passes that tuple in
+    directly (then q, k, v are only used for their shapes).
+    Already-fp8 inputs: q, k, v of dtype torch.float8_e4m3fn in the same layout with q_descale, k_descale,
+    v_descale (value = code x descale, as FA3's descale factors: see `attention_fp8_quant.fp8_operands`); the
+    output is then out_dtype (bf16 by default). Only V is moved (to the kernels' transposed key order).
     config: optional `attention_select.AttentionTiles` (BLOCK_M, BLOCK_N, num_warps, num_stages).
     use_tma: load K / V tiles through tensor descriptors (default: on Hopper and newer; V follows K
     where its layout allows).
@@ -361,6 +369,13 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=F
     device at the cost of one host sync per call.
     Returns out: (total_q, Hq, D) in q's dtype.
     """
+    if max_seqlen_k is None and cu_seqlens_k is cu_seqlens_q:
+        max_seqlen_k = max_seqlen_q
+    if q.dtype == torch.float8_e4m3fn:  # the caller quantized: descale factors, and q, k, v for their shapes
+        fp8_prepared = fp8_operands(q, k, v, q_descale, k_descale, v_descale, cu_seqlens_k, max_seqlen_k)
+        q, k, v = (_shape_of(x, out_dtype) for x in (q, k, v))
+    elif fp8 and fp8_prepared is None:
+        fp8_prepared = quantize_qkv_fp8(q, k, v, cu_seqlens_k, max_seqlen_k, hadamard, fp8_pv)
     fp8 = fp8 or fp8_prepared is not None
     if fp8_prepared is not None:
         fp8_pv = fp8_prepared[4].dtype == torch.float8_e4m3fn
@@ -439,8 +454,16 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=F
     return out
 
 
+def _shape_of(x, dtype):
+    """A tensor with x's shape and device and ``dtype`` that holds no data (stride 0): the kernels' launchers
+    read only the shape and dtype of q, k, v when the fp8 operands come prepared."""
+    return torch.empty((), dtype=dtype, device=x.device).expand(x.shape)
+
+
 def attention(q, k, v, causal=False, **kwargs):
-    """Fixed-length batch: q (B, Sq, Hq, D), k, v (B, Sk, Hkv, D) -> out (B, Sq, Hq, D)."""
+    """Fixed-length batch: q (B, Sq, Hq, D), k, v (B, Sk, Hkv, D) -> out (B, Sq, Hq, D). Keyword arguments as
+    `attention_varlen` (fp8=True on 16-bit inputs; e4m3 inputs with q_descale (a number, (Hq,) or
+    (B * Sq, Hq)), k_descale and v_descale (a number or (Hkv,)))."""
     b, sq, hq, d = q.shape
     sk = k.shape[1]
     dev = q.device
@@ -448,6 +471,7 @@ def attention(q, k, v, causal=False, **kwargs):
     # (one tensor for both when the lengths match: each arange is a launch and ~10 us of host time)
     cu_k = cu_q if sk == sq else torch.arange(0, (b + 1) * sk, sk, dtype=torch.int32, device=dev)
     kwargs.setdefault("kv_aligned", sk % 32 == 0)  # the key starts are multiples of sk
+    kwargs.setdefault("max_seqlen_k", sk)
     out = attention_varlen(q.reshape(b * sq, hq, d), k.reshape(b * sk, -1, d), v.reshape(b * sk, -1, d),
                            cu_q, cu_k, sq, causal=causal, **kwargs)
     return out.view(b, sq, hq, d)

@@ -1,0 +1,260 @@
+"""FP8 (e4m3) operands of the attention kernels, made on the GPU: the fused quantization of q, k and v, and the
+operands of a caller whose q, k, v are already e4m3 (with FA3-style descale factors).
+
+:func:`quantize_qkv_fp8` computes what :func:`attention_fp8.prepare_fp8` (the plain-PyTorch reference) computes
+for its default case (no Hadamard rotation, fp8 P @ V), bit for bit, in two Triton launches and no host sync:
+
+1. ``_quantize_qk_amax_v``: per-token Q scales and e4m3 Q; per-(sequence, 128-key block, head) K scales and
+   e4m3 K; the absolute maximum of each V block (one read of q, k and v);
+2. ``_quantize_v_t``: the per-head V scale (the max over that head's block maxima) and e4m3 V^T, written in the
+   key order of ``attention._perm_keys`` with the zero padding the V^T TMA boxes read past the end.
+
+Two launches, not one: the V scale is one per head, so no V value can be rounded before every block of that
+head has been read, and a grid-wide barrier inside one launch would need every program resident at once. The
+cost is a second read of v (a third of the input bytes).
+
+:func:`fp8_operands` takes e4m3 q, k, v in the plain (tokens, H, D) layout and their descale factors (value =
+code x descale; per token or per head for q, per head for k and v) and returns the same tuple; only V is moved
+(its transposed, key-permuted copy: one pass over the e4m3 bytes).
+"""
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from quantkit.kernels.attention_fp8 import KV_SCALE_BLOCK, _cdiv, prepare_fp8
+
+E4M3_MAX = tl.constexpr(448.0)
+AMAX_FLOOR = tl.constexpr(1e-12)  # the amax of an all-zero row / block / head: its codes are 0 either way
+Q_ROWS = 64  # (token, head) rows of Q per program of the first launch
+V_PAD = 256  # zero tokens after the end of V^T: no 256-wide TMA box crosses the end of the storage
+PAD_COLS = tl.constexpr(2 * V_PAD)  # >= n_pad - total_k (< V_PAD + 32)
+
+
+@triton.jit
+def _perm_pos(tok):
+    """Storage position of token `tok` in V^T (``attention_fp8._key_perm_positions``)."""
+    return (tok & -15) | ((tok & 8) >> 2) | ((tok & 6) << 1)
+
+
+@triton.jit
+def _round_e4m3(y):
+    """y (fp32, |y| <= 448) rounded to the nearest e4m3 value (ties to even), in fp32: add and subtract
+    1.5 x 2^(e + 20), e the exponent of y's e4m3 spacing (2^-9 below the normal range)."""
+    e = tl.maximum((y.to(tl.int32, bitcast=True) >> 23) & 0xFF, 127 - 6)
+    magic = (((e + 20) << 23) | (1 << 22)).to(tl.float32, bitcast=True)
+    r = (tl.abs(y) + magic) - magic
+    return tl.where(y < 0, -r, r)
+
+
+@triton.jit
+def _to_e4m3(y, ROUND_IN_F32: tl.constexpr):
+    """fp32 -> e4m3 with round-to-nearest-even. ROUND_IN_F32 (the CPU interpreter only): round first in fp32,
+    because Triton 3.6's interpreter drops the carry into the exponent when rounding up crosses a power of two
+    (126.8 -> 64 instead of 128); the GPU's conversion instruction rounds right by itself."""
+    if ROUND_IN_F32:
+        y = _round_e4m3(y)
+    return y.to(tl.float8e4nv)
+
+
+@triton.jit
+def _quantize_q_rows(q_ptr, q8_ptr, qs_ptr, row0, n_rows, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr,
+                     ROUND_IN_F32: tl.constexpr):
+    """Rows row0.. of q viewed as (tokens * Hq, D): one scale a row (a token of one head)."""
+    rows = row0 + tl.arange(0, ROWS)
+    offs_d = tl.arange(0, HEAD_DIM)
+    ok = rows < n_rows
+    ptrs = rows.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :]
+    x = tl.load(q_ptr + ptrs, mask=ok[:, None], other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=1), AMAX_FLOOR) / E4M3_MAX
+    tl.store(q8_ptr + ptrs, _to_e4m3(tl.math.div_rn(x, scale[:, None]), ROUND_IN_F32), mask=ok[:, None])
+    tl.store(qs_ptr + rows, scale, mask=ok)
+
+
+@triton.jit
+def _quantize_k_block(k_ptr, v_ptr, k8_ptr, ks_ptr, vmax_ptr, cu_seqlens_k_ptr, slot, n_blocks,
+                      N_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+                      ROUND_IN_F32: tl.constexpr):
+    """Key block `slot` = (sequence, block, head): one K scale for its keys (written for each of them), e4m3 K,
+    and the block's V maximum (0 for a block past the end of its sequence)."""
+    head = slot % N_KV_HEADS
+    blk = (slot // N_KV_HEADS) % n_blocks
+    seq = slot // (N_KV_HEADS * n_blocks)
+    kv_start = tl.load(cu_seqlens_k_ptr + seq)
+    seqlen = tl.load(cu_seqlens_k_ptr + seq + 1) - kv_start
+    local = blk * BLOCK + tl.arange(0, BLOCK)
+    ok = local < seqlen
+    offs_d = tl.arange(0, HEAD_DIM)
+    tok = (kv_start + local).to(tl.int64)
+    ptrs = (tok[:, None] * N_KV_HEADS + head) * HEAD_DIM + offs_d[None, :]
+    k = tl.load(k_ptr + ptrs, mask=ok[:, None], other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.max(tl.abs(k), axis=1), axis=0), AMAX_FLOOR) / E4M3_MAX
+    tl.store(k8_ptr + ptrs, _to_e4m3(tl.math.div_rn(k, scale), ROUND_IN_F32), mask=ok[:, None])
+    tl.store(ks_ptr + tok * N_KV_HEADS + head, tl.zeros([BLOCK], tl.float32) + scale, mask=ok)
+    v = tl.load(v_ptr + ptrs, mask=ok[:, None], other=0.0).to(tl.float32)
+    tl.store(vmax_ptr + slot, tl.max(tl.max(tl.abs(v), axis=1), axis=0))
+
+
+@triton.jit
+def _quantize_qk_amax_v(q_ptr, k_ptr, v_ptr, q8_ptr, qs_ptr, k8_ptr, ks_ptr, vmax_ptr, cu_seqlens_k_ptr,
+                        n_q_rows, n_blocks, n_kv_programs,
+                        N_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+                        ROWS: tl.constexpr, ROUND_IN_F32: tl.constexpr):
+    """First launch: programs 0..n_kv_programs - 1 take a key block each, the rest ROWS rows of Q each."""
+    pid = tl.program_id(0)
+    if pid < n_kv_programs:
+        _quantize_k_block(k_ptr, v_ptr, k8_ptr, ks_ptr, vmax_ptr, cu_seqlens_k_ptr, pid, n_blocks,
+                          N_KV_HEADS, HEAD_DIM, BLOCK, ROUND_IN_F32)
+    else:
+        _quantize_q_rows(q_ptr, q8_ptr, qs_ptr, (pid - n_kv_programs) * ROWS, n_q_rows, HEAD_DIM, ROWS,
+                         ROUND_IN_F32)
+
+
+@triton.jit
+def _quantize_v_t(v_ptr, vt_ptr, vmax_ptr, v_scale_ptr, cu_seqlens_k_ptr, n_blocks, n_slots, total_k, n_pad,
+                  N_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+                  SCAN: tl.constexpr, SCALED: tl.constexpr, ROUND_IN_F32: tl.constexpr):
+    """Second launch, one program per (sequence, block, head) slot, then N_KV_HEADS programs that zero each
+    head's padding: V^T [D, tokens] of the block in e4m3 at the permuted positions. SCALED: v is 16-bit, divided
+    by the head's scale (the max over the slots' block maxima, vmax_ptr; written to v_scale_ptr); else v is
+    e4m3 already and only moved."""
+    pid = tl.program_id(0)
+    offs_d = tl.arange(0, HEAD_DIM)
+    if pid >= n_slots:  # the padding of V^T (tokens total_k .. n_pad of one head): zeros
+        head = pid - n_slots
+        toks = total_k + tl.arange(0, PAD_COLS)  # no token; their permuted positions fill the storage's tail
+        ptrs = (head * HEAD_DIM + offs_d).to(tl.int64)[:, None] * n_pad + _perm_pos(toks)[None, :]
+        tl.store(vt_ptr + ptrs, tl.zeros([HEAD_DIM, PAD_COLS], tl.float32).to(tl.float8e4nv),
+                 mask=(toks < n_pad)[None, :])
+        return
+    head = pid % N_KV_HEADS
+    blk = (pid // N_KV_HEADS) % n_blocks
+    seq = pid // (N_KV_HEADS * n_blocks)
+    if SCALED:
+        amax = tl.zeros([SCAN], tl.float32)
+        for s0 in range(0, n_slots, SCAN):  # this head's slots: every N_KV_HEADS-th entry
+            slots = s0 + tl.arange(0, SCAN)
+            mine = (slots < n_slots) & (slots % N_KV_HEADS == head)
+            amax = tl.maximum(amax, tl.load(vmax_ptr + slots, mask=mine, other=0.0))
+        scale = tl.maximum(tl.max(amax, axis=0), AMAX_FLOOR) / E4M3_MAX
+        if pid < N_KV_HEADS:  # sequence 0, block 0 of this head (before any return: it may be empty)
+            tl.store(v_scale_ptr + head, scale)
+    kv_start = tl.load(cu_seqlens_k_ptr + seq)
+    seqlen = tl.load(cu_seqlens_k_ptr + seq + 1) - kv_start
+    if blk * BLOCK >= seqlen:
+        return
+    local = blk * BLOCK + tl.arange(0, BLOCK)
+    ok = local < seqlen
+    tok = kv_start + local
+    v = tl.load(v_ptr + ((tok.to(tl.int64) * N_KV_HEADS + head) * HEAD_DIM)[:, None] + offs_d[None, :],
+                mask=ok[:, None], other=0.0)
+    if SCALED:
+        v8 = _to_e4m3(tl.math.div_rn(v.to(tl.float32), scale), ROUND_IN_F32)
+    else:
+        v8 = v
+    ptrs = (head * HEAD_DIM + offs_d).to(tl.int64)[:, None] * n_pad + _perm_pos(tok)[None, :]
+    tl.store(vt_ptr + ptrs, tl.trans(v8), mask=ok[None, :])
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _v_t_storage(total_k, n_kv_heads, head_dim, device):
+    """(Hkv, D, n_pad) e4m3 storage of V^T: n_pad >= total_k + V_PAD, a multiple of 32 (prepare_fp8's)."""
+    n_pad = _cdiv(total_k + V_PAD, 32) * 32
+    return torch.empty(n_kv_heads, head_dim, n_pad, dtype=torch.float8_e4m3fn, device=device), n_pad
+
+
+def _launch_v_t(v, vt, n_pad, vmax, v_scale, cu_seqlens_k, n_blocks, scaled):
+    total_k, n_kv_heads, head_dim = v.shape
+    n_slots = (cu_seqlens_k.numel() - 1) * n_blocks * n_kv_heads
+    scan = min(1024, triton.next_power_of_2(max(n_slots, 16)))
+    _quantize_v_t[(n_slots + n_kv_heads,)](
+        v, vt, vmax, v_scale, cu_seqlens_k, n_blocks, n_slots, total_k, n_pad,
+        N_KV_HEADS=n_kv_heads, HEAD_DIM=head_dim, BLOCK=KV_SCALE_BLOCK, SCAN=scan, SCALED=scaled,
+        ROUND_IN_F32=_interpreted(), num_warps=8)
+
+
+def fused_quantization_applies(q, k, v, hadamard=False, fp8_pv=True) -> bool:
+    """Whether :func:`quantize_qkv_fp8` runs the Triton kernels (else it falls back to ``prepare_fp8``)."""
+    d = q.shape[-1]
+    return (not hadamard and fp8_pv and d & (d - 1) == 0 and 16 <= d <= 256
+            and all(x.is_contiguous() and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+                    for x in (q, k, v)))
+
+
+def quantize_qkv_fp8(q, k, v, cu_seqlens_k=None, max_seqlen_k=None, hadamard=False, fp8_pv=True):
+    """The fp8 operands of the attention kernels, ``prepare_fp8``'s tuple (q8, q_scale, k8, k_scale, v8, v_scale).
+
+    q: (total_q, Hq, D); k, v: (total_k, Hkv, D), contiguous 16-bit (fp32 for the CPU tests), D a power of two;
+    cu_seqlens_k: (B + 1,) int32 (None: one sequence); max_seqlen_k: the longest key sequence (None: total_k, an
+    upper bound that only adds idle programs). Hadamard rotation and 16-bit P @ V (fp8_pv=False) take the
+    plain-PyTorch ``prepare_fp8``, as does any other layout."""
+    if not fused_quantization_applies(q, k, v, hadamard, fp8_pv):
+        return prepare_fp8(q, k, v, hadamard, fp8_pv, cu_seqlens_k)
+    total_q, n_heads, head_dim = q.shape
+    total_k, n_kv_heads, _ = k.shape
+    dev = q.device
+    if cu_seqlens_k is None:
+        cu_seqlens_k = torch.tensor([0, total_k], dtype=torch.int32, device=dev)
+    n_blocks = _cdiv(max(max_seqlen_k if max_seqlen_k is not None else total_k, 1), KV_SCALE_BLOCK)
+    n_kv_programs = (cu_seqlens_k.numel() - 1) * n_blocks * n_kv_heads
+    q8 = torch.empty(q.shape, dtype=torch.float8_e4m3fn, device=dev)
+    k8 = torch.empty(k.shape, dtype=torch.float8_e4m3fn, device=dev)
+    q_scale = torch.empty(total_q, n_heads, dtype=torch.float32, device=dev)
+    k_scale = torch.empty(total_k, n_kv_heads, dtype=torch.float32, device=dev)
+    vmax = torch.empty(n_kv_programs, dtype=torch.float32, device=dev)
+    n_q_rows = total_q * n_heads
+    _quantize_qk_amax_v[(n_kv_programs + _cdiv(n_q_rows, Q_ROWS),)](
+        q, k, v, q8, q_scale, k8, k_scale, vmax, cu_seqlens_k, n_q_rows, n_blocks, n_kv_programs,
+        N_KV_HEADS=n_kv_heads, HEAD_DIM=head_dim, BLOCK=KV_SCALE_BLOCK, ROWS=Q_ROWS, ROUND_IN_F32=_interpreted(),
+        num_warps=8)
+    vt, n_pad = _v_t_storage(total_k, n_kv_heads, head_dim, dev)
+    v_scale = torch.empty(n_kv_heads, dtype=torch.float32, device=dev)
+    _launch_v_t(v, vt, n_pad, vmax, v_scale, cu_seqlens_k, n_blocks, True)
+    return q8, q_scale, k8, k_scale, vt[:, :, :total_k].permute(2, 0, 1), v_scale
+
+
+def _descale(x, rows, heads, name, per_token_ok):
+    """A descale factor as the kernels read it: float32 (rows, heads), head stride 1 (row stride 0 when given
+    per head). x: a number, a 0-d or (heads,) tensor, or (rows, heads) when per_token_ok."""
+    t = torch.as_tensor(x, dtype=torch.float32).to(x.device if torch.is_tensor(x) else "cpu")
+    if t.dim() == 0 or t.shape == (1,):
+        t = t.reshape(1).expand(heads)
+    if t.shape == (heads,):
+        return t.contiguous().expand(rows, heads)
+    if per_token_ok and t.shape == (rows, heads):
+        return t.contiguous()
+    shapes = f"a number, ({heads},)" + (f" or ({rows}, {heads})" if per_token_ok else "")
+    raise ValueError(f"{name} must be {shapes}: got shape {tuple(t.shape)}")
+
+
+def fp8_operands(q8, k8, v8, q_descale, k_descale, v_descale, cu_seqlens_k=None, max_seqlen_k=None):
+    """The attention kernels' fp8 operands from e4m3 q8 (total_q, Hq, D), k8 and v8 (total_k, Hkv, D) in the plain
+    layout, as a projection that emits fp8 gives them, and their descale factors (the value a code stands for is
+    code x descale, as FA3's descale_q/k/v): q_descale a number, per head (Hq,) or per token (total_q, Hq);
+    k_descale and v_descale a number or per head (Hkv,). Only V is moved (to the transposed, key-permuted
+    storage the kernels read); q8 and k8 are used as they are."""
+    for name, x in (("q", q8), ("k", k8), ("v", v8)):
+        if x.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"{name} must be torch.float8_e4m3fn for the pre-quantized fp8 call, got {x.dtype}")
+    if any(d is None for d in (q_descale, k_descale, v_descale)):
+        raise ValueError("pre-quantized fp8 q, k, v need q_descale, k_descale and v_descale")
+    if k8.shape != v8.shape or q8.shape[-1] != k8.shape[-1] or q8.shape[1] % k8.shape[1]:
+        raise ValueError(f"shapes q {tuple(q8.shape)}, k {tuple(k8.shape)}, v {tuple(v8.shape)} do not match")
+    total_q, n_heads, head_dim = q8.shape
+    total_k, n_kv_heads, _ = k8.shape
+    dev = q8.device
+    q_scale = _descale(q_descale, total_q, n_heads, "q_descale", True).to(dev)
+    k_scale = _descale(k_descale, total_k, n_kv_heads, "k_descale", False).to(dev)
+    v_scale = _descale(v_descale, 1, n_kv_heads, "v_descale", False)[0].contiguous().to(dev)
+    q8, k8, v8 = q8.contiguous(), k8.contiguous(), v8.contiguous()
+    if cu_seqlens_k is None:
+        cu_seqlens_k = torch.tensor([0, total_k], dtype=torch.int32, device=dev)
+    n_blocks = _cdiv(max(max_seqlen_k if max_seqlen_k is not None else total_k, 1), KV_SCALE_BLOCK)
+    vt, n_pad = _v_t_storage(total_k, n_kv_heads, head_dim, dev)
+    _launch_v_t(v8, vt, n_pad, v_scale, v_scale, cu_seqlens_k, n_blocks, False)
+    return q8, q_scale, k8, k_scale, vt[:, :, :total_k].permute(2, 0, 1), v_scale
