@@ -260,6 +260,59 @@ def fp8_accuracy(results):
         print("fp8_acc", row, flush=True)
 
 
+def fp8_call_table(args, results):
+    """The public fp8 call against our bf16 in one process, 16 heads, head dim 128, bf16 inputs, CUDA-graph
+    timing: bf16 (``attention``, auto), fp8 through the public call (the fused quantization + the kernel), the
+    former public call (``prepare_fp8`` in PyTorch + the kernel), e4m3 inputs with descale factors (V moved to
+    the kernels' layout + the kernel), the kernel alone on prepared operands, and the fused quantization alone.
+    Relative errors against float32 attention on the same bf16 inputs."""
+    from quantkit.kernels.attention_fp8 import quantize_fp8_per_token
+    from quantkit.kernels.attention_fp8_quant import quantize_qkv_fp8
+
+    h, d = 16, 128
+    seqlens = [int(x) for x in args.seqlens.split(",")] if args.seqlens else [2048, 8192, 16384]
+    for s in seqlens:
+        b = TOKENS // s
+        q, k, v = make(b, s, h, h, d)
+        flat = [x.reshape(b * s, h, d) for x in (q, k, v)]
+        cu = fixed_cu(b, s)
+        q8, qd = quantize_fp8_per_token(flat[0])  # what a projection emitting e4m3 would give
+        kd, vd = (x.abs().amax(dim=(0, 2)).float() / 448.0 for x in flat[1:])
+        k8, v8 = ((x.float() / sc[:, None]).to(torch.float8_e4m3fn) for x, sc in zip(flat[1:], (kd, vd)))
+        pre8 = [x.view(b, s, h, d) for x in (q8, k8, v8)]
+        prepared = quantize_qkv_fp8(*flat, cu, s)
+        for causal in (False, True):
+            with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+                ref = torch.nn.functional.scaled_dot_product_attention(
+                    *(x.float().transpose(1, 2) for x in (q, k, v)), is_causal=causal).transpose(1, 2)
+            paths = {
+                "bf16": lambda: attention(q, k, v, causal=causal),
+                "fp8_public": lambda: attention(q, k, v, causal=causal, fp8=True),
+                "fp8_public_before": lambda: attention(q, k, v, causal=causal,
+                                                       fp8_prepared=prepare_fp8(*flat, cu_seqlens_k=cu)),
+                "fp8_inputs_descale": lambda: attention(*pre8, causal=causal, q_descale=qd, k_descale=kd,
+                                                        v_descale=vd),
+                "fp8_kernel_only": lambda: attention(q, k, v, causal=causal, fp8_prepared=prepared),
+                "quantize_only": lambda: quantize_qkv_fp8(*flat, cu, s),
+            }
+            row = {"hq": h, "hkv": h, "head_dim": d, "seqlen": s, "batch": b, "causal": causal}
+            f = flops(b, h, s, d, causal)
+            for name, fn in paths.items():
+                if name != "quantize_only":
+                    row[f"{name}_rel_err"] = round(rel_err(fn(), ref), 5)
+                t, err = try_time(lambda fn=fn: fn, graph=True)
+                row[f"{name}_us"] = round(t * 1e3, 1) if t else err
+                if t and name != "quantize_only":
+                    row[f"{name}_tflops"] = round(f / t / 1e9, 1)
+            for name in ("fp8_public", "fp8_public_before", "fp8_inputs_descale", "fp8_kernel_only"):
+                if isinstance(row.get(f"{name}_us"), float) and isinstance(row.get("bf16_us"), float):
+                    row[f"{name}_vs_bf16"] = round(row["bf16_us"] / row[f"{name}_us"], 3)
+            results["fp8_call"].append(row)
+            print("fp8_call", row, flush=True)
+            del ref
+        del q, k, v, flat, prepared, q8, k8, v8, pre8
+
+
 def decode_table(results, copy_tbs):
     shapes = [(1, 32768, 32, 8, 128), (8, 8192, 32, 8, 128), (64, 2048, 32, 8, 128), (16, 4096, 16, 16, 64)]
     for b, L, hq, hkv, d in shapes:
@@ -289,7 +342,8 @@ def main():
     ap.add_argument("--skip-sweep", action="store_true")
     ap.add_argument("--seqlens", help="comma list for the prefill table, e.g. 2048,4096")
     ap.add_argument("--heads", help="comma list of hq/hkv/d for the prefill table, e.g. 16/16/128,32/8/128")
-    ap.add_argument("--sections", default="prefill,fp8acc,decode", help="which of prefill,fp8acc,decode to run")
+    ap.add_argument("--sections", default="prefill,fp8acc,decode",
+                    help="which of prefill,fp8acc,decode,fp8call to run (fp8call: the public fp8 call against bf16)")
     ap.add_argument("--name", help="results file name (default attention_<date>.json)")
     ap.add_argument("--variants", help="comma list of sweep variant names to run (default: all)")
     ap.add_argument("--peers", default="flash,cudnn,efficient", help="SDPA backends to time")
@@ -302,13 +356,14 @@ def main():
                "triton": triton.__version__, "cuda": torch.version.cuda,
                "date": datetime.datetime.now().isoformat(timespec="seconds"), "tokens": TOKENS,
                "timing": "cuda graph replays" if args.graph else "eager, L2 flushed (do_bench)",
-               "sweep": [], "prefill": [], "fp8_accuracy": [], "decode": []}
+               "sweep": [], "prefill": [], "fp8_accuracy": [], "decode": [], "fp8_call": []}
     results["copy_TBps"] = round(copy_bandwidth(), 3)
     best = {} if args.skip_sweep else sweep(args, results)
     results["chosen"] = {str(c): str(v) for c, v in best.items()}
     print("chosen:", results["chosen"], flush=True)
     sections = {"prefill": lambda: prefill_table(args, results, best), "fp8acc": lambda: fp8_accuracy(results),
-                "decode": lambda: decode_table(results, results["copy_TBps"])}
+                "decode": lambda: decode_table(results, results["copy_TBps"]),
+                "fp8call": lambda: fp8_call_table(args, results)}
     result_path = os.path.join(args.out, args.name or f"attention_{datetime.date.today()}.json")
     for name in args.sections.split(","):
         try:
@@ -340,6 +395,17 @@ def main():
     for r in results["decode"]:
         print(f"decode b={r['batch']} L={r['cache_len']} {r['hq']}/{r['hkv']}/{r['head_dim']}: {r['ms']} ms "
               f"{r['kv_TBps']} TB/s ({r['frac_of_copy']:.0%} of copy) err {r['rel_err']:.1e}")
+    if results["fp8_call"]:
+        print("16/16/128 seqlen c | us: bf16  fp8 call  before  fp8 in  kernel  quant | x bf16: call before fp8in "
+              "kernel | err bf16 fp8call fp8in")
+    for r in results["fp8_call"]:
+        us = [r.get(f"{n}_us") for n in ("bf16", "fp8_public", "fp8_public_before", "fp8_inputs_descale",
+                                          "fp8_kernel_only", "quantize_only")]
+        x = [r.get(f"{n}_vs_bf16") for n in ("fp8_public", "fp8_public_before", "fp8_inputs_descale",
+                                              "fp8_kernel_only")]
+        e = [r.get(f"{n}_rel_err") for n in ("bf16", "fp8_public", "fp8_inputs_descale")]
+        print(f"{r['seqlen']:6d} {int(r['causal'])} | " + " ".join(f"{u:>8}" for u in us) + " | "
+              + " ".join(f"{v:>6}" for v in x) + " | " + " ".join(f"{v:>8}" for v in e))
     errors = [r for r in results["prefill"] if isinstance(r["ours"], str) and r["ours"] != "not run"]
     return 1 if errors else 0
 

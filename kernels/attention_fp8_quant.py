@@ -4,9 +4,9 @@ operands of a caller whose q, k, v are already e4m3 (with FA3-style descale fact
 :func:`quantize_qkv_fp8` computes what :func:`attention_fp8.prepare_fp8` (the plain-PyTorch reference) computes
 for its default case (no Hadamard rotation, fp8 P @ V), bit for bit, in two Triton launches and no host sync:
 
-1. ``_quantize_qk_amax_v``: per-token Q scales and e4m3 Q; per-(sequence, 128-key block, head) K scales and
+1. ``_quantize_qk_amax_v_kernel``: per-token Q scales and e4m3 Q; per-(sequence, 128-key block, head) K scales and
    e4m3 K; the absolute maximum of each V block (one read of q, k and v);
-2. ``_quantize_v_t``: the per-head V scale (the max over that head's block maxima) and e4m3 V^T, written in the
+2. ``_quantize_v_t_kernel``: the per-head V scale (the max over that head's block maxima) and e4m3 V^T, written in the
    key order of ``attention._perm_keys`` with the zero padding the V^T TMA boxes read past the end.
 
 Two launches, not one: the V scale is one per head, so no V value can be rounded before every block of that
@@ -98,7 +98,7 @@ def _quantize_k_block(k_ptr, v_ptr, k8_ptr, ks_ptr, vmax_ptr, cu_seqlens_k_ptr, 
 
 
 @triton.jit
-def _quantize_qk_amax_v(q_ptr, k_ptr, v_ptr, q8_ptr, qs_ptr, k8_ptr, ks_ptr, vmax_ptr, cu_seqlens_k_ptr,
+def _quantize_qk_amax_v_kernel(q_ptr, k_ptr, v_ptr, q8_ptr, qs_ptr, k8_ptr, ks_ptr, vmax_ptr, cu_seqlens_k_ptr,
                         n_q_rows, n_blocks, n_kv_programs,
                         N_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
                         ROWS: tl.constexpr, ROUND_IN_F32: tl.constexpr):
@@ -113,7 +113,7 @@ def _quantize_qk_amax_v(q_ptr, k_ptr, v_ptr, q8_ptr, qs_ptr, k8_ptr, ks_ptr, vma
 
 
 @triton.jit
-def _quantize_v_t(v_ptr, vt_ptr, vmax_ptr, v_scale_ptr, cu_seqlens_k_ptr, n_blocks, n_slots, total_k, n_pad,
+def _quantize_v_t_kernel(v_ptr, vt_ptr, vmax_ptr, v_scale_ptr, cu_seqlens_k_ptr, n_blocks, n_slots, total_k, n_pad,
                   N_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
                   SCAN: tl.constexpr, SCALED: tl.constexpr, ROUND_IN_F32: tl.constexpr):
     """Second launch, one program per (sequence, block, head) slot, then N_KV_HEADS programs that zero each
@@ -172,7 +172,7 @@ def _launch_v_t(v, vt, n_pad, vmax, v_scale, cu_seqlens_k, n_blocks, scaled):
     total_k, n_kv_heads, head_dim = v.shape
     n_slots = (cu_seqlens_k.numel() - 1) * n_blocks * n_kv_heads
     scan = min(1024, triton.next_power_of_2(max(n_slots, 16)))
-    _quantize_v_t[(n_slots + n_kv_heads,)](
+    _quantize_v_t_kernel[(n_slots + n_kv_heads,)](
         v, vt, vmax, v_scale, cu_seqlens_k, n_blocks, n_slots, total_k, n_pad,
         N_KV_HEADS=n_kv_heads, HEAD_DIM=head_dim, BLOCK=KV_SCALE_BLOCK, SCAN=scan, SCALED=scaled,
         ROUND_IN_F32=_interpreted(), num_warps=8)
@@ -208,7 +208,7 @@ def quantize_qkv_fp8(q, k, v, cu_seqlens_k=None, max_seqlen_k=None, hadamard=Fal
     k_scale = torch.empty(total_k, n_kv_heads, dtype=torch.float32, device=dev)
     vmax = torch.empty(n_kv_programs, dtype=torch.float32, device=dev)
     n_q_rows = total_q * n_heads
-    _quantize_qk_amax_v[(n_kv_programs + _cdiv(n_q_rows, Q_ROWS),)](
+    _quantize_qk_amax_v_kernel[(n_kv_programs + _cdiv(n_q_rows, Q_ROWS),)](
         q, k, v, q8, q_scale, k8, k_scale, vmax, cu_seqlens_k, n_q_rows, n_blocks, n_kv_programs,
         N_KV_HEADS=n_kv_heads, HEAD_DIM=head_dim, BLOCK=KV_SCALE_BLOCK, ROWS=Q_ROWS, ROUND_IN_F32=_interpreted(),
         num_warps=8)
