@@ -372,7 +372,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=F
     if max_seqlen_k is None and cu_seqlens_k is cu_seqlens_q:
         max_seqlen_k = max_seqlen_q
     if q.dtype == torch.float8_e4m3fn:  # the caller quantized: descale factors, and q, k, v for their shapes
-        fp8_prepared = fp8_operands(q, k, v, q_descale, k_descale, v_descale, cu_seqlens_k, max_seqlen_k)
+        fp8_prepared = fp8_operands(q, k, v, q_descale, k_descale, v_descale)
         q, k, v = (_shape_of(x, out_dtype) for x in (q, k, v))
     elif fp8 and fp8_prepared is None:
         fp8_prepared = quantize_qkv_fp8(q, k, v, cu_seqlens_k, max_seqlen_k, hadamard, fp8_pv)

@@ -30,13 +30,13 @@ E4M3_MAX = tl.constexpr(448.0)
 AMAX_FLOOR = tl.constexpr(1e-12)  # the amax of an all-zero row / block / head: its codes are 0 either way
 Q_ROWS = 64  # (token, head) rows of Q per program of the first launch
 V_PAD = 256  # zero tokens after the end of V^T: no 256-wide TMA box crosses the end of the storage
-PAD_COLS = tl.constexpr(2 * V_PAD)  # >= n_pad - total_k (< V_PAD + 32)
 
 
 @triton.jit
-def _perm_pos(tok):
-    """Storage position of token `tok` in V^T (``attention_fp8._key_perm_positions``)."""
-    return (tok & -15) | ((tok & 8) >> 2) | ((tok & 6) << 1)
+def _token_at(pos):
+    """The token stored at position `pos` of V^T: the inverse of ``attention_fp8._key_perm_positions`` (inside
+    each aligned 16-token group, position (t, jl, b) holds token (jl, t, b); bits 2, 1, 1 and 1, 2, 1)."""
+    return (pos & -15) | ((pos & 2) << 2) | ((pos & 12) >> 1)
 
 
 @triton.jit
@@ -60,6 +60,25 @@ def _to_e4m3(y, ROUND_IN_F32: tl.constexpr):
 
 
 @triton.jit
+def _div_rn(x, s):
+    """x / s with IEEE rounding, as torch divides (tl.math.div_rn does not broadcast: s is brought to x's shape)."""
+    return tl.math.div_rn(x, tl.zeros_like(x) + s)
+
+
+@triton.jit
+def _codes(x, scale):
+    """x (fp32) times the IEEE reciprocal of scale, as ``attention_fp8._codes`` computes it: one multiply a value
+    (a division a value, div.rn, is a dozen instructions)."""
+    return x * _div_rn(tl.zeros_like(scale) + 1.0, scale)
+
+
+@triton.jit
+def _scale_of(amax):
+    """The e4m3 scale of an absolute maximum: amax (floored) / 448, rounded as torch rounds it."""
+    return _div_rn(tl.maximum(amax, AMAX_FLOOR), tl.zeros_like(amax) + E4M3_MAX)
+
+
+@triton.jit
 def _quantize_q_rows(q_ptr, q8_ptr, qs_ptr, row0, n_rows, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr,
                      ROUND_IN_F32: tl.constexpr):
     """Rows row0.. of q viewed as (tokens * Hq, D): one scale a row (a token of one head)."""
@@ -68,13 +87,13 @@ def _quantize_q_rows(q_ptr, q8_ptr, qs_ptr, row0, n_rows, HEAD_DIM: tl.constexpr
     ok = rows < n_rows
     ptrs = rows.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :]
     x = tl.load(q_ptr + ptrs, mask=ok[:, None], other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=1), AMAX_FLOOR) / E4M3_MAX
-    tl.store(q8_ptr + ptrs, _to_e4m3(tl.math.div_rn(x, scale[:, None]), ROUND_IN_F32), mask=ok[:, None])
+    scale = _scale_of(tl.max(tl.abs(x), axis=1))
+    tl.store(q8_ptr + ptrs, _to_e4m3(_codes(x, scale[:, None]), ROUND_IN_F32), mask=ok[:, None])
     tl.store(qs_ptr + rows, scale, mask=ok)
 
 
 @triton.jit
-def _quantize_k_block(k_ptr, v_ptr, k8_ptr, ks_ptr, vmax_ptr, cu_seqlens_k_ptr, slot, n_blocks,
+def _quantize_k_block(k_ptr, v_ptr, k8_ptr, ks_ptr, vmax_ptr, cu_seqlens_k_ptr, slot, n_blocks, n_slots,
                       N_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
                       ROUND_IN_F32: tl.constexpr):
     """Key block `slot` = (sequence, block, head): one K scale for its keys (written for each of them), e4m3 K,
@@ -90,11 +109,12 @@ def _quantize_k_block(k_ptr, v_ptr, k8_ptr, ks_ptr, vmax_ptr, cu_seqlens_k_ptr, 
     tok = (kv_start + local).to(tl.int64)
     ptrs = (tok[:, None] * N_KV_HEADS + head) * HEAD_DIM + offs_d[None, :]
     k = tl.load(k_ptr + ptrs, mask=ok[:, None], other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.max(tl.abs(k), axis=1), axis=0), AMAX_FLOOR) / E4M3_MAX
-    tl.store(k8_ptr + ptrs, _to_e4m3(tl.math.div_rn(k, scale), ROUND_IN_F32), mask=ok[:, None])
+    scale = _scale_of(tl.max(tl.max(tl.abs(k), axis=1), axis=0))
+    tl.store(k8_ptr + ptrs, _to_e4m3(_codes(k, scale), ROUND_IN_F32), mask=ok[:, None])
     tl.store(ks_ptr + tok * N_KV_HEADS + head, tl.zeros([BLOCK], tl.float32) + scale, mask=ok)
     v = tl.load(v_ptr + ptrs, mask=ok[:, None], other=0.0).to(tl.float32)
-    tl.store(vmax_ptr + slot, tl.max(tl.max(tl.abs(v), axis=1), axis=0))
+    # head-major, so that the second launch reads one head's maxima as one contiguous run
+    tl.store(vmax_ptr + head * (n_slots // N_KV_HEADS) + slot // N_KV_HEADS, tl.max(tl.max(tl.abs(v), axis=1), axis=0))
 
 
 @triton.jit
@@ -105,7 +125,7 @@ def _quantize_qk_amax_v_kernel(q_ptr, k_ptr, v_ptr, q8_ptr, qs_ptr, k8_ptr, ks_p
     """First launch: programs 0..n_kv_programs - 1 take a key block each, the rest ROWS rows of Q each."""
     pid = tl.program_id(0)
     if pid < n_kv_programs:
-        _quantize_k_block(k_ptr, v_ptr, k8_ptr, ks_ptr, vmax_ptr, cu_seqlens_k_ptr, pid, n_blocks,
+        _quantize_k_block(k_ptr, v_ptr, k8_ptr, ks_ptr, vmax_ptr, cu_seqlens_k_ptr, pid, n_blocks, n_kv_programs,
                           N_KV_HEADS, HEAD_DIM, BLOCK, ROUND_IN_F32)
     else:
         _quantize_q_rows(q_ptr, q8_ptr, qs_ptr, (pid - n_kv_programs) * ROWS, n_q_rows, HEAD_DIM, ROWS,
@@ -113,49 +133,36 @@ def _quantize_qk_amax_v_kernel(q_ptr, k_ptr, v_ptr, q8_ptr, qs_ptr, k8_ptr, ks_p
 
 
 @triton.jit
-def _quantize_v_t_kernel(v_ptr, vt_ptr, vmax_ptr, v_scale_ptr, cu_seqlens_k_ptr, n_blocks, n_slots, total_k, n_pad,
-                  N_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
-                  SCAN: tl.constexpr, SCALED: tl.constexpr, ROUND_IN_F32: tl.constexpr):
-    """Second launch, one program per (sequence, block, head) slot, then N_KV_HEADS programs that zero each
-    head's padding: V^T [D, tokens] of the block in e4m3 at the permuted positions. SCALED: v is 16-bit, divided
-    by the head's scale (the max over the slots' block maxima, vmax_ptr; written to v_scale_ptr); else v is
-    e4m3 already and only moved."""
+def _quantize_v_t_kernel(v_ptr, vt_ptr, vmax_ptr, v_scale_ptr, n_per_head, total_k, n_pad,
+                         N_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+                         SCAN: tl.constexpr, SCALED: tl.constexpr, ROUND_IN_F32: tl.constexpr):
+    """Second launch, program (i, head): storage positions i * BLOCK .. of the head's V^T [D, n_pad] in e4m3. The
+    key order is a permutation inside aligned 16-token groups of the whole storage, sequences regardless, so
+    each row of the tile is one token's V row (a 16-byte-vector load) and each row of the transposed tile a
+    contiguous run of positions; positions of no token (past total_k) get zeros. SCALED: v is 16-bit, divided
+    by the head's scale (the max of the head's n_per_head block maxima at vmax_ptr, written to v_scale_ptr by
+    program 0); else v is e4m3 already and only moved."""
     pid = tl.program_id(0)
+    head = tl.program_id(1)
     offs_d = tl.arange(0, HEAD_DIM)
-    if pid >= n_slots:  # the padding of V^T (tokens total_k .. n_pad of one head): zeros
-        head = pid - n_slots
-        toks = total_k + tl.arange(0, PAD_COLS)  # no token; their permuted positions fill the storage's tail
-        ptrs = (head * HEAD_DIM + offs_d).to(tl.int64)[:, None] * n_pad + _perm_pos(toks)[None, :]
-        tl.store(vt_ptr + ptrs, tl.zeros([HEAD_DIM, PAD_COLS], tl.float32).to(tl.float8e4nv),
-                 mask=(toks < n_pad)[None, :])
-        return
-    head = pid % N_KV_HEADS
-    blk = (pid // N_KV_HEADS) % n_blocks
-    seq = pid // (N_KV_HEADS * n_blocks)
-    if SCALED:
-        amax = tl.zeros([SCAN], tl.float32)
-        for s0 in range(0, n_slots, SCAN):  # this head's slots: every N_KV_HEADS-th entry
-            slots = s0 + tl.arange(0, SCAN)
-            mine = (slots < n_slots) & (slots % N_KV_HEADS == head)
-            amax = tl.maximum(amax, tl.load(vmax_ptr + slots, mask=mine, other=0.0))
-        scale = tl.maximum(tl.max(amax, axis=0), AMAX_FLOOR) / E4M3_MAX
-        if pid < N_KV_HEADS:  # sequence 0, block 0 of this head (before any return: it may be empty)
-            tl.store(v_scale_ptr + head, scale)
-    kv_start = tl.load(cu_seqlens_k_ptr + seq)
-    seqlen = tl.load(cu_seqlens_k_ptr + seq + 1) - kv_start
-    if blk * BLOCK >= seqlen:
-        return
-    local = blk * BLOCK + tl.arange(0, BLOCK)
-    ok = local < seqlen
-    tok = kv_start + local
+    pos = pid * BLOCK + tl.arange(0, BLOCK)
+    tok = _token_at(pos)
+    ok = tok < total_k
     v = tl.load(v_ptr + ((tok.to(tl.int64) * N_KV_HEADS + head) * HEAD_DIM)[:, None] + offs_d[None, :],
                 mask=ok[:, None], other=0.0)
     if SCALED:
-        v8 = _to_e4m3(tl.math.div_rn(v.to(tl.float32), scale), ROUND_IN_F32)
+        amax = tl.zeros([SCAN], tl.float32)
+        for s0 in range(0, n_per_head, SCAN):
+            idx = s0 + tl.arange(0, SCAN)
+            amax = tl.maximum(amax, tl.load(vmax_ptr + head * n_per_head + idx, mask=idx < n_per_head, other=0.0))
+        scale = _scale_of(tl.max(amax, axis=0))
+        if pid == 0:
+            tl.store(v_scale_ptr + head, scale)
+        v8 = _to_e4m3(_codes(v.to(tl.float32), scale), ROUND_IN_F32)
     else:
         v8 = v
-    ptrs = (head * HEAD_DIM + offs_d).to(tl.int64)[:, None] * n_pad + _perm_pos(tok)[None, :]
-    tl.store(vt_ptr + ptrs, tl.trans(v8), mask=ok[None, :])
+    ptrs = (head * HEAD_DIM + offs_d).to(tl.int64)[:, None] * n_pad + pos[None, :]
+    tl.store(vt_ptr + ptrs, tl.trans(v8), mask=(pos < n_pad)[None, :])
 
 
 def _interpreted() -> bool:
@@ -168,12 +175,11 @@ def _v_t_storage(total_k, n_kv_heads, head_dim, device):
     return torch.empty(n_kv_heads, head_dim, n_pad, dtype=torch.float8_e4m3fn, device=device), n_pad
 
 
-def _launch_v_t(v, vt, n_pad, vmax, v_scale, cu_seqlens_k, n_blocks, scaled):
+def _launch_v_t(v, vt, n_pad, vmax, v_scale, n_per_head, scaled):
     total_k, n_kv_heads, head_dim = v.shape
-    n_slots = (cu_seqlens_k.numel() - 1) * n_blocks * n_kv_heads
-    scan = min(1024, triton.next_power_of_2(max(n_slots, 16)))
-    _quantize_v_t_kernel[(n_slots + n_kv_heads,)](
-        v, vt, vmax, v_scale, cu_seqlens_k, n_blocks, n_slots, total_k, n_pad,
+    scan = min(1024, triton.next_power_of_2(max(n_per_head, 16)))
+    _quantize_v_t_kernel[(_cdiv(n_pad, KV_SCALE_BLOCK), n_kv_heads)](
+        v, vt, vmax, v_scale, n_per_head, total_k, n_pad,
         N_KV_HEADS=n_kv_heads, HEAD_DIM=head_dim, BLOCK=KV_SCALE_BLOCK, SCAN=scan, SCALED=scaled,
         ROUND_IN_F32=_interpreted(), num_warps=8)
 
@@ -214,7 +220,7 @@ def quantize_qkv_fp8(q, k, v, cu_seqlens_k=None, max_seqlen_k=None, hadamard=Fal
         num_warps=8)
     vt, n_pad = _v_t_storage(total_k, n_kv_heads, head_dim, dev)
     v_scale = torch.empty(n_kv_heads, dtype=torch.float32, device=dev)
-    _launch_v_t(v, vt, n_pad, vmax, v_scale, cu_seqlens_k, n_blocks, True)
+    _launch_v_t(v, vt, n_pad, vmax, v_scale, n_kv_programs // n_kv_heads, True)
     return q8, q_scale, k8, k_scale, vt[:, :, :total_k].permute(2, 0, 1), v_scale
 
 
@@ -232,7 +238,7 @@ def _descale(x, rows, heads, name, per_token_ok):
     raise ValueError(f"{name} must be {shapes}: got shape {tuple(t.shape)}")
 
 
-def fp8_operands(q8, k8, v8, q_descale, k_descale, v_descale, cu_seqlens_k=None, max_seqlen_k=None):
+def fp8_operands(q8, k8, v8, q_descale, k_descale, v_descale):
     """The attention kernels' fp8 operands from e4m3 q8 (total_q, Hq, D), k8 and v8 (total_k, Hkv, D) in the plain
     layout, as a projection that emits fp8 gives them, and their descale factors (the value a code stands for is
     code x descale, as FA3's descale_q/k/v): q_descale a number, per head (Hq,) or per token (total_q, Hq);
@@ -252,9 +258,6 @@ def fp8_operands(q8, k8, v8, q_descale, k_descale, v_descale, cu_seqlens_k=None,
     k_scale = _descale(k_descale, total_k, n_kv_heads, "k_descale", False).to(dev)
     v_scale = _descale(v_descale, 1, n_kv_heads, "v_descale", False)[0].contiguous().to(dev)
     q8, k8, v8 = q8.contiguous(), k8.contiguous(), v8.contiguous()
-    if cu_seqlens_k is None:
-        cu_seqlens_k = torch.tensor([0, total_k], dtype=torch.int32, device=dev)
-    n_blocks = _cdiv(max(max_seqlen_k if max_seqlen_k is not None else total_k, 1), KV_SCALE_BLOCK)
     vt, n_pad = _v_t_storage(total_k, n_kv_heads, head_dim, dev)
-    _launch_v_t(v8, vt, n_pad, v_scale, v_scale, cu_seqlens_k, n_blocks, False)
+    _launch_v_t(v8, vt, n_pad, v_scale, v_scale, 1, False)
     return q8, q_scale, k8, k_scale, vt[:, :, :total_k].permute(2, 0, 1), v_scale

@@ -138,7 +138,7 @@ def test_fp8_inputs_with_descales_match_the_dequantized_reference(poisoned_v_sto
     assert torch.equal(out, attention_varlen(q.half(), k.half(), v.half(), cu, cu, 64, causal=True,
                                              fp8_prepared=by_hand))
     # the operands: q and k as given, V^T in the kernels' key order, its padding zero
-    ops = fq.fp8_operands(q8, k8, v8, qd, kd, vd, cu, 64)
+    ops = fq.fp8_operands(q8, k8, v8, qd, kd, vd)
     assert ops[0] is not None and torch.equal(ops[1], qd) and torch.equal(ops[3], kd.expand(k.shape[:2]))
     vt = _storage(ops[4])
     pos = _key_perm_positions(vt.shape[2], vt.device)[: k.shape[0]]
