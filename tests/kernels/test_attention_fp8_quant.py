@@ -209,4 +209,4 @@ def test_gpu_fp8_inputs_with_descales(causal):
     assert out.dtype == torch.bfloat16
     deq = (q8.float() * qd[..., None], k8.float() * kd[:, None], v8.float() * vd[:, None])
     ref = attention(*(x.view(b, s, h, d) for x in deq), causal=causal, use_tma=False)
-    assert rel_err(out, ref) < 0.03  # only P is rounded inside the kernel (the ws kernel lifts it by 2^8)
+    assert rel_err(out, ref) < 0.05  # only P is rounded inside the kernel (wrong descales give > 0.1)
