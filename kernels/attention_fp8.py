@@ -22,12 +22,16 @@ def hadamard_matrix(n, device=None, dtype=torch.float32):
 
 
 KV_SCALE_BLOCK = 128  # keys per K scale (per KV head), counted from each sequence's start
+# scale = amax x fp32(1 / 448), e4m3's largest normal: a multiply, which torch computes alike on the CPU and on
+# CUDA (where `amax / 448.0` is a multiply by the reciprocal, but a true division on the CPU) and the fused
+# kernels compute the same way
+INV_E4M3_MAX = 1.0 / 448.0
 
 
 def quantize_fp8_per_token(x):
     """x: (tokens, H, D) -> (e4m3 tensor (tokens, H, D), float32 scales (tokens, H))."""
     amax = x.abs().amax(dim=-1).float().clamp(min=1e-12)
-    scale = amax / 448.0  # e4m3 max normal
+    scale = amax * INV_E4M3_MAX
     return _codes(x, scale[..., None]), scale
 
 
@@ -58,7 +62,7 @@ def quantize_fp8_per_block(x, cu_seqlens, block=KV_SCALE_BLOCK):
     amax_blk = torch.zeros(n_blocks, x.shape[1], device=x.device)
     # (scatter_reduce_, not index_reduce_: the same result without index_reduce_'s beta warning on every call)
     amax_blk.scatter_reduce_(0, blk[:, None].expand(-1, x.shape[1]), amax_tok, reduce="amax")
-    scale = amax_blk[blk].clamp(min=1e-12) / 448.0  # (tokens, H)
+    scale = amax_blk[blk].clamp(min=1e-12) * INV_E4M3_MAX  # (tokens, H)
     return _codes(x, scale[..., None]), scale
 
 
@@ -93,7 +97,7 @@ def prepare_fp8(q, k, v, hadamard=False, fp8_pv=True, cu_seqlens_k=None):
     k8, k_scale = quantize_fp8_per_block(k, cu_seqlens_k)
     if not fp8_pv:
         return q8, q_scale, k8, k_scale, v, None
-    v_scale = v.abs().amax(dim=(0, 2)).float().clamp(min=1e-12) / 448.0
+    v_scale = v.abs().amax(dim=(0, 2)).float().clamp(min=1e-12) * INV_E4M3_MAX
     # Token dim padded by one 256-wide tile of zeros, so no TMA box of V^T crosses the end.
     n_pad = _cdiv(total_k + 256, 32) * 32
     v8 = torch.zeros(n_kv_heads, head_dim, n_pad, dtype=torch.float8_e4m3fn, device=v.device)

@@ -24,9 +24,10 @@ import torch
 import triton
 import triton.language as tl
 
+from quantkit.kernels import attention_fp8
 from quantkit.kernels.attention_fp8 import KV_SCALE_BLOCK, _cdiv, prepare_fp8
 
-E4M3_MAX = tl.constexpr(448.0)
+INV_E4M3_MAX = tl.constexpr(attention_fp8.INV_E4M3_MAX)
 AMAX_FLOOR = tl.constexpr(1e-12)  # the amax of an all-zero row / block / head: its codes are 0 either way
 Q_ROWS = 64  # (token, head) rows of Q per program of the first launch
 V_PAD = 256  # zero tokens after the end of V^T: no 256-wide TMA box crosses the end of the storage
@@ -74,8 +75,8 @@ def _codes(x, scale):
 
 @triton.jit
 def _scale_of(amax):
-    """The e4m3 scale of an absolute maximum: amax (floored) / 448, rounded as torch rounds it."""
-    return _div_rn(tl.maximum(amax, AMAX_FLOOR), tl.zeros_like(amax) + E4M3_MAX)
+    """The e4m3 scale of an absolute maximum: amax (floored) times fp32(1 / 448), as ``prepare_fp8`` computes it."""
+    return tl.maximum(amax, AMAX_FLOOR) * INV_E4M3_MAX
 
 
 @triton.jit
