@@ -396,7 +396,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=F
         run = attention_gluon_ws.attention_varlen_ws if backend == "gluon_ws" else \
             attention_gluon.attention_varlen_gluon
         return run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=causal, sm_scale=sm_scale,
-                   config=config, fp8=fp8, hadamard=hadamard, fp8_prepared=fp8_prepared)
+                   config=config, fp8_prepared=fp8_prepared)
     total_q, n_heads, head_dim = q.shape
     total_k, n_kv_heads, _ = k.shape
     assert n_heads % n_kv_heads == 0 and head_dim in (16, 32, 64, 128, 256)
@@ -409,8 +409,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=F
         use_tma = on_gpu and capability(q.device)[0] >= 9
     q_scale = k_scale = v_scale = out  # placeholders, never read unless fp8
     if fp8:
-        q, q_scale, k, k_scale, v, v_scale = fp8_prepared or prepare_fp8(q, k, v, hadamard, fp8_pv,
-                                                                         cu_seqlens_k)
+        q, q_scale, k, k_scale, v, v_scale = fp8_prepared
         assert KV_SCALE_BLOCK % block_n == 0, "a K tile must lie inside one K scale block"
         assert block_n % 32 == 0, "fp8 tiles hold whole 32-key chunks (_perm_keys)"
     v_trans = v.dtype == torch.float8_e4m3fn

@@ -38,9 +38,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from quantkit.kernels.attention_fp8 import KV_SCALE_BLOCK, kv_starts_aligned, prepare_fp8
-from quantkit.kernels.attention_select import AttentionCall, AttentionTiles, gluon_attention_supports
-from quantkit.kernels.device_info import capability
+from quantkit.kernels.attention_fp8 import KV_SCALE_BLOCK
+from quantkit.kernels.attention_select import AttentionTiles
 
 
 @gluon.jit
@@ -272,20 +271,6 @@ def _attn_fwd_gluon(desc_q, desc_k, desc_v, o_ptr, qs_ptr, ks_ptr, v_scale_ptr,
     gl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=gl.expand_dims(offs_mo < seqlen_q, 1))
 
 
-def supported(q, k, causal=False, window_left=-1, softcap=0.0, fp8=False, fp8_pv=True, cu_seqlens_k=None,
-              kv_aligned=None):
-    """Whether `attention_varlen_gluon` handles this call (`attention_select.gluon_attention_supports`).
-    fp8 needs fp8 P @ V and sequence starts on multiples of 32 keys (V^T TMA boxes, key order):
-    ``kv_aligned`` when the caller knows, else checked on cu_seqlens_k (one host sync)."""
-    arch = f"sm{''.join(map(str, capability(q.device)))}" if q.is_cuda else None
-    aligned = True
-    if fp8 and fp8_pv and arch == "sm90":
-        aligned = cu_seqlens_k is not None and kv_starts_aligned(cu_seqlens_k, kv_aligned)
-    call = AttentionCall(arch, str(q.dtype), str(k.dtype), q.shape[-1], causal, window_left, softcap, fp8, fp8_pv,
-                         aligned)
-    return gluon_attention_supports(call)[0]
-
-
 def _default_config(head_dim, fp8) -> AttentionTiles:
     """(BLOCK_M, BLOCK_N, num_warps, NUM_BUF as num_stages), from the H200 sweep at S=4096: 64-row tiles with one
     warpgroup and a 3-deep ring (<= 113 KB of shared memory) run two programs per SM, whose
@@ -304,19 +289,20 @@ def smem_layout(rows: int, cols: int, dtype) -> gl.NVMMASharedLayout:
     return gl.NVMMASharedLayout.get_default_for([rows, cols], dtype)
 
 
-def make_descriptors(q, k, v, cu_seqlens_k, block_q, block_n, fp8, hadamard, fp8_prepared, placeholder):
+def make_descriptors(q, k, v, block_q, block_n, fp8_prepared, placeholder):
     """TMA descriptors shared by the Gluon kernels: (desc_q, desc_k, desc_v, q_scale, k_scale, v_scale).
 
     q: (total_q, Hq, D); k, v: (total_k, Hkv, D) 16-bit. Each descriptor is a 2-D view (tokens, H * D),
-    so one serves every head and sequence; boxes [block_q, D] for Q, [block_n, D] for K and V. fp8:
-    the tensors of `attention.prepare_fp8` (or fp8_prepared) and V^T boxes [D, block_n] of its
-    (Hkv * D, padded tokens) storage; otherwise the scales are `placeholder` (never read)."""
+    so one serves every head and sequence; boxes [block_q, D] for Q, [block_n, D] for K and V. fp8_prepared:
+    the fp8 operands (`attention_fp8_quant.quantize_qkv_fp8`, `prepare_fp8`), then V^T boxes [D, block_n] of
+    its (Hkv * D, padded tokens) storage; None: 16-bit, the scales are `placeholder` (never read)."""
 
     total_q, n_heads, head_dim = q.shape
     total_k, n_kv_heads, _ = k.shape
     q_scale = k_scale = v_scale = placeholder
+    fp8 = fp8_prepared is not None
     if fp8:
-        q, q_scale, k, k_scale, v, v_scale = fp8_prepared or prepare_fp8(q, k, v, hadamard, True, cu_seqlens_k)
+        q, q_scale, k, k_scale, v, v_scale = fp8_prepared
         assert v.dtype == torch.float8_e4m3fn, "the gluon kernels run P @ V in fp8 too"
         assert KV_SCALE_BLOCK % block_n == 0 and block_n % 32 == 0
         gdt = gl.float8e4nv
@@ -340,20 +326,21 @@ def make_descriptors(q, k, v, cu_seqlens_k, block_q, block_n, fp8, hadamard, fp8
 
 
 def attention_varlen_gluon(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=False, sm_scale=None,
-                           config=None, fp8=False, hadamard=False, fp8_prepared=None):
-    """Same contract as `attention.attention_varlen` for the cases `supported` accepts.
+                           config=None, fp8_prepared=None):
+    """Same contract as `attention.attention_varlen` for the cases `attention_select.gluon_attention_supports`
+    accepts.
 
     q: (total_q, Hq, D); k, v: (total_k, Hkv, D), bf16/fp16; cu_seqlens_*: (B + 1,) int32.
-    fp8 / hadamard / fp8_prepared: as in attention_varlen (fp8 P @ V only; per-token q, per-block
-    k, per-head v scales from `attention.prepare_fp8`). config: `AttentionTiles` (BLOCK_M, BLOCK_N, num_warps,
+    fp8_prepared: the fp8 operands, as attention_varlen makes them (fp8 P @ V only; per-token q, per-block
+    k, per-head v scales). config: `AttentionTiles` (BLOCK_M, BLOCK_N, num_warps,
     NUM_BUF), see `_default_config`. Returns (total_q, Hq, D) in q's dtype."""
     head_dim = q.shape[-1]
     sm_scale = head_dim ** -0.5 if sm_scale is None else sm_scale
-    fp8 = fp8 or fp8_prepared is not None
+    fp8 = fp8_prepared is not None
     block_m, block_n, num_warps, num_buf = AttentionTiles(*config) if config else _default_config(head_dim, fp8)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     desc_q, desc_k, desc_v, q_scale, k_scale, v_scale = make_descriptors(
-        q, k, v, cu_seqlens_k, block_m, block_n, fp8, hadamard, fp8_prepared, out)
+        q, k, v, block_m, block_n, fp8_prepared, out)
     n_heads, n_kv_heads = q.shape[1], k.shape[1]
     assert n_heads % n_kv_heads == 0
     n_m_blocks = triton.cdiv(max_seqlen_q, block_m)
@@ -365,13 +352,3 @@ def attention_varlen_gluon(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ca
                           IS_CAUSAL=causal, IS_FP8=fp8, NUM_BUF=num_buf, num_warps=num_warps)
     return out
 
-
-def attention_gluon(q, k, v, causal=False, **kwargs):
-    """Fixed-length batch: q (B, Sq, Hq, D), k, v (B, Sk, Hkv, D) -> out (B, Sq, Hq, D)."""
-    b, sq, hq, d = q.shape
-    sk = k.shape[1]
-    cu_q = torch.arange(0, (b + 1) * sq, sq, dtype=torch.int32, device=q.device)
-    cu_k = torch.arange(0, (b + 1) * sk, sk, dtype=torch.int32, device=q.device)
-    out = attention_varlen_gluon(q.reshape(b * sq, hq, d), k.reshape(b * sk, -1, d), v.reshape(b * sk, -1, d),
-                                 cu_q, cu_k, sq, causal=causal, **kwargs)
-    return out.view(b, sq, hq, d)

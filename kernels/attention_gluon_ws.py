@@ -530,8 +530,8 @@ CONSUMER_REGS = 240
 
 
 def attention_varlen_ws(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=False, sm_scale=None,
-                        config=None, fp8=False, hadamard=False, fp8_prepared=None, out=None):
-    """Same contract as `attention_gluon.attention_varlen_gluon` (and its `supported` cases).
+                        config=None, fp8_prepared=None, out=None):
+    """Same contract as `attention_gluon.attention_varlen_gluon` (the cases `gluon_attention_supports` accepts).
 
     q: (total_q, Hq, D); k, v: (total_k, Hkv, D), bf16/fp16; cu_seqlens_*: (B + 1,) int32.
     config: `attention_select.WsConfig` (BLOCK_N, NUM_BUF, persistent, pingpong, tma_store, stage_ks, rowsum_mma,
@@ -549,12 +549,12 @@ def attention_varlen_ws(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causa
     n_kv_heads = k.shape[1]
     assert n_heads % n_kv_heads == 0
     sm_scale = head_dim ** -0.5 if sm_scale is None else sm_scale
-    fp8 = fp8 or fp8_prepared is not None
+    fp8 = fp8_prepared is not None
     block_n, num_buf, persistent, pingpong, tma_store, stage_ks, rowsum_mma, lazy_rescale = _full_config(
         config, head_dim, fp8, max_seqlen_q)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
     desc_q, desc_k, desc_v, q_scale, k_scale, v_scale = make_descriptors(
-        q, k, v, cu_seqlens_k, _HALF_M, block_n, fp8, hadamard, fp8_prepared, out)
+        q, k, v, _HALF_M, block_n, fp8_prepared, out)
     desc_o = _output_descriptor(out) if tma_store else desc_q  # (a placeholder without the TMA store)
     n_m_blocks = triton.cdiv(max_seqlen_q, 2 * _HALF_M)
     n_work = n_m_blocks * (cu_seqlens_q.numel() - 1) * n_heads

@@ -7,8 +7,10 @@ dispatch is checked (`attention_varlen` falls back to the Triton kernel)."""
 import pytest
 import torch
 
-from quantkit.kernels import attention_gluon, attention_gluon_ws
-from quantkit.kernels.attention import attention_ref, attention_varlen
+from quantkit.kernels import attention_gluon_ws
+from quantkit.kernels.attention import _call_facts, attention_ref, attention_varlen
+from quantkit.kernels.attention_fp8_quant import quantize_qkv_fp8
+from quantkit.kernels.attention_select import gluon_attention_supports
 from tests.conftest import rel_err
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
@@ -20,7 +22,7 @@ def _cu(lens, device):
 
 def test_gluon_not_used_without_hopper():
     q = torch.randn(8, 2, 64)
-    assert not attention_gluon.supported(q, q)
+    assert not gluon_attention_supports(_call_facts(q, q, False, -1, 0.0, False, True, None, None, 8))[0]
     # auto falls back to the triton kernel where the gluon ones do not apply
     cu = _cu([8], "cpu")
     if not torch.cuda.is_available():
@@ -109,7 +111,7 @@ def test_gluon_fp8(causal, hadamard, backend, d, config):
     local = torch.cat([torch.arange(n) for n in lens]).to("cuda")
     k = k * (2.0 ** ((local // 128) % 3 - 1)).to(k.dtype)[:, None, None]
     cu = _cu(lens, "cuda")
-    assert attention_gluon.supported(q, k, causal, fp8=True, cu_seqlens_k=cu)
+    assert gluon_attention_supports(_call_facts(q, k, causal, -1, 0.0, True, True, cu, None, max(lens)))[0]
     out = attention_varlen(q, k, v, cu, cu, max(lens), causal=causal, fp8=True, hadamard=hadamard, backend=backend,
                            config=config)
     out_triton = attention_varlen(q, k, v, cu, cu, max(lens), causal=causal, fp8=True, hadamard=hadamard,
@@ -137,7 +139,8 @@ def test_gluon_ws_fp8_long_rows(causal, config):
     q, k, v = (torch.randn(n, h, 128, generator=gen).to("cuda", torch.bfloat16) for h in (4, 1, 1))
     cu = _cu([n], "cuda")
     ref = attention_gluon_ws.attention_varlen_ws(q, k, v, cu, cu, n, causal=causal)
-    out = attention_gluon_ws.attention_varlen_ws(q, k, v, cu, cu, n, causal=causal, fp8=True, config=config)
+    out = attention_gluon_ws.attention_varlen_ws(q, k, v, cu, cu, n, causal=causal, config=config,
+                                                 fp8_prepared=quantize_qkv_fp8(q, k, v, cu, n))
     assert torch.isfinite(out).all()
     assert rel_err(out, ref) < 0.08
 
@@ -165,8 +168,11 @@ def test_gluon_ws_lazy_rescale_growing_logits(causal, fp8, d, config):
     k = (torch.randn(n, 1, d, generator=gen) + ramp * u).to("cuda", torch.bfloat16)
     v = torch.randn(n, 1, d, generator=gen).to("cuda", torch.bfloat16)
     cu = _cu([n], "cuda")
-    eager = attention_gluon_ws.attention_varlen_ws(q, k, v, cu, cu, n, causal=causal, fp8=fp8, config=config + (False,))
-    out = attention_gluon_ws.attention_varlen_ws(q, k, v, cu, cu, n, causal=causal, fp8=fp8, config=config + (True,))
+    prep = quantize_qkv_fp8(q, k, v, cu, n) if fp8 else None
+    eager = attention_gluon_ws.attention_varlen_ws(q, k, v, cu, cu, n, causal=causal, fp8_prepared=prep,
+                                                   config=config + (False,))
+    out = attention_gluon_ws.attention_varlen_ws(q, k, v, cu, cu, n, causal=causal, fp8_prepared=prep,
+                                                 config=config + (True,))
     assert torch.isfinite(out).all()
     diff = (out.float() - eager.float()).abs()
     row_err = (diff.norm(dim=-1) / eager.float().norm(dim=-1)).max().item()

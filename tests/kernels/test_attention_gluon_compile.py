@@ -34,6 +34,7 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import mangle_type
 from quantkit.kernels import attention_gluon_ws as ws
+from quantkit.kernels.attention_fp8 import prepare_fp8
 from quantkit.kernels.attention_gluon import make_descriptors
 
 fp8, causal, out_path, config = json.loads(sys.argv[1])
@@ -42,7 +43,8 @@ q = torch.randn(tokens, heads, d, dtype=torch.bfloat16)
 k = torch.randn(tokens, heads, d, dtype=torch.bfloat16)
 cu = torch.arange(0, tokens + 1, 2048, dtype=torch.int32)
 out = torch.empty_like(q)
-desc_q, desc_k, desc_v, qs, ks, vs = make_descriptors(q, k, k, cu, ws._HALF_M, 128, fp8, False, None, out)
+prep = prepare_fp8(q, k, k, cu_seqlens_k=cu) if fp8 else None
+desc_q, desc_k, desc_v, qs, ks, vs = make_descriptors(q, k, k, ws._HALF_M, 128, prep, out)
 block_n, num_buf, persistent, pingpong, tma_store, stage_ks, rowsum_mma, lazy = ws._full_config(config, d, fp8, 2048)
 desc_o = ws._output_descriptor(out) if tma_store else desc_q
 args = dict(desc_q=desc_q, desc_k=desc_k, desc_v=desc_v, desc_o=desc_o, o_ptr=out, qs_ptr=qs, ks_ptr=ks,
