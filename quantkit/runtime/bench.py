@@ -203,7 +203,8 @@ def _graph_time(fn: Callable[[], object], replays: int = 20) -> float:
 
 def time_split(engine: Engine, context: int = 128) -> dict:
     """Per-token time of one batch-1 decode step by part: each part captured alone in a graph with the step's
-    shapes (linears, attention, norms/rope/activation), the whole step's replay, and the engine's host share."""
+    shapes (linears; attention with RoPE and the cache write; norms and activation), the whole step's replay, and
+    the engine's host share (computed by the caller)."""
     model, cache, s = engine.model, engine.cache, engine.model.spec
     dev, w = model.device, model.weights
     h = torch.randn(1, s.hidden_size, device=dev, dtype=model.dtype)
@@ -221,17 +222,14 @@ def time_split(engine: Engine, context: int = 128) -> dict:
         w.lm_head(h)
 
     def attention():
-        q = qkv[:, : s.q_size].view(1, 1, s.num_heads, s.head_dim)
         for i in range(s.num_layers):
-            o.decode_attention(
-                q, cache.k[i], cache.v[i], pos + 1, slot, s.softmax_scale, s.window_left(i), s.attn_softcap
-            )
+            cos, sin = model.layer_rope[i]
+            o.decode_attention_rope(qkv, cos, sin, pos, slot, cache.k[i], cache.v[i], s.num_heads, cache.counters,
+                                    s.softmax_scale, s.window_left(i), s.attn_softcap)
 
     def small_ops():
-        cos, sin = model.layer_rope[0]
-        for i, lw in enumerate(w.layers):
+        for lw in w.layers:
             o.add_rms_norm(h, h, lw.input_norm, s.rms_eps, s.norm_offset)
-            o.rope_cache(qkv, cos, sin, pos, s.num_heads, s.num_kv_heads, s.head_dim, cache.k[i], cache.v[i], slot)
             o.add_rms_norm(h, h, lw.post_attn_norm, s.rms_eps, s.norm_offset)
             o.act_mul(gate_up, s.activation)
         o.add_rms_norm(h, h, w.final_norm, s.rms_eps, s.norm_offset)
@@ -239,12 +237,12 @@ def time_split(engine: Engine, context: int = 128) -> dict:
     tokens = torch.zeros(1, dtype=torch.long, device=dev)
     parts = {
         "linears": _graph_time(linears),
-        "attention": _graph_time(attention),
-        "norms_rope_act": _graph_time(small_ops),
+        "attention_rope_kv": _graph_time(attention),
+        "norms_act": _graph_time(small_ops),
         "decode_step_graph": _graph_time(lambda: model.decode(tokens, pos, slot, cache)),
     }
     parts["other_in_graph"] = (
-        parts["decode_step_graph"] - parts["linears"] - parts["attention"] - parts["norms_rope_act"]
+        parts["decode_step_graph"] - parts["linears"] - parts["attention_rope_kv"] - parts["norms_act"]
     )
     return {k: v * 1e3 for k, v in parts.items()}  # milliseconds
 
