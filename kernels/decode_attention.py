@@ -226,6 +226,19 @@ def _rotated(base, cos_ptr, sin_ptr, d, HALF: tl.constexpr, ROPE: tl.constexpr):
 
 
 @triton.jit
+def _merge_split(m_all, den, o, o_part_ptr, lse_part_ptr, idx, row_ok, d, HEAD_DIM: tl.constexpr):
+    """Fold one split's normalised partial output and log-sum-exp (rows ``idx``) into the running combine."""
+    lse = tl.load(lse_part_ptr + idx, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+    o_sp = tl.load(o_part_ptr + idx[:, None] * HEAD_DIM + d[None, :], mask=row_ok[:, None], other=0.0,
+                   cache_modifier=".cg")
+    m_new = tl.maximum(m_all, lse)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    scale_old = tl.math.exp2(m_all - m_safe)
+    w = tl.math.exp2(lse - m_safe)
+    return m_new, den * scale_old + w, o * scale_old[:, None] + o_sp * w[:, None]
+
+
+@triton.jit
 def _decode_rope_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slots_ptr, k_ptr, v_ptr, o_part_ptr, lse_part_ptr,
                         out_ptr, counter_ptr, sm_scale, window_left, softcap,
                         stride_qkv, stride_cos, stride_kb, stride_kn, stride_kh, stride_out,
@@ -329,20 +342,14 @@ def _decode_rope_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slots_ptr, k_ptr, v_
         tl.debug_barrier()
         done = tl.atomic_add(counter_ptr + b * N_KV + kv_head, 1, sem="acq_rel") + 1
         if done == NUM_SPLITS:
+            # only the splits that can hold keys (those past the cached length are empty), and the last one
             m_all = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
             den = tl.zeros([BLOCK_M], dtype=tl.float32)
             o = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-            for sp in range(NUM_SPLITS):
-                lse_sp = tl.load(lse_part_ptr + part + sp, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-                o_sp = tl.load(o_part_ptr + (part + sp)[:, None] * HEAD_DIM + d[None, :], mask=row_ok[:, None],
-                               other=0.0, cache_modifier=".cg")
-                m_new = tl.maximum(m_all, lse_sp)
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                scale_old = tl.math.exp2(m_all - m_safe)
-                w = tl.math.exp2(lse_sp - m_safe)
-                o = o * scale_old[:, None] + o_sp * w[:, None]
-                den = den * scale_old + w
-                m_all = m_new
+            for sp in tl.range(0, tl.minimum(tl.cdiv(n_old, chunk), NUM_SPLITS - 1)):
+                m_all, den, o = _merge_split(m_all, den, o, o_part_ptr, lse_part_ptr, part + sp, row_ok, d, HEAD_DIM)
+            m_all, den, o = _merge_split(m_all, den, o, o_part_ptr, lse_part_ptr, part + NUM_SPLITS - 1, row_ok, d,
+                                         HEAD_DIM)
             den = tl.where(den == 0.0, 1.0, den)
             tl.store(out_ptrs, (o / den[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
             tl.store(counter_ptr + b * N_KV + kv_head, 0)
