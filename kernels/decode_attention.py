@@ -243,11 +243,13 @@ def _decode_rope_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slots_ptr, k_ptr, v_
                         out_ptr, counter_ptr, sm_scale, window_left, softcap,
                         stride_qkv, stride_cos, stride_kb, stride_kn, stride_kh, stride_out,
                         N_HEADS: tl.constexpr, N_KV: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr,
-                        NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        ROPE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                        NUM_SPLITS: tl.constexpr, MIN_SPLIT_KEYS: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, ROPE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                         PDL: tl.constexpr):
     # program (split, row b, KV head): the GROUP query heads of the KV head against this split's share of the
-    # keys already cached (0 .. pos - 1); the last split also takes the new token's own key, from registers
+    # keys already cached (0 .. pos - 1); the last busy split also takes the new token's own key, from registers.
+    # A row uses as many of the NUM_SPLITS programs as its length needs (MIN_SPLIT_KEYS keys each at least); the
+    # others stay idle, and a row that needs one split writes its output at once (no combine)
     split = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     kv_head = tl.program_id(2)
@@ -271,9 +273,10 @@ def _decode_rope_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slots_ptr, k_ptr, v_
     v_base = v_ptr + slot * stride_kb + kv_head * stride_kh
     qk_scale = sm_scale * 1.4426950408889634
 
-    # this split's keys: the cached ones spread evenly (whole tiles), so a short sequence uses every split
+    # this split's keys: the cached ones spread evenly (whole tiles) over the busy splits
     n_old = pos
-    chunk = tl.cdiv(tl.cdiv(tl.maximum(n_old, 1), NUM_SPLITS), BLOCK_N) * BLOCK_N
+    n_splits = tl.minimum(tl.maximum(tl.cdiv(n_old, MIN_SPLIT_KEYS), 1), NUM_SPLITS)
+    chunk = tl.cdiv(tl.cdiv(tl.maximum(n_old, 1), n_splits), BLOCK_N) * BLOCK_N
     lo = split * chunk
     hi = tl.minimum(lo + chunk, n_old)
     if HAS_WINDOW:
@@ -304,7 +307,7 @@ def _decode_rope_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slots_ptr, k_ptr, v_
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_ij
 
-    if split == NUM_SPLITS - 1:
+    if split == n_splits - 1:
         # the new token: its key and value from the projection, written to the cache here (no program reads
         # position pos from the cache) and attended from registers
         k_new = _rotated(row_base + (N_HEADS + kv_head) * HEAD_DIM, cos_row, sin_row, d, HALF, ROPE)
@@ -327,9 +330,10 @@ def _decode_rope_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slots_ptr, k_ptr, v_
         m_i = m_ij
 
     out_ptrs = out_ptr + b * stride_out + head[:, None] * HEAD_DIM + d[None, :]
-    if NUM_SPLITS == 1:
-        tl.store(out_ptrs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
-    else:
+    if n_splits == 1:
+        if split == 0:
+            tl.store(out_ptrs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    elif split < n_splits:
         # partial result normalised by its own sum and its log-sum-exp (log2; -inf: an empty split)
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
@@ -341,29 +345,26 @@ def _decode_rope_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slots_ptr, k_ptr, v_
         # completes it combines the splits and leaves the counter zeroed for the next call
         tl.debug_barrier()
         done = tl.atomic_add(counter_ptr + b * N_KV + kv_head, 1, sem="acq_rel") + 1
-        if done == NUM_SPLITS:
-            # only the splits that can hold keys (those past the cached length are empty), and the last one
+        if done == n_splits:
             m_all = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
             den = tl.zeros([BLOCK_M], dtype=tl.float32)
             o = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-            for sp in tl.range(0, tl.minimum(tl.cdiv(n_old, chunk), NUM_SPLITS - 1)):
+            for sp in tl.range(0, n_splits):
                 m_all, den, o = _merge_split(m_all, den, o, o_part_ptr, lse_part_ptr, part + sp, row_ok, d, HEAD_DIM)
-            m_all, den, o = _merge_split(m_all, den, o, o_part_ptr, lse_part_ptr, part + NUM_SPLITS - 1, row_ok, d,
-                                         HEAD_DIM)
             den = tl.where(den == 0.0, 1.0, den)
             tl.store(out_ptrs, (o / den[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
             tl.store(counter_ptr + b * N_KV + kv_head, 0)
 
 
-def rope_decode_splits(batch: int, n_kv_heads: int, max_len: int, block_n: int, n_sms: int) -> int:
-    """Splits of the fused decode kernel: ~1 wave of programs, at least 2 key tiles each at ``max_len``."""
+def rope_decode_splits(batch: int, n_kv_heads: int, max_len: int, min_split_keys: int, n_sms: int) -> int:
+    """Most splits of the fused decode kernel: ~1 wave of programs at ``max_len``, ``min_split_keys`` keys each."""
     want = triton.cdiv(n_sms, batch * n_kv_heads)
-    return max(1, min(want, triton.cdiv(max_len, 2 * block_n), 64))
+    return max(1, min(want, triton.cdiv(max_len, min_split_keys), 64))
 
 
 def decode_attention_rope(qkv, cos_table, sin_table, positions, slots, k_cache, v_cache, n_heads, counters,
                           sm_scale=None, window_left=-1, softcap=0.0, rope=True, num_splits=None, block_n=None,
-                          pdl=False):
+                          min_split_keys=None, pdl=False):
     """One new token per sequence, straight from the fused projection: rotate its q and k (RoPE, half-split
     layout, ``cos_table / sin_table [positions, D / 2]`` float32), write its k and v into the cache at
     ``(slots[b], positions[b])``, and attend to the cache's keys 0..positions[b] -> ``[B, Hq * D]``.
@@ -371,7 +372,9 @@ def decode_attention_rope(qkv, cos_table, sin_table, positions, slots, k_cache, 
     ``qkv [B, (Hq + 2 Hkv) * D]`` (rows contiguous; left unchanged); ``k_cache, v_cache [slots, S_max, Hkv, D]``
     (one layout, head dim contiguous); ``positions, slots [B]`` int32; ``counters``: an int32 buffer of at least
     ``B * Hkv`` zeros that the kernel leaves zeroed (calls sharing it must run one after another, as a stream
-    runs them). ``rope=False``: no rotation (models without RoPE). ``pdl``: launch with programmatic dependent
+    runs them). ``rope=False``: no rotation (models without RoPE). ``num_splits``: the most programs one row's
+    keys are split over; a row of L cached keys uses ceil(L / ``min_split_keys``) of them (default 4 key tiles
+    each), and one alone stores its output without a combine. ``pdl``: launch with programmatic dependent
     launch (sm_90; the previous kernel's tail and the next kernel's start overlap this one). One launch, no
     host sync: safe inside a CUDA graph. Reference: :func:`decode_attention_rope_ref`."""
     b = qkv.shape[0]
@@ -383,8 +386,9 @@ def decode_attention_rope(qkv, cos_table, sin_table, positions, slots, k_cache, 
     sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
     on_gpu = qkv.is_cuda
     block_n = block_n or (64 if on_gpu else 16)
+    min_split_keys = min_split_keys or 4 * block_n
     if num_splits is None:
-        num_splits = rope_decode_splits(b, n_kv_heads, s_max, block_n, num_sms(qkv.device))
+        num_splits = rope_decode_splits(b, n_kv_heads, s_max, min_split_keys, num_sms(qkv.device))
     o_part = torch.empty(b, n_heads, num_splits, head_dim, device=qkv.device, dtype=torch.float32)
     lse_part = torch.empty(b, n_heads, num_splits, device=qkv.device, dtype=torch.float32)
     out = torch.empty(b, n_heads * head_dim, device=qkv.device, dtype=qkv.dtype)
@@ -394,8 +398,8 @@ def decode_attention_rope(qkv, cos_table, sin_table, positions, slots, k_cache, 
         sm_scale, int(window_left), float(softcap),
         qkv.stride(0), cos_table.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0),
         N_HEADS=n_heads, N_KV=n_kv_heads, GROUP=group, HALF=head_dim // 2, NUM_SPLITS=num_splits,
-        BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, ROPE=rope, HAS_WINDOW=window_left >= 0,
-        HAS_SOFTCAP=softcap > 0, PDL=pdl, num_warps=4, **extra)
+        MIN_SPLIT_KEYS=min_split_keys, BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, ROPE=rope,
+        HAS_WINDOW=window_left >= 0, HAS_SOFTCAP=softcap > 0, PDL=pdl, num_warps=4, **extra)
     return out
 
 

@@ -46,12 +46,14 @@ def test_fused_decode_matches_reference(dtype, hq, hkv, d, positions, splits, wi
     k_ref, v_ref = k.clone(), v.clone()
     counters = torch.zeros(len(positions) * hkv, dtype=torch.int32, device=DEV)
     qkv_before = qkv.clone()
+    # one key tile per split at least, so that these short rows use several splits (and some stay idle)
     out = decode_attention_rope(qkv, cos, sin, pos, slots, k, v, hq, counters, window_left=window, softcap=softcap,
-                                rope=rope, num_splits=splits, block_n=16)
+                                rope=rope, num_splits=splits, block_n=16, min_split_keys=16)
     ref = decode_attention_rope_ref(qkv, cos, sin, pos, slots, k_ref, v_ref, hq, window_left=window,
                                     softcap=softcap, rope=rope)
     assert torch.isfinite(out).all()
-    assert rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 3e-3)
+    # float32 on the GPU: tl.dot rounds its operands to tf32
+    assert rel_err(out, ref) < (3e-3 if dtype != torch.float32 else 1e-3 if CUDA else 1e-5)
     assert torch.equal(qkv, qkv_before)
     assert not counters.any(), "the combine must leave its counters zeroed for the next call"
     for slot, p in zip(slots.tolist(), positions):  # this token's key and value, written where the next step reads
@@ -62,8 +64,9 @@ def test_split_count_does_not_change_the_result():
     qkv, cos, sin, pos, slots, k, v = _case(1, 4, 2, 16, 96, [90], torch.float32, seed=3)
     counters = torch.zeros(2, dtype=torch.int32, device=DEV)
     outs = [decode_attention_rope(qkv, cos, sin, pos, slots, k.clone(), v.clone(), 4, counters, num_splits=s,
-                                  block_n=16) for s in (1, 2, 6)]
-    assert rel_err(outs[1], outs[0]) < 1e-5 and rel_err(outs[2], outs[0]) < 1e-5
+                                  block_n=16, min_split_keys=keys) for s, keys in ((1, None), (2, 16), (6, 16), (8, 32))]
+    tol = 1e-3 if CUDA else 1e-5
+    assert all(rel_err(out, outs[0]) < tol for out in outs[1:])
 
 
 @pytest.mark.gpu
