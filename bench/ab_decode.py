@@ -33,26 +33,6 @@ def _engine(model, steps: int, pipeline: bool):
     return engine
 
 
-def greedy_check(model, n_prompt: int = 32, n_new: int = 24) -> dict:
-    """Greedy tokens of the pipelined graph engine against the argmax of the prefill path's logits over the same
-    sequence (attention_varlen + the unfused RoPE/cache kernel: independent of the fused decode kernel)."""
-    from quantkit.runtime.types import SamplingParams
-
-    engine = _engine(model, n_new, True)
-    prompt = torch.randint(0, model.spec.vocab_size, (n_prompt,), generator=torch.Generator().manual_seed(1)).tolist()
-    engine.add_request(prompt, SamplingParams(max_tokens=n_new, ignore_eos=True))
-    tokens = []
-    while engine.has_work():
-        tokens += [e.token_id for e in engine.step() if e.token_id is not None]
-    logits = model.forward_logits(torch.tensor([prompt + tokens], device=model.device))[0, n_prompt - 1:-1].float()
-    expected = logits.argmax(-1).tolist()
-    first = next((i for i, (a, b) in enumerate(zip(tokens, expected)) if a != b), None)
-    gap = None if first is None else (logits[first, expected[first]] - logits[first, tokens[first]]).item()
-    top2 = logits.topk(2, dim=-1).values
-    return {"tokens": len(tokens), "first_mismatch": first, "gap_at_mismatch": gap,
-            "min_top2_gap": (top2[:, 0] - top2[:, 1]).min().item()}
-
-
 def measure(model, steps: int, repeats: int, split: bool) -> dict:
     from quantkit.runtime import bench
 
@@ -94,7 +74,7 @@ def main() -> None:
         gc.collect()
         torch.cuda.empty_cache()
         record[kind] = measure(model, args.steps, args.repeats, split=True)
-        record[kind]["greedy_check"] = greedy_check(model)
+        record[kind]["greedy_check"] = bench.greedy_agreement(_engine(model, 24, True))
         logging.info("%s greedy check: %s", kind, record[kind]["greedy_check"])
         out.write_text(json.dumps(record, indent=2))
         del model

@@ -247,6 +247,30 @@ def time_split(engine: Engine, context: int = 128) -> dict:
     return {k: v * 1e3 for k, v in parts.items()}  # milliseconds
 
 
+def greedy_agreement(engine: Engine, n_prompt: int = 32, n_new: int = 24, seed: int = 1) -> dict:
+    """Greedy tokens of the engine's decode (CUDA graphs, the pipeline, the fused decode kernel) against the argmax
+    of the prefill path's logits over the same sequence (attention_varlen and the unfused RoPE/cache kernel): the
+    first mismatch, the logit gap there, and the smallest top-2 gap (how close to a tie random weights come)."""
+    model = engine.model
+    prompt = torch.randint(0, model.spec.vocab_size, (n_prompt,), generator=torch.Generator().manual_seed(seed))
+    engine.add_request(prompt.tolist(), SamplingParams(max_tokens=n_new, ignore_eos=True))
+    tokens = []
+    while engine.has_work():
+        tokens += [e.token_id for e in engine.step() if e.token_id is not None]
+    seq = torch.tensor([prompt.tolist() + tokens], device=model.device)
+    logits = model.forward_logits(seq)[0, n_prompt - 1 : -1].float()
+    expected = logits.argmax(-1).tolist()
+    first = next((i for i, (a, b) in enumerate(zip(tokens, expected)) if a != b), None)
+    gap = None if first is None else (logits[first, expected[first]] - logits[first, tokens[first]]).item()
+    top2 = logits.topk(2, dim=-1).values
+    return {
+        "tokens": len(tokens),
+        "first_mismatch": first,
+        "gap_at_mismatch": gap,
+        "min_top2_gap": (top2[:, 0] - top2[:, 1]).min().item(),
+    }
+
+
 def bench_runtime(
     model: RuntimeModel, batches: tuple[int, ...], steps: int, prefill_tokens: int, split: bool = False
 ) -> dict:
@@ -269,6 +293,8 @@ def bench_runtime(
     for b in batches:
         result["decode_tps"][str(b)] = decode_tps(engine, b, steps if b == 1 else max(16, steps // 2))
         log.info("decode batch %d: %.1f tok/s", b, result["decode_tps"][str(b)])
+    result["greedy_vs_prefill"] = greedy_agreement(engine)
+    log.info("greedy decode against the prefill path: %s", result["greedy_vs_prefill"])
     result["prefill_tps"] = prefill_tps(engine, prefill_tokens)
     if split and 1 in batches:
         ms = time_split(engine)

@@ -177,3 +177,12 @@ def test_a_stop_inside_the_pipeline_wastes_one_step_and_frees_the_slot_cleanly(l
     assert tokens2 == second_alone
     steps, emitted = engine.stats.decode_steps - before[0], engine.stats.decode_tokens - before[1]
     assert (steps, emitted) == (4 + 1 + 11, 4 + 11)  # the wasted step ran, its token was not emitted
+
+
+def test_greedy_agreement_of_the_decode_with_the_prefill_path(llama):
+    from quantkit.runtime.bench import greedy_agreement
+
+    folder, _ = llama
+    engine = load_engine(str(folder), device="cpu", max_batch=2, max_seq_len=64)
+    report = greedy_agreement(engine, n_prompt=6, n_new=8)
+    assert report["tokens"] == 8 and report["first_mismatch"] is None and report["min_top2_gap"] >= 0
