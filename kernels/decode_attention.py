@@ -24,6 +24,9 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from quantkit.kernels.device_info import num_sms
 
 
 @triton.jit
@@ -204,3 +207,224 @@ def decode_attention_ref(q, k_cache, v_cache, cache_seqlens, sm_scale=None, cach
         s = s.masked_fill(hidden, float("-inf"))
         out[i] = (torch.softmax(s, -1).nan_to_num(0.0) @ vb).transpose(0, 1)
     return out
+
+
+# -- one token per sequence, RoPE and the cache write fused in, the splits combined by the last program --------
+
+
+@triton.jit
+def _rotated(base, cos_ptr, sin_ptr, d, HALF: tl.constexpr, ROPE: tl.constexpr):
+    """The head vector(s) at ``base + d`` (d over the whole head) rotated by RoPE in the half-split layout (float32):
+    x[d] * cos[d % HALF] -+ x[(d + HALF) % D] * sin[d % HALF]."""
+    x = tl.load(base + d).to(tl.float32)
+    if ROPE:
+        partner = tl.load(base + (d + HALF) % (2 * HALF)).to(tl.float32)
+        c = tl.load(cos_ptr + d % HALF)
+        s = tl.load(sin_ptr + d % HALF)
+        x = x * c + tl.where(d < HALF, -partner, partner) * s
+    return x
+
+
+@triton.jit
+def _merge_split(m_all, den, o, o_part_ptr, lse_part_ptr, idx, row_ok, d, HEAD_DIM: tl.constexpr):
+    """Fold one split's normalised partial output and log-sum-exp (rows ``idx``) into the running combine."""
+    lse = tl.load(lse_part_ptr + idx, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+    o_sp = tl.load(o_part_ptr + idx[:, None] * HEAD_DIM + d[None, :], mask=row_ok[:, None], other=0.0,
+                   cache_modifier=".cg")
+    m_new = tl.maximum(m_all, lse)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    scale_old = tl.math.exp2(m_all - m_safe)
+    w = tl.math.exp2(lse - m_safe)
+    return m_new, den * scale_old + w, o * scale_old[:, None] + o_sp * w[:, None]
+
+
+@triton.jit
+def _decode_rope_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slots_ptr, k_ptr, v_ptr, o_part_ptr, lse_part_ptr,
+                        out_ptr, counter_ptr, sm_scale, window_left, softcap,
+                        stride_qkv, stride_cos, stride_kb, stride_kn, stride_kh, stride_out,
+                        N_HEADS: tl.constexpr, N_KV: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr,
+                        NUM_SPLITS: tl.constexpr, MIN_SPLIT_KEYS: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, ROPE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                        PDL: tl.constexpr):
+    # program (split, row b, KV head): the GROUP query heads of the KV head against this split's share of the
+    # keys already cached (0 .. pos - 1); the last busy split also takes the new token's own key, from registers.
+    # A row uses as many of the NUM_SPLITS programs as its length needs (MIN_SPLIT_KEYS keys each at least); the
+    # others stay idle, and a row that needs one split writes its output at once (no combine)
+    split = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    kv_head = tl.program_id(2)
+    if PDL:
+        # let the next kernel (the o projection) start fetching its weights now; wait for the qkv projection
+        gdc_launch_dependents()
+        gdc_wait()
+    HEAD_DIM: tl.constexpr = 2 * HALF
+    pos = tl.load(pos_ptr + b).to(tl.int64)
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    cos_row = cos_ptr + pos * stride_cos
+    sin_row = sin_ptr + pos * stride_cos
+    offs_r = tl.arange(0, BLOCK_M)
+    row_ok = offs_r < GROUP
+    head = kv_head * GROUP + tl.where(row_ok, offs_r, 0)
+    d = tl.arange(0, HEAD_DIM)
+    row_base = qkv_ptr + b * stride_qkv
+    q = _rotated(row_base + head[:, None] * HEAD_DIM, cos_row, sin_row, d[None, :], HALF, ROPE)
+    q = q.to(qkv_ptr.dtype.element_ty)  # the model rounds the rotated q, as the unfused path stores it
+    k_base = k_ptr + slot * stride_kb + kv_head * stride_kh
+    v_base = v_ptr + slot * stride_kb + kv_head * stride_kh
+    qk_scale = sm_scale * 1.4426950408889634
+
+    # this split's keys: the cached ones spread evenly (whole tiles) over the busy splits
+    n_old = pos
+    n_splits = tl.minimum(tl.maximum(tl.cdiv(n_old, MIN_SPLIT_KEYS), 1), NUM_SPLITS)
+    chunk = tl.cdiv(tl.cdiv(tl.maximum(n_old, 1), n_splits), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, n_old)
+    if HAS_WINDOW:
+        lo = tl.maximum(lo, (tl.maximum(pos - window_left, 0) // BLOCK_N) * BLOCK_N)
+    offs_n = tl.arange(0, BLOCK_N)
+    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    for start_n in tl.range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n
+        col_ok = cols < hi
+        k = tl.load(k_base + cols.to(tl.int64)[:, None] * stride_kn + d[None, :], mask=col_ok[:, None], other=0.0)
+        v = tl.load(v_base + cols.to(tl.int64)[:, None] * stride_kn + d[None, :], mask=col_ok[:, None], other=0.0)
+        if HAS_SOFTCAP:
+            s = tl.dot(q, k.T) * sm_scale / softcap
+            qk = (2.0 / (1.0 + tl.exp(-2.0 * s)) - 1.0) * softcap * 1.4426950408889634
+        else:
+            qk = tl.dot(q, k.T) * qk_scale
+        keep = col_ok[None, :]
+        if HAS_WINDOW:
+            keep = keep & (cols[None, :] >= pos - window_left)
+        qk = tl.where(keep, qk, float("-inf"))
+        m_ij = tl.maximum(m_i, tl.max(qk, 1))
+        m_safe = tl.where(m_ij == float("-inf"), 0.0, m_ij)
+        p = tl.math.exp2(qk - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_ij
+
+    if split == n_splits - 1:
+        # the new token: its key and value from the projection, written to the cache here (no program reads
+        # position pos from the cache) and attended from registers
+        k_new = _rotated(row_base + (N_HEADS + kv_head) * HEAD_DIM, cos_row, sin_row, d, HALF, ROPE)
+        k_new = k_new.to(k_ptr.dtype.element_ty)
+        v_new = tl.load(row_base + (N_HEADS + N_KV + kv_head) * HEAD_DIM + d).to(v_ptr.dtype.element_ty)
+        tl.store(k_base + pos * stride_kn + d, k_new)
+        tl.store(v_base + pos * stride_kn + d, v_new)
+        s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1)
+        if HAS_SOFTCAP:
+            s_new = s_new * sm_scale / softcap
+            s_new = (2.0 / (1.0 + tl.exp(-2.0 * s_new)) - 1.0) * softcap * 1.4426950408889634
+        else:
+            s_new = s_new * qk_scale
+        m_ij = tl.maximum(m_i, s_new)
+        p_new = tl.math.exp2(s_new - m_ij)
+        alpha = tl.math.exp2(m_i - m_ij)
+        l_i = l_i * alpha + p_new
+        p_new = p_new.to(v_ptr.dtype.element_ty).to(tl.float32)  # rounded as the tiles' p before their dot
+        acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(tl.float32)[None, :]
+        m_i = m_ij
+
+    out_ptrs = out_ptr + b * stride_out + head[:, None] * HEAD_DIM + d[None, :]
+    if n_splits == 1:
+        if split == 0:
+            tl.store(out_ptrs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    elif split < n_splits:
+        # partial result normalised by its own sum and its log-sum-exp (log2; -inf: an empty split)
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
+        part = (b * N_HEADS + head) * NUM_SPLITS
+        tl.store(o_part_ptr + (part + split)[:, None] * HEAD_DIM + d[None, :], acc / l_safe[:, None],
+                 mask=row_ok[:, None])
+        tl.store(lse_part_ptr + part + split, lse, mask=row_ok)
+        # every thread's stores issued (barrier) before one thread's release of the count: the program that
+        # completes it combines the splits and leaves the counter zeroed for the next call
+        tl.debug_barrier()
+        done = tl.atomic_add(counter_ptr + b * N_KV + kv_head, 1, sem="acq_rel") + 1
+        if done == n_splits:
+            m_all = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
+            den = tl.zeros([BLOCK_M], dtype=tl.float32)
+            o = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+            for sp in tl.range(0, n_splits):
+                m_all, den, o = _merge_split(m_all, den, o, o_part_ptr, lse_part_ptr, part + sp, row_ok, d, HEAD_DIM)
+            den = tl.where(den == 0.0, 1.0, den)
+            tl.store(out_ptrs, (o / den[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+            tl.store(counter_ptr + b * N_KV + kv_head, 0)
+
+
+def rope_decode_splits(batch: int, n_kv_heads: int, max_len: int, min_split_keys: int, n_sms: int) -> int:
+    """Most splits of the fused decode kernel: ~1 wave of programs at ``max_len``, ``min_split_keys`` keys each."""
+    want = triton.cdiv(n_sms, batch * n_kv_heads)
+    return max(1, min(want, triton.cdiv(max_len, min_split_keys), 64))
+
+
+def decode_attention_rope(qkv, cos_table, sin_table, positions, slots, k_cache, v_cache, n_heads, counters,
+                          sm_scale=None, window_left=-1, softcap=0.0, rope=True, num_splits=None, block_n=None,
+                          min_split_keys=None, pdl=False):
+    """One new token per sequence, straight from the fused projection: rotate its q and k (RoPE, half-split
+    layout, ``cos_table / sin_table [positions, D / 2]`` float32), write its k and v into the cache at
+    ``(slots[b], positions[b])``, and attend to the cache's keys 0..positions[b] -> ``[B, Hq * D]``.
+
+    ``qkv [B, (Hq + 2 Hkv) * D]`` (rows contiguous; left unchanged); ``k_cache, v_cache [slots, S_max, Hkv, D]``
+    (one layout, head dim contiguous); ``positions, slots [B]`` int32; ``counters``: an int32 buffer of at least
+    ``B * Hkv`` zeros that the kernel leaves zeroed (calls sharing it must run one after another, as a stream
+    runs them). ``rope=False``: no rotation (models without RoPE). ``num_splits``: the most programs one row's
+    keys are split over; a row of L cached keys uses ceil(L / ``min_split_keys``) of them (default 4 key tiles
+    each), and one alone stores its output without a combine. ``pdl``: launch with programmatic dependent
+    launch (sm_90; the previous kernel's tail and the next kernel's start overlap this one). One launch, no
+    host sync: safe inside a CUDA graph. Reference: :func:`decode_attention_rope_ref`."""
+    b = qkv.shape[0]
+    _, s_max, n_kv_heads, head_dim = k_cache.shape
+    assert n_heads % n_kv_heads == 0 and qkv.shape[1] == (n_heads + 2 * n_kv_heads) * head_dim
+    assert qkv.stride(1) == 1 and cos_table.stride(1) == 1 and k_cache.stride() == v_cache.stride()
+    assert k_cache.stride(3) == 1 and counters.dtype == torch.int32 and counters.numel() >= b * n_kv_heads
+    group = n_heads // n_kv_heads
+    sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
+    on_gpu = qkv.is_cuda
+    block_n = block_n or (64 if on_gpu else 16)
+    min_split_keys = min_split_keys or 4 * block_n
+    if num_splits is None:
+        num_splits = rope_decode_splits(b, n_kv_heads, s_max, min_split_keys, num_sms(qkv.device))
+    o_part = torch.empty(b, n_heads, num_splits, head_dim, device=qkv.device, dtype=torch.float32)
+    lse_part = torch.empty(b, n_heads, num_splits, device=qkv.device, dtype=torch.float32)
+    out = torch.empty(b, n_heads * head_dim, device=qkv.device, dtype=qkv.dtype)
+    extra = {"launch_pdl": True} if pdl else {}
+    _decode_rope_kernel[(num_splits, b, n_kv_heads)](
+        qkv, cos_table, sin_table, positions, slots, k_cache, v_cache, o_part, lse_part, out, counters,
+        sm_scale, int(window_left), float(softcap),
+        qkv.stride(0), cos_table.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0),
+        N_HEADS=n_heads, N_KV=n_kv_heads, GROUP=group, HALF=head_dim // 2, NUM_SPLITS=num_splits,
+        MIN_SPLIT_KEYS=min_split_keys, BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, ROPE=rope,
+        HAS_WINDOW=window_left >= 0, HAS_SOFTCAP=softcap > 0, PDL=pdl, num_warps=4, **extra)
+    return out
+
+
+def decode_attention_rope_ref(qkv, cos_table, sin_table, positions, slots, k_cache, v_cache, n_heads,
+                              sm_scale=None, window_left=-1, softcap=0.0, rope=True):
+    """Plain-PyTorch reference of :func:`decode_attention_rope` (same arguments but ``counters``; the same cache
+    write), float32 math with q and k rounded to the model's dtype after rotation."""
+    b = qkv.shape[0]
+    n_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    q_size, kv_size = n_heads * head_dim, n_kv_heads * head_dim
+    q = qkv[:, :q_size].view(b, n_heads, head_dim)
+    k = qkv[:, q_size:q_size + kv_size].view(b, n_kv_heads, head_dim)
+    v = qkv[:, q_size + kv_size:].view(b, n_kv_heads, head_dim)
+    pos = positions.long()
+    if rope:
+        half = head_dim // 2
+        c, s = cos_table[pos][:, None, :], sin_table[pos][:, None, :]
+
+        def rotate(x):
+            x1, x2 = x[..., :half].float(), x[..., half:].float()
+            return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
+
+        q, k = rotate(q), rotate(k)
+    k_cache[slots.long(), pos] = k.to(k_cache.dtype)
+    v_cache[slots.long(), pos] = v.to(v_cache.dtype)
+    out = decode_attention_ref(q[:, None], k_cache, v_cache, positions + 1, sm_scale=sm_scale, cache_slots=slots,
+                               window_left=window_left, softcap=softcap)
+    return out.reshape(b, q_size).to(qkv.dtype)

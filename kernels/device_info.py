@@ -40,3 +40,14 @@ def _cuda_capability(index: int) -> tuple[int, int]:
 def interpreting() -> bool:
     """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def programmatic_launch(device: torch.device | str) -> bool:
+    """Whether small kernels on ``device`` launch with programmatic dependent launch (PDL): a Hopper or newer
+    GPU, not the interpreter, and ``QUANTKIT_PDL`` not set to 0 (an off switch for A/B timing). Such kernels
+    call ``griddepcontrol.launch_dependents`` and ``griddepcontrol.wait`` before touching memory, so the next
+    kernel's launch and its weight prefetch overlap them."""
+    device = torch.device(device)
+    if device.type != "cuda" or interpreting() or os.environ.get("QUANTKIT_PDL", "1") == "0":
+        return False
+    return capability(device)[0] >= 9

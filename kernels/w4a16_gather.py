@@ -6,22 +6,26 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from quantkit.kernels.device_info import interpreting
+from quantkit.kernels.device_info import interpreting, programmatic_launch
 from quantkit.kernels.w4a16_configs import PAIR_TILE_K
 
 
 @triton.jit
 def _gather_columns_kernel(x_ptr, index_ptr, out_ptr, zero_ptr, sums_ptr, M, K, n_zero, stride_xm,
-                           BLOCK: tl.constexpr, SUM_TILE: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr):
+                           BLOCK: tl.constexpr, SUM_TILE: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
+                           WAIT_PREVIOUS: tl.constexpr):
     """``out[m, c] = x[m, index[c]]`` (out contiguous) and, in the same launch, ``zero_ptr[:n_zero] = 0``
     and, with SUM_TILE > 0, ``sums_ptr[m, t]`` = float32 sum of out[m, t*SUM_TILE : (t+1)*SUM_TILE].
 
     LAUNCH_DEPENDENTS: let a kernel launched after this one with programmatic dependent launch start
-    now (it waits with ``griddepcontrol.wait`` before it reads what this one writes)."""
+    now (it waits with ``griddepcontrol.wait`` before it reads what this one writes). WAIT_PREVIOUS: this one
+    is launched that way itself and waits for the kernel before it, before touching memory."""
     if LAUNCH_DEPENDENTS:
         gdc_launch_dependents()
+    if WAIT_PREVIOUS:
+        gdc_wait()
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < M * K
     m = offs // K
@@ -68,7 +72,10 @@ def gather_columns(x: torch.Tensor, index: torch.Tensor, zero: torch.Tensor | No
         tile_sums = zero  # unused
     block = 1024
     grid = (triton.cdiv(max(m * k, zero.numel(), 1), block),)
+    # on Hopper launched with PDL too: in a decode step its launch overlaps the norm or activation kernel before it
+    pdl = programmatic_launch(x.device)
     _gather_columns_kernel[grid](x, index, out, zero, tile_sums, m, k, zero.numel(), x.stride(0), BLOCK=block,
-                                 SUM_TILE=sum_tile, LAUNCH_DEPENDENTS=x.is_cuda and not interpreting())
+                                 SUM_TILE=sum_tile, LAUNCH_DEPENDENTS=x.is_cuda and not interpreting(),
+                                 WAIT_PREVIOUS=pdl, **({"launch_pdl": True} if pdl else {}))
     return out
 

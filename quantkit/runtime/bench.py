@@ -203,7 +203,8 @@ def _graph_time(fn: Callable[[], object], replays: int = 20) -> float:
 
 def time_split(engine: Engine, context: int = 128) -> dict:
     """Per-token time of one batch-1 decode step by part: each part captured alone in a graph with the step's
-    shapes (linears, attention, norms/rope/activation), the whole step's replay, and the engine's host share."""
+    shapes (linears; attention with RoPE and the cache write; norms and activation), the whole step's replay, and
+    the engine's host share (computed by the caller)."""
     model, cache, s = engine.model, engine.cache, engine.model.spec
     dev, w = model.device, model.weights
     h = torch.randn(1, s.hidden_size, device=dev, dtype=model.dtype)
@@ -221,17 +222,14 @@ def time_split(engine: Engine, context: int = 128) -> dict:
         w.lm_head(h)
 
     def attention():
-        q = qkv[:, : s.q_size].view(1, 1, s.num_heads, s.head_dim)
         for i in range(s.num_layers):
-            o.decode_attention(
-                q, cache.k[i], cache.v[i], pos + 1, slot, s.softmax_scale, s.window_left(i), s.attn_softcap
-            )
+            cos, sin = model.layer_rope[i]
+            o.decode_attention_rope(qkv, cos, sin, pos, slot, cache.k[i], cache.v[i], s.num_heads, cache.counters,
+                                    s.softmax_scale, s.window_left(i), s.attn_softcap)
 
     def small_ops():
-        cos, sin = model.layer_rope[0]
-        for i, lw in enumerate(w.layers):
+        for lw in w.layers:
             o.add_rms_norm(h, h, lw.input_norm, s.rms_eps, s.norm_offset)
-            o.rope_cache(qkv, cos, sin, pos, s.num_heads, s.num_kv_heads, s.head_dim, cache.k[i], cache.v[i], slot)
             o.add_rms_norm(h, h, lw.post_attn_norm, s.rms_eps, s.norm_offset)
             o.act_mul(gate_up, s.activation)
         o.add_rms_norm(h, h, w.final_norm, s.rms_eps, s.norm_offset)
@@ -239,14 +237,38 @@ def time_split(engine: Engine, context: int = 128) -> dict:
     tokens = torch.zeros(1, dtype=torch.long, device=dev)
     parts = {
         "linears": _graph_time(linears),
-        "attention": _graph_time(attention),
-        "norms_rope_act": _graph_time(small_ops),
+        "attention_rope_kv": _graph_time(attention),
+        "norms_act": _graph_time(small_ops),
         "decode_step_graph": _graph_time(lambda: model.decode(tokens, pos, slot, cache)),
     }
     parts["other_in_graph"] = (
-        parts["decode_step_graph"] - parts["linears"] - parts["attention"] - parts["norms_rope_act"]
+        parts["decode_step_graph"] - parts["linears"] - parts["attention_rope_kv"] - parts["norms_act"]
     )
     return {k: v * 1e3 for k, v in parts.items()}  # milliseconds
+
+
+def greedy_agreement(engine: Engine, n_prompt: int = 32, n_new: int = 24, seed: int = 1) -> dict:
+    """Greedy tokens of the engine's decode (CUDA graphs, the pipeline, the fused decode kernel) against the argmax
+    of the prefill path's logits over the same sequence (attention_varlen and the unfused RoPE/cache kernel): the
+    first mismatch, the logit gap there, and the smallest top-2 gap (how close to a tie random weights come)."""
+    model = engine.model
+    prompt = torch.randint(0, model.spec.vocab_size, (n_prompt,), generator=torch.Generator().manual_seed(seed))
+    engine.add_request(prompt.tolist(), SamplingParams(max_tokens=n_new, ignore_eos=True))
+    tokens = []
+    while engine.has_work():
+        tokens += [e.token_id for e in engine.step() if e.token_id is not None]
+    seq = torch.tensor([prompt.tolist() + tokens], device=model.device)
+    logits = model.forward_logits(seq)[0, n_prompt - 1 : -1].float()
+    expected = logits.argmax(-1).tolist()
+    first = next((i for i, (a, b) in enumerate(zip(tokens, expected)) if a != b), None)
+    gap = None if first is None else (logits[first, expected[first]] - logits[first, tokens[first]]).item()
+    top2 = logits.topk(2, dim=-1).values
+    return {
+        "tokens": len(tokens),
+        "first_mismatch": first,
+        "gap_at_mismatch": gap,
+        "min_top2_gap": (top2[:, 0] - top2[:, 1]).min().item(),
+    }
 
 
 def bench_runtime(
@@ -271,6 +293,8 @@ def bench_runtime(
     for b in batches:
         result["decode_tps"][str(b)] = decode_tps(engine, b, steps if b == 1 else max(16, steps // 2))
         log.info("decode batch %d: %.1f tok/s", b, result["decode_tps"][str(b)])
+    result["greedy_vs_prefill"] = greedy_agreement(engine)
+    log.info("greedy decode against the prefill path: %s", result["greedy_vs_prefill"])
     result["prefill_tps"] = prefill_tps(engine, prefill_tokens)
     if split and 1 in batches:
         ms = time_split(engine)

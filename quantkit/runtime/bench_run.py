@@ -184,6 +184,9 @@ def format_table(record: dict) -> str:
         f"copy bandwidth {record.get('copy_bandwidth_gbs', 0):.0f} GB/s; rooflines "
         + ", ".join(f"{k} {v:.0f} tok/s" for k, v in record.get("roofline_tps", {}).items())
     )
+    for key in ("int4", "bf16"):
+        if "greedy_vs_prefill" in record.get(key, {}):
+            lines.append(f"{key} greedy decode vs prefill path: {record[key]['greedy_vs_prefill']}")
     if "time_split_ms" in record.get("int4", {}):
         lines.append(
             "int4 batch-1 step (ms): " + ", ".join(f"{k} {v:.3f}" for k, v in record["int4"]["time_split_ms"].items())

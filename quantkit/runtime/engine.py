@@ -17,6 +17,7 @@ import torch
 
 from quantkit.config import QuantkitError
 from quantkit.runtime import sampling
+from quantkit.runtime.graphs import DecodeGraphs, DecodeRunner, Launched
 from quantkit.runtime.model import KVCache, RuntimeModel
 from quantkit.runtime.types import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, SamplingParams, TokenEvent
 
@@ -61,6 +62,10 @@ class _Request:
     emitted: int = 0  # characters of text already returned
 
 
+def _plain_greedy(req: _Request) -> bool:
+    return req.params.greedy and req.params.repetition_penalty == 1.0
+
+
 class Engine:
     """Implements :class:`quantkit.runtime.types.Engine` over a :class:`RuntimeModel`."""
 
@@ -86,17 +91,19 @@ class Engine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_prefill_tokens = max_prefill_tokens
         self.cache = KVCache.allocate(model.spec, max_batch + 1, max_seq_len, model.dtype, model.device)
-        self.graphs = None
         if cuda_graphs:
-            from quantkit.runtime.graphs import DecodeGraphs
-
-            self.graphs = DecodeGraphs(model, self.cache, max_batch, buckets=graph_buckets)
+            self._runner = DecodeGraphs(model, self.cache, max_batch, buckets=graph_buckets)
+        else:
+            self._runner = DecodeRunner(model, self.cache, max_batch, buckets=graph_buckets)
+        self.graphs = self._runner if cuda_graphs else None
         self.stats = EngineStats()
         self._next_id = 0
         self._queue: deque[_Request] = deque()
         self._running: dict[int, _Request] = {}
         self._free_slots = list(range(max_batch - 1, -1, -1))  # pop() hands out the lowest first
         self._aborted: list[TokenEvent] = []
+        # a greedy decode step launched but not yet read: (its rows, the launch); see step()
+        self._inflight: tuple[list[_Request], Launched] | None = None
 
     # -- the Engine protocol --------------------------------------------------------------------------
 
@@ -162,10 +169,31 @@ class Engine:
             self._aborted.append(self._final(req, None, "", FINISH_ABORT))
 
     def has_work(self) -> bool:
-        return bool(self._queue or self._running or self._aborted)
+        return bool(self._queue or self._running or self._aborted or self._inflight)
 
     def step(self) -> list[TokenEvent]:
+        """Admit and prefill what fits, decode the running requests; the events of what happened.
+
+        A batch that only decodes greedily is pipelined: its step is launched and read in the next call,
+        which first launches the step after it from the tokens the device chose (while the host reads
+        and detokenizes, the device computes), as long as no request can join, every row is still running
+        and none ends on its length at the step being read. A row that stops on a token or string at that
+        step has one step too many in flight: its token is discarded, never emitted, and its cache slot
+        is rewritten from position 0 by whoever gets it next (stream order puts that after the step).
+        """
         events, self._aborted = self._aborted, []
+        if self._inflight is not None and self._can_chain(*self._inflight):
+            start = time.perf_counter()
+            reqs, launched = self._inflight
+            self._inflight = (reqs, self._runner.chain(launched))
+            events += self._collect(reqs, launched)
+            self.stats.decode_seconds += time.perf_counter() - start
+            return events
+        if self._inflight is not None:
+            start = time.perf_counter()
+            events += self._collect(*self._inflight)
+            self._inflight = None
+            self.stats.decode_seconds += time.perf_counter() - start
         decoding = list(self._running.values())
         admitted = self._admit()
         if admitted:
@@ -191,40 +219,62 @@ class Engine:
     def _prefill(self, reqs: list[_Request]) -> list[TokenEvent]:
         start = time.perf_counter()
         logits = self.model.prefill([r.prompt for r in reqs], [r.slot for r in reqs], self.cache)
-        tokens = self._sample(logits, reqs)
+        tokens = self._sample(logits, reqs, [None] * len(reqs))
         self.stats.prefill_seconds += time.perf_counter() - start
         self.stats.prefill_tokens += sum(len(r.prompt) for r in reqs)
         return [self._advance(r, t) for r, t in zip(reqs, tokens)]
 
     def _decode(self, reqs: list[_Request]) -> list[TokenEvent]:
+        """One decode step of ``reqs`` from the host's view of them; kept in flight (read by the next
+        step()) when every row decodes greedily, read now otherwise."""
         start = time.perf_counter()
-        tokens = [r.output[-1] for r in reqs]
-        positions = [len(r.prompt) + len(r.output) - 1 for r in reqs]
-        slots = [r.slot for r in reqs]
-        if self.graphs is not None:
-            logits = self.graphs.run(tokens, positions, slots)
+        launched = self._runner.start(
+            [r.output[-1] for r in reqs],
+            [len(r.prompt) + len(r.output) - 1 for r in reqs],
+            [r.slot for r in reqs],
+        )
+        events = []
+        if all(_plain_greedy(r) for r in reqs):
+            self._inflight = (reqs, launched)
         else:
-            dev = self.model.device
-            logits = self.model.decode(
-                torch.tensor(tokens, device=dev),
-                torch.tensor(positions, dtype=torch.int32, device=dev),
-                torch.tensor(slots, dtype=torch.int32, device=dev),
-                self.cache,
-            )
-        new = self._sample(logits, reqs)
+            events = self._collect(reqs, launched)
         self.stats.decode_seconds += time.perf_counter() - start
-        self.stats.decode_tokens += len(reqs)
-        self.stats.decode_steps += 1
-        return [self._advance(r, t) for r, t in zip(reqs, new)]
+        return events
 
-    def _sample(self, logits: torch.Tensor, reqs: list[_Request]) -> list[int]:
+    def _can_chain(self, reqs: list[_Request], launched: Launched) -> bool:
+        """Whether the step after ``launched`` may run before its tokens are read (see step())."""
+        if self._queue and self._free_slots:
+            return False  # a request can join: read this step, then admit
+        if len(self._running) != len(reqs):
+            return False
+        # every row still running, and none ends on its length with the token in flight
+        return all(self._running.get(r.id) is r and len(r.output) + 1 < r.max_new for r in reqs)
+
+    def _collect(self, reqs: list[_Request], launched: Launched) -> list[TokenEvent]:
+        """Read ``launched`` (waiting for it) and record each running row's token; rows that ended or were
+        aborted meanwhile are skipped (their token is discarded)."""
+        tokens = self._sample(launched.logits, reqs, self._runner.greedy_tokens(launched))
+        self.stats.decode_steps += 1
+        events = []
+        for req, token in zip(reqs, tokens):
+            if self._running.get(req.id) is req:
+                self.stats.decode_tokens += 1
+                events.append(self._advance(req, token))
+        return events
+
+    def _sample(self, logits: torch.Tensor, reqs: list[_Request], greedy: list[int | None]) -> list[int]:
+        """Each row's token: the device's greedy choice where there is one and the row decodes plainly
+        greedily, else sampled on the host from the float32 ``logits``."""
+        if all(g is not None and _plain_greedy(r) for r, g in zip(reqs, greedy)):
+            return list(greedy)
         seen = [
             torch.tensor(r.prompt + r.output, device=logits.device)
             if r.params.repetition_penalty != 1.0
             else torch.empty(0, dtype=torch.long)
             for r in reqs
         ]
-        return sampling.sample_batch(logits, [r.params for r in reqs], seen, [r.generator for r in reqs])
+        sampled = sampling.sample_batch(logits, [r.params for r in reqs], seen, [r.generator for r in reqs])
+        return [g if g is not None and _plain_greedy(r) else t for r, g, t in zip(reqs, greedy, sampled)]
 
     # -- per-request bookkeeping ----------------------------------------------------------------------
 

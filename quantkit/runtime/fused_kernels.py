@@ -3,6 +3,11 @@
 At batch 1 a decode step of an 8B model has ~0.4 ms for everything but the linears: each of these
 replaces 5-15 PyTorch launches per layer with one. Each kernel handles one token row per program
 (rows are independent), computes in float32 and stores in the output's dtype.
+
+On Hopper the norm and activation kernels launch with programmatic dependent launch (PDL): each lets the
+next kernel launch at once (``griddepcontrol.launch_dependents``) and waits for the previous one
+(``griddepcontrol.wait``) before it touches memory, so the W4A16 GEMM behind it requests its first
+weights while this kernel runs, and this kernel's own launch overlaps the tail of the one before.
 """
 
 from __future__ import annotations
@@ -10,12 +15,18 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from quantkit.kernels.device_info import programmatic_launch
 
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, H, eps, offset,
                          stride_x, stride_r, stride_o, stride_ro,
-                         HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+                         HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < H
@@ -37,10 +48,11 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     out = torch.empty_like(x)
     res_out = x if residual is None else torch.empty_like(x)
     res = x if residual is None else residual
+    pdl = programmatic_launch(x.device)
     _add_rms_norm_kernel[(m,)](x, res, weight, out, res_out, h, eps, offset,
                                x.stride(0), res.stride(0), out.stride(0), res_out.stride(0),
-                               HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(h),
-                               num_warps=4 if h <= 4096 else 8)
+                               HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(h), PDL=pdl,
+                               num_warps=4 if h <= 4096 else 8, **_pdl_launch(pdl))
     return out, res_out
 
 
@@ -97,7 +109,11 @@ def rope_cache(qkv: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tens
 
 
 @triton.jit
-def _act_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o, GELU: tl.constexpr, BLOCK: tl.constexpr):
+def _act_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o, GELU: tl.constexpr, BLOCK: tl.constexpr,
+                    PDL: tl.constexpr):
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < inter
@@ -118,6 +134,13 @@ def act_mul(gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
     inter = two_i // 2
     out = torch.empty((m, inter), device=gate_up.device, dtype=gate_up.dtype)
     block = min(1024, triton.next_power_of_2(inter))
+    pdl = programmatic_launch(gate_up.device)
     _act_mul_kernel[(m, triton.cdiv(inter, block))](gate_up, out, inter, gate_up.stride(0), out.stride(0),
-                                                   GELU=activation == "gelu_tanh", BLOCK=block, num_warps=4)
+                                                   GELU=activation == "gelu_tanh", BLOCK=block, PDL=pdl, num_warps=4,
+                                                   **_pdl_launch(pdl))
     return out
+
+
+def _pdl_launch(pdl: bool) -> dict:
+    """The launch option of a PDL kernel (left out otherwise: the interpreter takes no such option)."""
+    return {"launch_pdl": True} if pdl else {}

@@ -22,10 +22,13 @@ BACKENDS = ("kernels", "reference")
 
 @dataclass
 class KVCache:
-    """Per layer ``k[i], v[i] [slots, max_seq_len, Hkv, D]``; the last slot is scratch (padding rows)."""
+    """Per layer ``k[i], v[i] [slots, max_seq_len, Hkv, D]``; the last slot is scratch (padding rows).
+    ``counters``: int32 zeros, ``slots * Hkv``, that the fused decode kernel borrows (and leaves zeroed) to
+    combine its splits."""
 
     k: list[torch.Tensor]
     v: list[torch.Tensor]
+    counters: torch.Tensor | None = None
 
     @classmethod
     def allocate(cls, spec: ModelSpec, slots: int, max_seq_len: int, dtype, device) -> KVCache:
@@ -33,6 +36,7 @@ class KVCache:
         return cls(
             [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)],
             [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)],
+            torch.zeros(slots * spec.num_kv_heads, dtype=torch.int32, device=device),
         )
 
     @property
@@ -70,6 +74,16 @@ class _Reference:
             q, k_cache, v_cache, seqlens, sm_scale=scale, cache_slots=slots, window_left=window_left, softcap=softcap
         ).to(q.dtype)
 
+    @staticmethod
+    def decode_attention_rope(qkv, cos, sin, positions, slots, k_cache, v_cache, n_heads, counters, scale,
+                              window_left, softcap):
+        from quantkit.kernels.decode_attention import decode_attention_rope_ref
+
+        return decode_attention_rope_ref(
+            qkv, cos, sin, positions, slots, k_cache, v_cache, n_heads, sm_scale=scale, window_left=window_left,
+            softcap=softcap,
+        )
+
 
 class _Kernels:
     """quantkit's Triton kernels (the W4A16 GEMM is chosen per linear by :class:`.weights.Linear`)."""
@@ -104,6 +118,17 @@ class _Kernels:
 
         return decode_attention(
             q, k_cache, v_cache, seqlens, sm_scale=scale, cache_slots=slots, window_left=window_left, softcap=softcap
+        )
+
+    @staticmethod
+    def decode_attention_rope(qkv, cos, sin, positions, slots, k_cache, v_cache, n_heads, counters, scale,
+                              window_left, softcap):
+        from quantkit.kernels.decode_attention import decode_attention_rope
+        from quantkit.kernels.device_info import programmatic_launch
+
+        return decode_attention_rope(
+            qkv, cos, sin, positions, slots, k_cache, v_cache, n_heads, counters, sm_scale=scale,
+            window_left=window_left, softcap=softcap, pdl=programmatic_launch(qkv.device),
         )
 
 
@@ -143,12 +168,14 @@ class RuntimeModel:
         k.copy_(ops.rms_norm_ref(k, layer.k_norm, s.rms_eps, s.norm_offset))
 
     def _hidden(
-        self, ids: torch.Tensor, positions: torch.Tensor, attend, cache: KVCache | None, slots: torch.Tensor | None
+        self, ids: torch.Tensor, positions: torch.Tensor, attend, cache: KVCache | None, slots: torch.Tensor | None,
+        rope_in_attention: bool = False,
     ) -> torch.Tensor:
         """Final-normed hidden states ``[M, H]`` of token rows ``ids [M]`` at ``positions [M]``.
 
         ``attend(layer, qkv) -> [M, Hq * D]`` runs attention on the rotated ``qkv`` (the cache, if any,
-        already holds this step's keys and values).
+        already holds this step's keys and values); with ``rope_in_attention`` on the projection's output
+        as it is, rotating and writing the cache itself.
         """
         s, o = self.spec, self.ops
         h = self.weights.embed[ids]
@@ -160,19 +187,20 @@ class RuntimeModel:
             qkv = lw.qkv(x)
             if s.qk_norm:
                 self._qk_norm(qkv, lw)
-            cos, sin = self.layer_rope[i]
-            o.rope_cache(
-                qkv,
-                cos,
-                sin,
-                positions,
-                s.num_heads,
-                s.num_kv_heads,
-                s.head_dim,
-                None if cache is None else cache.k[i],
-                None if cache is None else cache.v[i],
-                slots,
-            )
+            if not rope_in_attention:
+                cos, sin = self.layer_rope[i]
+                o.rope_cache(
+                    qkv,
+                    cos,
+                    sin,
+                    positions,
+                    s.num_heads,
+                    s.num_kv_heads,
+                    s.head_dim,
+                    None if cache is None else cache.k[i],
+                    None if cache is None else cache.v[i],
+                    slots,
+                )
             delta = lw.o(attend(i, qkv))
             if s.sandwich_norms:
                 delta, _ = o.add_rms_norm(delta, None, lw.post_attn_norm, s.rms_eps, s.norm_offset)
@@ -239,15 +267,15 @@ class RuntimeModel:
         """One token per row: ``tokens [B]`` long at ``positions [B]`` int32 in cache ``slots [B]`` int32 ->
         float32 logits ``[B, V]``. Graph-safe: fixed shapes, no host sync on the kernels backend."""
         s = self.spec
-        seqlens = positions + 1
-        b = tokens.shape[0]
+        counters = cache.counters
 
         def attend(i: int, qkv: torch.Tensor) -> torch.Tensor:
-            q = qkv[:, : s.q_size].view(b, 1, s.num_heads, s.head_dim)
-            out = self.ops.decode_attention(
-                q, cache.k[i], cache.v[i], seqlens, slots, s.softmax_scale, s.window_left(i), s.attn_softcap
+            # RoPE, the cache write, attention and the split combine: one launch on the kernels backend
+            cos, sin = self.layer_rope[i]
+            return self.ops.decode_attention_rope(
+                qkv, cos, sin, positions, slots, cache.k[i], cache.v[i], s.num_heads, counters, s.softmax_scale,
+                s.window_left(i), s.attn_softcap,
             )
-            return out.reshape(b, s.q_size)
 
         with torch.inference_mode():
-            return self.logits(self._hidden(tokens, positions, attend, cache, slots))
+            return self.logits(self._hidden(tokens, positions, attend, cache, slots, rope_in_attention=True))

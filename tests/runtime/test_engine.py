@@ -137,3 +137,52 @@ def test_bad_requests_raise(llama):
         engine.add_request([1], {"max_tokens": 3})
     with pytest.raises(QuantkitError, match="top_p"):
         SamplingParams(top_p=0.0)
+
+
+def test_greedy_decoding_is_pipelined_one_step_behind(llama):
+    folder, _ = llama
+    engine = load_engine(str(folder), device="cpu", max_batch=2, max_seq_len=64)
+    chained = []
+    chain = engine._runner.chain
+    engine._runner.chain = lambda launched: chained.append(launched) or chain(launched)
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    (tokens, _, reason), = run_schedule(engine, [(0, [5, 17, 99], params)])
+    assert len(tokens) == 10 and reason == FINISH_LENGTH
+    # prefill gives token 1, the step for token 2 is launched from the host, those for tokens 3..10 chain on the
+    # device, and none is launched past max_tokens: 9 steps for 9 tokens
+    assert len(chained) == 8
+    assert engine.stats.decode_steps == engine.stats.decode_tokens == 9 and not engine.has_work()
+    # a sampled row is read at once: nothing chains
+    chained.clear()
+    sampled = SamplingParams(max_tokens=6, temperature=0.7, seed=1, ignore_eos=True)
+    (tokens, _, _), = run_schedule(engine, [(0, [5, 17, 99], sampled)])
+    assert len(tokens) == 6 and not chained
+
+
+def test_a_stop_inside_the_pipeline_wastes_one_step_and_frees_the_slot_cleanly(llama):
+    folder, _ = llama
+    engine = load_engine(str(folder), device="cpu", max_batch=1, max_seq_len=64)
+    first, second = [5, 17, 99], [7, 7, 3, 40]
+    free = SamplingParams(max_tokens=12, ignore_eos=True)
+    (free_tokens, _, _), = run_schedule(engine, [(0, first, free)])
+    (second_alone, _, _), = run_schedule(engine, [(0, second, free)])
+    # the first request stops on its 5th token while the step for its 6th is already in flight; the second
+    # waits for the slot, gets it after that wasted step wrote into it, and must decode as it does alone
+    stop_at = free_tokens[4]
+    assert stop_at not in free_tokens[:4]
+    stopping = SamplingParams(max_tokens=12, stop_token_ids=(stop_at,))
+    before = engine.stats.decode_steps, engine.stats.decode_tokens
+    (tokens, _, reason), (tokens2, _, _) = run_schedule(engine, [(0, first, stopping), (0, second, free)])
+    assert reason == FINISH_STOP and tokens == free_tokens[:5]
+    assert tokens2 == second_alone
+    steps, emitted = engine.stats.decode_steps - before[0], engine.stats.decode_tokens - before[1]
+    assert (steps, emitted) == (4 + 1 + 11, 4 + 11)  # the wasted step ran, its token was not emitted
+
+
+def test_greedy_agreement_of_the_decode_with_the_prefill_path(llama):
+    from quantkit.runtime.bench import greedy_agreement
+
+    folder, _ = llama
+    engine = load_engine(str(folder), device="cpu", max_batch=2, max_seq_len=64)
+    report = greedy_agreement(engine, n_prompt=6, n_new=8)
+    assert report["tokens"] == 8 and report["first_mismatch"] is None and report["min_top2_gap"] >= 0
