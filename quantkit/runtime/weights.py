@@ -16,7 +16,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from quantkit.config import QuantkitError
 from quantkit.runtime.spec import ModelSpec
@@ -39,7 +38,9 @@ class Linear:
             from quantkit.kernels.dispatch import w4a16_linear
 
             return w4a16_linear(x, self.packed, self.bias)
-        return F.linear(x, self.dense, self.bias)
+        from quantkit.kernels.dispatch import dense_linear
+
+        return dense_linear(x, self.dense, self.bias)
 
     def nbytes(self) -> int:
         if self.parts:
