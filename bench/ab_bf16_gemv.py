@@ -4,8 +4,8 @@
 2. each 8B linear at M = 1 (and the default config at M = 4): cuBLAS and every GEMV candidate config, GPU time under
    CUDA-graph replay with L2 evicted (``kernels/gpu_timing.gpu_time_us``), the best config per shape;
 3. the runtime's bf16 decode at batch 1 (``--shape``, ``--steps``) on one model: cuBLAS (``QUANTKIT_BF16_GEMV=0``),
-   the GEMV with its default config, and with the candidate that was fastest over the step's linears
-   (``QUANTKIT_GEMV_CONFIG``), tok/s (median of ``--repeats``), the per-part time split, and a greedy check of the
+   the GEMV with its default config, and with the fastest candidate of each shape (``QUANTKIT_GEMV_CONFIG``;
+   printed as a ``TUNED_M1`` table for kernels/gemv.py), tok/s (median of ``--repeats``), the per-part time split, and a greedy check of the
    graph decode against the prefill path.
 
     python bench/ab_bf16_gemv.py --out bench/results/ab_bf16_gemv_<date>.json
@@ -104,7 +104,14 @@ def time_linears(weights: dict, shapes: dict) -> dict:
     per_token["per_shape_best"] = sum(out["m1"][name][out["m1"][name]["best"]] * shapes[name][2] for name in out["m1"])
     out["per_token_linears_us"] = per_token
     out["best_single_config"] = min((key for key in keys if key != "cublas"), key=per_token.get)
+    out["tuned_env"] = ";".join(f"{w.shape[0]}x{w.shape[1]}={_env_config(out['m1'][name]['best'])}"
+                                for name, w in weights.items())
     return out
+
+
+def _env_config(key: str) -> str:
+    """A candidate's column name ("4x2048/8w") as QUANTKIT_GEMV_CONFIG writes it ("4,2048,8")."""
+    return key.replace("x", ",").replace("/", ",").rstrip("w")
 
 
 def _engine(model, cuda: bool):
@@ -113,8 +120,9 @@ def _engine(model, cuda: bool):
     return Engine(model, None, max_batch=1, max_seq_len=2049, cuda_graphs=cuda, graph_buckets=(1,))
 
 
-def runtime_ab(shape: str, steps: int, repeats: int, best_config: str | None, device) -> dict:
-    """The runtime's bf16 decode at batch 1 with the GEMV off, on, and on with ``best_config`` (when it differs)."""
+def runtime_ab(shape: str, steps: int, repeats: int, tuned_env: str | None, device) -> dict:
+    """The runtime's bf16 decode at batch 1 with the GEMV off, on, and on with the per-shape configs of
+    ``tuned_env`` (a QUANTKIT_GEMV_CONFIG value; None: the defaults won everywhere)."""
     from quantkit.runtime import bench
 
     cuda = torch.device(device).type == "cuda"
@@ -123,8 +131,8 @@ def runtime_ab(shape: str, steps: int, repeats: int, best_config: str | None, de
     del hf
     gc.collect()
     variants = {"cublas": {ENV_SWITCH: "0"}, "gemv": {ENV_SWITCH: "1"}}
-    if best_config:
-        variants["gemv_best"] = {ENV_SWITCH: "1", ENV_CONFIG: best_config}
+    if tuned_env:
+        variants["gemv_tuned"] = {ENV_SWITCH: "1", ENV_CONFIG: tuned_env}
     engines, out = {}, {}
     for name, env in variants.items():  # the selection is made at capture: each engine captures under its setting
         with _env(env):
@@ -198,6 +206,8 @@ def _print_tables(record: dict) -> None:
               f"{row['gbs_best']:.0f} |")
     print("| per token | " + " | ".join(f"{timing['per_token_linears_us'][key]:.0f}" for key in keys)
           + f" | per-shape best {timing['per_token_linears_us']['per_shape_best']:.0f} | |")
+    print("\nTUNED_M1 = {" + ", ".join(f"({entry.split('=')[0].replace('x', ', ')}): GemvConfig({entry.split('=')[1]})"
+                                      for entry in timing["tuned_env"].split(";")) + "}")
     print("\nM = 4: " + ", ".join(f"{name} cuBLAS {row['cublas']:.1f} / GEMV {row['gemv_default']:.1f} us"
                                  for name, row in timing["m4"].items()))
     if "runtime" in record:
@@ -237,10 +247,10 @@ def main() -> None:
         torch.cuda.empty_cache()
     from quantkit.kernels.gemv import CANDIDATES
 
-    best = record["linears"]["best_single_config"]
-    default = f"{CANDIDATES[0].block_n}x{CANDIDATES[0].block_k}/{CANDIDATES[0].num_warps}w"
-    best_env = None if best in (default, "cublas") else best.replace("x", ",").replace("/", ",").rstrip("w")
-    record["runtime"] = runtime_ab(args.shape, args.steps, args.repeats, best_env, device)
+    default = _env_config(f"{CANDIDATES[0].block_n}x{CANDIDATES[0].block_k}/{CANDIDATES[0].num_warps}w")
+    tuned = record["linears"]["tuned_env"]
+    tuned_env = None if all(entry.endswith("=" + default) for entry in tuned.split(";")) else tuned
+    record["runtime"] = runtime_ab(args.shape, args.steps, args.repeats, tuned_env, device)
     out.write_text(json.dumps(record, indent=2))
     _print_tables(record)
     print(f"\nwrote {out}")

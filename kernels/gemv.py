@@ -29,7 +29,8 @@ from quantkit.kernels.device_info import interpreting, programmatic_launch
 
 MAX_M = 4  # activation rows one launch takes (the kernel keeps one accumulator per row)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-CONFIG_ENV = "QUANTKIT_GEMV_CONFIG"  # "BLOCK_N,BLOCK_K,NUM_WARPS": one config for every shape (A/B timing)
+# A/B timing: "BLOCK_N,BLOCK_K,NUM_WARPS" (every shape) or "NxK=BLOCK_N,BLOCK_K,NUM_WARPS;..." (those shapes)
+CONFIG_ENV = "QUANTKIT_GEMV_CONFIG"
 
 
 @dataclass(frozen=True)
@@ -62,18 +63,34 @@ CANDIDATES = (GemvConfig(4, 2048, 8), GemvConfig(8, 1024, 4), GemvConfig(2, 2048
               GemvConfig(2, 1024, 4), GemvConfig(8, 2048, 8))
 
 
+# Measured best configs at M = 1 by shape (N, K), from bench/ab_bf16_gemv.py; empty until an H200 run fills it.
+TUNED_M1: dict[tuple[int, int], GemvConfig] = {}
+
+
+def _config_from_env(n: int, k: int) -> GemvConfig | None:
+    text = os.environ.get(CONFIG_ENV, "").strip()
+    if not text:
+        return None
+    if "=" not in text:
+        return GemvConfig.parse(text)
+    for entry in text.split(";"):
+        shape, _, cfg = entry.partition("=")
+        if shape.strip() == f"{n}x{k}":
+            return GemvConfig.parse(cfg)
+    return None
+
+
+def _default_config(m: int) -> GemvConfig:
+    if m == 1:
+        return CANDIDATES[0]
+    return GemvConfig(2, 2048, 8) if m == 2 else GemvConfig(2, 1024, 4)  # M = 4: 119 registers on sm_90
+
+
 def gemv_config(m: int, n: int, k: int) -> GemvConfig:
-    """The launch config for ``[m, k] x [n, k]^T``: ``QUANTKIT_GEMV_CONFIG`` when set, else by m (registers:
-    m accumulators of BLOCK_N * BLOCK_K / (32 * NUM_WARPS) floats a thread each). Small K shrinks BLOCK_K."""
-    override = os.environ.get(CONFIG_ENV)
-    if override:
-        cfg = GemvConfig.parse(override)
-    elif m == 1:
-        cfg = CANDIDATES[0]
-    elif m == 2:
-        cfg = GemvConfig(2, 2048, 8)
-    else:
-        cfg = GemvConfig(2, 1024, 4)  # M = 4: 119 registers on sm_90
+    """The launch config for ``[m, k] x [n, k]^T``: ``QUANTKIT_GEMV_CONFIG`` where it names one, else the tuned
+    entry at M = 1, else by m (registers: m accumulators of BLOCK_N * BLOCK_K / (32 * NUM_WARPS) floats a thread
+    each). Small K shrinks BLOCK_K."""
+    cfg = _config_from_env(n, k) or (TUNED_M1.get((n, k)) if m == 1 else None) or _default_config(m)
     block_k = min(cfg.block_k, max(triton.next_power_of_2(k), 16))
     return cfg if block_k == cfg.block_k else GemvConfig(cfg.block_n, block_k, cfg.num_warps)
 

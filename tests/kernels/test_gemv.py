@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from quantkit.kernels.dispatch import dense_linear, gemv_wanted
-from quantkit.kernels.gemv import GemvConfig, gemv, gemv_config, gemv_ref, gemv_supports
+from quantkit.kernels.gemv import CANDIDATES, GemvConfig, gemv, gemv_config, gemv_ref, gemv_supports
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -22,10 +22,10 @@ def _rel(out, ref) -> float:
 
 
 def _problem(m, n, k, dtype, bias, seed=0, device=DEV):
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(m, k, generator=gen).to(device=device, dtype=dtype)
-    w = (torch.randn(n, k, generator=gen) / k**0.5).to(device=device, dtype=dtype)
-    b = torch.randn(n, generator=gen).to(device=device, dtype=dtype) if bias else None
+    gen = torch.Generator(device=device).manual_seed(seed)  # on the device: the 8B lm_head is 0.5 G values
+    x = torch.randn(m, k, generator=gen, device=device).to(dtype)
+    w = (torch.randn(n, k, generator=gen, device=device) / k**0.5).to(dtype)
+    b = torch.randn(n, generator=gen, device=device).to(dtype) if bias else None
     return x, w, b
 
 
@@ -79,6 +79,12 @@ def test_config_validation():
 def test_config_override_from_env(monkeypatch):
     monkeypatch.setenv("QUANTKIT_GEMV_CONFIG", "2,512,2")
     assert gemv_config(1, 4096, 4096) == GemvConfig(2, 512, 2)
+    monkeypatch.setenv("QUANTKIT_GEMV_CONFIG", "4096x4096=8,1024,4;6144x4096=2,2048,8")
+    assert gemv_config(1, 6144, 4096) == GemvConfig(2, 2048, 8)
+    assert gemv_config(1, 4096, 4096) == GemvConfig(8, 1024, 4)
+    assert gemv_config(1, 28672, 4096) == CANDIDATES[0]  # not named: the default
+    monkeypatch.delenv("QUANTKIT_GEMV_CONFIG")
+    assert gemv_config(1, 28672, 4096) == CANDIDATES[0]
 
 
 def test_selection(monkeypatch):
@@ -155,13 +161,13 @@ SHAPES_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 
 @pytest.mark.parametrize("n,k", SHAPES_8B)
 @pytest.mark.parametrize("m", [1, 2, 4])
 def test_bf16_8b_shapes_match_cublas(n, k, m):
-    """bf16 at the 8B shapes: both round a float32 sum once, so each is within the output rounding (~1.1e-3
-    relative) of the float32 product, and of each other within two roundings."""
+    """bf16 at the 8B shapes: the GEMV rounds a float32 sum once, so it is within the output rounding (~1.1e-3
+    relative) of the float32 product; against cuBLAS (which may reduce split-K partials in bf16) a looser check."""
     x, w, b = _problem(m, n, k, torch.bfloat16, m == 2, seed=n + k + m, device="cuda")
     y = gemv(x, w, b)
     ref = x.float() @ w.float().T + (0 if b is None else b.float())
     assert _rel(y, ref) < 3e-3
-    assert _rel(y, F.linear(x, w, b)) < 5e-3
+    assert _rel(y, F.linear(x, w, b)) < 1e-2
     torch.cuda.synchronize()
 
 
