@@ -113,6 +113,8 @@ def test_runtime_linear_goes_through_the_selection_point(monkeypatch):
     y = Linear(6, dense=w, bias=b)(x)
     assert calls == [(2, 8)] and torch.allclose(y, F.linear(x, w, b))
     assert torch.equal(dense_linear(x, w, b), F.linear(x, w, b))  # on the CPU: cuBLAS's stand-in
+    Linear(6, dense=w, bias=b, gemv=False)(x)  # the reference backend's: plain PyTorch
+    assert calls == [(2, 8)]
 
 
 _COMPILE = r"""
