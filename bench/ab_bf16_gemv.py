@@ -5,11 +5,11 @@
    CUDA-graph replay with L2 evicted (``kernels/gpu_timing.gpu_time_us``), the best config per shape;
 3. the runtime's bf16 decode at batch 1 (``--shape``, ``--steps``) on one model: cuBLAS (``QUANTKIT_BF16_GEMV=0``),
    the GEMV with its default config, and with the fastest candidate of each shape (``QUANTKIT_GEMV_CONFIG``;
-   printed as a ``TUNED_M1`` table for kernels/gemv.py), tok/s (median of ``--repeats``), the per-part time split, and a greedy check of the
-   graph decode against the prefill path.
+   printed as a ``TUNED_M1`` table for kernels/gemv.py), tok/s (median of ``--repeats``), the per-part time
+   split, and a greedy check of the graph decode against the prefill path.
 
     python bench/ab_bf16_gemv.py --out bench/results/ab_bf16_gemv_<date>.json
-    python bench/ab_bf16_gemv.py --tiny --out /tmp/ab.json   # CPU smoke run: interpreter, tiny shapes
+    python bench/ab_bf16_gemv.py --tiny --shape smollm2-135m --steps 2 --repeats 1 --out /tmp/ab.json  # CPU smoke
 
 Prints tables; writes JSON (card, versions, date) after every part.
 """
@@ -215,9 +215,9 @@ def _print_tables(record: dict) -> None:
         print("|---|---|---|---|---|")
         for name, row in record["runtime"].items():
             split = row.get("time_split_ms", {})
+            linears, step = split.get("linears", float("nan")), split.get("decode_step_graph", float("nan"))
             print(f"| {name} {row['env']} | {row['decode_tps_b1']:.1f} | "
-                  + ", ".join(f"{t:.1f}" for t in row["runs"])
-                  + f" | {split.get('linears', float('nan')):.3f} | {split.get('decode_step_graph', float('nan')):.3f} |")
+                  + ", ".join(f"{t:.1f}" for t in row["runs"]) + f" | {linears:.3f} | {step:.3f} |")
 
 
 def main() -> None:
