@@ -5,11 +5,17 @@
 holds when it passes and the plain-PyTorch reference otherwise. Kernel modules are imported lazily, so importing
 this file never imports or compiles Triton code. The same entry is registered as the PyTorch custom op
 ``quantkit::w4a16_linear`` (:mod:`quantkit.kernels.ops`) for use inside ``torch.compile``.
+
+:func:`dense_linear` is the same single point for the 16-bit linears: the GEMV of :mod:`quantkit.kernels.gemv` at
+decode batch sizes on CUDA (``QUANTKIT_BF16_GEMV=0`` turns it off), cuBLAS (``F.linear``) otherwise.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
+import torch.nn.functional as F
 
 from quantkit.kernels.device_info import capability
 from quantkit.kernels.w4a16_select import gpu_arch, w4a16_supports
@@ -37,3 +43,26 @@ def w4a16_linear(x: torch.Tensor, prepared, bias: torch.Tensor | None = None) ->
         y = w4a16_weights.w4a16_matmul_ref(x2, prepared)
     y = y.reshape(*x.shape[:-1], prepared.out_features)
     return y if bias is None else y + bias.to(y.dtype)
+
+
+GEMV_ENV = "QUANTKIT_BF16_GEMV"  # "0": every 16-bit linear through cuBLAS (A/B timing); default on
+GEMV_MAX_M = 4  # kernels.gemv.MAX_M, restated so that this check imports no Triton code
+
+
+def gemv_wanted(device_type: str, m: int, dtype: torch.dtype) -> bool:
+    """Whether a 16-bit linear of ``m`` rows goes to the GEMV: on CUDA, 1 <= m <= 4 (decode; prefill stays on
+    cuBLAS), bf16 or fp16, and ``QUANTKIT_BF16_GEMV`` not 0 (read on every call, so a process can A/B it)."""
+    if device_type != "cuda" or not 1 <= m <= GEMV_MAX_M or dtype not in (torch.bfloat16, torch.float16):
+        return False
+    return os.environ.get(GEMV_ENV, "1") != "0"
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [..., K] @ weight[N, K]^T (+ bias)``: the one selection point between the GEMV and cuBLAS."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if gemv_wanted(x.device.type, x2.shape[0], x.dtype):
+        from quantkit.kernels.gemv import gemv, gemv_supports
+
+        if gemv_supports(x2, weight, bias)[0]:
+            return gemv(x2, weight, bias).reshape(*x.shape[:-1], weight.shape[0])
+    return F.linear(x, weight, bias)

@@ -152,6 +152,8 @@ class RuntimeModel:
         self.spec, self.config, self.weights = spec, config, weights
         self.backend, self.dtype, self.device, self.name = backend, dtype, torch.device(device), name
         self.ops = _Kernels() if backend == "kernels" else _Reference()
+        for linear in weights.linears():  # the reference backend's 16-bit linears stay on plain PyTorch
+            linear.gemv = backend == "kernels"
         self.max_positions = max_positions or spec.max_position_embeddings
         self.rope = rope_tables(config, spec, self.device, self.max_positions)
         self.layer_rope = [self.rope[layer_rope_key(config, i, self.rope)] for i in range(spec.num_layers)]

@@ -16,7 +16,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from quantkit.config import QuantkitError
 from quantkit.runtime.spec import ModelSpec
@@ -24,13 +23,16 @@ from quantkit.runtime.spec import ModelSpec
 
 @dataclass
 class Linear:
-    """``y = x @ W^T + b``; ``parts``: separate linears whose outputs are concatenated (unfusable)."""
+    """``y = x @ W^T + b``; ``parts``: separate linears whose outputs are concatenated (unfusable). ``gemv``:
+    a 16-bit linear may take quantkit's decode GEMV (kernels.dispatch.dense_linear decides); the reference
+    backend turns it off (plain PyTorch)."""
 
     out_features: int
     dense: torch.Tensor | None = None
     packed: object | None = None
     bias: torch.Tensor | None = None
     parts: list[Linear] = field(default_factory=list)
+    gemv: bool = True
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.parts:
@@ -39,7 +41,11 @@ class Linear:
             from quantkit.kernels.dispatch import w4a16_linear
 
             return w4a16_linear(x, self.packed, self.bias)
-        return F.linear(x, self.dense, self.bias)
+        if not self.gemv:
+            return torch.nn.functional.linear(x, self.dense, self.bias)
+        from quantkit.kernels.dispatch import dense_linear
+
+        return dense_linear(x, self.dense, self.bias)
 
     def nbytes(self) -> int:
         if self.parts:
@@ -70,6 +76,11 @@ class ModelWeights:
     layers: list[LayerWeights]
     final_norm: torch.Tensor
     lm_head: Linear
+
+    def linears(self) -> list[Linear]:
+        """Every linear, the parts of split ones included."""
+        top = [self.lm_head] + [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        return top + [part for lin in top for part in lin.parts]
 
     def nbytes(self) -> int:
         """Bytes one decode step reads from the weights (embedding row excluded)."""

@@ -1,0 +1,214 @@
+"""A 16-bit GEMV for decode-sized batches: ``y = x @ W^T (+ bias)`` for ``x [M, K]`` with M = 1..4 and ``W [N, K]``
+row-major, as the runtime stores its bf16 / fp16 linears.
+
+Why not cuBLAS: at batch 1 the bf16 step of an 8B model is 128 cuBLAS launches, each ~1.3 us of idle GPU in front
+of it that programmatic dependent launch (PDL) cannot hide, since cuBLAS is not launched with PDL
+(bench/NOTES_decode.md). This kernel is: on Hopper it lets the next kernel launch early
+(``griddepcontrol.launch_dependents``) and requests its first weight tile *before* it waits for the kernel in front
+of it (``griddepcontrol.wait``), since the weights never depend on that kernel; only ``x`` does.
+
+Design (memory bound: every weight byte is read once): program p owns rows ``[p * BLOCK_N, (p + 1) * BLOCK_N)`` over
+the whole of K (no split, no workspace, one launch); each loop step loads a ``[BLOCK_N, BLOCK_K]`` tile in 16-byte
+vectors and multiply-adds it into float32 accumulators of the same shape, one per activation row, reduced over K
+once at the end. The accumulators are separate 2-D tensors (not one 3-D one), so every tensor of the loop shares
+the weight tile's layout and nothing crosses threads before the final sum. Thousands of small programs (e.g. 512 of
+4 rows at N = 4096) keep several resident per SM and the per-SM work even.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from quantkit.kernels.device_info import interpreting, programmatic_launch
+
+MAX_M = 4  # activation rows one launch takes (the kernel keeps one accumulator per row)
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# A/B timing: "BLOCK_N,BLOCK_K,NUM_WARPS" (every shape) or "NxK=BLOCK_N,BLOCK_K,NUM_WARPS;..." (those shapes)
+CONFIG_ENV = "QUANTKIT_GEMV_CONFIG"
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    block_n: int
+    block_k: int
+    num_warps: int
+
+    def __post_init__(self):
+        for name in ("block_n", "block_k", "num_warps"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"GemvConfig.{name} must be a power of two, got {value}")
+
+    @classmethod
+    def parse(cls, text: str) -> GemvConfig:
+        """``"8,1024,8"`` -> GemvConfig(8, 1024, 8)."""
+        try:
+            block_n, block_k, num_warps = (int(v) for v in text.split(","))
+        except ValueError:
+            raise ValueError(f"a GEMV config is 'BLOCK_N,BLOCK_K,NUM_WARPS' (e.g. 8,1024,8), got {text!r}") from None
+        return cls(block_n, block_k, num_warps)
+
+
+# Candidates timed by bench/ab_bf16_gemv.py at M = 1; the first is the default there. BLOCK_K = 256 * NUM_WARPS
+# for 16-bit weights: a warp's 32 threads x 8 weights (16 bytes) span one row of the tile, the warps lie along K,
+# so x's [BLOCK_K] slice already sits in the tile's column layout (the sm_90 SASS has no shared-memory exchange
+# in the loop; a tile with warps along N does). Registers (sm_90, M = 1): 4 x 2048 / 8 warps 72, 8 x 1024 / 4 127.
+CANDIDATES = (GemvConfig(4, 2048, 8), GemvConfig(8, 1024, 4), GemvConfig(2, 2048, 8), GemvConfig(4, 1024, 4),
+              GemvConfig(2, 1024, 4), GemvConfig(8, 2048, 8))
+
+
+# Measured best configs at M = 1 by shape (N, K), from bench/ab_bf16_gemv.py; empty until an H200 run fills it.
+TUNED_M1: dict[tuple[int, int], GemvConfig] = {}
+
+
+def _config_from_env(n: int, k: int) -> GemvConfig | None:
+    text = os.environ.get(CONFIG_ENV, "").strip()
+    if not text:
+        return None
+    if "=" not in text:
+        return GemvConfig.parse(text)
+    for entry in text.split(";"):
+        shape, _, cfg = entry.partition("=")
+        if shape.strip() == f"{n}x{k}":
+            return GemvConfig.parse(cfg)
+    return None
+
+
+def _default_config(m: int) -> GemvConfig:
+    if m == 1:
+        return CANDIDATES[0]
+    return GemvConfig(2, 2048, 8) if m == 2 else GemvConfig(2, 1024, 4)  # M = 4: 119 registers on sm_90
+
+
+def gemv_config(m: int, n: int, k: int) -> GemvConfig:
+    """The launch config for ``[m, k] x [n, k]^T``: ``QUANTKIT_GEMV_CONFIG`` where it names one, else the tuned
+    entry at M = 1, else by m (registers: m accumulators of BLOCK_N * BLOCK_K / (32 * NUM_WARPS) floats a thread
+    each). Small K shrinks BLOCK_K."""
+    cfg = _config_from_env(n, k) or (TUNED_M1.get((n, k)) if m == 1 else None) or _default_config(m)
+    block_k = min(cfg.block_k, max(triton.next_power_of_2(k), 16))
+    return cfg if block_k == cfg.block_k else GemvConfig(cfg.block_n, block_k, cfg.num_warps)
+
+
+@triton.jit
+def _row_tile_dot(acc, w, x_ptr, k0, ks, K, EVEN_K: tl.constexpr):
+    """``acc + w * x[k0 + ks]`` (float32) for one activation row at ``x_ptr``."""
+    if EVEN_K:
+        x = tl.load(x_ptr + k0 + ks)
+    else:
+        x = tl.load(x_ptr + k0 + ks, mask=k0 + ks < K, other=0.0)
+    return acc + w * x.to(tl.float32)[None, :]
+
+
+@triton.jit
+def _store_row(acc, y_ptr, b_ptr, rows, N, HAS_BIAS: tl.constexpr):
+    y = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
+    tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rows < N)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_ym,
+                 M: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 EVEN_K: tl.constexpr, PDL: tl.constexpr):
+    """``y[m, rows] = x[m] . W[rows]`` for m < M (1..4) and this program's BLOCK_N rows, over all of K.
+
+    PDL: launched with programmatic dependent launch; the first weight tile is loaded, then the next kernel is let
+    launch and this one waits for the previous one before reading ``x`` (which that one may write)."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # rows past N read row N - 1 (never stored): the loop's loads need no row mask
+    w_rows = w_ptr + tl.minimum(rows, N - 1).to(tl.int64)[:, None] * stride_wn
+    ks = tl.arange(0, BLOCK_K)
+    if EVEN_K:
+        w = tl.load(w_rows + ks[None, :])
+    else:
+        w = tl.load(w_rows + ks[None, :], mask=ks[None, :] < K, other=0.0)
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    w = w.to(tl.float32)
+    zero = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc0 = _row_tile_dot(zero, w, x_ptr, 0, ks, K, EVEN_K)
+    acc1 = zero
+    acc2 = zero
+    acc3 = zero
+    if M > 1:
+        acc1 = _row_tile_dot(zero, w, x_ptr + stride_xm, 0, ks, K, EVEN_K)
+    if M > 2:
+        acc2 = _row_tile_dot(zero, w, x_ptr + 2 * stride_xm, 0, ks, K, EVEN_K)
+    if M > 3:
+        acc3 = _row_tile_dot(zero, w, x_ptr + 3 * stride_xm, 0, ks, K, EVEN_K)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_rows + k0 + ks[None, :]).to(tl.float32)
+        else:
+            w = tl.load(w_rows + k0 + ks[None, :], mask=k0 + ks[None, :] < K, other=0.0).to(tl.float32)
+        acc0 = _row_tile_dot(acc0, w, x_ptr, k0, ks, K, EVEN_K)
+        if M > 1:
+            acc1 = _row_tile_dot(acc1, w, x_ptr + stride_xm, k0, ks, K, EVEN_K)
+        if M > 2:
+            acc2 = _row_tile_dot(acc2, w, x_ptr + 2 * stride_xm, k0, ks, K, EVEN_K)
+        if M > 3:
+            acc3 = _row_tile_dot(acc3, w, x_ptr + 3 * stride_xm, k0, ks, K, EVEN_K)
+    _store_row(acc0, y_ptr, b_ptr, rows, N, HAS_BIAS)
+    if M > 1:
+        _store_row(acc1, y_ptr + stride_ym, b_ptr, rows, N, HAS_BIAS)
+    if M > 2:
+        _store_row(acc2, y_ptr + 2 * stride_ym, b_ptr, rows, N, HAS_BIAS)
+    if M > 3:
+        _store_row(acc3, y_ptr + 3 * stride_ym, b_ptr, rows, N, HAS_BIAS)
+
+
+def gemv_supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[bool, str]:
+    """Whether :func:`gemv` runs ``x [M, K] @ weight[N, K]^T (+ bias)``: ``(ok, reason it does not)``."""
+    if x.dim() != 2 or weight.dim() != 2:
+        return False, f"x and weight must be 2-D, got {tuple(x.shape)} and {tuple(weight.shape)}"
+    m, k = x.shape
+    if weight.shape[1] != k:
+        return False, f"x has {k} features, the weight {weight.shape[1]}"
+    if not 1 <= m <= MAX_M:
+        return False, f"the GEMV takes 1..{MAX_M} rows, got {m}"
+    if x.dtype not in DTYPES or weight.dtype != x.dtype:
+        return False, f"x and weight must share a dtype among {DTYPES}, got {x.dtype} and {weight.dtype}"
+    if weight.stride(1) != 1 or x.stride(1) != 1:
+        return False, "x and weight must be contiguous along K"
+    if bias is not None and (bias.shape != (weight.shape[0],) or bias.stride(0) != 1):
+        return False, f"bias must be a contiguous [{weight.shape[0]}] vector, got {tuple(bias.shape)}"
+    if x.device != weight.device or (bias is not None and bias.device != x.device):
+        return False, "x, weight and bias must be on one device"
+    if x.device.type != "cuda" and not interpreting():
+        return False, "the GEMV runs on CUDA (or under TRITON_INTERPRET=1)"
+    return True, ""
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+         config: GemvConfig | None = None) -> torch.Tensor:
+    """``x [M, K] @ weight[N, K]^T (+ bias)`` -> ``[M, N]`` in x's dtype, float32 accumulation; M = 1..4.
+    Raises ValueError where :func:`gemv_supports` says no."""
+    ok, reason = gemv_supports(x, weight, bias)
+    if not ok:
+        raise ValueError(reason)
+    m, k = x.shape
+    n = weight.shape[0]
+    cfg = config or gemv_config(m, n, k)
+    y = torch.empty((m, n), device=x.device, dtype=x.dtype)
+    pdl = programmatic_launch(x.device)
+    _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
+        x, weight, weight if bias is None else bias, y, n, k, x.stride(0), weight.stride(0), y.stride(0),
+        M=m, HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0,
+        PDL=pdl, num_warps=cfg.num_warps, num_stages=1, **({"launch_pdl": True} if pdl else {}))
+    return y
+
+
+def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The plain-PyTorch reference: float32 products and sums, bias added in float32, one rounding to x's dtype."""
+    y = x.float() @ weight.float().T
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
