@@ -34,10 +34,9 @@ from quantkit.config import QuantkitError, QuantScheme
 from quantkit.methods.gptq import GPTQConfig
 from quantkit.methods.rtn import RTNResult
 from quantkit.primitives import (
-    compute_qparams,
     default_g_idx,
     dequantize,
-    fake_quantize,
+    fake_quantize_contiguous,
     num_groups,
     qparams_from_range,
     quantize,
@@ -195,23 +194,25 @@ def tie_repeats(v: torch.Tensor, tie: tuple[int, int] | None) -> torch.Tensor:
     return v.view(-1, n_rep, head_dim).mean(dim=1, keepdim=True).expand(-1, n_rep, -1).reshape(-1)
 
 
-def awq_scales(x_mean: torch.Tensor, alpha: float, w_mean: torch.Tensor | None = None) -> torch.Tensor:
-    """``s [in] = x_mean^alpha (/ w_mean^(1-alpha))``, clamped away from zero, geometric mid-range 1."""
+def awq_scales(x_mean: torch.Tensor, alpha: float, w_mean: torch.Tensor | None = None,
+               check: bool = True) -> torch.Tensor:
+    """``s [in] = x_mean^alpha (/ w_mean^(1-alpha))``, clamped away from zero, geometric mid-range 1.
+    ``check``: raise on non-finite scales here (a host round trip; the search checks once at its end)."""
     s = x_mean.float().clamp_min(1e-4).pow(alpha)
     if w_mean is not None:
         s = s / w_mean.float().clamp_min(1e-4).pow(1.0 - alpha)
     s = s.clamp_min(1e-4)
     s = s / (s.max() * s.min()).sqrt()
-    if not torch.isfinite(s).all():
+    if check and not torch.isfinite(s).all():
         raise FloatingPointError("non-finite AWQ scales")
     return s
 
 
 def fake_quantize_scaled(w: torch.Tensor, s: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
-    """``Q(w * s) / s`` for ``w [out, in]``, ``s [in]``: what the scaled weight contributes for input ``x``."""
+    """``Q(w * s) / s`` for ``w [out, in]``, ``s [in]``: what the scaled weight contributes for input ``x``
+    (AWQ's groups are contiguous: reductions over a reshaped view, no index gathers)."""
     ws = w.float() * s.view(1, -1)
-    scales, zeros, g_idx = compute_qparams(ws, scheme.bits, scheme.group_size, scheme.sym)
-    return fake_quantize(ws, scales, zeros, g_idx, scheme.bits) / s.view(1, -1)
+    return fake_quantize_contiguous(ws, scheme.bits, scheme.group_size, scheme.sym) / s.view(1, -1)
 
 
 def search_scale(
@@ -237,21 +238,29 @@ def search_scale(
     x_mean = tie_repeats(x_mean.float(), tie)
     w_mean = None if w_mean is None else tie_repeats(w_mean, tie)
     target = target.float()
-    errors: list[float] = []
+    # The loop stays on the device: errors and the finiteness of the scales are read back once, after it.
+    means: list[torch.Tensor] = []
     sums: list[torch.Tensor] = []
     candidates_s: list[torch.Tensor] = []
+    finite = torch.ones((), dtype=torch.bool, device=x_mean.device)
     for i in range(config.grid + 1):
         alpha = i / config.grid
-        s = awq_scales(x_mean, alpha, w_mean) if i else torch.ones_like(x_mean, dtype=torch.float32)
+        s = awq_scales(x_mean, alpha, w_mean, check=False) if i else torch.ones_like(x_mean, dtype=torch.float32)
+        finite &= torch.isfinite(s).all()
         candidates = [fake_quantize_scaled(w, s, scheme).to(w.dtype) for w in weights]
         diff = block_fn(candidates).float() - target
+        del candidates
         if reduce_sums is None:
-            errors.append(float(diff.pow(2).mean()))
+            means.append(diff.pow(2).mean())
         else:
             sq = diff.double().pow(2).sum()
             sums.append(torch.stack([sq, sq.new_tensor(float(diff.numel()))]))
         candidates_s.append(s)
-    if reduce_sums is not None:
+    if not bool(finite):
+        raise FloatingPointError("non-finite AWQ scales")
+    if reduce_sums is None:
+        errors = torch.stack(means).tolist()
+    else:
         totals = reduce_sums(torch.stack(sums)).tolist()  # [grid + 1, 2]
         errors = [a / n if n else math.nan for a, n in totals]
     best = (math.inf, 0.0, torch.ones_like(x_mean, dtype=torch.float32))
@@ -304,7 +313,7 @@ def search_clip(
     G = num_groups(in_features, scheme.group_size)
     xg = _grouped(x.float(), gs, G).permute(1, 0, 2)  # [n, in] -> [G, n, gs]
     ratios = [1.0 - config.max_shrink * i / config.clip_grid for i in range(config.clip_grid)]
-    cmin_all, cmax_all, before, after = [], [], 0.0, 0.0
+    cmin_all, cmax_all, before, after = [], [], [], []  # error sums stay on the device until the end
     for start in range(0, out_features, chunk_rows):
         wg = _grouped(w[start : start + chunk_rows].float(), gs, G)  # [o, G, gs]
         ref = torch.bmm(xg, wg.permute(1, 2, 0))  # [G, n, o]
@@ -321,14 +330,17 @@ def search_clip(
             q = torch.clamp(torch.round(wg / s3) + z3, 0, scheme.maxq)
             err = (torch.bmm(xg, ((q - z3) * s3).permute(1, 2, 0)) - ref).pow(2).mean(dim=1)  # [G, o]
             if ratio == 1.0:
-                before += float(err.sum())
+                before.append(err.sum())
             better = err < best_err
             best_err = torch.where(better, err, best_err)
             best_ratio = torch.where(better, torch.full_like(best_ratio, ratio), best_ratio)
-        after += float(best_err.sum())
+        after.append(best_err.sum())
         cmin_all.append(wmin * best_ratio)
         cmax_all.append(wmax * best_ratio)
-    return ClipSearch(torch.cat(cmin_all, dim=1), torch.cat(cmax_all, dim=1), before, after)
+    # Summed in float64 on the host, chunk by chunk, as the running Python floats did.
+    before_sum = sum(torch.stack(before).tolist()) if before else 0.0
+    after_sum = sum(torch.stack(after).tolist())
+    return ClipSearch(torch.cat(cmin_all, dim=1), torch.cat(cmax_all, dim=1), before_sum, after_sum)
 
 
 def clipped_rtn(w: torch.Tensor, clip_min: torch.Tensor, clip_max: torch.Tensor, scheme: QuantScheme) -> RTNResult:

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from quantkit.activations import PhaseClock
 from quantkit.arch import ArchSpec, ScalingGroup
 from quantkit.config import QuantScheme
 from quantkit.distributed.plan import assign_owners
@@ -195,7 +196,7 @@ def _capture(ctx: LayerContext, sites: list[_Site], config: AWQConfig, with_hess
         searching = state["batch"] < n_search
         if name == "":
             state["batch"] += 1
-            outputs.append(first_output(output).detach())
+            outputs.append(inputs.keep(first_output(output).detach()))
             return
         if name in by_block and searching:
             by_block[name].calls.append((args, kwargs))
@@ -204,7 +205,8 @@ def _capture(ctx: LayerContext, sites: list[_Site], config: AWQConfig, with_hess
             site = by_linear[name]
             x = args[0].detach()
             x2 = x.reshape(-1, x.shape[-1])  # [t, in]
-            site.sum_abs = x2.float().abs().sum(0) + (0 if site.sum_abs is None else site.sum_abs)
+            # abs before the float32 copy (exact either way): one full-size float32 temporary, not two
+            site.sum_abs = x2.abs().float().sum(0) + (0 if site.sum_abs is None else site.sum_abs)
             site.count += x2.shape[0]
             site.clip_x.append(x2[::stride].float())
             if with_hessian:
@@ -214,7 +216,8 @@ def _capture(ctx: LayerContext, sites: list[_Site], config: AWQConfig, with_hess
                 site.calls.append(((x,), {}))
 
     names = [""] + sorted(by_block) + sorted(by_linear)
-    capture_calls(ctx.layer, LayerInputs(batches, inputs.kwargs), names, on_call, stop_early=False)
+    capture_calls(ctx.layer, LayerInputs(batches, inputs.kwargs, device=inputs.device, offload=inputs.offload),
+                  names, on_call, stop_early=False)
     return batches, outputs
 
 
@@ -299,16 +302,20 @@ class AWQMethod:
         if ctx.inputs is None:
             raise ValueError("AWQ needs calibration inputs")
         notes: list[str] = []
+        clock = PhaseClock(ctx.device)
         sites = _sites(ctx, notes, self.config.gqa_tied_vo)
         _, outputs = _capture(ctx, sites, self.config, with_hessian=self.config.gptq)
         _reduce_sites(ctx, sites)
+        clock.lap("capture")
         stats: dict[str, dict[str, float]] = {n: {} for n in ctx.linears}
         scales = self._search_scales(ctx, sites, stats)
         offset = ctx.spec.norm_offset if ctx.spec is not None else 0.0
         for g in scales:
             apply_group_scale(ctx.layer, g, offset)
+        clock.lap("scale_search")
         clips: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         weights = self._clip_and_round(ctx, sites, scales, clips, stats)
+        clock.lap("clip_and_round")
         # Kept on the host: a large model's clips would otherwise pile up on the accelerator.
         self.records[ctx.prefix] = LayerRecord(
             tuple(dataclasses.replace(g, scales=g.scales.cpu()) for g in scales),
@@ -318,7 +325,7 @@ class AWQMethod:
             for note in notes:
                 log.info("%s: %s", ctx.prefix, note)
         next_hidden = outputs if self.config.propagate == "fp" else None
-        return LayerResult(weights=weights, stats=stats, notes=notes, next_hidden=next_hidden)
+        return LayerResult(weights=weights, stats=stats, notes=notes, next_hidden=next_hidden, phases=clock.phases)
 
     def _search_scales(self, ctx: LayerContext, sites: list[_Site], stats) -> list[GroupScale]:
         found = []
