@@ -185,13 +185,20 @@ def propagate(layer: nn.Module, inputs: LayerInputs, name: str) -> list[torch.Te
     exists (the inputs are not needed any more): inputs and outputs never both fill memory.
     Non-finite outputs raise, naming the layer."""
     hidden = inputs.hidden
+    finite = []  # checked once at the end: no host round trip per batch
     for i, h in enumerate(inputs.batches()):
         out = first_output(layer(h, **inputs.kwargs))
-        if not torch.isfinite(out).all():
-            raise FloatingPointError(f"non-finite activations after {name}")
+        finite.append(torch.isfinite(out).all())
         del h
         hidden[i] = inputs.keep(out)
+    check_finite(finite, name)
     return hidden
+
+
+def check_finite(flags: list[torch.Tensor], name: str) -> None:
+    """Raise if any of the per-batch ``isfinite(...).all()`` flags is false (one host round trip)."""
+    if flags and not bool(torch.stack([f.to(flags[0].device) for f in flags]).all()):
+        raise FloatingPointError(f"non-finite activations after {name}")
 
 
 @torch.no_grad()
@@ -416,9 +423,7 @@ def walk(
                 hidden = propagate(layer, inputs, ctx.prefix)
             else:
                 hidden = result.next_hidden
-                for h in hidden:
-                    if not torch.isfinite(h).all():
-                        raise FloatingPointError(f"non-finite activations after {ctx.prefix}")
+                check_finite([torch.isfinite(h).all() for h in hidden], ctx.prefix)
         clock.lap("propagate")
         layer.to(home)
         clock.lap("move_out")

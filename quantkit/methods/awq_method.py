@@ -179,13 +179,21 @@ def _gqa_tie(layer: nn.Module, g: ScalingGroup, consumers: tuple[str, ...]) -> t
 
 def _capture(ctx: LayerContext, sites: list[_Site], config: AWQConfig, with_hessian: bool) -> tuple[
         list[torch.Tensor], list[torch.Tensor]]:
-    """One forward over all batches filling every site; returns (batches used, layer outputs)."""
+    """One forward over all batches filling every site; returns (batches used, layer outputs).
+
+    Under ``propagate="fp"`` the outputs are the next layer's inputs and nothing reads this layer's
+    inputs again, so each input batch is dropped (from the walker's list too) once its output exists:
+    inputs and outputs of the whole calibration set never fill memory together."""
     inputs = ctx.inputs
     local_search = _local_search_windows(inputs, config.search_samples)
     if local_search == 0 and config.search_samples:  # this rank holds none of the search windows
         batches, n_search = list(inputs.hidden), 0
     else:
         batches, n_search = _split_for_search(inputs.hidden, local_search)
+    consume = config.propagate == "fp"
+    if consume:
+        inputs.total_tokens = inputs.n_tokens_all  # before the batches go
+        inputs.hidden.clear()
     stride = max(1, inputs.n_tokens_all // config.clip_tokens)
     by_linear = {s.linears[0]: s for s in sites}
     by_block = {s.block: s for s in sites if s.group is not None and s.block}
@@ -195,6 +203,8 @@ def _capture(ctx: LayerContext, sites: list[_Site], config: AWQConfig, with_hess
     def on_call(name: str, args: tuple, kwargs: dict, output: Any) -> None:
         searching = state["batch"] < n_search
         if name == "":
+            if consume:
+                batches[state["batch"]] = None
             state["batch"] += 1
             outputs.append(inputs.keep(first_output(output).detach()))
             return

@@ -46,6 +46,36 @@ def _clock(device: torch.device) -> float:
     return time.perf_counter()
 
 
+class _Stopwatch:
+    """Seconds spent inside ``start()``/``stop()`` pairs. On CUDA timed with events and read once at
+    the end, so timing a step inside a forward adds no host round trip per batch."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.pairs: list = []
+        self.host = 0.0
+
+    def start(self) -> None:
+        if self.cuda:
+            self.pairs.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
+            self.pairs[-1][0].record()
+        else:
+            self.host -= time.perf_counter()
+
+    def stop(self) -> None:
+        if self.cuda:
+            self.pairs[-1][1].record()
+        else:
+            self.host += time.perf_counter()
+
+    def seconds(self) -> float:
+        if not self.cuda:
+            return self.host
+        if self.pairs:
+            self.pairs[-1][1].synchronize()
+        return sum(a.elapsed_time(b) for a, b in self.pairs) / 1e3
+
+
 @dataclass
 class _LayerWork:
     """Mutable bookkeeping of one layer's quantization (weights and stats as they are produced)."""
@@ -192,7 +222,7 @@ def collect_hessians(
     # later input of the same batch and mistaken for it (which would share a Hessian wrongly).
     held: list[torch.Tensor] = []
     seen: set[str] = set()
-    spent = [0.0]
+    timer = _Stopwatch(ctx.device)
 
     def on_input(name: str, x: torch.Tensor) -> None:
         if name in seen:  # a new batch began
@@ -205,12 +235,12 @@ def collect_hessians(
         owner = owner_of.setdefault(name, batch_inputs.get(key, name))
         batch_inputs.setdefault(key, owner)
         if owner == name:
-            t0 = _clock(ctx.device)
+            timer.start()
             acc = accs.get(name)
             if acc is None:  # not setdefault: that would allocate (and zero) an [in, in] matrix every batch
                 acc = accs[name] = HessianAccumulator(x.shape[-1], ctx.device)
             acc.add(x)
-            spent[0] += _clock(ctx.device) - t0
+            timer.stop()
 
     capture_linear_inputs(layer, ctx.inputs, names, on_input)
     missing = [n for n in names if n not in owner_of]
@@ -219,7 +249,7 @@ def collect_hessians(
     members: dict[str, list[str]] = {}
     for name in names:
         members.setdefault(owner_of[name], []).append(name)
-    return accs, members, spent[0]
+    return accs, members, timer.seconds()
 
 
 def _single_pass(work: _LayerWork) -> list[torch.Tensor]:
