@@ -48,8 +48,11 @@ def _walk(model, method, device="cpu", **kw):
 def test_gptq_by_batches_matches_the_single_pass(desc_act):
     """Same codes except where the Hessians' summation order flips a rounding tie: the batched Hessian
     is a running mean over 4 batches, the single pass one over all 8 windows at once, equal to float32
-    rounding. So at most 1 % of codes differ and the weights by at most 1 % (relative norm); the model
-    is left holding exactly the packed weights either way (the method installs them itself)."""
+    rounding. A flipped code changes the error GPTQ pushes onto the rest of its row, and the next layer
+    sees slightly other inputs, so a few flips cascade (measured: layer 0 identical, at most 1.3 % of
+    one linear's codes in layer 1, 3.2 % of its weight norm). Bounds: 2 % of codes, 5 % of the weight
+    norm, the GPTQ output error within 10 %; wrong inputs or Hessians miss them by far. The model is
+    left holding exactly the packed weights either way (the method installs them itself)."""
     scheme = QuantScheme(4, 32, True)
     whole = _model()
     batched = copy.deepcopy(whole)
@@ -58,9 +61,12 @@ def test_gptq_by_batches_matches_the_single_pass(desc_act):
     w1, w2 = _weights(res_whole), _weights(res_batched)
     assert w1.keys() == w2.keys() and len(w1) == 14
     for name in w1:
-        c1, c2 = res_whole.weights[name].qweight, res_batched.weights[name].qweight
-        assert (c1 != c2).float().mean() <= 0.01, name
-        assert (w1[name] - w2[name]).norm() <= 0.01 * w1[name].norm(), name
+        c1, c2 = res_whole.weights[name].unpack("cpu")[0], res_batched.weights[name].unpack("cpu")[0]
+        assert (c1 != c2).float().mean() <= 0.02, name
+        assert (w1[name] - w2[name]).norm() <= 0.05 * w1[name].norm(), name
+        e1, e2 = (r.layer_stats[int(name.split(".")[2])]["linears"][name.split(".", 3)[3]]["err_gptq"]
+                  for r in (res_whole, res_batched))
+        assert abs(e1 - e2) <= 0.1 * e1, name
         linear = batched.get_submodule(name)
         assert torch.equal(linear.weight.data, w2[name].to(linear.weight.dtype)), name
 
@@ -79,8 +85,27 @@ def test_awq_batches_of_two_match_one_batch_of_all():
     w1, w4 = _weights(r1), _weights(r4)
     assert w1.keys() == w4.keys() and len(w1) == 14
     for name in w1:
-        assert (r1.weights[name].qweight != r4.weights[name].qweight).float().mean() <= 0.01, name
+        c1, c4 = r1.weights[name].unpack("cpu")[0], r4.weights[name].unpack("cpu")[0]
+        assert (c1 != c4).float().mean() <= 0.01, name
         assert (w1[name] - w4[name]).norm() <= 0.01 * w1[name].norm(), name
+
+
+def test_copy_home_writes_into_the_resident_host_tensors():
+    """The way back reuses the host tensors a layer came from (no fresh host memory); a tensor whose
+    shape changed on the way is moved the plain way."""
+    from quantkit.walker import copy_home, host_tensors
+
+    layer = _model().model.layers[0]
+    resident = host_tensors(layer)
+    before = {id(t): t.data_ptr() for _, _, t in resident}
+    q = layer.self_attn.q_proj
+    q.weight.data = q.weight.data.clone() + 1.0  # stands in for the device copy the method changed
+    layer.input_layernorm.weight.data = torch.zeros(3)  # a shape change
+    expected_q = q.weight.data.clone()
+    copy_home(layer, resident)
+    assert q.weight.data.data_ptr() == before[id(next(t for m, k, t in resident if m is q and k == "weight"))]
+    assert torch.equal(q.weight.data, expected_q)
+    assert layer.input_layernorm.weight.shape == (3,)
 
 
 def test_gptq_default_single_pass_only_on_the_cpu():
