@@ -148,6 +148,17 @@ def contiguous_qparams(w: torch.Tensor, bits: int, group_size: int, sym: bool) -
     return qparams_from_range(wg.amin(dim=-1).t(), wg.amax(dim=-1).t(), bits, sym)
 
 
+def quantize_contiguous(
+    w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int, group_size: int
+) -> torch.Tensor:
+    """``quantize(w, scales, zeros, default_g_idx(...), bits)`` for contiguous groups, without index
+    gathers: codes int32 ``[out, in]``, the same bit for bit."""
+    out_features, in_features = w.shape
+    s = scales.float().t().unsqueeze(-1)  # [out, G, 1]
+    q = torch.round(_grouped_view(w, group_size) / s) + zeros.t().unsqueeze(-1)
+    return torch.clamp(q, 0, 2**bits - 1).reshape(out_features, -1)[:, :in_features].to(torch.int32)
+
+
 def fake_quantize_contiguous(
     w: torch.Tensor, bits: int, group_size: int, sym: bool,
     qparams: tuple[torch.Tensor, torch.Tensor] | None = None,

@@ -35,11 +35,10 @@ from quantkit.methods.gptq import GPTQConfig
 from quantkit.methods.rtn import RTNResult
 from quantkit.primitives import (
     default_g_idx,
-    dequantize,
     fake_quantize_contiguous,
     num_groups,
     qparams_from_range,
-    quantize,
+    quantize_contiguous,
 )
 
 log = logging.getLogger(__name__)
@@ -358,9 +357,10 @@ def clipped_rtn(w: torch.Tensor, clip_min: torch.Tensor, clip_max: torch.Tensor,
     the rounding the clip search scored. Values outside a range take the grid's extreme codes."""
     scales, zeros = qparams_from_range(clip_min, clip_max, scheme.bits, scheme.sym)  # [G, out]
     g_idx = default_g_idx(w.shape[1], scheme.group_size, device=w.device).to(torch.int32)
-    codes = quantize(w, scales, zeros, g_idx, scheme.bits)
+    codes = quantize_contiguous(w, scales, zeros, scheme.bits, scheme.group_size)
     w32 = w.float()
-    err = (dequantize(codes, scales, zeros, g_idx) - w32).norm() / w32.norm().clamp_min(1e-12)
+    dq = fake_quantize_contiguous(w, scheme.bits, scheme.group_size, scheme.sym, qparams=(scales, zeros))
+    err = (dq - w32).norm() / w32.norm().clamp_min(1e-12)
     return RTNResult(codes, scales, zeros, g_idx, float(err))
 
 
