@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from quantkit.activations import PhaseClock, offload_activations, offload_to_host
+from quantkit.activations import PhaseClock, copy_home, host_tensors, offload_activations, offload_to_host
 from quantkit.arch import ArchSpec, arch_for, find_decoder_layers, find_linears, sequential_groups
 from quantkit.distributed.comm import LOCAL, Communicator
 from quantkit.distributed.plan import shard_windows
@@ -322,33 +322,6 @@ def capture_layer_inputs(
 
 def iter_quantizable(layer: nn.Module, skip: Callable[[str], bool]) -> dict[str, nn.Linear]:
     return {name: m for name, m in find_linears(layer).items() if not skip(name)}
-
-
-def host_tensors(layer: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:
-    """Every parameter and buffer of ``layer`` with the host tensor that holds it now (to copy back into)."""
-    return [(m, key, t.data) for m in layer.modules() for key, t in (*m._parameters.items(), *m._buffers.items())
-            if t is not None]
-
-
-@torch.no_grad()
-def copy_home(layer: nn.Module, resident: list[tuple[nn.Module, str, torch.Tensor]]) -> None:
-    """Bring ``layer`` back to host memory into the tensors it came from (``host_tensors``).
-
-    ``layer.to("cpu")`` allocates fresh host memory for every tensor: on the H200 machine that way
-    back took 0.26-0.40 s per layer of an 8B model (1.1-1.7 GB/s, growing over the walk, while the way
-    in from resident memory took 0.07 s), and fresh pages there are slow (its memory grows as it is
-    used). Copying into the resident tensors allocates nothing. A tensor whose shape or dtype changed
-    on the way goes the plain way."""
-    for module, key, host in resident:
-        param = module._parameters.get(key)
-        now = param.data if param is not None else module._buffers[key]
-        if now.data_ptr() == host.data_ptr():
-            continue
-        target = host.copy_(now) if (now.shape, now.dtype) == (host.shape, host.dtype) else now.to(host.device)
-        if param is not None:
-            param.data = target
-        else:
-            module._buffers[key] = target
 
 
 def _peak_memory(device: torch.device) -> int:

@@ -93,7 +93,7 @@ def test_awq_batches_of_two_match_one_batch_of_all():
 def test_copy_home_writes_into_the_resident_host_tensors():
     """The way back reuses the host tensors a layer came from (no fresh host memory); a tensor whose
     shape changed on the way is moved the plain way."""
-    from quantkit.walker import copy_home, host_tensors
+    from quantkit.activations import copy_home, host_tensors
 
     layer = _model().model.layers[0]
     resident = host_tensors(layer)
