@@ -54,6 +54,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--device", default=None, help="default cuda (cpu with --tiny)")
     p.add_argument("--batch-size", type=int, default=8, help="calibration windows per forward (each rank needs one)")
     p.add_argument("--gpus", type=int, default=1, help="ranks sharing the work (torchrun; gloo on the CPU)")
+    p.add_argument("--activations", choices=("auto", "device", "host"), default="auto",
+                   help="where the hidden states between layers live (walk's activations=)")
+    p.add_argument("--single-pass-tokens", type=int, default=None,
+                   help="GPTQ single_pass_max_tokens (default: the method's; 524288 forces the old single pass here)")
     p.add_argument("--out", default=None, help="JSON path (default bench/results/quantize_8b_<method>_<date>.json)")
     return p.parse_args()
 
@@ -171,7 +175,8 @@ def run(args: argparse.Namespace) -> dict:
 
     # Explicit GPTQ options: the README's timings were measured without static groups or MSE (since
     # made the defaults of build_method), so a rerun measures the same work.
-    gptq_options = {"desc_act": args.desc_act, "static_groups": False, "mse": False, "solver": args.solver}
+    gptq_options = {"desc_act": args.desc_act, "static_groups": False, "mse": False, "solver": args.solver,
+                    "single_pass_max_tokens": args.single_pass_tokens}
     method = build_method(args.method, scheme, gptq_options if args.method == "gptq" else None)
     tokens = torch.randint(0, shape["vocab_size"], (nsamples, seqlen), generator=torch.Generator().manual_seed(0))
 
@@ -181,13 +186,15 @@ def run(args: argparse.Namespace) -> dict:
         stats = event.result.stats.values()
         solve = sum(s.get("seconds", 0.0) for s in stats)
         hess = sum(s.get("hessian_seconds", 0.0) for s in stats)
+        phases = dict(getattr(event, "phases", {}) or {})
         rows.append({"layer": event.index, "seconds": event.seconds, "hessian_s": hess, "solve_s": solve,
                      "forward_other_s": event.seconds - hess - solve,
-                     "peak_gib": event.peak_memory_bytes / 2**30})
+                     "peak_gib": event.peak_memory_bytes / 2**30, "phases": phases})
         r = rows[-1]
+        steps = "  ".join(f"{k} {v:.2f}" for k, v in phases.items())
         print(f"layer {event.index + 1:3d}/{event.n_layers}  {r['seconds']:7.2f} s  hessian {r['hessian_s']:6.2f}  "
-              f"solve {r['solve_s']:6.2f}  forward+other {r['forward_other_s']:6.2f}  peak {r['peak_gib']:6.2f} GiB",
-              flush=True)
+              f"solve {r['solve_s']:6.2f}  forward+other {r['forward_other_s']:6.2f}  peak {r['peak_gib']:6.2f} GiB"
+              f"  [{steps}]", flush=True)
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -195,12 +202,14 @@ def run(args: argparse.Namespace) -> dict:
     comm.barrier()  # the ranks start the clock together (a no-op in one process)
     t0 = time.perf_counter()
     result = walk(model, method, device=device, token_ids=tokens if method.needs_calibration else None,
-                  batch_size=args.batch_size, on_layer=on_layer if comm.rank == 0 else None, comm=comm)
+                  batch_size=args.batch_size, on_layer=on_layer if comm.rank == 0 else None, comm=comm,
+                  activations=args.activations)
     sync(device)
     total = time.perf_counter() - t0
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
     return {
-        "method": args.method, "gpus": comm.world_size, "scheme": {"bits": 4, "group_size": args.group_size, "sym": not args.asym,
+        "method": args.method, "gpus": comm.world_size, "activations": args.activations,
+        "single_pass_tokens": args.single_pass_tokens, "argv": sys.argv[1:], "scheme": {"bits": 4, "group_size": args.group_size, "sym": not args.asym,
                                           "desc_act": args.desc_act},
         "solver": args.solver if args.method == "gptq" else None,
         "shape": {**shape, "num_hidden_layers": n_layers}, "nsamples": nsamples, "seqlen": seqlen,
@@ -246,6 +255,10 @@ def print_table(rec: dict) -> None:
         print(f"{'gptq solve':<22}{mean['solve_s']:>12.3f}{exp['columns_s_at_12_ops']:>12.3f}")
         print(f"{'forward + other':<22}{mean['forward_other_s']:>12.3f}{exp['forward_s']:>12.3f}")
     print(f"{'layer total':<22}{mean['seconds']:>12.3f}")
+    phase_names = list(dict.fromkeys(k for r in rows for k in r.get("phases", {})))
+    steady = rows[1:] or rows  # layer 0 includes warm-up (kernel compilation)
+    for k in phase_names:
+        print(f"{'  ' + k:<22}{sum(r['phases'].get(k, 0.0) for r in steady) / len(steady):>12.3f}   (layers 2..)")
     print(f"total {rec['total_s']:.1f} s (input capture {rec['capture_s']:.1f} s), expected ~{exp['total_s']:.1f} s; "
           f"peak device memory {rec['peak_gib']:.2f} GiB; model build {rec['build_model_s']:.1f} s (not counted)")
 

@@ -32,7 +32,7 @@ def _run(method: str, model: str, output: Path, *, bits: int, group_size: int | 
          dtype: str, trust_remote_code: bool, overwrite: bool, as_json: bool, options: dict[str, Any] | None = None,
          calib: str = "self", nsamples: int | None = None, seqlen: int | None = None, seed: int = 0,
          text_field: str = "text", batch_size: int = 8, save_stats: Path | None = None,
-         quantize_lm_head: bool = False, gpus: int | None = None) -> None:
+         quantize_lm_head: bool = False, gpus: int | None = None, activations: str = "auto") -> None:
     from quantkit import api
     from quantkit.cli import display
     from quantkit.config import LoadConfig, QuantScheme, resolve_device
@@ -51,7 +51,7 @@ def _run(method: str, model: str, output: Path, *, bits: int, group_size: int | 
         report = api.quantize(model, output, method=method, scheme=scheme, method_options=options,
                               calib=calib_config, load=load, overwrite=overwrite, batch_size=batch_size,
                               on_layer=progress.on_layer, on_calib_progress=progress.on_calibration,
-                              quantize_lm_head=quantize_lm_head, gpus=gpus)
+                              quantize_lm_head=quantize_lm_head, gpus=gpus, activations=activations)
     if is_secondary_rank():  # rank 0 alone reports
         return
     if save_stats is not None:
@@ -61,6 +61,11 @@ def _run(method: str, model: str, output: Path, *, bits: int, group_size: int | 
     else:
         display.print_quantize_summary(console, report)
 
+
+Activations = Annotated[str, typer.Option(
+    "--activations", metavar="auto|device|host",
+    help="Where calibration hidden states live between layers: on the GPU (device), in pinned host memory "
+         "(host), or auto (on the GPU when inputs and outputs take at most a quarter of its memory).")]
 
 # Help texts say why each default was chosen (numbers: README, "Quality and speed", SmolLM2 W4).
 _SYM_HELP = ("Symmetric grid (default: vLLM and SGLang serve symmetric GPTQ with Marlin/Machete) or asymmetric "
@@ -104,6 +109,7 @@ def register(app: typer.Typer) -> None:
              batch_size: BatchSize = 8, overwrite: Overwrite = False, json_: Json = False,
              save_stats: SaveStats = None, quantize_lm_head: LmHead = False,
              gpus: Annotated[int | None, typer.Option("--gpus", help="Ranks to share the work (torchrun; one GPU each, gloo on the CPU).")] = None,
+             activations: Activations = "auto",
     ) -> None:
         """GPTQ: column-by-column rounding with inverse-Hessian error compensation."""
         options = dict(damp=damp, block_size=block_size, desc_act=desc_act, static_groups=static_groups,
@@ -111,7 +117,7 @@ def register(app: typer.Typer) -> None:
         _run("gptq", model, output, bits=bits, group_size=group_size, sym=sym, device=device, dtype=dtype,
              trust_remote_code=trust_remote_code, overwrite=overwrite, as_json=json_, options=options, calib=calib,
              nsamples=nsamples, seqlen=seqlen, seed=seed, text_field=text_field, batch_size=batch_size,
-             save_stats=save_stats, quantize_lm_head=quantize_lm_head, gpus=gpus)
+             save_stats=save_stats, quantize_lm_head=quantize_lm_head, gpus=gpus, activations=activations)
 
     @app.command("awq")
     def awq(model: ModelArg, output: Output, bits: Bits = 4, group_size: GroupSize = None,
@@ -128,6 +134,7 @@ def register(app: typer.Typer) -> None:
             batch_size: BatchSize = 8, overwrite: Overwrite = False, json_: Json = False,
             save_stats: SaveStats = None, quantize_lm_head: LmHead = False,
             gpus: Annotated[int | None, typer.Option("--gpus", help="Ranks to share the work (torchrun; one GPU each, gloo on the CPU).")] = None,
+            activations: Activations = "auto",
     ) -> None:
         """AWQ: activation-aware scaling of salient input channels, folded into the previous op, then rounding."""
         options: dict[str, Any] = dict(grid=grid, clip=clip, gptq=gptq)
@@ -136,4 +143,4 @@ def register(app: typer.Typer) -> None:
         _run("awq", model, output, bits=bits, group_size=group_size, sym=sym, device=device, dtype=dtype,
              trust_remote_code=trust_remote_code, overwrite=overwrite, as_json=json_, options=options, calib=calib,
              nsamples=nsamples, seqlen=seqlen, seed=seed, text_field=text_field, batch_size=batch_size,
-             save_stats=save_stats, quantize_lm_head=quantize_lm_head, gpus=gpus)
+             save_stats=save_stats, quantize_lm_head=quantize_lm_head, gpus=gpus, activations=activations)

@@ -272,6 +272,7 @@ def quantize(
     gpus: int | None = None,
     calib_tokens: torch.Tensor | None = None,
     progress: bool | None = None,
+    activations: str = "auto",
 ) -> QuantizeReport:
     """Quantize ``model`` (folder, hub id or .gguf) with ``method`` and write a GPTQ-layout checkpoint.
 
@@ -285,6 +286,8 @@ def quantize(
     ``gpus``: under torchrun, the ranks share the work (``quantkit.distributed``; None: as many as
     torchrun started, else one process); rank 0 alone writes the checkpoint. ``calib_tokens``
     (``[nsamples, seqlen]``) replaces drawing windows from ``calib``: a batch computes them once per model.
+    ``activations``: where the calibration hidden states live between layers: "auto" (on the device
+    when they fit, see :func:`quantkit.activations.offload_activations`), "device" or "host" (pinned).
     """
     from quantkit.progress import LogProgress, is_interactive, visible_logs
 
@@ -295,13 +298,15 @@ def quantize(
                          load=load, overwrite=overwrite, batch_size=batch_size,
                          on_layer=on_layer or logged.on_layer,
                          on_calib_progress=on_calib_progress or logged.on_calibration,
-                         quantize_lm_head=quantize_lm_head, gpus=gpus, calib_tokens=calib_tokens)
+                         quantize_lm_head=quantize_lm_head, gpus=gpus, calib_tokens=calib_tokens,
+                         activations=activations)
 
 
 def _quantize(model: str, output: str | Path, *, method: str, scheme: QuantScheme | AutoScheme | None,
               method_options: dict[str, Any] | None, calib: CalibConfig | None, load: LoadConfig, overwrite: bool,
               batch_size: int, on_layer: Callable, on_calib_progress: Callable,
-              quantize_lm_head: bool, gpus: int | None, calib_tokens: torch.Tensor | None) -> QuantizeReport:
+              quantize_lm_head: bool, gpus: int | None, calib_tokens: torch.Tensor | None,
+              activations: str = "auto") -> QuantizeReport:
     from quantkit.checkpoint import save_quantized
     from quantkit.models import load_model, quiet_transformers
 
@@ -311,6 +316,10 @@ def _quantize(model: str, output: str | Path, *, method: str, scheme: QuantSchem
     layout = method_options.pop("format", "gptq")
     if method not in METHOD_NAMES:
         raise QuantkitError(f"unknown method {method!r}; choose one of {', '.join(METHOD_NAMES)}")
+    from quantkit.activations import ACTIVATIONS
+
+    if activations not in ACTIVATIONS:
+        raise QuantkitError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
     # Options are checked before the model loads (the scheme may still depend on the model).
     probe = build_method(method, scheme if isinstance(scheme, QuantScheme) else QuantScheme(), method_options)
     comm, device = setup_ranks(gpus, resolve_device(load.device))
@@ -340,7 +349,8 @@ def _quantize(model: str, output: str | Path, *, method: str, scheme: QuantSchem
     partial = partial_group_layers(loaded.model, scheme)
     warn_partial_groups(partial, loaded.model, scheme.group_size)
     result = walk(loaded.model, quant_method, device=device, token_ids=token_ids, batch_size=batch_size,
-                  on_layer=on_layer if comm.rank == 0 else None, quantize_lm_head=quantize_lm_head, comm=comm)
+                  on_layer=on_layer if comm.rank == 0 else None, quantize_lm_head=quantize_lm_head, comm=comm,
+                  activations=activations)
     t_quant = time.perf_counter()
 
     extra = {"source_model": model, "method": method, "layer_seconds": result.seconds}

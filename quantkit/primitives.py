@@ -128,6 +128,51 @@ def dequantize(
     return (codes.float() - zeros.t()[:, gi].float()) * scales.t()[:, gi].float()
 
 
+def _grouped_view(w: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Float32 ``w [out, in]`` as ``[out, G, gs]`` contiguous groups, a partial last group zero-padded."""
+    out_features, in_features = w.shape
+    gs = in_features if group_size == -1 else group_size
+    n_groups = num_groups(in_features, group_size)
+    w = w.float()
+    pad = n_groups * gs - in_features
+    if pad:
+        w = torch.nn.functional.pad(w, (0, pad))
+    return w.reshape(out_features, n_groups, gs)
+
+
+def contiguous_qparams(w: torch.Tensor, bits: int, group_size: int, sym: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``compute_qparams`` for contiguous groups (no ``g_idx``), by reductions over a reshaped view
+    rather than a scatter: the same ``(scales, zeros) [G, out]``, bit for bit (zero padding of a
+    partial group cannot move a range that ``qparams_from_range`` widens to include zero anyway)."""
+    wg = _grouped_view(w, group_size)
+    return qparams_from_range(wg.amin(dim=-1).t(), wg.amax(dim=-1).t(), bits, sym)
+
+
+def quantize_contiguous(
+    w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int, group_size: int
+) -> torch.Tensor:
+    """``quantize(w, scales, zeros, default_g_idx(...), bits)`` for contiguous groups, without index
+    gathers: codes int32 ``[out, in]``, the same bit for bit."""
+    out_features, in_features = w.shape
+    s = scales.float().t().unsqueeze(-1)  # [out, G, 1]
+    q = torch.round(_grouped_view(w, group_size) / s) + zeros.t().unsqueeze(-1)
+    return torch.clamp(q, 0, 2**bits - 1).reshape(out_features, -1)[:, :in_features].to(torch.int32)
+
+
+def fake_quantize_contiguous(
+    w: torch.Tensor, bits: int, group_size: int, sym: bool,
+    qparams: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """``fake_quantize(w, *compute_qparams(w, ...))`` for contiguous groups, without index gathers:
+    float32 ``[out, in]``, the same values bit for bit. ``qparams``: given ``(scales, zeros) [G, out]``."""
+    out_features, in_features = w.shape
+    scales, zeros = qparams if qparams is not None else contiguous_qparams(w, bits, group_size, sym)
+    s = scales.float().t().unsqueeze(-1)  # [out, G, 1]
+    z = zeros.t().unsqueeze(-1).float()
+    q = torch.clamp(torch.round(_grouped_view(w, group_size) / s) + z, 0, 2**bits - 1)
+    return ((q - z) * s).reshape(out_features, -1)[:, :in_features]
+
+
 def fake_quantize(
     w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, g_idx: torch.Tensor, bits: int
 ) -> torch.Tensor:

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from quantkit.activations import PhaseClock, copy_home, host_tensors, offload_activations, offload_to_host
 from quantkit.arch import ArchSpec, arch_for, find_decoder_layers, find_linears, sequential_groups
 from quantkit.distributed.comm import LOCAL, Communicator
 from quantkit.distributed.plan import shard_windows
@@ -42,12 +43,34 @@ class LayerInputs:
 
     Under several ranks ``hidden`` is this rank's share, windows ``first_window ..`` of the whole set
     of ``total_tokens`` tokens (None: this share is the whole set).
+
+    The batches live on the work device, or in (pinned) host memory when ``offload`` is set: read
+    them through ``batches()``, which brings each one to ``device`` as it is needed, and store a
+    batch produced on the device (a layer's output) through ``keep()``.
     """
 
     hidden: list[torch.Tensor]
     kwargs: dict[str, Any]
     first_window: int = 0
     total_tokens: int | None = None
+    device: torch.device | None = None  # None: use the batches where they are
+    offload: bool = False
+
+    def batches(self):
+        """The batches on the work device, one at a time (the next one's copy already queued)."""
+        if self.device is None:
+            yield from self.hidden
+            return
+        nxt = self.hidden[0].to(self.device, non_blocking=True) if self.hidden else None
+        for i in range(len(self.hidden)):
+            cur = nxt
+            if i + 1 < len(self.hidden):
+                nxt = self.hidden[i + 1].to(self.device, non_blocking=True)
+            yield cur
+
+    def keep(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` as this set stores batches: unchanged, or copied to (pinned) host memory."""
+        return offload_to_host(t) if self.offload else t
 
     @property
     def n_tokens(self) -> int:
@@ -86,6 +109,10 @@ class LayerResult:
     # A method that already computed the next layer's inputs (or wants them from another version of
     # the layer) returns them here; otherwise the walker runs the quantized layer.
     next_hidden: list[torch.Tensor] | None = None
+    # Linears whose layer already holds exactly ``weights[name].dequantize()`` (installed on the device
+    # by the method): the walker does not unpack and install them again.
+    installed: frozenset[str] = frozenset()
+    phases: dict[str, float] = field(default_factory=dict)  # seconds of the method's own steps, by name
 
 
 class Method(Protocol):
@@ -108,6 +135,7 @@ class LayerEvent:
     elapsed: float
     peak_memory_bytes: int
     result: LayerResult
+    phases: dict[str, float] = field(default_factory=dict)  # the walker's steps (and the method's), seconds
 
 
 @dataclass
@@ -147,8 +175,30 @@ def first_output(out: Any) -> torch.Tensor:
 
 @torch.no_grad()
 def run_layer(layer: nn.Module, inputs: LayerInputs) -> list[torch.Tensor]:
-    """Outputs of ``layer`` for every calibration batch."""
-    return [first_output(layer(h, **inputs.kwargs)) for h in inputs.hidden]
+    """Outputs of ``layer`` for every calibration batch, stored as ``inputs`` stores its batches."""
+    return [inputs.keep(first_output(layer(h, **inputs.kwargs))) for h in inputs.batches()]
+
+
+@torch.no_grad()
+def propagate(layer: nn.Module, inputs: LayerInputs, name: str) -> list[torch.Tensor]:
+    """Like ``run_layer``, but each output replaces its input batch in ``inputs.hidden`` as soon as it
+    exists (the inputs are not needed any more): inputs and outputs never both fill memory.
+    Non-finite outputs raise, naming the layer."""
+    hidden = inputs.hidden
+    finite = []  # checked once at the end: no host round trip per batch
+    for i, h in enumerate(inputs.batches()):
+        out = first_output(layer(h, **inputs.kwargs))
+        finite.append(torch.isfinite(out).all())
+        del h
+        hidden[i] = inputs.keep(out)
+    check_finite(finite, name)
+    return hidden
+
+
+def check_finite(flags: list[torch.Tensor], name: str) -> None:
+    """Raise if any of the per-batch ``isfinite(...).all()`` flags is false (one host round trip)."""
+    if flags and not bool(torch.stack([f.to(flags[0].device) for f in flags]).all()):
+        raise FloatingPointError(f"non-finite activations after {name}")
 
 
 @torch.no_grad()
@@ -180,7 +230,7 @@ def capture_calls(
 
     handles = [modules[n].register_forward_hook(make_hook(n), with_kwargs=True) for n in names]
     try:
-        for h in inputs.hidden:
+        for h in inputs.batches():
             seen.clear()
             try:
                 layer(h, **inputs.kwargs)
@@ -214,14 +264,16 @@ def _move_outside_layers(model: nn.Module, layers_prefix: str, device: torch.dev
 
 @torch.no_grad()
 def capture_layer_inputs(
-    model: nn.Module, source: ModelLayers, token_ids: torch.Tensor, device: torch.device, batch_size: int
+    model: nn.Module, source: ModelLayers, token_ids: torch.Tensor, device: torch.device, batch_size: int,
+    keep: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
 ) -> tuple[list[torch.Tensor], list[dict[str, Any]]]:
     """Hidden states entering layer 0 for every calibration batch, and the kwargs of every layer.
 
     Layers are swapped for recorders that return their input unchanged, so this costs one embedding
-    pass. The kwargs do not depend on the hidden states (masks and position embeddings are made
-    before the first layer), so one single-sample forward records them for all layers; batch
-    dimensions of 1 broadcast over any calibration batch.
+    pass; ``keep`` stores each batch (on the device, or offloaded). The kwargs do not depend on the
+    hidden states (masks and position embeddings are made before the first layer), so one
+    single-sample forward records them for all layers; batch dimensions of 1 broadcast over any
+    calibration batch.
     """
     layers = source.layers
     n = len(layers)
@@ -259,6 +311,7 @@ def capture_layer_inputs(
                 model(input_ids=token_ids[start : start + batch_size].to(device), use_cache=False)
             except StopForward:
                 pass
+            hidden[-1] = keep(hidden[-1])
     finally:
         for layer in layers:
             # Remove the instance attribute so the class's forward is used again.
@@ -297,6 +350,7 @@ def walk(
     on_layer: Callable[[LayerEvent], None] | None = None,
     quantize_lm_head: bool = False,
     comm: Communicator = LOCAL,
+    activations: str = "auto",
 ) -> WalkResult:
     """Quantize every decoder layer of ``model`` with ``method``; returns the packed weights by full name.
 
@@ -309,6 +363,11 @@ def walk(
     With a ``comm`` of several ranks (each holding the same model and ``token_ids``), each rank runs
     every layer on its share of whole calibration batches; the method reduces statistics and shares
     solved weights through ``comm``, so every rank ends with the same weights.
+
+    ``activations``: where the calibration hidden states between layers live: "device", "host"
+    (pinned memory, brought over batch by batch) or "auto" (see ``offload_activations``). The
+    methods see them one batch at a time, so device memory does not grow with the number of
+    calibration tokens beyond this set.
     """
     device = torch.device(device)
     prefix, layers = find_decoder_layers(model)
@@ -318,6 +377,7 @@ def walk(
         log.warning("no architecture record for %r: linears are quantized one by one in module order",
                     getattr(model.config, "model_type", "?"))
     hidden: list[torch.Tensor] | None = None
+    offload = False
     layer_kwargs: list[dict[str, Any]] = [{} for _ in range(len(source))]
     share, total_tokens = slice(0, 0), None
     if method.needs_calibration:
@@ -325,7 +385,13 @@ def walk(
             raise ValueError(f"{method.name} needs calibration token ids")
         share = shard_windows(token_ids.shape[0], batch_size, comm.world_size, comm.rank)
         total_tokens = token_ids.shape[0] * token_ids.shape[1]
-        hidden, layer_kwargs = capture_layer_inputs(model, source, token_ids[share], device, batch_size)
+        embed = model.get_input_embeddings().weight
+        set_bytes = 2 * token_ids[share].numel() * embed.shape[1] * embed.element_size()  # inputs + outputs
+        offload = offload_activations(activations, set_bytes, device)
+        log.info("calibration activations (%.2f GiB in and out) kept in %s memory", set_bytes / 2**30,
+                 "host" if offload else device.type)
+        keep = offload_to_host if offload else (lambda t: t)
+        hidden, layer_kwargs = capture_layer_inputs(model, source, token_ids[share], device, batch_size, keep)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
@@ -333,34 +399,47 @@ def walk(
     layer_stats: list[dict[str, Any]] = []
     start = time.perf_counter()
     for i in range(len(source)):
-        t0 = time.perf_counter()
+        clock = PhaseClock(device)
         layer = source.layer(i)
         home = next(layer.parameters()).device
+        resident = host_tensors(layer) if home.type == "cpu" and device.type != "cpu" else None
         layer.to(device)
+        clock.lap("move_in")
         linears = iter_quantizable(layer, skip)
-        inputs = None if hidden is None else LayerInputs(hidden, layer_kwargs[i], share.start, total_tokens)
+        inputs = None if hidden is None else LayerInputs(hidden, layer_kwargs[i], share.start, total_tokens,
+                                                         device, offload)
         ctx = LayerContext(
             index=i, n_layers=len(source), prefix=f"{prefix}.{i}", layer=layer, linears=linears,
             groups=sequential_groups(spec, linears), spec=spec, inputs=inputs, device=device, comm=comm,
         )
         result = method.quantize_layer(ctx)
+        clock.lap("method")
         for name, qw in result.weights.items():
-            install_weight(linears[name], qw)
+            if name not in result.installed:
+                install_weight(linears[name], qw)
             weights[f"{ctx.prefix}.{name}"] = qw
+        clock.lap("install")
         if inputs is not None:
-            hidden = result.next_hidden if result.next_hidden is not None else run_layer(layer, inputs)
-            for h in hidden:
-                if not torch.isfinite(h).all():
-                    raise FloatingPointError(f"non-finite activations after {ctx.prefix}")
-        layer.to(home)
-        seconds = time.perf_counter() - t0
+            if result.next_hidden is None:
+                hidden = propagate(layer, inputs, ctx.prefix)
+            else:
+                hidden = result.next_hidden
+                check_finite([torch.isfinite(h).all() for h in hidden], ctx.prefix)
+        clock.lap("propagate")
+        if resident is None:
+            layer.to(home)
+        else:
+            copy_home(layer, resident)
+        clock.lap("move_out")
+        seconds = clock.total()
+        clock.phases.update({f"method.{k}": v for k, v in result.phases.items()})
         layer_stats.append({"layer": i, "prefix": ctx.prefix, "seconds": seconds, "linears": result.stats,
-                            "notes": result.notes})
+                            "notes": result.notes, "phases": clock.phases})
         if on_layer is not None:
             on_layer(LayerEvent(i, len(source), ctx.prefix, seconds, time.perf_counter() - start,
-                                _peak_memory(device), result))
+                                _peak_memory(device), result, clock.phases))
     if quantize_lm_head:
-        inputs = None if hidden is None else LayerInputs(hidden, {}, share.start, total_tokens)
+        inputs = None if hidden is None else LayerInputs(hidden, {}, share.start, total_tokens, device, offload)
         name, qw, stats = quantize_output_head(model, method, inputs, device, comm)
         weights[name] = qw
         layer_stats.append({"layer": len(source), "prefix": name, "seconds": stats.pop("_seconds"),

@@ -136,3 +136,21 @@ def test_all_zero_group_is_exact():
     for sym in (True, False):
         scales, zeros, g_idx = compute_qparams(w, 4, 32, sym=sym)
         assert torch.equal(fake_quantize(w, scales, zeros, g_idx, 4), w)
+
+
+@pytest.mark.parametrize("out_features,in_features,group_size,sym", [
+    (64, 256, 128, True), (33, 200, 64, False), (16, 576, 64, False), (8, 100, -1, True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_contiguous_group_paths_equal_the_g_idx_paths_bitwise(out_features, in_features, group_size, sym, dtype):
+    """The reshape-based paths (no scatter, no gathers) compute exactly what the g_idx ones do,
+    a partial last group included."""
+    from quantkit.primitives import contiguous_qparams, fake_quantize_contiguous, quantize_contiguous
+
+    torch.manual_seed(0)
+    w = (torch.randn(out_features, in_features) * torch.rand(1, in_features) * 3).to(dtype)
+    scales, zeros, g_idx = compute_qparams(w, 4, group_size, sym)
+    s2, z2 = contiguous_qparams(w, 4, group_size, sym)
+    assert torch.equal(scales, s2) and torch.equal(zeros, z2)
+    codes = quantize(w, scales, zeros, g_idx, 4)
+    assert torch.equal(quantize_contiguous(w, scales, zeros, 4, group_size), codes)
+    assert torch.equal(fake_quantize_contiguous(w, 4, group_size, sym), dequantize(codes, scales, zeros, g_idx))

@@ -34,13 +34,11 @@ from quantkit.config import QuantkitError, QuantScheme
 from quantkit.methods.gptq import GPTQConfig
 from quantkit.methods.rtn import RTNResult
 from quantkit.primitives import (
-    compute_qparams,
     default_g_idx,
-    dequantize,
-    fake_quantize,
+    fake_quantize_contiguous,
     num_groups,
     qparams_from_range,
-    quantize,
+    quantize_contiguous,
 )
 
 log = logging.getLogger(__name__)
@@ -195,23 +193,25 @@ def tie_repeats(v: torch.Tensor, tie: tuple[int, int] | None) -> torch.Tensor:
     return v.view(-1, n_rep, head_dim).mean(dim=1, keepdim=True).expand(-1, n_rep, -1).reshape(-1)
 
 
-def awq_scales(x_mean: torch.Tensor, alpha: float, w_mean: torch.Tensor | None = None) -> torch.Tensor:
-    """``s [in] = x_mean^alpha (/ w_mean^(1-alpha))``, clamped away from zero, geometric mid-range 1."""
+def awq_scales(x_mean: torch.Tensor, alpha: float, w_mean: torch.Tensor | None = None,
+               check: bool = True) -> torch.Tensor:
+    """``s [in] = x_mean^alpha (/ w_mean^(1-alpha))``, clamped away from zero, geometric mid-range 1.
+    ``check``: raise on non-finite scales here (a host round trip; the search checks once at its end)."""
     s = x_mean.float().clamp_min(1e-4).pow(alpha)
     if w_mean is not None:
         s = s / w_mean.float().clamp_min(1e-4).pow(1.0 - alpha)
     s = s.clamp_min(1e-4)
     s = s / (s.max() * s.min()).sqrt()
-    if not torch.isfinite(s).all():
+    if check and not torch.isfinite(s).all():
         raise FloatingPointError("non-finite AWQ scales")
     return s
 
 
 def fake_quantize_scaled(w: torch.Tensor, s: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
-    """``Q(w * s) / s`` for ``w [out, in]``, ``s [in]``: what the scaled weight contributes for input ``x``."""
+    """``Q(w * s) / s`` for ``w [out, in]``, ``s [in]``: what the scaled weight contributes for input ``x``
+    (AWQ's groups are contiguous: reductions over a reshaped view, no index gathers)."""
     ws = w.float() * s.view(1, -1)
-    scales, zeros, g_idx = compute_qparams(ws, scheme.bits, scheme.group_size, scheme.sym)
-    return fake_quantize(ws, scales, zeros, g_idx, scheme.bits) / s.view(1, -1)
+    return fake_quantize_contiguous(ws, scheme.bits, scheme.group_size, scheme.sym) / s.view(1, -1)
 
 
 def search_scale(
@@ -237,21 +237,29 @@ def search_scale(
     x_mean = tie_repeats(x_mean.float(), tie)
     w_mean = None if w_mean is None else tie_repeats(w_mean, tie)
     target = target.float()
-    errors: list[float] = []
+    # The loop stays on the device: errors and the finiteness of the scales are read back once, after it.
+    means: list[torch.Tensor] = []
     sums: list[torch.Tensor] = []
     candidates_s: list[torch.Tensor] = []
+    finite = torch.ones((), dtype=torch.bool, device=x_mean.device)
     for i in range(config.grid + 1):
         alpha = i / config.grid
-        s = awq_scales(x_mean, alpha, w_mean) if i else torch.ones_like(x_mean, dtype=torch.float32)
+        s = awq_scales(x_mean, alpha, w_mean, check=False) if i else torch.ones_like(x_mean, dtype=torch.float32)
+        finite &= torch.isfinite(s).all()
         candidates = [fake_quantize_scaled(w, s, scheme).to(w.dtype) for w in weights]
         diff = block_fn(candidates).float() - target
+        del candidates
         if reduce_sums is None:
-            errors.append(float(diff.pow(2).mean()))
+            means.append(diff.pow(2).mean())
         else:
             sq = diff.double().pow(2).sum()
             sums.append(torch.stack([sq, sq.new_tensor(float(diff.numel()))]))
         candidates_s.append(s)
-    if reduce_sums is not None:
+    if not bool(finite):
+        raise FloatingPointError("non-finite AWQ scales")
+    if reduce_sums is None:
+        errors = torch.stack(means).tolist()
+    else:
         totals = reduce_sums(torch.stack(sums)).tolist()  # [grid + 1, 2]
         errors = [a / n if n else math.nan for a, n in totals]
     best = (math.inf, 0.0, torch.ones_like(x_mean, dtype=torch.float32))
@@ -293,42 +301,55 @@ def _grouped(t: torch.Tensor, gs: int, n_groups: int) -> torch.Tensor:
 
 
 def search_clip(
-    w: torch.Tensor, x: torch.Tensor, scheme: QuantScheme, config: AWQConfig, chunk_rows: int = 1024
+    w: torch.Tensor, x: torch.Tensor, scheme: QuantScheme, config: AWQConfig, chunk_elements: int = 1 << 25
 ) -> ClipSearch:
     """Best shrink of each (group, output row) range of ``w [out, in]`` for inputs ``x [n, in]``.
 
-    Groups are contiguous (a partial last group is zero-padded: padded columns add nothing to the
-    partial products and do not move the min/max, which always include zero)."""
+    The error of a candidate is the mean over the tokens of the squared partial product
+    ``(x_g . (q(w_g) - w_g))^2 = d^T A_g d`` with ``A_g = X_g^T X_g / n`` (``[G, gs, gs]``, computed
+    once): every shrink ratio of a block of rows is scored at once by one batched product with
+    ``A``, ``gs / n`` of the arithmetic of multiplying by the tokens (and exact differences ``d`` instead
+    of the difference of two products). Blocks of rows hold about ``chunk_elements`` candidate values.
+    Ties keep the larger ratio (1 first: the objective never increases). Groups are contiguous (a
+    partial last group is zero-padded: padded columns add nothing and do not move the min/max, which
+    always include zero)."""
     out_features, in_features = w.shape
     gs = in_features if scheme.group_size == -1 else scheme.group_size
     G = num_groups(in_features, scheme.group_size)
     xg = _grouped(x.float(), gs, G).permute(1, 0, 2)  # [n, in] -> [G, n, gs]
-    ratios = [1.0 - config.max_shrink * i / config.clip_grid for i in range(config.clip_grid)]
-    cmin_all, cmax_all, before, after = [], [], 0.0, 0.0
-    for start in range(0, out_features, chunk_rows):
-        wg = _grouped(w[start : start + chunk_rows].float(), gs, G)  # [o, G, gs]
-        ref = torch.bmm(xg, wg.permute(1, 2, 0))  # [G, n, o]
+    gram = torch.bmm(xg.transpose(1, 2), xg) / max(1, x.shape[0])  # [G, gs, gs]
+    ratios = torch.tensor([1.0 - config.max_shrink * i / config.clip_grid for i in range(config.clip_grid)],
+                          dtype=torch.float32, device=w.device)  # [R], descending from 1
+    R = ratios.numel()
+    rows = max(1, chunk_elements // (R * G * gs))
+    cmin_all, cmax_all, before, after = [], [], [], []  # error sums stay on the device until the end
+    for start in range(0, out_features, rows):
+        wg = _grouped(w[start : start + rows].float(), gs, G)  # [o, G, gs]
+        o = wg.shape[0]
         wmin = wg.amin(dim=-1).clamp(max=0).t()  # [G, o]
         wmax = wg.amax(dim=-1).clamp(min=0).t()
         if scheme.sym:  # a symmetric grid clips both sides at the same magnitude
             wmax = torch.maximum(-wmin, wmax)
             wmin = -wmax
-        best_err = torch.full_like(wmin, math.inf)
-        best_ratio = torch.ones_like(wmin)
-        for ratio in ratios:
-            scale, zero = qparams_from_range(wmin * ratio, wmax * ratio, scheme.bits, scheme.sym)  # [G, o]
-            s3, z3 = scale.t().unsqueeze(-1), zero.t().unsqueeze(-1).float()  # [o, G, 1]
-            q = torch.clamp(torch.round(wg / s3) + z3, 0, scheme.maxq)
-            err = (torch.bmm(xg, ((q - z3) * s3).permute(1, 2, 0)) - ref).pow(2).mean(dim=1)  # [G, o]
-            if ratio == 1.0:
-                before += float(err.sum())
-            better = err < best_err
-            best_err = torch.where(better, err, best_err)
-            best_ratio = torch.where(better, torch.full_like(best_ratio, ratio), best_ratio)
-        after += float(best_err.sum())
+        r3 = ratios.view(R, 1, 1)
+        scale, zero = qparams_from_range(wmin * r3, wmax * r3, scheme.bits, scheme.sym)  # [R, G, o]
+        s4 = scale.permute(0, 2, 1).unsqueeze(-1)  # [R, o, G, 1]
+        z4 = zero.permute(0, 2, 1).unsqueeze(-1).float()
+        d = (torch.clamp(torch.round(wg / s4) + z4, 0, scheme.maxq) - z4) * s4 - wg  # [R, o, G, gs]
+        d = d.permute(2, 0, 1, 3).reshape(G, R * o, gs)
+        err = (torch.bmm(d, gram) * d).sum(dim=-1).view(G, R, o)
+        del d
+        err = torch.nan_to_num(err, nan=math.inf)
+        best_err, best = err.min(dim=1)  # [G, o]: the first (largest) ratio among equal errors
+        before.append(err[:, 0].sum())
+        after.append(best_err.sum())
+        best_ratio = ratios[best]
         cmin_all.append(wmin * best_ratio)
         cmax_all.append(wmax * best_ratio)
-    return ClipSearch(torch.cat(cmin_all, dim=1), torch.cat(cmax_all, dim=1), before, after)
+    # Summed in float64 on the host, block by block.
+    before_sum = sum(torch.stack(before).tolist())
+    after_sum = sum(torch.stack(after).tolist())
+    return ClipSearch(torch.cat(cmin_all, dim=1), torch.cat(cmax_all, dim=1), before_sum, after_sum)
 
 
 def clipped_rtn(w: torch.Tensor, clip_min: torch.Tensor, clip_max: torch.Tensor, scheme: QuantScheme) -> RTNResult:
@@ -336,9 +357,10 @@ def clipped_rtn(w: torch.Tensor, clip_min: torch.Tensor, clip_max: torch.Tensor,
     the rounding the clip search scored. Values outside a range take the grid's extreme codes."""
     scales, zeros = qparams_from_range(clip_min, clip_max, scheme.bits, scheme.sym)  # [G, out]
     g_idx = default_g_idx(w.shape[1], scheme.group_size, device=w.device).to(torch.int32)
-    codes = quantize(w, scales, zeros, g_idx, scheme.bits)
+    codes = quantize_contiguous(w, scales, zeros, scheme.bits, scheme.group_size)
     w32 = w.float()
-    err = (dequantize(codes, scales, zeros, g_idx) - w32).norm() / w32.norm().clamp_min(1e-12)
+    dq = fake_quantize_contiguous(w, scheme.bits, scheme.group_size, scheme.sym, qparams=(scales, zeros))
+    err = (dq - w32).norm() / w32.norm().clamp_min(1e-12)
     return RTNResult(codes, scales, zeros, g_idx, float(err))
 
 

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from quantkit.activations import PhaseClock
 from quantkit.arch import ArchSpec, ScalingGroup
 from quantkit.config import QuantScheme
 from quantkit.distributed.plan import assign_owners
@@ -178,13 +179,21 @@ def _gqa_tie(layer: nn.Module, g: ScalingGroup, consumers: tuple[str, ...]) -> t
 
 def _capture(ctx: LayerContext, sites: list[_Site], config: AWQConfig, with_hessian: bool) -> tuple[
         list[torch.Tensor], list[torch.Tensor]]:
-    """One forward over all batches filling every site; returns (batches used, layer outputs)."""
+    """One forward over all batches filling every site; returns (batches used, layer outputs).
+
+    Under ``propagate="fp"`` the outputs are the next layer's inputs and nothing reads this layer's
+    inputs again, so each input batch is dropped (from the walker's list too) once its output exists:
+    inputs and outputs of the whole calibration set never fill memory together."""
     inputs = ctx.inputs
     local_search = _local_search_windows(inputs, config.search_samples)
     if local_search == 0 and config.search_samples:  # this rank holds none of the search windows
         batches, n_search = list(inputs.hidden), 0
     else:
         batches, n_search = _split_for_search(inputs.hidden, local_search)
+    consume = config.propagate == "fp"
+    if consume:
+        inputs.total_tokens = inputs.n_tokens_all  # before the batches go
+        inputs.hidden.clear()
     stride = max(1, inputs.n_tokens_all // config.clip_tokens)
     by_linear = {s.linears[0]: s for s in sites}
     by_block = {s.block: s for s in sites if s.group is not None and s.block}
@@ -194,8 +203,10 @@ def _capture(ctx: LayerContext, sites: list[_Site], config: AWQConfig, with_hess
     def on_call(name: str, args: tuple, kwargs: dict, output: Any) -> None:
         searching = state["batch"] < n_search
         if name == "":
+            if consume:
+                batches[state["batch"]] = None
             state["batch"] += 1
-            outputs.append(first_output(output).detach())
+            outputs.append(inputs.keep(first_output(output).detach()))
             return
         if name in by_block and searching:
             by_block[name].calls.append((args, kwargs))
@@ -204,7 +215,8 @@ def _capture(ctx: LayerContext, sites: list[_Site], config: AWQConfig, with_hess
             site = by_linear[name]
             x = args[0].detach()
             x2 = x.reshape(-1, x.shape[-1])  # [t, in]
-            site.sum_abs = x2.float().abs().sum(0) + (0 if site.sum_abs is None else site.sum_abs)
+            # abs before the float32 copy (exact either way): one full-size float32 temporary, not two
+            site.sum_abs = x2.abs().float().sum(0) + (0 if site.sum_abs is None else site.sum_abs)
             site.count += x2.shape[0]
             site.clip_x.append(x2[::stride].float())
             if with_hessian:
@@ -214,7 +226,8 @@ def _capture(ctx: LayerContext, sites: list[_Site], config: AWQConfig, with_hess
                 site.calls.append(((x,), {}))
 
     names = [""] + sorted(by_block) + sorted(by_linear)
-    capture_calls(ctx.layer, LayerInputs(batches, inputs.kwargs), names, on_call, stop_early=False)
+    capture_calls(ctx.layer, LayerInputs(batches, inputs.kwargs, device=inputs.device, offload=inputs.offload),
+                  names, on_call, stop_early=False)
     return batches, outputs
 
 
@@ -299,16 +312,20 @@ class AWQMethod:
         if ctx.inputs is None:
             raise ValueError("AWQ needs calibration inputs")
         notes: list[str] = []
+        clock = PhaseClock(ctx.device)
         sites = _sites(ctx, notes, self.config.gqa_tied_vo)
         _, outputs = _capture(ctx, sites, self.config, with_hessian=self.config.gptq)
         _reduce_sites(ctx, sites)
+        clock.lap("capture")
         stats: dict[str, dict[str, float]] = {n: {} for n in ctx.linears}
         scales = self._search_scales(ctx, sites, stats)
         offset = ctx.spec.norm_offset if ctx.spec is not None else 0.0
         for g in scales:
             apply_group_scale(ctx.layer, g, offset)
+        clock.lap("scale_search")
         clips: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         weights = self._clip_and_round(ctx, sites, scales, clips, stats)
+        clock.lap("clip_and_round")
         # Kept on the host: a large model's clips would otherwise pile up on the accelerator.
         self.records[ctx.prefix] = LayerRecord(
             tuple(dataclasses.replace(g, scales=g.scales.cpu()) for g in scales),
@@ -318,7 +335,7 @@ class AWQMethod:
             for note in notes:
                 log.info("%s: %s", ctx.prefix, note)
         next_hidden = outputs if self.config.propagate == "fp" else None
-        return LayerResult(weights=weights, stats=stats, notes=notes, next_hidden=next_hidden)
+        return LayerResult(weights=weights, stats=stats, notes=notes, next_hidden=next_hidden, phases=clock.phases)
 
     def _search_scales(self, ctx: LayerContext, sites: list[_Site], stats) -> list[GroupScale]:
         found = []

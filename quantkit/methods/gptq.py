@@ -8,9 +8,9 @@ input Hessian ``H = 2/n sum x x^T``. It minimizes the output error ``tr(dW H dW^
 * Damping: ``damp * mean(diag H)`` on the diagonal; a Cholesky failure multiplies it by 10 (a few
   times) and warns. Dead columns (zero diagonal: an input that is always zero) get ``H_ii = 1`` and
   a zero weight, as their value cannot matter.
-* The inverse goes through Cholesky (float64 for the factorizations), and the solver works on the
-  upper Cholesky factor ``U`` of ``H^-1``: within a block of columns the error is pushed by rank-1
-  updates, between blocks by one matrix product (the "lazy batch" update).
+* The inverse goes through one Cholesky factorization and a triangular inverse (float64), and the
+  solver works on the upper Cholesky factor ``U`` of ``H^-1``: within a block of columns the error
+  is pushed by rank-1 updates, between blocks by one matrix product (the "lazy batch" update).
 * Groups are aligned with blocks, so each group's scale is computed from fully updated weights.
 * ``desc_act``: columns in order of decreasing ``diag H``; the permutation ends up in ``g_idx``
   (``g_idx[perm[j]] = j // group_size``). ``static_groups``: every group's scale is computed from the
@@ -30,12 +30,11 @@ import torch
 
 from quantkit.config import QuantkitError, QuantScheme
 from quantkit.primitives import (
-    compute_qparams,
     default_g_idx,
     dequantize,
+    fake_quantize_contiguous,
     num_groups,
     qparams_from_range,
-    quantize,
 )
 
 log = logging.getLogger(__name__)
@@ -56,9 +55,12 @@ class GPTQConfig:
     mse_norm: float = 2.4
     max_damp_escalations: int = 4
     # Quantize each layer in one forward of the whole calibration set, the groups quantized inside
-    # it as the forward reaches them (true-sequential at the cost of one pass); falls back to one
-    # pass per group when the set holds more tokens than this.
-    single_pass_max_tokens: int = 1 << 19
+    # it as the forward reaches them (true-sequential at the cost of one pass), when the set holds at
+    # most this many tokens; else one early-stopped pass per group over the calibration batches, with
+    # Hessians accumulated batch by batch (memory independent of the number of tokens). None: 2^19
+    # on the CPU (host memory; saves ~1.1 forwards a layer), 0 on an accelerator (the whole set's
+    # MLP intermediates would take 4 x 7.5 GB for an 8B model at 128 x 2048 tokens).
+    single_pass_max_tokens: int | None = None
     # Under several ranks a stack of linears is cut by output rows between ranks down to this many
     # rows (GPTQ solves rows independently); no effect in one process.
     split_min_rows: int = 256
@@ -75,12 +77,18 @@ class GPTQConfig:
             raise QuantkitError(f"mse_max_shrink must be in (0, 1), got {self.mse_max_shrink}")
         if self.mse_grid < 1 or self.mse_norm <= 0:
             raise QuantkitError(f"mse_grid must be >= 1 and mse_norm > 0, got {self.mse_grid}, {self.mse_norm}")
-        if self.max_damp_escalations < 0 or self.single_pass_max_tokens < 0:
+        if self.max_damp_escalations < 0 or (self.single_pass_max_tokens or 0) < 0:
             raise QuantkitError("max_damp_escalations and single_pass_max_tokens must be >= 0")
         if self.solver not in ("auto", "torch", "triton"):
             raise QuantkitError(f"solver must be auto, torch or triton, got {self.solver!r}")
         if self.split_min_rows < 1:
             raise QuantkitError(f"split_min_rows must be >= 1, got {self.split_min_rows}")
+
+    def single_pass_limit(self, device: torch.device) -> int:
+        """``single_pass_max_tokens``, its default resolved for the work device."""
+        if self.single_pass_max_tokens is not None:
+            return self.single_pass_max_tokens
+        return 1 << 19 if device.type == "cpu" else 0
 
 
 @dataclass(frozen=True)
@@ -192,26 +200,39 @@ def _shrink_error(wg: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bit
 
 
 def damped_inverse_factor(
-    H: torch.Tensor, damp: float, max_escalations: int, name: str = ""
+    H: torch.Tensor, damp: float, max_escalations: int, name: str = "", perm: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, float]:
-    """Upper Cholesky factor ``U`` of ``(H + d I)^-1`` (float32 ``[in, in]``) and the damping used.
+    """Upper Cholesky factor ``U`` of ``(H + d I)^-1`` (float32 ``[in, in]``) and the damping used;
+    with ``perm``, of the permuted ``H[perm][:, perm]`` (built here, so no permuted copy outlives it).
 
-    The factorizations run in float64. On failure the damping is multiplied by 10, up to
-    ``max_escalations`` times, with a warning; then a ``FloatingPointError`` names the layer.
+    One Cholesky factorization and one triangular inverse, in float64: with ``J`` the reversal
+    permutation and ``J H J = L L^T``, ``H^-1 = (J L^-1 J)^T (J L^-1 J)`` and ``J L^-1 J`` is upper
+    triangular with a positive diagonal, so it is the (unique) upper Cholesky factor of ``H^-1``: the
+    same matrix as ``cholesky(cholesky_inverse(cholesky(H)), upper=True)`` up to float64 rounding,
+    with a third of the arithmetic and two float64 matrices alive instead of three (each 1.6 GB for
+    an 8B model's down_proj; the inverse is solved in place). On failure the damping is multiplied
+    by 10, up to ``max_escalations`` times, with a warning; then a ``FloatingPointError`` names the layer.
     """
-    H64 = H.double()
-    mean_diag = float(torch.diagonal(H64).mean())
-    idx = torch.arange(H.shape[0], device=H.device)
+    n = H.shape[0]
+    rev = torch.arange(n - 1, -1, -1, device=H.device)  # J
+    order = rev if perm is None else perm[rev]
+    mean_diag = float(torch.diagonal(H).double().mean() if perm is None else torch.diagonal(H)[perm].double().mean())
+    idx = torch.arange(n, device=H.device)
     d = damp
     for attempt in range(max_escalations + 1):
-        Hd = H64.clone()
+        Hd = H[order[:, None], order].double()  # J P H P^T J, converted again on every attempt
         Hd[idx, idx] += d * mean_diag
         L, info = torch.linalg.cholesky_ex(Hd)
+        del Hd
         if int(info) == 0:
-            Hinv = torch.cholesky_inverse(L)
-            U, info = torch.linalg.cholesky_ex(Hinv, upper=True)
-            if int(info) == 0 and torch.isfinite(U).all():
+            Linv = torch.eye(n, dtype=L.dtype, device=L.device)
+            torch.linalg.solve_triangular(L, Linv, upper=False, out=Linv)  # L^-1, in place
+            del L
+            U = Linv.flip((0, 1))  # J L^-1 J
+            del Linv
+            if torch.isfinite(U).all():
                 return U.float(), d
+            del U
         if attempt < max_escalations:
             new_d = max(d * 10.0, 1e-6)
             warnings.warn(
@@ -322,13 +343,16 @@ def gptq_quantize(
     for what, t in (("weight", w), ("Hessian", H)):
         if not torch.isfinite(t).all():
             raise FloatingPointError(f"GPTQ {name or 'layer'}: NaN or Inf in the {what}")
-    w32 = w.detach().float()
     H32 = H.detach().float()
-    W = w32.clone()  # [out, in]
-    Hw = H32.clone()
-    dead = torch.diagonal(Hw) == 0
-    Hw[dead, dead] = 1.0
-    W[:, dead] = 0.0
+    W = w.detach().float()  # [out, in]; the unchanged float32 weight is made again for the errors at the end
+    if W.data_ptr() == w.data_ptr():
+        W = W.clone()
+    dead = torch.diagonal(H32) == 0
+    Hw = H32
+    if dead.any():  # copy the Hessian only when it must change (0.8 GB for an 8B down_proj)
+        Hw = H32.clone()
+        Hw[dead, dead] = 1.0
+        W[:, dead] = 0.0
 
     gs = scheme.group_size if scheme.group_size != -1 else in_features
     G = num_groups(in_features, scheme.group_size)
@@ -339,13 +363,13 @@ def gptq_quantize(
         scales_g, zeros_g = _static_params(W, scheme, config, gs)  # [G, out]
     perm = torch.argsort(torch.diagonal(Hw), descending=True) if config.desc_act else None
     if perm is not None:
-        W = W[:, perm]
-        Hw = Hw[perm][:, perm]
+        W = W[:, perm]  # the Hessian is permuted inside ``damped_inverse_factor``
     if static:
         col_group = g_idx.long() if perm is None else g_idx.long()[perm]  # group of each position
         fixed = (scales_g[col_group], zeros_g[col_group].float())  # [in, out] each
 
-    U, damp_used = damped_inverse_factor(Hw, config.damp, config.max_damp_escalations, name)
+    U, damp_used = damped_inverse_factor(Hw, config.damp, config.max_damp_escalations, name, perm)
+    del Hw
     codes_p, scales, zeros = solve_columns(W, U, scheme, gs, config, fixed)
     if static:
         scales, zeros = scales_g, zeros_g
@@ -360,16 +384,24 @@ def gptq_quantize(
     result_w = dequantize(codes, scales, zeros, g_idx)
     if not torch.isfinite(result_w).all():
         raise FloatingPointError(f"GPTQ {name or 'layer'}: NaN or Inf in the quantized weight")
-    rows = _row_errors(w32, result_w, H32, scheme)  # [3, out]
+    rows = _row_errors(w.detach().float(), result_w, H32, scheme)  # [3, out]
     return GPTQResult(codes, scales, zeros, g_idx, damp_used, rows[0], rows[1], rows[2])
 
 
-def _row_errors(w: torch.Tensor, w_gptq: torch.Tensor, H: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
-    """Per row of ``w [out, in]``: ``dW H dW^T`` of GPTQ and of plain RTN, and ``W H W^T``: ``[3, out]``."""
-    scales, zeros, g_idx = compute_qparams(w, scheme.bits, scheme.group_size, scheme.sym)
-    w_rtn = dequantize(quantize(w, scales, zeros, g_idx, scheme.bits), scales, zeros, g_idx)
-    d = torch.cat([w_gptq - w, w_rtn - w, w])  # [3 out, in]
-    return ((d @ H) * d).sum(dim=1).reshape(3, w.shape[0])
+def _row_errors(w: torch.Tensor, w_gptq: torch.Tensor, H: torch.Tensor, scheme: QuantScheme,
+                chunk_elements: int = 1 << 26) -> torch.Tensor:
+    """Per row of ``w [out, in]``: ``dW H dW^T`` of GPTQ and of plain RTN, and ``W H W^T``: ``[3, out]``.
+
+    Rows go through in chunks of about ``chunk_elements`` values (256 MB in float32), so the
+    bookkeeping never holds more than a few such blocks (a stacked 8B gate/up weight is 470 MB)."""
+    w_rtn = fake_quantize_contiguous(w, scheme.bits, scheme.group_size, scheme.sym)
+    out = torch.empty(3, w.shape[0], dtype=torch.float32, device=w.device)
+    step = max(1, chunk_elements // max(1, w.shape[1]))
+    for start in range(0, w.shape[0], step):
+        rows = slice(start, start + step)
+        for k, d in enumerate((w_gptq[rows] - w[rows], w_rtn[rows] - w[rows], w[rows])):
+            out[k, rows] = ((d @ H) * d).sum(dim=1)
+    return out
 
 
 def _static_params(

@@ -7,12 +7,15 @@ alone, with a third of the Python column loop.
 True-sequential (the default) quantizes the groups of ``ctx.groups`` in order, each on inputs that
 come through the already quantized groups before it. It runs in one of two ways:
 
-* single pass (the whole calibration set holds at most ``single_pass_max_tokens`` tokens): one
+* single pass (the whole calibration set holds at most ``single_pass_max_tokens`` tokens; by default
+  only on the CPU, where the set lives in host memory anyway): one
   forward of the layer on all calibration samples at once; a pre-hook on each group's first linear
   accumulates its Hessian, quantizes the group and installs the result before the forward goes on.
   The forward's output is then the quantized layer's output: capture, every group and propagation
   cost one pass.
-* group by group: one (early-stopped) pass per group to collect its Hessian, batch by batch.
+* group by group: one (early-stopped) pass per group over the calibration batches, each batch's
+  inputs folded into the group's Hessian by a forward hook and dropped (device memory does not grow
+  with the number of tokens); the walker's forward of the quantized layer then makes the next inputs.
 
 ``true_sequential=False`` collects every Hessian in one pass over the unquantized layer.
 """
@@ -41,6 +44,36 @@ def _clock(device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
+
+
+class _Stopwatch:
+    """Seconds spent inside ``start()``/``stop()`` pairs. On CUDA timed with events and read once at
+    the end, so timing a step inside a forward adds no host round trip per batch."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.pairs: list = []
+        self.host = 0.0
+
+    def start(self) -> None:
+        if self.cuda:
+            self.pairs.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
+            self.pairs[-1][0].record()
+        else:
+            self.host -= time.perf_counter()
+
+    def stop(self) -> None:
+        if self.cuda:
+            self.pairs[-1][1].record()
+        else:
+            self.host += time.perf_counter()
+
+    def seconds(self) -> float:
+        if not self.cuda:
+            return self.host
+        if self.pairs:
+            self.pairs[-1][1].synchronize()
+        return sum(a.elapsed_time(b) for a, b in self.pairs) / 1e3
 
 
 @dataclass
@@ -189,7 +222,7 @@ def collect_hessians(
     # later input of the same batch and mistaken for it (which would share a Hessian wrongly).
     held: list[torch.Tensor] = []
     seen: set[str] = set()
-    spent = [0.0]
+    timer = _Stopwatch(ctx.device)
 
     def on_input(name: str, x: torch.Tensor) -> None:
         if name in seen:  # a new batch began
@@ -202,12 +235,12 @@ def collect_hessians(
         owner = owner_of.setdefault(name, batch_inputs.get(key, name))
         batch_inputs.setdefault(key, owner)
         if owner == name:
-            t0 = _clock(ctx.device)
+            timer.start()
             acc = accs.get(name)
             if acc is None:  # not setdefault: that would allocate (and zero) an [in, in] matrix every batch
                 acc = accs[name] = HessianAccumulator(x.shape[-1], ctx.device)
             acc.add(x)
-            spent[0] += _clock(ctx.device) - t0
+            timer.stop()
 
     capture_linear_inputs(layer, ctx.inputs, names, on_input)
     missing = [n for n in names if n not in owner_of]
@@ -216,15 +249,16 @@ def collect_hessians(
     members: dict[str, list[str]] = {}
     for name in names:
         members.setdefault(owner_of[name], []).append(name)
-    return accs, members, spent[0]
+    return accs, members, timer.seconds()
 
 
 def _single_pass(work: _LayerWork) -> list[torch.Tensor]:
     """Quantize every group inside one forward of all calibration samples; returns the layer's output
     split back into the calibration batches."""
     ctx = work.ctx
-    hidden = ctx.inputs.hidden
+    hidden = list(ctx.inputs.batches())
     x = hidden[0] if len(hidden) == 1 else torch.cat(hidden)  # [n_samples, S, hidden]
+    del hidden[:]
     group_of = {name: gi for gi, group in enumerate(ctx.groups) for name in group}
     group_input: dict[int, int] = {}  # group -> data_ptr of the input it was solved on
 
@@ -257,7 +291,7 @@ def _single_pass(work: _LayerWork) -> list[torch.Tensor]:
     missing = [g for gi, g in enumerate(ctx.groups) if gi not in group_input]
     if missing:
         raise QuantkitError(f"{ctx.prefix}: linears {missing} never ran in the calibration forward")
-    return list(out.split([h.shape[0] for h in hidden]))
+    return [ctx.inputs.keep(o) for o in out.split([h.shape[0] for h in ctx.inputs.hidden])]
 
 
 @dataclass(frozen=True)
@@ -286,14 +320,16 @@ class GPTQMethod:
         if not self.config.true_sequential:
             names = [n for group in ctx.groups for n in group]
             self._collect_and_solve(work, names)
-        elif ctx.inputs.n_tokens_all <= self.config.single_pass_max_tokens:
+        elif ctx.inputs.n_tokens_all <= self.config.single_pass_limit(ctx.device):
             next_hidden = _single_pass(work)
         else:
             for group in ctx.groups:
                 self._collect_and_solve(work, list(group))
         # Report in the layer's module order.
         stats = {n: work.stats[n] for n in ctx.linears if n in work.stats}
-        return LayerResult(weights=work.weights, stats=stats, next_hidden=next_hidden)
+        # ``_install`` already put exactly the packed weights' values into the layer, on the device.
+        return LayerResult(weights=work.weights, stats=stats, next_hidden=next_hidden,
+                           installed=frozenset(work.weights))
 
     @staticmethod
     def _collect_and_solve(work: _LayerWork, names: list[str]) -> None:

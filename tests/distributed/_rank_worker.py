@@ -1,6 +1,8 @@
 """Run by torchrun from test_distributed.py: each rank quantizes the tiny model for every case, or fails.
 
 Usage: _rank_worker.py MODEL_DIR TEXT_FILE OUT_DIR MODE   (MODE: ok | raise | kill)
+The work device is $QUANTKIT_TEST_DEVICE (default cpu; "cuda": the ranks share one GPU over gloo, with
+QUANTKIT_DIST_BACKEND=gloo).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ CASES = {  # name -> (method, options); shared with the test, which runs the sam
 }
 
 
-def quantize_case(model_dir: str, text: str, out: str, name: str, gpus: int | None = None):
+def quantize_case(model_dir: str, text: str, out: str, name: str, gpus: int | None = None, device: str = "cpu"):
     from quantkit import api
     from quantkit.config import CalibConfig, LoadConfig, QuantScheme
 
@@ -26,7 +28,7 @@ def quantize_case(model_dir: str, text: str, out: str, name: str, gpus: int | No
     scheme = QuantScheme(4, 32, method == "gptq")
     return api.quantize(model_dir, out, method=method, scheme=scheme, method_options=dict(options),
                         calib=CalibConfig(source=text, nsamples=8, seqlen=32, seed=0),
-                        load=LoadConfig(device="cpu", dtype="float32"), batch_size=2, gpus=gpus)
+                        load=LoadConfig(device=device, dtype="float32"), batch_size=2, gpus=gpus)
 
 
 def inject_failure(mode: str) -> None:
@@ -47,13 +49,14 @@ def inject_failure(mode: str) -> None:
 
 def main() -> None:
     model_dir, text, out, mode = sys.argv[1:5]
+    device = os.environ.get("QUANTKIT_TEST_DEVICE", "cpu")
     assert os.environ.get("NCCL_NVLS_ENABLE") == "0", "the launcher must turn NVLink multicast off"
     if mode != "ok":
         inject_failure(mode)
-        quantize_case(model_dir, text, os.path.join(out, "gptq"), "gptq", gpus=2)
+        quantize_case(model_dir, text, os.path.join(out, "gptq"), "gptq", gpus=2, device=device)
         return
     for name in CASES:
-        quantize_case(model_dir, text, os.path.join(out, name), name, gpus=2)
+        quantize_case(model_dir, text, os.path.join(out, name), name, gpus=2, device=device)
     if os.environ["RANK"] == "0":
         with open(os.path.join(out, "ranks.json"), "w") as f:
             json.dump({"world_size": int(os.environ["WORLD_SIZE"])}, f)

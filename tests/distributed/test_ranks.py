@@ -29,8 +29,8 @@ ENV = {"QUANTKIT_DIST_TIMEOUT": "60", "OMP_NUM_THREADS": "1"}
 BOUND_S = 300
 
 
-def _run(model: Path, text: Path, out: Path, mode: str) -> None:
-    launch([str(WORKER)], [str(model), str(text), str(out), mode], 2, timeout_s=BOUND_S, env=ENV)
+def _run(model: Path, text: Path, out: Path, mode: str, env: dict[str, str] | None = None) -> None:
+    launch([str(WORKER)], [str(model), str(text), str(out), mode], 2, timeout_s=BOUND_S, env={**ENV, **(env or {})})
 
 
 def _codes(t: dict[str, torch.Tensor], name: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,10 +52,25 @@ def test_two_ranks_write_the_checkpoint_one_process_writes(tiny_llama_dir, tiny_
     Frobenius norm), and everything else (g_idx, embeddings, norms, the config) must be equal.
     """
     _run(tiny_llama_dir, tiny_text_file, tmp_path / "two", "ok")
+    _compare_one_and_two(tiny_llama_dir, tiny_text_file, tmp_path, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_two_gloo_ranks_sharing_one_gpu_equal_one_process(tiny_llama_dir, tiny_text_file, tmp_path):
+    """The same cases with the work on one CUDA device that both ranks share (gloo stages the
+    collectives through host memory): the same checkpoint as one process on that device, within the
+    tolerance of the CPU test above (the same reason: the order of the sums)."""
+    _run(tiny_llama_dir, tiny_text_file, tmp_path / "two", "ok",
+         env={"QUANTKIT_TEST_DEVICE": "cuda", "QUANTKIT_DIST_BACKEND": "gloo"})
+    _compare_one_and_two(tiny_llama_dir, tiny_text_file, tmp_path, "cuda")
+
+
+def _compare_one_and_two(tiny_llama_dir: Path, tiny_text_file: Path, tmp_path: Path, device: str) -> None:
     assert json.loads((tmp_path / "two" / "ranks.json").read_text()) == {"world_size": 2}
     exact = []
     for name in CASES:
-        quantize_case(str(tiny_llama_dir), str(tiny_text_file), str(tmp_path / "one" / name), name)
+        quantize_case(str(tiny_llama_dir), str(tiny_text_file), str(tmp_path / "one" / name), name, device=device)
         one = load_file(tmp_path / "one" / name / "model.safetensors")
         two = load_file(tmp_path / "two" / name / "model.safetensors")
         assert one.keys() == two.keys()

@@ -22,6 +22,7 @@ from quantkit.methods.awq import (
 from quantkit.methods.awq_method import AWQMethod, _fold_problem, _gqa_tie, apply_group_scale, apply_layer_record
 from quantkit.methods.rtn import RTNMethod, rtn_quantize
 from quantkit.pack import unpack_awq
+from quantkit.primitives import dequantize
 from quantkit.qtensor import QuantizedWeight
 from quantkit.walker import walk
 
@@ -162,6 +163,38 @@ def test_clip_search_never_increases_the_error(seed, in_features, scheme):
     assert after < 0.98 * before  # and it did clip something
     assert res.error_after == pytest.approx(after, rel=1e-3)
     assert res.error_before == pytest.approx(before, rel=1e-3)
+
+
+@pytest.mark.parametrize("scheme", [QuantScheme(4, 32, False), QuantScheme(4, 32, True)])
+def test_clip_search_picks_what_scoring_on_the_tokens_picks(scheme):
+    """The batched search scores candidates through the inputs' Gram matrix; scoring each ratio on the
+    tokens themselves (the definition, one ratio at a time) picks the same ratio for every (group, row)
+    and the same summed errors. Small chunks: several blocks of rows."""
+    g = torch.Generator().manual_seed(7)
+    w = torch.distributions.StudentT(3.0).sample((40, 80)) * 0.02
+    x = torch.randn(200, 80, generator=g) * torch.rand(80, generator=g) * 3
+    config = AWQConfig(clip_grid=8)
+    res = search_clip(w, x, scheme, config, chunk_elements=8 * 3 * 32 * 7)  # 7 rows a block
+    gs, G = 32, 3
+    xg = torch.nn.functional.pad(x.double(), (0, G * gs - 80)).view(-1, G, gs)  # [n, G, gs]
+    wg = torch.nn.functional.pad(w.double(), (0, G * gs - 80)).view(-1, G, gs)  # [out, G, gs]
+    wmin, wmax = wg.amin(-1).clamp(max=0), wg.amax(-1).clamp(min=0)
+    if scheme.sym:
+        wmax = torch.maximum(-wmin, wmax)
+        wmin = -wmax
+    errs = []
+    for i in range(config.clip_grid):
+        ratio = 1.0 - config.max_shrink * i / config.clip_grid
+        qr = clipped_rtn(w, (wmin * ratio).t().float(), (wmax * ratio).t().float(), scheme)
+        d = torch.nn.functional.pad(dequantize(qr.codes, qr.scales, qr.zeros, qr.g_idx).double() - w.double(),
+                                    (0, G * gs - 80)).view(-1, G, gs)
+        errs.append(torch.einsum("ngk,ogk->ngo", xg, d).pow(2).mean(0))  # [G, out]
+    errs = torch.stack(errs)  # [R, G, out]
+    best = errs.argmin(0)
+    ratios = torch.tensor([1.0 - config.max_shrink * i / config.clip_grid for i in range(config.clip_grid)])
+    torch.testing.assert_close(res.clip_max, (wmax.t() * ratios[best]).float())
+    assert res.error_before == pytest.approx(float(errs[0].sum()), rel=1e-4)
+    assert res.error_after == pytest.approx(float(errs.min(0).values.sum()), rel=1e-4)
 
 
 def _qweight(out_features=64, in_features=128, scheme=ASYM64, bias=True):
