@@ -118,12 +118,21 @@ class WalkResult:
 
 
 class LayerSource(Protocol):
-    """Where decoder layers come from (a loaded model now; safetensors shards later)."""
+    """Where decoder layers come from: a loaded model (``ModelLayers``) or safetensors read one layer at a
+    time (``quantkit.lazy_model.SafetensorsLayers``).
+
+    ``layers`` is the model's own module list (its layers may hold meta parameters until ``layer(i)``
+    materializes them). ``finish(i, weights)`` is called once layer ``i`` is quantized, with its packed
+    weights by full module name; it returns the ones the walk result keeps (a streaming source writes
+    them out, frees the layer and keeps only their shapes).
+    """
 
     prefix: str
+    layers: nn.ModuleList
 
     def __len__(self) -> int: ...
     def layer(self, index: int) -> nn.Module: ...
+    def finish(self, index: int, weights: dict[str, QuantizedWeight]) -> dict[str, QuantizedWeight]: ...
 
 
 @dataclass
@@ -138,6 +147,9 @@ class ModelLayers:
 
     def layer(self, index: int) -> nn.Module:
         return self.layers[index]
+
+    def finish(self, index: int, weights: dict[str, QuantizedWeight]) -> dict[str, QuantizedWeight]:
+        return weights
 
 
 def first_output(out: Any) -> torch.Tensor:
@@ -205,7 +217,8 @@ def _move_outside_layers(model: nn.Module, layers_prefix: str, device: torch.dev
         if module_name == layers_prefix or module_name.startswith(inside):
             continue
         for param in module._parameters.values():
-            if param is not None and param.device != device:
+            # Meta parameters (an output head a streaming source has not read) stay where they are.
+            if param is not None and param.device != device and not param.is_meta:
                 param.data = param.data.to(device)
         for key, buf in module._buffers.items():
             if buf is not None and buf.device != device:
@@ -214,7 +227,7 @@ def _move_outside_layers(model: nn.Module, layers_prefix: str, device: torch.dev
 
 @torch.no_grad()
 def capture_layer_inputs(
-    model: nn.Module, source: ModelLayers, token_ids: torch.Tensor, device: torch.device, batch_size: int
+    model: nn.Module, source: LayerSource, token_ids: torch.Tensor, device: torch.device, batch_size: int
 ) -> tuple[list[torch.Tensor], list[dict[str, Any]]]:
     """Hidden states entering layer 0 for every calibration batch, and the kwargs of every layer.
 
@@ -297,6 +310,7 @@ def walk(
     on_layer: Callable[[LayerEvent], None] | None = None,
     quantize_lm_head: bool = False,
     comm: Communicator = LOCAL,
+    source: LayerSource | None = None,
 ) -> WalkResult:
     """Quantize every decoder layer of ``model`` with ``method``; returns the packed weights by full name.
 
@@ -309,10 +323,12 @@ def walk(
     With a ``comm`` of several ranks (each holding the same model and ``token_ids``), each rank runs
     every layer on its share of whole calibration batches; the method reduces statistics and shares
     solved weights through ``comm``, so every rank ends with the same weights.
+
+    ``source`` gives the decoder layers (default: the model's own, already loaded).
     """
     device = torch.device(device)
-    prefix, layers = find_decoder_layers(model)
-    source = ModelLayers(prefix, layers)
+    source = source if source is not None else ModelLayers(*find_decoder_layers(model))
+    prefix = source.prefix
     spec = arch_for(getattr(model.config, "model_type", ""))
     if spec is None:
         log.warning("no architecture record for %r: linears are quantized one by one in module order",
@@ -344,15 +360,17 @@ def walk(
             groups=sequential_groups(spec, linears), spec=spec, inputs=inputs, device=device, comm=comm,
         )
         result = method.quantize_layer(ctx)
+        layer_weights = {}
         for name, qw in result.weights.items():
             install_weight(linears[name], qw)
-            weights[f"{ctx.prefix}.{name}"] = qw
+            layer_weights[f"{ctx.prefix}.{name}"] = qw
         if inputs is not None:
             hidden = result.next_hidden if result.next_hidden is not None else run_layer(layer, inputs)
             for h in hidden:
                 if not torch.isfinite(h).all():
                     raise FloatingPointError(f"non-finite activations after {ctx.prefix}")
         layer.to(home)
+        weights.update(source.finish(i, layer_weights))
         seconds = time.perf_counter() - t0
         layer_stats.append({"layer": i, "prefix": ctx.prefix, "seconds": seconds, "linears": result.stats,
                             "notes": result.notes})
