@@ -178,8 +178,11 @@ def run(args: argparse.Namespace) -> dict:
         out_bytes = sum(f.stat().st_size for f in out_dir.glob("*.safetensors"))
         n_out_files = len(list(out_dir.glob("*.safetensors")))
     finally:
-        if not args.keep:
-            shutil.rmtree(work, ignore_errors=True)
+        if not args.keep:  # only what this run wrote (a --workdir may hold other things)
+            for folder in (model_dir, out_dir):
+                shutil.rmtree(folder, ignore_errors=True)
+            if not args.workdir:
+                shutil.rmtree(work, ignore_errors=True)
     report = child["report"]
     card = torch.cuda.get_device_name(0) if device.startswith("cuda") else f"CPU {platform.processor()}"
     return {

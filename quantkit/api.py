@@ -118,15 +118,6 @@ class QuantizeReport:
         }
 
 
-def peak_host_memory_bytes() -> int:
-    """The process's resident-memory high-water mark (Linux reports KiB, macOS bytes)."""
-    import resource
-    import sys
-
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024
-
-
 def build_method(name: str, scheme: QuantScheme, options: dict[str, Any] | None = None) -> Method:
     """The method object for ``name`` with its own config built from ``options`` (CLI option names)."""
     options = {**DEFAULT_OPTIONS.get(name, {}), **(options or {})}
@@ -316,8 +307,8 @@ def _quantize(model: str, output: str | Path, *, method: str, scheme: QuantSchem
               batch_size: int, on_layer: Callable, on_calib_progress: Callable,
               quantize_lm_head: bool, gpus: int | None, calib_tokens: torch.Tensor | None) -> QuantizeReport:
     from quantkit.checkpoint import save_quantized
-    from quantkit.lazy_model import open_streamed, plan_loading, stream_to_writer
-    from quantkit.models import load_model, quiet_transformers
+    from quantkit.lazy_model import open_model, peak_host_memory_bytes, plan_loading, stream_to_writer
+    from quantkit.models import quiet_transformers
 
     t_start = time.perf_counter()
     out = check_output(output, overwrite)
@@ -336,7 +327,7 @@ def _quantize(model: str, output: str | Path, *, method: str, scheme: QuantSchem
     plan = plan_loading(model, load, world_size=comm.world_size, self_calibration=probe.needs_calibration
                         and calib_tokens is None and calib.source == "self")
     log.info("loading: %s", plan.reason)
-    loaded, source = open_streamed(model, load) if plan.stream else (load_model(model, load), None)
+    loaded, source = open_model(model, load, plan)
     if method == "awq":
         # AWQ folds scales through per-family records; without one it would only clip and round.
         from quantkit.arch import require_arch
@@ -388,7 +379,7 @@ def _quantize(model: str, output: str | Path, *, method: str, scheme: QuantSchem
         output=str(out), method=method, scheme=scheme, n_quantized=len(result.weights),
         seconds_total=t_end - t_start, seconds_load=t_loaded - t_start, seconds_calibration=t_calib - t_loaded,
         seconds_quantize=t_quant - t_calib, seconds_save=t_end - t_quant, peak_memory_bytes=peak,
-        partial_group_layers=partial, layer_stats=result.layer_stats, streamed=plan.stream,
+        partial_group_layers=partial, layer_stats=result.layer_stats, streamed=source is not None,
         peak_host_memory_bytes=peak_host_memory_bytes(),
         engine_kernels=serving_kernels(scheme, result.weights, partial, layout),
         options={**DEFAULT_OPTIONS.get(method, {}), **method_options, "format": layout},

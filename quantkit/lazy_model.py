@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -59,6 +60,14 @@ def available_memory_bytes() -> int:
     except OSError:
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def peak_host_memory_bytes() -> int:
+    """The process's resident-memory high-water mark (Linux reports KiB, macOS bytes)."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
 
 
 def loaded_bytes(folder: Path, dtype: torch.dtype) -> int:
@@ -212,6 +221,21 @@ def open_streamed(spec: str, load: LoadConfig):
     model.config.use_cache = False  # calibration forwards need no KV cache
     loaded = LoadedModel(model=model, tokenizer=tokenizer, source=spec, use_cache=use_cache)
     return loaded, SafetensorsLayers(prefix, layers, records, expected)
+
+
+def open_model(spec: str, load: LoadConfig, plan: LoadPlan):
+    """(LoadedModel, SafetensorsLayers or None): streamed as ``plan`` says, else loaded whole. Files that do not
+    match the model's config exactly are loaded whole under ``--stream auto`` (transformers renames old keys)."""
+    from quantkit.models import load_model
+
+    if plan.stream:
+        try:
+            return open_streamed(spec, load)
+        except QuantkitError as exc:
+            if load.stream == "on":
+                raise
+            log.warning("cannot stream %s (%s); loading the whole model instead", spec, exc)
+    return load_model(spec, load), None
 
 
 def _load_generation_config(model: nn.Module, folder: Path) -> None:

@@ -153,3 +153,15 @@ def test_cli_stream_flag_and_memory_in_json(tiny_llama_dir, tmp_path):
     human = subprocess.run([*base, "-o", str(tmp_path / "b")], capture_output=True, text=True, env=env, timeout=300)
     assert human.returncode == 0, human.stderr
     assert "peak host memory" in human.stdout and "streamed from disk" in human.stdout
+
+
+def test_auto_falls_back_to_the_whole_load_when_the_files_cannot_be_streamed(tiny_llama_dir, monkeypatch):
+    def refuse(spec, load):
+        raise QuantkitError("the files name their tensors differently")
+
+    monkeypatch.setattr(lazy_model, "open_streamed", refuse)
+    plan = lazy_model.LoadPlan(True, "streamed from disk")
+    loaded, source = lazy_model.open_model(str(tiny_llama_dir), LoadConfig(device="cpu"), plan)
+    assert source is None and not any(p.is_meta for p in loaded.model.parameters())
+    with pytest.raises(QuantkitError, match="differently"):
+        lazy_model.open_model(str(tiny_llama_dir), LoadConfig(device="cpu", stream="on"), plan)
