@@ -32,8 +32,8 @@ STREAM_MODES = ("auto", "on", "off")
 AUTO_STREAM_FRACTION = 0.5
 # The checkpoint writer holds at most this fraction of the source model's size (one shard) while
 # streaming; never less than MIN_STREAM_SHARD_BYTES per shard.
-STREAM_SHARD_FRACTION = 1 / 16
-MIN_STREAM_SHARD_BYTES = 64 * 2**20
+STREAM_SHARD_FRACTION = 1 / 64
+MIN_STREAM_SHARD_BYTES = 16 * 2**20
 
 
 def safetensors_folder(spec: str) -> Path | None:
@@ -165,6 +165,7 @@ class SafetensorsLayers:
         if self.on_finish is not None:
             self.on_finish(f"{self.prefix}.{index}", layer, {k[len(start):]: qw for k, qw in weights.items()})
         release_parameters(layer)
+        return_freed_memory()
         return {name: weight_shell(qw) for name, qw in weights.items()}
 
 
@@ -174,6 +175,25 @@ def release_parameters(module: nn.Module) -> None:
         for name, param in sub._parameters.items():
             if param is not None and not param.is_meta:
                 sub._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=False)
+
+
+def return_freed_memory() -> None:
+    """Hand memory freed by the released layer back to the system (glibc's ``malloc_trim``; elsewhere nothing).
+
+    glibc serves allocations under 32 MiB from its heap and keeps what is freed there for reuse; with
+    a layer's tensors freed in a different order than they were made, the heap fragments and the
+    resident size creeps up layer after layer (measured: +300 MB over six 2048-wide layers).
+    """
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if not sys.platform.startswith("linux") or name is None:
+        return
+    try:
+        ctypes.CDLL(name).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc (musl has no malloc_trim)
+        pass
 
 
 def weight_shell(qw: QuantizedWeight) -> QuantizedWeight:
