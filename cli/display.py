@@ -91,8 +91,9 @@ def print_quantize_summary(con: Console, report) -> None:
     table.add_row("quantized linears", str(report.n_quantized))
     table.add_row("time", f"{report.seconds_total:.1f} s (load {report.seconds_load:.1f}, calibration "
                   f"{report.seconds_calibration:.1f}, layers {report.seconds_quantize:.1f}, save {report.seconds_save:.1f})")
-    if report.peak_memory_bytes:
-        table.add_row("peak accelerator memory", human_bytes(report.peak_memory_bytes))
+    table.add_row("loading", "streamed from disk, layer by layer" if report.streamed else "whole model in memory")
+    table.add_row("peak host memory", human_bytes(report.peak_host_memory_bytes))
+    table.add_row("peak accelerator memory", human_bytes(report.peak_memory_bytes) if report.peak_memory_bytes else "-")
     if report.partial_group_layers:
         table.add_row("partial last group", f"{len(report.partial_group_layers)} linears (stored through g_idx)")
     for engine, kernel in report.engine_kernels.items():

@@ -23,6 +23,7 @@ from quantkit.cli.options import (
     Overwrite,
     SaveStats,
     Seed,
+    Stream,
     TextField,
     TrustRemoteCode,
 )
@@ -32,14 +33,15 @@ def _run(method: str, model: str, output: Path, *, bits: int, group_size: int | 
          dtype: str, trust_remote_code: bool, overwrite: bool, as_json: bool, options: dict[str, Any] | None = None,
          calib: str = "self", nsamples: int | None = None, seqlen: int | None = None, seed: int = 0,
          text_field: str = "text", batch_size: int = 8, save_stats: Path | None = None,
-         quantize_lm_head: bool = False, gpus: int | None = None, activations: str = "auto") -> None:
+         quantize_lm_head: bool = False, gpus: int | None = None, activations: str = "auto",
+         stream: str = "auto") -> None:
     from quantkit import api
     from quantkit.cli import display
     from quantkit.config import LoadConfig, QuantScheme, resolve_device
     from quantkit.distributed.launch import is_secondary_rank, launch_cli, needs_launch
 
     scheme = api.AutoScheme(bits=bits, sym=sym) if group_size is None else QuantScheme(bits, group_size, sym)
-    load = LoadConfig(dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+    load = LoadConfig(dtype=dtype, device=device, trust_remote_code=trust_remote_code, stream=stream)
     calib_config = api.default_calibration(method, calib, resolve_device(device), nsamples=nsamples, seqlen=seqlen,
                                            seed=seed, text_field=text_field)
     api.check_output(output, overwrite)  # fail before loading anything
@@ -86,11 +88,11 @@ def register(app: typer.Typer) -> None:
             sym: Annotated[bool, typer.Option("--sym/--asym", help=_RTN_SYM_HELP)] = True,
             device: Device = "auto", dtype: Dtype = "auto", trust_remote_code: TrustRemoteCode = False,
             overwrite: Overwrite = False, json_: Json = False, save_stats: SaveStats = None,
-            quantize_lm_head: LmHead = False) -> None:
+            quantize_lm_head: LmHead = False, stream: Stream = "auto") -> None:
         """Round-to-nearest baseline: per-group min/max (asym) or absmax (sym) scales, no calibration."""
         _run("rtn", model, output, bits=bits, group_size=group_size, sym=sym, device=device, dtype=dtype,
              trust_remote_code=trust_remote_code, overwrite=overwrite, as_json=json_, save_stats=save_stats,
-             quantize_lm_head=quantize_lm_head)
+             quantize_lm_head=quantize_lm_head, stream=stream)
 
     @app.command("gptq")
     def gptq(model: ModelArg, output: Output, bits: Bits = 4, group_size: GroupSize = None,
@@ -110,6 +112,7 @@ def register(app: typer.Typer) -> None:
              save_stats: SaveStats = None, quantize_lm_head: LmHead = False,
              gpus: Annotated[int | None, typer.Option("--gpus", help="Ranks to share the work (torchrun; one GPU each, gloo on the CPU).")] = None,
              activations: Activations = "auto",
+             stream: Stream = "auto",
     ) -> None:
         """GPTQ: column-by-column rounding with inverse-Hessian error compensation."""
         options = dict(damp=damp, block_size=block_size, desc_act=desc_act, static_groups=static_groups,
@@ -117,7 +120,8 @@ def register(app: typer.Typer) -> None:
         _run("gptq", model, output, bits=bits, group_size=group_size, sym=sym, device=device, dtype=dtype,
              trust_remote_code=trust_remote_code, overwrite=overwrite, as_json=json_, options=options, calib=calib,
              nsamples=nsamples, seqlen=seqlen, seed=seed, text_field=text_field, batch_size=batch_size,
-             save_stats=save_stats, quantize_lm_head=quantize_lm_head, gpus=gpus, activations=activations)
+             save_stats=save_stats, quantize_lm_head=quantize_lm_head, gpus=gpus, activations=activations,
+             stream=stream)
 
     @app.command("awq")
     def awq(model: ModelArg, output: Output, bits: Bits = 4, group_size: GroupSize = None,
@@ -135,6 +139,7 @@ def register(app: typer.Typer) -> None:
             save_stats: SaveStats = None, quantize_lm_head: LmHead = False,
             gpus: Annotated[int | None, typer.Option("--gpus", help="Ranks to share the work (torchrun; one GPU each, gloo on the CPU).")] = None,
             activations: Activations = "auto",
+            stream: Stream = "auto",
     ) -> None:
         """AWQ: activation-aware scaling of salient input channels, folded into the previous op, then rounding."""
         options: dict[str, Any] = dict(grid=grid, clip=clip, gptq=gptq)
@@ -143,4 +148,5 @@ def register(app: typer.Typer) -> None:
         _run("awq", model, output, bits=bits, group_size=group_size, sym=sym, device=device, dtype=dtype,
              trust_remote_code=trust_remote_code, overwrite=overwrite, as_json=json_, options=options, calib=calib,
              nsamples=nsamples, seqlen=seqlen, seed=seed, text_field=text_field, batch_size=batch_size,
-             save_stats=save_stats, quantize_lm_head=quantize_lm_head, gpus=gpus, activations=activations)
+             save_stats=save_stats, quantize_lm_head=quantize_lm_head, gpus=gpus, activations=activations,
+             stream=stream)

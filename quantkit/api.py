@@ -94,11 +94,13 @@ class QuantizeReport:
     seconds_calibration: float
     seconds_quantize: float
     seconds_save: float
-    peak_memory_bytes: int
+    peak_memory_bytes: int  # device (accelerator) memory; 0 on the CPU
     partial_group_layers: list[str]
     layer_stats: list[dict[str, Any]] = field(repr=False)
     engine_kernels: dict[str, str] = field(default_factory=dict)
     options: dict[str, Any] = field(default_factory=dict)
+    peak_host_memory_bytes: int = 0  # the process's resident-memory high-water mark (getrusage)
+    streamed: bool = False  # decoder layers read from disk one at a time (quantkit.lazy_model)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -108,6 +110,8 @@ class QuantizeReport:
                         "calibration": self.seconds_calibration, "quantize": self.seconds_quantize,
                         "save": self.seconds_save},
             "peak_memory_bytes": self.peak_memory_bytes,
+            "peak_device_memory_bytes": self.peak_memory_bytes, "peak_host_memory_bytes": self.peak_host_memory_bytes,
+            "streamed": self.streamed,
             "partial_group_layers": self.partial_group_layers,
             "engine_kernels": self.engine_kernels,
             "options": self.options,
@@ -308,7 +312,8 @@ def _quantize(model: str, output: str | Path, *, method: str, scheme: QuantSchem
               quantize_lm_head: bool, gpus: int | None, calib_tokens: torch.Tensor | None,
               activations: str = "auto") -> QuantizeReport:
     from quantkit.checkpoint import save_quantized
-    from quantkit.models import load_model, quiet_transformers
+    from quantkit.lazy_model import open_model, peak_host_memory_bytes, plan_loading, stream_to_writer
+    from quantkit.models import quiet_transformers
 
     t_start = time.perf_counter()
     out = check_output(output, overwrite)
@@ -328,7 +333,10 @@ def _quantize(model: str, output: str | Path, *, method: str, scheme: QuantSchem
         from quantkit.calib_data.sources import NAMED_SOURCES
 
         check_text_source(calib.source, NAMED_SOURCES, "--calib")
-    loaded = load_model(model, load)
+    plan = plan_loading(model, load, world_size=comm.world_size, self_calibration=probe.needs_calibration
+                        and calib_tokens is None and calib.source == "self")
+    log.info("loading: %s", plan.reason)
+    loaded, source = open_model(model, load, plan)
     if method == "awq":
         # AWQ folds scales through per-family records; without one it would only clip and round.
         from quantkit.arch import require_arch
@@ -348,9 +356,16 @@ def _quantize(model: str, output: str | Path, *, method: str, scheme: QuantSchem
 
     partial = partial_group_layers(loaded.model, scheme)
     warn_partial_groups(partial, loaded.model, scheme.group_size)
-    result = walk(loaded.model, quant_method, device=device, token_ids=token_ids, batch_size=batch_size,
-                  on_layer=on_layer if comm.rank == 0 else None, quantize_lm_head=quantize_lm_head, comm=comm,
-                  activations=activations)
+    writer = None if source is None else stream_to_writer(loaded, source, out, scheme=scheme, layout=layout,
+                                                          overwrite=overwrite)
+    try:
+        result = walk(loaded.model, quant_method, device=device, token_ids=token_ids, batch_size=batch_size,
+                      on_layer=on_layer if comm.rank == 0 else None, quantize_lm_head=quantize_lm_head, comm=comm,
+                      activations=activations, source=source)
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        raise
     t_quant = time.perf_counter()
 
     extra = {"source_model": model, "method": method, "layer_seconds": result.seconds}
@@ -365,7 +380,7 @@ def _quantize(model: str, output: str | Path, *, method: str, scheme: QuantSchem
     if comm.rank == 0:
         with quiet_transformers():
             save_quantized(loaded.model, result.weights, out, tokenizer=loaded.tokenizer, method=method,
-                           scheme=scheme, extra=extra, overwrite=overwrite, layout=layout)
+                           scheme=scheme, extra=extra, overwrite=overwrite, layout=layout, writer=writer)
     teardown_ranks(comm)
     t_end = time.perf_counter()
     peak = torch.cuda.max_memory_allocated() if device.startswith("cuda") else 0
@@ -373,7 +388,8 @@ def _quantize(model: str, output: str | Path, *, method: str, scheme: QuantSchem
         output=str(out), method=method, scheme=scheme, n_quantized=len(result.weights),
         seconds_total=t_end - t_start, seconds_load=t_loaded - t_start, seconds_calibration=t_calib - t_loaded,
         seconds_quantize=t_quant - t_calib, seconds_save=t_end - t_quant, peak_memory_bytes=peak,
-        partial_group_layers=partial, layer_stats=result.layer_stats,
+        partial_group_layers=partial, layer_stats=result.layer_stats, streamed=source is not None,
+        peak_host_memory_bytes=peak_host_memory_bytes(),
         engine_kernels=serving_kernels(scheme, result.weights, partial, layout),
         options={**DEFAULT_OPTIONS.get(method, {}), **method_options, "format": layout},
     )

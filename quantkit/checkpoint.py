@@ -11,8 +11,10 @@ A checkpoint folder holds
 * ``config.json`` with ``quantization_config`` (see :func:`build_quantization_config` for which key
   each reader honours), tokenizer files and ``generation_config.json``.
 
-Everything is written into a hidden temporary sibling folder and renamed into place only when
-complete, so an interrupted write never leaves a folder that looks like a checkpoint.
+Files are written by :class:`quantkit.checkpoint_writer.CheckpointWriter` into a hidden temporary
+sibling folder and renamed into place only when complete, so an interrupted write never leaves a
+folder that looks like a checkpoint. A model streamed from disk adds each decoder layer as it is
+quantized (:func:`open_writer`, :func:`add_layer`) and ends with :func:`save_quantized`.
 
 Reading lives in :mod:`quantkit.checkpoint_read` and :mod:`quantkit.checkpoint_inspect`;
 ``load_quantized`` and ``inspect_checkpoint`` are re-exported here so callers import one module.
@@ -25,9 +27,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
-import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,15 +45,16 @@ from quantkit.checkpoint_format import (
 from quantkit.checkpoint_inspect import CheckpointInfo, inspect_checkpoint
 from quantkit.checkpoint_layouts import awq_quantization_config, export_awq_layout
 from quantkit.checkpoint_read import load_quantized
+from quantkit.checkpoint_writer import CheckpointWriter, PendingTensor, json_default, shard_name
 from quantkit.config import QuantkitError, QuantScheme
 from quantkit.qtensor import QuantizedWeight
 
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "CONFIG_NAME", "INDEX_NAME", "QUANT_SUFFIXES", "WEIGHTS_NAME", "CheckpointInfo", "PendingTensor",
-    "build_state_dict", "inspect_checkpoint", "load_quantized", "plan_shards", "resolve_save_dtype",
-    "save_quantized", "shard_name", "write_shards",
+    "CONFIG_NAME", "INDEX_NAME", "QUANT_SUFFIXES", "WEIGHTS_NAME", "CheckpointInfo", "CheckpointWriter",
+    "PendingTensor", "add_layer", "build_state_dict", "inspect_checkpoint", "load_quantized", "open_writer",
+    "resolve_save_dtype", "save_quantized", "shard_name",
 ]
 SAVE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 _SAVE_DTYPE_ALIASES = {"fp16": "float16", "half": "float16", "bf16": "bfloat16"}
@@ -73,6 +73,7 @@ def save_quantized(
     max_shard_bytes: int = 4 * 2**30,
     save_dtype: str = "auto",
     layout: str = "gptq",
+    writer: CheckpointWriter | None = None,
 ) -> Path:
     """Write ``model`` with ``weights`` (full module name -> packed linear) as a GPTQ v1 checkpoint.
 
@@ -85,55 +86,72 @@ def save_quantized(
     readers look for them. ``layout="awq"`` writes the AWQ GEMM layout instead (4-bit, asymmetric,
     contiguous groups; for tools that only read AutoAWQ checkpoints; quantkit's own reader reads the
     GPTQ layout). Returns the output folder.
-    """
-    if layout not in ("gptq", "awq"):
-        raise QuantkitError(f"--format must be gptq or awq, got {layout!r}")
-    output = Path(output_dir)
-    _refuse_existing(output, overwrite)
-    if max_shard_bytes <= 0:
-        raise QuantkitError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
-    extra = dict(extra or {})
-    _require_json(extra, "extra")
-    weights = _collect_weights(model, weights)
-    dtype = resolve_save_dtype(model, save_dtype)
-    state_dict, dropped_aliases = build_state_dict(model, weights, dtype)
-    quant_config = build_quantization_config(model, weights, scheme=scheme, method=method, extra=extra)
-    quant_config["quantkit"]["save_dtype"] = _dtype_name(dtype)
-    lm_head_quantized = quant_config["lm_head"]
-    if layout == "awq":
-        state_dict, quant_config = _to_awq_layout(state_dict, weights, scheme, quant_config)
-    config = _config_dict(model, quant_config, dtype, lm_head_quantized=lm_head_quantized)
 
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = output.parent / f".{output.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
-        metadata = _file_metadata(scheme, quant_config)
-        files = write_shards(tmp, state_dict, plan_shards(state_dict, max_shard_bytes), metadata)
-        (tmp / CONFIG_NAME).write_text(
-            json.dumps(config, indent=2, sort_keys=True, default=_json_default) + "\n"
-        )
-        _save_extras(tmp, model, tokenizer)
-        _publish(tmp, output, overwrite)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    ``writer`` (from :func:`open_writer`) is one that already holds some of the tensors (decoder layers
+    written as they were quantized, :func:`add_layer`): the rest are added and it is published.
+    """
+    if writer is None:
+        writer = open_writer(model, output_dir, scheme=scheme, layout=layout, overwrite=overwrite,
+                             max_shard_bytes=max_shard_bytes, save_dtype=save_dtype)
+    with writer:
+        extra = dict(extra or {})
+        _require_json(extra, "extra")
+        weights = _collect_weights(model, weights)
+        state_dict, dropped_aliases = build_state_dict(model, weights, writer.dtype)
+        quant_config = build_quantization_config(model, weights, scheme=scheme, method=method, extra=extra)
+        quant_config["quantkit"]["save_dtype"] = _dtype_name(writer.dtype)
+        lm_head_quantized = quant_config["lm_head"]
+        if writer.layout == "awq":
+            state_dict = _to_awq_layout(state_dict, weights)
+            quant_config = _awq_config(scheme, quant_config)
+        config = _config_dict(model, quant_config, writer.dtype, lm_head_quantized=lm_head_quantized)
+        writer.add({k: v for k, v in state_dict.items() if k not in writer.written})
+        files = writer.publish(config, model=model, tokenizer=tokenizer)
     log.info(
         "wrote %d quantized linears in %d file(s) to %s (tied aliases dropped: %s)",
         len(weights),
         len(files),
-        output,
+        writer.output,
         ", ".join(dropped_aliases) or "none",
     )
-    return output
+    return writer.output
+
+
+class QuantizedCheckpointWriter(CheckpointWriter):
+    """A :class:`CheckpointWriter` that also knows the dtype of unpacked tensors and the packed layout."""
+
+    def __init__(self, output: str | os.PathLike, *, dtype: torch.dtype, layout: str, **kwargs: Any) -> None:
+        super().__init__(output, **kwargs)
+        self.dtype = dtype
+        self.layout = layout
+
+
+def open_writer(model: nn.Module, output_dir: str | os.PathLike, *, scheme: QuantScheme, layout: str = "gptq",
+                overwrite: bool = False, max_shard_bytes: int = 4 * 2**30,
+                save_dtype: str = "auto") -> QuantizedCheckpointWriter:
+    """A writer for ``model``'s checkpoint (options as :func:`save_quantized`), its temporary folder made."""
+    if layout not in ("gptq", "awq"):
+        raise QuantkitError(f"--format must be gptq or awq, got {layout!r}")
+    dtype = resolve_save_dtype(model, save_dtype)
+    return QuantizedCheckpointWriter(Path(output_dir), dtype=dtype, layout=layout,
+                                     metadata=_file_metadata(scheme, layout), overwrite=overwrite,
+                                     max_shard_bytes=max_shard_bytes)
+
+
+def add_layer(writer: QuantizedCheckpointWriter, layer: nn.Module, prefix: str,
+              weights: dict[str, QuantizedWeight]) -> None:
+    """Add one finished decoder layer: ``weights`` (names relative to ``layer``) packed, its other tensors
+    in the writer's dtype, every key under ``prefix`` (``model.layers.3``)."""
+    state, _ = build_state_dict(layer, weights, writer.dtype)
+    if writer.layout == "awq":
+        state = _to_awq_layout(state, weights)
+    writer.add({f"{prefix}.{key}": pending for key, pending in state.items()})
 
 
 # -- what goes into the files -------------------------------------------------------------------
 
 
-def _to_awq_layout(
-    state: dict[str, PendingTensor], weights: dict[str, QuantizedWeight], scheme: QuantScheme, gptq_config: dict
-) -> tuple[dict[str, PendingTensor], dict]:
+def _to_awq_layout(state: dict[str, PendingTensor], weights: dict[str, QuantizedWeight]) -> dict[str, PendingTensor]:
     """Swap every packed linear's GPTQ tensors for the AWQ GEMM ones (bit order in quantkit.pack)."""
     awq_tensors = export_awq_layout(weights)
     out: dict[str, PendingTensor] = {}
@@ -145,10 +163,14 @@ def _to_awq_layout(
                     out[awq_key] = PendingTensor(awq_tensors[awq_key])
             continue
         out[key] = pending
+    return out
+
+
+def _awq_config(scheme: QuantScheme, gptq_config: dict) -> dict:
     unquantized = [n.rpartition(".")[2] for n in gptq_config.get("quantkit", {}).get("unquantized_linears", [])]
     config = awq_quantization_config(scheme, sorted(set(unquantized)) or None)
     config["quantkit"] = {**gptq_config.get("quantkit", {}), "layout": LAYOUT_AWQ_GEMM}
-    return out, config
+    return config
 
 
 def _collect_weights(model: nn.Module, weights: dict[str, QuantizedWeight]) -> dict[str, QuantizedWeight]:
@@ -189,28 +211,6 @@ def resolve_save_dtype(model: nn.Module, save_dtype: str) -> torch.dtype:
     else:
         model_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     return model_dtype if model_dtype in SAVE_DTYPES.values() else torch.bfloat16
-
-
-@dataclass(frozen=True)
-class PendingTensor:
-    """A tensor to write: ``source`` as the model holds it, cast to ``dtype`` (None: as it is) only
-    when its shard is written, so saving never holds a second copy of the whole model."""
-
-    source: torch.Tensor
-    dtype: torch.dtype | None = None
-
-    @property
-    def nbytes(self) -> int:
-        itemsize = self.dtype.itemsize if self.dtype is not None else self.source.element_size()
-        return self.source.numel() * itemsize
-
-    def materialize(self, key: str) -> torch.Tensor:
-        tensor = self.source.detach()
-        if self.dtype is not None and tensor.dtype != self.dtype:
-            tensor = tensor.to(self.dtype)
-            if not torch.isfinite(tensor).all():
-                raise QuantkitError(f"{key} overflows {_dtype_name(self.dtype)}; save as bfloat16 instead")
-        return tensor.to("cpu").contiguous()
 
 
 def build_state_dict(
@@ -280,131 +280,27 @@ def _config_dict(model: nn.Module, quant_config: dict, dtype: torch.dtype, lm_he
     return out
 
 
-def _file_metadata(scheme: QuantScheme, quant_config: dict) -> dict[str, str]:
-    awq = quant_config["quant_method"] == "awq"
+def _file_metadata(scheme: QuantScheme, layout: str) -> dict[str, str]:
+    from quantkit import __version__
+
+    awq = layout == "awq"
     return {
         "format": "pt",
-        "quant_method": quant_config["quant_method"],
+        "quant_method": "awq" if awq else "gptq",
         "checkpoint_format": LAYOUT_AWQ_GEMM if awq else "gptq",
         "quantkit_layout": LAYOUT_AWQ_GEMM if awq else LAYOUT,
         "bits": str(scheme.bits),
         "group_size": str(scheme.group_size),
         "sym": str(scheme.sym).lower(),
-        "quantkit_version": quant_config["quantkit"]["version"],
+        "quantkit_version": __version__,
     }
-
-
-# -- files ------------------------------------------------------------------------------------------
-
-
-def plan_shards(state: dict[str, PendingTensor], max_shard_bytes: int) -> list[list[str]]:
-    """Keys grouped into files of at most ``max_shard_bytes`` each (a bigger tensor gets its own)."""
-    shards: list[list[str]] = [[]]
-    size = 0
-    for key, pending in state.items():
-        nbytes = pending.nbytes
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(key)
-        size += nbytes
-    return shards
-
-
-def shard_name(index: int, count: int) -> str:
-    return WEIGHTS_NAME if count == 1 else f"model-{index + 1:05d}-of-{count:05d}.safetensors"
-
-
-def write_shards(
-    folder: Path, state: dict[str, PendingTensor], shards: list[list[str]], metadata: dict[str, str]
-) -> list[str]:
-    """Write each shard (and the index when there are several); returns the file names."""
-    names = [shard_name(i, len(shards)) for i in range(len(shards))]
-    for name, keys in zip(names, shards):
-        _write_shard(folder / name, _own_storage({k: state[k].materialize(k) for k in keys}), metadata)
-    if len(shards) > 1:
-        index = {
-            "metadata": {"total_size": sum(p.nbytes for p in state.values())},
-            "weight_map": {k: name for name, keys in zip(names, shards) for k in keys},
-        }
-        (folder / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
-    return names
-
-
-def _own_storage(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Copy tensors that share storage with another one or view part of a bigger one.
-
-    safetensors refuses shared storage, and methods share tensors legitimately: GPTQ with act-order
-    gives the linears that read one input (q/k/v, gate/up) the same ``g_idx`` tensor.
-    """
-    seen: set[int] = set()
-    out = {}
-    for key, tensor in tensors.items():
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() in seen or storage.nbytes() != tensor.numel() * tensor.element_size():
-            tensor = tensor.clone()
-        seen.add(tensor.untyped_storage().data_ptr())
-        out[key] = tensor
-    return out
-
-
-def _write_shard(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    from safetensors.torch import save_file
-
-    save_file(tensors, str(path), metadata=metadata)
-    # safetensors creates its files owner-only (0600); a checkpoint is meant to be read by servers
-    # running as other users, like the json files next to it.
-    path.chmod(0o644)
-
-
-def _save_extras(folder: Path, model: nn.Module, tokenizer: Any) -> None:
-    if tokenizer is not None:
-        tokenizer.save_pretrained(str(folder))
-    generation_config = getattr(model, "generation_config", None)
-    if generation_config is not None:
-        generation_config.save_pretrained(str(folder))
-
-
-def _refuse_existing(output: Path, overwrite: bool) -> None:
-    if overwrite or not (output.exists() or output.is_symlink()):
-        return
-    if output.is_dir() and not any(output.iterdir()):
-        return  # an empty folder made ahead of time is fine
-    raise QuantkitError(f"{output} already exists; pass --overwrite (overwrite=True) to replace it")
-
-
-def _publish(tmp: Path, output: Path, overwrite: bool) -> None:
-    """Move the finished ``tmp`` folder to ``output``; an existing output is swapped out, then deleted."""
-    _refuse_existing(output, overwrite)  # again: something may have appeared while we wrote
-    if not (output.exists() or output.is_symlink()):
-        os.replace(tmp, output)
-        return
-    old = output.parent / f".{output.name}.old-{uuid.uuid4().hex[:8]}"
-    os.replace(output, old)
-    try:
-        os.replace(tmp, output)
-    except BaseException:
-        os.replace(old, output)
-        raise
-    if old.is_dir() and not old.is_symlink():
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        old.unlink(missing_ok=True)
 
 
 def _require_json(value: Any, what: str) -> None:
     try:
-        json.dumps(value, default=_json_default)
+        json.dumps(value, default=json_default)
     except (TypeError, ValueError) as exc:
         raise QuantkitError(f"{what} must be JSON-serializable to go into config.json: {exc}") from exc
-
-
-def _json_default(value: Any) -> Any:
-    if isinstance(value, torch.dtype):
-        return _dtype_name(value)
-    if isinstance(value, Path):
-        return str(value)
-    raise TypeError(f"{type(value).__name__} is not JSON-serializable")
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

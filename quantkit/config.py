@@ -68,12 +68,16 @@ class LoadConfig:
     dtype: str = "auto"
     device: str = "auto"
     trust_remote_code: bool = False
+    # Read a safetensors folder one decoder layer at a time (quantkit.lazy_model): auto, on or off.
+    stream: str = "auto"
 
     def __post_init__(self) -> None:
         dtype = _DTYPE_ALIASES.get(self.dtype, self.dtype)
         if dtype not in DTYPES:
             raise QuantkitError(f"--dtype must be one of {', '.join(DTYPES)} (or fp32/bf16/fp16), got {self.dtype!r}")
         object.__setattr__(self, "dtype", dtype)
+        if self.stream not in ("auto", "on", "off"):
+            raise QuantkitError(f"--stream must be auto, on or off, got {self.stream!r}")
 
 
 def resolve_device(device: str) -> str:

@@ -146,12 +146,21 @@ class WalkResult:
 
 
 class LayerSource(Protocol):
-    """Where decoder layers come from (a loaded model now; safetensors shards later)."""
+    """Where decoder layers come from: a loaded model (``ModelLayers``) or safetensors read one layer at a
+    time (``quantkit.lazy_model.SafetensorsLayers``).
+
+    ``layers`` is the model's own module list (its layers may hold meta parameters until ``layer(i)``
+    materializes them). ``finish(i, weights)`` is called once layer ``i`` is quantized, with its packed
+    weights by full module name; it returns the ones the walk result keeps (a streaming source writes
+    them out, frees the layer and keeps only their shapes).
+    """
 
     prefix: str
+    layers: nn.ModuleList
 
     def __len__(self) -> int: ...
     def layer(self, index: int) -> nn.Module: ...
+    def finish(self, index: int, weights: dict[str, QuantizedWeight]) -> dict[str, QuantizedWeight]: ...
 
 
 @dataclass
@@ -166,6 +175,9 @@ class ModelLayers:
 
     def layer(self, index: int) -> nn.Module:
         return self.layers[index]
+
+    def finish(self, index: int, weights: dict[str, QuantizedWeight]) -> dict[str, QuantizedWeight]:
+        return weights
 
 
 def first_output(out: Any) -> torch.Tensor:
@@ -255,7 +267,8 @@ def _move_outside_layers(model: nn.Module, layers_prefix: str, device: torch.dev
         if module_name == layers_prefix or module_name.startswith(inside):
             continue
         for param in module._parameters.values():
-            if param is not None and param.device != device:
+            # Meta parameters (an output head a streaming source has not read) stay where they are.
+            if param is not None and param.device != device and not param.is_meta:
                 param.data = param.data.to(device)
         for key, buf in module._buffers.items():
             if buf is not None and buf.device != device:
@@ -264,7 +277,7 @@ def _move_outside_layers(model: nn.Module, layers_prefix: str, device: torch.dev
 
 @torch.no_grad()
 def capture_layer_inputs(
-    model: nn.Module, source: ModelLayers, token_ids: torch.Tensor, device: torch.device, batch_size: int,
+    model: nn.Module, source: LayerSource, token_ids: torch.Tensor, device: torch.device, batch_size: int,
     keep: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
 ) -> tuple[list[torch.Tensor], list[dict[str, Any]]]:
     """Hidden states entering layer 0 for every calibration batch, and the kwargs of every layer.
@@ -351,6 +364,7 @@ def walk(
     quantize_lm_head: bool = False,
     comm: Communicator = LOCAL,
     activations: str = "auto",
+    source: LayerSource | None = None,
 ) -> WalkResult:
     """Quantize every decoder layer of ``model`` with ``method``; returns the packed weights by full name.
 
@@ -368,10 +382,12 @@ def walk(
     (pinned memory, brought over batch by batch) or "auto" (see ``offload_activations``). The
     methods see them one batch at a time, so device memory does not grow with the number of
     calibration tokens beyond this set.
+
+    ``source`` gives the decoder layers (default: the model's own, already loaded).
     """
     device = torch.device(device)
-    prefix, layers = find_decoder_layers(model)
-    source = ModelLayers(prefix, layers)
+    source = source if source is not None else ModelLayers(*find_decoder_layers(model))
+    prefix = source.prefix
     spec = arch_for(getattr(model.config, "model_type", ""))
     if spec is None:
         log.warning("no architecture record for %r: linears are quantized one by one in module order",
@@ -414,10 +430,11 @@ def walk(
         )
         result = method.quantize_layer(ctx)
         clock.lap("method")
+        layer_weights = {}
         for name, qw in result.weights.items():
             if name not in result.installed:
                 install_weight(linears[name], qw)
-            weights[f"{ctx.prefix}.{name}"] = qw
+            layer_weights[f"{ctx.prefix}.{name}"] = qw
         clock.lap("install")
         if inputs is not None:
             if result.next_hidden is None:
@@ -430,6 +447,7 @@ def walk(
             layer.to(home)
         else:
             copy_home(layer, resident)
+        weights.update(source.finish(i, layer_weights))
         clock.lap("move_out")
         seconds = clock.total()
         clock.phases.update({f"method.{k}": v for k, v in result.phases.items()})

@@ -15,7 +15,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from quantkit import checkpoint
+from quantkit import checkpoint_writer
 from quantkit.arch import find_decoder_layers, find_linears
 from quantkit.checkpoint import inspect_checkpoint, load_quantized, save_quantized
 from quantkit.config import QuantkitError, QuantScheme
@@ -284,7 +284,7 @@ def test_failed_write_leaves_no_complete_looking_folder(tmp_path, monkeypatch, e
             raise OSError("disk full (simulated)")
         save_file(tensors, str(path), metadata=metadata)
 
-    monkeypatch.setattr(checkpoint, "_write_shard", failing_write)
+    monkeypatch.setattr(checkpoint_writer, "_write_shard", failing_write)
     with pytest.raises(OSError, match="simulated"):
         saved(tmp_path, method="gptq", overwrite=True, max_shard_bytes=40_000)
     assert len(calls) == 2
