@@ -47,9 +47,9 @@ def run(args: list[str]) -> tuple[str, float, list[float]]:
     return proc.stdout, seconds, [load0, os.getloadavg()[0]]
 
 
-def perplexity(folder: Path) -> dict:
-    args = ["eval", "perplexity", str(folder), "--data", f"{DATA}/test.raw.txt", "--max-windows", "40",
-            "--seqlen", "2048", "--dtype", "float32", "--json"]
+def perplexity(folder: Path, seqlen: int = 2048, windows: int = 40) -> dict:
+    args = ["eval", "perplexity", str(folder), "--data", f"{DATA}/test.raw.txt", "--max-windows", str(windows),
+            "--seqlen", str(seqlen), "--dtype", "float32", "--json"]
     out, seconds, load = run(args)
     result = json.loads(out)
     return {"command": "quantkit " + " ".join(args[:-1]), "ppl": result["ppl"], "windows": result["windows"],
@@ -77,7 +77,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("/tmp/quantkit-gptq-target"))
     parser.add_argument("--keep", action="store_true", help="keep the checkpoints")
     parser.add_argument("--skip-quantize", action="store_true", help="evaluate an existing --out")
-    parser.add_argument("extra", nargs="*", help="more gptq options (after --)")
+    parser.add_argument("--eval-seqlen", type=int, default=2048, help="protocol: 2048 (smaller: smoke tests)")
+    parser.add_argument("--max-windows", type=int, default=40, help="protocol: 40")
+    parser.add_argument("extra", nargs="*", help="more gptq options (after --; a repeated option wins)")
     args = parser.parse_args()
     gptq_args = ["gptq", GGUF, "-o", str(args.out), "--calib", f"{DATA}/valid.tokens.txt", "--nsamples", "128",
                  "--seqlen", "512", "--asym", "--group-size", "64", *args.extra]
@@ -95,10 +97,10 @@ def main() -> None:
     config = json.loads((args.out / "config.json").read_text())
     record["checkpoint"] = {"dtype": config["dtype"], "desc_act": config["quantization_config"]["desc_act"],
                             "save_dtype": config["quantization_config"]["quantkit"].get("save_dtype")}
-    record["perplexity"] = perplexity(args.out)
+    record["perplexity"] = perplexity(args.out, args.eval_seqlen, args.max_windows)
     bf16 = args.out.with_name(args.out.name + "-bf16")
     resave_bfloat16(args.out, bf16)
-    record["perplexity_bf16_resaved"] = perplexity(bf16)
+    record["perplexity_bf16_resaved"] = perplexity(bf16, args.eval_seqlen, args.max_windows)
     if not args.keep:
         shutil.rmtree(bf16, ignore_errors=True)
         shutil.rmtree(args.out, ignore_errors=True)
@@ -110,7 +112,8 @@ def main() -> None:
     if "quantize" in record:
         print(f"quantization {record['quantize']['wall_s']:.0f} s wall, load {record['quantize']['load_1min']}")
     date = datetime.now(timezone.utc).strftime("%Y-%m-%d")
-    path = Path(__file__).parent / "results" / f"gptq_target_smollm2_{date}.json"
+    smoke = args.eval_seqlen != 2048 or args.max_windows != 40 or args.extra
+    path = Path(__file__).parent / "results" / f"gptq_target_smollm2_{date}{'_custom' if smoke else ''}.json"
     path.write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {path}")
 
