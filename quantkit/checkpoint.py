@@ -27,7 +27,6 @@ import logging
 import os
 import shutil
 import uuid
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -78,9 +77,8 @@ def save_quantized(
     """Write ``model`` with ``weights`` (full module name -> packed linear) as a GPTQ v1 checkpoint.
 
     ``save_dtype`` applies to every tensor that is not packed: ``"auto"`` keeps the model's 16-bit
-    dtype (the dtype of its input embeddings); for a float32 model it picks float16 when every such
-    tensor fits float16's range, bfloat16 (float32's range) otherwise (see :func:`resolve_save_dtype`);
-    ``"float16"`` / ``"bfloat16"`` force one. ``QuantLinear``
+    dtype (the dtype of its input embeddings) and uses bfloat16 for a float32 model (bfloat16 has
+    float32's range, so nothing overflows); ``"float16"`` / ``"bfloat16"`` force one. ``QuantLinear``
     modules already in ``model`` (a loaded checkpoint) are written as they are. ``extra`` is stored
     under ``quantization_config.quantkit`` (calibration info and the like); ``damp_percent``,
     ``true_sequential`` and ``static_groups`` in it are also written at the top level, where GPTQ
@@ -97,7 +95,7 @@ def save_quantized(
     extra = dict(extra or {})
     _require_json(extra, "extra")
     weights = _collect_weights(model, weights)
-    dtype = resolve_save_dtype(model, save_dtype, packed=weights.keys())
+    dtype = resolve_save_dtype(model, save_dtype)
     state_dict, dropped_aliases = build_state_dict(model, weights, dtype)
     quant_config = build_quantization_config(model, weights, scheme=scheme, method=method, extra=extra)
     quant_config["quantkit"]["save_dtype"] = _dtype_name(dtype)
@@ -178,16 +176,8 @@ def _collect_weights(model: nn.Module, weights: dict[str, QuantizedWeight]) -> d
     return merged
 
 
-def resolve_save_dtype(model: nn.Module, save_dtype: str, packed: Iterable[str] = ()) -> torch.dtype:
-    """The 16-bit dtype for unpacked tensors (see :func:`save_quantized`); ``packed`` names the linears
-    whose weights are written packed (their ``.weight`` is not stored, so its range does not matter).
-
-    ``"auto"`` on a model that is not 16-bit (float32: a GGUF or a float32 checkpoint dequantized)
-    gives float16: its 11-bit significand keeps embeddings, norms and an unquantized ``lm_head``
-    8x closer to the float32 values than bfloat16's 8 bits (SmolLM2 from its GGUF: README, "Defaults,
-    and why"), and it is the dtype GPTQ's scales and gptq_gemm use anyway. A tensor beyond float16's
-    range (65504) makes it fall back to bfloat16, with a warning naming the tensor.
-    """
+def resolve_save_dtype(model: nn.Module, save_dtype: str) -> torch.dtype:
+    """The 16-bit dtype for unpacked tensors (see :func:`save_quantized`)."""
     name = _SAVE_DTYPE_ALIASES.get(save_dtype, save_dtype)
     if name in SAVE_DTYPES:
         return SAVE_DTYPES[name]
@@ -198,30 +188,7 @@ def resolve_save_dtype(model: nn.Module, save_dtype: str, packed: Iterable[str] 
         model_dtype = embeddings.weight.dtype
     else:
         model_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    if model_dtype in SAVE_DTYPES.values():
-        return model_dtype
-    too_wide = _beyond_float16_range(model, {f"{n}.weight" for n in packed})
-    if too_wide is not None:
-        key, largest = too_wide
-        log.warning("%s holds %.4g, beyond float16's range (65504): saving the unquantized tensors as "
-                    "bfloat16 (8 significant bits instead of 11)", key, largest)
-        return torch.bfloat16
-    log.info("%s model: saving the unquantized tensors as float16 (every value fits its range)",
-             _dtype_name(model_dtype))
-    return torch.float16
-
-
-def _beyond_float16_range(model: nn.Module, skip: set[str]) -> tuple[str, float] | None:
-    """The first floating tensor of ``model`` (keys in ``skip`` aside) whose largest magnitude float16
-    cannot hold (it would round to infinity), with that magnitude; None when all fit."""
-    limit = torch.finfo(torch.float16).max
-    for key, tensor in model.state_dict().items():
-        if key in skip or not tensor.is_floating_point() or tensor.device.type == "meta" or tensor.numel() == 0:
-            continue
-        largest = float(tensor.detach().abs().amax())
-        if largest > limit:
-            return key, largest
-    return None
+    return model_dtype if model_dtype in SAVE_DTYPES.values() else torch.bfloat16
 
 
 @dataclass(frozen=True)

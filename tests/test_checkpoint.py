@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 import subprocess
@@ -18,7 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from quantkit import checkpoint
 from quantkit.arch import find_decoder_layers, find_linears
-from quantkit.checkpoint import inspect_checkpoint, load_quantized, resolve_save_dtype, save_quantized
+from quantkit.checkpoint import inspect_checkpoint, load_quantized, save_quantized
 from quantkit.config import QuantkitError, QuantScheme
 from quantkit.primitives import compute_qparams, default_g_idx, quantize
 from quantkit.qlinear import QuantLinear
@@ -37,7 +36,7 @@ def tiny_llama(hidden=64, intermediate=128, tie=True, dtype=torch.float32, seed=
     model = LlamaForCausalLM(config).eval()
     # Put every float on the 16-bit grid the writer stores, so the reload is exact in float32.
     for p in model.parameters():
-        p.data = p.data.to(torch.float16 if dtype == torch.float32 else dtype).to(dtype)
+        p.data = p.data.to(torch.bfloat16 if dtype == torch.float32 else dtype).to(dtype)
     return model
 
 
@@ -155,46 +154,13 @@ def test_file_contents_dtypes_and_tied_embeddings(tmp_path):
     assert tensors[f"{name}.qzeros"].dtype == torch.int32 and tensors[f"{name}.qzeros"].shape == (2, 4)
     assert tensors[f"{name}.scales"].dtype == torch.float16 and tensors[f"{name}.scales"].shape == (2, 32)
     assert tensors[f"{name}.g_idx"].dtype == torch.int32 and tensors[f"{name}.g_idx"].shape == (64,)
-    assert tensors["model.norm.weight"].dtype == torch.float16  # auto: float16 for a float32 model that fits it
+    assert tensors["model.norm.weight"].dtype == torch.bfloat16  # auto: bf16 for a float32 model
     with safe_open(str(out / "model.safetensors"), framework="pt") as f:
         metadata = f.metadata()
     assert metadata["format"] == "pt" and metadata["quantkit_layout"] == "gptq_v1" and metadata["bits"] == "4"
     config = json.loads((out / "config.json").read_text())
-    assert config["dtype"] == "float16" and config["tie_word_embeddings"] is True
+    assert config["dtype"] == "bfloat16" and config["tie_word_embeddings"] is True
     assert (out / "generation_config.json").is_file()
-
-
-def test_float32_model_saves_float16_which_keeps_three_more_bits_than_bfloat16(tmp_path):
-    model = tiny_llama()
-    value = 1.0 + 2**-10  # on float16's grid, between two of bfloat16's
-    model.model.norm.weight.data.fill_(value)
-    _, _, out = saved(tmp_path, model=model)
-    tensors = load_file(out / "model.safetensors")
-    assert tensors["model.norm.weight"].dtype == torch.float16
-    assert torch.all(tensors["model.norm.weight"].float() == value)
-    assert quant_config(out)["quantkit"]["save_dtype"] == "float16"
-
-
-def test_float32_model_beyond_float16_range_falls_back_to_bfloat16(tmp_path, caplog):
-    model = tiny_llama()
-    model.model.norm.weight.data[3] = 70000.0  # float16 tops out at 65504
-    with caplog.at_level(logging.WARNING, logger="quantkit.checkpoint"):
-        _, _, out = saved(tmp_path, model=model)
-    tensors = load_file(out / "model.safetensors")
-    assert tensors["model.norm.weight"].dtype == torch.bfloat16
-    assert tensors["model.embed_tokens.weight"].dtype == torch.bfloat16
-    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
-    assert "model.norm.weight" in caplog.text and "bfloat16" in caplog.text
-
-
-def test_float16_range_check_ignores_weights_stored_packed():
-    model = tiny_llama()
-    weights = rtn_quantize(model, QuantScheme(4, 32, False))
-    name = "model.layers.0.mlp.down_proj"
-    model.get_submodule(name).weight.data[0, 0] = 1e6  # not written: the packed codes stand for it
-    assert resolve_save_dtype(model, "auto", packed=weights) == torch.float16
-    assert resolve_save_dtype(model, "auto") == torch.bfloat16
-    assert resolve_save_dtype(model, "bf16", packed=weights) == torch.bfloat16
 
 
 def test_untied_float16_model_keeps_its_dtype_and_lm_head(tmp_path):
