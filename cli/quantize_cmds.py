@@ -76,8 +76,9 @@ _RTN_SYM_HELP = ("Symmetric grid (default: Marlin/Machete in vLLM and SGLang) or
                  "by their slower gptq_gemm).")
 _DESC_ACT_HELP = ("Act-order: quantize columns by decreasing Hessian diagonal (default: the largest gain measured, "
                   "SmolLM2 sym g64 28.32 -> 24.05).")
-_STATIC_HELP = ("With act-order, fix each group's scale before reordering so g_idx stays contiguous (default: no "
-                "reordering at inference); --no-static-groups writes a permuted g_idx.")
+_STATIC_HELP = ("With act-order, fix each group's scale before reordering so g_idx stays contiguous. Default: on "
+                "with --sym (no reordering at inference), off with --asym (a permuted g_idx, lower perplexity; "
+                "asymmetric GPTQ gets gptq_gemm, which reorders anyway).")
 _MSE_HELP = ("Search each group's range (shrink up to 20%) for the least error (default: about 15% more time, "
              "SmolLM2 g64 23.01 -> 22.50).")
 
@@ -104,7 +105,8 @@ def register(app: typer.Typer) -> None:
              damp: Annotated[float, typer.Option("--damp", help="Dampening, fraction of the mean Hessian diagonal.")] = 0.01,
              block_size: Annotated[int, typer.Option("--block-size", help="Columns per lazy-update block.")] = 128,
              desc_act: Annotated[bool, typer.Option("--desc-act/--no-desc-act", help=_DESC_ACT_HELP)] = True,
-             static_groups: Annotated[bool, typer.Option("--static-groups/--no-static-groups", help=_STATIC_HELP)] = True,
+             static_groups: Annotated[bool | None, typer.Option("--static-groups/--no-static-groups", help=_STATIC_HELP,
+                                                                show_default="on with --sym, off with --asym")] = None,
              true_sequential: Annotated[bool, typer.Option("--true-sequential/--no-true-sequential", help="Quantize attention, then o_proj, then MLP on already quantized inputs.")] = True,
              mse: Annotated[bool, typer.Option("--mse/--no-mse", help=_MSE_HELP)] = True,
              device: Device = "auto", dtype: Dtype = "auto", trust_remote_code: TrustRemoteCode = False,
@@ -115,8 +117,9 @@ def register(app: typer.Typer) -> None:
              stream: Stream = "auto",
     ) -> None:
         """GPTQ: column-by-column rounding with inverse-Hessian error compensation."""
-        options = dict(damp=damp, block_size=block_size, desc_act=desc_act, static_groups=static_groups,
-                       true_sequential=true_sequential, mse=mse)
+        options = dict(damp=damp, block_size=block_size, desc_act=desc_act, true_sequential=true_sequential, mse=mse)
+        if static_groups is not None:  # else the grid's default (quantkit.api.default_options)
+            options["static_groups"] = static_groups
         _run("gptq", model, output, bits=bits, group_size=group_size, sym=sym, device=device, dtype=dtype,
              trust_remote_code=trust_remote_code, overwrite=overwrite, as_json=json_, options=options, calib=calib,
              nsamples=nsamples, seqlen=seqlen, seed=seed, text_field=text_field, batch_size=batch_size,

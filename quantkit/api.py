@@ -34,6 +34,10 @@ METHOD_NAMES = ("rtn", "gptq", "awq")
 #   fall back to the float16-only gptq_gemm kernel. AWQ keeps its zero points (asymmetric).
 # * GPTQ: act-order with static groups (the column order that helps most, with group scales fixed
 #   up front so g_idx stays contiguous and no kernel reorders anything) and the MSE range search.
+# * GPTQ on an asymmetric grid: act-order with a permuted g_idx (dynamic groups: each group's range is
+#   taken from the weights as GPTQ has updated them), the better of the two there. No engine gives
+#   asymmetric GPTQ Marlin, and their gptq_gemm serves a permuted g_idx by reordering the activations,
+#   so static groups buy nothing there (README, "Defaults, and why").
 # * group size: the largest of 128/64/32 dividing every quantized input size (AUTO_GROUP_SIZES).
 DEFAULT_SYM = {"rtn": True, "gptq": True, "awq": False}
 DEFAULT_OPTIONS: dict[str, dict[str, Any]] = {
@@ -41,6 +45,16 @@ DEFAULT_OPTIONS: dict[str, dict[str, Any]] = {
     "gptq": {"desc_act": True, "static_groups": True, "mse": True},
     "awq": {},
 }
+ASYM_DEFAULT_OPTIONS: dict[str, dict[str, Any]] = {"gptq": {"static_groups": False}}
+
+
+def default_options(method: str, scheme: QuantScheme) -> dict[str, Any]:
+    """``method``'s default options for ``scheme`` (``DEFAULT_OPTIONS``, then ``ASYM_DEFAULT_OPTIONS``
+    on an asymmetric grid)."""
+    options = dict(DEFAULT_OPTIONS.get(method, {}))
+    if not scheme.sym:
+        options.update(ASYM_DEFAULT_OPTIONS.get(method, {}))
+    return options
 AUTO_GROUP_SIZES = (128, 64, 32)
 # Calibration windows x tokens: GPTQ's usual 128 x 2048 and AWQ's 128 x 512; text the model writes
 # itself (``self``) is sized down on the CPU, where generating 128 x 2048 tokens takes over half an
@@ -120,7 +134,7 @@ class QuantizeReport:
 
 def build_method(name: str, scheme: QuantScheme, options: dict[str, Any] | None = None) -> Method:
     """The method object for ``name`` with its own config built from ``options`` (CLI option names)."""
-    options = {**DEFAULT_OPTIONS.get(name, {}), **(options or {})}
+    options = {**default_options(name, scheme), **(options or {})}
     if name == "rtn":
         from quantkit.methods.rtn import RTNMethod
 
@@ -280,7 +294,7 @@ def quantize(
 ) -> QuantizeReport:
     """Quantize ``model`` (folder, hub id or .gguf) with ``method`` and write a GPTQ-layout checkpoint.
 
-    Defaults are the best measured settings (``DEFAULT_OPTIONS``, ``DEFAULT_SYM``): ``scheme=None``
+    Defaults are the best measured settings (:func:`default_options`, ``DEFAULT_SYM``): ``scheme=None``
     is 4 bits with the group size chosen for the model (:class:`AutoScheme`); ``calib=None`` is
     :func:`default_calibration` (sized to the device). ``on_layer`` receives a
     :class:`~quantkit.walker.LayerEvent` after each decoder layer and ``on_calib_progress(done, total)``
@@ -391,7 +405,7 @@ def _quantize(model: str, output: str | Path, *, method: str, scheme: QuantSchem
         partial_group_layers=partial, layer_stats=result.layer_stats, streamed=source is not None,
         peak_host_memory_bytes=peak_host_memory_bytes(),
         engine_kernels=serving_kernels(scheme, result.weights, partial, layout),
-        options={**DEFAULT_OPTIONS.get(method, {}), **method_options, "format": layout},
+        options={**default_options(method, scheme), **method_options, "format": layout},
     )
 
 

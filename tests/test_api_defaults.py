@@ -50,6 +50,15 @@ def test_build_method_applies_the_gptq_defaults_and_lets_each_be_turned_off():
     assert not (off.config.desc_act or off.config.static_groups or off.config.mse)
 
 
+def test_gptq_on_an_asymmetric_grid_defaults_to_dynamic_groups():
+    asym = api.build_method("gptq", QuantScheme(4, 64, False))
+    assert asym.config.desc_act and not asym.config.static_groups and asym.config.mse
+    assert api.default_options("gptq", QuantScheme(4, 64, False))["static_groups"] is False
+    assert api.default_options("gptq", QuantScheme(4, 64, True))["static_groups"] is True
+    assert api.build_method("gptq", QuantScheme(4, 64, False), {"static_groups": True}).config.static_groups
+    assert api.default_options("awq", QuantScheme(4, 64, False)) == {}
+
+
 def _event(n_linears: int = 7):
     stats = {f"model.layers.0.mlp.very_long_projection_name_{i}": {"err_rtn": 0.01 * (i + 1), "err_gptq": 0.002 * (i + 1)}
              for i in range(n_linears)}

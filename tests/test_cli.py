@@ -79,6 +79,17 @@ def test_gptq_and_awq_commands(tiny_llama_dir, tiny_text_file, tmp_path):
     assert awq["method"] == "awq" and not awq["sym"]
 
 
+def test_gptq_static_groups_default_follows_the_grid(tiny_llama_dir, tiny_text_file, tmp_path):
+    common = ["--calib", tiny_text_file, "--nsamples", "2", "--seqlen", "32", "--group-size", "32", "--json"]
+    asym = json.loads(quantkit("gptq", tiny_llama_dir, "-o", tmp_path / "asym", *common, "--asym").stdout)
+    assert asym["options"]["static_groups"] is False and asym["options"]["desc_act"] is True
+    assert json.loads(quantkit("inspect", tmp_path / "asym", "--json").stdout)["desc_act"] is True
+    static = json.loads(quantkit("gptq", tiny_llama_dir, "-o", tmp_path / "static", *common, "--asym",
+                                 "--static-groups").stdout)
+    assert static["options"]["static_groups"] is True
+    assert json.loads(quantkit("inspect", tmp_path / "static", "--json").stdout)["desc_act"] is False
+
+
 def test_foreign_architecture_rtn_works_awq_refuses(tmp_path, tiny_text_file):
     """GPT-NeoX has no architecture record: RTN/GPTQ find its layers generically, AWQ says it cannot fold."""
     import torch
