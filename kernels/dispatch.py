@@ -46,13 +46,17 @@ def w4a16_linear(x: torch.Tensor, prepared, bias: torch.Tensor | None = None) ->
 
 
 GEMV_ENV = "QUANTKIT_BF16_GEMV"  # "0": every 16-bit linear through cuBLAS (A/B timing); default on
-GEMV_MAX_M = 4  # kernels.gemv.MAX_M, restated so that this check imports no Triton code
+# The GEMV serves one activation row only: on the H200 (bench/ab_bf16_gemv.py, 2026-12-02) it beat cuBLAS at M = 1
+# on every Llama-3-8B linear (runtime bf16 decode 242 against 217 tok/s) but took 1.4-2x cuBLAS's time at M = 4;
+# M = 2 was not measured. The kernel itself takes up to kernels.gemv.MAX_M rows (tested), for a later table.
+GEMV_DECODE_MAX_M = 1
 
 
 def gemv_wanted(device_type: str, m: int, dtype: torch.dtype) -> bool:
-    """Whether a 16-bit linear of ``m`` rows goes to the GEMV: on CUDA, 1 <= m <= 4 (decode; prefill stays on
-    cuBLAS), bf16 or fp16, and ``QUANTKIT_BF16_GEMV`` not 0 (read on every call, so a process can A/B it)."""
-    if device_type != "cuda" or not 1 <= m <= GEMV_MAX_M or dtype not in (torch.bfloat16, torch.float16):
+    """Whether a 16-bit linear of ``m`` rows goes to the GEMV: on CUDA, m = 1 (batch-1 decode; every other m stays
+    on cuBLAS, see GEMV_DECODE_MAX_M), bf16 or fp16, and ``QUANTKIT_BF16_GEMV`` not 0 (read on every call, so a
+    process can A/B it)."""
+    if device_type != "cuda" or not 1 <= m <= GEMV_DECODE_MAX_M or dtype not in (torch.bfloat16, torch.float16):
         return False
     return os.environ.get(GEMV_ENV, "1") != "0"
 

@@ -63,8 +63,16 @@ CANDIDATES = (GemvConfig(4, 2048, 8), GemvConfig(8, 1024, 4), GemvConfig(2, 2048
               GemvConfig(2, 1024, 4), GemvConfig(8, 2048, 8))
 
 
-# Measured best configs at M = 1 by shape (N, K), from bench/ab_bf16_gemv.py; empty until an H200 run fills it.
-TUNED_M1: dict[tuple[int, int], GemvConfig] = {}
+# Measured best configs at M = 1 by shape (N, K): bench/ab_bf16_gemv.py on one H200, 2026-12-02 (us per call, graph
+# replays, L2 evicted; cuBLAS beside: qkv 13.7 / 15.8, o 10.0 / 12.8, gate_up 53.7 / 54.5, down 29.1 / 30.0,
+# lm_head 231.1 / 238.0; bench/results/ab_bf16_gemv_2026-12-02_s15.json).
+TUNED_M1: dict[tuple[int, int], GemvConfig] = {
+    (6144, 4096): GemvConfig(4, 1024, 4),
+    (4096, 4096): GemvConfig(8, 1024, 4),
+    (28672, 4096): GemvConfig(4, 1024, 4),
+    (4096, 14336): GemvConfig(2, 1024, 4),
+    (128256, 4096): GemvConfig(2, 1024, 4),
+}
 
 
 def _config_from_env(n: int, k: int) -> GemvConfig | None:
@@ -82,7 +90,7 @@ def _config_from_env(n: int, k: int) -> GemvConfig | None:
 
 def _default_config(m: int) -> GemvConfig:
     if m == 1:
-        return CANDIDATES[0]
+        return GemvConfig(2, 1024, 4)  # the best single config over the five 8B linears at M = 1 (3694 us a token)
     return GemvConfig(2, 2048, 8) if m == 2 else GemvConfig(2, 1024, 4)  # M = 4: 119 registers on sm_90
 
 

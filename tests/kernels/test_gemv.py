@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from quantkit.kernels.dispatch import dense_linear, gemv_wanted
-from quantkit.kernels.gemv import CANDIDATES, GemvConfig, gemv, gemv_config, gemv_ref, gemv_supports
+from quantkit.kernels.gemv import TUNED_M1, GemvConfig, gemv, gemv_config, gemv_ref, gemv_supports
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -82,15 +82,17 @@ def test_config_override_from_env(monkeypatch):
     monkeypatch.setenv("QUANTKIT_GEMV_CONFIG", "4096x4096=8,1024,4;6144x4096=2,2048,8")
     assert gemv_config(1, 6144, 4096) == GemvConfig(2, 2048, 8)
     assert gemv_config(1, 4096, 4096) == GemvConfig(8, 1024, 4)
-    assert gemv_config(1, 28672, 4096) == CANDIDATES[0]  # not named: the default
+    assert gemv_config(1, 28672, 4096) == TUNED_M1[(28672, 4096)]  # not named: the measured table
     monkeypatch.delenv("QUANTKIT_GEMV_CONFIG")
-    assert gemv_config(1, 28672, 4096) == CANDIDATES[0]
+    assert gemv_config(1, 28672, 4096) == TUNED_M1[(28672, 4096)]
+    assert gemv_config(1, 1000, 4096) == GemvConfig(2, 1024, 4)  # a shape the table lacks: the M = 1 default
 
 
 def test_selection(monkeypatch):
     """The GEMV takes decode-sized 16-bit linears on CUDA only; QUANTKIT_BF16_GEMV=0 sends them to cuBLAS."""
     monkeypatch.delenv("QUANTKIT_BF16_GEMV", raising=False)
-    assert gemv_wanted("cuda", 1, torch.bfloat16) and gemv_wanted("cuda", 4, torch.float16)
+    assert gemv_wanted("cuda", 1, torch.bfloat16) and gemv_wanted("cuda", 1, torch.float16)
+    assert not gemv_wanted("cuda", 4, torch.bfloat16)  # measured slower than cuBLAS at M = 4
     assert not gemv_wanted("cuda", 5, torch.bfloat16)  # prefill: cuBLAS
     assert not gemv_wanted("cuda", 1, torch.float32)
     assert not gemv_wanted("cpu", 1, torch.bfloat16)
