@@ -124,8 +124,11 @@ def test_quantize_prints_each_thing_once_in_80_columns(tiny_llama_dir, tiny_text
 def _interrupt_when(args: list, marker: str, tmp_path) -> subprocess.CompletedProcess:
     """Run the CLI, send SIGINT once ``marker`` appears on stdout, return the finished process."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", COLUMNS="200")
+    # A shell starts background jobs with SIGINT ignored, and Python keeps an ignored SIGINT ignored: give the
+    # child the default disposition, as a terminal's Ctrl-C finds it, wherever the test suite itself was started.
     proc = subprocess.Popen([sys.executable, "-m", "quantkit.cli.app", *map(str, args)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
+                            stderr=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     seen = []
     for line in proc.stdout:
         seen.append(line)
