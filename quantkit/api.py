@@ -55,6 +55,8 @@ def default_options(method: str, scheme: QuantScheme) -> dict[str, Any]:
     if not scheme.sym:
         options.update(ASYM_DEFAULT_OPTIONS.get(method, {}))
     return options
+
+
 AUTO_GROUP_SIZES = (128, 64, 32)
 # Calibration windows x tokens: GPTQ's usual 128 x 2048 and AWQ's 128 x 512; text the model writes
 # itself (``self``) is sized down on the CPU, where generating 128 x 2048 tokens takes over half an
