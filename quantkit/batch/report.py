@@ -72,11 +72,18 @@ def table_rows(output_dir: str | Path) -> list[dict[str, Any]]:
     return [{c: row.get(c) for c in columns} for row in rows]
 
 
-def pareto_front(points: list[tuple[float, float]]) -> list[int]:
-    """Indices of the points no other point dominates (lower is better on both coordinates)."""
+# Sizes on disk of checkpoints with the same bits and groups differ by a few hundred bytes of metadata (the
+# quantization config each method writes); closer than this share of x, two points count as the same size.
+SAME_X_REL = 1e-3
+
+
+def pareto_front(points: list[tuple[float, float]], same_x_rel: float = SAME_X_REL) -> list[int]:
+    """Indices of the points no other point dominates (lower is better on both coordinates; x values within
+    ``same_x_rel`` of each other are one x, so a few bytes less on disk do not put a worse model on the front)."""
     front = []
     for i, (x, y) in enumerate(points):
-        dominated = any(ox <= x and oy <= y and (ox < x or oy < y) for j, (ox, oy) in enumerate(points) if j != i)
+        dominated = any(ox <= x * (1 + same_x_rel) and oy <= y and (ox < x * (1 - same_x_rel) or oy < y)
+                        for j, (ox, oy) in enumerate(points) if j != i)
         if not dominated:
             front.append(i)
     return front

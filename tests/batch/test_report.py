@@ -14,6 +14,14 @@ def test_pareto_front_keeps_only_undominated_points():
     assert pareto_front(points) == [0, 1, 3, 4]
 
 
+def test_pareto_front_counts_sizes_a_few_bytes_apart_as_one_size():
+    """Three 3-bit checkpoints whose files differ by metadata bytes: the worst model is not on the front because
+    its file is 700 bytes smaller (the SmolLM2 sweep's RTN / GPTQ / AWQ w3 rows)."""
+    points = [(102862070.0, 161.9), (102862283.0, 69.4), (102862984.0, 71.2), (110860000.0, 36.0)]
+    assert pareto_front(points) == [1, 3]
+    assert pareto_front(points, same_x_rel=0.0) == [0, 1, 3]
+
+
 def _result(name, method, bpw, ppl, kl, status="ok"):
     settings = {"model": "/m/smol.gguf", "method": method, "bits": 4, "group_size": 128, "sym": False}
     return JobResult(name=name, status=status, settings=settings, size_bytes=2**20, bits_per_weight=bpw,
