@@ -12,6 +12,7 @@ GGUF files are not streamed: they are converted by transformers as a whole (``qu
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
@@ -184,16 +185,24 @@ def return_freed_memory() -> None:
     a layer's tensors freed in a different order than they were made, the heap fragments and the
     resident size creeps up layer after layer (measured: +300 MB over six 2048-wide layers).
     """
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim():
+    """glibc's ``malloc_trim``, looked up once (``find_library`` runs ``ldconfig``), or None where there is none."""
     import ctypes
     import ctypes.util
 
-    name = ctypes.util.find_library("c")
-    if not sys.platform.startswith("linux") or name is None:
-        return
+    name = ctypes.util.find_library("c") if sys.platform.startswith("linux") else None
+    if name is None:
+        return None
     try:
-        ctypes.CDLL(name).malloc_trim(0)
+        return ctypes.CDLL(name).malloc_trim
     except (OSError, AttributeError):  # not glibc (musl has no malloc_trim)
-        pass
+        return None
 
 
 def weight_shell(qw: QuantizedWeight) -> QuantizedWeight:
