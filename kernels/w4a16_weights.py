@@ -15,7 +15,7 @@ from quantkit.kernels.w4a16_select import LayerFacts, W4A16Plan, plan_w4a16
 from quantkit.pack import pack_rows, unpack_gptq, unpack_rows
 from quantkit.primitives import default_g_idx
 
-__all__ = ["W4A16Weights", "prepare_w4a16_weights", "w4a16_matmul_ref", "paired_nibble_index", "PAIR_TILE_K",
+__all__ = ["W4A16Weights", "prepare_w4a16_weights", "reference_w4a16_weights", "w4a16_matmul_ref", "paired_nibble_index", "PAIR_TILE_K",
            "DIRECT_MAX_M", "PER_CHANNEL_GROUP"]
 
 
@@ -136,6 +136,26 @@ def prepare_w4a16_weights(qweight, qzeros, scales, g_idx, bits, group_size, sym)
         partial_sums=torch.zeros(DIRECT_MAX_M * n, device=qweight.device, dtype=torch.float32) if direct else None,
         plan=plan_w4a16(facts, arch),
     )
+
+
+def reference_w4a16_weights(qweight, qzeros, scales, g_idx, bits, group_size, sym) -> W4A16Weights:
+    """The same record for the plain-PyTorch reference alone (off CUDA): no repack, no plan.
+
+    ``qweight`` is the checkpoint tensor's transposed view (no copy) and the rows stay in checkpoint order
+    (``perm`` None, ``g_idx`` as stored, which the reference reads row by row); only the zero points are
+    unpacked (``G x N`` bytes). What :func:`prepare_w4a16_weights` adds (the act-order permutation, the
+    paired-nibble index, the decode workspace, the plan) serves the kernels, which run on CUDA only; on the CPU
+    it would double the packed bytes of every layer for nothing.
+    """
+    n_words, n = qweight.shape
+    k = n_words * 32 // bits
+    if g_idx is None:
+        g_idx = default_g_idx(k, group_size, device=qweight.device)
+    _, zeros = unpack_gptq(qweight[:0], qzeros, bits, 0, n)
+    zeros_u8 = None if sym and bool((zeros == 2 ** (bits - 1)).all()) else zeros.to(torch.uint8).contiguous()
+    return W4A16Weights(qweight=qweight.t(), scales=scales.to(torch.float16), zeros=zeros_u8,
+                        g_idx=g_idx.to(torch.int32), perm=None, bits=bits, group_size=None, in_features=k,
+                        out_features=n)
 
 
 def gpu_arch_of(device: torch.device) -> str | None:

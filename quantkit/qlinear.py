@@ -11,7 +11,7 @@ Triton), and inside ``torch.compile`` through the custom op ``quantkit::w4a16_li
 that wraps the same call; everywhere else the plain-PyTorch reference, which dequantizes once (cached in the activation
 dtype) and calls ``F.linear``. Inside ``torch.compile`` on the CPU the custom op runs too, with the reference
 behind it. Which kernel and config serve each batch size is decided when the layer's weights are prepared for
-the kernels (:meth:`QuantLinear.prepared_w4a16`, at load and on every move, on any device), see
+the kernels (:meth:`QuantLinear.prepared_w4a16`, at load and on every move to a CUDA device), see
 :mod:`quantkit.kernels.w4a16_select`.
 """
 
@@ -122,11 +122,14 @@ class QuantLinear(nn.Module):
         return cached
 
     def prepared_w4a16(self) -> Any:
-        """The kernels' one-time repack of the buffers and their plan (``W4A16Weights``)."""
+        """The weights as the W4A16 entry point reads them (``W4A16Weights``): on CUDA the kernels' one-time repack
+        and their plan; elsewhere a copy-free view for the reference behind the custom op (``torch.compile``)."""
         if self._w4a16_prepared is None:
-            from quantkit.kernels.w4a16_weights import prepare_w4a16_weights
+            from quantkit.kernels import w4a16_weights
 
-            self._w4a16_prepared = prepare_w4a16_weights(
+            prepare = (w4a16_weights.prepare_w4a16_weights if self.qweight.is_cuda
+                       else w4a16_weights.reference_w4a16_weights)
+            self._w4a16_prepared = prepare(
                 self.qweight, self.qzeros, self.scales, self.g_idx, self.bits, self.group_size, self.sym
             )
         return self._w4a16_prepared
@@ -151,8 +154,8 @@ class QuantLinear(nn.Module):
         self._w4a16_prepared = None
 
     def _prepare_for_kernels(self) -> None:
-        # Load time: repack for the kernels and decide their plan now (on the CPU too, for torch.compile), so that
-        # neither runs inside a forward nor inside a torch.compile trace of one.
+        # Load time: repack for the kernels and decide their plan now (on the CPU the copy-free reference view, for
+        # torch.compile), so that neither runs inside a forward nor inside a torch.compile trace of one.
         if self.qweight.device.type != "meta" and self.bits in KERNEL_BITS:
             self.prepared_w4a16()
 

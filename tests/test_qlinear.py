@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -89,3 +90,20 @@ def test_dtype_moves_keep_float16_scales():
     assert layer(x).dtype == torch.bfloat16
     layer.float()
     assert layer.scales.dtype == torch.float16 and layer(x.float()).dtype == torch.float32
+
+
+def test_cpu_layer_keeps_no_repacked_copy_and_its_op_input_matches_act_order():
+    # Off CUDA the custom op's input is a view of the checkpoint tensors (the reference needs no repack): no second
+    # copy of the packed codes per layer. With an act-order g_idx the view keeps checkpoint row order, and the
+    # reference behind the op still gives the dense result.
+    from quantkit.kernels.dispatch import w4a16_linear
+
+    qw = packed(in_features=128, scheme=QuantScheme(4, 32, False))
+    g_idx = qw.g_idx[torch.randperm(128, generator=torch.Generator().manual_seed(1))].contiguous()
+    qw = dataclasses.replace(qw, g_idx=g_idx)
+    layer = QuantLinear.from_weight(qw)
+    prepared = layer.prepared_w4a16()
+    assert prepared.qweight.data_ptr() == layer.qweight.data_ptr() and prepared.perm is None
+    x = torch.randn(3, 128)
+    expected = F.linear(x, layer.to_quantized_weight().dequantize(), layer.bias)
+    assert torch.allclose(w4a16_linear(x, prepared, layer.bias), expected, atol=1e-4, rtol=1e-4)
