@@ -36,11 +36,12 @@ from quantkit.config import CalibConfig, LoadConfig, QuantScheme  # noqa: E402
 from quantkit.methods.gptq import GPTQConfig  # noqa: E402
 
 ASYM64 = QuantScheme(4, 64, False)
-DEFAULT = GPTQConfig(desc_act=True, static_groups=False, mse=True)  # the CLI's --asym defaults today
+# the CLI's --asym defaults before this sweep (mse unweighted, norm 2.4); since then mse_weight="hessian"
+DEFAULT = GPTQConfig(desc_act=True, static_groups=False, mse=True, mse_norm=2.4, mse_weight="none")
 PHASE_A = {
     "A1_default": (ASYM64, DEFAULT, 0),
-    "A2_w_residual": (ASYM64, replace(DEFAULT, mse_weight="residual"), 0),
-    "A3_w_hessian": (ASYM64, replace(DEFAULT, mse_weight="hessian"), 0),
+    "A2_w_residual": (ASYM64, replace(DEFAULT, mse_weight="residual", mse_norm=2.4), 0),
+    "A3_w_hessian": (ASYM64, replace(DEFAULT, mse_weight="hessian", mse_norm=2.4), 0),
     "A4_w_residual_norm2": (ASYM64, replace(DEFAULT, mse_weight="residual", mse_norm=2.0), 0),
     "A5_w_hessian_norm2": (ASYM64, replace(DEFAULT, mse_weight="hessian", mse_norm=2.0), 0),
     "A6_damp0.05": (ASYM64, replace(DEFAULT, damp=0.05), 0),
@@ -135,7 +136,7 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=240.0, help="start no row after this many seconds")
     parser.add_argument("--row-s", type=float, default=15.0, help="expected seconds a row takes (budget check)")
     parser.add_argument("--smoke", action="store_true", help="a tiny run that checks the script")
-    parser.add_argument("--rows", default="", help="comma-separated phase-A rows to run (default: all)")
+    parser.add_argument("--rows", default="", help="comma-separated rows to run, any phase (default: the phases)")
     args = parser.parse_args()
     t_start = time.perf_counter()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -161,10 +162,14 @@ def main() -> None:
                   f"err {out['mean_err_gptq']:.5f}  t={time.perf_counter() - t_start:.0f}s", flush=True)
             path.write_text(json.dumps(record, indent=1) + "\n")
 
-    wanted = [r for r in args.rows.split(",") if r] or list(PHASE_A)
-    run_rows({name: PHASE_A[name] for name in wanted})
+    wanted = [r for r in args.rows.split(",") if r]
+    if wanted:  # exactly these rows; phases B and C with A5 (the default since) as the best
+        every = {**PHASE_A, **later_phases(PHASE_A["A5_w_hessian_norm2"][1])}
+        run_rows({name: every[name] for name in wanted})
+    else:
+        run_rows(PHASE_A)
     scored = {n: record["rows"][n]["ppl"] for n in WEIGHTED if n in record["rows"]}
-    if scored:
+    if scored and not wanted:
         best = min(scored, key=scored.get)
         record["best_weighted"] = best
         run_rows(later_phases(PHASE_A[best][1]))

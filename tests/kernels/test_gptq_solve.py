@@ -158,7 +158,7 @@ def test_every_scaled_error_bitwise(bits, gs, sym, block, mse, static, weighted)
     e_ref, e_ker = torch.zeros(192, 32), torch.zeros(192, 32)
     c_ref, _ = _columns(w, U, scheme, gs, config, params, errors=e_ref, mse_weight=cw)
     c_ker, _, _ = gptq_columns_triton(w, U, bits, sym, gs, block, params, mse, config.mse_max_shrink,
-                                      config.mse_grid, config.mse_norm, errors=e_ker, mse_weight=cw)
+                                      config.mse_grid, config.search_norm, errors=e_ker, mse_weight=cw)
     assert torch.equal(c_ref, c_ker)
     assert torch.equal(e_ref, e_ker), (e_ref - e_ker).abs().max()
 
