@@ -68,32 +68,36 @@ def _qparams(xmin, xmax, inv_maxq, inv_maxq_m1, MAXQ: tl.constexpr, SYM: tl.cons
 
 
 @triton.jit
-def _shrink_error(w, mask, scale, zero, norm, MAXQ: tl.constexpr, EMULATE: tl.constexpr):
-    """``sum |(q - z) s - w|^norm`` over the masked rows of the tile ``w [BLOCK, TILE]``: ``[TILE]``."""
+def _shrink_error(w, mask, scale, zero, norm, cw, MAXQ: tl.constexpr, EMULATE: tl.constexpr,
+                  WEIGHTED: tl.constexpr):
+    """``sum cw |(q - z) s - w|^norm`` over the masked rows of the tile ``w [BLOCK, TILE]``: ``[TILE]``
+    (``cw [BLOCK]``: the column weights, used when WEIGHTED)."""
     q = tl.minimum(tl.maximum(_rint(tl.math.div_rn(w, scale[None, :])) + zero[None, :], 0.0), MAXQ * 1.0)
     d = tl.abs((q - zero[None, :]) * scale[None, :] - w)
     if EMULATE:
         p = tl.exp2(norm * tl.log2(d.to(tl.float64))).to(tl.float32)
     else:
         p = libdevice.pow(d, norm)
+    if WEIGHTED:
+        p = p * cw[:, None]
     return tl.sum(tl.where(mask, p, 0.0), axis=0)
 
 
 @triton.jit
-def _group_params(w, rows, start, stop, shrink_ptr, inv_maxq, inv_maxq_m1, norm,
+def _group_params(w, rows, start, stop, shrink_ptr, inv_maxq, inv_maxq_m1, norm, cw,
                   MAXQ: tl.constexpr, SYM: tl.constexpr, RECIP: tl.constexpr, MSE: tl.constexpr,
-                  N_SHRINK: tl.constexpr, EMULATE: tl.constexpr):
+                  N_SHRINK: tl.constexpr, EMULATE: tl.constexpr, WEIGHTED: tl.constexpr):
     """``gptq.group_qparams`` of the tile rows ``[start, stop)`` (block-local columns of W)."""
     mask = ((rows >= start) & (rows < stop))[:, None]
     wmin = tl.min(tl.where(mask, w, float("inf")), axis=0)
     wmax = tl.max(tl.where(mask, w, float("-inf")), axis=0)
     scale, zero = _qparams(wmin, wmax, inv_maxq, inv_maxq_m1, MAXQ, SYM, RECIP)
     if MSE:
-        best = _shrink_error(w, mask, scale, zero, norm, MAXQ, EMULATE)
+        best = _shrink_error(w, mask, scale, zero, norm, cw, MAXQ, EMULATE, WEIGHTED)
         for k in range(N_SHRINK):
             p = tl.load(shrink_ptr + k)
             s, z = _qparams(wmin * p, wmax * p, inv_maxq, inv_maxq_m1, MAXQ, SYM, RECIP)
-            err = _shrink_error(w, mask, s, z, norm, MAXQ, EMULATE)
+            err = _shrink_error(w, mask, s, z, norm, cw, MAXQ, EMULATE, WEIGHTED)
             better = err < best
             best = tl.where(better, err, best)
             scale = tl.where(better, s, scale)
@@ -103,16 +107,18 @@ def _group_params(w, rows, start, stop, shrink_ptr, inv_maxq, inv_maxq_m1, norm,
 
 @triton.jit
 def _gptq_block_kernel(
-    wt_ptr, u_ptr, codes_ptr, err_ptr, cscale_ptr, czero_ptr, gscale_ptr, gzero_ptr, shrink_ptr,
+    wt_ptr, u_ptr, codes_ptr, err_ptr, cscale_ptr, czero_ptr, gscale_ptr, gzero_ptr, shrink_ptr, cw_ptr,
     i1, n_cols, n_out, ld_u, gs, inv_maxq, inv_maxq_m1, norm,
     BLOCK: tl.constexpr, TILE: tl.constexpr, MAXQ: tl.constexpr, SYM: tl.constexpr, STATIC: tl.constexpr,
     MSE: tl.constexpr, N_SHRINK: tl.constexpr, RECIP: tl.constexpr, EMULATE: tl.constexpr,
+    WEIGHTED: tl.constexpr,
 ):
     """Columns ``[i1, i1 + n_cols)`` of ``W^T [in, out]`` for the rows ``[pid * TILE, +TILE)``.
 
     Writes codes (int32, ``[in, out]``), the scaled errors (``err [BLOCK, out]``) and, without STATIC,
     each group's scale / zero at its first column (``[G, out]``). STATIC: per-column parameters
-    ``cscale / czero [in, out]``. EMULATE (interpreter): exact fma and pow through float64.
+    ``cscale / czero [in, out]``. EMULATE (interpreter): exact fma and pow through float64. WEIGHTED: the
+    mse search weights column ``j``'s error by ``cw [in]`` (position order).
     """
     cols = tl.program_id(0) * TILE + tl.arange(0, TILE)  # output rows of W
     cmask = cols < n_out
@@ -122,6 +128,9 @@ def _gptq_block_kernel(
     w = tl.load(wt_ptr + offs, mask=rmask[:, None] & cmask[None, :], other=0.0)  # [BLOCK, TILE]
     scale = tl.zeros([TILE], dtype=tl.float32) + 1.0
     zero = tl.zeros([TILE], dtype=tl.float32)
+    cw = tl.zeros([BLOCK], dtype=tl.float32)
+    if WEIGHTED:
+        cw = tl.load(cw_ptr + i1 + rows, mask=rmask, other=0.0)  # [BLOCK]
     for i in range(n_cols):
         col = i1 + i
         line = col.to(tl.int64) * n_out + cols
@@ -131,7 +140,8 @@ def _gptq_block_kernel(
         else:
             if col % gs == 0:
                 scale, zero = _group_params(w, rows, i, tl.minimum(i + gs, n_cols), shrink_ptr, inv_maxq,
-                                            inv_maxq_m1, norm, MAXQ, SYM, RECIP, MSE, N_SHRINK, EMULATE)
+                                            inv_maxq_m1, norm, cw, MAXQ, SYM, RECIP, MSE, N_SHRINK, EMULATE,
+                                            WEIGHTED)
                 g = (col // gs).to(tl.int64) * n_out + cols
                 tl.store(gscale_ptr + g, scale, mask=cmask)
                 tl.store(gzero_ptr + g, zero.to(tl.int32), mask=cmask)
@@ -173,6 +183,7 @@ def gptq_columns_triton(
     W: torch.Tensor, U: torch.Tensor, bits: int, sym: bool, gs: int, block: int,
     col_params: tuple[torch.Tensor, torch.Tensor] | None, mse: bool = False, mse_max_shrink: float = 0.2,
     mse_grid: int = 100, mse_norm: float = 2.4, errors: torch.Tensor | None = None,
+    mse_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """``gptq._columns`` with one launch per block: codes int32 ``[out, in]`` and, when ``col_params`` is
     None, the groups' scales float32 / zeros int32 ``[G, out]`` (else None, None).
@@ -180,6 +191,7 @@ def gptq_columns_triton(
     ``W [out, in]`` float32 (already permuted), ``U [in, in]`` its inverse-Hessian factor, ``block`` the
     columns per launch (the caller makes it a multiple of ``gs`` when groups are computed here).
     ``errors``: if given (float32 ``[in, out]``, contiguous), receives every column's scaled error.
+    ``mse_weight``: the mse search's column weights float32 ``[in]`` in position order (None: unweighted).
     """
     n_out, n_in = W.shape
     dev = W.device
@@ -199,6 +211,8 @@ def gptq_columns_triton(
     # the shrink factors as torch sees them: ``1 - k / grid`` in double, rounded to float32 by the multiply
     shrink = torch.tensor([1.0 - k / mse_grid for k in range(1, steps + 1)] or [1.0], dtype=torch.float32,
                           device=dev)
+    weighted = mse and mse_weight is not None and not static
+    cw = mse_weight.float().contiguous() if weighted else shrink  # a placeholder pointer when unweighted
     maxq = 2**bits - 1
     recip = dev.type == "cuda"  # CUDA's true division by a Python scalar multiplies by its fp32 reciprocal
     one = torch.ones((), dtype=torch.float32)
@@ -214,10 +228,10 @@ def gptq_columns_triton(
         i2 = min(i1 + block, n_in)
         err = err_rows if errors is None else errors[i1:i2]
         _gptq_block_kernel[grid](
-            Wt, U, codes_t, err, cscale, czero, gscale, gzero, shrink,
+            Wt, U, codes_t, err, cscale, czero, gscale, gzero, shrink, cw,
             i1, i2 - i1, n_out, U.stride(0), gs, inv_maxq, inv_maxq_m1, float(mse_norm),
             BLOCK=bw, TILE=tile, MAXQ=maxq, SYM=sym, STATIC=static, MSE=mse, N_SHRINK=steps, RECIP=recip,
-            EMULATE=interpreting(), **extra,
+            EMULATE=interpreting(), WEIGHTED=weighted, **extra,
         )
         if i2 < n_in:
             Wt[i2:].addmm_(U[i1:i2, i2:].t(), err[: i2 - i1], alpha=-1.0)

@@ -33,7 +33,8 @@ METHOD_NAMES = ("rtn", "gptq", "awq")
 # * symmetric for GPTQ and RTN: only symmetric GPTQ checkpoints get Marlin/Machete; asymmetric ones
 #   fall back to the float16-only gptq_gemm kernel. AWQ keeps its zero points (asymmetric).
 # * GPTQ: act-order with static groups (the column order that helps most, with group scales fixed
-#   up front so g_idx stays contiguous and no kernel reorders anything) and the MSE range search.
+#   up front so g_idx stays contiguous and no kernel reorders anything) and the MSE range search, its
+#   error weighted per column by the Hessian's diagonal H_jj (squared: the diagonal of GPTQ's objective).
 # * GPTQ on an asymmetric grid: act-order with a permuted g_idx (dynamic groups: each group's range is
 #   taken from the weights as GPTQ has updated them), the better of the two there. No engine gives
 #   asymmetric GPTQ Marlin, and their gptq_gemm serves a permuted g_idx by reordering the activations,
@@ -42,7 +43,7 @@ METHOD_NAMES = ("rtn", "gptq", "awq")
 DEFAULT_SYM = {"rtn": True, "gptq": True, "awq": False}
 DEFAULT_OPTIONS: dict[str, dict[str, Any]] = {
     "rtn": {},
-    "gptq": {"desc_act": True, "static_groups": True, "mse": True},
+    "gptq": {"desc_act": True, "static_groups": True, "mse": True, "mse_weight": "hessian"},
     "awq": {},
 }
 ASYM_DEFAULT_OPTIONS: dict[str, dict[str, Any]] = {"gptq": {"static_groups": False}}

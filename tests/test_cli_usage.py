@@ -35,6 +35,7 @@ def test_help_fast_path_imports_no_torch():
     (["gptq", "m"], "Missing option '--output' / '-o'"),
     (["gptq", "m", "-o", "x", "--bogus"], "No such option: --bogus"),
     (["gptq", "m", "-o", "x", "--bits", "four"], "Invalid value for '--bits'"),
+    (["gptq", "m", "-o", "x", "--mse-weight", "bogus"], "Invalid value for '--mse-weight'"),
     (["eval", "perplexity"], "Missing argument 'MODEL'"),
 ])
 def test_usage_errors_exit_2_naming_the_option(args, needle):
@@ -171,6 +172,7 @@ def test_gptq_defaults_reach_the_checkpoint(tiny_llama_dir, tiny_text_file, tmp_
                                  "--seqlen", "32", "--json").stdout)
     assert report["group_size"] == 64 and report["sym"] is True
     assert report["options"]["desc_act"] and report["options"]["static_groups"] and report["options"]["mse"]
+    assert report["options"]["mse_weight"] == "hessian"
     assert "Marlin" in report["engine_kernels"]["vLLM"]
     config = json.loads((out / "config.json").read_text())
     assert config["use_cache"] is True  # the tiny model's own value, not the calibration-time False

@@ -159,6 +159,35 @@ def test_mse_scales_not_worse_than_minmax_in_weight_error():
     assert mse.err_gptq < plain.err_gptq
 
 
+@pytest.mark.parametrize("desc_act,static", [(False, False), (True, False), (True, True)])
+def test_hessian_weighted_mse_minimizes_gptqs_objective_on_a_diagonal_hessian(desc_act, static):
+    """With ``H`` diagonal GPTQ moves no error between columns, so its objective ``tr(dW H dW^T)`` is
+    ``sum_j H_jj dw_j^2`` group by group: exactly what ``mse_weight="hessian"`` (norm 2) minimizes over the
+    shrink grid. So every row's error is at most the unweighted search's (same grid, same norm), and
+    lower where a few heavy channels sit among light ones (act-order and static groups: the weights must
+    follow the columns through the permutation)."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(96, 128, generator=g)
+    w[:, ::9] *= 5  # wide columns: where the range is clipped matters
+    d = torch.rand(128, generator=g) * 0.1 + 0.01
+    d[::5] *= 300  # heavy input channels, spread over every group
+    H = torch.diag(d)
+    scheme = QuantScheme(4, 32, False)
+    base = GPTQConfig(mse=True, desc_act=desc_act, static_groups=static)
+    plain = gptq_quantize(w, H, scheme, GPTQConfig(**{**base.__dict__, "mse_weight": "none", "mse_norm": 2.0}))
+    weighted = gptq_quantize(w, H, scheme, GPTQConfig(**{**base.__dict__, "mse_weight": "hessian"}))
+    assert (weighted.row_err_gptq <= plain.row_err_gptq * (1 + 1e-5)).all()
+    assert weighted.err_gptq < 0.97 * plain.err_gptq, (weighted.err_gptq, plain.err_gptq)
+
+
+def test_mse_weight_options():
+    assert GPTQConfig().mse_weight == "none" and GPTQConfig().search_norm == 2.4  # the plain algorithm
+    assert GPTQConfig(mse_weight="hessian").search_norm == 2.0
+    assert GPTQConfig(mse_weight="hessian", mse_norm=2.4).search_norm == 2.4
+    with pytest.raises(QuantkitError, match="mse_weight"):
+        GPTQConfig(mse_weight="diag")
+
+
 def test_config_validation():
     with pytest.raises(QuantkitError):
         GPTQConfig(damp=-0.1)
