@@ -19,7 +19,7 @@ BOS: when the tokenizer puts a BOS in front of every text (``needs_bos``), each 
 the layer statistics the methods collect match what the model sees in use. Models whose tokenizer
 adds no BOS (SmolLM2, Qwen) get ``seqlen`` text tokens.
 
-Defaults (``quantkit.api.default_calibration``): 128 x 2048 for GPTQ and 128 x 512 for AWQ; ``self``
+Defaults (``quantkit.defaults.default_calibration``): 128 x 2048 for GPTQ and 128 x 512 for AWQ; ``self``
 on a CPU is sized down to 32 x 512 (generation dominates there) and the run prints what it uses.
 """
 

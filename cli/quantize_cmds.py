@@ -134,9 +134,9 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """GPTQ: column-by-column rounding with inverse-Hessian error compensation."""
         options = dict(damp=damp, block_size=block_size, desc_act=desc_act, true_sequential=true_sequential, mse=mse)
-        if static_groups is not None:  # else the grid's default (quantkit.api.default_options)
+        if static_groups is not None:  # else the grid's default (quantkit.defaults.default_options)
             options["static_groups"] = static_groups
-        if mse_weight is not None:  # else the default (quantkit.api.DEFAULT_OPTIONS)
+        if mse_weight is not None:  # else the default (quantkit.defaults.DEFAULT_OPTIONS)
             options["mse_weight"] = mse_weight.value
         _run("gptq", model, output, bits=bits, group_size=group_size, sym=sym, device=device, dtype=dtype,
              trust_remote_code=trust_remote_code, overwrite=overwrite, as_json=json_, options=options, calib=calib,
