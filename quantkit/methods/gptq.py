@@ -205,12 +205,12 @@ def damped_inverse_factor(
     """Upper Cholesky factor ``U`` of ``(H + d I)^-1`` (float32 ``[in, in]``) and the damping used;
     with ``perm``, of the permuted ``H[perm][:, perm]`` (built here, so no permuted copy outlives it).
 
-    One Cholesky factorization and one triangular inverse, in float64: with ``J`` the reversal
+    One Cholesky factorization and one triangular inverse, both in place, in float64: with ``J`` the reversal
     permutation and ``J H J = L L^T``, ``H^-1 = (J L^-1 J)^T (J L^-1 J)`` and ``J L^-1 J`` is upper
     triangular with a positive diagonal, so it is the (unique) upper Cholesky factor of ``H^-1``: the
     same matrix as ``cholesky(cholesky_inverse(cholesky(H)), upper=True)`` up to float64 rounding,
-    with a third of the arithmetic and two float64 matrices alive instead of three (each 1.6 GB for
-    an 8B model's down_proj; the inverse is solved in place). On failure the damping is multiplied
+    with a third of the arithmetic and one float64 matrix alive, plus quarter-size temporaries of the
+    blocked inverse (``invert_lower_``), instead of three (each 1.6 GB for an 8B model's down_proj). On failure the damping is multiplied
     by 10, up to ``max_escalations`` times, with a warning; then a ``FloatingPointError`` names the layer.
     """
     n = H.shape[0]
@@ -220,19 +220,23 @@ def damped_inverse_factor(
     idx = torch.arange(n, device=H.device)
     d = damp
     for attempt in range(max_escalations + 1):
-        Hd = H[order[:, None], order].double()  # J P H P^T J, converted again on every attempt
-        Hd[idx, idx] += d * mean_diag
-        L, info = torch.linalg.cholesky_ex(Hd)
-        del Hd
+        # J P H P^T J in float64, converted again on every attempt, stored column-major: the layout
+        # LAPACK/cuSOLVER factor in, so the factorization below works in place (any other layout makes
+        # torch factor a temporary copy and copy it back)
+        L = torch.empty_strided((n, n), (1, n), dtype=torch.float64, device=H.device)
+        L.copy_(H[order[:, None], order])
+        L[idx, idx] += d * mean_diag
+        L, info = _cholesky_in_place(L)
         if int(info) == 0:
-            Linv = torch.eye(n, dtype=L.dtype, device=L.device)
-            torch.linalg.solve_triangular(L, Linv, upper=False, out=Linv)  # L^-1, in place
+            invert_lower_(L)  # L^-1, in place
+            U = L.float()  # float32 before the flip: the copy the flip makes is half the size
             del L
-            U = Linv.flip((0, 1))  # J L^-1 J
-            del Linv
+            U = U.flip((0, 1)).contiguous()  # J L^-1 J (row-major, as the solvers read it)
             if torch.isfinite(U).all():
-                return U.float(), d
+                return U, d
             del U
+        else:
+            del L
         if attempt < max_escalations:
             new_d = max(d * 10.0, 1e-6)
             warnings.warn(
@@ -245,6 +249,41 @@ def damped_inverse_factor(
         f"GPTQ {name or 'layer'}: the Hessian is not positive definite even with damp={d:g}; "
         "check the calibration data (NaN/Inf activations?) or raise --damp"
     )
+
+
+def _cholesky_in_place(A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lower Cholesky factor of the column-major ``A``, written over it: (L, info). Should a backend
+    refuse the aliased output, the ordinary call (one more matrix) gives the same factor."""
+    info = torch.empty((), dtype=torch.int32, device=A.device)
+    try:
+        torch.linalg.cholesky_ex(A, out=(A, info))
+        return A, info
+    except RuntimeError:
+        return torch.linalg.cholesky_ex(A)
+
+
+def invert_lower_(L: torch.Tensor, block: int = 1024) -> torch.Tensor:
+    """Invert the lower-triangular ``L [n, n]`` in place (its upper triangle must be zero) and return it.
+
+    With ``L = [[A, 0], [B, C]]``, ``L^-1 = [[A^-1, 0], [-C^-1 B A^-1, C^-1]]``: the off-diagonal block
+    from two triangular solves, then both diagonal blocks the same way, recursively down to ``block``
+    columns, where one ``solve_triangular`` against the identity does it. The temporaries are a
+    quarter of ``L`` at most, where ``solve_triangular(L, I)`` needs a second whole matrix (1.5 GiB in
+    float64 for an 8B model's down_proj)."""
+    n = L.shape[0]
+    if n <= block:
+        eye = torch.eye(n, dtype=L.dtype, device=L.device)
+        L.copy_(torch.linalg.solve_triangular(L, eye, upper=False))
+        return L
+    h = n // 2
+    A, B, C = L[:h, :h], L[h:, :h], L[h:, h:]
+    X = torch.linalg.solve_triangular(C, B, upper=False)  # C^-1 B
+    X = torch.linalg.solve_triangular(A, X, upper=False, left=False)  # C^-1 B A^-1
+    B.copy_(X.neg_())
+    del X
+    invert_lower_(A, block)
+    invert_lower_(C, block)
+    return L
 
 
 def _columns(
