@@ -3,7 +3,7 @@
 # GPTQ --desc-act on Llama-3-8B shapes (32 layers, 128 x 2048), llm-compressor's GPTQ on 8 layers of the
 # same model, then the Qwen2.5-14B-shaped model quantized from disk. Ordered by importance, each step
 # under its own timeout; one log ($OUT/run.log) and one JSON per step under $OUT.
-# Run from a staged copy: cd .stage/quant && bash bench/device_quant_s16.sh  (wheels in ../../.whl)
+# Run from a staged copy: cd .stage/quant && bash bench/device_quant_s16.sh  (wheels copied into .whl_llmc/ of the staged copy)
 set -o pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 LOG=$OUT/run.log
@@ -24,7 +24,7 @@ timeout 100 python3 bench/bench_quantize_8b.py --method gptq --desc-act --out $O
 step gptq
 # llm-compressor from carried wheels, in /tmp/site for this step only (its pydantic/typing_extensions)
 ( python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    ../../.whl/*.whl 2>&1 | tail -3
+    .whl_llmc/*.whl 2>&1 | tail -3
   export PYTHONPATH=/tmp/site
   mkdir -p /tmp/llmc && cd /tmp/llmc && timeout 150 python3 $OLDPWD/bench/peer_llmcompressor_gptq_8b.py --layers 8 \
     --out $OUT/llmc_gptq_8.json 2>&1 | grep -v -E "it/s\]|s/it\]" | tail -40 ) 2>&1 | tee -a $LOG
