@@ -17,9 +17,9 @@ step setup
 timeout 60 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_awq_fake_quant.py \
   tests/test_walker_activations.py 2>&1 | tail -8 | tee -a $LOG
 step tests
-timeout 85 python3 bench/bench_quantize_8b.py --method awq --asym --out $OUT/awq_32.json 2>&1 | tee -a $LOG | tail -14
+timeout 100 python3 bench/bench_quantize_8b.py --method awq --asym --out $OUT/awq_32.json 2>&1 | tee -a $LOG | tail -14
 step awq
-timeout 100 python3 bench/bench_quantize_8b.py --method gptq --desc-act --out $OUT/gptq_32.json 2>&1 \
+timeout 110 python3 bench/bench_quantize_8b.py --method gptq --desc-act --out $OUT/gptq_32.json 2>&1 \
   | tee -a $LOG | tail -16
 step gptq
 # llm-compressor from carried wheels, in /tmp/site for this step only (its pydantic/typing_extensions)
@@ -29,7 +29,10 @@ step gptq
   mkdir -p /tmp/llmc && cd /tmp/llmc && timeout 150 python3 $OLDPWD/bench/peer_llmcompressor_gptq_8b.py --layers 8 \
     --out $OUT/llmc_gptq_8.json 2>&1 | grep -v -E "it/s\]|s/it\]" | tail -40 ) 2>&1 | tee -a $LOG
 step llmcompressor
-timeout 400 python3 bench/bench_quantize_from_disk.py --nsamples 32 --workdir /tmp/qk14 \
+# the ~30 GB model and its checkpoint on the machine's disk (not on /tmp if that is memory)
+W=/tmp/qk14; [ "$(findmnt -n -o FSTYPE -T /tmp)" = tmpfs ] && W=$PWD/.qk14
+echo "from-disk workdir $W ($(findmnt -n -o FSTYPE -T $(dirname $W)))" | tee -a $LOG
+timeout 400 python3 bench/bench_quantize_from_disk.py --nsamples 32 --workdir $W \
   --options '{"desc_act": true, "static_groups": false, "mse": false}' --out $OUT/from_disk_14b.json 2>&1 \
   | tee -a $LOG | tail -30
 step from_disk
