@@ -310,3 +310,23 @@ def test_invert_lower_in_place_matches_the_triangular_solve(n, block):
         got = invert_lower_(Lc, block=block)
         assert got.data_ptr() == ptr and torch.equal(got, torch.tril(got))
         torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
+
+
+def test_host_and_accelerator_factorizations_agree():
+    """The host's in-place factorization and the accelerators' two-matrix one give the same factor to
+    float64 rounding (both run here on the CPU), and both report a failed factorization as None."""
+    from quantkit.methods.gptq import _inverse_factor, _inverse_factor_in_place
+
+    torch.manual_seed(0)
+    n = 1300  # above invert_lower_'s block: the blocked inverse runs
+    x = correlated_inputs(2 * n, n, 3)
+    H = hessian(x)
+    order = torch.argsort(torch.diagonal(H), descending=True).flip(0)
+    idx = torch.arange(n)
+    shift = 0.01 * float(torch.diagonal(H).double().mean())
+    a, b = _inverse_factor(H, order, idx, shift), _inverse_factor_in_place(H, order, idx, shift)
+    assert a.is_contiguous() and b.is_contiguous()
+    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
+    bad = -torch.eye(8)
+    assert _inverse_factor(bad, torch.arange(8), torch.arange(8), 0.0) is None
+    assert _inverse_factor_in_place(bad, torch.arange(8), torch.arange(8), 0.0) is None
