@@ -1,7 +1,8 @@
 """Does AWQ's bounded search subsample cost quality? (CPU, tiny random Llama; seconds)
 
 AWQ scores its scale search on the block outputs of the first ``search_samples`` calibration windows
-and its clip search on ``clip_tokens`` sampled tokens, while the channel means use every window: the
+(attention) and on ``search_tokens`` strided tokens of every window (token-wise blocks: the MLP, the
+linears themselves), and its clip search on ``clip_tokens`` sampled tokens, while the channel means use every window: the
 memory it keeps does not grow with the calibration set. This compares the subsample (default 8
 windows) with searching on all windows, by the relative error of the quantized model's logits against
 the full-precision model on held-out windows. Writes bench/results/awq_search_subsample_<date>.json.
@@ -42,15 +43,18 @@ def main() -> None:
     with torch.no_grad():
         ref = model(held_out).logits.float()
     rows = []
-    for search_samples in (2, 8, 0):
+    # (windows for attention's search, strided tokens for the token-wise searches; 0: the windows too).
+    # The 8B default, 8 windows and 4096 of 262144 tokens, scores the MLP on a quarter of the windows'
+    # tokens: here 8 windows and 256 of the 4096 tokens (1024 the windows' count, from every window).
+    for search_samples, search_tokens in ((8, 0), (8, 256), (8, 1024), (2, 0), (0, 0)):
         q = copy.deepcopy(model)
         t0 = time.perf_counter()
-        walk(q, AWQMethod(QuantScheme(4, 64, False), AWQConfig(search_samples=search_samples)), device="cpu",
-             token_ids=calib, batch_size=8)
+        config = AWQConfig(search_samples=search_samples, search_tokens=search_tokens)
+        walk(q, AWQMethod(QuantScheme(4, 64, False), config), device="cpu", token_ids=calib, batch_size=8)
         with torch.no_grad():
             out = q(held_out).logits.float()
-        rows.append({"search_samples": search_samples or 32, "logit_rel_error": float((out - ref).norm() / ref.norm()),
-                     "seconds": time.perf_counter() - t0})
+        rows.append({"search_samples": search_samples or 32, "search_tokens": search_tokens,
+                     "logit_rel_error": float((out - ref).norm() / ref.norm()), "seconds": time.perf_counter() - t0})
         print(rows[-1], flush=True)
     RESULTS.mkdir(exist_ok=True)
     out_path = RESULTS / f"awq_search_subsample_{time.strftime('%Y%m%d')}.json"

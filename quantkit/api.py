@@ -58,7 +58,7 @@ class QuantizeReport:
     layer_stats: list[dict[str, Any]] = field(repr=False)
     engine_kernels: dict[str, str] = field(default_factory=dict)
     options: dict[str, Any] = field(default_factory=dict)
-    peak_host_memory_bytes: int = 0  # the process's resident-memory high-water mark (getrusage)
+    peak_host_memory_bytes: int = 0  # the process's resident-memory high-water mark (VmHWM on Linux)
     streamed: bool = False  # decoder layers read from disk one at a time (quantkit.lazy_model)
 
     def to_dict(self) -> dict[str, Any]:

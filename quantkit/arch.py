@@ -22,13 +22,16 @@ class ScalingGroup:
 
     ``prev`` is a norm (``prev_kind="norm"``) or a linear (``"linear"``) whose output channels can
     absorb ``1/s``; ``block`` is the module whose output the scale search compares (``""``: the
-    linears themselves).
+    linears themselves). ``tokenwise``: the block maps each token on its own (an MLP, not attention),
+    so its search may score any sample of tokens rather than whole windows (the linears themselves
+    always are).
     """
 
     prev: str
     linears: tuple[str, ...]
     prev_kind: str = "norm"
     block: str = ""
+    tokenwise: bool = False
 
 
 @dataclass(frozen=True)
@@ -54,7 +57,7 @@ def _llama_like_scaling(mlp_norm: str) -> tuple[ScalingGroup, ...]:
         # v -> o folds only where o's input channels map one-to-one onto v's outputs (no GQA
         # repetition); the method checks the shapes and skips with a note otherwise.
         ScalingGroup("self_attn.v_proj", ("self_attn.o_proj",), "linear"),
-        ScalingGroup(mlp_norm, ("mlp.gate_proj", "mlp.up_proj"), "norm", block="mlp"),
+        ScalingGroup(mlp_norm, ("mlp.gate_proj", "mlp.up_proj"), "norm", block="mlp", tokenwise=True),
         ScalingGroup("mlp.up_proj", ("mlp.down_proj",), "linear"),
     )
 

@@ -14,8 +14,11 @@ _spec.loader.exec_module(bench)
 
 
 def test_tiny_smoke_run_writes_its_json(tmp_path, capsys):
-    out = bench.main(["--tiny", "--workdir", str(tmp_path / "work"), "--out", str(tmp_path / "r.json")])
+    options = '{"desc_act": true, "static_groups": false, "mse": false}'  # as the device run passes them
+    out = bench.main(["--tiny", "--workdir", str(tmp_path / "work"), "--out", str(tmp_path / "r.json"),
+                      "--options", options])
     rec = json.loads(out.read_text())
+    assert rec["options"] == {"desc_act": True, "static_groups": False, "mse": False}
     assert rec["streamed"] is True and rec["method"] == "gptq" and rec["shape"]["model_type"] == "qwen2"
     assert rec["model_bytes"] > 0 and rec["checkpoint_bytes"] > 0 and rec["checkpoint_files"] >= 1
     assert rec["peak_host_memory_bytes"] > 2**20 and rec["peak_device_memory_bytes"] == 0

@@ -165,3 +165,16 @@ def test_auto_falls_back_to_the_whole_load_when_the_files_cannot_be_streamed(tin
     assert source is None and not any(p.is_meta for p in loaded.model.parameters())
     with pytest.raises(QuantkitError, match="differently"):
         lazy_model.open_model(str(tiny_llama_dir), LoadConfig(device="cpu", stream="on"), plan)
+
+
+def test_bound_host_heap_takes_on_glibc():
+    """Streaming fixes glibc's mmap threshold (freed layer temporaries leave the process at once); the call
+    reports whether the C library took the setting (glibc on Linux; elsewhere it is a no-op)."""
+    import sys
+
+    from quantkit.lazy_model import _libc, bound_host_heap
+
+    took = bound_host_heap()
+    assert took == (_libc() is not None)
+    if sys.platform.startswith("linux") and _libc() is not None:
+        assert took

@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.large]
 # 1061 MB = 0.37 of the checkpoint. GPTQ on the CPU keeps its per-layer working set (Hessians, Cholesky,
 # stacked weights: ~1 GB for this layer) in host memory: peak 1629 MB = 0.54. On a GPU that working set
 # is device memory.
-RTN_BOUND, GPTQ_BOUND = 0.42, 0.62
+RTN_BOUND, GPTQ_BOUND = 1 / 3, 1 / 3
 SHAPE = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=99, num_attention_heads=16,
              num_key_value_heads=4, max_position_embeddings=512, tie_word_embeddings=False)
 SHARD_BYTES = 512 * 2**20
@@ -56,7 +56,10 @@ try:
     result = report.to_dict()
 except Stop:
     result = {"stopped_after": stop_after}
+# The child's own peak (VmHWM). Not ru_maxrss: Linux carries it over exec, so it reports at least this test
+# process's resident size when it started the child (~1.1 GB after writing the checkpoint).
 result["ru_maxrss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+result["vm_hwm_bytes"] = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM:"))
 print("RESULT " + json.dumps(result))
 """
 
@@ -130,10 +133,11 @@ def test_rtn_from_disk_stays_under_its_bound(llama_2gb, tmp_path):
     folder, size = llama_2gb
     assert size >= 3e9
     report = run_child(folder, tmp_path / "rtn", "rtn")
-    print(f"\nRTN from disk: checkpoint {size / 2**30:.2f} GiB, peak RSS {report['ru_maxrss_bytes'] / 2**20:.0f} MiB "
-          f"({100 * report['ru_maxrss_bytes'] / size:.1f}%), {report['seconds']['total']:.1f} s")
+    print(f"\nRTN from disk: checkpoint {size / 2**30:.2f} GiB, peak RSS {report['vm_hwm_bytes'] / 2**20:.0f} MiB "
+          f"({100 * report['vm_hwm_bytes'] / size:.1f}%), {report['seconds']['total']:.1f} s "
+          f"(ru_maxrss, the parent's size included: {report['ru_maxrss_bytes'] / 2**20:.0f} MiB)")
     assert report["streamed"] and report["n_quantized"] == SHAPE["num_hidden_layers"] * 7
-    assert report["peak_host_memory_bytes"] <= report["ru_maxrss_bytes"] < RTN_BOUND * size
+    assert report["peak_host_memory_bytes"] <= report["vm_hwm_bytes"] < RTN_BOUND * size
     written = open_checkpoint(tmp_path / "rtn")  # headers, index and settings validated by quantkit's reader
     assert len({r.file for r in written.records.values()}) > 1 and len(written.geometry) == SHAPE["num_hidden_layers"] * 7
 
@@ -141,8 +145,9 @@ def test_rtn_from_disk_stays_under_its_bound(llama_2gb, tmp_path):
 def test_gptq_from_disk_stays_under_its_bound(llama_2gb, tmp_path):
     folder, size = llama_2gb
     result = run_child(folder, tmp_path / "gptq", "gptq", stop_after=1)
-    print(f"\nGPTQ from disk, first layer: peak RSS {result['ru_maxrss_bytes'] / 2**20:.0f} MiB "
-          f"({100 * result['ru_maxrss_bytes'] / size:.1f}% of {size / 2**30:.2f} GiB)")
+    print(f"\nGPTQ from disk, first layer: peak RSS {result['vm_hwm_bytes'] / 2**20:.0f} MiB "
+          f"({100 * result['vm_hwm_bytes'] / size:.1f}% of {size / 2**30:.2f} GiB; ru_maxrss, the parent's size "
+          f"included: {result['ru_maxrss_bytes'] / 2**20:.0f} MiB)")
     assert result["stopped_after"] == 1
-    assert result["ru_maxrss_bytes"] < GPTQ_BOUND * size
+    assert result["vm_hwm_bytes"] < GPTQ_BOUND * size
     assert list(tmp_path.iterdir()) == []  # interrupted: no output folder, no temporary folder left

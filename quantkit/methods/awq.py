@@ -55,7 +55,10 @@ class AWQConfig:
     ``clip_skip_qk``: leave q/k projections unclipped (their error acts through the attention scores,
     which the partial-product objective does not see). ``duo_scaling``: divide by the normalized weight
     magnitude too. ``search_samples``: calibration windows whose block outputs score the scale search
-    (0: all; the per-channel activation means always use all). ``gptq``: GPTQ rounding after the
+    of blocks that mix tokens (attention; 0: all; the per-channel activation means always use all).
+    ``search_tokens``: token-wise blocks (an MLP, the linears themselves) are scored on about this many
+    tokens taken at a stride from the whole calibration set instead (0: on the ``search_samples``
+    windows too); at 128 x 2048 tokens a quarter of the 8 windows' products, from every window. ``gptq``: GPTQ rounding after the
     scaling (``gptq_config`` its options). ``gqa_tied_vo``: under grouped-query attention still scale
     v -> o, one scale per value channel shared by the query heads that read it (peers skip v -> o
     there). ``propagate``: the next layer's inputs come from the
@@ -70,6 +73,7 @@ class AWQConfig:
     clip_tokens: int = 512
     clip_skip_qk: bool = True
     search_samples: int = 8
+    search_tokens: int = 4096
     gqa_tied_vo: bool = True
     gptq: bool = False
     gptq_config: GPTQConfig = field(default_factory=GPTQConfig)
@@ -84,6 +88,8 @@ class AWQConfig:
             raise QuantkitError(f"max_shrink must be in [0, 1), got {self.max_shrink}")
         if self.clip_tokens < 1:
             raise QuantkitError(f"clip_tokens must be at least 1, got {self.clip_tokens}")
+        if self.search_tokens < 0:
+            raise QuantkitError(f"search_tokens must be >= 0 (0: the search windows), got {self.search_tokens}")
         if self.search_samples < 0:
             raise QuantkitError(f"search_samples must be >= 0 (0: all windows), got {self.search_samples}")
         if self.propagate not in PROPAGATE:
@@ -209,9 +215,21 @@ def awq_scales(x_mean: torch.Tensor, alpha: float, w_mean: torch.Tensor | None =
 
 def fake_quantize_scaled(w: torch.Tensor, s: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
     """``Q(w * s) / s`` for ``w [out, in]``, ``s [in]``: what the scaled weight contributes for input ``x``
-    (AWQ's groups are contiguous: reductions over a reshaped view, no index gathers)."""
+    (AWQ's groups are contiguous: reductions over a reshaped view, no index gathers). Float32."""
     ws = w.float() * s.view(1, -1)
     return fake_quantize_contiguous(ws, scheme.bits, scheme.group_size, scheme.sym) / s.view(1, -1)
+
+
+def candidate_weight(w: torch.Tensor, s: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
+    """``fake_quantize_scaled(w, s, scheme)`` in ``w``'s dtype: one fused Triton pass on CUDA (the same
+    values bit for bit, kernels/awq_fake_quant.py), the torch ops elsewhere (also under Triton's
+    interpreter, which the kernel's own tests use: it would be far slower than torch on the CPU)."""
+    if w.is_cuda:
+        from quantkit.kernels.awq_fake_quant import fake_quantize_scaled_triton, fused_supported
+
+        if fused_supported(w, scheme.group_size):
+            return fake_quantize_scaled_triton(w, s, scheme.bits, scheme.group_size, scheme.sym)
+    return fake_quantize_scaled(w, s, scheme).to(w.dtype)
 
 
 def search_scale(
@@ -246,7 +264,7 @@ def search_scale(
         alpha = i / config.grid
         s = awq_scales(x_mean, alpha, w_mean, check=False) if i else torch.ones_like(x_mean, dtype=torch.float32)
         finite &= torch.isfinite(s).all()
-        candidates = [fake_quantize_scaled(w, s, scheme).to(w.dtype) for w in weights]
+        candidates = [candidate_weight(w, s, scheme) for w in weights]
         diff = block_fn(candidates).float() - target
         del candidates
         if reduce_sums is None:

@@ -3,7 +3,8 @@
 Per layer: one forward of the full-precision layer over the calibration batches records, for every
 scaling group of the architecture record (``ArchSpec.scaling``), the per-channel mean ``|x|`` of its
 input (all tokens), the inputs and outputs of the block its scale search scores (the first
-``search_samples`` windows), sampled tokens for the clip search, and the layer's output (the next
+``search_samples`` windows for attention; about ``search_tokens`` strided tokens of every batch for a
+token-wise block or the linears themselves), sampled tokens for the clip search, and the layer's output (the next
 layer's inputs under ``propagate="fp"``). Every group's scale is searched on that unmodified layer,
 then all are folded (the full-precision function is unchanged), the weights are clipped and rounded
 with the RTN core or GPTQ.
@@ -54,6 +55,7 @@ class _Site:
     group: ScalingGroup | None  # None: no scale for this input (no record, or nothing to fold into)
     block: str  # module whose output scores the scale search ("": the linears themselves)
     tie: tuple[int, int] | None = None  # (n_rep, head_dim): prev's outputs repeated per head (GQA)
+    tokenwise: bool = False  # the search scores strided tokens of every batch, not the search windows
     sum_abs: torch.Tensor | None = None  # [in]
     count: int = 0
     clip_x: list[torch.Tensor] = field(default_factory=list)  # [t, in] sampled tokens
@@ -131,7 +133,7 @@ def _sites(ctx: LayerContext, notes: list[str], allow_tie: bool) -> list[_Site]:
         tie = _gqa_tie(ctx.layer, g, consumers) if reason and allow_tie else None
         if reason and tie is None:
             notes.append(f"{g.prev} -> {', '.join(consumers)}: scaling skipped ({reason})")
-        sites.append(_Site(consumers, g if tie or not reason else None, g.block, tie))
+        sites.append(_Site(consumers, g if tie or not reason else None, g.block, tie, not g.block or g.tokenwise))
         covered.update(consumers)
     if spec is None:
         notes.append("no architecture record: AWQ scaling skipped, clip search and rounding only")
@@ -195,6 +197,8 @@ def _capture(ctx: LayerContext, sites: list[_Site], config: AWQConfig, with_hess
         inputs.total_tokens = inputs.n_tokens_all  # before the batches go
         inputs.hidden.clear()
     stride = max(1, inputs.n_tokens_all // config.clip_tokens)
+    # token-wise searches: about search_tokens tokens of every batch (0: the search windows, as the rest)
+    token_stride = max(1, inputs.n_tokens_all // config.search_tokens) if config.search_tokens else 0
     by_linear = {s.linears[0]: s for s in sites}
     by_block = {s.block: s for s in sites if s.group is not None and s.block}
     state = {"batch": 0}
@@ -208,9 +212,17 @@ def _capture(ctx: LayerContext, sites: list[_Site], config: AWQConfig, with_hess
             state["batch"] += 1
             outputs.append(inputs.keep(first_output(output).detach()))
             return
-        if name in by_block and searching:
-            by_block[name].calls.append((args, kwargs))
-            by_block[name].outputs.append(first_output(output).detach())
+        if name in by_block:
+            site = by_block[name]
+            if token_stride and site.tokenwise and len(args) == 1 and not kwargs:
+                # [1, t, in] (a block may expect batch and sequence axes) and its outputs [t, out]
+                x = args[0].detach()
+                site.calls.append(((x.reshape(-1, x.shape[-1])[::token_stride].unsqueeze(0).contiguous(),), {}))
+                out = first_output(output).detach()
+                site.outputs.append(out.reshape(-1, out.shape[-1])[::token_stride].contiguous())
+            elif searching:
+                site.calls.append((args, kwargs))
+                site.outputs.append(first_output(output).detach())
         if name in by_linear:
             site = by_linear[name]
             x = args[0].detach()
@@ -222,8 +234,11 @@ def _capture(ctx: LayerContext, sites: list[_Site], config: AWQConfig, with_hess
             if with_hessian:
                 site.hessian = site.hessian or HessianAccumulator(x2.shape[1], device=x2.device)
                 site.hessian.add(x2)
-            if searching and site.group is not None and not site.block:
-                site.calls.append(((x,), {}))
+            if site.group is not None and not site.block:
+                if token_stride:
+                    site.calls.append(((x2[::token_stride].contiguous(),), {}))  # a copy, not a view of the batch
+                elif searching:
+                    site.calls.append(((x,), {}))
 
     names = [""] + sorted(by_block) + sorted(by_linear)
     capture_calls(ctx.layer, LayerInputs(batches, inputs.kwargs, device=inputs.device, offload=inputs.offload),

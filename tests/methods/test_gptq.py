@@ -321,3 +321,41 @@ def test_inverse_factor_equals_the_three_step_reference(desc_act):
     assert damp == 0.01 and torch.equal(U, torch.triu(U))
     assert (U != ref.float()).float().mean() <= 1e-4
     torch.testing.assert_close(U.double(), ref, rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("n, block", [(50, 1024), (301, 64), (1000, 128)])
+def test_invert_lower_in_place_matches_the_triangular_solve(n, block):
+    """The blocked in-place inverse of a lower-triangular factor (what ``damped_inverse_factor`` uses to keep
+    one float64 matrix alive) equals ``solve_triangular(L, I)`` to float64 rounding, in L's own storage,
+    lower-triangular, also for a column-major L (the layout the in-place Cholesky leaves)."""
+    from quantkit.methods.gptq import invert_lower_
+
+    torch.manual_seed(0)
+    x = torch.randn(2 * n, n, dtype=torch.float64)
+    L = torch.linalg.cholesky(x.t() @ x / n + 0.1 * torch.eye(n, dtype=torch.float64))
+    ref = torch.linalg.solve_triangular(L, torch.eye(n, dtype=torch.float64), upper=False)
+    for Lc in (L.clone(), L.t().contiguous().t()):
+        ptr = Lc.data_ptr()
+        got = invert_lower_(Lc, block=block)
+        assert got.data_ptr() == ptr and torch.equal(got, torch.tril(got))
+        torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
+
+
+def test_host_and_accelerator_factorizations_agree():
+    """The host's in-place factorization and the accelerators' two-matrix one give the same factor to
+    float64 rounding (both run here on the CPU), and both report a failed factorization as None."""
+    from quantkit.methods.gptq import _inverse_factor, _inverse_factor_in_place
+
+    torch.manual_seed(0)
+    n = 1300  # above invert_lower_'s block: the blocked inverse runs
+    x = correlated_inputs(2 * n, n, 3)
+    H = hessian(x)
+    order = torch.argsort(torch.diagonal(H), descending=True).flip(0)
+    idx = torch.arange(n)
+    shift = 0.01 * float(torch.diagonal(H).double().mean())
+    a, b = _inverse_factor(H, order, idx, shift), _inverse_factor_in_place(H, order, idx, shift)
+    assert a.is_contiguous() and b.is_contiguous()
+    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
+    bad = -torch.eye(8)
+    assert _inverse_factor(bad, torch.arange(8), torch.arange(8), 0.0) is None
+    assert _inverse_factor_in_place(bad, torch.arange(8), torch.arange(8), 0.0) is None
