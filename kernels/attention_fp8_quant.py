@@ -137,14 +137,17 @@ def _quantize_qk_amax_v_kernel(q_ptr, k_ptr, v_ptr, q8_ptr, qs_ptr, k8_ptr, ks_p
 def _quantize_v_t_kernel(v_ptr, vt_ptr, vmax_ptr, v_scale_ptr, n_per_head, total_k, n_pad,
                          N_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
                          SCAN: tl.constexpr, SCALED: tl.constexpr, ROUND_IN_F32: tl.constexpr):
-    """Second launch, program (i, head): storage positions i * BLOCK .. of the head's V^T [D, n_pad] in e4m3. The
+    """Second launch, program (i, head) (one grid axis, in reverse): storage positions i * BLOCK .. of the head's V^T [D, n_pad] in e4m3. The
     key order is a permutation inside aligned 16-token groups of the whole storage, sequences regardless, so
     each row of the tile is one token's V row (a 16-byte-vector load) and each row of the transposed tile a
     contiguous run of positions; positions of no token (past total_k) get zeros. SCALED: v is 16-bit, divided
     by the head's scale (the max of the head's n_per_head block maxima at vmax_ptr, written to v_scale_ptr by
     program 0); else v is e4m3 already and only moved."""
-    pid = tl.program_id(0)
-    head = tl.program_id(1)
+    # last key blocks first, heads fastest: the reverse of the first launch's order, so that the v blocks it read
+    # last are read again while they are still in L2
+    rev = tl.num_programs(0) - 1 - tl.program_id(0)
+    head = rev % N_KV_HEADS
+    pid = rev // N_KV_HEADS
     offs_d = tl.arange(0, HEAD_DIM)
     pos = pid * BLOCK + tl.arange(0, BLOCK)
     tok = _token_at(pos)
@@ -179,7 +182,7 @@ def _v_t_storage(total_k, n_kv_heads, head_dim, device):
 def _launch_v_t(v, vt, n_pad, vmax, v_scale, n_per_head, scaled):
     total_k, n_kv_heads, head_dim = v.shape
     scan = min(1024, triton.next_power_of_2(max(n_per_head, 16)))
-    _quantize_v_t_kernel[(_cdiv(n_pad, KV_SCALE_BLOCK), n_kv_heads)](
+    _quantize_v_t_kernel[(_cdiv(n_pad, KV_SCALE_BLOCK) * n_kv_heads,)](
         v, vt, vmax, v_scale, n_per_head, total_k, n_pad,
         N_KV_HEADS=n_kv_heads, HEAD_DIM=head_dim, BLOCK=KV_SCALE_BLOCK, SCAN=scan, SCALED=scaled,
         ROUND_IN_F32=_interpreted(), num_warps=8)
@@ -193,8 +196,10 @@ def fused_quantization_applies(q, k, v, hadamard=False, fp8_pv=True) -> bool:
                     for x in (q, k, v)))
 
 
-def quantize_qkv_fp8(q, k, v, cu_seqlens_k=None, max_seqlen_k=None, hadamard=False, fp8_pv=True):
+def quantize_qkv_fp8(q, k, v, cu_seqlens_k=None, max_seqlen_k=None, hadamard=False, fp8_pv=True, quantize_q=True):
     """The fp8 operands of the attention kernels, ``prepare_fp8``'s tuple (q8, q_scale, k8, k_scale, v8, v_scale).
+    quantize_q=False (the fused path only): q is returned as it is with q_scale None, for the warp-specialized
+    Gluon kernel, which quantizes each Q tile itself (per row, the same scale) when it loads it.
 
     q: (total_q, Hq, D); k, v: (total_k, Hkv, D), contiguous 16-bit (fp32 for the CPU tests), D a power of two;
     cu_seqlens_k: (B + 1,) int32 (None: one sequence); max_seqlen_k: the longest key sequence (None: total_k, an
@@ -209,14 +214,17 @@ def quantize_qkv_fp8(q, k, v, cu_seqlens_k=None, max_seqlen_k=None, hadamard=Fal
         cu_seqlens_k = torch.tensor([0, total_k], dtype=torch.int32, device=dev)
     n_blocks = _cdiv(max(max_seqlen_k if max_seqlen_k is not None else total_k, 1), KV_SCALE_BLOCK)
     n_kv_programs = (cu_seqlens_k.numel() - 1) * n_blocks * n_kv_heads
-    q8 = torch.empty(q.shape, dtype=torch.float8_e4m3fn, device=dev)
     k8 = torch.empty(k.shape, dtype=torch.float8_e4m3fn, device=dev)
-    q_scale = torch.empty(total_q, n_heads, dtype=torch.float32, device=dev)
     k_scale = torch.empty(total_k, n_kv_heads, dtype=torch.float32, device=dev)
     vmax = torch.empty(n_kv_programs, dtype=torch.float32, device=dev)
-    n_q_rows = total_q * n_heads
+    n_q_rows = total_q * n_heads if quantize_q else 0
+    q8, q_scale = q, None
+    if quantize_q:
+        q8 = torch.empty(q.shape, dtype=torch.float8_e4m3fn, device=dev)
+        q_scale = torch.empty(total_q, n_heads, dtype=torch.float32, device=dev)
     _quantize_qk_amax_v_kernel[(n_kv_programs + _cdiv(n_q_rows, Q_ROWS),)](
-        q, k, v, q8, q_scale, k8, k_scale, vmax, cu_seqlens_k, n_q_rows, n_blocks, n_kv_programs,
+        q, k, v, q8, k_scale if q_scale is None else q_scale, k8, k_scale, vmax, cu_seqlens_k, n_q_rows, n_blocks,
+        n_kv_programs,
         N_KV_HEADS=n_kv_heads, HEAD_DIM=head_dim, BLOCK=KV_SCALE_BLOCK, ROWS=Q_ROWS, ROUND_IN_F32=_interpreted(),
         num_warps=8)
     vt, n_pad = _v_t_storage(total_k, n_kv_heads, head_dim, dev)

@@ -58,6 +58,8 @@ def _same_codes(a, b):
 def _assert_same_operands(got, ref):
     names = ("q8", "q_scale", "k8", "k_scale", "v8", "v_scale")
     for name, a, b in zip(names, got, ref):
+        if a is None and b is None:
+            continue
         assert a.shape == b.shape and a.dtype == b.dtype, name
         assert (_same_codes(a, b) if a.dtype == torch.float8_e4m3fn else torch.equal(a, b)), name
     assert got[4].stride() == ref[4].stride()
@@ -75,6 +77,15 @@ def test_fused_quantization_is_prepare_fp8_bit_for_bit(lens, hq, hkv, d, dtype, 
     q, k, v, cu = _packed(lens, hq, hkv, d, dtype, seed=1)
     got = fq.quantize_qkv_fp8(q, k, v, cu, max(lens))
     _assert_same_operands(got, prepare_fp8(q, k, v, cu_seqlens_k=cu))
+
+
+def test_fused_quantization_can_leave_q_to_the_attention_kernel(poisoned_v_storage):
+    # quantize_q=False (the warp-specialized Gluon kernel quantizes each Q tile itself): q comes back as it is,
+    # no q scale, and k, v exactly as with Q quantized here
+    q, k, v, cu = _packed([0, 37, 130, 5], 4, 2, 32, torch.float16, seed=2)
+    got = fq.quantize_qkv_fp8(q, k, v, cu, 130, quantize_q=False)
+    assert got[0] is q and got[1] is None
+    _assert_same_operands((None, None) + got[2:], (None, None) + prepare_fp8(q, k, v, cu_seqlens_k=cu)[2:])
 
 
 def test_fused_quantization_without_max_seqlen_k_bounds_the_grid_by_total_k():
@@ -210,3 +221,18 @@ def test_gpu_fp8_inputs_with_descales(causal):
     deq = (q8.float() * qd[..., None], k8.float() * kd[:, None], v8.float() * vd[:, None])
     ref = attention(*(x.view(b, s, h, d) for x in deq), causal=causal, use_tma=False)
     assert rel_err(out, ref) < 0.05  # only P is rounded inside the kernel (wrong descales give > 0.1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_q_quantized_in_the_ws_kernel_is_prepare_fp8_bit_for_bit(causal):
+    # the warp-specialized kernel's own Q quantization against the operands of prepare_fp8: equal outputs, also
+    # when 128-row query tiles cross sequence ends (lengths multiples of 32, not of 128) and with GQA
+    q, k, v, cu = _packed([1024, 96, 2048, 160], 16, 4, 128, torch.bfloat16, seed=5)
+    args = (cu, cu, 2048)
+    out = attention_varlen(q, k, v, *args, causal=causal, fp8=True, backend="gluon_ws", kv_aligned=True)
+    prep = prepare_fp8(q, k, v, cu_seqlens_k=cu)
+    same = attention_varlen(q, k, v, *args, causal=causal, backend="gluon_ws", fp8_prepared=prep, kv_aligned=True)
+    assert torch.equal(out, same)
+    assert rel_err(out, attention_ref(q, k, v, cu, cu, causal=causal)) < 0.06
