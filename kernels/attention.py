@@ -392,7 +392,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=F
                 raise ValueError(f"the {backend} kernel does not handle this call: {reason}")
     if quantize:
         fp8_prepared = quantize_qkv_fp8(q, k, v, cu_seqlens_k, max_seqlen_k, hadamard, fp8_pv,
-                                        quantize_q=backend != "gluon_ws")
+                                        for_ws=backend == "gluon_ws")
     if backend in ("gluon", "gluon_ws"):
         from quantkit.kernels import attention_gluon, attention_gluon_ws
 

@@ -261,7 +261,7 @@ def _consume_tile(wg, q_in, q_smem, k_smem, v_smem, ks_smem, q_bars, q_empty, k_
                   HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr, IS_FP8: gl.constexpr,
                   NUM_BUF: gl.constexpr, PINGPONG: gl.constexpr, TMA_STORE: gl.constexpr,
                   STAGE_KS: gl.constexpr, ones_smem, ROWSUM_MMA: gl.constexpr, LAZY_RESCALE: gl.constexpr,
-                  Q_QUANT: gl.constexpr):
+                  Q_QUANT: gl.constexpr, V_BLOCK: gl.constexpr):
     """One warpgroup, one work tile: rows blk_m0 + wg * 64 .. + 63. Round j (j = 0..n_tiles)
     issues S_j and P_(j-1) V_(j-1) inside this warpgroup's turn; the softmax of S_j then overlaps
     both the P V wgmma (intra-warpgroup) and the other warpgroup's round (ping-pong). cnt: ring
@@ -329,6 +329,9 @@ def _consume_tile(wg, q_in, q_smem, k_smem, v_smem, ks_smem, q_bars, q_empty, k_
         qk_scale = qk_scale * _quantize_q_tile(q_in.index(wg), q_tile, row_s, HEAD_DIM)
         mbarrier.arrive(q_empty.index(wg), count=1)  # q_in is free for the next tile's Q
     row_scale = qk_scale
+    # V_BLOCK: one V scale per key tile (v_scale_ptr per token, as the K scale); O is kept in the units of the
+    # last tile's scale, so each round's O rescale also takes the ratio of the previous tile's scale to this one's
+    vs_prev = 1.0
 
     if n_tiles > 0:
         # round 0: S_0 alone
@@ -347,6 +350,8 @@ def _consume_tile(wg, q_in, q_smem, k_smem, v_smem, ks_smem, q_bars, q_empty, k_
         p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, row_scale, 0, offs_m, offs_n, seqlen_k, delta,
                                            full_hi, IS_CAUSAL, BLOCK_N, not ROWSUM_MMA, P_LOG2, TAU)
         p_op = _p_operand(p, p_layout, p_dtype, IS_FP8, HALF_M, BLOCK_N)
+        if V_BLOCK:
+            vs_prev = gl.load(v_scale_ptr + kv_start * stride_ksn + kv_head)
         for j in range(1, n_tiles):
             stage = (cnt + j) % NUM_BUF
             prev = (cnt + j - 1) % NUM_BUF
@@ -361,6 +366,8 @@ def _consume_tile(wg, q_in, q_smem, k_smem, v_smem, ks_smem, q_bars, q_empty, k_
             if IS_FP8:
                 row_scale = qk_scale * _k_scale(ks_smem, stage, ks_ptr, (kv_start + j * BLOCK_N) * stride_ksn + kv_head,
                                                 row_s, STAGE_KS)
+            if V_BLOCK:  # used after the softmax: its latency is hidden
+                vs_cur = gl.load(v_scale_ptr + (kv_start + j * BLOCK_N) * stride_ksn + kv_head)
             if ROWSUM_MMA:
                 s = warpgroup_mma_wait(2, deps=[s])  # S_j done; P V and P @ ones may still run
             else:
@@ -376,10 +383,14 @@ def _consume_tile(wg, q_in, q_smem, k_smem, v_smem, ks_smem, q_bars, q_empty, k_
             else:
                 acc, p_op = warpgroup_mma_wait(0, deps=[acc, p_op])
             mbarrier.arrive(v_empty.index(prev), count=1)
+            alpha_o = gl.convert_layout(alpha, row_o)
+            if V_BLOCK:  # O from the units of tile j - 1's V scale to tile j's
+                alpha_o = alpha_o * (vs_prev / vs_cur)
+                vs_prev = vs_cur
             if LAZY_RESCALE:
-                acc = _rescale_o(acc, gl.convert_layout(alpha, row_o), HEAD_DIM)
+                acc = _rescale_o(acc, alpha_o, HEAD_DIM)
             else:
-                acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+                acc = acc * gl.expand_dims(alpha_o, 1)
             p_op = _p_operand(p, p_layout, p_dtype, IS_FP8, HALF_M, BLOCK_N)
         if not Q_QUANT:
             mbarrier.arrive(q_empty.index(wg), count=1)  # every Q K^T of this tile retired
@@ -405,7 +416,9 @@ def _consume_tile(wg, q_in, q_smem, k_smem, v_smem, ks_smem, q_bars, q_empty, k_
     # deferred normalisation; rows that saw no key output 0
     l_safe = gl.where(l_i == 0.0, 1.0, l_i)
     acc = acc / gl.expand_dims(gl.convert_layout(l_safe, row_o), 1)
-    if IS_FP8:
+    if V_BLOCK:
+        acc = acc * vs_prev
+    elif IS_FP8:
         acc = acc * gl.load(v_scale_ptr + kv_head)
     if TMA_STORE and m0 + HALF_M <= seqlen_q:
         # rows past seqlen_q belong to the next sequence: only whole halves go by TMA
@@ -432,7 +445,8 @@ def _ws_consumer(wg, q_in, q_smem, k_smem, v_smem, ks_smem, q_bars, q_empty, k_r
                  GROUP: gl.constexpr,
                  HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr, IS_FP8: gl.constexpr,
                  NUM_BUF: gl.constexpr, PINGPONG: gl.constexpr, TMA_STORE: gl.constexpr, STAGE_KS: gl.constexpr,
-                 ones_smem, ROWSUM_MMA: gl.constexpr, LAZY_RESCALE: gl.constexpr, Q_QUANT: gl.constexpr):
+                 ones_smem, ROWSUM_MMA: gl.constexpr, LAZY_RESCALE: gl.constexpr, Q_QUANT: gl.constexpr,
+                 V_BLOCK: gl.constexpr):
     """Consumer warpgroup `wg` over this program's work tiles (the producer's order)."""
     cnt = 0  # K/V tiles consumed so far: ring stage and phase
     it = 0  # work tiles so far: Q buffer phase
@@ -446,7 +460,7 @@ def _ws_consumer(wg, q_in, q_smem, k_smem, v_smem, ks_smem, q_bars, q_empty, k_r
                           turn_bars, desc_o, o_smem, o_ptr, qs_ptr, ks_ptr, v_scale_ptr, sm_scale, stride_om,
                           stride_oh, stride_qsm, stride_ksn, q_start, seqlen_q, kv_start, seqlen_k, blk_m0, head,
                           kv_head, n_tiles, cnt, it, rnd, HEAD_DIM, BLOCK_N, IS_CAUSAL, IS_FP8, NUM_BUF, PINGPONG,
-                          TMA_STORE, STAGE_KS, ones_smem, ROWSUM_MMA, LAZY_RESCALE, Q_QUANT)
+                          TMA_STORE, STAGE_KS, ones_smem, ROWSUM_MMA, LAZY_RESCALE, Q_QUANT, V_BLOCK)
             cnt += n_tiles
             it += 1
             if n_tiles > 0:
@@ -463,7 +477,7 @@ def _attn_fwd_ws(desc_q, desc_k, desc_v, desc_o, o_ptr, qs_ptr, ks_ptr, v_scale_
                  IS_CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, NUM_BUF: gl.constexpr,
                  PINGPONG: gl.constexpr, TMA_STORE: gl.constexpr, STAGE_KS: gl.constexpr,
                  ROWSUM_MMA: gl.constexpr, LAZY_RESCALE: gl.constexpr, Q_QUANT: gl.constexpr,
-                 CONSUMER_REGS: gl.constexpr):
+                 V_BLOCK: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     """Grid: up to one program per SM, each looping over its work tiles (`_tile_coords`;
     N_WORK = query blocks x sequences x heads; a grid of N_WORK programs runs one tile each)."""
     dtype: gl.constexpr = desc_k.dtype
@@ -526,13 +540,13 @@ def _attn_fwd_ws(desc_q, desc_k, desc_v, desc_o, o_ptr, qs_ptr, ks_ptr, v_scale_
                         stride_qsm, stride_ksn,
                         cu_seqlens_q_ptr, cu_seqlens_k_ptr, NUM_M_BLOCKS, N_SEQ, N_WORK, SWIZZLE,
                         GROUP, HEAD_DIM, BLOCK_N, IS_CAUSAL, IS_FP8, NUM_BUF, PINGPONG, TMA_STORE, STAGE_KS,
-                        ones_smem, ROWSUM_MMA, LAZY_RESCALE, Q_QUANT)),
+                        ones_smem, ROWSUM_MMA, LAZY_RESCALE, Q_QUANT, V_BLOCK)),
         (_ws_consumer, (1, q_in, q_smem, k_smem, v_smem, ks_smem, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
                         turn_bars, desc_o, o_smem, o_ptr, qs_ptr, ks_ptr, v_scale_ptr, sm_scale, stride_om, stride_oh,
                         stride_qsm, stride_ksn,
                         cu_seqlens_q_ptr, cu_seqlens_k_ptr, NUM_M_BLOCKS, N_SEQ, N_WORK, SWIZZLE,
                         GROUP, HEAD_DIM, BLOCK_N, IS_CAUSAL, IS_FP8, NUM_BUF, PINGPONG, TMA_STORE, STAGE_KS,
-                        ones_smem, ROWSUM_MMA, LAZY_RESCALE, Q_QUANT)),
+                        ones_smem, ROWSUM_MMA, LAZY_RESCALE, Q_QUANT, V_BLOCK)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -590,6 +604,9 @@ def attention_varlen_ws(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causa
     desc_q, desc_k, desc_v, q_scale, k_scale, v_scale = make_descriptors(
         q, k, v, _HALF_M, block_n, fp8_prepared, out)
     q_quant = fp8 and fp8_prepared[0].dtype != torch.float8_e4m3fn  # 16-bit Q: quantized in the kernel
+    v_block = fp8 and v_scale.dim() == 2  # one V scale per key tile (quantize_qkv_fp8(for_ws=True)), per token
+    if v_block:
+        assert v_scale.stride(0) == k_scale.stride(0) and v_scale.stride(1) == 1
     desc_o = _output_descriptor(out) if tma_store else desc_q  # (a placeholder without the TMA store)
     n_m_blocks = triton.cdiv(max_seqlen_q, 2 * _HALF_M)
     n_work = n_m_blocks * (cu_seqlens_q.numel() - 1) * n_heads
@@ -604,6 +621,7 @@ def attention_varlen_ws(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causa
                              BLOCK_N=block_n, IS_CAUSAL=causal, IS_FP8=fp8, NUM_BUF=num_buf, PINGPONG=pingpong,
                              TMA_STORE=bool(tma_store), STAGE_KS=bool(stage_ks and fp8),
                              ROWSUM_MMA=bool(rowsum_mma and fp8), LAZY_RESCALE=bool(lazy_rescale), Q_QUANT=q_quant,
+                             V_BLOCK=v_block,
                              CONSUMER_REGS=CONSUMER_REGS, num_warps=4, maxnreg=MAXNREG)
     return out
 

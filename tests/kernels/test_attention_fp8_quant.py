@@ -8,7 +8,12 @@ import torch
 
 from quantkit.kernels import attention_fp8_quant as fq  # noqa: E402  (conftest set TRITON_INTERPRET first)
 from quantkit.kernels.attention import attention, attention_ref, attention_varlen
-from quantkit.kernels.attention_fp8 import _key_perm_positions, prepare_fp8, quantize_fp8_per_token
+from quantkit.kernels.attention_fp8 import (
+    _key_perm_positions,
+    prepare_fp8,
+    quantize_fp8_per_block,
+    quantize_fp8_per_token,
+)
 from tests.conftest import rel_err
 
 CUDA = torch.cuda.is_available()
@@ -79,13 +84,25 @@ def test_fused_quantization_is_prepare_fp8_bit_for_bit(lens, hq, hkv, d, dtype, 
     _assert_same_operands(got, prepare_fp8(q, k, v, cu_seqlens_k=cu))
 
 
-def test_fused_quantization_can_leave_q_to_the_attention_kernel(poisoned_v_storage):
-    # quantize_q=False (the warp-specialized Gluon kernel quantizes each Q tile itself): q comes back as it is,
-    # no q scale, and k, v exactly as with Q quantized here
-    q, k, v, cu = _packed([0, 37, 130, 5], 4, 2, 32, torch.float16, seed=2)
-    got = fq.quantize_qkv_fp8(q, k, v, cu, 130, quantize_q=False)
+def _ws_reference(q, k, v, cu):
+    """The operands of quantize_qkv_fp8(for_ws=True) in plain PyTorch: q as it is, K as prepare_fp8, V with the
+    per-block scales of K (quantize_fp8_per_block) in prepare_fp8's V^T storage."""
+    _, _, k8, k_scale, v8_head, _ = prepare_fp8(q, k, v, cu_seqlens_k=cu)
+    codes, v_scale = quantize_fp8_per_block(v, cu)
+    store = torch.zeros_like(_storage(v8_head))
+    store[:, :, _key_perm_positions(store.shape[2], v.device)[:v.shape[0]]] = codes.permute(1, 2, 0)
+    return q, None, k8, k_scale, store[:, :, :v.shape[0]].permute(2, 0, 1), v_scale
+
+
+@pytest.mark.parametrize("lens,d,dtype", [([37], 32, torch.float32), ([0, 32, 160, 5], 32, torch.float16),
+                                          ([128, 3], 64, torch.float32)])
+def test_fused_quantization_for_the_ws_kernel(lens, d, dtype, poisoned_v_storage):
+    # for_ws=True: q comes back as it is (the kernel quantizes it), V one scale per 128-key block as K, its codes
+    # written by the key-block programs straight to the V^T storage, the zeros after the last token included
+    q, k, v, cu = _packed(lens, 4, 2, d, dtype, seed=2)
+    got = fq.quantize_qkv_fp8(q, k, v, cu, max(lens), for_ws=True)
     assert got[0] is q and got[1] is None
-    _assert_same_operands((None, None) + got[2:], (None, None) + prepare_fp8(q, k, v, cu_seqlens_k=cu)[2:])
+    _assert_same_operands(got, _ws_reference(q, k, v, cu))
 
 
 def test_fused_quantization_without_max_seqlen_k_bounds_the_grid_by_total_k():
