@@ -362,7 +362,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=F
     use_tma: load K / V tiles through tensor descriptors (default: on Hopper and newer; V follows K
     where its layout allows).
     backend: "triton" (this file's kernel), "gluon" (`attention_gluon`: Hopper, head dim 64/128,
-    no window / soft-cap; config is then AttentionTiles with NUM_BUF as num_stages), "gluon_ws"
+    no window / soft-cap, 16-bit; config is then AttentionTiles with NUM_BUF as num_stages), "gluon_ws"
     (`attention_gluon_ws`, FA3's warp-specialized ping-pong; same cases; config an `attention_select.WsConfig`),
     or "auto": the kernel measured fastest on the H200 for the case (`attention_select.select_attention`).
     kv_aligned: whether every entry of cu_seqlens_k is a multiple of 32, when the caller knows it
@@ -390,16 +390,21 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=F
             ok, reason = gluon_attention_supports(call)
             if not ok:
                 raise ValueError(f"the {backend} kernel does not handle this call: {reason}")
+            if backend == "gluon" and fp8:
+                raise ValueError("the FA3-ordered gluon kernel runs 16-bit attention only; fp8 runs in gluon_ws")
     if quantize:
         fp8_prepared = quantize_qkv_fp8(q, k, v, cu_seqlens_k, max_seqlen_k, hadamard, fp8_pv,
                                         for_ws=backend == "gluon_ws")
-    if backend in ("gluon", "gluon_ws"):
-        from quantkit.kernels import attention_gluon, attention_gluon_ws
+    if backend == "gluon":
+        from quantkit.kernels.attention_gluon import attention_varlen_gluon
 
-        run = attention_gluon_ws.attention_varlen_ws if backend == "gluon_ws" else \
-            attention_gluon.attention_varlen_gluon
-        return run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=causal, sm_scale=sm_scale,
-                   config=config, fp8_prepared=fp8_prepared)
+        return attention_varlen_gluon(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=causal,
+                                      sm_scale=sm_scale, config=config)
+    if backend == "gluon_ws":
+        from quantkit.kernels.attention_gluon_ws import attention_varlen_ws
+
+        return attention_varlen_ws(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=causal,
+                                   sm_scale=sm_scale, config=config, fp8_prepared=fp8_prepared)
     total_q, n_heads, head_dim = q.shape
     total_k, n_kv_heads, _ = k.shape
     assert n_heads % n_kv_heads == 0 and head_dim in (16, 32, 64, 128, 256)

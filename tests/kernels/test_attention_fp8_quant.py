@@ -8,12 +8,7 @@ import torch
 
 from quantkit.kernels import attention_fp8_quant as fq  # noqa: E402  (conftest set TRITON_INTERPRET first)
 from quantkit.kernels.attention import attention, attention_ref, attention_varlen
-from quantkit.kernels.attention_fp8 import (
-    _key_perm_positions,
-    prepare_fp8,
-    quantize_fp8_per_block,
-    quantize_fp8_per_token,
-)
+from quantkit.kernels.attention_fp8 import _key_perm_positions, prepare_fp8, prepare_fp8_ws, quantize_fp8_per_token
 from tests.conftest import rel_err
 
 CUDA = torch.cuda.is_available()
@@ -84,16 +79,6 @@ def test_fused_quantization_is_prepare_fp8_bit_for_bit(lens, hq, hkv, d, dtype, 
     _assert_same_operands(got, prepare_fp8(q, k, v, cu_seqlens_k=cu))
 
 
-def _ws_reference(q, k, v, cu):
-    """The operands of quantize_qkv_fp8(for_ws=True) in plain PyTorch: q as it is, K as prepare_fp8, V with the
-    per-block scales of K (quantize_fp8_per_block) in prepare_fp8's V^T storage."""
-    _, _, k8, k_scale, v8_head, _ = prepare_fp8(q, k, v, cu_seqlens_k=cu)
-    codes, v_scale = quantize_fp8_per_block(v, cu)
-    store = torch.zeros_like(_storage(v8_head))
-    store[:, :, _key_perm_positions(store.shape[2], v.device)[:v.shape[0]]] = codes.permute(1, 2, 0)
-    return q, None, k8, k_scale, store[:, :, :v.shape[0]].permute(2, 0, 1), v_scale
-
-
 @pytest.mark.parametrize("lens,d,dtype", [([37], 32, torch.float32), ([0, 32, 160, 5], 32, torch.float16),
                                           ([128, 3], 64, torch.float32)])
 def test_fused_quantization_for_the_ws_kernel(lens, d, dtype, poisoned_v_storage):
@@ -102,7 +87,7 @@ def test_fused_quantization_for_the_ws_kernel(lens, d, dtype, poisoned_v_storage
     q, k, v, cu = _packed(lens, 4, 2, d, dtype, seed=2)
     got = fq.quantize_qkv_fp8(q, k, v, cu, max(lens), for_ws=True)
     assert got[0] is q and got[1] is None
-    _assert_same_operands(got, _ws_reference(q, k, v, cu))
+    _assert_same_operands(got, prepare_fp8_ws(q, k, v, cu))
 
 
 def test_fused_quantization_without_max_seqlen_k_bounds_the_grid_by_total_k():
@@ -211,7 +196,7 @@ def test_gpu_fused_quantization_is_prepare_fp8_bit_for_bit(d, poisoned_v_storage
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("backend", ["auto", "triton", "gluon"])
+@pytest.mark.parametrize("backend", ["auto", "triton"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_gpu_public_fp8_call(backend, causal):
     b, s, h, d = 2, 1024, 8, 128
@@ -219,7 +204,9 @@ def test_gpu_public_fp8_call(backend, causal):
     out = attention(q, k, v, causal=causal, fp8=True, backend=backend)
     flat = [x.reshape(b * s, h, d) for x in (q, k, v)]
     cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device="cuda")
-    same = attention(q, k, v, causal=causal, backend=backend, fp8_prepared=prepare_fp8(*flat, cu_seqlens_k=cu))
+    # the operands the call makes: the ws kernel's (auto) or the per-head ones of the Triton kernel
+    ops = prepare_fp8_ws(*flat, cu) if backend == "auto" else prepare_fp8(*flat, cu_seqlens_k=cu)
+    same = attention(q, k, v, causal=causal, backend=backend, fp8_prepared=ops)
     assert torch.equal(out, same)
     ref = attention(q.float(), k.float(), v.float(), causal=causal, use_tma=False)
     assert rel_err(out, ref) < 0.06
@@ -244,12 +231,13 @@ def test_gpu_fp8_inputs_with_descales(causal):
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("causal", [False, True])
 def test_gpu_q_quantized_in_the_ws_kernel_is_prepare_fp8_bit_for_bit(causal):
-    # the warp-specialized kernel's own Q quantization against the operands of prepare_fp8: equal outputs, also
-    # when 128-row query tiles cross sequence ends (lengths multiples of 32, not of 128) and with GQA
+    # the public call's operands (one fused launch; Q quantized in the kernel) against their PyTorch reference with
+    # Q quantized by quantize_fp8_per_token: equal outputs, also when 128-row query tiles cross sequence ends
+    # (lengths multiples of 32, not of 128) and with GQA
     q, k, v, cu = _packed([1024, 96, 2048, 160], 16, 4, 128, torch.bfloat16, seed=5)
     args = (cu, cu, 2048)
     out = attention_varlen(q, k, v, *args, causal=causal, fp8=True, backend="gluon_ws", kv_aligned=True)
-    prep = prepare_fp8(q, k, v, cu_seqlens_k=cu)
+    prep = quantize_fp8_per_token(q) + prepare_fp8_ws(q, k, v, cu)[2:]
     same = attention_varlen(q, k, v, *args, causal=causal, backend="gluon_ws", fp8_prepared=prep, kv_aligned=True)
     assert torch.equal(out, same)
     assert rel_err(out, attention_ref(q, k, v, cu, cu, causal=causal)) < 0.06
