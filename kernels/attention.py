@@ -37,12 +37,9 @@ permutes. The sum over keys does not care about their order, so `_perm_keys` ren
 columns by a register-only reshape/permute and V is read in the same permuted key order
 (`prepare_fp8` stores V^T that way).
 
-What plain Triton 3.6 cannot do here: overlap the softmax with the tensor cores. It waits for
-each wgmma right after issuing it (the Q K^T wait also retires the previous P V), so every key
-tile runs Q K^T -> softmax -> P V in sequence; software-pipelining Q K^T one tile ahead in the
-source changes nothing (the wait stays next to the issue). `attention_gluon.py` has the
-FA3-ordered kernel in Gluon and `attention_gluon_ws.py` FA3's warp-specialized ping-pong;
-`attention_varlen(backend="auto")` picks the one measured fastest where they apply.
+Triton 3.6 waits for each wgmma right after issuing it, so the softmax never overlaps the tensor cores
+here; on Hopper `attention_varlen(backend="auto")` runs the Gluon kernels (`attention_gluon.py`, FA3's
+order; `attention_gluon_ws.py`, FA3's warp-specialized ping-pong) where they apply (`attention_select`).
 """
 import math
 

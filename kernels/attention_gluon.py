@@ -2,11 +2,9 @@
 Hopper attention forward in Gluon (`triton.experimental.gluon`): the FlashAttention-3 overlap
 of softmax and tensor cores that plain Triton 3.6 does not produce.
 
-Why a second kernel: in `attention._attn_fwd` Triton waits for every wgmma right after issuing
-it (the Q K^T wait also retires the previous P V), so each key tile runs
-Q K^T -> softmax -> P V one after the other and the MUFU/FP32 work of the softmax (~40% of the
-time at head dim 128) never overlaps the tensor cores. Gluon exposes the asynchronous wgmma and
-its wait, so this kernel orders each key tile j as FA3's intra-warpgroup pipelining does:
+Triton waits for every wgmma right after issuing it, so in `attention._attn_fwd` the softmax never
+overlaps the tensor cores. Gluon exposes the asynchronous wgmma and its wait, so this kernel orders
+each key tile j as FA3's intra-warpgroup pipelining does:
 
     issue S_j = Q K_j^T        (async)
     issue O  += P_{j-1} V_{j-1} (async, P_{j-1} from registers)
@@ -18,9 +16,8 @@ K/V tiles stream through a ring of NUM_BUF shared-memory stages filled by TMA (o
 per tile and operand); a stage is refilled once the program's warpgroups have retired the P V
 that read it (a CTA barrier per tile).
 
-Measured on the H200 (bench/NOTES_attention.md): with two warpgroups on 128-row tiles this order
-alone gained nothing over the Triton kernel (473 vs 489 TFLOP/s, bf16 hd128 S=4096); with one
-warpgroup on 64-row tiles, two programs per SM, it is 0-5% faster, hence the default config.
+The selection runs it for short rows at head dim 128 (`attention_select`), with one warpgroup on
+64-row tiles, two programs per SM (bench/NOTES_attention.md).
 
 Scope: bf16/fp16, head dim 64/128, causal or not, packed varlen, GQA; no window or soft-cap
 (`attention.attention_varlen` keeps those) and no fp8, which `attention_select` gives to the
@@ -253,10 +250,8 @@ def _attn_fwd_gluon(desc_q, desc_k, desc_v, o_ptr, cu_seqlens_q_ptr, cu_seqlens_
 
 
 def _default_config(head_dim) -> AttentionTiles:
-    """(BLOCK_M, BLOCK_N, num_warps, NUM_BUF as num_stages), from the H200 sweep at S=4096: 64-row tiles with one
-    warpgroup and a 3-deep ring (<= 113 KB of shared memory) run two programs per SM, whose
-    phases the schedulers interleave (bf16 hd128: 494 / 443 TFLOP/s non-causal / causal against
-    477 / 424 for 128x128 with two warpgroups and a 3-deep ring in 224 KB)."""
+    """(BLOCK_M, BLOCK_N, num_warps, NUM_BUF as num_stages), from the H200 sweep: at head dim 128, 64-row tiles
+    with one warpgroup and a 3-deep ring run two programs per SM, whose phases the schedulers interleave."""
     return AttentionTiles(64, 64, 4, 3) if head_dim == 128 else AttentionTiles(128, 128, 8, 5)
 
 

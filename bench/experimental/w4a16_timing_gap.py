@@ -10,7 +10,9 @@ One process, one config, every way the two scripts time it (bench/NOTES_w4a16.md
   makes them (the float32 reference of the first still allocated) and as the benchmark does (after freeing it);
   three times each, alternating, explicit config and through the layer's plan;
 * ``graph_8_copies``: the same with 8 copies a replay, so a replay's start-up is shared by 8 calls, not 2;
-* ``replay_overhead``: the median replay time of a graph of one tiny kernel (what each replay adds).
+* ``replay_overhead``: the median replay time of a graph of one tiny kernel (what each replay adds);
+* ``alt_*``: the same for the runner-up (the M = 2-8 entries' config: 128-column tiles, 4 CTAs an SM), which the
+  run-time tuner of main before the table picked (41.4 us in the benchmark of the 2026-12-02 A/B).
 
     python bench/experimental/w4a16_timing_gap.py [--out DIR]
 """
@@ -41,6 +43,7 @@ def main():
     args = ap.parse_args()
     entry = next(e for e in load_table() if (e["n"], e["k"], e["m"]) == (N, K, M))
     cfg = config_from_dict(entry["kernel"], entry["config"])
+    alt = config_from_dict("gluon", dict(BLOCK_N=128, BLOCK_M=16, NUM_BUF=4, CTAS_PER_SM=4, X_BOX_K=64))
     res = {"shape": [N, K, M], "config": entry["config"], "table_us": entry.get("us"),
            "card": torch.cuda.get_device_name(), "runs": {}}
 
@@ -56,6 +59,8 @@ def main():
     res["rel_err"] = err
     evict = l2_evict_buffer("cuda")
     for _ in range(2):
+        add("alt_tuner_gpu_time", gpu_time_us(lambda: kw.w4a16_matmul(x, w, path="gluon", config=alt), evict,
+                                              replays=20))
         add("tuner_gpu_time", gpu_time_us(lambda: kw.w4a16_matmul(x, w, path="gluon", config=cfg), evict,
                                           replays=20))
     tuner_ws = rotating_weights(w, N, K)
@@ -68,8 +73,12 @@ def main():
             add(name, bench_graph([lambda x=x, w=w: kw.w4a16_matmul(x, w, path="gluon", config=cfg)
                                    for x, w in zip(xs, ws)]))
             add(name + "_planned", bench_graph([lambda x=x, w=w: kw.w4a16_matmul(x, w) for x, w in zip(xs, ws)]))
+            add("alt_" + name, bench_graph([lambda x=x, w=w: kw.w4a16_matmul(x, w, path="gluon", config=alt)
+                                            for x, w in zip(xs, ws)]))
     eight = bench_ws + [make_weights(N, K) for _ in range(8 - len(bench_ws))]
     for _ in range(2):
+        add("alt_graph_8_copies", bench_graph([lambda x=x, w=w: kw.w4a16_matmul(x, w, path="gluon", config=alt)
+                                               for x, w in zip(xs, eight)]))
         add("graph_8_copies", bench_graph([lambda x=x, w=w: kw.w4a16_matmul(x, w, path="gluon", config=cfg)
                                            for x, w in zip(xs, eight)]))
     tiny = torch.zeros(1, device="cuda")
