@@ -279,8 +279,6 @@ def fp8_call_table(args, results):
         k8, v8 = ((x.float() / sc[:, None]).to(torch.float8_e4m3fn) for x, sc in zip(flat[1:], (kd, vd)))
         pre8 = [x.view(b, s, h, d) for x in (q8, k8, v8)]
         prepared = quantize_qkv_fp8(*flat, cu, s)
-        prepared_ws = quantize_qkv_fp8(*flat, cu, s, for_ws=True)
-        prepared_ws_q8 = quantize_fp8_per_token(flat[0]) + prepared_ws[2:]
         for causal in (False, True):
             with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
                 ref = torch.nn.functional.scaled_dot_product_attention(
@@ -294,15 +292,6 @@ def fp8_call_table(args, results):
                                                         v_descale=vd),
                 "fp8_kernel_only": lambda: attention(q, k, v, causal=causal, fp8_prepared=prepared),
                 "quantize_only": lambda: quantize_qkv_fp8(*flat, cu, s),
-                # the public call's own parts: the warp-specialized kernel quantizing Q itself with per-block V
-                # scales, and the one quantization launch of k and v
-                "fp8_ws_kernel_only": lambda: attention(q, k, v, causal=causal, fp8_prepared=prepared_ws,
-                                                        backend="gluon_ws"),
-                # the same kernel on e4m3 Q (quantized beforehand) with the per-block V scales: what Q's
-                # quantization inside the kernel costs
-                "fp8_ws_kernel_q8": lambda: attention(q, k, v, causal=causal, fp8_prepared=prepared_ws_q8,
-                                                      backend="gluon_ws"),
-                "quantize_ws_only": lambda: quantize_qkv_fp8(*flat, cu, s, for_ws=True),
             }
             row = {"hq": h, "hkv": h, "head_dim": d, "seqlen": s, "batch": b, "causal": causal}
             f = flops(b, h, s, d, causal)
@@ -313,14 +302,13 @@ def fp8_call_table(args, results):
                 row[f"{name}_us"] = round(t * 1e3, 1) if t else err
                 if t and not name.startswith("quantize"):
                     row[f"{name}_tflops"] = round(f / t / 1e9, 1)
-            for name in ("fp8_public", "fp8_public_before", "fp8_inputs_descale", "fp8_kernel_only",
-                         "fp8_ws_kernel_only", "fp8_ws_kernel_q8"):
+            for name in ("fp8_public", "fp8_public_before", "fp8_inputs_descale", "fp8_kernel_only"):
                 if isinstance(row.get(f"{name}_us"), float) and isinstance(row.get("bf16_us"), float):
                     row[f"{name}_vs_bf16"] = round(row["bf16_us"] / row[f"{name}_us"], 3)
             results["fp8_call"].append(row)
             print("fp8_call", row, flush=True)
             del ref
-        del q, k, v, flat, prepared, prepared_ws, prepared_ws_q8, q8, k8, v8, pre8
+        del q, k, v, flat, prepared, q8, k8, v8, pre8
 
 
 def decode_table(results, copy_tbs):

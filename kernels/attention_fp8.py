@@ -98,27 +98,12 @@ def prepare_fp8(q, k, v, hadamard=False, fp8_pv=True, cu_seqlens_k=None):
     if not fp8_pv:
         return q8, q_scale, k8, k_scale, v, None
     v_scale = v.abs().amax(dim=(0, 2)).float().clamp(min=1e-12) * INV_E4M3_MAX
-    return q8, q_scale, k8, k_scale, _v_t(_codes(v, v_scale[None, :, None])), v_scale
-
-
-def _v_t(v8):
-    """e4m3 V (total_k, Hkv, D) as the kernels read it: a (total_k, Hkv, D) view of (Hkv, D, total_k + >= 256
-    zeros) storage, the token dim padded by one 256-wide tile of zeros so that no TMA box of V^T crosses the end,
-    the tokens in the key order of ``_perm_keys``."""
-    total_k, n_kv_heads, head_dim = v8.shape
+    # Token dim padded by one 256-wide tile of zeros, so no TMA box of V^T crosses the end.
     n_pad = _cdiv(total_k + 256, 32) * 32
-    vt = torch.zeros(n_kv_heads, head_dim, n_pad, dtype=torch.float8_e4m3fn, device=v8.device)
-    vt[:, :, _key_perm_positions(n_pad, v8.device)[:total_k]] = v8.permute(1, 2, 0)
-    return vt[:, :, :total_k].permute(2, 0, 1)
-
-
-def prepare_fp8_ws(q, k, v, cu_seqlens_k):
-    """The plain-PyTorch reference of ``attention_fp8_quant.quantize_qkv_fp8(for_ws=True)``, the operands of the
-    warp-specialized kernel: q as it is (the kernel quantizes it per token, as quantize_fp8_per_token), K as
-    prepare_fp8, V with one scale per KV_SCALE_BLOCK keys as K (v_scale (total_k, Hkv), per token)."""
-    k8, k_scale = quantize_fp8_per_block(k, cu_seqlens_k)
-    v8, v_scale = quantize_fp8_per_block(v, cu_seqlens_k)
-    return q, None, k8, k_scale, _v_t(v8), v_scale
+    v8 = torch.zeros(n_kv_heads, head_dim, n_pad, dtype=torch.float8_e4m3fn, device=v.device)
+    pos = _key_perm_positions(n_pad, v.device)[:total_k]
+    v8[:, :, pos] = _codes(v, v_scale[None, :, None]).permute(1, 2, 0)
+    return q8, q_scale, k8, k_scale, v8[:, :, :total_k].permute(2, 0, 1), v_scale
 
 
 def kv_starts_aligned(cu_seqlens_k, known=None) -> bool:

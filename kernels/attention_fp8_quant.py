@@ -94,32 +94,11 @@ def _quantize_q_rows(q_ptr, q8_ptr, qs_ptr, row0, n_rows, HEAD_DIM: tl.constexpr
 
 
 @triton.jit
-def _quantize_v_block(v_ptr, vt_ptr, vs_ptr, kv_start, seqlen, blk, head, n_pad, N_KV_HEADS: tl.constexpr,
-                      HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, ROUND_IN_F32: tl.constexpr):
-    """V_BLOCK: key block `blk` of a sequence starting at kv_start (a multiple of 16) with its own V scale (written
-    for each of its keys, as the K scale) and its e4m3 codes written straight to V^T storage. The block's storage
-    positions hold the same tokens (the key permutation stays inside aligned 16-token groups), so the tile is
-    loaded by position as ``_quantize_v_t_kernel`` does."""
-    offs_d = tl.arange(0, HEAD_DIM)
-    pos = kv_start + blk * BLOCK + tl.arange(0, BLOCK)
-    tok = _token_at(pos)
-    ok = tok < kv_start + seqlen
-    v = tl.load(v_ptr + ((tok.to(tl.int64) * N_KV_HEADS + head) * HEAD_DIM)[:, None] + offs_d[None, :],
-                mask=ok[:, None], other=0.0).to(tl.float32)
-    scale = _scale_of(tl.max(tl.max(tl.abs(v), axis=1), axis=0))
-    v8 = _to_e4m3(_codes(v, scale), ROUND_IN_F32)
-    ptrs = (head * HEAD_DIM + offs_d).to(tl.int64)[:, None] * n_pad + pos[None, :]
-    tl.store(vt_ptr + ptrs, tl.trans(v8), mask=ok[None, :])
-    tl.store(vs_ptr + tok.to(tl.int64) * N_KV_HEADS + head, tl.zeros([BLOCK], tl.float32) + scale, mask=ok)
-
-
-@triton.jit
-def _quantize_k_block(k_ptr, v_ptr, k8_ptr, ks_ptr, vmax_ptr, vt_ptr, cu_seqlens_k_ptr, slot, n_blocks, n_slots,
-                      n_pad, N_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
-                      V_BLOCK: tl.constexpr, ROUND_IN_F32: tl.constexpr):
+def _quantize_k_block(k_ptr, v_ptr, k8_ptr, ks_ptr, vmax_ptr, cu_seqlens_k_ptr, slot, n_blocks, n_slots,
+                      N_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+                      ROUND_IN_F32: tl.constexpr):
     """Key block `slot` = (sequence, block, head): one K scale for its keys (written for each of them), e4m3 K,
-    and the block's V maximum (0 for a block past the end of its sequence); V_BLOCK: the block's V quantized
-    with its own scale instead (``_quantize_v_block``; vmax_ptr then holds the per-token V scales)."""
+    and the block's V maximum (0 for a block past the end of its sequence)."""
     head = slot % N_KV_HEADS
     blk = (slot // N_KV_HEADS) % n_blocks
     seq = slot // (N_KV_HEADS * n_blocks)
@@ -134,63 +113,38 @@ def _quantize_k_block(k_ptr, v_ptr, k8_ptr, ks_ptr, vmax_ptr, vt_ptr, cu_seqlens
     scale = _scale_of(tl.max(tl.max(tl.abs(k), axis=1), axis=0))
     tl.store(k8_ptr + ptrs, _to_e4m3(_codes(k, scale), ROUND_IN_F32), mask=ok[:, None])
     tl.store(ks_ptr + tok * N_KV_HEADS + head, tl.zeros([BLOCK], tl.float32) + scale, mask=ok)
-    if V_BLOCK:
-        _quantize_v_block(v_ptr, vt_ptr, vmax_ptr, kv_start, seqlen, blk, head, n_pad, N_KV_HEADS, HEAD_DIM, BLOCK,
-                          ROUND_IN_F32)
-    else:
-        v = tl.load(v_ptr + ptrs, mask=ok[:, None], other=0.0).to(tl.float32)
-        # head-major, so that the second launch reads one head's maxima as one contiguous run
-        tl.store(vmax_ptr + head * (n_slots // N_KV_HEADS) + slot // N_KV_HEADS,
-                 tl.max(tl.max(tl.abs(v), axis=1), axis=0))
+    v = tl.load(v_ptr + ptrs, mask=ok[:, None], other=0.0).to(tl.float32)
+    # head-major, so that the second launch reads one head's maxima as one contiguous run
+    tl.store(vmax_ptr + head * (n_slots // N_KV_HEADS) + slot // N_KV_HEADS, tl.max(tl.max(tl.abs(v), axis=1), axis=0))
 
 
 @triton.jit
-def _quantize_qk_amax_v_kernel(q_ptr, k_ptr, v_ptr, q8_ptr, qs_ptr, k8_ptr, ks_ptr, vmax_ptr, vt_ptr,
-                               cu_seqlens_k_ptr, n_q_rows, n_blocks, n_kv_programs, n_pad_programs, total_k, n_pad,
-                               N_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
-                               ROWS: tl.constexpr, V_BLOCK: tl.constexpr, ROUND_IN_F32: tl.constexpr):
-    """First launch: programs 0..n_kv_programs - 1 take a key block each; V_BLOCK: the next n_pad_programs write
-    the zeros of V^T past the last token; the rest ROWS rows of Q each."""
+def _quantize_qk_amax_v_kernel(q_ptr, k_ptr, v_ptr, q8_ptr, qs_ptr, k8_ptr, ks_ptr, vmax_ptr, cu_seqlens_k_ptr,
+                        n_q_rows, n_blocks, n_kv_programs,
+                        N_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+                        ROWS: tl.constexpr, ROUND_IN_F32: tl.constexpr):
+    """First launch: programs 0..n_kv_programs - 1 take a key block each, the rest ROWS rows of Q each."""
     pid = tl.program_id(0)
     if pid < n_kv_programs:
-        _quantize_k_block(k_ptr, v_ptr, k8_ptr, ks_ptr, vmax_ptr, vt_ptr, cu_seqlens_k_ptr, pid, n_blocks,
-                          n_kv_programs, n_pad, N_KV_HEADS, HEAD_DIM, BLOCK, V_BLOCK, ROUND_IN_F32)
-    elif pid < n_kv_programs + n_pad_programs:
-        _zero_v_t_tail(vt_ptr, pid - n_kv_programs, total_k, n_pad, N_KV_HEADS, HEAD_DIM, BLOCK)
+        _quantize_k_block(k_ptr, v_ptr, k8_ptr, ks_ptr, vmax_ptr, cu_seqlens_k_ptr, pid, n_blocks, n_kv_programs,
+                          N_KV_HEADS, HEAD_DIM, BLOCK, ROUND_IN_F32)
     else:
-        _quantize_q_rows(q_ptr, q8_ptr, qs_ptr, (pid - n_kv_programs - n_pad_programs) * ROWS, n_q_rows, HEAD_DIM,
-                         ROWS, ROUND_IN_F32)
-
-
-@triton.jit
-def _zero_v_t_tail(vt_ptr, i, total_k, n_pad, N_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   BLOCK: tl.constexpr):
-    """V_BLOCK: program i of the tail, (position block, head): zeros at the V^T positions that hold no token
-    (those of tokens >= total_k up to n_pad), which the key blocks leave unwritten."""
-    head = i % N_KV_HEADS
-    pos = (total_k // 16) * 16 + (i // N_KV_HEADS) * BLOCK + tl.arange(0, BLOCK)
-    empty = (_token_at(pos) >= total_k) & (pos < n_pad)
-    offs_d = tl.arange(0, HEAD_DIM)
-    ptrs = (head * HEAD_DIM + offs_d).to(tl.int64)[:, None] * n_pad + pos[None, :]
-    tl.store(vt_ptr + ptrs, tl.zeros([HEAD_DIM, BLOCK], tl.float32).to(vt_ptr.dtype.element_ty),
-             mask=empty[None, :])
+        _quantize_q_rows(q_ptr, q8_ptr, qs_ptr, (pid - n_kv_programs) * ROWS, n_q_rows, HEAD_DIM, ROWS,
+                         ROUND_IN_F32)
 
 
 @triton.jit
 def _quantize_v_t_kernel(v_ptr, vt_ptr, vmax_ptr, v_scale_ptr, n_per_head, total_k, n_pad,
                          N_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
                          SCAN: tl.constexpr, SCALED: tl.constexpr, ROUND_IN_F32: tl.constexpr):
-    """Second launch, program (i, head) (one grid axis, in reverse): storage positions i * BLOCK .. of the head's V^T [D, n_pad] in e4m3. The
+    """Second launch, program (i, head): storage positions i * BLOCK .. of the head's V^T [D, n_pad] in e4m3. The
     key order is a permutation inside aligned 16-token groups of the whole storage, sequences regardless, so
     each row of the tile is one token's V row (a 16-byte-vector load) and each row of the transposed tile a
     contiguous run of positions; positions of no token (past total_k) get zeros. SCALED: v is 16-bit, divided
     by the head's scale (the max of the head's n_per_head block maxima at vmax_ptr, written to v_scale_ptr by
     program 0); else v is e4m3 already and only moved."""
-    # last key blocks first, heads fastest: the reverse of the first launch's order, so that the v blocks it read
-    # last are read again while they are still in L2
-    rev = tl.num_programs(0) - 1 - tl.program_id(0)
-    head = rev % N_KV_HEADS
-    pid = rev // N_KV_HEADS
+    pid = tl.program_id(0)
+    head = tl.program_id(1)
     offs_d = tl.arange(0, HEAD_DIM)
     pos = pid * BLOCK + tl.arange(0, BLOCK)
     tok = _token_at(pos)
@@ -225,7 +179,7 @@ def _v_t_storage(total_k, n_kv_heads, head_dim, device):
 def _launch_v_t(v, vt, n_pad, vmax, v_scale, n_per_head, scaled):
     total_k, n_kv_heads, head_dim = v.shape
     scan = min(1024, triton.next_power_of_2(max(n_per_head, 16)))
-    _quantize_v_t_kernel[(_cdiv(n_pad, KV_SCALE_BLOCK) * n_kv_heads,)](
+    _quantize_v_t_kernel[(_cdiv(n_pad, KV_SCALE_BLOCK), n_kv_heads)](
         v, vt, vmax, v_scale, n_per_head, total_k, n_pad,
         N_KV_HEADS=n_kv_heads, HEAD_DIM=head_dim, BLOCK=KV_SCALE_BLOCK, SCAN=scan, SCALED=scaled,
         ROUND_IN_F32=_interpreted(), num_warps=8)
@@ -239,13 +193,8 @@ def fused_quantization_applies(q, k, v, hadamard=False, fp8_pv=True) -> bool:
                     for x in (q, k, v)))
 
 
-def quantize_qkv_fp8(q, k, v, cu_seqlens_k=None, max_seqlen_k=None, hadamard=False, fp8_pv=True, for_ws=False):
+def quantize_qkv_fp8(q, k, v, cu_seqlens_k=None, max_seqlen_k=None, hadamard=False, fp8_pv=True):
     """The fp8 operands of the attention kernels, ``prepare_fp8``'s tuple (q8, q_scale, k8, k_scale, v8, v_scale).
-
-    for_ws=True (the fused path only; key sequences starting on multiples of 16 tokens): the operands of the
-    warp-specialized Gluon kernel, in ONE launch: q is returned as it is with q_scale None (the kernel quantizes
-    each Q tile itself, per row, as here), and V gets one scale per 128-key block like K, v_scale (total_k, Hkv)
-    per token, so that v is read once (a per-head scale needs every block's maximum before any code).
 
     q: (total_q, Hq, D); k, v: (total_k, Hkv, D), contiguous 16-bit (fp32 for the CPU tests), D a power of two;
     cu_seqlens_k: (B + 1,) int32 (None: one sequence); max_seqlen_k: the longest key sequence (None: total_k, an
@@ -260,26 +209,17 @@ def quantize_qkv_fp8(q, k, v, cu_seqlens_k=None, max_seqlen_k=None, hadamard=Fal
         cu_seqlens_k = torch.tensor([0, total_k], dtype=torch.int32, device=dev)
     n_blocks = _cdiv(max(max_seqlen_k if max_seqlen_k is not None else total_k, 1), KV_SCALE_BLOCK)
     n_kv_programs = (cu_seqlens_k.numel() - 1) * n_blocks * n_kv_heads
+    q8 = torch.empty(q.shape, dtype=torch.float8_e4m3fn, device=dev)
     k8 = torch.empty(k.shape, dtype=torch.float8_e4m3fn, device=dev)
+    q_scale = torch.empty(total_q, n_heads, dtype=torch.float32, device=dev)
     k_scale = torch.empty(total_k, n_kv_heads, dtype=torch.float32, device=dev)
     vmax = torch.empty(n_kv_programs, dtype=torch.float32, device=dev)
+    n_q_rows = total_q * n_heads
+    _quantize_qk_amax_v_kernel[(n_kv_programs + _cdiv(n_q_rows, Q_ROWS),)](
+        q, k, v, q8, q_scale, k8, k_scale, vmax, cu_seqlens_k, n_q_rows, n_blocks, n_kv_programs,
+        N_KV_HEADS=n_kv_heads, HEAD_DIM=head_dim, BLOCK=KV_SCALE_BLOCK, ROWS=Q_ROWS, ROUND_IN_F32=_interpreted(),
+        num_warps=8)
     vt, n_pad = _v_t_storage(total_k, n_kv_heads, head_dim, dev)
-    if for_ws:
-        q8, q_scale, n_q_rows = q, None, 0
-        vmax = torch.empty(total_k, n_kv_heads, dtype=torch.float32, device=dev)  # the per-token V scales
-        n_pad_programs = _cdiv(n_pad - total_k // 16 * 16, KV_SCALE_BLOCK) * n_kv_heads
-    else:
-        q8 = torch.empty(q.shape, dtype=torch.float8_e4m3fn, device=dev)
-        q_scale = torch.empty(total_q, n_heads, dtype=torch.float32, device=dev)
-        vmax = torch.empty(n_kv_programs, dtype=torch.float32, device=dev)
-        n_q_rows, n_pad_programs = total_q * n_heads, 0
-    _quantize_qk_amax_v_kernel[(n_kv_programs + n_pad_programs + _cdiv(n_q_rows, Q_ROWS),)](
-        q, k, v, q8, k_scale if q_scale is None else q_scale, k8, k_scale, vmax, vt, cu_seqlens_k, n_q_rows,
-        n_blocks, n_kv_programs, n_pad_programs, total_k, n_pad,
-        N_KV_HEADS=n_kv_heads, HEAD_DIM=head_dim, BLOCK=KV_SCALE_BLOCK, ROWS=Q_ROWS, V_BLOCK=for_ws,
-        ROUND_IN_F32=_interpreted(), num_warps=8)
-    if for_ws:
-        return q, None, k8, k_scale, vt[:, :, :total_k].permute(2, 0, 1), vmax
     v_scale = torch.empty(n_kv_heads, dtype=torch.float32, device=dev)
     _launch_v_t(v, vt, n_pad, vmax, v_scale, n_kv_programs // n_kv_heads, True)
     return q8, q_scale, k8, k_scale, vt[:, :, :total_k].permute(2, 0, 1), v_scale

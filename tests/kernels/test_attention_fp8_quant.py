@@ -8,7 +8,7 @@ import torch
 
 from quantkit.kernels import attention_fp8_quant as fq  # noqa: E402  (conftest set TRITON_INTERPRET first)
 from quantkit.kernels.attention import attention, attention_ref, attention_varlen
-from quantkit.kernels.attention_fp8 import _key_perm_positions, prepare_fp8, prepare_fp8_ws, quantize_fp8_per_token
+from quantkit.kernels.attention_fp8 import _key_perm_positions, prepare_fp8, quantize_fp8_per_token
 from tests.conftest import rel_err
 
 CUDA = torch.cuda.is_available()
@@ -58,8 +58,6 @@ def _same_codes(a, b):
 def _assert_same_operands(got, ref):
     names = ("q8", "q_scale", "k8", "k_scale", "v8", "v_scale")
     for name, a, b in zip(names, got, ref):
-        if a is None and b is None:
-            continue
         assert a.shape == b.shape and a.dtype == b.dtype, name
         assert (_same_codes(a, b) if a.dtype == torch.float8_e4m3fn else torch.equal(a, b)), name
     assert got[4].stride() == ref[4].stride()
@@ -77,17 +75,6 @@ def test_fused_quantization_is_prepare_fp8_bit_for_bit(lens, hq, hkv, d, dtype, 
     q, k, v, cu = _packed(lens, hq, hkv, d, dtype, seed=1)
     got = fq.quantize_qkv_fp8(q, k, v, cu, max(lens))
     _assert_same_operands(got, prepare_fp8(q, k, v, cu_seqlens_k=cu))
-
-
-@pytest.mark.parametrize("lens,d,dtype", [([37], 32, torch.float32), ([0, 32, 160, 5], 32, torch.float16),
-                                          ([128, 3], 64, torch.float32)])
-def test_fused_quantization_for_the_ws_kernel(lens, d, dtype, poisoned_v_storage):
-    # for_ws=True: q comes back as it is (the kernel quantizes it), V one scale per 128-key block as K, its codes
-    # written by the key-block programs straight to the V^T storage, the zeros after the last token included
-    q, k, v, cu = _packed(lens, 4, 2, d, dtype, seed=2)
-    got = fq.quantize_qkv_fp8(q, k, v, cu, max(lens), for_ws=True)
-    assert got[0] is q and got[1] is None
-    _assert_same_operands(got, prepare_fp8_ws(q, k, v, cu))
 
 
 def test_fused_quantization_without_max_seqlen_k_bounds_the_grid_by_total_k():
@@ -204,9 +191,7 @@ def test_gpu_public_fp8_call(backend, causal):
     out = attention(q, k, v, causal=causal, fp8=True, backend=backend)
     flat = [x.reshape(b * s, h, d) for x in (q, k, v)]
     cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device="cuda")
-    # the operands the call makes: the ws kernel's (auto) or the per-head ones of the Triton kernel
-    ops = prepare_fp8_ws(*flat, cu) if backend == "auto" else prepare_fp8(*flat, cu_seqlens_k=cu)
-    same = attention(q, k, v, causal=causal, backend=backend, fp8_prepared=ops)
+    same = attention(q, k, v, causal=causal, backend=backend, fp8_prepared=prepare_fp8(*flat, cu_seqlens_k=cu))
     assert torch.equal(out, same)
     ref = attention(q.float(), k.float(), v.float(), causal=causal, use_tma=False)
     assert rel_err(out, ref) < 0.06
@@ -225,19 +210,3 @@ def test_gpu_fp8_inputs_with_descales(causal):
     deq = (q8.float() * qd[..., None], k8.float() * kd[:, None], v8.float() * vd[:, None])
     ref = attention(*(x.view(b, s, h, d) for x in deq), causal=causal, use_tma=False)
     assert rel_err(out, ref) < 0.05  # only P is rounded inside the kernel (wrong descales give > 0.1)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("causal", [False, True])
-def test_gpu_q_quantized_in_the_ws_kernel_is_prepare_fp8_bit_for_bit(causal):
-    # the public call's operands (one fused launch; Q quantized in the kernel) against their PyTorch reference with
-    # Q quantized by quantize_fp8_per_token: equal outputs, also when 128-row query tiles cross sequence ends
-    # (lengths multiples of 32, not of 128) and with GQA
-    q, k, v, cu = _packed([1024, 96, 2048, 160], 16, 4, 128, torch.bfloat16, seed=5)
-    args = (cu, cu, 2048)
-    out = attention_varlen(q, k, v, *args, causal=causal, fp8=True, backend="gluon_ws", kv_aligned=True)
-    prep = quantize_fp8_per_token(q) + prepare_fp8_ws(q, k, v, cu)[2:]
-    same = attention_varlen(q, k, v, *args, causal=causal, backend="gluon_ws", fp8_prepared=prep, kv_aligned=True)
-    assert torch.equal(out, same)
-    assert rel_err(out, attention_ref(q, k, v, cu, cu, causal=causal)) < 0.06
