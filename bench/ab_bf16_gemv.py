@@ -64,7 +64,7 @@ def check(weights: dict, ms: tuple[int, ...]) -> list[dict]:
 
 def _timer(device):
     if torch.device(device).type == "cuda":
-        from quantkit.kernels.gpu_timing import gpu_time_us, l2_evict_buffer
+        from gpu_timing import gpu_time_us, l2_evict_buffer  # bench/, this script's folder
 
         flush = l2_evict_buffer(device)
         return lambda fn: gpu_time_us(fn, flush, calls=8, replays=5)

@@ -30,12 +30,12 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from quantkit.kernels.gpu_timing import replay_us
 
 kw = importlib.import_module(os.environ.get("QUANTKIT_W4A16_MODULE", "quantkit.kernels.w4a16"))
 PLANNED = hasattr(kw, "planned_choice")  # the selection-table API (else: autotuned on first use)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_timing import replay_us  # noqa: E402
 from plot_results import plot_after_run  # noqa: E402
 
 SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336), (28672, 8192), (8192, 28672)]

@@ -29,12 +29,12 @@ import torch
 import triton
 
 from quantkit.kernels import w4a16 as kw
-from quantkit.kernels.gpu_timing import gpu_time_us, l2_evict_buffer
 from quantkit.kernels.w4a16_configs import GemvConfig, GluonConfig, config_to_dict
 from quantkit.kernels.w4a16_select import TABLE_PATH, _small_for_gluon, facts_of, m_bucket
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_w4a16 import bench_graph, dequant_f32, make_weights, rotating_weights  # noqa: E402
+from gpu_timing import gpu_time_us, l2_evict_buffer  # noqa: E402
 
 GROUP = 128
 LLAMA3_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]

@@ -37,12 +37,9 @@ permutes. The sum over keys does not care about their order, so `_perm_keys` ren
 columns by a register-only reshape/permute and V is read in the same permuted key order
 (`prepare_fp8` stores V^T that way).
 
-What plain Triton 3.6 cannot do here: overlap the softmax with the tensor cores. It waits for
-each wgmma right after issuing it (the Q K^T wait also retires the previous P V), so every key
-tile runs Q K^T -> softmax -> P V in sequence; software-pipelining Q K^T one tile ahead in the
-source changes nothing (the wait stays next to the issue). `attention_gluon.py` has the
-FA3-ordered kernel in Gluon and `attention_gluon_ws.py` FA3's warp-specialized ping-pong;
-`attention_varlen(backend="auto")` picks the one measured fastest where they apply.
+Triton 3.6 waits for each wgmma right after issuing it, so the softmax never overlaps the tensor cores
+here; on Hopper `attention_varlen(backend="auto")` runs the Gluon kernels (`attention_gluon.py`, FA3's
+order; `attention_gluon_ws.py`, FA3's warp-specialized ping-pong) where they apply (`attention_select`).
 """
 import math
 
@@ -361,7 +358,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=F
     use_tma: load K / V tiles through tensor descriptors (default: on Hopper and newer; V follows K
     where its layout allows).
     backend: "triton" (this file's kernel), "gluon" (`attention_gluon`: Hopper, head dim 64/128,
-    no window / soft-cap; config is then AttentionTiles with NUM_BUF as num_stages), "gluon_ws"
+    no window / soft-cap, 16-bit; config is then AttentionTiles with NUM_BUF as num_stages), "gluon_ws"
     (`attention_gluon_ws`, FA3's warp-specialized ping-pong; same cases; config an `attention_select.WsConfig`),
     or "auto": the kernel measured fastest on the H200 for the case (`attention_select.select_attention`).
     kv_aligned: whether every entry of cu_seqlens_k is a multiple of 32, when the caller knows it
@@ -374,8 +371,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=F
     if q.dtype == torch.float8_e4m3fn:  # the caller quantized: descale factors, and q, k, v for their shapes
         fp8_prepared = fp8_operands(q, k, v, q_descale, k_descale, v_descale)
         q, k, v = (_shape_of(x, out_dtype) for x in (q, k, v))
-    elif fp8 and fp8_prepared is None:
-        fp8_prepared = quantize_qkv_fp8(q, k, v, cu_seqlens_k, max_seqlen_k, hadamard, fp8_pv)
+    quantize = fp8 and fp8_prepared is None
     fp8 = fp8 or fp8_prepared is not None
     if fp8_prepared is not None:
         fp8_pv = fp8_prepared[4].dtype == torch.float8_e4m3fn
@@ -390,13 +386,20 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=F
             ok, reason = gluon_attention_supports(call)
             if not ok:
                 raise ValueError(f"the {backend} kernel does not handle this call: {reason}")
-    if backend in ("gluon", "gluon_ws"):
-        from quantkit.kernels import attention_gluon, attention_gluon_ws
+            if backend == "gluon" and fp8:
+                raise ValueError("the FA3-ordered gluon kernel runs 16-bit attention only; fp8 runs in gluon_ws")
+    if quantize:
+        fp8_prepared = quantize_qkv_fp8(q, k, v, cu_seqlens_k, max_seqlen_k, hadamard, fp8_pv)
+    if backend == "gluon":
+        from quantkit.kernels.attention_gluon import attention_varlen_gluon
 
-        run = attention_gluon_ws.attention_varlen_ws if backend == "gluon_ws" else \
-            attention_gluon.attention_varlen_gluon
-        return run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=causal, sm_scale=sm_scale,
-                   config=config, fp8_prepared=fp8_prepared)
+        return attention_varlen_gluon(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=causal,
+                                      sm_scale=sm_scale, config=config)
+    if backend == "gluon_ws":
+        from quantkit.kernels.attention_gluon_ws import attention_varlen_ws
+
+        return attention_varlen_ws(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=causal,
+                                   sm_scale=sm_scale, config=config, fp8_prepared=fp8_prepared)
     total_q, n_heads, head_dim = q.shape
     total_k, n_kv_heads, _ = k.shape
     assert n_heads % n_kv_heads == 0 and head_dim in (16, 32, 64, 128, 256)

@@ -2,11 +2,9 @@
 Hopper attention forward in Gluon (`triton.experimental.gluon`): the FlashAttention-3 overlap
 of softmax and tensor cores that plain Triton 3.6 does not produce.
 
-Why a second kernel: in `attention._attn_fwd` Triton waits for every wgmma right after issuing
-it (the Q K^T wait also retires the previous P V), so each key tile runs
-Q K^T -> softmax -> P V one after the other and the MUFU/FP32 work of the softmax (~40% of the
-time at head dim 128) never overlaps the tensor cores. Gluon exposes the asynchronous wgmma and
-its wait, so this kernel orders each key tile j as FA3's intra-warpgroup pipelining does:
+Triton waits for every wgmma right after issuing it, so in `attention._attn_fwd` the softmax never
+overlaps the tensor cores. Gluon exposes the asynchronous wgmma and its wait, so this kernel orders
+each key tile j as FA3's intra-warpgroup pipelining does:
 
     issue S_j = Q K_j^T        (async)
     issue O  += P_{j-1} V_{j-1} (async, P_{j-1} from registers)
@@ -18,13 +16,13 @@ K/V tiles stream through a ring of NUM_BUF shared-memory stages filled by TMA (o
 per tile and operand); a stage is refilled once the program's warpgroups have retired the P V
 that read it (a CTA barrier per tile).
 
-Measured on the H200 (bench/NOTES_attention.md): with two warpgroups on 128-row tiles this order
-alone gained nothing over the Triton kernel (473 vs 489 TFLOP/s, bf16 hd128 S=4096); with one
-warpgroup on 64-row tiles, two programs per SM, it is 0-5% faster, hence the default config.
+The selection runs it for short rows at head dim 128 (`attention_select`), with one warpgroup on
+64-row tiles, two programs per SM (bench/NOTES_attention.md).
 
-Scope: bf16/fp16 and the fp8 path of `attention.prepare_fp8` (e4m3 Q, K, V and P), head
-dim 64/128, causal or not, packed varlen, GQA; no window or soft-cap (`attention.attention_varlen`
-keeps those).
+Scope: bf16/fp16, head dim 64/128, causal or not, packed varlen, GQA; no window or soft-cap
+(`attention.attention_varlen` keeps those) and no fp8, which `attention_select` gives to the
+warp-specialized kernel at every length. The helpers here (softmax tile, P operand, P @ V, row state,
+descriptors) serve both Gluon kernels, with their fp8 paths for the warp-specialized one.
 
 Layout as in `attention.py`: q (total_q, Hq, D), k/v (total_k, Hkv, D), cu_seqlens (B + 1,),
 bottom-right causal alignment.
@@ -86,21 +84,15 @@ def _softmax_tile(s, m_i, l_i, qk_scale, start_n, offs_m, offs_n, seqlen_k, delt
 
 @gluon.jit
 def _load_kv(desc_k, desc_v, k_smem, v_smem, k_bars, v_bars, tile, n_tiles, kv_start, kv_col,
-             BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr, IS_FP8: gl.constexpr):
-    """TMA of key tile `tile` (K and V, each on its own barrier) into stage tile % NUM_BUF; fp8
-    V comes from its transposed (Hkv * D, tokens) storage as a [D, BLOCK_N] box."""
+             BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr):
+    """TMA of key tile `tile` (K and V, each on its own barrier) into stage tile % NUM_BUF."""
     stage = tile % NUM_BUF
     pred = tile < n_tiles
     row = kv_start + tile * BLOCK_N
     mbarrier.expect(k_bars.index(stage), desc_k.block_type.nbytes, pred=pred)
     tma.async_copy_global_to_shared(desc_k, [row, kv_col], k_bars.index(stage), k_smem.index(stage), pred=pred)
     mbarrier.expect(v_bars.index(stage), desc_v.block_type.nbytes, pred=pred)
-    if IS_FP8:
-        tma.async_copy_global_to_shared(desc_v, [kv_col, row], v_bars.index(stage), v_smem.index(stage),
-                                        pred=pred)
-    else:
-        tma.async_copy_global_to_shared(desc_v, [row, kv_col], v_bars.index(stage), v_smem.index(stage),
-                                        pred=pred)
+    tma.async_copy_global_to_shared(desc_v, [row, kv_col], v_bars.index(stage), v_smem.index(stage), pred=pred)
 
 
 @gluon.jit
@@ -153,21 +145,18 @@ def _row_state(qs_ptr, sm_scale, q_start, offs_m, seqlen_q, stride_qsm, head, HE
 
 
 @gluon.jit
-def _attn_fwd_gluon(desc_q, desc_k, desc_v, o_ptr, qs_ptr, ks_ptr, v_scale_ptr,
-                    cu_seqlens_q_ptr, cu_seqlens_k_ptr, sm_scale,
-                    stride_om, stride_oh, stride_qsm, stride_ksn, NUM_M_BLOCKS,
+def _attn_fwd_gluon(desc_q, desc_k, desc_v, o_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr, sm_scale,
+                    stride_om, stride_oh, NUM_M_BLOCKS,
                     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                    BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr, IS_FP8: gl.constexpr,
-                    NUM_BUF: gl.constexpr, num_warps: gl.constexpr):
+                    BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr, NUM_BUF: gl.constexpr, num_warps: gl.constexpr):
     dtype: gl.constexpr = desc_q.dtype
-    MMA_K: gl.constexpr = 32 if IS_FP8 else 16  # wgmma k: 32 bytes of each operand
-    p_dtype: gl.constexpr = gl.float16 if IS_FP8 else dtype  # P as carried across the loop (_p_operand)
+    MMA_K: gl.constexpr = 16  # wgmma k: 32 bytes of each 16-bit operand
     # one warp per 16 rows; S = Q K^T [BLOCK_M, BLOCK_N] and O [BLOCK_M, HEAD_DIM] accumulators
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, BLOCK_N, MMA_K])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, HEAD_DIM, MMA_K])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4 if IS_FP8 else 2)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -198,10 +187,7 @@ def _attn_fwd_gluon(desc_q, desc_k, desc_v, o_ptr, qs_ptr, ks_ptr, v_scale_ptr,
 
     q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], desc_q.layout)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, HEAD_DIM], desc_k.layout)
-    if IS_FP8:  # V^T tiles [D, BLOCK_N]: fp8 wgmma wants B K-major
-        v_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, HEAD_DIM, BLOCK_N], desc_v.layout)
-    else:
-        v_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, HEAD_DIM], desc_v.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, HEAD_DIM], desc_v.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     v_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
@@ -214,26 +200,22 @@ def _attn_fwd_gluon(desc_q, desc_k, desc_v, o_ptr, qs_ptr, ks_ptr, v_scale_ptr,
     mbarrier.expect(q_bar, desc_q.block_type.nbytes)
     tma.async_copy_global_to_shared(desc_q, [q_start + m0, head * HEAD_DIM], q_bar, q_smem)
     for t in gl.static_range(NUM_BUF):
-        _load_kv(desc_k, desc_v, k_smem, v_smem, k_bars, v_bars, t, n_tiles, kv_start, kv_col,
-                 BLOCK_N, NUM_BUF, IS_FP8)
+        _load_kv(desc_k, desc_v, k_smem, v_smem, k_bars, v_bars, t, n_tiles, kv_start, kv_col, BLOCK_N, NUM_BUF)
 
     offs_m = m0 + gl.arange(0, BLOCK_M, layout=row_s)
     offs_n = gl.arange(0, BLOCK_N, layout=col_s)
-    qk_scale, m_i, l_i, acc, s_zero = _row_state(qs_ptr, sm_scale, q_start, offs_m, seqlen_q, stride_qsm, head,
-                                                 HEAD_DIM, BLOCK_N, IS_FP8, o_layout, s_layout)
-    row_scale = qk_scale
+    qk_scale, m_i, l_i, acc, s_zero = _row_state(o_ptr, sm_scale, q_start, offs_m, seqlen_q, 0, head,
+                                                 HEAD_DIM, BLOCK_N, False, o_layout, s_layout)
     mbarrier.wait(q_bar, 0)
 
     if n_tiles > 0:
         # tile 0: S_0 and its softmax (nothing to overlap with yet)
         mbarrier.wait(k_bars.index(0), 0)
         s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        if IS_FP8:  # one K scale per tile (prepare_fp8: per KV_SCALE_BLOCK keys)
-            row_scale = qk_scale * gl.load(ks_ptr + kv_start * stride_ksn + kv_head)
         s = warpgroup_mma_wait(0, deps=[s])
-        p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, row_scale, 0, offs_m, offs_n, seqlen_k, delta,
+        p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, qk_scale, 0, offs_m, offs_n, seqlen_k, delta,
                                            full_hi, IS_CAUSAL, BLOCK_N, True, 0, 0)
-        p_op = _p_operand(p, p_layout, p_dtype, IS_FP8, BLOCK_M, BLOCK_N)
+        p_op = _p_operand(p, p_layout, dtype, False, BLOCK_M, BLOCK_N)
         for j in range(1, n_tiles):
             stage = j % NUM_BUF
             prev = (j - 1) % NUM_BUF
@@ -241,29 +223,25 @@ def _attn_fwd_gluon(desc_q, desc_k, desc_v, o_ptr, qs_ptr, ks_ptr, v_scale_ptr,
             s = warpgroup_mma(q_smem, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False,
                               is_async=True)
             mbarrier.wait(v_bars.index(prev), ((j - 1) // NUM_BUF) & 1)
-            acc = _pv(p_op, v_smem.index(prev), acc, dtype, IS_FP8)
-            if IS_FP8:
-                row_scale = qk_scale * gl.load(ks_ptr + (kv_start + j * BLOCK_N) * stride_ksn + kv_head)
+            acc = _pv(p_op, v_smem.index(prev), acc, dtype, False)
             s = warpgroup_mma_wait(1, deps=[s])  # S_j done; P_{j-1} V_{j-1} may still run
-            p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, row_scale, j * BLOCK_N, offs_m, offs_n,
+            p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, qk_scale, j * BLOCK_N, offs_m, offs_n,
                                                seqlen_k, delta, full_hi, IS_CAUSAL, BLOCK_N, True, 0, 0)
             acc, p_op = warpgroup_mma_wait(0, deps=[acc, p_op])
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-            p_op = _p_operand(p, p_layout, p_dtype, IS_FP8, BLOCK_M, BLOCK_N)
+            p_op = _p_operand(p, p_layout, dtype, False, BLOCK_M, BLOCK_N)
             # both warpgroups have retired the wgmmas that read stage `prev`: refill it
             gl.thread_barrier()
             _load_kv(desc_k, desc_v, k_smem, v_smem, k_bars, v_bars, j - 1 + NUM_BUF, n_tiles, kv_start,
-                     kv_col, BLOCK_N, NUM_BUF, IS_FP8)
+                     kv_col, BLOCK_N, NUM_BUF)
         last = n_tiles - 1
         mbarrier.wait(v_bars.index(last % NUM_BUF), (last // NUM_BUF) & 1)
-        acc = _pv(p_op, v_smem.index(last % NUM_BUF), acc, dtype, IS_FP8)
+        acc = _pv(p_op, v_smem.index(last % NUM_BUF), acc, dtype, False)
         acc = warpgroup_mma_wait(0, deps=[acc])
 
     # deferred normalisation; rows that saw no key output 0
     l_safe = gl.where(l_i == 0.0, 1.0, l_i)
     acc = acc / gl.expand_dims(gl.convert_layout(l_safe, row_o), 1)
-    if IS_FP8:
-        acc = acc * gl.load(v_scale_ptr + kv_head)
     offs_mo = m0 + gl.arange(0, BLOCK_M, layout=row_o)
     offs_d = gl.arange(0, HEAD_DIM, layout=col_o)
     o_ptrs = (o_ptr + gl.expand_dims((q_start + offs_mo).to(gl.int64) * stride_om, 1) + head * stride_oh
@@ -271,14 +249,10 @@ def _attn_fwd_gluon(desc_q, desc_k, desc_v, o_ptr, qs_ptr, ks_ptr, v_scale_ptr,
     gl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=gl.expand_dims(offs_mo < seqlen_q, 1))
 
 
-def _default_config(head_dim, fp8) -> AttentionTiles:
-    """(BLOCK_M, BLOCK_N, num_warps, NUM_BUF as num_stages), from the H200 sweep at S=4096: 64-row tiles with one
-    warpgroup and a 3-deep ring (<= 113 KB of shared memory) run two programs per SM, whose
-    phases the schedulers interleave (bf16 hd128: 494 / 443 TFLOP/s non-causal / causal against
-    477 / 424 for 128x128 with two warpgroups and a 3-deep ring in 224 KB)."""
-    if head_dim == 128:
-        return AttentionTiles(64, 128, 4, 3) if fp8 else AttentionTiles(64, 64, 4, 3)
-    return AttentionTiles(128, 128, 8, 3) if fp8 else AttentionTiles(128, 128, 8, 5)
+def _default_config(head_dim) -> AttentionTiles:
+    """(BLOCK_M, BLOCK_N, num_warps, NUM_BUF as num_stages), from the H200 sweep: at head dim 128, 64-row tiles
+    with one warpgroup and a 3-deep ring run two programs per SM, whose phases the schedulers interleave."""
+    return AttentionTiles(64, 64, 4, 3) if head_dim == 128 else AttentionTiles(128, 128, 8, 5)
 
 
 @functools.cache
@@ -326,29 +300,25 @@ def make_descriptors(q, k, v, block_q, block_n, fp8_prepared, placeholder):
 
 
 def attention_varlen_gluon(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=False, sm_scale=None,
-                           config=None, fp8_prepared=None):
+                           config=None):
     """Same contract as `attention.attention_varlen` for the cases `attention_select.gluon_attention_supports`
     accepts.
 
-    q: (total_q, Hq, D); k, v: (total_k, Hkv, D), bf16/fp16; cu_seqlens_*: (B + 1,) int32.
-    fp8_prepared: the fp8 operands, as attention_varlen makes them (fp8 P @ V only; per-token q, per-block
-    k, per-head v scales). config: `AttentionTiles` (BLOCK_M, BLOCK_N, num_warps,
-    NUM_BUF), see `_default_config`. Returns (total_q, Hq, D) in q's dtype."""
+    q: (total_q, Hq, D); k, v: (total_k, Hkv, D), bf16/fp16; cu_seqlens_*: (B + 1,) int32 (no fp8: the
+    warp-specialized kernel's). config: `AttentionTiles` (BLOCK_M, BLOCK_N, num_warps, NUM_BUF), see
+    `_default_config`. Returns (total_q, Hq, D) in q's dtype."""
     head_dim = q.shape[-1]
     sm_scale = head_dim ** -0.5 if sm_scale is None else sm_scale
-    fp8 = fp8_prepared is not None
-    block_m, block_n, num_warps, num_buf = AttentionTiles(*config) if config else _default_config(head_dim, fp8)
+    block_m, block_n, num_warps, num_buf = AttentionTiles(*config) if config else _default_config(head_dim)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    desc_q, desc_k, desc_v, q_scale, k_scale, v_scale = make_descriptors(
-        q, k, v, block_m, block_n, fp8_prepared, out)
+    desc_q, desc_k, desc_v, *_ = make_descriptors(q, k, v, block_m, block_n, None, out)
     n_heads, n_kv_heads = q.shape[1], k.shape[1]
     assert n_heads % n_kv_heads == 0
     n_m_blocks = triton.cdiv(max_seqlen_q, block_m)
     grid = (n_m_blocks, cu_seqlens_q.numel() - 1, n_heads)
-    _attn_fwd_gluon[grid](desc_q, desc_k, desc_v, out, q_scale, k_scale, v_scale, cu_seqlens_q, cu_seqlens_k,
-                          sm_scale, out.stride(0), out.stride(1),
-                          q_scale.stride(0) if fp8 else 0, k_scale.stride(0) if fp8 else 0, n_m_blocks,
-                          GROUP=n_heads // n_kv_heads, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
-                          IS_CAUSAL=causal, IS_FP8=fp8, NUM_BUF=num_buf, num_warps=num_warps)
+    _attn_fwd_gluon[grid](desc_q, desc_k, desc_v, out, cu_seqlens_q, cu_seqlens_k, sm_scale, out.stride(0),
+                          out.stride(1), n_m_blocks, GROUP=n_heads // n_kv_heads, HEAD_DIM=head_dim,
+                          BLOCK_M=block_m, BLOCK_N=block_n, IS_CAUSAL=causal, NUM_BUF=num_buf,
+                          num_warps=num_warps)
     return out
 

@@ -3,11 +3,8 @@ Hopper attention forward in Gluon with FlashAttention-3's full structure: warp s
 two consumer warpgroups ping-ponged over the tensor core, and the intra-warpgroup overlap of
 `attention_gluon.py`.
 
-Why: the single-partition Gluon kernel orders each warpgroup's work right (softmax of tile j
-under the P V wgmma of tile j - 1) but measured only +0-5% over Triton. Its two warpgroups meet
-at a CTA barrier every tile (a stage is refilled only once both have read it) and issue their
-wgmmas together, so neither's softmax runs while the other one's matmuls occupy the tensor core.
-Here, as in FA3, no CTA-wide barrier is left in the loop:
+As in FA3, no CTA-wide barrier is left in the loop (the FA3-ordered kernel's warpgroups meet at one every
+tile and issue their wgmmas together):
 
 * partitions (`gl.warp_specialize`): a producer (the default partition, 4 warps, few
   registers: `maxnreg` and `worker_num_regs` move the register file to the consumers) issues
@@ -39,8 +36,8 @@ Here, as in FA3, no CTA-wide barrier is left in the loop:
   (64 FMULs a thread and round) when none of its rows raised it: a warp vote and a uniform branch in inline
   PTX.
 
-Measured on the H200 (bench/NOTES_attention.md): bf16 hd128 0.95-1.07x cuDNN at S = 2048-16384; fp8 1.16-1.44x
-this kernel's bf16, so `auto` uses it for fp8. Which flag helps where is in `_default_config` and the notes.
+`attention_select` picks it for fp8 and for 16-bit rows past the short ones; which flag pays where (H200) is in
+`_default_config`, the measurements in bench/NOTES_attention.md.
 
 Scope as `attention_gluon.py` (bf16/fp16 and its fp8 path, head dim 64/128, causal or not,
 packed varlen, GQA); layout q (total_q, Hq, D), k/v (total_k, Hkv, D), cu_seqlens (B + 1,).
@@ -143,10 +140,8 @@ def _tile_coords(k, cu_seqlens_q_ptr, cu_seqlens_k_ptr, NUM_M_BLOCKS, N_SEQ, N_W
 
     Tile order: groups of SWIZZLE (sequence, head) pairs, the query block varying slowest inside
     a group, heaviest (last) first. Round k hands tiles k * P .. k * P + P - 1 to the P programs,
-    in reverse order on odd rounds (zigzag), which evens out the causal work per program
-    (simulated max/mean 1.00-1.03 for the bench shapes; a plain stride over query-block-fastest
-    tiles gave some programs only heavy blocks: run 6, S=16384 causal, 437 TFLOP/s against 574 for
-    one program a tile). SWIZZLE = 1 (query block fastest) keeps the programs running at once on
+    in reverse order on odd rounds (zigzag), which evens out the causal work per program (a plain
+    stride over query-block-fastest tiles gives some programs only heavy blocks). SWIZZLE = 1 (query block fastest) keeps the programs running at once on
     a few K/V heads (L2); the launcher raises it to all pairs when the query blocks of one head
     alone would fill the machine."""
     n_prog = gl.num_programs(0)
@@ -249,17 +244,15 @@ def _consume_tile(wg, q_smem, k_smem, v_smem, ks_smem, q_bars, q_empty, k_ready,
     whose latency the short fp8 S wgmma does not cover). ROWSUM_MMA (fp8): the softmax row sums of
     P_(j-1) come from one more wgmma issued with P_(j-1) V_(j-1), P @ ones_smem (N = ONES_N), into a
     fresh accumulator each round (use_acc=False: the fp8 wgmma's reduced-precision accumulation sums
-    one tile's BLOCK_N terms, never the whole row: run 14c's drift), which is then added to the fp32 running sums
+    one tile's BLOCK_N terms, never the whole row, which drifts), which is then added to the fp32 running sums
     l2d on the CUDA cores (every column of l2d holds the same row sums); instead of the softmax's
     BLOCK_N / 2 FADDs a thread and round.
     LAZY_RESCALE (FA4's conditional rescale): each row keeps a stale max, raised only when a tile's max exceeds
     it by more than TAU (`_softmax_tile`), so alpha is exactly 1 for most rows in most rounds, and each warp
     skips the O rescale (HEAD_DIM / 2 FMULs a thread and round) when all its 16 rows have alpha 1 (`_rescale_o`:
-    a vote and a uniform branch in inline PTX, no exchange between warps; a branch for the whole warpgroup on a
-    cross-warp max of the flags measured slower, run 17a: its shared-memory reduction adds two partition
-    barriers a round). The row sums use the same alpha, so the result is the same softmax (P is then up to
-    2**(P_LOG2 + TAU)). Measured (bench/NOTES_attention.md, runs 17a-b): bf16 hd128 +0.3-3.8% at S = 2048-8192;
-    fp8 1.6-4.1% slower at hd128 and 9.5-14% at hd64, where a stale max without the skip was slower too."""
+    a vote and a uniform branch in inline PTX, no exchange between warps). The row sums use the same alpha, so
+    the result is the same softmax (P is then up to 2**(P_LOG2 + TAU)). Where each flag pays is measured in
+    bench/NOTES_attention.md (`_default_config` holds the outcome)."""
     dtype: gl.constexpr = q_smem.dtype
     MMA_K: gl.constexpr = 32 if IS_FP8 else 16
     # P as carried across the loop's back edge: fp8 P stays fp32 (the registers are there: 240 a

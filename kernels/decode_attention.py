@@ -30,6 +30,28 @@ from quantkit.kernels.device_info import num_sms
 
 
 @triton.jit
+def _online_softmax_step(q, k, v, keep, m_i, l_i, acc, sm_scale, softcap, HAS_SOFTCAP: tl.constexpr):
+    """One key tile of the online softmax, shared by the split kernel and the fused RoPE kernel: the logits
+    q k^T in log2 units (soft-capped: softcap * tanh(s / softcap) on the scaled logits s), masked to -inf where
+    ``keep`` is false, the running max raised, the sum and the accumulator rescaled by exp2, acc += P V.
+    Returns (m_i, l_i, acc)."""
+    if HAS_SOFTCAP:
+        s = tl.dot(q, k.T) * sm_scale / softcap
+        qk = (2.0 / (1.0 + tl.exp(-2.0 * s)) - 1.0) * softcap * 1.4426950408889634
+    else:
+        qk = tl.dot(q, k.T) * (sm_scale * 1.4426950408889634)  # exp2 with log2(e) folded in
+    qk = tl.where(keep, qk, float("-inf"))
+    m_ij = tl.maximum(m_i, tl.max(qk, 1))
+    # a row may have seen no key yet: keep exp2 arguments finite (-inf - -inf = NaN)
+    m_safe = tl.where(m_ij == float("-inf"), 0.0, m_ij)
+    p = tl.math.exp2(qk - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_ij, l_i, acc
+
+
+@triton.jit
 def _decode_split_kernel(q_ptr, k_ptr, v_ptr, seqlens_ptr, slots_ptr, o_part_ptr, lse_part_ptr,
                          sm_scale, chunk, window_left, softcap,
                          stride_qb, stride_qs, stride_qh, stride_qd,
@@ -63,7 +85,6 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, seqlens_ptr, slots_ptr, o_part_ptr
     q_ptrs = (q_ptr + b.to(tl.int64) * stride_qb + t[:, None] * stride_qs + head[:, None] * stride_qh
               + offs_d[None, :] * stride_qd)
     q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
-    qk_scale = sm_scale * 1.4426950408889634  # exp2 with log2(e) folded in
 
     k_base = k_ptr + cache_b * stride_kb + kv_head * stride_kh
     v_base = v_ptr + cache_b * stride_vb + kv_head * stride_vh
@@ -83,24 +104,11 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, seqlens_ptr, slots_ptr, o_part_ptr
                     mask=col_ok[:, None], other=0.0)
         v = tl.load(v_base + cols.to(tl.int64)[:, None] * stride_vn + offs_d[None, :] * stride_vd,
                     mask=col_ok[:, None], other=0.0)
-        if HAS_SOFTCAP:
-            # softcap * tanh(s / softcap) on the scaled logits s, then into log2 units
-            s = tl.dot(q, k.T) * sm_scale / softcap
-            qk = (2.0 / (1.0 + tl.exp(-2.0 * s)) - 1.0) * softcap * 1.4426950408889634
-        else:
-            qk = tl.dot(q, k.T) * qk_scale
         # masking is cheap here (memory-bound), so every tile is masked: ragged end + causal
         keep = col_ok[None, :] & (cols[None, :] <= pos[:, None])
         if HAS_WINDOW:
             keep = keep & (cols[None, :] >= pos[:, None] - window_left)
-        qk = tl.where(keep, qk, float("-inf"))
-        m_ij = tl.maximum(m_i, tl.max(qk, 1))
-        m_safe = tl.where(m_ij == float("-inf"), 0.0, m_ij)
-        p = tl.math.exp2(qk - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_ij
+        m_i, l_i, acc = _online_softmax_step(q, k, v, keep, m_i, l_i, acc, sm_scale, softcap, HAS_SOFTCAP)
 
     # partial result normalised by its own sum; lse (log2 units) = -inf marks an empty split
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -290,22 +298,10 @@ def _decode_rope_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slots_ptr, k_ptr, v_
         col_ok = cols < hi
         k = tl.load(k_base + cols.to(tl.int64)[:, None] * stride_kn + d[None, :], mask=col_ok[:, None], other=0.0)
         v = tl.load(v_base + cols.to(tl.int64)[:, None] * stride_kn + d[None, :], mask=col_ok[:, None], other=0.0)
-        if HAS_SOFTCAP:
-            s = tl.dot(q, k.T) * sm_scale / softcap
-            qk = (2.0 / (1.0 + tl.exp(-2.0 * s)) - 1.0) * softcap * 1.4426950408889634
-        else:
-            qk = tl.dot(q, k.T) * qk_scale
         keep = col_ok[None, :]
         if HAS_WINDOW:
             keep = keep & (cols[None, :] >= pos - window_left)
-        qk = tl.where(keep, qk, float("-inf"))
-        m_ij = tl.maximum(m_i, tl.max(qk, 1))
-        m_safe = tl.where(m_ij == float("-inf"), 0.0, m_ij)
-        p = tl.math.exp2(qk - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_ij
+        m_i, l_i, acc = _online_softmax_step(q, k, v, keep, m_i, l_i, acc, sm_scale, softcap, HAS_SOFTCAP)
 
     if split == n_splits - 1:
         # the new token: its key and value from the projection, written to the cache here (no program reads

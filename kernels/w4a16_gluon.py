@@ -1,11 +1,8 @@
 """W4A16 GEMM in Gluon (`triton.experimental.gluon`) for Hopper: ``Y = X W^T``, decode and prefill.
 
-Why Gluon: the Triton paired-nibble kernel (``w4a16._w4a16_pairs_kernel``) reached only ~40 % of the
-copy bandwidth at M <= 16 and 0.6-0.8x cuBLAS at M >= 1024 on the H200 (bench/NOTES_w4a16.md,
-(bench/NOTES_w4a16.md). Its weight operand goes to the tensor cores from registers, and Triton waits for each
-such wgmma to finish before the registers are rewritten, so dequantization and matrix multiply
-never overlap; its loads are also pipelined only a few tiles deep per program. Gluon lets us
-place both.
+Why Gluon: Triton waits for each register-operand wgmma to finish before the registers are rewritten, so
+in the Triton paired-nibble kernel dequantization and matrix multiply never overlap, and its loads are
+pipelined only a few tiles deep per program (bench/NOTES_w4a16.md). Gluon places both.
 
 One kernel, two tensor-core instructions (constexpr ``WGMMA``), same dequantization:
 

@@ -21,6 +21,7 @@ import argparse
 import datetime
 import json
 import os
+import sys
 
 import torch
 import triton
@@ -30,7 +31,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from quantkit.kernels.gpu_timing import gpu_time_us, l2_evict_buffer, replay_us
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from gpu_timing import gpu_time_us, l2_evict_buffer, replay_us  # noqa: E402  (bench/)
 from quantkit.kernels.w4a16_gluon import LOAD_WARP_REGS, _even_run, _invalidate_ring, _ring_barriers
 
 

@@ -183,7 +183,7 @@ def test_gpu_fused_quantization_is_prepare_fp8_bit_for_bit(d, poisoned_v_storage
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("backend", ["auto", "triton", "gluon"])
+@pytest.mark.parametrize("backend", ["auto", "triton"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_gpu_public_fp8_call(backend, causal):
     b, s, h, d = 2, 1024, 8, 128

@@ -185,3 +185,43 @@ def test_lazy_rescale_spills_no_more(bf16_causal_sass, bf16_causal_lazy_sass, fp
     assert sum("STL" in line for line in bf16_causal_sass) == 0
     assert sum("STL" in line for line in bf16_causal_lazy_sass) == 0
     assert sum("STL" in line for line in fp8_causal_lazy_sass) <= 1
+
+
+# The FA3-ordered kernel (16-bit only; the selection's pick for short rows at head dim 128), causal, its default
+# 64 x 64 tiles
+_COMPILE_FA3 = r"""
+import sys
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from triton.runtime.jit import mangle_type
+from quantkit.kernels import attention_gluon as g
+d, tokens, heads = 128, 4 * 512, 16
+q = torch.randn(tokens, heads, d, dtype=torch.bfloat16)
+cu = torch.arange(0, tokens + 1, 512, dtype=torch.int32)
+out = torch.empty_like(q)
+bm, bn, nw, nb = g._default_config(d)
+desc_q, desc_k, desc_v, *_ = g.make_descriptors(q, q, q, bm, bn, None, out)
+args = dict(desc_q=desc_q, desc_k=desc_k, desc_v=desc_v, o_ptr=out, cu_seqlens_q_ptr=cu, cu_seqlens_k_ptr=cu,
+            sm_scale=0.1, stride_om=heads * d, stride_oh=d, NUM_M_BLOCKS=8)
+constexprs = dict(GROUP=1, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, IS_CAUSAL=True, NUM_BUF=nb, num_warps=nw)
+signature, attrs = {}, {}
+for i, name in enumerate(g._attn_fwd_gluon.arg_names):
+    if name in constexprs:
+        signature[name] = "constexpr"; continue
+    a = args[name]
+    signature[name] = mangle_type(a)
+    if isinstance(a, torch.Tensor) or (isinstance(a, int) and a % 16 == 0):
+        attrs[(i,)] = [["tt.divisibility", 16]]
+src = GluonASTSource(fn=g._attn_fwd_gluon, signature=signature, constexprs=constexprs, attrs=attrs)
+kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": nw})
+open(sys.argv[1], "wb").write(kernel.asm["cubin"])
+"""
+
+
+def test_fa3_ordered_kernel_compiles_16_bit_without_spills(sm90, tmp_path_factory):
+    cubin = str(tmp_path_factory.mktemp("gluon_fa3") / "fa3.cubin")
+    sm90.compile(_COMPILE_FA3, cubin)
+    sass = sm90.sass(cubin)
+    assert _count(sass, "HGMMA") > 0 and _count(sass, "QGMMA") == 0
+    assert not any("STL" in line for line in sass)
