@@ -9,15 +9,8 @@ set -o pipefail
 OUT=${OUT:-bench/results}
 BUDGET=${BUDGET:-200}
 t0=$(date +%s)
-step() {
-    local cap=$1; shift
-    local left=$(( BUDGET - ($(date +%s) - t0) ))
-    local t=$(( left < cap ? left : cap ))
-    if [ "$t" -lt 15 ]; then echo "== SKIPPED (${left} s left): $*"; return; fi
-    echo "== $* (timeout ${t} s, $(( $(date +%s) - t0 )) s in)"
-    timeout "$t" "$@"
-    echo "== rc=$? after $(( $(date +%s) - t0 )) s"
-}
+STEP_MIN_S=15
+source "$(dirname "${BASH_SOURCE[0]}")/device_budget.sh"  # step CAP CMD...
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv
 step 60 python3 -m pytest -m gpu -q -n 4 -p no:cacheprovider tests/kernels/test_attention_fp8_quant.py \
     tests/kernels/test_attention.py::test_gpu_fp8 2>&1 | tee "$OUT/pytest_gpu_fp8_call.txt"

@@ -16,15 +16,7 @@ OUT=${OUT:-/tmp/out}
 BUDGET=${BUDGET:-205}
 ROOT=$(pwd)
 t0=$(date +%s)
-step() {
-    local cap=$1; shift
-    local left=$(( BUDGET - ($(date +%s) - t0) ))
-    local t=$(( left < cap ? left : cap ))
-    if [ "$t" -lt 10 ]; then echo "== SKIPPED (${left} s left): $*"; return; fi
-    echo "== $* (timeout ${t} s, $(( $(date +%s) - t0 )) s in)"
-    timeout "$t" "$@"
-    echo "== rc=$? after $(( $(date +%s) - t0 )) s"
-}
+source "$(dirname "${BASH_SOURCE[0]}")/device_budget.sh"  # step CAP CMD...
 install() {  # the editable install maps quantkit.kernels to that tree's kernels/
     (cd "$1" && python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1) || echo "install failed: $1"
     python3 -c "import quantkit.kernels.attention as a; print('quantkit.kernels from', a.__file__)"
