@@ -141,7 +141,8 @@ def _tile_coords(k, cu_seqlens_q_ptr, cu_seqlens_k_ptr, NUM_M_BLOCKS, N_SEQ, N_W
     Tile order: groups of SWIZZLE (sequence, head) pairs, the query block varying slowest inside
     a group, heaviest (last) first. Round k hands tiles k * P .. k * P + P - 1 to the P programs,
     in reverse order on odd rounds (zigzag), which evens out the causal work per program (a plain
-    stride over query-block-fastest tiles gives some programs only heavy blocks). SWIZZLE = 1 (query block fastest) keeps the programs running at once on
+    stride over query-block-fastest tiles gives some programs only heavy blocks). SWIZZLE = 1 (query block fastest)
+    keeps the programs running at once on
     a few K/V heads (L2); the launcher raises it to all pairs when the query blocks of one head
     alone would fill the machine."""
     n_prog = gl.num_programs(0)

@@ -15,7 +15,8 @@ from quantkit.kernels.w4a16_select import LayerFacts, W4A16Plan, plan_w4a16
 from quantkit.pack import pack_rows, unpack_gptq, unpack_rows
 from quantkit.primitives import default_g_idx
 
-__all__ = ["W4A16Weights", "prepare_w4a16_weights", "reference_w4a16_weights", "w4a16_matmul_ref", "paired_nibble_index", "PAIR_TILE_K",
+__all__ = ["W4A16Weights", "prepare_w4a16_weights", "reference_w4a16_weights", "w4a16_matmul_ref",
+           "paired_nibble_index", "PAIR_TILE_K",
            "DIRECT_MAX_M", "PER_CHANNEL_GROUP"]
 
 

@@ -249,7 +249,8 @@ def damped_inverse_factor(
     triangular with a positive diagonal, so it is the (unique) upper Cholesky factor of ``H^-1``: the
     same matrix as ``cholesky(cholesky_inverse(cholesky(H)), upper=True)`` up to float64 rounding,
     with a third of the arithmetic and two float64 matrices alive instead of three (each 1.6 GB for an 8B
-    model's down_proj); on the host one, both steps in place (``_inverse_factor_in_place``). On failure the damping is multiplied
+    model's down_proj); on the host one, both steps in place (``_inverse_factor_in_place``). On failure the damping
+    is multiplied
     by 10, up to ``max_escalations`` times, with a warning; then a ``FloatingPointError`` names the layer.
     """
     n = H.shape[0]
