@@ -45,6 +45,8 @@ def rows():
         r[f"awq_asym_g{g}_noduo"] = ("awq", s, AWQConfig(duo_scaling=False))
         r[f"awq_asym_g{g}_s32"] = ("awq", s, AWQConfig(search_samples=32))
         r[f"awq_asym_g{g}_s8"] = ("awq", s, AWQConfig(search_samples=8))
+        # the scale search of every block on the 8 whole windows (before search_tokens, session 16)
+        r[f"awq_asym_g{g}_windows"] = ("awq", s, AWQConfig(search_tokens=0))
         r[f"awq_asym_g{g}_qkclip"] = ("awq", s, AWQConfig(clip_skip_qk=False))
         r[f"awq_asym_g{g}_tied"] = ("awq", s, AWQConfig(gqa_tied_vo=True))
         r[f"awq_asym_g{g}_tied_gptq"] = ("awq", s, AWQConfig(gqa_tied_vo=True, gptq=True))
