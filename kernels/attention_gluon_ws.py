@@ -138,13 +138,12 @@ def _tile_coords(k, cu_seqlens_q_ptr, cu_seqlens_k_ptr, NUM_M_BLOCKS, N_SEQ, N_W
     kv_head, n_tiles); n_tiles < 0: nothing to do (past the last tile, or a query block past the
     end of its sequence: the tile grid is sized for the longest one).
 
-    Tile order: groups of SWIZZLE (sequence, head) pairs, the query block varying slowest inside
-    a group, heaviest (last) first. Round k hands tiles k * P .. k * P + P - 1 to the P programs,
-    in reverse order on odd rounds (zigzag), which evens out the causal work per program (a plain
-    stride over query-block-fastest tiles gives some programs only heavy blocks). SWIZZLE = 1 (query block fastest)
-    keeps the programs running at once on
-    a few K/V heads (L2); the launcher raises it to all pairs when the query blocks of one head
-    alone would fill the machine."""
+    Tile order: groups of SWIZZLE (sequence, head) pairs, the query block varying slowest inside a group, heaviest
+    (last) first. Round k hands tiles k * P .. k * P + P - 1 to the P programs, in reverse order on odd rounds
+    (zigzag), which evens out the causal work per program (a plain stride over query-block-fastest tiles gives some
+    programs only heavy blocks). SWIZZLE = 1 (query block fastest) keeps the programs running at once on a few K/V
+    heads (L2); the launcher raises it to all pairs when the query blocks of one head alone would fill the
+    machine."""
     n_prog = gl.num_programs(0)
     pid = gl.program_id(0)
     t = k * n_prog + pid + (k % 2) * (n_prog - 1 - 2 * pid)

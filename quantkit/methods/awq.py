@@ -59,8 +59,7 @@ class AWQConfig:
     ``search_tokens``: token-wise blocks (an MLP, the linears themselves) are scored on about this many
     tokens taken at a stride from the whole calibration set instead (0: on the ``search_samples``
     windows too); at 128 x 2048 tokens a quarter of the 8 windows' products, from every window. ``gptq``: GPTQ
-    rounding after the
-    scaling (``gptq_config`` its options). ``gqa_tied_vo``: under grouped-query attention still scale
+    rounding after the scaling (``gptq_config`` its options). ``gqa_tied_vo``: under grouped-query attention still scale
     v -> o, one scale per value channel shared by the query heads that read it (peers skip v -> o
     there). ``propagate``: the next layer's inputs come from the
     full-precision layer (``"fp"``, as AutoAWQ) or from the quantized one (``"quantized"``).

@@ -244,14 +244,14 @@ def damped_inverse_factor(
     """Upper Cholesky factor ``U`` of ``(H + d I)^-1`` (float32 ``[in, in]``) and the damping used;
     with ``perm``, of the permuted ``H[perm][:, perm]`` (built here, so no permuted copy outlives it).
 
-    One Cholesky factorization and one triangular inverse in float64: with ``J`` the reversal
-    permutation and ``J H J = L L^T``, ``H^-1 = (J L^-1 J)^T (J L^-1 J)`` and ``J L^-1 J`` is upper
-    triangular with a positive diagonal, so it is the (unique) upper Cholesky factor of ``H^-1``: the
-    same matrix as ``cholesky(cholesky_inverse(cholesky(H)), upper=True)`` up to float64 rounding,
-    with a third of the arithmetic and two float64 matrices alive instead of three (each 1.6 GB for an 8B
-    model's down_proj); on the host one, both steps in place (``_inverse_factor_in_place``). On failure the damping
-    is multiplied
-    by 10, up to ``max_escalations`` times, with a warning; then a ``FloatingPointError`` names the layer.
+    One Cholesky factorization and one triangular inverse in float64: with ``J`` the reversal permutation
+    and ``J H J = L L^T``, ``H^-1 = (J L^-1 J)^T (J L^-1 J)`` and ``J L^-1 J`` is upper triangular with a
+    positive diagonal, so it is the (unique) upper Cholesky factor of ``H^-1``: the same matrix as
+    ``cholesky(cholesky_inverse(cholesky(H)), upper=True)`` up to float64 rounding, with a third of the
+    arithmetic and two float64 matrices alive instead of three (each 1.6 GB for an 8B model's down_proj);
+    on the host one, both steps in place (``_inverse_factor_in_place``). On failure the damping is
+    multiplied by 10, up to ``max_escalations`` times, with a warning; then a ``FloatingPointError``
+    names the layer.
     """
     n = H.shape[0]
     rev = torch.arange(n - 1, -1, -1, device=H.device)  # J
