@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
@@ -207,13 +208,13 @@ def run(args: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     result = walk(model, method, device=device, token_ids=tokens if method.needs_calibration else None,
                   batch_size=args.batch_size, on_layer=on_layer if comm.rank == 0 else None, comm=comm,
-                  activations=args.activations, overlap=not args.no_overlap)
+                  activations=args.activations, overlap=False if args.no_overlap else None)
     sync(device)
     total = time.perf_counter() - t0
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
     return {
         "method": args.method, "gpus": comm.world_size, "activations": args.activations,
-        "overlap": not args.no_overlap,
+        "overlap": not args.no_overlap and os.environ.get("QUANTKIT_OVERLAP", "1") != "0",
         "single_pass_tokens": args.single_pass_tokens, "argv": sys.argv[1:], "scheme": {"bits": 4, "group_size": args.group_size, "sym": not args.asym,
                                           "desc_act": args.desc_act},
         "solver": args.solver if args.method == "gptq" else None,

@@ -13,6 +13,7 @@ time from safetensors shards (for models larger than host memory) only has to im
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -387,7 +388,7 @@ def walk(
     comm: Communicator = LOCAL,
     activations: str = "auto",
     source: LayerSource | None = None,
-    overlap: bool = True,
+    overlap: bool | None = None,
 ) -> WalkResult:
     """Quantize every decoder layer of ``model`` with ``method``; returns the packed weights by full name.
 
@@ -408,7 +409,8 @@ def walk(
 
     ``source`` gives the decoder layers (default: the model's own, already loaded). ``overlap``: on CUDA,
     read and copy the next layer to the device, and the finished one's weights back, in a worker thread
-    while the current layer is worked on (``quantkit.layer_pipeline``); False: all in line, in turn.
+    while the current layer is worked on (``quantkit.layer_pipeline``); False: all in line, in turn; None:
+    on unless the environment sets ``QUANTKIT_OVERLAP=0`` (an off switch for A/B timing).
     """
     device = torch.device(device)
     source = source if source is not None else ModelLayers(*find_decoder_layers(model))
@@ -439,6 +441,8 @@ def walk(
     weights: dict[str, QuantizedWeight] = {}
     layer_stats: list[dict[str, Any]] = []
     start = time.perf_counter()
+    if overlap is None:
+        overlap = os.environ.get("QUANTKIT_OVERLAP", "1") != "0"
     with LayerPipeline(source, device, enabled=overlap) as pipe:
         for i in range(len(source)):
             clock = PhaseClock(device)
