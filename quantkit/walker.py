@@ -22,7 +22,13 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from quantkit.activations import PhaseClock, offload_activations, offload_to_host
+from quantkit.activations import (
+    PhaseClock,
+    move_outside_layers,
+    offload_activations,
+    offload_to_host,
+    restore_outside_layers,
+)
 from quantkit.arch import ArchSpec, arch_for, find_decoder_layers, find_linears, sequential_groups
 from quantkit.distributed.comm import LOCAL, Communicator
 from quantkit.distributed.plan import shard_windows
@@ -262,39 +268,6 @@ def capture_linear_inputs(
     capture_calls(layer, inputs, names, lambda name, args, kwargs, out: on_input(name, args[0]))
 
 
-def _move_outside_layers(model: nn.Module, layers_prefix: str, device: torch.device,
-                         skip: nn.Module | None = None) -> list[tuple[dict, str, torch.Tensor]]:
-    """Move every parameter and buffer that is not inside a decoder layer (embeddings, rotary, norm) nor in
-    ``skip`` (the output head, which the capture never runs) to ``device``. Returns what each one held before
-    (``restore_outside_layers`` puts those tensors back: nothing is copied on the way back)."""
-    inside = layers_prefix + "."
-    skipped = {id(m) for m in skip.modules()} if skip is not None else set()
-    moved: list[tuple[dict, str, torch.Tensor]] = []
-    for module_name, module in model.named_modules():
-        if module_name == layers_prefix or module_name.startswith(inside) or id(module) in skipped:
-            continue
-        for key, param in module._parameters.items():
-            # Meta parameters (an output head a streaming source has not read) stay where they are.
-            if param is not None and param.device != device and not param.is_meta:
-                moved.append((module._parameters, key, param.data))
-                param.data = param.data.to(device)
-        for key, buf in module._buffers.items():
-            if buf is not None and buf.device != device:
-                moved.append((module._buffers, key, buf))
-                module._buffers[key] = buf.to(device)
-    return moved
-
-
-def restore_outside_layers(moved: list[tuple[dict, str, torch.Tensor]]) -> None:
-    """Undo ``_move_outside_layers``: every tensor back to the one it held (the capture changes none of them;
-    copying 2 GB of embeddings back into fresh host pages took ~1.5 s of an 8B model's input capture)."""
-    for table, key, old in moved:
-        if isinstance(table.get(key), nn.Parameter):
-            table[key].data = old
-        else:
-            table[key] = old
-
-
 @torch.no_grad()
 def capture_layer_inputs(
     model: nn.Module, source: LayerSource, token_ids: torch.Tensor, device: torch.device, batch_size: int,
@@ -330,7 +303,7 @@ def capture_layer_inputs(
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     tied = head is not None and embed is not None and head.weight is embed.weight
-    moved = _move_outside_layers(model, source.prefix, device, skip=None if tied else head)
+    moved = move_outside_layers(model, source.prefix, device, skip=None if tied else head)
     try:
         # One sample to record every layer's kwargs.
         for i, layer in enumerate(layers):
