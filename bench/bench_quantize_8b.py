@@ -81,8 +81,9 @@ def build_model(shape: dict, n_layers: int | None, dtype: torch.dtype, fill_devi
     config._attn_implementation = "sdpa"
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
-    # dtype first, on the meta device: to_empty then allocates the bf16 tensors only (no float32 copy of
-    # all weights touched and converted on the host: that took ~15 s of the 8B build)
+    # dtype first, on the meta device: to_empty then allocates the bf16 tensors only, no float32 copy of all
+    # weights made and converted on the host (the 8B build still took 16-19 s in session 17: the copies from
+    # the GPU into fresh host pages dominate; it is not part of the timed walk)
     model = model.to(dtype).to_empty(device="cpu")
     gen = torch.Generator(device=fill_device).manual_seed(0)
     with torch.no_grad():
