@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
@@ -58,6 +59,8 @@ def parse_args() -> argparse.Namespace:
                    help="where the hidden states between layers live (walk's activations=)")
     p.add_argument("--single-pass-tokens", type=int, default=None,
                    help="GPTQ single_pass_max_tokens (default: the method's; 524288 forces the old single pass here)")
+    p.add_argument("--no-overlap", action="store_true",
+                   help="move layers and packed weights in line, not in the walker's worker thread (A/B)")
     p.add_argument("--out", default=None, help="JSON path (default bench/results/quantize_8b_<method>_<date>.json)")
     return p.parse_args()
 
@@ -78,7 +81,10 @@ def build_model(shape: dict, n_layers: int | None, dtype: torch.dtype, fill_devi
     config._attn_implementation = "sdpa"
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
-    model = model.to_empty(device="cpu").to(dtype)
+    # dtype first, on the meta device: to_empty then allocates the bf16 tensors only, no float32 copy of all
+    # weights made and converted on the host (the 8B build still took 16-19 s in session 17: the copies from
+    # the GPU into fresh host pages dominate; it is not part of the timed walk)
+    model = model.to(dtype).to_empty(device="cpu")
     gen = torch.Generator(device=fill_device).manual_seed(0)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -203,12 +209,13 @@ def run(args: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     result = walk(model, method, device=device, token_ids=tokens if method.needs_calibration else None,
                   batch_size=args.batch_size, on_layer=on_layer if comm.rank == 0 else None, comm=comm,
-                  activations=args.activations)
+                  activations=args.activations, overlap=False if args.no_overlap else None)
     sync(device)
     total = time.perf_counter() - t0
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
     return {
         "method": args.method, "gpus": comm.world_size, "activations": args.activations,
+        "overlap": not args.no_overlap and os.environ.get("QUANTKIT_OVERLAP", "1") != "0",
         "single_pass_tokens": args.single_pass_tokens, "argv": sys.argv[1:], "scheme": {"bits": 4, "group_size": args.group_size, "sym": not args.asym,
                                           "desc_act": args.desc_act},
         "solver": args.solver if args.method == "gptq" else None,

@@ -13,6 +13,7 @@ time from safetensors shards (for models larger than host memory) only has to im
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,10 +22,17 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from quantkit.activations import PhaseClock, copy_home, host_tensors, offload_activations, offload_to_host
+from quantkit.activations import (
+    PhaseClock,
+    move_outside_layers,
+    offload_activations,
+    offload_to_host,
+    restore_outside_layers,
+)
 from quantkit.arch import ArchSpec, arch_for, find_decoder_layers, find_linears, sequential_groups
 from quantkit.distributed.comm import LOCAL, Communicator
 from quantkit.distributed.plan import shard_windows
+from quantkit.layer_pipeline import LayerPipeline, weight_to_host
 from quantkit.qtensor import QuantizedWeight
 
 log = logging.getLogger(__name__)
@@ -260,21 +268,6 @@ def capture_linear_inputs(
     capture_calls(layer, inputs, names, lambda name, args, kwargs, out: on_input(name, args[0]))
 
 
-def _move_outside_layers(model: nn.Module, layers_prefix: str, device: torch.device) -> None:
-    """Move every parameter and buffer that is not inside a decoder layer (embeddings, rotary, norm)."""
-    inside = layers_prefix + "."
-    for module_name, module in model.named_modules():
-        if module_name == layers_prefix or module_name.startswith(inside):
-            continue
-        for param in module._parameters.values():
-            # Meta parameters (an output head a streaming source has not read) stay where they are.
-            if param is not None and param.device != device and not param.is_meta:
-                param.data = param.data.to(device)
-        for key, buf in module._buffers.items():
-            if buf is not None and buf.device != device:
-                module._buffers[key] = buf.to(device)
-
-
 @torch.no_grad()
 def capture_layer_inputs(
     model: nn.Module, source: LayerSource, token_ids: torch.Tensor, device: torch.device, batch_size: int,
@@ -307,7 +300,10 @@ def capture_layer_inputs(
 
         return forward
 
-    _move_outside_layers(model, source.prefix, device)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    tied = head is not None and embed is not None and head.weight is embed.weight
+    moved = move_outside_layers(model, source.prefix, device, skip=None if tied else head)
     try:
         # One sample to record every layer's kwargs.
         for i, layer in enumerate(layers):
@@ -329,7 +325,7 @@ def capture_layer_inputs(
         for layer in layers:
             # Remove the instance attribute so the class's forward is used again.
             layer.__dict__.pop("forward", None)
-        _move_outside_layers(model, source.prefix, torch.device("cpu"))
+        restore_outside_layers(moved)
     return hidden, per_layer_kwargs
 
 
@@ -365,6 +361,7 @@ def walk(
     comm: Communicator = LOCAL,
     activations: str = "auto",
     source: LayerSource | None = None,
+    overlap: bool | None = None,
 ) -> WalkResult:
     """Quantize every decoder layer of ``model`` with ``method``; returns the packed weights by full name.
 
@@ -383,7 +380,10 @@ def walk(
     methods see them one batch at a time, so device memory does not grow with the number of
     calibration tokens beyond this set.
 
-    ``source`` gives the decoder layers (default: the model's own, already loaded).
+    ``source`` gives the decoder layers (default: the model's own, already loaded). ``overlap``: on CUDA,
+    read and copy the next layer to the device, and the finished one's weights back, in a worker thread
+    while the current layer is worked on (``quantkit.layer_pipeline``); False: all in line, in turn; None:
+    on unless the environment sets ``QUANTKIT_OVERLAP=0`` (an off switch for A/B timing).
     """
     device = torch.device(device)
     source = source if source is not None else ModelLayers(*find_decoder_layers(model))
@@ -414,48 +414,47 @@ def walk(
     weights: dict[str, QuantizedWeight] = {}
     layer_stats: list[dict[str, Any]] = []
     start = time.perf_counter()
-    for i in range(len(source)):
-        clock = PhaseClock(device)
-        layer = source.layer(i)
-        home = next(layer.parameters()).device
-        resident = host_tensors(layer) if home.type == "cpu" and device.type != "cpu" else None
-        layer.to(device)
-        clock.lap("move_in")
-        linears = iter_quantizable(layer, skip)
-        inputs = None if hidden is None else LayerInputs(hidden, layer_kwargs[i], share.start, total_tokens,
-                                                         device, offload)
-        ctx = LayerContext(
-            index=i, n_layers=len(source), prefix=f"{prefix}.{i}", layer=layer, linears=linears,
-            groups=sequential_groups(spec, linears), spec=spec, inputs=inputs, device=device, comm=comm,
-        )
-        result = method.quantize_layer(ctx)
-        clock.lap("method")
-        layer_weights = {}
-        for name, qw in result.weights.items():
-            if name not in result.installed:
-                install_weight(linears[name], qw)
-            layer_weights[f"{ctx.prefix}.{name}"] = qw
-        clock.lap("install")
-        if inputs is not None:
-            if result.next_hidden is None:
-                hidden = propagate(layer, inputs, ctx.prefix)
-            else:
-                hidden = result.next_hidden
-                check_finite([torch.isfinite(h).all() for h in hidden], ctx.prefix)
-        clock.lap("propagate")
-        if resident is None:
-            layer.to(home)
-        else:
-            copy_home(layer, resident)
-        weights.update(source.finish(i, layer_weights))
-        clock.lap("move_out")
-        seconds = clock.total()
-        clock.phases.update({f"method.{k}": v for k, v in result.phases.items()})
-        layer_stats.append({"layer": i, "prefix": ctx.prefix, "seconds": seconds, "linears": result.stats,
-                            "notes": result.notes, "phases": clock.phases})
-        if on_layer is not None:
-            on_layer(LayerEvent(i, len(source), ctx.prefix, seconds, time.perf_counter() - start,
-                                _peak_memory(device), result, clock.phases))
+    if overlap is None:
+        overlap = os.environ.get("QUANTKIT_OVERLAP", "1") != "0"
+    with LayerPipeline(source, device, enabled=overlap) as pipe:
+        for i in range(len(source)):
+            clock = PhaseClock(device)
+            layer, resident = pipe.take(i)
+            home = torch.device("cpu") if resident is not None else next(layer.parameters()).device
+            pipe.start(i + 1)  # the next layer's read and copy run while this one is worked on
+            clock.lap("move_in")
+            linears = iter_quantizable(layer, skip)
+            inputs = None if hidden is None else LayerInputs(hidden, layer_kwargs[i], share.start, total_tokens,
+                                                             device, offload)
+            ctx = LayerContext(
+                index=i, n_layers=len(source), prefix=f"{prefix}.{i}", layer=layer, linears=linears,
+                groups=sequential_groups(spec, linears), spec=spec, inputs=inputs, device=device, comm=comm,
+            )
+            result = method.quantize_layer(ctx)
+            clock.lap("method")
+            layer_weights = {}
+            for name, qw in result.weights.items():
+                if name not in result.installed:
+                    install_weight(linears[name], qw)
+                layer_weights[f"{ctx.prefix}.{name}"] = qw
+            clock.lap("install")
+            if inputs is not None:
+                if result.next_hidden is None:
+                    hidden = propagate(layer, inputs, ctx.prefix)
+                else:
+                    hidden = result.next_hidden
+                    check_finite([torch.isfinite(h).all() for h in hidden], ctx.prefix)
+            clock.lap("propagate")
+            pipe.finish(i, layer_weights, layer, resident, home)  # in the worker: layer and weights to the host
+            clock.lap("move_out")
+            seconds = clock.total()
+            clock.phases.update({f"method.{k}": v for k, v in result.phases.items()})
+            layer_stats.append({"layer": i, "prefix": ctx.prefix, "seconds": seconds, "linears": result.stats,
+                                "notes": result.notes, "phases": clock.phases})
+            if on_layer is not None:
+                on_layer(LayerEvent(i, len(source), ctx.prefix, seconds, time.perf_counter() - start,
+                                    _peak_memory(device), result, clock.phases))
+        weights.update(pipe.results())
     if quantize_lm_head:
         inputs = None if hidden is None else LayerInputs(hidden, {}, share.start, total_tokens, device, offload)
         name, qw, stats = quantize_output_head(model, method, inputs, device, comm)
@@ -504,6 +503,7 @@ def quantize_output_head(
     result = method.quantize_layer(ctx)
     qw = result.weights["lm_head"]
     install_weight(head, qw)
+    qw = weight_to_host(qw)  # a method may pack on the device
     block.to(home)
     stats = dict(result.stats.get("lm_head", {}))
     stats["_seconds"] = time.perf_counter() - t0

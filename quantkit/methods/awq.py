@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -319,7 +319,8 @@ def _grouped(t: torch.Tensor, gs: int, n_groups: int) -> torch.Tensor:
 
 
 def search_clip(
-    w: torch.Tensor, x: torch.Tensor, scheme: QuantScheme, config: AWQConfig, chunk_elements: int = 1 << 25
+    w: torch.Tensor, x: torch.Tensor, scheme: QuantScheme, config: AWQConfig, chunk_elements: int = 1 << 25,
+    fused: bool = True,
 ) -> ClipSearch:
     """Best shrink of each (group, output row) range of ``w [out, in]`` for inputs ``x [n, in]``.
 
@@ -330,7 +331,7 @@ def search_clip(
     of the difference of two products). Blocks of rows hold about ``chunk_elements`` candidate values.
     Ties keep the larger ratio (1 first: the objective never increases). Groups are contiguous (a
     partial last group is zero-padded: padded columns add nothing and do not move the min/max, which
-    always include zero)."""
+    always include zero). ``fused``: on CUDA, one Triton pass instead (kernels/awq_clip.py)."""
     out_features, in_features = w.shape
     gs = in_features if scheme.group_size == -1 else scheme.group_size
     G = num_groups(in_features, scheme.group_size)
@@ -339,6 +340,10 @@ def search_clip(
     ratios = torch.tensor([1.0 - config.max_shrink * i / config.clip_grid for i in range(config.clip_grid)],
                           dtype=torch.float32, device=w.device)  # [R], descending from 1
     R = ratios.numel()
+    if fused and w.is_cuda:
+        found = _search_clip_fused(w, gram, ratios, scheme)
+        if found is not None:
+            return found
     rows = max(1, chunk_elements // (R * G * gs))
     cmin_all, cmax_all, before, after = [], [], [], []  # error sums stay on the device until the end
     for start in range(0, out_features, rows):
@@ -370,16 +375,42 @@ def search_clip(
     return ClipSearch(torch.cat(cmin_all, dim=1), torch.cat(cmax_all, dim=1), before_sum, after_sum)
 
 
+def _search_clip_fused(w: torch.Tensor, gram: torch.Tensor, ratios: torch.Tensor, scheme: QuantScheme
+                       ) -> ClipSearch | None:
+    """``search_clip`` in one Triton pass (kernels/awq_clip.py; same grid and rounding, the scores summed in
+    another order); None where the kernel does not apply or fails to build (the torch search then runs)."""
+    from quantkit.kernels.awq_clip import clip_search_triton, clip_supported
+
+    if not clip_supported(w, scheme.group_size):
+        return None
+    try:
+        cmin, cmax, err0, errb = clip_search_triton(w, gram, ratios, scheme.bits, scheme.group_size, scheme.sym)
+    except Exception as exc:  # a Triton build problem must not stop a quantization run
+        log.warning("AWQ clip search kernel failed (%s: %s); using the torch search", type(exc).__name__, exc)
+        return None
+    before, after = torch.stack([err0.double().sum(), errb.double().sum()]).tolist()
+    return ClipSearch(cmin, cmax, before, after)
+
+
 def clipped_rtn(w: torch.Tensor, clip_min: torch.Tensor, clip_max: torch.Tensor, scheme: QuantScheme) -> RTNResult:
     """Round ``w [out, in]`` on the grid of its clipped ranges ``[G, out]`` (contiguous groups): exactly
     the rounding the clip search scored. Values outside a range take the grid's extreme codes."""
+    res, _, err = clipped_round(w, clip_min, clip_max, scheme)
+    return replace(res, weight_error=float(err))
+
+
+def clipped_round(w: torch.Tensor, clip_min: torch.Tensor, clip_max: torch.Tensor, scheme: QuantScheme
+                  ) -> tuple[RTNResult, torch.Tensor, torch.Tensor]:
+    """``clipped_rtn`` without a host round trip: (the result with ``weight_error`` NaN, the dequantized
+    weights float32 ``[out, in]`` (what the packed codes dequantize to, bit for bit), the relative error as a
+    0-d tensor)."""
     scales, zeros = qparams_from_range(clip_min, clip_max, scheme.bits, scheme.sym)  # [G, out]
     g_idx = default_g_idx(w.shape[1], scheme.group_size, device=w.device).to(torch.int32)
     codes = quantize_contiguous(w, scales, zeros, scheme.bits, scheme.group_size)
     w32 = w.float()
     dq = fake_quantize_contiguous(w, scheme.bits, scheme.group_size, scheme.sym, qparams=(scales, zeros))
     err = (dq - w32).norm() / w32.norm().clamp_min(1e-12)
-    return RTNResult(codes, scales, zeros, g_idx, float(err))
+    return RTNResult(codes, scales, zeros, g_idx, math.nan), dq, err
 
 
 def apply_clip(w: torch.Tensor, clip_min: torch.Tensor, clip_max: torch.Tensor, group_size: int) -> torch.Tensor:

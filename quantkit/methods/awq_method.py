@@ -31,6 +31,7 @@ from quantkit.methods.awq import (
     GroupScale,
     LayerRecord,
     apply_clip,
+    clipped_round,
     clipped_rtn,
     fold_into_norm,
     fold_into_rows,
@@ -339,7 +340,8 @@ class AWQMethod:
             apply_group_scale(ctx.layer, g, offset)
         clock.lap("scale_search")
         clips: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        weights = self._clip_and_round(ctx, sites, scales, clips, stats)
+        installed: set[str] = set()
+        weights = self._clip_and_round(ctx, sites, scales, clips, stats, installed)
         clock.lap("clip_and_round")
         # Kept on the host: a large model's clips would otherwise pile up on the accelerator.
         self.records[ctx.prefix] = LayerRecord(
@@ -350,7 +352,8 @@ class AWQMethod:
             for note in notes:
                 log.info("%s: %s", ctx.prefix, note)
         next_hidden = outputs if self.config.propagate == "fp" else None
-        return LayerResult(weights=weights, stats=stats, notes=notes, next_hidden=next_hidden, phases=clock.phases)
+        return LayerResult(weights=weights, stats=stats, notes=notes, next_hidden=next_hidden, phases=clock.phases,
+                           installed=frozenset(installed))
 
     def _search_scales(self, ctx: LayerContext, sites: list[_Site], stats) -> list[GroupScale]:
         found = []
@@ -380,9 +383,12 @@ class AWQMethod:
                 return g.scales
         return None
 
-    def _clip_and_round(self, ctx: LayerContext, sites: list[_Site], scales: list[GroupScale], clips, stats):
+    def _clip_and_round(self, ctx: LayerContext, sites: list[_Site], scales: list[GroupScale], clips, stats,
+                        installed: set[str]):
         """Clip search and rounding of every linear, each on its owner rank (greedy bin-packing by size),
-        the results broadcast so every rank holds every weight, clip and stat."""
+        the results broadcast so every rank holds every weight, clip and stat. In one process a clipped
+        linear is packed on its device and its layer given the dequantized weights at once (named in
+        ``installed``; the walker moves the packed tensors to the host while the next layer is worked on)."""
         comm = ctx.comm
         jobs = [(site, name) for site in sites for name in site.linears if name in ctx.linears]
         owners = assign_owners([float(ctx.linears[n].weight.numel()) for _, n in jobs], comm.world_size)
@@ -402,12 +408,31 @@ class AWQMethod:
                 stats[name].update(clip_err_before=res.error_before, clip_err_after=res.error_after)
             if id(site) not in hessians:
                 hessians[id(site)] = self._site_hessian(site, s)
-            weights[name] = self._round_one(name, ctx.linears[name], clips.get(name), hessians[id(site)], stats[name])
+            if comm.world_size == 1 and hessians[id(site)] is None and name in clips:
+                weights[name] = self._round_clipped_here(ctx.linears[name], clips[name], stats[name])
+                installed.add(name)
+            else:
+                weights[name] = self._round_one(name, ctx.linears[name], clips.get(name), hessians[id(site)],
+                                                stats[name], "cpu" if comm.world_size > 1 else ctx.device)
+        pending = [(st, st["weight_error"]) for st in stats.values() if torch.is_tensor(st.get("weight_error"))]
+        if pending:  # one host round trip for the layer's weight errors
+            for (st, _), v in zip(pending, torch.stack([e for _, e in pending]).tolist()):
+                st["weight_error"] = v
         if comm.world_size > 1:
             for (_, name), owner in zip(jobs, owners):
                 weights[name] = _share_linear(comm, owner, name, ctx.linears[name], self.scheme, weights.get(name),
                                               clips, stats)
         return weights
+
+    def _round_clipped_here(self, lin: nn.Linear, clip, stats: dict) -> QuantizedWeight:
+        """Round ``lin`` on its clipped grid, pack on its device and install the dequantized weights in it
+        (exactly what the packed codes give, so the walker need not unpack them); the weight error stays a
+        device tensor for the caller to read with the others."""
+        res, dq, err = clipped_round(lin.weight.data, *clip, self.scheme)
+        lin.weight.data.copy_(dq.to(lin.weight.dtype))
+        stats["weight_error"] = err
+        return QuantizedWeight.from_codes(res.codes, res.scales, res.zeros, res.g_idx, self.scheme, bias=lin.bias,
+                                          device=lin.weight.device)
 
     def _site_hessian(self, site: _Site, s: torch.Tensor | None) -> torch.Tensor | None:
         """The Hessian of the site's inputs after the scaling (``x / s``), for GPTQ rounding; else None."""
@@ -420,7 +445,8 @@ class AWQMethod:
         return H
 
     def _round_one(
-        self, name: str, lin: nn.Linear, clip, H: torch.Tensor | None, stats: dict[str, float]
+        self, name: str, lin: nn.Linear, clip, H: torch.Tensor | None, stats: dict[str, float],
+        device: torch.device | str = "cpu",
     ) -> QuantizedWeight:
         if H is not None:
             if clip is not None:  # GPTQ computes its grid from the weights: clamp them
@@ -431,7 +457,8 @@ class AWQMethod:
             res = rtn_quantize(lin.weight.data, self.scheme) if clip is None else clipped_rtn(
                 lin.weight.data, *clip, self.scheme)
             stats.update(weight_error=res.weight_error)
-        return QuantizedWeight.from_codes(res.codes, res.scales, res.zeros, res.g_idx, self.scheme, bias=lin.bias)
+        return QuantizedWeight.from_codes(res.codes, res.scales, res.zeros, res.g_idx, self.scheme, bias=lin.bias,
+                                          device=device)
 
 
 def _share_linear(comm, owner: int, name: str, linear: nn.Linear, scheme: QuantScheme, qw: QuantizedWeight | None,

@@ -1,0 +1,132 @@
+"""The walker's overlapped layer traffic (quantkit/layer_pipeline.py): the same calls in the same order, the same
+weights, the model left as before.
+
+On the CPU the worker thread runs without copies (``threaded=True``); ``-m gpu`` walks a tiny model on CUDA with
+the overlap on and off and asks for bitwise equal results.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from quantkit.config import QuantScheme
+from quantkit.layer_pipeline import LayerPipeline, weight_to_host
+from quantkit.methods.awq import AWQConfig
+from quantkit.methods.awq_method import AWQMethod
+from quantkit.methods.gptq import GPTQConfig
+from quantkit.methods.gptq_method import GPTQMethod
+from quantkit.qtensor import QuantizedWeight
+from quantkit.walker import ModelLayers, find_decoder_layers, walk
+
+
+def _model(layers: int = 3):
+    from transformers import LlamaForCausalLM
+
+    from tests.conftest import tiny_llama_config
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(tiny_llama_config(num_hidden_layers=layers)).eval()
+
+
+def _qw(seed: int = 0) -> QuantizedWeight:
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (8, 64), dtype=torch.int32, generator=g)
+    return QuantizedWeight.from_codes(codes, torch.rand(2, 8, generator=g) + 0.1,
+                                      torch.full((2, 8), 8, dtype=torch.int32), torch.arange(64) // 32,
+                                      QuantScheme(4, 32, False))
+
+
+class _Recording(ModelLayers):
+    def __init__(self, prefix, layers, log):
+        super().__init__(prefix, layers)
+        self.log = log
+
+    def layer(self, index):
+        self.log.append(("layer", index))
+        return super().layer(index)
+
+    def finish(self, index, weights):
+        self.log.append(("finish", index))
+        return super().finish(index, weights)
+
+
+@pytest.mark.parametrize("threaded", [False, True])
+def test_source_sees_one_layer_ahead_and_one_behind(threaded):
+    log: list = []
+    qws = [_qw(i) for i in range(3)]
+    prefix, layers = find_decoder_layers(_model())
+    source = _Recording(prefix, layers, log)
+    with LayerPipeline(source, torch.device("cpu"), threaded=threaded) as pipe:
+        for i in range(len(source)):
+            layer, resident = pipe.take(i)
+            assert layer is layers[i] and resident is None
+            pipe.start(i + 1)
+            pipe.finish(i, {f"w{i}": qws[i]}, layer, resident, torch.device("cpu"))
+        out = pipe.results()
+    assert list(out) == ["w0", "w1", "w2"] and all(out[f"w{i}"] is qws[i] for i in range(3))
+    if threaded:
+        assert log == [("layer", 0), ("layer", 1), ("finish", 0), ("layer", 2), ("finish", 1), ("finish", 2)]
+    else:
+        assert log == [("layer", 0), ("finish", 0), ("layer", 1), ("finish", 1), ("layer", 2), ("finish", 2)]
+
+
+def test_worker_errors_reach_the_caller():
+    class Broken(ModelLayers):
+        def layer(self, index):
+            if index == 1:
+                raise RuntimeError("unreadable layer 1")
+            return super().layer(index)
+
+    prefix, layers = find_decoder_layers(_model())
+    with LayerPipeline(Broken(prefix, layers), torch.device("cpu"), threaded=True) as pipe:
+        pipe.take(0)
+        pipe.start(1)
+        with pytest.raises(RuntimeError, match="unreadable layer 1"):
+            pipe.take(1)
+
+
+def test_weight_to_host_keeps_host_weights():
+    qw = _qw()
+    assert weight_to_host(qw) is qw
+
+
+def _walk(model, method, device, **kw):
+    ids = torch.randint(0, model.config.vocab_size, (8, 32), generator=torch.Generator().manual_seed(1))
+    return walk(model, method, device=device, token_ids=ids, batch_size=2, **kw)
+
+
+def test_awq_leaves_the_model_holding_its_packed_weights():
+    """AWQ installs the dequantized weights itself (``installed``): they must be what the packed codes give."""
+    model = _model(2)
+    result = _walk(model, AWQMethod(QuantScheme(4, 32, False), AWQConfig(grid=4, clip_grid=4)), "cpu")
+    assert result.layer_stats[0]["linears"]["mlp.down_proj"]["weight_error"] > 0
+    for name, qw in result.weights.items():
+        assert qw.qweight.device.type == "cpu"
+        assert torch.equal(model.get_submodule(name).weight.data, qw.dequantize().to(torch.float32)), name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_overlap_gives_the_same_weights_on_cuda(method):
+    scheme = QuantScheme(4, 32, method == "gptq")
+
+    def build():
+        if method == "gptq":
+            return GPTQMethod(scheme, GPTQConfig(desc_act=True))
+        return AWQMethod(scheme, AWQConfig(grid=4, clip_grid=4, clip_tokens=64))
+
+    a = _model().to(torch.bfloat16)
+    b = copy.deepcopy(a)
+    r1 = _walk(a, build(), "cuda", overlap=True)
+    r2 = _walk(b, build(), "cuda", overlap=False)
+    assert r1.weights.keys() == r2.weights.keys()
+    for name, qw in r1.weights.items():
+        assert qw.qweight.device.type == "cpu" and r2.weights[name].qweight.device.type == "cpu"
+        assert torch.equal(qw.qweight, r2.weights[name].qweight), name
+        assert torch.equal(qw.scales, r2.weights[name].scales), name
+    for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+        assert p.device.type == "cpu" and torch.equal(p, q), n
