@@ -260,11 +260,10 @@ def fp8_accuracy(results):
 
 def fp8_call_table(args, results):
     """The public fp8 call against our bf16 in one process, 16 heads, head dim 128, bf16 inputs, CUDA-graph
-    timing: bf16 (``attention``, auto), fp8 through the public call (Q quantized inside the warp-specialized
-    kernel, k and v by the one-launch pass), the session-15 call beside it (the two-launch pass over q, k, v + the
-    kernel on e4m3 Q: the A/B), e4m3 inputs with descale factors (V moved to the kernels' layout + the kernel),
-    the kernel alone on either path's operands, and either pass alone. Relative errors against float32 attention
-    on the same bf16 inputs."""
+    timing: bf16 (``attention``, auto), fp8 through the public call (the fused quantization + the kernel), the
+    former public call (``prepare_fp8`` in PyTorch + the kernel), e4m3 inputs with descale factors (V moved to
+    the kernels' layout + the kernel), the kernel alone on prepared operands, and the fused quantization alone.
+    Relative errors against float32 attention on the same bf16 inputs."""
     from quantkit.kernels.attention_fp8 import quantize_fp8_per_token
     from quantkit.kernels.attention_fp8_quant import quantize_qkv_fp8
 
@@ -280,7 +279,6 @@ def fp8_call_table(args, results):
         k8, v8 = ((x.float() / sc[:, None]).to(torch.float8_e4m3fn) for x, sc in zip(flat[1:], (kd, vd)))
         pre8 = [x.view(b, s, h, d) for x in (q8, k8, v8)]
         prepared = quantize_qkv_fp8(*flat, cu, s)
-        prepared_q16 = quantize_qkv_fp8(*flat, cu, s, q_in_kernel=True)
         for causal in (False, True):
             with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
                 ref = torch.nn.functional.scaled_dot_product_attention(
@@ -288,14 +286,12 @@ def fp8_call_table(args, results):
             paths = {
                 "bf16": lambda: attention(q, k, v, causal=causal),
                 "fp8_public": lambda: attention(q, k, v, causal=causal, fp8=True),
-                "fp8_public_two_launch": lambda: attention(q, k, v, causal=causal,
-                                                           fp8_prepared=quantize_qkv_fp8(*flat, cu, s)),
+                "fp8_public_before": lambda: attention(q, k, v, causal=causal,
+                                                       fp8_prepared=prepare_fp8(*flat, cu_seqlens_k=cu)),
                 "fp8_inputs_descale": lambda: attention(*pre8, causal=causal, q_descale=qd, k_descale=kd,
                                                         v_descale=vd),
                 "fp8_kernel_only": lambda: attention(q, k, v, causal=causal, fp8_prepared=prepared),
-                "fp8_kernel_q16": lambda: attention(q, k, v, causal=causal, fp8_prepared=prepared_q16),
-                "quantize_only": lambda: quantize_qkv_fp8(*flat, cu, s, q_in_kernel=True),
-                "quantize_two_launch": lambda: quantize_qkv_fp8(*flat, cu, s),
+                "quantize_only": lambda: quantize_qkv_fp8(*flat, cu, s),
             }
             row = {"hq": h, "hkv": h, "head_dim": d, "seqlen": s, "batch": b, "causal": causal}
             f = flops(b, h, s, d, causal)
@@ -306,14 +302,13 @@ def fp8_call_table(args, results):
                 row[f"{name}_us"] = round(t * 1e3, 1) if t else err
                 if t and not name.startswith("quantize"):
                     row[f"{name}_tflops"] = round(f / t / 1e9, 1)
-            for name in ("fp8_public", "fp8_public_two_launch", "fp8_inputs_descale", "fp8_kernel_only",
-                         "fp8_kernel_q16"):
+            for name in ("fp8_public", "fp8_public_before", "fp8_inputs_descale", "fp8_kernel_only"):
                 if isinstance(row.get(f"{name}_us"), float) and isinstance(row.get("bf16_us"), float):
                     row[f"{name}_vs_bf16"] = round(row["bf16_us"] / row[f"{name}_us"], 3)
             results["fp8_call"].append(row)
             print("fp8_call", row, flush=True)
             del ref
-        del q, k, v, flat, prepared, prepared_q16, q8, k8, v8, pre8
+        del q, k, v, flat, prepared, q8, k8, v8, pre8
 
 
 def decode_table(results, copy_tbs):
@@ -399,14 +394,14 @@ def main():
         print(f"decode b={r['batch']} L={r['cache_len']} {r['hq']}/{r['hkv']}/{r['head_dim']}: {r['ms']} ms "
               f"{r['kv_TBps']} TB/s ({r['frac_of_copy']:.0%} of copy) err {r['rel_err']:.1e}")
     if results["fp8_call"]:
-        print("16/16/128 seqlen c | us: bf16  fp8 call  2-launch call  fp8 in  kernel  kernel q16  quant  2-launch "
-              "quant | x bf16: call 2-launch fp8in kernel kernel-q16 | err bf16 fp8call 2-launch fp8in")
+        print("16/16/128 seqlen c | us: bf16  fp8 call  before  fp8 in  kernel  quant | x bf16: call before fp8in "
+              "kernel | err bf16 fp8call fp8in")
     for r in results["fp8_call"]:
-        us = [r.get(f"{n}_us") for n in ("bf16", "fp8_public", "fp8_public_two_launch", "fp8_inputs_descale",
-                                          "fp8_kernel_only", "fp8_kernel_q16", "quantize_only", "quantize_two_launch")]
-        x = [r.get(f"{n}_vs_bf16") for n in ("fp8_public", "fp8_public_two_launch", "fp8_inputs_descale",
-                                              "fp8_kernel_only", "fp8_kernel_q16")]
-        e = [r.get(f"{n}_rel_err") for n in ("bf16", "fp8_public", "fp8_public_two_launch", "fp8_inputs_descale")]
+        us = [r.get(f"{n}_us") for n in ("bf16", "fp8_public", "fp8_public_before", "fp8_inputs_descale",
+                                          "fp8_kernel_only", "quantize_only")]
+        x = [r.get(f"{n}_vs_bf16") for n in ("fp8_public", "fp8_public_before", "fp8_inputs_descale",
+                                              "fp8_kernel_only")]
+        e = [r.get(f"{n}_rel_err") for n in ("bf16", "fp8_public", "fp8_inputs_descale")]
         print(f"{r['seqlen']:6d} {int(r['causal'])} | " + " ".join(f"{u:>8}" for u in us) + " | "
               + " ".join(f"{v:>6}" for v in x) + " | " + " ".join(f"{v:>8}" for v in e))
     errors = [r for r in results["prefill"] if isinstance(r["ours"], str) and r["ours"] != "not run"]

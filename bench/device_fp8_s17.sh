@@ -1,6 +1,8 @@
 #!/bin/bash
 # One device call (session 17, issue #23), run from the repository root of the device's copy of main, with this
-# branch staged as .stage/fp8:
+# branch staged as .stage/fp8. It ran at commit 85cef16, the library with bench/experimental/
+# fp8_q_in_kernel_one_launch_kv.patch applied (not kept: bench/NOTES_attention.md, session 17); apply the patch
+# to run it again:
 #   1. the one-launch k/v pass's GPU test alone first (its in-launch wait per head is what could hang: a short cap);
 #   2. the GPU tests of the fp8 call (the fused passes bit for bit against prepare_fp8, the public call against the
 #      kernel on prepare_fp8's operands, the descale paths, the Triton kernel's fp8 tests); their parallel

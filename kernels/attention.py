@@ -347,8 +347,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=F
     cu_seqlens_q, cu_seqlens_k: (B + 1,) int32 cumulative offsets; max_seqlen_q: int.
     Hq must be a multiple of Hkv (GQA/MQA). window_left < 0: no window. softcap <= 0: none.
     fp8=True quantizes q, k, v (and P) to e4m3: per-token q, per-128-key-block k and per-head v scales, by the
-    fused Triton kernels of `attention_fp8_quant.quantize_qkv_fp8` (no host sync; where the warp-specialized
-    kernel runs, it quantizes Q itself and k, v take one launch, else two launches), or by the
+    fused Triton kernels of `attention_fp8_quant.quantize_qkv_fp8` (two launches, no host sync), or by the
     plain-PyTorch `prepare_fp8` with hadamard=True or fp8_pv=False (see there); max_seqlen_k sizes its grid
     (None: max_seqlen_q when cu_seqlens_k is cu_seqlens_q, else total_k). fp8_prepared passes that tuple in
     directly (then q, k, v are only used for their shapes).
@@ -390,9 +389,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=F
             if backend == "gluon" and fp8:
                 raise ValueError("the FA3-ordered gluon kernel runs 16-bit attention only; fp8 runs in gluon_ws")
     if quantize:
-        # the warp-specialized kernel quantizes Q itself: the pass then covers k and v only, in one launch
-        fp8_prepared = quantize_qkv_fp8(q, k, v, cu_seqlens_k, max_seqlen_k, hadamard, fp8_pv,
-                                        q_in_kernel=backend == "gluon_ws")
+        fp8_prepared = quantize_qkv_fp8(q, k, v, cu_seqlens_k, max_seqlen_k, hadamard, fp8_pv)
     if backend == "gluon":
         from quantkit.kernels.attention_gluon import attention_varlen_gluon
 

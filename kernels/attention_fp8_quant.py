@@ -9,15 +9,9 @@ for its default case (no Hadamard rotation, fp8 P @ V), bit for bit, in two Trit
 2. ``_quantize_v_t_kernel``: the per-head V scale (the max over that head's block maxima) and e4m3 V^T, written in the
    key order of ``attention._perm_keys`` with the zero padding the V^T TMA boxes read past the end.
 
-The V scale is one per head, so no V value can be rounded before every block of that head has been read: here a
-second launch, and a second read of v (a third of the input bytes).
-
-For the warp-specialized Gluon kernel, which quantizes each Q tile itself (per token, as here), ``q_in_kernel=True``
-runs :func:`_quantize_kv_kernel` instead, one launch over k and v only, q not read: per head, programs take the
-maxima of the head's V blocks into one atomic maximum; one group of programs later (K blocks in between), the
-head's V^T programs wait for its count of blocks to be complete, then read its v again (from L2: the head's 4 MB
-at 16K tokens were read a group before) and write the codes. A program waits only for programs of lower ids, as a
-decoupled look-back scan does; v is read once from DRAM.
+Two launches, not one: the V scale is one per head, so no V value can be rounded before every block of that
+head has been read, and a grid-wide barrier inside one launch would need every program resident at once. The
+cost is a second read of v (a third of the input bytes).
 
 :func:`fp8_operands` takes e4m3 q, k, v in the plain (tokens, H, D) layout and their descale factors (value =
 code x descale; per token or per head for q, per head for k and v) and returns the same tuple; only V is moved
@@ -102,9 +96,9 @@ def _quantize_q_rows(q_ptr, q8_ptr, qs_ptr, row0, n_rows, HEAD_DIM: tl.constexpr
 @triton.jit
 def _quantize_k_block(k_ptr, v_ptr, k8_ptr, ks_ptr, vmax_ptr, cu_seqlens_k_ptr, slot, n_blocks, n_slots,
                       N_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
-                      ROUND_IN_F32: tl.constexpr, V_MAX: tl.constexpr = True):
+                      ROUND_IN_F32: tl.constexpr):
     """Key block `slot` = (sequence, block, head): one K scale for its keys (written for each of them), e4m3 K,
-    and (V_MAX) the block's V maximum (0 for a block past the end of its sequence)."""
+    and the block's V maximum (0 for a block past the end of its sequence)."""
     head = slot % N_KV_HEADS
     blk = (slot // N_KV_HEADS) % n_blocks
     seq = slot // (N_KV_HEADS * n_blocks)
@@ -119,11 +113,9 @@ def _quantize_k_block(k_ptr, v_ptr, k8_ptr, ks_ptr, vmax_ptr, cu_seqlens_k_ptr, 
     scale = _scale_of(tl.max(tl.max(tl.abs(k), axis=1), axis=0))
     tl.store(k8_ptr + ptrs, _to_e4m3(_codes(k, scale), ROUND_IN_F32), mask=ok[:, None])
     tl.store(ks_ptr + tok * N_KV_HEADS + head, tl.zeros([BLOCK], tl.float32) + scale, mask=ok)
-    if V_MAX:
-        v = tl.load(v_ptr + ptrs, mask=ok[:, None], other=0.0).to(tl.float32)
-        # head-major, so that the second launch reads one head's maxima as one contiguous run
-        tl.store(vmax_ptr + head * (n_slots // N_KV_HEADS) + slot // N_KV_HEADS,
-                 tl.max(tl.max(tl.abs(v), axis=1), axis=0))
+    v = tl.load(v_ptr + ptrs, mask=ok[:, None], other=0.0).to(tl.float32)
+    # head-major, so that the second launch reads one head's maxima as one contiguous run
+    tl.store(vmax_ptr + head * (n_slots // N_KV_HEADS) + slot // N_KV_HEADS, tl.max(tl.max(tl.abs(v), axis=1), axis=0))
 
 
 @triton.jit
@@ -142,38 +134,23 @@ def _quantize_qk_amax_v_kernel(q_ptr, k_ptr, v_ptr, q8_ptr, qs_ptr, k8_ptr, ks_p
 
 
 @triton.jit
-def _load_v_positions(v_ptr, blk, head, total_k, N_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                      BLOCK: tl.constexpr):
-    """The V rows [BLOCK, D] of one head's V^T storage positions blk * BLOCK .. : the key order is a permutation
-    inside aligned 16-token groups of the whole storage, sequences regardless, so each row is one token's V row (a
-    16-byte-vector load); positions of no token (past total_k) read zeros."""
-    offs_d = tl.arange(0, HEAD_DIM)
-    tok = _token_at(blk * BLOCK + tl.arange(0, BLOCK))
-    return tl.load(v_ptr + ((tok.to(tl.int64) * N_KV_HEADS + head) * HEAD_DIM)[:, None] + offs_d[None, :],
-                   mask=(tok < total_k)[:, None], other=0.0)
-
-
-@triton.jit
-def _store_v_t(vt_ptr, v8, blk, head, n_pad, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
-    """The e4m3 tile v8 [BLOCK, D] of `_load_v_positions` into the head's V^T [D, n_pad]: each transposed row a
-    contiguous run of positions."""
-    offs_d = tl.arange(0, HEAD_DIM)
-    pos = blk * BLOCK + tl.arange(0, BLOCK)
-    ptrs = (head * HEAD_DIM + offs_d).to(tl.int64)[:, None] * n_pad + pos[None, :]
-    tl.store(vt_ptr + ptrs, tl.trans(v8), mask=(pos < n_pad)[None, :])
-
-
-@triton.jit
 def _quantize_v_t_kernel(v_ptr, vt_ptr, vmax_ptr, v_scale_ptr, n_per_head, total_k, n_pad,
                          N_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
                          SCAN: tl.constexpr, SCALED: tl.constexpr, ROUND_IN_F32: tl.constexpr):
-    """Second launch, program (i, head): storage positions i * BLOCK .. of the head's V^T [D, n_pad] in e4m3
-    (`_load_v_positions`, `_store_v_t`); positions of no token get zeros. SCALED: v is 16-bit, divided by the
-    head's scale (the max of the head's n_per_head block maxima at vmax_ptr, written to v_scale_ptr by program 0);
-    else v is e4m3 already and only moved."""
+    """Second launch, program (i, head): storage positions i * BLOCK .. of the head's V^T [D, n_pad] in e4m3. The
+    key order is a permutation inside aligned 16-token groups of the whole storage, sequences regardless, so
+    each row of the tile is one token's V row (a 16-byte-vector load) and each row of the transposed tile a
+    contiguous run of positions; positions of no token (past total_k) get zeros. SCALED: v is 16-bit, divided
+    by the head's scale (the max of the head's n_per_head block maxima at vmax_ptr, written to v_scale_ptr by
+    program 0); else v is e4m3 already and only moved."""
     pid = tl.program_id(0)
     head = tl.program_id(1)
-    v = _load_v_positions(v_ptr, pid, head, total_k, N_KV_HEADS, HEAD_DIM, BLOCK)
+    offs_d = tl.arange(0, HEAD_DIM)
+    pos = pid * BLOCK + tl.arange(0, BLOCK)
+    tok = _token_at(pos)
+    ok = tok < total_k
+    v = tl.load(v_ptr + ((tok.to(tl.int64) * N_KV_HEADS + head) * HEAD_DIM)[:, None] + offs_d[None, :],
+                mask=ok[:, None], other=0.0)
     if SCALED:
         amax = tl.zeros([SCAN], tl.float32)
         for s0 in range(0, n_per_head, SCAN):
@@ -185,46 +162,8 @@ def _quantize_v_t_kernel(v_ptr, vt_ptr, vmax_ptr, v_scale_ptr, n_per_head, total
         v8 = _to_e4m3(_codes(v.to(tl.float32), scale), ROUND_IN_F32)
     else:
         v8 = v
-    _store_v_t(vt_ptr, v8, pid, head, n_pad, HEAD_DIM, BLOCK)
-
-
-@triton.jit
-def _quantize_kv_kernel(k_ptr, v_ptr, k8_ptr, ks_ptr, vt_ptr, v_scale_ptr, sync_ptr, cu_seqlens_k_ptr, n_blocks,
-                        n_k_programs, k_per_group, n_pos_blocks, total_k, n_pad,
-                        N_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
-                        ROUND_IN_F32: tl.constexpr):
-    """K and V in one launch (``q_in_kernel``; module docstring). sync_ptr: int32 zeros [2 * N_KV_HEADS], each
-    head's V maximum (float32 bits: non-negative floats order as their bits) and its count of blocks added.
-    The grid: N_KV_HEADS + 1 groups g of programs, in this order: the V maxima of head g (one program per V^T
-    position block), K programs g * k_per_group .. (`_quantize_k_block`'s (sequence, block, head) slots, heads
-    fastest), the e4m3 V^T of head g - 1 (one program per position block), which waits until all of that head's
-    maxima are in. It waits only for programs of lower ids, which the GPU starts first (the assumption of
-    decoupled look-back scans), and a group later, so the wait is short and the head's v (one group's reads ago)
-    is read again from L2. Under the interpreter the programs run in id order: the wait never spins."""
-    pid = tl.program_id(0)
-    group_size = 2 * n_pos_blocks + k_per_group
-    group = pid // group_size
-    r = pid % group_size
-    if r < n_pos_blocks:  # the V maximum of block r of head `group`
-        if group < N_KV_HEADS:
-            v = _load_v_positions(v_ptr, r, group, total_k, N_KV_HEADS, HEAD_DIM, BLOCK).to(tl.float32)
-            tl.atomic_max(sync_ptr + group, tl.max(tl.max(tl.abs(v), axis=1), axis=0).to(tl.int32, bitcast=True))
-            tl.atomic_add(sync_ptr + N_KV_HEADS + group, 1)  # acq_rel: the maximum is in before the count
-    elif r < n_pos_blocks + k_per_group:
-        slot = group * k_per_group + r - n_pos_blocks
-        if slot < n_k_programs:
-            _quantize_k_block(k_ptr, v_ptr, k8_ptr, ks_ptr, ks_ptr, cu_seqlens_k_ptr, slot, n_blocks, n_k_programs,
-                              N_KV_HEADS, HEAD_DIM, BLOCK, ROUND_IN_F32, False)
-    elif group > 0:  # the codes of block blk of head `group - 1`
-        head = group - 1
-        blk = r - n_pos_blocks - k_per_group
-        v = _load_v_positions(v_ptr, blk, head, total_k, N_KV_HEADS, HEAD_DIM, BLOCK).to(tl.float32)  # in flight
-        while tl.atomic_add(sync_ptr + N_KV_HEADS + head, 0) < n_pos_blocks:
-            pass
-        scale = _scale_of(tl.atomic_max(sync_ptr + head, 0).to(tl.float32, bitcast=True))
-        if blk == 0:
-            tl.store(v_scale_ptr + head, scale)
-        _store_v_t(vt_ptr, _to_e4m3(_codes(v, scale), ROUND_IN_F32), blk, head, n_pad, HEAD_DIM, BLOCK)
+    ptrs = (head * HEAD_DIM + offs_d).to(tl.int64)[:, None] * n_pad + pos[None, :]
+    tl.store(vt_ptr + ptrs, tl.trans(v8), mask=(pos < n_pad)[None, :])
 
 
 def _interpreted() -> bool:
@@ -254,12 +193,8 @@ def fused_quantization_applies(q, k, v, hadamard=False, fp8_pv=True) -> bool:
                     for x in (q, k, v)))
 
 
-def quantize_qkv_fp8(q, k, v, cu_seqlens_k=None, max_seqlen_k=None, hadamard=False, fp8_pv=True, q_in_kernel=False):
+def quantize_qkv_fp8(q, k, v, cu_seqlens_k=None, max_seqlen_k=None, hadamard=False, fp8_pv=True):
     """The fp8 operands of the attention kernels, ``prepare_fp8``'s tuple (q8, q_scale, k8, k_scale, v8, v_scale).
-
-    q_in_kernel=True (the fused path; the warp-specialized Gluon kernel quantizes Q per token itself): q is
-    returned as it is with q_scale None, and k, v take one launch (`_quantize_kv_kernel`); k8 .. v_scale are the
-    same.
 
     q: (total_q, Hq, D); k, v: (total_k, Hkv, D), contiguous 16-bit (fp32 for the CPU tests), D a power of two;
     cu_seqlens_k: (B + 1,) int32 (None: one sequence); max_seqlen_k: the longest key sequence (None: total_k, an
@@ -274,8 +209,6 @@ def quantize_qkv_fp8(q, k, v, cu_seqlens_k=None, max_seqlen_k=None, hadamard=Fal
         cu_seqlens_k = torch.tensor([0, total_k], dtype=torch.int32, device=dev)
     n_blocks = _cdiv(max(max_seqlen_k if max_seqlen_k is not None else total_k, 1), KV_SCALE_BLOCK)
     n_kv_programs = (cu_seqlens_k.numel() - 1) * n_blocks * n_kv_heads
-    if q_in_kernel:
-        return (q, None) + _quantize_kv(k, v, cu_seqlens_k, n_blocks, n_kv_programs)
     q8 = torch.empty(q.shape, dtype=torch.float8_e4m3fn, device=dev)
     k8 = torch.empty(k.shape, dtype=torch.float8_e4m3fn, device=dev)
     q_scale = torch.empty(total_q, n_heads, dtype=torch.float32, device=dev)
@@ -290,24 +223,6 @@ def quantize_qkv_fp8(q, k, v, cu_seqlens_k=None, max_seqlen_k=None, hadamard=Fal
     v_scale = torch.empty(n_kv_heads, dtype=torch.float32, device=dev)
     _launch_v_t(v, vt, n_pad, vmax, v_scale, n_kv_programs // n_kv_heads, True)
     return q8, q_scale, k8, k_scale, vt[:, :, :total_k].permute(2, 0, 1), v_scale
-
-
-def _quantize_kv(k, v, cu_seqlens_k, n_blocks, n_k_programs):
-    """(k8, k_scale, v8, v_scale) of `quantize_qkv_fp8` in one launch."""
-    total_k, n_kv_heads, head_dim = k.shape
-    dev = k.device
-    k8 = torch.empty(k.shape, dtype=torch.float8_e4m3fn, device=dev)
-    k_scale = torch.empty(total_k, n_kv_heads, dtype=torch.float32, device=dev)
-    vt, n_pad = _v_t_storage(total_k, n_kv_heads, head_dim, dev)
-    v_scale = torch.empty(n_kv_heads, dtype=torch.float32, device=dev)
-    sync = torch.zeros(2 * n_kv_heads, dtype=torch.int32, device=dev)
-    n_pos_blocks = _cdiv(n_pad, KV_SCALE_BLOCK)
-    k_per_group = _cdiv(n_k_programs, n_kv_heads)
-    _quantize_kv_kernel[((n_kv_heads + 1) * (2 * n_pos_blocks + k_per_group),)](
-        k, v, k8, k_scale, vt, v_scale, sync, cu_seqlens_k, n_blocks, n_k_programs, k_per_group, n_pos_blocks,
-        total_k, n_pad, N_KV_HEADS=n_kv_heads, HEAD_DIM=head_dim, BLOCK=KV_SCALE_BLOCK,
-        ROUND_IN_F32=_interpreted(), num_warps=8)
-    return k8, k_scale, vt[:, :, :total_k].permute(2, 0, 1), v_scale
 
 
 def _descale(x, rows, heads, name, per_token_ok):

@@ -280,13 +280,10 @@ def make_descriptors(q, k, v, block_q, block_n, fp8_prepared, placeholder):
         assert v.dtype == torch.float8_e4m3fn, "the gluon kernels run P @ V in fp8 too"
         assert KV_SCALE_BLOCK % block_n == 0 and block_n % 32 == 0
         gdt = gl.float8e4nv
-        if q.dtype != torch.float8_e4m3fn:  # 16-bit Q, quantized inside the ws kernel (q_scale is None)
-            q, q_scale = q.contiguous(), placeholder
     else:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    q_gdt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}.get(q.dtype, gdt)
-    q_layout = smem_layout(block_q, head_dim, q_gdt)
+    q_layout = smem_layout(block_q, head_dim, gdt)
     kv_layout = smem_layout(block_n, head_dim, gdt)
     desc_q = TensorDescriptor(q, [total_q, n_heads * head_dim], [n_heads * head_dim, 1], [block_q, head_dim],
                               q_layout)

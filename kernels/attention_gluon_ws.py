@@ -36,10 +36,6 @@ tile and issue their wgmmas together):
   (64 FMULs a thread and round) when none of its rows raised it: a warp vote and a uniform branch in inline
   PTX.
 
-* fp8 from 16-bit q (`Q_QUANT`, the public fp8 call): the producer brings 16-bit Q rows by TMA and each consumer
-  quantizes them once a work tile (`_quantize_q_tile`: per token, as `prepare_fp8`), so the separate pass
-  (`attention_fp8_quant.quantize_qkv_fp8(q_in_kernel=True)`) reads k and v only.
-
 `attention_select` picks it for fp8 and for 16-bit rows past the short ones; which flag pays where (H200) is in
 `_default_config`, the measurements in bench/NOTES_attention.md.
 
@@ -123,28 +119,6 @@ def _issue_pv(p_op, v_tile, acc, ones_smem, l_zero, dtype: gl.constexpr, IS_FP8:
         acc = _pv(p_op, v_tile, acc, dtype, IS_FP8)
         rs = l_zero
     return acc, rs
-
-
-# Q_QUANT: the register layouts a consumer reads its 64 x HEAD_DIM 16-bit Q rows in (16 bytes a thread and row)
-Q_REG_LAYOUT_128 = gl.constexpr(gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0]))
-Q_REG_LAYOUT_64 = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
-INV_E4M3_MAX = gl.constexpr(1.0 / 448.0)
-
-
-@gluon.jit
-def _quantize_q_tile(q_raw, q_tile, row_layout: gl.constexpr, HEAD_DIM: gl.constexpr):
-    """Q_QUANT: the 16-bit Q rows in shared memory q_raw, quantized per row (per token and head, the scale amax /
-    448 as ``prepare_fp8``) into q_tile's e4m3 codes; returns the row scales in ``row_layout``. Q is read once per
-    work tile, so this replaces the separate pass over q (its read and its e4m3 write) by one shared-memory round
-    trip per tile; every thread's codes are in shared memory, fenced for the wgmma, when it returns."""
-    layout: gl.constexpr = Q_REG_LAYOUT_128 if HEAD_DIM == 128 else Q_REG_LAYOUT_64
-    x = q_raw.load(layout).to(gl.float32)
-    scale = gl.maximum(gl.max(gl.abs(x), axis=1), 1e-12) * INV_E4M3_MAX
-    # x times the IEEE reciprocal of its scale, as prepare_fp8 and the Triton quantization compute the codes
-    q_tile.store((x * gl.expand_dims(gl.div_rn(gl.zeros_like(scale) + 1.0, scale), 1)).to(q_tile.dtype))
-    fence_async_shared()
-    gl.thread_barrier()  # every thread's codes (and its reads of q_raw) before the wgmma and the release of q_raw
-    return gl.convert_layout(scale, row_layout)
 
 
 @gluon.jit
@@ -254,14 +228,12 @@ def _ws_producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, ks_smem, ks_ptr
 
 
 @gluon.jit
-def _consume_tile(wg, q_in, q_smem, k_smem, v_smem, ks_smem, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
-                  turn_bars, desc_o, o_smem, o_ptr, qs_ptr, ks_ptr, v_scale_ptr, sm_scale, stride_om, stride_oh,
-                  stride_qsm, stride_ksn, q_start, seqlen_q, kv_start, seqlen_k, blk_m0, head, kv_head, n_tiles, cnt,
-                  it, rnd,
+def _consume_tile(wg, q_smem, k_smem, v_smem, ks_smem, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, turn_bars,
+                  desc_o, o_smem, o_ptr, qs_ptr, ks_ptr, v_scale_ptr, sm_scale, stride_om, stride_oh, stride_qsm,
+                  stride_ksn, q_start, seqlen_q, kv_start, seqlen_k, blk_m0, head, kv_head, n_tiles, cnt, it, rnd,
                   HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr, IS_FP8: gl.constexpr,
                   NUM_BUF: gl.constexpr, PINGPONG: gl.constexpr, TMA_STORE: gl.constexpr,
-                  STAGE_KS: gl.constexpr, ones_smem, ROWSUM_MMA: gl.constexpr, LAZY_RESCALE: gl.constexpr,
-                  Q_QUANT: gl.constexpr):
+                  STAGE_KS: gl.constexpr, ones_smem, ROWSUM_MMA: gl.constexpr, LAZY_RESCALE: gl.constexpr):
     """One warpgroup, one work tile: rows blk_m0 + wg * 64 .. + 63. Round j (j = 0..n_tiles)
     issues S_j and P_(j-1) V_(j-1) inside this warpgroup's turn; the softmax of S_j then overlaps
     both the P V wgmma (intra-warpgroup) and the other warpgroup's round (ping-pong). cnt: ring
@@ -317,16 +289,13 @@ def _consume_tile(wg, q_in, q_smem, k_smem, v_smem, ks_smem, q_bars, q_empty, k_
     offs_m = m0 + gl.arange(0, HALF_M, layout=row_s)
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     qk_scale, m_i, l_i, acc, s_zero = _row_state(qs_ptr, sm_scale, q_start, offs_m, seqlen_q, stride_qsm, head,
-                                                 HEAD_DIM, BLOCK_N, IS_FP8 and not Q_QUANT, o_layout, s_layout)
+                                                 HEAD_DIM, BLOCK_N, IS_FP8, o_layout, s_layout)
+    row_scale = qk_scale
     # ROWSUM_MMA: each round's P @ ones starts from l_zero; l2d holds the running row sums (fp32, on the CUDA
     # cores), in every column (unused, and compiled away, without ROWSUM_MMA)
     l_zero = gl.zeros([HALF_M, ONES_N], gl.float32, layout=l_layout)
     l2d = l_zero
     mbarrier.wait(q_bars.index(wg), it & 1)
-    if Q_QUANT:  # 16-bit Q rows in q_in: their e4m3 codes into q_tile, their scales into the row scale
-        qk_scale = qk_scale * _quantize_q_tile(q_in.index(wg), q_tile, row_s, HEAD_DIM)
-        mbarrier.arrive(q_empty.index(wg), count=1)  # q_in is free for the next tile's Q
-    row_scale = qk_scale
 
     if n_tiles > 0:
         # round 0: S_0 alone
@@ -379,8 +348,7 @@ def _consume_tile(wg, q_in, q_smem, k_smem, v_smem, ks_smem, q_bars, q_empty, k_
             else:
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
             p_op = _p_operand(p, p_layout, p_dtype, IS_FP8, HALF_M, BLOCK_N)
-        if not Q_QUANT:
-            mbarrier.arrive(q_empty.index(wg), count=1)  # every Q K^T of this tile retired
+        mbarrier.arrive(q_empty.index(wg), count=1)  # every Q K^T of this tile retired
         # round n_tiles: the last P V, still in turn so both warpgroups run the same rounds
         last = cnt + n_tiles - 1
         mbarrier.wait(v_ready.index(last % NUM_BUF), (last // NUM_BUF) & 1)
@@ -395,7 +363,7 @@ def _consume_tile(wg, q_in, q_smem, k_smem, v_smem, ks_smem, q_bars, q_empty, k_
         else:
             acc = warpgroup_mma_wait(0, deps=[acc])
         mbarrier.arrive(v_empty.index(last % NUM_BUF), count=1)
-    elif not Q_QUANT:
+    else:
         mbarrier.arrive(q_empty.index(wg), count=1)
     if ROWSUM_MMA:  # the columns are equal: max picks one, exactly
         l_i = gl.convert_layout(gl.max(l2d, 1), row_s)
@@ -423,14 +391,14 @@ def _consume_tile(wg, q_in, q_smem, k_smem, v_smem, ks_smem, q_bars, q_empty, k_
 
 
 @gluon.jit
-def _ws_consumer(wg, q_in, q_smem, k_smem, v_smem, ks_smem, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
+def _ws_consumer(wg, q_smem, k_smem, v_smem, ks_smem, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
                  turn_bars, desc_o, o_smem, o_ptr, qs_ptr, ks_ptr, v_scale_ptr, sm_scale, stride_om, stride_oh,
                  stride_qsm, stride_ksn,
                  cu_seqlens_q_ptr, cu_seqlens_k_ptr, NUM_M_BLOCKS, N_SEQ, N_WORK, SWIZZLE,
                  GROUP: gl.constexpr,
                  HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr, IS_FP8: gl.constexpr,
                  NUM_BUF: gl.constexpr, PINGPONG: gl.constexpr, TMA_STORE: gl.constexpr, STAGE_KS: gl.constexpr,
-                 ones_smem, ROWSUM_MMA: gl.constexpr, LAZY_RESCALE: gl.constexpr, Q_QUANT: gl.constexpr):
+                 ones_smem, ROWSUM_MMA: gl.constexpr, LAZY_RESCALE: gl.constexpr):
     """Consumer warpgroup `wg` over this program's work tiles (the producer's order)."""
     cnt = 0  # K/V tiles consumed so far: ring stage and phase
     it = 0  # work tiles so far: Q buffer phase
@@ -440,11 +408,11 @@ def _ws_consumer(wg, q_in, q_smem, k_smem, v_smem, ks_smem, q_bars, q_empty, k_r
             k, cu_seqlens_q_ptr, cu_seqlens_k_ptr, NUM_M_BLOCKS, N_SEQ, N_WORK, SWIZZLE, GROUP, BLOCK_N,
             IS_CAUSAL)
         if n_tiles >= 0:
-            _consume_tile(wg, q_in, q_smem, k_smem, v_smem, ks_smem, q_bars, q_empty, k_ready, v_ready, k_empty,
-                          v_empty, turn_bars, desc_o, o_smem, o_ptr, qs_ptr, ks_ptr, v_scale_ptr, sm_scale, stride_om,
+            _consume_tile(wg, q_smem, k_smem, v_smem, ks_smem, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
+                          turn_bars, desc_o, o_smem, o_ptr, qs_ptr, ks_ptr, v_scale_ptr, sm_scale, stride_om,
                           stride_oh, stride_qsm, stride_ksn, q_start, seqlen_q, kv_start, seqlen_k, blk_m0, head,
                           kv_head, n_tiles, cnt, it, rnd, HEAD_DIM, BLOCK_N, IS_CAUSAL, IS_FP8, NUM_BUF, PINGPONG,
-                          TMA_STORE, STAGE_KS, ones_smem, ROWSUM_MMA, LAZY_RESCALE, Q_QUANT)
+                          TMA_STORE, STAGE_KS, ones_smem, ROWSUM_MMA, LAZY_RESCALE)
             cnt += n_tiles
             it += 1
             if n_tiles > 0:
@@ -460,18 +428,11 @@ def _attn_fwd_ws(desc_q, desc_k, desc_v, desc_o, o_ptr, qs_ptr, ks_ptr, v_scale_
                  GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
                  IS_CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, NUM_BUF: gl.constexpr,
                  PINGPONG: gl.constexpr, TMA_STORE: gl.constexpr, STAGE_KS: gl.constexpr,
-                 ROWSUM_MMA: gl.constexpr, LAZY_RESCALE: gl.constexpr, Q_QUANT: gl.constexpr,
-                 CONSUMER_REGS: gl.constexpr):
+                 ROWSUM_MMA: gl.constexpr, LAZY_RESCALE: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     """Grid: up to one program per SM, each looping over its work tiles (`_tile_coords`;
     N_WORK = query blocks x sequences x heads; a grid of N_WORK programs runs one tile each)."""
-    dtype: gl.constexpr = desc_k.dtype
-    if Q_QUANT:  # fp8 from 16-bit Q: TMA brings the 16-bit rows to q_in, each consumer writes its e4m3 codes to q_smem
-        q_in = gl.allocate_shared_memory(desc_q.dtype, [2, HALF_M, HEAD_DIM], desc_q.layout)
-        q_smem = gl.allocate_shared_memory(dtype, [2, HALF_M, HEAD_DIM],
-                                           gl.NVMMASharedLayout.get_default_for([HALF_M, HEAD_DIM], dtype))
-    else:
-        q_smem = gl.allocate_shared_memory(dtype, [2, HALF_M, HEAD_DIM], desc_q.layout)
-        q_in = q_smem
+    dtype: gl.constexpr = desc_q.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [2, HALF_M, HEAD_DIM], desc_q.layout)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, HEAD_DIM], desc_k.layout)
     if IS_FP8:  # V^T tiles [D, BLOCK_N]: fp8 wgmma wants B K-major
         v_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, HEAD_DIM, BLOCK_N], desc_v.layout)
@@ -515,22 +476,22 @@ def _attn_fwd_ws(desc_q, desc_k, desc_v, desc_o, o_ptr, qs_ptr, ks_ptr, v_scale_
     # the two consumers get the same arguments but their warpgroup index (written out: a tuple
     # concatenation in the kernel would turn the constexprs into run-time values)
     gl.warp_specialize([
-        (_ws_producer, (desc_q, desc_k, desc_v, q_in, k_smem, v_smem, ks_smem, ks_ptr, stride_ksn, q_bars, q_empty,
+        (_ws_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, ks_smem, ks_ptr, stride_ksn, q_bars, q_empty,
                         k_ready, v_ready, k_empty, v_empty, cu_seqlens_q_ptr, cu_seqlens_k_ptr, NUM_M_BLOCKS, N_SEQ,
                         N_WORK, SWIZZLE,
                         GROUP, HEAD_DIM, BLOCK_N, NUM_BUF, IS_CAUSAL, IS_FP8, STAGE_KS)),
-        (_ws_consumer, (0, q_in, q_smem, k_smem, v_smem, ks_smem, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
+        (_ws_consumer, (0, q_smem, k_smem, v_smem, ks_smem, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
                         turn_bars, desc_o, o_smem, o_ptr, qs_ptr, ks_ptr, v_scale_ptr, sm_scale, stride_om, stride_oh,
                         stride_qsm, stride_ksn,
                         cu_seqlens_q_ptr, cu_seqlens_k_ptr, NUM_M_BLOCKS, N_SEQ, N_WORK, SWIZZLE,
                         GROUP, HEAD_DIM, BLOCK_N, IS_CAUSAL, IS_FP8, NUM_BUF, PINGPONG, TMA_STORE, STAGE_KS,
-                        ones_smem, ROWSUM_MMA, LAZY_RESCALE, Q_QUANT)),
-        (_ws_consumer, (1, q_in, q_smem, k_smem, v_smem, ks_smem, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
+                        ones_smem, ROWSUM_MMA, LAZY_RESCALE)),
+        (_ws_consumer, (1, q_smem, k_smem, v_smem, ks_smem, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
                         turn_bars, desc_o, o_smem, o_ptr, qs_ptr, ks_ptr, v_scale_ptr, sm_scale, stride_om, stride_oh,
                         stride_qsm, stride_ksn,
                         cu_seqlens_q_ptr, cu_seqlens_k_ptr, NUM_M_BLOCKS, N_SEQ, N_WORK, SWIZZLE,
                         GROUP, HEAD_DIM, BLOCK_N, IS_CAUSAL, IS_FP8, NUM_BUF, PINGPONG, TMA_STORE, STAGE_KS,
-                        ones_smem, ROWSUM_MMA, LAZY_RESCALE, Q_QUANT)),
+                        ones_smem, ROWSUM_MMA, LAZY_RESCALE)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -587,7 +548,6 @@ def attention_varlen_ws(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causa
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
     desc_q, desc_k, desc_v, q_scale, k_scale, v_scale = make_descriptors(
         q, k, v, _HALF_M, block_n, fp8_prepared, out)
-    q_quant = fp8 and fp8_prepared[0].dtype != torch.float8_e4m3fn  # 16-bit Q: quantized in the kernel
     desc_o = _output_descriptor(out) if tma_store else desc_q  # (a placeholder without the TMA store)
     n_m_blocks = triton.cdiv(max_seqlen_q, 2 * _HALF_M)
     n_work = n_m_blocks * (cu_seqlens_q.numel() - 1) * n_heads
@@ -596,13 +556,12 @@ def attention_varlen_ws(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causa
     swizzle = n_work // n_m_blocks if causal and 2 * n_m_blocks > n_prog else 1
     _attn_fwd_ws[(n_prog, )](desc_q, desc_k, desc_v, desc_o, out, q_scale, k_scale, v_scale, cu_seqlens_q, cu_seqlens_k,
                              sm_scale, out.stride(0), out.stride(1),
-                             q_scale.stride(0) if fp8 and not q_quant else 0, k_scale.stride(0) if fp8 else 0,
-                             n_m_blocks,
+                             q_scale.stride(0) if fp8 else 0, k_scale.stride(0) if fp8 else 0, n_m_blocks,
                              cu_seqlens_q.numel() - 1, n_work, swizzle, GROUP=n_heads // n_kv_heads,
                              HEAD_DIM=head_dim,
                              BLOCK_N=block_n, IS_CAUSAL=causal, IS_FP8=fp8, NUM_BUF=num_buf, PINGPONG=pingpong,
                              TMA_STORE=bool(tma_store), STAGE_KS=bool(stage_ks and fp8),
-                             ROWSUM_MMA=bool(rowsum_mma and fp8), LAZY_RESCALE=bool(lazy_rescale), Q_QUANT=q_quant,
+                             ROWSUM_MMA=bool(rowsum_mma and fp8), LAZY_RESCALE=bool(lazy_rescale),
                              CONSUMER_REGS=CONSUMER_REGS, num_warps=4, maxnreg=MAXNREG)
     return out
 

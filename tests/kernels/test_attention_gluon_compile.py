@@ -37,15 +37,13 @@ from quantkit.kernels import attention_gluon_ws as ws
 from quantkit.kernels.attention_fp8 import prepare_fp8
 from quantkit.kernels.attention_gluon import make_descriptors
 
-fp8, causal, out_path, config, q_quant = json.loads(sys.argv[1])
+fp8, causal, out_path, config = json.loads(sys.argv[1])
 d, tokens, heads = 128, 8 * 2048, 16
 q = torch.randn(tokens, heads, d, dtype=torch.bfloat16)
 k = torch.randn(tokens, heads, d, dtype=torch.bfloat16)
 cu = torch.arange(0, tokens + 1, 2048, dtype=torch.int32)
 out = torch.empty_like(q)
 prep = prepare_fp8(q, k, k, cu_seqlens_k=cu) if fp8 else None
-if q_quant:  # 16-bit Q, quantized by the kernel (the public fp8 call's operands)
-    prep = (q, None) + prep[2:]
 desc_q, desc_k, desc_v, qs, ks, vs = make_descriptors(q, k, k, ws._HALF_M, 128, prep, out)
 block_n, num_buf, persistent, pingpong, tma_store, stage_ks, rowsum_mma, lazy = ws._full_config(config, d, fp8, 2048)
 desc_o = ws._output_descriptor(out) if tma_store else desc_q
@@ -54,8 +52,7 @@ args = dict(desc_q=desc_q, desc_k=desc_k, desc_v=desc_v, desc_o=desc_o, o_ptr=ou
             stride_oh=d, stride_qsm=heads, stride_ksn=heads, NUM_M_BLOCKS=16, N_SEQ=8, N_WORK=2048, SWIZZLE=128)
 constexprs = dict(GROUP=1, HEAD_DIM=d, BLOCK_N=block_n, IS_CAUSAL=causal, IS_FP8=fp8, NUM_BUF=num_buf,
                   PINGPONG=pingpong, TMA_STORE=tma_store, STAGE_KS=stage_ks and fp8,
-                  ROWSUM_MMA=rowsum_mma and fp8, LAZY_RESCALE=int(lazy), Q_QUANT=bool(q_quant),
-                  CONSUMER_REGS=ws.CONSUMER_REGS)
+                  ROWSUM_MMA=rowsum_mma and fp8, LAZY_RESCALE=int(lazy), CONSUMER_REGS=ws.CONSUMER_REGS)
 signature, attrs = {}, {}
 for i, name in enumerate(ws._attn_fwd_ws.arg_names):
     if name in constexprs:
@@ -71,9 +68,9 @@ open(out_path, "wb").write(kernel.asm["cubin"])
 """
 
 
-def _sass(sm90, tmp_path_factory, config, fp8=True, causal=True, q_quant=False) -> list[str]:
+def _sass(sm90, tmp_path_factory, config, fp8=True, causal=True) -> list[str]:
     cubin = str(tmp_path_factory.mktemp("gluon_attn") / "ws.cubin")
-    sm90.compile(_COMPILE, json.dumps([fp8, causal, cubin, config, q_quant]))
+    sm90.compile(_COMPILE, json.dumps([fp8, causal, cubin, config]))
     return sm90.sass(cubin)
 
 
@@ -188,23 +185,6 @@ def test_lazy_rescale_spills_no_more(bf16_causal_sass, bf16_causal_lazy_sass, fp
     assert sum("STL" in line for line in bf16_causal_sass) == 0
     assert sum("STL" in line for line in bf16_causal_lazy_sass) == 0
     assert sum("STL" in line for line in fp8_causal_lazy_sass) <= 1
-
-
-@pytest.fixture(scope="module")
-def fp8_causal_q_quant_sass(sm90, tmp_path_factory) -> list[str]:
-    """The fp8 causal default with 16-bit Q quantized inside the kernel (the public fp8 call's path)."""
-    return _sass(sm90, tmp_path_factory, None, q_quant=True)
-
-
-def test_q_quant_in_kernel_keeps_the_rounds_as_they_were(fp8_causal_sass, fp8_causal_q_quant_sass):
-    # the Q tile arrives 16-bit by TMA, is read from shared memory, rescaled and stored as e4m3, once a work
-    # tile: the rounds keep their wgmmas, no K scale comes from global memory inside a round, no more spills
-    # than the default
-    sass = fp8_causal_q_quant_sass
-    assert _count(sass, "QGMMA") == _count(fp8_causal_sass, "QGMMA")
-    test_k_scale_not_loaded_from_global_inside_a_round(sass)
-    assert sum("STL" in line for line in sass) <= 1
-    assert any("E4M3" in line for line in sass)
 
 
 # The FA3-ordered kernel (16-bit only; the selection's pick for short rows at head dim 128), causal, its default
