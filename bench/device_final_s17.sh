@@ -22,13 +22,15 @@ ab)
     cp .stage/smolA/part /tmp/partA && echo "GGUF half A in /tmp ($(stat -c %s /tmp/partA) bytes)"
     export PYTHONPATH=$PWD/.stage/filing
     python3 -c "import filing_kernels.attention, filing_kernels.w4a16; print('filing kernels import')"
-    SH=28672x8192,8192x28672,14336x4096,4096x4096
-    step 100 env QUANTKIT_W4A16_MODULE=filing_kernels.w4a16 python3 bench/bench_w4a16.py --shapes $SH --ms 1,4,16,1024 \
-        --deadline 80 --out $OUT/ab_w4a16_filing.json 2>&1 | grep -v "^  " | tail -25
-    step 100 python3 bench/bench_w4a16.py --shapes $SH --ms 1,4,16,1024 --deadline 80 --out $OUT/ab_w4a16_new.json 2>&1 \
-        | grep -v "^  " | tail -25
-    step 200 python3 bench/ab_attention_versions.py --old filing_kernels --deadline 170 --out $OUT/ab_attention.json \
+    # issue #28: AWQ on the 8B shapes on the merged code (the walker's timer now waits for the compute stream only)
+    step 90 python3 bench/bench_quantize_8b.py --method awq --asym --out $OUT/awq_32_final.json 2>&1 | tail -14
+    step 200 python3 bench/ab_attention_versions.py --old filing_kernels --deadline 160 --out $OUT/ab_attention.json \
         2>&1 | tail -30
+    SH=28672x8192,14336x4096,4096x4096
+    step 70 env QUANTKIT_W4A16_MODULE=filing_kernels.w4a16 python3 bench/bench_w4a16.py --shapes $SH --ms 1,16,1024 \
+        --deadline 55 --out $OUT/ab_w4a16_filing.json 2>&1 | grep -v "^  " | tail -25
+    step 70 python3 bench/bench_w4a16.py --shapes $SH --ms 1,16,1024 --deadline 55 --out $OUT/ab_w4a16_new.json 2>&1 \
+        | grep -v "^  " | tail -25
     step 45 python3 bench/experimental/w4a16_timing_gap.py --out $OUT 2>&1 | tail -20
     ;;
 suite)
