@@ -137,7 +137,11 @@ def check(w, w_kn: torch.Tensor, m: int, path: str | None = None) -> float:
     return ((out.float() - ref).norm() / ref.norm()).item()
 
 
-def run_shape(n, k, ms, copy_tbs, rows, variants, deadline=float("inf")):
+def run_shape(n, k, ms, copy_tbs, rows, variants, deadline=float("inf"), first=False):
+    """Time every M of one shape. ``first``: this is the process's first shape, whose first cell is timed twice
+    and the first timing dropped: on one H200 the first graph timing of a process read 45.1 / 46.4 us for the
+    28672 x 8192, M = 1 cell and the same cell 41.7-42.6 right after, in the same process (session 17,
+    ``bench/device_w4a16_first_cell.sh``); main's run-time tuner of the filing code hid it by timing first."""
     ws = [make_weights(n, k)]
     w_kn = dequant_f32(ws[0])
     err = {m: check(ws[0], w_kn, m) for m in (1, 3, 16, 40, 333)}  # the default path at decode and prefill sizes
@@ -167,7 +171,10 @@ def run_shape(n, k, ms, copy_tbs, rows, variants, deadline=float("inf")):
         xs = [torch.randn(m, k, device="cuda").bfloat16() for _ in range(max(len(ws), len(bf16)))]
         row = dict(N=n, K=k, M=m, relerr_m1=err[1], relerr_m3=err[3], relerr_m333=err[333],
                    path=_path(m, ws[0], paths), relerr={str(key): v for key, v in err.items()})
-        row["triton_us"] = bench_graph([lambda x=x, w=w: kw.w4a16_matmul(x, w) for x, w in zip(xs, ws)])
+        ours = [lambda x=x, w=w: kw.w4a16_matmul(x, w) for x, w in zip(xs, ws)]
+        if first and m == ms[0]:
+            bench_graph(ours)  # the warm-up timing, dropped (docstring)
+        row["triton_us"] = bench_graph(ours)
         row["cublas_us"] = bench_graph([lambda x=x, w=w: F.linear(x, w) for x, w in zip(xs, bf16)])
         if i4:
             row["torch_int4_us"] = bench_graph(
@@ -264,8 +271,8 @@ def main():
             json.dump(result, f, indent=1)
 
     # Largest shapes first: they carry the issue's targets, so a deadline cuts the small ones.
-    for n, k in sorted(shapes, key=lambda s: -s[0] * s[1]):
-        run_shape(n, k, ms, copy_tbs, rows, args.variants, t0 + args.deadline)
+    for i, (n, k) in enumerate(sorted(shapes, key=lambda s: -s[0] * s[1])):
+        run_shape(n, k, ms, copy_tbs, rows, args.variants, t0 + args.deadline, first=i == 0)
         torch.cuda.empty_cache()
         write(False)
     rows.sort(key=lambda r: (SHAPES.index((r["N"], r["K"])), r["M"]))
