@@ -64,7 +64,7 @@ from quantkit.kernels.attention_select import (
     gluon_attention_supports,
     select_attention,
 )
-from quantkit.kernels.device_info import capability
+from quantkit.kernels.device_info import capability, gpu_arch
 
 
 @triton.jit
@@ -328,7 +328,7 @@ def _default_config(head_dim, is_fp8, on_gpu, elem_bytes=2) -> AttentionTiles:
 
 def _call_facts(q, k, causal, window_left, softcap, fp8, fp8_pv, cu_seqlens_k, kv_aligned, max_seqlen_q):
     """The :class:`AttentionCall` of a call; the key alignment is read (one host sync) only where it matters."""
-    arch = f"sm{''.join(map(str, capability(q.device)))}" if q.is_cuda else None
+    arch = gpu_arch(q.device)
     aligned = True
     if fp8 and fp8_pv and arch == "sm90":
         aligned = cu_seqlens_k is not None and kv_starts_aligned(cu_seqlens_k, kv_aligned)

@@ -18,14 +18,13 @@ code x descale; per token or per head for q, per head for k and v) and returns t
 (its transposed, key-permuted copy: one pass over the e4m3 bytes).
 """
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from quantkit.kernels import attention_fp8
 from quantkit.kernels.attention_fp8 import KV_SCALE_BLOCK, _cdiv, prepare_fp8
+from quantkit.kernels.device_info import interpreting
 
 INV_E4M3_MAX = tl.constexpr(attention_fp8.INV_E4M3_MAX)
 AMAX_FLOOR = tl.constexpr(1e-12)  # the amax of an all-zero row / block / head: its codes are 0 either way
@@ -166,10 +165,6 @@ def _quantize_v_t_kernel(v_ptr, vt_ptr, vmax_ptr, v_scale_ptr, n_per_head, total
     tl.store(vt_ptr + ptrs, tl.trans(v8), mask=(pos < n_pad)[None, :])
 
 
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def _v_t_storage(total_k, n_kv_heads, head_dim, device):
     """(Hkv, D, n_pad) e4m3 storage of V^T: n_pad >= total_k + V_PAD, a multiple of 32 (prepare_fp8's)."""
     n_pad = _cdiv(total_k + V_PAD, 32) * 32
@@ -182,7 +177,7 @@ def _launch_v_t(v, vt, n_pad, vmax, v_scale, n_per_head, scaled):
     _quantize_v_t_kernel[(_cdiv(n_pad, KV_SCALE_BLOCK), n_kv_heads)](
         v, vt, vmax, v_scale, n_per_head, total_k, n_pad,
         N_KV_HEADS=n_kv_heads, HEAD_DIM=head_dim, BLOCK=KV_SCALE_BLOCK, SCAN=scan, SCALED=scaled,
-        ROUND_IN_F32=_interpreted(), num_warps=8)
+        ROUND_IN_F32=interpreting(), num_warps=8)
 
 
 def fused_quantization_applies(q, k, v, hadamard=False, fp8_pv=True) -> bool:
@@ -217,7 +212,7 @@ def quantize_qkv_fp8(q, k, v, cu_seqlens_k=None, max_seqlen_k=None, hadamard=Fal
     n_q_rows = total_q * n_heads
     _quantize_qk_amax_v_kernel[(n_kv_programs + _cdiv(n_q_rows, Q_ROWS),)](
         q, k, v, q8, q_scale, k8, k_scale, vmax, cu_seqlens_k, n_q_rows, n_blocks, n_kv_programs,
-        N_KV_HEADS=n_kv_heads, HEAD_DIM=head_dim, BLOCK=KV_SCALE_BLOCK, ROWS=Q_ROWS, ROUND_IN_F32=_interpreted(),
+        N_KV_HEADS=n_kv_heads, HEAD_DIM=head_dim, BLOCK=KV_SCALE_BLOCK, ROWS=Q_ROWS, ROUND_IN_F32=interpreting(),
         num_warps=8)
     vt, n_pad = _v_t_storage(total_k, n_kv_heads, head_dim, dev)
     v_scale = torch.empty(n_kv_heads, dtype=torch.float32, device=dev)

@@ -37,6 +37,12 @@ def _cuda_capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+def gpu_arch(device: torch.device | str) -> str | None:
+    """The architecture name the kernel selections read (``"sm90"`` for a Hopper GPU), None off CUDA."""
+    device = torch.device(device)
+    return "sm{}{}".format(*capability(device)) if device.type == "cuda" else None
+
+
 def interpreting() -> bool:
     """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"

@@ -17,16 +17,15 @@ import os
 import torch
 import torch.nn.functional as F
 
-from quantkit.kernels.device_info import capability
-from quantkit.kernels.w4a16_select import gpu_arch, w4a16_supports
+from quantkit.kernels.device_info import gpu_arch
+from quantkit.kernels.w4a16_select import w4a16_supports
 
 
 def kernel_supports(x: torch.Tensor, prepared) -> tuple[bool, str]:
     """Whether a W4A16 kernel can run ``x [..., K]`` against ``prepared`` (W4A16Weights)."""
     if x.shape[-1] != prepared.in_features:
         return False, f"x has {x.shape[-1]} features, the weight {prepared.in_features}"
-    arch = gpu_arch(capability(x.device)) if x.is_cuda else None
-    return w4a16_supports(prepared.facts(), arch, x.dtype)
+    return w4a16_supports(prepared.facts(), gpu_arch(x.device), x.dtype)
 
 
 def w4a16_linear(x: torch.Tensor, prepared, bias: torch.Tensor | None = None) -> torch.Tensor:

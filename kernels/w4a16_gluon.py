@@ -68,10 +68,10 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from quantkit.kernels.device_info import capability, num_sms
+from quantkit.kernels.device_info import gpu_arch, num_sms
 from quantkit.kernels.w4a16_configs import _DOT_K, _WORDS, DIRECT_MAX_M, PAIR_TILE_K, GluonConfig
 from quantkit.kernels.w4a16_gather import gather_columns
-from quantkit.kernels.w4a16_select import gluon_supports, gpu_arch
+from quantkit.kernels.w4a16_select import gluon_supports
 from quantkit.kernels.w4a16_weights import W4A16Weights
 
 __all__ = ["GluonConfig", "gluon_supported", "w4a16_gluon_matmul"]
@@ -756,7 +756,7 @@ def _direct_unit(acc, seg_first, words, x0, x1, x2, x3, xsum, scale, zero, i, u0
 
 def gluon_supported(x: torch.Tensor, w: W4A16Weights) -> bool:
     """Whether the Gluon kernels take this call (a Hopper GPU, 4-bit codes in the paired layout, fp16/bf16)."""
-    return (x.is_cuda and gluon_supports(w.facts(), gpu_arch(capability(x.device))) and w.pair_index is not None
+    return (x.is_cuda and gluon_supports(w.facts(), gpu_arch(x.device)) and w.pair_index is not None
             and x.dtype in (torch.float16, torch.bfloat16))
 
 

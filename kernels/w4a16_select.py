@@ -118,11 +118,6 @@ def m_bucket(m: int) -> int:
     return min(1 << max(m - 1, 0).bit_length(), M_BUCKETS[-1])
 
 
-def gpu_arch(capability: tuple[int, int]) -> str:
-    """``(9, 0)`` -> ``"sm90"``."""
-    return f"sm{capability[0]}{capability[1]}"
-
-
 def _arch_at_least(arch: str, major: int) -> bool:
     return arch.startswith("sm") and int(arch[2:-1] or 0) >= major
 

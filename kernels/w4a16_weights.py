@@ -10,6 +10,7 @@ import dataclasses
 
 import torch
 
+from quantkit.kernels.device_info import gpu_arch
 from quantkit.kernels.w4a16_configs import DIRECT_MAX_M, PAIR_TILE_K, PER_CHANNEL_GROUP, kernel_group_size
 from quantkit.kernels.w4a16_select import LayerFacts, W4A16Plan, plan_w4a16
 from quantkit.pack import pack_rows, unpack_gptq, unpack_rows
@@ -119,7 +120,7 @@ def prepare_w4a16_weights(qweight, qzeros, scales, g_idx, bits, group_size, sym)
         if perm is not None:
             pair_index = perm[pair_index]
     facts = LayerFacts(n, k, bits, kernel_group, has_zeros=zeros_u8 is not None, act_order=perm is not None)
-    arch = gpu_arch_of(qweight.device)
+    arch = gpu_arch(qweight.device)
     # the direct decode kernel takes whole K tiles per group (GluonConfig.fits); it needs its workspace
     direct = facts.direct
     return W4A16Weights(
@@ -157,16 +158,6 @@ def reference_w4a16_weights(qweight, qzeros, scales, g_idx, bits, group_size, sy
     return W4A16Weights(qweight=qweight.t(), scales=scales.to(torch.float16), zeros=zeros_u8,
                         g_idx=g_idx.to(torch.int32), perm=None, bits=bits, group_size=None, in_features=k,
                         out_features=n)
-
-
-def gpu_arch_of(device: torch.device) -> str | None:
-    """``"sm90"`` and the like for a CUDA device, None otherwise."""
-    if device.type != "cuda":
-        return None
-    from quantkit.kernels.device_info import capability
-    from quantkit.kernels.w4a16_select import gpu_arch
-
-    return gpu_arch(capability(device))
 
 
 def w4a16_matmul_ref(x: torch.Tensor, w: W4A16Weights) -> torch.Tensor:
