@@ -337,9 +337,8 @@ def _call_facts(q, k, causal, window_left, softcap, fp8, fp8_pv, cu_seqlens_k, k
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=False, sm_scale=None,
-                     window_left=-1, softcap=0.0, fp8=False, hadamard=False, fp8_pv=True, use_tma=None,
-                     config=None, fp8_prepared=None,
-                     backend="auto", kv_aligned=None, max_seqlen_k=None,
+                     window_left=-1, softcap=0.0, fp8=False, hadamard=False, fp8_pv=True, config=None,
+                     fp8_prepared=None, backend="auto", kv_aligned=None, max_seqlen_k=None,
                      q_descale=None, k_descale=None, v_descale=None, out_dtype=torch.bfloat16):
     """Packed variable-length attention forward.
 
@@ -355,8 +354,6 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=F
     v_descale (value = code x descale, as FA3's descale factors: see `attention_fp8_quant.fp8_operands`); the
     output is then out_dtype (bf16 by default). Only V is moved (to the kernels' transposed key order).
     config: optional `attention_select.AttentionTiles` (BLOCK_M, BLOCK_N, num_warps, num_stages).
-    use_tma: load K / V tiles through tensor descriptors (default: on Hopper and newer; V follows K
-    where its layout allows).
     backend: "triton" (this file's kernel), "gluon" (`attention_gluon`: Hopper, head dim 64/128,
     no window / soft-cap, 16-bit; config is then AttentionTiles with NUM_BUF as num_stages), "gluon_ws"
     (`attention_gluon_ws`, FA3's warp-specialized ping-pong; same cases; config an `attention_select.WsConfig`),
@@ -380,8 +377,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=F
     if backend != "triton":
         call = _call_facts(q, k, causal, window_left, softcap, fp8, fp8_pv, cu_seqlens_k, kv_aligned, max_seqlen_q)
         if backend == "auto":
-            # an explicit Triton config or use_tma=False asks for the Triton kernel
-            backend = select_attention(call)[0] if config is None and use_tma is not False else "triton"
+            # an explicit config is a Triton config
+            backend = select_attention(call)[0] if config is None else "triton"
         else:
             ok, reason = gluon_attention_supports(call)
             if not ok:
@@ -400,16 +397,24 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=F
 
         return attention_varlen_ws(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=causal,
                                    sm_scale=sm_scale, config=config, fp8_prepared=fp8_prepared)
+    # K / V tiles through tensor descriptors (TMA) on Hopper and newer; float32 inputs are reference runs
+    use_tma = q.is_cuda and capability(q.device)[0] >= 9 and q.element_size() <= 2
+    return _triton_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, sm_scale, window_left,
+                           softcap, fp8_prepared if fp8 else None, config, use_tma, kv_aligned)
+
+
+def _triton_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, sm_scale, window_left, softcap,
+                    fp8_prepared, config, use_tma, kv_aligned):
+    """The Triton kernel's launch (`attention_varlen`'s arguments; ``fp8_prepared`` None for 16-bit attention).
+    ``use_tma`` False reads K / V with pointer loads, as GPUs before Hopper do; the tests run both ways."""
+    fp8 = fp8_prepared is not None
     total_q, n_heads, head_dim = q.shape
     total_k, n_kv_heads, _ = k.shape
     assert n_heads % n_kv_heads == 0 and head_dim in (16, 32, 64, 128, 256)
-    on_gpu = q.is_cuda
     sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    tiles = AttentionTiles(*config) if config else _default_config(head_dim, fp8, on_gpu, q.element_size())
+    tiles = AttentionTiles(*config) if config else _default_config(head_dim, fp8, q.is_cuda, q.element_size())
     block_m, block_n, num_warps, num_stages = tiles
-    if use_tma is None:
-        use_tma = on_gpu and capability(q.device)[0] >= 9
     q_scale = k_scale = v_scale = out  # placeholders, never read unless fp8
     if fp8:
         q, q_scale, k, k_scale, v, v_scale = fp8_prepared

@@ -10,7 +10,8 @@ import torch
 
 # tests/kernels/conftest.py sets TRITON_INTERPRET=1 without CUDA (before this import) and patches
 # the interpreter for NumPy >= 2.4.
-from quantkit.kernels.attention import attention, attention_ref, attention_varlen  # noqa: E402
+from quantkit.kernels.attention import _triton_forward, attention, attention_ref, attention_varlen  # noqa: E402
+from quantkit.kernels.attention_fp8_quant import quantize_qkv_fp8  # noqa: E402
 from tests.conftest import rel_err  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -24,6 +25,15 @@ def _packed(seqlens_q, seqlens_k, hq, hkv, d, dtype, device=DEV, gen=None):
     k = torch.randn(sum(seqlens_k), hkv, d, generator=gen).to(device=device, dtype=dtype)
     v = torch.randn(sum(seqlens_k), hkv, d, generator=gen).to(device=device, dtype=dtype)
     return q, k, v, cu_q, cu_k
+
+
+def _triton(q, k, v, cu_q, cu_k, max_q, use_tma, causal=False, window_left=-1, softcap=0.0, fp8=False,
+            fp8_pv=True, kv_aligned=None):
+    """The Triton kernel with K / V loaded by TMA or by pointers, whatever the device (the public call decides
+    by GPU generation): both load paths run on the interpreter and on the GPU."""
+    prepared = quantize_qkv_fp8(q, k, v, cu_k, None, False, fp8_pv) if fp8 else None
+    return _triton_forward(q, k, v, cu_q, cu_k, max_q, causal, None, window_left, softcap, prepared, None, use_tma,
+                           kv_aligned)
 
 
 # --------------------------------------------------------------------------------------------
@@ -51,8 +61,7 @@ def test_attention_matches_reference(case, use_tma):
     gen = torch.Generator().manual_seed(hash((tuple(sq), tuple(sk), hq, d, causal, window)) % 2**31)
     dtype = torch.float16 if CUDA else torch.float32
     q, k, v, cu_q, cu_k = _packed(sq, sk, hq, hkv, d, dtype, gen=gen)
-    out = attention_varlen(q, k, v, cu_q, cu_k, max(sq), causal=causal, window_left=window,
-                           softcap=softcap, use_tma=use_tma)
+    out = _triton(q, k, v, cu_q, cu_k, max(sq), use_tma, causal=causal, window_left=window, softcap=softcap)
     ref = attention_ref(q, k, v, cu_q, cu_k, causal=causal, window_left=window, softcap=softcap)
     assert torch.isfinite(out).all()
     tol = 2e-3 if dtype == torch.float16 else 1e-5
@@ -127,7 +136,11 @@ def test_gpu_vs_sdpa(dtype, d, causal, use_tma, backend):
     q = torch.randn(b, s, hq, d, device="cuda", dtype=dtype)
     k = torch.randn(b, s, hkv, d, device="cuda", dtype=dtype)
     v = torch.randn(b, s, hkv, d, device="cuda", dtype=dtype)
-    out = attention(q, k, v, causal=causal, use_tma=use_tma, backend=backend)
+    if use_tma:
+        out = attention(q, k, v, causal=causal, backend=backend)
+    else:
+        cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device="cuda")
+        out = _triton(*(x.reshape(b * s, -1, d) for x in (q, k, v)), cu, cu, s, False, causal=causal).view(q.shape)
 
     def sdpa(q, k, v):
         return torch.nn.functional.scaled_dot_product_attention(
@@ -148,7 +161,7 @@ def test_gpu_fp8(hadamard, fp8_pv):
     b, s, h, d = 2, 1000, 8, 128
     q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     out = attention(q, k, v, causal=True, fp8=True, hadamard=hadamard, fp8_pv=fp8_pv)
-    ref = attention(q.float(), k.float(), v.float(), causal=True, use_tma=False)
+    ref = attention(q.float(), k.float(), v.float(), causal=True)
     # e4m3 has a 3-bit mantissa: ~2-4% relative error is the expected scale
     assert rel_err(out, ref) < 0.06
 
@@ -161,8 +174,7 @@ def test_fp8_path_interpreter_or_gpu(seqlens, use_tma, fp8_pv):
     gen = torch.Generator().manual_seed(5)
     dtype = torch.bfloat16 if CUDA else torch.float32
     q, k, v, cu_q, cu_k = _packed(seqlens, seqlens, 4, 2, 64, dtype, gen=gen)
-    out = attention_varlen(q, k, v, cu_q, cu_k, max(seqlens), causal=True, fp8=True, fp8_pv=fp8_pv,
-                           use_tma=use_tma)
+    out = _triton(q, k, v, cu_q, cu_k, max(seqlens), use_tma, causal=True, fp8=True, fp8_pv=fp8_pv)
     ref = attention_ref(q, k, v, cu_q, cu_k, causal=True)
     assert torch.isfinite(out).all()
     assert rel_err(out, ref) < (0.07 if fp8_pv else 0.05)
@@ -192,6 +204,6 @@ def test_kv_aligned_hint_gives_the_same_result(kv_aligned):
     gen = torch.Generator().manual_seed(9)
     dtype = torch.bfloat16 if CUDA else torch.float32
     q, k, v, cu_q, cu_k = _packed([32, 64], [32, 64], 4, 2, 64, dtype, gen=gen)
-    out = attention_varlen(q, k, v, cu_q, cu_k, 64, causal=True, fp8=True, use_tma=True, kv_aligned=kv_aligned)
+    out = _triton(q, k, v, cu_q, cu_k, 64, True, causal=True, fp8=True, kv_aligned=kv_aligned)
     ref = attention_ref(q, k, v, cu_q, cu_k, causal=True)
     assert torch.isfinite(out).all() and rel_err(out, ref) < 0.07

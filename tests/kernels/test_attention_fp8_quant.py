@@ -193,7 +193,7 @@ def test_gpu_public_fp8_call(backend, causal):
     cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device="cuda")
     same = attention(q, k, v, causal=causal, backend=backend, fp8_prepared=prepare_fp8(*flat, cu_seqlens_k=cu))
     assert torch.equal(out, same)
-    ref = attention(q.float(), k.float(), v.float(), causal=causal, use_tma=False)
+    ref = attention(q.float(), k.float(), v.float(), causal=causal)
     assert rel_err(out, ref) < 0.06
 
 
@@ -208,5 +208,5 @@ def test_gpu_fp8_inputs_with_descales(causal):
                     v_descale=vd)
     assert out.dtype == torch.bfloat16
     deq = (q8.float() * qd[..., None], k8.float() * kd[:, None], v8.float() * vd[:, None])
-    ref = attention(*(x.view(b, s, h, d) for x in deq), causal=causal, use_tma=False)
+    ref = attention(*(x.view(b, s, h, d) for x in deq), causal=causal)
     assert rel_err(out, ref) < 0.05  # only P is rounded inside the kernel (wrong descales give > 0.1)
