@@ -4,9 +4,10 @@ The kernels: the Triton kernel (``attention.py``: any GPU from sm_80 and the CPU
 windows, soft-capping, fp8), the Gluon FA3-ordered kernel (``attention_gluon.py``) and the Gluon warp-specialized
 ping-pong kernel (``attention_gluon_ws.py``); both Gluon kernels take Hopper, bf16/fp16, head dim 64 or 128, no
 window or soft-cap, and fp8 only with fp8 P @ V and key sequences starting on multiples of 32 tokens. Among them
-the H200 measurements (bench/NOTES_attention.md) pick: fp8 and long rows the warp-specialized kernel; bf16 hd128
-rows up to 512 (1024 causal) the FA3-ordered one, whose two 64-row programs per SM amortize their pipeline fill
-better than one 128-row program of the warp-specialized kernel.
+the H200 measurements pick the warp-specialized kernel, except causal rows of at most 256 queries: there the
+FA3-ordered kernel's two 64-row programs per SM balance the short triangular rows better than one 128-row program
+(bench/experimental/attention_backends_short_rows.py; from 512 queries on, and at 256 non-causal, the
+warp-specialized kernel is 13-38 % faster, so the earlier bound of 512 / 1024 causal was stale).
 """
 
 from __future__ import annotations
@@ -86,6 +87,6 @@ def select_attention(call: AttentionCall) -> tuple[str, str]:
         return "triton", reason
     if call.fp8:
         return "gluon_ws", "fp8: the warp-specialized kernel (1.14-1.34x its bf16 at hd128, S >= 2048)"
-    if call.head_dim == 128 and (call.max_seqlen_q <= 512 or (call.causal and call.max_seqlen_q <= 1024)):
-        return "gluon", "short rows: two 64-row programs per SM amortize the pipeline fill better"
+    if call.causal and call.max_seqlen_q <= 256:
+        return "gluon", "causal rows up to 256 queries: two 64-row programs per SM balance them better"
     return "gluon_ws", "FA3's warp-specialized ping-pong"

@@ -17,10 +17,13 @@ def call(**kw):
 
 @pytest.mark.parametrize("kw,backend", [
     (dict(max_seqlen_q=4096), "gluon_ws"),
-    (dict(max_seqlen_q=512), "gluon"),
-    (dict(max_seqlen_q=1024, causal=True), "gluon"),
-    (dict(max_seqlen_q=1024), "gluon_ws"),
+    (dict(max_seqlen_q=256, causal=True), "gluon"),
+    (dict(max_seqlen_q=256, causal=True, head_dim=64), "gluon"),
+    (dict(max_seqlen_q=256), "gluon_ws"),
+    (dict(max_seqlen_q=512, causal=True), "gluon_ws"),
+    (dict(max_seqlen_q=1024, causal=True), "gluon_ws"),
     (dict(max_seqlen_q=512, head_dim=64), "gluon_ws"),
+    (dict(max_seqlen_q=256, causal=True, fp8=True), "gluon_ws"),
     (dict(max_seqlen_q=512, fp8=True), "gluon_ws"),
     (dict(max_seqlen_q=4096, fp8=True, kv_aligned=False), "triton"),
     (dict(max_seqlen_q=4096, fp8=True, fp8_pv=False), "triton"),
