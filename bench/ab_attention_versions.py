@@ -99,7 +99,10 @@ class Version:
     def __init__(self, package: str):
         mod = importlib.import_module(f"{package}.attention")
         dec = importlib.import_module(f"{package}.decode_attention")
-        self.name, self.attention, self.prepare_fp8 = package, mod.attention, mod.prepare_fp8
+        # prepare_fp8 lived in attention.py at the filing, in attention_fp8.py since
+        self.name, self.attention = package, mod.attention
+        self.prepare_fp8 = getattr(mod, "prepare_fp8", None) or importlib.import_module(
+            f"{package}.attention_fp8").prepare_fp8
         self.decode_attention = dec.decode_attention
 
 

@@ -30,7 +30,8 @@ import torch
 import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from quantkit.kernels.attention import attention, prepare_fp8
+from quantkit.kernels.attention import attention
+from quantkit.kernels.attention_fp8 import prepare_fp8
 from quantkit.kernels.decode_attention import decode_attention, decode_attention_ref
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -264,8 +265,7 @@ def fp8_call_table(args, results):
     former public call (``prepare_fp8`` in PyTorch + the kernel), e4m3 inputs with descale factors (V moved to
     the kernels' layout + the kernel), the kernel alone on prepared operands, and the fused quantization alone.
     Relative errors against float32 attention on the same bf16 inputs."""
-    from quantkit.kernels.attention_fp8 import quantize_fp8_per_token
-    from quantkit.kernels.attention_fp8_quant import quantize_qkv_fp8
+    from quantkit.kernels.attention_fp8 import quantize_fp8_per_token, quantize_qkv_fp8
 
     h, d = 16, 128
     seqlens = [int(x) for x in args.seqlens.split(",")] if args.seqlens else [2048, 8192, 16384]

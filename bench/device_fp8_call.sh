@@ -12,7 +12,7 @@ t0=$(date +%s)
 STEP_MIN_S=15
 source "$(dirname "${BASH_SOURCE[0]}")/device_budget.sh"  # step CAP CMD...
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv
-step 60 python3 -m pytest -m gpu -q -n 4 -p no:cacheprovider tests/kernels/test_attention_fp8_quant.py \
+step 60 python3 -m pytest -m gpu -q -n 4 -p no:cacheprovider tests/kernels/test_attention_fp8.py \
     tests/kernels/test_attention.py::test_gpu_fp8 2>&1 | tee "$OUT/pytest_gpu_fp8_call.txt"
 step 80 python3 bench/bench_attention.py --skip-sweep --sections fp8call --seqlens 2048,8192,16384 \
     --out "$OUT" --name attention_fp8call_h200.json 2>&1 | tee "$OUT/attention_fp8call.log"

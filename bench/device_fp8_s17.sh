@@ -27,9 +27,9 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --fo
     || echo "install failed"
 cd "$ROOT/.stage/fp8" || exit 1
 python3 -c "import quantkit.kernels.attention as a; print('quantkit.kernels from', a.__file__)"
-step 40 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_attention_fp8_quant.py -k one_launch 2>&1 \
+step 40 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_attention_fp8.py -k one_launch 2>&1 \
     | tee "$OUT/pytest_gpu_one_launch.txt" | tail -6
-step 75 python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels/test_attention_fp8_quant.py \
+step 75 python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels/test_attention_fp8.py \
     tests/kernels/test_attention.py -k "fp8 and not one_launch" 2>&1 | tee "$OUT/pytest_gpu_fp8.txt" | tail -12
 step 130 python3 bench/bench_attention.py --skip-sweep --sections fp8call --seqlens 2048,8192,16384 \
     --out "$OUT" --name s17_fp8_attention_fp8call_h200.json 2>&1 | tee "$OUT/s17_fp8call.log" | tail -12

@@ -48,15 +48,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from quantkit.kernels.attention_fp8 import (  # noqa: F401  (re-exported: the fp8 path's public helpers)
-    KV_SCALE_BLOCK,
-    hadamard_matrix,
-    kv_starts_aligned,
-    prepare_fp8,
-    quantize_fp8_per_block,
-    quantize_fp8_per_token,
-)
-from quantkit.kernels.attention_fp8_quant import fp8_operands, quantize_qkv_fp8
+from quantkit.kernels.attention_fp8 import KV_SCALE_BLOCK, fp8_operands, quantize_qkv_fp8
 from quantkit.kernels.attention_select import (
     BACKENDS,
     AttentionCall,
@@ -326,12 +318,18 @@ def _default_config(head_dim, is_fp8, on_gpu, elem_bytes=2) -> AttentionTiles:
     return AttentionTiles(128, 64, 8, 2)
 
 
+def _kv_starts_aligned(cu_seqlens_k, known=None) -> bool:
+    """Whether every key sequence starts on a multiple of 32 tokens (``known``, if the caller knows; else read
+    from the device: one host sync)."""
+    return bool((cu_seqlens_k % 32 == 0).all()) if known is None else bool(known)
+
+
 def _call_facts(q, k, causal, window_left, softcap, fp8, fp8_pv, cu_seqlens_k, kv_aligned, max_seqlen_q):
     """The :class:`AttentionCall` of a call; the key alignment is read (one host sync) only where it matters."""
     arch = gpu_arch(q.device)
     aligned = True
     if fp8 and fp8_pv and arch == "sm90":
-        aligned = cu_seqlens_k is not None and kv_starts_aligned(cu_seqlens_k, kv_aligned)
+        aligned = cu_seqlens_k is not None and _kv_starts_aligned(cu_seqlens_k, kv_aligned)
     return AttentionCall(arch, str(q.dtype), str(k.dtype), q.shape[-1], causal, window_left, softcap, fp8, fp8_pv,
                          aligned, max_seqlen_q)
 
@@ -346,12 +344,12 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=F
     cu_seqlens_q, cu_seqlens_k: (B + 1,) int32 cumulative offsets; max_seqlen_q: int.
     Hq must be a multiple of Hkv (GQA/MQA). window_left < 0: no window. softcap <= 0: none.
     fp8=True quantizes q, k, v (and P) to e4m3: per-token q, per-128-key-block k and per-head v scales, by the
-    fused Triton kernels of `attention_fp8_quant.quantize_qkv_fp8` (two launches, no host sync), or by the
+    fused Triton kernels of `attention_fp8.quantize_qkv_fp8` (two launches, no host sync), or by the
     plain-PyTorch `prepare_fp8` with hadamard=True or fp8_pv=False (see there); max_seqlen_k sizes its grid
     (None: max_seqlen_q when cu_seqlens_k is cu_seqlens_q, else total_k). fp8_prepared passes that tuple in
     directly (then q, k, v are only used for their shapes).
     Already-fp8 inputs: q, k, v of dtype torch.float8_e4m3fn in the same layout with q_descale, k_descale,
-    v_descale (value = code x descale, as FA3's descale factors: see `attention_fp8_quant.fp8_operands`); the
+    v_descale (value = code x descale, as FA3's descale factors: see `attention_fp8.fp8_operands`); the
     output is then out_dtype (bf16 by default). Only V is moved (to the kernels' transposed key order).
     config: optional `attention_select.AttentionTiles` (BLOCK_M, BLOCK_N, num_warps, num_stages).
     backend: "triton" (this file's kernel), "gluon" (`attention_gluon`: Hopper, head dim 64/128,
@@ -427,7 +425,7 @@ def _triton_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, s
         # 16-byte aligned: with 1-byte fp8, every sequence start must be a multiple of 16.
         # (Unaligned, the H200 raised 'illegal instruction'; the interpreter asserts.) The
         # key permutation of the V^T storage also needs tiles on 32-token chunks.
-        v_tma = kv_starts_aligned(cu_seqlens_k, kv_aligned)
+        v_tma = _kv_starts_aligned(cu_seqlens_k, kv_aligned)
     if v_scale is None:
         v_scale = out
     if k.stride(-1) != 1:

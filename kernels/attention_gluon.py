@@ -268,7 +268,7 @@ def make_descriptors(q, k, v, block_q, block_n, fp8_prepared, placeholder):
 
     q: (total_q, Hq, D); k, v: (total_k, Hkv, D) 16-bit. Each descriptor is a 2-D view (tokens, H * D),
     so one serves every head and sequence; boxes [block_q, D] for Q, [block_n, D] for K and V. fp8_prepared:
-    the fp8 operands (`attention_fp8_quant.quantize_qkv_fp8`, `prepare_fp8`), then V^T boxes [D, block_n] of
+    the fp8 operands (`attention_fp8.quantize_qkv_fp8`, `prepare_fp8`), then V^T boxes [D, block_n] of
     its (Hkv * D, padded tokens) storage; None: 16-bit, the scales are `placeholder` (never read)."""
 
     total_q, n_heads, head_dim = q.shape

@@ -11,7 +11,7 @@ import torch
 # tests/kernels/conftest.py sets TRITON_INTERPRET=1 without CUDA (before this import) and patches
 # the interpreter for NumPy >= 2.4.
 from quantkit.kernels.attention import _triton_forward, attention, attention_ref, attention_varlen  # noqa: E402
-from quantkit.kernels.attention_fp8_quant import quantize_qkv_fp8  # noqa: E402
+from quantkit.kernels.attention_fp8 import quantize_qkv_fp8  # noqa: E402
 from tests.conftest import rel_err  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -182,13 +182,13 @@ def test_fp8_path_interpreter_or_gpu(seqlens, use_tma, fp8_pv):
 
 def test_fp8_key_scales_are_block_amax_without_a_host_sync():
     # one scale per KV head and 128-key block of each sequence (blocks restart at every sequence)
-    from quantkit.kernels.attention import KV_SCALE_BLOCK, quantize_fp8_per_block
+    from quantkit.kernels.attention_fp8 import KV_SCALE_BLOCK, _quantize_per_block
 
     gen = torch.Generator().manual_seed(3)
     lens = [300, 5, 128, 129]
     x = torch.randn(sum(lens), 2, 16, generator=gen)
     cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
-    _, scale = quantize_fp8_per_block(x, cu)
+    _, scale = _quantize_per_block(x, cu)
     start = 0
     for n in lens:
         for b0 in range(0, n, KV_SCALE_BLOCK):

@@ -9,7 +9,7 @@ import torch
 
 from quantkit.kernels import attention_gluon_ws
 from quantkit.kernels.attention import _call_facts, attention_ref, attention_varlen
-from quantkit.kernels.attention_fp8_quant import quantize_qkv_fp8
+from quantkit.kernels.attention_fp8 import quantize_qkv_fp8
 from quantkit.kernels.attention_select import gluon_attention_supports
 from tests.conftest import rel_err
 
@@ -198,7 +198,7 @@ def test_gluon_ws_lazy_rescale_growing_logits(causal, fp8, d, config):
 def test_fp8_auto_uses_ws_without_host_sync(monkeypatch, d, causal):
     """`attention(fp8=True)` (backend auto) runs the ws kernel at head dim 64 and 128, and neither the
     fp8 quantization nor the dispatch synchronizes with the host (kv_aligned from the fixed length,
-    the host-side bound of quantize_fp8_per_block's block table)."""
+    the host-side bound of the reference's block table)."""
     from quantkit.kernels.attention import attention
 
     calls = []

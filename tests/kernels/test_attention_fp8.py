@@ -1,4 +1,4 @@
-"""Tests for kernels/attention_fp8_quant.py: the fused fp8 quantization of q, k, v against its plain-PyTorch
+"""Tests for kernels/attention_fp8.py: the fused fp8 quantization of q, k, v against its plain-PyTorch
 reference (``attention_fp8.prepare_fp8``), and the pre-quantized fp8 call with descale factors.
 
 Without CUDA the Triton kernels run under the interpreter (tests/kernels/conftest.py), on fp16/fp32 inputs."""
@@ -6,7 +6,7 @@ Without CUDA the Triton kernels run under the interpreter (tests/kernels/conftes
 import pytest
 import torch
 
-from quantkit.kernels import attention_fp8_quant as fq  # noqa: E402  (conftest set TRITON_INTERPRET first)
+from quantkit.kernels import attention_fp8 as fq  # noqa: E402  (conftest set TRITON_INTERPRET first)
 from quantkit.kernels.attention import attention, attention_ref, attention_varlen
 from quantkit.kernels.attention_fp8 import _key_perm_positions, prepare_fp8, quantize_fp8_per_token
 from tests.conftest import rel_err
