@@ -256,14 +256,14 @@ def _default_config(head_dim) -> AttentionTiles:
 
 
 @functools.cache
-def smem_layout(rows: int, cols: int, dtype) -> gl.NVMMASharedLayout:
+def _smem_layout(rows: int, cols: int, dtype) -> gl.NVMMASharedLayout:
     """The wgmma/TMA shared-memory layout of a [rows, cols] tile of ``dtype`` (a Gluon dtype). Built on every
     launch it cost ~16 us of host time a layout under cProfile (a constexpr function with validation; NOTES_attention
     run 21b); it depends on the tile shape and dtype alone, so each is built once."""
     return gl.NVMMASharedLayout.get_default_for([rows, cols], dtype)
 
 
-def make_descriptors(q, k, v, block_q, block_n, fp8_prepared, placeholder):
+def _make_descriptors(q, k, v, block_q, block_n, fp8_prepared, placeholder):
     """TMA descriptors shared by the Gluon kernels: (desc_q, desc_k, desc_v, q_scale, k_scale, v_scale).
 
     q: (total_q, Hq, D); k, v: (total_k, Hkv, D) 16-bit. Each descriptor is a 2-D view (tokens, H * D),
@@ -283,14 +283,14 @@ def make_descriptors(q, k, v, block_q, block_n, fp8_prepared, placeholder):
     else:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    q_layout = smem_layout(block_q, head_dim, gdt)
-    kv_layout = smem_layout(block_n, head_dim, gdt)
+    q_layout = _smem_layout(block_q, head_dim, gdt)
+    kv_layout = _smem_layout(block_n, head_dim, gdt)
     desc_q = TensorDescriptor(q, [total_q, n_heads * head_dim], [n_heads * head_dim, 1], [block_q, head_dim],
                               q_layout)
     desc_k = TensorDescriptor(k, [total_k, n_kv_heads * head_dim], [n_kv_heads * head_dim, 1],
                               [block_n, head_dim], kv_layout)
     if fp8:
-        vt_layout = smem_layout(head_dim, block_n, gdt)
+        vt_layout = _smem_layout(head_dim, block_n, gdt)
         desc_v = TensorDescriptor(v, [n_kv_heads * head_dim, v.stride(2)], [v.stride(2), 1], [head_dim, block_n],
                                   vt_layout)
     else:
@@ -311,7 +311,7 @@ def attention_varlen_gluon(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ca
     sm_scale = head_dim ** -0.5 if sm_scale is None else sm_scale
     block_m, block_n, num_warps, num_buf = AttentionTiles(*config) if config else _default_config(head_dim)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    desc_q, desc_k, desc_v, *_ = make_descriptors(q, k, v, block_m, block_n, None, out)
+    desc_q, desc_k, desc_v, *_ = _make_descriptors(q, k, v, block_m, block_n, None, out)
     n_heads, n_kv_heads = q.shape[1], k.shape[1]
     assert n_heads % n_kv_heads == 0
     n_m_blocks = triton.cdiv(max_seqlen_q, block_m)

@@ -55,7 +55,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from quantkit.kernels.attention_gluon import _p_operand, _pv, _row_state, _softmax_tile, make_descriptors, smem_layout
+from quantkit.kernels.attention_gluon import _make_descriptors, _p_operand, _pv, _row_state, _smem_layout, _softmax_tile
 from quantkit.kernels.attention_select import WsConfig
 from quantkit.kernels.device_info import num_sms
 
@@ -546,7 +546,7 @@ def attention_varlen_ws(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causa
     block_n, num_buf, persistent, pingpong, tma_store, stage_ks, rowsum_mma, lazy_rescale = _full_config(
         config, head_dim, fp8, max_seqlen_q)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
-    desc_q, desc_k, desc_v, q_scale, k_scale, v_scale = make_descriptors(
+    desc_q, desc_k, desc_v, q_scale, k_scale, v_scale = _make_descriptors(
         q, k, v, _HALF_M, block_n, fp8_prepared, out)
     desc_o = _output_descriptor(out) if tma_store else desc_q  # (a placeholder without the TMA store)
     n_m_blocks = triton.cdiv(max_seqlen_q, 2 * _HALF_M)
@@ -570,5 +570,5 @@ def _output_descriptor(out):
     """TMA descriptor of out (total_q, Hq, D) as (total_q, Hq * D), boxes of 64 rows of one head."""
     head_dim = out.shape[2]
     o2d = out.view(out.shape[0], out.shape[1] * head_dim)
-    layout = smem_layout(_HALF_M, head_dim, _GL_DTYPE[out.dtype])
+    layout = _smem_layout(_HALF_M, head_dim, _GL_DTYPE[out.dtype])
     return TensorDescriptor(o2d, list(o2d.shape), [o2d.stride(0), 1], [_HALF_M, head_dim], layout)

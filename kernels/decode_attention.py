@@ -352,7 +352,7 @@ def _decode_rope_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slots_ptr, k_ptr, v_
             tl.store(counter_ptr + b * N_KV + kv_head, 0)
 
 
-def rope_decode_splits(batch: int, n_kv_heads: int, max_len: int, min_split_keys: int, n_sms: int) -> int:
+def _rope_decode_splits(batch: int, n_kv_heads: int, max_len: int, min_split_keys: int, n_sms: int) -> int:
     """Most splits of the fused decode kernel: ~1 wave of programs at ``max_len``, ``min_split_keys`` keys each."""
     want = triton.cdiv(n_sms, batch * n_kv_heads)
     return max(1, min(want, triton.cdiv(max_len, min_split_keys), 64))
@@ -384,7 +384,7 @@ def decode_attention_rope(qkv, cos_table, sin_table, positions, slots, k_cache, 
     block_n = block_n or (64 if on_gpu else 16)
     min_split_keys = min_split_keys or 4 * block_n
     if num_splits is None:
-        num_splits = rope_decode_splits(b, n_kv_heads, s_max, min_split_keys, num_sms(qkv.device))
+        num_splits = _rope_decode_splits(b, n_kv_heads, s_max, min_split_keys, num_sms(qkv.device))
     o_part = torch.empty(b, n_heads, num_splits, head_dim, device=qkv.device, dtype=torch.float32)
     lse_part = torch.empty(b, n_heads, num_splits, device=qkv.device, dtype=torch.float32)
     out = torch.empty(b, n_heads * head_dim, device=qkv.device, dtype=qkv.dtype)

@@ -67,14 +67,6 @@ class _Reference:
         ).to(q.dtype)
 
     @staticmethod
-    def decode_attention(q, k_cache, v_cache, seqlens, slots, scale, window_left, softcap):
-        from quantkit.kernels.decode_attention import decode_attention_ref
-
-        return decode_attention_ref(
-            q, k_cache, v_cache, seqlens, sm_scale=scale, cache_slots=slots, window_left=window_left, softcap=softcap
-        ).to(q.dtype)
-
-    @staticmethod
     def decode_attention_rope(qkv, cos, sin, positions, slots, k_cache, v_cache, n_heads, counters, scale,
                               window_left, softcap):
         from quantkit.kernels.decode_attention import decode_attention_rope_ref
@@ -110,14 +102,6 @@ class _Kernels:
             sm_scale=scale,
             window_left=window_left,
             softcap=softcap,
-        )
-
-    @staticmethod
-    def decode_attention(q, k_cache, v_cache, seqlens, slots, scale, window_left, softcap):
-        from quantkit.kernels.decode_attention import decode_attention
-
-        return decode_attention(
-            q, k_cache, v_cache, seqlens, sm_scale=scale, cache_slots=slots, window_left=window_left, softcap=softcap
         )
 
     @staticmethod

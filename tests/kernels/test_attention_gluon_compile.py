@@ -35,7 +35,7 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import mangle_type
 from quantkit.kernels import attention_gluon_ws as ws
 from quantkit.kernels.attention_fp8 import prepare_fp8
-from quantkit.kernels.attention_gluon import make_descriptors
+from quantkit.kernels.attention_gluon import _make_descriptors
 
 fp8, causal, out_path, config = json.loads(sys.argv[1])
 d, tokens, heads = 128, 8 * 2048, 16
@@ -44,7 +44,7 @@ k = torch.randn(tokens, heads, d, dtype=torch.bfloat16)
 cu = torch.arange(0, tokens + 1, 2048, dtype=torch.int32)
 out = torch.empty_like(q)
 prep = prepare_fp8(q, k, k, cu_seqlens_k=cu) if fp8 else None
-desc_q, desc_k, desc_v, qs, ks, vs = make_descriptors(q, k, k, ws._HALF_M, 128, prep, out)
+desc_q, desc_k, desc_v, qs, ks, vs = _make_descriptors(q, k, k, ws._HALF_M, 128, prep, out)
 block_n, num_buf, persistent, pingpong, tma_store, stage_ks, rowsum_mma, lazy = ws._full_config(config, d, fp8, 2048)
 desc_o = ws._output_descriptor(out) if tma_store else desc_q
 args = dict(desc_q=desc_q, desc_k=desc_k, desc_v=desc_v, desc_o=desc_o, o_ptr=out, qs_ptr=qs, ks_ptr=ks,
@@ -201,7 +201,7 @@ q = torch.randn(tokens, heads, d, dtype=torch.bfloat16)
 cu = torch.arange(0, tokens + 1, 512, dtype=torch.int32)
 out = torch.empty_like(q)
 bm, bn, nw, nb = g._default_config(d)
-desc_q, desc_k, desc_v, *_ = g.make_descriptors(q, q, q, bm, bn, None, out)
+desc_q, desc_k, desc_v, *_ = g._make_descriptors(q, q, q, bm, bn, None, out)
 args = dict(desc_q=desc_q, desc_k=desc_k, desc_v=desc_v, o_ptr=out, cu_seqlens_q_ptr=cu, cu_seqlens_k_ptr=cu,
             sm_scale=0.1, stride_om=heads * d, stride_oh=d, NUM_M_BLOCKS=8)
 constexprs = dict(GROUP=1, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, IS_CAUSAL=True, NUM_BUF=nb, num_warps=nw)

@@ -1,5 +1,5 @@
-"""The kernels backend's wiring (fused Triton kernels, attention_varlen, decode_attention with cache slots, windows
-and soft-caps) against the reference backend on the same weights: Triton's interpreter on the CPU, float32."""
+"""The kernels backend's wiring (fused Triton kernels, attention_varlen, the fused decode attention with cache
+slots, windows and soft-caps) against the reference backend on the same weights: Triton's interpreter on the CPU, float32."""
 
 from __future__ import annotations
 
