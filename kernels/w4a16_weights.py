@@ -11,14 +11,12 @@ import dataclasses
 import torch
 
 from quantkit.kernels.device_info import gpu_arch
-from quantkit.kernels.w4a16_configs import DIRECT_MAX_M, PAIR_TILE_K, PER_CHANNEL_GROUP, kernel_group_size
+from quantkit.kernels.w4a16_configs import DIRECT_MAX_M, PAIR_TILE_K, kernel_group_size
 from quantkit.kernels.w4a16_select import LayerFacts, W4A16Plan, plan_w4a16
 from quantkit.pack import pack_rows, unpack_gptq, unpack_rows
 from quantkit.primitives import default_g_idx
 
-__all__ = ["W4A16Weights", "prepare_w4a16_weights", "reference_w4a16_weights", "w4a16_matmul_ref",
-           "paired_nibble_index", "PAIR_TILE_K",
-           "DIRECT_MAX_M", "PER_CHANNEL_GROUP"]
+__all__ = ["W4A16Weights", "prepare_w4a16_weights", "reference_w4a16_weights", "w4a16_matmul_ref"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,7 +33,7 @@ class W4A16Weights:
       output channel), or None when the groups are not contiguous runs of one length (the kernels then
       refuse; the reference still works).
     * ``pair_index`` int64 ``[K]`` or None: the activation columns in the order the paired-nibble
-      tensor-core kernel reads them (:func:`paired_nibble_index`, composed with ``perm``); None when
+      tensor-core kernel reads them (:func:`_paired_nibble_index`, composed with ``perm``); None when
       that kernel cannot take the layer (8-bit codes, or K not a multiple of ``PAIR_TILE_K``).
     * ``tile_counters`` int32 ``[N / 16 + 1]`` and ``partial_sums`` float32 ``[DIRECT_MAX_M * N]``, zeros, where
       the direct decode kernel takes the layer (``pair_index`` set, whole K tiles per group): its stream-K tile
@@ -67,7 +65,7 @@ class W4A16Weights:
                           has_zeros=self.zeros is not None, act_order=self.perm is not None)
 
 
-def paired_nibble_index(k: int, device=None) -> torch.Tensor:
+def _paired_nibble_index(k: int, device=None) -> torch.Tensor:
     """Column order of the paired-nibble kernel: ``x[:, index]`` is what its j-th dot of a tile reads.
 
     A 32-bit word holds 8 codes, code ``p`` at bit ``4p``. Shifting the word right by ``4j`` puts codes
@@ -116,7 +114,7 @@ def prepare_w4a16_weights(qweight, qzeros, scales, g_idx, bits, group_size, sym)
         kernel_group = kernel_group_size(group_size, k)
     pair_index = None
     if bits == 4 and k % PAIR_TILE_K == 0:
-        pair_index = paired_nibble_index(k, qweight.device)
+        pair_index = _paired_nibble_index(k, qweight.device)
         if perm is not None:
             pair_index = perm[pair_index]
     facts = LayerFacts(n, k, bits, kernel_group, has_zeros=zeros_u8 is not None, act_order=perm is not None)
