@@ -1,7 +1,8 @@
 """Launch configurations of the W4A16 kernels: one frozen dataclass per kernel family.
 
 No Triton here: the selection table (:mod:`quantkit.kernels.w4a16_select`), ``explain`` and the CPU tests
-read and validate configs without importing a compiler. Field names are the kernels' constexpr names.
+read and validate configs without importing a compiler. Field names are the kernels' constexpr names, except
+those only the launcher's grid reads (``PROGS_PER_SM``, ``SPLIT_K``, ``CTAS_PER_SM``).
 
 Families (the kernels in :mod:`quantkit.kernels.w4a16` and :mod:`quantkit.kernels.w4a16_gluon`):
 
@@ -40,8 +41,8 @@ def _next_pow2(n: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class GemvConfig:
-    """GEMV: BLOCK_N output rows x BLOCK_K codes per step, PIPE loads in flight; PROGS_PER_SM sizes the K split
-    (SPLIT_K fixes it; 1: no split, direct store)."""
+    """The W4A16 GEMV (the 16-bit GEMV's is ``gemv.DenseGemvConfig``): BLOCK_N output rows x BLOCK_K codes per
+    step, PIPE loads in flight; PROGS_PER_SM sizes the K split (SPLIT_K fixes it; 1: no split, direct store)."""
 
     BLOCK_N: int
     BLOCK_K: int
