@@ -3,10 +3,12 @@
 1. the GEMV against ``F.linear`` and a float32 product at Llama-3-8B's linear shapes, M = 1, 2, 4 (relative errors);
 2. each 8B linear at M = 1 (and the default config at M = 4): cuBLAS and every GEMV candidate config, GPU time under
    CUDA-graph replay with L2 evicted (``kernels/gpu_timing.gpu_time_us``), the best config per shape;
-3. the runtime's bf16 decode at batch 1 (``--shape``, ``--steps``) on one model: cuBLAS (``QUANTKIT_BF16_GEMV=0``),
-   the GEMV with its default config, and with the fastest candidate of each shape (``QUANTKIT_GEMV_CONFIG``;
-   printed as a ``TUNED_M1`` table for kernels/gemv.py), tok/s (median of ``--repeats``), the per-part time
-   split, and a greedy check of the graph decode against the prefill path.
+3. the runtime's bf16 decode at batch 1 (``--shape``, ``--steps``) on one model: cuBLAS (``QUANTKIT_BF16_GEMV=0``)
+   and the GEMV with the configs kernels/gemv.py ships, tok/s (median of ``--repeats``), the per-part time split, and
+   a greedy check of the graph decode against the prefill path. Part 2 prints the fastest candidate of each shape as
+   a ``TUNED_M1`` table; to time a new table in the runtime, paste it into kernels/gemv.py and run again.
+
+The candidates are passed to ``gemv(..., config=...)``; nothing in the library is patched.
 
     python bench/ab_bf16_gemv.py --out bench/results/ab_bf16_gemv_<date>.json
     python bench/ab_bf16_gemv.py --tiny --shape smollm2-135m --steps 2 --repeats 1 --out /tmp/ab.json  # CPU smoke
@@ -33,7 +35,10 @@ import torch.nn.functional as F
 SHAPES_8B = {"qkv": (6144, 4096, 32), "o": (4096, 4096, 32), "gate_up": (28672, 4096, 32), "down": (4096, 14336, 32),
              "lm_head": (128256, 4096, 1)}
 SHAPES_TINY = {"qkv": (96, 80, 2), "o": (64, 64, 2), "lm_head": (300, 64, 1)}
-ENV_SWITCH, ENV_CONFIG = "QUANTKIT_BF16_GEMV", "QUANTKIT_GEMV_CONFIG"
+ENV_SWITCH = "QUANTKIT_BF16_GEMV"
+# Configs timed at M = 1 (BLOCK_N, BLOCK_K, NUM_WARPS); the first is the reference column. Registers (sm_90, M = 1):
+# 4 x 2048 / 8 warps 72, 8 x 1024 / 4 127.
+CANDIDATES = ((4, 2048, 8), (8, 1024, 4), (2, 2048, 8), (4, 1024, 4), (2, 1024, 4), (8, 2048, 8))
 
 
 def _weights(shapes: dict, dtype, device) -> dict:
@@ -80,7 +85,7 @@ def _timer(device):
 
 def time_linears(weights: dict, shapes: dict) -> dict:
     """us per call at M = 1: cuBLAS and each candidate; at M = 4: cuBLAS and the default config."""
-    from quantkit.kernels.gemv import CANDIDATES, gemv, gemv_config
+    from quantkit.kernels.gemv import DenseGemvConfig, gemv
 
     timer = _timer(next(iter(weights.values())).device)
     out = {"m1": {}, "m4": {}}
@@ -88,30 +93,27 @@ def time_linears(weights: dict, shapes: dict) -> dict:
         n, k = w.shape
         x1 = torch.randn(1, k, device=w.device, dtype=w.dtype)
         row = {"cublas": timer(lambda: F.linear(x1, w))}
-        for cfg in CANDIDATES:
-            row[f"{cfg.block_n}x{cfg.block_k}/{cfg.num_warps}w"] = timer(lambda c=cfg: gemv(x1, w, None, c))
+        for block_n, block_k, warps in CANDIDATES:
+            cfg = DenseGemvConfig(block_n, block_k, warps)
+            row[_label(cfg)] = timer(lambda c=cfg: gemv(x1, w, None, c))
         best = min((key for key in row if key != "cublas"), key=row.get)
         row["best"], row["gbs_best"] = best, n * k * w.element_size() / row[best] / 1e3
         out["m1"][name] = row
         logging.info("M=1 %s %dx%d: %s", name, n, k, ", ".join(f"{key} {v:.1f}" for key, v in row.items()
                                                               if isinstance(v, float)) + f"; best {best}")
         x4 = torch.randn(4, k, device=w.device, dtype=w.dtype)
-        cfg4 = gemv_config(4, n, k)
-        out["m4"][name] = {"cublas": timer(lambda: F.linear(x4, w)), "gemv_default": timer(lambda: gemv(x4, w)),
-                           "config": f"{cfg4.block_n}x{cfg4.block_k}/{cfg4.num_warps}w"}
+        out["m4"][name] = {"cublas": timer(lambda: F.linear(x4, w)), "gemv_default": timer(lambda: gemv(x4, w))}
     keys = [key for key in next(iter(out["m1"].values())) if key not in ("best", "gbs_best")]
     per_token = {key: sum(out["m1"][name][key] * shapes[name][2] for name in out["m1"]) for key in keys}
     per_token["per_shape_best"] = sum(out["m1"][name][out["m1"][name]["best"]] * shapes[name][2] for name in out["m1"])
     out["per_token_linears_us"] = per_token
     out["best_single_config"] = min((key for key in keys if key != "cublas"), key=per_token.get)
-    out["tuned_env"] = ";".join(f"{w.shape[0]}x{w.shape[1]}={_env_config(out['m1'][name]['best'])}"
-                                for name, w in weights.items())
+    out["tuned"] = {f"{w.shape[0]}x{w.shape[1]}": out["m1"][name]["best"] for name, w in weights.items()}
     return out
 
 
-def _env_config(key: str) -> str:
-    """A candidate's column name ("4x2048/8w") as QUANTKIT_GEMV_CONFIG writes it ("4,2048,8")."""
-    return key.replace("x", ",").replace("/", ",").rstrip("w")
+def _label(cfg) -> str:
+    return f"{cfg.block_n}x{cfg.block_k}/{cfg.num_warps}w"
 
 
 def _engine(model, cuda: bool):
@@ -120,9 +122,8 @@ def _engine(model, cuda: bool):
     return Engine(model, None, max_batch=1, max_seq_len=2049, cuda_graphs=cuda, graph_buckets=(1,))
 
 
-def runtime_ab(shape: str, steps: int, repeats: int, tuned_env: str | None, device) -> dict:
-    """The runtime's bf16 decode at batch 1 with the GEMV off, on, and on with the per-shape configs of
-    ``tuned_env`` (a QUANTKIT_GEMV_CONFIG value; None: the defaults won everywhere)."""
+def runtime_ab(shape: str, steps: int, repeats: int, device) -> dict:
+    """The runtime's bf16 decode at batch 1 with the GEMV off and on (its shipped configs)."""
     from quantkit.runtime import bench
 
     cuda = torch.device(device).type == "cuda"
@@ -131,8 +132,6 @@ def runtime_ab(shape: str, steps: int, repeats: int, tuned_env: str | None, devi
     del hf
     gc.collect()
     variants = {"cublas": {ENV_SWITCH: "0"}, "gemv": {ENV_SWITCH: "1"}}
-    if tuned_env:
-        variants["gemv_tuned"] = {ENV_SWITCH: "1", ENV_CONFIG: tuned_env}
     engines, out = {}, {}
     for name, env in variants.items():  # the selection is made at capture: each engine captures under its setting
         with _env(env):
@@ -154,7 +153,7 @@ def runtime_ab(shape: str, steps: int, repeats: int, tuned_env: str | None, devi
 
 
 class _env:
-    """Set environment variables for a block (the GEMV switch and config are read at every launch)."""
+    """Set environment variables for a block (the GEMV switch is read at every call)."""
 
     def __init__(self, values: dict):
         self.values, self.saved = values, {}
@@ -206,8 +205,9 @@ def _print_tables(record: dict) -> None:
               f"{row['gbs_best']:.0f} |")
     print("| per token | " + " | ".join(f"{timing['per_token_linears_us'][key]:.0f}" for key in keys)
           + f" | per-shape best {timing['per_token_linears_us']['per_shape_best']:.0f} | |")
-    print("\nTUNED_M1 = {" + ", ".join(f"({entry.split('=')[0].replace('x', ', ')}): GemvConfig({entry.split('=')[1]})"
-                                      for entry in timing["tuned_env"].split(";")) + "}")
+    print("\nTUNED_M1 = {" + ", ".join(
+        f"({shape.replace('x', ', ')}): DenseGemvConfig({best.replace('x', ', ').replace('/', ', ').rstrip('w')})"
+        for shape, best in timing["tuned"].items()) + "}")
     print("\nM = 4: " + ", ".join(f"{name} cuBLAS {row['cublas']:.1f} / GEMV {row['gemv_default']:.1f} us"
                                  for name, row in timing["m4"].items()))
     if "runtime" in record:
@@ -245,12 +245,7 @@ def main() -> None:
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
-    from quantkit.kernels.gemv import CANDIDATES
-
-    default = _env_config(f"{CANDIDATES[0].block_n}x{CANDIDATES[0].block_k}/{CANDIDATES[0].num_warps}w")
-    tuned = record["linears"]["tuned_env"]
-    tuned_env = None if all(entry.endswith("=" + default) for entry in tuned.split(";")) else tuned
-    record["runtime"] = runtime_ab(args.shape, args.steps, args.repeats, tuned_env, device)
+    record["runtime"] = runtime_ab(args.shape, args.steps, args.repeats, device)
     out.write_text(json.dumps(record, indent=2))
     _print_tables(record)
     print(f"\nwrote {out}")

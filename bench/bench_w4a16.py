@@ -30,9 +30,8 @@ import torch
 import torch.nn.functional as F
 import triton
 
-
 kw = importlib.import_module(os.environ.get("QUANTKIT_W4A16_MODULE", "quantkit.kernels.w4a16"))
-PLANNED = hasattr(kw, "planned_choice")  # the selection-table API (else: autotuned on first use)
+PLANNED = not hasattr(kw, "choose_path")  # the selection-table API (else: autotuned on first use)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_timing import replay_us  # noqa: E402
@@ -133,7 +132,7 @@ def check(w, w_kn: torch.Tensor, m: int, path: str | None = None) -> float:
     """Relative error of the (autotuned) kernel against float32 on fresh random bf16 inputs."""
     x = torch.randn(m, w.in_features, device="cuda").bfloat16()
     ref = x.float() @ w_kn
-    out = kw.w4a16_matmul(x, w, path=path)
+    out = kw.w4a16_matmul(x, w) if path is None else kw.w4a16_matmul(x, w, path=path)  # path: older modules
     return ((out.float() - ref).norm() / ref.norm()).item()
 
 

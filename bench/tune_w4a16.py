@@ -64,7 +64,7 @@ GEMV_DIRECT = [GemvConfig(8, 512, 4, PIPE=3, SPLIT_K=1), GemvConfig(16, 512, 4, 
 def candidates(m: int, w) -> tuple[str, list]:
     """The family and its fitting candidates for ``m`` rows of the prepared layer ``w``."""
     if _small_for_gluon(m_bucket(m), w.facts()):
-        return "gemv", [c for c in GEMV_DIRECT if kw.gemv_config_ok(c, m, w.group_size)]
+        return "gemv", [c for c in GEMV_DIRECT if c.fits(m, w.group_size)]
     pool = DECODE if m <= 16 else MID + PREFILL if m <= 64 else PREFILL
     return "gluon", [c for c in pool if c.fits(m, w.group_size) and (not c.DIRECT or w.partial_sums is not None)]
 
@@ -79,12 +79,12 @@ def tune(n: int, k: int, m: int, evict, replays: int, confirm: int, incumbent: d
     kernel, pool = candidates(m, w)
     times = {}
     for cfg in pool:
-        out = kw.w4a16_matmul(x, w, path=kernel, config=cfg)
+        out = kw.w4a16_matmul(x, w, config=cfg)
         err = ((out.float() - ref).norm() / ref.norm()).item()
         if not err < 1e-2:
             print(f"  WRONG {n}x{k} M={m} {cfg}: rel. err {err:.3g}", flush=True)
             continue
-        times[cfg] = gpu_time_us(lambda c=cfg: kw.w4a16_matmul(x, w, path=kernel, config=c), evict,
+        times[cfg] = gpu_time_us(lambda c=cfg: kw.w4a16_matmul(x, w, config=c), evict,
                                  replays=replays)
     leaders = sorted(times, key=times.get)[:confirm]
     old = None
@@ -94,7 +94,7 @@ def tune(n: int, k: int, m: int, evict, replays: int, confirm: int, incumbent: d
             leaders.append(old)
     ws = rotating_weights(w, n, k)
     xs = [torch.randn(m, k, device="cuda").bfloat16() for _ in ws]
-    bench_us = {c: bench_graph([lambda x=x, w=w, c=c: kw.w4a16_matmul(x, w, path=kernel, config=c)
+    bench_us = {c: bench_graph([lambda x=x, w=w, c=c: kw.w4a16_matmul(x, w, config=c)
                                 for x, w in zip(xs, ws)]) for c in leaders}
     for c in leaders:
         print(f"  {config_to_dict(c)}: tuner {times[c]:.1f} us, bench {bench_us[c]:.1f} us"

@@ -1,13 +1,13 @@
-"""The single dispatch point between quantkit's layers and the W4A16 kernels.
+"""The single dispatch point between quantkit's layers and the W4A16 kernels, and the 16-bit linears' GEMV.
 
-:func:`kernel_supports` is the one capability check (``(ok, reason)``, from
-:func:`quantkit.kernels.w4a16_select.w4a16_supports`); :func:`w4a16_linear` runs the kernel the weights' plan
-holds when it passes and the plain-PyTorch reference otherwise. Kernel modules are imported lazily, so importing
-this file never imports or compiles Triton code. The same entry is registered as the PyTorch custom op
-``quantkit::w4a16_linear`` (:mod:`quantkit.kernels.ops`) for use inside ``torch.compile``.
+:func:`w4a16_linear` runs the kernel the weights' plan holds where
+:func:`quantkit.kernels.w4a16_select.w4a16_supports` (the one capability check) passes and the plain-PyTorch
+reference otherwise. Kernel modules are imported lazily, so importing this file never imports or compiles Triton
+code. The same entry is registered as the PyTorch custom op ``quantkit::w4a16_linear`` (:mod:`quantkit.kernels.ops`)
+for use inside ``torch.compile``.
 
 :func:`dense_linear` is the same single point for the 16-bit linears: the GEMV of :mod:`quantkit.kernels.gemv` at
-decode batch sizes on CUDA (``QUANTKIT_BF16_GEMV=0`` turns it off), cuBLAS (``F.linear``) otherwise.
+batch-1 decode on CUDA (``QUANTKIT_BF16_GEMV=0`` turns it off), cuBLAS (``F.linear``) otherwise.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from quantkit.kernels.device_info import gpu_arch
 from quantkit.kernels.w4a16_select import w4a16_supports
 
 
-def kernel_supports(x: torch.Tensor, prepared) -> tuple[bool, str]:
+def _kernel_supports(x: torch.Tensor, prepared) -> tuple[bool, str]:
     """Whether a W4A16 kernel can run ``x [..., K]`` against ``prepared`` (W4A16Weights)."""
     if x.shape[-1] != prepared.in_features:
         return False, f"x has {x.shape[-1]} features, the weight {prepared.in_features}"
@@ -33,7 +33,7 @@ def w4a16_linear(x: torch.Tensor, prepared, bias: torch.Tensor | None = None) ->
     from quantkit.kernels import w4a16_weights
 
     x2 = x.reshape(-1, x.shape[-1])
-    ok, _ = kernel_supports(x2, prepared)
+    ok, _ = _kernel_supports(x2, prepared)
     if ok and prepared.plan is not None and prepared.plan.choice(x2.shape[0]).kernel != "reference":
         from quantkit.kernels import w4a16
 
@@ -44,26 +44,20 @@ def w4a16_linear(x: torch.Tensor, prepared, bias: torch.Tensor | None = None) ->
     return y if bias is None else y + bias.to(y.dtype)
 
 
-GEMV_ENV = "QUANTKIT_BF16_GEMV"  # "0": every 16-bit linear through cuBLAS (A/B timing); default on
-# The GEMV serves one activation row only: on the H200 (bench/ab_bf16_gemv.py, 2026-12-02) it beat cuBLAS at M = 1
-# on every Llama-3-8B linear (runtime bf16 decode 242 against 217 tok/s) but took 1.4-2x cuBLAS's time at M = 4;
-# M = 2 was not measured. The kernel itself takes up to kernels.gemv.MAX_M rows (tested), for a later table.
-GEMV_DECODE_MAX_M = 1
-
-
-def gemv_wanted(device_type: str, m: int, dtype: torch.dtype) -> bool:
-    """Whether a 16-bit linear of ``m`` rows goes to the GEMV: on CUDA, m = 1 (batch-1 decode; every other m stays
-    on cuBLAS, see GEMV_DECODE_MAX_M), bf16 or fp16, and ``QUANTKIT_BF16_GEMV`` not 0 (read on every call, so a
-    process can A/B it)."""
-    if device_type != "cuda" or not 1 <= m <= GEMV_DECODE_MAX_M or dtype not in (torch.bfloat16, torch.float16):
+def _gemv_wanted(device_type: str, m: int, dtype: torch.dtype) -> bool:
+    """Whether a 16-bit linear of ``m`` rows goes to the GEMV: CUDA, bf16 or fp16, ``QUANTKIT_BF16_GEMV`` not 0 (read
+    on every call, so a process can A/B it), and m = 1. The kernel takes up to ``gemv.MAX_M`` rows, but on the H200
+    it beat cuBLAS at M = 1 on every Llama-3-8B linear and took 1.4-2x cuBLAS's time at M = 4 (M = 2 not measured;
+    bench/NOTES_decode.md)."""
+    if device_type != "cuda" or m != 1 or dtype not in (torch.bfloat16, torch.float16):
         return False
-    return os.environ.get(GEMV_ENV, "1") != "0"
+    return os.environ.get("QUANTKIT_BF16_GEMV", "1") != "0"
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x [..., K] @ weight[N, K]^T (+ bias)``: the one selection point between the GEMV and cuBLAS."""
     x2 = x.reshape(-1, x.shape[-1])
-    if gemv_wanted(x.device.type, x2.shape[0], x.dtype):
+    if _gemv_wanted(x.device.type, x2.shape[0], x.dtype):
         from quantkit.kernels.gemv import gemv, gemv_supports
 
         if gemv_supports(x2, weight, bias)[0]:

@@ -17,7 +17,6 @@ the weight tile's layout and nothing crosses threads before the final sum. Thous
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -28,13 +27,14 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from quantkit.kernels.device_info import interpreting, programmatic_launch
 
 MAX_M = 4  # activation rows one launch takes (the kernel keeps one accumulator per row)
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# A/B timing: "BLOCK_N,BLOCK_K,NUM_WARPS" (every shape) or "NxK=BLOCK_N,BLOCK_K,NUM_WARPS;..." (those shapes)
-CONFIG_ENV = "QUANTKIT_GEMV_CONFIG"
 
 
 @dataclass(frozen=True)
-class GemvConfig:
+class DenseGemvConfig:
+    """Launch config of the 16-bit GEMV (the W4A16 GEMV's is ``w4a16_configs.GemvConfig``). BLOCK_K = 256 * NUM_WARPS
+    suits 16-bit weights: a warp's 32 threads x 8 weights (16 bytes) span one row of the tile and the warps lie along
+    K, so x's [BLOCK_K] slice already sits in the tile's column layout (no shared-memory exchange in the loop)."""
+
     block_n: int
     block_k: int
     num_warps: int
@@ -43,64 +43,29 @@ class GemvConfig:
         for name in ("block_n", "block_k", "num_warps"):
             value = getattr(self, name)
             if value < 1 or value & (value - 1):
-                raise ValueError(f"GemvConfig.{name} must be a power of two, got {value}")
-
-    @classmethod
-    def parse(cls, text: str) -> GemvConfig:
-        """``"8,1024,8"`` -> GemvConfig(8, 1024, 8)."""
-        try:
-            block_n, block_k, num_warps = (int(v) for v in text.split(","))
-        except ValueError:
-            raise ValueError(f"a GEMV config is 'BLOCK_N,BLOCK_K,NUM_WARPS' (e.g. 8,1024,8), got {text!r}") from None
-        return cls(block_n, block_k, num_warps)
+                raise ValueError(f"DenseGemvConfig.{name} must be a power of two, got {value}")
 
 
-# Candidates timed by bench/ab_bf16_gemv.py at M = 1; the first is the default there. BLOCK_K = 256 * NUM_WARPS
-# for 16-bit weights: a warp's 32 threads x 8 weights (16 bytes) span one row of the tile, the warps lie along K,
-# so x's [BLOCK_K] slice already sits in the tile's column layout (the sm_90 SASS has no shared-memory exchange
-# in the loop; a tile with warps along N does). Registers (sm_90, M = 1): 4 x 2048 / 8 warps 72, 8 x 1024 / 4 127.
-CANDIDATES = (GemvConfig(4, 2048, 8), GemvConfig(8, 1024, 4), GemvConfig(2, 2048, 8), GemvConfig(4, 1024, 4),
-              GemvConfig(2, 1024, 4), GemvConfig(8, 2048, 8))
-
-
-# Measured best configs at M = 1 by shape (N, K): bench/ab_bf16_gemv.py on one H200, 2026-12-02 (us per call, graph
-# replays, L2 evicted; cuBLAS beside: qkv 13.7 / 15.8, o 10.0 / 12.8, gate_up 53.7 / 54.5, down 29.1 / 30.0,
-# lm_head 231.1 / 238.0; bench/results/ab_bf16_gemv_2026-12-02_s15.json).
-TUNED_M1: dict[tuple[int, int], GemvConfig] = {
-    (6144, 4096): GemvConfig(4, 1024, 4),
-    (4096, 4096): GemvConfig(8, 1024, 4),
-    (28672, 4096): GemvConfig(4, 1024, 4),
-    (4096, 14336): GemvConfig(2, 1024, 4),
-    (128256, 4096): GemvConfig(2, 1024, 4),
+# The fastest config at M = 1 by shape (N, K), Llama-3-8B's linears on one H200 (bench/ab_bf16_gemv.py, timings in
+# bench/NOTES_decode.md).
+TUNED_M1: dict[tuple[int, int], DenseGemvConfig] = {
+    (6144, 4096): DenseGemvConfig(4, 1024, 4),
+    (4096, 4096): DenseGemvConfig(8, 1024, 4),
+    (28672, 4096): DenseGemvConfig(4, 1024, 4),
+    (4096, 14336): DenseGemvConfig(2, 1024, 4),
+    (128256, 4096): DenseGemvConfig(2, 1024, 4),
 }
 
 
-def _config_from_env(n: int, k: int) -> GemvConfig | None:
-    text = os.environ.get(CONFIG_ENV, "").strip()
-    if not text:
-        return None
-    if "=" not in text:
-        return GemvConfig.parse(text)
-    for entry in text.split(";"):
-        shape, _, cfg = entry.partition("=")
-        if shape.strip() == f"{n}x{k}":
-            return GemvConfig.parse(cfg)
-    return None
-
-
-def _default_config(m: int) -> GemvConfig:
-    if m == 1:
-        return GemvConfig(2, 1024, 4)  # the best single config over the five 8B linears at M = 1 (3694 us a token)
-    return GemvConfig(2, 2048, 8) if m == 2 else GemvConfig(2, 1024, 4)  # M = 4: 119 registers on sm_90
-
-
-def gemv_config(m: int, n: int, k: int) -> GemvConfig:
-    """The launch config for ``[m, k] x [n, k]^T``: ``QUANTKIT_GEMV_CONFIG`` where it names one, else the tuned
-    entry at M = 1, else by m (registers: m accumulators of BLOCK_N * BLOCK_K / (32 * NUM_WARPS) floats a thread
-    each). Small K shrinks BLOCK_K."""
-    cfg = _config_from_env(n, k) or (TUNED_M1.get((n, k)) if m == 1 else None) or _default_config(m)
+def _gemv_config(m: int, n: int, k: int) -> DenseGemvConfig:
+    """The tuned entry at M = 1, else a default by m (registers: m accumulators of BLOCK_N * BLOCK_K / (32 *
+    NUM_WARPS) floats a thread each; M = 4 at 2 x 1024 / 4 warps takes 119 on sm_90). Small K shrinks BLOCK_K."""
+    cfg = TUNED_M1.get((n, k)) if m == 1 else None
+    if cfg is None:
+        # M = 1: the best single config over the five 8B linears
+        cfg = DenseGemvConfig(2, 2048, 8) if m == 2 else DenseGemvConfig(2, 1024, 4)
     block_k = min(cfg.block_k, max(triton.next_power_of_2(k), 16))
-    return cfg if block_k == cfg.block_k else GemvConfig(cfg.block_n, block_k, cfg.num_warps)
+    return cfg if block_k == cfg.block_k else DenseGemvConfig(cfg.block_n, block_k, cfg.num_warps)
 
 
 @triton.jit
@@ -182,8 +147,9 @@ def gemv_supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         return False, f"x has {k} features, the weight {weight.shape[1]}"
     if not 1 <= m <= MAX_M:
         return False, f"the GEMV takes 1..{MAX_M} rows, got {m}"
-    if x.dtype not in DTYPES or weight.dtype != x.dtype:
-        return False, f"x and weight must share a dtype among {DTYPES}, got {x.dtype} and {weight.dtype}"
+    dtypes = (torch.float16, torch.bfloat16, torch.float32)
+    if x.dtype not in dtypes or weight.dtype != x.dtype:
+        return False, f"x and weight must share a dtype among {dtypes}, got {x.dtype} and {weight.dtype}"
     if weight.stride(1) != 1 or x.stride(1) != 1:
         return False, "x and weight must be contiguous along K"
     if bias is not None and (bias.shape != (weight.shape[0],) or bias.stride(0) != 1):
@@ -196,15 +162,16 @@ def gemv_supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         config: GemvConfig | None = None) -> torch.Tensor:
+         config: DenseGemvConfig | None = None) -> torch.Tensor:
     """``x [M, K] @ weight[N, K]^T (+ bias)`` -> ``[M, N]`` in x's dtype, float32 accumulation; M = 1..4.
-    Raises ValueError where :func:`gemv_supports` says no."""
+    ``config`` None: the tuned or default one (bench/ab_bf16_gemv.py names its candidates). Raises ValueError where
+    :func:`gemv_supports` says no."""
     ok, reason = gemv_supports(x, weight, bias)
     if not ok:
         raise ValueError(reason)
     m, k = x.shape
     n = weight.shape[0]
-    cfg = config or gemv_config(m, n, k)
+    cfg = config or _gemv_config(m, n, k)
     y = torch.empty((m, n), device=x.device, dtype=x.dtype)
     pdl = programmatic_launch(x.device)
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](

@@ -6,7 +6,7 @@ Shapes: ``X`` fp16/bf16 ``[M, K]``, ``W`` ``[N, K]`` stored as integer codes wit
 One entry point, :func:`w4a16_matmul`. Which kernel and config serve a call was decided when the weights were
 prepared (:func:`prepare_w4a16_weights` stores a :class:`~quantkit.kernels.w4a16_select.W4A16Plan`; read
 :mod:`quantkit.kernels.w4a16_select` for the rules and the measured table); a call looks up its M bucket.
-Tests and the tuner name a kernel and config instead (``path``, ``config``).
+Tests and the tuner pass a config instead, whose type names the kernel.
 
 The kernels: the CUDA-core GEMV, the paired-nibble and the general tensor-core kernels in
 :mod:`quantkit.kernels.w4a16_triton` (any GPU from sm_80, and the CPU interpreter), and the Hopper kernels in
@@ -23,32 +23,21 @@ import triton
 
 from quantkit.kernels import device_info
 from quantkit.kernels.device_info import interpreting
-from quantkit.kernels.w4a16_configs import CONFIG_TYPES, GemvConfig, PairsConfig, TcConfig
-from quantkit.kernels.w4a16_gather import gather_columns
-from quantkit.kernels.w4a16_select import PAIRS_SPLIT_MAX_M, KernelChoice, m_bucket, select_w4a16
-from quantkit.kernels.w4a16_triton import _w4a16_gemv_kernel, _w4a16_kernel, _w4a16_pairs_kernel
-from quantkit.kernels.w4a16_weights import (
-    PAIR_TILE_K,
-    W4A16Weights,
-    prepare_w4a16_weights,
-    w4a16_matmul_ref,
-)
+from quantkit.kernels.w4a16_configs import PAIR_TILE_K, GemvConfig, GluonConfig, PairsConfig, TcConfig
+from quantkit.kernels.w4a16_select import PAIRS_SPLIT_MAX_M, KernelChoice, select_w4a16
+from quantkit.kernels.w4a16_triton import _gather_columns, _w4a16_gemv_kernel, _w4a16_kernel, _w4a16_pairs_kernel
+from quantkit.kernels.w4a16_weights import W4A16Weights, prepare_w4a16_weights, w4a16_matmul_ref
 
-__all__ = ["W4A16Weights", "prepare_w4a16_weights", "w4a16_matmul", "w4a16_matmul_ref", "planned_choice",
-           "pairs_supported", "gather_columns", "DECODE_MAX_M"]
+__all__ = ["W4A16Weights", "prepare_w4a16_weights", "w4a16_matmul", "w4a16_matmul_ref", "DECODE_MAX_M"]
 
 # The general tensor-core kernel splits K (float32 atomics) up to this many rows.
 DECODE_MAX_M = 16
-# Programs per SM the general kernel's K split aims for: enough bytes in flight to cover latency.
-_DECODE_PROGRAMS_PER_SM = 4
-# A GEMV thread's codes per tile (over 128 at two or more rows, the dequantized tile spills), and products.
-_GEMV_MAX_CODES_PER_THREAD = 256
-_GEMV_MAX_PRODUCTS_PER_THREAD = 2048
 
 
 def _decode_split_k(n_tiles: int, k_tiles: int, num_sms: int) -> int:
-    """Split K so the grid has about _DECODE_PROGRAMS_PER_SM programs per SM, at least 2 K tiles each."""
-    want = max(1, (_DECODE_PROGRAMS_PER_SM * num_sms) // max(n_tiles, 1))
+    """Split K so the grid has about 4 programs per SM (enough bytes in flight to cover the load latency), at least
+    2 K tiles each."""
+    want = max(1, (4 * num_sms) // max(n_tiles, 1))
     return max(1, min(want, k_tiles // 2 if k_tiles >= 2 else 1))
 
 
@@ -56,14 +45,6 @@ def _gemv_split_k(n_tiles: int, k_tiles: int, num_sms: int, progs_per_sm: int) -
     """Split K so the GEMV grid has about ``progs_per_sm`` programs per SM, every K slice non-empty."""
     want = max(1, min(round(progs_per_sm * num_sms / max(n_tiles, 1)), k_tiles))
     return triton.cdiv(k_tiles, triton.cdiv(k_tiles, want))
-
-
-def gemv_config_ok(config: GemvConfig, block_m: int, group_size: int) -> bool:
-    """BLOCK_K divides the group or covers whole groups, and the tile fits a thread's registers."""
-    codes = config.BLOCK_N * config.BLOCK_K // (32 * config.num_warps)  # per thread per tile
-    max_codes = _GEMV_MAX_CODES_PER_THREAD if block_m == 1 else _GEMV_MAX_CODES_PER_THREAD // 2
-    block_k_ok = group_size % config.BLOCK_K == 0 or config.BLOCK_K % group_size == 0
-    return block_k_ok and codes <= max_codes and block_m * codes <= _GEMV_MAX_PRODUCTS_PER_THREAD
 
 
 def _gemv_matmul(x, w, config: GemvConfig):
@@ -86,18 +67,12 @@ def _gemv_matmul(x, w, config: GemvConfig):
     # K_WORDS (= K / PER_WORD) as its own argument: its divisibility by 16 keeps the masked word loads 16 bytes wide.
     # The exponent trick (MAGIC) is exact for 4- and 8-bit codes in float32.
     _w4a16_gemv_kernel[(n_tiles, split)](
-        x, w.qweight, w.scales, zeros, out, m, n, k, w.qweight.shape[1], m_bucket(m),
+        x, w.qweight, w.scales, zeros, out, m, n, k, w.qweight.shape[1],
         x.stride(0), w.qweight.stride(0), w.scales.stride(0), zeros.stride(0), out.stride(0),
         GROUP_SIZE=w.group_size, BITS=w.bits, HAS_ZEROS=w.zeros is not None, MAGIC=0x4B000000, BLOCK_M=block_m,
         LOP3_ASM=not interpreting(), DIRECT=direct, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K,
-        PIPE=config.PIPE, PROGS_PER_SM=config.PROGS_PER_SM, num_warps=config.num_warps,
-        num_stages=max(config.PIPE, 1))
+        PIPE=config.PIPE, num_warps=config.num_warps, num_stages=max(config.PIPE, 1))
     return out if direct else out.to(x.dtype)
-
-
-def pairs_supported(w: W4A16Weights) -> bool:
-    """Whether the paired-nibble kernels take these weights (4-bit, K a multiple of PAIR_TILE_K)."""
-    return w.pair_index is not None and w.bits == 4
 
 
 def _pairs_matmul(x, w, config: PairsConfig):
@@ -109,13 +84,13 @@ def _pairs_matmul(x, w, config: PairsConfig):
     # the SMs.
     split = m <= PAIRS_SPLIT_MAX_M or triton.cdiv(n, 128) * triton.cdiv(m, 128) < num_sms
     out = torch.empty((m, n), device=x.device, dtype=torch.float32 if split else x.dtype)
-    xp = gather_columns(x, w.pair_index, out if split else None)
+    xp = _gather_columns(x, w.pair_index, out if split else None)
     zeros = w.zeros if w.zeros is not None else w.scales  # dummy pointer when symmetric
     k_tiles = k // PAIR_TILE_K
     out_tiles = triton.cdiv(n, config.BLOCK_N) * triton.cdiv(m, config.BLOCK_M)
     n_split = 1 if not split else config.SPLIT_K or _gemv_split_k(out_tiles, k_tiles, num_sms, config.PROGS_PER_SM)
     _w4a16_pairs_kernel[(out_tiles, n_split)](
-        xp, w.qweight, w.scales, zeros, out, m, n, k, m_bucket(m),
+        xp, w.qweight, w.scales, zeros, out, m, n, k,
         xp.stride(0), w.qweight.stride(0), w.scales.stride(0), zeros.stride(0), out.stride(0),
         GROUP_SIZE=w.group_size, HAS_ZEROS=w.zeros is not None,
         MAGIC_VALUE=128.0 if x.dtype == torch.bfloat16 else 1024.0, ATOMIC_OUT=split,
@@ -143,7 +118,7 @@ def _tc_matmul(x, w, config: TcConfig):
         split = config.SPLIT_K or _decode_split_k(n_tiles, triton.cdiv(k, config.BLOCK_K),
                                                   device_info.num_sms(x.device))
     _w4a16_kernel[(out_tiles, split)](
-        x, w.qweight, w.scales, zeros, out, m, n, k, m_bucket(m),
+        x, w.qweight, w.scales, zeros, out, m, n, k,
         x.stride(0), x.stride(1), w.qweight.stride(0), w.qweight.stride(1),
         w.scales.stride(0), w.scales.stride(1), zeros.stride(0), zeros.stride(1), out.stride(0), out.stride(1),
         GROUP_SIZE=w.group_size, BITS=w.bits, HAS_ZEROS=w.zeros is not None, MAGIC=magic, MAGIC_VALUE=magic_value,
@@ -153,7 +128,7 @@ def _tc_matmul(x, w, config: TcConfig):
     return out.to(x.dtype) if decode else out
 
 
-def planned_choice(x: torch.Tensor, w: W4A16Weights) -> KernelChoice:
+def _planned_choice(x: torch.Tensor, w: W4A16Weights) -> KernelChoice:
     """The kernel and config for ``x``'s row count: the weights' plan on CUDA; in Triton's interpreter the
     non-Hopper rules (small tiles)."""
     m = x.shape[0]
@@ -179,36 +154,33 @@ def _check_inputs(x: torch.Tensor, w: W4A16Weights) -> None:
         raise ValueError(f"x on {x.device}, weights on {w.qweight.device}")
 
 
-def w4a16_matmul(x: torch.Tensor, w: W4A16Weights, path: str | None = None, config=None) -> torch.Tensor:
+def w4a16_matmul(x: torch.Tensor, w: W4A16Weights, config=None) -> torch.Tensor:
     """``x [M, K]`` fp16/bf16 -> ``x @ W^T`` ``[M, N]`` through a W4A16 kernel.
 
-    ``path`` None: the kernel and config the weights' plan holds for M (:func:`planned_choice`). Otherwise
-    ``"gemv"``, ``"pairs"``, ``"tc"`` or ``"gluon"`` with ``config`` of that family's type
-    (:mod:`quantkit.kernels.w4a16_configs`; tests and the tuner).
+    ``config`` None: the kernel and config the weights' plan holds for M. Otherwise a config of
+    :mod:`quantkit.kernels.w4a16_configs` (tests and the tuner), whose type names the kernel.
     """
     _check_inputs(x, w)
-    if path is None:
-        choice = planned_choice(x, w)
+    if config is None:
+        choice = _planned_choice(x, w)
         if choice.kernel == "reference":
             raise ValueError(f"no W4A16 kernel serves this layer: {choice.reason}; use w4a16_matmul_ref")
-        path, config = choice.kernel, choice.config
-    if path not in CONFIG_TYPES:
-        raise ValueError(f"path must be 'gemv', 'gluon', 'tc', 'pairs' or None, got {path!r}")
-    if not isinstance(config, CONFIG_TYPES[path]):
-        raise TypeError(f"the {path!r} kernel takes a {CONFIG_TYPES[path].__name__}, got {config!r}")
-    if path == "gluon":
+        config = choice.config
+    if isinstance(config, GluonConfig):
         from quantkit.kernels.w4a16_gluon import w4a16_gluon_matmul
 
         return w4a16_gluon_matmul(x, w, config)
-    if path == "pairs":
-        if not pairs_supported(w):
+    if isinstance(config, PairsConfig):
+        if w.pair_index is None:  # set for 4-bit codes with K a multiple of the tile only
             raise ValueError(f"the paired-nibble kernel needs 4-bit codes and K a multiple of {PAIR_TILE_K}, "
                              f"got {w.bits}-bit, K = {w.in_features}")
         return _pairs_matmul(x, w, config)
+    if not isinstance(config, (GemvConfig, TcConfig)):
+        raise TypeError(f"config must be a GemvConfig, PairsConfig, TcConfig or GluonConfig, got {config!r}")
     if w.perm is not None:
         x = x[:, w.perm]
-    if path == "gemv":
+    if isinstance(config, GemvConfig):
         if x.shape[0] > 64:
-            raise ValueError(f"the GEMV path takes at most 64 rows, got {x.shape[0]}")
+            raise ValueError(f"the GEMV takes at most 64 rows, got {x.shape[0]}")
         return _gemv_matmul(x, w, config)
     return _tc_matmul(x, w, config)

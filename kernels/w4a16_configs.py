@@ -1,7 +1,8 @@
 """Launch configurations of the W4A16 kernels: one frozen dataclass per kernel family.
 
 No Triton here: the selection table (:mod:`quantkit.kernels.w4a16_select`), ``explain`` and the CPU tests
-read and validate configs without importing a compiler. Field names are the kernels' constexpr names.
+read and validate configs without importing a compiler. Field names are the kernels' constexpr names, except
+those only the launcher's grid reads (``PROGS_PER_SM``, ``SPLIT_K``, ``CTAS_PER_SM``).
 
 Families (the kernels in :mod:`quantkit.kernels.w4a16` and :mod:`quantkit.kernels.w4a16_gluon`):
 
@@ -25,9 +26,6 @@ DIRECT_MAX_M = 8
 # :func:`kernel_group_size`.
 PER_CHANNEL_GROUP = 1 << 30
 
-# Hopper's per-SM budgets, which decide whether CTAS_PER_SM Gluon programs can be resident at once.
-_REGS_PER_SM = 65536
-_SMEM_PER_SM = 228 * 1024
 _WORDS = PAIR_TILE_K // 8  # int32 words of one K tile
 _DOT_K = 32  # K of one mma / wgmma step
 
@@ -43,8 +41,8 @@ def _next_pow2(n: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class GemvConfig:
-    """GEMV: BLOCK_N output rows x BLOCK_K codes per step, PIPE loads in flight; PROGS_PER_SM sizes the K split
-    (SPLIT_K fixes it; 1: no split, direct store)."""
+    """The W4A16 GEMV (the 16-bit GEMV's is ``gemv.DenseGemvConfig``): BLOCK_N output rows x BLOCK_K codes per
+    step, PIPE loads in flight; PROGS_PER_SM sizes the K split (SPLIT_K fixes it; 1: no split, direct store)."""
 
     BLOCK_N: int
     BLOCK_K: int
@@ -56,6 +54,15 @@ class GemvConfig:
     def __post_init__(self):
         if self.BLOCK_N < 1 or self.BLOCK_K < 8 or self.PIPE < 1:
             raise ValueError(f"bad GEMV config {self}")
+
+    def fits(self, m: int, group_size: int) -> bool:
+        """BLOCK_K divides the group or covers whole groups, and the tile of ``m`` rows fits a thread's registers:
+        at most 256 codes a thread (128 from two rows on, where the dequantized tile spills otherwise) and 2048
+        products."""
+        block_m = _next_pow2(m)
+        codes = self.BLOCK_N * self.BLOCK_K // (32 * self.num_warps)
+        block_k_ok = group_size % self.BLOCK_K == 0 or self.BLOCK_K % group_size == 0
+        return block_k_ok and codes <= (256 if block_m == 1 else 128) and block_m * codes <= 2048
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,18 +148,18 @@ class GluonConfig:
     def block_m(self, m: int) -> int:
         return 8 if (not self.WGMMA and m <= 8) else self.BLOCK_M
 
-    def smem_bytes(self, m: int) -> int:
+    def _smem_bytes(self, m: int) -> int:
         if self.DIRECT:
             return 1024
         return self.NUM_BUF * (self.BLOCK_N * _WORDS * 4 + 4 * self.block_m(m) * _DOT_K * 2) + 1024
 
     def maxnreg(self) -> int:
         threads = (self.num_warps + (0 if self.DIRECT else 4)) * 32  # the producer's warpgroup counts whole
-        return min(255, _REGS_PER_SM // (self.CTAS_PER_SM * threads) // 8 * 8)
+        return min(255, 65536 // (self.CTAS_PER_SM * threads) // 8 * 8)  # Hopper: 64 K registers an SM
 
     def fits(self, m: int, group_size: int) -> bool:
         """Shared memory and registers for CTAS_PER_SM programs per SM, and a tile that suits M."""
-        if self.CTAS_PER_SM * self.smem_bytes(m) > _SMEM_PER_SM:
+        if self.CTAS_PER_SM * self._smem_bytes(m) > 228 * 1024:  # Hopper's shared memory an SM
             return False
         # per-word scales (groups under 128) need more registers: under 80 the decode warps spill
         if self.maxnreg() < (80 if group_size % PAIR_TILE_K else 64):

@@ -6,7 +6,7 @@ pipelined only a few tiles deep per program (bench/NOTES_w4a16.md). Gluon places
 
 One kernel, two tensor-core instructions (constexpr ``WGMMA``), same dequantization:
 
-* The paired-nibble trick (``w4a16_weights.paired_nibble_index``): shifting a packed word right by
+* The paired-nibble trick (``w4a16_weights._paired_nibble_index``): shifting a packed word right by
   4j puts codes j and j + 4 at bits 0 and 16, one ``lop3`` makes them a pair of 16-bit floats
   ``MAGIC + code``, one packed subtraction and one packed multiply dequantize both, and that
   register *is* a tensor-core A-operand register. Each 128-code K tile is four dots of K = 32; the
@@ -33,7 +33,7 @@ gather, cost ~10 us a call on the H200). With one group per K tile the zero poin
 applied to each K tile's float32 sums, not to every code pair (``_magic_pairs``).
 
 The kernel is launched with programmatic dependent launch behind the small kernel that gathers the
-activation columns (``w4a16.gather_columns``, which also zeroes the workspace and sums each K tile of
+activation columns (``w4a16_triton._gather_columns``, which also zeroes the workspace and sums each K tile of
 the activations): its weight loads start before that kernel has finished (``_load_partition``).
 
 Decode without the ring (``DIRECT`` configs, M <= 8, one group per K tile): :func:`_w4a16_direct_kernel`.
@@ -51,7 +51,7 @@ shared memory. The dequantization of dot j + 1 runs while the wgmma of dot j is 
 (``warpgroup_mma_wait(1)``), and a ring stage is released as soon as the wgmmas that read it have
 retired. Each program owns one output tile (grouped order for L2 reuse) and stores it once.
 
-Scope: 4-bit codes, K a multiple of 128 (``w4a16.pairs_supported``), contiguous groups (any group
+Scope: 4-bit codes, K a multiple of 128 (``W4A16Weights.pair_index`` set), contiguous groups (any group
 size that is a multiple of 8, per channel included), sym or asym, act-order through ``pair_index``,
 fp16 or bf16 activations, sm_90. GPU only: Gluon has no interpreter path.
 """
@@ -70,11 +70,11 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from quantkit.kernels.device_info import gpu_arch, num_sms
 from quantkit.kernels.w4a16_configs import _DOT_K, _WORDS, DIRECT_MAX_M, PAIR_TILE_K, GluonConfig
-from quantkit.kernels.w4a16_gather import gather_columns
-from quantkit.kernels.w4a16_select import gluon_supports
+from quantkit.kernels.w4a16_select import _gluon_supports
+from quantkit.kernels.w4a16_triton import _gather_columns
 from quantkit.kernels.w4a16_weights import W4A16Weights
 
-__all__ = ["GluonConfig", "gluon_supported", "w4a16_gluon_matmul"]
+__all__ = ["w4a16_gluon_matmul"]
 
 # One K tile of the packed weights: 16 int32 words (128 codes) per output row, read as four dots of K = 32.
 _WORDS = gl.constexpr(_WORDS)
@@ -641,7 +641,7 @@ def _direct_raw_activations(x_ptr, stride_xm, M, kt, ok, offs_m, offs_k, b_layou
     with the K tile's sums computed here.
 
     Dot j, column c = 8t + 2i + h (pair h of physical word 4t + i) multiplies code j + 4h of that word, which is
-    original column 8 (4t + i) + j + 4h = 32t + 8i + 4h + j (``w4a16_weights.paired_nibble_index``). So thread
+    original column 8 (4t + i) + j + 4h = 32t + 8i + 4h + j (``w4a16_weights._paired_nibble_index``). So thread
     (g, t)'s four dots together read columns 32t .. 32t + 31: one contiguous 64-byte run, which it loads as such;
     splitting the two low bits of the column (j) off in registers gives the four operands."""
     BLOCK_M: gl.constexpr = offs_m.shape[0]
@@ -667,7 +667,7 @@ def _w4a16_direct_kernel(w_ptr, x_ptr, scales_ptr, zeros_ptr, xsum_ptr, c_ptr, w
     warp loads its own operands, the next unit's before this unit's multiplies. ``w_ptr``: the packed words
     [N, K / 8] as stored; ``x_ptr``: the activations [M, K].
 
-    GATHERED: launched behind ``w4a16.gather_columns``, which wrote the activations in the paired-nibble column
+    GATHERED: launched behind ``w4a16_triton._gather_columns``, which wrote the activations in the paired-nibble column
     order and their K-tile sums ``xsum`` (act-order weights, or GluonConfig.GATHER_X). Otherwise the kernel is the
     whole call: it reads the caller's activations and sums them itself. Partial tiles meet through
     :func:`_flush` with atomics into the layer's workspace ``ws`` and counters, which it leaves zeroed."""
@@ -754,15 +754,10 @@ def _direct_unit(acc, seg_first, words, x0, x1, x2, x3, xsum, scale, zero, i, u0
     return acc, seg_first, w_n, x0_n, x1_n, x2_n, x3_n, xsum_n, scale_n, zero_n
 
 
-def gluon_supported(x: torch.Tensor, w: W4A16Weights) -> bool:
-    """Whether the Gluon kernels take this call (a Hopper GPU, 4-bit codes in the paired layout, fp16/bf16)."""
-    return (x.is_cuda and gluon_supports(w.facts(), gpu_arch(x.device)) and w.pair_index is not None
-            and x.dtype in (torch.float16, torch.bfloat16))
-
-
 def w4a16_gluon_matmul(x: torch.Tensor, w: W4A16Weights, config: GluonConfig) -> torch.Tensor:
     """``x [M, K]`` -> ``x @ W^T`` through the Gluon kernel ``config`` selects (see the module docstring)."""
-    if not gluon_supported(x, w):
+    if not (x.is_cuda and _gluon_supports(w.facts(), gpu_arch(x.device)) and w.pair_index is not None
+            and x.dtype in (torch.float16, torch.bfloat16)):
         raise ValueError("the Gluon W4A16 kernel needs a Hopper GPU, fp16/bf16 activations and 4-bit weights "
                          f"with K a multiple of {PAIR_TILE_K} and groups of a multiple of 8")
     if not config.fits(x.shape[0], w.group_size):
@@ -789,7 +784,7 @@ def _launch(x: torch.Tensor, w: W4A16Weights, config: GluonConfig) -> torch.Tens
     xsum = None
     if not config.WGMMA and w.group_size % PAIR_TILE_K == 0:
         xsum = torch.empty((m, k_tiles), device=x.device, dtype=torch.float32)
-    xp = gather_columns(x, w.pair_index, ws, xsum)
+    xp = _gather_columns(x, w.pair_index, ws, xsum)
     out = torch.empty((m, n), device=x.device, dtype=x.dtype)
     if stream_k:
         tile_units = ws[m * n:].view(torch.int32)  # zero bits are int32 zeros
@@ -829,7 +824,7 @@ def _launch_direct(x: torch.Tensor, w: W4A16Weights, config: GluonConfig) -> tor
     gathered = w.perm is not None or config.GATHER_X
     if gathered:
         xsum = torch.empty((m, k_tiles), device=x.device, dtype=torch.float32)
-        x = gather_columns(x, w.pair_index, None, xsum)
+        x = _gather_columns(x, w.pair_index, None, xsum)
     else:
         x = x if x.stride(1) == 1 else x.contiguous()
         xsum = w.partial_sums  # unused

@@ -13,15 +13,13 @@ The rules:
 1. :func:`w4a16_supports` (the one capability check): CUDA from sm_80, Triton installed, fp16/bf16
    activations, 4- or 8-bit codes in contiguous groups of one length. Otherwise the plain-PyTorch reference.
 2. Hopper (sm_90), 4-bit, K a multiple of 128, groups a multiple of 8: the Gluon kernels, except one activation
-   row on layers under ``GLUON_DIRECT_M1_MIN_WEIGHTS`` / ``GLUON_M1_MIN_WEIGHTS`` (the GEMV). The config: the
-   measured table
-   (``w4a16_h200.json``, one H200). The entry of the nearest measured shape (distance in log2 N and log2 K) at
-   the nearest measured M bucket whose config fits this layer; exact shapes and buckets are their own nearest.
-3. Elsewhere, or where no table entry fits: fixed rules. One or two activation rows: the CUDA-core GEMV
-   (direct store up to ``GEMV_DIRECT_MAX_WEIGHTS`` weights, split K above; at two rows only below
-   ``GEMV_M2_MAX_WEIGHTS`` when the paired kernel can take the layer). More rows: the paired-nibble tensor-core
-   kernel (4-bit, K a multiple of 128), else the general tensor-core kernel. Their configs are the winners of
-   the H200 autotuning runs recorded in bench/NOTES_w4a16.md (runs 3-9); no other GPU has been measured.
+   row on small layers (the GEMV, :func:`_small_for_gluon`). The config: the measured table (``w4a16_h200.json``,
+   one H200). The entry of the nearest measured shape (distance in log2 N and log2 K) at the nearest measured M
+   bucket whose config fits this layer; exact shapes and buckets are their own nearest.
+3. Elsewhere, or where no table entry fits: fixed rules (:func:`_by_rule`). One or two activation rows: the
+   CUDA-core GEMV (direct store up to ``GEMV_DIRECT_MAX_WEIGHTS`` weights, split K above). More rows: the
+   paired-nibble tensor-core kernel (4-bit, K a multiple of 128), else the general tensor-core kernel. Their configs
+   are the winners of the H200 autotuning recorded in bench/NOTES_w4a16.md; no other GPU has been measured.
 """
 
 from __future__ import annotations
@@ -35,28 +33,22 @@ from pathlib import Path
 
 from quantkit.kernels.w4a16_configs import (
     PAIR_TILE_K,
-    PER_CHANNEL_GROUP,
     GemvConfig,
     GluonConfig,
     PairsConfig,
     TcConfig,
     config_from_dict,
     config_label,
+    kernel_group_size,
 )
 
 TABLE_PATH = Path(__file__).with_name("w4a16_h200.json")
 # Activation-row buckets: a call with M rows uses the plan of the next power of two (capped).
 M_BUCKETS = tuple(2**i for i in range(13))  # 1 .. 4096
-# Rule 3 bounds (H200 runs 5, 9, 21c in bench/NOTES_w4a16.md).
-GEMV_M2_MAX_WEIGHTS = 1 << 25
+# Up to this many weights the GEMV stores its rows directly (one launch); above, it splits K with atomics.
 GEMV_DIRECT_MAX_WEIGHTS = 1 << 24
-# Hopper, one activation row: below these many weights the GEMV beats the Gluon kernels (direct-capable layers:
-# 4.4 against 4.7 us at 2048 x 2048, H200 runs 41 and 43; others: runs 14-19).
-GLUON_DIRECT_M1_MIN_WEIGHTS = 1 << 22
-GLUON_M1_MIN_WEIGHTS = 1 << 25
 # The paired Triton kernel splits K (float32 atomics) up to this many rows: its configs below carry BLOCK_M = M.
 PAIRS_SPLIT_MAX_M = 64
-KERNELS = ("gemv", "pairs", "tc", "gluon", "reference")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +80,8 @@ class LayerFacts:
 
 @dataclasses.dataclass(frozen=True)
 class KernelChoice:
-    """A kernel family (``KERNELS``), its config (None for the reference) and why it was chosen."""
+    """A kernel family ("gemv", "pairs", "tc", "gluon" or "reference"), its config (None for the reference) and why
+    it was chosen."""
 
     kernel: str
     config: GemvConfig | PairsConfig | TcConfig | GluonConfig | None
@@ -140,44 +133,40 @@ def w4a16_supports(facts: LayerFacts, arch: str | None, dtype=None) -> tuple[boo
     return True, ""
 
 
-def gluon_supports(facts: LayerFacts, arch: str | None) -> bool:
+def _gluon_supports(facts: LayerFacts, arch: str | None) -> bool:
     """Whether the Hopper Gluon kernel can take the layer (sm_90, paired layout, groups a multiple of 8)."""
     return arch == "sm90" and facts.paired and facts.group_size is not None and facts.group_size % 8 == 0
 
 
 @functools.cache
-def load_table(path: str | None = None) -> tuple[dict, ...]:
-    """The entries of a measured table (default: the shipped H200 one), each with its config built."""
-    with open(path or TABLE_PATH) as f:
+def load_table() -> tuple[dict, ...]:
+    """The entries of the shipped H200 table, each with its config built."""
+    with open(TABLE_PATH) as f:
         data = json.load(f)
     return tuple(dict(e, config=config_from_dict(e["kernel"], e["config"])) for e in data["entries"])
 
 
-def select_w4a16(m: int, facts: LayerFacts, arch: str | None, table: tuple[dict, ...] | None = None,
-                 dtype=None) -> KernelChoice:
-    """The kernel and config for ``m`` activation rows (its bucket) of the layer ``facts`` on ``arch``.
-
-    ``table``: measured entries for sm_90 (default: the shipped H200 table)."""
-    ok, reason = w4a16_supports(facts, arch, dtype)
+def select_w4a16(m: int, facts: LayerFacts, arch: str | None) -> KernelChoice:
+    """The kernel and config for ``m`` activation rows (its bucket) of the layer ``facts`` on ``arch``."""
+    ok, reason = w4a16_supports(facts, arch)
     if not ok:
         return KernelChoice("reference", None, reason)
     bucket = m_bucket(m)
-    if gluon_supports(facts, arch):
+    if _gluon_supports(facts, arch):
         kernel = "gemv" if _small_for_gluon(bucket, facts) else "gluon"
-        picked = _from_table(bucket, facts, load_table() if table is None else table, kernel)
+        picked = _from_table(bucket, facts, load_table(), kernel)
         if picked is not None:
             return picked
     return _by_rule(bucket, facts, arch)
 
 
 @functools.lru_cache(maxsize=4096)
-def plan_w4a16(facts: LayerFacts, arch: str | None, table_path: str | None = None) -> W4A16Plan | None:
+def plan_w4a16(facts: LayerFacts, arch: str | None) -> W4A16Plan | None:
     """The choice for every M bucket (None off CUDA: the caller runs the reference or names a kernel).
     Pure, so memoized: every layer of one shape shares one plan."""
     if arch is None:
         return None
-    table = load_table(table_path) if table_path else None
-    return W4A16Plan(arch, tuple((b, select_w4a16(b, facts, arch, table)) for b in M_BUCKETS))
+    return W4A16Plan(arch, tuple((b, select_w4a16(b, facts, arch)) for b in M_BUCKETS))
 
 
 def _fits(kernel: str, config, bucket: int, facts: LayerFacts) -> bool:
@@ -217,25 +206,26 @@ def _gemv_block_k_ok(block_k: int, group_size: int) -> bool:
 
 def _by_rule(bucket: int, facts: LayerFacts, arch: str) -> KernelChoice:
     weights = facts.n * facts.k
-    gemv_ok = bucket == 1 or (bucket == 2 and (not facts.paired or weights < GEMV_M2_MAX_WEIGHTS))
-    if gluon_supports(facts, arch) and not _small_for_gluon(bucket, facts):
+    # two rows: the GEMV only where the paired kernel cannot take the layer, or below 32 M weights
+    gemv_ok = bucket == 1 or (bucket == 2 and (not facts.paired or weights < 1 << 25))
+    if _gluon_supports(facts, arch) and not _small_for_gluon(bucket, facts):
         return KernelChoice("gluon", _gluon_default(bucket, facts), "rule: Hopper, no table entry fits")
     if gemv_ok:
         direct = weights <= GEMV_DIRECT_MAX_WEIGHTS
         for block_k in (512, 256, 128, 64, 32):
             if _gemv_block_k_ok(block_k, facts.group_size):
                 if direct:
-                    config = GemvConfig(8, block_k, 4, PIPE=3, SPLIT_K=1)  # GEMV_DIRECT_CONFIGS[0] of run 33
+                    config = GemvConfig(8, block_k, 4, PIPE=3, SPLIT_K=1)
                 else:
-                    config = GemvConfig(128, min(block_k, 128), 4)  # run 3's winner on every shape
+                    config = GemvConfig(128, min(block_k, 128), 4)  # the split-K winner on every measured shape
                 return KernelChoice("gemv", config, f"rule: {bucket} row(s), {'direct' if direct else 'split K'}")
     if facts.paired:
         if bucket <= 16:
-            config = PairsConfig(128, 16, 4, 3)  # run 5's decode winner
+            config = PairsConfig(128, 16, 4, 3)  # the measured decode winner
         elif bucket <= PAIRS_SPLIT_MAX_M:
             config = PairsConfig(128, bucket, 4, 3)
         else:
-            config = PairsConfig(128, 128, 8, 3)  # run 5's prefill winner
+            config = PairsConfig(128, 128, 8, 3)  # the measured prefill winner
         return KernelChoice("pairs", config, "rule: paired-nibble layout")
     if bucket <= 16:
         config = TcConfig(64, 16, 256, 4, 3)
@@ -245,8 +235,10 @@ def _by_rule(bucket: int, facts: LayerFacts, arch: str) -> KernelChoice:
 
 
 def _small_for_gluon(bucket: int, facts: LayerFacts) -> bool:
-    """One activation row on a layer small enough that the GEMV is faster than the Gluon kernels on Hopper."""
-    return bucket == 1 and facts.n * facts.k < (GLUON_DIRECT_M1_MIN_WEIGHTS if facts.direct else GLUON_M1_MIN_WEIGHTS)
+    """One activation row on a layer small enough that the GEMV is faster than the Gluon kernels on Hopper: under
+    4 M weights where the direct Gluon kernel can take the layer (at 2048 x 2048 the GEMV took 4.4 us, the direct
+    kernel 4.7), under 32 M weights elsewhere."""
+    return bucket == 1 and facts.n * facts.k < (1 << 22 if facts.direct else 1 << 25)
 
 
 def _gluon_default(bucket: int, facts: LayerFacts) -> GluonConfig:
@@ -259,5 +251,5 @@ def _gluon_default(bucket: int, facts: LayerFacts) -> GluonConfig:
 
 def facts_of(n: int, k: int, bits: int, group_size: int | None, sym: bool, act_order: bool) -> LayerFacts:
     """LayerFacts from checkpoint-level facts (``group_size`` -1 for per channel, as a checkpoint stores it)."""
-    group = None if group_size is None else (PER_CHANNEL_GROUP if group_size == -1 or group_size >= k else group_size)
+    group = None if group_size is None else kernel_group_size(group_size, k)
     return LayerFacts(n, k, bits, group, has_zeros=not sym, act_order=act_order)

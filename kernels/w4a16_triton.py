@@ -1,4 +1,5 @@
-"""The Triton W4A16 kernels (jit functions only; launched by :mod:`quantkit.kernels.w4a16`).
+"""The Triton W4A16 kernels (launched by :mod:`quantkit.kernels.w4a16`), and the column gather in front of the
+paired-nibble kernels (Triton and Gluon) with its launcher.
 
 ``Y = X W^T`` with 16-bit activations ``X [M, K]`` and packed 4- or 8-bit weights ``W [N, K]`` (K contiguous per
 output row, :class:`~quantkit.kernels.w4a16_weights.W4A16Weights`), per-group scales and optional zero points.
@@ -13,14 +14,17 @@ The weights are read packed, unpacked in registers and scaled to 16 bits; they a
   gathered once per call into the matching column order (``W4A16Weights.pair_index``).
 * ``_w4a16_kernel``: tensor cores, the general case (8-bit codes, K not a multiple of 128): the dequantized
   tile from a 3-D unpack and reshape, as wgmma's A (``W X^T``, so BLOCK_M can be 16) or B operand.
-
-``M_BUCKET`` is an unused argument kept so the launch signature stays that of earlier versions' autotune keys.
 """
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from quantkit.kernels.device_info import interpreting, programmatic_launch
+from quantkit.kernels.w4a16_configs import PAIR_TILE_K
 
 
 @triton.jit
@@ -92,7 +96,7 @@ def _tile_and_k_slice(M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLO
 @triton.jit
 def _w4a16_kernel(
     x_ptr, qw_ptr, scales_ptr, zeros_ptr, c_ptr,
-    M, N, K, M_BUCKET,
+    M, N, K,
     stride_xm, stride_xk,
     stride_qn, stride_qk,
     stride_sg, stride_sn,
@@ -244,19 +248,18 @@ def _gemv_tile(acc, x_ptr, qw_ptr, scales_ptr, zeros_ptr, kt, offs_m, mask_m, of
 @triton.jit
 def _w4a16_gemv_kernel(
     x_ptr, qw_ptr, scales_ptr, zeros_ptr, c_ptr,
-    M, N, K, K_WORDS, M_BUCKET,
+    M, N, K, K_WORDS,
     stride_xm, stride_qn, stride_sg, stride_zg, stride_cm,
     GROUP_SIZE: tl.constexpr, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, MAGIC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PIPE: tl.constexpr,
-    PROGS_PER_SM: tl.constexpr = 8, LOP3_ASM: tl.constexpr = False, DIRECT: tl.constexpr = False,
+    LOP3_ASM: tl.constexpr = False, DIRECT: tl.constexpr = False,
 ):
     """Decode GEMV, no tensor cores: ``c[M, N] += x[M, K] @ dequant(qw[N, K*BITS/32])^T`` over a K slice.
 
     Grid: (N tiles, K splits). Every program owns BLOCK_N output rows of W and all (<= BLOCK_M) rows
     of x, streams its K slice of packed words once and adds its float32 partial sums atomically into
     a zeroed ``c``; with DIRECT (one K split) it stores its rows into ``c`` in c's dtype instead. x must
-    be K-contiguous (the launcher makes it so). PROGS_PER_SM is read by the launcher's grid only (the K
-    split), a tuning knob of the config. LOP3_ASM (GPU only, not the interpreter) builds each code's
+    be K-contiguous (the launcher makes it so). LOP3_ASM (GPU only, not the interpreter) builds each code's
     float bits with one inline ``lop3``.
     """
     pid_n = tl.program_id(0)
@@ -326,20 +329,20 @@ def _nibble_pairs(words, zero_bias, scale, j: tl.constexpr, MAGIC2: tl.constexpr
 @triton.jit
 def _w4a16_pairs_kernel(
     x_ptr, qw_ptr, scales_ptr, zeros_ptr, c_ptr,
-    M, N, K, M_BUCKET,
+    M, N, K,
     stride_xm, stride_qn, stride_sg, stride_zg, stride_cm,
     GROUP_SIZE: tl.constexpr, HAS_ZEROS: tl.constexpr, MAGIC_VALUE: tl.constexpr, ATOMIC_OUT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, KW: tl.constexpr, GROUP_N: tl.constexpr,
-    PAIR_ASM: tl.constexpr = False, PROGS_PER_SM: tl.constexpr = 4,
+    PAIR_ASM: tl.constexpr = False,
 ):
     """Paired-nibble tensor-core kernel (4-bit): ``c[M, N] (+)= x[M, K] @ dequant(qw)^T`` over a K slice.
 
-    ``x`` arrives with its columns in :func:`paired_nibble_index` order, so each K tile of 8*KW codes is
+    ``x`` arrives with its columns in ``W4A16Weights.pair_index`` order, so each K tile of 8*KW codes is
     four dots of width 2*KW whose weight operand comes out of the packed words already paired: no
     reshape, no layout change, ~2 instructions per code (``_nibble_pairs``). The weight tile is
     wgmma's A operand from registers, the activation tile B from shared memory, so BLOCK_M may be 16.
     Grid: (output tiles in grouped order, K splits); ATOMIC_OUT adds float32 partial sums into a
-    zeroed ``c``, otherwise ``c`` is written once. PROGS_PER_SM is read by the launcher's grid only.
+    zeroed ``c``, otherwise ``c`` is written once.
     """
     DTYPE = x_ptr.dtype.element_ty
     BLOCK_K: tl.constexpr = 8 * KW
@@ -389,4 +392,72 @@ def _w4a16_pairs_kernel(
         tl.atomic_add(c_ptrs, acc, mask=c_mask, sem="relaxed")
     else:
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+
+
+@triton.jit
+def _gather_columns_kernel(x_ptr, index_ptr, out_ptr, zero_ptr, sums_ptr, M, K, n_zero, stride_xm,
+                           BLOCK: tl.constexpr, SUM_TILE: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
+                           WAIT_PREVIOUS: tl.constexpr):
+    """``out[m, c] = x[m, index[c]]`` (out contiguous) and, in the same launch, ``zero_ptr[:n_zero] = 0``
+    and, with SUM_TILE > 0, ``sums_ptr[m, t]`` = float32 sum of out[m, t*SUM_TILE : (t+1)*SUM_TILE].
+
+    LAUNCH_DEPENDENTS: let a kernel launched after this one with programmatic dependent launch start
+    now (it waits with ``griddepcontrol.wait`` before it reads what this one writes). WAIT_PREVIOUS: this one
+    is launched that way itself and waits for the kernel before it, before touching memory."""
+    if LAUNCH_DEPENDENTS:
+        gdc_launch_dependents()
+    if WAIT_PREVIOUS:
+        gdc_wait()
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < M * K
+    m = offs // K
+    c = offs % K
+    src = tl.load(index_ptr + c, mask=mask, other=0)
+    vals = tl.load(x_ptr + m.to(tl.int64) * stride_xm + src, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, vals, mask=mask)
+    tl.store(zero_ptr + offs, tl.zeros([BLOCK], dtype=zero_ptr.dtype.element_ty), mask=offs < n_zero)
+    if SUM_TILE > 0:
+        # K is a multiple of SUM_TILE and SUM_TILE divides BLOCK: no tile straddles two rows or programs
+        sums = tl.sum(tl.reshape(vals.to(tl.float32), [BLOCK // SUM_TILE, SUM_TILE]), axis=1)
+        tiles = tl.program_id(0) * (BLOCK // SUM_TILE) + tl.arange(0, BLOCK // SUM_TILE)
+        tl.store(sums_ptr + tiles, sums, mask=tiles < M * (K // SUM_TILE))
+
+
+def _gather_columns(x: torch.Tensor, index: torch.Tensor, zero: torch.Tensor | None = None,
+                    tile_sums: torch.Tensor | None = None) -> torch.Tensor:
+    """``x[:, index]`` (contiguous) and, in the same small launch, ``zero`` (a contiguous float32 or
+    int32 buffer, e.g. split-K partial sums) filled with zeros, and ``tile_sums`` (float32
+    ``[M, K / PAIR_TILE_K]``, contiguous) filled with the sum of each ``PAIR_TILE_K`` columns of the
+    result: what a kernel that multiplies the codes before subtracting their zero point subtracts.
+
+    The paired-nibble kernels read the activations in ``W4A16Weights.pair_index`` order and, when
+    split over K, sum into a zeroed float32 buffer. ``torch.index_select`` over the columns took
+    ~7.5 us at every decode shape on the H200 (bench/NOTES_w4a16.md), as long as the GEMM on
+    the 4096 x 4096 layer, and the zeroing was one more launch; this is one launch for both.
+    """
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    out = torch.empty((m, k), device=x.device, dtype=x.dtype)
+    if zero is None:
+        zero = torch.empty(0, device=x.device, dtype=torch.float32)
+    if not zero.is_contiguous() or zero.dtype not in (torch.float32, torch.int32):
+        raise ValueError("zero must be a contiguous float32 or int32 buffer")
+    sum_tile = 0
+    if tile_sums is not None:
+        sum_tile = PAIR_TILE_K
+        if k % sum_tile or tile_sums.shape != (m, k // sum_tile) or tile_sums.dtype != torch.float32 \
+                or not tile_sums.is_contiguous():
+            raise ValueError(f"tile_sums must be a contiguous float32 [M, K / {sum_tile}] buffer, K a multiple "
+                             f"of {sum_tile}")
+    else:
+        tile_sums = zero  # unused
+    block = 1024
+    grid = (triton.cdiv(max(m * k, zero.numel(), 1), block),)
+    # on Hopper launched with PDL too: in a decode step its launch overlaps the norm or activation kernel before it
+    pdl = programmatic_launch(x.device)
+    _gather_columns_kernel[grid](x, index, out, zero, tile_sums, m, k, zero.numel(), x.stride(0), BLOCK=block,
+                                 SUM_TILE=sum_tile, LAUNCH_DEPENDENTS=x.is_cuda and not interpreting(),
+                                 WAIT_PREVIOUS=pdl, **({"launch_pdl": True} if pdl else {}))
+    return out
 

@@ -11,14 +11,12 @@ import dataclasses
 import torch
 
 from quantkit.kernels.device_info import gpu_arch
-from quantkit.kernels.w4a16_configs import DIRECT_MAX_M, PAIR_TILE_K, PER_CHANNEL_GROUP, kernel_group_size
+from quantkit.kernels.w4a16_configs import DIRECT_MAX_M, PAIR_TILE_K, kernel_group_size
 from quantkit.kernels.w4a16_select import LayerFacts, W4A16Plan, plan_w4a16
 from quantkit.pack import pack_rows, unpack_gptq, unpack_rows
 from quantkit.primitives import default_g_idx
 
-__all__ = ["W4A16Weights", "prepare_w4a16_weights", "reference_w4a16_weights", "w4a16_matmul_ref",
-           "paired_nibble_index", "PAIR_TILE_K",
-           "DIRECT_MAX_M", "PER_CHANNEL_GROUP"]
+__all__ = ["W4A16Weights", "prepare_w4a16_weights", "reference_w4a16_weights", "w4a16_matmul_ref"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,7 +33,7 @@ class W4A16Weights:
       output channel), or None when the groups are not contiguous runs of one length (the kernels then
       refuse; the reference still works).
     * ``pair_index`` int64 ``[K]`` or None: the activation columns in the order the paired-nibble
-      tensor-core kernel reads them (:func:`paired_nibble_index`, composed with ``perm``); None when
+      tensor-core kernel reads them (:func:`_paired_nibble_index`, composed with ``perm``); None when
       that kernel cannot take the layer (8-bit codes, or K not a multiple of ``PAIR_TILE_K``).
     * ``tile_counters`` int32 ``[N / 16 + 1]`` and ``partial_sums`` float32 ``[DIRECT_MAX_M * N]``, zeros, where
       the direct decode kernel takes the layer (``pair_index`` set, whole K tiles per group): its stream-K tile
@@ -67,7 +65,7 @@ class W4A16Weights:
                           has_zeros=self.zeros is not None, act_order=self.perm is not None)
 
 
-def paired_nibble_index(k: int, device=None) -> torch.Tensor:
+def _paired_nibble_index(k: int, device=None) -> torch.Tensor:
     """Column order of the paired-nibble kernel: ``x[:, index]`` is what its j-th dot of a tile reads.
 
     A 32-bit word holds 8 codes, code ``p`` at bit ``4p``. Shifting the word right by ``4j`` puts codes
@@ -105,24 +103,17 @@ def prepare_w4a16_weights(qweight, qzeros, scales, g_idx, bits, group_size, sym)
         codes, _ = unpack_gptq(qweight, qzeros, bits, k, n)
         qweight = pack_rows(codes[:, perm].t(), bits)
         g_idx = g_idx[perm]
-    _, zeros = unpack_gptq(qweight[:0], qzeros, bits, 0, n)
-    if sym and bool((zeros == 2 ** (bits - 1)).all()):
-        zeros_u8 = None
-    else:
-        zeros_u8 = zeros.to(torch.uint8).contiguous()
+    zeros_u8 = _zero_points(qweight, qzeros, bits, n, sym)
     kernel_group = None
-    gs = k if group_size == -1 else group_size
-    if torch.equal(g_idx, default_g_idx(k, gs, device=g_idx.device)):
+    if torch.equal(g_idx, default_g_idx(k, group_size, device=g_idx.device)):
         kernel_group = kernel_group_size(group_size, k)
     pair_index = None
     if bits == 4 and k % PAIR_TILE_K == 0:
-        pair_index = paired_nibble_index(k, qweight.device)
+        pair_index = _paired_nibble_index(k, qweight.device)
         if perm is not None:
             pair_index = perm[pair_index]
     facts = LayerFacts(n, k, bits, kernel_group, has_zeros=zeros_u8 is not None, act_order=perm is not None)
-    arch = gpu_arch(qweight.device)
-    # the direct decode kernel takes whole K tiles per group (GluonConfig.fits); it needs its workspace
-    direct = facts.direct
+    direct = facts.direct  # the direct decode kernel can take the layer: it needs its workspace
     return W4A16Weights(
         qweight=qweight.t().contiguous(),
         scales=scales.to(torch.float16).contiguous(),
@@ -136,7 +127,7 @@ def prepare_w4a16_weights(qweight, qzeros, scales, g_idx, bits, group_size, sym)
         pair_index=pair_index,
         tile_counters=torch.zeros(n // 16 + 1, device=qweight.device, dtype=torch.int32) if direct else None,
         partial_sums=torch.zeros(DIRECT_MAX_M * n, device=qweight.device, dtype=torch.float32) if direct else None,
-        plan=plan_w4a16(facts, arch),
+        plan=plan_w4a16(facts, gpu_arch(qweight.device)),
     )
 
 
@@ -153,11 +144,17 @@ def reference_w4a16_weights(qweight, qzeros, scales, g_idx, bits, group_size, sy
     k = n_words * 32 // bits
     if g_idx is None:
         g_idx = default_g_idx(k, group_size, device=qweight.device)
-    _, zeros = unpack_gptq(qweight[:0], qzeros, bits, 0, n)
-    zeros_u8 = None if sym and bool((zeros == 2 ** (bits - 1)).all()) else zeros.to(torch.uint8).contiguous()
+    zeros_u8 = _zero_points(qweight, qzeros, bits, n, sym)
     return W4A16Weights(qweight=qweight.t(), scales=scales.to(torch.float16), zeros=zeros_u8,
                         g_idx=g_idx.to(torch.int32), perm=None, bits=bits, group_size=None, in_features=k,
                         out_features=n)
+
+
+def _zero_points(qweight, qzeros, bits: int, n: int, sym: bool) -> torch.Tensor | None:
+    """The zero points as contiguous uint8 ``[G, N]``; None for symmetric weights whose zero points are all
+    ``2**(bits-1)``, which the kernels then assume."""
+    _, zeros = unpack_gptq(qweight[:0], qzeros, bits, 0, n)
+    return None if sym and bool((zeros == 2 ** (bits - 1)).all()) else zeros.to(torch.uint8).contiguous()
 
 
 def w4a16_matmul_ref(x: torch.Tensor, w: W4A16Weights) -> torch.Tensor:

@@ -32,7 +32,8 @@ from bench_w4a16 import bench_graph, capture_graph, dequant_f32, make_weights, r
 from gpu_timing import gpu_time_us, l2_evict_buffer, replay_us  # noqa: E402
 
 from quantkit.kernels import w4a16 as kw  # noqa: E402
-from quantkit.kernels.w4a16_select import config_from_dict, load_table  # noqa: E402
+from quantkit.kernels.w4a16_configs import config_from_dict  # noqa: E402
+from quantkit.kernels.w4a16_select import load_table  # noqa: E402
 
 N, K, M = 28672, 8192, 1
 
@@ -54,14 +55,14 @@ def main():
     w = make_weights(N, K)
     ref_w = dequant_f32(w)  # alive while the tuner makes its copies
     x = torch.randn(M, K, device="cuda").bfloat16()
-    err = ((kw.w4a16_matmul(x, w, path="gluon", config=cfg).float() - x.float() @ ref_w).norm()
+    err = ((kw.w4a16_matmul(x, w, config=cfg).float() - x.float() @ ref_w).norm()
            / (x.float() @ ref_w).norm()).item()
     res["rel_err"] = err
     evict = l2_evict_buffer("cuda")
     for _ in range(2):
-        add("alt_tuner_gpu_time", gpu_time_us(lambda: kw.w4a16_matmul(x, w, path="gluon", config=alt), evict,
+        add("alt_tuner_gpu_time", gpu_time_us(lambda: kw.w4a16_matmul(x, w, config=alt), evict,
                                               replays=20))
-        add("tuner_gpu_time", gpu_time_us(lambda: kw.w4a16_matmul(x, w, path="gluon", config=cfg), evict,
+        add("tuner_gpu_time", gpu_time_us(lambda: kw.w4a16_matmul(x, w, config=cfg), evict,
                                           replays=20))
     tuner_ws = rotating_weights(w, N, K)
     del ref_w, evict
@@ -70,16 +71,16 @@ def main():
     xs = [torch.randn(M, K, device="cuda").bfloat16() for _ in range(8)]
     for _ in range(3):
         for name, ws in (("graph_tuner_order", tuner_ws), ("graph_bench_order", bench_ws)):
-            add(name, bench_graph([lambda x=x, w=w: kw.w4a16_matmul(x, w, path="gluon", config=cfg)
+            add(name, bench_graph([lambda x=x, w=w: kw.w4a16_matmul(x, w, config=cfg)
                                    for x, w in zip(xs, ws)]))
             add(name + "_planned", bench_graph([lambda x=x, w=w: kw.w4a16_matmul(x, w) for x, w in zip(xs, ws)]))
-            add("alt_" + name, bench_graph([lambda x=x, w=w: kw.w4a16_matmul(x, w, path="gluon", config=alt)
+            add("alt_" + name, bench_graph([lambda x=x, w=w: kw.w4a16_matmul(x, w, config=alt)
                                             for x, w in zip(xs, ws)]))
     eight = bench_ws + [make_weights(N, K) for _ in range(8 - len(bench_ws))]
     for _ in range(2):
-        add("alt_graph_8_copies", bench_graph([lambda x=x, w=w: kw.w4a16_matmul(x, w, path="gluon", config=alt)
+        add("alt_graph_8_copies", bench_graph([lambda x=x, w=w: kw.w4a16_matmul(x, w, config=alt)
                                                for x, w in zip(xs, eight)]))
-        add("graph_8_copies", bench_graph([lambda x=x, w=w: kw.w4a16_matmul(x, w, path="gluon", config=cfg)
+        add("graph_8_copies", bench_graph([lambda x=x, w=w: kw.w4a16_matmul(x, w, config=cfg)
                                            for x, w in zip(xs, eight)]))
     tiny = torch.zeros(1, device="cuda")
     graph = capture_graph([lambda: tiny.add_(1)])

@@ -25,7 +25,7 @@ def kernel_calls(monkeypatch):
     from quantkit.kernels import w4a16, w4a16_weights
 
     calls = {"paths": [], "reference": 0}
-    choose = w4a16.planned_choice
+    choose = w4a16._planned_choice
     reference = w4a16_weights.w4a16_matmul_ref
 
     def recording_choose(*args, **kwargs):
@@ -37,7 +37,7 @@ def kernel_calls(monkeypatch):
         calls["reference"] += 1
         return reference(*args, **kwargs)
 
-    monkeypatch.setattr(w4a16, "planned_choice", recording_choose)
+    monkeypatch.setattr(w4a16, "_planned_choice", recording_choose)
     monkeypatch.setattr(w4a16_weights, "w4a16_matmul_ref", counting_reference)
     return calls
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from quantkit.kernels.dispatch import dense_linear, gemv_wanted
-from quantkit.kernels.gemv import TUNED_M1, GemvConfig, gemv, gemv_config, gemv_ref, gemv_supports
+from quantkit.kernels.dispatch import _gemv_wanted, dense_linear
+from quantkit.kernels.gemv import TUNED_M1, DenseGemvConfig, _gemv_config, gemv, gemv_ref, gemv_supports
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -32,9 +32,9 @@ def _problem(m, n, k, dtype, bias, seed=0, device=DEV):
 # small odd sizes: N and K not multiples of the tile, the last row tile partly past N, K tiles masked
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
 @pytest.mark.parametrize("n,k,bias,dtype,cfg", [
-    (37, 100, True, torch.float16, GemvConfig(8, 32, 1)),
-    (50, 64, False, torch.float32, GemvConfig(4, 16, 2)),  # K a multiple of the tile: the unmasked loop
-    (9, 300, True, torch.float32, GemvConfig(2, 128, 4)),
+    (37, 100, True, torch.float16, DenseGemvConfig(8, 32, 1)),
+    (50, 64, False, torch.float32, DenseGemvConfig(4, 16, 2)),  # K a multiple of the tile: the unmasked loop
+    (9, 300, True, torch.float32, DenseGemvConfig(2, 128, 4)),
 ])
 def test_matches_reference(m, n, k, bias, dtype, cfg):
     x, w, b = _problem(m, n, k, dtype, bias, seed=m)
@@ -49,7 +49,7 @@ def test_default_config_and_strided_rows():
     x_wide, w, b = _problem(3, 21, 80, torch.float16, True)
     x = torch.randn(3, 200, dtype=torch.float16)[:, :80]
     x.copy_(x_wide)
-    assert gemv_config(3, 21, 80).block_k == 128
+    assert _gemv_config(3, 21, 80).block_k == 128
     assert _rel(gemv(x, w, b), gemv_ref(x, w, b)) < 1e-3
 
 
@@ -69,35 +69,27 @@ def test_capability_check():
 
 
 def test_config_validation():
-    assert GemvConfig.parse("4,2048,8") == GemvConfig(4, 2048, 8)
     with pytest.raises(ValueError, match="power of two"):
-        GemvConfig(3, 2048, 8)
-    with pytest.raises(ValueError, match="BLOCK_N,BLOCK_K,NUM_WARPS"):
-        GemvConfig.parse("4x2048")
+        DenseGemvConfig(3, 2048, 8)
 
 
-def test_config_override_from_env(monkeypatch):
-    monkeypatch.setenv("QUANTKIT_GEMV_CONFIG", "2,512,2")
-    assert gemv_config(1, 4096, 4096) == GemvConfig(2, 512, 2)
-    monkeypatch.setenv("QUANTKIT_GEMV_CONFIG", "4096x4096=8,1024,4;6144x4096=2,2048,8")
-    assert gemv_config(1, 6144, 4096) == GemvConfig(2, 2048, 8)
-    assert gemv_config(1, 4096, 4096) == GemvConfig(8, 1024, 4)
-    assert gemv_config(1, 28672, 4096) == TUNED_M1[(28672, 4096)]  # not named: the measured table
-    monkeypatch.delenv("QUANTKIT_GEMV_CONFIG")
-    assert gemv_config(1, 28672, 4096) == TUNED_M1[(28672, 4096)]
-    assert gemv_config(1, 1000, 4096) == GemvConfig(2, 1024, 4)  # a shape the table lacks: the M = 1 default
+def test_config_choice():
+    assert _gemv_config(1, 28672, 4096) == TUNED_M1[(28672, 4096)]  # the measured table
+    assert _gemv_config(1, 1000, 4096) == DenseGemvConfig(2, 1024, 4)  # a shape the table lacks: the M = 1 default
+    assert _gemv_config(2, 4096, 4096) == DenseGemvConfig(2, 2048, 8)
+    assert _gemv_config(4, 4096, 4096) == DenseGemvConfig(2, 1024, 4)
 
 
 def test_selection(monkeypatch):
     """The GEMV takes decode-sized 16-bit linears on CUDA only; QUANTKIT_BF16_GEMV=0 sends them to cuBLAS."""
     monkeypatch.delenv("QUANTKIT_BF16_GEMV", raising=False)
-    assert gemv_wanted("cuda", 1, torch.bfloat16) and gemv_wanted("cuda", 1, torch.float16)
-    assert not gemv_wanted("cuda", 4, torch.bfloat16)  # measured slower than cuBLAS at M = 4
-    assert not gemv_wanted("cuda", 5, torch.bfloat16)  # prefill: cuBLAS
-    assert not gemv_wanted("cuda", 1, torch.float32)
-    assert not gemv_wanted("cpu", 1, torch.bfloat16)
+    assert _gemv_wanted("cuda", 1, torch.bfloat16) and _gemv_wanted("cuda", 1, torch.float16)
+    assert not _gemv_wanted("cuda", 4, torch.bfloat16)  # measured slower than cuBLAS at M = 4
+    assert not _gemv_wanted("cuda", 5, torch.bfloat16)  # prefill: cuBLAS
+    assert not _gemv_wanted("cuda", 1, torch.float32)
+    assert not _gemv_wanted("cpu", 1, torch.bfloat16)
     monkeypatch.setenv("QUANTKIT_BF16_GEMV", "0")
-    assert not gemv_wanted("cuda", 1, torch.bfloat16)
+    assert not _gemv_wanted("cuda", 1, torch.bfloat16)
 
 
 def test_runtime_linear_goes_through_the_selection_point(monkeypatch):

@@ -112,7 +112,7 @@ def test_kernel_interpreted(n, k, bits, gs, sym, act, m, config):
     assert (w.zeros is None) == sym
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).half()
     ref = x.double() @ w_deq.double().t()
-    out = mod.w4a16_matmul(x, w, config=as_config("tc", config), path="tc")
+    out = mod.w4a16_matmul(x, w, config=as_config("tc", config))
     assert out.shape == (m, n) and out.dtype == torch.float16
     assert torch.isfinite(out).all()
     assert rel_err(out, ref) < 2e-3
@@ -129,7 +129,7 @@ def test_gemv_interpreted(n, k, bits, gs, sym, act, m, config):
     if config is None:  # the interpreter's default GEMV config, through the plan's rules
         out = mod.w4a16_matmul(x, w)
     else:
-        out = mod.w4a16_matmul(x, w, config=as_config("gemv", config), path="gemv")
+        out = mod.w4a16_matmul(x, w, config=as_config("gemv", config))
     assert out.shape == (m, n) and out.dtype == torch.float16
     assert torch.isfinite(out).all()
     assert rel_err(out, ref) < 2e-3
@@ -153,20 +153,21 @@ def test_pairs_interpreted(n, k, gs, sym, act, m, config):
     mod = _kernel_module()
     tensors, w_deq = make_layer(n, k, 4, gs, sym, act, seed=n + k + m + 2)
     w = mod.prepare_w4a16_weights(**tensors, bits=4, group_size=gs, sym=sym)
-    assert mod.pairs_supported(w)
+    assert w.pair_index is not None
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m + 2)).half()
     ref = x.double() @ w_deq.double().t()
-    out = mod.w4a16_matmul(x, w, config=as_config("pairs", config or dict(BLOCK_N=32, BLOCK_M=16)), path="pairs")
+    out = mod.w4a16_matmul(x, w, config=as_config("pairs", config or dict(BLOCK_N=32, BLOCK_M=16)))
     assert out.shape == (m, n) and out.dtype == torch.float16
     assert torch.isfinite(out).all()
     assert rel_err(out, ref) < 2e-3
 
 
 def test_paired_nibble_index_is_a_permutation_that_pairs_codes():
-    from quantkit.kernels.w4a16_weights import PAIR_TILE_K, paired_nibble_index
+    from quantkit.kernels.w4a16_configs import PAIR_TILE_K
+    from quantkit.kernels.w4a16_weights import _paired_nibble_index
 
     k = 3 * PAIR_TILE_K
-    idx = paired_nibble_index(k)
+    idx = _paired_nibble_index(k)
     assert torch.equal(idx.sort().values, torch.arange(k))
     # In every tile, dot j's column 2w + h is code j + 4h of word w: original column 8w + j + 4h.
     tile = idx[PAIR_TILE_K:2 * PAIR_TILE_K] - PAIR_TILE_K
@@ -187,7 +188,7 @@ def test_gather_columns_interpreted(m, k, zero_numel):
     index = torch.randperm(k, generator=g)
     zero = torch.full((zero_numel,), float("nan"))
     sums = torch.full((m, k // 128), float("nan"))
-    xp = mod.gather_columns(x, index, zero, sums)
+    xp = mod._gather_columns(x, index, zero, sums)
     assert torch.equal(xp, x[:, index]) and xp.is_contiguous()
     assert torch.equal(zero, torch.zeros(zero_numel))
     torch.testing.assert_close(sums, xp.float().view(m, k // 128, 128).sum(-1), rtol=1e-5, atol=1e-5)
@@ -201,10 +202,10 @@ def test_pairs_path_needs_4_bit_and_whole_tiles():
     t576, _ = make_layer(32, 576, 4, 64, False, False, seed=4)
     w576 = mod.prepare_w4a16_weights(**t576, bits=4, group_size=64, sym=False)
     for w in (w8, w576):
-        assert not mod.pairs_supported(w)
-        assert mod.planned_choice(torch.randn(8, w.in_features).half(), w).kernel == "tc"
+        assert w.pair_index is None
+        assert mod._planned_choice(torch.randn(8, w.in_features).half(), w).kernel == "tc"
         with pytest.raises(ValueError, match="paired-nibble"):
-            mod.w4a16_matmul(torch.randn(4, w.in_features).half(), w, path="pairs", config=as_config(
+            mod.w4a16_matmul(torch.randn(4, w.in_features).half(), w, config=as_config(
                 "pairs", dict(BLOCK_N=32, BLOCK_M=16)))
 
 
@@ -216,15 +217,12 @@ def test_default_path_is_gemv_for_small_m():
     x = torch.randn(2, 128).half()
     ref = x.double() @ w_deq.double().t()
     assert rel_err(mod.w4a16_matmul(x, w), ref) < 2e-3  # M=2 -> GEMV with its default config
-    with pytest.raises(ValueError):
-        mod.w4a16_matmul(x, w, path="nope")
-    with pytest.raises(TypeError, match="takes a GemvConfig"):
-        mod.w4a16_matmul(x, w, path="gemv", config=dict(BLOCK_N=32, BLOCK_K=32))
+    with pytest.raises(TypeError, match="config must be a GemvConfig"):
+        mod.w4a16_matmul(x, w, config=dict(BLOCK_N=32, BLOCK_K=32))
     tensors, _ = make_layer(32, 192, 4, 48, False, False, seed=12)
     w48 = mod.prepare_w4a16_weights(**tensors, bits=4, group_size=48, sym=False)
     with pytest.raises(ValueError):  # BLOCK_K neither divides the group nor covers whole groups
-        mod.w4a16_matmul(torch.randn(1, 192).half(), w48, config=as_config("gemv", dict(BLOCK_N=32, BLOCK_K=32)),
-                         path="gemv")
+        mod.w4a16_matmul(torch.randn(1, 192).half(), w48, config=as_config("gemv", dict(BLOCK_N=32, BLOCK_K=32)))
 
 
 def test_gemv_split_k_has_no_empty_slices():
@@ -248,7 +246,7 @@ def test_reference_matches_dequantize(act):
 
 def test_irregular_groups_fall_back_to_reference():
     mod = _kernel_module()
-    from quantkit.kernels.dispatch import kernel_supports, w4a16_linear
+    from quantkit.kernels.dispatch import _kernel_supports, w4a16_linear
 
     tensors, _ = make_layer(32, 128, 4, 32, True, False, seed=4)
     g_idx = tensors["g_idx"].clone()
@@ -256,7 +254,7 @@ def test_irregular_groups_fall_back_to_reference():
     w = mod.prepare_w4a16_weights(**{**tensors, "g_idx": g_idx}, bits=4, group_size=32, sym=True)
     assert w.group_size is None
     x = torch.randn(2, 3, 128).half()
-    ok, reason = kernel_supports(x, w)
+    ok, reason = _kernel_supports(x, w)
     assert not ok and reason
     bias = torch.randn(32).half()
     y = w4a16_linear(x, w, bias)
@@ -311,7 +309,7 @@ def _run_gpu(mod, n, k, gs, sym, act, m, dtype, path, config):
     x = torch.randn(m, k, device="cuda").to(dtype)
     if isinstance(config, dict):
         config = as_config(path, config)
-    out = mod.w4a16_matmul(x, w, config=config, path=path)
+    out = mod.w4a16_matmul(x, w, config=config)
     assert out.dtype == dtype and out.shape == (m, n) and torch.isfinite(out).all()
     assert rel_err(out, x.float() @ w_deq.t()) < 1e-2
 
@@ -356,7 +354,7 @@ def test_gemv_shipped_configs_gpu(n, k, gs, sym, act, m):
 
     mod = _kernel_module()
     for config in _shipped("gemv"):
-        if mod.gemv_config_ok(config, m, kernel_group_size(gs, k)):
+        if config.fits(m, kernel_group_size(gs, k)):
             _run_gpu(mod, n, k, gs, sym, act, m, torch.bfloat16, "gemv", config)
 
 
@@ -376,14 +374,14 @@ def test_pairs_gpu(n, k, gs, sym, act, m, dtype):
 @pytest.mark.parametrize("m", [3, 12, 100])
 def test_dispatch_planned_gpu(m):
     mod = _kernel_module()
-    from quantkit.kernels.dispatch import kernel_supports, w4a16_linear
+    from quantkit.kernels.dispatch import _kernel_supports, w4a16_linear
 
     n, k = 4096 + 128, 4096 + 128
     tensors, w_deq = make_layer(n, k, 4, 128, True, False, device="cuda", seed=torch.seed() % 2**31)
     w = mod.prepare_w4a16_weights(**tensors, bits=4, group_size=128, sym=True)
     x = torch.randn(2, m, k, device="cuda").bfloat16()
     bias = torch.randn(n, device="cuda").bfloat16()
-    assert kernel_supports(x, w)[0]
+    assert _kernel_supports(x, w)[0]
     out = w4a16_linear(x, w, bias)
     ref = x.float() @ w_deq.t() + bias.float()
     assert out.shape == (2, m, n) and rel_err(out, ref) < 1e-2
@@ -433,7 +431,7 @@ def test_direct_gluon_configs_take_one_group_per_k_tile_and_up_to_8_rows():
 @pytest.mark.parametrize("k,gs,direct", [(256, 128, True), (512, -1, True), (256, 64, False), (576, 128, False)])
 def test_direct_kernel_workspace_only_for_layers_it_takes(k, gs, direct):
     # whole K tiles per group and K a multiple of the tile: zeroed tile counters and DIRECT_MAX_M rows of sums
-    from quantkit.kernels.w4a16_weights import DIRECT_MAX_M
+    from quantkit.kernels.w4a16_configs import DIRECT_MAX_M
 
     mod = _kernel_module()
     tensors, _ = make_layer(48, k, 4, gs, True, False)
