@@ -13,7 +13,8 @@ import pstats
 
 import torch
 
-from quantkit.kernels.attention import attention, prepare_fp8
+from quantkit.kernels.attention import attention
+from quantkit.kernels.attention_fp8 import prepare_fp8
 
 
 def main():

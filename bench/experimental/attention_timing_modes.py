@@ -25,7 +25,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_attention import TOKENS, host_us  # noqa: E402
 
-from quantkit.kernels.attention import attention, prepare_fp8  # noqa: E402
+from quantkit.kernels.attention import attention  # noqa: E402
+from quantkit.kernels.attention_fp8 import prepare_fp8  # noqa: E402
 
 
 def main():

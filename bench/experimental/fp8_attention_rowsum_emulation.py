@@ -13,7 +13,8 @@ import math
 
 import torch
 
-from quantkit.kernels.attention import attention_ref, prepare_fp8
+from quantkit.kernels.attention import attention_ref
+from quantkit.kernels.attention_fp8 import prepare_fp8
 
 
 def rel(a, b):
