@@ -18,7 +18,8 @@ def register(app: typer.Typer) -> None:
                 json_: Json = False,
                 layers: Annotated[bool, typer.Option("--layers", help="List every quantized linear.")] = False,
                 kernels: Annotated[bool, typer.Option(
-                    "--kernels", help="Which W4A16 kernel and config each linear runs at M = 1, 16, 2048 (H200).")
+                    "--kernels", help="Which W4A16 kernel and config each linear runs at M = 1, 16, 2048, and which "
+                    "attention kernel prefill and decode run (H200 selection).")
                 ] = False) -> None:
         """Method, bits, group size, layers, size on disk and compression ratio of a checkpoint."""
         from rich.table import Table
@@ -29,9 +30,14 @@ def register(app: typer.Typer) -> None:
         info = api.inspect(path)
         data = info.to_dict()
         if kernels:
-            from quantkit.kernel_plan import explain
+            from quantkit.errors import QuantkitError
+            from quantkit.kernel_plan import explain, explain_attention
 
             data["kernels"] = [dataclasses.asdict(row) for row in explain(path)]
+            try:
+                data["attention_kernels"] = [dataclasses.asdict(row) for row in explain_attention(path)]
+            except QuantkitError as e:  # a model family the runtime does not serve: no attention plan
+                data["attention_kernels"] = str(e)
         if json_:
             typer.echo(json.dumps(data, indent=2, default=str))
             return
@@ -64,3 +70,10 @@ def register(app: typer.Typer) -> None:
                 kt.add_row(row["name"], f"{row['out_features']} x {row['in_features']}", str(row["m"]), row["kernel"],
                            row["config"], row["reason"])
             con.print(kt)
+            if isinstance(data["attention_kernels"], str):
+                con.print(f"attention: {data['attention_kernels']}")
+            else:
+                at = Table("phase", "query tokens", "layers", "kernel", "why", title="attention kernels (H200 selection)")
+                for row in data["attention_kernels"]:
+                    at.add_row(row["phase"], str(row["tokens"]), row["layers"], row["kernel"], row["reason"])
+                con.print(at)

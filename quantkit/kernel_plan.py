@@ -1,9 +1,10 @@
-"""``explain``: which W4A16 kernel and config each quantized linear will run, at a few batch sizes.
+"""Which kernels a checkpoint will run: ``explain`` for each quantized linear at a few batch sizes, and
+``explain_attention`` for the runtime's attention at a few prompt lengths and at decode.
 
-The answer comes from the same pure selection the layers use at load time
-(:func:`quantkit.kernels.w4a16_select.select_w4a16`), so it needs no GPU: name the GPU generation (default
-``"sm90"``, the H200 the shipped table was measured on). Act-order layers are assumed to have contiguous groups
-after the kernels' repack (true for GPTQ's ``desc_act``).
+The answers come from the same pure selections the layers and the runtime use
+(:func:`quantkit.kernels.w4a16_select.select_w4a16`, :func:`quantkit.kernels.attention_select.select_attention`),
+so they need no GPU: name the GPU generation (default ``"sm90"``, the H200 the shipped tables were measured on).
+Act-order layers are assumed to have contiguous groups after the kernels' repack (true for GPTQ's ``desc_act``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 from torch import nn
 
 DEFAULT_MS = (1, 16, 2048)
+DEFAULT_PROMPTS = (256, 2048)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +51,52 @@ def explain(source: str | Path | nn.Module | Iterable, ms: Iterable[int] = DEFAU
             label = "" if choice.config is None else config_label(choice.config)
             rows.append(KernelPlanRow(name, n, k, bits, group_size, m, choice.kernel, label, choice.reason))
     return rows
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionPlanRow:
+    """One (phase, query tokens, kind of layer): the kernel the runtime's kernels backend runs and why."""
+
+    phase: str  # "prefill" or "decode"
+    tokens: int  # query tokens per sequence (the longest prompt of a prefill batch)
+    layers: str  # "all", or "sliding" / "full" when the model mixes window and full layers
+    kernel: str
+    reason: str
+
+
+def explain_attention(source, prompts: Iterable[int] = DEFAULT_PROMPTS, arch: str = "sm90",
+                      dtype: str = "torch.bfloat16") -> list[AttentionPlanRow]:
+    """Attention kernel per phase of the runtime: causal prefill of each prompt length in ``prompts`` (the
+    selection reads the longest prompt of a batch) and one-token decode, for each kind of layer of ``source``
+    (a checkpoint folder, a transformers config object, or a runtime ``ModelSpec``) on ``arch``."""
+    from quantkit.kernels.attention_select import AttentionCall, select_attention
+
+    spec = _model_spec(source)
+    kinds = sorted({(spec.window_left(i), spec.attn_softcap) for i in range(spec.num_layers)}, reverse=True)
+    rows = []
+    for window_left, softcap in kinds:
+        layers = "all" if len(kinds) == 1 else ("full" if window_left < 0 else "sliding")
+        for n in prompts:
+            call = AttentionCall(arch, dtype, dtype, spec.head_dim, causal=True, window_left=window_left,
+                                 softcap=softcap, max_seqlen_q=n)
+            rows.append(AttentionPlanRow("prefill", n, layers, *select_attention(call)))
+        # the runtime decodes through one kernel whatever the layer: RoPE, the cache write and split-K attention
+        rows.append(AttentionPlanRow("decode", 1, layers, "decode_rope",
+                                     "one launch: RoPE, KV-cache write, split-K attention and the split combine"))
+    return rows
+
+
+def _model_spec(source):
+    from quantkit.runtime.spec import ModelSpec, hf_config, spec_from_config
+
+    if isinstance(source, ModelSpec):
+        return source
+    if isinstance(source, (str, Path)):
+        import json
+
+        with open(Path(source) / "config.json") as f:
+            source = hf_config(json.load(f))
+    return spec_from_config(source)
 
 
 def _layers(source) -> list[tuple]:
