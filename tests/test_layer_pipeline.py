@@ -16,19 +16,9 @@ from quantkit.config import QuantScheme
 from quantkit.layer_pipeline import LayerPipeline, weight_to_host
 from quantkit.methods.awq import AWQConfig
 from quantkit.methods.awq_method import AWQMethod
-from quantkit.methods.gptq import GPTQConfig
-from quantkit.methods.gptq_method import GPTQMethod
 from quantkit.qtensor import QuantizedWeight
-from quantkit.walker import ModelLayers, find_decoder_layers, walk
-
-
-def _model(layers: int = 3):
-    from transformers import LlamaForCausalLM
-
-    from tests.conftest import tiny_llama_config
-
-    torch.manual_seed(0)
-    return LlamaForCausalLM(tiny_llama_config(num_hidden_layers=layers)).eval()
+from quantkit.walker import ModelLayers, find_decoder_layers
+from tests.walking import small_method, tiny_llama, walk_tiny
 
 
 def _qw(seed: int = 0) -> QuantizedWeight:
@@ -57,7 +47,7 @@ class _Recording(ModelLayers):
 def test_source_sees_one_layer_ahead_and_one_behind(threaded):
     log: list = []
     qws = [_qw(i) for i in range(3)]
-    prefix, layers = find_decoder_layers(_model())
+    prefix, layers = find_decoder_layers(tiny_llama(3))
     source = _Recording(prefix, layers, log)
     with LayerPipeline(source, torch.device("cpu"), threaded=threaded) as pipe:
         for i in range(len(source)):
@@ -80,7 +70,7 @@ def test_worker_errors_reach_the_caller():
                 raise RuntimeError("unreadable layer 1")
             return super().layer(index)
 
-    prefix, layers = find_decoder_layers(_model())
+    prefix, layers = find_decoder_layers(tiny_llama(3))
     with LayerPipeline(Broken(prefix, layers), torch.device("cpu"), threaded=True) as pipe:
         pipe.take(0)
         pipe.start(1)
@@ -93,15 +83,10 @@ def test_weight_to_host_keeps_host_weights():
     assert weight_to_host(qw) is qw
 
 
-def _walk(model, method, device, **kw):
-    ids = torch.randint(0, model.config.vocab_size, (8, 32), generator=torch.Generator().manual_seed(1))
-    return walk(model, method, device=device, token_ids=ids, batch_size=2, **kw)
-
-
 def test_awq_leaves_the_model_holding_its_packed_weights():
     """AWQ installs the dequantized weights itself (``installed``): they must be what the packed codes give."""
-    model = _model(2)
-    result = _walk(model, AWQMethod(QuantScheme(4, 32, False), AWQConfig(grid=4, clip_grid=4)), "cpu")
+    model = tiny_llama(2)
+    result = walk_tiny(model, AWQMethod(QuantScheme(4, 32, False), AWQConfig(grid=4, clip_grid=4)), "cpu")
     assert result.layer_stats[0]["linears"]["mlp.down_proj"]["weight_error"] > 0
     for name, qw in result.weights.items():
         assert qw.qweight.device.type == "cpu"
@@ -112,17 +97,10 @@ def test_awq_leaves_the_model_holding_its_packed_weights():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("method", ["gptq", "awq"])
 def test_overlap_gives_the_same_weights_on_cuda(method):
-    scheme = QuantScheme(4, 32, method == "gptq")
-
-    def build():
-        if method == "gptq":
-            return GPTQMethod(scheme, GPTQConfig(desc_act=True))
-        return AWQMethod(scheme, AWQConfig(grid=4, clip_grid=4, clip_tokens=64))
-
-    a = _model().to(torch.bfloat16)
+    a = tiny_llama(3).to(torch.bfloat16)
     b = copy.deepcopy(a)
-    r1 = _walk(a, build(), "cuda", overlap=True)
-    r2 = _walk(b, build(), "cuda", overlap=False)
+    r1 = walk_tiny(a, small_method(method), "cuda", overlap=True)
+    r2 = walk_tiny(b, small_method(method), "cuda", overlap=False)
     assert r1.weights.keys() == r2.weights.keys()
     for name, qw in r1.weights.items():
         assert qw.qweight.device.type == "cpu" and r2.weights[name].qweight.device.type == "cpu"

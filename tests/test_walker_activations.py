@@ -20,15 +20,7 @@ from quantkit.methods.gptq import GPTQConfig
 from quantkit.methods.gptq_method import GPTQMethod
 from quantkit.primitives import dequantize
 from quantkit.walker import walk
-
-
-def _model():
-    from transformers import LlamaForCausalLM
-
-    from tests.conftest import tiny_llama_config
-
-    torch.manual_seed(0)
-    return LlamaForCausalLM(tiny_llama_config(num_hidden_layers=2)).eval()
+from tests.walking import small_method, tiny_llama, walk_tiny
 
 
 def _weights(result) -> dict[str, torch.Tensor]:
@@ -37,11 +29,6 @@ def _weights(result) -> dict[str, torch.Tensor]:
         codes, zeros = qw.unpack("cpu")
         out[name] = dequantize(codes, qw.scales.float().cpu(), zeros, qw.g_idx.cpu())
     return out
-
-
-def _walk(model, method, device="cpu", **kw):
-    ids = torch.randint(0, model.config.vocab_size, (8, 32), generator=torch.Generator().manual_seed(1))
-    return walk(model, method, device=device, token_ids=ids, batch_size=2, **kw)
 
 
 @pytest.mark.parametrize("desc_act", [False, True])
@@ -54,10 +41,10 @@ def test_gptq_by_batches_matches_the_single_pass(desc_act):
     norm, the GPTQ output error within 10 %; wrong inputs or Hessians miss them by far. The model is
     left holding exactly the packed weights either way (the method installs them itself)."""
     scheme = QuantScheme(4, 32, True)
-    whole = _model()
+    whole = tiny_llama(2)
     batched = copy.deepcopy(whole)
-    res_whole = _walk(whole, GPTQMethod(scheme, GPTQConfig(desc_act=desc_act)))  # CPU default: single pass
-    res_batched = _walk(batched, GPTQMethod(scheme, GPTQConfig(desc_act=desc_act, single_pass_max_tokens=0)))
+    res_whole = walk_tiny(whole, GPTQMethod(scheme, GPTQConfig(desc_act=desc_act)))  # CPU default: single pass
+    res_batched = walk_tiny(batched, GPTQMethod(scheme, GPTQConfig(desc_act=desc_act, single_pass_max_tokens=0)))
     w1, w2 = _weights(res_whole), _weights(res_batched)
     assert w1.keys() == w2.keys() and len(w1) == 14
     for name in w1:
@@ -77,7 +64,7 @@ def test_awq_batches_of_two_match_one_batch_of_all():
     summation order of the channel means, so at most 1 % of codes differ, weights by at most 1 %."""
     scheme = QuantScheme(4, 32, False)
     config = AWQConfig(grid=4, clip_grid=4, clip_tokens=64, search_samples=4)
-    one = _model()
+    one = tiny_llama(2)
     four = copy.deepcopy(one)
     ids = torch.randint(0, one.config.vocab_size, (8, 32), generator=torch.Generator().manual_seed(1))
     r1 = walk(one, AWQMethod(scheme, config), device="cpu", token_ids=ids, batch_size=8)
@@ -95,7 +82,7 @@ def test_copy_home_writes_into_the_resident_host_tensors():
     shape changed on the way is moved the plain way."""
     from quantkit.activations import copy_home, host_tensors
 
-    layer = _model().model.layers[0]
+    layer = tiny_llama(2).model.layers[0]
     resident = host_tensors(layer)
     before = {id(t): t.data_ptr() for _, _, t in resident}
     q = layer.self_attn.q_proj
@@ -126,7 +113,7 @@ def test_offload_policy():
 
 def test_walk_reports_its_phases():
     events = []
-    _walk(_model(), GPTQMethod(QuantScheme(4, 32, True)), on_layer=events.append)
+    walk_tiny(tiny_llama(2), GPTQMethod(QuantScheme(4, 32, True)), on_layer=events.append)
     assert {"move_in", "method", "install", "propagate", "move_out"} <= set(events[0].phases)
     assert abs(sum(v for k, v in events[0].phases.items() if "." not in k) - events[0].seconds) < 1e-6
 
@@ -139,17 +126,10 @@ CUDA = torch.cuda.is_available()
 @pytest.mark.parametrize("method", ["gptq", "awq"])
 def test_host_activations_give_the_same_weights_as_device(method):
     """Offloading the hidden states to pinned host memory moves bytes, not arithmetic: bitwise equal."""
-    scheme = QuantScheme(4, 32, method == "gptq")
-
-    def build():
-        if method == "gptq":
-            return GPTQMethod(scheme, GPTQConfig(desc_act=True))
-        return AWQMethod(scheme, AWQConfig(grid=4, clip_grid=4, clip_tokens=64))
-
-    on_device = _model().to(torch.bfloat16)
+    on_device = tiny_llama(2).to(torch.bfloat16)
     on_host = copy.deepcopy(on_device)
-    r1 = _walk(on_device, build(), "cuda", activations="device")
-    r2 = _walk(on_host, build(), "cuda", activations="host")
+    r1 = walk_tiny(on_device, small_method(method), "cuda", activations="device")
+    r2 = walk_tiny(on_host, small_method(method), "cuda", activations="host")
     for name, qw in r1.weights.items():
         assert torch.equal(qw.qweight, r2.weights[name].qweight), name
         assert torch.equal(qw.scales, r2.weights[name].scales), name
