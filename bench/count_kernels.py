@@ -1,6 +1,9 @@
 """Size of a kernels/ folder: lines, jit kernels, shipped configs, module constants and public parameters.
 
-    python bench/count_kernels.py [KERNELS_DIR ...]   (default: kernels)
+    python bench/count_kernels.py [KERNELS_DIR ...] [--exclude a.py,b.py]   (default: kernels)
+
+``--exclude`` leaves files out by name, e.g. to compare the families a past version had with today's (the kernels
+other issues added since: ``gemv.py,gptq_solve.py,awq_clip.py,awq_fake_quant.py``).
 
 * kernels: top-level ``@triton.jit`` / ``@gluon.jit`` functions whose name ends in ``_kernel`` (launch targets);
 * configs: config objects written in the source (``triton.Config``, ``GluonConfig(...)``, the ``_cfg`` helpers,
@@ -25,9 +28,9 @@ def _name(node) -> str:
     return node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", "")
 
 
-def count(folder: Path) -> dict:
+def count(folder: Path, exclude: frozenset = frozenset()) -> dict:
     out = dict(lines=0, files=0, kernels=0, configs=0, constants=0, public_params=0, run_comments=0)
-    for path in sorted(folder.glob("*.py")):
+    for path in sorted(p for p in folder.glob("*.py") if p.name not in exclude):
         text = path.read_text()
         out["files"] += 1
         out["lines"] += text.count("\n")
@@ -60,8 +63,14 @@ def count(folder: Path) -> dict:
 
 
 def main():
-    folders = [Path(p) for p in sys.argv[1:]] or [Path("kernels")]
-    rows = {str(f): count(f) for f in folders}
+    args = sys.argv[1:]
+    exclude = frozenset()
+    if "--exclude" in args:
+        i = args.index("--exclude")
+        exclude = frozenset(args[i + 1].split(","))
+        del args[i:i + 2]
+    folders = [Path(p) for p in args] or [Path("kernels")]
+    rows = {str(f): count(f, exclude) for f in folders}
     keys = list(next(iter(rows.values())).keys() | set().union(*rows.values()))
     keys.sort()
     print(f"{'':<28}" + "".join(f"{k:>15}" for k in keys))
