@@ -1,47 +1,37 @@
 """W4A16 GEMM in Gluon (`triton.experimental.gluon`) for Hopper: ``Y = X W^T``, decode and prefill.
 
-Why Gluon: Triton waits for each register-operand wgmma to finish before its registers are rewritten, so
-dequantization and multiply never overlap, and it pipelines loads only a few tiles deep per program
-(bench/NOTES_w4a16.md). Gluon places both.
+Why Gluon: Triton waits for each register-operand wgmma before its registers are rewritten (so dequantization
+and multiply never overlap) and pipelines loads only a few tiles deep (bench/NOTES_w4a16.md). Gluon places both.
 
-Shared by all paths:
-
-* Paired nibbles (``w4a16_weights._paired_nibble_index``): shifting a packed word right by 4j puts codes j
-  and j + 4 at bits 0 and 16; one ``lop3`` makes them a pair of 16-bit floats ``MAGIC + code``, one packed
-  subtraction and one packed multiply dequantize both, and that register *is* a tensor-core A-operand
-  register. A 128-code K tile is four dots of K = 32; the activations are gathered into the matching order.
-* The words are read in the 32-bit A-operand layout (``k_width=1``): thread (g, t) of a warp holds words t,
-  t + 4, t + 8, t + 12 of rows g and g + 8 of each 16-row block, which is where their pairs sit in the 16-bit
-  A operand of a K = 32 dot (``k_width=2``): the conversion is register renaming.
-* mma.sync with one group per K tile: the zero point and the scale go onto each K tile's float32 sums, not
-  onto every code pair (``_magic_pairs``).
-
-Kernels:
-
-* Ring (:func:`_w4a16_gluon_kernel`): a producer warp (``gl.warp_specialize``) streams the weight words
-  (64-byte swizzle: conflict-free reads) and activation tiles with TMA through NUM_BUF shared-memory stages,
-  one "ready" and one "empty" mbarrier each, so the dequantizing warps never load or wait on a CTA-wide
-  barrier. Launched with programmatic dependent launch behind ``w4a16_triton._gather_columns`` (column
-  gather, workspace zeroing, K-tile activation sums): its weight loads start before that kernel has finished.
-* Its decode form (``WGMMA=False``; M <= 16, a candidate up to 64 with taller activation tiles): ``mma.sync``
-  m16n8k16 (``mma_v2``), weights as A. Its register operands have ordinary scoreboard dependencies, so
-  dequantizing one dot overlaps the previous dot's MMA with no explicit wait; the activation rows are the
-  n = 8 side, so M <= 8 wastes nothing. Stream-K: units are (output tile, K tile), and each of
-  ``num_SMs * CTAS_PER_SM`` programs takes an equal contiguous run (no tail wave, whatever the shape); partial
-  tiles meet in a float32 workspace (:func:`_flush`), with no separate zeroing or cast kernel.
-* Its prefill form (``WGMMA=True``): asynchronous wgmma, dequantized weights as A from registers (two
-  warpgroups of 64 rows each, or 128 with two m64 blocks), activations as B from shared memory; dot j + 1 is
-  dequantized while dot j runs (``warpgroup_mma_wait(1)``), and a stage is released once the wgmmas that
-  read it have retired. One output tile per program (grouped order for L2 reuse), stored once.
+* Paired nibbles (``w4a16_weights._paired_nibble_index``): a packed word shifted right by 4j has codes j and
+  j + 4 at bits 0 and 16; one ``lop3`` makes them a pair of 16-bit floats ``MAGIC + code``, one packed
+  subtraction and one packed multiply dequantize both, and that register *is* a tensor-core A-operand register.
+  A 128-code K tile is four dots of K = 32; the activations are gathered into the matching column order.
+* The words are read in the 32-bit A-operand layout (``k_width=1``): thread (g, t) holds words t, t + 4, t + 8,
+  t + 12 of rows g and g + 8 of each 16-row block, which is where their pairs sit in the 16-bit A operand of a
+  K = 32 dot (``k_width=2``): the conversion is register renaming.
+* Ring kernel (:func:`_w4a16_gluon_kernel`): a producer warp (``gl.warp_specialize``) TMAs the weight words
+  (64-byte swizzle: conflict-free reads) and activation tiles through NUM_BUF shared-memory stages, each with a
+  "ready" and an "empty" mbarrier; the dequantizing warps never load or wait on a CTA-wide barrier. It runs
+  under programmatic dependent launch behind ``w4a16_triton._gather_columns`` (gather, workspace zeroing,
+  K-tile activation sums) and requests weights before that kernel ends.
+* Decode (``WGMMA=False``; M <= 16, a candidate up to 64): ``mma.sync`` m16n8k16, weights as A. Its register
+  operands have plain scoreboard dependencies, so dequantizing one dot overlaps the previous MMA with no wait;
+  the activation rows are the n = 8 side (M <= 8 wastes nothing). Stream-K: units are (output tile, K tile);
+  each of ``num_SMs * CTAS_PER_SM`` programs takes an equal contiguous run (no tail wave); partial tiles meet
+  in a float32 workspace (:func:`_flush`). With one group per K tile, zero point and scale go onto each K
+  tile's float32 sums instead of every code pair (:func:`_magic_pairs`).
+* Prefill (``WGMMA=True``): async wgmma, dequantized A from registers (two warpgroups of 64 or 128 rows),
+  activations as B from shared memory; dot j + 1 is dequantized while dot j runs (``warpgroup_mma_wait(1)``).
+  One output tile per program (grouped order for L2 reuse), stored once.
 * Direct decode (``DIRECT`` configs, M <= 8, one group per K tile; :func:`_w4a16_direct_kernel`): no ring;
-  every warp loads its own operands into the mma.sync registers, one unit ahead, straight from the caller's
-  activations: one launch, no gather (act-order weights and ``GATHER_X`` configs read gathered ones). Partial
-  tiles meet in the layer's ``W4A16Weights.partial_sums`` / ``tile_counters``, which the finishing program
-  zeroes again. Beats the ring up to ~60 M weights (bench/NOTES_w4a16.md; design in the section comment).
+  every warp loads its own operands, one unit ahead, from the caller's activations: one launch, no gather
+  (act-order weights and ``GATHER_X`` read gathered ones). Partial tiles meet in the layer's
+  ``W4A16Weights.partial_sums`` / ``tile_counters``. Faster than the ring up to ~60 M weights.
 
-Scope: 4-bit codes, K a multiple of 128 (``W4A16Weights.pair_index`` set), contiguous groups (any group
-size that is a multiple of 8, per channel included), sym or asym, act-order through ``pair_index``,
-fp16 or bf16 activations, sm_90. GPU only: Gluon has no interpreter path.
+Scope: 4-bit codes, K a multiple of 128 (``W4A16Weights.pair_index`` set), contiguous groups of a multiple of
+8 (per channel included), sym or asym, act-order through ``pair_index``, fp16/bf16, sm_90. GPU only: Gluon
+has no interpreter path.
 """
 
 from __future__ import annotations
@@ -480,17 +470,12 @@ def _w4a16_gluon_kernel(desc_w, desc_x, scales_ptr, zeros_ptr, xsum_ptr, c_ptr, 
 
 
 # --- The direct-load decode kernel (DIRECT configs) -------------------------------------------------------------
-# The ring's fixed costs per call (set-up, the producer's first round trip, barriers) are a large part of a decode
-# call on 8-30 MB layers. Here every warp loads its operands from global memory straight into the mma.sync
-# registers: no shared memory, no barriers, no producer.
-#
-# A dot sums over K, so any order of a tile's 16 words serves if the activations follow it. Thread (g, t) reads its
-# four *physical* words 4t .. 4t + 3 (one 16-byte load) as the A operand's words t, t + 4, t + 8, t + 12, and its
-# activation columns likewise: one permutation relabels both operands and the products are unchanged. A reshape and
-# a permute relabel the loaded registers; the conversion to the dot-operand layouts moves no data (``assert_trivial``).
-#
-# Larger layers lose because all of a warp's global loads share one scoreboard on sm_90: the first use of any loaded
-# value waits for every load in flight (bench/NOTES_w4a16.md).
+# The ring's fixed costs per call (set-up, first round trip, barriers) weigh on decode calls of 8-30 MB layers, so
+# here every warp loads its operands straight into the mma.sync registers. A dot sums over K, so any word order
+# serves if the activations follow it: thread (g, t) reads its *physical* words 4t .. 4t + 3 (one 16-byte load) as
+# A-operand words t, t + 4, t + 8, t + 12, and its activation columns likewise; a reshape and a permute relabel the
+# registers and the conversion to the dot-operand layouts moves no data (``assert_trivial``). Larger layers lose:
+# all of a warp's global loads share one scoreboard on sm_90, so any first use waits for every load in flight.
 
 
 @triton.constexpr_function
