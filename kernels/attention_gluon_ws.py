@@ -3,17 +3,16 @@ Hopper attention forward in Gluon with FlashAttention-3's full structure: warp s
 warpgroups ping-ponged over the tensor core, and the intra-warpgroup overlap of `attention_gluon.py`. As in
 FA3, no CTA-wide barrier is left in the loop.
 
-* Partitions (`gl.warp_specialize`): a producer (the default partition, 4 warps, few registers: `maxnreg` and
-  `worker_num_regs` give the register file to the consumers) issues every TMA load; two consumer warpgroups
-  own the two 64-row halves of a 128-row query tile.
-* K and V stages each have a "ready" mbarrier (TMA) and an "empty" one on which each consumer arrives once
-  its wgmma that read the stage has retired (count 2); K runs one round ahead of V (K_j is needed first).
+* Partitions (`gl.warp_specialize`): a producer (the default partition, 4 warps, few registers) issues every
+  TMA load; two consumer warpgroups own the two 64-row halves of a 128-row query tile.
+* K and V stages each have a "ready" mbarrier (TMA) and an "empty" one (count 2: each consumer arrives once
+  its wgmma that read the stage has retired); K runs one round ahead of V.
 * Ping-pong: each consumer waits on its own "turn" mbarrier before issuing a round (S_j = Q K_j^T and
   O += P_(j-1) V_(j-1)) and arrives on the other's right after, so the tensor core alternates between the
   rounds and each softmax runs under the other's round (Gluon 3.6 has no named barriers).
 * PERSISTENT grid (one program per SM, `_tile_coords`): the producer's ring runs on across work tiles.
-* Fixed costs off the rounds: TMA_STORE writes a 64-row half through shared memory and one TMA store;
-  STAGE_KS (fp8) has the producer put each K tile's scale in shared memory, so no round waits on a global load.
+* TMA_STORE: a 64-row half leaves through shared memory and one TMA store. STAGE_KS (fp8): the producer puts
+  each K tile's scale in shared memory, so no round waits on a global load.
 * ROWSUM_MMA (fp8, hd128): the row sums come from a P @ ones wgmma issued with P V instead of BLOCK_N / 2
   FADDs a thread and round. Each round's sum starts fresh (use_acc=False: the fp8 wgmma's reduced-precision
   accumulation sums one tile, never a whole row, which drifts) and is added to fp32 sums. P is computed times

@@ -184,10 +184,9 @@ def gptq_columns_triton(
     None, the groups' scales float32 / zeros int32 ``[G, out]`` (else None, None).
 
     ``W [out, in]`` float32 (already permuted), ``U [in, in]`` its inverse-Hessian factor, ``block`` the
-    columns per launch (the caller makes it a multiple of ``gs`` when groups are computed here).
-    ``errors``: if given (float32 ``[in, out]``, contiguous), receives every column's scaled error.
-    ``mse_weight``: the mse search's column weights float32 ``[in]`` in position order (None: unweighted).
-    """
+    columns per launch (a multiple of ``gs`` when groups are computed here). ``errors`` (optional, contiguous
+    float32 ``[in, out]``) receives every column's scaled error. ``mse_weight``: the mse search's column
+    weights float32 ``[in]`` in position order (None: unweighted)."""
     n_out, n_in = W.shape
     dev = W.device
     Wt = W.t().contiguous()  # [in, out], updated in place by the trailing GEMMs

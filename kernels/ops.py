@@ -12,8 +12,7 @@ static-cache ``generate``) sees each kernel call as one opaque node instead of t
   softcap) -> out (total_q, Hq, D)``: :func:`quantkit.kernels.attention.attention_varlen` on CUDA, the reference
   (cast to q's dtype) elsewhere.
 
-Importing this module registers the ops (``torch.library.custom_op``); :func:`w4a16_linear_op` and
-:func:`attention_varlen_op` are the callables.
+Importing this module registers the ops; :func:`w4a16_linear_op` and :func:`attention_varlen_op` are the callables.
 """
 
 from typing import Optional

@@ -1,9 +1,7 @@
-"""Which W4A16 kernel and config serve a layer ("which kernel runs for this shape?"): a pure function.
-
-Inputs: the layer's static :class:`LayerFacts`, the activation-row bucket and the GPU generation; output: a
-:class:`KernelChoice` (family, config from :mod:`quantkit.kernels.w4a16_configs`, reason).
-``prepare_w4a16_weights`` stores the choice for every bucket in a :class:`W4A16Plan`; a call looks its bucket
-up. Nothing is timed at run time: the opt-in tuner ``bench/tune_w4a16.py`` writes the table read here.
+"""Which W4A16 kernel and config serve a layer ("which kernel runs for this shape?"): a pure function of the
+layer's :class:`LayerFacts`, the activation-row bucket and the GPU generation, giving a :class:`KernelChoice`.
+``prepare_w4a16_weights`` stores the choice for every bucket in a :class:`W4A16Plan`. Nothing is timed at run
+time: the opt-in tuner ``bench/tune_w4a16.py`` writes the table read here.
 
 1. :func:`w4a16_supports`: CUDA from sm_80, Triton, fp16/bf16 activations, 4- or 8-bit codes in contiguous
    groups of one length. Otherwise the plain-PyTorch reference.
@@ -46,8 +44,7 @@ PAIRS_SPLIT_MAX_M = 64
 
 @dataclasses.dataclass(frozen=True)
 class LayerFacts:
-    """What the selection reads of a layer. ``group_size`` is the kernels' encoding
-    (:func:`~quantkit.kernels.w4a16_configs.kernel_group_size`), None when the groups are not contiguous runs."""
+    """What the selection reads of a layer; ``group_size`` as ``kernel_group_size`` encodes it, None if irregular."""
 
     n: int
     k: int
@@ -67,7 +64,7 @@ class LayerFacts:
 
     @property
     def direct(self) -> bool:
-        """The direct Gluon decode kernel can take it (whole K tiles per group); it then gets a workspace."""
+        """The direct Gluon decode kernel can take it (whole K tiles per group): it gets a workspace."""
         return self.paired and self.group_size is not None and self.group_size % PAIR_TILE_K == 0
 
 
@@ -154,8 +151,7 @@ def select_w4a16(m: int, facts: LayerFacts, arch: str | None) -> KernelChoice:
 
 @functools.lru_cache(maxsize=4096)
 def plan_w4a16(facts: LayerFacts, arch: str | None) -> W4A16Plan | None:
-    """The choice for every M bucket (None off CUDA: the caller runs the reference or names a kernel).
-    Pure, so memoized: every layer of one shape shares one plan."""
+    """The choice for every M bucket (None off CUDA); memoized, so layers of one shape share one plan."""
     if arch is None:
         return None
     return W4A16Plan(arch, tuple((b, select_w4a16(b, facts, arch)) for b in M_BUCKETS))

@@ -32,10 +32,9 @@ class W4A16Weights:
       not contiguous runs of one length (the kernels refuse; the reference works).
     * ``pair_index`` int64 ``[K]`` or None: the activation columns in paired-nibble order
       (:func:`_paired_nibble_index`, composed with ``perm``); None for 8-bit or K not a multiple of ``PAIR_TILE_K``.
-    * ``tile_counters`` int32 ``[N / 16 + 1]`` and ``partial_sums`` float32 ``[DIRECT_MAX_M * N]``, zeroed, where
-      the direct decode kernel takes the layer: its stream-K counters and workspace, left zeroed by each call
-      (32 bytes per output feature). A layer's GPU calls must therefore run one at a time, as in a forward; a
-      layer shared by two concurrent streams needs two copies of its weights.
+    * ``tile_counters`` int32 ``[N / 16 + 1]`` and ``partial_sums`` float32 ``[DIRECT_MAX_M * N]`` (None where the
+      direct decode kernel cannot take the layer): its stream-K counters and workspace, left zeroed by each call,
+      so a layer's GPU calls must run one at a time (two concurrent streams need two copies of the weights).
     * ``plan``: kernel and config per activation-row bucket on the weights' GPU
       (:mod:`quantkit.kernels.w4a16_select`); None off CUDA.
     """
