@@ -8,10 +8,9 @@ unpacked and scaled in registers, never written back.
 * ``_w4a16_gemv_kernel``: CUDA cores, one or two activation rows. 16-byte loads, exact ``code - zero`` in
   float32 by the exponent trick (one ``lop3`` per code), one scale per group; split K with float32 atomics,
   or (``DIRECT``) one program per row block over all of K.
-* ``_w4a16_pairs_kernel``: tensor cores, 4-bit, K a multiple of 128. Shifting a word right by 4j puts codes
-  j and j + 4 at bits 0 and 16; one ``lop3`` makes them two 16-bit floats in one register, which *is* a wgmma
-  A-operand register, so the tile needs no reshape. The activations are gathered once per call into the
-  matching column order (``W4A16Weights.pair_index``).
+* ``_w4a16_pairs_kernel``: tensor cores, 4-bit, K a multiple of 128, the paired-nibble trick of
+  :mod:`quantkit.kernels.w4a16_gluon` (no reshape of the weight tile; activations gathered into
+  ``W4A16Weights.pair_index`` order).
 * ``_w4a16_kernel``: tensor cores, the general case (8-bit, K not a multiple of 128): a 3-D unpack and
   reshape, the tile as wgmma's A (``W X^T``, so BLOCK_M can be 16) or B operand.
 """
