@@ -661,7 +661,8 @@ def _direct_unit(acc, seg_first, words, x0, x1, x2, x3, xsum, scale, zero, i, u0
                  HAS_ZEROS: gl.constexpr, GATHERED: gl.constexpr, num_warps: gl.constexpr):
     """Unit i of the direct kernel's run: loads unit i + 1's operands (not past the run), multiplies unit i's
     (``words`` .. ``zero``) into ``acc``, and flushes where the unit ends the tile or the run (``seg_first``: the
-    tile's first unit in the run). Past the run nothing is read or flushed. Returns (acc, seg_first, next operands)."""
+    tile's first unit in the run). Past the run the operands are zeros and nothing is flushed. Returns (acc,
+    seg_first, next operands)."""
     BLOCK_N: gl.constexpr = acc.shape[0]
     BLOCK_M: gl.constexpr = acc.shape[1]
     u = u0 + i
