@@ -326,10 +326,11 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=F
     q: (total_q, Hq, D); k, v: (total_k, Hkv, D), fp16 or bf16 (fp32 too, for the CPU tests);
     cu_seqlens_q, cu_seqlens_k: (B + 1,) int32 cumulative offsets; max_seqlen_q: int.
     Hq must be a multiple of Hkv (GQA/MQA). window_left < 0: no window. softcap <= 0: none.
-    fp8=True quantizes q, k, v (and P) to e4m3 with `attention_fp8.quantize_qkv_fp8`; max_seqlen_k sizes its
-    grid (None: max_seqlen_q when cu_seqlens_k is cu_seqlens_q, else total_k). fp8_prepared passes that tuple
-    in (q, k, v then give only shapes). e4m3 q, k, v come with q_descale, k_descale, v_descale
-    (`attention_fp8.fp8_operands`); the output is then out_dtype.
+    fp8=True quantizes q, k, v (and P) to e4m3 with `attention_fp8.quantize_qkv_fp8` (hadamard, fp8_pv: see
+    `attention_fp8.prepare_fp8`); max_seqlen_k sizes its grid (None: max_seqlen_q when cu_seqlens_k is
+    cu_seqlens_q, else total_k). fp8_prepared passes that tuple in (q, k, v then give only shapes).
+    e4m3 q, k, v come with q_descale, k_descale, v_descale (`attention_fp8.fp8_operands`); the output is then
+    out_dtype.
     config: optional `attention_select.AttentionTiles` (BLOCK_M, BLOCK_N, num_warps, num_stages).
     backend: "triton" (this file), "gluon" (`attention_gluon`: Hopper, head dim 64/128, no window / soft-cap,
     16-bit; config AttentionTiles with NUM_BUF as num_stages), "gluon_ws" (`attention_gluon_ws`, same cases
