@@ -26,9 +26,8 @@ Logit soft-capping (Gemma 2): s = cap * tanh(s / cap) on the scaled logits.
   The sum over keys ignores their order, so `_perm_keys` renames P's columns in registers and V is read in
   the same permuted key order (`prepare_fp8` stores V^T that way).
 
-Triton 3.6 waits for each wgmma right after issuing it, so the softmax never overlaps the tensor cores; on
-Hopper `backend="auto"` runs the Gluon kernels (`attention_gluon.py`, `attention_gluon_ws.py`) where they
-apply (`attention_select`).
+Triton 3.6 waits for each wgmma right after issuing it (no softmax / tensor-core overlap), so on Hopper
+`backend="auto"` runs the Gluon kernels where they apply (`attention_select`).
 """
 import math
 

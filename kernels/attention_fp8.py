@@ -7,8 +7,7 @@ and V^T stored in the key order the kernels' shuffle-free P @ V reads (``attenti
   scale and writes e4m3 V^T, zero-padded for the TMA boxes that read past the end. Two launches because no V
   value can be rounded before all of its head has been read, and a grid-wide barrier would need every program
   resident; the cost is a second read of v.
-* :func:`fp8_operands`: the same tuple from e4m3 q, k, v with FA3-style descale factors (value = code x
-  descale); only V is moved.
+* :func:`fp8_operands`: the same tuple from e4m3 q, k, v and FA3-style descales; only V is moved.
 """
 
 import math

@@ -9,9 +9,9 @@ Gluon's asynchronous wgmma and explicit wait, each key tile j is ordered as FA3'
     softmax(S_j) -> P_j         <- runs under the P V wgmma
     wait for P V; O *= alpha_j
 
-K/V tiles stream through a ring of NUM_BUF shared-memory stages filled by TMA (one mbarrier per tile and
-operand); a stage is refilled once every warpgroup has retired the P V that read it (a CTA barrier per tile).
-`attention_select` runs it for short causal rows (bench/NOTES_attention.md).
+K/V tiles stream through NUM_BUF shared-memory stages filled by TMA (an mbarrier per tile and operand); a stage
+is refilled once every warpgroup has retired the P V that read it (a CTA barrier per tile). `attention_select`
+runs it for short causal rows.
 
 Scope: bf16/fp16, head dim 64/128, causal or not, packed varlen, GQA, layout as in `attention.py`; no window
 or soft-cap (the Triton kernel) and no fp8 (the warp-specialized kernel). The helpers here (softmax tile,

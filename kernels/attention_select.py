@@ -27,10 +27,8 @@ class AttentionTiles(NamedTuple):
 
 
 class WsConfig(NamedTuple):
-    """Config of the warp-specialized Gluon kernel (``attention_gluon_ws``): 128-row query tiles, BLOCK_N keys, a
-    NUM_BUF-deep ring; PERSISTENT programs (one per SM), the PINGPONG turn between the two consumer warpgroups,
-    the TMA_STORE epilogue, the K scale staged in shared memory (STAGE_KS, fp8), the fp8 row sums by a P @ ones
-    wgmma (ROWSUM_MMA) and the LAZY_RESCALE of O. ``WsConfig(*t)`` completes a shorter tuple with the defaults."""
+    """Config of the warp-specialized Gluon kernel: 128-row query tiles, BLOCK_N keys, a NUM_BUF-deep ring, and
+    the flags described in ``attention_gluon_ws``'s docstring. ``WsConfig(*t)`` completes a shorter tuple."""
 
     BLOCK_N: int
     NUM_BUF: int

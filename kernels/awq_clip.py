@@ -1,10 +1,9 @@
 """AWQ's clip search (``awq.search_clip``) in one Triton pass over the weights.
 
-The torch search materializes the rounding error ``d`` of every shrink ratio for a block of rows (``[R, o, G,
-gs]`` float32) and scores it as ``d^T A_g d`` with the inputs' Gram matrix ``A_g``: many full-size float32
-passes, bound by memory traffic. Here one program holds a tile of rows x one group of ``W`` and its ``A_g``
-and walks the ratios: range, grid, rounding error and score ``sum((d A_g) * d)`` (one ``tl.dot``) stay on
-chip, the best ratio per row is kept; the weights are read once.
+The torch search materializes the rounding error ``d`` of every shrink ratio (``[R, o, G, gs]`` float32) and
+scores ``d^T A_g d`` with the inputs' Gram matrix ``A_g``: bound by memory traffic. Here one program holds a tile
+of rows x one group of ``W`` and its ``A_g`` and walks the ratios on chip (score ``sum((d A_g) * d)``, one
+``tl.dot``), keeping the best per row; the weights are read once.
 
 The grid and rounding follow the torch search op for op (``gptq_solve._qparams``, see gptq_solve's docstring),
 so ``d`` is the same bit for bit. The score sums in another order (on CUDA with three TF32 products, which

@@ -1,10 +1,9 @@
 """AWQ's candidate weights ``Q(W s) / s`` in one Triton pass (``awq.fake_quantize_scaled``).
 
-The scale search fake-quantizes every linear of a group once per grid point. In torch that is about ten
-full-size float32 passes; here one program holds a tile of rows x one group, reads the weights once and
-writes the candidate once, in the weights' dtype. The arithmetic follows torch op for op
-(``gptq_solve._qparams``, see gptq_solve's docstring), so the candidates are equal bit for bit
-(tests/kernels/test_awq_fake_quant.py).
+The scale search fake-quantizes every linear of a group once per grid point: about ten full-size float32 passes
+in torch. Here one program holds a tile of rows x one group, reads the weights once and writes the candidate once,
+in the weights' dtype, following torch op for op (``gptq_solve._qparams``, see gptq_solve's docstring): the
+candidates are equal bit for bit (tests/kernels/test_awq_fake_quant.py).
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """The single dispatch point between quantkit's layers and the W4A16 kernels, and the 16-bit linears' GEMV.
 
-:func:`w4a16_linear` runs the kernel the weights' plan holds where
-:func:`quantkit.kernels.w4a16_select.w4a16_supports` passes, the plain-PyTorch reference otherwise; it is also the
-custom op ``quantkit::w4a16_linear`` (:mod:`quantkit.kernels.ops`). :func:`dense_linear`: the GEMV of
-:mod:`quantkit.kernels.gemv` at batch-1 decode on CUDA, cuBLAS otherwise. Kernel modules are imported lazily, so
-importing this file never imports or compiles Triton code.
+:func:`w4a16_linear`: the kernel the weights' plan holds where ``w4a16_select.w4a16_supports`` passes, else the
+plain-PyTorch reference (also the custom op ``quantkit::w4a16_linear``, :mod:`quantkit.kernels.ops`).
+:func:`dense_linear`: the GEMV of :mod:`quantkit.kernels.gemv` at batch-1 decode on CUDA, else cuBLAS. Kernel
+modules are imported lazily: importing this file never imports or compiles Triton code.
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """A 16-bit GEMV for decode-sized batches: ``y = x @ W^T (+ bias)`` for ``x [M, K]`` with M = 1..4 and ``W [N, K]``
 row-major, as the runtime stores its bf16 / fp16 linears.
 
-Why not cuBLAS: at batch 1 each cuBLAS launch leaves the GPU idle in front of it, which programmatic dependent
-launch (PDL) cannot hide as cuBLAS does not use it (bench/NOTES_decode.md). This kernel does: on Hopper it lets the
-next kernel launch early and requests its first weight tile *before* waiting for the kernel in front of it, since
-only ``x`` depends on that kernel.
+Why not cuBLAS: at batch 1 each cuBLAS launch leaves the GPU idle in front of it, as cuBLAS does not use
+programmatic dependent launch (PDL; bench/NOTES_decode.md). This kernel does: on Hopper the next kernel launches
+early, and the first weight tile is requested *before* waiting for the previous kernel (only ``x`` depends on it).
 
 Design (memory bound): program p owns rows ``[p * BLOCK_N, (p + 1) * BLOCK_N)`` over all of K (no split, no
 workspace, one launch); each step loads a ``[BLOCK_N, BLOCK_K]`` tile in 16-byte vectors and multiply-adds it into

@@ -2,10 +2,9 @@
 
 The reference, ``quantkit.methods.gptq._columns``, launches ~12 small torch kernels per column. Here one
 program holds a tile of output rows x the block's columns of ``W^T [in, out]`` in registers and walks the
-columns itself: quantize the column (group parameters at a group's first column, from the updated weights,
-min/max or the ``mse`` shrink search), write its codes and scaled error ``(w - dq) / U_ii``, push the error
-onto the block's later columns (rank-1 fused multiply-add). Rows are independent, so programs split them.
-The update after the block stays one torch GEMM, as in the reference.
+columns: quantize (group parameters at a group's first column, from the updated weights, min/max or the ``mse``
+shrink search), write codes and scaled error ``(w - dq) / U_ii``, push the error onto the block's later columns
+(rank-1 FMA). Rows are independent, so programs split them; the update after the block stays one torch GEMM.
 
 Arithmetic follows the reference op for op so that codes are bitwise equal: IEEE division (``div_rn``),
 round-half-even, scalar divisions as torch does them (CUDA multiplies by the fp32 reciprocal of a

@@ -3,11 +3,9 @@
 static-cache ``generate``) sees each kernel call as one opaque node instead of tracing into the launchers.
 
 * ``quantkit::w4a16_linear(x, qweight, scales, zeros, g_idx, perm, pair_index, tile_counters, partial_sums, bits,
-  group_size, bias) -> y [..., N]``: the tensors of a :class:`~quantkit.kernels.w4a16_weights.W4A16Weights`
-  (``group_size`` in the kernels' encoding, None for irregular groups), run by
-  :func:`quantkit.kernels.dispatch.w4a16_linear`. Rebuilding the plan here is a lookup (``plan_w4a16`` is
-  memoized). The op declares no mutation: every call leaves the decode workspace (``tile_counters``,
-  ``partial_sums``) zeroed again.
+  group_size, bias) -> y [..., N]``: the tensors of a ``W4A16Weights`` (``group_size`` in the kernels' encoding),
+  run by :func:`quantkit.kernels.dispatch.w4a16_linear`; rebuilding the plan is a lookup (``plan_w4a16`` is
+  memoized). No mutation is declared: every call leaves the decode workspace zeroed again.
 * ``quantkit::attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, sm_scale, window_left,
   softcap) -> out (total_q, Hq, D)``: :func:`quantkit.kernels.attention.attention_varlen` on CUDA, the reference
   (cast to q's dtype) elsewhere.

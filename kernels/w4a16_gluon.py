@@ -29,9 +29,8 @@ and multiply never overlap) and pipelines loads only a few tiles deep (bench/NOT
   (act-order weights and ``GATHER_X`` read gathered ones). Partial tiles meet in the layer's
   ``W4A16Weights.partial_sums`` / ``tile_counters``. Faster than the ring up to ~60 M weights.
 
-Scope: 4-bit codes, K a multiple of 128 (``W4A16Weights.pair_index`` set), contiguous groups of a multiple of
-8 (per channel included), sym or asym, act-order through ``pair_index``, fp16/bf16, sm_90. GPU only: Gluon
-has no interpreter path.
+Scope: 4-bit, K a multiple of 128 (``pair_index`` set), contiguous groups of a multiple of 8 (per channel too),
+sym or asym, act-order through ``pair_index``, fp16/bf16, sm_90; GPU only (Gluon has no interpreter path).
 """
 
 from __future__ import annotations
@@ -249,11 +248,10 @@ def _flush(acc, c_ptr, ws_ptr, tile_units_ptr, tn, tm, M, N, seg_units, k_tiles,
            BLOCK_M: gl.constexpr, ATOMIC_OUT: gl.constexpr, acc_layout: gl.constexpr, RESET: gl.constexpr):
     """The tile's sums of ``seg_units`` K tiles into ``c`` [M, N] (contiguous, c's dtype).
 
-    A run holding all ``k_tiles`` of the tile stores it. Otherwise (ATOMIC_OUT) the partial sums are added
-    to the zeroed float32 workspace ``ws`` [M, N], then ``seg_units`` to the tile's counter; the program whose
-    addition completes ``k_tiles`` converts the workspace tile into ``c``. No program waits for another.
-    RESET: that program zeroes the tile and counter again for the next call (so one layer's calls must run
-    one at a time)."""
+    A run holding all ``k_tiles`` of the tile stores it. Otherwise (ATOMIC_OUT) the partial sums are added to
+    the zeroed float32 workspace ``ws`` [M, N], then ``seg_units`` to the tile's counter; the program whose
+    addition completes ``k_tiles`` converts the tile into ``c`` (no program waits for another) and, with RESET,
+    zeroes tile and counter again for the next call (so one layer's calls must run one at a time)."""
     n = tn * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
     m = tm * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, acc_layout))
     offs = gl.expand_dims(m, 0).to(gl.int64) * N + gl.expand_dims(n, 1)

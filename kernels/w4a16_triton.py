@@ -1,9 +1,8 @@
 """The Triton W4A16 kernels (launched by :mod:`quantkit.kernels.w4a16`), and the column gather in front of the
 paired-nibble kernels (Triton and Gluon).
 
-``Y = X W^T``: 16-bit activations ``X [M, K]``, packed 4- or 8-bit weights ``W [N, K]`` (K contiguous per row,
-:class:`~quantkit.kernels.w4a16_weights.W4A16Weights`), per-group scales, optional zero points. Weights are
-unpacked and scaled in registers, never written back.
+``Y = X W^T``: 16-bit ``X [M, K]``, packed 4- or 8-bit ``W [N, K]`` (K contiguous per row, ``W4A16Weights``),
+per-group scales, optional zero points; weights are unpacked and scaled in registers, never written back.
 
 * ``_w4a16_gemv_kernel``: CUDA cores, one or two activation rows. 16-byte loads, exact ``code - zero`` in
   float32 by the exponent trick (one ``lop3`` per code), one scale per group; split K with float32 atomics,
@@ -177,11 +176,10 @@ def _gemv_tile(acc, x_ptr, qw_ptr, scales_ptr, zeros_ptr, kt, offs_m, mask_m, of
     rows_w = k0 // PER_WORD + offs_g[:, None] * GW + tl.arange(0, GW)[None, :]  # [NG, GW]
     words = tl.load(qw_ptr + offs_n[:, None, None, None] * stride_qn + rows_w[None, :, :, None],
                     mask=mask_n[:, None, None, None] & (rows_w[None, :, :, None] < K_WORDS), other=0)
-    # Unpack without moving codes to bit 0: code j (j = HALF*h + i) sits at bit 16*h + BITS*i and is
-    # masked in place after one 16-bit shift per word: ((w >> 16h) & (MASK << BITS*i)) | MAGIC is one
-    # LOP3 per code and reads as the float 2**23 + code * 2**(BITS*i), exactly (fields < 2**16).
-    # Subtracting 2**23 + zero * 2**(BITS*i) gives (code - zero) * 2**(BITS*i) exactly; the x values
-    # carry the 2**-(BITS*i) instead (exact, and x is shared by all the rows a thread holds).
+    # Codes are not moved to bit 0: code j (j = HALF*h + i), at bit 16*h + BITS*i, is masked in place after one
+    # 16-bit shift: ((w >> 16h) & (MASK << BITS*i)) | MAGIC, one LOP3, reads as the float 2**23 + code * 2**(BITS*i)
+    # exactly (fields < 2**16). Subtracting 2**23 + zero * 2**(BITS*i) is exact; x carries the 2**-(BITS*i)
+    # instead (exact, and x is shared by all the rows a thread holds).
     HALF: tl.constexpr = PER_WORD // 2
     jj = tl.arange(0, PER_WORD)
     hi = ((jj // HALF) * 16).to(tl.uint32)

@@ -27,9 +27,8 @@ class W4A16Weights:
       act-order permuted) K order the kernel reads.
     * ``scales`` float16 ``[G, N]``; ``zeros`` uint8 ``[G, N]``, None when symmetric (zero = ``2**(bits-1)``).
     * ``g_idx`` int32 ``[K]``: group of each (permuted) input row; ``perm`` int64 ``[K]`` or None: the kernel
-      multiplies ``x[:, perm]``.
-    * ``group_size``: the contiguous group length (``PER_CHANNEL_GROUP`` per channel), or None when groups are
-      not contiguous runs of one length (the kernels refuse; the reference works).
+      multiplies ``x[:, perm]``. ``group_size``: the contiguous group length (``PER_CHANNEL_GROUP`` per channel),
+      None when groups are not contiguous runs of one length (the kernels refuse; the reference works).
     * ``pair_index`` int64 ``[K]`` or None: the activation columns in paired-nibble order
       (:func:`_paired_nibble_index`, composed with ``perm``); None for 8-bit or K not a multiple of ``PAIR_TILE_K``.
     * ``tile_counters`` int32 ``[N / 16 + 1]`` and ``partial_sums`` float32 ``[DIRECT_MAX_M * N]`` (None where the
