@@ -40,7 +40,8 @@ def _codes_to_float(codes, zero, MAGIC: tl.constexpr, DTYPE: tl.constexpr):
     """Integer codes -> ``code - zero`` in DTYPE. With MAGIC, ``zero`` holds ``MAGIC_VALUE + zero``.
 
     MAGIC ORs the code into the mantissa of a float whose ulp is 1 (1024.0 in fp16, 128.0 in bf16, 2**23 in
-    fp32): the bits read MAGIC_VALUE + code exactly, with no int->float conversion (quarter FMA rate)."""
+    fp32): the bits read MAGIC_VALUE + code exactly, without an int->float conversion (a quarter of the FMA
+    rate)."""
     if MAGIC != 0:
         if DTYPE == tl.float32:
             q = (codes | MAGIC).to(tl.float32, bitcast=True)
