@@ -1,45 +1,33 @@
 """
 FlashAttention-2/3-style forward attention (prefill) in Triton, tuned for Hopper.
 
-Layout: everything is *packed* (varlen), as servers batch requests.
+Layout: packed (varlen), as servers batch requests. Sequence b owns rows cu_seqlens_q[b]:cu_seqlens_q[b+1]
+of q and cu_seqlens_k[b]:cu_seqlens_k[b+1] of k/v; a fixed-length batch is cu_seqlens = arange(B+1) * S
+(`attention`).
 
     q: (total_q, Hq, D)      k, v: (total_k, Hkv, D)      out: (total_q, Hq, D)
     cu_seqlens_q: (B + 1,) int32, cu_seqlens_k: (B + 1,) int32
 
-Sequence b owns rows cu_seqlens_q[b]:cu_seqlens_q[b+1] of q and cu_seqlens_k[b]:cu_seqlens_k[b+1]
-of k/v. A fixed-length batch (B, S, H, D) is the special case cu_seqlens = arange(B+1) * S
-(`attention` below does that reshaping).
-
-Masking follows FlashAttention's bottom-right convention, so prefill-with-cache works: with
+Masks use FlashAttention's bottom-right convention, so prefill-with-cache works: with
 delta = seqlen_k - seqlen_q, query i may see key j iff
     j <= i + delta                       (causal)
     j >= i + delta - window_left         (sliding window, window_left >= 0)
 Logit soft-capping (Gemma 2): s = cap * tanh(s / cap) on the scaled logits.
 
-Algorithm (FA2): one program per (query block, sequence, query head); Q stays in registers,
-K/V tiles stream through shared memory; the softmax is online (running max m_i and sum l_i),
-the division by l_i is deferred to the end, exp2 is used with log2(e) folded into the scale,
-and key blocks that the causal / window mask removes entirely are never visited. The key
-range is split into a masked prologue (window edge), an unmasked middle and a masked epilogue
-(causal diagonal / ragged end): one inner loop body, called with a constexpr MASK flag.
+* FA2: one program per (query block, sequence, query head); Q in registers, K/V tiles through shared memory
+  (TMA descriptors on Hopper, USE_TMA), the loop software-pipelined (num_stages); online softmax with the
+  division deferred and log2(e) folded into the exp2 scale. Fully masked key blocks are never visited; the
+  rest splits into a masked prologue (window edge), an unmasked middle and a masked epilogue (causal diagonal,
+  ragged end): one loop body with a constexpr MASK.
+* FP8 e4m3 (q, k, v and P): per-token q and per-block K scales folded into the per-row exp2 scale, a per-head
+  v scale, optional Hadamard rotation of q and k to spread outliers.
+* FP8 P @ V without a shuffle: per 32 keys a thread holds accumulator columns {8j + 2t + b} of S (hence P)
+  but wgmma's register A operand needs columns {16h + 4t + e} (t = lane % 4; j < 4, b < 2, h < 2, e < 4).
+  The sum over keys ignores their order, so `_perm_keys` renames P's columns in registers and V is read in
+  the same permuted key order (`prepare_fp8` stores V^T that way).
 
-Hopper (FA3) techniques, as Triton 3.6 allows: K/V tiles through tensor descriptors (TMA,
-USE_TMA), the K/V loop software-pipelined (num_stages; Triton's warp-specialized loop was measured
-and dropped, bench/NOTES_attention.md), and an FP8 e4m3 path (q, k, v and P in e4m3; per-token q scales and
-per-block K scales, both folded into the per-row exp2 scale; a per-head v scale; optional
-Hadamard rotation of q and k to spread outliers).
-
-FP8 P @ V without a shuffle: wgmma takes its A operand (P) from registers in a layout that
-differs from the one its accumulator (S = Q K^T, hence P) comes out in: per 32 keys a thread
-holds accumulator columns {8j + 2t + b} but needs A-operand columns {16h + 4t + e} (t = lane % 4;
-j < 4, b < 2, h < 2, e < 4), which Triton otherwise moves with warp shuffles, selects and byte
-permutes. The sum over keys does not care about their order, so `_perm_keys` renames P's
-columns by a register-only reshape/permute and V is read in the same permuted key order
-(`prepare_fp8` stores V^T that way).
-
-Triton 3.6 waits for each wgmma right after issuing it, so the softmax never overlaps the tensor cores
-here; on Hopper `attention_varlen(backend="auto")` runs the Gluon kernels (`attention_gluon.py`, FA3's
-order; `attention_gluon_ws.py`, FA3's warp-specialized ping-pong) where they apply (`attention_select`).
+Triton 3.6 waits for each wgmma right after issuing it (no softmax / tensor-core overlap), so on Hopper
+`backend="auto"` runs the Gluon kernels where they apply (`attention_select`).
 """
 import math
 
@@ -61,9 +49,8 @@ from quantkit.kernels.device_info import capability, gpu_arch
 
 @triton.jit
 def _perm_keys(p, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Rename P's key columns so fp8 P needs no shuffle before P @ V (module docstring):
-    in each 32-key chunk, column c = (jh, jl, t, b) (bits, high to low: 1, 1, 2, 1) moves to
-    a = (jh, t, jl, b)."""
+    """Rename P's key columns (module docstring): in each 32-key chunk, column c = (jh, jl, t, b) (bits, high
+    to low: 1, 1, 2, 1) moves to a = (jh, t, jl, b)."""
     p = tl.reshape(p, [BLOCK_M, BLOCK_N // 32, 2, 2, 4, 2])
     p = tl.permute(p, [0, 1, 2, 4, 3, 5])
     return tl.reshape(p, [BLOCK_M, BLOCK_N])
@@ -74,8 +61,8 @@ def _load_rows(desc, ptr, kv_start, start_n, offs_n, offs_d, kv_col, seqlen_k, s
                MASK: tl.constexpr, USE_TMA: tl.constexpr):
     """K or V tile [BLOCK_N, HEAD_DIM] of keys start_n.. of this sequence, token-major storage."""
     if USE_TMA:
-        # Rows past the end of this sequence belong to the next one (or are zero-filled by TMA
-        # past the tensor): harmless, the MASK path sets their logits to -inf (K) and P to 0 (V).
+        # Rows past this sequence (the next one's, or TMA's zero fill) are harmless: the MASK path
+        # sets their logits to -inf (K) and P to 0 (V).
         tile = desc.load([kv_start + start_n, kv_col])
     else:
         cols = start_n + offs_n
@@ -92,9 +79,8 @@ def _load_v(desc_v, v_ptr, kv_start, start_n, offs_n, offs_d, kv_col, seqlen_k, 
             MASK: tl.constexpr, V_TRANS: tl.constexpr, V_TMA: tl.constexpr):
     """V tile [BLOCK_N, HEAD_DIM]; for fp8 (V_TRANS) its rows in the key order of _perm_keys."""
     if V_TRANS:
-        # FP8 wgmma wants both operands K-major: V is stored (D, tokens), load [D, BLOCK_N].
-        # The token order of that storage is permuted inside each 32-token chunk (prepare_fp8),
-        # so a tile that starts on a multiple of 32 already holds keys in _perm_keys order.
+        # FP8 wgmma wants both operands K-major: V is stored (D, tokens), permuted inside each 32-token
+        # chunk (prepare_fp8), so a tile starting on a multiple of 32 holds keys in _perm_keys order.
         if V_TMA:
             v = desc_v.load([kv_col, kv_start + start_n]).T
         else:
@@ -120,18 +106,15 @@ def _update(acc, l_i, m_i, qk, qk_scale, softcap_log2, inv_softcap,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
             MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
             HAS_SOFTCAP: tl.constexpr, IS_FP8: tl.constexpr, V_TRANS: tl.constexpr, V_TMA: tl.constexpr):
-    """Online softmax of one logit tile qk = Q K^T [BLOCK_M, BLOCK_N] (keys start_n..) and
-    acc += P V. Returns (acc, l_i, m_i)."""
+    """Online softmax of one logit tile qk [BLOCK_M, BLOCK_N] (keys start_n..), acc += P V."""
     cols = start_n + offs_n
     if IS_FP8:
-        # per-block K scale: one scalar for the whole tile (prepare_fp8 makes it constant over
-        # each KV_SCALE_BLOCK keys), folded into the per-row exp2 scale: no per-logit multiply
+        # one K scale per KV_SCALE_BLOCK keys, so one scalar per tile, folded into the per-row scale
         ks = tl.load(ks_ptr + (kv_start + start_n) * stride_ksn)
         qk_scale = qk_scale * ks
         inv_softcap = inv_softcap * ks
     if HAS_SOFTCAP:
-        # cap * tanh(s / cap), already in log2 units; tanh through exp2 so the interpreter
-        # runs it too
+        # cap * tanh(s / cap) in log2 units; tanh through exp2 so the interpreter runs it too
         x = qk * inv_softcap[:, None]
         qk = softcap_log2 * (1.0 - 2.0 / (tl.math.exp2(x * (2.0 * 1.4426950408889634)) + 1.0))
     if MASK:
@@ -293,7 +276,7 @@ def _attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, desc_k, desc_v,
                                 BLOCK_M, BLOCK_N, True, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
                                 USE_TMA, IS_FP8, V_TRANS, V_TMA, NUM_STAGES)
 
-    # ---- epilogue: deferred normalisation; rows that saw no key output 0 ----
+    # deferred normalisation; rows that saw no key output 0
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     acc = acc / l_safe[:, None]
     if V_TRANS:  # V was fp8 too: its per-head scale
@@ -310,8 +293,7 @@ def _default_config(head_dim, is_fp8, on_gpu, elem_bytes=2) -> AttentionTiles:
     if elem_bytes == 4:  # float32 inputs (references): keep the tiles inside shared memory
         return AttentionTiles(64, 32, 4, 2)
     if is_fp8:
-        # 64-row tiles, one warpgroup, 104 KB of shared memory: two programs per SM whose
-        # softmax and MMA phases interleave (H200, S=4096 hd128: 648 TFLOP/s vs 556 for 128x128 w8)
+        # 64 x 128, one warpgroup, 104 KB: two programs per SM interleave softmax and MMA (NOTES_attention)
         return AttentionTiles(64, 128, 4, 3) if head_dim == 128 else AttentionTiles(128, 128, 8, 3)
     if head_dim <= 128:
         return AttentionTiles(128, 128, 8, 3)
@@ -340,25 +322,20 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=F
                      q_descale=None, k_descale=None, v_descale=None, out_dtype=torch.bfloat16):
     """Packed variable-length attention forward.
 
-    q: (total_q, Hq, D); k, v: (total_k, Hkv, D), fp16 or bf16 (fp32 runs too, for the CPU tests);
+    q: (total_q, Hq, D); k, v: (total_k, Hkv, D), fp16 or bf16 (fp32 too, for the CPU tests);
     cu_seqlens_q, cu_seqlens_k: (B + 1,) int32 cumulative offsets; max_seqlen_q: int.
     Hq must be a multiple of Hkv (GQA/MQA). window_left < 0: no window. softcap <= 0: none.
-    fp8=True quantizes q, k, v (and P) to e4m3: per-token q, per-128-key-block k and per-head v scales, by the
-    fused Triton kernels of `attention_fp8.quantize_qkv_fp8` (two launches, no host sync), or by the
-    plain-PyTorch `prepare_fp8` with hadamard=True or fp8_pv=False (see there); max_seqlen_k sizes its grid
-    (None: max_seqlen_q when cu_seqlens_k is cu_seqlens_q, else total_k). fp8_prepared passes that tuple in
-    directly (then q, k, v are only used for their shapes).
-    Already-fp8 inputs: q, k, v of dtype torch.float8_e4m3fn in the same layout with q_descale, k_descale,
-    v_descale (value = code x descale, as FA3's descale factors: see `attention_fp8.fp8_operands`); the
-    output is then out_dtype (bf16 by default). Only V is moved (to the kernels' transposed key order).
+    fp8=True quantizes q, k, v (and P) to e4m3 with `attention_fp8.quantize_qkv_fp8` (hadamard, fp8_pv: see
+    `attention_fp8.prepare_fp8`); max_seqlen_k sizes its grid (None: max_seqlen_q when cu_seqlens_k is
+    cu_seqlens_q, else total_k). fp8_prepared passes that tuple in (q, k, v then give only shapes).
+    e4m3 q, k, v come with q_descale, k_descale, v_descale (`attention_fp8.fp8_operands`); the output is then
+    out_dtype.
     config: optional `attention_select.AttentionTiles` (BLOCK_M, BLOCK_N, num_warps, num_stages).
-    backend: "triton" (this file's kernel), "gluon" (`attention_gluon`: Hopper, head dim 64/128,
-    no window / soft-cap, 16-bit; config is then AttentionTiles with NUM_BUF as num_stages), "gluon_ws"
-    (`attention_gluon_ws`, FA3's warp-specialized ping-pong; same cases; config an `attention_select.WsConfig`),
-    or "auto": the kernel measured fastest on the H200 for the case (`attention_select.select_attention`).
-    kv_aligned: whether every entry of cu_seqlens_k is a multiple of 32, when the caller knows it
-    (`attention` does): the fp8 path's V^T tensor descriptor needs it, and None checks it on the
-    device at the cost of one host sync per call.
+    backend: "triton" (this file), "gluon" (`attention_gluon`: Hopper, head dim 64/128, no window / soft-cap,
+    16-bit; config AttentionTiles with NUM_BUF as num_stages), "gluon_ws" (`attention_gluon_ws`, same cases
+    plus fp8; config a `attention_select.WsConfig`), or "auto" (`attention_select.select_attention`).
+    kv_aligned: whether every cu_seqlens_k entry is a multiple of 32, if the caller knows (`attention` does);
+    the fp8 V^T descriptor needs it, and None checks on the device (one host sync per call).
     Returns out: (total_q, Hq, D) in q's dtype.
     """
     if max_seqlen_k is None and cu_seqlens_k is cu_seqlens_q:
@@ -403,8 +380,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=F
 
 def _triton_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, sm_scale, window_left, softcap,
                     fp8_prepared, config, use_tma, kv_aligned):
-    """The Triton kernel's launch (`attention_varlen`'s arguments; ``fp8_prepared`` None for 16-bit attention).
-    ``use_tma`` False reads K / V with pointer loads, as GPUs before Hopper do; the tests run both ways."""
+    """The Triton kernel's launch (``fp8_prepared`` None: 16-bit). ``use_tma`` False: pointer loads, as before
+    Hopper; the tests run both ways."""
     fp8 = fp8_prepared is not None
     total_q, n_heads, head_dim = q.shape
     total_k, n_kv_heads, _ = k.shape
@@ -421,10 +398,8 @@ def _triton_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, s
     v_trans = v.dtype == torch.float8_e4m3fn
     v_tma = use_tma
     if v_trans and use_tma:
-        # A V^T box starts at token kv_start + n along its contiguous dim, and TMA needs that
-        # 16-byte aligned: with 1-byte fp8, every sequence start must be a multiple of 16.
-        # (Unaligned, the H200 raised 'illegal instruction'; the interpreter asserts.) The
-        # key permutation of the V^T storage also needs tiles on 32-token chunks.
+        # A V^T box starts at token kv_start + n along its contiguous dim, which TMA needs 16-byte aligned
+        # (fp8: sequence starts multiples of 16); the key permutation also needs tiles on 32-token chunks.
         v_tma = _kv_starts_aligned(cu_seqlens_k, kv_aligned)
     if v_scale is None:
         v_scale = out
@@ -460,8 +435,8 @@ def _triton_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, s
 
 
 def _shape_of(x, dtype):
-    """A tensor with x's shape and device and ``dtype`` that holds no data (stride 0): the kernels' launchers
-    read only the shape and dtype of q, k, v when the fp8 operands come prepared."""
+    """x's shape and device in ``dtype``, no data (stride 0): with prepared fp8 operands the launchers read
+    only the shape and dtype of q, k, v."""
     return torch.empty((), dtype=dtype, device=x.device).expand(x.shape)
 
 
@@ -473,7 +448,7 @@ def attention(q, k, v, causal=False, **kwargs):
     sk = k.shape[1]
     dev = q.device
     cu_q = torch.arange(0, (b + 1) * sq, sq, dtype=torch.int32, device=dev)
-    # (one tensor for both when the lengths match: each arange is a launch and ~10 us of host time)
+    # one tensor for both when the lengths match: each arange costs a launch and host time
     cu_k = cu_q if sk == sq else torch.arange(0, (b + 1) * sk, sk, dtype=torch.int32, device=dev)
     kwargs.setdefault("kv_aligned", sk % 32 == 0)  # the key starts are multiples of sk
     kwargs.setdefault("max_seqlen_k", sk)

@@ -1,16 +1,13 @@
 """FP8 (e4m3) operands of the attention kernels: per-token q scales, per-128-key-block k scales, a per-head v scale,
 and V^T stored in the key order the kernels' shuffle-free P @ V reads (``attention._perm_keys``).
 
-* :func:`prepare_fp8`: the plain-PyTorch reference, and the path of the optional Hadamard rotation of q and k and
-  of 16-bit P @ V (``fp8_pv=False``).
-* :func:`quantize_qkv_fp8`: the same tuple, bit for bit, from two Triton launches and no host sync.
-  ``_quantize_qk_amax_v_kernel`` writes e4m3 Q and K with their scales and the absolute maximum of each V block
-  (one read of q, k and v); ``_quantize_v_t_kernel`` takes the per-head V scale (the max over that head's block
-  maxima) and writes e4m3 V^T with the zero padding the V^T TMA boxes read past the end. Two launches, not one:
-  no V value can be rounded before every block of its head has been read, and a grid-wide barrier inside one
-  launch would need every program resident at once. The cost is a second read of v (a third of the input bytes).
-* :func:`fp8_operands`: the same tuple from q, k, v that are e4m3 already, with FA3-style descale factors
-  (value = code x descale); only V is moved (one pass over its e4m3 bytes).
+* :func:`prepare_fp8`: the plain-PyTorch reference, and the path of the Hadamard rotation and of 16-bit P @ V.
+* :func:`quantize_qkv_fp8`: the same tuple, bit for bit, from two Triton launches, no host sync. The first
+  writes e4m3 Q and K with their scales and each V block's absolute maximum; the second takes the per-head V
+  scale and writes e4m3 V^T, zero-padded for the TMA boxes that read past the end. Two launches because no V
+  value can be rounded before all of its head has been read, and a grid-wide barrier would need every program
+  resident; the cost is a second read of v.
+* :func:`fp8_operands`: the same tuple from e4m3 q, k, v and FA3-style descales; only V is moved.
 """
 
 import math
@@ -23,9 +20,8 @@ from quantkit.kernels.device_info import interpreting
 
 KV_SCALE_BLOCK = 128  # keys per K scale (per KV head), counted from each sequence's start
 V_PAD = 256  # zero tokens after the end of V^T: no 256-wide TMA box crosses the end of the storage
-# scale = amax x fp32(1 / 448), e4m3's largest normal: a multiply, which torch computes alike on the CPU and on
-# CUDA (where `amax / 448.0` is a multiply by the reciprocal, but a true division on the CPU) and the fused
-# kernels compute the same way
+# scale = amax x fp32(1 / 448), e4m3's largest normal: a multiply, identical on CPU, CUDA and in the fused kernels
+# (`amax / 448.0` is a reciprocal multiply on CUDA but a true division on the CPU)
 INV_E4M3_MAX = 1.0 / 448.0
 AMAX_FLOOR = 1e-12  # the amax of an all-zero row / block / head: its codes are 0 either way
 
@@ -51,18 +47,15 @@ def quantize_fp8_per_token(x):
 
 
 def _codes(x, scale):
-    """x / scale rounded to e4m3, computed as x times the float32 reciprocal of the scale (as the fused kernels
-    compute it: one multiply a value instead of a division, and the same codes)."""
+    """x / scale rounded to e4m3, as x times the float32 reciprocal of the scale (as the fused kernels do)."""
     return (x.float() * (1.0 / scale)).to(torch.float8_e4m3fn)
 
 
 def _quantize_per_block(x, cu_seqlens, block=KV_SCALE_BLOCK):
     """x: (tokens, H, D) packed sequences -> (e4m3 (tokens, H, D), float32 scales (tokens, H)).
 
-    One scale per head and per `block` consecutive tokens of a sequence (blocks start at each
-    sequence's start, the last one may be short); the scale is written for every token of its
-    block, so a kernel tile of keys start..start + BLOCK_N (BLOCK_N dividing `block`) reads one
-    scalar at its first key."""
+    One scale per head and `block` tokens from each sequence's start (the last block may be short), written
+    for every token, so a key tile (BLOCK_N dividing `block`) reads one scalar at its first key."""
     tokens = x.shape[0]
     lens = cu_seqlens[1:] - cu_seqlens[:-1]
     seq = torch.repeat_interleave(torch.arange(lens.numel(), device=x.device), lens.long(),
@@ -71,19 +64,18 @@ def _quantize_per_block(x, cu_seqlens, block=KV_SCALE_BLOCK):
     first_block = torch.cumsum(torch.cat([lens.new_zeros(1), (lens + block - 1) // block]), 0)[:-1]
     blk = (first_block.long()[seq] + local // block)  # (tokens,) global block id
     amax_tok = x.abs().amax(dim=-1).float()  # (tokens, H)
-    # each sequence ends at most one partial block: a bound on the block count known on the host
-    # (blk.max() would cost a device sync on every call)
+    # at most one partial block per sequence: a host-side bound (blk.max() would sync the device)
     n_blocks = _cdiv(tokens, block) + lens.numel()
     amax_blk = torch.zeros(n_blocks, x.shape[1], device=x.device)
-    # (scatter_reduce_, not index_reduce_: the same result without index_reduce_'s beta warning on every call)
+    # scatter_reduce_: index_reduce_ warns (beta) on every call
     amax_blk.scatter_reduce_(0, blk[:, None].expand(-1, x.shape[1]), amax_tok, reduce="amax")
     scale = amax_blk[blk].clamp(min=AMAX_FLOOR) * INV_E4M3_MAX  # (tokens, H)
     return _codes(x, scale[..., None]), scale
 
 
 def _key_perm_positions(n, device=None):
-    """Storage position of each token of V^T for the fp8 P @ V (see attention._perm_keys): inside each
-    32-token chunk token c = (jh, jl, t, b) (bits 1, 1, 2, 1) is stored at a = (jh, t, jl, b)."""
+    """Storage position of each V^T token (attention._perm_keys): in each 32-token chunk token
+    c = (jh, jl, t, b) (bits 1, 1, 2, 1) is stored at a = (jh, t, jl, b)."""
     c = torch.arange(n, device=device)
     return (c & -15) | ((c & 8) >> 2) | ((c & 6) << 1)
 
@@ -92,16 +84,12 @@ def prepare_fp8(q, k, v, hadamard=False, fp8_pv=True, cu_seqlens_k=None):
     """Quantize for the FP8 path. q: (total_q, Hq, D); k, v: (total_k, Hkv, D), 16-bit;
     cu_seqlens_k: (B + 1,) offsets of the key sequences (None: one sequence).
 
-    Returns (q8, q_scale (total_q, Hq), k8, k_scale (total_k, Hkv), v8, v_scale (Hkv,)): e4m3
-    tensors. q: per-token scales (they fold into the per-row exp2 scale: free). k: one scale
-    per KV head and KV_SCALE_BLOCK keys of a sequence (stored per token, constant over the
-    block), so each kernel tile of keys has one scalar scale and no per-logit multiply. v: a
-    per-head scale. v8 is a (total_k, Hkv, D) view of (Hkv, D, total_k + >= 256 zeros)
-    storage, so P @ V reads V K-major as fp8 wgmma requires, with the tokens of each 32-token
-    chunk stored in the order of `_perm_keys` (v8[i] is not token i: only the kernel reads it).
-    hadamard=True rotates q and k by one orthogonal matrix first (QK^T unchanged, outlier
-    channels spread over all channels before rounding to 3 mantissa bits).
-    fp8_pv=False keeps v (and so P @ V) in 16 bits: only Q K^T runs in fp8; v_scale is None."""
+    Returns (q8, q_scale (total_q, Hq), k8, k_scale (total_k, Hkv), v8, v_scale (Hkv,)), e4m3 tensors and
+    float32 scales: per token for q, per KV head and KV_SCALE_BLOCK keys for k (stored per token), per head
+    for v. v8 is a (total_k, Hkv, D) view of (Hkv, D, total_k + >= V_PAD zeros) storage, K-major as fp8 wgmma
+    requires, each 32-token chunk in `_perm_keys` order (v8[i] is not token i: only the kernel reads it).
+    hadamard=True rotates q and k by one orthogonal matrix first (QK^T unchanged, outlier channels spread
+    before rounding to 3 mantissa bits). fp8_pv=False keeps v (and P @ V) in 16 bits; v_scale is None."""
     total_k, n_kv_heads, head_dim = k.shape
     if cu_seqlens_k is None:
         cu_seqlens_k = torch.tensor([0, total_k], dtype=torch.int32, device=k.device)
@@ -128,8 +116,8 @@ _AMAX_FLOOR_JIT = tl.constexpr(AMAX_FLOOR)
 
 @triton.jit
 def _token_at(pos):
-    """The token stored at position `pos` of V^T: the inverse of ``_key_perm_positions`` (inside
-    each aligned 16-token group, position (t, jl, b) holds token (jl, t, b); bits 2, 1, 1 and 1, 2, 1)."""
+    """The token at V^T position `pos`, inverse of ``_key_perm_positions``: in each aligned 16-token group,
+    position (t, jl, b) holds token (jl, t, b) (bits 2, 1, 1 and 1, 2, 1)."""
     return (pos & -15) | ((pos & 2) << 2) | ((pos & 12) >> 1)
 
 
@@ -145,9 +133,8 @@ def _round_e4m3(y):
 
 @triton.jit
 def _to_e4m3(y, ROUND_IN_F32: tl.constexpr):
-    """fp32 -> e4m3 with round-to-nearest-even. ROUND_IN_F32 (the CPU interpreter only): round first in fp32,
-    because Triton 3.6's interpreter drops the carry into the exponent when rounding up crosses a power of two
-    (126.8 -> 64 instead of 128); the GPU's conversion instruction rounds right by itself."""
+    """fp32 -> e4m3, round-to-nearest-even. ROUND_IN_F32 (interpreter only): round in fp32 first, because
+    Triton 3.6's interpreter drops the exponent carry when rounding up crosses a power of two (126.8 -> 64)."""
     if ROUND_IN_F32:
         y = _round_e4m3(y)
     return y.to(tl.float8e4nv)
@@ -161,8 +148,8 @@ def _div_rn(x, s):
 
 @triton.jit
 def _codes_jit(x, scale):
-    """x (fp32) times the IEEE reciprocal of scale, as ``_codes`` computes it: one multiply a value
-    (a division a value, div.rn, is a dozen instructions)."""
+    """x (fp32) times the IEEE reciprocal of scale, as ``_codes``: one multiply a value, not a dozen-instruction
+    div.rn."""
     return x * _div_rn(tl.zeros_like(scale) + 1.0, scale)
 
 
@@ -230,12 +217,11 @@ def _quantize_qk_amax_v_kernel(q_ptr, k_ptr, v_ptr, q8_ptr, qs_ptr, k8_ptr, ks_p
 def _quantize_v_t_kernel(v_ptr, vt_ptr, vmax_ptr, v_scale_ptr, n_per_head, total_k, n_pad,
                          N_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
                          SCAN: tl.constexpr, SCALED: tl.constexpr, ROUND_IN_F32: tl.constexpr):
-    """Second launch, program (i, head): storage positions i * BLOCK .. of the head's V^T [D, n_pad] in e4m3. The
-    key order is a permutation inside aligned 16-token groups of the whole storage, sequences regardless, so
-    each row of the tile is one token's V row (a 16-byte-vector load) and each row of the transposed tile a
-    contiguous run of positions; positions of no token (past total_k) get zeros. SCALED: v is 16-bit, divided
-    by the head's scale (the max of the head's n_per_head block maxima at vmax_ptr, written to v_scale_ptr by
-    program 0); else v is e4m3 already and only moved."""
+    """Second launch, program (i, head): positions i * BLOCK .. of the head's e4m3 V^T [D, n_pad]. The key
+    permutation is inside aligned 16-token groups of the whole storage, sequences regardless, so a tile row is
+    one token's V row and a transposed row a contiguous run; positions past total_k get zeros. SCALED: v is
+    16-bit, scaled by the max of the head's n_per_head block maxima (program 0 writes it to v_scale_ptr);
+    else v is e4m3 and only moved."""
     pid = tl.program_id(0)
     head = tl.program_id(1)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -286,9 +272,8 @@ def quantize_qkv_fp8(q, k, v, cu_seqlens_k=None, max_seqlen_k=None, hadamard=Fal
     """The fp8 operands of the attention kernels, ``prepare_fp8``'s tuple (q8, q_scale, k8, k_scale, v8, v_scale).
 
     q: (total_q, Hq, D); k, v: (total_k, Hkv, D), contiguous 16-bit (fp32 for the CPU tests), D a power of two;
-    cu_seqlens_k: (B + 1,) int32 (None: one sequence); max_seqlen_k: the longest key sequence (None: total_k, an
-    upper bound that only adds idle programs). Hadamard rotation and 16-bit P @ V (fp8_pv=False) take the
-    plain-PyTorch ``prepare_fp8``, as does any other layout."""
+    cu_seqlens_k: (B + 1,) int32 (None: one sequence); max_seqlen_k: longest key sequence (None: total_k, which
+    only adds idle programs). Hadamard, fp8_pv=False and any other layout fall back to ``prepare_fp8``."""
     if not _fused_applies(q, k, v, hadamard, fp8_pv):
         return prepare_fp8(q, k, v, hadamard, fp8_pv, cu_seqlens_k)
     total_q, n_heads, head_dim = q.shape
@@ -329,11 +314,10 @@ def _descale(x, rows, heads, name, per_token_ok):
 
 
 def fp8_operands(q8, k8, v8, q_descale, k_descale, v_descale):
-    """The attention kernels' fp8 operands from e4m3 q8 (total_q, Hq, D), k8 and v8 (total_k, Hkv, D) in the plain
-    layout, as a projection that emits fp8 gives them, and their descale factors (the value a code stands for is
-    code x descale, as FA3's descale_q/k/v): q_descale a number, per head (Hq,) or per token (total_q, Hq);
-    k_descale and v_descale a number or per head (Hkv,). Only V is moved (to the transposed, key-permuted
-    storage the kernels read); q8 and k8 are used as they are."""
+    """The kernels' fp8 operands from e4m3 q8 (total_q, Hq, D), k8 and v8 (total_k, Hkv, D) in the plain layout
+    and descale factors (value = code x descale, as FA3's descale_q/k/v): q_descale a number, (Hq,) or
+    (total_q, Hq); k_descale and v_descale a number or (Hkv,). Only V is moved (to the transposed, key-permuted
+    storage); q8 and k8 are used as they are."""
     for name, x in (("q", q8), ("k", k8), ("v", v8)):
         if x.dtype != torch.float8_e4m3fn:
             raise ValueError(f"{name} must be torch.float8_e4m3fn for the pre-quantized fp8 call, got {x.dtype}")

@@ -1,10 +1,7 @@
 """
-Hopper attention forward in Gluon (`triton.experimental.gluon`): the FlashAttention-3 overlap
-of softmax and tensor cores that plain Triton 3.6 does not produce.
-
-Triton waits for every wgmma right after issuing it, so in `attention._attn_fwd` the softmax never
-overlaps the tensor cores. Gluon exposes the asynchronous wgmma and its wait, so this kernel orders
-each key tile j as FA3's intra-warpgroup pipelining does:
+Hopper attention forward in Gluon (`triton.experimental.gluon`): FlashAttention-3's overlap of softmax and
+tensor cores, which Triton 3.6 does not produce (it waits for every wgmma right after issuing it). With
+Gluon's asynchronous wgmma and explicit wait, each key tile j is ordered as FA3's intra-warpgroup pipelining:
 
     issue S_j = Q K_j^T        (async)
     issue O  += P_{j-1} V_{j-1} (async, P_{j-1} from registers)
@@ -12,20 +9,13 @@ each key tile j as FA3's intra-warpgroup pipelining does:
     softmax(S_j) -> P_j         <- runs under the P V wgmma
     wait for P V; O *= alpha_j
 
-K/V tiles stream through a ring of NUM_BUF shared-memory stages filled by TMA (one mbarrier
-per tile and operand); a stage is refilled once the program's warpgroups have retired the P V
-that read it (a CTA barrier per tile).
+K/V tiles stream through NUM_BUF shared-memory stages filled by TMA (an mbarrier per tile and operand); a stage
+is refilled once every warpgroup has retired the P V that read it (a CTA barrier per tile). `attention_select`
+runs it for short causal rows.
 
-The selection runs it for short rows at head dim 128 (`attention_select`), with one warpgroup on
-64-row tiles, two programs per SM (bench/NOTES_attention.md).
-
-Scope: bf16/fp16, head dim 64/128, causal or not, packed varlen, GQA; no window or soft-cap
-(`attention.attention_varlen` keeps those) and no fp8, which `attention_select` gives to the
-warp-specialized kernel at every length. The helpers here (softmax tile, P operand, P @ V, row state,
-descriptors) serve both Gluon kernels, with their fp8 paths for the warp-specialized one.
-
-Layout as in `attention.py`: q (total_q, Hq, D), k/v (total_k, Hkv, D), cu_seqlens (B + 1,),
-bottom-right causal alignment.
+Scope: bf16/fp16, head dim 64/128, causal or not, packed varlen, GQA, layout as in `attention.py`; no window
+or soft-cap (the Triton kernel) and no fp8 (the warp-specialized kernel). The helpers here (softmax tile,
+P operand, P @ V, row state, descriptors) serve both Gluon kernels, fp8 paths included.
 """
 import functools
 
@@ -44,17 +34,14 @@ from quantkit.kernels.attention_select import AttentionTiles
 def _softmax_tile(s, m_i, l_i, qk_scale, start_n, offs_m, offs_n, seqlen_k, delta, full_hi,
                   IS_CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, ROW_SUM: gl.constexpr, P_LOG2: gl.constexpr,
                   TAU: gl.constexpr):
-    """Online softmax of one logit tile s [BLOCK_M, BLOCK_N] (fp32, unscaled; qk_scale [BLOCK_M]
-    per row, log2(e) included): returns (p = exp2 of the scaled logits minus the new row max,
-    new m, new l, alpha). ROW_SUM False: l_i is returned as given (the caller sums p elsewhere).
-    P_LOG2: p scaled by 2**P_LOG2 (the same in every tile, so it cancels in O / l).
-    TAU > 0 (log2 units): the row max m is a stale bound, raised only when the tile's max exceeds it by more
-    than TAU (or the row had none, -inf); p is then <= 2**(P_LOG2 + TAU) and alpha is exactly 1 for the rows
-    not raised, so the caller may skip their O rescale (attention_gluon_ws, LAZY_RESCALE). O and l use the
-    same m, so the result is the same softmax."""
+    """Online softmax of one logit tile s [BLOCK_M, BLOCK_N] (fp32, unscaled; qk_scale per row, log2(e)
+    included): returns (p = exp2(scaled logits - new row max), new m, new l, alpha). ROW_SUM False: l_i is
+    returned as given (the caller sums p). P_LOG2: p scaled by 2**P_LOG2 (every tile alike: cancels in O / l).
+    TAU > 0 (log2 units): m is a stale bound, raised only when the tile's max exceeds it by more than TAU (or
+    it is -inf); so p <= 2**(P_LOG2 + TAU) and alpha is exactly 1 for rows not raised, whose O rescale the
+    caller may skip (LAZY_RESCALE). O and l use the same m: the same softmax."""
     if start_n + BLOCK_N > full_hi:  # the causal diagonal or the ragged end: mask
-        # key start_n + c is visible iff c < lim: one 32-bit compare a logit against a per-row
-        # (causal) or per-tile limit, instead of forming each key index and comparing twice
+        # key start_n + c is visible iff c < lim (per row if causal): one compare a logit
         lim = seqlen_k - start_n
         if IS_CAUSAL:
             keep = gl.expand_dims(offs_n, 0) < gl.expand_dims(gl.minimum(offs_m + (delta + 1 - start_n), lim), 1)
@@ -98,13 +85,10 @@ def _load_kv(desc_k, desc_v, k_smem, v_smem, k_bars, v_bars, tile, n_tiles, kv_s
 @gluon.jit
 def _p_operand(p, p_layout: gl.constexpr, out_dtype: gl.constexpr, IS_FP8: gl.constexpr, BLOCK_M: gl.constexpr,
                BLOCK_N: gl.constexpr):
-    """P (fp32, accumulator layout) -> the A operand of a P @ V wgmma, in out_dtype. fp8: the key
-    columns are renamed inside each 32-key chunk, c = (jh, jl, t, b) -> (jh, t, jl, b) (bits 1, 1,
-    2, 1), which makes the accumulator and A-operand layouts the same registers (see attention.py's
-    docstring; V^T is stored in that key order). out_dtype for fp8: e4m3 where P is used in the
-    same loop iteration (attention_gluon_ws), fp16 where it is carried across the loop's back edge
-    (here: an 8-bit loop value is carried one byte a register and repacked with byte permutes;
-    `_pv` converts it to e4m3 right before the wgmma)."""
+    """P (fp32, accumulator layout) -> the A operand of a P @ V wgmma, in out_dtype. fp8: key columns renamed
+    as `attention._perm_keys` (then the two layouts are the same registers; V^T is stored in that order).
+    fp8 out_dtype: e4m3 where P is used in the same iteration, fp16 where it crosses the loop's back edge (an
+    8-bit loop value is carried a byte a register and repacked; `_pv` converts it just before the wgmma)."""
     if IS_FP8:
         p = gl.reshape(gl.permute(gl.reshape(p, [BLOCK_M, BLOCK_N // 32, 2, 2, 4, 2]), [0, 1, 2, 4, 3, 5]),
                        [BLOCK_M, BLOCK_N])
@@ -115,8 +99,7 @@ def _p_operand(p, p_layout: gl.constexpr, out_dtype: gl.constexpr, IS_FP8: gl.co
 
 @gluon.jit
 def _pv(p_op, v_tile, acc, dtype: gl.constexpr, IS_FP8: gl.constexpr):
-    """Issue acc += P V (async); fp8: P to e4m3 here if it is not yet (a no-op then), V^T tile
-    viewed as V."""
+    """Issue acc += P V (async); fp8: P to e4m3 if it is not yet, the V^T tile viewed as V."""
     if IS_FP8:
         return warpgroup_mma(p_op.to(dtype), v_tile.permute((1, 0)), acc, is_async=True)
     else:
@@ -126,11 +109,8 @@ def _pv(p_op, v_tile, acc, dtype: gl.constexpr, IS_FP8: gl.constexpr):
 @gluon.jit
 def _row_state(qs_ptr, sm_scale, q_start, offs_m, seqlen_q, stride_qsm, head, HEAD_DIM: gl.constexpr,
                BLOCK_N: gl.constexpr, IS_FP8: gl.constexpr, o_layout: gl.constexpr, s_layout: gl.constexpr):
-    """Start of the online softmax for query rows ``offs_m`` (in the S tile's row layout): the per-row
-    exp2 scale, the running max and sum, the O accumulator and a zero S accumulator.
-
-    exp(x) = exp2(x * log2(e)): log2(e) and sm_scale in one per-row scale (fp8: times the per-token q
-    scale here and the per-tile k scale in the loop)."""
+    """Start of the online softmax for rows ``offs_m``: the per-row exp2 scale (sm_scale * log2(e), fp8: times
+    the q scale; the loop adds the k scale), running max and sum, O accumulator and a zero S accumulator."""
     rows: gl.constexpr = offs_m.shape[0]
     row_layout: gl.constexpr = offs_m.type.layout
     qk_scale = gl.full([rows], sm_scale * 1.4426950408889634, gl.float32, layout=row_layout)
@@ -250,26 +230,24 @@ def _attn_fwd_gluon(desc_q, desc_k, desc_v, o_ptr, cu_seqlens_q_ptr, cu_seqlens_
 
 
 def _default_config(head_dim) -> AttentionTiles:
-    """(BLOCK_M, BLOCK_N, num_warps, NUM_BUF as num_stages), from the H200 sweep: at head dim 128, 64-row tiles
-    with one warpgroup and a 3-deep ring run two programs per SM, whose phases the schedulers interleave."""
+    """(BLOCK_M, BLOCK_N, num_warps, NUM_BUF), from the H200 sweep: at head dim 128, 64-row tiles with one
+    warpgroup run two programs per SM, whose phases interleave."""
     return AttentionTiles(64, 64, 4, 3) if head_dim == 128 else AttentionTiles(128, 128, 8, 5)
 
 
 @functools.cache
 def _smem_layout(rows: int, cols: int, dtype) -> gl.NVMMASharedLayout:
-    """The wgmma/TMA shared-memory layout of a [rows, cols] tile of ``dtype`` (a Gluon dtype). Built on every
-    launch it cost ~16 us of host time a layout under cProfile (a constexpr function with validation; NOTES_attention
-    run 21b); it depends on the tile shape and dtype alone, so each is built once."""
+    """The wgmma/TMA shared layout of a [rows, cols] tile of Gluon ``dtype``, cached: building one validates
+    and costs host time on every launch (bench/NOTES_attention.md)."""
     return gl.NVMMASharedLayout.get_default_for([rows, cols], dtype)
 
 
 def _make_descriptors(q, k, v, block_q, block_n, fp8_prepared, placeholder):
     """TMA descriptors shared by the Gluon kernels: (desc_q, desc_k, desc_v, q_scale, k_scale, v_scale).
 
-    q: (total_q, Hq, D); k, v: (total_k, Hkv, D) 16-bit. Each descriptor is a 2-D view (tokens, H * D),
-    so one serves every head and sequence; boxes [block_q, D] for Q, [block_n, D] for K and V. fp8_prepared:
-    the fp8 operands (`attention_fp8.quantize_qkv_fp8`, `prepare_fp8`), then V^T boxes [D, block_n] of
-    its (Hkv * D, padded tokens) storage; None: 16-bit, the scales are `placeholder` (never read)."""
+    q: (total_q, Hq, D); k, v: (total_k, Hkv, D) 16-bit. 2-D views (tokens, H * D), so one descriptor serves
+    every head and sequence; boxes [block_q, D] (Q), [block_n, D] (K, V). fp8_prepared: the fp8 operands
+    (`attention_fp8`), V^T boxes [D, block_n]; None: 16-bit, the scales are `placeholder` (never read)."""
 
     total_q, n_heads, head_dim = q.shape
     total_k, n_kv_heads, _ = k.shape
@@ -301,12 +279,9 @@ def _make_descriptors(q, k, v, block_q, block_n, fp8_prepared, placeholder):
 
 def attention_varlen_gluon(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=False, sm_scale=None,
                            config=None):
-    """Same contract as `attention.attention_varlen` for the cases `attention_select.gluon_attention_supports`
-    accepts.
-
-    q: (total_q, Hq, D); k, v: (total_k, Hkv, D), bf16/fp16; cu_seqlens_*: (B + 1,) int32 (no fp8: the
-    warp-specialized kernel's). config: `AttentionTiles` (BLOCK_M, BLOCK_N, num_warps, NUM_BUF), see
-    `_default_config`. Returns (total_q, Hq, D) in q's dtype."""
+    """`attention.attention_varlen`'s contract for the 16-bit cases `attention_select.gluon_attention_supports`
+    accepts: q: (total_q, Hq, D); k, v: (total_k, Hkv, D), bf16/fp16; cu_seqlens_*: (B + 1,) int32. config:
+    `AttentionTiles` (BLOCK_M, BLOCK_N, num_warps, NUM_BUF). Returns (total_q, Hq, D) in q's dtype."""
     head_dim = q.shape[-1]
     sm_scale = head_dim ** -0.5 if sm_scale is None else sm_scale
     block_m, block_n, num_warps, num_buf = AttentionTiles(*config) if config else _default_config(head_dim)

@@ -1,46 +1,28 @@
 """
-Hopper attention forward in Gluon with FlashAttention-3's full structure: warp specialization,
-two consumer warpgroups ping-ponged over the tensor core, and the intra-warpgroup overlap of
-`attention_gluon.py`.
+Hopper attention forward in Gluon with FlashAttention-3's full structure: warp specialization, two consumer
+warpgroups ping-ponged over the tensor core, and the intra-warpgroup overlap of `attention_gluon.py`. As in
+FA3, no CTA-wide barrier is left in the loop.
 
-As in FA3, no CTA-wide barrier is left in the loop (the FA3-ordered kernel's warpgroups meet at one every
-tile and issue their wgmmas together):
+* Partitions (`gl.warp_specialize`): a producer (the default partition, 4 warps, few registers) issues every
+  TMA load; two consumer warpgroups own the two 64-row halves of a 128-row query tile.
+* K and V stages each have a "ready" mbarrier (TMA) and an "empty" one (count 2: each consumer arrives once
+  its wgmma that read the stage has retired); K runs one round ahead of V.
+* Ping-pong: each consumer waits on its own "turn" mbarrier before issuing a round (S_j = Q K_j^T and
+  O += P_(j-1) V_(j-1)) and arrives on the other's right after, so the tensor core alternates between the
+  rounds and each softmax runs under the other's round (Gluon 3.6 has no named barriers).
+* PERSISTENT grid (one program per SM, `_tile_coords`): the producer's ring runs on across work tiles.
+* TMA_STORE: a 64-row half leaves through shared memory and one TMA store. STAGE_KS (fp8): the producer puts
+  each K tile's scale in shared memory, so no round waits on a global load.
+* ROWSUM_MMA (fp8, hd128): the row sums come from a P @ ones wgmma issued with P V instead of BLOCK_N / 2
+  FADDs a thread and round. Each round's sum starts fresh (use_acc=False: the fp8 wgmma's reduced-precision
+  accumulation sums one tile, never a whole row, which drifts) and is added to fp32 sums. P is computed times
+  2^8 so that small probabilities are normal e4m3 numbers, not subnormals.
+* LAZY_RESCALE (FA4's conditional rescale): a row's max is raised only when a tile's logits exceed it by more
+  than TAU (log2 units; `_softmax_tile`), and a warp skips the O rescale when none of its 16 rows raised it
+  (`_rescale_o`). l uses the same max: the same softmax.
 
-* partitions (`gl.warp_specialize`): a producer (the default partition, 4 warps, few
-  registers: `maxnreg` and `worker_num_regs` move the register file to the consumers) issues
-  every TMA load; two consumer warpgroups (workers, 4 warps each) own the two 64-row halves of a
-  128-row query tile;
-* K and V stages each have a "ready" mbarrier (TMA completion) and an "empty" one that each
-  consumer arrives on once its wgmma that read the stage has retired (count 2): the producer
-  refills a stage as soon as both are done with it, K ahead of V (K_j is needed one round
-  before V_j);
-* ping-pong: each consumer waits on its own "turn" mbarrier before it issues a round of wgmmas
-  (S_j = Q K_j^T and O += P_(j-1) V_(j-1)) and arrives on the other's right after issuing. The
-  tensor core then alternates between the warpgroups' rounds, and each warpgroup's softmax runs
-  while the other's round executes (Gluon 3.6 has no named barriers; an mbarrier handshake
-  between the partitions does the same job).
-
-* persistent grid (one program per SM, `_tile_coords` hands out the work tiles): the producer's
-  ring runs on across work tiles, so the next tile's loads overlap the current one's last rounds.
-
-* fixed costs off the rounds and the work tiles: the output of a 64-row half leaves through shared
-  memory and one TMA store (`TMA_STORE`), and at fp8 the producer stages each K tile's scale in
-  shared memory next to the tile (`STAGE_KS`), so no round waits on a global load.
-
-* fp8 at hd128 (`ROWSUM_MMA`): the softmax row sums come from a P @ ones wgmma issued with P V, a fresh
-  accumulator each round added to fp32 sums, instead of 64 FADDs a thread and round; P is computed
-  times 2^8 so that its small values are normal e4m3 numbers.
-
-* bf16 at hd128, rows <= 8192 (`LAZY_RESCALE`, FA4's conditional rescale): a row's max is raised only when
-  a tile's scaled logits exceed it by more than 8 (log2 units: P up to 256), and a warp skips the O rescale
-  (64 FMULs a thread and round) when none of its rows raised it: a warp vote and a uniform branch in inline
-  PTX.
-
-`attention_select` picks it for fp8 and for 16-bit rows past the short ones; which flag pays where (H200) is in
-`_default_config`, the measurements in bench/NOTES_attention.md.
-
-Scope as `attention_gluon.py` (bf16/fp16 and its fp8 path, head dim 64/128, causal or not,
-packed varlen, GQA); layout q (total_q, Hq, D), k/v (total_k, Hkv, D), cu_seqlens (B + 1,).
+`attention_select` picks it for fp8 and for 16-bit rows past the short ones; `_default_config` holds which
+flag pays where (H200), bench/NOTES_attention.md the measurements. Scope as `attention_gluon.py`, fp8 included.
 """
 import torch
 import triton
@@ -64,22 +46,20 @@ _HALF_M = HALF_M.value
 _GL_DTYPE = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
-# the producer partition's 4 warps hold a stage's K scale as HALF_M copies (KS_REG_LAYOUT) and store
-# them to a plain shared row; each consumer reads the copies of its own rows (the S rows' layout)
+# STAGE_KS: the producer's 4 warps hold a K scale as HALF_M copies and store them to a plain shared row;
+# each consumer reads the copies of its own rows (the S rows' layout)
 KS_REG_LAYOUT = gl.constexpr(gl.BlockedLayout([1], [32], [4], [0]))
 KS_SMEM_LAYOUT = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))
-# ROWSUM_MMA: N of the P @ ones wgmma (the smallest wgmma N) and the layout its ones tile is written from
-# (by the 4 warps that run before the partitions start)
+# ROWSUM_MMA: N of the P @ ones wgmma (the smallest) and the layout the 4 pre-partition warps write ones from
 ONES_N = gl.constexpr(8)
 ONES_REG_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 1], [1, 32], [4, 1], [1, 0]))
 
 
 def _rescale_asm(n):
-    """LAZY_RESCALE: PTX for one thread's n O-accumulator values ($0..$n-1, tied to the inputs $n..$2n-1) and
-    their rows' alphas ($2n..$3n-1): multiply only if some row of the warp has alpha != 1. In the wgmma
-    accumulator layout a thread holds two rows; its values 0 and 2 are one of each (register bases: col + 1, row
-    + 8, then columns). The vote makes the branch warp-uniform (bra.uni), so a warp skips the n FMULs when none
-    of its 16 rows was rescaled, with no exchange between the warps."""
+    """LAZY_RESCALE: PTX for one thread's n O values ($0..$n-1, tied to inputs $n..$2n-1) and their rows' alphas
+    ($2n..$3n-1): multiply only if some row of the warp has alpha != 1. A thread holds two rows of the wgmma
+    accumulator; its values 0 and 2 are one of each (register bases: col + 1, row + 8, then columns). The vote
+    makes the branch warp-uniform (bra.uni); no exchange between warps."""
     body = [f"setp.neu.f32 lzp0, ${2 * n}, 0f3F800000;",
             f"setp.neu.or.f32 lzp0, ${2 * n + 2}, 0f3F800000, lzp0;",
             "vote.sync.any.pred lzp1, lzp0, -1;",
@@ -109,8 +89,8 @@ def _rescale_o(acc, alpha_o, HEAD_DIM: gl.constexpr):
 @gluon.jit
 def _issue_pv(p_op, v_tile, acc, ones_smem, l_zero, dtype: gl.constexpr, IS_FP8: gl.constexpr,
               ROWSUM_MMA: gl.constexpr):
-    """Issue O += P V (async); with ROWSUM_MMA also the row sums of P, P @ ones_smem into the fresh accumulator
-    l_zero, from the same e4m3 P. Returns (acc, rs); rs is l_zero itself without ROWSUM_MMA (nothing issued)."""
+    """Issue O += P V (async); ROWSUM_MMA: also P @ ones_smem into the fresh l_zero, from the same e4m3 P.
+    Returns (acc, rs); without ROWSUM_MMA rs is l_zero (nothing issued)."""
     if ROWSUM_MMA:
         p8 = p_op.to(dtype)  # one e4m3 P for both wgmmas
         acc = warpgroup_mma(p8, v_tile.permute((1, 0)), acc, is_async=True)
@@ -123,8 +103,7 @@ def _issue_pv(p_op, v_tile, acc, ones_smem, l_zero, dtype: gl.constexpr, IS_FP8:
 
 @gluon.jit
 def _k_scale(ks_smem, stage, ks_ptr, offset, row_layout: gl.constexpr, STAGE_KS: gl.constexpr):
-    """The K scale of the tile in ring stage `stage` (ks_ptr + offset), per S row: from the stage's
-    ks_smem row (STAGE_KS) or by a global load."""
+    """The K scale of the tile in `stage`, per S row: from its ks_smem row (STAGE_KS) or ks_ptr + offset."""
     if STAGE_KS:
         return ks_smem.index(stage).load(row_layout)
     else:
@@ -134,16 +113,13 @@ def _k_scale(ks_smem, stage, ks_ptr, offset, row_layout: gl.constexpr, STAGE_KS:
 @gluon.jit
 def _tile_coords(k, cu_seqlens_q_ptr, cu_seqlens_k_ptr, NUM_M_BLOCKS, N_SEQ, N_WORK, SWIZZLE,
                  GROUP: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr):
-    """This program's k-th work tile -> (q_start, seqlen_q, kv_start, seqlen_k, blk_m0, head,
-    kv_head, n_tiles); n_tiles < 0: nothing to do (past the last tile, or a query block past the
-    end of its sequence: the tile grid is sized for the longest one).
+    """This program's k-th work tile -> (q_start, seqlen_q, kv_start, seqlen_k, blk_m0, head, kv_head, n_tiles);
+    n_tiles < 0: nothing to do (past the last tile, or a query block past its sequence's end).
 
-    Tile order: groups of SWIZZLE (sequence, head) pairs, the query block varying slowest inside a group, heaviest
-    (last) first. Round k hands tiles k * P .. k * P + P - 1 to the P programs, in reverse order on odd rounds
-    (zigzag), which evens out the causal work per program (a plain stride over query-block-fastest tiles gives some
-    programs only heavy blocks). SWIZZLE = 1 (query block fastest) keeps the programs running at once on a few K/V
-    heads (L2); the launcher raises it to all pairs when the query blocks of one head alone would fill the
-    machine."""
+    Order: groups of SWIZZLE (sequence, head) pairs, query block slowest inside a group, heaviest first. Round k
+    hands tiles k * P .. k * P + P - 1 to the P programs, reversed on odd rounds (zigzag), which evens out the
+    causal work per program. SWIZZLE = 1 keeps concurrent programs on a few K/V heads (L2); the launcher raises
+    it to all pairs when one head's query blocks alone would fill the machine."""
     n_prog = gl.num_programs(0)
     pid = gl.program_id(0)
     t = k * n_prog + pid + (k % 2) * (n_prog - 1 - 2 * pid)
@@ -162,8 +138,8 @@ def _tile_coords(k, cu_seqlens_q_ptr, cu_seqlens_k_ptr, NUM_M_BLOCKS, N_SEQ, N_W
     kv_start = gl.load(cu_seqlens_k_ptr + seq)
     seqlen_k = gl.load(cu_seqlens_k_ptr + seq + 1) - kv_start
     blk_m0 = pid_m * (2 * HALF_M)
-    # key tiles of the whole 128-row block: both warpgroups run the same rounds (the ping-pong
-    # handshake needs that); tiles a half does not see are masked to -inf by its softmax
+    # key tiles of the whole 128-row block: the ping-pong needs both warpgroups to run the same rounds;
+    # tiles a half does not see are masked by its softmax
     hi = seqlen_k
     if IS_CAUSAL:
         hi = gl.minimum(seqlen_k, blk_m0 + 2 * HALF_M + seqlen_k - seqlen_q)
@@ -179,12 +155,10 @@ def _ws_producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, ks_smem, ks_ptr
                  SWIZZLE, GROUP: gl.constexpr,
                  HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr, IS_CAUSAL: gl.constexpr,
                  IS_FP8: gl.constexpr, STAGE_KS: gl.constexpr):
-    """TMA issue for every work tile of this program: the two Q halves (once their consumer has
-    retired its last Q K^T of the previous tile), then K_j one step ahead of V_(j-1), each into
-    its ring stage once both consumers released it (fresh mbarriers count as released: wait on
-    phase 1). The ring runs on across work tiles, so the next tile's loads overlap the last
-    rounds and the epilogue of the current one. STAGE_KS: each K tile's scale (fp8) is loaded here and
-    stored to its stage's ks_smem row, then a second arrive on the stage's k_ready (count 2)."""
+    """TMA for every work tile of this program: the two Q halves (once their consumer has retired its last
+    Q K^T of the previous tile), then K_j one step ahead of V_(j-1), each once both consumers released the
+    stage (fresh mbarriers count as released: wait on phase 1). STAGE_KS: the K tile's scale goes to the
+    stage's ks_smem row, then a second arrive on its k_ready (count 2)."""
     cnt = 0  # K/V tiles issued so far: ring stage and phase
     it = 0  # work tiles so far: Q buffer phase
     for k in range(gl.cdiv(N_WORK, gl.num_programs(0))):
@@ -234,30 +208,15 @@ def _consume_tile(wg, q_smem, k_smem, v_smem, ks_smem, q_bars, q_empty, k_ready,
                   HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr, IS_FP8: gl.constexpr,
                   NUM_BUF: gl.constexpr, PINGPONG: gl.constexpr, TMA_STORE: gl.constexpr,
                   STAGE_KS: gl.constexpr, ones_smem, ROWSUM_MMA: gl.constexpr, LAZY_RESCALE: gl.constexpr):
-    """One warpgroup, one work tile: rows blk_m0 + wg * 64 .. + 63. Round j (j = 0..n_tiles)
-    issues S_j and P_(j-1) V_(j-1) inside this warpgroup's turn; the softmax of S_j then overlaps
-    both the P V wgmma (intra-warpgroup) and the other warpgroup's round (ping-pong). cnt: ring
-    position of key tile 0; it: work tiles done (Q phase); rnd: rounds done (turn phase).
-    TMA_STORE: a half whose 64 rows lie inside the sequence is written through this warpgroup's o_smem
-    buffer by one TMA store (else 32 masked 4-byte stores a thread). STAGE_KS (fp8): the per-tile K
-    scale comes from ks_smem, where the producer put it with the K tile (else a global load a round,
-    whose latency the short fp8 S wgmma does not cover). ROWSUM_MMA (fp8): the softmax row sums of
-    P_(j-1) come from one more wgmma issued with P_(j-1) V_(j-1), P @ ones_smem (N = ONES_N), into a
-    fresh accumulator each round (use_acc=False: the fp8 wgmma's reduced-precision accumulation sums
-    one tile's BLOCK_N terms, never the whole row, which drifts), which is then added to the fp32 running sums
-    l2d on the CUDA cores (every column of l2d holds the same row sums); instead of the softmax's
-    BLOCK_N / 2 FADDs a thread and round.
-    LAZY_RESCALE (FA4's conditional rescale): each row keeps a stale max, raised only when a tile's max exceeds
-    it by more than TAU (`_softmax_tile`), so alpha is exactly 1 for most rows in most rounds, and each warp
-    skips the O rescale (HEAD_DIM / 2 FMULs a thread and round) when all its 16 rows have alpha 1 (`_rescale_o`:
-    a vote and a uniform branch in inline PTX, no exchange between warps). The row sums use the same alpha, so
-    the result is the same softmax (P is then up to 2**(P_LOG2 + TAU)). Where each flag pays is measured in
-    bench/NOTES_attention.md (`_default_config` holds the outcome)."""
+    """One warpgroup, one work tile: rows blk_m0 + wg * 64 .. + 63. Round j (j = 0..n_tiles) issues S_j and
+    P_(j-1) V_(j-1) in this warpgroup's turn; the softmax of S_j then overlaps both the P V wgmma and the
+    other warpgroup's round. cnt: ring position of key tile 0; it: work tiles done (Q phase); rnd: rounds done
+    (turn phase). The flags as in the module docstring; TMA_STORE applies only to a half whose 64 rows lie
+    inside the sequence."""
     dtype: gl.constexpr = q_smem.dtype
     MMA_K: gl.constexpr = 32 if IS_FP8 else 16
-    # P as carried across the loop's back edge: fp8 P stays fp32 (the registers are there: 240 a
-    # thread) and `_pv` converts it to e4m3 in one step (2 values an instruction), instead of
-    # fp32 -> fp16 here and fp16 -> e4m3 with byte permutes there
+    # P across the loop's back edge: fp8 P stays fp32 (240 registers a thread allow it) and `_pv` converts it
+    # to e4m3 in one step, instead of via fp16 with byte permutes
     p_dtype: gl.constexpr = gl.float32 if IS_FP8 else dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, MMA_K])
@@ -270,11 +229,9 @@ def _consume_tile(wg, q_smem, k_smem, v_smem, ks_smem, q_bars, q_empty, k_ready,
     l_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, ONES_N, MMA_K])
     row_l: gl.constexpr = gl.SliceLayout(1, l_layout)
-    # ROWSUM_MMA: P scaled by 2^8 (<= 256 < 448, the e4m3 maximum), so that the small probabilities are
-    # normal e4m3 numbers (3 mantissa bits) and not subnormals, multiples of 2^-9: the P @ ones sums then
-    # match the fp32 sums of P (without it, fp8 test: 0.031 from the Triton kernel and 0.074 from the
-    # reference, against 0.067 for fp32 sums; with it 0.009 and 0.067: a float32 emulation on the CPU)
-    # LAZY_RESCALE: p <= 2^(P_LOG2 + TAU), within e4m3's 448 at fp8 (and far inside bf16/fp16's range)
+    # ROWSUM_MMA: P times 2^8 (<= 256 < 448, e4m3's maximum): small probabilities become normal e4m3 numbers,
+    # not subnormals (multiples of 2^-9), so the P @ ones sums match fp32 sums (bench/NOTES_attention.md).
+    # LAZY_RESCALE: p <= 2^(P_LOG2 + TAU), within e4m3's 448 (and far inside bf16/fp16's range)
     TAU: gl.constexpr = (2.0 if ROWSUM_MMA else 8.0) if LAZY_RESCALE else 0.0
     P_LOG2: gl.constexpr = 8.0 - TAU if ROWSUM_MMA else 0.0
 
@@ -291,8 +248,7 @@ def _consume_tile(wg, q_smem, k_smem, v_smem, ks_smem, q_bars, q_empty, k_ready,
     qk_scale, m_i, l_i, acc, s_zero = _row_state(qs_ptr, sm_scale, q_start, offs_m, seqlen_q, stride_qsm, head,
                                                  HEAD_DIM, BLOCK_N, IS_FP8, o_layout, s_layout)
     row_scale = qk_scale
-    # ROWSUM_MMA: each round's P @ ones starts from l_zero; l2d holds the running row sums (fp32, on the CUDA
-    # cores), in every column (unused, and compiled away, without ROWSUM_MMA)
+    # ROWSUM_MMA: l2d holds the running fp32 row sums in every column (compiled away without ROWSUM_MMA)
     l_zero = gl.zeros([HALF_M, ONES_N], gl.float32, layout=l_layout)
     l2d = l_zero
     mbarrier.wait(q_bars.index(wg), it & 1)
@@ -429,8 +385,8 @@ def _attn_fwd_ws(desc_q, desc_k, desc_v, desc_o, o_ptr, qs_ptr, ks_ptr, v_scale_
                  IS_CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, NUM_BUF: gl.constexpr,
                  PINGPONG: gl.constexpr, TMA_STORE: gl.constexpr, STAGE_KS: gl.constexpr,
                  ROWSUM_MMA: gl.constexpr, LAZY_RESCALE: gl.constexpr, CONSUMER_REGS: gl.constexpr):
-    """Grid: up to one program per SM, each looping over its work tiles (`_tile_coords`;
-    N_WORK = query blocks x sequences x heads; a grid of N_WORK programs runs one tile each)."""
+    """Grid: up to one program per SM looping over its work tiles (`_tile_coords`; N_WORK = query blocks x
+    sequences x heads; a grid of N_WORK programs runs one tile each)."""
     dtype: gl.constexpr = desc_q.dtype
     q_smem = gl.allocate_shared_memory(dtype, [2, HALF_M, HEAD_DIM], desc_q.layout)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, HEAD_DIM], desc_k.layout)
@@ -451,8 +407,8 @@ def _attn_fwd_ws(desc_q, desc_k, desc_v, desc_o, o_ptr, qs_ptr, ks_ptr, v_scale_
     if ROWSUM_MMA:  # fp8: the B operand of P @ ones, K-major [ONES_N, BLOCK_N] (viewed as [BLOCK_N, ONES_N])
         ones_smem = gl.allocate_shared_memory(dtype, [ONES_N, BLOCK_N],
                                               gl.NVMMASharedLayout.get_default_for([ONES_N, BLOCK_N], dtype))
-        # e4m3 1.0 is the byte 0x38 (Gluon makes no fp8 constants), stored one byte a register: with 4 e4m3
-        # values a thread converted from fp32, Triton 3.6 stored two of them and two unrelated bytes (run 14b)
+        # e4m3 1.0 is the byte 0x38 (Gluon makes no fp8 constants), one byte a register: converting 4 values a
+        # thread from fp32 made Triton 3.6 store wrong bytes (bench/NOTES_attention.md)
         ones_smem.store(gl.full([ONES_N, BLOCK_N], 0x38, gl.int8, layout=ONES_REG_LAYOUT).to(dtype, bitcast=True))
     else:
         ones_smem = q_smem  # placeholder, never used
@@ -473,8 +429,7 @@ def _attn_fwd_ws(desc_q, desc_k, desc_v, desc_o, o_ptr, qs_ptr, ks_ptr, v_scale_
     mbarrier.arrive(turn_bars.index(0), count=1)  # warpgroup 0 has the first turn
     fence_async_shared()  # (also orders the ones tile's stores before the consumers' wgmmas read it)
 
-    # the two consumers get the same arguments but their warpgroup index (written out: a tuple
-    # concatenation in the kernel would turn the constexprs into run-time values)
+    # the consumers' arguments are written out: a tuple concatenation would make the constexprs run-time values
     gl.warp_specialize([
         (_ws_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, ks_smem, ks_ptr, stride_ksn, q_bars, q_empty,
                         k_ready, v_ready, k_empty, v_empty, cu_seqlens_q_ptr, cu_seqlens_k_ptr, NUM_M_BLOCKS, N_SEQ,
@@ -496,11 +451,9 @@ def _attn_fwd_ws(desc_q, desc_k, desc_v, desc_o, o_ptr, qs_ptr, ks_ptr, v_scale_
 
 
 def _default_config(head_dim, fp8, max_seqlen_q):
-    """(BLOCK_N, NUM_BUF, persistent, pingpong, tma_store, stage_ks, rowsum_mma, lazy_rescale) measured fastest on
-    the H200 (bench/NOTES_attention.md): 128-key tiles, the ring as deep as shared memory allows; fp8 without the
-    ping-pong handshake (its rounds' MMAs are half as long); the TMA-store epilogue up to 8192 rows (bf16) and at
-    fp8 hd128, with the staged K scale at fp8; P @ ones row sums at fp8 hd128 only; the lazy O rescale for bf16
-    hd128 up to 8192 rows only (slower at fp8 and hd64)."""
+    """The WsConfig measured fastest on the H200 (bench/NOTES_attention.md): 128-key tiles, the ring as deep as
+    shared memory allows; fp8 without ping-pong (its MMAs are half as long); TMA_STORE up to 8192 rows (bf16) and
+    at fp8 hd128; STAGE_KS at fp8; ROWSUM_MMA at fp8 hd128; LAZY_RESCALE for bf16 hd128 up to 8192 rows."""
     if fp8:
         return WsConfig(128, 4, True, False, head_dim == 128, True, head_dim == 128, False)
     short = max_seqlen_q <= 8192
@@ -508,34 +461,24 @@ def _default_config(head_dim, fp8, max_seqlen_q):
 
 
 def _full_config(config, head_dim, fp8, max_seqlen_q) -> WsConfig:
-    """A user config (a WsConfig, or a tuple of its first 2-8 fields, completed with its defaults: True, True,
-    False, False, False, False); None: `_default_config`."""
+    """A WsConfig, or a tuple of its first 2-8 fields completed with its defaults; None: `_default_config`."""
     if not config:
         return _default_config(head_dim, fp8, max_seqlen_q)
     return WsConfig(*config)
 
 
-# One CTA of 3 warpgroups (12 warps) per SM: maxnreg 168 caps the whole at 168 * 384 = 64512
-# registers; the consumers take CONSUMER_REGS each and the producer partition the rest
-# (FA3: 240 / 240 / 24).
+# One CTA of 3 warpgroups per SM: maxnreg 168 caps it at 168 * 384 = 64512 registers; the consumers take
+# CONSUMER_REGS each, the producer the rest (FA3: 240 / 240 / 24).
 MAXNREG = 168
 CONSUMER_REGS = 240
 
 
 def attention_varlen_ws(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=False, sm_scale=None,
                         config=None, fp8_prepared=None, out=None):
-    """Same contract as `attention_gluon.attention_varlen_gluon` (the cases `gluon_attention_supports` accepts).
-
-    q: (total_q, Hq, D); k, v: (total_k, Hkv, D), bf16/fp16; cu_seqlens_*: (B + 1,) int32.
-    config: `attention_select.WsConfig` (BLOCK_N, NUM_BUF, persistent, pingpong, tma_store, stage_ks, rowsum_mma,
-    lazy_rescale), see `_default_config`; query tiles are 128 rows (2 x 64). persistent (default True): one program
-    per SM looping over the work tiles, so a tile's loads overlap the previous tile's last rounds;
-    else one program a tile. pingpong (default True): the turn handshake between the consumer
-    warpgroups. tma_store: the output through shared memory and TMA. stage_ks (fp8 only): the
-    producer stages each K tile's scale in shared memory. rowsum_mma (fp8 only): the softmax row sums
-    by a P @ ones wgmma a round (`_consume_tile`). lazy_rescale: a stale row max, and each warp skips the O
-    rescale when none of its rows raised it (`_consume_tile`). A tuple of 2-7 entries is completed with WsConfig's
-    defaults (`_full_config`).
+    """`attention_gluon.attention_varlen_gluon`'s contract (the cases `gluon_attention_supports` accepts), plus
+    fp8_prepared (`attention_fp8`). q: (total_q, Hq, D); k, v: (total_k, Hkv, D), bf16/fp16; cu_seqlens_*:
+    (B + 1,) int32. config: `attention_select.WsConfig` or a shorter tuple (flags in the module docstring;
+    STAGE_KS and ROWSUM_MMA apply to fp8 only); None: `_default_config`. Query tiles are 128 rows (2 x 64).
     out: optional (total_q, Hq, D) buffer to write (tests pass a NaN-poisoned one).
     Returns (total_q, Hq, D) in q's dtype."""
     n_heads, head_dim = q.shape[1], q.shape[2]

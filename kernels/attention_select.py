@@ -1,13 +1,11 @@
 """Which attention kernel serves a call: the one capability check of the Gluon kernels and one pure selection.
 
-The kernels: the Triton kernel (``attention.py``: any GPU from sm_80 and the CPU interpreter, every mask, sliding
-windows, soft-capping, fp8), the Gluon FA3-ordered kernel (``attention_gluon.py``) and the Gluon warp-specialized
-ping-pong kernel (``attention_gluon_ws.py``); both Gluon kernels take Hopper, bf16/fp16, head dim 64 or 128, no
-window or soft-cap, and fp8 only with fp8 P @ V and key sequences starting on multiples of 32 tokens. Among them
-the H200 measurements pick the warp-specialized kernel, except causal rows of at most 256 queries: there the
-FA3-ordered kernel's two 64-row programs per SM balance the short triangular rows better than one 128-row program
-(bench/experimental/attention_backends_short_rows.py; from 512 queries on, and at 256 non-causal, the
-warp-specialized kernel is 13-38 % faster, so the earlier bound of 512 / 1024 causal was stale).
+Kernels: Triton (``attention.py``: sm_80 on and the CPU interpreter; every mask, windows, soft-capping, fp8),
+Gluon FA3-ordered (``attention_gluon.py``) and Gluon warp-specialized ping-pong (``attention_gluon_ws.py``). The
+Gluon kernels take Hopper, bf16/fp16, head dim 64 or 128, no window or soft-cap, and fp8 only with fp8 P @ V and
+key sequences starting on multiples of 32 tokens. The H200 measurements pick the warp-specialized kernel, except
+causal rows of at most 256 queries, whose short triangles the FA3-ordered kernel's two 64-row programs per SM
+balance better (bench/experimental/attention_backends_short_rows.py).
 """
 
 from __future__ import annotations
@@ -19,9 +17,8 @@ BACKENDS = ("triton", "gluon", "gluon_ws")
 
 
 class AttentionTiles(NamedTuple):
-    """Config of the Triton kernel and of the Gluon FA3-ordered kernel: query and key tile, warps, and the K/V
-    pipeline depth (``num_stages`` for Triton, the ring's NUM_BUF for Gluon). A tuple, so ``(128, 128, 8, 3)``
-    reads the same."""
+    """Config of the Triton and Gluon FA3-ordered kernels: query and key tile, warps, K/V pipeline depth
+    (``num_stages`` for Triton, the ring's NUM_BUF for Gluon). A tuple: ``(128, 128, 8, 3)`` reads the same."""
 
     BLOCK_M: int
     BLOCK_N: int
@@ -30,10 +27,8 @@ class AttentionTiles(NamedTuple):
 
 
 class WsConfig(NamedTuple):
-    """Config of the warp-specialized Gluon kernel (``attention_gluon_ws``): 128-row query tiles, BLOCK_N keys, a
-    NUM_BUF-deep ring; PERSISTENT programs (one per SM), the PINGPONG turn between the two consumer warpgroups,
-    the TMA_STORE epilogue, the K scale staged in shared memory (STAGE_KS, fp8), the fp8 row sums by a P @ ones
-    wgmma (ROWSUM_MMA) and the LAZY_RESCALE of O. ``WsConfig(*t)`` completes a shorter tuple with the defaults."""
+    """Config of the warp-specialized Gluon kernel: 128-row query tiles, BLOCK_N keys, a NUM_BUF-deep ring, and
+    the flags described in ``attention_gluon_ws``'s docstring. ``WsConfig(*t)`` completes a shorter tuple."""
 
     BLOCK_N: int
     NUM_BUF: int

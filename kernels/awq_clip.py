@@ -1,17 +1,14 @@
 """AWQ's clip search (``awq.search_clip``) in one Triton pass over the weights.
 
-The torch search materializes the rounding error ``d`` of every shrink ratio for a block of rows (``[R, o, G,
-gs]`` float32, R = 20) and scores it as ``d^T A_g d`` with the inputs' Gram matrix ``A_g``: about fifteen
-full-size float32 passes a block, so the search is bound by memory traffic (~0.15 s of a Llama-3-8B layer on
-an H200). Here one program holds a tile of rows x one contiguous group of ``W`` and the group's ``A_g``, and
-walks the ratios itself: range, grid, rounding error and its score ``sum((d A_g) * d)`` (one ``tl.dot``)
-stay on chip, the best ratio is kept per row; the weights are read once.
+The torch search materializes the rounding error ``d`` of every shrink ratio (``[R, o, G, gs]`` float32) and
+scores ``d^T A_g d`` with the inputs' Gram matrix ``A_g``: bound by memory traffic. Here one program holds a tile
+of rows x one group of ``W`` and its ``A_g`` and walks the ratios on chip (score ``sum((d A_g) * d)``, one
+``tl.dot``), keeping the best per row; the weights are read once.
 
-The grid and the rounding follow the torch search op for op (``_qparams`` of the GPTQ kernel: IEEE division,
-round-half-even, scales on the fp16 grid, Python-scalar divisions as torch does them on CUDA; no fused
-multiply-add), so ``d`` is the same bit for bit. The score sums in another order than torch's batched
-product (and on CUDA uses three TF32 products, which carry float32's precision): a ratio whose error ties
-another's to float32 rounding can be picked instead of it (tests/kernels/test_awq_clip.py).
+The grid and rounding follow the torch search op for op (``gptq_solve._qparams``, see gptq_solve's docstring),
+so ``d`` is the same bit for bit. The score sums in another order (on CUDA with three TF32 products, which
+carry float32's precision): a ratio tying another to float32 rounding can be picked instead
+(tests/kernels/test_awq_clip.py).
 """
 
 from __future__ import annotations

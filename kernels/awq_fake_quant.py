@@ -1,12 +1,9 @@
 """AWQ's candidate weights ``Q(W s) / s`` in one Triton pass (``awq.fake_quantize_scaled``).
 
-The scale search fake-quantizes every linear of a group once per grid point (21 times a layer). In torch
-that is about ten full-size float32 passes (scale, group min/max, divide, round, clamp, dequantize,
-unscale, cast); here one program holds a tile of rows x one contiguous group, reads the weights once and
-writes the candidate once, in the weights' dtype. The arithmetic follows the torch path op for op
-(``primitives.qparams_from_range`` through ``gptq_solve._qparams``: IEEE division, round-half-even,
-scales on the fp16 grid, Python-scalar divisions as torch does them on CUDA), so the candidates are
-the same values bit for bit (tests/kernels/test_awq_fake_quant.py).
+The scale search fake-quantizes every linear of a group once per grid point: about ten full-size float32 passes
+in torch. Here one program holds a tile of rows x one group, reads the weights once and writes the candidate once,
+in the weights' dtype, following torch op for op (``gptq_solve._qparams``, see gptq_solve's docstring): the
+candidates are equal bit for bit (tests/kernels/test_awq_fake_quant.py).
 """
 
 from __future__ import annotations
@@ -58,8 +55,7 @@ def fake_quantize_scaled_triton(w: torch.Tensor, s: torch.Tensor, bits: int, gro
     gs = n_cols if group_size == -1 else group_size
     w = w if w.stride(1) == 1 else w.contiguous()
     s = s.to(device=w.device, dtype=torch.float32).contiguous()
-    # The interpreter casts float32 to bfloat16 by truncation, not to nearest: it stores float32 there
-    # and torch casts (on CUDA the kernel's cast rounds to nearest, as torch's).
+    # the interpreter casts float32 to bfloat16 by truncation: store float32 there and let torch round
     out_dtype = torch.float32 if interpreting() else w.dtype
     out = torch.empty((n_rows, n_cols), dtype=out_dtype, device=w.device)
     maxq = 2**bits - 1

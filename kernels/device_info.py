@@ -9,9 +9,8 @@ import torch
 
 
 def num_sms(device: torch.device | str) -> int:
-    """Streaming multiprocessors of ``device``, which size persistent and split-K grids.
-
-    Off CUDA (Triton's interpreter) 4, so that interpreted grids stay small."""
+    """Streaming multiprocessors of ``device`` (sizes persistent and split-K grids); 4 off CUDA, for small
+    interpreted grids."""
     device = torch.device(device)
     if device.type != "cuda":
         return 4
@@ -25,9 +24,8 @@ def _cuda_sms(index: int) -> int:
 
 
 def capability(device: torch.device | str) -> tuple[int, int]:
-    """Compute capability (major, minor) of the CUDA ``device``; every launcher asks it on every call, and
-    ``torch.cuda.get_device_capability`` cost ~14 us of host time a query under cProfile (a device-properties
-    lookup; bench/NOTES_attention.md), so it is looked up once per device."""
+    """Compute capability (major, minor) of the CUDA ``device``, cached per device: launchers ask on every call and
+    ``torch.cuda.get_device_capability`` costs host time (bench/NOTES_attention.md)."""
     device = torch.device(device)
     return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())
 
@@ -49,10 +47,9 @@ def interpreting() -> bool:
 
 
 def programmatic_launch(device: torch.device | str) -> bool:
-    """Whether small kernels on ``device`` launch with programmatic dependent launch (PDL): a Hopper or newer
-    GPU, not the interpreter, and ``QUANTKIT_PDL`` not set to 0 (an off switch for A/B timing). Such kernels
-    call ``griddepcontrol.launch_dependents`` and ``griddepcontrol.wait`` before touching memory, so the next
-    kernel's launch and its weight prefetch overlap them."""
+    """Whether small kernels on ``device`` use programmatic dependent launch (PDL): Hopper or newer, not the
+    interpreter, ``QUANTKIT_PDL`` not 0 (off switch for A/B timing). They call ``griddepcontrol.launch_dependents``
+    and ``griddepcontrol.wait`` before touching memory, so the next kernel's launch and prefetch overlap them."""
     device = torch.device(device)
     if device.type != "cuda" or interpreting() or os.environ.get("QUANTKIT_PDL", "1") == "0":
         return False

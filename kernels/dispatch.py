@@ -1,13 +1,9 @@
 """The single dispatch point between quantkit's layers and the W4A16 kernels, and the 16-bit linears' GEMV.
 
-:func:`w4a16_linear` runs the kernel the weights' plan holds where
-:func:`quantkit.kernels.w4a16_select.w4a16_supports` (the one capability check) passes and the plain-PyTorch
-reference otherwise. Kernel modules are imported lazily, so importing this file never imports or compiles Triton
-code. The same entry is registered as the PyTorch custom op ``quantkit::w4a16_linear`` (:mod:`quantkit.kernels.ops`)
-for use inside ``torch.compile``.
-
-:func:`dense_linear` is the same single point for the 16-bit linears: the GEMV of :mod:`quantkit.kernels.gemv` at
-batch-1 decode on CUDA (``QUANTKIT_BF16_GEMV=0`` turns it off), cuBLAS (``F.linear``) otherwise.
+:func:`w4a16_linear`: the kernel the weights' plan holds where ``w4a16_select.w4a16_supports`` passes, else the
+plain-PyTorch reference (also the custom op ``quantkit::w4a16_linear``, :mod:`quantkit.kernels.ops`).
+:func:`dense_linear`: the GEMV of :mod:`quantkit.kernels.gemv` at batch-1 decode on CUDA, else cuBLAS. Kernel
+modules are imported lazily: importing this file never imports or compiles Triton code.
 """
 
 from __future__ import annotations
@@ -46,9 +42,8 @@ def w4a16_linear(x: torch.Tensor, prepared, bias: torch.Tensor | None = None) ->
 
 def _gemv_wanted(device_type: str, m: int, dtype: torch.dtype) -> bool:
     """Whether a 16-bit linear of ``m`` rows goes to the GEMV: CUDA, bf16 or fp16, ``QUANTKIT_BF16_GEMV`` not 0 (read
-    on every call, so a process can A/B it), and m = 1. The kernel takes up to ``gemv.MAX_M`` rows, but on the H200
-    it beat cuBLAS at M = 1 on every Llama-3-8B linear and took 1.4-2x cuBLAS's time at M = 4 (M = 2 not measured;
-    bench/NOTES_decode.md)."""
+    on every call, for A/B runs), and m = 1: the kernel takes up to ``gemv.MAX_M`` rows but beats cuBLAS at M = 1
+    only (bench/NOTES_decode.md)."""
     if device_type != "cuda" or m != 1 or dtype not in (torch.bfloat16, torch.float16):
         return False
     return os.environ.get("QUANTKIT_BF16_GEMV", "1") != "0"

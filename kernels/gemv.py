@@ -1,18 +1,15 @@
 """A 16-bit GEMV for decode-sized batches: ``y = x @ W^T (+ bias)`` for ``x [M, K]`` with M = 1..4 and ``W [N, K]``
 row-major, as the runtime stores its bf16 / fp16 linears.
 
-Why not cuBLAS: at batch 1 the bf16 step of an 8B model is 128 cuBLAS launches, each ~1.3 us of idle GPU in front
-of it that programmatic dependent launch (PDL) cannot hide, since cuBLAS is not launched with PDL
-(bench/NOTES_decode.md). This kernel is: on Hopper it lets the next kernel launch early
-(``griddepcontrol.launch_dependents``) and requests its first weight tile *before* it waits for the kernel in front
-of it (``griddepcontrol.wait``), since the weights never depend on that kernel; only ``x`` does.
+Why not cuBLAS: at batch 1 each cuBLAS launch leaves the GPU idle in front of it, as cuBLAS does not use
+programmatic dependent launch (PDL; bench/NOTES_decode.md). This kernel does: on Hopper the next kernel launches
+early, and the first weight tile is requested *before* waiting for the previous kernel (only ``x`` depends on it).
 
-Design (memory bound: every weight byte is read once): program p owns rows ``[p * BLOCK_N, (p + 1) * BLOCK_N)`` over
-the whole of K (no split, no workspace, one launch); each loop step loads a ``[BLOCK_N, BLOCK_K]`` tile in 16-byte
-vectors and multiply-adds it into float32 accumulators of the same shape, one per activation row, reduced over K
-once at the end. The accumulators are separate 2-D tensors (not one 3-D one), so every tensor of the loop shares
-the weight tile's layout and nothing crosses threads before the final sum. Thousands of small programs (e.g. 512 of
-4 rows at N = 4096) keep several resident per SM and the per-SM work even.
+Design (memory bound): program p owns rows ``[p * BLOCK_N, (p + 1) * BLOCK_N)`` over all of K (no split, no
+workspace, one launch); each step loads a ``[BLOCK_N, BLOCK_K]`` tile in 16-byte vectors and multiply-adds it into
+float32 accumulators of that shape, one per activation row, reduced over K at the end. Separate 2-D accumulators
+(not one 3-D) share the weight tile's layout, so nothing crosses threads before the final sum. Thousands of small
+programs keep several resident per SM and the per-SM work even.
 """
 
 from __future__ import annotations
@@ -32,8 +29,8 @@ MAX_M = 4  # activation rows one launch takes (the kernel keeps one accumulator 
 @dataclass(frozen=True)
 class DenseGemvConfig:
     """Launch config of the 16-bit GEMV (the W4A16 GEMV's is ``w4a16_configs.GemvConfig``). BLOCK_K = 256 * NUM_WARPS
-    suits 16-bit weights: a warp's 32 threads x 8 weights (16 bytes) span one row of the tile and the warps lie along
-    K, so x's [BLOCK_K] slice already sits in the tile's column layout (no shared-memory exchange in the loop)."""
+    suits 16-bit weights: a warp's 32 threads x 8 weights (16 bytes) span a tile row and the warps lie along K, so
+    x's [BLOCK_K] slice is already in the tile's column layout (no shared-memory exchange)."""
 
     block_n: int
     block_k: int
@@ -58,8 +55,8 @@ TUNED_M1: dict[tuple[int, int], DenseGemvConfig] = {
 
 
 def _gemv_config(m: int, n: int, k: int) -> DenseGemvConfig:
-    """The tuned entry at M = 1, else a default by m (registers: m accumulators of BLOCK_N * BLOCK_K / (32 *
-    NUM_WARPS) floats a thread each; M = 4 at 2 x 1024 / 4 warps takes 119 on sm_90). Small K shrinks BLOCK_K."""
+    """The tuned entry at M = 1, else a default by m, sized for registers (m accumulators of BLOCK_N * BLOCK_K /
+    (32 * NUM_WARPS) floats a thread). Small K shrinks BLOCK_K."""
     cfg = TUNED_M1.get((n, k)) if m == 1 else None
     if cfg is None:
         # M = 1: the best single config over the five 8B linears
@@ -90,10 +87,8 @@ def _store_row(acc, y_ptr, b_ptr, rows, N, HAS_BIAS: tl.constexpr):
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_ym,
                  M: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  EVEN_K: tl.constexpr, PDL: tl.constexpr):
-    """``y[m, rows] = x[m] . W[rows]`` for m < M (1..4) and this program's BLOCK_N rows, over all of K.
-
-    PDL: launched with programmatic dependent launch; the first weight tile is loaded, then the next kernel is let
-    launch and this one waits for the previous one before reading ``x`` (which that one may write)."""
+    """``y[m, rows] = x[m] . W[rows]`` for m < M (1..4) and this program's BLOCK_N rows, over all of K. PDL: load the
+    first weight tile, let the next kernel launch, then wait for the previous one (which may write ``x``)."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     # rows past N read row N - 1 (never stored): the loop's loads need no row mask
     w_rows = w_ptr + tl.minimum(rows, N - 1).to(tl.int64)[:, None] * stride_wn
@@ -164,8 +159,7 @@ def gemv_supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          config: DenseGemvConfig | None = None) -> torch.Tensor:
     """``x [M, K] @ weight[N, K]^T (+ bias)`` -> ``[M, N]`` in x's dtype, float32 accumulation; M = 1..4.
-    ``config`` None: the tuned or default one (bench/ab_bf16_gemv.py names its candidates). Raises ValueError where
-    :func:`gemv_supports` says no."""
+    ``config`` None: the tuned or default one. Raises ValueError where :func:`gemv_supports` says no."""
     ok, reason = gemv_supports(x, weight, bias)
     if not ok:
         raise ValueError(reason)

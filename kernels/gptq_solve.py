@@ -1,19 +1,17 @@
 """GPTQ's column solve with one Triton launch per block of columns.
 
-The reference is ``quantkit.methods.gptq._columns``: a Python loop of ~12 small torch kernels per column
-(about 26,000 launches for one Llama-3-8B layer). Here one program holds a tile of output rows x the
-block's columns of ``W^T [in, out]`` in registers and walks the block's columns itself: quantize the
-column (group parameters computed at a group's first column, from the updated weights, min/max or the
-``mse`` shrink search), write its codes and its scaled error ``(w - dq) / U_ii``, push the error onto the
-block's later columns (rank-1, fused multiply-add). Rows are independent, so programs split the rows.
-The update of the columns after the block stays one torch GEMM, the same call as the reference.
+The reference, ``quantkit.methods.gptq._columns``, launches ~12 small torch kernels per column. Here one
+program holds a tile of output rows x the block's columns of ``W^T [in, out]`` in registers and walks the
+columns: quantize (group parameters at a group's first column, from the updated weights, min/max or the ``mse``
+shrink search), write codes and scaled error ``(w - dq) / U_ii``, push the error onto the block's later columns
+(rank-1 FMA). Rows are independent, so programs split them; the update after the block stays one torch GEMM.
 
 Arithmetic follows the reference op for op so that codes are bitwise equal: IEEE division (``div_rn``),
 round-half-even, scalar divisions as torch does them (CUDA multiplies by the fp32 reciprocal of a
-Python-scalar divisor, the CPU divides), the in-block update as one fused multiply-add (what torch's
-``addr_`` does on the CPU; the interpreter's ``tl.fma`` rounds twice, so it is emulated in float64
-there), and no other contraction (``enable_fp_fusion=False``). The ``mse`` search sums its errors in a
-different order than torch's reduction: a near-tie can pick another shrink step (see the tests).
+Python-scalar divisor, the CPU divides), the in-block update as one fused multiply-add (as torch's ``addr_``
+on the CPU; the interpreter's ``tl.fma`` rounds twice, so float64 emulates it there), and no other
+contraction (``enable_fp_fusion=False``). The ``mse`` search sums in another order than torch: a near-tie
+can pick another shrink step (see the tests).
 """
 
 from __future__ import annotations
@@ -33,8 +31,7 @@ _ROUND_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23: (x + M) - M is x rounded
 
 @triton.jit
 def _rint(x):
-    # For |x| >= 2**22 the result is off by at most one unit, far outside [0, maxq] either way: the
-    # clamp that follows every use gives the same code.
+    # |x| >= 2**22 may be off by one unit, far outside [0, maxq]: the clamp after every use gives the same code
     return (x + _ROUND_MAGIC) - _ROUND_MAGIC
 
 
@@ -113,13 +110,10 @@ def _gptq_block_kernel(
     MSE: tl.constexpr, N_SHRINK: tl.constexpr, RECIP: tl.constexpr, EMULATE: tl.constexpr,
     WEIGHTED: tl.constexpr,
 ):
-    """Columns ``[i1, i1 + n_cols)`` of ``W^T [in, out]`` for the rows ``[pid * TILE, +TILE)``.
-
-    Writes codes (int32, ``[in, out]``), the scaled errors (``err [BLOCK, out]``) and, without STATIC,
-    each group's scale / zero at its first column (``[G, out]``). STATIC: per-column parameters
-    ``cscale / czero [in, out]``. EMULATE (interpreter): exact fma and pow through float64. WEIGHTED: the
-    mse search weights column ``j``'s error by ``cw [in]`` (position order).
-    """
+    """Columns ``[i1, i1 + n_cols)`` of ``W^T [in, out]`` for the rows ``[pid * TILE, +TILE)``: codes (int32,
+    ``[in, out]``), scaled errors (``err [BLOCK, out]``) and, without STATIC, each group's scale / zero at its
+    first column (``[G, out]``). STATIC: per-column ``cscale / czero [in, out]``. EMULATE (interpreter): exact
+    fma and pow through float64. WEIGHTED: the mse search weights column ``j``'s error by ``cw [in]``."""
     cols = tl.program_id(0) * TILE + tl.arange(0, TILE)  # output rows of W
     cmask = cols < n_out
     rows = tl.arange(0, BLOCK)  # block-local columns of W
@@ -189,10 +183,9 @@ def gptq_columns_triton(
     None, the groups' scales float32 / zeros int32 ``[G, out]`` (else None, None).
 
     ``W [out, in]`` float32 (already permuted), ``U [in, in]`` its inverse-Hessian factor, ``block`` the
-    columns per launch (the caller makes it a multiple of ``gs`` when groups are computed here).
-    ``errors``: if given (float32 ``[in, out]``, contiguous), receives every column's scaled error.
-    ``mse_weight``: the mse search's column weights float32 ``[in]`` in position order (None: unweighted).
-    """
+    columns per launch (a multiple of ``gs`` when groups are computed here). ``errors`` (optional, contiguous
+    float32 ``[in, out]``) receives every column's scaled error. ``mse_weight``: the mse search's column
+    weights float32 ``[in]`` in position order (None: unweighted)."""
     n_out, n_in = W.shape
     dev = W.device
     Wt = W.t().contiguous()  # [in, out], updated in place by the trailing GEMMs
@@ -220,8 +213,8 @@ def gptq_columns_triton(
     bw = triton.next_power_of_2(block)
     tile = _row_tile(n_out, bw)
     grid = (triton.cdiv(n_out, tile),)
-    # A warp per 1024 tile elements: small tiles reduce each column within one warp (shuffles, no
-    # barrier), which is the latency of every sequential step.
+    # a warp per 1024 tile elements: small tiles reduce a column within one warp (no barrier), the latency
+    # of every sequential step
     warps = max(1, min(4, bw * tile // 1024))
     extra = {} if interpreting() else {"enable_fp_fusion": False, "num_warps": warps}
     for i1 in range(0, n_in, block):

@@ -1,22 +1,16 @@
 # ruff: noqa: UP045  (torch.library infers the op schema from typing.Optional annotations)
-"""The W4A16 linear and varlen attention as PyTorch custom ops, so that ``torch.compile`` (and with it
-transformers' static-cache ``generate``) treats each kernel call as one opaque node instead of tracing into the
-Triton / Gluon launchers, which inductor cannot re-emit.
+"""The W4A16 linear and varlen attention as PyTorch custom ops, so that ``torch.compile`` (and transformers'
+static-cache ``generate``) sees each kernel call as one opaque node instead of tracing into the launchers.
 
 * ``quantkit::w4a16_linear(x, qweight, scales, zeros, g_idx, perm, pair_index, tile_counters, partial_sums, bits,
-  group_size, bias) -> y [..., N]``: the tensors of a :class:`~quantkit.kernels.w4a16_weights.W4A16Weights`
-  (``group_size`` in the kernels' encoding, None for irregular groups). Behind it
-  :func:`quantkit.kernels.dispatch.w4a16_linear`: the kernel the layer's plan names on CUDA, the plain-PyTorch
-  reference elsewhere. The plan is a pure function of the layer's facts and the GPU, memoized
-  (:func:`~quantkit.kernels.w4a16_select.plan_w4a16`), so rebuilding it here costs a dictionary lookup. The
-  direct decode kernel's workspace (``tile_counters``, ``partial_sums``) is returned to zeros by every call, so the
-  op declares no mutation.
+  group_size, bias) -> y [..., N]``: the tensors of a ``W4A16Weights`` (``group_size`` in the kernels' encoding),
+  run by :func:`quantkit.kernels.dispatch.w4a16_linear`; rebuilding the plan is a lookup (``plan_w4a16`` is
+  memoized). No mutation is declared: every call leaves the decode workspace zeroed again.
 * ``quantkit::attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, sm_scale, window_left,
   softcap) -> out (total_q, Hq, D)``: :func:`quantkit.kernels.attention.attention_varlen` on CUDA, the reference
   (cast to q's dtype) elsewhere.
 
-Importing this module registers the ops (``torch.library.custom_op``); :func:`w4a16_linear_op` and
-:func:`attention_varlen_op` are the callables.
+Importing this module registers the ops; :func:`w4a16_linear_op` and :func:`attention_varlen_op` are the callables.
 """
 
 from typing import Optional

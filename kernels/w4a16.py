@@ -1,19 +1,11 @@
-"""W4A16 GEMM: ``Y = X W^T`` with 16-bit activations and packed 4-bit (or 8-bit) weights, launchers.
+"""W4A16 GEMM launchers: ``Y = X W^T``, ``X`` fp16/bf16 ``[M, K]``, ``W`` ``[N, K]`` as packed 4-bit (or 8-bit)
+codes with per-group scales (and zero points when asymmetric), ``Y`` ``[M, N]`` in X's dtype.
 
-Shapes: ``X`` fp16/bf16 ``[M, K]``, ``W`` ``[N, K]`` stored as integer codes with per-group scales
-(and zero points when asymmetric), ``Y`` ``[M, N]`` in the dtype of ``X``.
-
-One entry point, :func:`w4a16_matmul`. Which kernel and config serve a call was decided when the weights were
-prepared (:func:`prepare_w4a16_weights` stores a :class:`~quantkit.kernels.w4a16_select.W4A16Plan`; read
-:mod:`quantkit.kernels.w4a16_select` for the rules and the measured table); a call looks up its M bucket.
-Tests and the tuner pass a config instead, whose type names the kernel.
-
-The kernels: the CUDA-core GEMV, the paired-nibble and the general tensor-core kernels in
-:mod:`quantkit.kernels.w4a16_triton` (any GPU from sm_80, and the CPU interpreter), and the Hopper kernels in
-:mod:`quantkit.kernels.w4a16_gluon`. The one-time repack (:func:`prepare_w4a16_weights`) transposes the GPTQ
-``qweight`` so that each output row's codes are contiguous along K, unpacks the zero points to bytes and, for
-act-order checkpoints, permutes K so that every group is contiguous. It is not a file format; the GPTQ layout
-itself is defined in :mod:`quantkit.pack`.
+One entry point, :func:`w4a16_matmul`. The kernel and config were chosen when the weights were prepared
+(:func:`prepare_w4a16_weights` stores a :class:`~quantkit.kernels.w4a16_select.W4A16Plan`; the rules are in
+:mod:`quantkit.kernels.w4a16_select`); a call looks up its M bucket. Tests and the tuner pass a config, whose
+type names the kernel. Kernels: :mod:`quantkit.kernels.w4a16_triton` (sm_80 on, and the CPU interpreter) and
+:mod:`quantkit.kernels.w4a16_gluon` (Hopper); the repack is in :mod:`quantkit.kernels.w4a16_weights`.
 """
 
 from __future__ import annotations
@@ -35,8 +27,7 @@ DECODE_MAX_M = 16
 
 
 def _decode_split_k(n_tiles: int, k_tiles: int, num_sms: int) -> int:
-    """Split K so the grid has about 4 programs per SM (enough bytes in flight to cover the load latency), at least
-    2 K tiles each."""
+    """Split K for about 4 programs per SM (bytes in flight to cover load latency), at least 2 K tiles each."""
     want = max(1, (4 * num_sms) // max(n_tiles, 1))
     return max(1, min(want, k_tiles // 2 if k_tiles >= 2 else 1))
 
@@ -48,8 +39,7 @@ def _gemv_split_k(n_tiles: int, k_tiles: int, num_sms: int, progs_per_sm: int) -
 
 
 def _gemv_matmul(x, w, config: GemvConfig):
-    """The GEMV: split K with float32 atomics into a zeroed buffer and one cast at the end, or (``SPLIT_K=1``)
-    one program per row block storing the result itself: a single launch."""
+    """The GEMV: split K with float32 atomics into a zeroed buffer, then a cast; ``SPLIT_K=1``: one launch."""
     m, k = x.shape
     n = w.out_features
     x = x.contiguous()
@@ -80,8 +70,7 @@ def _pairs_matmul(x, w, config: PairsConfig):
     m, k = x.shape
     n = w.out_features
     num_sms = device_info.num_sms(x.device)
-    # Split K (float32 atomics) up to PAIRS_SPLIT_MAX_M rows, and wherever 128 x 128 output tiles would not fill
-    # the SMs.
+    # split K up to PAIRS_SPLIT_MAX_M rows, and wherever 128 x 128 output tiles would not fill the SMs
     split = m <= PAIRS_SPLIT_MAX_M or triton.cdiv(n, 128) * triton.cdiv(m, 128) < num_sms
     out = torch.empty((m, n), device=x.device, dtype=torch.float32 if split else x.dtype)
     xp = _gather_columns(x, w.pair_index, out if split else None)
@@ -155,11 +144,8 @@ def _check_inputs(x: torch.Tensor, w: W4A16Weights) -> None:
 
 
 def w4a16_matmul(x: torch.Tensor, w: W4A16Weights, config=None) -> torch.Tensor:
-    """``x [M, K]`` fp16/bf16 -> ``x @ W^T`` ``[M, N]`` through a W4A16 kernel.
-
-    ``config`` None: the kernel and config the weights' plan holds for M. Otherwise a config of
-    :mod:`quantkit.kernels.w4a16_configs` (tests and the tuner), whose type names the kernel.
-    """
+    """``x [M, K]`` fp16/bf16 -> ``x @ W^T`` ``[M, N]``. ``config`` None: the weights' plan for M; otherwise a
+    config of :mod:`quantkit.kernels.w4a16_configs`, whose type names the kernel."""
     _check_inputs(x, w)
     if config is None:
         choice = _planned_choice(x, w)

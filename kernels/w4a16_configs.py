@@ -1,16 +1,9 @@
 """Launch configurations of the W4A16 kernels: one frozen dataclass per kernel family.
 
-No Triton here: the selection table (:mod:`quantkit.kernels.w4a16_select`), ``explain`` and the CPU tests
-read and validate configs without importing a compiler. Field names are the kernels' constexpr names, except
-those only the launcher's grid reads (``PROGS_PER_SM``, ``SPLIT_K``, ``CTAS_PER_SM``).
-
-Families (the kernels in :mod:`quantkit.kernels.w4a16` and :mod:`quantkit.kernels.w4a16_gluon`):
-
-* ``gemv``: CUDA-core GEMV for 1-2 activation rows; ``SPLIT_K = 1`` stores each row block directly (one
-  launch), otherwise K is split over the grid with float32 atomics.
-* ``pairs``: the paired-nibble tensor-core kernel (4-bit, K a multiple of 128), any GPU from sm_80.
-* ``tc``: the general tensor-core kernel (8-bit codes, or K not a multiple of 128).
-* ``gluon``: the Hopper kernel (TMA ring, mma.sync or wgmma; ``DIRECT``: the ring-less decode kernel).
+No Triton here, so the selection table, ``explain`` and the CPU tests read configs without a compiler. Field
+names are the kernels' constexpr names, except grid-only ones (``PROGS_PER_SM``, ``SPLIT_K``, ``CTAS_PER_SM``).
+Families: ``gemv`` (CUDA-core GEMV, 1-2 rows), ``pairs`` (paired-nibble tensor-core, 4-bit, K a multiple of 128),
+``tc`` (general tensor-core), ``gluon`` (Hopper; ``DIRECT``: the ring-less decode kernel).
 """
 
 from __future__ import annotations
@@ -21,9 +14,8 @@ import dataclasses
 PAIR_TILE_K = 128
 # The direct decode kernel's activation rows at most (its stream-K workspace holds this many).
 DIRECT_MAX_M = 8
-# A group size larger than any K: how per-channel quantization (one group per output channel, ``-1`` in a
-# checkpoint) reaches the kernels, so that every K tile lies inside one group. The only spelling past
-# :func:`kernel_group_size`.
+# Per-channel groups (``-1`` in a checkpoint) as the kernels see them: larger than any K, so every K tile lies
+# inside one group. The only spelling past :func:`kernel_group_size`.
 PER_CHANNEL_GROUP = 1 << 30
 
 _WORDS = PAIR_TILE_K // 8  # int32 words of one K tile
@@ -56,9 +48,8 @@ class GemvConfig:
             raise ValueError(f"bad GEMV config {self}")
 
     def fits(self, m: int, group_size: int) -> bool:
-        """BLOCK_K divides the group or covers whole groups, and the tile of ``m`` rows fits a thread's registers:
-        at most 256 codes a thread (128 from two rows on, where the dequantized tile spills otherwise) and 2048
-        products."""
+        """BLOCK_K divides the group or covers whole groups, and the tile fits a thread's registers: at most 256
+        codes a thread (128 from two rows on: the tile spills otherwise) and 2048 products."""
         block_m = _next_pow2(m)
         codes = self.BLOCK_N * self.BLOCK_K // (32 * self.num_warps)
         block_k_ok = group_size % self.BLOCK_K == 0 or self.BLOCK_K % group_size == 0
@@ -102,23 +93,18 @@ class TcConfig:
 
 @dataclasses.dataclass(frozen=True)
 class GluonConfig:
-    """One launch configuration of the Hopper Gluon kernels (:mod:`quantkit.kernels.w4a16_gluon`).
+    """A launch configuration of the Hopper Gluon kernels (:mod:`quantkit.kernels.w4a16_gluon`).
 
-    * BLOCK_N weight rows and BLOCK_M activation rows per output tile, NUM_BUF ring stages,
-      num_warps consumer warps (the producer warp adds a mostly idle warpgroup).
-    * WGMMA: asynchronous wgmma (prefill) instead of mma.sync (decode). mma.sync tiles take BLOCK_M 16
-      (8 whenever M <= 8) and 16 weight rows per warp; wgmma tiles 64 weight rows per warpgroup.
-    * STREAM_K: the units of one activation tile (M <= BLOCK_M) are split evenly over
-      ``num_SMs * CTAS_PER_SM`` programs, whose partial sums meet in a float32 workspace through
-      atomics; otherwise one program per output tile, stored once. All stream-K programs must be
-      resident at once, so the register cap per thread follows from CTAS_PER_SM (:meth:`maxnreg`).
-    * PERSISTENT (one program per tile otherwise): ``num_SMs * CTAS_PER_SM`` programs, each takes
-      every n-th output tile whole, its producer running ahead into the next tile during the store.
+    * BLOCK_N weight rows x BLOCK_M activation rows per tile, NUM_BUF ring stages, num_warps consumer warps
+      (the producer warp adds a mostly idle warpgroup).
+    * WGMMA: wgmma (prefill) instead of mma.sync (decode: BLOCK_M 16, 8 whenever M <= 8, 16 weight rows a
+      warp); wgmma takes 64 weight rows per warpgroup.
+    * STREAM_K: one activation tile's units split evenly over ``num_SMs * CTAS_PER_SM`` programs; all must be
+      resident at once, so CTAS_PER_SM sets the register cap (:meth:`maxnreg`). PERSISTENT: as many
+      programs, each taking every n-th tile whole. Neither: one program per tile.
     * X_BOX_K: activation columns per TMA box, 32 (64-byte swizzle) or 64 (128-byte swizzle).
-    * DIRECT (mma.sync stream-K only): the ring-less kernel, every warp loads its own operands into
-      registers, one unit ahead. GATHER_X (DIRECT only): reads the column-gathered activations, as the ring
-      kernel always does (act-order weights are always gathered). UNROLL (DIRECT only): 2 runs the loop two
-      units an iteration.
+    * DIRECT: the ring-less mma.sync stream-K kernel. GATHER_X (DIRECT only): read column-gathered activations,
+      as the ring kernel and act-order weights always do. UNROLL (DIRECT only): 2 units a loop iteration.
     """
 
     BLOCK_N: int

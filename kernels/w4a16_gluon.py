@@ -1,59 +1,36 @@
 """W4A16 GEMM in Gluon (`triton.experimental.gluon`) for Hopper: ``Y = X W^T``, decode and prefill.
 
-Why Gluon: Triton waits for each register-operand wgmma to finish before the registers are rewritten, so
-in the Triton paired-nibble kernel dequantization and matrix multiply never overlap, and its loads are
-pipelined only a few tiles deep per program (bench/NOTES_w4a16.md). Gluon places both.
+Why Gluon: Triton waits for each register-operand wgmma before its registers are rewritten (so dequantization
+and multiply never overlap) and pipelines loads only a few tiles deep (bench/NOTES_w4a16.md). Gluon places both.
 
-One kernel, two tensor-core instructions (constexpr ``WGMMA``), same dequantization:
+* Paired nibbles (``w4a16_weights._paired_nibble_index``): a packed word shifted right by 4j has codes j and
+  j + 4 at bits 0 and 16; one ``lop3`` makes them a pair of 16-bit floats ``MAGIC + code``, one packed
+  subtraction and one packed multiply dequantize both, and that register *is* a tensor-core A-operand register.
+  A 128-code K tile is four dots of K = 32; the activations are gathered into the matching column order.
+* The words are read in the 32-bit A-operand layout (``k_width=1``): thread (g, t) holds words t, t + 4, t + 8,
+  t + 12 of rows g and g + 8 of each 16-row block, which is where their pairs sit in the 16-bit A operand of a
+  K = 32 dot (``k_width=2``): the conversion is register renaming.
+* Ring kernel (:func:`_w4a16_gluon_kernel`): a producer warp (``gl.warp_specialize``) TMAs the weight words
+  (64-byte swizzle: conflict-free reads) and activation tiles through NUM_BUF shared-memory stages, each with a
+  "ready" and an "empty" mbarrier; the dequantizing warps never load or wait on a CTA-wide barrier. It runs
+  under programmatic dependent launch behind ``w4a16_triton._gather_columns`` (gather, workspace zeroing,
+  K-tile activation sums) and requests weights before that kernel ends.
+* Decode (``WGMMA=False``; M <= 16, a candidate up to 64): ``mma.sync`` m16n8k16, weights as A. Its register
+  operands have plain scoreboard dependencies, so dequantizing one dot overlaps the previous MMA with no wait;
+  the activation rows are the n = 8 side (M <= 8 wastes nothing). Stream-K: units are (output tile, K tile);
+  each of ``num_SMs * CTAS_PER_SM`` programs takes an equal contiguous run (no tail wave); partial tiles meet
+  in a float32 workspace (:func:`_flush`). With one group per K tile, zero point and scale go onto each K
+  tile's float32 sums instead of every code pair (:func:`_magic_pairs`).
+* Prefill (``WGMMA=True``): async wgmma, dequantized A from registers (two warpgroups of 64 or 128 rows),
+  activations as B from shared memory; dot j + 1 is dequantized while dot j runs (``warpgroup_mma_wait(1)``).
+  One output tile per program (grouped order for L2 reuse), stored once.
+* Direct decode (``DIRECT`` configs, M <= 8, one group per K tile; :func:`_w4a16_direct_kernel`): no ring;
+  every warp loads its own operands, one unit ahead, from the caller's activations: one launch, no gather
+  (act-order weights and ``GATHER_X`` read gathered ones). Partial tiles meet in the layer's
+  ``W4A16Weights.partial_sums`` / ``tile_counters``. Faster than the ring up to ~60 M weights.
 
-* The paired-nibble trick (``w4a16_weights._paired_nibble_index``): shifting a packed word right by
-  4j puts codes j and j + 4 at bits 0 and 16, one ``lop3`` makes them a pair of 16-bit floats
-  ``MAGIC + code``, one packed subtraction and one packed multiply dequantize both, and that
-  register *is* a tensor-core A-operand register. Each 128-code K tile is four dots of K = 32; the
-  activations are gathered once per call into the matching column order.
-* The packed words are read from shared memory in the 32-bit A-operand layout (``k_width=1``):
-  thread (g, t) of a warp holds words t, t + 4, t + 8, t + 12 of rows g and g + 8 of each 16-row
-  block, which is where those words' pairs sit in the 16-bit A operand of a K = 32 dot
-  (``k_width=2``): the conversion is register renaming. The 64-byte swizzle of the word tiles makes
-  the reads free of bank conflicts.
-* A producer warp (``gl.warp_specialize``) streams the weight words and the activation tiles
-  through a ring of NUM_BUF shared-memory stages with TMA (one "ready" and one "empty" mbarrier per
-  stage), so the dequantizing warps never issue a load or wait on a CTA-wide barrier.
-
-Decode (M <= 16, and as a candidate up to 64 rows with taller activation tiles; ``WGMMA=False``):
-``mma.sync`` m16n8k16 (``mma_v2``) with the weights as A. Its
-register operands are ordinary registers with scoreboard dependencies, so the dequantization of one
-dot overlaps the MMA of the previous one with no explicit wait; the activation rows are the n = 8
-side, so M <= 8 wastes nothing. The work is split stream-K: units are (output tile, K tile), each of
-``num_SMs * CTAS_PER_SM`` programs takes a contiguous run of units. Every program gets the same
-number of units: no tail wave, whatever the shape. A run that holds a whole tile stores it; partial
-tiles are summed in a float32 workspace with atomics, and the program that completes a tile's count
-of K tiles converts it to the output (no separate zeroing or cast kernel: those, and the column
-gather, cost ~10 us a call on the H200). With one group per K tile the zero point and the scale are
-applied to each K tile's float32 sums, not to every code pair (``_magic_pairs``).
-
-The kernel is launched with programmatic dependent launch behind the small kernel that gathers the
-activation columns (``w4a16_triton._gather_columns``, which also zeroes the workspace and sums each K tile of
-the activations): its weight loads start before that kernel has finished (``_load_partition``).
-
-Decode without the ring (``DIRECT`` configs, M <= 8, one group per K tile): :func:`_w4a16_direct_kernel`.
-Every warp loads its own operands straight into the mma.sync registers, one unit ahead (a thread's four
-A words of a row are one 16-byte load, relabelled). It reads the caller's activations and splits their
-columns in registers, and sums each K tile itself: one launch, no gather (``GATHER_X`` configs, and
-act-order weights, take the gathered ones instead). Its partial tiles meet in the layer's own workspace
-and counters (``W4A16Weights.partial_sums``, ``tile_counters``), which the finishing program zeroes again
-for the next call. On the H200 it beats the ring on layers up to ~60 M weights (4096²: 7.0 against
-9.0 us at M = 1; bench/NOTES_w4a16.md).
-
-Prefill (``WGMMA=True``): asynchronous wgmma with the dequantized weights as A from registers (two
-warpgroups of 64 weight rows each, or 128 with two m64 blocks) and the activation tile as B from
-shared memory. The dequantization of dot j + 1 runs while the wgmma of dot j is in flight
-(``warpgroup_mma_wait(1)``), and a ring stage is released as soon as the wgmmas that read it have
-retired. Each program owns one output tile (grouped order for L2 reuse) and stores it once.
-
-Scope: 4-bit codes, K a multiple of 128 (``W4A16Weights.pair_index`` set), contiguous groups (any group
-size that is a multiple of 8, per channel included), sym or asym, act-order through ``pair_index``,
-fp16 or bf16 activations, sm_90. GPU only: Gluon has no interpreter path.
+Scope: 4-bit, K a multiple of 128 (``pair_index`` set), contiguous groups of a multiple of 8 (per channel too),
+sym or asym, act-order through ``pair_index``, fp16/bf16, sm_90; GPU only (Gluon has no interpreter path).
 """
 
 from __future__ import annotations
@@ -105,8 +82,8 @@ def _wait_for_previous_grid():
 
 @gluon.jit
 def _even_run(pid, n_progs, n_units):
-    """Program ``pid``'s contiguous run (first unit, count) of ``n_units`` split over ``n_progs``: runs
-    differ in length by at most one (int64: pid * n_units passes 2**31 at M = 4096, BLOCK_M = 64)."""
+    """Program ``pid``'s contiguous run (first unit, count) of ``n_units`` over ``n_progs``; lengths differ by at
+    most one (int64: pid * n_units can pass 2**31)."""
     u0 = ((pid.to(gl.int64) * n_units) // n_progs).to(gl.int32)
     count = (((pid.to(gl.int64) + 1) * n_units) // n_progs).to(gl.int32) - u0
     return u0, count
@@ -114,7 +91,7 @@ def _even_run(pid, n_progs, n_units):
 
 @gluon.jit
 def _ring_barriers(NUM_BUF: gl.constexpr):
-    """The ring's "ready" (filled by TMA) and "empty" (released by the consumers) mbarriers, initialized."""
+    """The ring's "ready" (TMA filled it) and "empty" (consumers released it) mbarriers."""
     ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(NUM_BUF):
@@ -132,10 +109,8 @@ def _invalidate_ring(ready, empty, NUM_BUF: gl.constexpr):
 
 @gluon.jit
 def _unit_coords(i, u0, pid, n_progs, k_tiles, tiles_n, tiles_m, GROUP_N: gl.constexpr, PERSISTENT: gl.constexpr):
-    """The program's i-th unit -> (weight-row tile, activation-row tile, K tile).
-
-    Contiguous runs (stream-K, or one tile per program) start at unit ``u0`` of the whole grid; a
-    PERSISTENT program owns output tiles pid, pid + n_progs, ... whole, in turn."""
+    """The program's i-th unit -> (weight-row tile, activation-row tile, K tile). A contiguous run starts at
+    grid unit ``u0``; a PERSISTENT program owns whole output tiles pid, pid + n_progs, ... in turn."""
     if PERSISTENT:
         tile = pid + (i // k_tiles) * n_progs
         kt = i % k_tiles
@@ -148,8 +123,7 @@ def _unit_coords(i, u0, pid, n_progs, k_tiles, tiles_n, tiles_m, GROUP_N: gl.con
 
 @gluon.jit
 def _load_weights(desc_w, w_smem, ready, stage, tn, kt, x_bytes: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Arm ring stage ``stage`` for one unit (its weight words and ``x_bytes`` of activations) and TMA
-    the weight words [BLOCK_N, 16] of (tn, kt) into it."""
+    """Arm ``stage`` for one unit (weight words plus ``x_bytes`` of activations); TMA the words of (tn, kt)."""
     bar = ready.index(stage)
     mbarrier.expect(bar, desc_w.block_type.nbytes + x_bytes)
     tma.async_copy_global_to_shared(desc_w, [tn * BLOCK_N, kt * _WORDS], bar, w_smem.index(stage))
@@ -159,13 +133,10 @@ def _load_weights(desc_w, w_smem, ready, stage, tn, kt, x_bytes: gl.constexpr, B
 def _load_partition(desc_w, desc_x, w_smem, x_smem, ready, empty, u0, count, pid, n_progs, k_tiles, tiles_n, tiles_m,
                     BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, GROUP_N: gl.constexpr, NUM_BUF: gl.constexpr,
                     PERSISTENT: gl.constexpr):
-    """Producer warp: TMA of each unit's weight words [BLOCK_N, 16] and its four [BLOCK_M, 32]
-    activation boxes into ring stage i % NUM_BUF, once the consumers have released that stage.
-
-    The kernel is launched as a programmatic dependent of the small kernel that gathers the activations
-    (and zeroes the stream-K workspace): the weights of the first NUM_BUF units do not depend on it, so
-    they are requested before waiting for it, and the launch gap, the gather and the first weight round
-    trip overlap."""
+    """Producer warp: TMA of each unit's weight words [BLOCK_N, 16] and activation boxes into stage
+    i % NUM_BUF once the consumers have released it. The first NUM_BUF units' weights do not depend on the
+    gather launched before this kernel, so they are requested before waiting for it (launch gap, gather and
+    first weight round trip overlap)."""
     BOXES: gl.constexpr = _TILE_K // desc_x.block_type.shape[1]  # activation boxes per unit
     x_bytes: gl.constexpr = BOXES * desc_x.block_type.nbytes
     for i in range(gl.minimum(count, NUM_BUF)):
@@ -189,8 +160,8 @@ def _load_partition(desc_w, desc_x, w_smem, x_smem, ready, empty, u0, count, pid
 @gluon.jit
 def _group_params(scales_ptr, zeros_ptr, tn, kt, N, stride_sg, stride_zg, offs_n, offs_w,
                   GROUP_SIZE: gl.constexpr, HAS_ZEROS: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Scales (fp16) and zero points (int32) of weight-row tile ``tn``, K tile ``kt``: [BLOCK_N, 1] when
-    the K tile lies in one group, else [BLOCK_N, 16], one per word (a word's 8 codes share a group)."""
+    """Scales (fp16) and zero points (int32) of tile ``tn``, K tile ``kt``: [BLOCK_N, 1] when the K tile lies
+    in one group, else [BLOCK_N, 16], one per word (a word's 8 codes share a group)."""
     n = tn * BLOCK_N + offs_n
     k0 = kt * _TILE_K
     mask_n = n < N
@@ -216,7 +187,7 @@ def _group_params(scales_ptr, zeros_ptr, tn, kt, N, stride_sg, stride_zg, offs_n
 @gluon.jit
 def _pairs_of(v, a_layout: gl.constexpr, BLOCK_N: gl.constexpr):
     """[BLOCK_N, 16 or 1] (one value per word) -> [BLOCK_N, 32] in the 16-bit A layout, each value twice
-    (both codes of a pair). Register renaming only (see the module docstring)."""
+    (both codes of a pair); register renaming only."""
     v = gl.broadcast(v, gl.full([BLOCK_N, _WORDS], 0, v.dtype, layout=v.type.layout))[0]
     return gl.convert_layout(gl.reshape(gl.join(v, v), [BLOCK_N, 2 * _WORDS]), a_layout)
 
@@ -243,14 +214,12 @@ _PAIR_ASM_F16_RAW = gl.constexpr(_lop3(0x64006400, "$0"))
 
 @gluon.jit
 def _magic_pairs(words, j: gl.constexpr, dtype: gl.constexpr, a_layout: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Codes j and j + 4 of every word as 16-bit floats ``MAGIC_VALUE + code``: the A operand
-    [BLOCK_N, 32] of dot j, one shift and one ``lop3`` per register.
+    """Codes j and j + 4 of every word as 16-bit floats ``MAGIC_VALUE + code``: the A operand [BLOCK_N, 32]
+    of dot j, zero point and scale not applied.
 
-    The dot then sums ``(MAGIC_VALUE + code) * x`` over the tile, and the caller subtracts
-    ``(MAGIC_VALUE + zero) * sum(x)`` from it per row in float32: one packed subtraction per register
-    (a quarter of the decode loop's instructions) becomes two FMAs per accumulator element, which at
-    M <= 16 are 8-16 times fewer. The cancellation costs ~5 of float32's 24 bits (bf16; ~8 for fp16),
-    far below the 16-bit output's precision."""
+    The caller subtracts ``(MAGIC_VALUE + zero) * sum(x)`` per row from the float32 dot: at M <= 16 two FMAs
+    per accumulator element are 8-16x fewer than a packed subtraction per register. The cancellation costs
+    ~5 of float32's 24 bits (bf16; ~8 for fp16), far below the 16-bit output's precision."""
     shifted = _pairs_of(words >> (4 * j), a_layout, BLOCK_N)
     if dtype == gl.bfloat16:
         pairs = gl.inline_asm_elementwise(_PAIR_ASM_BF16_RAW, "=r,r,r", [shifted], dtype=gl.bfloat16, is_pure=True,
@@ -263,12 +232,8 @@ def _magic_pairs(words, j: gl.constexpr, dtype: gl.constexpr, a_layout: gl.const
 
 @gluon.jit
 def _dequant_pairs(words, zero_bias, scale, j: gl.constexpr, a_layout: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Codes j and j + 4 of every word, dequantized: the A operand [BLOCK_N, 32] of dot j.
-
-    ``(w >> 4j) & 0x000F000F | MAGIC`` is a pair of 16-bit floats ``MAGIC_VALUE + code`` (exact); one
-    packed subtraction of ``MAGIC_VALUE + zero`` gives ``code - zero`` (exact) and one packed multiply
-    applies the scale.
-    """
+    """Codes j and j + 4 of every word, dequantized: the A operand [BLOCK_N, 32] of dot j. Subtracting
+    ``MAGIC_VALUE + zero`` from ``MAGIC_VALUE + code`` is exact; then the packed multiply by the scale."""
     shifted = _pairs_of(words >> (4 * j), a_layout, BLOCK_N)
     if zero_bias.dtype == gl.bfloat16:
         asm: gl.constexpr = _PAIR_ASM_BF16_SCALED
@@ -283,12 +248,10 @@ def _flush(acc, c_ptr, ws_ptr, tile_units_ptr, tn, tm, M, N, seg_units, k_tiles,
            BLOCK_M: gl.constexpr, ATOMIC_OUT: gl.constexpr, acc_layout: gl.constexpr, RESET: gl.constexpr):
     """The tile's sums of ``seg_units`` K tiles into ``c`` [M, N] (contiguous, c's dtype).
 
-    One program per tile, or a stream-K run that holds all ``k_tiles`` of it: one store. Otherwise
-    (ATOMIC_OUT) the partial sums go into the zeroed float32 workspace ``ws`` [M, N] with atomics, then
-    ``seg_units`` is added to the tile's counter; the program whose addition completes ``k_tiles``
-    is the last one, and it converts the workspace tile into ``c``. No program waits for another.
-    RESET: that program also zeroes the workspace tile and the counter again, so that the next call finds
-    them zeroed without a zeroing launch (one layer's calls must then run one at a time)."""
+    A run holding all ``k_tiles`` of the tile stores it. Otherwise (ATOMIC_OUT) the partial sums are added to
+    the zeroed float32 workspace ``ws`` [M, N], then ``seg_units`` to the tile's counter; the program whose
+    addition completes ``k_tiles`` converts the tile into ``c`` (no program waits for another) and, with RESET,
+    zeroes tile and counter again for the next call (so one layer's calls must run one at a time)."""
     n = tn * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
     m = tm * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, acc_layout))
     offs = gl.expand_dims(m, 0).to(gl.int64) * N + gl.expand_dims(n, 1)
@@ -298,11 +261,8 @@ def _flush(acc, c_ptr, ws_ptr, tile_units_ptr, tn, tm, M, N, seg_units, k_tiles,
             gl.store(c_ptr + offs, acc.to(c_ptr.dtype.element_ty), mask=mask)
         else:
             gl.atomic_add(ws_ptr + offs, acc, mask=mask, sem="relaxed")
-            # All consumer threads have issued their sums (barrier) before one thread's release of the
-            # count, which covers them (the pattern of a split-K semaphore). A fence in every thread
-            # instead (fence.acq_rel.gpu before the barrier) made the H200 compute wrong partial sums in
-            # 10-60 of 224 tiles per call at 28672 x 8192, M = 16 (bench/NOTES_w4a16.md); not understood,
-            # not used.
+            # All threads have issued their sums (barrier) before one thread's release of the count, which
+            # covers them (split-K semaphore). Not a per-thread fence: it gave wrong sums (bench/NOTES_w4a16.md).
             gl.thread_barrier()
             done = gl.atomic_add(tile_units_ptr + tn, seg_units, sem="acq_rel") + seg_units
             if done == k_tiles:
@@ -317,8 +277,7 @@ def _flush(acc, c_ptr, ws_ptr, tile_units_ptr, tn, tm, M, N, seg_units, k_tiles,
 
 @gluon.jit
 def _x_dot(x_smem, stage, j: gl.constexpr):
-    """The [BLOCK_M, 32] activation columns of dot j of ring stage ``stage``: a box of its own, or a column
-    slice of a 64-column box (128-byte rows)."""
+    """Dot j's [BLOCK_M, 32] activations in ring stage ``stage``: its own box, or a slice of a 64-column box."""
     BOX_K: gl.constexpr = x_smem.shape[2]
     box = x_smem.index(stage * (_TILE_K // BOX_K) + (j * _DOT_K) // BOX_K)
     if BOX_K == _DOT_K:
@@ -332,13 +291,10 @@ def _unit(acc, a_prev, scale, zero, w_smem, x_smem, ready, empty, scales_ptr, ze
           stride_sg, stride_zg, u, lo, hi, tn, tm, kt_base, offs_n, offs_w, GROUP_SIZE: gl.constexpr,
           HAS_ZEROS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, NUM_BUF: gl.constexpr,
           WGMMA: gl.constexpr, SCALE_ACC: gl.constexpr, acc_layout: gl.constexpr):
-    """One unit (K tile) of the consumer: wait for its stage, dequantize the words into four K = 32 A
-    operands, multiply. Returns the accumulator, the wgmma A operand still in flight, and the next
-    unit's scales and zeros (issued here, used next time).
-
-    SCALE_ACC (mma.sync, one group per K tile): the dots multiply ``MAGIC_VALUE + code``
-    (:func:`_magic_pairs`) into a fresh float32 tile, and the zero point and the scale are applied
-    to that tile, with ``xsum`` [M, k_tiles] (each K tile's activation sums, from the gather)."""
+    """One unit (K tile) of the consumer: wait for its stage, dequantize into four K = 32 A operands,
+    multiply. Returns the accumulator, the wgmma A operand still in flight, and the next unit's scales and
+    zeros (loaded now, used next time). SCALE_ACC: see :func:`_mma_sync_unit`; ``xsum`` [M, k_tiles] holds
+    each K tile's activation sums, from the gather."""
     dtype: gl.constexpr = x_smem.dtype
     MAGIC_VALUE: gl.constexpr = 128.0 if dtype == gl.bfloat16 else 1024.0
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
@@ -384,13 +340,10 @@ def _unit(acc, a_prev, scale, zero, w_smem, x_smem, ready, empty, scales_ptr, ze
 @gluon.jit
 def _mma_sync_unit(acc, words, b0, b1, b2, b3, scale, zero, xsum, zb, sc, SCALE_ACC: gl.constexpr,
                    acc_layout: gl.constexpr):
-    """One unit's four mma.sync dots on its packed words [BLOCK_N, 16] (A layout, ``k_width=1``) and the
-    activation operands of dots 0-3, added to ``acc``.
-
-    SCALE_ACC: the dots multiply ``MAGIC_VALUE + code`` (:func:`_magic_pairs`) into a fresh float32 tile,
-    and the zero point and the scale [BLOCK_N, 1] are applied to that tile with the unit's activation
-    sums ``xsum`` [BLOCK_M]. Otherwise every pair is dequantized with ``zb`` / ``sc`` (the zero bias and
-    the scale in pairs, :func:`_dequant_pairs`); ``xsum`` is unused."""
+    """One unit's four mma.sync dots on its words [BLOCK_N, 16] (``k_width=1``) and activation operands
+    b0-b3, added to ``acc``. SCALE_ACC: the dots multiply ``MAGIC_VALUE + code`` (:func:`_magic_pairs`) into
+    a fresh float32 tile; zero point and scale [BLOCK_N, 1] go onto it with the activation sums ``xsum``
+    [BLOCK_M]. Otherwise every pair is dequantized with the paired zero bias ``zb`` and scale ``sc``."""
     dtype: gl.constexpr = b0.dtype
     BLOCK_N: gl.constexpr = words.shape[0]
     BLOCK_M: gl.constexpr = acc.shape[1]
@@ -421,14 +374,11 @@ def _mma_partition(w_smem, x_smem, ready, empty, scales_ptr, zeros_ptr, xsum_ptr
                    HAS_ZEROS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, GROUP_N: gl.constexpr,
                    NUM_BUF: gl.constexpr, WGMMA: gl.constexpr, ATOMIC_OUT: gl.constexpr, PERSISTENT: gl.constexpr,
                    num_warps: gl.constexpr):
-    """Consumer warps: the run, one segment per output tile it touches (one; several whole tiles when
-    PERSISTENT; stream-K pieces), each segment's units, then its flush. Units are numbered here by their
-    position in the program's ring order; ``kt_base`` maps those numbers to the segment's K tiles.
+    """Consumer warps: one segment per output tile the run touches (stream-K pieces, or whole tiles), each
+    segment's units, then its flush. Units are numbered by ring position; ``kt_base`` maps them to K tiles.
 
-    With wgmma the segment's last unit is peeled off the loop and drained in straight-line code: with
-    the drain after the loop, ptxas (sm_90, CUDA 12.8 in triton 3.6) read the accumulator before the
-    last wgmma had landed (~1 of K/32 dots lost per output on the H200, rel. err 0.03-0.07); with a
-    conditional drain inside the loop it serialized every wgmma."""
+    With wgmma the segment's last unit is peeled off the loop and drained in straight-line code: any other
+    drain placement made ptxas read the accumulator early or serialize the wgmmas (bench/NOTES_w4a16.md)."""
     dtype: gl.constexpr = x_smem.dtype
     if WGMMA:
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -440,8 +390,7 @@ def _mma_partition(w_smem, x_smem, ready, empty, scales_ptr, zeros_ptr, xsum_ptr
     w_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=1)
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, w_layout))
     offs_w = gl.arange(0, _WORDS, layout=gl.SliceLayout(0, w_layout))
-    # mma.sync, one group per K tile: the scale multiplies the tile's float32 sums (16-32 FMAs per unit
-    # and thread) instead of every dequantized pair (64-128 packed multiplies)
+    # mma.sync, one group per K tile: scale the float32 sums, not every dequantized pair (fewer instructions)
     SCALE_ACC: gl.constexpr = (not WGMMA) and (GROUP_SIZE % _TILE_K == 0)
     # the activation sums and the stream-K workspace come from the gather launched before this kernel
     _wait_for_previous_grid()
@@ -491,15 +440,10 @@ def _w4a16_gluon_kernel(desc_w, desc_x, scales_ptr, zeros_ptr, xsum_ptr, c_ptr, 
                         BLOCK_M: gl.constexpr, GROUP_N: gl.constexpr, NUM_BUF: gl.constexpr,
                         WGMMA: gl.constexpr, ATOMIC_OUT: gl.constexpr, PERSISTENT: gl.constexpr,
                         num_warps: gl.constexpr):
-    """``c[M, N] (+)= x[M, K] @ dequant(qw)^T`` over this program's contiguous run of (tile, K tile) units.
-
-    ``x`` (behind ``desc_x``) is in paired-nibble column order; ``c`` is contiguous. ATOMIC_OUT: runs
-    may start and end inside a tile (stream-K), whose partial sums meet in ``ws`` (see ``_flush``).
-    PERSISTENT: one program per SM takes every n_progs-th output tile, and its producer runs on into
-    the next tile while the consumers store the last (the launch and pipeline fill are paid once per
-    SM, not once per tile). Otherwise every run is exactly one tile. One producer warp feeds the ring;
-    the ``num_warps`` default warps dequantize and multiply.
-    """
+    """``c[M, N] (+)= x[M, K] @ dequant(qw)^T`` over this program's run of (tile, K tile) units; ``x`` (behind
+    ``desc_x``) in paired-nibble column order, ``c`` contiguous. ATOMIC_OUT: stream-K runs, partial tiles meet
+    in ``ws`` (:func:`_flush`). PERSISTENT: every n_progs-th tile, the producer running on into the next tile
+    while the consumers store the last (launch and pipeline fill paid once per SM). Otherwise one tile a run."""
     pid = gl.program_id(0)
     n_progs = gl.num_programs(0)
     n_tiles = tiles_n * tiles_m
@@ -524,22 +468,12 @@ def _w4a16_gluon_kernel(desc_w, desc_x, scales_ptr, zeros_ptr, xsum_ptr, c_ptr, 
 
 
 # --- The direct-load decode kernel (DIRECT configs) -------------------------------------------------------------
-# The ring kernel above streams the weights through shared memory with TMA from a producer warp, and pays for it
-# with fixed costs per call: the ring's set-up, the producer's first round trip, barriers. On layers of 8-30 MB
-# those are a large part of a decode call. Here every warp loads its own operands from global memory straight
-# into the registers of the mma.sync operands: no shared memory, no barriers, no producer.
-#
-# The A layout (``k_width=1``) gives thread (g, t) words t, t + 4, t + 8, t + 12 of its rows: four scattered 4-byte
-# loads. But a dot sums over K, so any order of a tile's 16 words serves, as long as the activations follow it.
-# Reading the thread's four *physical* words 4t .. 4t + 3 (one 16-byte load) as the A operand's words
-# t, t + 4, t + 8, t + 12, and its activation columns the same way, relabels both operands with one permutation of
-# the words; the products, and the gathered activations in memory, are unchanged. The loads happen in linear
-# layouts whose registers hold 16 contiguous bytes; a reshape and a permute relabel them, and the conversion to the
-# dot-operand layouts moves no data (``assert_trivial``).
-#
-# Why only the small layers gain (bench/NOTES_w4a16.md): all of a warp's global loads share one scoreboard in the
-# sm_90 code, so the first use of any loaded value waits for every load in flight; the stream runs at about half
-# the copy bandwidth, while on 8-30 MB layers the saved fixed costs win.
+# The ring's fixed costs per call (set-up, first round trip, barriers) weigh on decode calls of 8-30 MB layers, so
+# here every warp loads its operands straight into the mma.sync registers. A dot sums over K, so any word order
+# serves if the activations follow it: thread (g, t) reads its *physical* words 4t .. 4t + 3 (one 16-byte load) as
+# A-operand words t, t + 4, t + 8, t + 12, and its activation columns likewise; a reshape and a permute relabel the
+# registers and the conversion to the dot-operand layouts moves no data (``assert_trivial``). Larger layers lose:
+# all of a warp's global loads share one scoreboard on sm_90, so any first use waits for every load in flight.
 
 
 @triton.constexpr_function
@@ -576,7 +510,7 @@ def _direct_raw_x_layout(block_m, num_warps):
 
 @gluon.jit
 def _as_a_words(words, w_layout: gl.constexpr):
-    """Physical word 4t + i of a row -> A-operand word t + 4i (registers relabelled, nothing moves)."""
+    """Physical word 4t + i of a row -> A-operand word t + 4i (relabelled, nothing moves)."""
     BLOCK_N: gl.constexpr = words.shape[0]
     words = gl.reshape(gl.permute(gl.reshape(words, [BLOCK_N, 4, 4]), (0, 2, 1)), [BLOCK_N, 16])
     return gl.convert_layout(words, w_layout, assert_trivial=True)
@@ -637,13 +571,12 @@ def _direct_activations(x_ptr, xsum_ptr, stride_xm, M, k_tiles, kt, ok, b_layout
 @gluon.jit
 def _direct_raw_activations(x_ptr, stride_xm, M, kt, ok, offs_m, offs_k, b_layout: gl.constexpr,
                             sum_layout: gl.constexpr):
-    """As :func:`_direct_activations`, from the activations in the caller's column order (no gather launch) and
-    with the K tile's sums computed here.
+    """As :func:`_direct_activations`, from the caller's column order, the K tile's sums computed here.
 
-    Dot j, column c = 8t + 2i + h (pair h of physical word 4t + i) multiplies code j + 4h of that word, which is
-    original column 8 (4t + i) + j + 4h = 32t + 8i + 4h + j (``w4a16_weights._paired_nibble_index``). So thread
-    (g, t)'s four dots together read columns 32t .. 32t + 31: one contiguous 64-byte run, which it loads as such;
-    splitting the two low bits of the column (j) off in registers gives the four operands."""
+    Dot j, column c = 8t + 2i + h (pair h of physical word 4t + i) multiplies code j + 4h of that word: original
+    column 8 (4t + i) + j + 4h = 32t + 8i + 4h + j (``w4a16_weights._paired_nibble_index``). So thread (g, t)'s four
+    dots read columns 32t .. 32t + 31, one 64-byte load; splitting off the column's two low bits (j) in registers
+    gives the four operands."""
     BLOCK_M: gl.constexpr = offs_m.shape[0]
     ptrs = x_ptr + gl.expand_dims(offs_m * stride_xm, 1) + gl.expand_dims(kt * _TILE_K + offs_k, 0)
     x = gl.load(ptrs, mask=gl.expand_dims((offs_m < M) & ok, 1), other=0.0)
@@ -662,15 +595,11 @@ def _w4a16_direct_kernel(w_ptr, x_ptr, scales_ptr, zeros_ptr, xsum_ptr, c_ptr, w
                          GROUP_SIZE: gl.constexpr, HAS_ZEROS: gl.constexpr, BLOCK_N: gl.constexpr,
                          BLOCK_M: gl.constexpr, GATHERED: gl.constexpr, UNROLL: gl.constexpr,
                          num_warps: gl.constexpr):
-    """Decode, stream-K (one activation tile, M <= BLOCK_M): ``c[M, N] (+)= x[M, K] @ dequant(qw)^T`` over this
-    program's contiguous run of (weight tile, K tile) units, as :func:`_w4a16_gluon_kernel` with mma.sync, but every
-    warp loads its own operands, the next unit's before this unit's multiplies. ``w_ptr``: the packed words
-    [N, K / 8] as stored; ``x_ptr``: the activations [M, K].
-
-    GATHERED: launched behind ``w4a16_triton._gather_columns``, which wrote the activations in the paired-nibble column
-    order and their K-tile sums ``xsum`` (act-order weights, or GluonConfig.GATHER_X). Otherwise the kernel is the
-    whole call: it reads the caller's activations and sums them itself. Partial tiles meet through
-    :func:`_flush` with atomics into the layer's workspace ``ws`` and counters, which it leaves zeroed."""
+    """Decode, stream-K, M <= BLOCK_M: ``c[M, N] (+)= x[M, K] @ dequant(qw)^T`` as the mma.sync ring kernel, but
+    every warp loads its own operands, the next unit's before this unit's multiplies. ``w_ptr``: packed words
+    [N, K / 8] as stored; ``x_ptr``: activations [M, K]. GATHERED: ``x`` and its K-tile sums ``xsum`` come from
+    ``w4a16_triton._gather_columns``; otherwise the caller's activations, summed here. Partial tiles meet
+    through :func:`_flush` in the layer's workspace ``ws`` and counters, left zeroed."""
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1],
                                                          instr_shape=[16, 8])
     w_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=1)
@@ -688,8 +617,7 @@ def _w4a16_direct_kernel(w_ptr, x_ptr, scales_ptr, zeros_ptr, xsum_ptr, c_ptr, w
     pid = gl.program_id(0)
     u0, count = _even_run(pid, gl.num_programs(0), tiles_n * k_tiles)  # count >= 1: the grid has <= units
 
-    # unit 0's weights and parameters do not depend on the kernel launched before this one (the gather, or
-    # whatever wrote x): request them before waiting for it
+    # unit 0's weights do not depend on the kernel before this one (the gather, or whatever wrote x)
     words = _direct_words(w_ptr, stride_wn, N, u0 // k_tiles, u0 % k_tiles, True, offs_n_load, offs_q, w_layout,
                           BLOCK_N)
     scale, zero = _group_params(scales_ptr, zeros_ptr, u0 // k_tiles, u0 % k_tiles, N, stride_sg, stride_zg, offs_n,
@@ -701,9 +629,8 @@ def _w4a16_direct_kernel(w_ptr, x_ptr, scales_ptr, zeros_ptr, xsum_ptr, c_ptr, w
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=acc_layout)
     seg_first = 0
     if UNROLL == 2:
-        # Two units an iteration, the operand sets trading places: with one, the next unit's operands are moved back
-        # into the loop's registers at the end of each iteration (50 register moves a unit in the sm_90 SASS, against
-        # 12). Past the run (odd counts) the second unit reads and adds nothing, at the cost of its instructions.
+        # Two units an iteration, the operand sets trading places: saves moving the next unit's operands back into
+        # the loop's registers every iteration. Past the run (odd counts) the second unit reads and adds nothing.
         for i in range(0, count, 2):
             acc, seg_first, w_b, y0, y1, y2, y3, ysum, scale_b, zero_b = _direct_unit(
                 acc, seg_first, words, x0, x1, x2, x3, xsum, scale, zero, i, u0, count, w_ptr, x_ptr, scales_ptr,
@@ -730,10 +657,10 @@ def _direct_unit(acc, seg_first, words, x0, x1, x2, x3, xsum, scale, zero, i, u0
                  stride_zg, offs_n_load, offs_q, offs_n, offs_w, w_layout: gl.constexpr, b_layout: gl.constexpr,
                  sum_layout: gl.constexpr, acc_layout: gl.constexpr, GROUP_SIZE: gl.constexpr,
                  HAS_ZEROS: gl.constexpr, GATHERED: gl.constexpr, num_warps: gl.constexpr):
-    """The run's i-th unit in :func:`_w4a16_direct_kernel`: requests unit i + 1's operands (clamped to the run, and
-    not read past it), multiplies unit i's (``words`` .. ``zero``) into ``acc``, and flushes the tile where the unit
-    ends it or the run (``seg_first``: the run's index of the tile's first unit). Past the run (i >= count) the
-    operands are zeros and nothing is flushed. Returns (acc, seg_first, unit i + 1's operands)."""
+    """Unit i of the direct kernel's run: loads unit i + 1's operands (not past the run), multiplies unit i's
+    (``words`` .. ``zero``) into ``acc``, and flushes where the unit ends the tile or the run (``seg_first``: the
+    tile's first unit in the run). Past the run the operands are zeros and nothing is flushed. Returns (acc,
+    seg_first, next operands)."""
     BLOCK_N: gl.constexpr = acc.shape[0]
     BLOCK_M: gl.constexpr = acc.shape[1]
     u = u0 + i
@@ -777,8 +704,7 @@ def _launch(x: torch.Tensor, w: W4A16Weights, config: GluonConfig) -> torch.Tens
     tiles_n, tiles_m = triton.cdiv(n, config.BLOCK_N), triton.cdiv(m, block_m)
     stream_k = config.STREAM_K and tiles_m == 1
     persistent = config.PERSISTENT and not stream_k
-    # one small launch gathers the activations into the paired column order and, for stream-K, zeroes
-    # the float32 workspace [M, N] and the per-tile unit counters behind it
+    # the gather also zeroes, for stream-K, the float32 workspace [M, N] and the tile counters behind it
     ws = torch.empty(m * n + tiles_n if stream_k else 0, device=x.device, dtype=torch.float32)
     # and, for the mma.sync path with one group per K tile, each K tile's activation sums (_magic_pairs)
     xsum = None
@@ -811,8 +737,7 @@ def _launch(x: torch.Tensor, w: W4A16Weights, config: GluonConfig) -> torch.Tens
 
 
 def _launch_direct(x: torch.Tensor, w: W4A16Weights, config: GluonConfig) -> torch.Tensor:
-    """:func:`_w4a16_direct_kernel`: one launch on the caller's activations, or two behind the column gather
-    (act-order weights, or GATHER_X)."""
+    """:func:`_w4a16_direct_kernel`, behind the column gather for act-order weights or GATHER_X."""
     m, k = x.shape
     n = w.out_features
     if w.tile_counters is None or w.partial_sums is None or w.partial_sums.numel() < m * n:
@@ -841,6 +766,5 @@ def _launch_direct(x: torch.Tensor, w: W4A16Weights, config: GluonConfig) -> tor
 
 @functools.cache
 def _swizzled_layout(swizzle_bytes: int, bits: int) -> gl.NVMMASharedLayout:
-    """A TMA/MMA shared layout (2-D, ``swizzle_bytes`` swizzle, ``bits``-wide elements), built once: its
-    construction validates and costs host time on every decode call otherwise."""
+    """A 2-D TMA/MMA shared layout, cached: building one validates, costing host time on every decode call."""
     return gl.NVMMASharedLayout(swizzle_byte_width=swizzle_bytes, element_bitwidth=bits, rank=2)

@@ -1,25 +1,16 @@
-"""Which W4A16 kernel and config serve a layer: one pure function, decided when the weights are prepared.
+"""Which W4A16 kernel and config serve a layer ("which kernel runs for this shape?"): a pure function of the
+layer's :class:`LayerFacts`, the activation-row bucket and the GPU generation, giving a :class:`KernelChoice`.
+``prepare_w4a16_weights`` stores the choice for every bucket in a :class:`W4A16Plan`. Nothing is timed at run
+time: the opt-in tuner ``bench/tune_w4a16.py`` writes the table read here.
 
-Read this file to answer "which kernel runs for this shape?". Inputs are the layer's static facts
-(:class:`LayerFacts`: N, K, bits, group size, zero points, act-order), the activation-row bucket and the GPU
-generation; the answer is a :class:`KernelChoice` (kernel family, its config from
-:mod:`quantkit.kernels.w4a16_configs`, and why). :func:`prepare_w4a16_weights
-<quantkit.kernels.w4a16_weights.prepare_w4a16_weights>` stores the choice for every bucket in the layer's
-:class:`W4A16Plan`; a call only looks its bucket up. Nothing is timed at run time: timing is the opt-in tuner
-``bench/tune_w4a16.py``, which writes the table this module reads.
-
-The rules:
-
-1. :func:`w4a16_supports` (the one capability check): CUDA from sm_80, Triton installed, fp16/bf16
-   activations, 4- or 8-bit codes in contiguous groups of one length. Otherwise the plain-PyTorch reference.
-2. Hopper (sm_90), 4-bit, K a multiple of 128, groups a multiple of 8: the Gluon kernels, except one activation
-   row on small layers (the GEMV, :func:`_small_for_gluon`). The config: the measured table (``w4a16_h200.json``,
-   one H200). The entry of the nearest measured shape (distance in log2 N and log2 K) at the nearest measured M
-   bucket whose config fits this layer; exact shapes and buckets are their own nearest.
-3. Elsewhere, or where no table entry fits: fixed rules (:func:`_by_rule`). One or two activation rows: the
-   CUDA-core GEMV (direct store up to ``GEMV_DIRECT_MAX_WEIGHTS`` weights, split K above). More rows: the
-   paired-nibble tensor-core kernel (4-bit, K a multiple of 128), else the general tensor-core kernel. Their configs
-   are the winners of the H200 autotuning recorded in bench/NOTES_w4a16.md; no other GPU has been measured.
+1. :func:`w4a16_supports`: CUDA from sm_80, Triton, fp16/bf16 activations, 4- or 8-bit codes in contiguous
+   groups of one length. Otherwise the plain-PyTorch reference.
+2. Hopper, 4-bit, K a multiple of 128, groups a multiple of 8: the Gluon kernels (the GEMV for one row on small
+   layers, :func:`_small_for_gluon`), config from the H200 table ``w4a16_h200.json``: the nearest measured
+   shape (log2 N and log2 K), then nearest M bucket, whose config fits this layer.
+3. Elsewhere, or where no entry fits, :func:`_by_rule`: 1-2 rows the CUDA-core GEMV (direct store up to
+   ``GEMV_DIRECT_MAX_WEIGHTS``), more rows the paired-nibble kernel if it applies, else the general one. Their
+   configs are H200 autotuning winners (bench/NOTES_w4a16.md); no other GPU has been measured.
 """
 
 from __future__ import annotations
@@ -53,8 +44,7 @@ PAIRS_SPLIT_MAX_M = 64
 
 @dataclasses.dataclass(frozen=True)
 class LayerFacts:
-    """What the selection reads of a layer. ``group_size`` is the kernels' encoding
-    (:func:`~quantkit.kernels.w4a16_configs.kernel_group_size`), None when the groups are not contiguous runs."""
+    """What the selection reads of a layer; ``group_size`` as ``kernel_group_size`` encodes it, None if irregular."""
 
     n: int
     k: int
@@ -74,14 +64,13 @@ class LayerFacts:
 
     @property
     def direct(self) -> bool:
-        """The direct Gluon decode kernel can take it (whole K tiles per group); it then gets a workspace."""
+        """The direct Gluon decode kernel can take it (whole K tiles per group): it gets a workspace."""
         return self.paired and self.group_size is not None and self.group_size % PAIR_TILE_K == 0
 
 
 @dataclasses.dataclass(frozen=True)
 class KernelChoice:
-    """A kernel family ("gemv", "pairs", "tc", "gluon" or "reference"), its config (None for the reference) and why
-    it was chosen."""
+    """A kernel family ("gemv", "pairs", "tc", "gluon" or "reference"), its config (None: reference) and why."""
 
     kernel: str
     config: GemvConfig | PairsConfig | TcConfig | GluonConfig | None
@@ -162,8 +151,7 @@ def select_w4a16(m: int, facts: LayerFacts, arch: str | None) -> KernelChoice:
 
 @functools.lru_cache(maxsize=4096)
 def plan_w4a16(facts: LayerFacts, arch: str | None) -> W4A16Plan | None:
-    """The choice for every M bucket (None off CUDA: the caller runs the reference or names a kernel).
-    Pure, so memoized: every layer of one shape shares one plan."""
+    """The choice for every M bucket (None off CUDA); memoized, so layers of one shape share one plan."""
     if arch is None:
         return None
     return W4A16Plan(arch, tuple((b, select_w4a16(b, facts, arch)) for b in M_BUCKETS))
@@ -235,9 +223,8 @@ def _by_rule(bucket: int, facts: LayerFacts, arch: str) -> KernelChoice:
 
 
 def _small_for_gluon(bucket: int, facts: LayerFacts) -> bool:
-    """One activation row on a layer small enough that the GEMV is faster than the Gluon kernels on Hopper: under
-    4 M weights where the direct Gluon kernel can take the layer (at 2048 x 2048 the GEMV took 4.4 us, the direct
-    kernel 4.7), under 32 M weights elsewhere."""
+    """One row on a layer where the GEMV beats the Gluon kernels on Hopper: under 4 M weights where the direct
+    kernel can take it, else under 32 M (bench/NOTES_w4a16.md)."""
     return bucket == 1 and facts.n * facts.k < (1 << 22 if facts.direct else 1 << 25)
 
 

@@ -1,19 +1,17 @@
 """The Triton W4A16 kernels (launched by :mod:`quantkit.kernels.w4a16`), and the column gather in front of the
-paired-nibble kernels (Triton and Gluon) with its launcher.
+paired-nibble kernels (Triton and Gluon).
 
-``Y = X W^T`` with 16-bit activations ``X [M, K]`` and packed 4- or 8-bit weights ``W [N, K]`` (K contiguous per
-output row, :class:`~quantkit.kernels.w4a16_weights.W4A16Weights`), per-group scales and optional zero points.
-The weights are read packed, unpacked in registers and scaled to 16 bits; they are never written back.
+``Y = X W^T``: 16-bit ``X [M, K]``, packed 4- or 8-bit ``W [N, K]`` (K contiguous per row, ``W4A16Weights``),
+per-group scales, optional zero points; weights are unpacked and scaled in registers, never written back.
 
-* ``_w4a16_gemv_kernel``: CUDA cores, for one or two activation rows. 16-byte loads of packed words, exact
-  ``code - zero`` in float32 by the exponent trick (one ``lop3`` per code), one scale per group; split K with
-  float32 atomics, or (``DIRECT``) one program per row block over the whole K storing its rows itself.
-* ``_w4a16_pairs_kernel``: tensor cores, 4-bit with K a multiple of 128. Shifting a word right by 4j puts codes
-  j and j + 4 at bits 0 and 16; one ``lop3`` makes them two 16-bit floats in one register, which *is* a wgmma
-  A-operand register (two neighbouring K positions), so the weight tile needs no reshape. The activations are
-  gathered once per call into the matching column order (``W4A16Weights.pair_index``).
-* ``_w4a16_kernel``: tensor cores, the general case (8-bit codes, K not a multiple of 128): the dequantized
-  tile from a 3-D unpack and reshape, as wgmma's A (``W X^T``, so BLOCK_M can be 16) or B operand.
+* ``_w4a16_gemv_kernel``: CUDA cores, one or two activation rows. 16-byte loads, exact ``code - zero`` in
+  float32 by the exponent trick (one ``lop3`` per code), one scale per group; split K with float32 atomics,
+  or (``DIRECT``) one program per row block over all of K.
+* ``_w4a16_pairs_kernel``: tensor cores, 4-bit, K a multiple of 128, the paired-nibble trick of
+  :mod:`quantkit.kernels.w4a16_gluon` (no reshape of the weight tile; activations gathered into
+  ``W4A16Weights.pair_index`` order).
+* ``_w4a16_kernel``: tensor cores, the general case (8-bit, K not a multiple of 128): a 3-D unpack and
+  reshape, the tile as wgmma's A (``W X^T``, so BLOCK_M can be 16) or B operand.
 """
 
 from __future__ import annotations
@@ -29,11 +27,8 @@ from quantkit.kernels.w4a16_configs import PAIR_TILE_K
 
 @triton.jit
 def _unpack_codes(words, BITS: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Packed words ``[ROWS, BLOCK_K*BITS/32]`` (K-contiguous) -> int32 codes ``[ROWS, BLOCK_K]``.
-
-    Code j of a word sits at bit BITS*j and belongs to K index PER_WORD*word + j: a 3-D unpack whose
-    reshape keeps each word's codes in the thread that loaded it.
-    """
+    """Packed words ``[ROWS, BLOCK_K*BITS/32]`` -> int32 codes ``[ROWS, BLOCK_K]``. Code j of a word (bit
+    BITS*j) is K index PER_WORD*word + j, so the reshape keeps a word's codes in the thread that loaded it."""
     PER_WORD: tl.constexpr = 32 // BITS
     shifts = tl.arange(0, PER_WORD) * BITS
     codes = (words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
@@ -44,10 +39,9 @@ def _unpack_codes(words, BITS: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.con
 def _codes_to_float(codes, zero, MAGIC: tl.constexpr, DTYPE: tl.constexpr):
     """Integer codes -> ``code - zero`` in DTYPE. With MAGIC, ``zero`` holds ``MAGIC_VALUE + zero``.
 
-    MAGIC ORs the code into the mantissa of a float whose ulp is 1 (1024.0 in fp16, 128.0 in bf16,
-    2**23 in fp32): the bits then read MAGIC_VALUE + code, exactly, with no int->float conversion
-    (those run at a quarter of the FMA rate); one subtraction gives ``code - zero`` exactly.
-    """
+    MAGIC ORs the code into the mantissa of a float whose ulp is 1 (1024.0 in fp16, 128.0 in bf16, 2**23 in
+    fp32): the bits read MAGIC_VALUE + code exactly, without an int->float conversion (a quarter of the FMA
+    rate)."""
     if MAGIC != 0:
         if DTYPE == tl.float32:
             q = (codes | MAGIC).to(tl.float32, bitcast=True)
@@ -61,10 +55,7 @@ def _codes_to_float(codes, zero, MAGIC: tl.constexpr, DTYPE: tl.constexpr):
 @triton.jit
 def _dequant_tile(words, scale, zero, BITS: tl.constexpr, MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr):
-    """Packed words ``[BLOCK_N, BLOCK_K*BITS/32]`` -> 16-bit weights ``[BLOCK_N, BLOCK_K]``.
-
-    ``scale``/``zero`` broadcast against ``[BLOCK_N, BLOCK_K]`` (``[BLOCK_N, 1]`` or full tiles).
-    """
+    """Packed words -> 16-bit weights ``[BLOCK_N, BLOCK_K]``; ``scale``/``zero`` ``[BLOCK_N, 1]`` or full tiles."""
     codes = _unpack_codes(words, BITS, BLOCK_N, BLOCK_K)
     return _codes_to_float(codes, zero, MAGIC, DTYPE) * scale
 
@@ -72,11 +63,8 @@ def _dequant_tile(words, scale, zero, BITS: tl.constexpr, MAGIC: tl.constexpr, M
 @triton.jit
 def _tile_and_k_slice(M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       GROUP_N: tl.constexpr):
-    """This program's output tile ``(pid_n, pid_m)`` and its K tiles ``[kt_start, kt_end)``.
-
-    Grouped order on grid axis 0: GROUP_N weight tiles are swept across all M tiles before the next
-    GROUP_N, so the weight tiles in flight stay in L2 while the activations stream. Axis 1 splits K.
-    """
+    """This program's output tile ``(pid_n, pid_m)`` and K tiles ``[kt_start, kt_end)``. Axis 0 in grouped
+    order: GROUP_N weight tiles sweep all M tiles before the next GROUP_N (they stay in L2). Axis 1 splits K."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -107,12 +95,9 @@ def _w4a16_kernel(
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
     W_IS_A: tl.constexpr,
 ):
-    """``c[M, N] (+)= x[M, K] @ dequant(qw[N, K*BITS/32])^T`` over this program's K slice.
-
-    Grid: (output tiles, K splits). With ATOMIC_OUT the partial sums are atomically added into a
-    zeroed float32 ``c``; otherwise ``c`` (x's dtype) is written once. W_IS_A computes the tile
-    as ``W X^T`` (weights from registers as wgmma's A), else as ``X W^T`` (weights as B).
-    """
+    """``c[M, N] (+)= x[M, K] @ dequant(qw[N, K*BITS/32])^T`` over this program's K slice. ATOMIC_OUT: add
+    into a zeroed float32 ``c``; otherwise write ``c`` (x's dtype) once. W_IS_A: ``W X^T`` (weights as wgmma's
+    A, from registers), else ``X W^T``."""
     DTYPE = x_ptr.dtype.element_ty
     PER_WORD: tl.constexpr = 32 // BITS
     pid_n, pid_m, kt_start, kt_end = _tile_and_k_slice(M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_N)
@@ -135,13 +120,12 @@ def _w4a16_kernel(
         xt = tl.load(x_ptrs, mask=mask_m[None, :] & (rows_k[:, None] < K), other=0.0)  # [BLOCK_K, BLOCK_M]
 
         if GROUP_SIZE % BLOCK_K == 0:
-            # The whole K tile lies in one group: one scale (and zero) row per tile.
             g = k0 // GROUP_SIZE
             s_ptrs = scales_ptr + g * stride_sg + offs_n[:, None] * stride_sn
             z_ptrs = zeros_ptr + g * stride_zg + offs_n[:, None] * stride_zn
             g_mask = mask_n[:, None]
         else:
-            # Several groups per tile (e.g. g32 with BLOCK_K 128): per-row gather, served from L1.
+            # Several groups per tile: per-column gather, served from L1.
             g = rows_k // GROUP_SIZE
             s_ptrs = scales_ptr + g[None, :] * stride_sg + offs_n[:, None] * stride_sn
             z_ptrs = zeros_ptr + g[None, :] * stride_zg + offs_n[:, None] * stride_zn
@@ -182,32 +166,28 @@ def _gemv_tile(acc, x_ptr, qw_ptr, scales_ptr, zeros_ptr, kt, offs_m, mask_m, of
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LOP3_ASM: tl.constexpr):
     """One K tile of the GEMV: ``acc[m, n] += sum_g s[g, n] * sum_{k in g} (q[n, k] - z[g, n]) * x[m, k]``.
 
-    The tile may span several groups (BLOCK_K a multiple of GROUP_SIZE) or lie inside one (BLOCK_K
-    divides GROUP_SIZE). It is loaded 4-D, ``[BLOCK_N, NG, GW, 1]`` (NG groups of GW words): the
-    per-group partial sums are then a plain reduction over the last two axes, with no reshape.
-    """
+    The tile spans several groups or lies inside one. Loaded 4-D, ``[BLOCK_N, NG, GW, 1]`` (NG groups of GW
+    words), the per-group sums are a plain reduction over the last two axes, with no reshape."""
     PER_WORD: tl.constexpr = 32 // BITS
     NG: tl.constexpr = BLOCK_K // GROUP_SIZE if BLOCK_K > GROUP_SIZE else 1  # groups in the tile
     GW: tl.constexpr = BLOCK_K // PER_WORD // NG  # words per group (or per tile when NG = 1)
     k0 = kt * BLOCK_K
     offs_g = tl.arange(0, NG)
-    # Packed words, K-contiguous per output row: 16-byte vector loads. The load's coalesced layout
-    # (4 words = 16 bytes per thread) also holds the PER_WORD codes of each word in that thread.
+    # 16-byte loads (4 words a thread); each word's codes stay in the thread that loaded it.
     rows_w = k0 // PER_WORD + offs_g[:, None] * GW + tl.arange(0, GW)[None, :]  # [NG, GW]
     words = tl.load(qw_ptr + offs_n[:, None, None, None] * stride_qn + rows_w[None, :, :, None],
                     mask=mask_n[:, None, None, None] & (rows_w[None, :, :, None] < K_WORDS), other=0)
-    # Unpack without moving codes to bit 0: code j (j = HALF*h + i) sits at bit 16*h + BITS*i and is
-    # masked in place after one 16-bit shift per word: ((w >> 16h) & (MASK << BITS*i)) | MAGIC is one
-    # LOP3 per code and reads as the float 2**23 + code * 2**(BITS*i), exactly (fields < 2**16).
-    # Subtracting 2**23 + zero * 2**(BITS*i) gives (code - zero) * 2**(BITS*i) exactly; the x values
-    # carry the 2**-(BITS*i) instead (exact, and x is shared by all the rows a thread holds).
+    # Codes are not moved to bit 0: code j (j = HALF*h + i), at bit 16*h + BITS*i, is masked in place after one
+    # 16-bit shift: ((w >> 16h) & (MASK << BITS*i)) | MAGIC, one LOP3, reads as the float 2**23 + code * 2**(BITS*i)
+    # exactly (fields < 2**16). Subtracting 2**23 + zero * 2**(BITS*i) is exact; x carries the 2**-(BITS*i)
+    # instead (exact, and x is shared by all the rows a thread holds).
     HALF: tl.constexpr = PER_WORD // 2
     jj = tl.arange(0, PER_WORD)
     hi = ((jj // HALF) * 16).to(tl.uint32)
     lo = (jj % HALF) * BITS
     shifted = words.to(tl.uint32, bitcast=True) >> hi[None, None, None, :]  # [BLOCK_N, NG, GW, PER_WORD]
     field_mask = (((1 << BITS) - 1) << lo).to(tl.uint32)[None, None, None, :]
-    # One scale / zero per (row, group of the tile); groups past K (partial last tile) are masked.
+    # groups past K (partial last tile) are masked
     g = k0 // GROUP_SIZE + offs_g
     g_mask = mask_n[:, None] & ((k0 + offs_g * GROUP_SIZE) < K)[None, :]
     scale = tl.load(scales_ptr + g[None, :] * stride_sg + offs_n[:, None], mask=g_mask, other=0.0).to(tl.float32)
@@ -217,9 +197,8 @@ def _gemv_tile(acc, x_ptr, qw_ptr, scales_ptr, zeros_ptr, kt, offs_m, mask_m, of
         zero = tl.full([BLOCK_N, NG], 1 << (BITS - 1), tl.int32)
     zero_j = zero[:, :, None, None] << lo[None, None, None, :]  # zero * 2**(BITS*i) < 2**16
     if MAGIC != 0:
-        # The fp32 exponent trick: no int->float conversion per code.
         if LOP3_ASM:
-            # (shifted & mask) | MAGIC as one lop3 (ptxas emits two LOP3s for the two immediates).
+            # one lop3 (ptxas emits two for the two immediates)
             bits = tl.inline_asm_elementwise(
                 "lop3.b32 $0, $1, $2, $3, 0xEA;", "=r,r,r,r",
                 [shifted, tl.broadcast_to(field_mask, shifted.shape),
@@ -238,8 +217,7 @@ def _gemv_tile(acc, x_ptr, qw_ptr, scales_ptr, zeros_ptr, kt, offs_m, mask_m, of
     for m in tl.static_range(BLOCK_M):
         x = tl.load(x_ptr + m * stride_xm + rows_k, mask=(rows_k < K) & (m < M), other=0.0).to(tl.float32)
         x = x * unit[None, None, :]
-        # Integer-code dot products per (row, group) in fp32, then one scale per group.
-        pg = tl.sum(tl.sum(q * x[None, :, :, :], axis=3), axis=2)  # [BLOCK_N, NG]
+        pg = tl.sum(tl.sum(q * x[None, :, :, :], axis=3), axis=2)  # [BLOCK_N, NG], then one scale per group
         p = tl.sum(pg * scale, axis=1)  # [BLOCK_N]
         part = tl.where(offs_m[:, None] == m, p[None, :], part)
     return acc + part
@@ -256,12 +234,9 @@ def _w4a16_gemv_kernel(
 ):
     """Decode GEMV, no tensor cores: ``c[M, N] += x[M, K] @ dequant(qw[N, K*BITS/32])^T`` over a K slice.
 
-    Grid: (N tiles, K splits). Every program owns BLOCK_N output rows of W and all (<= BLOCK_M) rows
-    of x, streams its K slice of packed words once and adds its float32 partial sums atomically into
-    a zeroed ``c``; with DIRECT (one K split) it stores its rows into ``c`` in c's dtype instead. x must
-    be K-contiguous (the launcher makes it so). LOP3_ASM (GPU only, not the interpreter) builds each code's
-    float bits with one inline ``lop3``.
-    """
+    Grid: (N tiles, K splits). A program owns BLOCK_N rows of W and all (<= BLOCK_M) rows of x (K-contiguous)
+    and adds float32 partial sums atomically into a zeroed ``c``; DIRECT (one split) stores in c's dtype.
+    LOP3_ASM (GPU only) builds each code's float bits with one inline ``lop3``."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     k_tiles = tl.cdiv(K, BLOCK_K)
@@ -274,7 +249,7 @@ def _w4a16_gemv_kernel(
     mask_m = offs_m < M
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if PIPE > 1:
-        # Software-pipelined loads (a dot-less loop is pipelined only when asked explicitly).
+        # a loop without a dot is software-pipelined only when asked
         for kt in tl.range(kt_start, kt_end, num_stages=PIPE):
             acc = _gemv_tile(acc, x_ptr, qw_ptr, scales_ptr, zeros_ptr, kt, offs_m, mask_m, offs_n, mask_n,
                              M, K, K_WORDS, stride_xm, stride_qn, stride_sg, stride_zg,
@@ -295,12 +270,8 @@ def _w4a16_gemv_kernel(
 def _nibble_pairs(words, zero_bias, scale, j: tl.constexpr, MAGIC2: tl.constexpr, PAIR_ASM: tl.constexpr,
                   BLOCK_N: tl.constexpr, KW: tl.constexpr):
     """Words ``[BLOCK_N, KW]`` -> dequantized codes ``j`` and ``j + 4`` of each word, ``[BLOCK_N, 2 * KW]``.
-
-    ``(w >> 4j) & 0x000F000F | MAGIC2`` is a pair of 16-bit floats ``MAGIC_VALUE + code`` (exact), the
-    two elements of one tensor-core operand register; ``zero_bias`` holds ``MAGIC_VALUE + zero``, so
-    one packed subtraction gives ``code - zero`` exactly and one packed multiply applies the scale.
-    With PAIR_ASM (GPU) that is one lop3, one sub.x2 and one mul.x2 per two codes, in place.
-    """
+    ``zero_bias`` holds ``MAGIC_VALUE + zero``: subtracting it from ``MAGIC_VALUE + code`` is exact. PAIR_ASM
+    (GPU): one lop3, one sub.x2 and one mul.x2 per two codes."""
     dtype = zero_bias.dtype
     shifted = words >> (4 * j)
     zb = tl.broadcast_to(zero_bias, [BLOCK_N, 2 * KW])
@@ -335,21 +306,16 @@ def _w4a16_pairs_kernel(
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, KW: tl.constexpr, GROUP_N: tl.constexpr,
     PAIR_ASM: tl.constexpr = False,
 ):
-    """Paired-nibble tensor-core kernel (4-bit): ``c[M, N] (+)= x[M, K] @ dequant(qw)^T`` over a K slice.
+    """Paired-nibble kernel (4-bit): ``c[M, N] (+)= x[M, K] @ dequant(qw)^T`` over a K slice.
 
-    ``x`` arrives with its columns in ``W4A16Weights.pair_index`` order, so each K tile of 8*KW codes is
-    four dots of width 2*KW whose weight operand comes out of the packed words already paired: no
-    reshape, no layout change, ~2 instructions per code (``_nibble_pairs``). The weight tile is
-    wgmma's A operand from registers, the activation tile B from shared memory, so BLOCK_M may be 16.
-    Grid: (output tiles in grouped order, K splits); ATOMIC_OUT adds float32 partial sums into a
-    zeroed ``c``, otherwise ``c`` is written once.
-    """
+    ``x`` columns in ``W4A16Weights.pair_index`` order: a K tile of 8*KW codes is four dots of width 2*KW.
+    Weights are wgmma's A from registers, activations B from shared memory, so BLOCK_M may be 16. Grid and
+    ATOMIC_OUT as :func:`_w4a16_kernel`."""
     DTYPE = x_ptr.dtype.element_ty
     BLOCK_K: tl.constexpr = 8 * KW
     MAGIC2: tl.constexpr = 0x43004300 if DTYPE == tl.bfloat16 else 0x64006400
-    # Groups cover whole tiles (one scale per row and tile) or several groups share a tile (per word).
-    TILE_GROUP: tl.constexpr = GROUP_SIZE % BLOCK_K == 0
-    # K is a multiple of BLOCK_K here.
+    TILE_GROUP: tl.constexpr = GROUP_SIZE % BLOCK_K == 0  # else one scale per word
+    # K is a multiple of BLOCK_K here: no K masks
     pid_n, pid_m, kt_start, kt_end = _tile_and_k_slice(M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_N)
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -398,12 +364,11 @@ def _w4a16_pairs_kernel(
 def _gather_columns_kernel(x_ptr, index_ptr, out_ptr, zero_ptr, sums_ptr, M, K, n_zero, stride_xm,
                            BLOCK: tl.constexpr, SUM_TILE: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
                            WAIT_PREVIOUS: tl.constexpr):
-    """``out[m, c] = x[m, index[c]]`` (out contiguous) and, in the same launch, ``zero_ptr[:n_zero] = 0``
-    and, with SUM_TILE > 0, ``sums_ptr[m, t]`` = float32 sum of out[m, t*SUM_TILE : (t+1)*SUM_TILE].
+    """``out[m, c] = x[m, index[c]]`` (contiguous), ``zero_ptr[:n_zero] = 0`` and, with SUM_TILE > 0,
+    ``sums_ptr[m, t]`` = float32 sum of out[m, t*SUM_TILE : (t+1)*SUM_TILE].
 
-    LAUNCH_DEPENDENTS: let a kernel launched after this one with programmatic dependent launch start
-    now (it waits with ``griddepcontrol.wait`` before it reads what this one writes). WAIT_PREVIOUS: this one
-    is launched that way itself and waits for the kernel before it, before touching memory."""
+    LAUNCH_DEPENDENTS: let the next kernel (programmatic dependent launch) start now; it waits with
+    ``griddepcontrol.wait`` before reading. WAIT_PREVIOUS: this one is such a dependent itself."""
     if LAUNCH_DEPENDENTS:
         gdc_launch_dependents()
     if WAIT_PREVIOUS:
@@ -425,16 +390,10 @@ def _gather_columns_kernel(x_ptr, index_ptr, out_ptr, zero_ptr, sums_ptr, M, K, 
 
 def _gather_columns(x: torch.Tensor, index: torch.Tensor, zero: torch.Tensor | None = None,
                     tile_sums: torch.Tensor | None = None) -> torch.Tensor:
-    """``x[:, index]`` (contiguous) and, in the same small launch, ``zero`` (a contiguous float32 or
-    int32 buffer, e.g. split-K partial sums) filled with zeros, and ``tile_sums`` (float32
-    ``[M, K / PAIR_TILE_K]``, contiguous) filled with the sum of each ``PAIR_TILE_K`` columns of the
-    result: what a kernel that multiplies the codes before subtracting their zero point subtracts.
-
-    The paired-nibble kernels read the activations in ``W4A16Weights.pair_index`` order and, when
-    split over K, sum into a zeroed float32 buffer. ``torch.index_select`` over the columns took
-    ~7.5 us at every decode shape on the H200 (bench/NOTES_w4a16.md), as long as the GEMM on
-    the 4096 x 4096 layer, and the zeroing was one more launch; this is one launch for both.
-    """
+    """``x[:, index]`` (contiguous); in the same launch, zeroes ``zero`` (contiguous float32 or int32, e.g.
+    split-K partial sums) and fills ``tile_sums`` (contiguous float32 ``[M, K / PAIR_TILE_K]``) with the sum of
+    each ``PAIR_TILE_K`` columns of the result (for kernels that subtract the zero point after the dot).
+    One launch instead of ``torch.index_select`` plus a zeroing launch (bench/NOTES_w4a16.md)."""
     if x.stride(1) != 1:
         x = x.contiguous()
     m, k = x.shape
@@ -454,7 +413,7 @@ def _gather_columns(x: torch.Tensor, index: torch.Tensor, zero: torch.Tensor | N
         tile_sums = zero  # unused
     block = 1024
     grid = (triton.cdiv(max(m * k, zero.numel(), 1), block),)
-    # on Hopper launched with PDL too: in a decode step its launch overlaps the norm or activation kernel before it
+    # PDL on Hopper: in a decode step its launch overlaps the kernel before it
     pdl = programmatic_launch(x.device)
     _gather_columns_kernel[grid](x, index, out, zero, tile_sums, m, k, zero.numel(), x.stride(0), BLOCK=block,
                                  SUM_TILE=sum_tile, LAUNCH_DEPENDENTS=x.is_cuda and not interpreting(),

@@ -23,26 +23,19 @@ __all__ = ["W4A16Weights", "prepare_w4a16_weights", "reference_w4a16_weights", "
 class W4A16Weights:
     """Kernel-ready weights (see :func:`prepare_w4a16_weights`). ``N`` = out, ``K`` = in features.
 
-    * ``qweight`` int32 ``[N, K * bits / 32]``: codes packed along K, K contiguous per output row,
-      in the (possibly act-order permuted) K order the kernel reads.
-    * ``scales`` float16 ``[G, N]``; ``zeros`` uint8 ``[G, N]`` or ``None`` when symmetric
-      (zero = ``2**(bits-1)``).
-    * ``g_idx`` int32 ``[K]``: group of each (permuted) input row; ``perm`` int64 ``[K]`` or None:
-      the kernel multiplies ``x[:, perm]``.
-    * ``group_size``: the contiguous group length the kernel assumes (``PER_CHANNEL_GROUP`` for one group per
-      output channel), or None when the groups are not contiguous runs of one length (the kernels then
-      refuse; the reference still works).
-    * ``pair_index`` int64 ``[K]`` or None: the activation columns in the order the paired-nibble
-      tensor-core kernel reads them (:func:`_paired_nibble_index`, composed with ``perm``); None when
-      that kernel cannot take the layer (8-bit codes, or K not a multiple of ``PAIR_TILE_K``).
-    * ``tile_counters`` int32 ``[N / 16 + 1]`` and ``partial_sums`` float32 ``[DIRECT_MAX_M * N]``, zeros, where
-      the direct decode kernel takes the layer (``pair_index`` set, whole K tiles per group): its stream-K tile
-      counters and the workspace its partial sums meet in, both left zeroed after each call (no zeroing launch;
-      32 bytes per output feature, about 1.5 % of the packed weights at K = 4096). They make a layer's calls on
-      the GPU run one at a time, as a model's forward does; a layer shared by two streams at once needs two
-      copies of its weights.
-    * ``plan``: the kernel and config for each activation-row bucket on the weights' GPU
-      (:mod:`quantkit.kernels.w4a16_select`), decided here once; None off CUDA.
+    * ``qweight`` int32 ``[N, K * bits / 32]``: codes packed along K, K contiguous per row, in the (possibly
+      act-order permuted) K order the kernel reads.
+    * ``scales`` float16 ``[G, N]``; ``zeros`` uint8 ``[G, N]``, None when symmetric (zero = ``2**(bits-1)``).
+    * ``g_idx`` int32 ``[K]``: group of each (permuted) input row; ``perm`` int64 ``[K]`` or None: the kernel
+      multiplies ``x[:, perm]``. ``group_size``: the contiguous group length (``PER_CHANNEL_GROUP`` per channel),
+      None when groups are not contiguous runs of one length (the kernels refuse; the reference works).
+    * ``pair_index`` int64 ``[K]`` or None: the activation columns in paired-nibble order
+      (:func:`_paired_nibble_index`, composed with ``perm``); None for 8-bit or K not a multiple of ``PAIR_TILE_K``.
+    * ``tile_counters`` int32 ``[N / 16 + 1]`` and ``partial_sums`` float32 ``[DIRECT_MAX_M * N]`` (None where the
+      direct decode kernel cannot take the layer): its stream-K counters and workspace, left zeroed by each call,
+      so a layer's GPU calls must run one at a time (two concurrent streams need two copies of the weights).
+    * ``plan``: kernel and config per activation-row bucket on the weights' GPU
+      (:mod:`quantkit.kernels.w4a16_select`); None off CUDA.
     """
 
     qweight: torch.Tensor
@@ -66,14 +59,11 @@ class W4A16Weights:
 
 
 def _paired_nibble_index(k: int, device=None) -> torch.Tensor:
-    """Column order of the paired-nibble kernel: ``x[:, index]`` is what its j-th dot of a tile reads.
+    """Column order of the paired-nibble kernels: ``x[:, index]`` lines the activations up with the codes.
 
-    A 32-bit word holds 8 codes, code ``p`` at bit ``4p``. Shifting the word right by ``4j`` puts codes
-    ``j`` and ``j + 4`` at bits 0 and 16, so one mask-and-or makes a pair of 16-bit floats: two
-    neighbouring K positions of one tensor-core operand register, with no repacking. Within each
-    ``PAIR_TILE_K`` tile the kernel's dot ``j`` (of 4) therefore sees, at its column ``2 * w + h``, the
-    code ``j + 4h`` of word ``w``, i.e. original column ``8w + j + 4h``; this returns those originals in
-    the kernel's order, so that ``x[:, index]`` lines the activations up with the codes.
+    A word holds 8 codes, code ``p`` at bit ``4p``; shifted right by ``4j`` it has codes ``j`` and ``j + 4`` at
+    bits 0 and 16, one tensor-core register of two neighbouring K positions. So within a ``PAIR_TILE_K`` tile,
+    dot ``j`` (of 4) sees at its column ``2w + h`` code ``j + 4h`` of word ``w``: original column ``8w + j + 4h``.
     """
     words = PAIR_TILE_K // 8
     t = torch.arange(k // PAIR_TILE_K, device=device).view(-1, 1, 1, 1)
@@ -84,7 +74,8 @@ def _paired_nibble_index(k: int, device=None) -> torch.Tensor:
 
 
 def prepare_w4a16_weights(qweight, qzeros, scales, g_idx, bits, group_size, sym) -> W4A16Weights:
-    """One-time repack of GPTQ tensors (layout of :mod:`quantkit.pack`) into :class:`W4A16Weights`.
+    """One-time repack of GPTQ tensors (layout of :mod:`quantkit.pack`) into :class:`W4A16Weights`: transposed
+    so K is contiguous per row, zero points unpacked to bytes, act-order K permuted so groups are contiguous.
 
     qweight int32 ``[K*bits/32, N]``, qzeros int32 ``[G, N*bits/32]``, scales fp16 ``[G, N]``,
     g_idx int ``[K]`` (or None), ``group_size`` as quantized (-1: per channel).
@@ -134,11 +125,9 @@ def prepare_w4a16_weights(qweight, qzeros, scales, g_idx, bits, group_size, sym)
 def reference_w4a16_weights(qweight, qzeros, scales, g_idx, bits, group_size, sym) -> W4A16Weights:
     """The same record for the plain-PyTorch reference alone (off CUDA): no repack, no plan.
 
-    ``qweight`` is the checkpoint tensor's transposed view (no copy) and the rows stay in checkpoint order
-    (``perm`` None, ``g_idx`` as stored, which the reference reads row by row); only the zero points are
-    unpacked (``G x N`` bytes). What :func:`prepare_w4a16_weights` adds (the act-order permutation, the
-    paired-nibble index, the decode workspace, the plan) serves the kernels, which run on CUDA only; on the CPU
-    it would double the packed bytes of every layer for nothing.
+    ``qweight`` is the checkpoint tensor's transposed view (no copy), rows in checkpoint order (``perm`` None,
+    ``g_idx`` as stored); only the zero points are unpacked. The repack serves CUDA kernels only; on the CPU it
+    would double every layer's packed bytes for nothing.
     """
     n_words, n = qweight.shape
     k = n_words * 32 // bits
