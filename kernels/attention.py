@@ -363,14 +363,14 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=F
     if quantize:
         fp8_prepared = quantize_qkv_fp8(q, k, v, cu_seqlens_k, max_seqlen_k, hadamard, fp8_pv)
     if backend == "gluon":
-        from quantkit.kernels.attention_gluon import attention_varlen_gluon
+        from quantkit.kernels.attention_gluon import _attention_fa3_ordered
 
-        return attention_varlen_gluon(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=causal,
+        return _attention_fa3_ordered(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=causal,
                                       sm_scale=sm_scale, config=config)
     if backend == "gluon_ws":
-        from quantkit.kernels.attention_gluon_ws import attention_varlen_ws
+        from quantkit.kernels.attention_gluon_ws import _attention_ws
 
-        return attention_varlen_ws(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=causal,
+        return _attention_ws(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=causal,
                                    sm_scale=sm_scale, config=config, fp8_prepared=fp8_prepared)
     # K / V tiles through tensor descriptors (TMA) on Hopper and newer; float32 inputs are reference runs
     use_tma = q.is_cuda and capability(q.device)[0] >= 9 and q.element_size() <= 2

@@ -277,7 +277,7 @@ def _make_descriptors(q, k, v, block_q, block_n, fp8_prepared, placeholder):
     return desc_q, desc_k, desc_v, q_scale, k_scale, v_scale
 
 
-def attention_varlen_gluon(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=False, sm_scale=None,
+def _attention_fa3_ordered(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=False, sm_scale=None,
                            config=None):
     """`attention.attention_varlen`'s contract for the 16-bit cases `attention_select.gluon_attention_supports`
     accepts: q: (total_q, Hq, D); k, v: (total_k, Hkv, D), bf16/fp16; cu_seqlens_*: (B + 1,) int32. config:

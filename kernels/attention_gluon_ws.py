@@ -473,9 +473,9 @@ MAXNREG = 168
 CONSUMER_REGS = 240
 
 
-def attention_varlen_ws(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=False, sm_scale=None,
+def _attention_ws(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=False, sm_scale=None,
                         config=None, fp8_prepared=None, out=None):
-    """`attention_gluon.attention_varlen_gluon`'s contract (the cases `gluon_attention_supports` accepts), plus
+    """`attention_gluon._attention_fa3_ordered`'s contract (the cases `gluon_attention_supports` accepts), plus
     fp8_prepared (`attention_fp8`). q: (total_q, Hq, D); k, v: (total_k, Hkv, D), bf16/fp16; cu_seqlens_*:
     (B + 1,) int32. config: `attention_select.WsConfig` or a shorter tuple (flags in the module docstring;
     STAGE_KS and ROWSUM_MMA apply to fp8 only); None: `_default_config`. Query tiles are 128 rows (2 x 64).

@@ -25,7 +25,7 @@ import re
 
 import pytest
 
-# Run by the sm90 fixture (conftest.py) in a fresh interpreter. Arguments as attention_varlen_ws passes them for
+# Run by the sm90 fixture (conftest.py) in a fresh interpreter. Arguments as _attention_ws passes them for
 # 8 x 2048 tokens, 16 heads.
 _COMPILE = r"""
 import json, sys
