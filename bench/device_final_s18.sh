@@ -24,7 +24,7 @@ ab)
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .stage/pplwhl/*.whl 2>&1 | tail -2
     cp .stage/smolA/part /tmp/partA && echo "GGUF half A in /tmp ($(stat -c %s /tmp/partA) bytes)"
     python3 -c "import filing_kernels.attention, filing_kernels.w4a16; print('filing kernels import')"
-    step 420 python3 bench/ab_attention_versions.py --old filing_kernels --deadline 400 --out $OUT/ab_attention.json \
+    step 400 python3 bench/ab_attention_versions.py --old filing_kernels --deadline 370 --out $OUT/ab_attention.json \
         2>&1 | tail -24
     step 120 python3 bench/bench_attention.py --skip-sweep --sections fp8call --seqlens 2048,8192,16384 \
         --out $OUT --name attention_fp8call.json 2>&1 | grep -v Warning | tail -30
