@@ -24,22 +24,22 @@ ab)
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .stage/pplwhl/*.whl 2>&1 | tail -2
     cp .stage/smolA/part /tmp/partA && echo "GGUF half A in /tmp ($(stat -c %s /tmp/partA) bytes)"
     python3 -c "import filing_kernels.attention, filing_kernels.w4a16; print('filing kernels import')"
-    step 400 python3 bench/ab_attention_versions.py --old filing_kernels --deadline 370 --out $OUT/ab_attention.json \
+    step 350 python3 bench/ab_attention_versions.py --old filing_kernels --deadline 330 --out $OUT/ab_attention.json \
         2>&1 | tail -24
-    step 120 python3 bench/bench_attention.py --skip-sweep --sections fp8call --seqlens 2048,8192,16384 \
+    step 100 python3 bench/bench_attention.py --skip-sweep --sections fp8call --seqlens 2048,8192,16384 \
         --out $OUT --name attention_fp8call.json 2>&1 | grep -v Warning | tail -30
     ;;
 suite)
-    SH=28672x8192,14336x4096,4096x4096,6144x4096
-    step 75 env QUANTKIT_W4A16_MODULE=filing_kernels.w4a16 python3 bench/bench_w4a16.py --shapes $SH --ms 1,16,1024 \
-        --deadline 60 --out $OUT/ab_w4a16_filing.json 2>&1 | grep -v "^  " | tail -25
-    step 75 python3 bench/bench_w4a16.py --shapes $SH --ms 1,16,1024 --deadline 60 --out $OUT/ab_w4a16_new.json 2>&1 \
+    SH=28672x8192,14336x4096,4096x4096
+    step 60 env QUANTKIT_W4A16_MODULE=filing_kernels.w4a16 python3 bench/bench_w4a16.py --shapes $SH --ms 1,16,1024 \
+        --deadline 45 --out $OUT/ab_w4a16_filing.json 2>&1 | grep -v "^  " | tail -25
+    step 60 python3 bench/bench_w4a16.py --shapes $SH --ms 1,16,1024 --deadline 45 --out $OUT/ab_w4a16_new.json 2>&1 \
         | grep -v "^  " | tail -25
     G=$HOME/.cache/quantkit/smollm2
     mkdir -p $G && cat /tmp/partA .stage/smolB/part > $G/SmolLM2-135M-Instruct.Q4_1.gguf && ls -l $G
     mkdir -p ../shared/data/wikitext2 && cp .stage/data/*.txt ../shared/data/wikitext2/ && ls ../shared/data/wikitext2
     export PYTHONPATH=/tmp/site
-    step 420 python3 -m pytest -m gpu tests -n 12 -q -rfE -p no:cacheprovider 2>&1 | tee $OUT/gpu_pytest.txt | tail -40
+    step 380 python3 -m pytest -m gpu tests -n 12 -q -rfE -p no:cacheprovider 2>&1 | tee $OUT/gpu_pytest.txt | tail -40
     ;;
 *) echo "usage: device_final_s18.sh ab|suite BUDGET_S"; exit 2 ;;
 esac
