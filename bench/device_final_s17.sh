@@ -14,12 +14,12 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 BUDGET=${2:-300}
 t0=$(date +%s)
 source bench/device_budget.sh
+source bench/device_stage.sh
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || echo "pip install -e . failed"
 nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv,noheader
 case "$1" in
 ab)
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .stage/pplwhl/*.whl 2>&1 | tail -2
-    cp .stage/smolA/part /tmp/partA && echo "GGUF half A in /tmp ($(stat -c %s /tmp/partA) bytes)"
+    stage_first_half
     export PYTHONPATH=$PWD/.stage/filing
     python3 -c "import filing_kernels.attention, filing_kernels.w4a16; print('filing kernels import')"
     # issue #28: AWQ on the 8B shapes on the merged code (the walker's timer now waits for the compute stream only)
@@ -34,11 +34,7 @@ ab)
     step 45 python3 bench/experimental/w4a16_timing_gap.py --out $OUT 2>&1 | tail -20
     ;;
 suite)
-    G=$HOME/.cache/quantkit/smollm2
-    mkdir -p $G && cat /tmp/partA .stage/smolB/part > $G/SmolLM2-135M-Instruct.Q4_1.gguf && ls -l $G
-    mkdir -p ../shared/data/wikitext2 && cp .stage/data/*.txt ../shared/data/wikitext2/ && ls ../shared/data/wikitext2
-    export PYTHONPATH=/tmp/site
-    step 560 python3 -m pytest -m gpu tests -n 12 -q -rfE -p no:cacheprovider 2>&1 | tee $OUT/gpu_pytest.txt | tail -40
+    gpu_suite 560
     ;;
 *) echo "usage: device_final_s17.sh ab|suite BUDGET_S"; exit 2 ;;
 esac

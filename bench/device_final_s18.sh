@@ -16,13 +16,13 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 BUDGET=${2:-300}
 t0=$(date +%s)
 source bench/device_budget.sh
+source bench/device_stage.sh
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || echo "pip install -e . failed"
 nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv,noheader
 export PYTHONPATH=$PWD/.stage/filing
 case "$1" in
 ab)
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .stage/pplwhl/*.whl 2>&1 | tail -2
-    cp .stage/smolA/part /tmp/partA && echo "GGUF half A in /tmp ($(stat -c %s /tmp/partA) bytes)"
+    stage_first_half
     python3 -c "import filing_kernels.attention, filing_kernels.w4a16; print('filing kernels import')"
     step 350 python3 bench/ab_attention_versions.py --old filing_kernels --deadline 330 --out $OUT/ab_attention.json \
         2>&1 | tail -24
@@ -35,11 +35,7 @@ suite)
         --deadline 45 --out $OUT/ab_w4a16_filing.json 2>&1 | grep -v "^  " | tail -25
     step 60 python3 bench/bench_w4a16.py --shapes $SH --ms 1,16,1024 --deadline 45 --out $OUT/ab_w4a16_new.json 2>&1 \
         | grep -v "^  " | tail -25
-    G=$HOME/.cache/quantkit/smollm2
-    mkdir -p $G && cat /tmp/partA .stage/smolB/part > $G/SmolLM2-135M-Instruct.Q4_1.gguf && ls -l $G
-    mkdir -p ../shared/data/wikitext2 && cp .stage/data/*.txt ../shared/data/wikitext2/ && ls ../shared/data/wikitext2
-    export PYTHONPATH=/tmp/site
-    step 380 python3 -m pytest -m gpu tests -n 12 -q -rfE -p no:cacheprovider 2>&1 | tee $OUT/gpu_pytest.txt | tail -40
+    gpu_suite 380
     ;;
 *) echo "usage: device_final_s18.sh ab|suite BUDGET_S"; exit 2 ;;
 esac
