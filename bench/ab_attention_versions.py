@@ -87,8 +87,10 @@ def decode_cells(new, old):
         vc = torch.randn_like(kc)
         lens = torch.full((b,), length, dtype=torch.int32, device="cuda")
         row = {"table": "decode", "batch": b, "cache_len": length, "hq": hq, "hkv": hkv, "head_dim": d}
-        row["err_new_vs_old"] = rel_err(new.decode_attention(q, kc, vc, lens), old.decode_attention(q, kc, vc, lens))
-        row.update(triple(lambda: new.decode_attention(q, kc, vc, lens), lambda: old.decode_attention(q, kc, vc, lens)))
+        new_call, old_call = new.decode(q, kc, vc, lens), old.decode(q, kc, vc, lens)
+        row["err_new_vs_old"] = rel_err(new_call().view(q.shape), old_call().view(q.shape))
+        row.update(triple(new_call, old_call))
+        row["new_kernel"], row["old_kernel"] = new.decode_kernel, old.decode_kernel
         row["new_kv_TBps"] = round(4 * b * length * hkv * d / row["new_ms"] / 1e9, 3)
         yield row
 
@@ -103,7 +105,24 @@ class Version:
         self.name, self.attention = package, mod.attention
         self.prepare_fp8 = getattr(mod, "prepare_fp8", None) or importlib.import_module(
             f"{package}.attention_fp8").prepare_fp8
-        self.decode_attention = dec.decode_attention
+        # the general split-K kernel where a version has it (the filing's), else the runtime's fused kernel (since
+        # session 19 the only one in kernels/) given RoPE as the identity and the last cached key/value as the new
+        # token's: the same attention over the same cache
+        self.decode_kernel = "decode_attention" if hasattr(dec, "decode_attention") else "decode_attention_rope"
+        self._dec = dec
+
+    def decode(self, q, k_cache, v_cache, lens):
+        """A no-argument call of this version's decode attention: q (B, 1, Hq, D) over the full caches."""
+        if self.decode_kernel == "decode_attention":
+            return lambda: self._dec.decode_attention(q, k_cache, v_cache, lens)
+        b, length, d = q.shape[0], k_cache.shape[1], q.shape[3]
+        rows = torch.arange(b, device=q.device)
+        qkv = torch.cat([q[:, 0].reshape(b, -1), k_cache[rows, length - 1].reshape(b, -1),
+                         v_cache[rows, length - 1].reshape(b, -1)], 1)
+        cos = torch.ones(length, d // 2, device=q.device)
+        args = (qkv, cos, torch.zeros_like(cos), lens - 1, rows.int(), k_cache, v_cache, q.shape[2],
+                torch.zeros(b * k_cache.shape[2], dtype=torch.int32, device=q.device))
+        return lambda: self._dec.decode_attention_rope(*args)
 
 
 def main():

@@ -32,7 +32,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from quantkit.kernels.attention import attention
 from quantkit.kernels.attention_fp8 import prepare_fp8
-from quantkit.kernels.decode_attention import decode_attention, decode_attention_ref
+from quantkit.kernels.decode_attention import decode_attention_ref, decode_attention_rope
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from plot_results import plot_after_run  # noqa: E402
@@ -312,18 +312,24 @@ def fp8_call_table(args, results):
 
 
 def decode_table(results, copy_tbs):
+    """The runtime's decode attention (``decode_attention_rope``: RoPE, the cache write and split attention in one
+    launch) on a full cache: the token at position L - 1 attends to L keys. RoPE is given the identity (cos 1,
+    sin 0) and the last cached key/value as the new token's, so the float32 reference reads the same cache."""
     shapes = [(1, 32768, 32, 8, 128), (8, 8192, 32, 8, 128), (64, 2048, 32, 8, 128), (16, 4096, 16, 16, 64)]
     for b, L, hq, hkv, d in shapes:
         q = torch.randn(b, 1, hq, d, device="cuda", dtype=torch.bfloat16)
         kc = torch.randn(b, L, hkv, d, device="cuda", dtype=torch.bfloat16)
         vc = torch.randn_like(kc)
         lens = torch.full((b,), L, dtype=torch.int32, device="cuda")
-        out = decode_attention(q, kc, vc, lens)
+        rows = torch.arange(b, device="cuda")
+        qkv = torch.cat([q[:, 0].reshape(b, -1), kc[rows, L - 1].reshape(b, -1), vc[rows, L - 1].reshape(b, -1)], 1)
+        cos, sin = torch.ones(L, d // 2, device="cuda"), torch.zeros(L, d // 2, device="cuda")
+        args = (qkv, cos, sin, lens - 1, rows.int(), kc, vc, hq, torch.zeros(b * hkv, dtype=torch.int32, device="cuda"))
+        out = decode_attention_rope(*args).view(q.shape)
         # the float32 reference on the first sequence only (the loop reference is slow)
         err = rel_err(out[:1], decode_attention_ref(q[:1], kc[:1], vc[:1], lens[:1]))
         # CUDA graph replay, as a server runs decode: launch overhead out of the kernel time
-        ms = triton.testing.do_bench_cudagraph(lambda: decode_attention(q, kc, vc, lens), rep=100,
-                                               return_mode="median")
+        ms = triton.testing.do_bench_cudagraph(lambda: decode_attention_rope(*args), rep=100, return_mode="median")
         kv_bytes = 2 * b * L * hkv * d * 2
         row = {"batch": b, "cache_len": L, "hq": hq, "hkv": hkv, "head_dim": d, "ms": round(ms, 4),
                "kv_TBps": round(kv_bytes / ms / 1e9, 3),

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from dataclasses import asdict, replace
@@ -71,8 +70,8 @@ class Bench:
     """The model, its float32 weights, the test tokens, and the calibration windows per seed."""
 
     def __init__(self, device: str, smoke: bool = False) -> None:
-        from quantkit.calib_data.text import needs_bos
         from quantkit.calib_data.sources import load_source_tokens
+        from quantkit.calib_data.text import needs_bos
         from quantkit.eval.perplexity import load_eval_tokens
         from quantkit.models import load_model
 

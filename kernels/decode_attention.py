@@ -1,23 +1,22 @@
 """
-Decode attention (flash-decoding) in Triton: a few new query tokens against a KV cache.
+Decode attention in Triton: one new token per sequence against a KV cache, fused with what precedes it in a
+decoder layer (RoPE on q and k, the cache write of k and v), as the serving runtime calls it.
 
-    q:            (B, Sq, Hq, D)      Sq new tokens per sequence (1 for plain decoding, a few for
-                                      speculative decoding); Hq a multiple of Hkv
-    k_cache:      (B, S_max, Hkv, D)
-    v_cache:      (B, S_max, Hkv, D)
-    cache_seqlens:(B,) int32          valid keys per sequence, the Sq new tokens included
-    out:          (B, Sq, Hq, D)
+    qkv:            (B, (Hq + 2 Hkv) D)     the fused projection's output row of each sequence
+    k_cache, v_cache: (slots, S_max, Hkv, D) sequence b lives in cache row slots[b]
+    positions:      (B,) int32              the new token's position p: it sees keys 0..p
+    out:            (B, Hq D)
 
-New token t of sequence b sits at absolute position L_b - Sq + t and sees keys 0..L_b - Sq + t
-(causal among the new tokens, all of the cache before them).
+Decode is memory-bound: every K/V byte is used by only G = Hq / Hkv query rows. Two things matter:
+ * read each K/V byte once: one program takes all G query heads of a K/V head as the rows of one tile, so GQA
+   costs no extra traffic;
+ * fill the chip for a small batch: the keys of a row are split across programs (split-K, flash-decoding); each
+   writes a partial output normalised by its own softmax sum plus its log-sum-exp, and the last program of a row
+   to finish combines them exactly.
 
-Decode is memory-bound: every K/V byte is used by only G * Sq query rows. Two things matter:
- * read each K/V byte once: one program handles *all* G = Hq / Hkv query heads of a K/V head
-   and all Sq new tokens, packed as the rows of one tile (row r -> head g = r // Sq, token
-   t = r % Sq), so GQA costs no extra traffic;
- * fill the chip even for a small batch: the keys of a sequence are split across NUM_SPLITS
-   programs (split-K); each writes a partial output normalised by its own softmax sum plus its
-   log-sum-exp, and a second small kernel combines the splits exactly.
+``decode_attention_ref`` is the plain-PyTorch reference (several new tokens per sequence, sliding window,
+soft-cap); the general two-launch split-K kernel that takes a separate q lives in
+bench/experimental/decode_split_k.py.
 """
 import math
 
@@ -31,10 +30,9 @@ from quantkit.kernels.device_info import num_sms
 
 @triton.jit
 def _online_softmax_step(q, k, v, keep, m_i, l_i, acc, sm_scale, softcap, HAS_SOFTCAP: tl.constexpr):
-    """One key tile of the online softmax, shared by the split kernel and the fused RoPE kernel: the logits
-    q k^T in log2 units (soft-capped: softcap * tanh(s / softcap) on the scaled logits s), masked to -inf where
-    ``keep`` is false, the running max raised, the sum and the accumulator rescaled by exp2, acc += P V.
-    Returns (m_i, l_i, acc)."""
+    """One key tile of the online softmax: the logits q k^T in log2 units (soft-capped: softcap * tanh(s / softcap)
+    on the scaled logits s), masked to -inf where ``keep`` is false, the running max raised, the sum and the
+    accumulator rescaled by exp2, acc += P V. Returns (m_i, l_i, acc)."""
     if HAS_SOFTCAP:
         s = tl.dot(q, k.T) * sm_scale / softcap
         qk = (2.0 / (1.0 + tl.exp(-2.0 * s)) - 1.0) * softcap * 1.4426950408889634
@@ -51,150 +49,13 @@ def _online_softmax_step(q, k, v, keep, m_i, l_i, acc, sm_scale, softcap, HAS_SO
     return m_ij, l_i, acc
 
 
-@triton.jit
-def _decode_split_kernel(q_ptr, k_ptr, v_ptr, seqlens_ptr, slots_ptr, o_part_ptr, lse_part_ptr,
-                         sm_scale, chunk, window_left, softcap,
-                         stride_qb, stride_qs, stride_qh, stride_qd,
-                         stride_kb, stride_kn, stride_kh, stride_kd,
-                         stride_vb, stride_vn, stride_vh, stride_vd,
-                         stride_ob, stride_oh, stride_os, stride_osp, stride_od,
-                         stride_lb, stride_lh, stride_ls, stride_lsp,
-                         SQ: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SLOTS: tl.constexpr,
-                         HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
-    split = tl.program_id(0)
-    b = tl.program_id(1)
-    kv_head = tl.program_id(2)
-    seqlen = tl.load(seqlens_ptr + b)
-    # the cache row this query row reads (a slot of a cache shared by the batch, or row b itself)
-    if HAS_SLOTS:
-        cache_b = tl.load(slots_ptr + b).to(tl.int64)
-    else:
-        cache_b = b.to(tl.int64)
-
-    # rows of the tile: (query head within the group, new token)
-    offs_r = tl.arange(0, BLOCK_M)
-    g = offs_r // SQ
-    t = offs_r % SQ
-    row_ok = offs_r < GROUP * SQ
-    head = kv_head * GROUP + g
-    pos = seqlen - SQ + t  # absolute position of each row's token: sees keys <= pos
-    offs_d = tl.arange(0, HEAD_DIM)
-    offs_n = tl.arange(0, BLOCK_N)
-
-    q_ptrs = (q_ptr + b.to(tl.int64) * stride_qb + t[:, None] * stride_qs + head[:, None] * stride_qh
-              + offs_d[None, :] * stride_qd)
-    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
-
-    k_base = k_ptr + cache_b * stride_kb + kv_head * stride_kh
-    v_base = v_ptr + cache_b * stride_vb + kv_head * stride_vh
-    lo = split * chunk
-    hi = tl.minimum(lo + chunk, seqlen)
-    if HAS_WINDOW:
-        # keys before the earliest row's window are never visible: skip whole tiles of them
-        lo = tl.maximum(lo, (tl.maximum(seqlen - SQ - window_left, 0) // BLOCK_N) * BLOCK_N)
-
-    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    for start_n in tl.range(lo, hi, BLOCK_N):
-        cols = start_n + offs_n
-        col_ok = cols < hi
-        k = tl.load(k_base + cols.to(tl.int64)[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                    mask=col_ok[:, None], other=0.0)
-        v = tl.load(v_base + cols.to(tl.int64)[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-                    mask=col_ok[:, None], other=0.0)
-        # masking is cheap here (memory-bound), so every tile is masked: ragged end + causal
-        keep = col_ok[None, :] & (cols[None, :] <= pos[:, None])
-        if HAS_WINDOW:
-            keep = keep & (cols[None, :] >= pos[:, None] - window_left)
-        m_i, l_i, acc = _online_softmax_step(q, k, v, keep, m_i, l_i, acc, sm_scale, softcap, HAS_SOFTCAP)
-
-    # partial result normalised by its own sum; lse (log2 units) = -inf marks an empty split
-    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    acc = acc / l_safe[:, None]
-    lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
-    o_ptrs = (o_part_ptr + b.to(tl.int64) * stride_ob + head[:, None] * stride_oh + t[:, None] * stride_os
-              + split * stride_osp + offs_d[None, :] * stride_od)
-    tl.store(o_ptrs, acc, mask=row_ok[:, None])
-    tl.store(lse_part_ptr + b * stride_lb + head * stride_lh + t * stride_ls + split * stride_lsp, lse,
-             mask=row_ok)
-
-
-@triton.jit
-def _decode_reduce_kernel(o_part_ptr, lse_part_ptr, out_ptr, num_splits,
-                          stride_ob, stride_oh, stride_os, stride_osp, stride_od,
-                          stride_lb, stride_lh, stride_ls, stride_lsp,
-                          stride_outb, stride_outs, stride_outh, stride_outd,
-                          HEAD_DIM: tl.constexpr, SPLITS_P2: tl.constexpr):
-    # one program per (batch, query head, new token): weight each split by exp2(lse - max)
-    b = tl.program_id(0)
-    head = tl.program_id(1)
-    t = tl.program_id(2)
-    offs_s = tl.arange(0, SPLITS_P2)
-    offs_d = tl.arange(0, HEAD_DIM)
-    s_ok = offs_s < num_splits
-    lse = tl.load(lse_part_ptr + b * stride_lb + head * stride_lh + t * stride_ls + offs_s * stride_lsp,
-                  mask=s_ok, other=float("-inf"))
-    m = tl.max(lse, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.math.exp2(lse - m)  # empty splits weigh 0
-    o = tl.load(o_part_ptr + b.to(tl.int64) * stride_ob + head * stride_oh + t * stride_os
-                + offs_s[:, None] * stride_osp + offs_d[None, :] * stride_od, mask=s_ok[:, None], other=0.0)
-    denom = tl.sum(w, 0)
-    denom = tl.where(denom == 0.0, 1.0, denom)
-    o = tl.sum(o * w[:, None], 0) / denom
-    tl.store(out_ptr + b.to(tl.int64) * stride_outb + t * stride_outs + head * stride_outh
-             + offs_d * stride_outd,
-             o.to(out_ptr.dtype.element_ty))
-
-
-def _num_splits(batch, n_kv_heads, max_len, block_n, n_sms):
-    # enough programs for ~2 waves, but each split keeps at least 4 key tiles of work
-    want = triton.cdiv(2 * n_sms, batch * n_kv_heads)
-    return max(1, min(want, triton.cdiv(max_len, 4 * block_n), 128))
-
-
-def decode_attention(q, k_cache, v_cache, cache_seqlens, sm_scale=None, num_splits=None, block_n=None,
-                     num_warps=4, cache_slots=None, window_left=-1, softcap=0.0):
-    """Flash-decoding. q (B, Sq, Hq, D); k_cache, v_cache (B, S_max, Hkv, D), or (slots, S_max, Hkv, D)
-    with ``cache_slots`` (B,) int32 naming the cache row of each query row (continuous batching);
-    cache_seqlens (B,) int32 (keys valid per sequence, new tokens included). ``window_left >= 0``: a
-    token at position p sees keys p - window_left .. p only (sliding window); ``softcap > 0``: logits
-    ``softcap * tanh(s / softcap)``. -> (B, Sq, Hq, D). No host sync: safe inside a CUDA graph."""
-    b, sq, n_heads, head_dim = q.shape
-    _, s_max, n_kv_heads, _ = k_cache.shape
-    assert n_heads % n_kv_heads == 0
-    group = n_heads // n_kv_heads
-    sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
-    on_gpu = q.is_cuda
-    if block_n is None:
-        block_n = 64 if on_gpu else 16
-    if num_splits is None:
-        n_sms = torch.cuda.get_device_properties(q.device).multi_processor_count if on_gpu else 4
-        num_splits = _num_splits(b, n_kv_heads, s_max, block_n, n_sms)
-    # split length rounded to the tile, so splits never share a tile
-    chunk = triton.cdiv(triton.cdiv(s_max, num_splits), block_n) * block_n
-    block_m = max(16, triton.next_power_of_2(group * sq))
-    o_part = torch.empty(b, n_heads, sq, num_splits, head_dim, device=q.device, dtype=torch.float32)
-    lse_part = torch.empty(b, n_heads, sq, num_splits, device=q.device, dtype=torch.float32)
-    out = torch.empty_like(q)
-    _decode_split_kernel[(num_splits, b, n_kv_heads)](
-        q, k_cache, v_cache, cache_seqlens, cache_slots if cache_slots is not None else cache_seqlens,
-        o_part, lse_part, sm_scale, chunk, int(window_left), float(softcap),
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), *o_part.stride(), *lse_part.stride(),
-        SQ=sq, GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
-        HAS_SLOTS=cache_slots is not None, HAS_WINDOW=window_left >= 0, HAS_SOFTCAP=softcap > 0,
-        num_warps=num_warps)
-    _decode_reduce_kernel[(b, n_heads, sq)](
-        o_part, lse_part, out, num_splits, *o_part.stride(), *lse_part.stride(), *out.stride(),
-        HEAD_DIM=head_dim, SPLITS_P2=triton.next_power_of_2(num_splits))
-    return out
-
-
 def decode_attention_ref(q, k_cache, v_cache, cache_seqlens, sm_scale=None, cache_slots=None, window_left=-1,
                          softcap=0.0):
-    """Plain-PyTorch reference (float32 math), same shapes, arguments and masking as `decode_attention`."""
+    """Decode attention in plain PyTorch (float32 math). q (B, Sq, Hq, D): Sq new tokens per sequence, token t at
+    position L_b - Sq + t seeing keys 0..L_b - Sq + t; k_cache, v_cache (B, S_max, Hkv, D), or (slots, S_max, Hkv, D)
+    with ``cache_slots`` (B,) naming each row's cache row; cache_seqlens (B,) keys valid per sequence, the new tokens
+    included. ``window_left >= 0``: a token at position p sees keys p - window_left .. p only; ``softcap > 0``:
+    logits ``softcap * tanh(s / softcap)``. -> (B, Sq, Hq, D) float32."""
     b, sq, n_heads, head_dim = q.shape
     group = n_heads // k_cache.shape[2]
     sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
@@ -217,9 +78,6 @@ def decode_attention_ref(q, k_cache, v_cache, cache_seqlens, sm_scale=None, cach
     return out
 
 
-# -- one token per sequence, RoPE and the cache write fused in, the splits combined by the last program --------
-
-
 @triton.jit
 def _rotated(base, cos_ptr, sin_ptr, d, HALF: tl.constexpr, ROPE: tl.constexpr):
     """The head vector(s) at ``base + d`` (d over the whole head) rotated by RoPE in the half-split layout (float32):
@@ -234,16 +92,34 @@ def _rotated(base, cos_ptr, sin_ptr, d, HALF: tl.constexpr, ROPE: tl.constexpr):
 
 
 @triton.jit
-def _merge_split(m_all, den, o, o_part_ptr, lse_part_ptr, idx, row_ok, d, HEAD_DIM: tl.constexpr):
-    """Fold one split's normalised partial output and log-sum-exp (rows ``idx``) into the running combine."""
-    lse = tl.load(lse_part_ptr + idx, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-    o_sp = tl.load(o_part_ptr + idx[:, None] * HEAD_DIM + d[None, :], mask=row_ok[:, None], other=0.0,
-                   cache_modifier=".cg")
-    m_new = tl.maximum(m_all, lse)
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    scale_old = tl.math.exp2(m_all - m_safe)
-    w = tl.math.exp2(lse - m_safe)
-    return m_new, den * scale_old + w, o * scale_old[:, None] + o_sp * w[:, None]
+def _combine_splits(o_part_ptr, lse_part_ptr, out_ptr, head0, n_splits, d, GROUP: tl.constexpr,
+                    GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                    SPLITS_P2: tl.constexpr, SPLIT_BLOCK: tl.constexpr):
+    """Combine the ``n_splits`` partial outputs of heads head0 .. head0 + GROUP - 1 (global head rows of the
+    partials) into ``out_ptr`` rows 0 .. GROUP - 1: the weights exp2(lse - max) from one load of every log-sum-exp,
+    then the partial outputs SPLIT_BLOCK splits at a time, one load a block (a split at a time chains n_splits
+    round trips to L2, which cost more than the attention itself for one short row)."""
+    g = tl.arange(0, GROUP_P2)
+    g_ok = g < GROUP
+    part = (head0 + tl.where(g_ok, g, 0)) * NUM_SPLITS
+    sp = tl.arange(0, SPLITS_P2)
+    lse = tl.load(lse_part_ptr + part[:, None] + sp[None, :], mask=g_ok[:, None] & (sp[None, :] < n_splits),
+                  other=float("-inf"), cache_modifier=".cg")
+    m = tl.max(lse, 1)
+    m = tl.where(m == float("-inf"), 0.0, m)  # every split empty: weights 0, output 0
+    den = tl.sum(tl.math.exp2(lse - m[:, None]), 1)
+    o = tl.zeros([GROUP_P2, HEAD_DIM], dtype=tl.float32)
+    for s0 in tl.range(0, n_splits, SPLIT_BLOCK):
+        sb = s0 + tl.arange(0, SPLIT_BLOCK)
+        ok = g_ok[:, None] & (sb[None, :] < n_splits)
+        w = tl.math.exp2(tl.load(lse_part_ptr + part[:, None] + sb[None, :], mask=ok, other=float("-inf"),
+                                 cache_modifier=".cg") - m[:, None])
+        o_sp = tl.load(o_part_ptr + (part[:, None, None] + sb[None, :, None]) * HEAD_DIM + d[None, None, :],
+                       mask=ok[:, :, None], other=0.0, cache_modifier=".cg")
+        o += tl.sum(o_sp * w[:, :, None], 1)
+    den = tl.where(den == 0.0, 1.0, den)
+    tl.store(out_ptr + g[:, None] * HEAD_DIM + d[None, :], (o / den[:, None]).to(out_ptr.dtype.element_ty),
+             mask=g_ok[:, None])
 
 
 @triton.jit
@@ -253,7 +129,8 @@ def _decode_rope_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slots_ptr, k_ptr, v_
                         N_HEADS: tl.constexpr, N_KV: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr,
                         NUM_SPLITS: tl.constexpr, MIN_SPLIT_KEYS: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, ROPE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                        PDL: tl.constexpr):
+                        PDL: tl.constexpr, GROUP_P2: tl.constexpr, SPLITS_P2: tl.constexpr,
+                        SPLIT_BLOCK: tl.constexpr):
     # program (split, row b, KV head): the GROUP query heads of the KV head against this split's share of the
     # keys already cached (0 .. pos - 1); the last busy split also takes the new token's own key, from registers.
     # A row uses as many of the NUM_SPLITS programs as its length needs (MIN_SPLIT_KEYS keys each at least); the
@@ -342,19 +219,18 @@ def _decode_rope_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slots_ptr, k_ptr, v_
         tl.debug_barrier()
         done = tl.atomic_add(counter_ptr + b * N_KV + kv_head, 1, sem="acq_rel") + 1
         if done == n_splits:
-            m_all = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
-            den = tl.zeros([BLOCK_M], dtype=tl.float32)
-            o = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-            for sp in tl.range(0, n_splits):
-                m_all, den, o = _merge_split(m_all, den, o, o_part_ptr, lse_part_ptr, part + sp, row_ok, d, HEAD_DIM)
-            den = tl.where(den == 0.0, 1.0, den)
-            tl.store(out_ptrs, (o / den[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+            _combine_splits(o_part_ptr, lse_part_ptr, out_ptr + b * stride_out + kv_head * GROUP * HEAD_DIM,
+                            b * N_HEADS + kv_head * GROUP, n_splits, d, GROUP, GROUP_P2, HEAD_DIM, NUM_SPLITS,
+                            SPLITS_P2, SPLIT_BLOCK)
             tl.store(counter_ptr + b * N_KV + kv_head, 0)
 
 
 def _rope_decode_splits(batch: int, n_kv_heads: int, max_len: int, min_split_keys: int, n_sms: int) -> int:
-    """Most splits of the fused decode kernel: ~1 wave of programs at ``max_len``, ``min_split_keys`` keys each."""
-    want = triton.cdiv(n_sms, batch * n_kv_heads)
+    """Most splits of a row (``batch * n_kv_heads`` programs a split): whole waves of programs only, since a few
+    programs past a wave double its tail; one wave when that gives each row 8 splits or more, else two programs a
+    SM (fewer splits leave each program too long a chain of key tiles). ``min_split_keys`` keys a split at least."""
+    units = batch * n_kv_heads
+    want = n_sms // units if n_sms // units >= 8 else 2 * n_sms // units
     return max(1, min(want, triton.cdiv(max_len, min_split_keys), 64))
 
 
@@ -389,13 +265,17 @@ def decode_attention_rope(qkv, cos_table, sin_table, positions, slots, k_cache, 
     lse_part = torch.empty(b, n_heads, num_splits, device=qkv.device, dtype=torch.float32)
     out = torch.empty(b, n_heads * head_dim, device=qkv.device, dtype=qkv.dtype)
     extra = {"launch_pdl": True} if pdl else {}
+    group_p2, splits_p2 = triton.next_power_of_2(group), triton.next_power_of_2(num_splits)
+    # the combine holds GROUP_P2 x SPLIT_BLOCK x D partial outputs: at most 64 floats a thread of 4 warps
+    split_block = max(1, min(splits_p2, 8192 // (group_p2 * head_dim)))
     _decode_rope_kernel[(num_splits, b, n_kv_heads)](
         qkv, cos_table, sin_table, positions, slots, k_cache, v_cache, o_part, lse_part, out, counters,
         sm_scale, int(window_left), float(softcap),
         qkv.stride(0), cos_table.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0),
         N_HEADS=n_heads, N_KV=n_kv_heads, GROUP=group, HALF=head_dim // 2, NUM_SPLITS=num_splits,
         MIN_SPLIT_KEYS=min_split_keys, BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, ROPE=rope,
-        HAS_WINDOW=window_left >= 0, HAS_SOFTCAP=softcap > 0, PDL=pdl, num_warps=4, **extra)
+        HAS_WINDOW=window_left >= 0, HAS_SOFTCAP=softcap > 0, PDL=pdl, GROUP_P2=group_p2, SPLITS_P2=splits_p2,
+        SPLIT_BLOCK=split_block, num_warps=4, **extra)
     return out
 
 

@@ -20,10 +20,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_w4a16 import make_weights  # noqa: E402
+from gpu_timing import gpu_time_us, l2_evict_buffer  # noqa: E402  (bench/)
 
 from quantkit.kernels import w4a16 as kw  # noqa: E402
 from quantkit.kernels import w4a16_gluon as kg  # noqa: E402
-from gpu_timing import gpu_time_us, l2_evict_buffer  # noqa: E402  (bench/)
 
 
 def parse_fields(text: str) -> dict:

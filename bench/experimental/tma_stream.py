@@ -33,6 +33,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from gpu_timing import gpu_time_us, l2_evict_buffer, replay_us  # noqa: E402  (bench/)
+
 from quantkit.kernels.w4a16_gluon import LOAD_WARP_REGS, _even_run, _invalidate_ring, _ring_barriers
 
 

@@ -38,6 +38,7 @@ def _case(b, hq, hkv, d, s_max, positions, dtype, seed):
     (4, 1, 16, [50], 1, -1, 0.0, True),         # one split: no combine
     (4, 2, 16, [61, 9], 3, 7, 5.0, True),       # sliding window and soft-cap
     (2, 2, 16, [40], 2, -1, 0.0, False),        # no RoPE
+    (32, 2, 128, [90, 41], 8, -1, 0.0, True),   # group 16 at head dim 128: the combine takes 4 splits a block
 ])
 def test_fused_decode_matches_reference(dtype, hq, hkv, d, positions, splits, window, softcap, rope):
     if dtype == torch.float16 and not CUDA and splits > 3:
