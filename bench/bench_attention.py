@@ -21,6 +21,7 @@ matplotlib is installed) and prints a compact table last.
 """
 import argparse
 import datetime
+import itertools
 import json
 import os
 import sys
@@ -260,32 +261,36 @@ def fp8_accuracy(results):
 
 
 def fp8_call_table(args, results):
-    """The public fp8 call against our bf16 in one process, 16 heads, head dim 128, bf16 inputs, CUDA-graph
-    timing: bf16 (``attention``, auto), fp8 through the public call (the fused quantization + the kernel), the
+    """The public fp8 call against our bf16 in one process (--heads, default 16/16/128), bf16 inputs, CUDA-graph
+    timing: bf16 (``attention``, auto), fp8 through the public call (fp8=True: the fused quantization + the
+    kernel; fp8="auto": that or bf16, as ``attention_select.select_fp8`` decides), the
     former public call (``prepare_fp8`` in PyTorch + the kernel), e4m3 inputs with descale factors (V moved to
     the kernels' layout + the kernel), the kernel alone on prepared operands, and the fused quantization alone.
     Relative errors against float32 attention on the same bf16 inputs."""
     from quantkit.kernels.attention_fp8 import quantize_fp8_per_token, quantize_qkv_fp8
 
-    h, d = 16, 128
+    heads = [tuple(int(x) for x in t.split("/")) for t in args.heads.split(",")] if args.heads else [(16, 16, 128)]
     seqlens = [int(x) for x in args.seqlens.split(",")] if args.seqlens else [2048, 8192, 16384]
-    for s in seqlens:
+    wanted = set(args.fp8call_paths.split(",")) if args.fp8call_paths else None
+    for (h, hkv, d), s in itertools.product(heads, seqlens):
         b = TOKENS // s
-        q, k, v = make(b, s, h, h, d)
-        flat = [x.reshape(b * s, h, d) for x in (q, k, v)]
+        q, k, v = make(b, s, h, hkv, d)
+        flat = [x.reshape(b * s, -1, d) for x in (q, k, v)]
         cu = fixed_cu(b, s)
         q8, qd = quantize_fp8_per_token(flat[0])  # what a projection emitting e4m3 would give
         kd, vd = (x.abs().amax(dim=(0, 2)).float() / 448.0 for x in flat[1:])
         k8, v8 = ((x.float() / sc[:, None]).to(torch.float8_e4m3fn) for x, sc in zip(flat[1:], (kd, vd)))
-        pre8 = [x.view(b, s, h, d) for x in (q8, k8, v8)]
+        pre8 = [x.view(b, s, -1, d) for x in (q8, k8, v8)]
         prepared = quantize_qkv_fp8(*flat, cu, s)
         for causal in (False, True):
             with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
-                ref = torch.nn.functional.scaled_dot_product_attention(
-                    *(x.float().transpose(1, 2) for x in (q, k, v)), is_causal=causal).transpose(1, 2)
+                ref = torch.nn.functional.scaled_dot_product_attention(  # the float32 kernel has no GQA
+                    *(x.float().repeat_interleave(h // x.shape[2], 2).transpose(1, 2) for x in (q, k, v)),
+                    is_causal=causal).transpose(1, 2)
             paths = {
                 "bf16": lambda: attention(q, k, v, causal=causal),
                 "fp8_public": lambda: attention(q, k, v, causal=causal, fp8=True),
+                "fp8_auto": lambda: attention(q, k, v, causal=causal, fp8="auto"),
                 "fp8_public_before": lambda: attention(q, k, v, causal=causal,
                                                        fp8_prepared=prepare_fp8(*flat, cu_seqlens_k=cu)),
                 "fp8_inputs_descale": lambda: attention(*pre8, causal=causal, q_descale=qd, k_descale=kd,
@@ -293,7 +298,9 @@ def fp8_call_table(args, results):
                 "fp8_kernel_only": lambda: attention(q, k, v, causal=causal, fp8_prepared=prepared),
                 "quantize_only": lambda: quantize_qkv_fp8(*flat, cu, s),
             }
-            row = {"hq": h, "hkv": h, "head_dim": d, "seqlen": s, "batch": b, "causal": causal}
+            if wanted:
+                paths = {n: fn for n, fn in paths.items() if n in wanted}
+            row = {"hq": h, "hkv": hkv, "head_dim": d, "seqlen": s, "batch": b, "causal": causal}
             f = flops(b, h, s, d, causal)
             for name, fn in paths.items():
                 if not name.startswith("quantize"):
@@ -302,7 +309,7 @@ def fp8_call_table(args, results):
                 row[f"{name}_us"] = round(t * 1e3, 1) if t else err
                 if t and not name.startswith("quantize"):
                     row[f"{name}_tflops"] = round(f / t / 1e9, 1)
-            for name in ("fp8_public", "fp8_public_before", "fp8_inputs_descale", "fp8_kernel_only"):
+            for name in ("fp8_public", "fp8_auto", "fp8_public_before", "fp8_inputs_descale", "fp8_kernel_only"):
                 if isinstance(row.get(f"{name}_us"), float) and isinstance(row.get("bf16_us"), float):
                     row[f"{name}_vs_bf16"] = round(row["bf16_us"] / row[f"{name}_us"], 3)
             results["fp8_call"].append(row)
@@ -348,6 +355,7 @@ def main():
     ap.add_argument("--heads", help="comma list of hq/hkv/d for the prefill table, e.g. 16/16/128,32/8/128")
     ap.add_argument("--sections", default="prefill,fp8acc,decode",
                     help="which of prefill,fp8acc,decode,fp8call to run (fp8call: the public fp8 call against bf16)")
+    ap.add_argument("--fp8call-paths", help="comma list of the fp8call section's paths to time (default: all)")
     ap.add_argument("--name", help="results file name (default attention_<date>.json)")
     ap.add_argument("--variants", help="comma list of sweep variant names to run (default: all)")
     ap.add_argument("--peers", default="flash,cudnn,efficient", help="SDPA backends to time")
@@ -400,16 +408,17 @@ def main():
         print(f"decode b={r['batch']} L={r['cache_len']} {r['hq']}/{r['hkv']}/{r['head_dim']}: {r['ms']} ms "
               f"{r['kv_TBps']} TB/s ({r['frac_of_copy']:.0%} of copy) err {r['rel_err']:.1e}")
     if results["fp8_call"]:
-        print("16/16/128 seqlen c | us: bf16  fp8 call  before  fp8 in  kernel  quant | x bf16: call before fp8in "
-              "kernel | err bf16 fp8call fp8in")
+        print("hq/hkv/d seqlen c | us: bf16  fp8 call  auto  before  fp8 in  kernel  quant | x bf16: call auto before "
+              "fp8in kernel | err bf16 fp8call auto fp8in")
     for r in results["fp8_call"]:
-        us = [r.get(f"{n}_us") for n in ("bf16", "fp8_public", "fp8_public_before", "fp8_inputs_descale",
-                                          "fp8_kernel_only", "quantize_only")]
-        x = [r.get(f"{n}_vs_bf16") for n in ("fp8_public", "fp8_public_before", "fp8_inputs_descale",
+        us = [r.get(f"{n}_us") for n in ("bf16", "fp8_public", "fp8_auto", "fp8_public_before",
+                                          "fp8_inputs_descale", "fp8_kernel_only", "quantize_only")]
+        x = [r.get(f"{n}_vs_bf16") for n in ("fp8_public", "fp8_auto", "fp8_public_before", "fp8_inputs_descale",
                                               "fp8_kernel_only")]
-        e = [r.get(f"{n}_rel_err") for n in ("bf16", "fp8_public", "fp8_inputs_descale")]
-        print(f"{r['seqlen']:6d} {int(r['causal'])} | " + " ".join(f"{u:>8}" for u in us) + " | "
-              + " ".join(f"{v:>6}" for v in x) + " | " + " ".join(f"{v:>8}" for v in e))
+        e = [r.get(f"{n}_rel_err") for n in ("bf16", "fp8_public", "fp8_auto", "fp8_inputs_descale")]
+        print(f"{r['hq']}/{r['hkv']}/{r['head_dim']} {r['seqlen']:6d} {int(r['causal'])} | "
+              + " ".join(f"{str(u):>8}" for u in us) + " | " + " ".join(f"{str(v):>6}" for v in x) + " | "
+              + " ".join(f"{str(v):>8}" for v in e))
     errors = [r for r in results["prefill"] if isinstance(r["ours"], str) and r["ours"] != "not run"]
     return 1 if errors else 0
 

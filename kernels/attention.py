@@ -43,6 +43,7 @@ from quantkit.kernels.attention_select import (
     AttentionTiles,
     gluon_attention_supports,
     select_attention,
+    select_fp8,
 )
 from quantkit.kernels.device_info import capability, gpu_arch
 
@@ -306,14 +307,18 @@ def _kv_starts_aligned(cu_seqlens_k, known=None) -> bool:
     return bool((cu_seqlens_k % 32 == 0).all()) if known is None else bool(known)
 
 
-def _call_facts(q, k, causal, window_left, softcap, fp8, fp8_pv, cu_seqlens_k, kv_aligned, max_seqlen_q):
-    """The :class:`AttentionCall` of a call; the key alignment is read (one host sync) only where it matters."""
+def _call_facts(q, k, causal, window_left, softcap, fp8, fp8_pv, cu_seqlens_k, kv_aligned, max_seqlen_q,
+                max_seqlen_k=None):
+    """The :class:`AttentionCall` of a call; the key alignment is read (one host sync) only where it matters.
+    Without max_seqlen_k the keys' mean length stands in (no sync)."""
     arch = gpu_arch(q.device)
     aligned = True
     if fp8 and fp8_pv and arch == "sm90":
         aligned = cu_seqlens_k is not None and _kv_starts_aligned(cu_seqlens_k, kv_aligned)
+    if max_seqlen_k is None:
+        max_seqlen_k = k.shape[0] // max(cu_seqlens_k.numel() - 1, 1) if cu_seqlens_k is not None else max_seqlen_q
     return AttentionCall(arch, str(q.dtype), str(k.dtype), q.shape[-1], causal, window_left, softcap, fp8, fp8_pv,
-                         aligned, max_seqlen_q)
+                         aligned, max_seqlen_q, max_seqlen_k, q.shape[1], k.shape[1])
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=False, sm_scale=None,
@@ -327,7 +332,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=F
     Hq must be a multiple of Hkv (GQA/MQA). window_left < 0: no window. softcap <= 0: none.
     fp8=True quantizes q, k, v (and P) to e4m3 with `attention_fp8.quantize_qkv_fp8` (hadamard, fp8_pv: see
     `attention_fp8.prepare_fp8`); max_seqlen_k sizes its grid (None: max_seqlen_q when cu_seqlens_k is
-    cu_seqlens_q, else total_k). fp8_prepared passes that tuple in (q, k, v then give only shapes).
+    cu_seqlens_q, else total_k). fp8="auto" does so only where the H200 measurements say FP8 is faster after
+    paying for that quantization (`attention_select.select_fp8`), else runs 16-bit; fp8=True always quantizes.
+    fp8_prepared passes that tuple in (q, k, v then give only shapes).
     e4m3 q, k, v come with q_descale, k_descale, v_descale (`attention_fp8.fp8_operands`); the output is then
     out_dtype.
     config: optional `attention_select.AttentionTiles` (BLOCK_M, BLOCK_N, num_warps, num_stages).
@@ -343,6 +350,12 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=F
     if q.dtype == torch.float8_e4m3fn:  # the caller quantized: descale factors, and q, k, v for their shapes
         fp8_prepared = fp8_operands(q, k, v, q_descale, k_descale, v_descale)
         q, k, v = (_shape_of(x, out_dtype) for x in (q, k, v))
+    if fp8 not in (False, True, "auto"):
+        raise ValueError(f"fp8 must be False, True or 'auto', got {fp8!r}")
+    if fp8 == "auto":
+        fp8 = fp8_prepared is not None or select_fp8(_call_facts(
+            q, k, causal, window_left, softcap, True, fp8_pv, cu_seqlens_k, kv_aligned, max_seqlen_q,
+            max_seqlen_k))[0]
     quantize = fp8 and fp8_prepared is None
     fp8 = fp8 or fp8_prepared is not None
     if fp8_prepared is not None:
@@ -350,7 +363,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=F
     if backend not in ("auto",) + BACKENDS:
         raise ValueError(f"backend must be 'auto' or one of {BACKENDS}, got {backend!r}")
     if backend != "triton":
-        call = _call_facts(q, k, causal, window_left, softcap, fp8, fp8_pv, cu_seqlens_k, kv_aligned, max_seqlen_q)
+        call = _call_facts(q, k, causal, window_left, softcap, fp8, fp8_pv, cu_seqlens_k, kv_aligned, max_seqlen_q,
+                           max_seqlen_k)
         if backend == "auto":
             # an explicit config is a Triton config
             backend = select_attention(call)[0] if config is None else "triton"
@@ -442,7 +456,7 @@ def _shape_of(x, dtype):
 
 def attention(q, k, v, causal=False, **kwargs):
     """Fixed-length batch: q (B, Sq, Hq, D), k, v (B, Sk, Hkv, D) -> out (B, Sq, Hq, D). Keyword arguments as
-    `attention_varlen` (fp8=True on 16-bit inputs; e4m3 inputs with q_descale (a number, (Hq,) or
+    `attention_varlen` (fp8=True or "auto" on 16-bit inputs; e4m3 inputs with q_descale (a number, (Hq,) or
     (B * Sq, Hq)), k_descale and v_descale (a number or (Hkv,)))."""
     b, sq, hq, d = q.shape
     sk = k.shape[1]

@@ -56,6 +56,42 @@ class AttentionCall:
     fp8_pv: bool = True
     kv_aligned: bool = True
     max_seqlen_q: int = 0
+    max_seqlen_k: int = 0  # 0: as max_seqlen_q
+    heads_q: int = 1
+    heads_kv: int = 1
+
+
+# fp8="auto" on 16-bit inputs: FP8 only where its gain pays for quantizing q, k and v first. The gain grows with
+# the keys each query attends times the query heads; the quantization pass with the heads it moves (Hq + 2 Hkv). Their
+# ratio (fp8_work_ratio) decides. Measured on one H200 (bench/results/attention_fp8_crossover_2026-12-03_s20.json,
+# 16/16, 32/8 and 16/16/64 heads, 1K-8K tokens): at head dim 128 the call and bf16 cross at ratio ~512 (0.997-1.023x),
+# with 0.92x at 341 and >= 1.07x at 683; at head dim 64, whose FP8 kernel gains less, between 683 (0.97-0.99x) and
+# 1024 (1.04x). Thresholds sit between the last losing and the first winning point measured.
+FP8_AUTO_MIN_RATIO = {128: 600, 64: 900}
+
+
+def fp8_work_ratio(call: AttentionCall) -> float:
+    """Keys a query attends (causal: the mean over a block of queries ending at the last key) times Hq, over the
+    heads a token's quantization moves (Hq + 2 Hkv). Uses the longest sequences: a batch of mixed lengths reads
+    higher than its mean."""
+    keys = call.max_seqlen_k or call.max_seqlen_q
+    if call.causal:
+        keys -= min(call.max_seqlen_q, keys) / 2
+    return keys * call.heads_q / (call.heads_q + 2 * call.heads_kv)
+
+
+def select_fp8(call: AttentionCall) -> tuple[bool, str]:
+    """Whether ``fp8="auto"`` quantizes a 16-bit call to FP8: ``(use_fp8, reason)``."""
+    ok, reason = gluon_attention_supports(dataclasses.replace(call, fp8=True))
+    if not ok:
+        return False, f"16-bit: FP8 is measured only in the warp-specialized kernel ({reason})"
+    need = FP8_AUTO_MIN_RATIO.get(call.head_dim)
+    if need is None:
+        return False, f"16-bit: FP8's crossover is not measured at head dim {call.head_dim}"
+    ratio = fp8_work_ratio(call)
+    if ratio < need:
+        return False, f"16-bit: attention work per quantized value {ratio:.0f} < {need}, the measured crossover"
+    return True, f"fp8: attention work per quantized value {ratio:.0f} >= {need}, FP8 pays for its quantization"
 
 
 def gluon_attention_supports(call: AttentionCall) -> tuple[bool, str]:

@@ -210,3 +210,23 @@ def test_gpu_fp8_inputs_with_descales(causal):
     deq = (q8.float() * qd[..., None], k8.float() * kd[:, None], v8.float() * vd[:, None])
     ref = attention(*(x.view(b, s, h, d) for x in deq), causal=causal)
     assert rel_err(out, ref) < 0.05  # only P is rounded inside the kernel (wrong descales give > 0.1)
+
+
+def test_fp8_auto_on_the_cpu_runs_16_bit_and_bad_values_are_refused():
+    # no Hopper GPU: "auto" has no measured crossover, so the call is the 16-bit one, bit for bit
+    q, k, v, cu = _packed([40, 64], 4, 2, 32, torch.float16, seed=3, outliers=False)
+    out = attention_varlen(q, k, v, cu, cu, 64, causal=True, fp8="auto")
+    assert torch.equal(out, attention_varlen(q, k, v, cu, cu, 64, causal=True))
+    with pytest.raises(ValueError, match="fp8 must be"):
+        attention_varlen(q, k, v, cu, cu, 64, fp8="yes")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("s,causal,quantized", [(1024, True, False), (2048, True, False), (2048, False, True),
+                                                (4096, True, True)])
+def test_gpu_fp8_auto_is_one_of_the_two_calls(s, causal, quantized):
+    # 16 heads, head dim 128: FP8 from attention work per quantized value 600 on (attention_select.select_fp8)
+    q, k, v = (torch.randn(1, s, 16, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    out = attention(q, k, v, causal=causal, fp8="auto")
+    assert torch.equal(out, attention(q, k, v, causal=causal, fp8=quantized))

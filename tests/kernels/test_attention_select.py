@@ -6,7 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from quantkit.kernels.attention_select import AttentionCall, gluon_attention_supports, select_attention
+from quantkit.kernels.attention_select import (
+    AttentionCall,
+    fp8_work_ratio,
+    gluon_attention_supports,
+    select_attention,
+    select_fp8,
+)
 
 BF16 = str(torch.bfloat16)
 
@@ -49,3 +55,37 @@ def test_explicit_gluon_backend_on_an_unsupported_call_says_why():
         attention_varlen(q, q, q, cu, cu, 8, backend="gluon_ws")
     with pytest.raises(ValueError, match="backend must be"):
         attention_varlen(q, q, q, cu, cu, 8, backend="flash")
+
+
+# fp8="auto": the H200 crossover (bench/results/attention_fp8_crossover_2026-12-03_s20.json), pinned at the measured
+# points: (heads, head dim, seqlen, causal) -> FP8 chosen, beside the measured FP8-call / bf16 ratio.
+@pytest.mark.parametrize("hq,hkv,d,s,causal,fp8", [
+    (16, 16, 128, 1536, False, False),  # 0.997x
+    (16, 16, 128, 2048, False, True),   # 1.067x
+    (16, 16, 128, 2048, True, False),   # 0.918x
+    (16, 16, 128, 3072, True, False),   # 1.023x: ratio 512, at the crossover
+    (16, 16, 128, 4096, True, True),    # 1.093x
+    (32, 8, 128, 1024, False, True),    # 1.079x
+    (32, 8, 128, 1024, True, False),    # 0.926x
+    (32, 8, 128, 1536, True, False),    # 1.007x
+    (32, 8, 128, 2048, True, True),     # 1.085x
+    (16, 16, 64, 2048, False, False),   # 0.973x
+    (16, 16, 64, 3072, False, True),    # 1.042x
+    (16, 16, 64, 4096, True, False),    # 0.994x
+    (16, 16, 64, 8192, True, True),     # 1.093x
+])
+def test_fp8_auto_crossover(hq, hkv, d, s, causal, fp8):
+    chosen, reason = select_fp8(call(heads_q=hq, heads_kv=hkv, head_dim=d, max_seqlen_q=s, causal=causal))
+    assert chosen == fp8 and reason.startswith("fp8" if fp8 else "16-bit")
+
+
+def test_fp8_auto_reads_keys_and_declines_what_it_has_not_measured():
+    # chunked prefill: 512 new queries over 8192 keys attend ~7936 keys each, FP8 pays though the queries are few
+    assert fp8_work_ratio(call(max_seqlen_q=512, max_seqlen_k=8192, causal=True, heads_q=16, heads_kv=16)) == 7936 / 3
+    assert select_fp8(call(max_seqlen_q=512, max_seqlen_k=8192, causal=True, heads_q=16, heads_kv=16))[0]
+    long = dict(max_seqlen_q=16384, heads_q=16, heads_kv=16)
+    assert select_fp8(call(**long))[0]
+    for kw in (dict(head_dim=256), dict(arch="sm80"), dict(arch=None), dict(window_left=128), dict(kv_aligned=False),
+               dict(head_dim=96)):
+        chosen, reason = select_fp8(call(**long | kw))
+        assert not chosen and reason.startswith("16-bit")
