@@ -29,6 +29,7 @@ Logit soft-capping (Gemma 2): s = cap * tanh(s / cap) on the scaled logits.
 Triton 3.6 waits for each wgmma right after issuing it (no softmax / tensor-core overlap), so on Hopper
 `backend="auto"` runs the Gluon kernels where they apply (`attention_select`).
 """
+import dataclasses
 import math
 
 import torch
@@ -352,10 +353,14 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=F
         q, k, v = (_shape_of(x, out_dtype) for x in (q, k, v))
     if fp8 not in (False, True, "auto"):
         raise ValueError(f"fp8 must be False, True or 'auto', got {fp8!r}")
-    if fp8 == "auto":
-        fp8 = fp8_prepared is not None or select_fp8(_call_facts(
-            q, k, causal, window_left, softcap, True, fp8_pv, cu_seqlens_k, kv_aligned, max_seqlen_q,
-            max_seqlen_k))[0]
+    call = None  # the facts the selections read; built once (the key alignment may cost a host sync)
+    if fp8 == "auto" and fp8_prepared is not None:
+        fp8 = True
+    elif fp8 == "auto":
+        call = _call_facts(q, k, causal, window_left, softcap, True, fp8_pv, cu_seqlens_k, kv_aligned, max_seqlen_q,
+                           max_seqlen_k)
+        fp8 = select_fp8(call)[0]
+        call = dataclasses.replace(call, fp8=fp8)  # without fp8 the selection does not read kv_aligned
     quantize = fp8 and fp8_prepared is None
     fp8 = fp8 or fp8_prepared is not None
     if fp8_prepared is not None:
@@ -363,8 +368,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=F
     if backend not in ("auto",) + BACKENDS:
         raise ValueError(f"backend must be 'auto' or one of {BACKENDS}, got {backend!r}")
     if backend != "triton":
-        call = _call_facts(q, k, causal, window_left, softcap, fp8, fp8_pv, cu_seqlens_k, kv_aligned, max_seqlen_q,
-                           max_seqlen_k)
+        call = call or _call_facts(q, k, causal, window_left, softcap, fp8, fp8_pv, cu_seqlens_k, kv_aligned,
+                                   max_seqlen_q, max_seqlen_k)
         if backend == "auto":
             # an explicit config is a Triton config
             backend = select_attention(call)[0] if config is None else "triton"
