@@ -155,8 +155,22 @@ def table(path="bench/results/awq_smollm2_quality.json"):
         json.dump(result, f, indent=1)
 
 
+def _args(argv):
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--table", action="store_true", help="collect $QK_OUT into the results table instead of running")
+    ap.add_argument("rows", nargs="*", metavar="ROW", help="rows to run (one of: %s)" % ", ".join(sorted(rows())))
+    args = ap.parse_args(argv)
+    unknown = [r for r in args.rows if r not in rows()]
+    if unknown or (not args.rows and not args.table):
+        ap.error(f"unknown rows {unknown}" if unknown else "name at least one ROW, or --table")
+    return args
+
+
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--table"]:
+    _a = _args(sys.argv[1:])
+    if _a.table:
         table()
     else:
-        main(sys.argv[1:])
+        main(_a.rows)

@@ -1,6 +1,6 @@
 """Benchmark quantkit's attention kernels (prefill + decode) against PyTorch SDPA backends on one GPU.
 
-    python bench/bench_attention.py [--quick] [--out bench/results]
+    python bench/bench_attention.py [--quick] [--out bench/runs]
 
 Prefill: batch x seqlen = 16384 tokens, seqlen 512..16384, 16 heads at head dim 64 and 128, and a
 GQA row (32 query heads, 8 KV heads, head dim 128); causal and non-causal; bf16.
@@ -349,7 +349,7 @@ def decode_table(results, copy_tbs):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench/runs"))
     ap.add_argument("--skip-sweep", action="store_true")
     ap.add_argument("--seqlens", help="comma list for the prefill table, e.g. 2048,4096")
     ap.add_argument("--heads", help="comma list of hq/hkv/d for the prefill table, e.g. 16/16/128,32/8/128")

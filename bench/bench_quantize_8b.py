@@ -4,7 +4,7 @@ Builds a model with Llama-3-8B's shapes from a ``LlamaConfig`` (random bf16 weig
 128 x 2048 random calibration tokens, walks it with the chosen method on one device and reports the
 total time, the time per layer split into Hessian accumulation / GPTQ solve / the rest (forward
 passes, moving the layer), and peak device memory, next to the arithmetic of bench/NOTES_gptq.md
-and the matmul rate measured in the same run. Writes JSON under bench/results/.
+and the matmul rate measured in the same run. Writes JSON under bench/runs/.
 
     python bench/bench_quantize_8b.py --method gptq               # the whole 8B shape on cuda
     python bench/bench_quantize_8b.py --method gptq --layers 4    # fewer layers
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parent / "runs"
 
 LLAMA3_8B = {"vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
                  "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 8192,
@@ -61,7 +61,7 @@ def parse_args() -> argparse.Namespace:
                    help="GPTQ single_pass_max_tokens (default: the method's; 524288 forces the old single pass here)")
     p.add_argument("--no-overlap", action="store_true",
                    help="move layers and packed weights in line, not in the walker's worker thread (A/B)")
-    p.add_argument("--out", default=None, help="JSON path (default bench/results/quantize_8b_<method>_<date>.json)")
+    p.add_argument("--out", default=None, help="JSON path (default bench/runs/quantize_8b_<method>_<date>.json)")
     return p.parse_args()
 
 

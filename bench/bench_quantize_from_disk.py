@@ -5,7 +5,7 @@ weights generated on the GPU, written shard by shard so the host never holds mor
 to local disk as safetensors, then quantizes it with ``quantkit.api.quantize(..., stream on)``:
 decoder layers are read from the files one at a time and packed layers written as they finish.
 Reports the time and the peak host (RSS high-water mark of the quantizing process) and device
-memory, and writes JSON under bench/results/ (card, versions, date).
+memory, and writes JSON under bench/runs/ (card, versions, date).
 
     python bench/bench_quantize_from_disk.py                  # the 14B shape on cuda (~30 GB in --workdir)
     python bench/bench_quantize_from_disk.py --layers 8       # fewer layers
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parent / "runs"
 
 QWEN25_14B = {"model_type": "qwen2", "vocab_size": 152064, "hidden_size": 5120, "intermediate_size": 13824,
               "num_hidden_layers": 48, "num_attention_heads": 40, "num_key_value_heads": 8,
@@ -156,7 +156,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help='method options as JSON (default: the method\'s defaults), e.g. \'{"mse": false}\'')
     p.add_argument("--workdir", default=None, help="where the model and checkpoint go (default: a tmp folder)")
     p.add_argument("--keep", action="store_true", help="keep the model and the checkpoint")
-    p.add_argument("--out", default=None, help="JSON path (default bench/results/quantize_from_disk_<date>.json)")
+    p.add_argument("--out", default=None, help="JSON path (default bench/runs/quantize_from_disk_<date>.json)")
     return p.parse_args(argv)
 
 

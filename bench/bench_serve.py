@@ -2,7 +2,7 @@
 int4 (W4A16 kernels) against the same model in bf16 in one run, with transformers ``generate`` on the same
 weights as the baseline, the copy bandwidth and the weight bytes per token.
 
-    python bench/bench_serve.py --shape llama3-8b [--out bench/results/serve_llama3-8b_<date>.json]
+    python bench/bench_serve.py --shape llama3-8b [--out bench/runs/serve_llama3-8b_<date>.json]
     python bench/bench_serve.py CHECKPOINT_DIR
 
 ``quantkit bench`` runs the same code (quantkit.runtime.bench_run). The JSON is rewritten after every phase;
@@ -28,13 +28,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=128, help="decode steps at batch 1 (half at larger batches)")
     parser.add_argument("--prefill-tokens", type=int, default=2048)
     parser.add_argument("--no-baselines", action="store_true", help="skip transformers generate")
-    parser.add_argument("--out", help="JSON path (default bench/results/serve_<target>_<date>.json)")
+    parser.add_argument("--out", help="JSON path (default bench/runs/serve_<target>_<date>.json)")
     args = parser.parse_args()
     if bool(args.target) == bool(args.shape):
         parser.error("give a checkpoint folder or --shape, not both")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     name = args.shape or Path(args.target).name
-    out = Path(args.out or f"bench/results/serve_{name}_{datetime.date.today()}.json")
+    out = Path(args.out or f"bench/runs/serve_{name}_{datetime.date.today()}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
 
     def save(record: dict) -> None:

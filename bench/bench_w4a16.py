@@ -1,6 +1,6 @@
 """Benchmark the W4A16 Triton GEMM against cuBLAS bf16 and torch._weight_int4pack_mm (one GPU).
 
-    python bench/bench_w4a16.py [--quick] [--variants] [--deadline S] [--out bench/results/w4a16_<date>.json]
+    python bench/bench_w4a16.py [--quick] [--variants] [--deadline S] [--out bench/runs/w4a16_<date>.json]
 
 Every timing is the median over CUDA-graph replays; each replay runs the op once on each of
 several rotating copies of its inputs (together over 3x the 60 MB L2), so no run finds its weights
@@ -255,7 +255,7 @@ def main():
     copy_tbs = copy_bandwidth()
     rows = []
     now = datetime.datetime.now(datetime.timezone.utc)
-    out = args.out or f"bench/results/w4a16_{now:%Y%m%d_%H%M}.json"
+    out = args.out or f"bench/runs/w4a16_{now:%Y%m%d_%H%M}.json"
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
 
     def write(complete: bool):

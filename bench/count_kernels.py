@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import ast
 import json
-import sys
 from pathlib import Path
 
 CONFIG_CALLS = {"Config", "GluonConfig", "_cfg", "_gemv_cfg", "_pairs_cfg", "G", "GemvConfig", "PairsConfig",
@@ -62,14 +61,15 @@ def count(folder: Path, exclude: frozenset = frozenset()) -> dict:
     return out
 
 
-def main():
-    args = sys.argv[1:]
-    exclude = frozenset()
-    if "--exclude" in args:
-        i = args.index("--exclude")
-        exclude = frozenset(args[i + 1].split(","))
-        del args[i:i + 2]
-    folders = [Path(p) for p in args] or [Path("kernels")]
+def main(argv=None):
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("folders", nargs="*", type=Path, default=[Path("kernels")], metavar="KERNELS_DIR")
+    ap.add_argument("--exclude", default="", help="file names to leave out, comma-separated")
+    args = ap.parse_args(argv)
+    exclude = frozenset(n for n in args.exclude.split(",") if n)
+    folders = args.folders
     rows = {str(f): count(f, exclude) for f in folders}
     keys = list(next(iter(rows.values())).keys() | set().union(*rows.values()))
     keys.sort()

@@ -7,7 +7,7 @@ quantizes SmolLM2-135M with RTN (W4 asymmetric g64, a scheme every one of these 
 re-writes that checkpoint in each layout by the producers' conventions, and runs ``quantkit eval
 perplexity``'s code path (``quantkit.api.evaluate_perplexity``) on each, fp32 on the CPU, the first
 ``--windows`` windows of 2048 tokens of WikiText-2 test. Equal perplexities (to float rounding) mean
-every layout is read as the same weights. Prints a table and writes JSON under bench/results/.
+every layout is read as the same weights. Prints a table and writes JSON under bench/runs/.
 
     QUANTKIT_ROOT=$PWD python bench/foreign_layouts_smollm2.py --windows 4
 """
@@ -113,7 +113,8 @@ def main() -> None:
     for row in rows:
         row["rel_diff_vs_quantkit"] = abs(row["ppl"] - reference) / reference
         print(f"{row['layout']:36s} {row['read_as']:9s} {row['ppl']:12.6f} {row['rel_diff_vs_quantkit']:10.2e}")
-    out = args.json or REPO / "bench" / "results" / f"foreign_layouts_smollm2_{datetime.now(timezone.utc):%Y-%m-%d}.json"
+    out = args.json or REPO / "bench" / "runs" / f"foreign_layouts_smollm2_{datetime.now(timezone.utc):%Y-%m-%d}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
         "question": "same perplexity for one SmolLM2 RTN W4 asym g64 checkpoint in every layout quantkit reads",
         "model": Path(GGUF).name, "protocol": f"WikiText-2 test.raw.txt, first {args.windows} windows of 2048, "

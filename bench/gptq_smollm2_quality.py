@@ -84,5 +84,14 @@ def main(names):
         with open(OUT, "a") as f:
             f.write(json.dumps(rec) + "\n")
 
+def _args(argv):
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("rows", nargs="+", metavar="ROW", choices=sorted(rows()),
+                    help="rows to run, e.g. fp rtn_asym_g64 gptq_asym_g64_act1_mse (one of: %(choices)s)")
+    return ap.parse_args(argv).rows
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main(_args(sys.argv[1:]))

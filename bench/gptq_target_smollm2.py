@@ -13,7 +13,7 @@ CLI's path and defaults) and writes that one result twice, with the unquantized 
 tied lm_head, norms) in bfloat16 (what quantkit writes for a float32 model) and in float16, by wrapping
 `quantkit.checkpoint.save_quantized` here (a measurement device, not a library option); both are then
 evaluated with the same protocol. Prints a table and writes
-bench/results/gptq_target_smollm2_<date>.json with wall times and the load average around each step
+bench/runs/gptq_target_smollm2_<date>.json with wall times and the load average around each step
 (the machine is shared). $QK_GGUF / $QK_DATA override the model and the text (bench/smollm2_protocol.py).
 """
 
@@ -132,7 +132,8 @@ def main() -> None:
     date = datetime.now(timezone.utc).strftime("%Y-%m-%d")
     smoke = (args.eval_seqlen, args.max_windows, args.nsamples, args.seqlen) != (2048, 40, 128, 512) or args.extra
     name = "gptq_target_smollm2_dtype" if args.dtype_ablation else "gptq_target_smollm2"
-    path = Path(__file__).parent / "results" / f"{name}_{date}{'_custom' if smoke else ''}.json"
+    path = Path(__file__).parent / "runs" / f"{name}_{date}{'_custom' if smoke else ''}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {path}")
 

@@ -3,6 +3,8 @@ before each call (weights not resident). Used by the kernels' tuners and the ben
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 # Twice the H200's 50 MB L2 (60 MB on some Hopper parts): reading it evicts the weights of the call before.
@@ -58,3 +60,27 @@ def replay_us(graph: torch.cuda.CUDAGraph, replays: int) -> list[float]:
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3)
     return times
+
+
+def main(argv=None) -> int:
+    """Time one bf16 matmul the way the benchmarks time a kernel (a check of this machine's timing)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__ + " Run alone, it times one bf16 matmul (M x K) @ (K x N).")
+    ap.add_argument("--m", type=int, default=16)
+    ap.add_argument("--n", type=int, default=4096)
+    ap.add_argument("--k", type=int, default=4096)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("gpu_timing: needs a CUDA GPU (torch sees none)", file=sys.stderr)
+        return 2
+    a = torch.randn(args.m, args.k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(args.k, args.n, device="cuda", dtype=torch.bfloat16)
+    us = gpu_time_us(lambda: a @ b)
+    gbs = (a.numel() + b.numel() + args.m * args.n) * 2 / us / 1e3
+    print(f"{torch.cuda.get_device_name()}: bf16 {args.m}x{args.k} @ {args.k}x{args.n}: {us:.1f} us, {gbs:.0f} GB/s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -7,7 +7,7 @@ process (robust to other jobs on a shared machine) and wall time, one torch thre
 
     python bench/mse_cost_smollm2.py [--group-size 64] [--repeats 3]
 
-Prints a table and writes bench/results/mse_cost_smollm2_<date>.json.
+Prints a table and writes bench/runs/mse_cost_smollm2_<date>.json.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def main() -> None:
         print(f"{'sym' if r['sym'] else 'asym':<6}{r['group_size']:>4}{r['layer_cpu_s_minmax']:>13.3f}s"
               f"{r['layer_cpu_s_mse']:>10.3f}s{r['model_added_cpu_s']:>16.1f} s CPU")
     date = datetime.now(timezone.utc).strftime("%Y-%m-%d")
-    out = Path(__file__).parent / "results" / f"mse_cost_smollm2_{date}.json"
+    out = Path(__file__).parent / "runs" / f"mse_cost_smollm2_{date}.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps({
         "what": "CPU time GPTQ --mse adds on SmolLM2-135M shapes: group_qparams with vs without the range search "

@@ -10,7 +10,7 @@ and loads it from there: oneshot re-reads model.config.name_or_path, which for a
 Then, from a scratch folder (llm-compressor may drop log files in the working directory):
     cd /work/scratch/peer_awq && nohup /work/venv-llmc/bin/python /work/main/bench/peer_llmcompressor_awq.py \
         > peer_awq.log 2>&1 &
-About an hour on the 2 shared CPU cores. Writes bench/results/awq_peer_llmcompressor_smollm2.json.
+About an hour on the 2 shared CPU cores. Writes bench/runs/awq_peer_llmcompressor_smollm2.json (the cited copy: bench/results/peer_llmcompressor_awq_smollm2_cpu.json).
 
 What is shared with quantkit's runs (bench/awq_smollm2_quality.py, imported, not copied): the model loader
 (quantkit.models.load_model: the Q4_1 GGUF dequantized to fp32), the calibration sampler (128 windows of
@@ -37,6 +37,13 @@ QK_NWIN (perplexity windows, 40), QK_LAYERS (keep the first N decoder layers), Q
 batch size, 16, as quantkit's walk), QK_PEER_FP (also score the unquantized model, 1), QK_PEER_XCHECK
 (also score with quantkit.eval.perplexity, 1), QK_PEER_OUT (output path).
 """
+# ruff: noqa: E402  (--help answers before the peer's own packages, absent from quantkit's venv, are imported)
+import argparse
+import sys
+
+if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+
 import datetime
 import hashlib
 import importlib
@@ -46,7 +53,6 @@ import os
 import platform
 import resource
 import subprocess
-import sys
 import threading
 import time
 
@@ -72,7 +78,7 @@ sys.path.insert(0, _BENCH)
 # thread setting (importing it sets torch's thread count from QK_THREADS, default 1).
 qk = importlib.import_module("awq_smollm2_quality")
 
-OUT = os.environ.get("QK_PEER_OUT", os.path.join(_BENCH, "results", "awq_peer_llmcompressor_smollm2.json"))
+OUT = os.environ.get("QK_PEER_OUT", os.path.join(_BENCH, "runs", "awq_peer_llmcompressor_smollm2.json"))
 NCALIB = int(os.environ.get("QK_NCALIB", "128"))
 BATCH = int(os.environ.get("QK_PEER_BATCH", "16"))
 FP_DIR = os.environ.get("QK_PEER_FP_DIR", "/work/scratch/peer_awq/smollm2-135m-instruct-fp32")
@@ -80,7 +86,7 @@ DO_FP = os.environ.get("QK_PEER_FP", "1") == "1"
 DO_XCHECK = os.environ.get("QK_PEER_XCHECK", "1") == "1"
 GROUP = 64
 
-# quantkit's numbers on the same protocol (bench/results/awq_smollm2_quality.json, ../shared/MODELS.md).
+# quantkit's numbers on the same protocol (bench/runs/awq_smollm2_quality.json, ../shared/MODELS.md).
 QUANTKIT = {"fp": 19.86, "rtn_asym_g64": 26.45, "awq_asym_g64 (awq_asym_g64_tied_s8)": 22.9955}
 # The same inputs under quantkit's venv (transformers 5.24): sha256 of the calibration windows [128, 512]
 # (int64), of the test token ids [309196] and of the loaded fp32 state dict (names and bytes, sorted).

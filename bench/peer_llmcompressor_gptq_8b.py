@@ -9,7 +9,7 @@ config by name and wants a tokenizer, so the random model is saved first (with a
 tokenizer, ``bench_quantize_from_disk.write_tokenizer``) and loaded back from that folder; only
 ``oneshot`` is timed. Peak device memory is ``torch.cuda.max_memory_allocated`` over ``oneshot``.
 
-    python bench/peer_llmcompressor_gptq_8b.py --layers 8 --out bench/results/peer.json
+    python bench/peer_llmcompressor_gptq_8b.py --layers 8 --out bench/runs/peer.json
     python bench/peer_llmcompressor_gptq_8b.py --tiny        # CPU smoke run (tiny shapes)
 
 Needs llmcompressor, compressed-tensors, loguru, datasets (and their own needs) importable; on the

@@ -1,6 +1,6 @@
 """Plot a kernel benchmark's JSON (no GPU needed): the W4A16 GEMM or the attention table.
 
-    python bench/plot_results.py bench/results/w4a16_h200_run19.json [more.json ...]
+    python bench/plot_results.py bench/results/w4a16_gemm_h200.json [more.json ...]
 
 Writes a PNG beside each JSON (same name, ``.png``). The benchmarks call the same functions at the
 end of a run when matplotlib is installed (``pip install -e ".[plot]"``). The benchmarks' JSON schemas are

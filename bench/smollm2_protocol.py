@@ -61,3 +61,14 @@ def load_protocol(layers=0):
         model.model.layers = model.model.layers[:layers]
     fp_state = {k: v.clone() for k, v in model.state_dict().items()}
     return model, tok, fp_state, tokens_of_txt(tok, f"{DATA}/test.raw.txt"), calibration(tok)
+
+
+if __name__ == "__main__":
+    import argparse
+
+    argparse.ArgumentParser(description=__doc__ + "\nRun alone, it says where it looks for the model and the "
+                            "text and whether they are there.",
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+    for what, path in (("model", GGUF), ("calibration text", f"{DATA}/valid.tokens.txt"),
+                       ("test text", f"{DATA}/test.raw.txt")):
+        print(f"{what}: {path} ({'present' if os.path.isfile(path) else 'MISSING'})")

@@ -18,7 +18,7 @@ imported from this repository by path, so it needs no install there::
 GPTQModel quirks on the CPU: its torch kernel needs float16/bfloat16 activations, and it refuses an
 asymmetric (sym=false) v1 checkpoint unless ``meta.quantizer`` names gptqmodel >= 0.9 as producer
 (older v1 producers wrapped zero points); the script reports that refusal instead of working around it.
-Prints a table and writes JSON under bench/results/.
+Prints a table and writes JSON under bench/runs/.
 """
 
 from __future__ import annotations
@@ -159,7 +159,7 @@ def main() -> int:
         "--control", action="store_true", help="also read an off-by-one-zero copy (must differ)"
     )
     parser.add_argument(
-        "--json", type=Path, help="result file (default bench/results/independent_reader_*.json)"
+        "--json", type=Path, help="result file (default bench/runs/independent_reader_*.json)"
     )
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
@@ -221,7 +221,7 @@ def main() -> int:
     if "gptqmodel_error" in result:
         print(f"  GPTQModel could not load it: {result['gptqmodel_error']}")
     out = (
-        args.json or REPO / "bench" / "results" / f"independent_reader_{time.strftime('%Y%m%d-%H%M%S')}.json"
+        args.json or REPO / "bench" / "runs" / f"independent_reader_{time.strftime('%Y%m%d-%H%M%S')}.json"
     )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

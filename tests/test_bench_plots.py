@@ -42,9 +42,9 @@ def test_attention_plot(tmp_path):
 
 def test_plot_script_on_a_recorded_run(tmp_path):
     # the command the README gives, on a JSON the H200 wrote (copied: the PNG goes beside it)
-    src = REPO / "bench" / "results" / "w4a16_h200_run19.json"
+    src = REPO / "bench" / "results" / "w4a16_gemm_h200.json"
     if not src.is_file():
-        pytest.skip("bench/results/w4a16_h200_run19.json is not in this checkout")
+        pytest.skip("bench/results/w4a16_gemm_h200.json is not in this checkout")
     copy = tmp_path / src.name
     copy.write_text(src.read_text())
     done = subprocess.run([sys.executable, str(REPO / "bench" / "plot_results.py"), str(copy)],

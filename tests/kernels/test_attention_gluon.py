@@ -178,7 +178,7 @@ def test_gluon_ws_lazy_rescale_growing_logits(causal, fp8, d, config):
     row_err = (diff.norm(dim=-1) / eager.float().norm(dim=-1)).max().item()
     if fp8:
         # P rounded to e4m3 at another scale. A float32 emulation of these inputs (one head, non-causal, CPU;
-        # bench/fp8_attention_rowsum_emulation.py): lazy against eager 0.025 (rows <= 0.054) with the row sums
+        # bench/archive/experimental/fp8_attention_rowsum_emulation.py): lazy against eager 0.025 (rows <= 0.054) with the row sums
         # on the tensor core, 0.031 (rows <= 0.060) with fp32 sums; both 0.164 from the float32 reference (the
         # shared direction makes the fp8 logits coarse), so the bf16 kernel bounds the error only relatively
         ref = attention_gluon_ws._attention_ws(q, k, v, cu, cu, n, causal=causal)

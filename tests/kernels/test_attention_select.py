@@ -57,7 +57,7 @@ def test_explicit_gluon_backend_on_an_unsupported_call_says_why():
         attention_varlen(q, q, q, cu, cu, 8, backend="flash")
 
 
-# fp8="auto": the H200 crossover (bench/results/attention_fp8_crossover_2026-12-03_s20.json), pinned at the measured
+# fp8="auto": the H200 crossover (bench/results/attention_fp8_crossover_h200.json), pinned at the measured
 # points: (heads, head dim, seqlen, causal) -> FP8 chosen, beside the measured FP8-call / bf16 ratio.
 @pytest.mark.parametrize("hq,hkv,d,s,causal,fp8", [
     (16, 16, 128, 1536, False, False),  # 0.997x

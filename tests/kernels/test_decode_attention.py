@@ -65,5 +65,5 @@ def test_reference_softcap():
     (1, 1, 1 << 20, 64),  # the cap
 ])
 def test_fused_split_count(batch, n_kv, max_len, splits):
-    """The fused kernel's split counts on an H200 (132 SMs; bench/NOTES_decode.md has the sweep behind them)."""
+    """The fused kernel's split counts on an H200 (132 SMs; bench/archive/NOTES_decode.md has the sweep behind them)."""
     assert _rope_decode_splits(batch, n_kv, max_len, 256, 132) == splits
