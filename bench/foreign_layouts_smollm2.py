@@ -9,7 +9,7 @@ perplexity``'s code path (``quantkit.api.evaluate_perplexity``) on each, fp32 on
 ``--windows`` windows of 2048 tokens of WikiText-2 test. Equal perplexities (to float rounding) mean
 every layout is read as the same weights. Prints a table and writes JSON under bench/runs/.
 
-    QUANTKIT_ROOT=$PWD python bench/foreign_layouts_smollm2.py --windows 4
+    python bench/foreign_layouts_smollm2.py --windows 4
 """
 
 from __future__ import annotations

@@ -52,7 +52,7 @@ def test_build_method_applies_the_gptq_defaults_and_lets_each_be_turned_off():
 
 def test_gptq_mse_search_defaults_to_hessian_weights_squared_with_an_off_switch():
     """Issue 21: the range search weighted by H_jj, squared error (SmolLM2 asym g64 22.63 -> 22.17 on an
-    H200, README); ``mse_weight="none"`` restores the unweighted |error|^2.4 search."""
+    H200, docs/quality.md); ``mse_weight="none"`` restores the unweighted |error|^2.4 search."""
     for sym in (True, False):
         config = api.build_method("gptq", QuantScheme(4, 64, sym)).config
         assert config.mse and config.mse_weight == "hessian" and config.search_norm == 2.0

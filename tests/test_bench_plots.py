@@ -41,7 +41,7 @@ def test_attention_plot(tmp_path):
 
 
 def test_plot_script_on_a_recorded_run(tmp_path):
-    # the command the README gives, on a JSON the H200 wrote (copied: the PNG goes beside it)
+    # the command docs/kernels.md gives, on a JSON the H200 wrote (copied: the PNG goes beside it)
     src = REPO / "bench" / "results" / "w4a16_gemm_h200.json"
     if not src.is_file():
         pytest.skip("bench/results/w4a16_gemm_h200.json is not in this checkout")

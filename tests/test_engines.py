@@ -1,4 +1,4 @@
-"""The table of which vLLM / SGLang kernel serves which checkpoint (README, "Serving the checkpoint")."""
+"""The table of which vLLM / SGLang kernel serves which checkpoint (docs/serving.md, "Other engines")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A quantkit checkpoint through plain ``AutoModelForCausalLM.from_pretrained`` (README, "Serving the checkpoint").
+"""A quantkit checkpoint through plain ``AutoModelForCausalLM.from_pretrained`` (docs/serving.md, "Other engines").
 
 transformers' GPTQ path needs ``optimum`` and, without CUDA, ``gptqmodel`` (its CPU kernel computes in
 16 bits): both are optional and heavy, so this test skips with the reason when they are absent.
