@@ -38,7 +38,7 @@ CASES = [  # bits, group size, sym, mse, weighted, cols
 
 
 @pytest.mark.parametrize("bits,gs,sym,mse,weighted,cols", CASES)
-@pytest.mark.parametrize("chunk", [1 << 25, 3000])
+@pytest.mark.parametrize("chunk", [None, 1 << 25, 3000])
 def test_batched_search_bitwise(bits, gs, sym, mse, weighted, cols, chunk):
     w = _weights(96, cols, seed=bits * gs + cols)
     scheme = QuantScheme(bits, gs, sym)
