@@ -27,8 +27,13 @@ Cost on the CPU (measured 2026-11-30, SmolLM2-135M fp32, batch 16, one thread): 
 109 s of CPU time (0.15 s per decoding step of 16 sequences at the start, 0.23 s near position 512
 as attention reads a longer KV cache); on the shared, oversubscribed 2-core machine that was 204 s
 of wall time. Expect about 15 CPU-minutes for 128 x 512 and well over an hour for GPTQ's 128 x
-2048, so on a CPU choose small settings or a local file (GPU cost not measured yet). A cache hit
-costs one weights fingerprint (0.7 s for this model).
+2048, so on a CPU choose small settings or a local file. A cache hit costs one weights fingerprint
+(0.7 s for this model).
+
+On a CUDA device (``sampler="auto"``) the samples come from quantkit's runtime instead, every sequence
+decoded at once with the step in a CUDA graph (``runtime_sampler``): 128 x 2048 tokens of a Llama-3-8B
+shape in 27.4 s on one H200 (2026-12-05, ``bench/results/shortest_command_8b_h200.json``). Models the
+runtime cannot run keep the transformers path, with the reason logged.
 """
 
 from __future__ import annotations
@@ -103,19 +108,28 @@ def generate_calibration(
     top_p: float = DEFAULT_TOP_P,
     cache_dir: str | Path | None = None,
     on_progress: ProgressCallback | None = None,
+    sampler: str = "auto",
 ) -> torch.Tensor:
     """``nsamples`` sequences ``[nsamples, seqlen]`` (LongTensor, on the CPU) sampled from ``model``.
 
     Reads the result from the cache when the same model and settings were used before, else
     generates and stores it. ``cache_dir=None`` uses ``default_cache_dir()``. ``on_progress(done,
-    total)`` counts generated tokens (``total = nsamples * (seqlen - 1)``)."""
+    total)`` counts generated tokens (``total = nsamples * (seqlen - 1)``). ``sampler``: "auto" (quantkit's
+    runtime on a CUDA device when it runs the model, else transformers on the model's device:
+    ``runtime_sampler.choose_sampler``), "runtime" or "transformers"; ``batch_size`` is the transformers
+    path's (the runtime sizes its batch to the device memory)."""
+    from quantkit.calib_data.runtime_sampler import choose_sampler
+
     _check_seqlen(model, seqlen)
     start_id = start_token_id(tokenizer, getattr(model, "config", None))
+    choice = choose_sampler(model, nsamples, seqlen, sampler)
     settings = {
         "format": CACHE_FORMAT, "start": start_id, "nsamples": nsamples, "seqlen": seqlen, "seed": seed,
-        "batch_size": batch_size, "temperature": temperature, "top_k": top_k, "top_p": top_p,
-        "device": _model_device(model).type,
+        "batch_size": choice.batch if choice.runtime else batch_size, "temperature": temperature,
+        "top_k": top_k, "top_p": top_p, "device": choice.device.type,
     }
+    if choice.runtime:  # the transformers path keeps its keys (and the files cached under them)
+        settings["sampler"] = "runtime"
     key = cache_key(model, settings)
     path = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     path = path / f"{key}.pt"
@@ -124,11 +138,24 @@ def generate_calibration(
         log.info("self-generated calibration read from cache %s", path)
         return cached
     started = time.perf_counter()
-    samples = sample_sequences(
-        model, start_id, nsamples=nsamples, seqlen=seqlen, seed=seed, batch_size=batch_size,
-        temperature=temperature, top_k=top_k, top_p=top_p, on_progress=on_progress,
-    )
-    log.info("generated %d x %d calibration tokens in %.1f s", nsamples, seqlen, time.perf_counter() - started)
+    if choice.runtime:
+        from quantkit.calib_data.runtime_sampler import sample_on_runtime
+
+        on_cuda = choice.device.type == "cuda"
+        samples = sample_on_runtime(
+            model, start_id, nsamples=nsamples, seqlen=seqlen, seed=seed, batch_size=choice.batch,
+            temperature=temperature, top_k=top_k, top_p=top_p, device=choice.device,
+            backend="kernels" if on_cuda else "reference", cuda_graphs=on_cuda, on_progress=on_progress,
+        )
+        how = f"on quantkit's runtime ({choice.device}, {choice.batch} sequences at once)"
+    else:
+        log.info("self-generated calibration with transformers on %s: %s", choice.device, choice.reason)
+        samples = sample_sequences(
+            model, start_id, nsamples=nsamples, seqlen=seqlen, seed=seed, batch_size=batch_size,
+            temperature=temperature, top_k=top_k, top_p=top_p, on_progress=on_progress,
+        )
+        how = f"with transformers on {choice.device}"
+    log.info("generated %d x %d calibration tokens %s in %.1f s", nsamples, seqlen, how, time.perf_counter() - started)
     _write_cache(path, samples, settings)
     return samples
 

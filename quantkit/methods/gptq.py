@@ -526,6 +526,15 @@ def _static_params(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-group parameters ``[G, out]`` of the original (unpermuted) weights (``weight [in]``: the mse
     search's column weights in the original order, or None)."""
+    from quantkit.methods.gptq_mse import static_group_qparams
+
+    return static_group_qparams(W, scheme, config, gs, weight)  # every group at once (gptq_mse's doc)
+
+
+def _static_params_loop(
+    W: torch.Tensor, scheme: QuantScheme, config: GPTQConfig, gs: int, weight: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_static_params` one group at a time: the reference the batched search is tested against."""
     pairs = [group_qparams(W[:, c : c + gs], scheme, config, None if weight is None else weight[c : c + gs])
              for c in range(0, W.shape[1], gs)]
     return torch.stack([s for s, _ in pairs]), torch.stack([z for _, z in pairs])

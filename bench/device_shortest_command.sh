@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Issue 37, items 2 and 3, on one H200 in ONE device call: the shortest `quantkit gptq MODEL -o OUT` on a
+# Llama-3-8B-shaped random bf16 model, with the self-generated default calibration (128 x 2048, on the
+# runtime) and with a local file (--calib valid.tokens.txt), each timed whole and logged as a user sees it
+# (output redirected to a file), plus the static-group MSE search, loop vs batched, on one 8B layer.
+#
+#   run (device tool), carry [".stage/h37speed"], timeout_s 400, command:
+#     cd .stage/h37speed && export PYTHONPATH=$PWD/..:$PWD && bash bench/device_shortest_command.sh
+# with data/valid.tokens.txt (WikiText-2 validation) and .whl/typer-*.whl copied into .stage/h37speed/.
+# Everything lands in $OUT: card/versions, mse_batched.json, write_model.txt, gptq_self.log, gptq_file.log,
+# gptq_self_cached.log (the same self command again: a cache hit), times.txt.
+set -u
+BUDGET=${BUDGET:-385}
+t0=$(date +%s)
+source bench/device_budget.sh
+export PYTHONUNBUFFERED=1 COLUMNS=160 QUANTKIT_CACHE=/tmp/qkcache
+python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v -i warning | tail -3
+if ! python3 -m quantkit.cli.app --help > /dev/null 2>&1; then
+    echo "the CLI does not start with the device's typer ($(python3 -c 'import typer; print(typer.__version__)' 2>&1)); carried wheel"
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PYTHONPATH
+fi
+QK=$(command -v quantkit || echo "python3 -m quantkit.cli.app")
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; nproc; free -g | head -2
+  python3 -c 'import torch, triton, transformers, typer; print("torch", torch.__version__, "cuda", torch.version.cuda,
+"triton", triton.__version__, "transformers", transformers.__version__, "typer", typer.__version__)'
+  date -u; git log -1 --format=%H 2>/dev/null; echo "quantkit command: $QK"; } > "$OUT/card.txt" 2>&1
+cat "$OUT/card.txt"
+
+step 90 python3 bench/gptq_mse_batched.py --out "$OUT/mse_batched.json"
+
+step 150 python3 - > "$OUT/write_model.txt" 2>&1 <<'PY'
+import sys, time
+from pathlib import Path
+sys.path.insert(0, "bench")
+from bench_quantize_8b import LLAMA3_8B
+from bench_quantize_from_disk import write_random_model
+t = time.perf_counter()
+n = write_random_model(Path("/tmp/m8b"), {"model_type": "llama", **LLAMA3_8B}, device="cuda")
+print(f"wrote /tmp/m8b: {n / 1e9:.2f} GB of bf16 tensors in {time.perf_counter() - t:.1f} s")
+PY
+cat "$OUT/write_model.txt"
+
+timed() {  # timed NAME CAP ARGS...: the quantkit command, its output in $OUT/NAME.log, wall seconds in times.txt
+    local name=$1 cap=$2; shift 2
+    rm -rf "/tmp/out_$name"
+    local a=$(date +%s.%N)
+    step "$cap" $QK gptq /tmp/m8b -o "/tmp/out_$name" "$@" > "$OUT/$name.log" 2>&1
+    local rc=$?
+    local b=$(date +%s.%N)
+    echo "$name: $(python3 -c "print(f'{$b - $a:.1f}')") s wall, rc $rc, output $(du -sh /tmp/out_$name 2>/dev/null | cut -f1)" | tee -a "$OUT/times.txt"
+    tail -25 "$OUT/$name.log"
+}
+timed gptq_self 240
+timed gptq_file 150 --calib data/valid.tokens.txt
+STEP_MIN_S=40 step 60 python3 -m pytest -q -p no:cacheprovider -m gpu tests/calib_data/test_runtime_sampler.py \
+    2>&1 | tee "$OUT/gpu_test.txt" | tail -3
+STEP_MIN_S=70 timed gptq_self_cached 150
+ls -la /tmp/qkcache/calib 2>/dev/null | tee -a "$OUT/times.txt"
+echo "== done after $(( $(date +%s) - t0 )) s"
