@@ -61,7 +61,7 @@ def _run(method: str, model: str, output: Path, *, bits: int, group_size: int | 
         launch_cli(method, gpus)
         return
     console = display.console(stderr=as_json)
-    with display.LayerProgress(console, method) as progress, display.library_logs(console):
+    with display.LayerProgress(console, method) as progress, display.library_logs(progress.view):
         report = api.quantize(model, output, method=method, scheme=scheme, method_options=options,
                               calib=calib_config, load=load, overwrite=overwrite, batch_size=batch_size,
                               on_layer=progress.on_layer, on_calib_progress=progress.on_calibration,
