@@ -64,7 +64,8 @@ def _print_report(con, report) -> None:
                         f"against references, {sum(report.prompt_tokens)} positions")
     for column in ("reference", "prompt", "positions", "max abs err", "mean abs err", "rel err", "top-1",
                    "top-1 (ties)", "result"):
-        table.add_column(column, justify="left" if column in ("reference", "prompt", "result") else "right")
+        table.add_column(column, justify="left" if column in ("reference", "prompt", "result") else "right",
+                         overflow="fold")  # whole numbers, never "4.22e..."
     for path in report.paths:
         rows = [(str(i + 1), c, "") for i, c in enumerate(path.per_prompt)]
         rows.append(("all", path.overall, "[green]pass[/green]" if path.passed else "[red]FAIL[/red]"))

@@ -11,7 +11,9 @@ import sys
 
 from quantkit.progress_lines import Heartbeat, LineSink, ThrottledPhase
 
-BAR_GLYPHS = re.compile("[\r\x1b━█▏▎▍▌▋▊▉╸╺]")  # rich bars; table borders (─ │) are fine
+# A rich bar's pieces: carriage returns, ANSI sequences, block glyphs, and runs of ━ outside a table's
+# heavy header rule (┏━━┳━━┓ and ┡━━╇━━┩ are table borders, not bars).
+BAR_GLYPHS = re.compile("[\r\x1b█▏▎▍▌▋▊▉╸╺]|^[^┏┡\n]*━", re.MULTILINE)
 
 
 class FakeClock:
