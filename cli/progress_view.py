@@ -69,7 +69,8 @@ class ProgressView:
         )
 
     def _write_plain(self, text: str) -> None:
-        self.console.print(text, markup=False, highlight=False, soft_wrap=True)
+        # Wrapped at the console's width (COLUMNS when set; else a wide log width), never cut.
+        self.console.print(text, markup=False, highlight=False, overflow="fold")
 
     def __enter__(self) -> ProgressView:
         if self.progress is not None:
