@@ -58,6 +58,10 @@ def _run(method: str, model: str, output: Path, *, bits: int, group_size: int | 
                              calib_source=calib_config.source if needs_calib else None)
     say_threads(choice)
     if needs_launch(gpus):  # start `gpus` ranks through torchrun, each running this same command line
+        if choice.source == "auto":  # the ranks share the free cores (they read OMP_NUM_THREADS)
+            import os
+
+            os.environ["OMP_NUM_THREADS"] = str(max(1, choice.threads // gpus))
         launch_cli(method, gpus)
         return
     console = display.console(stderr=as_json)
