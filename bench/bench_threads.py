@@ -12,7 +12,7 @@ thread setting:
 For each: `quantkit gptq MODEL --calib FILE --nsamples --seqlen`, stopped (Ctrl-C, which leaves nothing
 behind) after --layers decoder layers (0: the whole model), giving seconds per layer from the CLI's
 per-layer lines; and `quantkit generate MODEL PROMPT --json`, giving decode tokens/s. Prints a table
-and writes bench/results/bench_threads_<date>.json (host, versions, date, command, rows).
+and writes JSON (host, versions, date, command, rows) to bench/runs/bench_threads_<date>.json or --out.
 
 Numbers only mean something on the machine they are measured on; say whether it was shared.
 """
@@ -160,7 +160,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--busy-threads", type=int, default=1, help="threads of the busy process (0: none)")
     parser.add_argument("--busy-max-seconds", type=float, default=3600, help="the busy process stops by then")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per command at most")
-    parser.add_argument("--out", default=None, help="JSON path (default bench/results/bench_threads_<date>.json)")
+    parser.add_argument("--out", default=None, help="JSON path (default bench/runs/bench_threads_<date>.json)")
     args = parser.parse_args(argv)
     bad = set(args.variants.split(",")) - set(VARIANTS)
     if bad:
@@ -200,7 +200,7 @@ def main(argv=None) -> None:
         print(f"{row['variant']:<12} {chosen:<48} {g['s_per_layer'] if g else float('nan'):>13.2f} "
               f"{gen['decode_tps'] if gen else float('nan'):>15.1f}")
     date = datetime.now(timezone.utc)
-    out = Path(args.out) if args.out else REPO / "bench" / "results" / f"bench_threads_{date:%Y-%m-%d}.json"
+    out = Path(args.out) if args.out else REPO / "bench" / "runs" / f"bench_threads_{date:%Y-%m-%d}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
         "what": "GPTQ seconds per layer and generate decode tok/s under each CPU thread setting, with a second "

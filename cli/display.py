@@ -75,6 +75,8 @@ class LayerProgress:
             self.view.print(f"  note: {note}", style="yellow")
         peak = f"peak {human_bytes(event.peak_memory_bytes)}" if event.peak_memory_bytes else ""
         self.view.update(self.task, event.index + 1, extra=peak)
+        if event.index + 1 == event.n_layers:
+            self.view.sink.announce("writing the checkpoint")  # what a heartbeat names until the next line
 
 
 def print_quantize_summary(con: Console, report) -> None:

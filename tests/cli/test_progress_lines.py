@@ -120,3 +120,23 @@ def test_redirected_quantize_and_eval_logs_hold_plain_lines(tiny_llama_dir, tiny
     assert any(re.fullmatch(r"gptq: 2/2 layers in \d+ s", line) for line in lines), text
     assert any(re.fullmatch(r"perplexity: 3/3 windows in \d+ s, ppl [\d.]+", line) for line in lines), text
     assert sum(line.startswith("layer ") for line in lines) == 2
+
+
+def test_terminal_view_draws_rich_bars_with_the_same_calls():
+    from rich.console import Console
+
+    from quantkit.cli.display import library_logs
+    from quantkit.cli.progress_view import ProgressView
+
+    buffer = io.StringIO()
+    con = Console(file=buffer, width=100, force_terminal=True)
+    view = ProgressView(con)
+    assert not view.plain
+    with view, library_logs(view):
+        logging.getLogger("quantkit.test").info("loading: a model")
+        task = view.phase("gptq", 2, "layers")
+        view.print("layer 1/2    0.1s")
+        view.update(task, 2, extra="peak 1.0 GiB")
+        view.close(task)
+    text = buffer.getvalue()
+    assert "━" in text and "2/2" in text and "layer 1/2" in text and "loading: a model" in text
