@@ -83,50 +83,55 @@ def _print_plan(con, plan, resume: bool) -> None:
 
 
 def _run_with_progress(con, plan, resume: bool):
+    """One progress view for the whole batch: jobs k of n, each job's layers and evaluation windows
+    (rich bars on a terminal, throttled plain lines in a log)."""
     from quantkit.batch.runner import BatchObserver, run_batch
     from quantkit.cli.display import LayerProgress, library_logs
+    from quantkit.cli.progress_view import ProgressView
 
+    view = ProgressView(con)
     state: dict = {}
 
     def job_started(k: int, n: int, job) -> None:
-        con.rule(f"job {k} of {n}: {job.name}")
-        state["progress"] = LayerProgress(con, job.method).__enter__()
+        if "jobs" not in state:
+            state["jobs"] = view.phase("batch", n, "jobs")
+        if view.plain:
+            view.print(f"job {k} of {n}: {job.name}")
+        else:
+            con.rule(f"job {k} of {n}: {job.name}")
+        state["layers"] = LayerProgress(con, job.method, view=view)
 
     def job_finished(k: int, n: int, result) -> None:
-        state.pop("progress").__exit__(None, None, None)
+        state.pop("layers", None)
         state.pop("windows", None)
         if result.reused:
-            con.print(f"job {k} of {n}: complete from an earlier run, skipped", highlight=False)
+            view.print(f"job {k} of {n}: complete from an earlier run, skipped")
         elif result.ok:
             ppl = ", ".join(f"ppl {v:.3f}" for v in result.perplexity.values())
             kl = f", KL {result.kld['mean_kld']:.5f}" if result.kld else ""
-            con.print(f"job {k} of {n}: done in {result.seconds:.0f} s, {result.bits_per_weight:.3f} bits per weight"
-                      f"{', ' + ppl if ppl else ''}{kl}", highlight=False)
+            view.print(f"job {k} of {n}: done in {result.seconds:.0f} s, {result.bits_per_weight:.3f} bits per weight"
+                       f"{', ' + ppl if ppl else ''}{kl}")
         else:
-            con.print(f"[red]job {k} of {n} failed:[/red] {result.error}", highlight=False)
+            view.print(f"job {k} of {n} failed: {result.error}", style="red")
+        view.update(state["jobs"], k)
 
     def stage(text: str) -> None:
         state.pop("windows", None)
         state["stage"] = text
-        con.print(f"  {text}", highlight=False)
+        view.print(f"  {text}")
 
     def on_window(done: int, total: int, *rest) -> None:
-        progress = state["progress"].progress
         if "windows" not in state:
-            state["windows"] = progress.add_task(state.get("stage", "eval"), total=total, unit="windows", peak="")
-        progress.update(state["windows"], completed=done)
+            state["windows"] = view.phase(state.get("stage", "eval"), total, "windows")
+        view.update(state["windows"], done)
 
     def on_layer(event) -> None:
-        state["progress"].on_layer(event)
+        state["layers"].on_layer(event)
 
     observer = BatchObserver(job_started=job_started, job_finished=job_finished, stage=stage, on_layer=on_layer,
                              on_window=on_window)
-    with library_logs(con):
-        try:
-            return run_batch(list(plan.jobs), plan.output, eval=plan.eval, resume=resume, observer=observer)
-        finally:
-            if "progress" in state:
-                state.pop("progress").__exit__(None, None, None)
+    with view, library_logs(view):
+        return run_batch(list(plan.jobs), plan.output, eval=plan.eval, resume=resume, observer=observer)
 
 
 def _print_report(con, folder: Path, as_json: bool) -> None:

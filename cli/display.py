@@ -4,27 +4,26 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 from rich.console import Console
-from rich.logging import RichHandler
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
 from rich.table import Table
 
+from quantkit.cli.progress_view import ProgressView
 from quantkit.progress import format_layer_line, quantkit_logs_to
+
+# Width of a console that is not a terminal (a log file, a pipe) when COLUMNS does not set one: wide
+# enough that tables keep whole numbers and names instead of cutting them at rich's default 80.
+REDIRECTED_WIDTH = 240
 
 
 def console(stderr: bool = False) -> Console:
-    return Console(stderr=stderr)
+    con = Console(stderr=stderr)
+    if not con.is_terminal and "COLUMNS" not in os.environ:
+        con = Console(stderr=stderr, width=REDIRECTED_WIDTH)
+    return con
 
 
 def human_bytes(n: float) -> str:
@@ -36,50 +35,48 @@ def human_bytes(n: float) -> str:
 
 
 @contextlib.contextmanager
-def library_logs(con: Console) -> Iterator[None]:
-    """Show quantkit's warnings and info lines above the progress bar while a command runs."""
-    handler = RichHandler(console=con, show_time=False, show_path=False, markup=False)
-    handler.setLevel(logging.INFO)
-    with quantkit_logs_to(handler):
+def library_logs(target: Console | ProgressView) -> Iterator[None]:
+    """Show quantkit's warnings and info lines while a command runs: above the progress bar on a
+    terminal, as plain lines otherwise (through ``target``'s view, which its heartbeat then knows)."""
+    view = target if isinstance(target, ProgressView) else ProgressView(target)
+    with quantkit_logs_to(view.log_handler()):
         yield
 
 
 class LayerProgress:
-    """A progress bar over decoder layers (layer k of n, ETA, peak memory) with one line per layer."""
+    """Progress over decoder layers (layer k of n, ETA, peak memory) and self-calibration, with one
+    line per layer: a rich bar on a terminal, throttled plain lines otherwise (``ProgressView``)."""
 
-    def __init__(self, con: Console, method: str) -> None:
+    def __init__(self, con: Console, method: str, view: ProgressView | None = None) -> None:
         self.console = con
         self.method = method
-        self.progress = Progress(
-            TextColumn("[bold]{task.description}[/bold]"), BarColumn(), MofNCompleteColumn(),
-            TextColumn("{task.fields[unit]}"),
-            TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), TextColumn("{task.fields[peak]}"),
-            console=con, transient=False,
-        )
+        self.view = view or ProgressView(con)
         self.task = None
         self.calib_task = None
 
     def __enter__(self) -> LayerProgress:
-        self.progress.__enter__()
+        self.view.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        self.progress.__exit__(*exc)
+        self.view.__exit__(*exc)
 
     def on_calibration(self, done: int, total: int) -> None:
         """Self-generated calibration: tokens generated so far."""
         if self.calib_task is None:
-            self.calib_task = self.progress.add_task("self-calibration", total=total, unit="tokens", peak="")
-        self.progress.update(self.calib_task, completed=done)
+            self.calib_task = self.view.phase("self-calibration", total, "tokens")
+        self.view.update(self.calib_task, done)
 
     def on_layer(self, event) -> None:
         if self.task is None:
-            self.task = self.progress.add_task(self.method, total=event.n_layers, unit="layers", peak="")
-        peak = f"peak {human_bytes(event.peak_memory_bytes)}" if event.peak_memory_bytes else ""
-        self.progress.update(self.task, completed=event.index + 1, peak=peak)
-        self.progress.console.print(format_layer_line(event), highlight=False, overflow="ellipsis", no_wrap=True)
+            self.task = self.view.phase(self.method, event.n_layers, "layers")
+        self.view.print(format_layer_line(event))
         for note in event.result.notes:
-            self.progress.console.print(f"  note: {note}", style="yellow", highlight=False)
+            self.view.print(f"  note: {note}", style="yellow")
+        peak = f"peak {human_bytes(event.peak_memory_bytes)}" if event.peak_memory_bytes else ""
+        self.view.update(self.task, event.index + 1, extra=peak)
+        if event.index + 1 == event.n_layers:
+            self.view.sink.announce("writing the checkpoint")  # what a heartbeat names until the next line
 
 
 def print_quantize_summary(con: Console, report) -> None:

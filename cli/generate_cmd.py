@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from quantkit.cli.options import Device, Dtype, Json, TrustRemoteCode
+from quantkit.cli.options import Device, Dtype, Json, Threads, TrustRemoteCode, apply_threads, say_threads
 
 
 def register(app: typer.Typer) -> None:
@@ -28,8 +28,14 @@ def register(app: typer.Typer) -> None:
         backend: Annotated[str, typer.Option("--backend", help="auto, kernels (CUDA) or reference (plain PyTorch).")] = "auto",
         max_seq_len: Annotated[int, typer.Option("--max-seq-len", help="Prompt + generated tokens at most.")] = 2048,
         device: Device = "auto", dtype: Dtype = "auto", trust_remote_code: TrustRemoteCode = False, json_: Json = False,
+        threads: Threads = None,
     ) -> None:
         """Generate text; prints prefill and decode tokens/s at the end."""
+        choice = apply_threads(threads)  # before torch is imported
+        from quantkit import preflight
+
+        preflight.check_model_spec(model)
+        say_threads(choice)
         from quantkit.cli.display import console
         from quantkit.runtime.generate import generate as run_generate
         from quantkit.runtime.generate import prompt_ids

@@ -19,7 +19,8 @@ def register(app: typer.Typer) -> None:
                 layers: Annotated[bool, typer.Option("--layers", help="List every quantized linear.")] = False,
                 kernels: Annotated[bool, typer.Option(
                     "--kernels", help="Which W4A16 kernel and config each linear runs at M = 1, 16, 2048, and which "
-                    "attention kernel prefill and decode run (H200 selection).")
+                    "attention kernel prefill and decode run: on this machine's GPU, else the H200 table. q/k/v and gate/up "
+                    "appear fused when the runtime fuses them.")
                 ] = False) -> None:
         """Method, bits, group size, layers, size on disk and compression ratio of a checkpoint."""
         from rich.table import Table
@@ -32,10 +33,13 @@ def register(app: typer.Typer) -> None:
         if kernels:
             from quantkit.errors import QuantkitError
             from quantkit.kernel_plan import explain, explain_attention
+            from quantkit.kernel_rows import gpu_target, runtime_layers
 
-            data["kernels"] = [dataclasses.asdict(row) for row in explain(path)]
+            arch, target = gpu_target()
+            data["kernels_target"] = target
+            data["kernels"] = [dataclasses.asdict(row) for row in explain(runtime_layers(path), arch=arch)]
             try:
-                data["attention_kernels"] = [dataclasses.asdict(row) for row in explain_attention(path)]
+                data["attention_kernels"] = [dataclasses.asdict(row) for row in explain_attention(path, arch=arch)]
             except QuantkitError as e:  # a model family the runtime does not serve: no attention plan
                 data["attention_kernels"] = str(e)
         if json_:
@@ -60,12 +64,17 @@ def register(app: typer.Typer) -> None:
         con.print(table)
         if layers and data.get("quantized"):
             lt = Table("linear", "in", "out", "groups")
-            for row in data["quantized"]:
+            lt.columns[0].overflow = "fold"
+            from quantkit.kernel_rows import natural_key
+
+            for row in sorted(data["quantized"], key=lambda r: natural_key(str(r.get("name")))):
                 lt.add_row(str(row.get("name")), str(row.get("in_features")), str(row.get("out_features")),
                            str(row.get("n_groups", "")))
             con.print(lt)
         if kernels:
-            kt = Table("linear", "out x in", "M", "kernel", "config", "why", title="W4A16 kernels (H200 selection)")
+            kt = Table(title=f"W4A16 kernels, {data['kernels_target']}")
+            for column in ("linear", "out x in", "M", "kernel", "config", "why"):
+                kt.add_column(column, overflow="fold")  # whole names and numbers, wrapped if need be
             for row in data["kernels"]:
                 kt.add_row(row["name"], f"{row['out_features']} x {row['in_features']}", str(row["m"]), row["kernel"],
                            row["config"], row["reason"])
@@ -73,7 +82,9 @@ def register(app: typer.Typer) -> None:
             if isinstance(data["attention_kernels"], str):
                 con.print(f"attention: {data['attention_kernels']}")
             else:
-                at = Table("phase", "query tokens", "layers", "kernel", "why", title="attention kernels (H200 selection)")
+                at = Table(title=f"attention kernels, {data['kernels_target']}")
+                for column in ("phase", "query tokens", "layers", "kernel", "why"):
+                    at.add_column(column, overflow="fold")
                 for row in data["attention_kernels"]:
                     at.add_row(row["phase"], str(row["tokens"]), row["layers"], row["kernel"], row["reason"])
                 con.print(at)

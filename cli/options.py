@@ -37,3 +37,23 @@ Stream = Annotated[str, typer.Option(
     "finish: auto (when the model would take over half the free host memory), on, off.")]
 LmHead = Annotated[bool, typer.Option(
     "--quantize-lm-head", help="Also quantize the output projection (untied from the embeddings); default: 16 bits.")]
+Threads = Annotated[int | None, typer.Option(
+    "--threads", show_default="free cores",
+    help="CPU threads for PyTorch. Default: OMP_NUM_THREADS if set, else the cores this process may use minus those "
+    "other processes keep busy (docs/threads.md).")]
+
+
+def apply_threads(option: int | None):
+    """Choose the CPU thread count (``quantkit.threads``) and make it take effect; returns the choice.
+
+    Call it first in a command, before torch is imported; print the choice with :func:`say_threads`
+    once the checks that need no model have passed (an error must be the first line)."""
+    from quantkit import threads
+
+    choice = threads.decide(option)
+    threads.apply(choice)
+    return choice
+
+
+def say_threads(choice) -> None:
+    typer.echo(choice.reason, err=True)

@@ -26,7 +26,10 @@ from quantkit.cli.options import (
     Seed,
     Stream,
     TextField,
+    Threads,
     TrustRemoteCode,
+    apply_threads,
+    say_threads,
 )
 
 
@@ -35,22 +38,34 @@ def _run(method: str, model: str, output: Path, *, bits: int, group_size: int | 
          calib: str = "self", nsamples: int | None = None, seqlen: int | None = None, seed: int = 0,
          text_field: str = "text", batch_size: int = 8, save_stats: Path | None = None,
          quantize_lm_head: bool = False, gpus: int | None = None, activations: str = "auto",
-         stream: str = "auto") -> None:
-    from quantkit import api
+         stream: str = "auto", threads: int | None = None) -> None:
+    choice = apply_threads(threads)  # before torch is imported; said once the checks below pass
+    from quantkit import api, preflight
     from quantkit.cli import display
     from quantkit.config import LoadConfig, QuantScheme, resolve_device
     from quantkit.distributed.launch import is_secondary_rank, launch_cli, needs_launch
 
+    # Every check that needs no weights, before anything is printed or loaded.
+    preflight.check_scheme(bits, group_size, sym)
+    api.check_output(output, overwrite)
     scheme = api.AutoScheme(bits=bits, sym=sym) if group_size is None else QuantScheme(bits, group_size, sym)
     load = LoadConfig(dtype=dtype, device=device, trust_remote_code=trust_remote_code, stream=stream)
     calib_config = api.default_calibration(method, calib, resolve_device(device), nsamples=nsamples, seqlen=seqlen,
                                            seed=seed, text_field=text_field)
-    api.check_output(output, overwrite)  # fail before loading anything
+    needs_calib = method != "rtn"
+    preflight.check_quantize(model, bits=bits, group_size=group_size, sym=sym,
+                             seqlen=calib_config.seqlen if needs_calib else None,
+                             calib_source=calib_config.source if needs_calib else None)
+    say_threads(choice)
     if needs_launch(gpus):  # start `gpus` ranks through torchrun, each running this same command line
+        if choice.source == "auto":  # the ranks share the free cores (they read OMP_NUM_THREADS)
+            import os
+
+            os.environ["OMP_NUM_THREADS"] = str(max(1, choice.threads // gpus))
         launch_cli(method, gpus)
         return
     console = display.console(stderr=as_json)
-    with display.LayerProgress(console, method) as progress, display.library_logs(console):
+    with display.LayerProgress(console, method) as progress, display.library_logs(progress.view):
         report = api.quantize(model, output, method=method, scheme=scheme, method_options=options,
                               calib=calib_config, load=load, overwrite=overwrite, batch_size=batch_size,
                               on_layer=progress.on_layer, on_calib_progress=progress.on_calibration,
@@ -103,11 +118,11 @@ def register(app: typer.Typer) -> None:
             sym: Annotated[bool, typer.Option("--sym/--asym", help=_RTN_SYM_HELP)] = True,
             device: Device = "auto", dtype: Dtype = "auto", trust_remote_code: TrustRemoteCode = False,
             overwrite: Overwrite = False, json_: Json = False, save_stats: SaveStats = None,
-            quantize_lm_head: LmHead = False, stream: Stream = "auto") -> None:
+            quantize_lm_head: LmHead = False, stream: Stream = "auto", threads: Threads = None) -> None:
         """Round-to-nearest baseline: per-group min/max (asym) or absmax (sym) scales, no calibration."""
         _run("rtn", model, output, bits=bits, group_size=group_size, sym=sym, device=device, dtype=dtype,
              trust_remote_code=trust_remote_code, overwrite=overwrite, as_json=json_, save_stats=save_stats,
-             quantize_lm_head=quantize_lm_head, stream=stream)
+             quantize_lm_head=quantize_lm_head, stream=stream, threads=threads)
 
     @app.command("gptq")
     def gptq(model: ModelArg, output: Output, bits: Bits = 4, group_size: GroupSize = None,
@@ -130,7 +145,7 @@ def register(app: typer.Typer) -> None:
              save_stats: SaveStats = None, quantize_lm_head: LmHead = False,
              gpus: Annotated[int | None, typer.Option("--gpus", help="Ranks to share the work (torchrun; one GPU each, gloo on the CPU).")] = None,
              activations: Activations = "auto",
-             stream: Stream = "auto",
+             stream: Stream = "auto", threads: Threads = None,
     ) -> None:
         """GPTQ: column-by-column rounding with inverse-Hessian error compensation."""
         options = dict(damp=damp, block_size=block_size, desc_act=desc_act, true_sequential=true_sequential, mse=mse)
@@ -142,7 +157,7 @@ def register(app: typer.Typer) -> None:
              trust_remote_code=trust_remote_code, overwrite=overwrite, as_json=json_, options=options, calib=calib,
              nsamples=nsamples, seqlen=seqlen, seed=seed, text_field=text_field, batch_size=batch_size,
              save_stats=save_stats, quantize_lm_head=quantize_lm_head, gpus=gpus, activations=activations,
-             stream=stream)
+             stream=stream, threads=threads)
 
     @app.command("awq")
     def awq(model: ModelArg, output: Output, bits: Bits = 4, group_size: GroupSize = None,
@@ -160,7 +175,7 @@ def register(app: typer.Typer) -> None:
             save_stats: SaveStats = None, quantize_lm_head: LmHead = False,
             gpus: Annotated[int | None, typer.Option("--gpus", help="Ranks to share the work (torchrun; one GPU each, gloo on the CPU).")] = None,
             activations: Activations = "auto",
-            stream: Stream = "auto",
+            stream: Stream = "auto", threads: Threads = None,
     ) -> None:
         """AWQ: activation-aware scaling of salient input channels, folded into the previous op, then rounding."""
         options: dict[str, Any] = dict(grid=grid, clip=clip, gptq=gptq)
@@ -170,4 +185,4 @@ def register(app: typer.Typer) -> None:
              trust_remote_code=trust_remote_code, overwrite=overwrite, as_json=json_, options=options, calib=calib,
              nsamples=nsamples, seqlen=seqlen, seed=seed, text_field=text_field, batch_size=batch_size,
              save_stats=save_stats, quantize_lm_head=quantize_lm_head, gpus=gpus, activations=activations,
-             stream=stream)
+             stream=stream, threads=threads)

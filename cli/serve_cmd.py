@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from quantkit.cli.options import Device, Dtype, TrustRemoteCode
+from quantkit.cli.options import Device, Dtype, Threads, TrustRemoteCode, apply_threads, say_threads
 
 
 def register(app: typer.Typer) -> None:
@@ -24,10 +24,12 @@ def register(app: typer.Typer) -> None:
         cuda_graphs: Annotated[bool | None, typer.Option("--cuda-graphs/--no-cuda-graphs", help="Capture decode steps in CUDA graphs (default: on with the kernels).")] = None,
         device: Device = "auto", dtype: Dtype = "auto", trust_remote_code: TrustRemoteCode = False,
         log_level: Annotated[str, typer.Option("--log-level", help="debug, info, warning or error.")] = "info",
+        threads: Threads = None,
     ) -> None:
         """Serve MODEL over HTTP: /v1/completions, /v1/chat/completions (streaming by SSE), /v1/models, /health.
 
         Stops gracefully on Ctrl+C or SIGTERM (in-flight requests get 10 s to finish)."""
+        choice = apply_threads(threads)  # before torch is imported
         import logging
 
         from quantkit.config import QuantkitError
@@ -44,9 +46,20 @@ def register(app: typer.Typer) -> None:
         except ImportError as exc:
             raise QuantkitError(f"this quantkit has no serving runtime (quantkit.runtime.loader: {exc})") from exc
         logging.basicConfig(level=getattr(logging, log_level.upper()), format="%(levelname)s:     %(name)s: %(message)s")
+        from quantkit import preflight
+        from quantkit.progress_lines import Heartbeat, LineSink
+
+        preflight.check_model_spec(model)
+        say_threads(choice)
         typer.secho(f"loading {model} ...", err=True)
-        engine = load_engine(model, device=device, dtype=dtype, max_batch=max_batch, max_seq_len=max_seq_len,
-                             backend=backend, cuda_graphs=cuda_graphs, trust_remote_code=trust_remote_code)
+        sink = LineSink(lambda text: typer.echo(text, err=True))
+        sink.announce("loading and warm-up")
+        heartbeat = Heartbeat(sink).start()  # a line every 30 s while it loads, compiles, captures graphs
+        try:
+            engine = load_engine(model, device=device, dtype=dtype, max_batch=max_batch, max_seq_len=max_seq_len,
+                                 backend=backend, cuda_graphs=cuda_graphs, trust_remote_code=trust_remote_code)
+        finally:
+            heartbeat.stop()
         typer.secho(f"serving {config.served_model_name or engine.model_name} on http://{host}:{port} "
                     f"({engine.max_batch} slots of {engine.max_seq_len} tokens, {max_queue} queued at most)", err=True)
         run_server(engine, config)

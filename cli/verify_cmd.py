@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from quantkit.cli.options import Device, Dtype, Json, SeqLen, TrustRemoteCode
+from quantkit.cli.options import Device, Dtype, Json, SeqLen, Threads, TrustRemoteCode, apply_threads, say_threads
 
 
 def register(app: typer.Typer) -> None:
@@ -26,15 +26,25 @@ def register(app: typer.Typer) -> None:
         seqlen: SeqLen = 512,
         max_windows: Annotated[int, typer.Option("--max-windows", help="Windows of --data scored with --base.")] = 4,
         device: Device = "auto", dtype: Dtype = "auto", trust_remote_code: TrustRemoteCode = False, json_: Json = False,
+        threads: Threads = None,
     ) -> None:
         """Run prompts through the path `serve` uses and through independent references; compare logits
         (max/mean/relative error, top-1 agreement) and greedy decoded tokens. Exit 1 when beyond the tolerance."""
+        choice = apply_threads(threads)  # before torch is imported
+        from quantkit import preflight
         from quantkit.cli.display import console, library_logs
+        from quantkit.cli.progress_view import ProgressView
         from quantkit.runtime import verify as verify_mod
 
         prompt_list = verify_mod.read_prompts(prompts) if prompts is not None else verify_mod.DEFAULT_PROMPTS
+        for name in (model, base):
+            if name is not None:
+                preflight.check_model_spec(name)
+                if base is not None:  # --seqlen sizes the windows of --data scored with --base
+                    preflight.check_seqlen(name, seqlen)
+        say_threads(choice)
         con = console(stderr=json_)
-        with library_logs(con):
+        with ProgressView(con) as view, library_logs(view):  # plain lines and a heartbeat in a log
             report = verify_mod.verify(model, prompts=prompt_list, references=tuple(reference or ("auto",)),
                                        device=device, dtype=dtype, backend=backend, base=base, data=data,
                                        seqlen=seqlen, max_windows=max_windows, trust_remote_code=trust_remote_code,
@@ -54,7 +64,8 @@ def _print_report(con, report) -> None:
                         f"against references, {sum(report.prompt_tokens)} positions")
     for column in ("reference", "prompt", "positions", "max abs err", "mean abs err", "rel err", "top-1",
                    "top-1 (ties)", "result"):
-        table.add_column(column, justify="left" if column in ("reference", "prompt", "result") else "right")
+        table.add_column(column, justify="left" if column in ("reference", "prompt", "result") else "right",
+                         overflow="fold")  # whole numbers, never "4.22e..."
     for path in report.paths:
         rows = [(str(i + 1), c, "") for i, c in enumerate(path.per_prompt)]
         rows.append(("all", path.overall, "[green]pass[/green]" if path.passed else "[red]FAIL[/red]"))

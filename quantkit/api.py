@@ -285,13 +285,20 @@ def _quantize(model: str, output: str | Path, *, method: str, scheme: QuantSchem
     if activations not in ACTIVATIONS:
         raise QuantkitError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
     # Options are checked before the model loads (the scheme may still depend on the model).
-    probe = build_method(method, scheme if isinstance(scheme, QuantScheme) else QuantScheme(), method_options)
+    from quantkit import preflight
+
+    auto_bits = scheme.bits if isinstance(scheme, AutoScheme) else 4
+    probe = build_method(method, scheme if isinstance(scheme, QuantScheme) else QuantScheme(bits=auto_bits),
+                         method_options)
+    preflight.check_model_spec(model)  # a missing model is said before the loading line, not after it
     comm, device = setup_ranks(gpus, resolve_device(load.device))
     calib = calib or default_calibration(method, device=device)
     if probe.needs_calibration:
         from quantkit.calib_data.sources import NAMED_SOURCES
 
         check_text_source(calib.source, NAMED_SOURCES, "--calib")
+        if calib_tokens is None:
+            preflight.check_seqlen(model, calib.seqlen)  # from config.json alone; again once loaded
     plan = plan_loading(model, load, world_size=comm.world_size, self_calibration=probe.needs_calibration
                         and calib_tokens is None and calib.source == "self")
     log.info("loading: %s", plan.reason)

@@ -56,7 +56,7 @@ def test_existing_output_is_refused_then_overwritten(tiny_llama_dir, tmp_path):
     (["rtn", "does/not/exist", "-o", "x"], "does not exist"),
     (["rtn", "{model}", "-o", "{tmp}/o", "--group-size", "100"], "group-size"),
     (["rtn", "{model}", "-o", "{tmp}/o", "--bits", "5"], "bits"),
-    (["eval", "perplexity", "{model}", "--data", "wikitext2", "--max-windows", "1"], "--data"),
+    (["eval", "perplexity", "{model}", "--data", "wikitext2", "--max-windows", "1", "--seqlen", "64"], "--data"),
     (["inspect", "{tmp}"], "config.json"),
 ])
 def test_bad_input_exits_2_with_a_message(tiny_llama_dir, tmp_path, args, message):

@@ -18,7 +18,8 @@ def test_gpus_relaunches_the_same_command_line(monkeypatch, tmp_path, tiny_llama
         monkeypatch.delenv(key, raising=False)
     calls = []
     monkeypatch.setattr(launch_mod, "launch", lambda entry, args, nproc, **kw: calls.append((entry, args, nproc)))
-    argv = ["quantkit", method, str(tiny_llama_dir), "-o", str(tmp_path / "out"), "--gpus", "2", "--nsamples", "4"]
+    argv = ["quantkit", method, str(tiny_llama_dir), "-o", str(tmp_path / "out"), "--gpus", "2", "--nsamples", "4",
+            "--seqlen", "64"]  # within the tiny model's 256 positions: checked before the launch
     monkeypatch.setattr(sys, "argv", argv)
     from quantkit.cli.app import main
 

@@ -1,0 +1,138 @@
+"""Checks that need no weights, run before any model loads: a mistake costs a second, not a 25 s load.
+
+Each function raises :class:`~quantkit.errors.QuantkitError` with what to do. The model's longest
+sequence is read from its config.json alone (or a GGUF file's header, or the hub cache's config.json),
+never from loaded weights. ``api.quantize`` and the CLI call :func:`check_quantize` before the model loads.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from quantkit.errors import QuantkitError
+
+# config.json keys that hold the longest sequence, in order of preference.
+_POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+
+
+def looks_like_path(spec: str) -> bool:
+    """Hub ids are ``name`` or ``org/name``; anything else with a slash, a leading ./ or ~, a .gguf
+    suffix, or that exists on disk is a path (the rule of ``quantkit.models``)."""
+    return (spec.startswith((".", "/", "~")) or spec.endswith(".gguf") or spec.count("/") > 1
+            or Path(spec).expanduser().exists())
+
+
+def check_model_spec(spec: str, *, check_hub: bool = True) -> None:
+    """The model exists where it is named: a .gguf file, a folder with config.json, or a hub id that can
+    be reached or is cached (``check_hub``: asks the hub, a few seconds at most when it cannot be reached)."""
+    path = Path(spec).expanduser()
+    if spec.endswith(".gguf"):
+        if not path.is_file():
+            raise QuantkitError(f"GGUF file {spec} does not exist; check the path (MODEL is a model folder, a .gguf "
+                                "file or a Hugging Face hub id)")
+        return
+    if looks_like_path(spec):
+        if not path.exists():
+            raise QuantkitError(f"model folder {spec} does not exist; give a folder with config.json, a .gguf file "
+                                "or a Hugging Face hub id")
+        if not path.is_dir():
+            raise QuantkitError(f"{spec} is a file, not a model folder; give a folder with config.json, a .gguf file "
+                                "or a Hugging Face hub id")
+        if not (path / "config.json").is_file():
+            ggufs = sorted(path.glob("*.gguf"))
+            hint = f" (it holds {ggufs[0].name}: pass that file)" if ggufs else " (is it a model folder?)"
+            raise QuantkitError(f"{spec} has no config.json{hint}")
+        return
+    if check_hub:
+        from quantkit.models import hub_offline
+
+        hub_offline(spec)  # raises with what to do when the id is neither reachable nor cached
+
+
+def _config_positions(config: dict) -> int | None:
+    for cfg in (config.get("text_config"), config):
+        if isinstance(cfg, dict):
+            for key in _POSITION_KEYS:
+                value = cfg.get(key)
+                if isinstance(value, int) and value > 0:
+                    return value
+    return None
+
+
+def _gguf_positions(path: Path) -> int | None:
+    """``<arch>.context_length`` from a GGUF header (the gguf package memory-maps; no tensor is read)."""
+    try:
+        from gguf import GGUFReader
+
+        reader = GGUFReader(str(path))
+        arch_field = reader.fields.get("general.architecture")
+        if arch_field is None:
+            return None
+        arch = bytes(arch_field.parts[arch_field.data[0]]).decode()
+        field = reader.fields.get(f"{arch}.context_length")
+        return int(field.parts[field.data[0]][0]) if field is not None else None
+    except Exception:  # no gguf package or an unusual header: the check after loading still runs
+        return None
+
+
+def _config_file(spec: str) -> Path | None:
+    path = Path(spec).expanduser()
+    if looks_like_path(spec):
+        return path / "config.json" if (path / "config.json").is_file() else None
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:  # pragma: no cover - transformers depends on huggingface_hub
+        return None
+    found = try_to_load_from_cache(spec, "config.json")
+    return Path(found) if isinstance(found, str) else None
+
+
+def model_max_positions(spec: str) -> int | None:
+    """The longest sequence the model allows, read cheaply (config.json or GGUF header); None if unknown."""
+    if spec.endswith(".gguf"):
+        return _gguf_positions(Path(spec).expanduser())
+    config_file = _config_file(spec)
+    if config_file is None:
+        return None
+    try:
+        return _config_positions(json.loads(config_file.read_text()))
+    except (OSError, ValueError):
+        return None
+
+
+def check_seqlen(spec: str, seqlen: int | None, option: str = "--seqlen") -> None:
+    """Refuse windows longer than the model's positions, from its config alone."""
+    if seqlen is None:
+        return
+    limit = model_max_positions(spec)
+    if limit is not None and seqlen > limit:
+        raise QuantkitError(f"{option} {seqlen} is longer than the model's {limit} positions; use {option} {limit} "
+                            "or less")
+
+
+def check_scheme(bits: int, group_size: int | None, sym: bool | None) -> None:
+    """Bits and group size the checkpoint format holds (an automatic group size is checked once chosen)."""
+    import warnings
+
+    from quantkit.config import QuantScheme
+
+    with warnings.catch_warnings():  # the kernel-support warning comes with the real scheme
+        warnings.simplefilter("ignore")
+        QuantScheme(bits, 128 if group_size is None else group_size, True if sym is None else bool(sym))
+
+
+def check_quantize(model: str, *, bits: int, group_size: int | None, sym: bool | None,
+                   seqlen: int | None, calib_source: str | None, check_hub: bool = True) -> None:
+    """Everything about a quantize run that needs no weights, cheapest first (the output folder is
+    ``api.check_output``'s; the calibration file ``api.check_text_source``'s)."""
+    check_scheme(bits, group_size, sym)
+    check_model_spec(model, check_hub=check_hub)
+    if calib_source is not None and calib_source != "self":
+        from quantkit.calib_data.sources import NAMED_SOURCES
+
+        if calib_source not in NAMED_SOURCES:
+            from quantkit.calib_data.text import check_local_text
+
+            check_local_text(calib_source, "--calib")
+    check_seqlen(model, seqlen)
