@@ -31,7 +31,7 @@ def register(app: typer.Typer) -> None:
         data = info.to_dict()
         if kernels:
             from quantkit.errors import QuantkitError
-            from quantkit.kernel_plan import explain, explain_attention
+            from quantkit.tools.kernel_plan import explain, explain_attention
 
             data["kernels"] = [dataclasses.asdict(row) for row in explain(path)]
             try:

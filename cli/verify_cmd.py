@@ -30,7 +30,7 @@ def register(app: typer.Typer) -> None:
         """Run prompts through the path `serve` uses and through independent references; compare logits
         (max/mean/relative error, top-1 agreement) and greedy decoded tokens. Exit 1 when beyond the tolerance."""
         from quantkit.cli.display import console, library_logs
-        from quantkit.runtime import verify as verify_mod
+        from quantkit.tools import verify as verify_mod
 
         prompt_list = verify_mod.read_prompts(prompts) if prompts is not None else verify_mod.DEFAULT_PROMPTS
         con = console(stderr=json_)

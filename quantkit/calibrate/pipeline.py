@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from quantkit.activations import copy_home, host_tensors
+from quantkit.calibrate.activations import copy_home, host_tensors
 from quantkit.qtensor import QuantizedWeight
 
 
