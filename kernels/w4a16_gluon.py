@@ -690,11 +690,12 @@ def w4a16_gluon_matmul(x: torch.Tensor, w: W4A16Weights, config: GluonConfig) ->
     if not config.fits(x.shape[0], w.group_size):
         raise ValueError(f"{config} does not fit M = {x.shape[0]}, group {w.group_size} "
                          "(shared memory, registers or tile)")
-    return _launch(x, w, config)
+    return launch(x, w, config)
 
 
-def _launch(x: torch.Tensor, w: W4A16Weights, config: GluonConfig) -> torch.Tensor:
-    """The launch itself, for inputs and a config already checked."""
+def launch(x: torch.Tensor, w: W4A16Weights, config: GluonConfig) -> torch.Tensor:
+    """The launch itself, for inputs and a config already checked (by :func:`w4a16_gluon_matmul`, or at load by
+    the selection that bound it: :func:`quantkit.kernels.w4a16.bind_launcher`)."""
     if config.DIRECT:
         return _launch_direct(x, w, config)
     m, k = x.shape
