@@ -94,7 +94,6 @@ def test_awq_leaves_the_model_holding_its_packed_weights():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("method", ["gptq", "awq"])
 def test_overlap_gives_the_same_weights_on_cuda(method):
     a = tiny_llama(3).to(torch.bfloat16)
