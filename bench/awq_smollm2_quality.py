@@ -17,11 +17,11 @@ import torch
 import transformers
 from smollm2_protocol import load_protocol, ppl  # bench/, beside this script
 
+from quantkit.calibrate.walker import walk
 from quantkit.config import QuantScheme
 from quantkit.methods.awq import AWQConfig
 from quantkit.methods.awq_method import AWQMethod
 from quantkit.methods.rtn import RTNMethod
-from quantkit.walker import walk
 
 logging.basicConfig(level=logging.WARNING)
 DEVICE = os.environ.get("QK_DEVICE", "cpu")  # the walker's work device and the evaluation's

@@ -160,9 +160,9 @@ def expected(method: str, shape: dict, nsamples: int, seqlen: int, n_layers: int
 
 
 def run(args: argparse.Namespace) -> dict:
+    from quantkit.calibrate.walker import walk
     from quantkit.config import QuantScheme
     from quantkit.distributed.launch import setup
-    from quantkit.walker import walk
 
     shape = TINY if args.tiny else LLAMA3_8B
     # Outside torchrun (--gpus 1) ``setup`` returns the no-op communicator and the device unchanged.

@@ -63,7 +63,7 @@ def write_random_model(folder: Path, shape: dict, *, dtype: torch.dtype = torch.
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from quantkit.checkpoint_read import parameters_on_meta
+    from quantkit.checkpoint.read import parameters_on_meta
 
     folder.mkdir(parents=True, exist_ok=True)
     params = dict(shape)

@@ -5,7 +5,7 @@ weights as the baseline, the copy bandwidth and the weight bytes per token.
     python bench/bench_serve.py --shape llama3-8b [--out bench/runs/serve_llama3-8b_<date>.json]
     python bench/bench_serve.py CHECKPOINT_DIR
 
-``quantkit bench`` runs the same code (quantkit.runtime.bench_run). The JSON is rewritten after every phase;
+``quantkit bench`` runs the same code (quantkit.tools.bench_run). The JSON is rewritten after every phase;
 a PNG plot is written beside it at the end.
 """
 
@@ -19,7 +19,7 @@ from pathlib import Path
 
 
 def main() -> None:
-    from quantkit.runtime import bench_run
+    from quantkit.tools import bench_run
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("target", nargs="?", help="a quantized checkpoint folder")

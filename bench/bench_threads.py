@@ -139,7 +139,7 @@ def versions() -> dict:
     import torch
     import transformers
 
-    from quantkit import __version__
+    from quantkit.version import __version__
 
     git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO)
     return {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,

@@ -58,7 +58,7 @@ def rewrite_zeros_v2(folder: Path, bits: int) -> None:
 
 
 def make_layouts(original: Path, work: Path) -> dict[str, Path]:
-    from quantkit.checkpoint import load_quantized, save_quantized
+    from quantkit.checkpoint.save import load_quantized, save_quantized
     from quantkit.config import QuantScheme
 
     folders = {"quantkit-gptq-v1": original}

@@ -17,11 +17,11 @@ import torch
 import transformers
 from smollm2_protocol import load_protocol, ppl  # bench/, beside this script
 
+from quantkit.calibrate.walker import walk
 from quantkit.config import QuantScheme
 from quantkit.methods.gptq import GPTQConfig
 from quantkit.methods.gptq_method import GPTQMethod
 from quantkit.methods.rtn import RTNMethod
-from quantkit.walker import walk
 
 logging.basicConfig(level=logging.WARNING)
 OUT = os.environ.get("QK_OUT", "gptq_quality.jsonl")

@@ -73,7 +73,7 @@ class Bench:
         from quantkit.calib_data.sources import load_source_tokens
         from quantkit.calib_data.text import needs_bos
         from quantkit.eval.perplexity import load_eval_tokens
-        from quantkit.models import load_model
+        from quantkit.models.load import load_model
 
         self.device = device
         t0 = time.perf_counter()
@@ -108,9 +108,9 @@ class Bench:
         return self.windows[seed]
 
     def row(self, scheme: QuantScheme, config: GPTQConfig, seed: int) -> dict:
+        from quantkit.calibrate.walker import walk
         from quantkit.eval.perplexity import perplexity
         from quantkit.methods.gptq_method import GPTQMethod
-        from quantkit.walker import walk
 
         self.model.load_state_dict(self.fp_state)
         calib = self.calibration(seed)

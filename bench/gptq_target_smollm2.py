@@ -59,7 +59,7 @@ def perplexity(folder: Path, seqlen: int = 2048, windows: int = 40) -> dict:
 
 def quantize_both_dtypes(out: Path, extra_args: list[str], nsamples: int, seqlen: int) -> dict:
     """One quantization with the CLI's defaults, written as ``out`` (bfloat16) and ``out``-fp16."""
-    import quantkit.checkpoint as checkpoint
+    import quantkit.checkpoint.save as checkpoint
     from quantkit import api
     from quantkit.config import CalibConfig, QuantScheme
 

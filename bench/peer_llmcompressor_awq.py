@@ -69,7 +69,7 @@ from loguru import logger
 
 from quantkit.config import LoadConfig
 from quantkit.eval.perplexity import perplexity as quantkit_perplexity
-from quantkit.models import load_model
+from quantkit.models.load import load_model
 
 _BENCH = os.path.dirname(os.path.abspath(__file__))
 _REPO = os.path.dirname(_BENCH)

@@ -53,7 +53,7 @@ def load_protocol(layers=0):
     ``layers`` > 0 keeps only the first decoder layers (quick runs); ``fp_state`` is a copy of the
     unquantized state dict, loaded back before each row."""
     from quantkit.config import LoadConfig
-    from quantkit.models import load_model
+    from quantkit.models.load import load_model
 
     lm = load_model(GGUF, LoadConfig(dtype="float32", device="cpu"))
     model, tok = lm.model, lm.tokenizer

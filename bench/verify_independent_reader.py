@@ -61,7 +61,7 @@ def make_tiny_checkpoint(
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from quantkit.arch import find_decoder_layers, find_linears
-    from quantkit.checkpoint import save_quantized
+    from quantkit.checkpoint.save import save_quantized
     from quantkit.config import QuantScheme
     from quantkit.primitives import compute_qparams, quantize
     from quantkit.qtensor import QuantizedWeight
@@ -90,7 +90,7 @@ def make_tiny_checkpoint(
 
 
 def quantkit_logits(path: Path, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    from quantkit.checkpoint import load_quantized
+    from quantkit.checkpoint.save import load_quantized
 
     model, _ = load_quantized(path, dtype=dtype)
     with torch.no_grad():

@@ -46,7 +46,7 @@ app = typer.Typer(
 
 def _print_version(value: bool) -> None:
     if value:
-        from quantkit import __version__
+        from quantkit.version import __version__
 
         typer.echo(f"quantkit {__version__}")
         raise typer.Exit()

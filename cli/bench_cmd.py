@@ -25,7 +25,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """int4 against bf16 in one run: decode tok/s by batch, prefill tok/s, peak memory, copy bandwidth."""
         from quantkit.config import QuantkitError
-        from quantkit.runtime import bench_run
+        from quantkit.tools import bench_run
 
         if (target is None) == (shape is None):
             raise QuantkitError("give a checkpoint folder or --shape NAME (one of them)")

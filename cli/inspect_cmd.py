@@ -32,7 +32,7 @@ def register(app: typer.Typer) -> None:
         data = info.to_dict()
         if kernels:
             from quantkit.errors import QuantkitError
-            from quantkit.kernel_plan import explain, explain_attention
+            from quantkit.tools.kernel_plan import explain, explain_attention
             from quantkit.kernel_rows import gpu_target, runtime_layers
 
             arch, target = gpu_target()

@@ -34,7 +34,7 @@ def register(app: typer.Typer) -> None:
         from quantkit import preflight
         from quantkit.cli.display import console, library_logs
         from quantkit.cli.progress_view import ProgressView
-        from quantkit.runtime import verify as verify_mod
+        from quantkit.tools import verify as verify_mod
 
         prompt_list = verify_mod.read_prompts(prompts) if prompts is not None else verify_mod.DEFAULT_PROMPTS
         for name in (model, base):

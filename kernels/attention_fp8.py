@@ -1,5 +1,5 @@
 """FP8 (e4m3) operands of the attention kernels: per-token q scales, per-128-key-block k scales, a per-head v scale,
-and V^T stored in the key order the kernels' shuffle-free P @ V reads (``attention._perm_keys``).
+and V^T stored in the key order the kernels' shuffle-free P @ V reads (``attention_triton._perm_keys``).
 
 * :func:`prepare_fp8`: the plain-PyTorch reference, and the path of the Hadamard rotation and of 16-bit P @ V.
 * :func:`quantize_qkv_fp8`: the same tuple, bit for bit, from two Triton launches, no host sync. The first
@@ -74,7 +74,7 @@ def _quantize_per_block(x, cu_seqlens, block=KV_SCALE_BLOCK):
 
 
 def _key_perm_positions(n, device=None):
-    """Storage position of each V^T token (attention._perm_keys): in each 32-token chunk token
+    """Storage position of each V^T token (attention_triton._perm_keys): in each 32-token chunk token
     c = (jh, jl, t, b) (bits 1, 1, 2, 1) is stored at a = (jh, t, jl, b)."""
     c = torch.arange(n, device=device)
     return (c & -15) | ((c & 8) >> 2) | ((c & 6) << 1)
@@ -335,3 +335,9 @@ def fp8_operands(q8, k8, v8, q_descale, k_descale, v_descale):
     vt, n_pad = _v_t_storage(total_k, n_kv_heads, head_dim, dev)
     _launch_v_t(v8, vt, n_pad, v_scale, v_scale, 1, False)
     return q8, q_scale, k8, k_scale, vt[:, :, :total_k].permute(2, 0, 1), v_scale
+
+
+def kv_starts_aligned(cu_seqlens_k, known=None) -> bool:
+    """Whether every key sequence starts on a multiple of 32 tokens (``known``, if the caller knows; else read
+    from the device: one host sync)."""
+    return bool((cu_seqlens_k % 32 == 0).all()) if known is None else bool(known)

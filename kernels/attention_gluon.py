@@ -13,60 +13,19 @@ K/V tiles stream through NUM_BUF shared-memory stages filled by TMA (an mbarrier
 is refilled once every warpgroup has retired the P V that read it (a CTA barrier per tile). `attention_select`
 runs it for short causal rows.
 
-Scope: bf16/fp16, head dim 64/128, causal or not, packed varlen, GQA, layout as in `attention.py`; no window
-or soft-cap (the Triton kernel) and no fp8 (the warp-specialized kernel). The helpers here (softmax tile,
-P operand, P @ V, row state, descriptors) serve both Gluon kernels, fp8 paths included.
+Scope: bf16/fp16, head dim 64/128, causal or not, packed varlen, GQA, layout as in `attention.py` (the front
+door, which calls :func:`attention_fa3_ordered`); no window or soft-cap (the Triton kernel) and no fp8 (the
+warp-specialized kernel). The building blocks it shares with that kernel are in `attention_gluon_common.py`.
 """
-import functools
 
 import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from quantkit.kernels.attention_fp8 import KV_SCALE_BLOCK
+from quantkit.kernels.attention_gluon_common import make_descriptors, p_operand, pv, row_state, softmax_tile
 from quantkit.kernels.attention_select import AttentionTiles
-
-
-@gluon.jit
-def _softmax_tile(s, m_i, l_i, qk_scale, start_n, offs_m, offs_n, seqlen_k, delta, full_hi,
-                  IS_CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, ROW_SUM: gl.constexpr, P_LOG2: gl.constexpr,
-                  TAU: gl.constexpr):
-    """Online softmax of one logit tile s [BLOCK_M, BLOCK_N] (fp32, unscaled; qk_scale per row, log2(e)
-    included): returns (p = exp2(scaled logits - new row max), new m, new l, alpha). ROW_SUM False: l_i is
-    returned as given (the caller sums p). P_LOG2: p scaled by 2**P_LOG2 (every tile alike: cancels in O / l).
-    TAU > 0 (log2 units): m is a stale bound, raised only when the tile's max exceeds it by more than TAU (or
-    it is -inf); so p <= 2**(P_LOG2 + TAU) and alpha is exactly 1 for rows not raised, whose O rescale the
-    caller may skip (LAZY_RESCALE). O and l use the same m: the same softmax."""
-    if start_n + BLOCK_N > full_hi:  # the causal diagonal or the ragged end: mask
-        # key start_n + c is visible iff c < lim (per row if causal): one compare a logit
-        lim = seqlen_k - start_n
-        if IS_CAUSAL:
-            keep = gl.expand_dims(offs_n, 0) < gl.expand_dims(gl.minimum(offs_m + (delta + 1 - start_n), lim), 1)
-        else:
-            keep = gl.expand_dims(offs_n, 0) < lim
-        s = gl.where(keep, s * gl.expand_dims(qk_scale, 1), float("-inf"))
-        if TAU > 0:
-            m_tile = gl.max(s, 1)
-            m_new = gl.where(m_tile > m_i + TAU, m_tile, m_i)
-        else:
-            m_new = gl.maximum(m_i, gl.max(s, 1))
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
-        p = gl.exp2(s - gl.expand_dims(m_safe - P_LOG2, 1))
-    else:
-        if TAU > 0:
-            m_tile = gl.max(s, 1) * qk_scale
-            m_new = gl.where(m_tile > m_i + TAU, m_tile, m_i)
-        else:
-            m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-        m_safe = m_new
-        p = gl.exp2(s * gl.expand_dims(qk_scale, 1) - gl.expand_dims(m_new - P_LOG2, 1))
-    alpha = gl.exp2(m_i - m_safe)
-    if ROW_SUM:
-        l_i = l_i * alpha + gl.sum(p, 1)
-    return p, m_new, l_i, alpha
 
 
 @gluon.jit
@@ -80,48 +39,6 @@ def _load_kv(desc_k, desc_v, k_smem, v_smem, k_bars, v_bars, tile, n_tiles, kv_s
     tma.async_copy_global_to_shared(desc_k, [row, kv_col], k_bars.index(stage), k_smem.index(stage), pred=pred)
     mbarrier.expect(v_bars.index(stage), desc_v.block_type.nbytes, pred=pred)
     tma.async_copy_global_to_shared(desc_v, [row, kv_col], v_bars.index(stage), v_smem.index(stage), pred=pred)
-
-
-@gluon.jit
-def _p_operand(p, p_layout: gl.constexpr, out_dtype: gl.constexpr, IS_FP8: gl.constexpr, BLOCK_M: gl.constexpr,
-               BLOCK_N: gl.constexpr):
-    """P (fp32, accumulator layout) -> the A operand of a P @ V wgmma, in out_dtype. fp8: key columns renamed
-    as `attention._perm_keys` (then the two layouts are the same registers; V^T is stored in that order).
-    fp8 out_dtype: e4m3 where P is used in the same iteration, fp16 where it crosses the loop's back edge (an
-    8-bit loop value is carried a byte a register and repacked; `_pv` converts it just before the wgmma)."""
-    if IS_FP8:
-        p = gl.reshape(gl.permute(gl.reshape(p, [BLOCK_M, BLOCK_N // 32, 2, 2, 4, 2]), [0, 1, 2, 4, 3, 5]),
-                       [BLOCK_M, BLOCK_N])
-        return gl.convert_layout(p, p_layout, assert_trivial=True).to(out_dtype)
-    else:
-        return gl.convert_layout(p.to(out_dtype), p_layout)
-
-
-@gluon.jit
-def _pv(p_op, v_tile, acc, dtype: gl.constexpr, IS_FP8: gl.constexpr):
-    """Issue acc += P V (async); fp8: P to e4m3 if it is not yet, the V^T tile viewed as V."""
-    if IS_FP8:
-        return warpgroup_mma(p_op.to(dtype), v_tile.permute((1, 0)), acc, is_async=True)
-    else:
-        return warpgroup_mma(p_op, v_tile, acc, is_async=True)
-
-
-@gluon.jit
-def _row_state(qs_ptr, sm_scale, q_start, offs_m, seqlen_q, stride_qsm, head, HEAD_DIM: gl.constexpr,
-               BLOCK_N: gl.constexpr, IS_FP8: gl.constexpr, o_layout: gl.constexpr, s_layout: gl.constexpr):
-    """Start of the online softmax for rows ``offs_m``: the per-row exp2 scale (sm_scale * log2(e), fp8: times
-    the q scale; the loop adds the k scale), running max and sum, O accumulator and a zero S accumulator."""
-    rows: gl.constexpr = offs_m.shape[0]
-    row_layout: gl.constexpr = offs_m.type.layout
-    qk_scale = gl.full([rows], sm_scale * 1.4426950408889634, gl.float32, layout=row_layout)
-    if IS_FP8:
-        qk_scale = qk_scale * gl.load(qs_ptr + (q_start + offs_m) * stride_qsm + head, mask=offs_m < seqlen_q,
-                                      other=0.0)
-    m_i = gl.full([rows], float("-inf"), gl.float32, layout=row_layout)
-    l_i = gl.zeros([rows], gl.float32, layout=row_layout)
-    acc = gl.zeros([rows, HEAD_DIM], gl.float32, layout=o_layout)
-    s_zero = gl.zeros([rows, BLOCK_N], gl.float32, layout=s_layout)
-    return qk_scale, m_i, l_i, acc, s_zero
 
 
 @gluon.jit
@@ -184,7 +101,7 @@ def _attn_fwd_gluon(desc_q, desc_k, desc_v, o_ptr, cu_seqlens_q_ptr, cu_seqlens_
 
     offs_m = m0 + gl.arange(0, BLOCK_M, layout=row_s)
     offs_n = gl.arange(0, BLOCK_N, layout=col_s)
-    qk_scale, m_i, l_i, acc, s_zero = _row_state(o_ptr, sm_scale, q_start, offs_m, seqlen_q, 0, head,
+    qk_scale, m_i, l_i, acc, s_zero = row_state(o_ptr, sm_scale, q_start, offs_m, seqlen_q, 0, head,
                                                  HEAD_DIM, BLOCK_N, False, o_layout, s_layout)
     mbarrier.wait(q_bar, 0)
 
@@ -193,9 +110,9 @@ def _attn_fwd_gluon(desc_q, desc_k, desc_v, o_ptr, cu_seqlens_q_ptr, cu_seqlens_
         mbarrier.wait(k_bars.index(0), 0)
         s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(0, deps=[s])
-        p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, qk_scale, 0, offs_m, offs_n, seqlen_k, delta,
+        p, m_i, l_i, alpha = softmax_tile(s, m_i, l_i, qk_scale, 0, offs_m, offs_n, seqlen_k, delta,
                                            full_hi, IS_CAUSAL, BLOCK_N, True, 0, 0)
-        p_op = _p_operand(p, p_layout, dtype, False, BLOCK_M, BLOCK_N)
+        p_op = p_operand(p, p_layout, dtype, False, BLOCK_M, BLOCK_N)
         for j in range(1, n_tiles):
             stage = j % NUM_BUF
             prev = (j - 1) % NUM_BUF
@@ -203,20 +120,20 @@ def _attn_fwd_gluon(desc_q, desc_k, desc_v, o_ptr, cu_seqlens_q_ptr, cu_seqlens_
             s = warpgroup_mma(q_smem, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False,
                               is_async=True)
             mbarrier.wait(v_bars.index(prev), ((j - 1) // NUM_BUF) & 1)
-            acc = _pv(p_op, v_smem.index(prev), acc, dtype, False)
+            acc = pv(p_op, v_smem.index(prev), acc, dtype, False)
             s = warpgroup_mma_wait(1, deps=[s])  # S_j done; P_{j-1} V_{j-1} may still run
-            p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, qk_scale, j * BLOCK_N, offs_m, offs_n,
+            p, m_i, l_i, alpha = softmax_tile(s, m_i, l_i, qk_scale, j * BLOCK_N, offs_m, offs_n,
                                                seqlen_k, delta, full_hi, IS_CAUSAL, BLOCK_N, True, 0, 0)
             acc, p_op = warpgroup_mma_wait(0, deps=[acc, p_op])
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-            p_op = _p_operand(p, p_layout, dtype, False, BLOCK_M, BLOCK_N)
+            p_op = p_operand(p, p_layout, dtype, False, BLOCK_M, BLOCK_N)
             # both warpgroups have retired the wgmmas that read stage `prev`: refill it
             gl.thread_barrier()
             _load_kv(desc_k, desc_v, k_smem, v_smem, k_bars, v_bars, j - 1 + NUM_BUF, n_tiles, kv_start,
                      kv_col, BLOCK_N, NUM_BUF)
         last = n_tiles - 1
         mbarrier.wait(v_bars.index(last % NUM_BUF), (last // NUM_BUF) & 1)
-        acc = _pv(p_op, v_smem.index(last % NUM_BUF), acc, dtype, False)
+        acc = pv(p_op, v_smem.index(last % NUM_BUF), acc, dtype, False)
         acc = warpgroup_mma_wait(0, deps=[acc])
 
     # deferred normalisation; rows that saw no key output 0
@@ -235,49 +152,7 @@ def _default_config(head_dim) -> AttentionTiles:
     return AttentionTiles(64, 64, 4, 3) if head_dim == 128 else AttentionTiles(128, 128, 8, 5)
 
 
-@functools.cache
-def _smem_layout(rows: int, cols: int, dtype) -> gl.NVMMASharedLayout:
-    """The wgmma/TMA shared layout of a [rows, cols] tile of Gluon ``dtype``, cached: building one validates
-    and costs host time on every launch (bench/NOTES_attention.md)."""
-    return gl.NVMMASharedLayout.get_default_for([rows, cols], dtype)
-
-
-def _make_descriptors(q, k, v, block_q, block_n, fp8_prepared, placeholder):
-    """TMA descriptors shared by the Gluon kernels: (desc_q, desc_k, desc_v, q_scale, k_scale, v_scale).
-
-    q: (total_q, Hq, D); k, v: (total_k, Hkv, D) 16-bit. 2-D views (tokens, H * D), so one descriptor serves
-    every head and sequence; boxes [block_q, D] (Q), [block_n, D] (K, V). fp8_prepared: the fp8 operands
-    (`attention_fp8`), V^T boxes [D, block_n]; None: 16-bit, the scales are `placeholder` (never read)."""
-
-    total_q, n_heads, head_dim = q.shape
-    total_k, n_kv_heads, _ = k.shape
-    q_scale = k_scale = v_scale = placeholder
-    fp8 = fp8_prepared is not None
-    if fp8:
-        q, q_scale, k, k_scale, v, v_scale = fp8_prepared
-        assert v.dtype == torch.float8_e4m3fn, "the gluon kernels run P @ V in fp8 too"
-        assert KV_SCALE_BLOCK % block_n == 0 and block_n % 32 == 0
-        gdt = gl.float8e4nv
-    else:
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    q_layout = _smem_layout(block_q, head_dim, gdt)
-    kv_layout = _smem_layout(block_n, head_dim, gdt)
-    desc_q = TensorDescriptor(q, [total_q, n_heads * head_dim], [n_heads * head_dim, 1], [block_q, head_dim],
-                              q_layout)
-    desc_k = TensorDescriptor(k, [total_k, n_kv_heads * head_dim], [n_kv_heads * head_dim, 1],
-                              [block_n, head_dim], kv_layout)
-    if fp8:
-        vt_layout = _smem_layout(head_dim, block_n, gdt)
-        desc_v = TensorDescriptor(v, [n_kv_heads * head_dim, v.stride(2)], [v.stride(2), 1], [head_dim, block_n],
-                                  vt_layout)
-    else:
-        desc_v = TensorDescriptor(v, [total_k, n_kv_heads * head_dim], [n_kv_heads * head_dim, 1],
-                                  [block_n, head_dim], kv_layout)
-    return desc_q, desc_k, desc_v, q_scale, k_scale, v_scale
-
-
-def _attention_fa3_ordered(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=False, sm_scale=None,
+def attention_fa3_ordered(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=False, sm_scale=None,
                            config=None):
     """`attention.attention_varlen`'s contract for the 16-bit cases `attention_select.gluon_attention_supports`
     accepts: q: (total_q, Hq, D); k, v: (total_k, Hkv, D), bf16/fp16; cu_seqlens_*: (B + 1,) int32. config:
@@ -286,7 +161,7 @@ def _attention_fa3_ordered(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ca
     sm_scale = head_dim ** -0.5 if sm_scale is None else sm_scale
     block_m, block_n, num_warps, num_buf = AttentionTiles(*config) if config else _default_config(head_dim)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    desc_q, desc_k, desc_v, *_ = _make_descriptors(q, k, v, block_m, block_n, None, out)
+    desc_q, desc_k, desc_v, *_ = make_descriptors(q, k, v, block_m, block_n, None, out)
     n_heads, n_kv_heads = q.shape[1], k.shape[1]
     assert n_heads % n_kv_heads == 0
     n_m_blocks = triton.cdiv(max_seqlen_q, block_m)

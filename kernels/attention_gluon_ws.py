@@ -18,11 +18,11 @@ FA3, no CTA-wide barrier is left in the loop.
   accumulation sums one tile, never a whole row, which drifts) and is added to fp32 sums. P is computed times
   2^8 so that small probabilities are normal e4m3 numbers, not subnormals.
 * LAZY_RESCALE (FA4's conditional rescale): a row's max is raised only when a tile's logits exceed it by more
-  than TAU (log2 units; `_softmax_tile`), and a warp skips the O rescale when none of its 16 rows raised it
+  than TAU (log2 units; `softmax_tile`), and a warp skips the O rescale when none of its 16 rows raised it
   (`_rescale_o`). l uses the same max: the same softmax.
 
 `attention_select` picks it for fp8 and for 16-bit rows past the short ones; `_default_config` holds which
-flag pays where (H200), bench/NOTES_attention.md the measurements. Scope as `attention_gluon.py`, fp8 included.
+flag pays where (H200), bench/archive/NOTES_attention.md the measurements. Scope as `attention_gluon.py`, fp8 included.
 """
 import torch
 import triton
@@ -37,7 +37,14 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from quantkit.kernels.attention_gluon import _make_descriptors, _p_operand, _pv, _row_state, _smem_layout, _softmax_tile
+from quantkit.kernels.attention_gluon_common import (
+    make_descriptors,
+    p_operand,
+    pv,
+    row_state,
+    smem_layout,
+    softmax_tile,
+)
 from quantkit.kernels.attention_select import WsConfig
 from quantkit.kernels.device_info import num_sms
 
@@ -96,7 +103,7 @@ def _issue_pv(p_op, v_tile, acc, ones_smem, l_zero, dtype: gl.constexpr, IS_FP8:
         acc = warpgroup_mma(p8, v_tile.permute((1, 0)), acc, is_async=True)
         rs = warpgroup_mma(p8, ones_smem.permute((1, 0)), l_zero, use_acc=False, is_async=True)
     else:
-        acc = _pv(p_op, v_tile, acc, dtype, IS_FP8)
+        acc = pv(p_op, v_tile, acc, dtype, IS_FP8)
         rs = l_zero
     return acc, rs
 
@@ -215,7 +222,7 @@ def _consume_tile(wg, q_smem, k_smem, v_smem, ks_smem, q_bars, q_empty, k_ready,
     inside the sequence."""
     dtype: gl.constexpr = q_smem.dtype
     MMA_K: gl.constexpr = 32 if IS_FP8 else 16
-    # P across the loop's back edge: fp8 P stays fp32 (240 registers a thread allow it) and `_pv` converts it
+    # P across the loop's back edge: fp8 P stays fp32 (240 registers a thread allow it) and `pv` converts it
     # to e4m3 in one step, instead of via fp16 with byte permutes
     p_dtype: gl.constexpr = gl.float32 if IS_FP8 else dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -230,7 +237,7 @@ def _consume_tile(wg, q_smem, k_smem, v_smem, ks_smem, q_bars, q_empty, k_ready,
                                                        instr_shape=[16, ONES_N, MMA_K])
     row_l: gl.constexpr = gl.SliceLayout(1, l_layout)
     # ROWSUM_MMA: P times 2^8 (<= 256 < 448, e4m3's maximum): small probabilities become normal e4m3 numbers,
-    # not subnormals (multiples of 2^-9), so the P @ ones sums match fp32 sums (bench/NOTES_attention.md).
+    # not subnormals (multiples of 2^-9), so the P @ ones sums match fp32 sums (bench/archive/NOTES_attention.md).
     # LAZY_RESCALE: p <= 2^(P_LOG2 + TAU), within e4m3's 448 (and far inside bf16/fp16's range)
     TAU: gl.constexpr = (2.0 if ROWSUM_MMA else 8.0) if LAZY_RESCALE else 0.0
     P_LOG2: gl.constexpr = 8.0 - TAU if ROWSUM_MMA else 0.0
@@ -245,7 +252,7 @@ def _consume_tile(wg, q_smem, k_smem, v_smem, ks_smem, q_bars, q_empty, k_ready,
         full_hi = gl.minimum(full_hi, gl.maximum(m0 + delta + 1, 0) // BLOCK_N * BLOCK_N)
     offs_m = m0 + gl.arange(0, HALF_M, layout=row_s)
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    qk_scale, m_i, l_i, acc, s_zero = _row_state(qs_ptr, sm_scale, q_start, offs_m, seqlen_q, stride_qsm, head,
+    qk_scale, m_i, l_i, acc, s_zero = row_state(qs_ptr, sm_scale, q_start, offs_m, seqlen_q, stride_qsm, head,
                                                  HEAD_DIM, BLOCK_N, IS_FP8, o_layout, s_layout)
     row_scale = qk_scale
     # ROWSUM_MMA: l2d holds the running fp32 row sums in every column (compiled away without ROWSUM_MMA)
@@ -267,9 +274,9 @@ def _consume_tile(wg, q_smem, k_smem, v_smem, ks_smem, q_bars, q_empty, k_ready,
                                             row_s, STAGE_KS)
         s = warpgroup_mma_wait(0, deps=[s])
         mbarrier.arrive(k_empty.index(cnt % NUM_BUF), count=1)
-        p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, row_scale, 0, offs_m, offs_n, seqlen_k, delta,
+        p, m_i, l_i, alpha = softmax_tile(s, m_i, l_i, row_scale, 0, offs_m, offs_n, seqlen_k, delta,
                                            full_hi, IS_CAUSAL, BLOCK_N, not ROWSUM_MMA, P_LOG2, TAU)
-        p_op = _p_operand(p, p_layout, p_dtype, IS_FP8, HALF_M, BLOCK_N)
+        p_op = p_operand(p, p_layout, p_dtype, IS_FP8, HALF_M, BLOCK_N)
         for j in range(1, n_tiles):
             stage = (cnt + j) % NUM_BUF
             prev = (cnt + j - 1) % NUM_BUF
@@ -289,7 +296,7 @@ def _consume_tile(wg, q_smem, k_smem, v_smem, ks_smem, q_bars, q_empty, k_ready,
             else:
                 s = warpgroup_mma_wait(1, deps=[s])  # S_j done; P_(j-1) V_(j-1) may still run
             mbarrier.arrive(k_empty.index(stage), count=1)
-            p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, row_scale, j * BLOCK_N, offs_m, offs_n,
+            p, m_i, l_i, alpha = softmax_tile(s, m_i, l_i, row_scale, j * BLOCK_N, offs_m, offs_n,
                                                seqlen_k, delta, full_hi, IS_CAUSAL, BLOCK_N, not ROWSUM_MMA,
                                                P_LOG2, TAU)
             if ROWSUM_MMA:
@@ -303,7 +310,7 @@ def _consume_tile(wg, q_smem, k_smem, v_smem, ks_smem, q_bars, q_empty, k_ready,
                 acc = _rescale_o(acc, gl.convert_layout(alpha, row_o), HEAD_DIM)
             else:
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-            p_op = _p_operand(p, p_layout, p_dtype, IS_FP8, HALF_M, BLOCK_N)
+            p_op = p_operand(p, p_layout, p_dtype, IS_FP8, HALF_M, BLOCK_N)
         mbarrier.arrive(q_empty.index(wg), count=1)  # every Q K^T of this tile retired
         # round n_tiles: the last P V, still in turn so both warpgroups run the same rounds
         last = cnt + n_tiles - 1
@@ -408,7 +415,7 @@ def _attn_fwd_ws(desc_q, desc_k, desc_v, desc_o, o_ptr, qs_ptr, ks_ptr, v_scale_
         ones_smem = gl.allocate_shared_memory(dtype, [ONES_N, BLOCK_N],
                                               gl.NVMMASharedLayout.get_default_for([ONES_N, BLOCK_N], dtype))
         # e4m3 1.0 is the byte 0x38 (Gluon makes no fp8 constants), one byte a register: converting 4 values a
-        # thread from fp32 made Triton 3.6 store wrong bytes (bench/NOTES_attention.md)
+        # thread from fp32 made Triton 3.6 store wrong bytes (bench/archive/NOTES_attention.md)
         ones_smem.store(gl.full([ONES_N, BLOCK_N], 0x38, gl.int8, layout=ONES_REG_LAYOUT).to(dtype, bitcast=True))
     else:
         ones_smem = q_smem  # placeholder, never used
@@ -451,7 +458,7 @@ def _attn_fwd_ws(desc_q, desc_k, desc_v, desc_o, o_ptr, qs_ptr, ks_ptr, v_scale_
 
 
 def _default_config(head_dim, fp8, max_seqlen_q):
-    """The WsConfig measured fastest on the H200 (bench/NOTES_attention.md): 128-key tiles, the ring as deep as
+    """The WsConfig measured fastest on the H200 (bench/archive/NOTES_attention.md): 128-key tiles, the ring as deep as
     shared memory allows; fp8 without ping-pong (its MMAs are half as long); TMA_STORE up to 8192 rows (bf16) and
     at fp8 hd128; STAGE_KS at fp8; ROWSUM_MMA at fp8 hd128; LAZY_RESCALE for bf16 hd128 up to 8192 rows."""
     if fp8:
@@ -473,9 +480,9 @@ MAXNREG = 168
 CONSUMER_REGS = 240
 
 
-def _attention_ws(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=False, sm_scale=None,
+def attention_ws(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=False, sm_scale=None,
                         config=None, fp8_prepared=None, out=None):
-    """`attention_gluon._attention_fa3_ordered`'s contract (the cases `gluon_attention_supports` accepts), plus
+    """`attention_gluon.attention_fa3_ordered`'s contract (the cases `gluon_attention_supports` accepts), plus
     fp8_prepared (`attention_fp8`). q: (total_q, Hq, D); k, v: (total_k, Hkv, D), bf16/fp16; cu_seqlens_*:
     (B + 1,) int32. config: `attention_select.WsConfig` or a shorter tuple (flags in the module docstring;
     STAGE_KS and ROWSUM_MMA apply to fp8 only); None: `_default_config`. Query tiles are 128 rows (2 x 64).
@@ -489,7 +496,7 @@ def _attention_ws(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=Fals
     block_n, num_buf, persistent, pingpong, tma_store, stage_ks, rowsum_mma, lazy_rescale = _full_config(
         config, head_dim, fp8, max_seqlen_q)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
-    desc_q, desc_k, desc_v, q_scale, k_scale, v_scale = _make_descriptors(
+    desc_q, desc_k, desc_v, q_scale, k_scale, v_scale = make_descriptors(
         q, k, v, _HALF_M, block_n, fp8_prepared, out)
     desc_o = _output_descriptor(out) if tma_store else desc_q  # (a placeholder without the TMA store)
     n_m_blocks = triton.cdiv(max_seqlen_q, 2 * _HALF_M)
@@ -513,5 +520,5 @@ def _output_descriptor(out):
     """TMA descriptor of out (total_q, Hq, D) as (total_q, Hq * D), boxes of 64 rows of one head."""
     head_dim = out.shape[2]
     o2d = out.view(out.shape[0], out.shape[1] * head_dim)
-    layout = _smem_layout(_HALF_M, head_dim, _GL_DTYPE[out.dtype])
+    layout = smem_layout(_HALF_M, head_dim, _GL_DTYPE[out.dtype])
     return TensorDescriptor(o2d, list(o2d.shape), [o2d.stride(0), 1], [_HALF_M, head_dim], layout)

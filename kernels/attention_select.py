@@ -5,7 +5,7 @@ Gluon FA3-ordered (``attention_gluon.py``) and Gluon warp-specialized ping-pong 
 Gluon kernels take Hopper, bf16/fp16, head dim 64 or 128, no window or soft-cap, and fp8 only with fp8 P @ V and
 key sequences starting on multiples of 32 tokens. The H200 measurements pick the warp-specialized kernel, except
 causal rows of at most 256 queries, whose short triangles the FA3-ordered kernel's two 64-row programs per SM
-balance better (bench/experimental/attention_backends_short_rows.py).
+balance better (bench/archive/experimental/attention_backends_short_rows.py).
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ class AttentionCall:
 
 # fp8="auto" on 16-bit inputs: FP8 only where its gain pays for quantizing q, k and v first. The gain grows with
 # the keys each query attends times the query heads; the quantization pass with the heads it moves (Hq + 2 Hkv). Their
-# ratio (fp8_work_ratio) decides. Measured on one H200 (bench/results/attention_fp8_crossover_2026-12-03_s20.json,
+# ratio (fp8_work_ratio) decides. Measured on one H200 (bench/results/attention_fp8_crossover_h200.json,
 # 16/16, 32/8 and 16/16/64 heads, 1K-8K tokens): at head dim 128 the call and bf16 cross at ratio ~512 (0.997-1.023x),
 # with 0.92x at 341 and >= 1.07x at 683; at head dim 64, whose FP8 kernel gains less, between 683 (0.97-0.99x) and
 # 1024 (1.04x). Thresholds sit between the last losing and the first winning point measured.

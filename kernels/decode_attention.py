@@ -16,7 +16,7 @@ Decode is memory-bound: every K/V byte is used by only G = Hq / Hkv query rows. 
 
 ``decode_attention_ref`` is the plain-PyTorch reference (several new tokens per sequence, sliding window,
 soft-cap); the general two-launch split-K kernel that takes a separate q lives in
-bench/experimental/decode_split_k.py.
+bench/archive/experimental/decode_split_k.py.
 """
 import math
 

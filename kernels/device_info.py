@@ -25,7 +25,7 @@ def _cuda_sms(index: int) -> int:
 
 def capability(device: torch.device | str) -> tuple[int, int]:
     """Compute capability (major, minor) of the CUDA ``device``, cached per device: launchers ask on every call and
-    ``torch.cuda.get_device_capability`` costs host time (bench/NOTES_attention.md)."""
+    ``torch.cuda.get_device_capability`` costs host time (bench/archive/NOTES_attention.md)."""
     device = torch.device(device)
     return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())
 

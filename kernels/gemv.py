@@ -2,7 +2,7 @@
 row-major, as the runtime stores its bf16 / fp16 linears.
 
 Why not cuBLAS: at batch 1 each cuBLAS launch leaves the GPU idle in front of it, as cuBLAS does not use
-programmatic dependent launch (PDL; bench/NOTES_decode.md). This kernel does: on Hopper the next kernel launches
+programmatic dependent launch (PDL; bench/archive/NOTES_decode.md). This kernel does: on Hopper the next kernel launches
 early, and the first weight tile is requested *before* waiting for the previous kernel (only ``x`` depends on it).
 
 Design (memory bound): program p owns rows ``[p * BLOCK_N, (p + 1) * BLOCK_N)`` over all of K (no split, no
@@ -43,8 +43,8 @@ class DenseGemvConfig:
                 raise ValueError(f"DenseGemvConfig.{name} must be a power of two, got {value}")
 
 
-# The fastest config at M = 1 by shape (N, K), Llama-3-8B's linears on one H200 (bench/ab_bf16_gemv.py, timings in
-# bench/NOTES_decode.md).
+# The fastest config at M = 1 by shape (N, K), Llama-3-8B's linears on one H200 (bench/archive/studies/ab_bf16_gemv.py, timings in
+# bench/archive/NOTES_decode.md).
 TUNED_M1: dict[tuple[int, int], DenseGemvConfig] = {
     (6144, 4096): DenseGemvConfig(4, 1024, 4),
     (4096, 4096): DenseGemvConfig(8, 1024, 4),

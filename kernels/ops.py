@@ -4,8 +4,9 @@ static-cache ``generate``) sees each kernel call as one opaque node instead of t
 
 * ``quantkit::w4a16_linear(x, qweight, scales, zeros, g_idx, perm, pair_index, tile_counters, partial_sums, bits,
   group_size, bias) -> y [..., N]``: the tensors of a ``W4A16Weights`` (``group_size`` in the kernels' encoding),
-  run by :func:`quantkit.kernels.dispatch.w4a16_linear`; rebuilding the plan is a lookup (``plan_w4a16`` is
-  memoized). No mutation is declared: every call leaves the decode workspace zeroed again.
+  run by :func:`quantkit.kernels.dispatch.w4a16_linear`; rebuilding the plan and its launchers is a
+  lookup (``dispatch.planned`` is memoized per layer shape). No mutation is declared: every call leaves the
+  decode workspace zeroed again.
 * ``quantkit::attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, sm_scale, window_left,
   softcap) -> out (total_q, Hq, D)``: :func:`quantkit.kernels.attention.attention_varlen` on CUDA, the reference
   (cast to q's dtype) elsewhere.
@@ -25,16 +26,17 @@ def w4a16_linear_op(x: Tensor, qweight: Tensor, scales: Tensor, zeros: Optional[
                     partial_sums: Optional[Tensor], bits: int, group_size: Optional[int],
                     bias: Optional[Tensor]) -> Tensor:
     from quantkit.kernels.device_info import gpu_arch
-    from quantkit.kernels.dispatch import w4a16_linear
-    from quantkit.kernels.w4a16_select import LayerFacts, plan_w4a16
+    from quantkit.kernels.dispatch import planned, w4a16_linear
+    from quantkit.kernels.w4a16_select import LayerFacts
     from quantkit.kernels.w4a16_weights import W4A16Weights
 
     n, k = qweight.shape[0], qweight.shape[1] * 32 // bits
     facts = LayerFacts(n, k, bits, group_size, has_zeros=zeros is not None, act_order=perm is not None)
+    plan, launchers = planned(facts, gpu_arch(qweight.device))
     weights = W4A16Weights(qweight=qweight, scales=scales, zeros=zeros, g_idx=g_idx, perm=perm, bits=bits,
                            group_size=group_size, in_features=k, out_features=n, pair_index=pair_index,
                            tile_counters=tile_counters, partial_sums=partial_sums,
-                           plan=plan_w4a16(facts, gpu_arch(qweight.device)))
+                           plan=plan, launchers=launchers)
     return w4a16_linear(x, weights, bias)
 
 

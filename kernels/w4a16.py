@@ -1,14 +1,17 @@
 """W4A16 GEMM launchers: ``Y = X W^T``, ``X`` fp16/bf16 ``[M, K]``, ``W`` ``[N, K]`` as packed 4-bit (or 8-bit)
 codes with per-group scales (and zero points when asymmetric), ``Y`` ``[M, N]`` in X's dtype.
 
-One entry point, :func:`w4a16_matmul`. The kernel and config were chosen when the weights were prepared
-(:func:`prepare_w4a16_weights` stores a :class:`~quantkit.kernels.w4a16_select.W4A16Plan`; the rules are in
-:mod:`quantkit.kernels.w4a16_select`); a call looks up its M bucket. Tests and the tuner pass a config, whose
-type names the kernel. Kernels: :mod:`quantkit.kernels.w4a16_triton` (sm_80 on, and the CPU interpreter) and
-:mod:`quantkit.kernels.w4a16_gluon` (Hopper); the repack is in :mod:`quantkit.kernels.w4a16_weights`.
+Layers do not call this module: their front door is :func:`quantkit.kernels.dispatch.w4a16_linear`, which runs
+the launcher the layer's plan bound at load (:func:`bind_launcher`, one per M bucket; no checks per call).
+:func:`w4a16_matmul` is the checked entry for tests, benchmarks and the tuner: it validates its inputs and runs
+the config it is given (whose type names the kernel), or the weights' plan for M (in Triton's interpreter, the
+non-Hopper rules with small tiles). Kernels: :mod:`quantkit.kernels.w4a16_triton` (sm_80 on, and the CPU
+interpreter) and :mod:`quantkit.kernels.w4a16_gluon` (Hopper); the repack is in :mod:`quantkit.kernels.w4a16_weights`.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import triton
@@ -16,11 +19,11 @@ import triton
 from quantkit.kernels import device_info
 from quantkit.kernels.device_info import interpreting
 from quantkit.kernels.w4a16_configs import PAIR_TILE_K, GemvConfig, GluonConfig, PairsConfig, TcConfig
-from quantkit.kernels.w4a16_select import PAIRS_SPLIT_MAX_M, KernelChoice, select_w4a16
+from quantkit.kernels.w4a16_select import PAIRS_SPLIT_MAX_M, KernelChoice, LayerFacts, select_w4a16
 from quantkit.kernels.w4a16_triton import _gather_columns, _w4a16_gemv_kernel, _w4a16_kernel, _w4a16_pairs_kernel
 from quantkit.kernels.w4a16_weights import W4A16Weights, prepare_w4a16_weights, w4a16_matmul_ref
 
-__all__ = ["W4A16Weights", "prepare_w4a16_weights", "w4a16_matmul", "w4a16_matmul_ref", "DECODE_MAX_M"]
+__all__ = ["W4A16Weights", "prepare_w4a16_weights", "w4a16_matmul", "w4a16_matmul_ref", "bind_launcher", "DECODE_MAX_M"]
 
 # The general tensor-core kernel splits K (float32 atomics) up to this many rows.
 DECODE_MAX_M = 16
@@ -160,13 +163,35 @@ def w4a16_matmul(x: torch.Tensor, w: W4A16Weights, config=None) -> torch.Tensor:
         if w.pair_index is None:  # set for 4-bit codes with K a multiple of the tile only
             raise ValueError(f"the paired-nibble kernel needs 4-bit codes and K a multiple of {PAIR_TILE_K}, "
                              f"got {w.bits}-bit, K = {w.in_features}")
-        return _pairs_matmul(x, w, config)
-    if not isinstance(config, (GemvConfig, TcConfig)):
+    elif not isinstance(config, (GemvConfig, TcConfig)):
         raise TypeError(f"config must be a GemvConfig, PairsConfig, TcConfig or GluonConfig, got {config!r}")
-    if w.perm is not None:
-        x = x[:, w.perm]
-    if isinstance(config, GemvConfig):
-        if x.shape[0] > 64:
-            raise ValueError(f"the GEMV takes at most 64 rows, got {x.shape[0]}")
-        return _gemv_matmul(x, w, config)
-    return _tc_matmul(x, w, config)
+    elif isinstance(config, GemvConfig) and x.shape[0] > 64:
+        raise ValueError(f"the GEMV takes at most 64 rows, got {x.shape[0]}")
+    return _launcher(config)(x, w)
+
+
+def _launcher(config) -> Callable[[torch.Tensor, W4A16Weights], torch.Tensor]:
+    """``run(x, w)`` for a Triton config (gemv, pairs or tc), inputs already checked: the column gather for
+    act-order weights (the pairs kernel gathers its own), then the launch."""
+    if isinstance(config, PairsConfig):
+        return lambda x, w: _pairs_matmul(x, w, config)
+    launch = _gemv_matmul if isinstance(config, GemvConfig) else _tc_matmul
+    return lambda x, w: launch(x if w.perm is None else x[:, w.perm], w, config)
+
+
+def bind_launcher(choice: KernelChoice, facts: LayerFacts, bucket: int):
+    """The launcher ``run(x, w)`` a layer's plan holds for one M bucket (None for the reference): chosen once, at
+    load, so the call runs it without re-checking support (the plan was made for these weights on their GPU and
+    the caller passes fp16/bf16 activations of ``facts.k`` columns). A Gluon config is bound to its launch when it
+    fits every M of the bucket, as the selection checks; otherwise to the checked entry, which says why not."""
+    if choice.kernel == "reference":
+        return None
+    config = choice.config
+    if isinstance(config, GluonConfig):
+        from quantkit.kernels import w4a16_gluon
+
+        lo = bucket // 2 + 1 if bucket > 1 else 1
+        if config.fits(lo, facts.group_size) and config.fits(bucket, facts.group_size):
+            return lambda x, w: w4a16_gluon.launch(x, w, config)
+        return lambda x, w: w4a16_gluon.w4a16_gluon_matmul(x, w, config)
+    return _launcher(config)

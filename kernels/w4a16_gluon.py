@@ -1,7 +1,7 @@
 """W4A16 GEMM in Gluon (`triton.experimental.gluon`) for Hopper: ``Y = X W^T``, decode and prefill.
 
 Why Gluon: Triton waits for each register-operand wgmma before its registers are rewritten (so dequantization
-and multiply never overlap) and pipelines loads only a few tiles deep (bench/NOTES_w4a16.md). Gluon places both.
+and multiply never overlap) and pipelines loads only a few tiles deep (bench/archive/NOTES_w4a16.md). Gluon places both.
 
 * Paired nibbles (``w4a16_weights._paired_nibble_index``): a packed word shifted right by 4j has codes j and
   j + 4 at bits 0 and 16; one ``lop3`` makes them a pair of 16-bit floats ``MAGIC + code``, one packed
@@ -262,7 +262,7 @@ def _flush(acc, c_ptr, ws_ptr, tile_units_ptr, tn, tm, M, N, seg_units, k_tiles,
         else:
             gl.atomic_add(ws_ptr + offs, acc, mask=mask, sem="relaxed")
             # All threads have issued their sums (barrier) before one thread's release of the count, which
-            # covers them (split-K semaphore). Not a per-thread fence: it gave wrong sums (bench/NOTES_w4a16.md).
+            # covers them (split-K semaphore). Not a per-thread fence: it gave wrong sums (bench/archive/NOTES_w4a16.md).
             gl.thread_barrier()
             done = gl.atomic_add(tile_units_ptr + tn, seg_units, sem="acq_rel") + seg_units
             if done == k_tiles:
@@ -378,7 +378,7 @@ def _mma_partition(w_smem, x_smem, ready, empty, scales_ptr, zeros_ptr, xsum_ptr
     segment's units, then its flush. Units are numbered by ring position; ``kt_base`` maps them to K tiles.
 
     With wgmma the segment's last unit is peeled off the loop and drained in straight-line code: any other
-    drain placement made ptxas read the accumulator early or serialize the wgmmas (bench/NOTES_w4a16.md)."""
+    drain placement made ptxas read the accumulator early or serialize the wgmmas (bench/archive/NOTES_w4a16.md)."""
     dtype: gl.constexpr = x_smem.dtype
     if WGMMA:
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -690,11 +690,12 @@ def w4a16_gluon_matmul(x: torch.Tensor, w: W4A16Weights, config: GluonConfig) ->
     if not config.fits(x.shape[0], w.group_size):
         raise ValueError(f"{config} does not fit M = {x.shape[0]}, group {w.group_size} "
                          "(shared memory, registers or tile)")
-    return _launch(x, w, config)
+    return launch(x, w, config)
 
 
-def _launch(x: torch.Tensor, w: W4A16Weights, config: GluonConfig) -> torch.Tensor:
-    """The launch itself, for inputs and a config already checked."""
+def launch(x: torch.Tensor, w: W4A16Weights, config: GluonConfig) -> torch.Tensor:
+    """The launch itself, for inputs and a config already checked (by :func:`w4a16_gluon_matmul`, or at load by
+    the selection that bound it: :func:`quantkit.kernels.w4a16.bind_launcher`)."""
     if config.DIRECT:
         return _launch_direct(x, w, config)
     m, k = x.shape

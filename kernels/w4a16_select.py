@@ -10,7 +10,7 @@ time: the opt-in tuner ``bench/tune_w4a16.py`` writes the table read here.
    shape (log2 N and log2 K), then nearest M bucket, whose config fits this layer.
 3. Elsewhere, or where no entry fits, :func:`_by_rule`: 1-2 rows the CUDA-core GEMV (direct store up to
    ``GEMV_DIRECT_MAX_WEIGHTS``), more rows the paired-nibble kernel if it applies, else the general one. Their
-   configs are H200 autotuning winners (bench/NOTES_w4a16.md); no other GPU has been measured.
+   configs are H200 autotuning winners (bench/archive/NOTES_w4a16.md); no other GPU has been measured.
 """
 
 from __future__ import annotations
@@ -224,7 +224,7 @@ def _by_rule(bucket: int, facts: LayerFacts, arch: str) -> KernelChoice:
 
 def _small_for_gluon(bucket: int, facts: LayerFacts) -> bool:
     """One row on a layer where the GEMV beats the Gluon kernels on Hopper: under 4 M weights where the direct
-    kernel can take it, else under 32 M (bench/NOTES_w4a16.md)."""
+    kernel can take it, else under 32 M (bench/archive/NOTES_w4a16.md)."""
     return bucket == 1 and facts.n * facts.k < (1 << 22 if facts.direct else 1 << 25)
 
 

@@ -393,7 +393,7 @@ def _gather_columns(x: torch.Tensor, index: torch.Tensor, zero: torch.Tensor | N
     """``x[:, index]`` (contiguous); in the same launch, zeroes ``zero`` (contiguous float32 or int32, e.g.
     split-K partial sums) and fills ``tile_sums`` (contiguous float32 ``[M, K / PAIR_TILE_K]``) with the sum of
     each ``PAIR_TILE_K`` columns of the result (for kernels that subtract the zero point after the dot).
-    One launch instead of ``torch.index_select`` plus a zeroing launch (bench/NOTES_w4a16.md)."""
+    One launch instead of ``torch.index_select`` plus a zeroing launch (bench/archive/NOTES_w4a16.md)."""
     if x.stride(1) != 1:
         x = x.contiguous()
     m, k = x.shape

@@ -36,6 +36,8 @@ class W4A16Weights:
       so a layer's GPU calls must run one at a time (two concurrent streams need two copies of the weights).
     * ``plan``: kernel and config per activation-row bucket on the weights' GPU
       (:mod:`quantkit.kernels.w4a16_select`); None off CUDA.
+    * ``launchers``: the plan bound to its launch functions, one per bucket (None: the reference), by the front
+      door at load (:func:`quantkit.kernels.dispatch.prepare_w4a16`); None where no kernel serves the layer.
     """
 
     qweight: torch.Tensor
@@ -51,6 +53,7 @@ class W4A16Weights:
     tile_counters: torch.Tensor | None = None
     partial_sums: torch.Tensor | None = None
     plan: W4A16Plan | None = None
+    launchers: tuple | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def facts(self) -> LayerFacts:
         """What kernel selection reads of these weights."""

@@ -6,7 +6,7 @@ The public API lives in :mod:`quantkit.api`; its main functions are re-exported 
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from quantkit.version import __version__
 
 _API = ("quantize", "load_quantized", "evaluate_perplexity", "inspect", "build_method", "QuantizeReport")
 _CONFIG = ("QuantScheme", "CalibConfig", "LoadConfig", "QuantkitError")

@@ -15,6 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from quantkit.calibrate.tokens import calibration_tokens, check_seqlen, max_positions  # noqa: F401  (re-exported)
+from quantkit.calibrate.walker import LayerEvent, walk
+from quantkit.checkpoint.settings import is_quantized_checkpoint  # noqa: F401  (re-exported)
 from quantkit.config import CalibConfig, LoadConfig, QuantkitError, QuantScheme, resolve_device
 from quantkit.defaults import (  # noqa: F401  (re-exported: the API's defaults are part of its surface)
     ASYM_DEFAULT_OPTIONS,
@@ -31,14 +34,13 @@ from quantkit.defaults import (  # noqa: F401  (re-exported: the API's defaults 
 from quantkit.distributed.launch import reports_rank_failures
 from quantkit.distributed.launch import setup as setup_ranks
 from quantkit.distributed.launch import teardown as teardown_ranks
-from quantkit.walker import LayerEvent, Method, walk
+from quantkit.methods.registry import METHOD_NAMES, build_method  # noqa: F401  (re-exported)
+from quantkit.models.load import load_any  # noqa: F401  (re-exported)
 
 if TYPE_CHECKING:
-    from quantkit.models import LoadedModel
+    from quantkit.models.load import LoadedModel
 
 log = logging.getLogger(__name__)
-
-METHOD_NAMES = ("rtn", "gptq", "awq")
 
 @dataclass(frozen=True)
 class QuantizeReport:
@@ -59,7 +61,7 @@ class QuantizeReport:
     engine_kernels: dict[str, str] = field(default_factory=dict)
     options: dict[str, Any] = field(default_factory=dict)
     peak_host_memory_bytes: int = 0  # the process's resident-memory high-water mark (VmHWM on Linux)
-    streamed: bool = False  # decoder layers read from disk one at a time (quantkit.lazy_model)
+    streamed: bool = False  # decoder layers read from disk one at a time (quantkit.models.lazy)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -75,28 +77,6 @@ class QuantizeReport:
             "engine_kernels": self.engine_kernels,
             "options": self.options,
         }
-
-
-def build_method(name: str, scheme: QuantScheme, options: dict[str, Any] | None = None) -> Method:
-    """The method object for ``name`` with its own config built from ``options`` (CLI option names)."""
-    options = {**default_options(name, scheme), **(options or {})}
-    if name == "rtn":
-        from quantkit.methods.rtn import RTNMethod
-
-        if options:
-            raise QuantkitError(f"rtn takes no options, got {sorted(options)}")
-        return RTNMethod(scheme)
-    if name == "gptq":
-        from quantkit.methods.gptq import GPTQConfig
-        from quantkit.methods.gptq_method import GPTQMethod
-
-        return GPTQMethod(scheme, GPTQConfig(**options))
-    if name == "awq":
-        from quantkit.methods.awq import AWQConfig
-        from quantkit.methods.awq_method import AWQMethod
-
-        return AWQMethod(scheme, AWQConfig(**options))
-    raise QuantkitError(f"unknown method {name!r}; choose one of {', '.join(METHOD_NAMES)}")
 
 
 def check_output(output: str | Path, overwrite: bool) -> Path:
@@ -151,23 +131,6 @@ def quantized_input_sizes(model: torch.nn.Module, quantize_lm_head: bool = False
     return sorted(sizes)
 
 
-def max_positions(model: torch.nn.Module) -> int | None:
-    """The longest sequence the model's config allows (``max_position_embeddings``), if it says."""
-    config = getattr(model, "config", None)
-    if config is not None and hasattr(config, "get_text_config"):
-        config = config.get_text_config()
-    value = getattr(config, "max_position_embeddings", None)
-    return int(value) if value else None
-
-
-def check_seqlen(model: torch.nn.Module, seqlen: int) -> None:
-    """Refuse windows longer than the model's positions before any work on them."""
-    limit = max_positions(model)
-    if limit is not None and seqlen > limit:
-        raise QuantkitError(f"--seqlen {seqlen} is longer than the model's {limit} positions; use --seqlen {limit} "
-                            "or less")
-
-
 def resolve_scheme(scheme: QuantScheme | AutoScheme | None, method: str, loaded: LoadedModel,
                    quantize_lm_head: bool) -> QuantScheme:
     """A fixed scheme as given; an automatic one with its group size chosen for this model (logged)."""
@@ -178,19 +141,6 @@ def resolve_scheme(scheme: QuantScheme | AutoScheme | None, method: str, loaded:
     log.info("group size %d: the largest of %s dividing every quantized input size (%s); --group-size sets "
              "another", resolved.group_size, "/".join(map(str, AUTO_GROUP_SIZES)), ", ".join(map(str, sizes)))
     return resolved
-
-
-def calibration_tokens(calib: CalibConfig, loaded, on_progress: Callable | None = None) -> torch.Tensor:
-    """``[nsamples, seqlen]`` calibration token ids for a loaded model."""
-    from quantkit.calib_data.sources import load_calibration
-
-    check_seqlen(loaded.model, calib.seqlen)
-    note = ""
-    if calib.source == "self" and (calib.nsamples, calib.seqlen) == SELF_CALIB_CPU_SIZE:
-        note = "; self-generated text is sized down on a CPU, where generating is slow"
-    log.info("calibration: %s, %d windows x %d tokens (--calib, --nsamples, --seqlen set them%s)",
-             calib.source, calib.nsamples, calib.seqlen, note)
-    return load_calibration(calib, loaded.tokenizer, model=loaded.model, on_progress=on_progress)
 
 
 def check_text_source(source: str, named: Any, option: str) -> None:
@@ -209,8 +159,8 @@ def check_text_source(source: str, named: Any, option: str) -> None:
 
 
 def serving_kernels(scheme: QuantScheme, weights: dict, partial: list[str], layout: str) -> dict[str, str]:
-    """The vLLM / SGLang kernel the written checkpoint gets (``quantkit.engines``)."""
-    from quantkit.engines import CheckpointTraits, engine_kernels
+    """The vLLM / SGLang kernel the written checkpoint gets (``quantkit.checkpoint.engines``)."""
+    from quantkit.checkpoint.engines import CheckpointTraits, engine_kernels
 
     act_order = any(getattr(qw, "act_order", False) for qw in weights.values())
     return engine_kernels(CheckpointTraits(bits=scheme.bits, group_size=scheme.group_size, sym=scheme.sym,
@@ -242,7 +192,7 @@ def quantize(
     Defaults are the best measured settings (:func:`default_options`, ``DEFAULT_SYM``): ``scheme=None``
     is 4 bits with the group size chosen for the model (:class:`AutoScheme`); ``calib=None`` is
     :func:`default_calibration` (sized to the device). ``on_layer`` receives a
-    :class:`~quantkit.walker.LayerEvent` after each decoder layer and ``on_calib_progress(done, total)``
+    :class:`~quantkit.calibrate.walker.LayerEvent` after each decoder layer and ``on_calib_progress(done, total)``
     follows self-generated calibration. Without them, progress is logged (``quantkit.progress``);
     ``progress=None`` also shows those lines on stderr in interactive sessions, ``False`` never.
 
@@ -250,7 +200,7 @@ def quantize(
     torchrun started, else one process); rank 0 alone writes the checkpoint. ``calib_tokens``
     (``[nsamples, seqlen]``) replaces drawing windows from ``calib``: a batch computes them once per model.
     ``activations``: where the calibration hidden states live between layers: "auto" (on the device
-    when they fit, see :func:`quantkit.activations.offload_activations`), "device" or "host" (pinned).
+    when they fit, see :func:`quantkit.calibrate.activations.offload_activations`), "device" or "host" (pinned).
     """
     from quantkit.progress import LogProgress, is_interactive, visible_logs
 
@@ -270,9 +220,9 @@ def _quantize(model: str, output: str | Path, *, method: str, scheme: QuantSchem
               batch_size: int, on_layer: Callable, on_calib_progress: Callable,
               quantize_lm_head: bool, gpus: int | None, calib_tokens: torch.Tensor | None,
               activations: str = "auto") -> QuantizeReport:
-    from quantkit.checkpoint import save_quantized
-    from quantkit.lazy_model import open_model, peak_host_memory_bytes, plan_loading, stream_to_writer
-    from quantkit.models import quiet_transformers
+    from quantkit.checkpoint.save import save_quantized
+    from quantkit.models.lazy import open_model, peak_host_memory_bytes, plan_loading, stream_to_writer
+    from quantkit.models.load import quiet_transformers
 
     t_start = time.perf_counter()
     out = check_output(output, overwrite)
@@ -280,7 +230,7 @@ def _quantize(model: str, output: str | Path, *, method: str, scheme: QuantSchem
     layout = method_options.pop("format", "gptq")
     if method not in METHOD_NAMES:
         raise QuantkitError(f"unknown method {method!r}; choose one of {', '.join(METHOD_NAMES)}")
-    from quantkit.activations import ACTIVATIONS
+    from quantkit.calibrate.activations import ACTIVATIONS
 
     if activations not in ACTIVATIONS:
         raise QuantkitError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
@@ -359,48 +309,6 @@ def _quantize(model: str, output: str | Path, *, method: str, scheme: QuantSchem
         engine_kernels=serving_kernels(scheme, result.weights, partial, layout),
         options={**default_options(method, scheme), **method_options, "format": layout},
     )
-
-
-def is_quantized_checkpoint(path: str | Path) -> bool:
-    """True for a folder that declares quantization settings: ``config.json``'s ``quantization_config``
-    or a ``quantize_config.json`` / ``quant_config.json`` beside it (AutoGPTQ, GPTQModel).
-
-    Such a folder is read by quantkit's checkpoint reader (which reads it or refuses it saying what it
-    is), never as a plain model, where transformers would leave every packed layer at random init.
-    """
-    import json
-
-    from quantkit.checkpoint_format import CONFIG_NAME, QUANTIZE_CONFIG_NAMES
-
-    folder = Path(path).expanduser()
-    if not folder.is_dir():
-        return False
-    if any((folder / name).is_file() for name in QUANTIZE_CONFIG_NAMES):
-        return True
-    try:
-        config = json.loads((folder / CONFIG_NAME).read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(config, dict) and config.get("quantization_config") is not None
-
-
-def load_any(model: str, load: LoadConfig = LoadConfig()):
-    """(model, tokenizer) for a quantized checkpoint folder or any model ``load_model`` takes.
-
-    ``load.dtype`` means the same for both: ``auto`` is bfloat16 on CUDA and float32 on the CPU.
-    """
-    from quantkit.config import resolve_dtype
-
-    device = resolve_device(load.device)
-    dtype = resolve_dtype(load.dtype, device)
-    if is_quantized_checkpoint(model):
-        from quantkit.checkpoint_read import load_quantized as read_checkpoint
-
-        return read_checkpoint(Path(model).expanduser(), device="cpu", dtype=dtype)
-    from quantkit.models import load_model
-
-    loaded = load_model(model, load)
-    return loaded.model, loaded.tokenizer
 
 
 def evaluate_perplexity(
@@ -497,13 +405,13 @@ def load_quantized(path: str | Path, *, device: str = "cpu", dtype: torch.dtype 
     CPU, or a dtype (name) forces one. Weights missing from the files, or tensors the model does not
     have, are a ``QuantkitError`` naming them.
     """
-    from quantkit.checkpoint_read import load_quantized as read_checkpoint
+    from quantkit.checkpoint.read import load_quantized as read_checkpoint
 
     return read_checkpoint(path, device=device, dtype=dtype)
 
 
 def inspect(path: str | Path):
-    """What a checkpoint holds (see ``quantkit.checkpoint_inspect.inspect_checkpoint``)."""
-    from quantkit.checkpoint_inspect import inspect_checkpoint
+    """What a checkpoint holds (see ``quantkit.checkpoint.inspect.inspect_checkpoint``)."""
+    from quantkit.checkpoint.inspect import inspect_checkpoint
 
     return inspect_checkpoint(path)

@@ -68,7 +68,7 @@ class LoadConfig:
     dtype: str = "auto"
     device: str = "auto"
     trust_remote_code: bool = False
-    # Read a safetensors folder one decoder layer at a time (quantkit.lazy_model): auto, on or off.
+    # Read a safetensors folder one decoder layer at a time (quantkit.models.lazy): auto, on or off.
     stream: str = "auto"
 
     def __post_init__(self) -> None:

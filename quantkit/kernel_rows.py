@@ -59,7 +59,7 @@ def checkpoint_g_idx_reader(path: str | Path) -> Callable[[list[str]], bool]:
     import torch
     from safetensors import safe_open
 
-    from quantkit.checkpoint_read import weight_files
+    from quantkit.checkpoint.read import weight_files
 
     where: dict[str, Path] = {}
     for file in weight_files(Path(path)):
@@ -84,7 +84,7 @@ def checkpoint_g_idx_reader(path: str | Path) -> Callable[[list[str]], bool]:
 
 def runtime_layers(path: str | Path) -> list[Layer]:
     """The checkpoint's quantized linears as the runtime runs them (fused groups as one row), in layer order."""
-    from quantkit.checkpoint import inspect_checkpoint
+    from quantkit.checkpoint.save import inspect_checkpoint
 
     info = inspect_checkpoint(path)
     layers = [(name, out_f, in_f, info.bits, info.group_size, info.sym, info.desc_act)

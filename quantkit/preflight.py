@@ -18,7 +18,7 @@ _POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length
 
 def looks_like_path(spec: str) -> bool:
     """Hub ids are ``name`` or ``org/name``; anything else with a slash, a leading ./ or ~, a .gguf
-    suffix, or that exists on disk is a path (the rule of ``quantkit.models``)."""
+    suffix, or that exists on disk is a path (the rule of ``quantkit.models.load``)."""
     return (spec.startswith((".", "/", "~")) or spec.endswith(".gguf") or spec.count("/") > 1
             or Path(spec).expanduser().exists())
 
@@ -45,7 +45,7 @@ def check_model_spec(spec: str, *, check_hub: bool = True) -> None:
             raise QuantkitError(f"{spec} has no config.json{hint}")
         return
     if check_hub:
-        from quantkit.models import hub_offline
+        from quantkit.models.load import hub_offline
 
         hub_offline(spec)  # raises with what to do when the id is neither reachable nor cached
 

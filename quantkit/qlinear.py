@@ -1,4 +1,4 @@
-"""``QuantLinear``: a linear layer that holds GPTQ-packed weights, and the one kernel dispatch point.
+"""``QuantLinear``: a linear layer that holds GPTQ-packed weights; its kernels are reached through one front door.
 
 The layer keeps the checkpoint tensors as buffers, exactly as they are stored (layout in
 :mod:`quantkit.pack`): ``qweight`` int32 ``[in*bits/32, out]``, ``qzeros`` int32 ``[G, out*bits/32]``,
@@ -10,9 +10,9 @@ dict is therefore the checkpoint's, key for key.
 Triton), and inside ``torch.compile`` through the custom op ``quantkit::w4a16_linear`` (:mod:`quantkit.kernels.ops`)
 that wraps the same call; everywhere else the plain-PyTorch reference, which dequantizes once (cached in the activation
 dtype) and calls ``F.linear``. Inside ``torch.compile`` on the CPU the custom op runs too, with the reference
-behind it. Which kernel and config serve each batch size is decided when the layer's weights are prepared for
-the kernels (:meth:`QuantLinear.prepared_w4a16`, at load and on every move to a CUDA device), see
-:mod:`quantkit.kernels.w4a16_select`.
+behind it. Which kernel and config serve each batch size is decided, and bound to its launcher, when the layer's weights
+are prepared for the kernels (:meth:`QuantLinear.prepared_w4a16`, at load and on every move to a CUDA device,
+through :func:`quantkit.kernels.dispatch.prepare_w4a16`), see :mod:`quantkit.kernels.w4a16_select`.
 """
 
 from __future__ import annotations
@@ -125,11 +125,9 @@ class QuantLinear(nn.Module):
         """The weights as the W4A16 entry point reads them (``W4A16Weights``): on CUDA the kernels' one-time repack
         and their plan; elsewhere a copy-free view for the reference behind the custom op (``torch.compile``)."""
         if self._w4a16_prepared is None:
-            from quantkit.kernels import w4a16_weights
+            from quantkit.kernels.dispatch import prepare_w4a16
 
-            prepare = (w4a16_weights.prepare_w4a16_weights if self.qweight.is_cuda
-                       else w4a16_weights.reference_w4a16_weights)
-            self._w4a16_prepared = prepare(
+            self._w4a16_prepared = prepare_w4a16(
                 self.qweight, self.qzeros, self.scales, self.g_idx, self.bits, self.group_size, self.sym
             )
         return self._w4a16_prepared
@@ -177,8 +175,8 @@ class QuantLinear(nn.Module):
 
 def select_backend(layer: QuantLinear, x: torch.Tensor) -> str:
     """Which implementation serves ``layer(x)``: the W4A16 custom op on CUDA for 4- and 8-bit codes (its
-    dispatch runs the plain-PyTorch reference where the finer capability check,
-    ``quantkit.kernels.w4a16_select.w4a16_supports``, says no), and inside ``torch.compile``; the cached
+    front door runs the plain-PyTorch reference where no kernel launcher was bound at load, the capability check
+    ``quantkit.kernels.w4a16_select.w4a16_supports`` having said no), and inside ``torch.compile``; the cached
     dequantized ``F.linear`` otherwise."""
     if layer.bits in KERNEL_BITS and (x.is_cuda or torch.compiler.is_compiling()):
         return BACKEND_W4A16

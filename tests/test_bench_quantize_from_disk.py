@@ -28,7 +28,7 @@ def test_tiny_smoke_run_writes_its_json(tmp_path, capsys):
 
 
 def test_random_model_is_sharded_and_loads(tmp_path):
-    from quantkit.checkpoint_read import index_tensors
+    from quantkit.checkpoint.read import index_tensors
 
     size = bench.write_random_model(tmp_path / "m", bench.TINY, shard_bytes=200_000)
     records = index_tensors(tmp_path / "m")

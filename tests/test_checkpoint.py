@@ -15,9 +15,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from quantkit import checkpoint_writer
+import quantkit.checkpoint.writer as checkpoint_writer
 from quantkit.arch import find_decoder_layers, find_linears
-from quantkit.checkpoint import inspect_checkpoint, load_quantized, save_quantized
+from quantkit.checkpoint.save import inspect_checkpoint, load_quantized, save_quantized
 from quantkit.config import QuantkitError, QuantScheme
 from quantkit.primitives import compute_qparams, default_g_idx, quantize
 from quantkit.qlinear import QuantLinear

@@ -15,8 +15,8 @@ from quantkit.pack import unpack_awq
 def _quantized_tiny():
     from transformers import LlamaForCausalLM
 
+    from quantkit.calibrate.walker import walk
     from quantkit.methods.rtn import RTNMethod
-    from quantkit.walker import walk
     from tests.conftest import tiny_llama_config
 
     torch.manual_seed(0)
@@ -26,7 +26,7 @@ def _quantized_tiny():
 
 
 def test_awq_layout_holds_the_same_codes(tmp_path):
-    from quantkit.checkpoint import save_quantized
+    from quantkit.checkpoint.save import save_quantized
 
     model, weights, scheme = _quantized_tiny()
     out = save_quantized(model, weights, tmp_path / "awq", method="rtn", scheme=scheme, layout="awq")
@@ -46,9 +46,9 @@ def test_awq_layout_holds_the_same_codes(tmp_path):
 def test_awq_layout_refuses_what_it_cannot_hold(tmp_path):
     from transformers import LlamaForCausalLM
 
-    from quantkit.checkpoint import save_quantized
+    from quantkit.calibrate.walker import walk
+    from quantkit.checkpoint.save import save_quantized
     from quantkit.methods.rtn import RTNMethod
-    from quantkit.walker import walk
     from tests.conftest import tiny_llama_config
 
     model = LlamaForCausalLM(tiny_llama_config())

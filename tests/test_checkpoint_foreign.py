@@ -20,8 +20,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from quantkit.checkpoint import inspect_checkpoint, load_quantized, save_quantized
-from quantkit.checkpoint_read import open_checkpoint, validate_quant_config
+from quantkit.checkpoint.read import open_checkpoint, validate_quant_config
+from quantkit.checkpoint.save import inspect_checkpoint, load_quantized, save_quantized
 from quantkit.config import QuantkitError, QuantScheme
 from quantkit.pack import pack_awq, pack_rows, unpack_gptq
 from tests.conftest import tiny_llama_config, tiny_tokenizer
@@ -35,8 +35,8 @@ def original(tmp_path_factory) -> Path:
     """A quantkit GPTQ v1 checkpoint of a tiny random Llama (RTN, 4-bit asymmetric, g32)."""
     from transformers import LlamaForCausalLM
 
+    from quantkit.calibrate.walker import walk
     from quantkit.methods.rtn import RTNMethod
-    from quantkit.walker import walk
 
     torch.manual_seed(0)
     tokenizer = tiny_tokenizer()
@@ -219,7 +219,7 @@ def test_dtype_auto_is_float32_on_the_cpu(original):
 
 
 def test_plain_load_refuses_missing_and_unexpected_weights(tiny_llama_dir, tmp_path):
-    from quantkit.models import load_model
+    from quantkit.models.load import load_model
 
     folder = tmp_path / "plain"
     shutil.copytree(tiny_llama_dir, folder)

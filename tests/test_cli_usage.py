@@ -47,7 +47,7 @@ def test_usage_errors_exit_2_naming_the_option(args, needle):
 
 def test_short_help_and_version():
     assert "Usage: quantkit gptq" in quantkit("gptq", "-h").stdout
-    from quantkit import __version__
+    from quantkit.version import __version__
 
     assert quantkit("--version").stdout.strip() == f"quantkit {__version__}"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from quantkit.engines import CheckpointTraits, describe, engine_kernels
+from quantkit.checkpoint.engines import CheckpointTraits, describe, engine_kernels
 
 
 @pytest.mark.parametrize("group_size,vllm", [

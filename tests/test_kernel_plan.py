@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from quantkit.kernel_plan import explain, explain_attention
 from quantkit.kernels.w4a16_select import facts_of, select_w4a16
+from quantkit.tools.kernel_plan import explain, explain_attention
 from tests.test_cli import quantkit
 
 

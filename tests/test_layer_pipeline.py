@@ -1,4 +1,4 @@
-"""The walker's overlapped layer traffic (quantkit/layer_pipeline.py): the same calls in the same order, the same
+"""The walker's overlapped layer traffic (quantkit/calibrate/pipeline.py): the same calls in the same order, the same
 weights, the model left as before.
 
 On the CPU the worker thread runs without copies (``threaded=True``); ``-m gpu`` walks a tiny model on CUDA with
@@ -12,12 +12,12 @@ import copy
 import pytest
 import torch
 
+from quantkit.calibrate.pipeline import LayerPipeline, weight_to_host
+from quantkit.calibrate.walker import ModelLayers, find_decoder_layers
 from quantkit.config import QuantScheme
-from quantkit.layer_pipeline import LayerPipeline, weight_to_host
 from quantkit.methods.awq import AWQConfig
 from quantkit.methods.awq_method import AWQMethod
 from quantkit.qtensor import QuantizedWeight
-from quantkit.walker import ModelLayers, find_decoder_layers
 from tests.walking import small_method, tiny_llama, walk_tiny
 
 
@@ -94,7 +94,6 @@ def test_awq_leaves_the_model_holding_its_packed_weights():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("method", ["gptq", "awq"])
 def test_overlap_gives_the_same_weights_on_cuda(method):
     a = tiny_llama(3).to(torch.bfloat16)

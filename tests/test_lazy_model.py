@@ -1,4 +1,4 @@
-"""Streaming a safetensors model layer by layer (quantkit.lazy_model): the same checkpoint as loading it whole,
+"""Streaming a safetensors model layer by layer (quantkit.models.lazy): the same checkpoint as loading it whole,
 layers read only when asked and released after, shards written as layers finish, the choice of path."""
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from quantkit import api, lazy_model
+import quantkit.models.lazy as lazy_model
+from quantkit import api
 from quantkit.config import CalibConfig, LoadConfig, QuantkitError
 
 
@@ -49,7 +50,7 @@ def test_streamed_checkpoint_equals_whole_load(tiny_llama_dir, tiny_text_file, t
 
 
 def test_streamed_layers_shard_as_they_finish_and_load(tiny_llama_dir, tiny_text_file, tmp_path, monkeypatch):
-    from quantkit.checkpoint_read import load_quantized
+    from quantkit.checkpoint.read import load_quantized
 
     monkeypatch.setattr(lazy_model, "MIN_STREAM_SHARD_BYTES", 40_000)  # the tiny model's layers are ~60 KB packed
     quantize(tiny_llama_dir, tmp_path / "whole", "gptq", "off", tiny_text_file)
@@ -67,8 +68,8 @@ def test_streamed_layers_shard_as_they_finish_and_load(tiny_llama_dir, tiny_text
 
 def test_layers_are_read_when_asked_and_released_after(tiny_llama_dir):
     from quantkit.api import build_method
+    from quantkit.calibrate.walker import walk
     from quantkit.config import QuantScheme
-    from quantkit.walker import walk
 
     loaded, source = lazy_model.open_streamed(str(tiny_llama_dir), LoadConfig(device="cpu"))
     layers = list(source.layers)
@@ -172,7 +173,7 @@ def test_bound_host_heap_takes_on_glibc():
     reports whether the C library took the setting (glibc on Linux; elsewhere it is a no-op)."""
     import sys
 
-    from quantkit.lazy_model import _libc, bound_host_heap
+    from quantkit.models.lazy import _libc, bound_host_heap
 
     took = bound_host_heap()
     assert took == (_libc() is not None)

@@ -70,7 +70,7 @@ def write_llama_checkpoint(folder: Path) -> int:
     from safetensors.torch import save_file
     from transformers import LlamaForCausalLM
 
-    from quantkit.checkpoint_read import parameters_on_meta
+    from quantkit.checkpoint.read import parameters_on_meta
     from tests.conftest import tiny_llama_config, tiny_tokenizer
 
     tokenizer = tiny_tokenizer()
@@ -128,7 +128,7 @@ def llama_2gb(tmp_path_factory):
 
 
 def test_rtn_from_disk_stays_under_its_bound(llama_2gb, tmp_path):
-    from quantkit.checkpoint_read import open_checkpoint
+    from quantkit.checkpoint.read import open_checkpoint
 
     folder, size = llama_2gb
     assert size >= 3e9

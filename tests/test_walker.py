@@ -6,9 +6,7 @@ import pytest
 import torch
 
 from quantkit.arch import find_decoder_layers
-from quantkit.config import QuantScheme
-from quantkit.methods.rtn import RTNMethod
-from quantkit.walker import (
+from quantkit.calibrate.walker import (
     LayerInputs,
     LayerResult,
     ModelLayers,
@@ -17,6 +15,8 @@ from quantkit.walker import (
     run_layer,
     walk,
 )
+from quantkit.config import QuantScheme
+from quantkit.methods.rtn import RTNMethod
 
 
 def _models():
@@ -142,7 +142,7 @@ def test_quantize_lm_head_unties_and_packs_it(tied, tmp_path):
     torch.testing.assert_close(model.get_input_embeddings().weight, embed_before)
     assert model.config.tie_word_embeddings is False or not tied
     # Written and read back, the checkpoint computes what the walked model computes.
-    from quantkit.checkpoint import load_quantized, save_quantized
+    from quantkit.checkpoint.save import load_quantized, save_quantized
 
     save_quantized(model, result.weights, tmp_path / "q", method="gptq", scheme=method.scheme)
     reloaded, _ = load_quantized(tmp_path / "q", dtype=torch.float32)

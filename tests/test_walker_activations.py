@@ -12,14 +12,14 @@ import copy
 import pytest
 import torch
 
-from quantkit.activations import offload_activations
+from quantkit.calibrate.activations import offload_activations
+from quantkit.calibrate.walker import walk
 from quantkit.config import QuantkitError, QuantScheme
 from quantkit.methods.awq import AWQConfig
 from quantkit.methods.awq_method import AWQMethod
 from quantkit.methods.gptq import GPTQConfig
 from quantkit.methods.gptq_method import GPTQMethod
 from quantkit.primitives import dequantize
-from quantkit.walker import walk
 from tests.walking import small_method, tiny_llama, walk_tiny
 
 
@@ -80,7 +80,7 @@ def test_awq_batches_of_two_match_one_batch_of_all():
 def test_copy_home_writes_into_the_resident_host_tensors():
     """The way back reuses the host tensors a layer came from (no fresh host memory); a tensor whose
     shape changed on the way is moved the plain way."""
-    from quantkit.activations import copy_home, host_tensors
+    from quantkit.calibrate.activations import copy_home, host_tensors
 
     layer = tiny_llama(2).model.layers[0]
     resident = host_tensors(layer)
@@ -122,7 +122,6 @@ CUDA = torch.cuda.is_available()
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("method", ["gptq", "awq"])
 def test_host_activations_give_the_same_weights_as_device(method):
     """Offloading the hidden states to pinned host memory moves bytes, not arithmetic: bitwise equal."""

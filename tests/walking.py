@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import torch
 
+from quantkit.calibrate.walker import walk
 from quantkit.config import QuantScheme
 from quantkit.methods.awq import AWQConfig
 from quantkit.methods.awq_method import AWQMethod
 from quantkit.methods.gptq import GPTQConfig
 from quantkit.methods.gptq_method import GPTQMethod
-from quantkit.walker import walk
 
 
 def tiny_llama(layers: int):

@@ -67,7 +67,7 @@ class ModelContext:
     # -- the base model ------------------------------------------------------------------------------
     def _base(self):
         if self._loaded is None:
-            from quantkit.models import load_model
+            from quantkit.models.load import load_model
 
             log.info("loading the unquantized model %s for calibration, baselines and KL references", self.model)
             self._loaded = load_model(self.model, self.load)
@@ -109,7 +109,7 @@ class ModelContext:
         path = self._calib_path(calib)
         if path.is_file():
             return torch.load(path)
-        from quantkit.api import calibration_tokens
+        from quantkit.calibrate.tokens import calibration_tokens
 
         tokens = calibration_tokens(calib, self._base(), self.device)
         _save_tensor_atomic(path, tokens)

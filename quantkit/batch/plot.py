@@ -10,7 +10,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from quantkit.batch.report import pareto_front, quality_columns  # noqa: E402
+from quantkit.batch.pareto import pareto_front, quality_columns  # noqa: E402
 
 _X_AXES = (("bits_per_weight", "bits per weight (quantized linears)"), ("size_mib", "size on disk (MiB)"))
 _COLORS = {"rtn": "tab:gray", "gptq": "tab:blue", "awq": "tab:orange"}

@@ -246,7 +246,7 @@ def _type_name(kind: type | tuple) -> str:
 def _job(fields: dict[str, _Value], where: str, models: dict[str, str], options: dict[str, dict],
          problems: _Problems) -> Job | None:
     """One Job from merged fields, or None after recording its problems."""
-    from quantkit.api import METHOD_NAMES
+    from quantkit.methods.registry import METHOD_NAMES
 
     before = len(problems.items)
     values: dict[str, Any] = {}
@@ -308,7 +308,7 @@ def _label(fields: dict[str, _Value], values: dict[str, Any]) -> str:
 
 
 def _model(values, fields, where, models, problems, label) -> tuple[str, str]:
-    from quantkit.models import _looks_like_path
+    from quantkit.models.load import _looks_like_path
 
     spec = values.get("model")
     if spec is None:
@@ -350,7 +350,7 @@ def _configs(values, fields, where, problems, label) -> dict[str, Any]:
 
 
 def _check_method_options(method, scheme, opts, fields, where, problems, label) -> None:
-    from quantkit.api import build_method
+    from quantkit.methods.registry import build_method
 
     method_opts = {k: v for k, v in opts.items() if k != "format"}
     if opts.get("format", "gptq") not in ("gptq", "awq"):

@@ -121,7 +121,7 @@ def folder_bytes(folder: Path) -> int:
 def quantized_bits_per_weight(checkpoint: Path) -> float:
     """Stored bits per weight of the packed linears: packed values, scales, zero points and g_idx over
     the number of weights they encode (4-bit, asym, g128 with fp16 scales: about 4.16)."""
-    from quantkit.checkpoint_read import index_tensors, packed_modules, read_config
+    from quantkit.checkpoint.read import index_tensors, packed_modules, read_config
 
     records = index_tensors(Path(checkpoint))
     _, settings = read_config(Path(checkpoint))

@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from quantkit.batch.pareto import SAME_X_REL, pareto_front, quality_columns  # noqa: F401  (re-exported)
 from quantkit.batch.records import read_record, read_results, write_json_atomic
 from quantkit.config import QuantkitError
 
@@ -70,28 +71,6 @@ def table_rows(output_dir: str | Path) -> list[dict[str, Any]]:
     tail = [k for k in ("seconds", "peak_host_mib", "peak_device_mib", "status", "pareto") if k in keys]
     columns = [k for k in keys if k not in tail] + tail
     return [{c: row.get(c) for c in columns} for row in rows]
-
-
-# Sizes on disk of checkpoints with the same bits and groups differ by a few hundred bytes of metadata (the
-# quantization config each method writes); closer than this share of x, two points count as the same size.
-SAME_X_REL = 1e-3
-
-
-def pareto_front(points: list[tuple[float, float]], same_x_rel: float = SAME_X_REL) -> list[int]:
-    """Indices of the points no other point dominates (lower is better on both coordinates; x values within
-    ``same_x_rel`` of each other are one x, so a few bytes less on disk do not put a worse model on the front)."""
-    front = []
-    for i, (x, y) in enumerate(points):
-        dominated = any(ox <= x * (1 + same_x_rel) and oy <= y and (ox < x * (1 - same_x_rel) or oy < y)
-                        for j, (ox, oy) in enumerate(points) if j != i)
-        if not dominated:
-            front.append(i)
-    return front
-
-
-def quality_columns(rows: list[dict[str, Any]]) -> list[str]:
-    """The metric columns a front is drawn for: every perplexity column, then mean KL."""
-    return [c for c in rows[0] if c.startswith("ppl ")] + ["kl_mean"] if rows else []
 
 
 def _mark_pareto(rows: list[dict[str, Any]]) -> None:

@@ -48,7 +48,7 @@ class BatchObserver:
     job_started: Callable[[int, int, Job], None] | None = None  # (k, n, job), k from 1
     job_finished: Callable[[int, int, JobResult], None] | None = None
     stage: Callable[[str], None] | None = None  # "calibration", "perplexity wikitext2", ...
-    on_layer: Callable | None = None  # quantkit.walker.LayerEvent, as the single commands show
+    on_layer: Callable | None = None  # quantkit.calibrate.walker.LayerEvent, as the single commands show
     on_window: Callable | None = None  # (done, total, running value) of perplexity / KL windows
 
     def _stage(self, text: str) -> None:
@@ -174,7 +174,8 @@ def _run_one(job: Job, context: ModelContext, model_jobs: list[Job], output_dir:
 
 def _measure(job: Job, context: ModelContext, model_jobs: list[Job], output_dir: Path, eval: EvalSpec,
              observer: BatchObserver, device: str) -> JobResult:
-    from quantkit import api
+    from quantkit import api  # batch runs the public quantize per job, as the CLI does (see tests/test_import_graph.py)
+    from quantkit.checkpoint.read import load_quantized
     from quantkit.eval.kld import model_kld
     from quantkit.eval.perplexity import perplexity
 
@@ -188,7 +189,7 @@ def _measure(job: Job, context: ModelContext, model_jobs: list[Job], output_dir:
                           batch_size=job.batch_size, on_layer=observer.on_layer,
                           quantize_lm_head=job.quantize_lm_head, calib_tokens=calib_tokens)
     # The unquantized reference ran in this dtype too (auto: float32 on the CPU, bfloat16 on CUDA).
-    model, _ = api.load_quantized(checkpoint, device=device, dtype=resolve_dtype(job.load.dtype, device))
+    model, _ = load_quantized(checkpoint, device=device, dtype=resolve_dtype(job.load.dtype, device))
     ppl = {}
     for source in eval.perplexity:
         observer._stage(f"perplexity {source}")

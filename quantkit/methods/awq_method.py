@@ -22,8 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quantkit.activations import PhaseClock
 from quantkit.arch import ArchSpec, ScalingGroup
+from quantkit.calibrate.activations import PhaseClock
+from quantkit.calibrate.walker import LayerContext, LayerInputs, LayerResult, capture_calls, first_output
 from quantkit.config import QuantScheme
 from quantkit.distributed.plan import assign_owners
 from quantkit.methods.awq import (
@@ -43,7 +44,6 @@ from quantkit.methods.gptq import HessianAccumulator, gptq_quantize
 from quantkit.methods.gptq_method import global_hessian
 from quantkit.methods.rtn import rtn_quantize
 from quantkit.qtensor import QuantizedWeight
-from quantkit.walker import LayerContext, LayerInputs, LayerResult, capture_calls, first_output
 
 log = logging.getLogger(__name__)
 

@@ -29,12 +29,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from quantkit.calibrate.walker import LayerContext, LayerResult, capture_linear_inputs, first_output
 from quantkit.config import QuantkitError, QuantScheme
 from quantkit.distributed.plan import SolveItem, plan_solves
 from quantkit.methods.gptq import GPTQConfig, GPTQResult, HessianAccumulator, gptq_quantize, relative_error
 from quantkit.primitives import num_groups
 from quantkit.qtensor import QuantizedWeight
-from quantkit.walker import LayerContext, LayerResult, capture_linear_inputs, first_output
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from quantkit.primitives import compute_qparams, dequantize, quantize
 from quantkit.qtensor import QuantizedWeight
 
 if TYPE_CHECKING:  # the RTN core (used by AWQ's core) stays free of the walker; only RTNMethod meets it
-    from quantkit.walker import LayerContext, LayerResult
+    from quantkit.calibrate.walker import LayerContext, LayerResult
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ class RTNMethod:
     needs_calibration: bool = False
 
     def quantize_layer(self, ctx: LayerContext) -> LayerResult:
-        from quantkit.walker import LayerResult
+        from quantkit.calibrate.walker import LayerResult
 
         weights, stats = {}, {}
         for name, linear in ctx.linears.items():

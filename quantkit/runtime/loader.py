@@ -39,7 +39,7 @@ def resolve_backend(backend: str, device: str) -> str:
 
 def _folder_source(path: Path):
     """A tensor source over a plain 16-bit model folder (validated headers, ``read_tensors``)."""
-    from quantkit.checkpoint_read import index_tensors, read_tensors
+    from quantkit.checkpoint.read import index_tensors, read_tensors
 
     records = index_tensors(path)
 
@@ -53,7 +53,7 @@ def _checkpoint_source(path: Path):
     """``(QuantInfo, source, names)`` of a quantized folder in any layout quantkit reads (GPTQ v1/v2, AutoAWQ
     GEMM; settings from config.json or quantize_config.json): the one checkpoint reader, packed linears
     converted to GPTQ v1 as they are read; other layouts are refused there, saying what they are."""
-    from quantkit.checkpoint_read import open_checkpoint
+    from quantkit.checkpoint.read import open_checkpoint
 
     checkpoint = open_checkpoint(path)
     settings = checkpoint.settings
@@ -62,7 +62,7 @@ def _checkpoint_source(path: Path):
 
 def _transformers_source(model: str, dtype: torch.dtype, trust_remote_code: bool):
     from quantkit.config import LoadConfig
-    from quantkit.models import load_model
+    from quantkit.models.load import load_model
 
     name = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}[dtype]
     loaded = load_model(model, LoadConfig(dtype=name, device="cpu", trust_remote_code=trust_remote_code))
@@ -90,7 +90,7 @@ def _eos_ids(generation_config, tokenizer) -> tuple[int, ...]:
 
 def _read_folder(path: Path):
     """(config dict, quant info or None, tensor source, tensor names, tokenizer, generation config)."""
-    from quantkit.api import is_quantized_checkpoint
+    from quantkit.checkpoint.settings import is_quantized_checkpoint
 
     config_file = path / "config.json"
     if not config_file.is_file():

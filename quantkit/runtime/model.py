@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from quantkit.runtime import ops
+from quantkit.kernels import decoder_ops_ref as ops
 from quantkit.runtime.spec import ModelSpec, layer_rope_key, rope_tables
 from quantkit.runtime.weights import ModelWeights
 
@@ -81,7 +81,7 @@ class _Kernels:
     """quantkit's Triton kernels (the W4A16 GEMM is chosen per linear by :class:`.weights.Linear`)."""
 
     def __init__(self) -> None:
-        from quantkit.runtime import fused_kernels
+        from quantkit.kernels import decoder_ops as fused_kernels
 
         self.add_rms_norm = fused_kernels.add_rms_norm
         self.rope_cache = fused_kernels.rope_cache

@@ -114,9 +114,12 @@ def _linear(get: dict, name: str, quant: QuantInfo | None, dtype, device, packed
         scales, g_idx = get[f"{name}.scales"].to(device), get[f"{name}.g_idx"].to(device)
         n = qweight.shape[1]
         if packed_kernel:
+            from quantkit.kernels.dispatch import bind
             from quantkit.kernels.w4a16_weights import prepare_w4a16_weights
 
-            prepared = prepare_w4a16_weights(qweight, qzeros, scales, g_idx, quant.bits, quant.group_size, quant.sym)
+            # the kernels' repack on any device (the CPU's reference reads it too), bound to its launchers on CUDA
+            prepared = bind(prepare_w4a16_weights(qweight, qzeros, scales, g_idx, quant.bits, quant.group_size,
+                                                  quant.sym))
             return Linear(n, packed=prepared, bias=bias)
         from quantkit.qtensor import QuantizedWeight
 

@@ -12,14 +12,14 @@ from quantkit.errors import QuantkitError
 
 def _run_main(argv: list[str], monkeypatch, capsys) -> tuple[int, str, str]:
     """The console entry point in this process, with every model loader made to fail the test."""
-    import quantkit.lazy_model
-    import quantkit.models
+    import quantkit.models.lazy
+    import quantkit.models.load
 
     def no_load(*args, **kwargs):
         pytest.fail("the model was loaded before a check that needs no weights")
 
-    monkeypatch.setattr(quantkit.lazy_model, "open_model", no_load)
-    monkeypatch.setattr(quantkit.models, "load_model", no_load)
+    monkeypatch.setattr(quantkit.models.lazy, "open_model", no_load)
+    monkeypatch.setattr(quantkit.models.load, "load_model", no_load)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setattr(sys, "argv", ["quantkit", *map(str, argv)])

@@ -56,7 +56,6 @@ def test_two_ranks_write_the_checkpoint_one_process_writes(tiny_llama_dir, tiny_
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_two_gloo_ranks_sharing_one_gpu_equal_one_process(tiny_llama_dir, tiny_text_file, tmp_path):
     """The same cases with the work on one CUDA device that both ranks share (gloo stages the
     collectives through host memory): the same checkpoint as one process on that device, within the

@@ -12,7 +12,7 @@ import torch
 
 from tests.conftest import tiny_llama_config, tiny_tokenizer
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = pytest.mark.gpu
 
 N_TOKENS = 40
 

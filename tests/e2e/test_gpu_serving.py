@@ -8,7 +8,7 @@ import torch
 
 from tests.conftest import rel_err, tiny_llama_config, tiny_tokenizer
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = pytest.mark.gpu
 
 # (hidden, intermediate, heads, kv heads), scheme: K multiples of 128 take the paired-nibble kernels (Gluon on
 # Hopper); SmolLM2's 576 / 1536 widths leave a partial last group at g128 and take the other Triton kernels

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def smollm2(smollm2_gguf):
     from quantkit.config import LoadConfig
-    from quantkit.models import load_model
+    from quantkit.models.load import load_model
 
     return load_model(str(smollm2_gguf), LoadConfig(dtype="float32", device="cpu"))
 

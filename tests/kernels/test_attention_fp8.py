@@ -174,7 +174,6 @@ def test_fp8_inputs_need_descales_of_known_shapes():
 # GPU: bf16 at the benchmark's head dims, every backend the fp8 call can take
 # ------------------------------------------------------------------------------------------------------------
 @pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("d", [64, 128])
 def test_gpu_fused_quantization_is_prepare_fp8_bit_for_bit(d, poisoned_v_storage):
     q, k, v, cu = _packed([1000, 0, 2051, 300], 16, 4, d, torch.bfloat16, seed=7)
@@ -182,7 +181,6 @@ def test_gpu_fused_quantization_is_prepare_fp8_bit_for_bit(d, poisoned_v_storage
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("backend", ["auto", "triton"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_gpu_public_fp8_call(backend, causal):
@@ -198,7 +196,6 @@ def test_gpu_public_fp8_call(backend, causal):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("causal", [False, True])
 def test_gpu_fp8_inputs_with_descales(causal):
     b, s, h, d = 2, 1024, 8, 128
@@ -222,7 +219,6 @@ def test_fp8_auto_on_the_cpu_runs_16_bit_and_bad_values_are_refused():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("s,causal,quantized", [(1024, True, False), (2048, True, False), (2048, False, True),
                                                 (4096, True, True)])
 def test_gpu_fp8_auto_is_one_of_the_two_calls(s, causal, quantized):

@@ -79,7 +79,7 @@ def test_gluon_ws_writes_every_row(causal, config):
         gen = torch.Generator().manual_seed(seed)
         q, k, v = (torch.randn(sum(lens), h, 128, generator=gen).to("cuda", torch.bfloat16) for h in (16, 4, 4))
         out = torch.full_like(q, float("nan"))
-        attention_gluon_ws._attention_ws(q, k, v, cu, cu, max(lens), causal=causal, out=out, config=config)
+        attention_gluon_ws.attention_ws(q, k, v, cu, cu, max(lens), causal=causal, out=out, config=config)
         assert torch.isfinite(out).all()
         errs.append(rel_err(out, attention_ref(q, k, v, cu, cu, causal=causal)))
     assert max(errs) < 1e-2
@@ -138,8 +138,8 @@ def test_gluon_ws_fp8_long_rows(causal, config):
     n = 16384
     q, k, v = (torch.randn(n, h, 128, generator=gen).to("cuda", torch.bfloat16) for h in (4, 1, 1))
     cu = _cu([n], "cuda")
-    ref = attention_gluon_ws._attention_ws(q, k, v, cu, cu, n, causal=causal)
-    out = attention_gluon_ws._attention_ws(q, k, v, cu, cu, n, causal=causal, config=config,
+    ref = attention_gluon_ws.attention_ws(q, k, v, cu, cu, n, causal=causal)
+    out = attention_gluon_ws.attention_ws(q, k, v, cu, cu, n, causal=causal, config=config,
                                                  fp8_prepared=quantize_qkv_fp8(q, k, v, cu, n))
     assert torch.isfinite(out).all()
     assert rel_err(out, ref) < 0.08
@@ -169,9 +169,9 @@ def test_gluon_ws_lazy_rescale_growing_logits(causal, fp8, d, config):
     v = torch.randn(n, 1, d, generator=gen).to("cuda", torch.bfloat16)
     cu = _cu([n], "cuda")
     prep = quantize_qkv_fp8(q, k, v, cu, n) if fp8 else None
-    eager = attention_gluon_ws._attention_ws(q, k, v, cu, cu, n, causal=causal, fp8_prepared=prep,
+    eager = attention_gluon_ws.attention_ws(q, k, v, cu, cu, n, causal=causal, fp8_prepared=prep,
                                                    config=config + (False,))
-    out = attention_gluon_ws._attention_ws(q, k, v, cu, cu, n, causal=causal, fp8_prepared=prep,
+    out = attention_gluon_ws.attention_ws(q, k, v, cu, cu, n, causal=causal, fp8_prepared=prep,
                                                  config=config + (True,))
     assert torch.isfinite(out).all()
     diff = (out.float() - eager.float()).abs()
@@ -181,7 +181,7 @@ def test_gluon_ws_lazy_rescale_growing_logits(causal, fp8, d, config):
         # bench/archive/experimental/fp8_attention_rowsum_emulation.py): lazy against eager 0.025 (rows <= 0.054) with the row sums
         # on the tensor core, 0.031 (rows <= 0.060) with fp32 sums; both 0.164 from the float32 reference (the
         # shared direction makes the fp8 logits coarse), so the bf16 kernel bounds the error only relatively
-        ref = attention_gluon_ws._attention_ws(q, k, v, cu, cu, n, causal=causal)
+        ref = attention_gluon_ws.attention_ws(q, k, v, cu, cu, n, causal=causal)
         assert rel_err(out, ref) < 1.1 * rel_err(eager, ref) + 0.01
         assert rel_err(out, eager) < 0.06
         assert row_err < 0.25
@@ -202,8 +202,8 @@ def test_fp8_auto_uses_ws_without_host_sync(monkeypatch, d, causal):
     from quantkit.kernels.attention import attention
 
     calls = []
-    ws_launch = attention_gluon_ws._attention_ws
-    monkeypatch.setattr(attention_gluon_ws, "_attention_ws", lambda *a, **kw: calls.append(1) or ws_launch(*a, **kw))
+    ws_launch = attention_gluon_ws.attention_ws
+    monkeypatch.setattr(attention_gluon_ws, "attention_ws", lambda *a, **kw: calls.append(1) or ws_launch(*a, **kw))
     gen = torch.Generator().manual_seed(9)
     q, k, v = (torch.randn(2, 640, h, d, generator=gen).to("cuda", torch.bfloat16) for h in (8, 2, 2))
     attention(q, k, v, causal=causal, fp8=True)  # compile outside the sync check

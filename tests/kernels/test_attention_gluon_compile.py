@@ -25,7 +25,7 @@ import re
 
 import pytest
 
-# Run by the sm90 fixture (conftest.py) in a fresh interpreter. Arguments as _attention_ws passes them for
+# Run by the sm90 fixture (conftest.py) in a fresh interpreter. Arguments as attention_ws passes them for
 # 8 x 2048 tokens, 16 heads.
 _COMPILE = r"""
 import json, sys
@@ -35,7 +35,7 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import mangle_type
 from quantkit.kernels import attention_gluon_ws as ws
 from quantkit.kernels.attention_fp8 import prepare_fp8
-from quantkit.kernels.attention_gluon import _make_descriptors
+from quantkit.kernels.attention_gluon_common import make_descriptors as _make_descriptors
 
 fp8, causal, out_path, config = json.loads(sys.argv[1])
 d, tokens, heads = 128, 8 * 2048, 16
@@ -196,12 +196,13 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import mangle_type
 from quantkit.kernels import attention_gluon as g
+from quantkit.kernels import attention_gluon_common
 d, tokens, heads = 128, 4 * 512, 16
 q = torch.randn(tokens, heads, d, dtype=torch.bfloat16)
 cu = torch.arange(0, tokens + 1, 512, dtype=torch.int32)
 out = torch.empty_like(q)
 bm, bn, nw, nb = g._default_config(d)
-desc_q, desc_k, desc_v, *_ = g._make_descriptors(q, q, q, bm, bn, None, out)
+desc_q, desc_k, desc_v, *_ = attention_gluon_common.make_descriptors(q, q, q, bm, bn, None, out)
 args = dict(desc_q=desc_q, desc_k=desc_k, desc_v=desc_v, o_ptr=out, cu_seqlens_q_ptr=cu, cu_seqlens_k_ptr=cu,
             sm_scale=0.1, stride_om=heads * d, stride_oh=d, NUM_M_BLOCKS=8)
 constexprs = dict(GROUP=1, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, IS_CAUSAL=True, NUM_BUF=nb, num_warps=nw)

@@ -47,7 +47,6 @@ def test_candidate_weight_on_cpu_is_the_torch_path():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("sym", [True, False])
 def test_cuda_matches_torch_at_8b_shapes(sym):
     from quantkit.kernels.awq_fake_quant import fake_quantize_scaled_triton

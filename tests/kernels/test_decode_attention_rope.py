@@ -72,7 +72,6 @@ def test_split_count_does_not_change_the_result():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("pdl", [False, True])
 @pytest.mark.parametrize("hq,hkv,d,positions,window,softcap", [
     (32, 8, 128, [0, 130, 2047, 700], -1, 0.0),   # Llama-3-8B heads, default splits

@@ -153,7 +153,6 @@ SHAPES_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("n,k", SHAPES_8B)
 @pytest.mark.parametrize("m", [1, 2, 4])
 def test_bf16_8b_shapes_match_cublas(n, k, m):
@@ -168,7 +167,6 @@ def test_bf16_8b_shapes_match_cublas(n, k, m):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_selection_point_on_cuda(monkeypatch):
     """dense_linear at M = 1 is the GEMV's result (bitwise), at M = 16 and with the switch off cuBLAS's."""
     x, w, _ = _problem(1, 4096, 4096, torch.bfloat16, False, device="cuda")

@@ -41,7 +41,6 @@ def _layer(rows: int, cols: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("rows,cols,gs,sym,desc_act,mse,static", SHAPES)
 def test_kernel_matches_loop_on_cuda(rows, cols, gs, sym, desc_act, mse, static):
     w, H = _layer(rows, cols, seed=rows + cols + gs)
@@ -59,7 +58,6 @@ def test_kernel_matches_loop_on_cuda(rows, cols, gs, sym, desc_act, mse, static)
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_auto_takes_the_kernel_on_cuda(monkeypatch):
     """The dispatch: solver='auto' on a CUDA tensor launches the block kernel (not the loop)."""
     from quantkit.methods import gptq
@@ -74,7 +72,6 @@ def test_auto_takes_the_kernel_on_cuda(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("sym", [True, False])
 def test_scaled_errors_on_cuda(sym):
     """Every column's scaled error, kernel against loop (one 4096 x 4096 solve, g128): printed whether
@@ -95,7 +92,6 @@ def test_scaled_errors_on_cuda(sym):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("mse_weight,static", [("residual", False), ("hessian", False), ("residual", True)])
 def test_weighted_mse_kernel_matches_loop_on_cuda(mse_weight, static):
     """The mse search with per-column weights (``mse_weight``), asym g64 act-order (SmolLM2's setting)."""

@@ -246,7 +246,7 @@ def test_reference_matches_dequantize(act):
 
 def test_irregular_groups_fall_back_to_reference():
     mod = _kernel_module()
-    from quantkit.kernels.dispatch import _kernel_supports, w4a16_linear
+    from quantkit.kernels.dispatch import kernel_supports, w4a16_linear
 
     tensors, _ = make_layer(32, 128, 4, 32, True, False, seed=4)
     g_idx = tensors["g_idx"].clone()
@@ -254,13 +254,42 @@ def test_irregular_groups_fall_back_to_reference():
     w = mod.prepare_w4a16_weights(**{**tensors, "g_idx": g_idx}, bits=4, group_size=32, sym=True)
     assert w.group_size is None
     x = torch.randn(2, 3, 128).half()
-    ok, reason = _kernel_supports(x, w)
+    ok, reason = kernel_supports(x, w)
     assert not ok and reason
     bias = torch.randn(32).half()
     y = w4a16_linear(x, w, bias)
     assert y.shape == (2, 3, 32)
     ref = mod.w4a16_matmul_ref(x.reshape(6, 128), w).reshape(2, 3, 32) + bias
     assert torch.equal(y, ref)
+
+
+@pytest.mark.skipif(CUDA, reason="interpreter tests run on CPU-only machines")
+def test_front_door_runs_the_launchers_bound_at_load_bit_for_bit():
+    """dispatch.w4a16_linear runs the launcher bound for the call's M bucket, and it computes exactly what the
+    checked entry computes for the same choice; unbound buckets and float32 activations get the reference."""
+    mod = _kernel_module()
+    from quantkit.kernels import dispatch
+    from quantkit.kernels.w4a16_select import M_BUCKETS
+
+    n, k = 48, 256
+    tensors, _ = make_layer(n, k, 4, 64, False, True, seed=6)  # act order: the launchers gather columns
+    w = mod.prepare_w4a16_weights(**tensors, bits=4, group_size=64, sym=False)
+    bound_buckets = M_BUCKETS[:5]  # 1 .. 16: the GEMV, then the paired-nibble kernel (the interpreter's tiles)
+    choices = [mod._planned_choice(torch.empty(b, k).half(), w) for b in bound_buckets]
+    assert {c.kernel for c in choices} == {"gemv", "pairs"}
+    launchers = tuple(mod.bind_launcher(c, w.facts(), b) for b, c in zip(bound_buckets, choices))
+    bound = dataclasses.replace(w, launchers=launchers + (None,) * (len(M_BUCKETS) - len(launchers)))
+    gen = torch.Generator().manual_seed(7)
+    for shape in ((1, 1, k), (2, 5, k)):  # buckets 1 and 16
+        x = torch.randn(*shape, generator=gen).half()
+        y = dispatch.w4a16_linear(x, bound)
+        assert torch.equal(y, mod.w4a16_matmul(x.reshape(-1, k), w).reshape(*shape[:-1], n))
+    x = torch.randn(40, k, generator=gen).half()  # bucket 64: no launcher bound
+    assert torch.equal(dispatch.w4a16_linear(x, bound), mod.w4a16_matmul_ref(x, w))
+    x = torch.randn(3, k, generator=gen)  # float32 activations: the reference
+    assert torch.equal(dispatch.w4a16_linear(x, bound), mod.w4a16_matmul_ref(x, w))
+    with pytest.raises(ValueError, match="features"):
+        dispatch.w4a16_linear(torch.randn(3, k + 8).half(), bound)
 
 
 def test_bad_inputs_are_rejected():
@@ -315,7 +344,6 @@ def _run_gpu(mod, n, k, gs, sym, act, m, dtype, path, config):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("n,k,gs,sym,act", GPU_SHAPES)
 @pytest.mark.parametrize("m", [1, 7, 9, 16, 67, 334])
@@ -345,7 +373,6 @@ def test_the_library_ships_configs_of_every_triton_family():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("n,k,gs,sym,act", [GPU_SHAPES[0], GPU_SHAPES[1], GPU_SHAPES[3]])
 @pytest.mark.parametrize("m", [1, 2])
 def test_gemv_shipped_configs_gpu(n, k, gs, sym, act, m):
@@ -359,7 +386,6 @@ def test_gemv_shipped_configs_gpu(n, k, gs, sym, act, m):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("n,k,gs,sym,act", [s for s in GPU_SHAPES if s[1] % 128 == 0])
 @pytest.mark.parametrize("m", [1, 5, 16, 40, 300])
@@ -370,21 +396,24 @@ def test_pairs_gpu(n, k, gs, sym, act, m, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("m", [3, 12, 100])
 def test_dispatch_planned_gpu(m):
     mod = _kernel_module()
-    from quantkit.kernels.dispatch import _kernel_supports, w4a16_linear
+    from quantkit.kernels.dispatch import kernel_supports, prepare_w4a16, w4a16_linear
 
     n, k = 4096 + 128, 4096 + 128
     tensors, w_deq = make_layer(n, k, 4, 128, True, False, device="cuda", seed=torch.seed() % 2**31)
-    w = mod.prepare_w4a16_weights(**tensors, bits=4, group_size=128, sym=True)
+    w = prepare_w4a16(**tensors, bits=4, group_size=128, sym=True)
+    assert w.launchers is not None and w.plan is not None
     x = torch.randn(2, m, k, device="cuda").bfloat16()
     bias = torch.randn(n, device="cuda").bfloat16()
-    assert _kernel_supports(x, w)[0]
+    assert kernel_supports(x, w)[0]
     out = w4a16_linear(x, w, bias)
     ref = x.float() @ w_deq.t() + bias.float()
     assert out.shape == (2, m, n) and rel_err(out, ref) < 1e-2
+    # the bound launcher is the plan's kernel: the checked entry, which looks the plan up, agrees
+    checked = mod.w4a16_matmul(x.reshape(-1, k), w).reshape(2, m, n) + bias
+    assert rel_err(out, checked) < 1e-3
 
 
 # The Gluon kernel (Hopper). The tests run every config the library ships (the H200 table's and the rule

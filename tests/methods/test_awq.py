@@ -7,7 +7,8 @@ import torch
 import transformers
 
 from quantkit.arch import arch_for
-from quantkit.checkpoint_layouts import awq_quantization_config, export_awq_layout
+from quantkit.calibrate.walker import walk
+from quantkit.checkpoint.layouts import awq_quantization_config, export_awq_layout
 from quantkit.config import QuantkitError, QuantScheme
 from quantkit.methods.awq import (
     AWQConfig,
@@ -24,7 +25,6 @@ from quantkit.methods.rtn import RTNMethod, rtn_quantize
 from quantkit.pack import unpack_awq
 from quantkit.primitives import dequantize
 from quantkit.qtensor import QuantizedWeight
-from quantkit.walker import walk
 
 ASYM64 = QuantScheme(bits=4, group_size=32, sym=False)
 

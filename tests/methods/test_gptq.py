@@ -228,7 +228,7 @@ def _logit_error(model, quantized, ids) -> float:
 @pytest.mark.parametrize("config", [GPTQConfig(), GPTQConfig(desc_act=True),
                                     GPTQConfig(true_sequential=False)])
 def test_walker_gptq_closer_to_fp_than_rtn(tiny_model_and_data, config):
-    from quantkit.walker import walk
+    from quantkit.calibrate.walker import walk
 
     model, calib, held_out = tiny_model_and_data
     scheme = QuantScheme(4, 32, True)
@@ -244,7 +244,7 @@ def test_walker_gptq_closer_to_fp_than_rtn(tiny_model_and_data, config):
 
 def test_single_pass_equals_group_by_group(tiny_model_and_data):
     """One forward with groups quantized inside it gives the same codes as one pass per group."""
-    from quantkit.walker import walk
+    from quantkit.calibrate.walker import walk
 
     model, calib, _ = tiny_model_and_data
     scheme = QuantScheme(4, 32, False)
@@ -278,8 +278,8 @@ def test_dequantize_through_g_idx_matches_record():
                                     GPTQConfig(true_sequential=False)], ids=["single-pass", "by-group", "one-pass"])
 def test_same_input_linears_share_one_hessian_and_solve(tiny_model_and_data, config, monkeypatch):
     """q/k/v and gate/up read one input: one Hessian each and one stacked solve (4 per layer, not 7)."""
+    from quantkit.calibrate.walker import walk
     from quantkit.methods import gptq_method
-    from quantkit.walker import walk
 
     model, calib, _ = tiny_model_and_data
     built, solved = [], []

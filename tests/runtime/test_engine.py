@@ -180,7 +180,7 @@ def test_a_stop_inside_the_pipeline_wastes_one_step_and_frees_the_slot_cleanly(l
 
 
 def test_greedy_agreement_of_the_decode_with_the_prefill_path(llama):
-    from quantkit.runtime.bench import greedy_agreement
+    from quantkit.tools.bench import greedy_agreement
 
     folder, _ = llama
     engine = load_engine(str(folder), device="cpu", max_batch=2, max_seq_len=64)

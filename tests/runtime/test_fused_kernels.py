@@ -11,7 +11,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from quantkit.runtime import fused_kernels, ops  # noqa: E402
+from quantkit.kernels import decoder_ops as fused_kernels  # noqa: E402
+from quantkit.kernels import decoder_ops_ref as ops
 from tests.conftest import rel_err  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

@@ -41,7 +41,7 @@ def engine_for(checkpoint, **kwargs):
 
 def transformers_greedy(checkpoint, prompt: str, n: int) -> tuple[list[int], list[int]]:
     """(prompt ids, n greedy continuation ids) from transformers' decoder on the checkpoint (float32)."""
-    from quantkit.checkpoint import load_quantized
+    from quantkit.checkpoint.save import load_quantized
 
     net, tokenizer = load_quantized(checkpoint, device="cpu", dtype=torch.float32)
     ids = tokenizer(prompt)["input_ids"]

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from quantkit.config import QuantkitError
-from quantkit.runtime import verify as verify_mod
-from quantkit.runtime.verify import Tolerance, compare_logits, default_tolerance
+from quantkit.tools import verify as verify_mod
+from quantkit.tools.verify import Tolerance, compare_logits, default_tolerance
 
 HAS_RUNTIME = importlib.util.find_spec("quantkit.runtime.loader") is not None
 needs_runtime = pytest.mark.skipif(not HAS_RUNTIME, reason="quantkit.runtime.loader (the runtime engineer's "
@@ -67,7 +67,7 @@ def test_nonfinite_and_shape_mismatch():
 
 
 def test_greedy_tokens_against_reference_argmax():
-    from quantkit.runtime.verify import compare_greedy
+    from quantkit.tools.verify import compare_greedy
 
     ref = torch.tensor([[3.0, 1.0, 0.0], [1.0, 1.02, 0.0], [0.0, 0.0, 5.0]])
     exact = compare_greedy(torch.tensor([0, 1, 2]), ref)
@@ -117,7 +117,7 @@ def tiny_quantized_llama(tiny_llama_dir, tmp_path_factory):
 def stand_in_loader(model, *, device="auto", dtype="auto", backend="auto", trust_remote_code=False, **_):
     """RUNTIME_SPEC's ``load_runtime_model`` played by transformers' decoder (read by the checkpoint
     module directly, so that a patch of ``api.load_quantized`` touches only the reference path)."""
-    from quantkit.checkpoint import load_quantized
+    from quantkit.checkpoint.save import load_quantized
 
     net, tokenizer = load_quantized(model, device="cpu", dtype=torch.float32)
     runtime = SimpleNamespace(config=net.config, backend="reference",
@@ -135,10 +135,10 @@ def runtime_path(request, monkeypatch):
 
 
 def corrupt_reference_scales(monkeypatch):
-    """Scale one layer's quantization scales by 1.5 in every model ``api.load_quantized`` returns."""
-    from quantkit import api
+    """Scale one layer's quantization scales by 1.5 in every model the checkpoint reader returns."""
+    import quantkit.checkpoint.read as checkpoint_read
 
-    original = api.load_quantized
+    original = checkpoint_read.load_quantized
 
     def corrupted(*args, **kwargs):
         net, tokenizer = original(*args, **kwargs)
@@ -147,7 +147,7 @@ def corrupt_reference_scales(monkeypatch):
         layer.invalidate_cache()
         return net, tokenizer
 
-    monkeypatch.setattr(api, "load_quantized", corrupted)
+    monkeypatch.setattr(checkpoint_read, "load_quantized", corrupted)
 
 
 def run_cli(*args):

@@ -14,8 +14,8 @@ def test_backend_sets_the_gemv_flag(backend):
     them on plain PyTorch."""
     from transformers import AutoModelForCausalLM
 
-    from quantkit.runtime.bench import runtime_from_hf
     from quantkit.runtime.weights import Linear
+    from quantkit.tools.bench import runtime_from_hf
 
     hf = AutoModelForCausalLM.from_config(tiny_config("llama", 64)).eval()
     model = runtime_from_hf(hf, None, backend=backend)

@@ -124,7 +124,7 @@ def _engine(model, cuda: bool):
 
 def runtime_ab(shape: str, steps: int, repeats: int, device) -> dict:
     """The runtime's bf16 decode at batch 1 with the GEMV off and on (its shipped configs)."""
-    from quantkit.runtime import bench
+    from quantkit.tools import bench
 
     cuda = torch.device(device).type == "cuda"
     hf = bench.random_hf_model(shape, device, dtype=torch.bfloat16 if cuda else torch.float32)
@@ -188,7 +188,7 @@ def _interpreter_for_tiny() -> None:
 
 def _card(device) -> dict:
     if torch.device(device).type == "cuda":
-        from quantkit.runtime import bench, bench_run
+        from quantkit.tools import bench, bench_run
 
         return bench_run._card() | {"copy_bandwidth_gbs": bench.copy_bandwidth(device)}
     return {"gpu": None, "torch": torch.__version__, "date": datetime.datetime.now(datetime.timezone.utc).isoformat()}

@@ -34,7 +34,7 @@ def _engine(model, steps: int, pipeline: bool):
 
 
 def measure(model, steps: int, repeats: int, split: bool) -> dict:
-    from quantkit.runtime import bench
+    from quantkit.tools import bench
 
     out = {}
     for name, pdl, pipeline in VARIANTS:
@@ -53,7 +53,7 @@ def measure(model, steps: int, repeats: int, split: bool) -> dict:
 
 
 def main() -> None:
-    from quantkit.runtime import bench, bench_run
+    from quantkit.tools import bench, bench_run
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="llama3-8b")

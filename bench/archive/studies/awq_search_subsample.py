@@ -25,10 +25,10 @@ RESULTS = Path(__file__).resolve().parent / "results"
 def main() -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from quantkit.calibrate.walker import walk
     from quantkit.config import QuantScheme
     from quantkit.methods.awq import AWQConfig
     from quantkit.methods.awq_method import AWQMethod
-    from quantkit.walker import walk
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=688, num_hidden_layers=4,

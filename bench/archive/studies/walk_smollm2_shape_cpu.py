@@ -23,8 +23,8 @@ def main() -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from quantkit.api import build_method
+    from quantkit.calibrate.walker import walk
     from quantkit.config import QuantScheme
-    from quantkit.walker import walk
 
     method = sys.argv[1] if len(sys.argv) > 1 else "gptq"
     torch.manual_seed(0)

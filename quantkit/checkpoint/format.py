@@ -1,7 +1,7 @@
 """Names shared by the checkpoint writer and readers: files, tensor suffixes, layout tags.
 
-A small leaf module so that :mod:`quantkit.checkpoint` (writing), :mod:`quantkit.checkpoint_read`
-and :mod:`quantkit.checkpoint_inspect` (reading) agree on them without importing each other.
+A small leaf module so that :mod:`quantkit.checkpoint.save` (writing), :mod:`quantkit.checkpoint.read`
+and :mod:`quantkit.checkpoint.inspect` (reading) agree on them without importing each other.
 """
 
 from __future__ import annotations

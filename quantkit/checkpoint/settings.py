@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from quantkit.checkpoint_format import (
+from quantkit.checkpoint.format import (
     CONFIG_NAME,
     LAYOUT,
     LAYOUT_AWQ_GEMM,
@@ -74,7 +74,7 @@ _FOREIGN: dict[tuple[str, str | None], tuple[str, str]] = {
 class GPTQSettings:
     """What the quantization settings say about the packed linears, and which layout holds them.
 
-    ``layout`` is ``gptq_v1``, ``gptq_v2`` or ``awq_gemm`` (:mod:`quantkit.checkpoint_format`);
+    ``layout`` is ``gptq_v1``, ``gptq_v2`` or ``awq_gemm`` (:mod:`quantkit.checkpoint.format`);
     ``source`` names the file(s) the settings came from, for messages.
     """
 
@@ -122,7 +122,7 @@ def validate_quant_config(qc: Any, where: Path | str, layouts: tuple[str, ...] =
     """Settings from one ``quantization_config`` object; says what the checkpoint is when unreadable.
 
     ``layouts`` are the stored layouts the caller converts: by default only GPTQ v1, for callers that
-    read the packed tensors as they are stored; :func:`quantkit.checkpoint_read.open_checkpoint` hands
+    read the packed tensors as they are stored; :func:`quantkit.checkpoint.read.open_checkpoint` hands
     out every readable layout already converted to v1.
     """
     if qc is None:
@@ -136,7 +136,7 @@ def validate_quant_config(qc: Any, where: Path | str, layouts: tuple[str, ...] =
     if settings.layout not in layouts:
         raise QuantkitError(
             f"{where} stores the {settings.layout} layout; this reader takes {', '.join(layouts)} tensors as they "
-            "are stored. Read the folder through quantkit.checkpoint_read.open_checkpoint (or load_quantized), "
+            "are stored. Read the folder through quantkit.checkpoint.read.open_checkpoint (or load_quantized), "
             "which converts it"
         )
     return settings
@@ -262,3 +262,22 @@ def _layout(method: str, fmt: str, raw: dict, where: str) -> str:
         "quantkit reads GPTQ (v1, v2) and AutoAWQ GEMM checkpoints: load this one with the tool that made it, "
         f"or {_REQUANTIZE}"
     )
+
+
+def is_quantized_checkpoint(path: str | Path) -> bool:
+    """True for a folder that declares quantization settings: ``config.json``'s ``quantization_config``
+    or a ``quantize_config.json`` / ``quant_config.json`` beside it (AutoGPTQ, GPTQModel).
+
+    Such a folder is read by quantkit's checkpoint reader (which reads it or refuses it saying what it
+    is), never as a plain model, where transformers would leave every packed layer at random init.
+    """
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        return False
+    if any((folder / name).is_file() for name in QUANTIZE_CONFIG_NAMES):
+        return True
+    try:
+        config = json.loads((folder / CONFIG_NAME).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and config.get("quantization_config") is not None

@@ -15,7 +15,7 @@ from typing import Any
 from torch import nn
 
 from quantkit.arch import arch_for, find_decoder_layers, find_linear_like, sequential_groups
-from quantkit.checkpoint_format import LAYOUT
+from quantkit.checkpoint.format import LAYOUT
 from quantkit.config import QuantkitError, QuantScheme
 from quantkit.qtensor import QuantizedWeight
 
@@ -46,7 +46,7 @@ def build_quantization_config(
     acts = [qw for qw in weights.values() if qw.act_order]
     block_modules, dynamic, unquantized = _module_lists(model, weights)
     lm_head_name = _lm_head_name(model)
-    from quantkit import __version__
+    from quantkit.version import __version__
 
     config: dict[str, Any] = {
         "quant_method": "gptq",

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from quantkit.checkpoint_format import LAYOUT_AWQ_GEMM, LAYOUT_GPTQ_V2, PACKED_DTYPES, QUANT_SUFFIXES
+from quantkit.checkpoint.format import LAYOUT_AWQ_GEMM, LAYOUT_GPTQ_V2, PACKED_DTYPES, QUANT_SUFFIXES
 from quantkit.config import QuantkitError, QuantScheme
 from quantkit.pack import pack_awq, pack_gptq, qzeros_v2_to_v1, unpack_awq
 from quantkit.primitives import default_g_idx, num_groups

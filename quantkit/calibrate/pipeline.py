@@ -2,7 +2,7 @@
 
 On one H200 an 8B layer took 0.08 s to come over from host memory (0.44 GB of pageable memory at ~5.5 GB/s)
 and its packed weights about as long to go back into fresh host pages, both on the critical path of every
-layer (bench/NOTES_gptq.md, session 16). ``LayerPipeline`` runs both in one worker thread, on a CUDA stream of
+layer (bench/archive/NOTES_gptq.md, session 16). ``LayerPipeline`` runs both in one worker thread, on a CUDA stream of
 its own, while the main thread computes:
 
 * ``start(i + 1)`` as soon as layer ``i`` is on the device: the worker reads layer ``i + 1`` from its
@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from quantkit.activations import copy_home, host_tensors
+from quantkit.calibrate.activations import copy_home, host_tensors
 from quantkit.qtensor import QuantizedWeight
 
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 
 from quantkit.config import QuantkitError
-from quantkit.runtime import bench
+from quantkit.tools import bench
 
 log = logging.getLogger(__name__)
 
@@ -126,9 +126,9 @@ def _checkpoint_phases(target, batches, steps, prefill_tokens, baselines, publis
         del runtime
         _free()
     if baselines:
-        import quantkit
+        from quantkit.checkpoint.read import load_quantized
 
-        hf, _ = quantkit.load_quantized(target, device="cuda", dtype=torch.bfloat16)
+        hf, _ = load_quantized(target, device="cuda", dtype=torch.bfloat16)
         publish("transformers_quantlinear", bench.hf_generate_tps(hf))
 
 

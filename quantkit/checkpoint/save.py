@@ -11,15 +11,15 @@ A checkpoint folder holds
 * ``config.json`` with ``quantization_config`` (see :func:`build_quantization_config` for which key
   each reader honours), tokenizer files and ``generation_config.json``.
 
-Files are written by :class:`quantkit.checkpoint_writer.CheckpointWriter` into a hidden temporary
+Files are written by :class:`quantkit.checkpoint.writer.CheckpointWriter` into a hidden temporary
 sibling folder and renamed into place only when complete, so an interrupted write never leaves a
 folder that looks like a checkpoint. A model streamed from disk adds each decoder layer as it is
 quantized (:func:`open_writer`, :func:`add_layer`) and ends with :func:`save_quantized`.
 
-Reading lives in :mod:`quantkit.checkpoint_read` and :mod:`quantkit.checkpoint_inspect`;
+Reading lives in :mod:`quantkit.checkpoint.read` and :mod:`quantkit.checkpoint.inspect`;
 ``load_quantized`` and ``inspect_checkpoint`` are re-exported here so callers import one module.
-File names and layout tags shared by both sides are in :mod:`quantkit.checkpoint_format`; the AWQ
-GEMM layout in :mod:`quantkit.checkpoint_layouts`.
+File names and layout tags shared by both sides are in :mod:`quantkit.checkpoint.format`; the AWQ
+GEMM layout in :mod:`quantkit.checkpoint.layouts`.
 """
 
 from __future__ import annotations
@@ -33,8 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from quantkit.checkpoint_config import build_quantization_config
-from quantkit.checkpoint_format import (
+from quantkit.checkpoint.format import (
     CONFIG_NAME,
     INDEX_NAME,
     LAYOUT,
@@ -42,10 +41,11 @@ from quantkit.checkpoint_format import (
     QUANT_SUFFIXES,
     WEIGHTS_NAME,
 )
-from quantkit.checkpoint_inspect import CheckpointInfo, inspect_checkpoint
-from quantkit.checkpoint_layouts import awq_quantization_config, export_awq_layout
-from quantkit.checkpoint_read import load_quantized
-from quantkit.checkpoint_writer import CheckpointWriter, PendingTensor, json_default, shard_name
+from quantkit.checkpoint.inspect import CheckpointInfo, inspect_checkpoint
+from quantkit.checkpoint.layouts import awq_quantization_config, export_awq_layout
+from quantkit.checkpoint.quant_config import build_quantization_config
+from quantkit.checkpoint.read import load_quantized
+from quantkit.checkpoint.writer import CheckpointWriter, PendingTensor, json_default, shard_name
 from quantkit.config import QuantkitError, QuantScheme
 from quantkit.qtensor import QuantizedWeight
 
@@ -281,7 +281,7 @@ def _config_dict(model: nn.Module, quant_config: dict, dtype: torch.dtype, lm_he
 
 
 def _file_metadata(scheme: QuantScheme, layout: str) -> dict[str, str]:
-    from quantkit import __version__
+    from quantkit.version import __version__
 
     awq = layout == "awq"
     return {

@@ -8,7 +8,7 @@ streamed from disk) holds at most one shard's tensors. Shards are written under 
 get their final ``model-0000i-of-0000n.safetensors`` names (or ``model.safetensors`` alone) when the
 count is known.
 
-What goes into the tensors and config.json is decided in :mod:`quantkit.checkpoint`.
+What goes into the tensors and config.json is decided in :mod:`quantkit.checkpoint.save`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from quantkit.checkpoint_format import CONFIG_NAME, INDEX_NAME, WEIGHTS_NAME
+from quantkit.checkpoint.format import CONFIG_NAME, INDEX_NAME, WEIGHTS_NAME
 from quantkit.config import QuantkitError
 
 

@@ -1,4 +1,6 @@
-"""Fused Triton kernels for the small operations of a decoder step (references in :mod:`.ops`).
+"""Fused Triton kernels for the small operations of a decoder step (RMSNorm with the residual add, rope with
+the KV-cache write, the gated activation); their plain-PyTorch references are beside them in
+:mod:`.decoder_ops_ref`. The runtime (:mod:`quantkit.runtime.model`) picks one or the other per backend.
 
 At batch 1 a decode step of an 8B model has ~0.4 ms for everything but the linears: each of these
 replaces 5-15 PyTorch launches per layer with one. Each kernel handles one token row per program
@@ -43,7 +45,7 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, H, eps, of
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
                  offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """As :func:`.ops.add_rms_norm_ref`: ``x, residual [M, H]`` -> ``(normed, x + residual)``."""
+    """As :func:`.decoder_ops_ref.add_rms_norm_ref`: ``x, residual [M, H]`` -> ``(normed, x + residual)``."""
     m, h = x.shape
     out = torch.empty_like(x)
     res_out = x if residual is None else torch.empty_like(x)
@@ -93,7 +95,7 @@ def _rope_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_cache_ptr
 def rope_cache(qkv: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor, positions: torch.Tensor,
                n_heads: int, n_kv_heads: int, head_dim: int, k_cache: torch.Tensor | None = None,
                v_cache: torch.Tensor | None = None, slots: torch.Tensor | None = None) -> None:
-    """As :func:`.ops.rope_cache_ref` (in place on ``qkv [M, (Hq + 2 Hkv) * D]``, rows contiguous)."""
+    """As :func:`.decoder_ops_ref.rope_cache_ref` (in place on ``qkv [M, (Hq + 2 Hkv) * D]``, rows contiguous)."""
     m = qkv.shape[0]
     assert qkv.stride(1) == 1 and cos_table.stride(1) == 1
     write = k_cache is not None
@@ -129,7 +131,7 @@ def _act_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o, GELU: tl.constexp
 
 
 def act_mul(gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
-    """As :func:`.ops.act_mul_ref`: ``gate_up [M, 2 I]`` -> ``act(gate) * up [M, I]``."""
+    """As :func:`.decoder_ops_ref.act_mul_ref`: ``gate_up [M, 2 I]`` -> ``act(gate) * up [M, I]``."""
     m, two_i = gate_up.shape
     inter = two_i // 2
     out = torch.empty((m, inter), device=gate_up.device, dtype=gate_up.dtype)

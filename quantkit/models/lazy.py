@@ -7,7 +7,7 @@ only when the walker asks for it, and given back to the meta device as soon as i
 are handed to the checkpoint writer. Each read opens the file, copies the layer's tensors out of the
 memory map and closes it again, so pages of the files do not stay mapped (and counted as resident).
 
-GGUF files are not streamed: they are converted by transformers as a whole (``quantkit.models``).
+GGUF files are not streamed: they are converted by transformers as a whole (``quantkit.models.load``).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def safetensors_folder(spec: str) -> Path | None:
 
 def stored_bytes(folder: Path) -> int:
     """Bytes of tensor data in the folder's safetensors files."""
-    from quantkit.checkpoint_read import weight_files
+    from quantkit.checkpoint.read import weight_files
 
     return sum(f.stat().st_size for f in weight_files(folder))
 
@@ -85,7 +85,7 @@ def peak_host_memory_bytes() -> int:
 
 def loaded_bytes(folder: Path, dtype: torch.dtype) -> int:
     """Host memory the whole model takes loaded in ``dtype`` (float tensors converted, others as stored)."""
-    from quantkit.checkpoint_read import index_tensors
+    from quantkit.checkpoint.read import index_tensors
 
     total = 0
     for record in index_tensors(folder).values():
@@ -141,7 +141,7 @@ def stream_shard_bytes(folder: Path, max_shard_bytes: int = 4 * 2**30) -> int:
 
 @dataclass
 class SafetensorsLayers:
-    """A :class:`~quantkit.walker.LayerSource` reading each decoder layer from safetensors when asked.
+    """A :class:`~quantkit.calibrate.walker.LayerSource` reading each decoder layer from safetensors when asked.
 
     ``on_finish(prefix, layer, weights)`` receives each quantized layer (``weights`` by names relative to
     it) before the layer's tensors are freed; the walk keeps only shells of the packed weights (shapes
@@ -150,7 +150,7 @@ class SafetensorsLayers:
 
     prefix: str
     layers: nn.ModuleList
-    records: dict  # key -> quantkit.checkpoint_read.TensorRecord
+    records: dict  # key -> quantkit.checkpoint.read.TensorRecord
     expected: dict[str, torch.Tensor]  # key -> the model's (meta) tensor, for its dtype
     on_finish: Callable[[str, nn.Module, dict[str, QuantizedWeight]], None] | None = None
     _read: set[int] = field(default_factory=set)
@@ -162,7 +162,7 @@ class SafetensorsLayers:
         if index in self._read:
             raise RuntimeError(f"layer {index} was already read and released; a streamed model is walked once")
         self._read.add(index)
-        from quantkit.checkpoint_read import _assign, read_tensors
+        from quantkit.checkpoint.read import _assign, read_tensors
 
         layer = self.layers[index]
         start = f"{self.prefix}.{index}."
@@ -264,8 +264,8 @@ def open_streamed(spec: str, load: LoadConfig):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from quantkit.arch import find_decoder_layers
-    from quantkit.checkpoint_read import _assign, check_tensors, index_tensors, parameters_on_meta, read_tensors
-    from quantkit.models import LoadedModel, quiet_transformers
+    from quantkit.checkpoint.read import _assign, check_tensors, index_tensors, parameters_on_meta, read_tensors
+    from quantkit.models.load import LoadedModel, quiet_transformers
 
     folder = Path(spec).expanduser()
     dtype = resolve_dtype(load.dtype, resolve_device(load.device))
@@ -297,7 +297,7 @@ def open_streamed(spec: str, load: LoadConfig):
 def open_model(spec: str, load: LoadConfig, plan: LoadPlan):
     """(LoadedModel, SafetensorsLayers or None): streamed as ``plan`` says, else loaded whole. Files that do not
     match the model's config exactly are loaded whole under ``--stream auto`` (transformers renames old keys)."""
-    from quantkit.models import load_model
+    from quantkit.models.load import load_model
 
     if plan.stream:
         try:
@@ -318,7 +318,7 @@ def _load_generation_config(model: nn.Module, folder: Path) -> None:
 
 def stream_to_writer(loaded, source: SafetensorsLayers, output: Path, *, scheme, layout: str, overwrite: bool):
     """A checkpoint writer that ``source`` hands each quantized layer to (pass it to ``save_quantized``)."""
-    from quantkit.checkpoint import add_layer, open_writer
+    from quantkit.checkpoint.save import add_layer, open_writer
 
     shard_bytes = stream_shard_bytes(Path(loaded.source).expanduser())
     writer = open_writer(loaded.model, output, scheme=scheme, layout=layout, overwrite=overwrite,

@@ -7,8 +7,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from quantkit.checkpoint_layouts import packed_geometry, stored_leaves
-from quantkit.checkpoint_read import index_tensors, packed_modules, read_config, weight_files
+from quantkit.checkpoint.layouts import packed_geometry, stored_leaves
+from quantkit.checkpoint.read import index_tensors, packed_modules, read_config, weight_files
 from quantkit.config import QuantkitError
 
 

@@ -7,7 +7,7 @@ position. References:
 * ``runtime``: the same runtime with ``backend="reference"`` in float32 (plain PyTorch ops): isolates
   the kernels. Only meaningful when the served path uses the kernels (on CUDA).
 * ``transformers``: transformers' own modeling code on the same checkpoint, read by quantkit's tested
-  reader (:func:`quantkit.api.load_quantized`, float32 on the CPU): an independent decoder, so the
+  reader (:func:`quantkit.checkpoint.read.load_quantized`, float32 on the CPU): an independent decoder, so the
   check means something on the CPU too (our decoder against transformers').
 
 :func:`compare_logits` is the pure core (two logits tensors in, a record out). With a base model, the
@@ -298,14 +298,16 @@ def _logits_of(forward: Callable[[torch.Tensor], torch.Tensor], batches: list[to
 
 def _transformers_forward(model: str, trust_remote_code: bool) -> Callable:
     """transformers' decoder on the checkpoint, float32 on the CPU (QuantLinear's reference path)."""
-    from quantkit import api
+    from quantkit.checkpoint.read import load_quantized
+    from quantkit.checkpoint.settings import is_quantized_checkpoint
 
-    if api.is_quantized_checkpoint(model):
-        net, _ = api.load_quantized(model, device="cpu", dtype=torch.float32)
+    if is_quantized_checkpoint(model):
+        net, _ = load_quantized(model, device="cpu", dtype=torch.float32)
     else:
         from quantkit.config import LoadConfig
+        from quantkit.models.load import load_any
 
-        net, _ = api.load_any(model, LoadConfig(dtype="float32", device="cpu", trust_remote_code=trust_remote_code))
+        net, _ = load_any(model, LoadConfig(dtype="float32", device="cpu", trust_remote_code=trust_remote_code))
     net.eval()
     return lambda ids: net(input_ids=ids.cpu(), use_cache=False).logits
 
@@ -417,15 +419,15 @@ def compare_to_base(forward_logits: Callable, tokenizer, base: str, data: str, *
                     seqlen: int, max_windows: int, trust_remote_code: bool = False) -> BaseResult:
     """Perplexity of ``base`` (:func:`quantkit.eval.perplexity.perplexity`) and of the served path, and
     ``KL(base || served)`` per token, on the first ``max_windows`` windows of ``seqlen`` tokens of ``data``."""
-    from quantkit import api
     from quantkit.config import LoadConfig
     from quantkit.eval.perplexity import load_eval_tokens, needs_bos, perplexity
+    from quantkit.models.load import load_any
 
     if not Path(data).expanduser().is_file():
         raise QuantkitError(f"--data {data}: no such file (verify reads local text only; it never downloads)")
     if max_windows < 1:
         raise QuantkitError(f"--max-windows must be at least 1, got {max_windows}")
-    base_model, _ = api.load_any(base, LoadConfig(dtype=dtype, device=device, trust_remote_code=trust_remote_code))
+    base_model, _ = load_any(base, LoadConfig(dtype=dtype, device=device, trust_remote_code=trust_remote_code))
     base_model.to(device).eval()
     token_ids = load_eval_tokens(data, tokenizer)
     bos = tokenizer.bos_token_id if needs_bos(tokenizer, base_model.config) else None

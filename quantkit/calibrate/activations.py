@@ -46,7 +46,7 @@ class PhaseClock:
     mean something): ``lap(name)`` closes a step. For the progress events and the benchmark's breakdown.
 
     Only the current stream is waited for, not the whole device: the walker's worker copies layers on a side
-    stream while a step computes (``quantkit.layer_pipeline``), and a device-wide wait at every lap made the
+    stream while a step computes (``quantkit.calibrate.pipeline``), and a device-wide wait at every lap made the
     step that overlapped them wait for the copies too (the AWQ capture: 0.26 -> 0.44 s a layer on the H200,
     session 17); the copies' real cost shows where the compute waits for them (``move_in``)."""
 

@@ -193,7 +193,7 @@ def check_loading_info(spec: str, info: dict) -> None:
     ``mismatched_keys``); transformers only logs these, and a model with random layers evaluates to a
     plausible-looking number, so each is a :class:`QuantkitError` naming the keys.
     """
-    from quantkit.checkpoint_read import name_keys
+    from quantkit.checkpoint.read import name_keys
 
     problems = []
     for field, what in (("missing_keys", "missing from the files (they would stay at random init)"),
@@ -211,3 +211,20 @@ def check_loading_info(spec: str, info: dict) -> None:
                 "settings (config.json quantization_config or quantize_config.json): add the settings file "
                 "the quantizing tool wrote")
     raise QuantkitError(f"{spec} does not load as a complete model: " + "; ".join(problems) + f". {hint}")
+
+
+def load_any(model: str, load: LoadConfig = LoadConfig()):
+    """(model, tokenizer) for a quantized checkpoint folder or any model ``load_model`` takes.
+
+    ``load.dtype`` means the same for both: ``auto`` is bfloat16 on CUDA and float32 on the CPU.
+    """
+    from quantkit.checkpoint.settings import is_quantized_checkpoint
+
+    device = resolve_device(load.device)
+    dtype = resolve_dtype(load.dtype, device)
+    if is_quantized_checkpoint(model):
+        from quantkit.checkpoint.read import load_quantized as read_checkpoint
+
+        return read_checkpoint(Path(model).expanduser(), device="cpu", dtype=dtype)
+    loaded = load_model(model, load)
+    return loaded.model, loaded.tokenizer

@@ -22,17 +22,17 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from quantkit.activations import (
+from quantkit.arch import ArchSpec, arch_for, find_decoder_layers, find_linears, sequential_groups
+from quantkit.calibrate.activations import (
     PhaseClock,
     move_outside_layers,
     offload_activations,
     offload_to_host,
     restore_outside_layers,
 )
-from quantkit.arch import ArchSpec, arch_for, find_decoder_layers, find_linears, sequential_groups
+from quantkit.calibrate.pipeline import LayerPipeline, weight_to_host
 from quantkit.distributed.comm import LOCAL, Communicator
 from quantkit.distributed.plan import shard_windows
-from quantkit.layer_pipeline import LayerPipeline, weight_to_host
 from quantkit.qtensor import QuantizedWeight
 
 log = logging.getLogger(__name__)
@@ -155,7 +155,7 @@ class WalkResult:
 
 class LayerSource(Protocol):
     """Where decoder layers come from: a loaded model (``ModelLayers``) or safetensors read one layer at a
-    time (``quantkit.lazy_model.SafetensorsLayers``).
+    time (``quantkit.models.lazy.SafetensorsLayers``).
 
     ``layers`` is the model's own module list (its layers may hold meta parameters until ``layer(i)``
     materializes them). ``finish(i, weights)`` is called once layer ``i`` is quantized, with its packed
@@ -382,7 +382,7 @@ def walk(
 
     ``source`` gives the decoder layers (default: the model's own, already loaded). ``overlap``: on CUDA,
     read and copy the next layer to the device, and the finished one's weights back, in a worker thread
-    while the current layer is worked on (``quantkit.layer_pipeline``); False: all in line, in turn; None:
+    while the current layer is worked on (``quantkit.calibrate.pipeline``); False: all in line, in turn; None:
     on unless the environment sets ``QUANTKIT_OVERLAP=0`` (an off switch for A/B timing).
     """
     device = torch.device(device)

@@ -1,7 +1,7 @@
 """Reading quantized checkpoints back: validation, loading into a model.
 
 The reader trusts nothing it has not checked: the quantization settings (``config.json``'s
-``quantization_config`` and/or ``quantize_config.json``, see :mod:`quantkit.checkpoint_settings`)
+``quantization_config`` and/or ``quantize_config.json``, see :mod:`quantkit.checkpoint.settings`)
 must name a layout quantkit reads (GPTQ v1, GPTQ v2, AutoAWQ GEMM) with a supported bit width, and
 agree with the tensor shapes; every safetensors file must be complete (its header's byte ranges
 covered by the file); every tensor must be one the model expects, with the expected shape and
@@ -12,7 +12,7 @@ The model is built from its config with its parameters on the meta device (no me
 initialization), the packed linears are swapped for :class:`QuantLinear`, and the tensors are
 assigned from the files through :func:`read_tensors`, the one function that reads tensor data;
 packed tensors of another layout are converted to GPTQ v1 on the way
-(:mod:`quantkit.checkpoint_layouts`).
+(:mod:`quantkit.checkpoint.layouts`).
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from quantkit.checkpoint_format import INDEX_NAME, QUANT_SUFFIXES, WEIGHTS_NAME
-from quantkit.checkpoint_layouts import PackedGeometry, packed_geometry, stored_leaves, to_gptq_v1
-from quantkit.checkpoint_settings import GPTQSettings, read_config, validate_quant_config
+from quantkit.checkpoint.format import INDEX_NAME, QUANT_SUFFIXES, WEIGHTS_NAME
+from quantkit.checkpoint.layouts import PackedGeometry, packed_geometry, stored_leaves, to_gptq_v1
+from quantkit.checkpoint.settings import GPTQSettings, read_config, validate_quant_config
 from quantkit.config import QuantkitError
 
 log = logging.getLogger(__name__)

@@ -1,5 +1,5 @@
 """The small operations of a decoder step, in plain PyTorch: the references the fused Triton kernels
-(:mod:`quantkit.runtime.fused_kernels`) are tested against, and the CPU path.
+(:mod:`quantkit.kernels.decoder_ops`) are tested against, and the CPU path.
 
 Shapes: ``x [M, H]`` token rows; ``qkv [M, (Hq + 2 Hkv) * D]`` the fused projection's output; the KV
 cache ``[slots, S_max, Hkv, D]`` per layer; ``positions`` / ``slots`` ``[M]`` int (where each token sits).

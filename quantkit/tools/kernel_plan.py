@@ -101,7 +101,7 @@ def _model_spec(source):
 
 def _layers(source) -> list[tuple]:
     if isinstance(source, (str, Path)):
-        from quantkit.checkpoint import inspect_checkpoint
+        from quantkit.checkpoint.save import inspect_checkpoint
 
         info = inspect_checkpoint(source)
         return [(name, out_f, in_f, info.bits, info.group_size, info.sym, info.desc_act)
