@@ -5,7 +5,7 @@ sits on; ``quantkit gptq`` loads it on the host, so on a GPU machine it sampled 
 not done after 8 minutes). Here the model's tensors go to the GPU once as a :class:`RuntimeModel`
 (q/k/v and gate/up fused, quantkit's decode kernels), a KV cache holds ``batch`` sequences of ``seqlen``
 positions, and each decoding step is one replay of a captured graph followed by the same sampler
-(``self_generated.sample_next``: temperature, top-k, top-p, one seeded ``torch.Generator``), so the host
+(``sampling.sample_next``: temperature, top-k, top-p, one seeded ``torch.Generator``), so the host
 never waits on the device except for progress. The start token is decoded as the step at position 0 (no
 prefill); the last sampled token needs no forward.
 
@@ -162,7 +162,7 @@ def sample_on_runtime(
 
     ``batch_size`` None: sized to the free device memory after the copy (:func:`resolved_batch`). The CPU
     takes ``backend="reference", cuda_graphs=False``."""
-    from quantkit.calib_data.self_generated import sample_next
+    from quantkit.calib_data.sampling import sample_next
 
     started = time.perf_counter()
     runtime = build_runtime(model, device, backend, max_positions=seqlen)

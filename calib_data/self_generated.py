@@ -51,6 +51,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from quantkit.calib_data.sampling import sample_next
 from quantkit.calib_data.text import needs_bos
 from quantkit.config import QuantkitError
 
@@ -206,21 +207,6 @@ def _decode_step(model: nn.Module, input_ids: torch.Tensor, previous: Any) -> An
     if "cache" in inspect.signature(model.forward).parameters:
         return model(input_ids=input_ids, use_cache=True, cache=previous.cache)
     return model(input_ids=input_ids, use_cache=True, past_key_values=previous.past_key_values)
-
-
-def sample_next(
-    logits: torch.Tensor, generator: torch.Generator, temperature: float, top_k: int, top_p: float
-) -> torch.Tensor:
-    """One token per row of ``logits`` ``[b, V]``: temperature, then the ``top_k`` most likely, then
-    the smallest prefix of those whose probability reaches ``top_p``. Returns ``[b]``."""
-    scaled = logits.float() / temperature
-    k = min(top_k, scaled.shape[-1]) if top_k and top_k > 0 else scaled.shape[-1]
-    top_logits, top_ids = torch.topk(scaled, k, dim=-1)  # [b, k], sorted descending
-    probs = torch.softmax(top_logits, dim=-1)
-    before = torch.cumsum(probs, dim=-1) - probs  # probability mass ranked above each token
-    probs = probs.masked_fill(before >= top_p, 0.0)  # the most likely token always stays
-    choice = torch.multinomial(probs, 1, generator=generator)  # [b, 1]; multinomial renormalizes
-    return top_ids.gather(-1, choice).squeeze(-1)
 
 
 def cache_key(model: nn.Module, settings: dict[str, Any]) -> str:

@@ -14,17 +14,14 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import socket
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
 import torch
 
 from quantkit.config import QuantkitError
+from quantkit.hub import HUB_PROBE_TIMEOUT_S, env_offline, hub_reachable  # noqa: F401  (tests patch them here)
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +29,6 @@ LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet")
 DOCUMENT_SEPARATOR = "\n\n"
 # How long the reachability probe of the hub may take before we call the machine offline. Long
 # enough for a slow DNS answer, short enough that an offline user is not left waiting.
-HUB_PROBE_TIMEOUT_S = 3.0
-_TRUTHY = {"1", "true", "yes", "on"}
 
 def local_file_hint(option: str = "--calib") -> str:
     """What to do instead of a hub source: a local file through ``option`` (and, for calibration,
@@ -143,33 +138,6 @@ def _read_parquet(path: Path, text_field: str) -> list[str]:
 
 
 # --------------------------------------------------------------------------- hub data sets
-
-
-def env_offline() -> bool:
-    """True when the user asked the Hugging Face libraries to stay offline."""
-    return any(os.environ.get(var, "").strip().lower() in _TRUTHY for var in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"))
-
-
-def hub_reachable(timeout_s: float = HUB_PROBE_TIMEOUT_S) -> bool:
-    """Whether a TCP connection to the hub endpoint opens within ``timeout_s``.
-
-    Runs in a daemon thread because name resolution ignores socket timeouts and can block for
-    minutes on a machine without network."""
-    endpoint = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
-    host, port = endpoint.hostname or "huggingface.co", endpoint.port or (80 if endpoint.scheme == "http" else 443)
-    outcome: list[bool] = []
-
-    def probe() -> None:
-        try:
-            socket.create_connection((host, port), timeout=timeout_s).close()
-            outcome.append(True)
-        except OSError:
-            outcome.append(False)
-
-    thread = threading.Thread(target=probe, name="quantkit-hub-probe", daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    return bool(outcome and outcome[0])
 
 
 def load_hub_rows(spec: HubTextSpec, *, label: str, option: str = "--calib") -> Any:

@@ -34,12 +34,12 @@ from dataclasses import dataclass
 import torch
 
 from quantkit.config import QuantkitError, QuantScheme
+from quantkit.methods.gptq_mse import group_qparams, static_group_qparams  # the range search (min/max or mse)
 from quantkit.primitives import (
     default_g_idx,
     dequantize,
     fake_quantize_contiguous,
     num_groups,
-    qparams_from_range,
 )
 
 log = logging.getLogger(__name__)
@@ -190,37 +190,6 @@ def output_error(w: torch.Tensor, w_hat: torch.Tensor, H: torch.Tensor) -> float
     num = ((dw @ H) * dw).sum()
     den = ((w @ H) * w).sum()
     return float(num / den.clamp_min(1e-30))
-
-
-def group_qparams(
-    wg: torch.Tensor, scheme: QuantScheme, config: GPTQConfig, weight: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scale float32 ``[out]`` and zero int32 ``[out]`` for the group ``wg [out, k]`` (min/max or mse);
-    ``weight`` float32 ``[k]``: the mse search's per-column weights (None: unweighted)."""
-    wmin, wmax = wg.amin(dim=1), wg.amax(dim=1)  # [out]
-    scale, zero = qparams_from_range(wmin, wmax, scheme.bits, scheme.sym)
-    if not config.mse:
-        return scale, zero
-    best = _shrink_error(wg, scale, zero, scheme.bits, config.search_norm, weight)  # [out]
-    for k in range(1, int(config.mse_max_shrink * config.mse_grid) + 1):
-        p = 1.0 - k / config.mse_grid
-        s, z = qparams_from_range(wmin * p, wmax * p, scheme.bits, scheme.sym)
-        err = _shrink_error(wg, s, z, scheme.bits, config.search_norm, weight)
-        better = err < best
-        best = torch.where(better, err, best)
-        scale = torch.where(better, s, scale)
-        zero = torch.where(better, z, zero)
-    return scale, zero
-
-
-def _shrink_error(wg: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, norm: float,
-                  weight: torch.Tensor | None = None) -> torch.Tensor:
-    s, z = scale[:, None], zero[:, None].float()  # [out, 1]
-    q = torch.clamp(torch.round(wg / s) + z, 0, 2**bits - 1)
-    err = ((q - z) * s - wg).abs().pow(norm)  # [out, k]
-    if weight is not None:
-        err = err * weight  # [k] over the columns
-    return err.sum(dim=1)  # [out]
 
 
 def mse_column_weights(config: GPTQConfig, H: torch.Tensor, U: torch.Tensor,
@@ -526,8 +495,6 @@ def _static_params(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-group parameters ``[G, out]`` of the original (unpermuted) weights (``weight [in]``: the mse
     search's column weights in the original order, or None)."""
-    from quantkit.methods.gptq_mse import static_group_qparams
-
     return static_group_qparams(W, scheme, config, gs, weight)  # every group at once (gptq_mse's doc)
 
 

@@ -1,6 +1,6 @@
 """GPTQ's static-group range search, every group of a weight at once (tensors in, ``[G, out]`` out).
 
-``gptq.group_qparams`` searches one group ``[out, gs]`` at a time: ``1 + mse_max_shrink * mse_grid``
+``group_qparams`` searches one group ``[out, gs]`` at a time: ``1 + mse_max_shrink * mse_grid``
 candidate ranges (21 by default), each scored by some twenty small tensor operations. Static groups
 (``static_groups``, the sym default) computed that for every group of a linear in a Python loop: on an
 8B layer (qkv, o, gate/up, down; 208 groups at g128) about 90,000 kernel launches, 1.9 s of the 2.5 s
@@ -27,6 +27,37 @@ from quantkit.primitives import qparams_from_range
 CHUNK_ELEMENTS = {"cuda": 1 << 25, "cpu": 1 << 18}
 
 
+def group_qparams(
+    wg: torch.Tensor, scheme: QuantScheme, config, weight: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale float32 ``[out]`` and zero int32 ``[out]`` for the group ``wg [out, k]`` (min/max or mse);
+    ``weight`` float32 ``[k]``: the mse search's per-column weights (None: unweighted)."""
+    wmin, wmax = wg.amin(dim=1), wg.amax(dim=1)  # [out]
+    scale, zero = qparams_from_range(wmin, wmax, scheme.bits, scheme.sym)
+    if not config.mse:
+        return scale, zero
+    best = _shrink_error(wg, scale, zero, scheme.bits, config.search_norm, weight)  # [out]
+    for k in range(1, int(config.mse_max_shrink * config.mse_grid) + 1):
+        p = 1.0 - k / config.mse_grid
+        s, z = qparams_from_range(wmin * p, wmax * p, scheme.bits, scheme.sym)
+        err = _shrink_error(wg, s, z, scheme.bits, config.search_norm, weight)
+        better = err < best
+        best = torch.where(better, err, best)
+        scale = torch.where(better, s, scale)
+        zero = torch.where(better, z, zero)
+    return scale, zero
+
+
+def _shrink_error(wg: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, norm: float,
+                  weight: torch.Tensor | None = None) -> torch.Tensor:
+    s, z = scale[:, None], zero[:, None].float()  # [out, 1]
+    q = torch.clamp(torch.round(wg / s) + z, 0, 2**bits - 1)
+    err = ((q - z) * s - wg).abs().pow(norm)  # [out, k]
+    if weight is not None:
+        err = err * weight  # [k] over the columns
+    return err.sum(dim=1)  # [out]
+
+
 def static_group_qparams(
     W: torch.Tensor, scheme: QuantScheme, config, gs: int, weight: torch.Tensor | None = None,
     chunk_elements: int | None = None,
@@ -36,9 +67,7 @@ def static_group_qparams(
     ``chunk_elements``: values scored at a time (None: ``CHUNK_ELEMENTS`` for the device).
 
     The whole groups go through :func:`_search_chunk` a chunk of rows at a time; a partial last group
-    (``in % gs``) through ``gptq.group_qparams``, as before."""
-    from quantkit.methods.gptq import group_qparams
-
+    (``in % gs``) through ``group_qparams``, as before."""
     out_features, in_features = W.shape
     if chunk_elements is None:
         chunk_elements = CHUNK_ELEMENTS.get(W.device.type, CHUNK_ELEMENTS["cuda"])
@@ -61,7 +90,7 @@ def static_group_qparams(
 
 def _search_chunk(wg: torch.Tensor, scheme: QuantScheme, config, weight: torch.Tensor | None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``gptq.group_qparams`` for ``wg [r, G, gs]``: scale and zero ``[r, G]`` (``weight [G, gs]`` or None)."""
+    """``group_qparams`` for ``wg [r, G, gs]``: scale and zero ``[r, G]`` (``weight [G, gs]`` or None)."""
     wmin, wmax = wg.amin(dim=-1), wg.amax(dim=-1)  # [r, G]
     scale, zero = qparams_from_range(wmin, wmax, scheme.bits, scheme.sym)
     if not config.mse:

@@ -147,8 +147,8 @@ def hub_offline(repo_id: str) -> bool:
     when it is not cached and the hub cannot be reached, instead of transformers' retries (35 s).
 
     Offline: ``HF_HUB_OFFLINE``/``HF_DATASETS_OFFLINE`` is set, or the hub does not answer a TCP
-    connection within a few seconds (``calib_data.text.hub_reachable``)."""
-    from quantkit.calib_data.text import env_offline, hub_reachable
+    connection within a few seconds (``quantkit.hub.hub_reachable``)."""
+    from quantkit.hub import env_offline, hub_reachable
 
     if env_offline():
         why = "offline mode is set (HF_HUB_OFFLINE)"

@@ -233,20 +233,22 @@ def test_missing_datasets_package_names_the_extra_and_local_options(tokenizer, m
 
 
 def test_hub_probe_gives_up_within_its_timeout(monkeypatch):
+    from quantkit import hub
+
     def hang(*args, **kwargs):
         time.sleep(2)
         raise TimeoutError("no answer")
 
-    monkeypatch.setattr(text.socket, "create_connection", hang)
+    monkeypatch.setattr(hub.socket, "create_connection", hang)
     started = time.perf_counter()
-    assert text.hub_reachable(timeout_s=0.2) is False
+    assert hub.hub_reachable(timeout_s=0.2) is False
     assert time.perf_counter() - started < 2
 
     def refuse(*args, **kwargs):
         raise ConnectionRefusedError("refused")
 
-    monkeypatch.setattr(text.socket, "create_connection", refuse)
-    assert text.hub_reachable(timeout_s=0.2) is False
+    monkeypatch.setattr(hub.socket, "create_connection", refuse)
+    assert hub.hub_reachable(timeout_s=0.2) is False
 
 
 class _FakeHub:

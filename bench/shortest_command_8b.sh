@@ -5,14 +5,14 @@
 # (output redirected to a file), plus the static-group MSE search, loop vs batched, on one 8B layer.
 #
 #   run (device tool), carry [".stage/h37speed"], timeout_s 400, command:
-#     cd .stage/h37speed && export PYTHONPATH=$PWD/..:$PWD && bash bench/device_shortest_command.sh
+#     cd .stage/h37speed && export PYTHONPATH=$PWD/..:$PWD && bash bench/shortest_command_8b.sh
 # with data/valid.tokens.txt (WikiText-2 validation) and .whl/typer-*.whl copied into .stage/h37speed/.
 # Everything lands in $OUT: card/versions, mse_batched.json, write_model.txt, gptq_self.log, gptq_file.log,
 # gptq_self_cached.log (the same self command again: a cache hit), times.txt.
 set -u
 BUDGET=${BUDGET:-385}
 t0=$(date +%s)
-source bench/device_budget.sh
+source bench/lib/step_budget.sh
 export PYTHONUNBUFFERED=1 COLUMNS=160 QUANTKIT_CACHE=/tmp/qkcache
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v -i warning | tail -3
 if ! python3 -m quantkit.cli.app --help > /dev/null 2>&1; then
