@@ -236,6 +236,7 @@ def quantize(
     calib_tokens: torch.Tensor | None = None,
     progress: bool | None = None,
     activations: str = "auto",
+    moe: Any = None,
 ) -> QuantizeReport:
     """Quantize ``model`` (folder, hub id or .gguf) with ``method`` and write a GPTQ-layout checkpoint.
 
@@ -251,6 +252,7 @@ def quantize(
     (``[nsamples, seqlen]``) replaces drawing windows from ``calib``: a batch computes them once per model.
     ``activations``: where the calibration hidden states live between layers: "auto" (on the device
     when they fit, see :func:`quantkit.activations.offload_activations`), "device" or "host" (pinned).
+    ``moe``: a :class:`quantkit.moe.calibrate.MoECalibConfig` for MoE models (None: its defaults).
     """
     from quantkit.progress import LogProgress, is_interactive, visible_logs
 
@@ -262,14 +264,14 @@ def quantize(
                          on_layer=on_layer or logged.on_layer,
                          on_calib_progress=on_calib_progress or logged.on_calibration,
                          quantize_lm_head=quantize_lm_head, gpus=gpus, calib_tokens=calib_tokens,
-                         activations=activations)
+                         activations=activations, moe=moe)
 
 
 def _quantize(model: str, output: str | Path, *, method: str, scheme: QuantScheme | AutoScheme | None,
               method_options: dict[str, Any] | None, calib: CalibConfig | None, load: LoadConfig, overwrite: bool,
               batch_size: int, on_layer: Callable, on_calib_progress: Callable,
               quantize_lm_head: bool, gpus: int | None, calib_tokens: torch.Tensor | None,
-              activations: str = "auto") -> QuantizeReport:
+              activations: str = "auto", moe: Any = None) -> QuantizeReport:
     from quantkit.checkpoint import save_quantized
     from quantkit.lazy_model import open_model, peak_host_memory_bytes, plan_loading, stream_to_writer
     from quantkit.models import quiet_transformers
@@ -303,6 +305,9 @@ def _quantize(model: str, output: str | Path, *, method: str, scheme: QuantSchem
         require_arch(getattr(loaded.model.config, "model_type", "?"))
     scheme = resolve_scheme(scheme, method, loaded, quantize_lm_head)
     quant_method = build_method(method, scheme, method_options)
+    from quantkit.moe.prepare import prepare_for_quantization
+
+    quant_method = prepare_for_quantization(loaded.model, quant_method, moe, streamed=source is not None)
     t_loaded = time.perf_counter()
 
     token_ids = None
