@@ -89,6 +89,11 @@ def print_quantize_summary(con: Console, report) -> None:
     if flags:
         table.add_row("options", ", ".join(flags))
     table.add_row("quantized linears", str(report.n_quantized))
+    if getattr(report, "compression_ratio", 0):
+        table.add_row("compression (all weights)", f"{report.compression_ratio:.2f}x")
+    if getattr(report, "unquantized", None):
+        shown = ", ".join(report.unquantized[:4]) + (" ..." if len(report.unquantized) > 4 else "")
+        table.add_row("NOT quantized", f"{len(report.unquantized)} weights stay 16-bit: {shown}", style="red")
     table.add_row("time", f"{report.seconds_total:.1f} s (load {report.seconds_load:.1f}, calibration "
                   f"{report.seconds_calibration:.1f}, layers {report.seconds_quantize:.1f}, save {report.seconds_save:.1f})")
     table.add_row("loading", "streamed from disk, layer by layer" if report.streamed else "whole model in memory")

@@ -60,6 +60,8 @@ class QuantizeReport:
     options: dict[str, Any] = field(default_factory=dict)
     peak_host_memory_bytes: int = 0  # the process's resident-memory high-water mark (VmHWM on Linux)
     streamed: bool = False  # decoder layers read from disk one at a time (quantkit.lazy_model)
+    unquantized: list[str] = field(default_factory=list)  # weights no method reached (quantkit.coverage)
+    compression_ratio: float = 0.0  # over all of the model's weights, 16-bit bytes / bytes written
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -74,6 +76,8 @@ class QuantizeReport:
             "partial_group_layers": self.partial_group_layers,
             "engine_kernels": self.engine_kernels,
             "options": self.options,
+            "unquantized": self.unquantized,
+            "compression_ratio": round(self.compression_ratio, 4),
         }
 
 
@@ -331,6 +335,10 @@ def _quantize(model: str, output: str | Path, *, method: str, scheme: QuantSchem
             writer.abort()
         raise
     t_quant = time.perf_counter()
+    from quantkit.coverage import warn_unreached, weight_coverage
+
+    coverage = weight_coverage(loaded.model, result.weights)
+    warn_unreached(coverage)
 
     extra = {"source_model": model, "method": method, "layer_seconds": result.seconds}
     if token_ids is not None:
@@ -356,6 +364,7 @@ def _quantize(model: str, output: str | Path, *, method: str, scheme: QuantSchem
         peak_host_memory_bytes=peak_host_memory_bytes(),
         engine_kernels=serving_kernels(scheme, result.weights, partial, layout),
         options={**default_options(method, scheme), **method_options, "format": layout},
+        unquantized=list(coverage.unreached), compression_ratio=coverage.compression_ratio,
     )
 
 
