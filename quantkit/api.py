@@ -77,8 +77,15 @@ class QuantizeReport:
             "engine_kernels": self.engine_kernels,
             "options": self.options,
             "unquantized": self.unquantized,
+            "expert_tokens": _expert_tokens(self.layer_stats),
             "compression_ratio": round(self.compression_ratio, 4),
         }
+
+
+def _expert_tokens(layer_stats: list[dict[str, Any]]) -> dict[str, Any]:
+    from quantkit.moe.stats import expert_tokens
+
+    return expert_tokens(layer_stats)
 
 
 def build_method(name: str, scheme: QuantScheme, options: dict[str, Any] | None = None) -> Method:

@@ -84,3 +84,30 @@ def test_mixtral_with_record_is_whole(tmp_path, caplog):
 def test_dense_llama_nothing_unreached(tiny_llama_dir, tmp_path, caplog):
     report, warned = quantize_rtn(tiny_llama_dir, tmp_path / "q", caplog)
     assert report.unquantized == [] and not warned
+
+
+def test_cli_gptq_on_mixtral_reports_expert_tokens_and_plots(tmp_path):
+    import json
+
+    from tests.test_cli import quantkit
+
+    src = save_tiny(tmp_path / "mixtral", "mixtral", intermediate_size=64, num_local_experts=8,
+                    num_experts_per_tok=2)
+    text = tmp_path / "calib.txt"
+    text.write_text("\n".join(f"the expert {i} reads tokens and the router picks two of eight" for i in range(80)))
+    stats = tmp_path / "stats.json"
+    proc = quantkit("gptq", src, "-o", tmp_path / "q", "--group-size", "32", "--calib", text, "--nsamples", "4",
+                    "--seqlen", "32", "--moe-calib", "routed", "--moe-min-tokens", "1000", "--save-stats", stats,
+                    "--json", "--device", "cpu")
+    report = json.loads(proc.stdout)
+    assert report["unquantized"] == [] and report["n_quantized"] == 2 * (4 + 3 * 8)
+    tokens = report["expert_tokens"]["model.layers.0"]
+    assert sum(tokens["routed"]) == 4 * 32 * 2 and tokens["rtn_fallback"] == list(range(8))  # floor above all
+    assert "block_sparse_moe.experts.0" in proc.stderr  # the warning names the experts
+    saved = json.loads(stats.read_text())
+    assert saved["expert_tokens"]["model.layers.1"]["routed"] == report["expert_tokens"]["model.layers.1"]["routed"]
+    assert stats.with_suffix(".experts.png").stat().st_size > 0
+    info = json.loads(quantkit("inspect", tmp_path / "q", "--json").stdout)
+    assert info["moe"]["packed_experts"] == 16
+    assert "vLLM Marlin MoE tp=1" in quantkit("inspect", tmp_path / "q").stdout
+    assert quantkit("gptq", src, "-o", tmp_path / "bad", "--moe-calib", "some", check_code=2).returncode == 2
