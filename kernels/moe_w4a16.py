@@ -101,21 +101,26 @@ def stack_dense(w13: torch.Tensor, w2: torch.Tensor) -> MoEExperts:
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(pair ids sorted by expert, each expert's run padded to ``block_m`` with ``T*k``; expert per block)."""
+    """(pair ids sorted by expert, each expert's run padded to ``block_m`` with ``T*k``; expert per block).
+
+    No host sync (CUDA-graph safe): the arrays have their largest size, ``T*k + E*(block_m - 1)`` rounded up
+    to ``block_m``; blocks past the last expert's run hold only padding (the kernel returns at once)."""
     flat = topk_ids.reshape(-1).long()  # [T*k]: pair p = t*k + j routes to expert flat[p]
     pairs = flat.numel()
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     order = torch.argsort(flat, stable=True)
     experts_sorted = flat[order]
     first = torch.cumsum(counts, 0) - counts  # start of each expert's run in `order`
-    start = torch.cumsum(padded, 0) - padded  # start of its padded run
+    ends = torch.cumsum(padded, 0)
+    start = ends - padded  # start of its padded run
     rank = torch.arange(pairs, device=flat.device) - first[experts_sorted]
-    total = int(padded.sum())  # host sync: the grid depends on it
-    sorted_ids = torch.full((total,), pairs, dtype=torch.int32, device=flat.device)
+    n_blocks = (pairs + num_experts * (block_m - 1) + block_m - 1) // block_m
+    sorted_ids = torch.full((n_blocks * block_m,), pairs, dtype=torch.int32, device=flat.device)
     sorted_ids[start[experts_sorted] + rank] = order.to(torch.int32)
-    block_expert = torch.repeat_interleave(torch.arange(num_experts, device=flat.device, dtype=torch.int32),
-                                           padded // block_m)
+    blocks = torch.arange(n_blocks, device=flat.device) * block_m
+    block_expert = torch.searchsorted(ends, blocks, right=True).clamp_max(num_experts - 1).to(torch.int32)
     return sorted_ids, block_expert
 
 
@@ -148,6 +153,8 @@ def _moe_gemm_kernel(a_ptr, w_ptr, s_ptr, z_ptr, g_ptr, out_ptr, sorted_ptr, blo
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    if tl.load(sorted_ptr + pid_m * BLOCK_M) >= num_pairs:
+        return  # a block of padding only (past the last expert's run)
     e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     pairs = tl.load(sorted_ptr + offs_m)  # [BLOCK_M] (token, slot) pair ids; num_pairs marks padding

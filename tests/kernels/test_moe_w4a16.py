@@ -41,11 +41,15 @@ def routing(tokens, n_exp, top_k, seed=1, skip=()):
 def test_moe_align_groups_pairs_by_expert():
     ids = torch.tensor([[2, 0], [2, 1], [0, 2]])
     sorted_ids, block_expert = moe_align(ids, num_experts=4, block_m=4)
-    assert block_expert.tolist() == [0, 1, 2]  # expert 3 has no pair, no block
     pairs = 6
-    for b, e in enumerate(block_expert.tolist()):
+    used = [b for b in range(block_expert.numel()) if sorted_ids[4 * b] < pairs]
+    assert [block_expert[b].item() for b in used] == [0, 1, 2]  # expert 3 has no pair, no block
+    assert used == [0, 1, 2]  # the runs come first, padding blocks after
+    for b in used:
+        e = block_expert[b].item()
         block = [p for p in sorted_ids[4 * b : 4 * b + 4].tolist() if p < pairs]
         assert sorted(block) == sorted(p for p in range(pairs) if ids.reshape(-1)[p] == e)
+    assert sorted(p for p in sorted_ids.tolist() if p < pairs) == list(range(pairs))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
