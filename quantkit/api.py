@@ -314,11 +314,11 @@ def _quantize(model: str, output: str | Path, *, method: str, scheme: QuantSchem
         from quantkit.arch import require_arch
 
         require_arch(getattr(loaded.model.config, "model_type", "?"))
-    scheme = resolve_scheme(scheme, method, loaded, quantize_lm_head)
-    quant_method = build_method(method, scheme, method_options)
-    from quantkit.moe.prepare import prepare_for_quantization
+    from quantkit.moe.prepare import prepare_layout, wrap_method
 
-    quant_method = prepare_for_quantization(loaded.model, quant_method, moe, streamed=source is not None)
+    prepare_layout(loaded.model, method, streamed=source is not None)  # MoE: experts as per-expert linears
+    scheme = resolve_scheme(scheme, method, loaded, quantize_lm_head)
+    quant_method = wrap_method(loaded.model, build_method(method, scheme, method_options), moe)
     t_loaded = time.perf_counter()
 
     token_ids = None

@@ -8,27 +8,42 @@ from torch import nn
 
 from quantkit.arch import arch_for
 from quantkit.config import QuantkitError
-from quantkit.moe.experts import has_fused_experts
+from quantkit.moe.experts import find_separate_experts, has_fused_experts
 
 
-def prepare_for_quantization(model: nn.Module, method: Any, config: Any = None, streamed: bool = False) -> Any:
-    """The method to walk ``model`` with: ``method`` itself for a dense model, else a
-    :class:`~quantkit.moe.calibrate.MoEMethod` around it, after ``model``'s experts are unfused.
+def prepare_layout(model: nn.Module, method_name: str, streamed: bool = False) -> int:
+    """Unfuse ``model``'s experts into per-expert linears under the checkpoint names (before anything looks
+    for linears: the group size, partial groups); returns the number of MoE blocks (0: dense or no record).
 
-    A model with fused experts but no MoE record is walked as it is: its fused expert weights stay 16-bit
-    and are named in a warning and in the report (``quantkit.coverage``)."""
+    A model with fused experts but no MoE record is left as it is: its fused expert weights stay 16-bit and
+    are named in a warning and in the report (``quantkit.coverage``)."""
     spec = arch_for(getattr(model.config, "model_type", ""))
     if spec is None or spec.moe is None:
-        return method
+        return 0
     if streamed:
         raise QuantkitError("MoE models are not streamed from disk yet: load them whole (--stream off) "
                             "(docs/moe.md)")
-    if method.name == "awq":
+    if method_name == "awq":
         raise QuantkitError("awq on MoE models is not supported yet; use gptq (the default) or rtn (docs/moe.md)")
-    from quantkit.moe.calibrate import MoECalibConfig, MoEMethod
     from quantkit.moe.layout import prepare_moe_model
 
-    prepare_moe_model(model, spec)
+    count = prepare_moe_model(model, spec)
     if has_fused_experts(model):
         raise QuantkitError(f"{spec.family}: fused experts left after unfusing (an unknown expert layout)")
+    return count
+
+
+def wrap_method(model: nn.Module, method: Any, config: Any = None) -> Any:
+    """``method`` for a dense model; a :class:`~quantkit.moe.calibrate.MoEMethod` around it when ``model``
+    has experts in quantkit's layout (``prepare_layout``)."""
+    if not find_separate_experts(model):
+        return method
+    from quantkit.moe.calibrate import MoECalibConfig, MoEMethod
+
     return MoEMethod(method, config if config is not None else MoECalibConfig())
+
+
+def prepare_for_quantization(model: nn.Module, method: Any, config: Any = None, streamed: bool = False) -> Any:
+    """``prepare_layout`` then ``wrap_method`` (scripts and tests that build the method first)."""
+    prepare_layout(model, method.name, streamed)
+    return wrap_method(model, method, config)
