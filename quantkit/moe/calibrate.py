@@ -9,7 +9,8 @@ quantizes the experts itself, in two passes over the calibration batches:
 2. the inputs of every expert's down projection, through the now quantized gate/up (per expert).
 
 Either way the layer's output passed on is the routed sum (``SeparateExperts``). Experts are computed
-``chunk`` at a time, so device memory holds ``[tokens, chunk * 2I]`` of intermediates at most.
+one at a time, so device memory holds ``[tokens of a batch, 2I]`` of intermediates at most; the gate/up
+solves stack ``chunk`` experts sharing the one Hessian.
 
 An expert whose Hessian saw fewer than ``min_tokens`` tokens (only possible in ``routed`` mode: a rarely
 chosen expert) is quantized by round-to-nearest instead: with no or few tokens its Hessian is empty or
@@ -41,7 +42,7 @@ CALIB_MODES = ("all", "routed")
 class MoECalibConfig:
     """``mode``: "all" (every token through every expert, the default: better model on the measured
     tiny MoE, docs/moe.md) or "routed"; ``min_tokens``: below it an expert falls back to RTN;
-    ``chunk``: experts computed at once in the all-expert pass."""
+    ``chunk``: experts whose gate/up GPTQ solves as one stack in "all" mode (they share one Hessian)."""
 
     mode: str = "all"
     min_tokens: int = 8
@@ -128,7 +129,7 @@ def _run(ctx: LayerContext, block: SeparateExperts, observer) -> None:
 def _quantize_block(ctx: LayerContext, path: str, block: SeparateExperts, inner: Any,
                     config: MoECalibConfig) -> tuple[dict, dict, list[str]]:
     scheme, gcfg = inner.scheme, inner.config
-    block.mode, block.chunk = config.mode, config.chunk
+    block.mode = config.mode
     block.routed_tokens.zero_()
     n = block.num_experts
     gate_n, up_n, down_n = block[0].names

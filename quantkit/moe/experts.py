@@ -9,9 +9,9 @@ module's signature ``(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) -
 the same sum; a model built on the meta device (the reader) is unfused the same way.
 
 Calibration (``quantkit.moe.calibrate``) sets ``observer``: it is called with each expert's inputs, and
-with ``mode == "all"`` every token goes through every expert (in chunks of ``chunk`` experts, so the
-intermediate ``[T, chunk * 2I]`` stays bounded) while the output still sums only the routed experts.
-``routed_tokens [E]`` counts the (token, expert) routings seen while an observer is set.
+with ``mode == "all"`` every token goes through every expert (one expert at a time, so the intermediate
+``[T, 2I]`` stays bounded) while the output still sums only the routed experts. ``routed_tokens [E]``
+counts the (token, expert) routings seen while an observer is set.
 """
 
 from __future__ import annotations
@@ -60,7 +60,6 @@ class SeparateExperts(nn.ModuleList):
         self.num_experts = len(experts)
         self.observer: Observer | None = None
         self.mode = "routed"  # or "all" (calibration only)
-        self.chunk = 8
         self.routed_tokens = torch.zeros(len(experts), dtype=torch.long)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -69,7 +68,7 @@ class SeparateExperts(nn.ModuleList):
         out = torch.zeros_like(hidden_states)
         if self.observer is not None:
             self.routed_tokens += torch.bincount(top_k_index.reshape(-1).cpu(), minlength=self.num_experts)
-        if self.observer is not None and self.mode == "all":
+        if self.mode == "all":
             return self._all_experts(hidden_states, top_k_index, top_k_weights, out)
         for e in torch.unique(top_k_index).tolist():
             token, slot = torch.where(top_k_index == e)
@@ -89,25 +88,21 @@ class SeparateExperts(nn.ModuleList):
 
     def _all_experts(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                      out: torch.Tensor) -> torch.Tensor:
-        """Every token through every expert, ``chunk`` experts at a time; only routed rows are summed."""
-        self.observer(None, "in", x)
+        """Every token through every expert, one expert at a time (so the intermediates stay ``[T, 2I]``);
+        only the routed rows are summed. Each expert's linears are called as modules on all tokens, so hooks
+        on them (AWQ's capture) see every token."""
+        if self.observer is not None:
+            self.observer(None, "in", x)
         # weight of expert e for each token (0 where not routed): [T, E]
         dense = torch.zeros(x.shape[0], self.num_experts, dtype=top_k_weights.dtype, device=x.device)
         dense.scatter_(1, top_k_index, top_k_weights)
-        for first in range(0, self.num_experts, self.chunk):
-            group = range(first, min(first + self.chunk, self.num_experts))
-            gate = torch.cat([self[e].linears()[0].weight for e in group])  # [c * I, H]
-            up = torch.cat([self[e].linears()[1].weight for e in group])
-            inter = gate.shape[0] // len(group)
-            g = (x @ gate.t()).split(inter, dim=-1)  # c x [T, I]
-            u = (x @ up.t()).split(inter, dim=-1)
-            for j, e in enumerate(group):
-                h = self[e].act_fn(g[j]) * u[j]  # [T, I]
+        for e in range(self.num_experts):
+            h = self[e].hidden_act(x)  # [T, I]
+            if self.observer is not None:
                 self.observer(e, "down_in", h)
-                routed = dense[:, e] != 0
-                if routed.any():
-                    y = self[e].linears()[2](h[routed])
-                    out[routed] += (y * dense[routed, e, None]).to(out.dtype)
+            routed = dense[:, e] != 0
+            y = self[e].linears()[2](h)  # [T, H]: all tokens (hooks see them), routed rows kept
+            out[routed] += (y[routed] * dense[routed, e, None]).to(out.dtype)
         return out
 
 

@@ -113,7 +113,7 @@ def test_all_expert_mode_passes_on_only_routed_outputs():
         ref = model(ids).logits
         blocks = [m for m in model.modules() if isinstance(m, SeparateExperts)]
         for b in blocks:
-            b.mode, b.chunk, b.observer = "all", 3, lambda e, kind, x: None
+            b.mode, b.observer = "all", lambda e, kind, x: None
         out = model(ids).logits
     assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
     assert all(int(b.routed_tokens.sum()) == 2 * 32 * 2 for b in blocks)  # tokens x top-2
