@@ -6,7 +6,7 @@ top-8, hidden 2048, expert intermediate 768, skewed routers). Sections (each can
 
 * ``gptq``: ``quantkit.walker.walk`` with GPTQ's defaults and the default all-expert calibration on
   ``--nsamples`` x ``--seqlen`` random tokens: seconds, peak device and host memory, RTN-fallback experts;
-* ``awq``: AWQ on MoE is refused today (docs/moe.md); the row records that;
+* ``awq``: the same with AWQ's defaults (a fresh random model; run last, after the serving runs);
 * ``serve``: the runtime (kernels backend, CUDA graphs at decode when they capture) on the GPTQ weights
   (int4) and on 16-bit experts of the same shapes: decode tokens/s at batch 1/8/32, prefill of 2048 tokens,
   and the active-expert bytes per decode token against the copy bandwidth (roofline);
@@ -100,6 +100,35 @@ def run_gptq(args, sizes: dict, record: dict):
         "tokens": args.nsamples * args.seqlen, "scheme": "W4 g128 sym, GPTQ defaults, --moe-calib all",
     }
     return model, result, scheme
+
+
+def run_method(args, sizes: dict, name: str) -> dict:
+    """A fresh random model quantized by ``name`` with its defaults: seconds and peak memory."""
+    from quantkit.api import build_method, default_options
+    from quantkit.config import QuantScheme
+    from quantkit.lazy_model import peak_host_memory_bytes
+    from quantkit.moe.prepare import prepare_for_quantization
+    from quantkit.walker import walk
+
+    model = random_moe("qwen3_moe", device=args.device, dtype=torch.bfloat16, seed=1, **sizes)
+    scheme = QuantScheme(bits=4, group_size=128, sym=name != "awq")
+    method = prepare_for_quantization(model, build_method(name, scheme))
+    tokens = torch.randint(0, sizes["vocab_size"], (args.nsamples, args.seqlen),
+                           generator=torch.Generator().manual_seed(0))
+    if args.device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+
+    def on_layer(ev):
+        eta = ev.elapsed / (ev.index + 1) * (ev.n_layers - ev.index - 1)
+        print(f"  {name} layer {ev.index + 1}/{ev.n_layers}: {ev.seconds:.1f} s (ETA {eta:.0f} s)", flush=True)
+
+    t0 = time.perf_counter()
+    result = walk(model, method, device=args.device, token_ids=tokens, batch_size=args.batch_size, on_layer=on_layer)
+    sync()
+    return {"seconds": time.perf_counter() - t0, "n_quantized": len(result.weights),
+            "peak_device_gib": torch.cuda.max_memory_allocated() / 2**30 if args.device.startswith("cuda") else 0,
+            "peak_host_gib": peak_host_memory_bytes() / 2**30, "tokens": args.nsamples * args.seqlen,
+            "options": default_options(name, scheme)}
 
 
 def runtime_from(model, weights: dict | None, scheme, dense_random: bool = False):
@@ -247,8 +276,12 @@ def main() -> None:
     if "gptq" not in args.skip:
         model, result, scheme = run_gptq(args, sizes, record)
         print(json.dumps(record["gptq"], indent=1), flush=True)
-    if "awq" not in args.skip:
-        record["awq"] = {"status": "not supported on MoE models yet (quantkit refuses with a message; docs/moe.md)"}
+    if "awq" not in args.skip and "serve" in args.skip:
+        model = result = None
+        gc.collect()
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+        record["awq"] = run_method(args, sizes, "awq")
+        print(json.dumps(record["awq"], indent=1), flush=True)
     if "serve" not in args.skip and model is not None:
         from quantkit.runtime.bench import copy_bandwidth
 
@@ -265,6 +298,10 @@ def main() -> None:
         record["int4_over_bf16_decode_b1"] = by[("int4", "decode b1")] / by[("bf16", "decode b1")]
     if "kernel" not in args.skip:
         record["kernel"] = kernel_rows(args)
+    if "awq" not in args.skip and "serve" not in args.skip:  # after the serving runs freed their memory
+        gc.collect()
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+        record["awq"] = run_method(args, sizes, "awq")
     print_table(record)
     out = Path(args.out or f"bench/results/bench_moe_{datetime.date.today().isoformat()}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -279,7 +316,9 @@ def print_table(record: dict) -> None:
               f"(target < 600 s), peak device {gq['peak_device_gib']:.1f} GiB, host {gq['peak_host_gib']:.1f} GiB, "
               f"{gq['rtn_fallback_experts']} RTN-fallback experts")
     if "awq" in record:
-        print(f"AWQ: {record['awq']['status']}")
+        aw = record["awq"]
+        print(f"AWQ (defaults): {aw['seconds']:.0f} s (target < 600 s), peak device {aw['peak_device_gib']:.1f} GiB, "
+              f"host {aw['peak_host_gib']:.1f} GiB")
     if "serve" in record:
         print(f"\n{'model':6s} {'what':14s} {'tok/s':>10s}  graphs  roofline")
         for r in record["serve"]:

@@ -83,9 +83,10 @@ class MoEMethod:
         blocks = find_separate_experts(ctx.layer)
         if not blocks or not self.inner.needs_calibration:
             return self.inner.quantize_layer(ctx)  # RTN: every expert linear is a linear like any other
+        if self.inner.name == "awq":
+            return _awq_layer(ctx, blocks, self.inner)
         if self.inner.name != "gptq":
-            raise QuantkitError(f"{self.inner.name} on MoE experts is not supported yet; use gptq or rtn "
-                                "(docs/moe.md)")
+            raise QuantkitError(f"{self.inner.name} on MoE experts is not supported; use gptq, awq or rtn")
         if ctx.comm.world_size > 1:
             raise QuantkitError("MoE models are quantized in one process for now; run without --gpus")
         expert_linears = {n for n in ctx.linears if any(n.startswith(p + ".") for p in blocks)}
@@ -104,6 +105,21 @@ class MoEMethod:
             notes.extend(n)
         return LayerResult(weights=weights, stats=stats, notes=notes, installed=frozenset(weights),
                            phases=result.phases)
+
+
+def _awq_layer(ctx: LayerContext, blocks: dict[str, SeparateExperts], inner: Any) -> LayerResult:
+    """AWQ with the layer's scaling groups expanded for its experts (``quantkit.moe.awq``), every expert
+    reached by every token while AWQ captures and searches."""
+    from quantkit.moe.awq import awq_layer_spec
+
+    for block in blocks.values():
+        block.mode = "all"
+    try:
+        result = inner.quantize_layer(replace(ctx, spec=awq_layer_spec(ctx.spec, blocks)))
+    finally:
+        for block in blocks.values():
+            block.mode = "routed"
+    return result
 
 
 def _run(ctx: LayerContext, block: SeparateExperts, observer) -> None:

@@ -23,8 +23,6 @@ def prepare_layout(model: nn.Module, method_name: str, streamed: bool = False) -
     if streamed:
         raise QuantkitError("MoE models are not streamed from disk yet: load them whole (--stream off) "
                             "(docs/moe.md)")
-    if method_name == "awq":
-        raise QuantkitError("awq on MoE models is not supported yet; use gptq (the default) or rtn (docs/moe.md)")
     from quantkit.moe.layout import prepare_moe_model
 
     count = prepare_moe_model(model, spec)

@@ -111,13 +111,3 @@ def test_cli_gptq_on_mixtral_reports_expert_tokens_and_plots(tmp_path):
     assert info["moe"]["packed_experts"] == 16
     assert "vLLM Marlin MoE tp=1" in quantkit("inspect", tmp_path / "q").stdout
     assert quantkit("gptq", src, "-o", tmp_path / "bad", "--moe-calib", "some", check_code=2).returncode == 2
-
-
-def test_awq_on_moe_is_refused_with_a_reason(tmp_path):
-    from quantkit.config import QuantkitError
-
-    src = save_tiny(tmp_path / "mixtral", "mixtral", intermediate_size=64, num_local_experts=8,
-                    num_experts_per_tok=2)
-    with pytest.raises(QuantkitError, match="awq on MoE models is not supported yet"):
-        api.quantize(str(src), tmp_path / "q", method="awq", scheme=SCHEME, progress=False)
-    assert not (tmp_path / "q").exists()

@@ -122,3 +122,22 @@ def test_all_expert_mode_passes_on_only_routed_outputs():
 def test_rtn_quantizes_every_expert():
     model, result = quantized("olmoe", method="rtn")
     assert len(result.weights) == 2 * (4 + 3 * 8)
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_moe", "mixtral"])
+def test_awq_scales_every_expert_and_reloads(model_type, tmp_path):
+    model = tiny_moe(model_type)
+    norm_before = model.model.layers[0].post_attention_layernorm.weight.detach().clone()
+    model, result = quantized(model_type, method="awq", model=model)
+    block = "block_sparse_moe" if model_type == "mixtral" else "mlp"
+    down = "w2" if model_type == "mixtral" else "down_proj"
+    stats = result.layer_stats[0]["linears"]
+    # one scale searched for all experts' gate/up (folded into the norm), one per expert's up -> down
+    assert not torch.equal(model.model.layers[0].post_attention_layernorm.weight, norm_before)
+    assert all("scale_err_awq" in stats[f"{block}.experts.{e}.{down}"] for e in range(8))
+    assert len(result.weights) == 2 * (4 + 3 * 8 + (3 if model_type == "qwen2_moe" else 0))
+    out = save_quantized(model, result.weights, tmp_path / "q", method="awq", scheme=SCHEME)
+    loaded, _ = load_quantized(out, dtype=torch.float32)
+    ids = calib_ids(seed=2, n=2)
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
