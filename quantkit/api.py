@@ -316,7 +316,7 @@ def _quantize(model: str, output: str | Path, *, method: str, scheme: QuantSchem
         require_arch(getattr(loaded.model.config, "model_type", "?"))
     from quantkit.moe.prepare import prepare_layout, wrap_method
 
-    prepare_layout(loaded.model, method, streamed=source is not None)  # MoE: experts as per-expert linears
+    prepare_layout(loaded.model)  # MoE: experts as per-expert linears (a streamed model already is)
     scheme = resolve_scheme(scheme, method, loaded, quantize_lm_head)
     quant_method = wrap_method(loaded.model, build_method(method, scheme, method_options), moe)
     t_loaded = time.perf_counter()

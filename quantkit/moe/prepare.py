@@ -11,18 +11,17 @@ from quantkit.config import QuantkitError
 from quantkit.moe.experts import find_separate_experts, has_fused_experts
 
 
-def prepare_layout(model: nn.Module, method_name: str, streamed: bool = False) -> int:
+def prepare_layout(model: nn.Module) -> int:
     """Unfuse ``model``'s experts into per-expert linears under the checkpoint names (before anything looks
     for linears: the group size, partial groups); returns the number of MoE blocks (0: dense or no record).
 
     A model with fused experts but no MoE record is left as it is: its fused expert weights stay 16-bit and
-    are named in a warning and in the report (``quantkit.coverage``)."""
+    are named in a warning and in the report (``quantkit.coverage``). A streamed model was put in this
+    layout on the meta device when it was opened (``quantkit.lazy_model.open_streamed``): its layers are
+    read from the files' per-expert tensors, and this call changes nothing more."""
     spec = arch_for(getattr(model.config, "model_type", ""))
     if spec is None or spec.moe is None:
         return 0
-    if streamed:
-        raise QuantkitError("MoE models are not streamed from disk yet: load them whole (--stream off) "
-                            "(docs/moe.md)")
     from quantkit.moe.layout import prepare_moe_model
 
     count = prepare_moe_model(model, spec)
@@ -41,7 +40,7 @@ def wrap_method(model: nn.Module, method: Any, config: Any = None) -> Any:
     return MoEMethod(method, config if config is not None else MoECalibConfig())
 
 
-def prepare_for_quantization(model: nn.Module, method: Any, config: Any = None, streamed: bool = False) -> Any:
+def prepare_for_quantization(model: nn.Module, method: Any, config: Any = None) -> Any:
     """``prepare_layout`` then ``wrap_method`` (scripts and tests that build the method first)."""
-    prepare_layout(model, method.name, streamed)
+    prepare_layout(model)
     return wrap_method(model, method, config)

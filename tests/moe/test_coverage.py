@@ -111,3 +111,25 @@ def test_cli_gptq_on_mixtral_reports_expert_tokens_and_plots(tmp_path):
     assert info["moe"]["packed_experts"] == 16
     assert "vLLM Marlin MoE tp=1" in quantkit("inspect", tmp_path / "q").stdout
     assert quantkit("gptq", src, "-o", tmp_path / "bad", "--moe-calib", "some", check_code=2).returncode == 2
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+def test_streamed_moe_equals_whole(tmp_path, model_type):
+    """Layer by layer from the files' per-expert tensors (as transformers saves them): the same checkpoint."""
+    from safetensors.torch import load_file
+
+    from quantkit.config import LoadConfig
+
+    extra = dict(num_local_experts=8) if model_type == "mixtral" else dict(num_experts=8, moe_intermediate_size=64,
+                                                                            head_dim=16)
+    src = save_tiny(tmp_path / "src", model_type, intermediate_size=64, num_experts_per_tok=2, **extra)
+    calib = torch.randint(3, 200, (4, 32), generator=torch.Generator().manual_seed(0))
+    outs = {}
+    for stream in ("on", "off"):
+        report = api.quantize(str(src), tmp_path / stream, method="gptq", scheme=SCHEME, calib_tokens=calib,
+                              load=LoadConfig(stream=stream, device="cpu"), progress=False)
+        assert report.streamed == (stream == "on") and report.unquantized == []
+        outs[stream] = load_file(str(tmp_path / stream / "model.safetensors"))
+    assert outs["on"].keys() == outs["off"].keys()
+    for key, t in outs["off"].items():
+        assert torch.equal(outs["on"][key], t), key
