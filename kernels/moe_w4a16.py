@@ -125,19 +125,32 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
 
 
 @triton.jit
-def _weight_tile(w_ptr, s_ptr, z_ptr, g_ptr, e, offs_k, offs_n, k_mask, n_mask, K,
+def _weight_tile(w_ptr, s_ptr, z_ptr, g_ptr, e, k0, offs_k, offs_n, k_mask, n_mask, K,
                  stride_we, stride_wk, stride_wn, stride_se, stride_sg, stride_sn,
-                 QUANT: tl.constexpr, DTYPE: tl.constexpr):
-    """Weights ``[BLOCK_K, BLOCK_N]`` of expert ``e`` (W^T tile: rows are K, columns N), in DTYPE."""
+                 QUANT: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                 DTYPE: tl.constexpr):
+    """Weights ``[BLOCK_K, BLOCK_N]`` of expert ``e`` (W^T tile: rows are K, columns N), in DTYPE.
+
+    Quantized: ``BLOCK_K / 8`` words per column are loaded once and split into their eight codes (word w,
+    nibble j is K row 8 w + j). ``GROUP`` > 0: groups are contiguous and a multiple of BLOCK_K, so the tile
+    has one row of scales and zeros; 0: each row's group comes from ``g_idx`` (act-order)."""
     mask = k_mask[:, None] & n_mask[None, :]
     if QUANT:
-        words = tl.load(w_ptr + e * stride_we + (offs_k // 8)[:, None] * stride_wk + offs_n[None, :] * stride_wn,
-                        mask=mask, other=0)
-        codes = (words >> ((offs_k % 8) * 4)[:, None]) & 0xF
-        g = tl.load(g_ptr + e * K + offs_k, mask=k_mask, other=0)
-        sz = e * stride_se + g[:, None] * stride_sg + offs_n[None, :] * stride_sn
-        s = tl.load(s_ptr + sz, mask=mask, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + sz, mask=mask, other=0.0).to(tl.float32)
+        offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        words = tl.load(w_ptr + e * stride_we + offs_w[:, None] * stride_wk + offs_n[None, :] * stride_wn,
+                        mask=(offs_w[:, None] < K // 8) & n_mask[None, :], other=0)  # [BLOCK_K/8, BLOCK_N]
+        shifts = tl.arange(0, 8) * 4
+        codes = (words[:, None, :] >> shifts[None, :, None]) & 0xF  # [BLOCK_K/8, 8, BLOCK_N]
+        codes = tl.reshape(codes, [BLOCK_K, BLOCK_N])
+        if GROUP > 0:
+            sz = e * stride_se + (k0 // GROUP) * stride_sg + offs_n[None, :] * stride_sn  # [1, BLOCK_N]
+            s = tl.load(s_ptr + sz, mask=n_mask[None, :], other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + sz, mask=n_mask[None, :], other=0.0).to(tl.float32)
+        else:
+            g = tl.load(g_ptr + e * K + offs_k, mask=k_mask, other=0)
+            sz = e * stride_se + g[:, None] * stride_sg + offs_n[None, :] * stride_sn
+            s = tl.load(s_ptr + sz, mask=mask, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + sz, mask=mask, other=0.0).to(tl.float32)
         return ((codes.to(tl.float32) - z) * s).to(DTYPE)
     else:
         w = tl.load(w_ptr + e * stride_we + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn,
@@ -149,8 +162,8 @@ def _weight_tile(w_ptr, s_ptr, z_ptr, g_ptr, e, offs_k, offs_n, k_mask, n_mask, 
 def _moe_gemm_kernel(a_ptr, w_ptr, s_ptr, z_ptr, g_ptr, out_ptr, sorted_ptr, block_expert_ptr, topw_ptr,
                      num_pairs, N, K, UP_OFFSET, TOP_K,
                      stride_am, stride_we, stride_wk, stride_wn, stride_se, stride_sg, stride_sn, stride_om,
-                     QUANT: tl.constexpr, GATED: tl.constexpr, A_BY_TOKEN: tl.constexpr, MUL_ROUTED: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr):
+                     QUANT: tl.constexpr, GROUP: tl.constexpr, GATED: tl.constexpr, A_BY_TOKEN: tl.constexpr,
+                     MUL_ROUTED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if tl.load(sorted_ptr + pid_m * BLOCK_M) >= num_pairs:
@@ -172,12 +185,13 @@ def _moe_gemm_kernel(a_ptr, w_ptr, s_ptr, z_ptr, g_ptr, out_ptr, sorted_ptr, blo
         k_mask = offs_k < K
         a = tl.load(a_ptr + a_rows[:, None].to(tl.int64) * stride_am + offs_k[None, :],
                     mask=valid[:, None] & k_mask[None, :], other=0.0).to(DTYPE)  # [BLOCK_M, BLOCK_K]
-        w = _weight_tile(w_ptr, s_ptr, z_ptr, g_ptr, e, offs_k, offs_n, k_mask, n_mask, K, stride_we, stride_wk,
-                         stride_wn, stride_se, stride_sg, stride_sn, QUANT, DTYPE)
+        w = _weight_tile(w_ptr, s_ptr, z_ptr, g_ptr, e, k0, offs_k, offs_n, k_mask, n_mask, K, stride_we, stride_wk,
+                         stride_wn, stride_se, stride_sg, stride_sn, QUANT, GROUP, BLOCK_K, BLOCK_N, DTYPE)
         acc += tl.dot(a, w)
         if GATED:  # the up half of the same expert, same activations: one pass over K for both
-            w_up = _weight_tile(w_ptr, s_ptr, z_ptr, g_ptr, e, offs_k, offs_n + UP_OFFSET, k_mask, n_mask, K,
-                                stride_we, stride_wk, stride_wn, stride_se, stride_sg, stride_sn, QUANT, DTYPE)
+            w_up = _weight_tile(w_ptr, s_ptr, z_ptr, g_ptr, e, k0, offs_k, offs_n + UP_OFFSET, k_mask, n_mask, K,
+                                stride_we, stride_wk, stride_wn, stride_se, stride_sg, stride_sn, QUANT, GROUP,
+                                BLOCK_K, BLOCK_N, DTYPE)
             acc_up += tl.dot(a, w_up)
     if GATED:
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up  # silu(gate) * up
@@ -191,8 +205,21 @@ def _moe_gemm_kernel(a_ptr, w_ptr, s_ptr, z_ptr, g_ptr, out_ptr, sorted_ptr, blo
 _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
+def _contiguous_group(g_idx: torch.Tensor | None, k: int, block_k: int) -> int:
+    """The group size when every expert's ``g_idx`` is ``arange(K) // G`` with ``G`` a multiple of ``block_k``
+    (one scale row per tile), else 0 (gather per row)."""
+    if g_idx is None:
+        return 0
+    first = g_idx[0].long()
+    n_groups = int(first.max()) + 1
+    size = -(-k // n_groups)
+    if size % block_k or not bool((g_idx.long() == (torch.arange(k, device=g_idx.device) // size)).all()):
+        return 0
+    return size
+
+
 def _launch(a, ex_w, s, z, g, out, sorted_ids, block_expert, topw, pairs, n, k, up_offset, top_k, quant, gated,
-            by_token, mul, block_m, block_n, block_k):
+            by_token, mul, block_m, block_n, block_k, group):
     if quant:
         swe, swk, swn = ex_w.stride()  # [E, K/8, N]
         sse, ssg, ssn = s.stride()
@@ -203,7 +230,7 @@ def _launch(a, ex_w, s, z, g, out, sorted_ids, block_expert, topw, pairs, n, k, 
     grid = (block_expert.numel(), triton.cdiv(n, block_n))
     _moe_gemm_kernel[grid](a, ex_w, s, z, g, out, sorted_ids, block_expert, topw, pairs, n, k, up_offset, top_k,
                            a.stride(0), swe, swk, swn, sse, ssg, ssn, out.stride(0),
-                           QUANT=quant, GATED=gated, A_BY_TOKEN=by_token, MUL_ROUTED=mul, BLOCK_M=block_m,
+                           QUANT=quant, GROUP=group, GATED=gated, A_BY_TOKEN=by_token, MUL_ROUTED=mul, BLOCK_M=block_m,
                            BLOCK_N=block_n, BLOCK_K=block_k, DTYPE=_TL_DTYPE[a.dtype])
 
 
@@ -214,19 +241,21 @@ def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tenso
     k = topk_ids.shape[1]
     if h != experts.hidden:
         raise ValueError(f"x has {h} features, the experts {experts.hidden}")
-    if experts.quantized and (experts.hidden % 8 or experts.inter % 8):
-        raise ValueError("4-bit experts need hidden and intermediate sizes divisible by 8")
+    if experts.quantized and (experts.hidden % 8 or experts.inter % 8 or block_k % 8):
+        raise ValueError("4-bit experts need hidden and intermediate sizes (and block_k) divisible by 8")
     x = x.contiguous()
     sorted_ids, block_expert = moe_align(topk_ids, experts.num_experts, block_m)
     pairs = t * k
     topw = topk_weights.reshape(-1).to(torch.float32).contiguous()
     inter = torch.empty(pairs, experts.inter, dtype=x.dtype, device=x.device)
     q = experts.quantized
+    g13 = _contiguous_group(experts.g13, h, block_k) if q else 0
+    g2 = _contiguous_group(experts.g2, experts.inter, block_k) if q else 0
     _launch(x, experts.w13, experts.s13, experts.z13, experts.g13, inter, sorted_ids, block_expert, topw, pairs,
-            experts.inter, h, experts.inter, k, q, True, True, False, block_m, block_n, block_k)
+            experts.inter, h, experts.inter, k, q, True, True, False, block_m, block_n, block_k, g13)
     out = torch.empty(pairs, h, dtype=torch.float32 if x.dtype == torch.float32 else x.dtype, device=x.device)
     _launch(inter, experts.w2, experts.s2, experts.z2, experts.g2, out, sorted_ids, block_expert, topw, pairs,
-            h, experts.inter, 0, k, q, False, False, True, block_m, block_n, block_k)
+            h, experts.inter, 0, k, q, False, False, True, block_m, block_n, block_k, g2)
     return out.view(t, k, h).sum(1, dtype=torch.float32).to(x.dtype)
 
 
