@@ -14,8 +14,9 @@ top-8, hidden 2048, expert intermediate 768, skewed routers). Sections (each can
 
 Prints a table and writes JSON (card, versions, date) to bench/results/bench_moe_<date>.json.
 
-    python bench/bench_moe.py                  # everything (H200: expect ~10-20 minutes)
-    python bench/bench_moe.py --layers 4 --skip serve   # a quick GPTQ check
+    python bench/bench_moe.py                  # everything (H200: expect ~20-30 minutes)
+    python bench/bench_moe.py --skip awq serve kernel   # GPTQ alone (each section also runs alone:
+    python bench/bench_moe.py --skip gptq awq kernel    # serving, on RTN weights: speed does not depend on them)
 """
 
 from __future__ import annotations
@@ -99,6 +100,21 @@ def run_gptq(args, sizes: dict, record: dict):
         "rtn_fallback_experts": sum(len(r["rtn_fallback"]) for r in experts.values()),
         "tokens": args.nsamples * args.seqlen, "scheme": "W4 g128 sym, GPTQ defaults, --moe-calib all",
     }
+    return model, result, scheme
+
+
+def quantize_rtn(args, sizes: dict, record: dict):
+    """The model with RTN weights (for the serving section when the GPTQ section is skipped)."""
+    from quantkit.api import build_method
+    from quantkit.config import QuantScheme
+    from quantkit.moe.prepare import prepare_for_quantization
+    from quantkit.walker import walk
+
+    model = random_moe("qwen3_moe", device=args.device, dtype=torch.bfloat16, **sizes)
+    scheme = QuantScheme(bits=4, group_size=128, sym=True)
+    t0 = time.perf_counter()
+    result = walk(model, prepare_for_quantization(model, build_method("rtn", scheme)), device=args.device)
+    record["serve_weights"] = {"method": "rtn", "seconds": time.perf_counter() - t0}
     return model, result, scheme
 
 
@@ -282,7 +298,9 @@ def main() -> None:
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
         record["awq"] = run_method(args, sizes, "awq")
         print(json.dumps(record["awq"], indent=1), flush=True)
-    if "serve" not in args.skip and model is not None:
+    if "serve" not in args.skip and model is None:  # serving speed does not depend on the method: RTN is quick
+        model, result, scheme = quantize_rtn(args, sizes, record)
+    if "serve" not in args.skip:
         from quantkit.runtime.bench import copy_bandwidth
 
         bandwidth = copy_bandwidth(args.device) * 1e9 / 2  # bytes read per second (copy reads and writes)
