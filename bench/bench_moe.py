@@ -172,7 +172,8 @@ def runtime_from(model, weights: dict | None, scheme, dense_random: bool = False
     spec = spec_from_config(model.config)
     quant = QuantInfo(scheme.bits, scheme.group_size, scheme.sym) if weights else None
     w = load_weights(source, set(state), spec, quant, torch.bfloat16, dev, packed_kernel=True)
-    return RuntimeModel(spec, model.config, w, backend="kernels", dtype=torch.bfloat16, device=dev,
+    backend = "kernels" if dev.type == "cuda" else "reference"  # the CPU: a smoke test of this script only
+    return RuntimeModel(spec, model.config, w, backend=backend, dtype=torch.bfloat16, device=dev,
                         max_positions=4096, name="qwen3-30b-a3b-shape")
 
 
@@ -189,11 +190,15 @@ class _MetaModel:
 
 
 def serve_rows(runtime, label: str, args, bandwidth: float) -> list[dict]:
-    from quantkit.runtime.bench import decode_tps, prefill_tps
+    from quantkit.runtime.bench import decode_tps
     from quantkit.runtime.engine import Engine
 
+    def prefill_tps(engine, n):
+        prompt = torch.randint(0, engine.model.spec.vocab_size, (n,)).tolist()
+        return n / timed(lambda: engine.model.prefill([prompt], [0], engine.cache), repeat=3)
+
     rows = []
-    for graphs in (True, False):
+    for graphs in ((True, False) if torch.cuda.is_available() else (False,)):
         try:
             engine = Engine(runtime, None, max_batch=max(args.batches), max_seq_len=2304, cuda_graphs=graphs,
                             graph_buckets=tuple(args.batches))
@@ -303,13 +308,14 @@ def main() -> None:
     if "serve" not in args.skip:
         from quantkit.runtime.bench import copy_bandwidth
 
-        bandwidth = copy_bandwidth(args.device) * 1e9 / 2  # bytes read per second (copy reads and writes)
+        # bytes read per second (a copy reads and writes); the CPU smoke test takes a nominal 10 GB/s
+        bandwidth = copy_bandwidth(args.device) * 1e9 / 2 if args.device.startswith("cuda") else 1e10
         record["copy_read_bandwidth_gbs"] = bandwidth / 1e9
         rows = serve_rows(runtime_from(model, result.weights, scheme), "int4", args, bandwidth)
         shapes = _MetaModel(model)  # the bf16 baseline needs only the shapes: free the 61 GB model first
         del model, result
         gc.collect()
-        torch.cuda.empty_cache()
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
         rows += serve_rows(runtime_from(shapes, None, scheme, dense_random=True), "bf16", args, bandwidth)
         record["serve"] = rows
         by = {(r["model"], r["what"]): r["tokens_per_s"] for r in rows}
