@@ -6,7 +6,7 @@ import logging
 
 import pytest
 import torch
-from tests.moe.moe_tiny import FAMILIES, expected_checkpoint_names, exclude_expert, tiny_moe
+from tests.moe.moe_tiny import expected_checkpoint_names, exclude_expert, tiny_moe
 
 from quantkit.api import build_method
 from quantkit.checkpoint import save_quantized
