@@ -101,8 +101,12 @@ class SeparateExperts(nn.ModuleList):
             if self.observer is not None:
                 self.observer(e, "down_in", h)
             routed = dense[:, e] != 0
-            y = self[e].linears()[2](h)  # [T, H]: all tokens (hooks see them), routed rows kept
-            out[routed] += (y[routed] * dense[routed, e, None]).to(out.dtype)
+            down = self[e].linears()[2]
+            if self.observer is None:  # hooks on down (AWQ's capture) see all tokens; the routed rows are kept
+                y = down(h)[routed]
+            else:  # the observer already has down's input: run it on the routed rows only (E/k less work)
+                y = down(h[routed])
+            out[routed] += (y * dense[routed, e, None]).to(out.dtype)
         return out
 
 
