@@ -86,6 +86,19 @@ def print_quantize_summary(con: Console, report) -> None:
     if flags:
         table.add_row("options", ", ".join(flags))
     table.add_row("quantized linears", str(report.n_quantized))
+    if getattr(report, "compression_ratio", 0):
+        table.add_row("compression (all weights)", f"{report.compression_ratio:.2f}x")
+    from quantkit.moe.stats import expert_tokens
+
+    experts = expert_tokens(report.layer_stats)
+    if experts:
+        routed = sorted(t for r in experts.values() for t in r["routed"])
+        rtn = sum(len(r["rtn_fallback"]) for r in experts.values())
+        table.add_row("experts", f"{len(routed)} in {len(experts)} layers; routed calibration tokens min {routed[0]}, "
+                      f"median {routed[len(routed) // 2]}, max {routed[-1]}; {rtn} rounded to nearest (too few tokens)")
+    if getattr(report, "unquantized", None):
+        shown = ", ".join(report.unquantized[:4]) + (" ..." if len(report.unquantized) > 4 else "")
+        table.add_row("NOT quantized", f"{len(report.unquantized)} weights stay 16-bit: {shown}", style="red")
     table.add_row("time", f"{report.seconds_total:.1f} s (load {report.seconds_load:.1f}, calibration "
                   f"{report.seconds_calibration:.1f}, layers {report.seconds_quantize:.1f}, save {report.seconds_save:.1f})")
     table.add_row("loading", "streamed from disk, layer by layer" if report.streamed else "whole model in memory")
@@ -102,11 +115,19 @@ def save_layer_stats(report, path: Path, con: Console) -> None:
     """Per-layer errors as JSON, and a PNG plot of them beside it when matplotlib is installed."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"summary": report.to_dict(), "layers": report.layer_stats}, indent=2))
+    from quantkit.moe.stats import expert_tokens
+
+    experts = expert_tokens(report.layer_stats)
+    record = {"summary": report.to_dict(), "layers": report.layer_stats}
+    if experts:
+        record["expert_tokens"] = experts
+    path.write_text(json.dumps(record, indent=2))
     try:
+        from quantkit.moe.stats import plot_expert_tokens
         from quantkit.plots import plot_layer_errors
     except ImportError as exc:  # matplotlib is optional
         con.print(f"wrote {path}; no plot ({exc})")
         return
     png = plot_layer_errors(report.layer_stats, path.with_suffix(".png"), title=f"{report.method} per-layer error")
-    con.print(f"wrote {path} and {png}")
+    heat = plot_expert_tokens(report.layer_stats, path.with_suffix(".experts.png"), title=report.method)
+    con.print(f"wrote {path} and {png}" + (f" and {heat}" if heat else ""))

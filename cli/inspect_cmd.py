@@ -32,8 +32,8 @@ def register(app: typer.Typer) -> None:
         data = info.to_dict()
         if kernels:
             from quantkit.errors import QuantkitError
-            from quantkit.tools.kernel_plan import explain, explain_attention
             from quantkit.kernel_rows import gpu_target, runtime_layers
+            from quantkit.tools.kernel_plan import explain, explain_attention
 
             arch, target = gpu_target()
             data["kernels_target"] = target
@@ -59,6 +59,12 @@ def register(app: typer.Typer) -> None:
             if data.get(key):
                 table.add_row(key.replace("_", " "), f"{len(data[key])}: {', '.join(map(str, data[key][:4]))}"
                               + (" ..." if len(data[key]) > 4 else ""))
+        if data.get("moe"):
+            moe = data["moe"]
+            table.add_row("experts", f"{moe['num_experts']} per block (top-{moe['top_k']}), {moe['moe_blocks']} "
+                          f"blocks, {moe['packed_experts']} packed, intermediate {moe['intermediate_size']}")
+            for tp, why in moe["vllm_marlin_moe_tp"].items():
+                table.add_row(f"vLLM Marlin MoE tp={tp}", why)
         if data.get("calibration"):
             table.add_row("calibration", json.dumps(data["calibration"]))
         con.print(table)

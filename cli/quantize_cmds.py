@@ -38,7 +38,7 @@ def _run(method: str, model: str, output: Path, *, bits: int, group_size: int | 
          calib: str = "self", nsamples: int | None = None, seqlen: int | None = None, seed: int = 0,
          text_field: str = "text", batch_size: int = 8, save_stats: Path | None = None,
          quantize_lm_head: bool = False, gpus: int | None = None, activations: str = "auto",
-         stream: str = "auto", threads: int | None = None) -> None:
+         stream: str = "auto", threads: int | None = None, moe: Any = None) -> None:
     choice = apply_threads(threads)  # before torch is imported; said once the checks below pass
     from quantkit import api, preflight
     from quantkit.cli import display
@@ -69,7 +69,7 @@ def _run(method: str, model: str, output: Path, *, bits: int, group_size: int | 
         report = api.quantize(model, output, method=method, scheme=scheme, method_options=options,
                               calib=calib_config, load=load, overwrite=overwrite, batch_size=batch_size,
                               on_layer=progress.on_layer, on_calib_progress=progress.on_calibration,
-                              quantize_lm_head=quantize_lm_head, gpus=gpus, activations=activations)
+                              quantize_lm_head=quantize_lm_head, gpus=gpus, activations=activations, moe=moe)
     if is_secondary_rank():  # rank 0 alone reports
         return
     if save_stats is not None:
@@ -97,6 +97,13 @@ _STATIC_HELP = ("With act-order, fix each group's scale before reordering so g_i
                 "asymmetric GPTQ gets gptq_gemm, which reorders anyway).")
 _MSE_HELP = ("Search each group's range (shrink up to 20%) for the least error (default: about 15% more time, "
              "SmolLM2 g64 23.01 -> 22.50).")
+
+_MOE_CALIB_HELP = ("MoE models: send every calibration token through every expert (all: each expert's Hessian from "
+                   "all tokens, the layer passes on only routed outputs; lower error on the measured tiny MoE, "
+                   "docs/moe.md) or only the routed tokens (routed).")
+_MOE_MIN_HELP = ("MoE models: an expert whose Hessian saw fewer tokens than this (routed mode) is rounded to nearest "
+                 "instead, named in a warning.")
+
 
 class MseWeight(str, Enum):
     """``GPTQConfig.mse_weight``'s values (``quantkit.methods.gptq.MSE_WEIGHTS``; not imported here: torch)."""
@@ -146,8 +153,13 @@ def register(app: typer.Typer) -> None:
              gpus: Annotated[int | None, typer.Option("--gpus", help="Ranks to share the work (torchrun; one GPU each, gloo on the CPU).")] = None,
              activations: Activations = "auto",
              stream: Stream = "auto", threads: Threads = None,
+             moe_calib: Annotated[str, typer.Option("--moe-calib", metavar="all|routed", help=_MOE_CALIB_HELP)] = "all",
+             moe_min_tokens: Annotated[int, typer.Option("--moe-min-tokens", help=_MOE_MIN_HELP)] = 8,
     ) -> None:
         """GPTQ: column-by-column rounding with inverse-Hessian error compensation."""
+        from quantkit.methods.moe import MoECalibConfig
+
+        moe = MoECalibConfig(mode=moe_calib, min_tokens=moe_min_tokens)
         options = dict(damp=damp, block_size=block_size, desc_act=desc_act, true_sequential=true_sequential, mse=mse)
         if static_groups is not None:  # else the grid's default (quantkit.defaults.default_options)
             options["static_groups"] = static_groups
@@ -157,7 +169,7 @@ def register(app: typer.Typer) -> None:
              trust_remote_code=trust_remote_code, overwrite=overwrite, as_json=json_, options=options, calib=calib,
              nsamples=nsamples, seqlen=seqlen, seed=seed, text_field=text_field, batch_size=batch_size,
              save_stats=save_stats, quantize_lm_head=quantize_lm_head, gpus=gpus, activations=activations,
-             stream=stream, threads=threads)
+             stream=stream, threads=threads, moe=moe)
 
     @app.command("awq")
     def awq(model: ModelArg, output: Output, bits: Bits = 4, group_size: GroupSize = None,

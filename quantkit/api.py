@@ -62,6 +62,8 @@ class QuantizeReport:
     options: dict[str, Any] = field(default_factory=dict)
     peak_host_memory_bytes: int = 0  # the process's resident-memory high-water mark (VmHWM on Linux)
     streamed: bool = False  # decoder layers read from disk one at a time (quantkit.models.lazy)
+    unquantized: list[str] = field(default_factory=list)  # weights no method reached (quantkit.coverage)
+    compression_ratio: float = 0.0  # over all of the model's weights, 16-bit bytes / bytes written
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -76,7 +78,16 @@ class QuantizeReport:
             "partial_group_layers": self.partial_group_layers,
             "engine_kernels": self.engine_kernels,
             "options": self.options,
+            "unquantized": self.unquantized,
+            "expert_tokens": _expert_tokens(self.layer_stats),
+            "compression_ratio": round(self.compression_ratio, 4),
         }
+
+
+def _expert_tokens(layer_stats: list[dict[str, Any]]) -> dict[str, Any]:
+    from quantkit.moe.stats import expert_tokens
+
+    return expert_tokens(layer_stats)
 
 
 def check_output(output: str | Path, overwrite: bool) -> Path:
@@ -186,6 +197,7 @@ def quantize(
     calib_tokens: torch.Tensor | None = None,
     progress: bool | None = None,
     activations: str = "auto",
+    moe: Any = None,
 ) -> QuantizeReport:
     """Quantize ``model`` (folder, hub id or .gguf) with ``method`` and write a GPTQ-layout checkpoint.
 
@@ -201,6 +213,7 @@ def quantize(
     (``[nsamples, seqlen]``) replaces drawing windows from ``calib``: a batch computes them once per model.
     ``activations``: where the calibration hidden states live between layers: "auto" (on the device
     when they fit, see :func:`quantkit.calibrate.activations.offload_activations`), "device" or "host" (pinned).
+    ``moe``: a :class:`quantkit.methods.moe.MoECalibConfig` for MoE models (None: its defaults).
     """
     from quantkit.progress import LogProgress, is_interactive, visible_logs
 
@@ -212,14 +225,14 @@ def quantize(
                          on_layer=on_layer or logged.on_layer,
                          on_calib_progress=on_calib_progress or logged.on_calibration,
                          quantize_lm_head=quantize_lm_head, gpus=gpus, calib_tokens=calib_tokens,
-                         activations=activations)
+                         activations=activations, moe=moe)
 
 
 def _quantize(model: str, output: str | Path, *, method: str, scheme: QuantScheme | AutoScheme | None,
               method_options: dict[str, Any] | None, calib: CalibConfig | None, load: LoadConfig, overwrite: bool,
               batch_size: int, on_layer: Callable, on_calib_progress: Callable,
               quantize_lm_head: bool, gpus: int | None, calib_tokens: torch.Tensor | None,
-              activations: str = "auto") -> QuantizeReport:
+              activations: str = "auto", moe: Any = None) -> QuantizeReport:
     from quantkit.checkpoint.save import save_quantized
     from quantkit.models.lazy import open_model, peak_host_memory_bytes, plan_loading, stream_to_writer
     from quantkit.models.load import quiet_transformers
@@ -258,8 +271,11 @@ def _quantize(model: str, output: str | Path, *, method: str, scheme: QuantSchem
         from quantkit.arch import require_arch
 
         require_arch(getattr(loaded.model.config, "model_type", "?"))
+    from quantkit.methods.moe_prepare import prepare_layout, wrap_method
+
+    prepare_layout(loaded.model)  # MoE: experts as per-expert linears (a streamed model already is)
     scheme = resolve_scheme(scheme, method, loaded, quantize_lm_head)
-    quant_method = build_method(method, scheme, method_options)
+    quant_method = wrap_method(loaded.model, build_method(method, scheme, method_options), moe)
     t_loaded = time.perf_counter()
 
     token_ids = None
@@ -283,6 +299,10 @@ def _quantize(model: str, output: str | Path, *, method: str, scheme: QuantSchem
             writer.abort()
         raise
     t_quant = time.perf_counter()
+    from quantkit.coverage import warn_unreached, weight_coverage
+
+    coverage = weight_coverage(loaded.model, result.weights)
+    warn_unreached(coverage)
 
     extra = {"source_model": model, "method": method, "layer_seconds": result.seconds}
     if token_ids is not None:
@@ -308,6 +328,7 @@ def _quantize(model: str, output: str | Path, *, method: str, scheme: QuantSchem
         peak_host_memory_bytes=peak_host_memory_bytes(),
         engine_kernels=serving_kernels(scheme, result.weights, partial, layout),
         options={**default_options(method, scheme), **method_options, "format": layout},
+        unquantized=list(coverage.unreached), compression_ratio=coverage.compression_ratio,
     )
 
 

@@ -35,6 +35,34 @@ class ScalingGroup:
 
 
 @dataclass(frozen=True)
+class MoESpec:
+    """A sparse MoE block: where it is, its experts' linear names, its router and shared expert.
+
+    ``block`` is the block's path in quantkit's layout and in checkpoints (what vLLM maps); ``model_block``
+    the attribute transformers 5 gives it (Mixtral: ``mlp``, stored as ``block_sparse_moe``). ``experts``
+    hold ``{e}.{gate,up,down}`` named ``expert_names``. The router (``router``) and the shared-expert gate
+    stay 16-bit. ``scoring``: "softmax" or "sigmoid" over the router logits; ``renormalize``: True, or the
+    config attribute that says whether the top-k weights are renormalized (``norm_topk_prob``).
+    """
+
+    block: str = "mlp"
+    model_block: str = "mlp"
+    experts: str = "experts"
+    expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    router: str = "gate"
+    shared_expert: str | None = None
+    shared_gate: str | None = None
+    scoring: str = "softmax"
+    renormalize: bool | str = "norm_topk_prob"
+
+    @property
+    def keep_16bit(self) -> tuple[str, ...]:
+        """Linears of the block that stay 16-bit, relative to the decoder layer."""
+        names = [self.router] + ([self.shared_gate] if self.shared_gate else [])
+        return tuple(f"{self.block}.{n}" for n in names)
+
+
+@dataclass(frozen=True)
 class ArchSpec:
     family: str
     model_types: tuple[str, ...]
@@ -45,6 +73,12 @@ class ArchSpec:
     norm_offset: float = 0.0
     layers_path: str | None = None  # None: found generically
     notes: tuple[str, ...] = field(default=())
+    moe: MoESpec | None = None  # sparse MoE families
+
+    @property
+    def keep_16bit(self) -> tuple[str, ...]:
+        """Linears of a decoder layer that stay 16-bit by design (routers, shared-expert gates)."""
+        return self.moe.keep_16bit if self.moe is not None else ()
 
 
 _ATTN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
@@ -89,6 +123,21 @@ ARCHITECTURES: tuple[ArchSpec, ...] = (
 )
 
 
+_QWEN_SHARED = (("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"), ("mlp.shared_expert.down_proj",))
+# MoE families: the experts' groups are made by quantkit.methods.moe (they depend on the calibration mode);
+# Qwen3-MoE's mlp_only_layers are dense (the llama MLP groups).
+MOE_ARCHITECTURES: tuple[ArchSpec, ...] = (
+    ArchSpec(family="mixtral", model_types=("mixtral",), sequential=(_ATTN, ("self_attn.o_proj",)),
+             moe=MoESpec(block="block_sparse_moe", model_block="mlp", expert_names=("w1", "w3", "w2"),
+                         renormalize=True)),
+    ArchSpec(family="qwen2_moe", model_types=("qwen2_moe",), sequential=(*_LLAMA_SEQUENTIAL, *_QWEN_SHARED),
+             moe=MoESpec(shared_expert="shared_expert", shared_gate="shared_expert_gate")),
+    ArchSpec(family="qwen3_moe", model_types=("qwen3_moe", "olmoe"), sequential=_LLAMA_SEQUENTIAL,
+             moe=MoESpec()),
+)
+ARCHITECTURES = ARCHITECTURES + MOE_ARCHITECTURES
+
+
 def arch_for(model_type: str) -> ArchSpec | None:
     """The record for a ``config.model_type``, or None for an architecture without one."""
     for spec in ARCHITECTURES:
@@ -124,6 +173,8 @@ def find_decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
     for name, module in model.named_modules():
         if not isinstance(module, nn.ModuleList) or len(module) == 0:
             continue
+        if getattr(module, "is_expert_list", False) or name.rpartition(".")[2] == "experts":
+            continue  # a MoE block's experts (quantkit.moe.experts), not decoder layers
         classes = {type(child) for child in module}
         if len(classes) != 1:
             continue

@@ -423,7 +423,7 @@ def walk(
             home = torch.device("cpu") if resident is not None else next(layer.parameters()).device
             pipe.start(i + 1)  # the next layer's read and copy run while this one is worked on
             clock.lap("move_in")
-            linears = iter_quantizable(layer, skip)
+            linears = iter_quantizable(layer, lambda n: skip(n) or (spec is not None and n in spec.keep_16bit))
             inputs = None if hidden is None else LayerInputs(hidden, layer_kwargs[i], share.start, total_tokens,
                                                              device, offload)
             ctx = LayerContext(

@@ -35,6 +35,7 @@ class CheckpointInfo:
     calibration: dict | None
     layout: str = "gptq_v1"  # as stored: gptq_v1, gptq_v2 or awq_gemm (all read as GPTQ v1)
     settings_source: str = "config.json"  # the file(s) the quantization settings were read from
+    moe: dict | None = None  # MoE checkpoints: experts and vLLM MoE serving by tensor-parallel size
 
     @property
     def n_quantized(self) -> int:
@@ -84,11 +85,14 @@ def inspect_checkpoint(path: str | os.PathLike) -> CheckpointInfo:
     packed_keys = {f"{row[0]}.{leaf}" for row in quantized for leaf in (*stored_leaves(settings.layout), "bias")}
     # A 16-bit checkpoint stores every other tensor at two bytes per element (tied ones once, as here).
     equivalent += sum(2 * r.numel for key, r in records.items() if key not in packed_keys)
+    # 2-D float weights (embeddings, lm_head, routers) and any fused 3-D tensor (experts left 16-bit)
     unquantized = [
-        key[: -len(".weight")]
+        key.removesuffix(".weight")
         for key, r in records.items()
-        if key.endswith(".weight") and len(r.shape) == 2 and r.dtype.is_floating_point
+        if key not in packed_keys and r.dtype.is_floating_point
+        and ((key.endswith(".weight") and len(r.shape) == 2) or len(r.shape) >= 3)
     ]
+    from quantkit.moe.serving import moe_summary
     ours = settings.raw.get("quantkit") or {}
     return CheckpointInfo(
         path=str(path),
@@ -110,4 +114,5 @@ def inspect_checkpoint(path: str | os.PathLike) -> CheckpointInfo:
         calibration=ours.get("calibration"),
         layout=settings.layout,
         settings_source=settings.source,
+        moe=moe_summary(config, settings.group_size, names),
     )

@@ -239,6 +239,9 @@ def load_quantized(
     records = index_tensors(path)
     model_dtype = _resolve_dtype(dtype, config, device)
     model = build_empty_model(config, model_dtype)
+    from quantkit.moe.layout import prepare_moe_model
+
+    prepare_moe_model(model)  # MoE: per-expert linears under the checkpoint's names (fused 3-D experts split)
     # Settings that the tensors contradict are refused before anything is built from them.
     geometry = {name: packed_geometry(name, records, settings) for name in _packed_linears(model, records)}
     install_quant_linears(model, records, settings, model_dtype)

@@ -279,6 +279,9 @@ def open_streamed(spec: str, load: LoadConfig):
         with parameters_on_meta():
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, **remote)
         tokenizer = AutoTokenizer.from_pretrained(str(folder), **remote)
+    from quantkit.moe.layout import prepare_moe_model
+
+    prepare_moe_model(model)  # MoE: per-expert linears under the files' own per-expert names
     expected = check_tensors(model, records)
     prefix, layers = find_decoder_layers(model)
     inside = prefix + "."

@@ -138,6 +138,9 @@ class RuntimeModel:
         self.ops = _Kernels() if backend == "kernels" else _Reference()
         for linear in weights.linears():  # the reference backend's 16-bit linears stay on plain PyTorch
             linear.gemv = backend == "kernels"
+        for layer in weights.layers:  # MoE experts: the fused Triton kernel, or its PyTorch reference
+            if layer.moe is not None:
+                layer.moe.use_kernel = backend == "kernels"
         self.max_positions = max_positions or spec.max_position_embeddings
         self.rope = rope_tables(config, spec, self.device, self.max_positions)
         self.layer_rope = [self.rope[layer_rope_key(config, i, self.rope)] for i in range(spec.num_layers)]
@@ -193,7 +196,10 @@ class RuntimeModel:
                 x, residual = o.add_rms_norm(delta, residual, lw.pre_ff_norm, s.rms_eps, s.norm_offset)
             else:
                 x, residual = o.add_rms_norm(delta, residual, lw.post_attn_norm, s.rms_eps, s.norm_offset)
-            delta = lw.down(o.act_mul(lw.gate_up(x), s.activation))
+            if lw.moe is not None:
+                delta = lw.moe(x, o.act_mul)
+            else:
+                delta = lw.down(o.act_mul(lw.gate_up(x), s.activation))
             if s.sandwich_norms:
                 delta, _ = o.add_rms_norm(delta, None, lw.post_ff_norm, s.rms_eps, s.norm_offset)
         x, _ = o.add_rms_norm(delta, residual, self.weights.final_norm, s.rms_eps, s.norm_offset)

@@ -16,7 +16,9 @@ from quantkit.config import QuantkitError
 
 LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 GEMMA_TYPES = ("gemma2", "gemma3_text")
-SUPPORTED_TYPES = LLAMA_TYPES + GEMMA_TYPES
+# MoE families (quantkit.runtime.moe); OLMoE is not among them: its q/k norms span all heads at once.
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+SUPPORTED_TYPES = LLAMA_TYPES + GEMMA_TYPES + MOE_TYPES
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,9 @@ class ModelSpec:
     final_softcap: float = 0.0  # Gemma 2: of the output logits
     sliding_window: int = 0  # keys visible to a sliding layer: the last `sliding_window` positions
     sliding_layers: tuple[bool, ...] = ()
+    num_experts: int = 0  # MoE: experts per block (0: dense)
+    top_k: int = 0  # MoE: experts per token
+    moe_renormalize: bool = True  # MoE: renormalize the top-k routing weights to sum to one
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_TYPES:
@@ -105,7 +110,7 @@ def spec_from_config(cfg) -> ModelSpec:
     gemma = mt in GEMMA_TYPES
     layer_types = tuple(getattr(cfg, "layer_types", None) or ())
     window = getattr(cfg, "sliding_window", None) or 0
-    if mt in ("qwen2",) and not getattr(cfg, "use_sliding_window", False):
+    if mt in ("qwen2", "qwen2_moe", "qwen3_moe") and not getattr(cfg, "use_sliding_window", False):
         window = 0
     sliding = tuple(t == "sliding_attention" for t in layer_types) if window and layer_types else ()
     query_scalar = getattr(cfg, "query_pre_attn_scalar", None)
@@ -121,8 +126,8 @@ def spec_from_config(cfg) -> ModelSpec:
         rms_eps=getattr(cfg, "rms_norm_eps", 1e-6),
         max_position_embeddings=cfg.max_position_embeddings,
         tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
-        qkv_bias=mt == "qwen2" or bool(getattr(cfg, "attention_bias", False)),
-        qk_norm=mt in ("qwen3", "gemma3_text"),
+        qkv_bias=mt in ("qwen2", "qwen2_moe") or bool(getattr(cfg, "attention_bias", False)),
+        qk_norm=mt in ("qwen3", "gemma3_text", "qwen3_moe"),
         norm_offset=1.0 if gemma else 0.0,
         sandwich_norms=gemma,
         activation="gelu_tanh" if gemma else "silu",
@@ -132,6 +137,10 @@ def spec_from_config(cfg) -> ModelSpec:
         final_softcap=float(getattr(cfg, "final_logit_softcapping", None) or 0.0) if gemma else 0.0,
         sliding_window=window if sliding else 0,
         sliding_layers=sliding,
+        num_experts=int(getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None) or 0)
+        if mt in MOE_TYPES else 0,
+        top_k=int(getattr(cfg, "num_experts_per_tok", 0) or 0) if mt in MOE_TYPES else 0,
+        moe_renormalize=mt == "mixtral" or bool(getattr(cfg, "norm_topk_prob", True)),
     )
 
 

@@ -68,6 +68,7 @@ class LayerWeights:
     post_ff_norm: torch.Tensor | None = None  # Gemma: the MLP output's norm
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
+    moe: object | None = None  # quantkit.runtime.moe.MoELayer: this layer's MLP is a MoE block (gate_up/down None)
 
 
 @dataclass
@@ -79,15 +80,23 @@ class ModelWeights:
 
     def linears(self) -> list[Linear]:
         """Every linear, the parts of split ones included."""
-        top = [self.lm_head] + [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        top = [self.lm_head] + [lin for layer in self.layers for lin in _layer_linears(layer)]
         return top + [part for lin in top for part in lin.parts]
 
     def nbytes(self) -> int:
         """Bytes one decode step reads from the weights (embedding row excluded)."""
         total = self.lm_head.nbytes()
         for layer in self.layers:
-            total += sum(lin.nbytes() for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
+            total += sum(lin.nbytes() for lin in (layer.qkv, layer.o, layer.gate_up, layer.down) if lin is not None)
+            total += layer.moe.nbytes_per_token() if layer.moe is not None else 0
         return total
+
+
+def _layer_linears(layer: LayerWeights) -> list[Linear]:
+    lins = [layer.qkv, layer.o, layer.gate_up, layer.down]
+    if layer.moe is not None:
+        lins += [layer.moe.shared_gate_up, layer.moe.shared_down]
+    return [lin for lin in lins if lin is not None]
 
 
 @dataclass(frozen=True)
@@ -190,11 +199,17 @@ def load_layer(
     get = {k[len(prefix) :]: v for k, v in source(layer_keys(prefix, available)).items()}
     a, m = "self_attn.", "mlp."
     lin = dict(quant=quant, dtype=dtype, device=device, packed_kernel=packed_kernel)
+    moe = None
+    if spec.num_experts:
+        from quantkit.runtime.moe import is_moe_layer, load_moe
+
+        moe = load_moe(get, spec, **lin, fused_linear=fused_linear) if is_moe_layer(get) else None
     layer = LayerWeights(
         qkv=fused_linear(get, [f"{a}q_proj", f"{a}k_proj", f"{a}v_proj"], **lin),
         o=fused_linear(get, [f"{a}o_proj"], **lin),
-        gate_up=fused_linear(get, [f"{m}gate_proj", f"{m}up_proj"], **lin),
-        down=fused_linear(get, [f"{m}down_proj"], **lin),
+        gate_up=None if moe else fused_linear(get, [f"{m}gate_proj", f"{m}up_proj"], **lin),
+        down=None if moe else fused_linear(get, [f"{m}down_proj"], **lin),
+        moe=moe,
         input_norm=_norm(get, "input_layernorm.weight", device),
         post_attn_norm=_norm(get, "post_attention_layernorm.weight", device),
     )

@@ -1,0 +1,361 @@
+"""MoE on one GPU: GPTQ time and memory on a Qwen3-30B-A3B-shaped model, serving int4 vs bf16, and the fused
+MoE kernel against a per-expert loop of the dense W4A16 kernel.
+
+The model has random weights built on the GPU (no download; bench/moe_models.py: 48 layers, 128 experts,
+top-8, hidden 2048, expert intermediate 768, skewed routers). Sections (each can be skipped):
+
+* ``gptq``: ``quantkit.calibrate.walker.walk`` with GPTQ's defaults and the default all-expert calibration on
+  ``--nsamples`` x ``--seqlen`` random tokens: seconds, peak device and host memory, RTN-fallback experts;
+* ``awq``: the same with AWQ's defaults (a fresh random model; run last, after the serving runs);
+* ``serve``: the runtime (kernels backend, CUDA graphs at decode when they capture) on the GPTQ weights
+  (int4) and on 16-bit experts of the same shapes: decode tokens/s at batch 1/8/32, prefill of 2048 tokens,
+  and the active-expert bytes per decode token against the copy bandwidth (roofline);
+* ``kernel``: one layer's experts, fused kernel vs a per-expert loop of ``w4a16_linear``, M = 1..2048.
+
+Prints a table and writes JSON (card, versions, date) to bench/results/bench_moe_<date>.json.
+
+    python bench/bench_moe.py                  # everything (H200: expect ~20-30 minutes)
+    python bench/bench_moe.py --skip awq serve kernel   # GPTQ alone (each section also runs alone:
+    python bench/bench_moe.py --skip gptq awq kernel    # serving, on RTN weights: speed does not depend on them)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from moe_models import QWEN3_30B_A3B, random_moe  # noqa: E402
+
+
+def card() -> dict:
+    import transformers
+    import triton
+
+    out = {"torch": torch.__version__, "triton": triton.__version__, "transformers": transformers.__version__,
+           "python": platform.python_version(),
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    if torch.cuda.is_available():
+        out["gpu"] = torch.cuda.get_device_name(0)
+    return out
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed(fn, repeat: int = 5) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def run_gptq(args, sizes: dict, record: dict):
+    from quantkit.api import build_method
+    from quantkit.config import QuantScheme
+    from quantkit.models.lazy import peak_host_memory_bytes
+    from quantkit.methods.moe_prepare import prepare_for_quantization
+    from quantkit.moe.stats import expert_tokens
+    from quantkit.calibrate.walker import walk
+
+    t0 = time.perf_counter()
+    model = random_moe("qwen3_moe", device=args.device, dtype=torch.bfloat16, **sizes)
+    record["build_seconds"] = time.perf_counter() - t0
+    scheme = QuantScheme(bits=4, group_size=128, sym=True)
+    method = prepare_for_quantization(model, build_method("gptq", scheme))
+    tokens = torch.randint(0, sizes["vocab_size"], (args.nsamples, args.seqlen),
+                           generator=torch.Generator().manual_seed(0))
+    if args.device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+    done = []
+
+    def on_layer(ev):
+        done.append(ev.seconds)
+        eta = ev.elapsed / (ev.index + 1) * (ev.n_layers - ev.index - 1)
+        print(f"  gptq layer {ev.index + 1}/{ev.n_layers}: {ev.seconds:.1f} s (ETA {eta:.0f} s)", flush=True)
+
+    t0 = time.perf_counter()
+    result = walk(model, method, device=args.device, token_ids=tokens, batch_size=args.batch_size, on_layer=on_layer)
+    sync()
+    seconds = time.perf_counter() - t0
+    experts = expert_tokens(result.layer_stats)
+    record["gptq"] = {
+        "seconds": seconds, "layer_seconds_median": sorted(done)[len(done) // 2],
+        "peak_device_gib": torch.cuda.max_memory_allocated() / 2**30 if args.device.startswith("cuda") else 0,
+        "peak_host_gib": peak_host_memory_bytes() / 2**30, "n_quantized": len(result.weights),
+        "rtn_fallback_experts": sum(len(r["rtn_fallback"]) for r in experts.values()),
+        "tokens": args.nsamples * args.seqlen, "scheme": "W4 g128 sym, GPTQ defaults, --moe-calib all",
+    }
+    return model, result, scheme
+
+
+def quantize_rtn(args, sizes: dict, record: dict):
+    """The model with RTN weights (for the serving section when the GPTQ section is skipped)."""
+    from quantkit.api import build_method
+    from quantkit.config import QuantScheme
+    from quantkit.methods.moe_prepare import prepare_for_quantization
+    from quantkit.calibrate.walker import walk
+
+    model = random_moe("qwen3_moe", device=args.device, dtype=torch.bfloat16, **sizes)
+    scheme = QuantScheme(bits=4, group_size=128, sym=True)
+    t0 = time.perf_counter()
+    result = walk(model, prepare_for_quantization(model, build_method("rtn", scheme)), device=args.device)
+    record["serve_weights"] = {"method": "rtn", "seconds": time.perf_counter() - t0}
+    return model, result, scheme
+
+
+def run_method(args, sizes: dict, name: str) -> dict:
+    """A fresh random model quantized by ``name`` with its defaults: seconds and peak memory."""
+    from quantkit.api import build_method, default_options
+    from quantkit.config import QuantScheme
+    from quantkit.models.lazy import peak_host_memory_bytes
+    from quantkit.methods.moe_prepare import prepare_for_quantization
+    from quantkit.calibrate.walker import walk
+
+    model = random_moe("qwen3_moe", device=args.device, dtype=torch.bfloat16, seed=1, **sizes)
+    scheme = QuantScheme(bits=4, group_size=128, sym=name != "awq")
+    method = prepare_for_quantization(model, build_method(name, scheme))
+    tokens = torch.randint(0, sizes["vocab_size"], (args.nsamples, args.seqlen),
+                           generator=torch.Generator().manual_seed(0))
+    if args.device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+
+    def on_layer(ev):
+        eta = ev.elapsed / (ev.index + 1) * (ev.n_layers - ev.index - 1)
+        print(f"  {name} layer {ev.index + 1}/{ev.n_layers}: {ev.seconds:.1f} s (ETA {eta:.0f} s)", flush=True)
+
+    t0 = time.perf_counter()
+    result = walk(model, method, device=args.device, token_ids=tokens, batch_size=args.batch_size, on_layer=on_layer)
+    sync()
+    return {"seconds": time.perf_counter() - t0, "n_quantized": len(result.weights),
+            "peak_device_gib": torch.cuda.max_memory_allocated() / 2**30 if args.device.startswith("cuda") else 0,
+            "peak_host_gib": peak_host_memory_bytes() / 2**30, "tokens": args.nsamples * args.seqlen,
+            "options": default_options(name, scheme)}
+
+
+def runtime_from(model, weights: dict | None, scheme, dense_random: bool = False):
+    """A kernels-backend RuntimeModel over the model's tensors: packed ``weights`` where given; with
+    ``dense_random`` every tensor is a fresh random bf16 one of the same shape (the bf16 baseline)."""
+    from quantkit.runtime.model import RuntimeModel
+    from quantkit.runtime.spec import spec_from_config
+    from quantkit.runtime.weights import QuantInfo, load_weights
+
+    state = {k: v for k, v in model.state_dict().items() if k.rpartition(".")[0] not in (weights or {})}
+    for name, qw in (weights or {}).items():
+        for leaf in ("qweight", "qzeros", "scales", "g_idx"):
+            state[f"{name}.{leaf}"] = getattr(qw, leaf)
+    dev = model.device
+
+    def source(keys):
+        out = {}
+        for k in keys:
+            if k not in state:
+                continue
+            t = state[k]
+            out[k] = torch.randn(t.shape, device=dev, dtype=torch.bfloat16) * 0.02 if dense_random else t.to(dev)
+        return out
+
+    spec = spec_from_config(model.config)
+    quant = QuantInfo(scheme.bits, scheme.group_size, scheme.sym) if weights else None
+    w = load_weights(source, set(state), spec, quant, torch.bfloat16, dev, packed_kernel=True)
+    backend = "kernels" if dev.type == "cuda" else "reference"  # the CPU: a smoke test of this script only
+    return RuntimeModel(spec, model.config, w, backend=backend, dtype=torch.bfloat16, device=dev,
+                        max_positions=4096, name="qwen3-30b-a3b-shape")
+
+
+class _MetaModel:
+    """A model's config and tensor shapes (meta tensors), for building random runtimes of its shape."""
+
+    def __init__(self, model) -> None:
+        self.config = model.config
+        self._state = {k: v.to("meta") for k, v in model.state_dict().items()}
+        self.device = next(model.parameters()).device
+
+    def state_dict(self):
+        return self._state
+
+
+def serve_rows(runtime, label: str, args, bandwidth: float) -> list[dict]:
+    from quantkit.tools.bench import decode_tps
+    from quantkit.runtime.engine import Engine
+
+    def prefill_tps(engine, n):
+        prompt = torch.randint(0, engine.model.spec.vocab_size, (n,)).tolist()
+        return n / timed(lambda: engine.model.prefill([prompt], [0], engine.cache), repeat=3)
+
+    rows = []
+    for graphs in ((True, False) if torch.cuda.is_available() else (False,)):
+        try:
+            engine = Engine(runtime, None, max_batch=max(args.batches), max_seq_len=2304, cuda_graphs=graphs,
+                            graph_buckets=tuple(args.batches))
+            for b in args.batches:
+                tps = decode_tps(engine, b, steps=args.steps)
+                rows.append({"model": label, "what": f"decode b{b}", "tokens_per_s": tps, "graphs": graphs})
+            rows.append({"model": label, "what": "prefill 2048", "tokens_per_s": prefill_tps(engine, 2048),
+                         "graphs": graphs})
+            break
+        except Exception as exc:  # noqa: BLE001 - a failed graph capture: measure without graphs, say so
+            if not graphs:
+                raise
+            print(f"  {label}: CUDA graphs failed ({type(exc).__name__}: {exc}); without graphs", flush=True)
+            rows.clear()
+    per_token = runtime.weights.nbytes()
+    for r in rows:
+        if r["what"] == "decode b1":
+            r["bytes_per_token"] = per_token
+            r["roofline_tokens_per_s"] = bandwidth / per_token
+            r["fraction_of_roofline"] = r["tokens_per_s"] / r["roofline_tokens_per_s"]
+    return rows
+
+
+def kernel_rows(args) -> list[dict]:
+    """One layer's experts: fused kernel vs a per-expert loop of the dense W4A16 kernel."""
+    from quantkit.config import QuantScheme
+    from quantkit.kernels.dispatch import w4a16_linear
+    from quantkit.kernels.moe_w4a16 import fused_moe, stack_quantized
+    from quantkit.kernels.w4a16_weights import prepare_w4a16_weights
+    from quantkit.methods.rtn import rtn_quantize
+    from quantkit.qtensor import QuantizedWeight
+
+    h, inter, n_exp, k = 2048, 768, 128, 8
+    scheme = QuantScheme(4, 128, True)
+    dev = "cuda"
+    g = torch.Generator(device=dev).manual_seed(0)
+    trios = []
+    for _ in range(n_exp):
+        trio = []
+        for rows, cols in ((inter, h), (inter, h), (h, inter)):
+            r = rtn_quantize(torch.randn(rows, cols, device=dev, generator=g) / cols**0.5, scheme)
+            trio.append(QuantizedWeight.from_codes(r.codes, r.scales, r.zeros, r.g_idx, scheme, device=dev))
+        trios.append(tuple(trio))
+    ex = stack_quantized(trios, torch.bfloat16, dev)
+    dense = []
+    for gate, up, down in trios:
+        gu = prepare_w4a16_weights(torch.cat([gate.qweight, up.qweight], 1), torch.cat([gate.qzeros, up.qzeros], 1),
+                                   torch.cat([gate.scales, up.scales], 1), gate.g_idx, 4, 128, True)
+        dn = prepare_w4a16_weights(down.qweight, down.qzeros, down.scales, down.g_idx, 4, 128, True)
+        dense.append((gu, dn))
+
+    def loop(x, w, ids):
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for e in torch.unique(ids).tolist():
+            tok, slot = torch.where(ids == e)
+            gu = w4a16_linear(x[tok], dense[e][0])
+            a = torch.nn.functional.silu(gu[:, :inter].float()) * gu[:, inter:].float()
+            out.index_add_(0, tok, w4a16_linear(a.to(x.dtype), dense[e][1]).float() * w[tok, slot, None])
+        return out.to(x.dtype)
+
+    rows = []
+    for m in args.kernel_m:
+        x = torch.randn(m, h, device=dev, dtype=torch.bfloat16)
+        logits = torch.randn(m, n_exp, device=dev)
+        w, ids = torch.topk(logits.softmax(-1), k, dim=-1)
+        w = w / w.sum(-1, keepdim=True)
+        err = ((fused_moe(x, w, ids, ex).float() - loop(x, w, ids).float()).norm()
+               / loop(x, w, ids).float().norm()).item()
+        t_fused = timed(lambda: fused_moe(x, w, ids, ex))
+        t_loop = timed(lambda: loop(x, w, ids))
+        rows.append({"m": m, "fused_us": t_fused * 1e6, "loop_us": t_loop * 1e6, "speedup": t_loop / t_fused,
+                     "rel_err_vs_loop": err})
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--layers", type=int, default=48, help="decoder layers (48: the real depth)")
+    p.add_argument("--nsamples", type=int, default=128)
+    p.add_argument("--seqlen", type=int, default=2048)
+    p.add_argument("--batch-size", type=int, default=8, help="calibration windows per forward")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32], help="decode batch sizes")
+    p.add_argument("--steps", type=int, default=64, help="decode steps per batch size")
+    p.add_argument("--kernel-m", type=int, nargs="+", default=[1, 8, 32, 256, 2048])
+    p.add_argument("--skip", nargs="*", default=[], choices=["gptq", "awq", "serve", "kernel"])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--tiny", action="store_true", help="a small model of the same family (a smoke test, CPU ok)")
+    p.add_argument("--out", default=None, help="JSON path (default bench/results/bench_moe_<date>.json)")
+    args = p.parse_args()
+    sizes = dict(QWEN3_30B_A3B, num_hidden_layers=args.layers)
+    if args.tiny:
+        sizes.update(hidden_size=256, moe_intermediate_size=128, intermediate_size=512, num_experts=16,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=1024)
+    record: dict = {"card": card(), "args": vars(args), "shape": sizes}
+    model = result = scheme = None
+    if "gptq" not in args.skip:
+        model, result, scheme = run_gptq(args, sizes, record)
+        print(json.dumps(record["gptq"], indent=1), flush=True)
+    if "awq" not in args.skip and "serve" in args.skip:
+        model = result = None
+        gc.collect()
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+        record["awq"] = run_method(args, sizes, "awq")
+        print(json.dumps(record["awq"], indent=1), flush=True)
+    if "serve" not in args.skip and model is None:  # serving speed does not depend on the method: RTN is quick
+        model, result, scheme = quantize_rtn(args, sizes, record)
+    if "serve" not in args.skip:
+        from quantkit.tools.bench import copy_bandwidth
+
+        # bytes read per second (a copy reads and writes); the CPU smoke test takes a nominal 10 GB/s
+        bandwidth = copy_bandwidth(args.device) * 1e9 / 2 if args.device.startswith("cuda") else 1e10
+        record["copy_read_bandwidth_gbs"] = bandwidth / 1e9
+        rows = serve_rows(runtime_from(model, result.weights, scheme), "int4", args, bandwidth)
+        shapes = _MetaModel(model)  # the bf16 baseline needs only the shapes: free the 61 GB model first
+        del model, result
+        gc.collect()
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+        rows += serve_rows(runtime_from(shapes, None, scheme, dense_random=True), "bf16", args, bandwidth)
+        record["serve"] = rows
+        by = {(r["model"], r["what"]): r["tokens_per_s"] for r in rows}
+        record["int4_over_bf16_decode_b1"] = by[("int4", "decode b1")] / by[("bf16", "decode b1")]
+    if "kernel" not in args.skip:
+        record["kernel"] = kernel_rows(args)
+    if "awq" not in args.skip and "serve" not in args.skip:  # after the serving runs freed their memory
+        gc.collect()
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+        record["awq"] = run_method(args, sizes, "awq")
+    print_table(record)
+    out = Path(args.out or f"bench/results/bench_moe_{datetime.date.today().isoformat()}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=1, default=str))
+    print(f"wrote {out}")
+
+
+def print_table(record: dict) -> None:
+    if "gptq" in record:
+        gq = record["gptq"]
+        print(f"\nGPTQ {record['shape']['num_hidden_layers']} layers, {gq['tokens']} tokens: {gq['seconds']:.0f} s "
+              f"(target < 600 s), peak device {gq['peak_device_gib']:.1f} GiB, host {gq['peak_host_gib']:.1f} GiB, "
+              f"{gq['rtn_fallback_experts']} RTN-fallback experts")
+    if "awq" in record:
+        aw = record["awq"]
+        print(f"AWQ (defaults): {aw['seconds']:.0f} s (target < 600 s), peak device {aw['peak_device_gib']:.1f} GiB, "
+              f"host {aw['peak_host_gib']:.1f} GiB")
+    if "serve" in record:
+        print(f"\n{'model':6s} {'what':14s} {'tok/s':>10s}  graphs  roofline")
+        for r in record["serve"]:
+            roof = f"{r['fraction_of_roofline']:.0%} of {r['roofline_tokens_per_s']:.0f}" if "roofline_tokens_per_s" in r \
+                else ""
+            print(f"{r['model']:6s} {r['what']:14s} {r['tokens_per_s']:10.1f}  {str(r['graphs']):6s}  {roof}")
+        print(f"int4 / bf16 decode at batch 1: {record['int4_over_bf16_decode_b1']:.2f}x (target >= 1.6x)")
+    if "kernel" in record:
+        print(f"\n{'M':>6s} {'fused us':>10s} {'loop us':>10s} {'speedup':>8s} {'rel err':>9s}")
+        for r in record["kernel"]:
+            print(f"{r['m']:6d} {r['fused_us']:10.1f} {r['loop_us']:10.1f} {r['speedup']:8.2f} "
+                  f"{r['rel_err_vs_loop']:9.1e}")
+
+
+if __name__ == "__main__":
+    main()

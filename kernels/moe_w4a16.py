@@ -1,0 +1,273 @@
+"""Fused MoE with W4A16 (or 16-bit) experts in Triton, and the plain-PyTorch reference beside it.
+
+``fused_moe(x [T, H], topk_weights [T, k], topk_ids [T, k], experts) -> [T, H]`` computes, for every token,
+``sum_j w_j * down_e(silu(gate_e(x)) * up_e(x))`` over its k routed experts ``e = topk_ids[t, j]``:
+
+1. ``moe_align``: the T*k (token, slot) pairs sorted by expert, each expert's run padded to a multiple of
+   BLOCK_M (pad rows point past the end and are masked), and the expert of every BLOCK_M block;
+2. ``_moe_gemm_kernel`` with ``GATED``: each program takes one block of pairs (one expert) and BLOCK_N
+   columns of the intermediate, reads the tokens' rows of ``x`` once and accumulates gate and up together
+   (one pass over K = H), applies ``silu(gate) * up`` and stores ``[T*k, I]``;
+3. ``_moe_gemm_kernel`` again for down (K = I) with each pair's routing weight applied, ``[T*k, H]``;
+   the k rows of a token are summed into its row (``view(T, k, H).sum(1)``).
+
+Weights (:class:`MoEExperts`) are the experts' GPTQ tensors stacked: ``qweight [E, K/8, N]`` int32 (4-bit
+codes packed along K: row r in word r // 8 at bit 4 (r % 8), ``quantkit.pack``), scales and float zero
+points ``[E, G, N]``, ``g_idx [E, K]`` (any grouping, act-order included: scales are gathered per row).
+Gate and up are concatenated along N (``[E, K/8, 2I]``: gate columns first). 16-bit experts (the bf16
+baseline) go through the same kernel with ``QUANT=False`` (``w [E, N, K]``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+
+@dataclass(frozen=True)
+class MoEExperts:
+    """Stacked experts (module docstring). ``quantized``: 4-bit GPTQ tensors; else 16-bit ``w13``/``w2``."""
+
+    w13: torch.Tensor  # quantized: int32 [E, H/8, 2I]; else [E, 2I, H]
+    w2: torch.Tensor  # quantized: int32 [E, I/8, H]; else [E, H, I]
+    hidden: int
+    inter: int
+    quantized: bool
+    s13: torch.Tensor | None = None  # [E, G13, 2I] scales (activation dtype)
+    z13: torch.Tensor | None = None  # [E, G13, 2I] zero points as floats
+    g13: torch.Tensor | None = None  # [E, H] int32 groups
+    s2: torch.Tensor | None = None  # [E, G2, H]
+    z2: torch.Tensor | None = None
+    g2: torch.Tensor | None = None  # [E, I]
+
+    @property
+    def num_experts(self) -> int:
+        return self.w13.shape[0]
+
+    def nbytes(self) -> int:
+        ts = [self.w13, self.w2, self.s13, self.z13, self.g13, self.s2, self.z2, self.g2]
+        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+    def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 ``w13 [E, 2I, H]`` and ``w2 [E, H, I]`` (the reference's weights)."""
+        if not self.quantized:
+            return self.w13.float(), self.w2.float()
+        return (_dequant(self.w13, self.s13, self.z13, self.g13, self.hidden),
+                _dequant(self.w2, self.s2, self.z2, self.g2, self.inter))
+
+
+def _dequant(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, g_idx: torch.Tensor,
+             k: int) -> torch.Tensor:
+    """``[E, K/8, N]`` packed -> float32 ``[E, N, K]``."""
+    rows = torch.arange(k, device=qweight.device)
+    codes = (qweight[:, rows // 8, :] >> (4 * (rows % 8))[None, :, None]) & 0xF  # [E, K, N]
+    g = g_idx.long()  # [E, K]
+    s = torch.gather(scales.float(), 1, g[:, :, None].expand(-1, -1, scales.shape[2]))  # [E, K, N]
+    z = torch.gather(zeros.float(), 1, g[:, :, None].expand(-1, -1, zeros.shape[2]))
+    return ((codes.float() - z) * s).transpose(1, 2).contiguous()
+
+
+def stack_quantized(experts: list[tuple], dtype: torch.dtype, device) -> MoEExperts:
+    """:class:`MoEExperts` from each expert's ``(gate, up, down)`` ``QuantizedWeight`` (4-bit, GPTQ layout)."""
+    from quantkit.pack import unpack_rows
+
+    def zeros_of(qw) -> torch.Tensor:  # [G, N] float zero points (stored minus one, packed along N)
+        return (unpack_rows(qw.qzeros.t().contiguous(), qw.bits, qw.out_features).t() + 1).to(dtype)
+
+    for gate, up, down in experts:
+        for qw in (gate, up, down):
+            if qw.bits != 4:
+                raise ValueError(f"the fused MoE kernel takes 4-bit experts, got {qw.bits}-bit")
+        if not torch.equal(gate.g_idx, up.g_idx):
+            raise ValueError("gate and up of an expert must share g_idx (they are quantized as one stack)")
+    w13 = torch.stack([torch.cat([g.qweight, u.qweight], dim=1) for g, u, _ in experts]).to(device)
+    s13 = torch.stack([torch.cat([g.scales, u.scales], dim=1) for g, u, _ in experts]).to(device, dtype)
+    z13 = torch.stack([torch.cat([zeros_of(g), zeros_of(u)], dim=1) for g, u, _ in experts]).to(device)
+    w2 = torch.stack([d.qweight for _, _, d in experts]).to(device)
+    s2 = torch.stack([d.scales for _, _, d in experts]).to(device, dtype)
+    z2 = torch.stack([zeros_of(d) for _, _, d in experts]).to(device)
+    g13 = torch.stack([g.g_idx for g, _, _ in experts]).to(device, torch.int32)
+    g2 = torch.stack([d.g_idx for _, _, d in experts]).to(device, torch.int32)
+    gate, _, down = experts[0]
+    return MoEExperts(w13, w2, gate.in_features, gate.out_features, True, s13, z13, g13, s2, z2, g2)
+
+
+def stack_dense(w13: torch.Tensor, w2: torch.Tensor) -> MoEExperts:
+    """16-bit experts: ``w13 [E, 2I, H]`` (gate rows first), ``w2 [E, H, I]``."""
+    return MoEExperts(w13.contiguous(), w2.contiguous(), w13.shape[2], w2.shape[2], False)
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pair ids sorted by expert, each expert's run padded to ``block_m`` with ``T*k``; expert per block).
+
+    No host sync (CUDA-graph safe): the arrays have their largest size, ``T*k + E*(block_m - 1)`` rounded up
+    to ``block_m``; blocks past the last expert's run hold only padding (the kernel returns at once)."""
+    flat = topk_ids.reshape(-1).long()  # [T*k]: pair p = t*k + j routes to expert flat[p]
+    pairs = flat.numel()
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    order = torch.argsort(flat, stable=True)
+    experts_sorted = flat[order]
+    first = torch.cumsum(counts, 0) - counts  # start of each expert's run in `order`
+    ends = torch.cumsum(padded, 0)
+    start = ends - padded  # start of its padded run
+    rank = torch.arange(pairs, device=flat.device) - first[experts_sorted]
+    n_blocks = (pairs + num_experts * (block_m - 1) + block_m - 1) // block_m
+    sorted_ids = torch.full((n_blocks * block_m,), pairs, dtype=torch.int32, device=flat.device)
+    sorted_ids[start[experts_sorted] + rank] = order.to(torch.int32)
+    blocks = torch.arange(n_blocks, device=flat.device) * block_m
+    block_expert = torch.searchsorted(ends, blocks, right=True).clamp_max(num_experts - 1).to(torch.int32)
+    return sorted_ids, block_expert
+
+
+@triton.jit
+def _weight_tile(w_ptr, s_ptr, z_ptr, g_ptr, e, k0, offs_k, offs_n, k_mask, n_mask, K,
+                 stride_we, stride_wk, stride_wn, stride_se, stride_sg, stride_sn,
+                 QUANT: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                 DTYPE: tl.constexpr):
+    """Weights ``[BLOCK_K, BLOCK_N]`` of expert ``e`` (W^T tile: rows are K, columns N), in DTYPE.
+
+    Quantized: ``BLOCK_K / 8`` words per column are loaded once and split into their eight codes (word w,
+    nibble j is K row 8 w + j). ``GROUP`` > 0: groups are contiguous and a multiple of BLOCK_K, so the tile
+    has one row of scales and zeros; 0: each row's group comes from ``g_idx`` (act-order)."""
+    mask = k_mask[:, None] & n_mask[None, :]
+    if QUANT:
+        offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        words = tl.load(w_ptr + e * stride_we + offs_w[:, None] * stride_wk + offs_n[None, :] * stride_wn,
+                        mask=(offs_w[:, None] < K // 8) & n_mask[None, :], other=0)  # [BLOCK_K/8, BLOCK_N]
+        shifts = tl.arange(0, 8) * 4
+        codes = (words[:, None, :] >> shifts[None, :, None]) & 0xF  # [BLOCK_K/8, 8, BLOCK_N]
+        codes = tl.reshape(codes, [BLOCK_K, BLOCK_N])
+        if GROUP > 0:
+            sz = e * stride_se + (k0 // GROUP) * stride_sg + offs_n[None, :] * stride_sn  # [1, BLOCK_N]
+            s = tl.load(s_ptr + sz, mask=n_mask[None, :], other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + sz, mask=n_mask[None, :], other=0.0).to(tl.float32)
+        else:
+            g = tl.load(g_ptr + e * K + offs_k, mask=k_mask, other=0)
+            sz = e * stride_se + g[:, None] * stride_sg + offs_n[None, :] * stride_sn
+            s = tl.load(s_ptr + sz, mask=mask, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + sz, mask=mask, other=0.0).to(tl.float32)
+        return ((codes.to(tl.float32) - z) * s).to(DTYPE)
+    else:
+        w = tl.load(w_ptr + e * stride_we + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn,
+                    mask=mask, other=0.0)
+        return w.to(DTYPE)
+
+
+@triton.jit
+def _moe_gemm_kernel(a_ptr, w_ptr, s_ptr, z_ptr, g_ptr, out_ptr, sorted_ptr, block_expert_ptr, topw_ptr,
+                     num_pairs, N, K, UP_OFFSET, TOP_K,
+                     stride_am, stride_we, stride_wk, stride_wn, stride_se, stride_sg, stride_sn, stride_om,
+                     QUANT: tl.constexpr, GROUP: tl.constexpr, GATED: tl.constexpr, A_BY_TOKEN: tl.constexpr,
+                     MUL_ROUTED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if tl.load(sorted_ptr + pid_m * BLOCK_M) >= num_pairs:
+        return  # a block of padding only (past the last expert's run)
+    e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_ptr + offs_m)  # [BLOCK_M] (token, slot) pair ids; num_pairs marks padding
+    valid = pairs < num_pairs
+    if A_BY_TOKEN:
+        a_rows = pairs // TOP_K  # the token's row of x
+    else:
+        a_rows = pairs  # the pair's row of the intermediate
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        a = tl.load(a_ptr + a_rows[:, None].to(tl.int64) * stride_am + offs_k[None, :],
+                    mask=valid[:, None] & k_mask[None, :], other=0.0).to(DTYPE)  # [BLOCK_M, BLOCK_K]
+        w = _weight_tile(w_ptr, s_ptr, z_ptr, g_ptr, e, k0, offs_k, offs_n, k_mask, n_mask, K, stride_we, stride_wk,
+                         stride_wn, stride_se, stride_sg, stride_sn, QUANT, GROUP, BLOCK_K, BLOCK_N, DTYPE)
+        acc += tl.dot(a, w)
+        if GATED:  # the up half of the same expert, same activations: one pass over K for both
+            w_up = _weight_tile(w_ptr, s_ptr, z_ptr, g_ptr, e, k0, offs_k, offs_n + UP_OFFSET, k_mask, n_mask, K,
+                                stride_we, stride_wk, stride_wn, stride_se, stride_sg, stride_sn, QUANT, GROUP,
+                                BLOCK_K, BLOCK_N, DTYPE)
+            acc_up += tl.dot(a, w_up)
+    if GATED:
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_up  # silu(gate) * up
+    if MUL_ROUTED:
+        rw = tl.load(topw_ptr + pairs, mask=valid, other=0.0).to(tl.float32)
+        acc = acc * rw[:, None]
+    out = out_ptr + pairs[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
+
+
+_TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
+def _contiguous_group(g_idx: torch.Tensor | None, k: int, block_k: int) -> int:
+    """The group size when every expert's ``g_idx`` is ``arange(K) // G`` with ``G`` a multiple of ``block_k``
+    (one scale row per tile), else 0 (gather per row)."""
+    if g_idx is None:
+        return 0
+    first = g_idx[0].long()
+    n_groups = int(first.max()) + 1
+    size = -(-k // n_groups)
+    if size % block_k or not bool((g_idx.long() == (torch.arange(k, device=g_idx.device) // size)).all()):
+        return 0
+    return size
+
+
+def _launch(a, ex_w, s, z, g, out, sorted_ids, block_expert, topw, pairs, n, k, up_offset, top_k, quant, gated,
+            by_token, mul, block_m, block_n, block_k, group):
+    if quant:
+        swe, swk, swn = ex_w.stride()  # [E, K/8, N]
+        sse, ssg, ssn = s.stride()
+    else:
+        swe, swn, swk = ex_w.stride()  # [E, N, K]
+        sse = ssg = ssn = 0
+        s = z = g = ex_w  # unused
+    grid = (block_expert.numel(), triton.cdiv(n, block_n))
+    _moe_gemm_kernel[grid](a, ex_w, s, z, g, out, sorted_ids, block_expert, topw, pairs, n, k, up_offset, top_k,
+                           a.stride(0), swe, swk, swn, sse, ssg, ssn, out.stride(0),
+                           QUANT=quant, GROUP=group, GATED=gated, A_BY_TOKEN=by_token, MUL_ROUTED=mul, BLOCK_M=block_m,
+                           BLOCK_N=block_n, BLOCK_K=block_k, DTYPE=_TL_DTYPE[a.dtype])
+
+
+def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, experts: MoEExperts,
+              block_m: int = 16, block_n: int = 64, block_k: int = 64) -> torch.Tensor:
+    """The MoE block's routed output ``[T, H]`` (module docstring); ``x [T, H]`` in 16-bit (or float32)."""
+    t, h = x.shape
+    k = topk_ids.shape[1]
+    if h != experts.hidden:
+        raise ValueError(f"x has {h} features, the experts {experts.hidden}")
+    if experts.quantized and (experts.hidden % 8 or experts.inter % 8 or block_k % 8):
+        raise ValueError("4-bit experts need hidden and intermediate sizes (and block_k) divisible by 8")
+    x = x.contiguous()
+    sorted_ids, block_expert = moe_align(topk_ids, experts.num_experts, block_m)
+    pairs = t * k
+    topw = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    inter = torch.empty(pairs, experts.inter, dtype=x.dtype, device=x.device)
+    q = experts.quantized
+    g13 = _contiguous_group(experts.g13, h, block_k) if q else 0
+    g2 = _contiguous_group(experts.g2, experts.inter, block_k) if q else 0
+    _launch(x, experts.w13, experts.s13, experts.z13, experts.g13, inter, sorted_ids, block_expert, topw, pairs,
+            experts.inter, h, experts.inter, k, q, True, True, False, block_m, block_n, block_k, g13)
+    out = torch.empty(pairs, h, dtype=torch.float32 if x.dtype == torch.float32 else x.dtype, device=x.device)
+    _launch(inter, experts.w2, experts.s2, experts.z2, experts.g2, out, sorted_ids, block_expert, topw, pairs,
+            h, experts.inter, 0, k, q, False, False, True, block_m, block_n, block_k, g2)
+    return out.view(t, k, h).sum(1, dtype=torch.float32).to(x.dtype)
+
+
+def fused_moe_ref(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                  experts: MoEExperts) -> torch.Tensor:
+    """Plain PyTorch: each routed expert in float32 on its tokens, weighted, summed into the token's row."""
+    w13, w2 = experts.dequantized()
+    inter = experts.inter
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in torch.unique(topk_ids).tolist():
+        tok, slot = torch.where(topk_ids == e)
+        gu = x[tok].float() @ w13[e].t()  # [t_e, 2I]
+        h = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
+        out.index_add_(0, tok, (h @ w2[e].t()) * topk_weights[tok, slot, None].float())
+    return out.to(x.dtype)

@@ -1,0 +1,131 @@
+"""The runtime's MoE block: router, top-k, the experts (fused W4A16 or 16-bit kernel), shared expert.
+
+Read from either expert layout: per-expert tensors (``{block}.experts.{e}.{gate,up,down}`` with
+``.qweight``/``.weight``; Mixtral's ``w1``/``w3``/``w2``), as quantkit and GPTQ tools write them, or the
+fused 3-D ``{block}.experts.gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]`` of a transformers-5 state
+dict. The block is ``mlp`` or ``block_sparse_moe``. Routing follows the family (``ModelSpec``): softmax
+over the router logits (float32), top-k, renormalized when ``moe_renormalize``; Qwen2-MoE adds a shared
+expert scaled by ``sigmoid(shared_expert_gate(x))``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from quantkit.config import QuantkitError
+from quantkit.runtime.spec import ModelSpec
+
+_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+
+
+@dataclass
+class MoELayer:
+    router: torch.Tensor  # [E, H]
+    experts: object  # quantkit.kernels.moe_w4a16.MoEExperts
+    top_k: int
+    renormalize: bool
+    use_kernel: bool
+    shared_gate_up: object | None = None  # runtime Linear [2I_s, H]
+    shared_down: object | None = None
+    shared_gate: torch.Tensor | None = None  # [1, H]
+    _ref: tuple | None = None  # dequantized experts for the reference path (made once)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Routing weights and expert ids ``[M, k]`` (softmax in float32, top-k, optional renormalization)."""
+        probs = torch.softmax(torch.nn.functional.linear(x, self.router).float(), dim=-1)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return weights, ids
+
+    def __call__(self, x: torch.Tensor, act_mul) -> torch.Tensor:
+        from quantkit.kernels.moe_w4a16 import fused_moe, fused_moe_ref
+
+        weights, ids = self.route(x)
+        if self.use_kernel:
+            y = fused_moe(x, weights, ids, self.experts)
+        else:
+            y = fused_moe_ref(x, weights, ids, self._reference_experts())
+        if self.shared_gate_up is not None:
+            s = self.shared_down(act_mul(self.shared_gate_up(x), "silu"))
+            if self.shared_gate is not None:
+                s = torch.sigmoid(torch.nn.functional.linear(x, self.shared_gate).float()).to(s.dtype) * s
+            y = y + s
+        return y
+
+    def _reference_experts(self):
+        if self._ref is None:
+            from quantkit.kernels.moe_w4a16 import stack_dense
+
+            w13, w2 = self.experts.dequantized()  # float32, once (the CPU never unpacks per token)
+            self._ref = (stack_dense(w13, w2),)
+        return self._ref[0]
+
+    def nbytes_per_token(self) -> int:
+        """Bytes one decode token reads: its k experts' weights, the router, the shared expert."""
+        per_expert = self.experts.nbytes() // self.experts.num_experts
+        total = self.top_k * per_expert + self.router.numel() * self.router.element_size()
+        for lin in (self.shared_gate_up, self.shared_down):
+            total += lin.nbytes() if lin is not None else 0
+        return total
+
+
+def _block(get: dict) -> str | None:
+    for block in ("mlp", "block_sparse_moe"):
+        if f"{block}.gate.weight" in get and any(k.startswith(f"{block}.experts.") for k in get):
+            return block
+    return None
+
+
+def is_moe_layer(get: dict) -> bool:
+    return _block(get) is not None
+
+
+def load_moe(get: dict, spec: ModelSpec, quant, dtype, device, packed_kernel: bool, fused_linear) -> MoELayer:
+    """The MoE block of one decoder layer from its tensors ``get`` (names relative to the layer); ``fused_linear``:
+    the dense loader's builder of one (fused) linear, for the shared expert (passed in, so weights -> moe is the
+    only import between the two)."""
+    from quantkit.kernels.moe_w4a16 import stack_dense, stack_quantized
+
+    block = _block(get)
+    ex = f"{block}.experts."
+    if f"{ex}gate_up_proj" in get:  # transformers 5's fused 16-bit experts
+        experts = stack_dense(get[f"{ex}gate_up_proj"].to(device, dtype), get[f"{ex}down_proj"].to(device, dtype))
+    else:
+        names = next((n for n in _NAMES if f"{ex}0.{n[0]}.qweight" in get or f"{ex}0.{n[0]}.weight" in get), None)
+        if names is None:
+            raise QuantkitError(f"{block}.experts: no per-expert gate/up/down tensors found")
+        n = spec.num_experts
+        if f"{ex}0.{names[0]}.qweight" in get:
+            if quant is None or quant.bits != 4:
+                raise QuantkitError("the runtime's MoE kernel serves 4-bit experts")
+            from quantkit.qtensor import QuantizedWeight
+
+            def qw(name: str) -> QuantizedWeight:
+                t = {leaf: get[f"{name}.{leaf}"] for leaf in ("qweight", "qzeros", "scales", "g_idx")}
+                k, nout = t["qweight"].shape[0] * 8, t["qweight"].shape[1]
+                return QuantizedWeight(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], 4, quant.group_size,
+                                       quant.sym, k, nout)
+
+            experts = stack_quantized([tuple(qw(f"{ex}{e}.{lin}") for lin in names) for e in range(n)], dtype,
+                                      device)
+        else:
+            w13 = torch.stack([torch.cat([get[f"{ex}{e}.{names[0]}.weight"], get[f"{ex}{e}.{names[1]}.weight"]])
+                               for e in range(n)])
+            w2 = torch.stack([get[f"{ex}{e}.{names[2]}.weight"] for e in range(n)])
+            experts = stack_dense(w13.to(device, dtype), w2.to(device, dtype))
+    if experts.quantized and not packed_kernel:  # the reference backend, or --dequantize: 16-bit experts
+        w13, w2 = experts.dequantized()
+        experts = stack_dense(w13.to(dtype), w2.to(dtype))
+    lin = dict(quant=quant, dtype=dtype, device=device, packed_kernel=packed_kernel)
+    layer = MoELayer(router=get[f"{block}.gate.weight"].to(device, dtype), experts=experts, top_k=spec.top_k,
+                     renormalize=spec.moe_renormalize, use_kernel=packed_kernel)
+    shared = f"{block}.shared_expert."
+    if any(k.startswith(shared) for k in get):
+        layer.shared_gate_up = fused_linear(get, [f"{shared}gate_proj", f"{shared}up_proj"], **lin)
+        layer.shared_down = fused_linear(get, [f"{shared}down_proj"], **lin)
+        if f"{block}.shared_expert_gate.weight" in get:
+            layer.shared_gate = get[f"{block}.shared_expert_gate.weight"].to(device, dtype)
+    return layer
