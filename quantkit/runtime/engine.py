@@ -87,6 +87,7 @@ class Engine:
         if max_seq_len > model.max_positions:
             raise QuantkitError(f"max_seq_len {max_seq_len} exceeds the model's {model.max_positions} positions")
         self.model, self._tokenizer, self._model_name = model, tokenizer, model_name
+        self.loaded_at = time.time()  # unix seconds (GET /v1/models reports it as "created")
         self._max_batch, self._max_seq_len = max_batch, max_seq_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_prefill_tokens = max_prefill_tokens

@@ -23,6 +23,7 @@ import logging
 import signal
 import socket
 import threading
+import time
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +40,8 @@ from quantkit.runtime.openai_schema import (
 from quantkit.runtime.types import Engine, SamplingParams
 
 log = logging.getLogger(__name__)
+
+RETRY_AFTER_S = "1"  # the Retry-After header of a 503 (seconds)
 
 
 @dataclass(frozen=True)
@@ -120,13 +123,24 @@ def _sse(body: dict[str, Any]) -> str:
     return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
 
+def _check_content_type(request) -> None:
+    """A body must be declared JSON (415 otherwise: ``text/plain``, a form, nothing)."""
+    declared = request.headers.get("content-type", "")
+    media = declared.split(";")[0].strip().lower()
+    if media != "application/json" and not media.endswith("+json"):
+        raise APIError(415, f"the request body must be JSON with Content-Type: application/json, got "
+                       f"{declared or 'no Content-Type'}", param="Content-Type", code="unsupported_media_type")
+
+
 async def _read_json(request, limit: int) -> Any:
-    """The request's JSON body, read up to ``limit`` bytes (413 beyond; 400 if it is not JSON)."""
+    """The request's JSON body, read up to ``limit`` bytes (413 beyond; 415 if not declared JSON, 400 if it
+    is not JSON)."""
     declared = request.headers.get("content-length")
     too_large = APIError(413, f"the request body is larger than this server's limit of {limit} bytes",
                          code="request_too_large")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise too_large
+    _check_content_type(request)
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
@@ -180,8 +194,9 @@ async def _collect(handle: RequestHandle) -> tuple[str, str | None, int]:
 class _Service:
     """The request handlers, bound to one engine worker."""
 
-    def __init__(self, worker: AsyncEngine, config: ServerConfig, model_name: str) -> None:
+    def __init__(self, worker: AsyncEngine, config: ServerConfig, model_name: str, created: int) -> None:
         self.worker, self.config, self.model_name = worker, config, model_name
+        self.created = created  # when the model was loaded (unix seconds), as /v1/models reports it
 
     async def health(self, request):
         from fastapi.responses import JSONResponse
@@ -195,7 +210,7 @@ class _Service:
     async def models(self, request):
         from fastapi.responses import JSONResponse
 
-        model = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "quantkit",
+        model = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "quantkit",
                  "max_model_len": self.worker.engine.max_seq_len}
         return JSONResponse({"object": "list", "data": [model]})
 
@@ -228,9 +243,10 @@ class _Service:
             handle = self.worker.submit(build, params, prompt_param=prompt_param)
         except QueueFull as exc:
             raise APIError(503, f"the server is busy ({exc}); retry later", type="server_error",
-                           code="queue_full") from exc
+                           code="queue_full", headers={"Retry-After": RETRY_AFTER_S}) from exc
         except RequestFailed as exc:
-            raise APIError(503, exc.message, type="server_error", code="engine_unavailable") from exc
+            raise APIError(503, exc.message, type="server_error", code="engine_unavailable",
+                           headers={"Retry-After": RETRY_AFTER_S}) from exc
         streaming = False
         try:
             prompt_tokens = await _unless_disconnected(request, handle.accepted())
@@ -279,10 +295,10 @@ def _install_error_handlers(app) -> None:
     from starlette.exceptions import HTTPException
 
     async def api_error(request, exc: APIError):
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     async def http_error(request, exc: HTTPException):
-        error = APIError(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None)
+        error = APIError(exc.status_code, str(exc.detail))
         return JSONResponse(error.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     async def unexpected(request, exc: Exception):
@@ -300,7 +316,9 @@ def create_app(engine: Engine, config: ServerConfig = ServerConfig()):
     from fastapi import FastAPI
 
     worker = AsyncEngine(engine, max_queue=config.max_queue)
-    service = _Service(worker, config, config.served_model_name or engine.model_name)
+    # the engine records when its model was loaded; an engine that does not: when the app was built
+    created = int(getattr(engine, "loaded_at", None) or time.time())
+    service = _Service(worker, config, config.served_model_name or engine.model_name, created)
 
     @asynccontextmanager
     async def lifespan(app):
