@@ -60,8 +60,9 @@ class RequestHandle:
     """One submitted request as the event loop sees it: awaits its acceptance, then its events."""
 
     def __init__(self, build_prompt: PromptBuilder, params: SamplingParams, prompt_param: str,
-                 loop: asyncio.AbstractEventLoop) -> None:
+                 loop: asyncio.AbstractEventLoop, max_tokens_given: bool = False) -> None:
         self.build_prompt, self.params, self.prompt_param = build_prompt, params, prompt_param
+        self.max_tokens_given = max_tokens_given  # the client set max_tokens: never clipped, 400 if it cannot fit
         self.cancelled = threading.Event()
         self.finished = False  # event-loop side: the last item was read
         self.engine_id: int | None = None  # worker side
@@ -127,15 +128,19 @@ class AsyncEngine:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def submit(self, build_prompt: PromptBuilder, params: SamplingParams, *, prompt_param: str = "prompt"):
-        """Queue a request; raises :class:`QueueFull` when ``capacity`` requests are already in flight."""
+    def submit(self, build_prompt: PromptBuilder, params: SamplingParams, *, prompt_param: str = "prompt",
+               max_tokens_given: bool = False):
+        """Queue a request; raises :class:`QueueFull` when ``capacity`` requests are already in flight.
+
+        ``max_tokens_given``: the client chose ``params.max_tokens``, so a prompt + max_tokens beyond the
+        context fails the request (400); otherwise the engine clips max_tokens to what fits."""
         if not self.alive:
             raise RequestFailed("the engine worker is not running", client_error=False)
         with self._lock:
             if self._in_flight >= self.capacity:
                 raise QueueFull(f"all {self.capacity} places are taken")
             self._in_flight += 1
-        handle = RequestHandle(build_prompt, params, prompt_param, self._loop)
+        handle = RequestHandle(build_prompt, params, prompt_param, self._loop, max_tokens_given)
         self._inbox.put(("add", handle))
         return handle
 
@@ -194,7 +199,7 @@ class AsyncEngine:
             return
         try:
             prompt_ids = handle.build_prompt(self.engine.tokenizer)
-            self._check_fits(prompt_ids, handle.prompt_param)
+            self._check_fits(prompt_ids, handle)
             engine_id = self.engine.add_request(prompt_ids, handle.params)
         except RequestFailed as exc:
             self._fail(handle, exc)
@@ -208,7 +213,8 @@ class AsyncEngine:
             self._active[engine_id] = handle
             handle.deliver(Accepted(len(prompt_ids)))
 
-    def _check_fits(self, prompt_ids: list[int], param: str) -> None:
+    def _check_fits(self, prompt_ids: list[int], handle: RequestHandle) -> None:
+        param = handle.prompt_param
         if not prompt_ids:
             raise RequestFailed("the prompt is empty (no tokens)", client_error=True, param=param)
         limit = self.engine.max_seq_len
@@ -217,6 +223,13 @@ class AsyncEngine:
                 f"the prompt has {len(prompt_ids)} tokens; this server holds {limit} tokens per sequence "
                 f"(prompt + at least one generated token), so shorten it to at most {limit - 1} tokens",
                 client_error=True, param=param, code="context_length_exceeded")
+        wanted = len(prompt_ids) + handle.params.max_tokens
+        if handle.max_tokens_given and wanted > limit:
+            raise RequestFailed(
+                f"this model's maximum context length is {limit} tokens; you requested {wanted} tokens "
+                f"({len(prompt_ids)} in the {param}, {handle.params.max_tokens} in the completion): lower max_tokens "
+                f"to at most {limit - len(prompt_ids)}, shorten the {param}, or leave max_tokens out (then it is "
+                "clipped to what fits)", client_error=True, param="max_tokens", code="context_length_exceeded")
 
     def _step(self) -> None:
         try:

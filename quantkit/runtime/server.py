@@ -220,7 +220,7 @@ class _Service:
         params = body.params(self.config.max_tokens)
         fmt = ResponseFormat.new(chat=False, model=self.model_name)
         return await self._generate(request, text_prompt(body.single_prompt()), "prompt", params, fmt,
-                                    bool(body.stream), body.include_usage)
+                                    bool(body.stream), body.include_usage, body.max_tokens_given)
 
     async def chat_completions(self, request):
         body = parse_request(ChatCompletionRequest, await _read_json(request, self.config.max_body_bytes))
@@ -228,7 +228,7 @@ class _Service:
         params = body.params(self.config.max_tokens)
         fmt = ResponseFormat.new(chat=True, model=self.model_name)
         return await self._generate(request, chat_prompt(body.template_messages()), "messages", params, fmt,
-                                    bool(body.stream), body.include_usage)
+                                    bool(body.stream), body.include_usage, body.max_tokens_given)
 
     def _check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
@@ -236,11 +236,11 @@ class _Service:
                            "(see GET /v1/models)", param="model", code="model_not_found")
 
     async def _generate(self, request, build, prompt_param: str, params: SamplingParams, fmt: ResponseFormat,
-                        stream: bool, include_usage: bool):
+                        stream: bool, include_usage: bool, max_tokens_given: bool = False):
         from fastapi.responses import JSONResponse, Response, StreamingResponse
 
         try:
-            handle = self.worker.submit(build, params, prompt_param=prompt_param)
+            handle = self.worker.submit(build, params, prompt_param=prompt_param, max_tokens_given=max_tokens_given)
         except QueueFull as exc:
             raise APIError(503, f"the server is busy ({exc}); retry later", type="server_error",
                            code="queue_full", headers={"Retry-After": RETRY_AFTER_S}) from exc

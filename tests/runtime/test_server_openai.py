@@ -119,3 +119,21 @@ def test_503_carries_retry_after(tokenizer):
         finally:
             engine.gate.set()
             thread.join(30)
+
+
+def test_prompt_plus_max_tokens_beyond_the_context(served):
+    client, url, engine, _ = served  # max_seq_len 64
+    error = refused(lambda: client.completions.create(model="fake-model", prompt=list(range(1, 61)), max_tokens=10),
+                    "max_tokens")
+    assert error["code"] == "context_length_exceeded"
+    assert "64" in error["message"] and "70" in error["message"] and "60 in the prompt" in error["message"]
+    assert "at most 4" in error["message"]
+    fits = client.completions.create(model="fake-model", prompt=list(range(1, 61)), max_tokens=4)
+    assert fits.usage.completion_tokens == 4 and fits.choices[0].finish_reason == "length"
+    # Left out, max_tokens is clipped to what fits (chat: the server's limit of 32, cut to 64 - prompt).
+    long_chat = [{"role": "user", "content": "a b c d e f g h i j k l m n o p q r s t"}]
+    answer = client.chat.completions.create(model="fake-model", messages=long_chat)
+    assert answer.usage.prompt_tokens + answer.usage.completion_tokens == 64
+    assert answer.choices[0].finish_reason == "length"
+    refused(lambda: client.chat.completions.create(model="fake-model", messages=long_chat, max_tokens=32),
+            "max_tokens")
