@@ -24,10 +24,12 @@ def register(app: typer.Typer) -> None:
         cuda_graphs: Annotated[bool | None, typer.Option("--cuda-graphs/--no-cuda-graphs", help="Capture decode steps in CUDA graphs (default: on with the kernels).")] = None,
         device: Device = "auto", dtype: Dtype = "auto", trust_remote_code: TrustRemoteCode = False,
         log_level: Annotated[str, typer.Option("--log-level", help="debug, info, warning or error.")] = "info",
+        shutdown_grace: Annotated[float, typer.Option("--shutdown-grace", help="Seconds in-flight requests get to finish on Ctrl+C / SIGTERM; then open streams end with an abort event.")] = 10.0,
     ) -> None:
         """Serve MODEL over HTTP: /v1/completions, /v1/chat/completions (streaming by SSE), /v1/models, /health.
 
-        Stops gracefully on Ctrl+C or SIGTERM (in-flight requests get 10 s to finish)."""
+        Stops gracefully on Ctrl+C or SIGTERM: no new requests; those in flight get --shutdown-grace seconds,
+        then open streams end with an error event and [DONE]. Exit status 130 after Ctrl+C, 0 after SIGTERM."""
         import logging
 
         from quantkit.config import QuantkitError
@@ -38,7 +40,7 @@ def register(app: typer.Typer) -> None:
             raise QuantkitError(f"--log-level must be debug, info, warning or error, got {log_level!r}")
         # Checked before the model loads, so a typo costs no loading time.
         config = ServerConfig(host=host, port=port, max_queue=max_queue, max_tokens=max_tokens,
-                              served_model_name=served_model_name, log_level=log_level)
+                              served_model_name=served_model_name, log_level=log_level, shutdown_timeout=shutdown_grace)
         try:
             from quantkit.runtime.loader import load_engine
         except ImportError as exc:
@@ -49,4 +51,6 @@ def register(app: typer.Typer) -> None:
                              backend=backend, cuda_graphs=cuda_graphs, trust_remote_code=trust_remote_code)
         typer.secho(f"serving {config.served_model_name or engine.model_name} on http://{host}:{port} "
                     f"({engine.max_batch} slots of {engine.max_seq_len} tokens, {max_queue} queued at most)", err=True)
-        run_server(engine, config)
+        status = run_server(engine, config)
+        if status:
+            raise typer.Exit(status)

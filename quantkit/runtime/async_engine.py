@@ -149,6 +149,11 @@ class AsyncEngine:
         handle.cancelled.set()
         self._inbox.put(("abort", handle))
 
+    def abort_all(self, message: str, code: str = "server_shutdown") -> None:
+        """Fail every request in flight (queued or running) with ``message``: streams end with an error
+        event, whole answers with a 503. Used when a shutdown's grace period is over."""
+        self._inbox.put(("abort_all", RequestFailed(message, client_error=False, code=code)))
+
     def stop(self, timeout: float = 10.0) -> None:
         """Fail what is still in flight, and end the worker."""
         if self._thread is None:
@@ -190,6 +195,8 @@ class AsyncEngine:
                 return False
             if kind == "add":
                 self._admit(handle)
+            elif kind == "abort_all":
+                self._fail_active(handle.message, handle.code)
             elif handle.engine_id is not None and handle.engine_id in self._active:
                 self._abort_in_engine(handle.engine_id)
 
@@ -256,10 +263,10 @@ class AsyncEngine:
         except Exception:
             log.exception("engine abort of request %d failed", engine_id)
 
-    def _fail_active(self, message: str) -> None:
+    def _fail_active(self, message: str, code: str | None = None) -> None:
         for engine_id, handle in list(self._active.items()):
             self._abort_in_engine(engine_id)
-            self._fail(handle, RequestFailed(message, client_error=False))
+            self._fail(handle, RequestFailed(message, client_error=False, code=code))
         self._active.clear()
 
     def _fail(self, handle: RequestHandle, error: RequestFailed) -> None:

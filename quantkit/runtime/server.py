@@ -20,11 +20,10 @@ import asyncio
 import ipaddress
 import json
 import logging
-import signal
 import socket
 import threading
 import time
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +41,7 @@ from quantkit.runtime.types import Engine, SamplingParams
 log = logging.getLogger(__name__)
 
 RETRY_AFTER_S = "1"  # the Retry-After header of a 503 (seconds)
+SHUTDOWN_CODE = "server_shutdown"  # the error code of a request cut by a shutdown
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ class ServerConfig:
         if self.max_body_bytes < 1024:
             problems.append(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
         if self.shutdown_timeout < 0:
-            problems.append(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
+            problems.append(f"--shutdown-grace must be >= 0, got {self.shutdown_timeout}")
         if problems:
             raise QuantkitError("; ".join(problems))
 
@@ -116,6 +116,8 @@ def chat_prompt(messages: list[dict[str, str]]):
 def _failure_error(exc: RequestFailed) -> APIError:
     if exc.client_error:
         return APIError(400, exc.message, param=exc.param, code=exc.code or "invalid_value")
+    if exc.code == SHUTDOWN_CODE:
+        return APIError(503, exc.message, type="server_error", code=SHUTDOWN_CODE, headers={"Retry-After": RETRY_AFTER_S})
     return APIError(500, exc.message, type="server_error", code=exc.code or "engine_error")
 
 
@@ -197,15 +199,18 @@ class _Service:
     def __init__(self, worker: AsyncEngine, config: ServerConfig, model_name: str, created: int) -> None:
         self.worker, self.config, self.model_name = worker, config, model_name
         self.created = created  # when the model was loaded (unix seconds), as /v1/models reports it
+        self.draining = False  # a shutdown began: /health says so, new requests get 503
 
     async def health(self, request):
         from fastapi.responses import JSONResponse
 
         engine = self.worker.engine
-        body = {"status": "ok" if self.worker.alive else "unavailable", "model": self.model_name,
+        ok = self.worker.alive and not self.draining
+        status = "draining" if self.draining else "ok" if self.worker.alive else "unavailable"
+        body = {"status": status, "model": self.model_name,
                 "in_flight": self.worker.in_flight, "capacity": self.worker.capacity,
                 "max_batch": engine.max_batch, "max_seq_len": engine.max_seq_len}
-        return JSONResponse(body, status_code=200 if self.worker.alive else 503)
+        return JSONResponse(body, status_code=200 if ok else 503)
 
     async def models(self, request):
         from fastapi.responses import JSONResponse
@@ -239,6 +244,9 @@ class _Service:
                         stream: bool, include_usage: bool, max_tokens_given: bool = False):
         from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+        if self.draining:
+            raise APIError(503, "the server is shutting down; send this request elsewhere", type="server_error",
+                           code=SHUTDOWN_CODE, headers={"Retry-After": RETRY_AFTER_S})
         try:
             handle = self.worker.submit(build, params, prompt_param=prompt_param, max_tokens_given=max_tokens_given)
         except QueueFull as exc:
@@ -329,7 +337,7 @@ def create_app(engine: Engine, config: ServerConfig = ServerConfig()):
             worker.stop()
 
     app = FastAPI(title="quantkit", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.worker = worker
+    app.state.worker, app.state.service = worker, service
     _install_error_handlers(app)
 
     # Plain Starlette routes: each handler takes the request and parses its body itself, so every
@@ -351,38 +359,27 @@ def is_loopback(host: str) -> bool:
 
 
 def uvicorn_server(engine: Engine, config: ServerConfig):
-    """A ``uvicorn.Server`` for ``engine`` (``.run()`` serves until SIGINT/SIGTERM, then shuts down gracefully)."""
+    """A uvicorn server for ``engine``: ``.run()`` serves until SIGINT/SIGTERM, then shuts down gracefully
+    (:func:`quantkit.runtime.server_shutdown.graceful_server`)."""
     try:
-        import uvicorn
+        import uvicorn  # noqa: F401
     except ImportError as exc:
         raise QuantkitError("serving needs FastAPI and uvicorn: pip install 'quantkit[serve]'") from exc
+    from quantkit.runtime.server_shutdown import graceful_server
+
     if not is_loopback(config.host):
         log.warning("listening on %s: reachable from other machines, and there is no authentication", config.host)
-    uv_config = uvicorn.Config(create_app(engine, config), host=config.host, port=config.port,
-                               log_level=config.log_level, timeout_graceful_shutdown=config.shutdown_timeout,
-                               lifespan="on")
-    return uvicorn.Server(uv_config)
+    app = create_app(engine, config)
+    return graceful_server(app, config, app.state.service)
 
 
-def serve(engine: Engine, config: ServerConfig = ServerConfig(), sock: socket.socket | None = None) -> None:
-    """Serve ``engine`` until SIGINT/SIGTERM; in-flight requests get ``shutdown_timeout`` s to finish,
-    then the engine worker stops and this returns normally."""
+def serve(engine: Engine, config: ServerConfig = ServerConfig(), sock: socket.socket | None = None) -> int:
+    """Serve ``engine`` until SIGINT/SIGTERM; the exit status the process should end with (see
+    :func:`quantkit.runtime.server_shutdown.exit_status`)."""
+    from quantkit.runtime.server_shutdown import exit_status, signals_absorbed
+
     server = uvicorn_server(engine, config)
-    with _signals_absorbed():
+    with signals_absorbed():
         server.run(sockets=[sock] if sock is not None else None)
     log.info("server stopped")
-
-
-@contextmanager
-def _signals_absorbed():
-    """uvicorn handles SIGINT/SIGTERM (graceful shutdown), then re-raises the signal to the handler it
-    found. Let it find a no-op one, so that a shutdown asked for by a signal ends with exit status 0."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    return exit_status(server.first_signal)
