@@ -17,6 +17,7 @@ def register(app: typer.Typer) -> None:
         port: Annotated[int, typer.Option("--port", help="TCP port.")] = 8000,
         max_batch: Annotated[int, typer.Option("--max-batch", help="Sequences decoded together at most (fewer if the KV-cache budget holds fewer).")] = 32,
         kv_cache_memory: Annotated[str | None, typer.Option("--kv-cache-memory", help="KV-cache budget, e.g. 4GiB or 512MiB (default: 1 GiB on the CPU, --kv-cache-fraction 0.8 on CUDA).")] = None,
+        prefill_chunk: Annotated[int | None, typer.Option("--prefill-chunk", help="Prompt tokens prefilled per engine step (chunked prefill; default 2048 on CUDA, 256 on the CPU). Bounds the inter-token gap a long prompt causes.")] = None,
         kv_cache_fraction: Annotated[float | None, typer.Option("--kv-cache-fraction", help="KV-cache budget as a fraction of the CUDA memory free after loading the weights.")] = None,
         max_seq_len: Annotated[int | None, typer.Option("--max-seq-len", help="Prompt + generated tokens per sequence (default: the model's, capped by the runtime).")] = None,
         max_queue: Annotated[int, typer.Option("--max-queue", help="Requests waiting for a slot; beyond that the server answers 503.")] = 64,
@@ -47,6 +48,8 @@ def register(app: typer.Typer) -> None:
 
         if kv_cache_memory is not None:
             parse_memory(kv_cache_memory)
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise QuantkitError(f"--prefill-chunk must be >= 1, got {prefill_chunk}")
         if kv_cache_memory is not None and kv_cache_fraction is not None:
             raise QuantkitError("give --kv-cache-memory or --kv-cache-fraction, not both")
         if kv_cache_fraction is not None and not 0 < kv_cache_fraction <= 1:
@@ -59,7 +62,8 @@ def register(app: typer.Typer) -> None:
         typer.secho(f"loading {model} ...", err=True)
         engine = load_engine(model, device=device, dtype=dtype, max_batch=max_batch, max_seq_len=max_seq_len,
                              backend=backend, cuda_graphs=cuda_graphs, trust_remote_code=trust_remote_code,
-                             kv_cache_memory=kv_cache_memory, kv_cache_fraction=kv_cache_fraction)
+                             kv_cache_memory=kv_cache_memory, kv_cache_fraction=kv_cache_fraction,
+                             prefill_chunk=prefill_chunk)
         typer.secho(engine.kv_plan.describe(), err=True)
         typer.secho(f"serving {config.served_model_name or engine.model_name} on http://{host}:{port} "
                     f"({engine.max_batch} slots of {engine.max_seq_len} tokens, {max_queue} queued at most)", err=True)

@@ -186,12 +186,14 @@ def load_engine(
     trust_remote_code: bool = False,
     kv_cache_memory: int | str | None = None,
     kv_cache_fraction: float | None = None,
+    prefill_chunk: int | None = None,
 ) -> Engine:
     """An :class:`Engine` (types.Engine) serving ``model``; ``cuda_graphs`` None: on with the kernels backend.
 
     The KV cache is sized from a memory budget (:mod:`quantkit.runtime.kv_budget`): ``kv_cache_memory``
     bytes (or "4GiB"), ``kv_cache_fraction`` of the free CUDA memory, or the default; it serves as many
-    sequences at once as the budget holds, at most ``max_batch``. ``engine.kv_plan`` says what was chosen."""
+    sequences at once as the budget holds, at most ``max_batch``. ``engine.kv_plan`` says what was chosen.
+    ``prefill_chunk``: prompt tokens prefilled per step (None: :func:`engine.default_prefill_chunk`)."""
     from quantkit.runtime import kv_budget
 
     runtime, tokenizer = load_runtime_model(
@@ -219,6 +221,7 @@ def load_engine(
         eos_token_ids=runtime.eos_token_ids,
         cuda_graphs=graphs,
         model_name=runtime.name,
+        prefill_chunk=prefill_chunk,
     )
     engine.kv_plan = kv_plan
     return engine
