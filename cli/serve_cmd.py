@@ -59,6 +59,9 @@ def register(app: typer.Typer) -> None:
         except ImportError as exc:
             raise QuantkitError(f"this quantkit has no serving runtime (quantkit.runtime.loader: {exc})") from exc
         logging.basicConfig(level=getattr(logging, log_level.upper()), format="%(levelname)s:     %(name)s: %(message)s")
+        import time
+
+        started_at = time.time()
         typer.secho(f"loading {model} ...", err=True)
         engine = load_engine(model, device=device, dtype=dtype, max_batch=max_batch, max_seq_len=max_seq_len,
                              backend=backend, cuda_graphs=cuda_graphs, trust_remote_code=trust_remote_code,
@@ -66,7 +69,8 @@ def register(app: typer.Typer) -> None:
                              prefill_chunk=prefill_chunk)
         typer.secho(engine.kv_plan.describe(), err=True)
         typer.secho(f"serving {config.served_model_name or engine.model_name} on http://{host}:{port} "
-                    f"({engine.max_batch} slots of {engine.max_seq_len} tokens, {max_queue} queued at most)", err=True)
-        status = run_server(engine, config)
+                    f"({engine.max_batch} slots of {engine.max_seq_len} tokens, {max_queue} queued at most; "
+                    "/health answers 200 once warmed up)", err=True)
+        status = run_server(engine, config, started_at=started_at)
         if status:
             raise typer.Exit(status)

@@ -110,6 +110,8 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._failed_steps = 0  # consecutive failed steps: back off so a broken engine cannot spin a core
+        self._ready = threading.Event()  # set once the engine is warm (requests queue in the inbox until then)
+        self.warmup_report = None
 
     # -- event-loop side ----------------------------------------------------------------------------
 
@@ -123,6 +125,14 @@ class AsyncEngine:
     def in_flight(self) -> int:
         with self._lock:
             return self._in_flight
+
+    @property
+    def ready(self) -> bool:
+        """The worker has warmed the engine up and takes requests."""
+        return self._ready.is_set() and self.alive
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        return self._ready.wait(timeout)
 
     @property
     def alive(self) -> bool:
@@ -165,8 +175,21 @@ class AsyncEngine:
 
     # -- worker side --------------------------------------------------------------------------------
 
+    def _warm_up(self) -> None:
+        """Run the engine's warm-up (if it has one) before the first request; a failure is logged, not fatal."""
+        warm = getattr(self.engine, "warm_up", None)
+        try:
+            if warm is not None:
+                self.warmup_report = warm()
+                log.info("%s", self.warmup_report.describe())
+        except Exception:
+            log.exception("engine warm-up failed; serving without it")
+        finally:
+            self._ready.set()
+
     def _run(self) -> None:
         log.info("engine worker started (%d slots, %d places in all)", self.engine.max_batch, self.capacity)
+        self._warm_up()
         while True:
             try:
                 if not self._handle_commands():

@@ -190,6 +190,12 @@ class Engine:
             self._free_slots.sort(reverse=True)
             self._aborted.append(self._final(req, None, "", FINISH_ABORT))
 
+    def warm_up(self):
+        """Compile and run the prefill and decode shapes this engine serves (:mod:`.warmup`); call it idle."""
+        from quantkit.runtime.warmup import warm_up
+
+        return warm_up(self)
+
     def has_work(self) -> bool:
         return bool(self._queue or self._running or self._prefilling or self._aborted or self._inflight)
 

@@ -205,8 +205,9 @@ class _Service:
         from fastapi.responses import JSONResponse
 
         engine = self.worker.engine
-        ok = self.worker.alive and not self.draining
-        status = "draining" if self.draining else "ok" if self.worker.alive else "unavailable"
+        ok = self.worker.ready and not self.draining
+        status = ("draining" if self.draining else "unavailable" if not self.worker.alive
+                  else "ok" if self.worker.ready else "warming_up")
         body = {"status": status, "model": self.model_name,
                 "in_flight": self.worker.in_flight, "capacity": self.worker.capacity,
                 "max_batch": engine.max_batch, "max_seq_len": engine.max_seq_len}
@@ -319,8 +320,10 @@ def _install_error_handlers(app) -> None:
     app.add_exception_handler(Exception, unexpected)
 
 
-def create_app(engine: Engine, config: ServerConfig = ServerConfig()):
-    """The FastAPI application serving ``engine``; its worker thread starts and stops with the app."""
+def create_app(engine: Engine, config: ServerConfig = ServerConfig(), started_at: float | None = None):
+    """The FastAPI application serving ``engine``; its worker thread starts (and warms the engine up) and
+    stops with the app. ``started_at`` (``time.time()`` before the model was loaded) dates the start-up
+    time logged once the engine is warm."""
     from fastapi import FastAPI
 
     worker = AsyncEngine(engine, max_queue=config.max_queue)
@@ -328,12 +331,20 @@ def create_app(engine: Engine, config: ServerConfig = ServerConfig()):
     created = int(getattr(engine, "loaded_at", None) or time.time())
     service = _Service(worker, config, config.served_model_name or engine.model_name, created)
 
+    async def announce_ready():
+        await asyncio.to_thread(worker.wait_ready)
+        since = started_at or created
+        log.info("ready: start-up took %.1f s (%s)", time.time() - since,
+                    "model load and warm-up" if started_at else "warm-up")
+
     @asynccontextmanager
     async def lifespan(app):
         worker.start()
+        ready_task = asyncio.ensure_future(announce_ready())
         try:
             yield
         finally:
+            ready_task.cancel()
             worker.stop()
 
     app = FastAPI(title="quantkit", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
@@ -358,7 +369,7 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def uvicorn_server(engine: Engine, config: ServerConfig):
+def uvicorn_server(engine: Engine, config: ServerConfig, started_at: float | None = None):
     """A uvicorn server for ``engine``: ``.run()`` serves until SIGINT/SIGTERM, then shuts down gracefully
     (:func:`quantkit.runtime.server_shutdown.graceful_server`)."""
     try:
@@ -369,16 +380,17 @@ def uvicorn_server(engine: Engine, config: ServerConfig):
 
     if not is_loopback(config.host):
         log.warning("listening on %s: reachable from other machines, and there is no authentication", config.host)
-    app = create_app(engine, config)
+    app = create_app(engine, config, started_at)
     return graceful_server(app, config, app.state.service)
 
 
-def serve(engine: Engine, config: ServerConfig = ServerConfig(), sock: socket.socket | None = None) -> int:
+def serve(engine: Engine, config: ServerConfig = ServerConfig(), sock: socket.socket | None = None,
+          started_at: float | None = None) -> int:
     """Serve ``engine`` until SIGINT/SIGTERM; the exit status the process should end with (see
     :func:`quantkit.runtime.server_shutdown.exit_status`)."""
     from quantkit.runtime.server_shutdown import exit_status, signals_absorbed
 
-    server = uvicorn_server(engine, config)
+    server = uvicorn_server(engine, config, started_at)
     with signals_absorbed():
         server.run(sockets=[sock] if sock is not None else None)
     log.info("server stopped")
