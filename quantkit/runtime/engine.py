@@ -190,6 +190,27 @@ class Engine:
             self._free_slots.sort(reverse=True)
             self._aborted.append(self._final(req, None, "", FINISH_ABORT))
 
+    @property
+    def num_running(self) -> int:
+        """Requests holding a cache slot (prefilling or decoding)."""
+        return len(self._running) + len(self._prefilling)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._queue)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Tokens held in the cache / what its slots hold (read from another thread: an estimate)."""
+        for _ in range(3):  # the engine thread may resize the dict while this reads it
+            try:
+                reqs = list(self._running.values()) + list(self._prefilling)
+                break
+            except RuntimeError:
+                reqs = []
+        held = sum(r.prefilled + len(r.output) for r in reqs)
+        return held / (self._max_batch * self._max_seq_len)
+
     def warm_up(self):
         """Compile and run the prefill and decode shapes this engine serves (:mod:`.warmup`); call it idle."""
         from quantkit.runtime.warmup import warm_up

@@ -2,7 +2,7 @@
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both stream with ``"stream": true``
 as server-sent events in OpenAI's chunk format, closed by ``data: [DONE]``), ``GET /v1/models``,
-``GET /health``. FastAPI and uvicorn are an optional extra (``pip install quantkit[serve]``), imported
+``GET /health``, ``GET /metrics`` (Prometheus, :mod:`quantkit.runtime.metrics`). FastAPI and uvicorn are an optional extra (``pip install quantkit[serve]``), imported
 only when a server is built.
 
 The engine runs on one worker thread (:mod:`quantkit.runtime.async_engine`); every request handler
@@ -182,10 +182,11 @@ async def _unless_disconnected(request, coro):
     raise _ClientGone()
 
 
-async def _collect(handle: RequestHandle) -> tuple[str, str | None, int]:
+async def _collect(handle: RequestHandle, timer) -> tuple[str, str | None, int]:
     """Text, finish reason and generated-token count of a whole (non-streamed) request."""
     parts, finish_reason, counted, generated = [], None, 0, 0
     async for event in handle.events():
+        timer.on_event(event)
         parts.append(event.text)
         counted += event.token_id is not None
         if event.finished:
@@ -196,8 +197,8 @@ async def _collect(handle: RequestHandle) -> tuple[str, str | None, int]:
 class _Service:
     """The request handlers, bound to one engine worker."""
 
-    def __init__(self, worker: AsyncEngine, config: ServerConfig, model_name: str, created: int) -> None:
-        self.worker, self.config, self.model_name = worker, config, model_name
+    def __init__(self, worker: AsyncEngine, config: ServerConfig, model_name: str, created: int, metrics) -> None:
+        self.worker, self.config, self.model_name, self.metrics = worker, config, model_name, metrics
         self.created = created  # when the model was loaded (unix seconds), as /v1/models reports it
         self.draining = False  # a shutdown began: /health says so, new requests get 503
 
@@ -212,6 +213,12 @@ class _Service:
                 "in_flight": self.worker.in_flight, "capacity": self.worker.capacity,
                 "max_batch": engine.max_batch, "max_seq_len": engine.max_seq_len}
         return JSONResponse(body, status_code=200 if ok else 503)
+
+    async def prometheus(self, request):
+        from fastapi.responses import Response
+
+        body, content_type = self.metrics.render()
+        return Response(body, media_type=content_type)
 
     async def models(self, request):
         from fastapi.responses import JSONResponse
@@ -256,15 +263,15 @@ class _Service:
         except RequestFailed as exc:
             raise APIError(503, exc.message, type="server_error", code="engine_unavailable",
                            headers={"Retry-After": RETRY_AFTER_S}) from exc
-        streaming = False
+        streaming, timer = False, self.metrics.timer()
         try:
             prompt_tokens = await _unless_disconnected(request, handle.accepted())
             if stream:
                 streaming = True  # from here the event stream owns the request
-                return StreamingResponse(self._stream(handle, fmt, prompt_tokens, include_usage),
+                return StreamingResponse(self._stream(handle, fmt, prompt_tokens, include_usage, timer),
                                          media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-            text, finish_reason, generated = await _unless_disconnected(request, _collect(handle))
+            text, finish_reason, generated = await _unless_disconnected(request, _collect(handle, timer))
             return JSONResponse(fmt.full(text, finish_reason, prompt_tokens, generated))
         except RequestFailed as exc:
             raise _failure_error(exc) from exc
@@ -275,13 +282,15 @@ class _Service:
             if not streaming and not handle.finished:
                 self.worker.abort(handle)
 
-    async def _stream(self, handle: RequestHandle, fmt: ResponseFormat, prompt_tokens: int, include_usage: bool):
+    async def _stream(self, handle: RequestHandle, fmt: ResponseFormat, prompt_tokens: int, include_usage: bool,
+                      timer):
         """Server-sent events: a role chunk (chat), one chunk per text delta, the finish chunk, [DONE]."""
         try:
             if fmt.chat:
                 yield _sse(fmt.chunk(None, role=True))
             counted, generated = 0, 0
             async for event in handle.events():
+                timer.on_event(event)
                 counted += event.token_id is not None
                 if event.text:
                     yield _sse(fmt.chunk(event.text))
@@ -329,7 +338,10 @@ def create_app(engine: Engine, config: ServerConfig = ServerConfig(), started_at
     worker = AsyncEngine(engine, max_queue=config.max_queue)
     # the engine records when its model was loaded; an engine that does not: when the app was built
     created = int(getattr(engine, "loaded_at", None) or time.time())
-    service = _Service(worker, config, config.served_model_name or engine.model_name, created)
+    from quantkit.runtime.metrics import CountRequests, ServerMetrics
+
+    metrics = ServerMetrics(worker)
+    service = _Service(worker, config, config.served_model_name or engine.model_name, created, metrics)
 
     async def announce_ready():
         await asyncio.to_thread(worker.wait_ready)
@@ -355,6 +367,8 @@ def create_app(engine: Engine, config: ServerConfig = ServerConfig(), started_at
     # problem (413, bad JSON, a wrong field) gets OpenAI's error body rather than FastAPI's 422.
     app.add_route("/health", service.health, methods=["GET"])
     app.add_route("/v1/models", service.models, methods=["GET"])
+    app.add_route("/metrics", service.prometheus, methods=["GET"])
+    app.add_middleware(CountRequests, metrics=metrics)
     app.add_route("/v1/completions", service.completions, methods=["POST"])
     app.add_route("/v1/chat/completions", service.chat_completions, methods=["POST"])
     return app

@@ -137,3 +137,60 @@ def test_prompt_plus_max_tokens_beyond_the_context(served):
     assert answer.choices[0].finish_reason == "length"
     refused(lambda: client.chat.completions.create(model="fake-model", messages=long_chat, max_tokens=32),
             "max_tokens")
+
+
+def test_metrics_parse_as_prometheus_text(tokenizer):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    engine = FakeEngine(tokenizer, max_batch=4, max_seq_len=64, step_delay=0.002)
+    with running_server(engine, max_tokens=32) as (url, app):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=20)
+        client.completions.create(model="fake-model", prompt=[5, 6], max_tokens=5)
+        list(client.chat.completions.create(model="fake-model", messages=USER, max_tokens=4, stream=True))
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(model="fake-model", prompt="x", extra_body={"foo": 1})
+        response = httpx.get(f"{url}/metrics")
+        assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
+        families = {f.name: f for f in text_string_to_metric_families(response.text)}
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families.values() for s in f.samples}
+    assert samples[("quantkit_requests_total", (("endpoint", "/v1/completions"), ("status", "200")))] == 1
+    assert samples[("quantkit_requests_total", (("endpoint", "/v1/chat/completions"), ("status", "200")))] == 1
+    assert samples[("quantkit_requests_total", (("endpoint", "/v1/completions"), ("status", "400")))] == 1
+    assert samples[("quantkit_generation_tokens_total", ())] == 5 + 4
+    assert samples[("quantkit_prompt_tokens_total", ())] > 2
+    assert families["quantkit_time_to_first_token_seconds"].type == "histogram"
+    assert samples[("quantkit_time_to_first_token_seconds_count", ())] == 2
+    assert samples[("quantkit_inter_token_latency_seconds_count", ())] == (5 - 1) + (4 - 1)
+    assert samples[("quantkit_request_latency_seconds_count", ())] == 2
+    for gauge in ("quantkit_requests_running", "quantkit_requests_waiting", "quantkit_requests_in_flight",
+                  "quantkit_kv_cache_usage_ratio"):
+        assert samples[(gauge, ())] == 0, gauge
+    assert samples[("quantkit_kv_cache_slots", ())] == 4
+
+
+def test_metrics_of_the_real_engine_show_kv_use(tiny_family):
+    """While requests run on the real engine the queue depth and KV-cache use are non-zero."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from quantkit.runtime.loader import load_engine
+
+    folder, _ = tiny_family("llama")
+    engine = load_engine(str(folder), device="cpu", max_batch=2, max_seq_len=64)
+    seen = []
+    with running_server(engine, max_tokens=60) as (url, app):
+        def call(i):
+            httpx.post(f"{url}/v1/completions", json={"prompt": [i + 1] * 8, "max_tokens": 50}, timeout=60)
+
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
+            text = httpx.get(f"{url}/metrics").text
+            seen.append({s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+                         if not s.labels})
+            time.sleep(0.01)
+        for t in threads:
+            t.join(30)
+    assert max(m["quantkit_kv_cache_usage_ratio"] for m in seen) > 0
+    assert max(m["quantkit_requests_running"] for m in seen) > 0
