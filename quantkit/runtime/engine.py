@@ -73,10 +73,11 @@ class _Request:
     read_offset: int = 0
     text: str = ""  # decoded output so far
     emitted: int = 0  # characters of text already returned
+    matcher: object | None = None  # the grammar's state (constrained decoding), if any
 
 
 def _plain_greedy(req: _Request) -> bool:
-    return req.params.greedy and req.params.repetition_penalty == 1.0
+    return req.params.greedy and req.params.repetition_penalty == 1.0 and req.matcher is None
 
 
 class Engine:
@@ -119,6 +120,7 @@ class Engine:
         self._prefilling: list[_Request] = []  # holding a slot, prompt partly in the cache (oldest first)
         self._free_slots = list(range(max_batch - 1, -1, -1))  # pop() hands out the lowest first
         self._aborted: list[TokenEvent] = []
+        self._masks = None  # constrained decoding (runtime.constrained.GrammarMasks), built on first use
         # a greedy decode step launched but not yet read: (its rows, the launch); see step()
         self._inflight: tuple[list[_Request], Launched] | None = None
 
@@ -169,9 +171,20 @@ class Engine:
             prefix_offset=0,
             read_offset=len(context),
         )
+        if params.grammar is not None:
+            req.matcher = self._grammar_masks().matcher(params.grammar)  # QuantkitError if invalid
         self._next_id += 1
         self._queue.append(req)
         return req.id
+
+    def _grammar_masks(self):
+        if self._masks is None:
+            from quantkit.runtime.constrained import GrammarMasks
+
+            if self._tokenizer is None:
+                raise QuantkitError("constrained decoding needs the model's tokenizer")
+            self._masks = GrammarMasks(self._tokenizer, self.model.spec.vocab_size, tuple(self.eos_token_ids))
+        return self._masks
 
     def abort(self, request_id: int) -> None:
         for req in list(self._queue):
@@ -332,6 +345,16 @@ class Engine:
         greedily, else sampled on the host from the float32 ``logits``."""
         if all(g is not None and _plain_greedy(r) for r, g in zip(reqs, greedy)):
             return list(greedy)
+        constrained = [i for i, r in enumerate(reqs) if r.matcher is not None]
+        if constrained:  # the grammar's mask, applied to (a copy of) the step's logits outside any graph
+            from quantkit.runtime.constrained import apply_bitmask
+
+            logits = logits.clone()
+            mask = self._masks.bitmask([reqs[i].matcher for i in constrained]).to(logits.device, non_blocking=True)
+            rows = torch.tensor(constrained, device=logits.device)
+            masked = logits[rows]
+            apply_bitmask(masked, mask)
+            logits[rows] = masked
         seen = [
             torch.tensor(r.prompt + r.output, device=logits.device)
             if r.params.repetition_penalty != 1.0
@@ -353,6 +376,13 @@ class Engine:
         if cut >= 0:
             req.text = req.text[:cut]
             return self._finish(req, token, FINISH_STOP)
+        if req.matcher is not None:
+            req.matcher.consume_token(token)
+            if req.matcher.is_stopped() or req.matcher.is_error():  # the grammar is complete (or broke)
+                if req.matcher.is_error():
+                    log.warning("request %d: grammar error: %s", req.id, req.matcher.get_error())
+                req.text += self._undecoded(req)
+                return self._finish(req, token, FINISH_STOP)
         if len(req.output) >= req.max_new:
             req.text += self._undecoded(req)
             return self._finish(req, token, FINISH_LENGTH)
