@@ -50,12 +50,8 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "logit_bias": (None, {}),
     "logprobs": (None, False, 0),
     "top_logprobs": (None, 0),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
-    "parallel_tool_calls": (None,),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}),
     "service_tier": (None, "auto", "default"),
     "store": (None, False),
     "metadata": (None, {}),
@@ -126,7 +122,7 @@ class _SamplingFields(_Strict):
         return tuple(stops)
 
     def sampling_params(self, requested_max_tokens: int | None, default_max_tokens: int,
-                        max_tokens_limit: int) -> SamplingParams:
+                        max_tokens_limit: int, grammar: str | None = None) -> SamplingParams:
         """The engine's :class:`SamplingParams`; ``max_tokens`` above the server's limit is a 400."""
         self.check_supported()
         max_tokens = default_max_tokens if requested_max_tokens is None else requested_max_tokens
@@ -142,6 +138,7 @@ class _SamplingFields(_Strict):
                 repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
                 seed=self.seed,
                 stop=self.stop_strings(),
+                grammar=grammar,
             )
         except QuantkitError as exc:
             raise APIError(400, str(exc)) from exc
@@ -227,6 +224,50 @@ class ChatCompletionRequest(_SamplingFields):
     reasoning_effort: Any = None
     web_search_options: Any = None
 
+    def response_grammar(self) -> str | None:
+        """The grammar ``response_format`` asks for (None: free text); 400 when it cannot be honoured."""
+        fmt = self.response_format
+        if fmt is None:
+            return None
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind == "text":
+            return None
+        if kind not in ("json_object", "json_schema"):
+            raise APIError(400, "response_format.type must be text, json_object or json_schema",
+                           param="response_format.type", code="invalid_value")
+        from quantkit.runtime.constrained import json_grammar
+
+        schema = None
+        if kind == "json_schema":
+            spec = fmt.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise APIError(400, "response_format.json_schema.schema must be a JSON schema object",
+                               param="response_format.json_schema.schema", code="invalid_value")
+        try:
+            return json_grammar(schema)
+        except QuantkitError as exc:
+            raise APIError(400, str(exc), param="response_format", code="invalid_value") from exc
+
+    def tool_plan(self, chat_template: str | None):
+        """The request's tools (runtime.tool_calls.ToolPlan, or None); 400 when they cannot be honoured."""
+        from quantkit.runtime import tool_calls
+
+        if self.parallel_tool_calls not in (None, True, False):
+            raise APIError(400, "parallel_tool_calls must be a boolean", param="parallel_tool_calls",
+                           code="invalid_value")
+        if self.parallel_tool_calls is not None and not self.tools:
+            raise APIError(400, "parallel_tool_calls is only allowed with tools", param="parallel_tool_calls",
+                           code="invalid_value")
+        try:
+            plan = tool_calls.plan(self.tools, self.tool_choice, chat_template)
+        except tool_calls.ToolError as exc:
+            raise APIError(400, exc.message, param=exc.param, code=exc.code) from exc
+        if plan is not None and plan.grammar_lark is not None and self.response_format not in (None, {"type": "text"}):
+            raise APIError(400, "a required tool call and response_format cannot be combined", param="tool_choice",
+                           code="invalid_value")
+        return plan
+
     def template_messages(self) -> list[dict[str, Any]]:
         for i, m in enumerate(self.messages):
             m.check(i)
@@ -236,10 +277,10 @@ class ChatCompletionRequest(_SamplingFields):
     def max_tokens_given(self) -> bool:
         return self.max_completion_tokens is not None or self.max_tokens is not None
 
-    def params(self, max_tokens_limit: int) -> SamplingParams:
+    def params(self, max_tokens_limit: int, grammar: str | None = None) -> SamplingParams:
         requested = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         # Left out: as many as the server allows (the engine cuts it to what the cache slot holds).
-        return self.sampling_params(requested, max_tokens_limit, max_tokens_limit)
+        return self.sampling_params(requested, max_tokens_limit, max_tokens_limit, grammar)
 
 
 def parse_request(model_type: type[_Strict], body: Any) -> Any:
@@ -277,16 +318,46 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 @dataclass(frozen=True)
 class ResponseFormat:
-    """Writes one request's response bodies: the whole answer, or the chunks of a stream."""
+    """Writes one request's response bodies: the whole answer, or the chunks of a stream. ``tools``: the
+    answer may hold tool calls (parsed from the text at its end; ``max_calls`` 1 when parallel_tool_calls
+    is false)."""
 
     chat: bool
     model: str
     request_id: str
     created: int
+    tools: bool = False
+    max_calls: int | None = None
 
     @classmethod
-    def new(cls, chat: bool, model: str) -> ResponseFormat:
-        return cls(chat=chat, model=model, request_id=new_id("chatcmpl" if chat else "cmpl"), created=int(time.time()))
+    def new(cls, chat: bool, model: str, tools: bool = False, max_calls: int | None = None) -> ResponseFormat:
+        return cls(chat=chat, model=model, request_id=new_id("chatcmpl" if chat else "cmpl"), created=int(time.time()),
+                   tools=tools, max_calls=max_calls)
+
+    def tool_message(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
+        """The assistant message (content and tool_calls) of ``text``, and the finish reason it gives."""
+        from quantkit.runtime import tool_calls
+
+        content, calls = tool_calls.parse(text)
+        calls = calls[: self.max_calls] if self.max_calls else calls
+        if not calls:
+            return {"role": "assistant", "content": text}, finish_reason
+        return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+
+    def tool_chunks(self, text: str, finish_reason: str | None) -> list[dict]:
+        """A buffered tool-call answer as stream chunks: the content and the calls, then the finish chunk."""
+        message, finish_reason = self.tool_message(text, finish_reason)
+        delta: dict[str, Any] = {}
+        if message.get("content"):
+            delta["content"] = message["content"]
+        if message.get("tool_calls"):
+            delta["tool_calls"] = [dict(call, index=i) for i, call in enumerate(message["tool_calls"])]
+        chunks = []
+        if delta:
+            chunks.append(self._envelope("chat.completion.chunk", [{"index": 0, "delta": delta, "logprobs": None,
+                                                                   "finish_reason": None}]))
+        chunks.append(self.chunk(None, finish_reason))
+        return chunks
 
     def _envelope(self, object_name: str, choices: list[dict]) -> dict[str, Any]:
         return {"id": self.request_id, "object": object_name, "created": self.created, "model": self.model,
@@ -294,8 +365,10 @@ class ResponseFormat:
 
     def full(self, text: str, finish_reason: str | None, prompt_tokens: int, completion_tokens: int) -> dict:
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": finish_reason}
+            message = {"role": "assistant", "content": text}
+            if self.tools:
+                message, finish_reason = self.tool_message(text, finish_reason)
+            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
             body = self._envelope("chat.completion", [choice])
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}

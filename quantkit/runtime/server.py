@@ -93,8 +93,8 @@ def text_prompt(prompt: str | list[int]):
     return build
 
 
-def chat_prompt(messages: list[dict[str, str]]):
-    """A prompt builder for a conversation, rendered by the tokenizer's own chat template."""
+def chat_prompt(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None):
+    """A prompt builder for a conversation (and the tools offered), rendered by the tokenizer's chat template."""
 
     def build(tokenizer) -> list[int]:
         if not getattr(tokenizer, "chat_template", None):
@@ -103,7 +103,8 @@ def chat_prompt(messages: list[dict[str, str]]):
         from jinja2 import TemplateError
 
         try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            extra = {"tools": tools} if tools else {}
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
         except TemplateError as exc:  # templates raise on what they refuse, e.g. roles that do not alternate
             raise RequestFailed(f"the chat template refused these messages: {exc}", client_error=True,
                                 param="messages", code="invalid_value") from exc
@@ -238,10 +239,19 @@ class _Service:
     async def chat_completions(self, request):
         body = parse_request(ChatCompletionRequest, await _read_json(request, self.config.max_body_bytes))
         self._check_model(body.model)
-        params = body.params(self.config.max_tokens)
-        fmt = ResponseFormat.new(chat=True, model=self.model_name)
-        return await self._generate(request, chat_prompt(body.template_messages()), "messages", params, fmt,
-                                    bool(body.stream), body.include_usage, body.max_tokens_given)
+        tokenizer = self.worker.engine.tokenizer
+        plan = body.tool_plan(getattr(tokenizer, "chat_template", None))
+        grammar = body.response_grammar()
+        if plan is not None and plan.grammar_lark is not None:
+            from quantkit.runtime.constrained import lark_grammar
+
+            grammar = lark_grammar(plan.grammar_lark)
+        params = body.params(self.config.max_tokens, grammar)
+        fmt = ResponseFormat.new(chat=True, model=self.model_name, tools=plan is not None and plan.parse,
+                                 max_calls=1 if body.parallel_tool_calls is False else None)
+        build = chat_prompt(body.template_messages(), plan.tools if plan is not None else None)
+        return await self._generate(request, build, "messages", params, fmt, bool(body.stream), body.include_usage,
+                                    body.max_tokens_given)
 
     def _check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
@@ -288,15 +298,20 @@ class _Service:
         try:
             if fmt.chat:
                 yield _sse(fmt.chunk(None, role=True))
-            counted, generated = 0, 0
+            counted, generated, held = 0, 0, []
             async for event in handle.events():
                 timer.on_event(event)
                 counted += event.token_id is not None
-                if event.text:
+                if event.text and fmt.tools:
+                    held.append(event.text)  # tool calls are parsed from the whole answer
+                elif event.text:
                     yield _sse(fmt.chunk(event.text))
                 if event.finished:
                     generated = event.generated_tokens or counted
-                    yield _sse(fmt.chunk(None, event.finish_reason))
+                    closing = fmt.tool_chunks("".join(held), event.finish_reason) if fmt.tools else [
+                        fmt.chunk(None, event.finish_reason)]
+                    for chunk in closing:
+                        yield _sse(chunk)
             if include_usage:
                 yield _sse(fmt.usage_chunk(prompt_tokens, generated))
         except RequestFailed as exc:

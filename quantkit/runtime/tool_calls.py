@@ -105,7 +105,8 @@ def call_grammar(functions: list[dict[str, Any]]) -> str:
     """A Lark grammar (llguidance's dialect, with %json) of exactly one call of one of ``functions``."""
     calls = [{"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": f["parameters"]},
               "required": ["name", "arguments"], "additionalProperties": False} for f in functions]
-    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    schema = dict(calls[0]) if len(calls) == 1 else {"anyOf": calls}
+    schema["x-guidance"] = {"whitespace_flexible": False}  # compact JSON: no room for endless padding
     return (f'start: "{OPEN}\\n" call "\\n{CLOSE}"\n'
             f'call: %json {json.dumps(schema, separators=(",", ":"))}\n')
 
