@@ -86,6 +86,7 @@ class _SamplingFields(_Strict):
     stream_options: StreamOptions | None = None
     top_k: int | None = Field(default=None, ge=-1)  # extension; 0 or -1: off
     repetition_penalty: float | None = Field(default=None, gt=0)  # extension
+    ignore_eos: bool | None = None  # extension (vLLM's): generate max_tokens even past end-of-sequence
     user: str | None = None  # an end-user id: accepted, no effect
     # OpenAI fields this server does not implement: accepted only at their neutral values (UNSUPPORTED_FIELDS).
     presence_penalty: Any = None
@@ -138,6 +139,7 @@ class _SamplingFields(_Strict):
                 repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
                 seed=self.seed,
                 stop=self.stop_strings(),
+                ignore_eos=bool(self.ignore_eos),
                 grammar=grammar,
             )
         except QuantkitError as exc:
