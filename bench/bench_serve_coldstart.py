@@ -78,15 +78,18 @@ def start_server(args, port: int) -> tuple[subprocess.Popen, float]:
 async def one_stream(client, model: str, prompt, max_tokens: int, *, chat_format=None, sink=None) -> dict:
     """One streamed request; arrival times of its content chunks."""
     sent = time.perf_counter()
-    times = []
+    times, usage = [], None
+    common = {"max_tokens": max_tokens, "temperature": 0, "stream": True, "extra_body": {"ignore_eos": True},
+              "stream_options": {"include_usage": True}}
     if chat_format is None:
-        stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
-                                                 stream=True, extra_body={"ignore_eos": True})
+        stream = await client.completions.create(model=model, prompt=prompt, **common)
     else:
         stream = await client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0,
-            stream=True, extra_body={"ignore_eos": True}, **({"response_format": chat_format} if chat_format else {}))
+            model=model, messages=[{"role": "user", "content": prompt}], **common,
+            **({"response_format": chat_format} if chat_format else {}))
     async for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage.completion_tokens
         if chunk.choices and ((getattr(chunk.choices[0], "text", None)) or
                               (getattr(getattr(chunk.choices[0], "delta", None), "content", None))):
             times.append(time.perf_counter())
@@ -94,7 +97,10 @@ async def one_stream(client, model: str, prompt, max_tokens: int, *, chat_format
                 sink.append(times[-1])
     ttft = times[0] - sent if times else float("nan")
     decode = (len(times) - 1) / (times[-1] - times[0]) if len(times) > 2 else float("nan")
-    return {"ttft": ttft, "chunks": len(times), "decode_tps": decode, "end": times[-1] if times else sent}
+    if usage and len(times) > 2:  # tokens, not text chunks (a chunk may hold several tokens' text, or none)
+        decode = (usage - 1) / (times[-1] - times[0])
+    return {"ttft": ttft, "chunks": len(times), "tokens": usage or len(times), "decode_tps": decode,
+            "end": times[-1] if times else sent}
 
 
 def token_prompt(i: int, n: int, vocab: int) -> list[int]:
@@ -113,7 +119,7 @@ async def load(client, model: str, streams: int, args, vocab: int) -> dict:
     results = await asyncio.gather(*(run(i) for i in range(n)))
     wall = time.perf_counter() - start
     ttfts = [r["ttft"] for r in results]
-    tokens = sum(r["chunks"] for r in results)
+    tokens = sum(r["tokens"] for r in results)
     return {"streams": streams, "requests": n, "ttft_p50_s": pct(ttfts, 0.5), "ttft_p95_s": pct(ttfts, 0.95),
             "tok_per_s": tokens / wall, "wall_s": wall}
 
@@ -127,7 +133,7 @@ async def structured(client, model: str, batch: int, args) -> dict:
                                          for _ in range(batch)))
         out[name] = {"decode_tok_per_s_per_stream": statistics.median(r["decode_tps"] for r in results),
                      "ttft_p50_s": pct([r["ttft"] for r in results], 0.5),
-                     "chunks_median": statistics.median(r["chunks"] for r in results)}
+                     "tokens_median": statistics.median(r["tokens"] for r in results)}
     out["ratio"] = out["json_schema"]["decode_tok_per_s_per_stream"] / out["unconstrained"]["decode_tok_per_s_per_stream"]
     return out
 

@@ -47,8 +47,12 @@ class ServerMetrics:
             lambda: worker.in_flight)
         Gauge("quantkit_requests_running", "Requests in the engine's batch (prefilling or decoding)",
               registry=r).set_function(lambda: count("num_running"))
-        Gauge("quantkit_requests_waiting", "Requests queued for a cache slot", registry=r).set_function(
-            lambda: count("num_waiting") if hasattr(engine, "num_waiting") else max(0, worker.in_flight - engine.max_batch))
+        def waiting() -> float:
+            if hasattr(engine, "num_waiting"):
+                return count("num_waiting")
+            return max(0, worker.in_flight - engine.max_batch)  # an engine that does not say: the excess
+
+        Gauge("quantkit_requests_waiting", "Requests queued for a cache slot", registry=r).set_function(waiting)
         Gauge("quantkit_kv_cache_usage_ratio", "Tokens held in the KV cache / its capacity", registry=r).set_function(
             lambda: count("kv_cache_usage"))
         Gauge("quantkit_kv_cache_slots", "Sequences the KV cache holds", registry=r).set(engine.max_batch)

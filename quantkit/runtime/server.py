@@ -2,16 +2,19 @@
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both stream with ``"stream": true``
 as server-sent events in OpenAI's chunk format, closed by ``data: [DONE]``), ``GET /v1/models``,
-``GET /health``, ``GET /metrics`` (Prometheus, :mod:`quantkit.runtime.metrics`). FastAPI and uvicorn are an optional extra (``pip install quantkit[serve]``), imported
-only when a server is built.
+``GET /health``, ``GET /metrics`` (Prometheus, :mod:`quantkit.runtime.metrics`). FastAPI and uvicorn are
+an optional extra (``pip install quantkit[serve]``), imported only when a server is built.
 
 The engine runs on one worker thread (:mod:`quantkit.runtime.async_engine`); every request handler
 awaits its own queue of events. Limits, each answered with OpenAI's error body
 ``{"error": {"message", "type", "param", "code"}}``: a body over ``max_body_bytes`` (413), malformed
-JSON or a field of the wrong type or range (400), a prompt longer than the engine's sequence (400,
-``context_length_exceeded``), ``max_tokens`` above ``max_tokens`` (400), an unknown model name (404),
-every place taken (503, ``queue_full``), an engine failure (500, only for the requests it hit). A
-client that disconnects, streaming or not, has its request aborted in the engine.
+JSON or a field of the wrong type or range (400), a body not declared JSON (415), an unimplemented or
+unknown field (400 naming it), a prompt, or prompt + an explicit ``max_tokens``, longer than the engine's
+sequence (400, ``context_length_exceeded``), ``max_tokens`` above ``max_tokens`` (400), an unknown model
+name (404), every place taken (503, ``queue_full``, ``Retry-After``), an engine failure (500, only for the
+requests it hit). A client that disconnects, streaming or not, has its request aborted in the engine.
+Chat requests may carry ``response_format`` (JSON, by constrained decoding) and ``tools`` (templates with
+Hermes-style tool calls, :mod:`quantkit.runtime.tool_calls`). Shutdown: :mod:`.server_shutdown`.
 """
 
 from __future__ import annotations
@@ -21,7 +24,6 @@ import ipaddress
 import json
 import logging
 import socket
-import threading
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -118,7 +120,8 @@ def _failure_error(exc: RequestFailed) -> APIError:
     if exc.client_error:
         return APIError(400, exc.message, param=exc.param, code=exc.code or "invalid_value")
     if exc.code == SHUTDOWN_CODE:
-        return APIError(503, exc.message, type="server_error", code=SHUTDOWN_CODE, headers={"Retry-After": RETRY_AFTER_S})
+        return APIError(503, exc.message, type="server_error", code=SHUTDOWN_CODE,
+                        headers={"Retry-After": RETRY_AFTER_S})
     return APIError(500, exc.message, type="server_error", code=exc.code or "engine_error")
 
 

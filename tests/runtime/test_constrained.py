@@ -66,3 +66,25 @@ def test_engine_json_schema_output_validates(tiny_family, temperature):
         assert reason == "stop", text
         jsonschema.validate(json.loads(text), SCHEMA)
     assert len(results[3][0]) == 5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_engine_json_schema_with_cuda_graphs(tiny_family):
+    """On the GPU the mask is applied to the logits the captured decode graph wrote (outside the graph); the
+    unconstrained neighbour keeps the graph's own greedy tokens."""
+    from quantkit.runtime.loader import load_engine
+    from tests.runtime.test_engine import run_schedule
+
+    folder, _ = tiny_family("llama")
+    engine = load_engine(str(folder), device="cuda", max_batch=4, max_seq_len=128, cuda_graphs=True)
+    plain = load_engine(str(folder), device="cuda", max_batch=4, max_seq_len=128, cuda_graphs=True)
+    grammar = json_grammar(SCHEMA)
+    free = (0, [9, 9], SamplingParams(max_tokens=12, ignore_eos=True))
+    schedule = [(0, [5 + i, 6, 7], SamplingParams(max_tokens=100, temperature=t, seed=i, grammar=grammar))
+                for i, t in enumerate((0.0, 1.0, 1.0))] + [free]
+    results = run_schedule(engine, schedule)
+    for _, text, reason in results[:3]:
+        assert reason == "stop", text
+        jsonschema.validate(json.loads(text), SCHEMA)
+    assert results[3] == run_schedule(plain, [free])[0]
