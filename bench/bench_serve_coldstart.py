@@ -142,7 +142,7 @@ async def mixed(client, model: str, args, vocab: int) -> dict:
     sinks = [[] for _ in range(8)]
     tasks = [asyncio.ensure_future(one_stream(client, model, token_prompt(i, 64, vocab), args.mixed_tokens,
                                               sink=sinks[i])) for i in range(8)]
-    while min(len(s) for s in sinks) < 16:
+    while min(len(s) for s in sinks) < 16 and not any(t.done() for t in tasks):
         await asyncio.sleep(0.01)
     sent = time.perf_counter()
     long = await one_stream(client, model, token_prompt(99, args.long_prompt_tokens, vocab), 4)
@@ -159,21 +159,24 @@ async def mixed(client, model: str, args, vocab: int) -> dict:
             "gaps_during_prefill": len(during)}
 
 
-async def shutdown(client, model: str, proc, args, vocab: int) -> dict:
+async def shutdown(client, model: str, proc, args, vocab: int, context: int) -> dict:
     import httpx
 
     events = []
 
     async def stream():
         async with httpx.AsyncClient(timeout=120) as h:
-            body = {"prompt": token_prompt(5, 32, vocab), "max_tokens": 1024, "stream": True, "ignore_eos": True}
+            body = {"prompt": token_prompt(5, 32, vocab), "max_tokens": min(1024, context - 32), "stream": True,
+                    "ignore_eos": True}
             async with h.stream("POST", f"{client.base_url}completions", json=body) as r:
+                if r.status_code != 200:
+                    raise SystemExit(f"the shutdown phase's stream was refused: {(await r.aread()).decode()}")
                 async for line in r.aiter_lines():
                     if line.startswith("data: "):
                         events.append(line[6:])
 
     task = asyncio.ensure_future(stream())
-    while len(events) < 8:
+    while len(events) < 8 and not task.done():
         await asyncio.sleep(0.01)
     sent = time.perf_counter()
     proc.send_signal(signal.SIGTERM)
@@ -194,6 +197,7 @@ async def main_async(args) -> dict:
     try:
         model_info = (await client.models.list()).data[0]
         model, vocab = model_info.id, args.vocab
+        context = int(getattr(model_info, "max_model_len", None) or 2048)
         for phase in ("cold", "warm"):
             record[phase] = [await load(client, model, c, args, vocab) for c in args.streams]
             print(phase, json.dumps(record[phase]), flush=True)
@@ -204,7 +208,7 @@ async def main_async(args) -> dict:
         print("structured", json.dumps(record["structured"]), flush=True)
         record["mixed"] = await mixed(client, model, args, vocab)
         print("mixed", json.dumps(record["mixed"]), flush=True)
-        record["shutdown"] = await shutdown(client, model, proc, args, vocab)
+        record["shutdown"] = await shutdown(client, model, proc, args, vocab, context)
     finally:
         if proc.poll() is None:
             proc.kill()

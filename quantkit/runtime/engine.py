@@ -21,6 +21,7 @@ import torch
 
 from quantkit.config import QuantkitError
 from quantkit.runtime import sampling
+from quantkit.runtime.constrained import apply_bitmask
 from quantkit.runtime.graphs import DecodeGraphs, DecodeRunner, Launched
 from quantkit.runtime.model import KVCache, RuntimeModel
 from quantkit.runtime.types import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, SamplingParams, TokenEvent
@@ -347,8 +348,6 @@ class Engine:
             return list(greedy)
         constrained = [i for i, r in enumerate(reqs) if r.matcher is not None]
         if constrained:  # the grammar's mask, applied to (a copy of) the step's logits outside any graph
-            from quantkit.runtime.constrained import apply_bitmask
-
             logits = logits.clone()
             mask = self._masks.bitmask([reqs[i].matcher for i in constrained]).to(logits.device, non_blocking=True)
             rows = torch.tensor(constrained, device=logits.device)

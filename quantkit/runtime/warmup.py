@@ -8,7 +8,8 @@ picks its kernel by the number of rows: without a warm-up the first requests aft
   row count the GEMM selection distinguishes and every attention block count are compiled;
 * a chunk that attends to earlier keys in its slot (the chunked-prefill attention path);
 * one decode step per batch bucket (replays of the captured CUDA graphs, or the eager step), greedy and
-  sampled, so the sampler's host path is warm too.
+  sampled, so the sampler's host path is warm too;
+* constrained decoding: the tokenizer's conversion for llguidance and one masked step.
 
 It writes only into cache slots no request holds yet (the engine is idle): a slot's contents are always
 rewritten from position 0 before they are read.
@@ -33,10 +34,12 @@ class WarmupReport:
     seconds: float
     prefill_lengths: tuple[int, ...]
     decode_buckets: tuple[int, ...]
+    grammar: bool = False  # constrained decoding ready (tokenizer converted, one mask applied)
 
     def describe(self) -> str:
         return (f"warm-up: {self.seconds:.1f} s (prefill of {', '.join(map(str, self.prefill_lengths))} tokens and "
-                f"a chunk over earlier keys; decode at batch {', '.join(map(str, self.decode_buckets))})")
+                f"a chunk over earlier keys; decode at batch {', '.join(map(str, self.decode_buckets))}"
+                f"{'; grammar masks' if self.grammar else ''})")
 
 
 def prefill_lengths(prefill_chunk: int, max_seq_len: int) -> tuple[int, ...]:
@@ -73,6 +76,24 @@ def warm_up(engine) -> WarmupReport:
         runner.greedy_tokens(launched)
         sampling.sample_batch(launched.logits[:1], [sampler], [torch.empty(0, dtype=torch.long)], [gen])
     sampling.sample_batch(logits[:1].float(), [sampler], [torch.empty(0, dtype=torch.long)], [gen])
+    grammar = _warm_grammar(engine, logits[:1].float())
     if model.device.type == "cuda":
         torch.cuda.synchronize(model.device)
-    return WarmupReport(time.perf_counter() - start, lengths, buckets)
+    return WarmupReport(time.perf_counter() - start, lengths, buckets, grammar)
+
+
+def _warm_grammar(engine, logits: torch.Tensor) -> bool:
+    """Convert the tokenizer for constrained decoding (about a second, once) and mask one step, so the first
+    request with a response_format does not stall the engine; False when llguidance or a tokenizer is missing."""
+    try:
+        from quantkit.runtime.constrained import apply_bitmask, json_grammar
+
+        masks = engine._grammar_masks()
+        matcher = masks.matcher(json_grammar(None))
+        apply_bitmask(logits.clone(), masks.bitmask([matcher]).to(logits.device))
+        return True
+    except ImportError:
+        return False
+    except Exception as exc:  # noqa: BLE001 (warm-up must not stop the server)
+        log.warning("constrained decoding could not be warmed up: %s", exc)
+        return False

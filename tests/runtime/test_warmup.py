@@ -3,6 +3,7 @@ the first request, and /health answers 503 "warming_up" until then."""
 
 from __future__ import annotations
 
+import importlib.util
 import threading
 
 import pytest
@@ -27,6 +28,7 @@ def test_engine_warm_up_runs_every_shape_and_leaves_it_serving(tiny_family):
     report = warm.warm_up()
     assert report.prefill_lengths == (1, 2, 4, 8, 16) and report.decode_buckets == (1, 2, 4)
     assert report.seconds > 0 and "warm-up" in report.describe()
+    assert report.grammar == (importlib.util.find_spec("llguidance") is not None)
     assert not warm.has_work() and warm.stats.prefill_tokens == 0  # the engine's own books are untouched
     schedule = [(0, [5, 6, 7, 8], SamplingParams(max_tokens=6, ignore_eos=True)),
                 (1, list(range(1, 40)), SamplingParams(max_tokens=5, temperature=0.8, seed=1, ignore_eos=True))]
