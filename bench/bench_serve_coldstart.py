@@ -7,7 +7,7 @@ Starts `quantkit serve MODEL` as a subprocess and drives it with the official `o
    concurrent streams (2 x streams requests each, --prompt-tokens token ids, --max-tokens with ignore_eos):
    TTFT p50/p95 and aggregate tok/s; the ratio cold/warm (issue 40 asks for within 2x);
 3. structured output: chat requests with a json_schema response_format against the same requests
-   unconstrained, at batch 1 and 32: per-stream decode tok/s (tokens after the first / time after the first);
+   unconstrained, at batch 1 and 32 (--structured-batches): per-stream decode tok/s (tokens after the first / time after the first);
 4. mixed: 8 streams decoding, then one --long-prompt-tokens prompt: the worst inter-token gap of the 8 while
    it is prefilled (chunked prefill bounds it) against their median gap;
 5. shutdown: SIGTERM with a stream in flight: exit status, seconds to exit, whether the stream ended with an
@@ -204,7 +204,7 @@ async def main_async(args) -> dict:
         record["cold_over_warm"] = [{"streams": c["streams"], "ttft_p95": c["ttft_p95_s"] / w["ttft_p95_s"],
                                      "tok_per_s": w["tok_per_s"] / c["tok_per_s"]}
                                     for c, w in zip(record["cold"], record["warm"])]
-        record["structured"] = {b: await structured(client, model, b, args) for b in (1, 32)}
+        record["structured"] = {b: await structured(client, model, b, args) for b in args.structured_batches}
         print("structured", json.dumps(record["structured"]), flush=True)
         record["mixed"] = await mixed(client, model, args, vocab)
         print("mixed", json.dumps(record["mixed"]), flush=True)
@@ -241,6 +241,7 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--structured-tokens", type=int, default=400)
+    parser.add_argument("--structured-batches", default="1,32", help="batch sizes of the structured-output phase")
     parser.add_argument("--mixed-tokens", type=int, default=400, help="tokens each of the 8 mixed streams decodes")
     parser.add_argument("--long-prompt-tokens", type=int, default=3000)
     parser.add_argument("--vocab", type=int, default=32000, help="prompt token ids are drawn below this")
@@ -250,11 +251,12 @@ def main() -> None:
     parser.add_argument("--out", help="JSON path (default bench/results/serve_coldstart_<model>_<date>.json)")
     args = parser.parse_args()
     args.streams = [int(s) for s in args.streams.split(",")]
+    args.structured_batches = [int(s) for s in args.structured_batches.split(",")]
     out = Path(args.out or f"bench/results/serve_coldstart_{Path(args.model).stem}_{datetime.date.today()}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     record = {"model": args.model, "serve_args": args.serve_arg, **environment(), "settings": {
-        k: getattr(args, k) for k in ("streams", "prompt_tokens", "max_tokens", "structured_tokens", "mixed_tokens",
-                                      "long_prompt_tokens")}}
+        k: getattr(args, k) for k in ("streams", "prompt_tokens", "max_tokens", "structured_tokens",
+                                      "structured_batches", "mixed_tokens", "long_prompt_tokens")}}
     record.update(asyncio.run(main_async(args)))
     out.write_text(json.dumps(record, indent=2))
     print(f"\nready after {record['startup_to_ready_s']:.1f} s")
