@@ -60,8 +60,9 @@ class RequestHandle:
     """One submitted request as the event loop sees it: awaits its acceptance, then its events."""
 
     def __init__(self, build_prompt: PromptBuilder, params: SamplingParams, prompt_param: str,
-                 loop: asyncio.AbstractEventLoop) -> None:
+                 loop: asyncio.AbstractEventLoop, max_tokens_given: bool = False) -> None:
         self.build_prompt, self.params, self.prompt_param = build_prompt, params, prompt_param
+        self.max_tokens_given = max_tokens_given  # the client set max_tokens: never clipped, 400 if it cannot fit
         self.cancelled = threading.Event()
         self.finished = False  # event-loop side: the last item was read
         self.engine_id: int | None = None  # worker side
@@ -109,6 +110,8 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._failed_steps = 0  # consecutive failed steps: back off so a broken engine cannot spin a core
+        self._ready = threading.Event()  # set once the engine is warm (requests queue in the inbox until then)
+        self.warmup_report = None
 
     # -- event-loop side ----------------------------------------------------------------------------
 
@@ -124,18 +127,30 @@ class AsyncEngine:
             return self._in_flight
 
     @property
+    def ready(self) -> bool:
+        """The worker has warmed the engine up and takes requests."""
+        return self._ready.is_set() and self.alive
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        return self._ready.wait(timeout)
+
+    @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def submit(self, build_prompt: PromptBuilder, params: SamplingParams, *, prompt_param: str = "prompt"):
-        """Queue a request; raises :class:`QueueFull` when ``capacity`` requests are already in flight."""
+    def submit(self, build_prompt: PromptBuilder, params: SamplingParams, *, prompt_param: str = "prompt",
+               max_tokens_given: bool = False):
+        """Queue a request; raises :class:`QueueFull` when ``capacity`` requests are already in flight.
+
+        ``max_tokens_given``: the client chose ``params.max_tokens``, so a prompt + max_tokens beyond the
+        context fails the request (400); otherwise the engine clips max_tokens to what fits."""
         if not self.alive:
             raise RequestFailed("the engine worker is not running", client_error=False)
         with self._lock:
             if self._in_flight >= self.capacity:
                 raise QueueFull(f"all {self.capacity} places are taken")
             self._in_flight += 1
-        handle = RequestHandle(build_prompt, params, prompt_param, self._loop)
+        handle = RequestHandle(build_prompt, params, prompt_param, self._loop, max_tokens_given)
         self._inbox.put(("add", handle))
         return handle
 
@@ -143,6 +158,11 @@ class AsyncEngine:
         """Drop a request (its client went away); its place is freed once the engine confirms."""
         handle.cancelled.set()
         self._inbox.put(("abort", handle))
+
+    def abort_all(self, message: str, code: str = "server_shutdown") -> None:
+        """Fail every request in flight (queued or running) with ``message``: streams end with an error
+        event, whole answers with a 503. Used when a shutdown's grace period is over."""
+        self._inbox.put(("abort_all", RequestFailed(message, client_error=False, code=code)))
 
     def stop(self, timeout: float = 10.0) -> None:
         """Fail what is still in flight, and end the worker."""
@@ -155,8 +175,21 @@ class AsyncEngine:
 
     # -- worker side --------------------------------------------------------------------------------
 
+    def _warm_up(self) -> None:
+        """Run the engine's warm-up (if it has one) before the first request; a failure is logged, not fatal."""
+        warm = getattr(self.engine, "warm_up", None)
+        try:
+            if warm is not None:
+                self.warmup_report = warm()
+                log.info("%s", self.warmup_report.describe())
+        except Exception:
+            log.exception("engine warm-up failed; serving without it")
+        finally:
+            self._ready.set()
+
     def _run(self) -> None:
         log.info("engine worker started (%d slots, %d places in all)", self.engine.max_batch, self.capacity)
+        self._warm_up()
         while True:
             try:
                 if not self._handle_commands():
@@ -185,6 +218,8 @@ class AsyncEngine:
                 return False
             if kind == "add":
                 self._admit(handle)
+            elif kind == "abort_all":
+                self._fail_active(handle.message, handle.code)
             elif handle.engine_id is not None and handle.engine_id in self._active:
                 self._abort_in_engine(handle.engine_id)
 
@@ -194,7 +229,7 @@ class AsyncEngine:
             return
         try:
             prompt_ids = handle.build_prompt(self.engine.tokenizer)
-            self._check_fits(prompt_ids, handle.prompt_param)
+            self._check_fits(prompt_ids, handle)
             engine_id = self.engine.add_request(prompt_ids, handle.params)
         except RequestFailed as exc:
             self._fail(handle, exc)
@@ -208,7 +243,8 @@ class AsyncEngine:
             self._active[engine_id] = handle
             handle.deliver(Accepted(len(prompt_ids)))
 
-    def _check_fits(self, prompt_ids: list[int], param: str) -> None:
+    def _check_fits(self, prompt_ids: list[int], handle: RequestHandle) -> None:
+        param = handle.prompt_param
         if not prompt_ids:
             raise RequestFailed("the prompt is empty (no tokens)", client_error=True, param=param)
         limit = self.engine.max_seq_len
@@ -217,6 +253,13 @@ class AsyncEngine:
                 f"the prompt has {len(prompt_ids)} tokens; this server holds {limit} tokens per sequence "
                 f"(prompt + at least one generated token), so shorten it to at most {limit - 1} tokens",
                 client_error=True, param=param, code="context_length_exceeded")
+        wanted = len(prompt_ids) + handle.params.max_tokens
+        if handle.max_tokens_given and wanted > limit:
+            raise RequestFailed(
+                f"this model's maximum context length is {limit} tokens; you requested {wanted} tokens "
+                f"({len(prompt_ids)} in the {param}, {handle.params.max_tokens} in the completion): lower max_tokens "
+                f"to at most {limit - len(prompt_ids)}, shorten the {param}, or leave max_tokens out (then it is "
+                "clipped to what fits)", client_error=True, param="max_tokens", code="context_length_exceeded")
 
     def _step(self) -> None:
         try:
@@ -243,10 +286,10 @@ class AsyncEngine:
         except Exception:
             log.exception("engine abort of request %d failed", engine_id)
 
-    def _fail_active(self, message: str) -> None:
+    def _fail_active(self, message: str, code: str | None = None) -> None:
         for engine_id, handle in list(self._active.items()):
             self._abort_in_engine(engine_id)
-            self._fail(handle, RequestFailed(message, client_error=False))
+            self._fail(handle, RequestFailed(message, client_error=False, code=code))
         self._active.clear()
 
     def _fail(self, handle: RequestHandle, error: RequestFailed) -> None:

@@ -1,9 +1,13 @@
 """The continuous-batching engine: requests join and leave between decode steps (types.Engine).
 
-Each running request owns one KV-cache slot. A step first admits queued requests into free slots
-(one packed prefill, which also gives each its first token), then runs one decode step for the
-requests that were already running. Every request stops on its own condition: an end-of-sequence or
-stop token, a stop string (never part of the text it returns), max_tokens, or the end of its slot.
+Each running request owns one KV-cache slot. A step first admits queued requests into free slots, then
+prefills at most ``prefill_chunk`` prompt tokens (chunked prefill: a long prompt is split over several
+steps, each chunk attending to the part already in its slot; a prompt's last chunk gives its first
+token), then runs one decode step for the requests that were already decoding. So a long prompt never
+stalls the running streams: between two of their tokens lies at most one chunk of prefill (the worst
+inter-token gap is one decode step plus the prefill of ``prefill_chunk`` tokens). Every request stops on
+its own condition: an end-of-sequence or stop token, a stop string (never part of the text it returns),
+max_tokens, or the end of its slot.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch
 
 from quantkit.config import QuantkitError
 from quantkit.runtime import sampling
+from quantkit.runtime.constrained import apply_bitmask
 from quantkit.runtime.graphs import DecodeGraphs, DecodeRunner, Launched
 from quantkit.runtime.model import KVCache, RuntimeModel
 from quantkit.runtime.types import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, SamplingParams, TokenEvent
@@ -24,6 +29,14 @@ from quantkit.runtime.types import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Sam
 log = logging.getLogger(__name__)
 
 _PROMPT_CONTEXT = 4  # prompt tokens decoded in front of the output, so the first word keeps its space
+# Prompt tokens prefilled per engine step (chunked prefill): the worst inter-token gap of running streams
+# is one decode step plus the prefill of this many tokens.
+PREFILL_CHUNK_CUDA = 2048
+PREFILL_CHUNK_CPU = 256
+
+
+def default_prefill_chunk(device) -> int:
+    return PREFILL_CHUNK_CUDA if torch.device(device).type == "cuda" else PREFILL_CHUNK_CPU
 
 
 @dataclass
@@ -54,16 +67,18 @@ class _Request:
     stop_ids: frozenset[int]
     generator: torch.Generator | None
     slot: int = -1
+    prefilled: int = 0  # prompt tokens already in the cache slot
     output: list[int] = field(default_factory=list)
     ids: list[int] = field(default_factory=list)  # prompt context + output, for detokenizing
     prefix_offset: int = 0
     read_offset: int = 0
     text: str = ""  # decoded output so far
     emitted: int = 0  # characters of text already returned
+    matcher: object | None = None  # the grammar's state (constrained decoding), if any
 
 
 def _plain_greedy(req: _Request) -> bool:
-    return req.params.greedy and req.params.repetition_penalty == 1.0
+    return req.params.greedy and req.params.repetition_penalty == 1.0 and req.matcher is None
 
 
 class Engine:
@@ -79,7 +94,7 @@ class Engine:
         eos_token_ids: tuple[int, ...] = (),
         cuda_graphs: bool = False,
         model_name: str = "model",
-        max_prefill_tokens: int = 8192,
+        prefill_chunk: int | None = None,
         graph_buckets: tuple[int, ...] | None = None,
     ) -> None:
         if max_batch < 1 or max_seq_len < 2:
@@ -87,9 +102,12 @@ class Engine:
         if max_seq_len > model.max_positions:
             raise QuantkitError(f"max_seq_len {max_seq_len} exceeds the model's {model.max_positions} positions")
         self.model, self._tokenizer, self._model_name = model, tokenizer, model_name
+        self.loaded_at = time.time()  # unix seconds (GET /v1/models reports it as "created")
         self._max_batch, self._max_seq_len = max_batch, max_seq_len
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.max_prefill_tokens = max_prefill_tokens
+        self.prefill_chunk = prefill_chunk or default_prefill_chunk(model.device)
+        if self.prefill_chunk < 1:
+            raise QuantkitError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self.cache = KVCache.allocate(model.spec, max_batch + 1, max_seq_len, model.dtype, model.device)
         if cuda_graphs:
             self._runner = DecodeGraphs(model, self.cache, max_batch, buckets=graph_buckets)
@@ -99,9 +117,11 @@ class Engine:
         self.stats = EngineStats()
         self._next_id = 0
         self._queue: deque[_Request] = deque()
-        self._running: dict[int, _Request] = {}
+        self._running: dict[int, _Request] = {}  # decoding
+        self._prefilling: list[_Request] = []  # holding a slot, prompt partly in the cache (oldest first)
         self._free_slots = list(range(max_batch - 1, -1, -1))  # pop() hands out the lowest first
         self._aborted: list[TokenEvent] = []
+        self._masks = None  # constrained decoding (runtime.constrained.GrammarMasks), built on first use
         # a greedy decode step launched but not yet read: (its rows, the launch); see step()
         self._inflight: tuple[list[_Request], Launched] | None = None
 
@@ -152,9 +172,20 @@ class Engine:
             prefix_offset=0,
             read_offset=len(context),
         )
+        if params.grammar is not None:
+            req.matcher = self._grammar_masks().matcher(params.grammar)  # QuantkitError if invalid
         self._next_id += 1
         self._queue.append(req)
         return req.id
+
+    def _grammar_masks(self):
+        if self._masks is None:
+            from quantkit.runtime.constrained import GrammarMasks
+
+            if self._tokenizer is None:
+                raise QuantkitError("constrained decoding needs the model's tokenizer")
+            self._masks = GrammarMasks(self._tokenizer, self.model.spec.vocab_size, tuple(self.eos_token_ids))
+        return self._masks
 
     def abort(self, request_id: int) -> None:
         for req in list(self._queue):
@@ -163,13 +194,45 @@ class Engine:
                 self._aborted.append(self._final(req, None, "", FINISH_ABORT))
                 return
         req = self._running.pop(request_id, None)
+        for waiting in self._prefilling:
+            if waiting.id == request_id:
+                self._prefilling.remove(waiting)
+                req = waiting
+                break
         if req is not None:
             self._free_slots.append(req.slot)
             self._free_slots.sort(reverse=True)
             self._aborted.append(self._final(req, None, "", FINISH_ABORT))
 
+    @property
+    def num_running(self) -> int:
+        """Requests holding a cache slot (prefilling or decoding)."""
+        return len(self._running) + len(self._prefilling)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._queue)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Tokens held in the cache / what its slots hold (read from another thread: an estimate)."""
+        for _ in range(3):  # the engine thread may resize the dict while this reads it
+            try:
+                reqs = list(self._running.values()) + list(self._prefilling)
+                break
+            except RuntimeError:
+                reqs = []
+        held = sum(r.prefilled + len(r.output) for r in reqs)
+        return held / (self._max_batch * self._max_seq_len)
+
+    def warm_up(self):
+        """Compile and run the prefill and decode shapes this engine serves (:mod:`.warmup`); call it idle."""
+        from quantkit.runtime.warmup import warm_up
+
+        return warm_up(self)
+
     def has_work(self) -> bool:
-        return bool(self._queue or self._running or self._aborted or self._inflight)
+        return bool(self._queue or self._running or self._prefilling or self._aborted or self._inflight)
 
     def step(self) -> list[TokenEvent]:
         """Admit and prefill what fits, decode the running requests; the events of what happened.
@@ -195,34 +258,50 @@ class Engine:
             self._inflight = None
             self.stats.decode_seconds += time.perf_counter() - start
         decoding = list(self._running.values())
-        admitted = self._admit()
-        if admitted:
-            events += self._prefill(admitted)
+        self._admit()
+        if self._prefilling:
+            events += self._prefill_chunk()
         if decoding:
             events += self._decode(decoding)
         return events
 
     # -- steps ----------------------------------------------------------------------------------------
 
-    def _admit(self) -> list[_Request]:
-        admitted, budget = [], self.max_prefill_tokens
+    def _admit(self) -> None:
+        """Queued requests take free slots, in arrival order (their prompts are prefilled chunk by chunk)."""
         while self._queue and self._free_slots:
-            if admitted and len(self._queue[0].prompt) > budget:
-                break
             req = self._queue.popleft()
             req.slot = self._free_slots.pop()
-            budget -= len(req.prompt)
-            admitted.append(req)
-            self._running[req.id] = req
-        return admitted
+            self._prefilling.append(req)
 
-    def _prefill(self, reqs: list[_Request]) -> list[TokenEvent]:
+    def _prefill_chunk(self) -> list[TokenEvent]:
+        """Prefill up to ``prefill_chunk`` prompt tokens, oldest request first; the requests whose prompts are
+        now whole get their first token and start decoding."""
         start = time.perf_counter()
-        logits = self.model.prefill([r.prompt for r in reqs], [r.slot for r in reqs], self.cache)
-        tokens = self._sample(logits, reqs, [None] * len(reqs))
+        reqs, chunks, starts, budget = [], [], [], self.prefill_chunk
+        for req in self._prefilling:
+            take = min(len(req.prompt) - req.prefilled, budget)
+            reqs.append(req)
+            chunks.append(req.prompt[req.prefilled : req.prefilled + take])
+            starts.append(req.prefilled)
+            budget -= take
+            if budget == 0:
+                break
+        logits = self.model.prefill(chunks, [r.slot for r in reqs], self.cache, starts)
+        for req, chunk in zip(reqs, chunks):
+            req.prefilled += len(chunk)
+        done = [i for i, r in enumerate(reqs) if r.prefilled == len(r.prompt)]
+        events = []
+        if done:
+            whole = [reqs[i] for i in done]
+            tokens = self._sample(logits[done], whole, [None] * len(whole))
+            for req, token in zip(whole, tokens):
+                self._prefilling.remove(req)
+                self._running[req.id] = req
+                events.append(self._advance(req, token))
         self.stats.prefill_seconds += time.perf_counter() - start
-        self.stats.prefill_tokens += sum(len(r.prompt) for r in reqs)
-        return [self._advance(r, t) for r, t in zip(reqs, tokens)]
+        self.stats.prefill_tokens += sum(len(c) for c in chunks)
+        return events
 
     def _decode(self, reqs: list[_Request]) -> list[TokenEvent]:
         """One decode step of ``reqs`` from the host's view of them; kept in flight (read by the next
@@ -243,8 +322,8 @@ class Engine:
 
     def _can_chain(self, reqs: list[_Request], launched: Launched) -> bool:
         """Whether the step after ``launched`` may run before its tokens are read (see step())."""
-        if self._queue and self._free_slots:
-            return False  # a request can join: read this step, then admit
+        if (self._queue and self._free_slots) or self._prefilling:
+            return False  # a request can join or is being prefilled: read this step, then admit / prefill
         if len(self._running) != len(reqs):
             return False
         # every row still running, and none ends on its length with the token in flight
@@ -267,6 +346,14 @@ class Engine:
         greedily, else sampled on the host from the float32 ``logits``."""
         if all(g is not None and _plain_greedy(r) for r, g in zip(reqs, greedy)):
             return list(greedy)
+        constrained = [i for i, r in enumerate(reqs) if r.matcher is not None]
+        if constrained:  # the grammar's mask, applied to (a copy of) the step's logits outside any graph
+            logits = logits.clone()
+            mask = self._masks.bitmask([reqs[i].matcher for i in constrained]).to(logits.device, non_blocking=True)
+            rows = torch.tensor(constrained, device=logits.device)
+            masked = logits[rows]
+            apply_bitmask(masked, mask)
+            logits[rows] = masked
         seen = [
             torch.tensor(r.prompt + r.output, device=logits.device)
             if r.params.repetition_penalty != 1.0
@@ -288,6 +375,13 @@ class Engine:
         if cut >= 0:
             req.text = req.text[:cut]
             return self._finish(req, token, FINISH_STOP)
+        if req.matcher is not None:
+            req.matcher.consume_token(token)
+            if req.matcher.is_stopped() or req.matcher.is_error():  # the grammar is complete (or broke)
+                if req.matcher.is_error():
+                    log.warning("request %d: grammar error: %s", req.id, req.matcher.get_error())
+                req.text += self._undecoded(req)
+                return self._finish(req, token, FINISH_STOP)
         if len(req.output) >= req.max_new:
             req.text += self._undecoded(req)
             return self._finish(req, token, FINISH_LENGTH)

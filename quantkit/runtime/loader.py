@@ -184,8 +184,18 @@ def load_engine(
     backend: str = "auto",
     cuda_graphs: bool | None = None,
     trust_remote_code: bool = False,
+    kv_cache_memory: int | str | None = None,
+    kv_cache_fraction: float | None = None,
+    prefill_chunk: int | None = None,
 ) -> Engine:
-    """An :class:`Engine` (types.Engine) serving ``model``; ``cuda_graphs`` None: on with the kernels backend."""
+    """An :class:`Engine` (types.Engine) serving ``model``; ``cuda_graphs`` None: on with the kernels backend.
+
+    The KV cache is sized from a memory budget (:mod:`quantkit.runtime.kv_budget`): ``kv_cache_memory``
+    bytes (or "4GiB"), ``kv_cache_fraction`` of the free CUDA memory, or the default; it serves as many
+    sequences at once as the budget holds, at most ``max_batch``. ``engine.kv_plan`` says what was chosen.
+    ``prefill_chunk``: prompt tokens prefilled per step (None: :func:`engine.default_prefill_chunk`)."""
+    from quantkit.runtime import kv_budget
+
     runtime, tokenizer = load_runtime_model(
         model,
         device=device,
@@ -200,12 +210,18 @@ def load_engine(
     graphs = runtime.backend == "kernels" and runtime.device.type == "cuda" if cuda_graphs is None else cuda_graphs
     if graphs and runtime.device.type != "cuda":
         raise QuantkitError("CUDA graphs need a CUDA device")
-    return Engine(
+    kv_plan = kv_budget.plan(runtime.spec, seq_len, runtime.dtype, runtime.device, max_batch=max_batch,
+                             memory=kv_cache_memory, fraction=kv_cache_fraction)
+    log.info("%s", kv_plan.describe())
+    engine = Engine(
         runtime,
         tokenizer,
-        max_batch=max_batch,
+        max_batch=kv_plan.slots,
         max_seq_len=seq_len,
         eos_token_ids=runtime.eos_token_ids,
         cuda_graphs=graphs,
         model_name=runtime.name,
+        prefill_chunk=prefill_chunk,
     )
+    engine.kv_plan = kv_plan
+    return engine

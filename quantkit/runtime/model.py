@@ -9,6 +9,7 @@ takes: "kernels" (quantkit's Triton kernels, CUDA) or "reference" (plain PyTorch
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -59,11 +60,14 @@ class _Reference:
     act_mul = staticmethod(ops.act_mul_ref)
 
     @staticmethod
-    def prefill_attention(q, k, v, cu_seqlens, max_len, scale, window_left, softcap):
+    def prefill_attention(q, k, v, cu_seqlens, max_len, scale, window_left, softcap, cu_k=None, max_k=None):
+        """Causal attention of packed query rows; keys ``cu_k`` (default: the queries' own) end where the
+        queries end (a chunk attends to the prompt before it)."""
         from quantkit.kernels.attention import attention_ref
 
         return attention_ref(
-            q, k, v, cu_seqlens, cu_seqlens, causal=True, sm_scale=scale, window_left=window_left, softcap=softcap
+            q, k, v, cu_seqlens, cu_seqlens if cu_k is None else cu_k, causal=True, sm_scale=scale,
+            window_left=window_left, softcap=softcap,
         ).to(q.dtype)
 
     @staticmethod
@@ -88,7 +92,7 @@ class _Kernels:
         self.act_mul = fused_kernels.act_mul
 
     @staticmethod
-    def prefill_attention(q, k, v, cu_seqlens, max_len, scale, window_left, softcap):
+    def prefill_attention(q, k, v, cu_seqlens, max_len, scale, window_left, softcap, cu_k=None, max_k=None):
         from quantkit.kernels.attention import attention_varlen
 
         return attention_varlen(
@@ -96,12 +100,13 @@ class _Kernels:
             k.contiguous(),
             v.contiguous(),
             cu_seqlens,
-            cu_seqlens,
+            cu_seqlens if cu_k is None else cu_k,
             max_len,
             causal=True,
             sm_scale=scale,
             window_left=window_left,
             softcap=softcap,
+            max_seqlen_k=max_k,
         )
 
     @staticmethod
@@ -224,6 +229,24 @@ class RuntimeModel:
 
         return attend
 
+    def _chunk_attend(self, cu_q: torch.Tensor, max_q: int, slots: list[int], ends: list[int], cache: KVCache):
+        """Attention of prompt chunks over everything their slots hold up to each chunk's end (the chunk's
+        own keys were written there just before, by the rope step)."""
+        s, dev = self.spec, self.device
+        cu_k = torch.tensor([0, *itertools.accumulate(ends)], dtype=torch.int32, device=dev)
+
+        def attend(i: int, qkv: torch.Tensor) -> torch.Tensor:
+            m = qkv.shape[0]
+            q = qkv[:, : s.q_size].view(m, s.num_heads, s.head_dim)
+            k = torch.cat([cache.k[i][slot, :end] for slot, end in zip(slots, ends)])  # [sum(ends), Hkv, D]
+            v = torch.cat([cache.v[i][slot, :end] for slot, end in zip(slots, ends)])
+            out = self.ops.prefill_attention(
+                q, k, v, cu_q, max_q, s.softmax_scale, s.window_left(i), s.attn_softcap, cu_k=cu_k, max_k=max(ends)
+            )
+            return out.reshape(m, s.q_size)
+
+        return attend
+
     # -- entry points ---------------------------------------------------------------------------------
 
     @torch.inference_mode()
@@ -237,19 +260,27 @@ class RuntimeModel:
         return self.logits(hidden).view(b, t, -1)
 
     @torch.inference_mode()
-    def prefill(self, prompts: list[list[int]], slots: list[int], cache: KVCache) -> torch.Tensor:
-        """Run whole prompts (each from position 0) into their cache ``slots``; float32 logits ``[B, V]``
-        of each prompt's last token."""
+    def prefill(self, prompts: list[list[int]], slots: list[int], cache: KVCache,
+                starts: list[int] | None = None) -> torch.Tensor:
+        """Run prompts, or chunks of them, into their cache ``slots``: chunk b holds the prompt's tokens from
+        position ``starts[b]`` on (default 0: whole prompts), and attends to what the slot holds before it.
+        float32 logits ``[B, V]`` of each chunk's last token."""
         lengths = [len(p) for p in prompts]
+        starts = starts or [0] * len(prompts)
         dev = self.device
         ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=dev)
-        positions = torch.tensor([i for n in lengths for i in range(n)], dtype=torch.int32, device=dev)
+        positions = torch.tensor([a + i for a, n in zip(starts, lengths) for i in range(n)], dtype=torch.int32,
+                                 device=dev)
         token_slots = torch.tensor([s for s, n in zip(slots, lengths) for _ in range(n)], dtype=torch.int32, device=dev)
         offsets = [0]
         for n in lengths:
             offsets.append(offsets[-1] + n)
         cu = torch.tensor(offsets, dtype=torch.int32, device=dev)
-        hidden = self._hidden(ids, positions, self._prefill_attend(cu, max(lengths)), cache, token_slots)
+        if any(starts):
+            attend = self._chunk_attend(cu, max(lengths), slots, [a + n for a, n in zip(starts, lengths)], cache)
+        else:
+            attend = self._prefill_attend(cu, max(lengths))
+        hidden = self._hidden(ids, positions, attend, cache, token_slots)
         last = torch.tensor(offsets[1:], dtype=torch.long, device=dev) - 1
         return self.logits(hidden[last])
 

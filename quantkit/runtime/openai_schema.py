@@ -2,9 +2,10 @@
 
 Requests are validated strictly (pydantic strict mode: ``"5"`` is not a number), so a client with a
 typo gets a 400 naming the field instead of a silent default. Fields that OpenAI defines but this
-server cannot honour (``n > 1``, ``logprobs``, penalties, ...) are rejected when set, never ignored;
-fields it does not know (``user``, vendor extras) are ignored, as OpenAI clients send them freely.
-``top_k`` and ``repetition_penalty`` are extensions (vLLM spells them the same way).
+server cannot honour (``n > 1``, ``logprobs``, penalties, ``tools``, ...) are rejected when set to
+anything but their neutral value, never ignored; a field it does not know at all (``foo``) is a 400
+too. ``user`` is accepted and ignored (an end-user id, with no effect on the answer). ``top_k`` and
+``repetition_penalty`` are extensions (vLLM spells them the same way). Every error has a non-null code.
 """
 
 from __future__ import annotations
@@ -28,16 +29,45 @@ class APIError(Exception):
     """An error answered as OpenAI's ``{"error": {"message", "type", "param", "code"}}`` body."""
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.status, self.message, self.type, self.param = status, message, type, param
+        self.code = code or _DEFAULT_CODES.get(status, "invalid_request")
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+_DEFAULT_CODES = {400: "invalid_value", 404: "not_found", 405: "method_not_allowed", 413: "request_too_large",
+                  415: "unsupported_media_type", 500: "internal_error", 503: "unavailable"}
+
+# OpenAI request fields this server does not implement, with the values that mean "not used" (accepted).
+UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
+    "n": (None, 1),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "logit_bias": (None, {}),
+    "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "service_tier": (None, "auto", "default"),
+    "store": (None, False),
+    "metadata": (None, {}),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "prediction": (None,),
+    "reasoning_effort": (None,),
+    "web_search_options": (None,),
+    "echo": (None, False),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+}
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
 
 class StreamOptions(_Strict):
@@ -56,37 +86,44 @@ class _SamplingFields(_Strict):
     stream_options: StreamOptions | None = None
     top_k: int | None = Field(default=None, ge=-1)  # extension; 0 or -1: off
     repetition_penalty: float | None = Field(default=None, gt=0)  # extension
-    # OpenAI fields this server does not implement: accepted only at their neutral values.
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    ignore_eos: bool | None = None  # extension (vLLM's): generate max_tokens even past end-of-sequence
+    user: str | None = None  # an end-user id: accepted, no effect
+    # OpenAI fields this server does not implement: accepted only at their neutral values (UNSUPPORTED_FIELDS).
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    logit_bias: Any = None
     logprobs: Any = None
-    top_logprobs: int | None = None
+    top_logprobs: Any = None
+    service_tier: Any = None
+    store: Any = None
+    metadata: Any = None
 
     def check_supported(self) -> None:
         """Refuse (400) what this server cannot do rather than silently ignore it."""
         if self.n not in (None, 1):
             raise APIError(400, f"n={self.n} is not supported: this server returns one choice per request (n=1)",
                            param="n", code="unsupported_value")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0, 0.0):
-                raise APIError(400, f"{name} is not supported; use repetition_penalty (an extension) instead",
-                               param=name, code="unsupported_value")
-        if self.logit_bias:
-            raise APIError(400, "logit_bias is not supported", param="logit_bias", code="unsupported_value")
-        if self.logprobs not in (None, False, 0) or self.top_logprobs:
-            raise APIError(400, "logprobs are not supported", param="logprobs", code="unsupported_value")
+        for name in type(self).model_fields:
+            neutral = UNSUPPORTED_FIELDS.get(name)
+            if neutral is None or name == "n":
+                continue
+            value = getattr(self, name)
+            if not any(value == v and type(value) is not bool or value is v for v in neutral):
+                hint = "; use repetition_penalty (an extension) instead" if name.endswith("_penalty") else ""
+                raise APIError(400, f"{name} is not supported by this server{hint} (leave it out)", param=name,
+                               code="unsupported_parameter")
 
     def stop_strings(self) -> tuple[str, ...]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if len(stops) > MAX_STOP_STRINGS:
-            raise APIError(400, f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stops)}", param="stop")
+            raise APIError(400, f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stops)}", param="stop",
+                           code="too_many_stop_strings")
         if any(not s for s in stops):
-            raise APIError(400, "stop strings must not be empty", param="stop")
+            raise APIError(400, "stop strings must not be empty", param="stop", code="invalid_value")
         return tuple(stops)
 
     def sampling_params(self, requested_max_tokens: int | None, default_max_tokens: int,
-                        max_tokens_limit: int) -> SamplingParams:
+                        max_tokens_limit: int, grammar: str | None = None) -> SamplingParams:
         """The engine's :class:`SamplingParams`; ``max_tokens`` above the server's limit is a 400."""
         self.check_supported()
         max_tokens = default_max_tokens if requested_max_tokens is None else requested_max_tokens
@@ -102,6 +139,8 @@ class _SamplingFields(_Strict):
                 repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
                 seed=self.seed,
                 stop=self.stop_strings(),
+                ignore_eos=bool(self.ignore_eos),
+                grammar=grammar,
             )
         except QuantkitError as exc:
             raise APIError(400, str(exc)) from exc
@@ -115,19 +154,13 @@ class CompletionRequest(_SamplingFields):
     """``POST /v1/completions``: one prompt (text or token ids)."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
-    echo: bool | None = False
-    best_of: int | None = None
-    suffix: str | None = None
+    echo: Any = None
+    best_of: Any = None
+    suffix: Any = None
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt of this request; a batch of prompts is refused (400)."""
-        if self.echo:
-            raise APIError(400, "echo is not supported", param="echo", code="unsupported_value")
-        if self.best_of not in (None, 1):
-            raise APIError(400, "best_of is not supported (one choice per request)", param="best_of",
-                           code="unsupported_value")
-        if self.suffix:
-            raise APIError(400, "suffix is not supported", param="suffix", code="unsupported_value")
+        self.check_supported()
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
             if len(prompt) != 1:
@@ -139,6 +172,10 @@ class CompletionRequest(_SamplingFields):
     def params(self, max_tokens_limit: int) -> SamplingParams:
         return self.sampling_params(self.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, max_tokens_limit)
 
+    @property
+    def max_tokens_given(self) -> bool:
+        return self.max_tokens is not None
+
 
 class TextPart(_Strict):
     type: Literal["text"]
@@ -148,6 +185,23 @@ class TextPart(_Strict):
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls (passed to the template)
+    tool_call_id: str | None = None  # a tool message: which call it answers
+
+    def check(self, index: int) -> None:
+        """A message needs content, unless it is an assistant message that made tool calls."""
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise APIError(400, f"messages.{index}.content is missing: every message needs content (an assistant "
+                           "message may have tool_calls instead)", param=f"messages.{index}.content",
+                           code="missing_required_parameter")
+
+    def template_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        for key in ("name", "tool_calls", "tool_call_id"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -160,25 +214,92 @@ class ChatCompletionRequest(_SamplingFields):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    modalities: Any = None
+    audio: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    web_search_options: Any = None
 
-    def template_messages(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    def response_grammar(self) -> str | None:
+        """The grammar ``response_format`` asks for (None: free text); 400 when it cannot be honoured."""
+        fmt = self.response_format
+        if fmt is None:
+            return None
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind == "text":
+            return None
+        if kind not in ("json_object", "json_schema"):
+            raise APIError(400, "response_format.type must be text, json_object or json_schema",
+                           param="response_format.type", code="invalid_value")
+        from quantkit.runtime.constrained import json_grammar
 
-    def params(self, max_tokens_limit: int) -> SamplingParams:
+        schema = None
+        if kind == "json_schema":
+            spec = fmt.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise APIError(400, "response_format.json_schema.schema must be a JSON schema object",
+                               param="response_format.json_schema.schema", code="invalid_value")
+        try:
+            return json_grammar(schema)
+        except QuantkitError as exc:
+            raise APIError(400, str(exc), param="response_format", code="invalid_value") from exc
+
+    def tool_plan(self, chat_template: str | None):
+        """The request's tools (runtime.tool_calls.ToolPlan, or None); 400 when they cannot be honoured."""
+        from quantkit.runtime import tool_calls
+
+        if self.parallel_tool_calls not in (None, True, False):
+            raise APIError(400, "parallel_tool_calls must be a boolean", param="parallel_tool_calls",
+                           code="invalid_value")
+        if self.parallel_tool_calls is not None and not self.tools:
+            raise APIError(400, "parallel_tool_calls is only allowed with tools", param="parallel_tool_calls",
+                           code="invalid_value")
+        try:
+            plan = tool_calls.plan(self.tools, self.tool_choice, chat_template)
+        except tool_calls.ToolError as exc:
+            raise APIError(400, exc.message, param=exc.param, code=exc.code) from exc
+        if plan is not None and plan.grammar_lark is not None and self.response_format not in (None, {"type": "text"}):
+            raise APIError(400, "a required tool call and response_format cannot be combined", param="tool_choice",
+                           code="invalid_value")
+        return plan
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        for i, m in enumerate(self.messages):
+            m.check(i)
+        return [m.template_dict() for m in self.messages]
+
+    @property
+    def max_tokens_given(self) -> bool:
+        return self.max_completion_tokens is not None or self.max_tokens is not None
+
+    def params(self, max_tokens_limit: int, grammar: str | None = None) -> SamplingParams:
         requested = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         # Left out: as many as the server allows (the engine cuts it to what the cache slot holds).
-        return self.sampling_params(requested, max_tokens_limit, max_tokens_limit)
+        return self.sampling_params(requested, max_tokens_limit, max_tokens_limit, grammar)
 
 
 def parse_request(model_type: type[_Strict], body: Any) -> Any:
     """Validate a decoded JSON body; the first problem becomes a 400 naming its field."""
     if not isinstance(body, dict):
-        raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+        raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}",
+                       code="invalid_type")
     try:
         return model_type.model_validate(body)
     except ValidationError as exc:
-        first = exc.errors()[0]
+        errors = exc.errors()
+        unknown = [e for e in errors if e["type"] == "extra_forbidden" and len(e["loc"]) == 1]  # top-level fields
+        first = unknown[0] if unknown else errors[0]
         field = ".".join(str(part) for part in first["loc"] if not _is_union_branch(part))
+        if unknown:
+            raise APIError(400, f"unknown field {field!r}: this server does not implement it (leave it out)",
+                           param=field, code="unknown_parameter") from exc
         raise APIError(400, f"{field or 'body'}: {first['msg']} ({exc.error_count()} problem(s) in the request)",
                        param=field or None, code="invalid_value") from exc
 
@@ -199,16 +320,46 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 @dataclass(frozen=True)
 class ResponseFormat:
-    """Writes one request's response bodies: the whole answer, or the chunks of a stream."""
+    """Writes one request's response bodies: the whole answer, or the chunks of a stream. ``tools``: the
+    answer may hold tool calls (parsed from the text at its end; ``max_calls`` 1 when parallel_tool_calls
+    is false)."""
 
     chat: bool
     model: str
     request_id: str
     created: int
+    tools: bool = False
+    max_calls: int | None = None
 
     @classmethod
-    def new(cls, chat: bool, model: str) -> ResponseFormat:
-        return cls(chat=chat, model=model, request_id=new_id("chatcmpl" if chat else "cmpl"), created=int(time.time()))
+    def new(cls, chat: bool, model: str, tools: bool = False, max_calls: int | None = None) -> ResponseFormat:
+        return cls(chat=chat, model=model, request_id=new_id("chatcmpl" if chat else "cmpl"), created=int(time.time()),
+                   tools=tools, max_calls=max_calls)
+
+    def tool_message(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
+        """The assistant message (content and tool_calls) of ``text``, and the finish reason it gives."""
+        from quantkit.runtime import tool_calls
+
+        content, calls = tool_calls.parse(text)
+        calls = calls[: self.max_calls] if self.max_calls else calls
+        if not calls:
+            return {"role": "assistant", "content": text}, finish_reason
+        return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+
+    def tool_chunks(self, text: str, finish_reason: str | None) -> list[dict]:
+        """A buffered tool-call answer as stream chunks: the content and the calls, then the finish chunk."""
+        message, finish_reason = self.tool_message(text, finish_reason)
+        delta: dict[str, Any] = {}
+        if message.get("content"):
+            delta["content"] = message["content"]
+        if message.get("tool_calls"):
+            delta["tool_calls"] = [dict(call, index=i) for i, call in enumerate(message["tool_calls"])]
+        chunks = []
+        if delta:
+            chunks.append(self._envelope("chat.completion.chunk", [{"index": 0, "delta": delta, "logprobs": None,
+                                                                   "finish_reason": None}]))
+        chunks.append(self.chunk(None, finish_reason))
+        return chunks
 
     def _envelope(self, object_name: str, choices: list[dict]) -> dict[str, Any]:
         return {"id": self.request_id, "object": object_name, "created": self.created, "model": self.model,
@@ -216,8 +367,10 @@ class ResponseFormat:
 
     def full(self, text: str, finish_reason: str | None, prompt_tokens: int, completion_tokens: int) -> dict:
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": finish_reason}
+            message = {"role": "assistant", "content": text}
+            if self.tools:
+                message, finish_reason = self.tool_message(text, finish_reason)
+            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
             body = self._envelope("chat.completion", [choice])
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}

@@ -2,16 +2,19 @@
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both stream with ``"stream": true``
 as server-sent events in OpenAI's chunk format, closed by ``data: [DONE]``), ``GET /v1/models``,
-``GET /health``. FastAPI and uvicorn are an optional extra (``pip install quantkit[serve]``), imported
-only when a server is built.
+``GET /health``, ``GET /metrics`` (Prometheus, :mod:`quantkit.runtime.metrics`). FastAPI and uvicorn are
+an optional extra (``pip install quantkit[serve]``), imported only when a server is built.
 
 The engine runs on one worker thread (:mod:`quantkit.runtime.async_engine`); every request handler
 awaits its own queue of events. Limits, each answered with OpenAI's error body
 ``{"error": {"message", "type", "param", "code"}}``: a body over ``max_body_bytes`` (413), malformed
-JSON or a field of the wrong type or range (400), a prompt longer than the engine's sequence (400,
-``context_length_exceeded``), ``max_tokens`` above ``max_tokens`` (400), an unknown model name (404),
-every place taken (503, ``queue_full``), an engine failure (500, only for the requests it hit). A
-client that disconnects, streaming or not, has its request aborted in the engine.
+JSON or a field of the wrong type or range (400), a body not declared JSON (415), an unimplemented or
+unknown field (400 naming it), a prompt, or prompt + an explicit ``max_tokens``, longer than the engine's
+sequence (400, ``context_length_exceeded``), ``max_tokens`` above ``max_tokens`` (400), an unknown model
+name (404), every place taken (503, ``queue_full``, ``Retry-After``), an engine failure (500, only for the
+requests it hit). A client that disconnects, streaming or not, has its request aborted in the engine.
+Chat requests may carry ``response_format`` (JSON, by constrained decoding) and ``tools`` (templates with
+Hermes-style tool calls, :mod:`quantkit.runtime.tool_calls`). Shutdown: :mod:`.server_shutdown`.
 """
 
 from __future__ import annotations
@@ -20,10 +23,9 @@ import asyncio
 import ipaddress
 import json
 import logging
-import signal
 import socket
-import threading
-from contextlib import asynccontextmanager, contextmanager
+import time
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +41,9 @@ from quantkit.runtime.openai_schema import (
 from quantkit.runtime.types import Engine, SamplingParams
 
 log = logging.getLogger(__name__)
+
+RETRY_AFTER_S = "1"  # the Retry-After header of a 503 (seconds)
+SHUTDOWN_CODE = "server_shutdown"  # the error code of a request cut by a shutdown
 
 
 @dataclass(frozen=True)
@@ -65,7 +70,7 @@ class ServerConfig:
         if self.max_body_bytes < 1024:
             problems.append(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
         if self.shutdown_timeout < 0:
-            problems.append(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
+            problems.append(f"--shutdown-grace must be >= 0, got {self.shutdown_timeout}")
         if problems:
             raise QuantkitError("; ".join(problems))
 
@@ -90,8 +95,8 @@ def text_prompt(prompt: str | list[int]):
     return build
 
 
-def chat_prompt(messages: list[dict[str, str]]):
-    """A prompt builder for a conversation, rendered by the tokenizer's own chat template."""
+def chat_prompt(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None):
+    """A prompt builder for a conversation (and the tools offered), rendered by the tokenizer's chat template."""
 
     def build(tokenizer) -> list[int]:
         if not getattr(tokenizer, "chat_template", None):
@@ -100,7 +105,8 @@ def chat_prompt(messages: list[dict[str, str]]):
         from jinja2 import TemplateError
 
         try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            extra = {"tools": tools} if tools else {}
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
         except TemplateError as exc:  # templates raise on what they refuse, e.g. roles that do not alternate
             raise RequestFailed(f"the chat template refused these messages: {exc}", client_error=True,
                                 param="messages", code="invalid_value") from exc
@@ -113,6 +119,9 @@ def chat_prompt(messages: list[dict[str, str]]):
 def _failure_error(exc: RequestFailed) -> APIError:
     if exc.client_error:
         return APIError(400, exc.message, param=exc.param, code=exc.code or "invalid_value")
+    if exc.code == SHUTDOWN_CODE:
+        return APIError(503, exc.message, type="server_error", code=SHUTDOWN_CODE,
+                        headers={"Retry-After": RETRY_AFTER_S})
     return APIError(500, exc.message, type="server_error", code=exc.code or "engine_error")
 
 
@@ -120,13 +129,24 @@ def _sse(body: dict[str, Any]) -> str:
     return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
 
+def _check_content_type(request) -> None:
+    """A body must be declared JSON (415 otherwise: ``text/plain``, a form, nothing)."""
+    declared = request.headers.get("content-type", "")
+    media = declared.split(";")[0].strip().lower()
+    if media != "application/json" and not media.endswith("+json"):
+        raise APIError(415, f"the request body must be JSON with Content-Type: application/json, got "
+                       f"{declared or 'no Content-Type'}", param="Content-Type", code="unsupported_media_type")
+
+
 async def _read_json(request, limit: int) -> Any:
-    """The request's JSON body, read up to ``limit`` bytes (413 beyond; 400 if it is not JSON)."""
+    """The request's JSON body, read up to ``limit`` bytes (413 beyond; 415 if not declared JSON, 400 if it
+    is not JSON)."""
     declared = request.headers.get("content-length")
     too_large = APIError(413, f"the request body is larger than this server's limit of {limit} bytes",
                          code="request_too_large")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise too_large
+    _check_content_type(request)
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
@@ -166,10 +186,11 @@ async def _unless_disconnected(request, coro):
     raise _ClientGone()
 
 
-async def _collect(handle: RequestHandle) -> tuple[str, str | None, int]:
+async def _collect(handle: RequestHandle, timer) -> tuple[str, str | None, int]:
     """Text, finish reason and generated-token count of a whole (non-streamed) request."""
     parts, finish_reason, counted, generated = [], None, 0, 0
     async for event in handle.events():
+        timer.on_event(event)
         parts.append(event.text)
         counted += event.token_id is not None
         if event.finished:
@@ -180,22 +201,33 @@ async def _collect(handle: RequestHandle) -> tuple[str, str | None, int]:
 class _Service:
     """The request handlers, bound to one engine worker."""
 
-    def __init__(self, worker: AsyncEngine, config: ServerConfig, model_name: str) -> None:
-        self.worker, self.config, self.model_name = worker, config, model_name
+    def __init__(self, worker: AsyncEngine, config: ServerConfig, model_name: str, created: int, metrics) -> None:
+        self.worker, self.config, self.model_name, self.metrics = worker, config, model_name, metrics
+        self.created = created  # when the model was loaded (unix seconds), as /v1/models reports it
+        self.draining = False  # a shutdown began: /health says so, new requests get 503
 
     async def health(self, request):
         from fastapi.responses import JSONResponse
 
         engine = self.worker.engine
-        body = {"status": "ok" if self.worker.alive else "unavailable", "model": self.model_name,
+        ok = self.worker.ready and not self.draining
+        status = ("draining" if self.draining else "unavailable" if not self.worker.alive
+                  else "ok" if self.worker.ready else "warming_up")
+        body = {"status": status, "model": self.model_name,
                 "in_flight": self.worker.in_flight, "capacity": self.worker.capacity,
                 "max_batch": engine.max_batch, "max_seq_len": engine.max_seq_len}
-        return JSONResponse(body, status_code=200 if self.worker.alive else 503)
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    async def prometheus(self, request):
+        from fastapi.responses import Response
+
+        body, content_type = self.metrics.render()
+        return Response(body, media_type=content_type)
 
     async def models(self, request):
         from fastapi.responses import JSONResponse
 
-        model = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "quantkit",
+        model = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "quantkit",
                  "max_model_len": self.worker.engine.max_seq_len}
         return JSONResponse({"object": "list", "data": [model]})
 
@@ -205,15 +237,24 @@ class _Service:
         params = body.params(self.config.max_tokens)
         fmt = ResponseFormat.new(chat=False, model=self.model_name)
         return await self._generate(request, text_prompt(body.single_prompt()), "prompt", params, fmt,
-                                    bool(body.stream), body.include_usage)
+                                    bool(body.stream), body.include_usage, body.max_tokens_given)
 
     async def chat_completions(self, request):
         body = parse_request(ChatCompletionRequest, await _read_json(request, self.config.max_body_bytes))
         self._check_model(body.model)
-        params = body.params(self.config.max_tokens)
-        fmt = ResponseFormat.new(chat=True, model=self.model_name)
-        return await self._generate(request, chat_prompt(body.template_messages()), "messages", params, fmt,
-                                    bool(body.stream), body.include_usage)
+        tokenizer = self.worker.engine.tokenizer
+        plan = body.tool_plan(getattr(tokenizer, "chat_template", None))
+        grammar = body.response_grammar()
+        if plan is not None and plan.grammar_lark is not None:
+            from quantkit.runtime.constrained import lark_grammar
+
+            grammar = lark_grammar(plan.grammar_lark)
+        params = body.params(self.config.max_tokens, grammar)
+        fmt = ResponseFormat.new(chat=True, model=self.model_name, tools=plan is not None and plan.parse,
+                                 max_calls=1 if body.parallel_tool_calls is False else None)
+        build = chat_prompt(body.template_messages(), plan.tools if plan is not None else None)
+        return await self._generate(request, build, "messages", params, fmt, bool(body.stream), body.include_usage,
+                                    body.max_tokens_given)
 
     def _check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
@@ -221,25 +262,29 @@ class _Service:
                            "(see GET /v1/models)", param="model", code="model_not_found")
 
     async def _generate(self, request, build, prompt_param: str, params: SamplingParams, fmt: ResponseFormat,
-                        stream: bool, include_usage: bool):
+                        stream: bool, include_usage: bool, max_tokens_given: bool = False):
         from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+        if self.draining:
+            raise APIError(503, "the server is shutting down; send this request elsewhere", type="server_error",
+                           code=SHUTDOWN_CODE, headers={"Retry-After": RETRY_AFTER_S})
         try:
-            handle = self.worker.submit(build, params, prompt_param=prompt_param)
+            handle = self.worker.submit(build, params, prompt_param=prompt_param, max_tokens_given=max_tokens_given)
         except QueueFull as exc:
             raise APIError(503, f"the server is busy ({exc}); retry later", type="server_error",
-                           code="queue_full") from exc
+                           code="queue_full", headers={"Retry-After": RETRY_AFTER_S}) from exc
         except RequestFailed as exc:
-            raise APIError(503, exc.message, type="server_error", code="engine_unavailable") from exc
-        streaming = False
+            raise APIError(503, exc.message, type="server_error", code="engine_unavailable",
+                           headers={"Retry-After": RETRY_AFTER_S}) from exc
+        streaming, timer = False, self.metrics.timer()
         try:
             prompt_tokens = await _unless_disconnected(request, handle.accepted())
             if stream:
                 streaming = True  # from here the event stream owns the request
-                return StreamingResponse(self._stream(handle, fmt, prompt_tokens, include_usage),
+                return StreamingResponse(self._stream(handle, fmt, prompt_tokens, include_usage, timer),
                                          media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-            text, finish_reason, generated = await _unless_disconnected(request, _collect(handle))
+            text, finish_reason, generated = await _unless_disconnected(request, _collect(handle, timer))
             return JSONResponse(fmt.full(text, finish_reason, prompt_tokens, generated))
         except RequestFailed as exc:
             raise _failure_error(exc) from exc
@@ -250,19 +295,26 @@ class _Service:
             if not streaming and not handle.finished:
                 self.worker.abort(handle)
 
-    async def _stream(self, handle: RequestHandle, fmt: ResponseFormat, prompt_tokens: int, include_usage: bool):
+    async def _stream(self, handle: RequestHandle, fmt: ResponseFormat, prompt_tokens: int, include_usage: bool,
+                      timer):
         """Server-sent events: a role chunk (chat), one chunk per text delta, the finish chunk, [DONE]."""
         try:
             if fmt.chat:
                 yield _sse(fmt.chunk(None, role=True))
-            counted, generated = 0, 0
+            counted, generated, held = 0, 0, []
             async for event in handle.events():
+                timer.on_event(event)
                 counted += event.token_id is not None
-                if event.text:
+                if event.text and fmt.tools:
+                    held.append(event.text)  # tool calls are parsed from the whole answer
+                elif event.text:
                     yield _sse(fmt.chunk(event.text))
                 if event.finished:
                     generated = event.generated_tokens or counted
-                    yield _sse(fmt.chunk(None, event.finish_reason))
+                    closing = fmt.tool_chunks("".join(held), event.finish_reason) if fmt.tools else [
+                        fmt.chunk(None, event.finish_reason)]
+                    for chunk in closing:
+                        yield _sse(chunk)
             if include_usage:
                 yield _sse(fmt.usage_chunk(prompt_tokens, generated))
         except RequestFailed as exc:
@@ -279,10 +331,10 @@ def _install_error_handlers(app) -> None:
     from starlette.exceptions import HTTPException
 
     async def api_error(request, exc: APIError):
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     async def http_error(request, exc: HTTPException):
-        error = APIError(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None)
+        error = APIError(exc.status_code, str(exc.detail))
         return JSONResponse(error.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     async def unexpected(request, exc: Exception):
@@ -295,29 +347,46 @@ def _install_error_handlers(app) -> None:
     app.add_exception_handler(Exception, unexpected)
 
 
-def create_app(engine: Engine, config: ServerConfig = ServerConfig()):
-    """The FastAPI application serving ``engine``; its worker thread starts and stops with the app."""
+def create_app(engine: Engine, config: ServerConfig = ServerConfig(), started_at: float | None = None):
+    """The FastAPI application serving ``engine``; its worker thread starts (and warms the engine up) and
+    stops with the app. ``started_at`` (``time.time()`` before the model was loaded) dates the start-up
+    time logged once the engine is warm."""
     from fastapi import FastAPI
 
     worker = AsyncEngine(engine, max_queue=config.max_queue)
-    service = _Service(worker, config, config.served_model_name or engine.model_name)
+    # the engine records when its model was loaded; an engine that does not: when the app was built
+    created = int(getattr(engine, "loaded_at", None) or time.time())
+    from quantkit.runtime.metrics import CountRequests, ServerMetrics
+
+    metrics = ServerMetrics(worker)
+    service = _Service(worker, config, config.served_model_name or engine.model_name, created, metrics)
+
+    async def announce_ready():
+        await asyncio.to_thread(worker.wait_ready)
+        since = started_at or created
+        log.info("ready: start-up took %.1f s (%s)", time.time() - since,
+                    "model load and warm-up" if started_at else "warm-up")
 
     @asynccontextmanager
     async def lifespan(app):
         worker.start()
+        ready_task = asyncio.ensure_future(announce_ready())
         try:
             yield
         finally:
+            ready_task.cancel()
             worker.stop()
 
     app = FastAPI(title="quantkit", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.worker = worker
+    app.state.worker, app.state.service = worker, service
     _install_error_handlers(app)
 
     # Plain Starlette routes: each handler takes the request and parses its body itself, so every
     # problem (413, bad JSON, a wrong field) gets OpenAI's error body rather than FastAPI's 422.
     app.add_route("/health", service.health, methods=["GET"])
     app.add_route("/v1/models", service.models, methods=["GET"])
+    app.add_route("/metrics", service.prometheus, methods=["GET"])
+    app.add_middleware(CountRequests, metrics=metrics)
     app.add_route("/v1/completions", service.completions, methods=["POST"])
     app.add_route("/v1/chat/completions", service.chat_completions, methods=["POST"])
     return app
@@ -332,39 +401,29 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def uvicorn_server(engine: Engine, config: ServerConfig):
-    """A ``uvicorn.Server`` for ``engine`` (``.run()`` serves until SIGINT/SIGTERM, then shuts down gracefully)."""
+def uvicorn_server(engine: Engine, config: ServerConfig, started_at: float | None = None):
+    """A uvicorn server for ``engine``: ``.run()`` serves until SIGINT/SIGTERM, then shuts down gracefully
+    (:func:`quantkit.runtime.server_shutdown.graceful_server`)."""
     try:
-        import uvicorn
+        import uvicorn  # noqa: F401
     except ImportError as exc:
         raise QuantkitError("serving needs FastAPI and uvicorn: pip install 'quantkit[serve]'") from exc
+    from quantkit.runtime.server_shutdown import graceful_server
+
     if not is_loopback(config.host):
         log.warning("listening on %s: reachable from other machines, and there is no authentication", config.host)
-    uv_config = uvicorn.Config(create_app(engine, config), host=config.host, port=config.port,
-                               log_level=config.log_level, timeout_graceful_shutdown=config.shutdown_timeout,
-                               lifespan="on")
-    return uvicorn.Server(uv_config)
+    app = create_app(engine, config, started_at)
+    return graceful_server(app, config, app.state.service)
 
 
-def serve(engine: Engine, config: ServerConfig = ServerConfig(), sock: socket.socket | None = None) -> None:
-    """Serve ``engine`` until SIGINT/SIGTERM; in-flight requests get ``shutdown_timeout`` s to finish,
-    then the engine worker stops and this returns normally."""
-    server = uvicorn_server(engine, config)
-    with _signals_absorbed():
+def serve(engine: Engine, config: ServerConfig = ServerConfig(), sock: socket.socket | None = None,
+          started_at: float | None = None) -> int:
+    """Serve ``engine`` until SIGINT/SIGTERM; the exit status the process should end with (see
+    :func:`quantkit.runtime.server_shutdown.exit_status`)."""
+    from quantkit.runtime.server_shutdown import exit_status, signals_absorbed
+
+    server = uvicorn_server(engine, config, started_at)
+    with signals_absorbed():
         server.run(sockets=[sock] if sock is not None else None)
     log.info("server stopped")
-
-
-@contextmanager
-def _signals_absorbed():
-    """uvicorn handles SIGINT/SIGTERM (graceful shutdown), then re-raises the signal to the handler it
-    found. Let it find a no-op one, so that a shutdown asked for by a signal ends with exit status 0."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    return exit_status(server.first_signal)

@@ -36,6 +36,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # constrained decoding: an llguidance grammar (runtime.constrained: JSON schema, tool call); the
+    # request ends ("stop") when the grammar is complete
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         problems = []

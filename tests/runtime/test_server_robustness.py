@@ -176,28 +176,35 @@ class IdsOnlyTokenizer:  # the prompts here are token ids: no need to load trans
 engine = FakeEngine(IdsOnlyTokenizer(), max_batch=2, max_seq_len=512, step_delay=0.02)
 sock = socket.socket(); sock.bind(("127.0.0.1", 0))
 print(sock.getsockname()[1], flush=True)
-serve(engine, ServerConfig(port=sock.getsockname()[1], max_tokens=400, shutdown_timeout=10, log_level="info"),
-      sock=sock)
+code = serve(engine, ServerConfig(port=sock.getsockname()[1], max_tokens=400, shutdown_timeout={grace},
+                                  log_level="info"), sock=sock)
 print("served out", flush=True)
+sys.exit(code)
 """
+
+
+def start_server_process(grace: float = 10):
+    """A server process over the fake engine (20 ms a step); returns (process, url) once /health answers."""
+    env = dict(os.environ, QUANTKIT_ROOT=str(REPO))
+    proc = subprocess.Popen([sys.executable, "-c", SERVE_SCRIPT.format(repo=str(REPO), grace=grace)], cwd=REPO,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    port = int(proc.stdout.readline())
+    url = f"http://127.0.0.1:{port}"
+
+    def healthy():
+        try:
+            return httpx.get(f"{url}/health", timeout=1).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    wait_until(healthy, timeout=30, what="the server process to start")
+    return proc, url
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_shuts_down_gracefully(sig):
-    env = dict(os.environ, QUANTKIT_ROOT=str(REPO))
-    proc = subprocess.Popen([sys.executable, "-c", SERVE_SCRIPT.format(repo=str(REPO))], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc, url = start_server_process()
     try:
-        port = int(proc.stdout.readline())
-        url = f"http://127.0.0.1:{port}"
-
-        def healthy():
-            try:
-                return httpx.get(f"{url}/health", timeout=1).status_code == 200
-            except httpx.TransportError:
-                return False
-
-        wait_until(healthy, timeout=30, what="the server process to start")
         result = {}
         # An in-flight request (40 steps of 20 ms) that the shutdown must let finish.
         caller = threading.Thread(target=lambda: result.update(r=httpx.post(
@@ -211,7 +218,46 @@ def test_signal_shuts_down_gracefully(sig):
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 0, err
+    assert proc.returncode == (130 if sig == signal.SIGINT else 0), err
+    assert "Traceback" not in err
     assert "served out" in out and "Shutting down" in err and "Application shutdown complete" in err
     assert result["r"].status_code == 200
     assert result["r"].json()["choices"][0]["text"] == FakeEngine.expected([3], 40)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_shutdown_past_the_grace_period_ends_streams_with_an_abort_event(sig):
+    """Two streams of 400 steps (8 s) and a grace period of 1 s: each ends with the abort error event and
+    [DONE]; a whole answer in flight is a 503; no traceback; the documented exit status."""
+    proc, url = start_server_process(grace=1)
+    streams, whole = {}, {}
+
+    def stream(i):
+        body = {"prompt": [3 + i], "max_tokens": 400, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as response:
+            streams[i] = sse_events(response.iter_lines())
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
+    threads.append(threading.Thread(target=lambda: whole.update(r=httpx.post(
+        f"{url}/v1/completions", json={"prompt": [9], "max_tokens": 400}, timeout=30))))
+    try:
+        for t in threads:
+            t.start()
+        wait_until(lambda: httpx.get(f"{url}/health", timeout=5).json()["in_flight"] == 3, timeout=20,
+                   what="three requests in flight")
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=30)
+        for t in threads:
+            t.join(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == (130 if sig == signal.SIGINT else 0), err
+    assert "Traceback" not in err and "CancelledError" not in err, err
+    for events in streams.values():
+        assert events[-1] == "[DONE]"
+        error = events[-2]["error"]
+        assert error["code"] == "server_shutdown" and "aborted" in error["message"]
+        assert len(events) - 2 < 400  # tokens (none if it waited for a slot: 2 slots, 3 requests), the abort
+    assert len(streams) == 2 and max(len(e) for e in streams.values()) > 10
+    assert_error(whole["r"], 503, code="server_shutdown")
