@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Checks a change on one H200 in two back-to-back device calls: the benchmarks a change must not slow down (with
+# the previous main beside the new code in the same call), then the whole GPU suite. Two calls because the test
+# model (SmolLM2's GGUF, 92 MB xz-compressed) does not fit one call's 64 MiB of carried files: each call carries
+# one half, and /tmp keeps the first half while the machine stays warm (30 s idle), so call 2 must follow at once.
+#
+# Staging, here, before the calls (all under the git-ignored .stage/):
+#   .stage/whl/    cp312 wheels the device lacks (gguf, fastapi, starlette, pydantic, uvicorn, llguidance, openai...)
+#   .stage/smolA/part, .stage/smolB/part   the two halves of `xz -1 < SmolLM2-135M-Instruct.Q4_1.gguf`
+#   .stage/data/   WikiText-2 test.raw.txt and valid.tokens.txt (from ../shared/data/wikitext2)
+#   .stage/old/oldmain.tgz   `git archive OLD quantkit kernels cli calib_data pyproject.toml README.md | gzip`
+# Then:
+#   call 1, carry [.stage/whl, .stage/smolA, .stage/old]:  bash bench/gpu_check.sh benches BUDGET_S
+#   call 2, carry [.stage/smolB, .stage/data]:              bash bench/gpu_check.sh suite BUDGET_S
+# Everything lands in $OUT (JSON of each bench, the suite's log).
+set -o pipefail
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 COLUMNS=200
+BUDGET=${2:-400}
+t0=$(date +%s)
+source bench/lib/step_budget.sh
+[ -d /tmp/site ] && export PYTHONPATH=/tmp/site
+python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || echo "pip install -e . failed"
+
+card() {
+    nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader
+    python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "cuda", torch.version.cuda,
+"triton", triton.__version__, "transformers", transformers.__version__)'
+    date -u
+}
+
+case "$1" in
+benches)
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .stage/whl/*.whl 2>&1 | tail -2
+    export PYTHONPATH=/tmp/site
+    cp .stage/smolA/part /tmp/partA && echo "GGUF part A in /tmp ($(stat -c %s /tmp/partA) bytes)"
+    card | tee "$OUT/card.txt"
+    # The previous main, installed apart (not editable), run from /tmp so the checkout is not on sys.path.
+    mkdir -p /tmp/old && tar -xzf .stage/old/oldmain.tgz -C /tmp/old
+    python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/oldsite /tmp/old >/dev/null 2>&1 \
+        || echo "old main install failed"
+    here=$PWD
+    step 200 python3 -m quantkit.cli.app bench --shape llama3-8b --no-baselines --out "$OUT/bench_8b_new.json"
+    (cd /tmp && PYTHONPATH=/tmp/oldsite:/tmp/site step 150 python3 -m quantkit.cli.app bench --shape llama3-8b \
+        --no-baselines --out "$OUT/bench_8b_old.json")
+    step 100 python3 bench/bench_w4a16.py --shapes 28672x8192,4096x4096 --ms 1,16,256,1024 \
+        --out "$OUT/w4a16_new.json"
+    (cd /tmp && PYTHONPATH=/tmp/oldsite:/tmp/site step 100 python3 "$here/bench/bench_w4a16.py" \
+        --shapes 28672x8192,4096x4096 --ms 1,16,256,1024 --out "$OUT/w4a16_old.json")
+    rm -f "$OUT"/*.png
+    ;;
+suite)
+    export PYTHONPATH=/tmp/site
+    g=$HOME/.cache/quantkit/smollm2
+    mkdir -p "$g" && cat /tmp/partA .stage/smolB/part | xz -d > "$g/SmolLM2-135M-Instruct.Q4_1.gguf" && ls -l "$g"
+    sha256sum "$g/SmolLM2-135M-Instruct.Q4_1.gguf" | cut -c1-16
+    mkdir -p ../shared/data/wikitext2 && cp .stage/data/*.txt ../shared/data/wikitext2/
+    card
+    step 460 python3 -m pytest -m gpu tests -n 12 -q -rfE -p no:cacheprovider 2>&1 | tee "$OUT/gpu_pytest.txt" \
+        | tail -40
+    ;;
+*) echo "usage: gpu_check.sh benches|suite BUDGET_S"; exit 2 ;;
+esac
