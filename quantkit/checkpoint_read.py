@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }  # fmt: skip
 _MAX_HEADER_BYTES = 100 * 2**20
 _SHOW_KEYS = 5  # keys named in a message before "and N more"
@@ -235,6 +235,10 @@ def load_quantized(
     when the folder has none. The quantization settings are kept as ``model.quantkit_quant_config``.
     """
     path = Path(path)
+    from quantkit.checkpoint_fp8 import is_fp8_checkpoint, load_fp8
+
+    if is_fp8_checkpoint(path):  # compressed-tensors float-quantized (FP8): its own layout module
+        return load_fp8(path, device=device, dtype=dtype)
     config, settings = read_config(path)
     records = index_tensors(path)
     model_dtype = _resolve_dtype(dtype, config, device)
