@@ -145,3 +145,24 @@ def check_fp8_options(weights: str, activations: str, block: tuple[int, int]) ->
     if len(block) != 2:
         raise QuantkitError(f"--block takes two numbers (rows columns), got {list(block)}")
     return FP8Config(weights=weights, activations=activations, block=tuple(block))
+
+
+def install_fp8_linears(model: torch.nn.Module, weights: dict) -> torch.nn.Module:
+    """Swap each linear named in ``weights`` (full name -> :class:`quantkit.methods.fp8.FP8Weight`) for an
+    :class:`quantkit.runtime.fp8_linear.FP8Linear` holding that record: the in-memory quantized model, computing
+    what the written checkpoint computes (activations quantized too). Returns ``model``."""
+    from quantkit.runtime.fp8_linear import FP8Linear
+
+    for name, w in weights.items():
+        old = model.get_submodule(name)
+        module = FP8Linear(w.in_features, w.out_features, w.strategy, block=w.block,
+                           static_input=w.input_scale is not None, bias=w.bias is not None,
+                           device=old.weight.device, dtype=old.weight.dtype)
+        module._buffers.update(weight=w.weight.to(old.weight.device),
+                               weight_scale=w.weight_scale.float().to(old.weight.device),
+                               input_scale=None if w.input_scale is None else w.input_scale.float().to(old.weight.device))
+        if w.bias is not None:
+            module.bias.data.copy_(w.bias)
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, module)
+    return model
