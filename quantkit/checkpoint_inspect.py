@@ -66,6 +66,10 @@ def inspect_checkpoint(path: str | os.PathLike) -> CheckpointInfo:
     reports is what the loader will load.
     """
     path = Path(path)
+    from quantkit.checkpoint_fp8 import inspect_fp8, is_fp8_checkpoint
+
+    if is_fp8_checkpoint(path):  # compressed-tensors FP8: described by its own layout module
+        return inspect_fp8(path)
     config, settings = read_config(path)
     records = index_tensors(path)
     quantized, partial = [], []
