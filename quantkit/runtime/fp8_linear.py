@@ -53,6 +53,7 @@ class FP8LinearWeights:
     input_scale: torch.Tensor | None = None
     bias: torch.Tensor | None = None
     reason: str = ""
+    dequantized: torch.Tensor | None = None  # reference path on the CPU: float32 ``[N, K]``, dequantized once
 
     @property
     def out_features(self) -> int:
@@ -99,11 +100,20 @@ def prepare_fp8_linear(weight: torch.Tensor, weight_scale: torch.Tensor, strateg
         from quantkit.methods.fp8 import FP8Weight
 
         rec = FP8Weight(weight, weight_scale.to(device), "block", k, n, block)
-        return FP8LinearWeights(weight, rec.expanded_scale(device).contiguous(), "reference", input_scale, bias,
-                                "block-wise weights: the float32 emulation")
-    scale = row_scale(weight_scale, strategy, n).to(device)
-    ok, reason = scaled_mm_supported(device, n, k) if backend == "auto" else (False, "reference asked for")
-    return FP8LinearWeights(weight, scale, "scaled_mm" if ok else "reference", input_scale, bias, reason)
+        prepared = FP8LinearWeights(weight, rec.expanded_scale(device).contiguous(), "reference", input_scale, bias,
+                                    "block-wise weights: the float32 emulation")
+    else:
+        scale = row_scale(weight_scale, strategy, n).to(device)
+        ok, reason = scaled_mm_supported(device, n, k) if backend == "auto" else (False, "reference asked for")
+        prepared = FP8LinearWeights(weight, scale, "scaled_mm" if ok else "reference", input_scale, bias, reason)
+    if prepared.path == "reference" and device.type == "cpu":  # the CPU never dequantizes per call
+        prepared.dequantized = _dequantized(prepared)
+    return prepared
+
+
+def _dequantized(w: FP8LinearWeights) -> torch.Tensor:
+    scale = w.scale if w.scale.shape == w.weight.shape else w.scale.reshape(-1, 1)  # [N, K] or [N, 1]
+    return dequantize_fp8(w.weight, scale)
 
 
 def fp8_linear_ref(x: torch.Tensor, w: FP8LinearWeights) -> torch.Tensor:
@@ -112,8 +122,8 @@ def fp8_linear_ref(x: torch.Tensor, w: FP8LinearWeights) -> torch.Tensor:
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     qx, sx = quantize_per_token_ref(x2, w.input_scale)
-    scale = w.scale if w.scale.shape == w.weight.shape else w.scale.reshape(-1, 1)  # [N, K] or [N, 1]
-    y = dequantize_fp8(qx, sx) @ dequantize_fp8(w.weight, scale).t()
+    weight = w.dequantized if w.dequantized is not None else _dequantized(w)
+    y = dequantize_fp8(qx, sx) @ weight.t()
     if w.bias is not None:
         y = y + w.bias.float()
     return y.to(x.dtype).reshape(*shape[:-1], w.out_features)
@@ -124,7 +134,7 @@ def fp8_linear_scaled_mm(x: torch.Tensor, w: FP8LinearWeights) -> torch.Tensor:
     from quantkit.kernels.fp8_quant import quantize_per_token
 
     shape = x.shape
-    qx, sx = quantize_per_token(x.reshape(-1, shape[-1]), w.input_scale)
+    qx, sx = quantize_per_token(x.reshape(-1, shape[-1]).contiguous(), w.input_scale)
     y = torch._scaled_mm(qx, w.weight.t(), scale_a=sx, scale_b=w.scale, out_dtype=torch.bfloat16)
     if w.bias is not None:
         y = y + w.bias.to(y.dtype)

@@ -87,4 +87,6 @@ def fused_fp8_linear(get: dict, names: list[str], dtype, device, mode: str):
     scale = torch.cat([p.fp8.scale for p in singles], dim=1)
     bias = None if biases[0] is None else torch.cat([p.fp8.bias for p in singles])
     fused = FP8LinearWeights(weight, scale, first.path, first.input_scale, bias, first.reason)
+    if first.dequantized is not None:
+        fused.dequantized = torch.cat([p.fp8.dequantized for p in singles])
     return Linear(weight.shape[0], fp8=fused, bias=bias)
