@@ -10,6 +10,8 @@ expanded or dequantized when prepared). Two paths, chosen once when the weights 
   ``[M, 1]``, ``scale_b`` float32 ``[1, N]``, B column-major (the ``[N, K]`` weight transposed, a view),
   K and N multiples of 16, bfloat16 output (row-wise scaling requires it). No host synchronization:
   CUDA graphs capture it.
+  At M <= 4 (decode) the quantized activations go through quantkit's GEMV with FP8 codes and the same scales
+  (``kernels/gemv.py``, ``scales=``), which reads the 1-byte weights at full bandwidth.
 * ``reference`` (the CPU, and anything the fast path does not take): the same rounding, emulated:
   activations quantized to e4m3 per token, both operands dequantized, one float32 matmul.
 
@@ -20,6 +22,7 @@ the runtime keeps the prepared record (:class:`FP8LinearWeights`) in its own ``L
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +31,7 @@ from torch import nn
 from quantkit.primitives import dequantize_fp8, fp8_scale, quantize_fp8
 
 log = logging.getLogger(__name__)
+GEMV_MAX_M = 4  # kernels/gemv.py's MAX_M: rows the decode GEMV takes
 
 
 def quantize_per_token_ref(x: torch.Tensor, input_scale: torch.Tensor | None = None
@@ -54,6 +58,7 @@ class FP8LinearWeights:
     bias: torch.Tensor | None = None
     reason: str = ""
     dequantized: torch.Tensor | None = None  # reference path on the CPU: float32 ``[N, K]``, dequantized once
+    gemv: bool = False  # scaled_mm path: decode-sized batches (M <= 4) through quantkit's FP8 GEMV instead
 
     @property
     def out_features(self) -> int:
@@ -106,6 +111,9 @@ def prepare_fp8_linear(weight: torch.Tensor, weight_scale: torch.Tensor, strateg
         scale = row_scale(weight_scale, strategy, n).to(device)
         ok, reason = scaled_mm_supported(device, n, k) if backend == "auto" else (False, "reference asked for")
         prepared = FP8LinearWeights(weight, scale, "scaled_mm" if ok else "reference", input_scale, bias, reason)
+        # M <= 4 (decode): the FP8 GEMV reads the weight once at full bandwidth where _scaled_mm's tiles are mostly
+        # empty rows; QUANTKIT_FP8_GEMV=0 turns it off (an A/B switch for the bench, read once here)
+        prepared.gemv = ok and os.environ.get("QUANTKIT_FP8_GEMV", "1") != "0"
     if prepared.path == "reference" and device.type == "cpu":  # the CPU never dequantizes per call
         prepared.dequantized = _dequantized(prepared)
     return prepared
@@ -135,6 +143,11 @@ def fp8_linear_scaled_mm(x: torch.Tensor, w: FP8LinearWeights) -> torch.Tensor:
 
     shape = x.shape
     qx, sx = quantize_per_token(x.reshape(-1, shape[-1]).contiguous(), w.input_scale)
+    if w.gemv and qx.shape[0] <= GEMV_MAX_M:
+        from quantkit.kernels.gemv import gemv
+
+        y = gemv(qx, w.weight, w.bias, scales=(sx, w.scale), out_dtype=torch.bfloat16)
+        return y.to(x.dtype).reshape(*shape[:-1], w.out_features)
     y = torch._scaled_mm(qx, w.weight.t(), scale_a=sx, scale_b=w.scale, out_dtype=torch.bfloat16)
     if w.bias is not None:
         y = y + w.bias.to(y.dtype)

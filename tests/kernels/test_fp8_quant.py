@@ -50,3 +50,20 @@ def test_bfloat16_on_the_gpu():
     q, s = quantize_per_token(x)
     q_ref, s_ref = quantize_per_token_ref(x)
     assert torch.equal(s, s_ref) and torch.equal(q.float(), q_ref.float())
+
+
+@pytest.mark.parametrize("m", [1, 3, 4])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp8_gemv_equals_the_scaled_product_of_codes(m, bias):
+    from quantkit.kernels.gemv import gemv
+    from quantkit.methods.fp8 import FP8Config, fp8_quantize_weight
+
+    torch.manual_seed(0)
+    rec, _ = fp8_quantize_weight(torch.randn(96, 320) * 0.1, FP8Config())
+    w, ws = rec.weight.to(DEVICE), rec.weight_scale.reshape(1, -1).contiguous().to(DEVICE)
+    qx, sx = quantize_per_token_ref(torch.randn(m, 320, device=DEVICE))
+    b = torch.randn(96, device=DEVICE).to(torch.bfloat16) if bias else None
+    y = gemv(qx, w, b, scales=(sx, ws))
+    want = (qx.float() @ w.float().T) * sx * ws + (b.float() if bias else 0)
+    assert y.dtype == torch.bfloat16
+    assert ((y.float() - want).norm() / want.norm()).item() < 4e-3  # one bfloat16 rounding of the result

@@ -120,7 +120,7 @@ def test_dequantized_runtime_holds_the_same_weights_in_16_bits(fp8_llama):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("m", [1, 8, 32, 2048])
+@pytest.mark.parametrize("m", [1, 4, 8, 32, 2048])  # 1 and 4: the FP8 GEMV; the others: torch._scaled_mm
 @pytest.mark.parametrize("static", [False, True])
 def test_scaled_mm_path_matches_the_emulation(m, static):
     if torch.cuda.get_device_capability() < (8, 9):
@@ -131,7 +131,7 @@ def test_scaled_mm_path_matches_the_emulation(m, static):
     rec, _ = fp8_quantize_weight(w, FP8Config(), bias=torch.randn(4096, device="cuda"), input_scale=input_scale)
     fast = prepare_fp8_linear(rec.weight, rec.weight_scale, "channel", input_scale=input_scale,
                               bias=rec.bias.bfloat16(), device="cuda")
-    assert fast.path == "scaled_mm", fast.reason
+    assert fast.path == "scaled_mm" and fast.gemv, fast.reason
     ref = prepare_fp8_linear(rec.weight, rec.weight_scale, "channel", input_scale=input_scale,
                              bias=rec.bias.bfloat16(), device="cuda", backend="reference")
     x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
