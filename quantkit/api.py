@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-METHOD_NAMES = ("rtn", "gptq", "awq")
+METHOD_NAMES = ("rtn", "gptq", "awq", "fp8")  # fp8: quantkit.fp8_api (scheme unused)
 
 @dataclass(frozen=True)
 class QuantizeReport:
@@ -96,6 +96,10 @@ def build_method(name: str, scheme: QuantScheme, options: dict[str, Any] | None 
         from quantkit.methods.awq_method import AWQMethod
 
         return AWQMethod(scheme, AWQConfig(**options))
+    if name == "fp8":
+        from quantkit.methods.fp8 import FP8Method, fp8_config
+
+        return FP8Method(fp8_config(options))
     raise QuantkitError(f"unknown method {name!r}; choose one of {', '.join(METHOD_NAMES)}")
 
 
@@ -276,6 +280,14 @@ def _quantize(model: str, output: str | Path, *, method: str, scheme: QuantSchem
 
     t_start = time.perf_counter()
     out = check_output(output, overwrite)
+    if method == "fp8":  # its own driver and layout (compressed-tensors); the scheme does not apply
+        from quantkit.fp8_api import quantize_fp8
+        from quantkit.methods.fp8 import fp8_config
+
+        return quantize_fp8(model, out, config=fp8_config(method_options or {}), calib=calib, load=load,
+                            overwrite=overwrite, batch_size=batch_size, on_layer=on_layer,
+                            on_calib_progress=on_calib_progress, quantize_lm_head=quantize_lm_head,
+                            activations=activations, calib_tokens=calib_tokens)
     method_options = dict(method_options or {})
     layout = method_options.pop("format", "gptq")
     if method not in METHOD_NAMES:

@@ -213,8 +213,8 @@ def _check_fp8_tensors(name: str, linear: nn.Linear, records: dict, settings: FP
     has_input = f"{name}.input_scale" in records
     if settings.static_input and not has_input:
         raise QuantkitError(f"{name}.input_scale is missing; the config declares static activation scales")
-    if has_input and records[f"{name}.input_scale"].numel() != 1:
-        raise QuantkitError(f"{name}.input_scale has {records[f'{name}.input_scale'].numel()} values, one expected")
+    if has_input and records[f"{name}.input_scale"].numel != 1:
+        raise QuantkitError(f"{name}.input_scale has {records[f'{name}.input_scale'].numel} values, one expected")
 
 
 def fp8_linears(model: nn.Module, records: dict, settings: FP8Settings) -> list[str]:
@@ -328,3 +328,16 @@ def inspect_fp8(path: str | os.PathLike):
         calibration=ours.get("calibration"),
         layout=f"fp8_e4m3_{settings.strategy}" + ("_static" if settings.static_input else ""),
         settings_source="config.json")
+
+
+def fp8_bits_per_weight(path: Path) -> float:
+    """Stored bits per weight of the FP8 linears: codes and scales over the weights they encode (about 8.004
+    per channel)."""
+    from quantkit.checkpoint_read import index_tensors
+
+    records = index_tensors(path)
+    names = [k[: -len(".weight_scale")] for k in records if k.endswith(".weight_scale")]
+    weights = sum(records[f"{n}.weight"].numel for n in names)
+    stored = sum(records[f"{n}.{leaf}"].numel * records[f"{n}.{leaf}"].dtype.itemsize * 8
+                 for n in names for leaf in FP8_LEAVES if f"{n}.{leaf}" in records)
+    return stored / weights if weights else float("nan")

@@ -72,6 +72,7 @@ def quantize_fp8(
     quantize_lm_head: bool = False,
     quantize_router: bool = False,
     activations: str = "auto",
+    calib_tokens: torch.Tensor | None = None,
 ) -> FP8Report:
     """Quantize ``model`` (folder, hub id or .gguf) to FP8 e4m3 and write a compressed-tensors checkpoint.
 
@@ -79,6 +80,7 @@ def quantize_fp8(
     ``config.activations="static"``: one scale per linear from ``calib`` windows (default: the GPTQ-sized
     ``default_calibration``). lm_head and routers stay 16-bit unless ``quantize_lm_head`` / ``quantize_router``.
     ``on_layer`` gets a :class:`quantkit.walker.LayerEvent` per decoder layer (else progress is logged).
+    ``calib_tokens`` ``[nsamples, seqlen]`` replaces drawing windows from ``calib`` (a batch computes them once).
     """
     from quantkit.api import calibration_tokens, check_output, check_text_source, default_calibration
     from quantkit.checkpoint_fp8 import open_fp8_writer, save_fp8
@@ -97,12 +99,15 @@ def quantize_fp8(
         calib = calib or default_calibration("gptq", device=device)
         check_text_source(calib.source, NAMED_SOURCES, "--calib")
     logged = LogProgress()
-    plan = plan_loading(model, load, self_calibration=method.needs_calibration and calib.source == "self")
+    plan = plan_loading(model, load, self_calibration=method.needs_calibration and calib_tokens is None
+                        and calib.source == "self")
     log.info("loading: %s", plan.reason)
     loaded, source = open_model(model, load, plan)
     t_loaded = time.perf_counter()
-    token_ids = calibration_tokens(calib, loaded, on_calib_progress or logged.on_calibration) \
-        if method.needs_calibration else None
+    token_ids = None
+    if method.needs_calibration:
+        token_ids = calib_tokens if calib_tokens is not None else \
+            calibration_tokens(calib, loaded, on_calib_progress or logged.on_calibration)
     t_calib = time.perf_counter()
     writer = None
     if source is not None:  # streamed: each decoder layer is written as soon as it is quantized

@@ -103,17 +103,21 @@ def test_config_validates_with_the_compressed_tensors_package(tiny_llama_dir, tm
     assert args.input_activations.dynamic is True and parsed.format == "float-quantized"
 
 
-@pytest.mark.parametrize("weights", ["channel", "block"])
-def test_reload_gives_the_in_memory_models_logits(tiny_llama_dir, tmp_path, weights):
+@pytest.mark.parametrize("weights,static", [("channel", False), ("block", False), ("tensor", True)])
+def test_reload_gives_the_in_memory_models_logits(tiny_llama_dir, tiny_text_file, tmp_path, weights, static):
+    from quantkit.config import CalibConfig
+    from quantkit.methods.fp8 import FP8Method
     from quantkit.models import load_model
     from quantkit.walker import walk
 
-    config = FP8Config(weights=weights, block=(32, 32))
-    quantize_fp8(str(tiny_llama_dir), tmp_path / "out", config=config, load=CPU)
+    config = FP8Config(weights=weights, block=(32, 32), activations="static" if static else "dynamic")
+    calib = CalibConfig(str(tiny_text_file), nsamples=4, seqlen=32)
+    tokens = torch.randint(0, 250, (4, 32), generator=torch.Generator().manual_seed(3)) if static else None
+    quantize_fp8(str(tiny_llama_dir), tmp_path / "out", config=config, calib=calib, load=CPU, calib_tokens=tokens)
     loaded = load_model(str(tiny_llama_dir), CPU)
-    from quantkit.methods.fp8 import FP8Method
-
-    result = walk(loaded.model, FP8Method(config), device="cpu")
+    result = walk(loaded.model, FP8Method(config), device="cpu", token_ids=tokens)
+    if static:
+        assert all(w.input_scale is not None for w in result.weights.values())
     in_memory = install_fp8_linears(loaded.model, result.weights)
     for param in in_memory.parameters():  # the 16-bit tensors as the checkpoint stores them (bfloat16)
         param.data = param.data.bfloat16().float()

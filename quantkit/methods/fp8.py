@@ -54,6 +54,18 @@ class FP8Config:
         return self.activations == "static"
 
 
+def fp8_config(options: dict) -> FP8Config:
+    """An :class:`FP8Config` from option names (``weights``, ``activations``, ``block``), as recipes and the API
+    pass them; an unknown name is refused."""
+    unknown = sorted(set(options) - {f.name for f in dataclasses.fields(FP8Config)})
+    if unknown:
+        raise QuantkitError(f"fp8 takes weights, activations and block, not {', '.join(unknown)}")
+    options = dict(options)
+    if "block" in options:
+        options["block"] = tuple(options["block"])
+    return FP8Config(**options)
+
+
 @dataclass(frozen=True)
 class FP8Weight:
     """One FP8 linear: ``weight`` float8_e4m3fn ``[out, in]``; ``weight_scale`` float32 ``[out, 1]``
