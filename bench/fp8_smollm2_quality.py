@@ -60,7 +60,8 @@ def main() -> None:
             kl_tokens.append((pb.exp() * (pb - pq)).sum(-1))
             cnt = (w + 1) * (args.seqlen - 1)
             print(f"window {w + 1}/{n}: ppl base {math.exp(nll['base'] / cnt):.4f} fp8 {math.exp(nll['fp8'] / cnt):.4f}"
-                  f" KL {torch.cat(kl_tokens).mean().item():.5f} ({time.time() - started:.0f} s)", file=sys.stderr, flush=True)
+                  f" KL {torch.cat(kl_tokens).mean().item():.5f} ({time.time() - started:.0f} s)",
+                  file=sys.stderr, flush=True)
     cnt = n * (args.seqlen - 1)
     kl = torch.cat(kl_tokens)
     ppl_base, ppl_fp8 = math.exp(nll["base"] / cnt), math.exp(nll["fp8"] / cnt)

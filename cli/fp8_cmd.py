@@ -44,7 +44,8 @@ def _summary(con, report) -> None:
     table.add_row("quantized linears", str(report.n_quantized))
     table.add_row("kept 16-bit", ", ".join(report.ignored) or "-")
     table.add_row("time", f"{report.seconds_total:.1f} s (load {report.seconds_load:.1f}, calibration "
-                  f"{report.seconds_calibration:.1f}, layers {report.seconds_quantize:.1f}, save {report.seconds_save:.1f})")
+                  f"{report.seconds_calibration:.1f}, layers {report.seconds_quantize:.1f}, "
+                  f"save {report.seconds_save:.1f})")
     table.add_row("loading", "streamed from disk, layer by layer" if report.streamed else "whole model in memory")
     table.add_row("peak host memory", human_bytes(report.peak_host_memory_bytes))
     table.add_row("vLLM / SGLang", "compressed-tensors CompressedTensorsW8A8Fp8 (compute capability 8.9+)")

@@ -118,7 +118,8 @@ def save_fp8(model: nn.Module, weights: dict[str, FP8Weight], output: str | os.P
         m = modules.get(name)
         if m is None or (getattr(m, "in_features", None), getattr(m, "out_features", None)) != (w.in_features,
                                                                                                w.out_features):
-            raise QuantkitError(f"FP8 weight {name!r} [{w.out_features}, {w.in_features}] matches no linear of the model")
+            raise QuantkitError(f"FP8 weight {name!r} [{w.out_features}, {w.in_features}] matches no linear "
+                                "of the model")
     writer = writer or open_fp8_writer(model, output, config, overwrite=overwrite, max_shard_bytes=max_shard_bytes)
     with writer:
         state, _ = build_state_dict(model, weights, writer.dtype)
@@ -175,7 +176,8 @@ def read_fp8_settings(qc: dict, where: str) -> FP8Settings:
     if fmt not in FLOAT_FORMATS:
         raise QuantkitError(f"{where}: compressed-tensors format {fmt!r}; quantkit reads float-quantized (FP8) only")
     w, a = group.get("weights") or {}, group.get("input_activations")
-    if (w.get("num_bits"), w.get("type"), w.get("symmetric", True), w.get("dynamic", False)) != (8, "float", True, False):
+    declared = (w.get("num_bits"), w.get("type"), w.get("symmetric", True), w.get("dynamic", False))
+    if declared != (8, "float", True, False):
         raise QuantkitError(f"{where}: weights {w}; quantkit reads static symmetric 8-bit float weights")
     strategy = w.get("strategy")
     if strategy not in ("channel", "tensor", "block"):

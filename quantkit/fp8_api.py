@@ -163,9 +163,9 @@ def install_fp8_linears(model: torch.nn.Module, weights: dict) -> torch.nn.Modul
         module = FP8Linear(w.in_features, w.out_features, w.strategy, block=w.block,
                            static_input=w.input_scale is not None, bias=w.bias is not None,
                            device=old.weight.device, dtype=old.weight.dtype)
-        module._buffers.update(weight=w.weight.to(old.weight.device),
-                               weight_scale=w.weight_scale.float().to(old.weight.device),
-                               input_scale=None if w.input_scale is None else w.input_scale.float().to(old.weight.device))
+        device = old.weight.device
+        module._buffers.update(weight=w.weight.to(device), weight_scale=w.weight_scale.float().to(device),
+                               input_scale=None if w.input_scale is None else w.input_scale.float().to(device))
         if w.bias is not None:
             module.bias.data.copy_(w.bias)
         parent, _, child = name.rpartition(".")

@@ -161,3 +161,39 @@ def test_fp8_linear_captures_in_a_cuda_graph():
     x.copy_(torch.randn_like(x))
     graph.replay()
     assert torch.equal(out, fp8_linear(x, w)) and not torch.equal(out, eager)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fp8_model_on_the_kernels_backend_with_graphs_and_fp8_prefill():
+    """A Llama-shaped FP8 model (head dim 128) on the kernels backend: logits against the transformers FP8 model,
+    greedy decode under CUDA graphs against the prefill path, and a 2048-token prefill whose attention may run in
+    FP8 (fp8="auto") against the same prefill in 16 bits."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 tensor cores need compute capability 8.9+")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from quantkit.runtime import bench
+    from quantkit.runtime.engine import Engine
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=1024, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
+    with torch.device("cuda"):
+        hf = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    bench.quantize_fp8_in_place(hf)
+    runtime = bench.runtime_from_hf(hf, None, max_positions=4096)
+    assert runtime.prefill_fp8 == "auto" and runtime.weights.layers[0].qkv.fp8.path == "scaled_mm"
+    ids = torch.randint(0, 1024, (1, 64), device="cuda")
+    with torch.inference_mode():
+        ref = hf(ids).logits.float()
+    got = runtime.forward_logits(ids)
+    assert ((got - ref).norm() / ref.norm()).item() < 3e-2
+    engine = Engine(runtime, None, max_batch=2, max_seq_len=256, cuda_graphs=True, graph_buckets=(1, 2))
+    agreement = bench.greedy_agreement(engine)
+    assert agreement["first_mismatch"] is None or agreement["gap_at_mismatch"] < 0.05, agreement
+    long = torch.randint(0, 1024, (1, 2048), device="cuda")
+    fp8_logits = runtime.forward_logits(long)
+    runtime.prefill_fp8 = False
+    bf16_logits = runtime.forward_logits(long)
+    assert ((fp8_logits - bf16_logits).norm() / bf16_logits.norm()).item() < 5e-2
