@@ -15,8 +15,8 @@ import triton.language as tl
 
 from quantkit.kernels.device_info import interpreting
 
-FP8_MAX = 448.0
-_TINY = 1.1754943508222875e-38  # float32's smallest normal: the scale of an all-zero row
+FP8_MAX = tl.constexpr(448.0)
+_TINY = tl.constexpr(1.1754943508222875e-38)  # float32's smallest normal: the scale of an all-zero row
 
 
 @triton.jit

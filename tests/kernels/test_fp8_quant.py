@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -67,3 +69,33 @@ def test_fp8_gemv_equals_the_scaled_product_of_codes(m, bias):
     want = (qx.float() @ w.float().T) * sx * ws + (b.float() if bias else 0)
     assert y.dtype == torch.bfloat16
     assert ((y.float() - want).norm() / want.norm()).item() < 4e-3  # one bfloat16 rounding of the result
+
+
+_COMPILE = r"""
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from quantkit.kernels.fp8_quant import _quant_row_kernel
+
+static, block_k, warps, out = json.loads(sys.argv[1])
+signature = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "static_ptr": "*fp32", "K": "i32",
+             "stride_xm": "i32", "stride_qm": "i32"}
+constexprs = dict(STATIC=static, BLOCK_K=block_k)
+signature |= {k: "constexpr" for k in constexprs}
+src = ASTSource(fn=_quant_row_kernel, signature=signature, constexprs=constexprs)
+kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+open(out + ".ptx", "w").write(kernel.asm["ptx"])
+open(out + ".cubin", "wb").write(kernel.asm["cubin"])
+"""
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_kernel_compiles_for_sm90_with_hardware_e4m3_conversion(sm90, tmp_path, static):
+    """The launcher's kernel builds for Hopper (globals as constexpr, the fp8 store) and converts with the
+    saturating round-to-nearest instruction (``cvt.rn.satfinite.e4m3x2.f32``), as torch's cast rounds."""
+    out = str(tmp_path / "quant")
+    sm90.compile(_COMPILE, json.dumps([static, 2048, 8, out]))
+    ptx = open(out + ".ptx").read()
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
+    assert "0 bytes spill stores" in sm90.ptxas_notices(out + ".ptx")
