@@ -21,6 +21,7 @@ from quantkit.cli import (
     batch_cmd,
     bench_cmd,
     eval_cmds,
+    fp8_cmd,
     generate_cmd,
     inspect_cmd,
     quantize_cmds,
@@ -61,6 +62,7 @@ def _root(
 
 
 quantize_cmds.register(app)
+fp8_cmd.register(app)
 inspect_cmd.register(app)
 serve_cmd.register(app)
 verify_cmd.register(app)

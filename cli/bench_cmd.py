@@ -23,7 +23,7 @@ def register(app: typer.Typer) -> None:
                                                 help="Also time transformers generate on the same weights.")] = True,
         out: Annotated[Path | None, typer.Option("--out", help="JSON path (a PNG plot is written beside it).")] = None,
     ) -> None:
-        """int4 against bf16 in one run: decode tok/s by batch, prefill tok/s, peak memory, copy bandwidth."""
+        """int4 and fp8 against bf16 in one run (a checkpoint: itself against its bf16 dequantization): decode tok/s by batch, prefill tok/s, peak memory, copy bandwidth."""
         from quantkit.config import QuantkitError
         from quantkit.tools import bench_run
 

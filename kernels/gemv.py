@@ -76,19 +76,22 @@ def _row_tile_dot(acc, w, x_ptr, k0, ks, K, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _store_row(acc, y_ptr, b_ptr, rows, N, HAS_BIAS: tl.constexpr):
+def _store_row(acc, y_ptr, b_ptr, rows, N, HAS_BIAS: tl.constexpr, xs_ptr, ws_ptr, SCALED: tl.constexpr):
     y = tl.sum(acc, axis=1)
+    if SCALED:  # FP8: codes were multiplied; the row's activation scale and each output channel's weight scale
+        y = y * tl.load(xs_ptr) * tl.load(ws_ptr + rows, mask=rows < N, other=0.0)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
     tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rows < N)
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_ym,
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_ym, xs_ptr, ws_ptr,
                  M: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 EVEN_K: tl.constexpr, PDL: tl.constexpr):
+                 EVEN_K: tl.constexpr, PDL: tl.constexpr, SCALED: tl.constexpr):
     """``y[m, rows] = x[m] . W[rows]`` for m < M (1..4) and this program's BLOCK_N rows, over all of K. PDL: load the
-    first weight tile, let the next kernel launch, then wait for the previous one (which may write ``x``)."""
+    first weight tile, let the next kernel launch, then wait for the previous one (which may write ``x``).
+    SCALED (FP8 e4m3 ``x`` and ``W``): the dot products of the codes times ``xs[m] * ws[rows]``."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     # rows past N read row N - 1 (never stored): the loop's loads need no row mask
     w_rows = w_ptr + tl.minimum(rows, N - 1).to(tl.int64)[:, None] * stride_wn
@@ -124,16 +127,17 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_
             acc2 = _row_tile_dot(acc2, w, x_ptr + 2 * stride_xm, k0, ks, K, EVEN_K)
         if M > 3:
             acc3 = _row_tile_dot(acc3, w, x_ptr + 3 * stride_xm, k0, ks, K, EVEN_K)
-    _store_row(acc0, y_ptr, b_ptr, rows, N, HAS_BIAS)
+    _store_row(acc0, y_ptr, b_ptr, rows, N, HAS_BIAS, xs_ptr + 0, ws_ptr, SCALED)
     if M > 1:
-        _store_row(acc1, y_ptr + stride_ym, b_ptr, rows, N, HAS_BIAS)
+        _store_row(acc1, y_ptr + stride_ym, b_ptr, rows, N, HAS_BIAS, xs_ptr + 1, ws_ptr, SCALED)
     if M > 2:
-        _store_row(acc2, y_ptr + 2 * stride_ym, b_ptr, rows, N, HAS_BIAS)
+        _store_row(acc2, y_ptr + 2 * stride_ym, b_ptr, rows, N, HAS_BIAS, xs_ptr + 2, ws_ptr, SCALED)
     if M > 3:
-        _store_row(acc3, y_ptr + 3 * stride_ym, b_ptr, rows, N, HAS_BIAS)
+        _store_row(acc3, y_ptr + 3 * stride_ym, b_ptr, rows, N, HAS_BIAS, xs_ptr + 3, ws_ptr, SCALED)
 
 
-def gemv_supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[bool, str]:
+def gemv_supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[bool, str]:
     """Whether :func:`gemv` runs ``x [M, K] @ weight[N, K]^T (+ bias)``: ``(ok, reason it does not)``."""
     if x.dim() != 2 or weight.dim() != 2:
         return False, f"x and weight must be 2-D, got {tuple(x.shape)} and {tuple(weight.shape)}"
@@ -143,6 +147,13 @@ def gemv_supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if not 1 <= m <= MAX_M:
         return False, f"the GEMV takes 1..{MAX_M} rows, got {m}"
     dtypes = (torch.float16, torch.bfloat16, torch.float32)
+    if scales is not None:  # FP8: e4m3 codes, float32 scales [M, 1] (x) and [1, N] or [N] (weight)
+        dtypes = (torch.float8_e4m3fn,)
+        xs, ws = scales
+        if xs.dtype != torch.float32 or ws.dtype != torch.float32 or xs.numel() != m or ws.numel() != weight.shape[0]:
+            return False, f"FP8 scales must be float32 with {m} and {weight.shape[0]} values"
+        if not (xs.is_contiguous() and ws.is_contiguous()):
+            return False, "FP8 scales must be contiguous"
     if x.dtype not in dtypes or weight.dtype != x.dtype:
         return False, f"x and weight must share a dtype among {dtypes}, got {x.dtype} and {weight.dtype}"
     if weight.stride(1) != 1 or x.stride(1) != 1:
@@ -157,21 +168,28 @@ def gemv_supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         config: DenseGemvConfig | None = None) -> torch.Tensor:
+         config: DenseGemvConfig | None = None, *, scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+         out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``x [M, K] @ weight[N, K]^T (+ bias)`` -> ``[M, N]`` in x's dtype, float32 accumulation; M = 1..4.
-    ``config`` None: the tuned or default one. Raises ValueError where :func:`gemv_supports` says no."""
-    ok, reason = gemv_supports(x, weight, bias)
+    ``config`` None: the tuned or default one. Raises ValueError where :func:`gemv_supports` says no.
+    ``scales=(xs [M, 1], ws [N])`` (float32): ``x`` and ``weight`` are FP8 e4m3 codes and the result is
+    ``(x_codes @ w_codes^T) * xs * ws^T (+ bias)`` in ``out_dtype`` (default bfloat16): half the weight bytes."""
+    ok, reason = gemv_supports(x, weight, bias, scales)
     if not ok:
         raise ValueError(reason)
     m, k = x.shape
     n = weight.shape[0]
     cfg = config or _gemv_config(m, n, k)
-    y = torch.empty((m, n), device=x.device, dtype=x.dtype)
+    if scales is not None and config is None:  # 1-byte weights: 16-byte vectors hold twice the columns
+        cfg = DenseGemvConfig(cfg.block_n, min(2 * cfg.block_k, max(triton.next_power_of_2(k), 16)), cfg.num_warps)
+    y = torch.empty((m, n), device=x.device, dtype=out_dtype or (torch.bfloat16 if scales is not None else x.dtype))
+    xs, ws = scales if scales is not None else (y, y)  # placeholders, never read unless SCALED
     pdl = programmatic_launch(x.device)
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
-        x, weight, weight if bias is None else bias, y, n, k, x.stride(0), weight.stride(0), y.stride(0),
+        x, weight, weight if bias is None else bias, y, n, k, x.stride(0), weight.stride(0), y.stride(0), xs, ws,
         M=m, HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0,
-        PDL=pdl, num_warps=cfg.num_warps, num_stages=1, **({"launch_pdl": True} if pdl else {}))
+        PDL=pdl, SCALED=scales is not None, num_warps=cfg.num_warps, num_stages=1,
+        **({"launch_pdl": True} if pdl else {}))
     return y
 
 

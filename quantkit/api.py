@@ -36,6 +36,7 @@ from quantkit.distributed.launch import setup as setup_ranks
 from quantkit.distributed.launch import teardown as teardown_ranks
 from quantkit.methods.registry import METHOD_NAMES, build_method  # noqa: F401  (re-exported)
 from quantkit.models.load import load_any  # noqa: F401  (re-exported)
+from quantkit.preflight import check_output, check_text_source  # noqa: F401  (re-exported)
 
 if TYPE_CHECKING:
     from quantkit.models.load import LoadedModel
@@ -90,17 +91,6 @@ def _expert_tokens(layer_stats: list[dict[str, Any]]) -> dict[str, Any]:
     return expert_tokens(layer_stats)
 
 
-def check_output(output: str | Path, overwrite: bool) -> Path:
-    """Refuse an existing output folder before any long work starts."""
-    out = Path(output).expanduser()
-    if out.exists() and not out.is_dir():
-        raise QuantkitError(f"output {out} is an existing file, not a folder; choose another --output "
-                            "(--overwrite replaces only a folder)")
-    if out.exists() and not overwrite:
-        raise QuantkitError(f"output folder {out} already exists; choose another --output or pass --overwrite")
-    return out
-
-
 def partial_group_layers(model: torch.nn.Module, scheme: QuantScheme) -> list[str]:
     """Decoder linears whose input size the group size does not divide (a partial last group)."""
     from quantkit.arch import find_decoder_layers, find_linears
@@ -152,21 +142,6 @@ def resolve_scheme(scheme: QuantScheme | AutoScheme | None, method: str, loaded:
     log.info("group size %d: the largest of %s dividing every quantized input size (%s); --group-size sets "
              "another", resolved.group_size, "/".join(map(str, AUTO_GROUP_SIZES)), ", ".join(map(str, sizes)))
     return resolved
-
-
-def check_text_source(source: str, named: Any, option: str) -> None:
-    """Before any model is loaded: a local file must exist and hold text; a named hub source needs the hub
-    (reachable, or offline mode set with a cached copy, which ``datasets`` checks when it loads)."""
-    from quantkit.calib_data.text import check_local_text, env_offline, hub_reachable, local_file_hint
-
-    if source == "self":
-        return
-    if source in named:
-        if not env_offline() and not hub_reachable():
-            raise QuantkitError(f"{option} {source} is on the Hugging Face hub, which cannot be reached from here; "
-                                f"{local_file_hint(option)}")
-        return
-    check_local_text(source, option)
 
 
 def serving_kernels(scheme: QuantScheme, weights: dict, partial: list[str], layout: str) -> dict[str, str]:
@@ -239,6 +214,14 @@ def _quantize(model: str, output: str | Path, *, method: str, scheme: QuantSchem
 
     t_start = time.perf_counter()
     out = check_output(output, overwrite)
+    if method == "fp8":  # its own driver and layout (compressed-tensors); the scheme does not apply
+        from quantkit.fp8_api import quantize_fp8
+        from quantkit.methods.fp8 import fp8_config
+
+        return quantize_fp8(model, out, config=fp8_config(method_options or {}), calib=calib, load=load,
+                            overwrite=overwrite, batch_size=batch_size, on_layer=on_layer,
+                            on_calib_progress=on_calib_progress, quantize_lm_head=quantize_lm_head,
+                            activations=activations, calib_tokens=calib_tokens)
     method_options = dict(method_options or {})
     layout = method_options.pop("format", "gptq")
     if method not in METHOD_NAMES:

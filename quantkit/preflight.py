@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from quantkit.errors import QuantkitError
 
@@ -125,7 +126,7 @@ def check_scheme(bits: int, group_size: int | None, sym: bool | None) -> None:
 def check_quantize(model: str, *, bits: int, group_size: int | None, sym: bool | None,
                    seqlen: int | None, calib_source: str | None, check_hub: bool = True) -> None:
     """Everything about a quantize run that needs no weights, cheapest first (the output folder is
-    ``api.check_output``'s; the calibration file ``api.check_text_source``'s)."""
+    ``check_output``'s; the calibration file ``check_text_source``'s)."""
     check_scheme(bits, group_size, sym)
     check_model_spec(model, check_hub=check_hub)
     if calib_source is not None and calib_source != "self":
@@ -136,3 +137,29 @@ def check_quantize(model: str, *, bits: int, group_size: int | None, sym: bool |
 
             check_local_text(calib_source, "--calib")
     check_seqlen(model, seqlen)
+
+
+def check_output(output: str | Path, overwrite: bool) -> Path:
+    """Refuse an existing output folder before any long work starts."""
+    out = Path(output).expanduser()
+    if out.exists() and not out.is_dir():
+        raise QuantkitError(f"output {out} is an existing file, not a folder; choose another --output "
+                            "(--overwrite replaces only a folder)")
+    if out.exists() and not overwrite:
+        raise QuantkitError(f"output folder {out} already exists; choose another --output or pass --overwrite")
+    return out
+
+
+def check_text_source(source: str, named: Any, option: str) -> None:
+    """Before any model is loaded: a local file must exist and hold text; a named hub source needs the hub
+    (reachable, or offline mode set with a cached copy, which ``datasets`` checks when it loads)."""
+    from quantkit.calib_data.text import check_local_text, env_offline, hub_reachable, local_file_hint
+
+    if source == "self":
+        return
+    if source in named:
+        if not env_offline() and not hub_reachable():
+            raise QuantkitError(f"{option} {source} is on the Hugging Face hub, which cannot be reached from here; "
+                                f"{local_file_hint(option)}")
+        return
+    check_local_text(source, option)

@@ -178,3 +178,28 @@ def fake_quantize(
 ) -> torch.Tensor:
     """Quantize then dequantize (float32, same shape as ``w``)."""
     return dequantize(quantize(w, scales, zeros, g_idx, bits), scales, zeros, g_idx)
+
+
+# -- FP8 (E4M3) -------------------------------------------------------------------------------------
+# ``float8_e4m3fn``: 4 exponent bits (bias 7), 3 mantissa bits, no infinities, largest finite 448,
+# smallest subnormal 2**-9. A value is stored as ``q = e4m3(x / scale)`` and read as ``q * scale``;
+# symmetric, no zero point. Rounding is to nearest, ties to even (the cast torch and the GPUs do);
+# values beyond +-448 saturate to +-448 instead of becoming NaN.
+
+FP8_E4M3_MAX = 448.0
+
+
+def fp8_scale(amax: torch.Tensor) -> torch.Tensor:
+    """Float32 scale mapping ``amax`` (any shape) onto e4m3's largest value; an all-zero range gets a
+    tiny positive scale, so every scale is finite and positive."""
+    return (amax.float() / FP8_E4M3_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+
+
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``float8_e4m3fn`` codes of ``x / scale`` (``scale`` broadcast against ``x``), saturating at +-448."""
+    return (x.float() / scale.float()).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Float32 values ``q * scale`` of e4m3 codes ``q`` (``scale`` broadcast against ``q``)."""
+    return q.float() * scale.float()

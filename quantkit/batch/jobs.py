@@ -73,6 +73,8 @@ class Job:
 
     @property
     def needs_calibration(self) -> bool:
+        if self.method == "fp8":  # only static activation scales are calibrated
+            return self.method_options.get("activations", "dynamic") == "static"
         return self.method != "rtn"
 
     def settings(self) -> dict[str, Any]:

@@ -88,13 +88,14 @@ class _Problems:
 def method_options() -> dict[str, dict[str, Any]]:
     """Option names (and defaults) each method takes, from its config record; ``format`` for all."""
     from quantkit.methods.awq import AWQConfig
+    from quantkit.methods.fp8 import FP8Config
     from quantkit.methods.gptq import GPTQConfig
 
     def fields(cls) -> dict[str, Any]:
         return {f.name: f.default for f in dataclasses.fields(cls)}
 
     return {"rtn": {"format": "gptq"}, "gptq": {**fields(GPTQConfig), "format": "gptq"},
-            "awq": {**fields(AWQConfig), "format": "gptq"}}
+            "awq": {**fields(AWQConfig), "format": "gptq"}, "fp8": fields(FP8Config)}
 
 
 def load_recipe(path: str | Path, *, output: str | Path | None = None) -> BatchPlan:

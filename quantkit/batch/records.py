@@ -121,8 +121,11 @@ def folder_bytes(folder: Path) -> int:
 def quantized_bits_per_weight(checkpoint: Path) -> float:
     """Stored bits per weight of the packed linears: packed values, scales, zero points and g_idx over
     the number of weights they encode (4-bit, asym, g128 with fp16 scales: about 4.16)."""
+    from quantkit.checkpoint.fp8 import fp8_bits_per_weight, is_fp8_checkpoint
     from quantkit.checkpoint.read import index_tensors, packed_modules, read_config
 
+    if is_fp8_checkpoint(checkpoint):
+        return fp8_bits_per_weight(index_tensors(Path(checkpoint)))
     records = index_tensors(Path(checkpoint))
     _, settings = read_config(Path(checkpoint))
     stored_bits = weights = 0

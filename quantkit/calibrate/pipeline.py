@@ -34,6 +34,8 @@ from quantkit.qtensor import QuantizedWeight
 
 def weight_to_host(qw: QuantizedWeight) -> QuantizedWeight:
     """``qw`` with every tensor in host memory (itself when they already are)."""
+    if not isinstance(qw, QuantizedWeight):  # a record that moves itself (quantkit.methods.fp8.FP8Weight)
+        return qw.to("cpu")
     tensors = {f: getattr(qw, f) for f in ("qweight", "qzeros", "scales", "g_idx", "bias")}
     if all(t is None or t.device.type == "cpu" for t in tensors.values()):
         return qw

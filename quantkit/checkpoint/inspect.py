@@ -67,6 +67,10 @@ def inspect_checkpoint(path: str | os.PathLike) -> CheckpointInfo:
     reports is what the loader will load.
     """
     path = Path(path)
+    from quantkit.checkpoint.fp8 import is_fp8_checkpoint
+
+    if is_fp8_checkpoint(path):  # compressed-tensors FP8: described by its own layout module
+        return _inspect_fp8(path)
     config, settings = read_config(path)
     records = index_tensors(path)
     quantized, partial = [], []
@@ -116,3 +120,42 @@ def inspect_checkpoint(path: str | os.PathLike) -> CheckpointInfo:
         settings_source=settings.source,
         moe=moe_summary(config, settings.group_size, names),
     )
+
+
+def _inspect_fp8(path: Path) -> CheckpointInfo:
+    """A :class:`CheckpointInfo` for an FP8 checkpoint (compressed-tensors, :mod:`quantkit.checkpoint.fp8`), from its config and headers:
+    ``bits`` 8, ``group_size`` -1 (channel), 0 (tensor) or the block's column count, ``layout`` ``fp8_e4m3_<strategy>``
+    (``_static`` when activations have calibrated scales)."""
+    import torch
+
+    from quantkit.checkpoint.format import CONFIG_NAME
+    from quantkit.checkpoint.fp8 import FP8_LEAVES, QUANT_METHOD, read_fp8_settings
+    from quantkit.checkpoint.read import index_tensors, weight_files
+    from quantkit.checkpoint.settings import read_json_object
+
+    config = read_json_object(path / CONFIG_NAME)
+    settings = read_fp8_settings(config.get("quantization_config") or {}, str(path / CONFIG_NAME))
+    records = index_tensors(path)
+    names = [k[: -len(".weight_scale")] for k in records if k.endswith(".weight_scale")]
+    if not names:
+        raise QuantkitError(f"{path} declares FP8 weights but holds no weight_scale tensor")
+    quantized = tuple((n, records[f"{n}.weight"].shape[1], records[f"{n}.weight"].shape[0], 1) for n in names)
+    fp8_keys = {f"{n}.{leaf}" for n in names for leaf in FP8_LEAVES}
+    equivalent = sum(2 * r.numel for r in records.values())  # every tensor at two bytes a value
+    equivalent -= sum(2 * records[k].numel for k in fp8_keys if k in records and not k.endswith(".weight"))
+    ours = settings.raw.get("quantkit") or {}
+    group_size = {"channel": -1, "tensor": 0}.get(settings.strategy, (settings.block or (0, 0))[1])
+    unquantized = [k[: -len(".weight")] for k, r in records.items()
+                   if k.endswith(".weight") and len(r.shape) == 2 and r.dtype in (torch.float16, torch.bfloat16,
+                                                                                  torch.float32)]
+    files = weight_files(path)
+    return CheckpointInfo(
+        path=str(path), quant_method=QUANT_METHOD, method=ours.get("method"),
+        producer=("llm-compressor",) if (path / "recipe.yaml").is_file() else (), bits=8, group_size=group_size,
+        sym=True, desc_act=False, checkpoint_format=str(settings.raw.get("format")), quantized=quantized,
+        partial_group_layers=(), unquantized_modules=tuple(unquantized),
+        tied_embeddings=bool(config.get("tie_word_embeddings", False)), n_files=len(files),
+        size_on_disk_bytes=sum(f.stat().st_size for f in files), equivalent_16bit_bytes=equivalent,
+        calibration=ours.get("calibration"),
+        layout=f"fp8_e4m3_{settings.strategy}" + ("_static" if settings.static_input else ""),
+        settings_source="config.json")

@@ -9,7 +9,7 @@ from quantkit.calibrate.walker import Method
 from quantkit.config import QuantkitError, QuantScheme
 from quantkit.defaults import default_options
 
-METHOD_NAMES = ("rtn", "gptq", "awq")
+METHOD_NAMES = ("rtn", "gptq", "awq", "fp8")  # fp8: quantkit.fp8_api drives it (the scheme is unused)
 
 
 def build_method(name: str, scheme: QuantScheme, options: dict[str, Any] | None = None) -> Method:
@@ -31,4 +31,8 @@ def build_method(name: str, scheme: QuantScheme, options: dict[str, Any] | None 
         from quantkit.methods.awq_method import AWQMethod
 
         return AWQMethod(scheme, AWQConfig(**options))
+    if name == "fp8":
+        from quantkit.methods.fp8 import FP8Method, fp8_config
+
+        return FP8Method(fp8_config(options))
     raise QuantkitError(f"unknown method {name!r}; choose one of {', '.join(METHOD_NAMES)}")

@@ -249,6 +249,8 @@ def _libc():
 def weight_shell(qw: QuantizedWeight) -> QuantizedWeight:
     """``qw`` without its data: what the checkpoint's config needs (sizes, scheme, act-order from g_idx)."""
     meta = torch.device("meta")
+    if not isinstance(qw, QuantizedWeight):  # FP8Weight: the config needs no tensor data
+        return qw.to(meta)
     return replace(qw, qweight=qw.qweight.to(meta), qzeros=qw.qzeros.to(meta), scales=qw.scales.to(meta),
                    g_idx=qw.g_idx.to("cpu", copy=True), bias=None if qw.bias is None else qw.bias.to(meta))
 

@@ -102,7 +102,13 @@ def _read_folder(path: Path):
     except json.JSONDecodeError as exc:
         raise QuantkitError(f"{config_file} is not valid JSON ({exc})") from exc
     hf_config(config)  # an unsupported architecture fails here, before any tensor is read
-    if is_quantized_checkpoint(path):
+    from quantkit.checkpoint.fp8 import is_fp8_checkpoint, read_fp8_settings
+
+    if is_fp8_checkpoint(path):  # compressed-tensors FP8: settings checked, tensors read as stored
+        read_fp8_settings(config.get("quantization_config") or {}, str(config_file))
+        quant = None
+        source, names = _folder_source(path)
+    elif is_quantized_checkpoint(path):
         quant, source, names = _checkpoint_source(path)
     else:
         quant = None
@@ -157,6 +163,7 @@ def load_runtime_model(
         dev,
         packed_kernel=chosen == "kernels" and not dequantize,
         on_layer=lambda i: log.debug("loaded layer %d", i),
+        fp8="dequantize" if dequantize else ("auto" if chosen == "kernels" else "reference"),
     )
     positions = max_positions or min(spec.max_position_embeddings, DEFAULT_MAX_POSITIONS)
     runtime = RuntimeModel(

@@ -60,9 +60,11 @@ class _Reference:
     act_mul = staticmethod(ops.act_mul_ref)
 
     @staticmethod
-    def prefill_attention(q, k, v, cu_seqlens, max_len, scale, window_left, softcap, cu_k=None, max_k=None):
+    def prefill_attention(q, k, v, cu_seqlens, max_len, scale, window_left, softcap, cu_k=None, max_k=None, fp8=False,
+                          kv_aligned=None):
         """Causal attention of packed query rows; keys ``cu_k`` (default: the queries' own) end where the
-        queries end (a chunk attends to the prompt before it)."""
+        queries end (a chunk attends to the prompt before it). ``fp8``: the kernels backend's choice; the reference
+        stays 16-bit (kernels/attention_fp8.py has FP8's reference)."""
         from quantkit.kernels.attention import attention_ref
 
         return attention_ref(
@@ -92,7 +94,8 @@ class _Kernels:
         self.act_mul = fused_kernels.act_mul
 
     @staticmethod
-    def prefill_attention(q, k, v, cu_seqlens, max_len, scale, window_left, softcap, cu_k=None, max_k=None):
+    def prefill_attention(q, k, v, cu_seqlens, max_len, scale, window_left, softcap, cu_k=None, max_k=None, fp8=False,
+                          kv_aligned=None):
         from quantkit.kernels.attention import attention_varlen
 
         return attention_varlen(
@@ -107,6 +110,8 @@ class _Kernels:
             window_left=window_left,
             softcap=softcap,
             max_seqlen_k=max_k,
+            fp8=fp8,
+            kv_aligned=kv_aligned,
         )
 
     @staticmethod
@@ -146,6 +151,9 @@ class RuntimeModel:
         for layer in weights.layers:  # MoE experts: the fused Triton kernel, or its PyTorch reference
             if layer.moe is not None:
                 layer.moe.use_kernel = backend == "kernels"
+        # An FP8 model's prefill attention goes through the FP8 attention where fp8="auto" measures a gain
+        # (kernels/attention_select.select_fp8); the KV cache and decode attention stay 16-bit.
+        self.prefill_fp8 = "auto" if any(lin.fp8 is not None for lin in weights.linears()) else False
         self.max_positions = max_positions or spec.max_position_embeddings
         self.rope = rope_tables(config, spec, self.device, self.max_positions)
         self.layer_rope = [self.rope[layer_rope_key(config, i, self.rope)] for i in range(spec.num_layers)]
@@ -214,7 +222,7 @@ class RuntimeModel:
         """float32 logits ``[M, V]`` of final hidden states (with Gemma's final soft-cap)."""
         return ops.softcap(self.weights.lm_head(hidden).float(), self.spec.final_softcap)
 
-    def _prefill_attend(self, cu_seqlens: torch.Tensor, max_len: int):
+    def _prefill_attend(self, cu_seqlens: torch.Tensor, max_len: int, kv_aligned: bool | None = None):
         s = self.spec
 
         def attend(i: int, qkv: torch.Tensor) -> torch.Tensor:
@@ -223,7 +231,8 @@ class RuntimeModel:
             k = qkv[:, s.q_size : s.q_size + s.kv_size].view(m, s.num_kv_heads, s.head_dim)
             v = qkv[:, s.q_size + s.kv_size :].view(m, s.num_kv_heads, s.head_dim)
             out = self.ops.prefill_attention(
-                q, k, v, cu_seqlens, max_len, s.softmax_scale, s.window_left(i), s.attn_softcap
+                q, k, v, cu_seqlens, max_len, s.softmax_scale, s.window_left(i), s.attn_softcap,
+                fp8=self.prefill_fp8, kv_aligned=kv_aligned if self.prefill_fp8 else None,
             )
             return out.reshape(m, s.q_size)
 
@@ -256,7 +265,7 @@ class RuntimeModel:
         ids = input_ids.to(self.device).reshape(-1)
         positions = torch.arange(t, device=self.device, dtype=torch.int32).repeat(b)
         cu = torch.arange(0, (b + 1) * t, t, device=self.device, dtype=torch.int32)
-        hidden = self._hidden(ids, positions, self._prefill_attend(cu, t), None, None)
+        hidden = self._hidden(ids, positions, self._prefill_attend(cu, t, kv_aligned=t % 32 == 0), None, None)
         return self.logits(hidden).view(b, t, -1)
 
     @torch.inference_mode()
@@ -279,7 +288,8 @@ class RuntimeModel:
         if any(starts):
             attend = self._chunk_attend(cu, max(lengths), slots, [a + n for a, n in zip(starts, lengths)], cache)
         else:
-            attend = self._prefill_attend(cu, max(lengths))
+            aligned = all(o % 32 == 0 for o in offsets)  # known on the host: no device check in the FP8 attention
+            attend = self._prefill_attend(cu, max(lengths), aligned)
         hidden = self._hidden(ids, positions, attend, cache, token_slots)
         last = torch.tensor(offsets[1:], dtype=torch.long, device=dev) - 1
         return self.logits(hidden[last])

@@ -13,47 +13,13 @@ in host memory as a whole.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from quantkit.config import QuantkitError
+from quantkit.runtime.linear import Linear
 from quantkit.runtime.spec import ModelSpec
-
-
-@dataclass
-class Linear:
-    """``y = x @ W^T + b``; ``parts``: separate linears whose outputs are concatenated (unfusable). ``gemv``:
-    a 16-bit linear may take quantkit's decode GEMV (kernels.dispatch.dense_linear decides); the reference
-    backend turns it off (plain PyTorch)."""
-
-    out_features: int
-    dense: torch.Tensor | None = None
-    packed: object | None = None
-    bias: torch.Tensor | None = None
-    parts: list[Linear] = field(default_factory=list)
-    gemv: bool = True
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.parts:
-            return torch.cat([p(x) for p in self.parts], dim=-1)
-        if self.packed is not None:
-            from quantkit.kernels.dispatch import w4a16_linear
-
-            return w4a16_linear(x, self.packed, self.bias)
-        if not self.gemv:
-            return torch.nn.functional.linear(x, self.dense, self.bias)
-        from quantkit.kernels.dispatch import dense_linear
-
-        return dense_linear(x, self.dense, self.bias)
-
-    def nbytes(self) -> int:
-        if self.parts:
-            return sum(p.nbytes() for p in self.parts)
-        tensors = [self.dense, self.bias]
-        if self.packed is not None:
-            tensors += [self.packed.qweight, self.packed.scales, self.packed.zeros]
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 @dataclass
@@ -112,10 +78,17 @@ class QuantInfo:
 TensorSource = Callable[[list[str]], dict[str, torch.Tensor]]
 
 
-def _linear(get: dict, name: str, quant: QuantInfo | None, dtype, device, packed_kernel: bool) -> Linear:
-    """One linear from the tensors of ``name`` (``.weight`` or ``.qweight`` & co), on ``device``."""
+def _linear(get: dict, name: str, quant: QuantInfo | None, dtype, device, packed_kernel: bool,
+            fp8: str = "auto") -> Linear:
+    """One linear from the tensors of ``name`` (``.weight`` or ``.qweight`` & co), on ``device``. FP8 weights
+    (``.weight`` e4m3 with ``.weight_scale``): ``fp8`` "auto" (FP8 GEMM where supported), "reference" (the float32
+    emulation) or "dequantize" (16-bit dense, the same weights)."""
     bias = get.get(f"{name}.bias")
     bias = None if bias is None else bias.to(device=device, dtype=dtype)
+    if f"{name}.weight_scale" in get:
+        from quantkit.runtime.fp8_weights import fp8_linear_from
+
+        return fp8_linear_from(get, name, bias, dtype, device, fp8)
     if f"{name}.qweight" in get:
         if quant is None:
             raise QuantkitError(f"{name} is packed but the checkpoint names no quantization scheme")
@@ -149,10 +122,15 @@ def _can_concat_packed(get: dict, names: list[str], quant: QuantInfo) -> bool:
     return all(torch.equal(get[f"{n}.g_idx"], first) and get[f"{n}.qweight"].shape[1] % per_word == 0 for n in names)
 
 
-def fused_linear(get: dict, names: list[str], quant: QuantInfo | None, dtype, device, packed_kernel: bool) -> Linear:
+def fused_linear(get: dict, names: list[str], quant: QuantInfo | None, dtype, device, packed_kernel: bool,
+                 fp8: str = "auto") -> Linear:
     """One linear whose output is the concatenation of ``names``' outputs (q/k/v or gate/up)."""
     if len(names) == 1:
-        return _linear(get, names[0], quant, dtype, device, packed_kernel)
+        return _linear(get, names[0], quant, dtype, device, packed_kernel, fp8)
+    if any(f"{n}.weight_scale" in get for n in names):
+        from quantkit.runtime.fp8_weights import fused_fp8_linear
+
+        return fused_fp8_linear(get, names, dtype, device, fp8)
     packed = [f"{n}.qweight" in get for n in names]
     biases = [get.get(f"{n}.bias") for n in names]
     if any(b is not None for b in biases) and any(b is None for b in biases):
@@ -194,16 +172,18 @@ def load_layer(
     dtype,
     device,
     packed_kernel: bool,
+    fp8: str = "auto",
 ) -> LayerWeights:
     """The weights of the decoder layer whose tensor names start with ``prefix`` (``model.layers.3.``)."""
     get = {k[len(prefix) :]: v for k, v in source(layer_keys(prefix, available)).items()}
     a, m = "self_attn.", "mlp."
-    lin = dict(quant=quant, dtype=dtype, device=device, packed_kernel=packed_kernel)
+    lin = dict(quant=quant, dtype=dtype, device=device, packed_kernel=packed_kernel, fp8=fp8)
     moe = None
-    if spec.num_experts:
+    if spec.num_experts:  # MoE experts are INT4 or 16-bit (FP8 experts are not served yet)
         from quantkit.runtime.moe import is_moe_layer, load_moe
 
-        moe = load_moe(get, spec, **lin, fused_linear=fused_linear) if is_moe_layer(get) else None
+        moe = (load_moe(get, spec, quant=quant, dtype=dtype, device=device, packed_kernel=packed_kernel,
+                        fused_linear=fused_linear) if is_moe_layer(get) else None)
     layer = LayerWeights(
         qkv=fused_linear(get, [f"{a}q_proj", f"{a}k_proj", f"{a}v_proj"], **lin),
         o=fused_linear(get, [f"{a}o_proj"], **lin),
@@ -239,21 +219,24 @@ def load_weights(
     device,
     packed_kernel: bool,
     on_layer: Callable[[int], None] | None = None,
+    fp8: str = "auto",
 ) -> ModelWeights:
-    """Every weight the runtime needs, layer by layer (``on_layer(i)`` after each: progress)."""
+    """Every weight the runtime needs, layer by layer (``on_layer(i)`` after each: progress). ``fp8``: how FP8
+    linears run (see :func:`_linear`)."""
     prefix = find_prefix(available)
     head_prefix = prefix[: -len("model.")] if prefix.endswith("model.") else ""
     embed = source([f"{prefix}embed_tokens.weight"])[f"{prefix}embed_tokens.weight"].to(device=device, dtype=dtype)
     layers = []
     for i in range(spec.num_layers):
-        layers.append(load_layer(source, available, f"{prefix}layers.{i}.", spec, quant, dtype, device, packed_kernel))
+        layers.append(load_layer(source, available, f"{prefix}layers.{i}.", spec, quant, dtype, device, packed_kernel,
+                                 fp8))
         if on_layer is not None:
             on_layer(i)
     final = source([f"{prefix}norm.weight"])
     head_name = f"{head_prefix}lm_head"
     head_keys = [k for k in available if k.startswith(head_name + ".")]
     if head_keys and not spec.tie_embeddings:
-        lm_head = _linear(source(head_keys), head_name, quant, dtype, device, packed_kernel)
+        lm_head = _linear(source(head_keys), head_name, quant, dtype, device, packed_kernel, fp8)
     else:
         lm_head = Linear(embed.shape[0], dense=embed)
     return ModelWeights(

@@ -127,6 +127,23 @@ def quantize_randomly(model, group_size: int = 128, seed: int = 0) -> QuantInfo:
     return QuantInfo(4, group_size, True)
 
 
+def quantize_fp8_in_place(model, weights: str = "channel") -> None:
+    """Round every decoder linear of ``model`` to FP8 e4m3 (``quantkit.methods.fp8``, per-channel scales by default)
+    and swap it for an FP8Linear: the model ``quantkit fp8`` would write, built on the device in seconds."""
+    from quantkit.fp8_api import install_fp8_linears
+    from quantkit.fp8_weight import FP8Config, fp8_quantize_weight
+
+    config = FP8Config(weights=weights)
+    for i, layer in enumerate(model.model.layers):
+        records = {}
+        for path in LINEARS:
+            lin = layer.get_submodule(path)
+            records[path], _ = fp8_quantize_weight(lin.weight.data, config, bias=lin.bias)
+        install_fp8_linears(layer, records)
+        del records
+    torch.cuda.empty_cache()
+
+
 def runtime_from_hf(
     model, quant: QuantInfo | None, *, backend: str = "kernels", max_positions: int = 4096
 ) -> RuntimeModel:
@@ -234,6 +251,12 @@ def time_split(engine: Engine, context: int = 128) -> dict:
             o.act_mul(gate_up, s.activation)
         o.add_rms_norm(h, h, w.final_norm, s.rms_eps, s.norm_offset)
 
+    def fp8_activation_quant():  # what the FP8 linears spend quantizing their inputs (one launch each)
+        from quantkit.kernels.fp8_quant import quantize_per_token
+
+        for _ in w.layers:
+            quantize_per_token(h), quantize_per_token(q_in), quantize_per_token(h), quantize_per_token(mid)
+
     tokens = torch.zeros(1, dtype=torch.long, device=dev)
     parts = {
         "linears": _graph_time(linears),
@@ -244,6 +267,8 @@ def time_split(engine: Engine, context: int = 128) -> dict:
     parts["other_in_graph"] = (
         parts["decode_step_graph"] - parts["linears"] - parts["attention_rope_kv"] - parts["norms_act"]
     )
+    if any(lin.fp8 is not None for lin in w.linears()):  # inside "linears": the share the GEMMs do not take
+        parts["fp8_activation_quant_in_linears"] = _graph_time(fp8_activation_quant)
     return {k: v * 1e3 for k, v in parts.items()}  # milliseconds
 
 

@@ -120,8 +120,8 @@ from quantkit.kernels.gemv import _gemv_kernel
 
 m, block_n, block_k, warps, out = json.loads(sys.argv[1])
 signature = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "N": "i32", "K": "i32",
-             "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32"}
-constexprs = dict(M=m, HAS_BIAS=False, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=True, PDL=True)
+             "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32", "xs_ptr": "*fp32", "ws_ptr": "*fp32"}
+constexprs = dict(M=m, HAS_BIAS=False, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=True, PDL=True, SCALED=False)
 signature |= {k: "constexpr" for k in constexprs}
 attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 5, 6, 7, 8)}
 src = ASTSource(fn=_gemv_kernel, signature=signature, constexprs=constexprs, attrs=attrs)
@@ -175,3 +175,22 @@ def test_selection_point_on_cuda(monkeypatch):
     assert torch.equal(dense_linear(x, w), F.linear(x, w))
     x16 = torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16)
     assert torch.equal(dense_linear(x16, w), F.linear(x16, w))
+
+
+_COMPILE_FP8 = _COMPILE.replace('"x_ptr": "*bf16", "w_ptr": "*bf16"', '"x_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv"').replace(
+    "SCALED=False", "SCALED=True")
+
+
+@pytest.mark.parametrize("m,block_n,block_k,warps", [(1, 2, 2048, 4), (4, 2, 2048, 4)])
+def test_sm90_fp8_variant_loads_16_byte_vectors_before_the_wait(sm90, tmp_path, m, block_n, block_k, warps):
+    """The FP8 GEMV (SCALED, e4m3 codes) compiles for sm_90 with the same shape of code: its first weight tile in
+    16-byte loads (16 codes each) before ``griddepcontrol.wait``, no shared memory in the loop, no spills."""
+    assert _COMPILE_FP8 != _COMPILE
+    out = str(tmp_path / "gemv_fp8")
+    sm90.compile(_COMPILE_FP8, json.dumps([m, block_n, block_k, warps, out]))
+    sass = sm90.sass(out + ".cubin")
+    wait = next(i for i, line in enumerate(sass) if "ACQBULK" in line)
+    assert sum("LDG.E.128" in line for line in sass[:wait]) == block_n * block_k // (16 * 32 * warps)
+    loop_end = next(i for i in range(wait, len(sass)) if "BRA" in sass[i])
+    assert not any(op in line for line in sass[wait:loop_end] for op in ("BAR.SYNC", "STS", "LDS"))
+    assert "0 bytes spill stores" in sm90.ptxas_notices(out + ".ptx")

@@ -1,0 +1,21 @@
+"""The plain-PyTorch reference of ``fp8_quant.quantize_per_token``: per-token e4m3 quantization of activations.
+
+A torch-only module beside the kernel's, so that the runtime's reference path (the CPU) never imports triton.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from quantkit.primitives import fp8_scale, quantize_fp8
+
+
+def quantize_per_token_ref(x: torch.Tensor, input_scale: torch.Tensor | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q float8_e4m3fn [M, K], s float32 [M, 1])`` of ``x [M, K]``: per-token scales, or the static
+    ``input_scale`` (one value) for every row."""
+    if input_scale is None:
+        s = fp8_scale(x.abs().amax(dim=-1, keepdim=True))
+    else:
+        s = input_scale.float().reshape(1, 1).expand(x.shape[0], 1)
+    return quantize_fp8(x, s), s.contiguous()

@@ -1,0 +1,209 @@
+"""The FP8 linear: ``y = x @ W^T + b`` with e4m3 weights and e4m3 activations, as vLLM serves it.
+
+Activations are quantized per token at run time (``s_x = absmax(row) / 448``) or with a static scale
+(``input_scale``). Weights carry one float32 scale per output channel (per tensor and per block are
+expanded or dequantized when prepared). Two paths, chosen once when the weights are prepared
+(:func:`prepare_fp8_linear`), never per call:
+
+* ``scaled_mm`` (CUDA, compute capability >= 8.9): activations quantized by one Triton kernel
+  (``kernels/fp8_quant.py``), then ``torch._scaled_mm`` with row-wise scales: ``scale_a`` float32
+  ``[M, 1]``, ``scale_b`` float32 ``[1, N]``, B column-major (the ``[N, K]`` weight transposed, a view),
+  K and N multiples of 16, bfloat16 output (row-wise scaling requires it). No host synchronization:
+  CUDA graphs capture it.
+  At M <= 4 (decode) the quantized activations go through quantkit's GEMV with FP8 codes and the same scales
+  (``kernels/gemv.py``, ``scales=``), which reads the 1-byte weights at full bandwidth.
+* ``reference`` (the CPU, and anything the fast path does not take): the same rounding, emulated:
+  activations quantized to e4m3 per token, both operands dequantized, one float32 matmul.
+
+:class:`FP8Linear` is the ``nn.Module`` the checkpoint reader installs in a transformers model;
+the runtime keeps the prepared record (:class:`FP8LinearWeights`) in its own ``Linear``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from quantkit.kernels.fp8_quant_ref import quantize_per_token_ref
+from quantkit.primitives import dequantize_fp8
+
+log = logging.getLogger(__name__)
+GEMV_MAX_M = 4  # kernels/gemv.py's MAX_M: rows the decode GEMV takes
+
+
+@dataclass
+class FP8LinearWeights:
+    """An FP8 linear prepared for one path. ``weight`` e4m3 ``[N, K]``; ``scale`` float32 ``[1, N]``
+    (row-wise) or, for block weights on the reference path, the element-wise float32 scale ``[N, K]``;
+    ``input_scale`` float32 ``[1]`` (static activations) or None; ``bias`` ``[N]`` or None."""
+
+    weight: torch.Tensor
+    scale: torch.Tensor
+    path: str
+    input_scale: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+    reason: str = ""
+    dequantized: torch.Tensor | None = None  # reference path on the CPU: float32 ``[N, K]``, dequantized once
+    gemv: bool = False  # scaled_mm path: decode-sized batches (M <= 4) through quantkit's FP8 GEMV instead
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    def nbytes(self) -> int:
+        tensors = [self.weight, self.scale, self.input_scale, self.bias]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def scaled_mm_supported(device: torch.device, n: int, k: int) -> tuple[bool, str]:
+    """Whether ``torch._scaled_mm`` row-wise serves an ``[N, K]`` FP8 weight on ``device``, and why not."""
+    if device.type != "cuda":
+        return False, "not a CUDA device: the float32 emulation"
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        return False, f"compute capability {major}.{minor} has no FP8 tensor cores (needs 8.9+)"
+    if n % 16 or k % 16:
+        return False, f"[{n}, {k}] is not a multiple of 16 in both dimensions (torch._scaled_mm needs it)"
+    return True, "torch._scaled_mm, row-wise scales"
+
+
+def row_scale(weight_scale: torch.Tensor, strategy: str, n: int) -> torch.Tensor:
+    """Channel or tensor scales as the ``[1, N]`` float32 row ``_scaled_mm`` takes (exact: same codes)."""
+    s = weight_scale.float().reshape(-1)
+    if strategy == "tensor":
+        s = s.expand(n) if s.numel() == 1 else s  # vLLM-style per-shard tensor scales arrive per row here
+    return s.reshape(1, n).contiguous()
+
+
+def prepare_fp8_linear(weight: torch.Tensor, weight_scale: torch.Tensor, strategy: str, *,
+                       block: tuple[int, int] | None = None, input_scale: torch.Tensor | None = None,
+                       bias: torch.Tensor | None = None, device: torch.device | str = "cpu",
+                       backend: str = "auto") -> FP8LinearWeights:
+    """The prepared linear on ``device``. ``backend``: ``auto`` (``scaled_mm`` where supported), or
+    ``reference``. Block weights always take the reference path (torch's block-wise ``_scaled_mm`` is not
+    used yet)."""
+    device = torch.device(device)
+    n, k = weight.shape
+    weight = weight.to(device)
+    input_scale = None if input_scale is None else input_scale.float().reshape(1).to(device)
+    bias = None if bias is None else bias.to(device)
+    if strategy == "block":
+        from quantkit.fp8_weight import FP8Weight
+
+        rec = FP8Weight(weight, weight_scale.to(device), "block", k, n, block)
+        prepared = FP8LinearWeights(weight, rec.expanded_scale(device).contiguous(), "reference", input_scale, bias,
+                                    "block-wise weights: the float32 emulation")
+    else:
+        scale = row_scale(weight_scale, strategy, n).to(device)
+        ok, reason = scaled_mm_supported(device, n, k) if backend == "auto" else (False, "reference asked for")
+        prepared = FP8LinearWeights(weight, scale, "scaled_mm" if ok else "reference", input_scale, bias, reason)
+        # M <= 4 (decode): the FP8 GEMV reads the weight once at full bandwidth where _scaled_mm's tiles are mostly
+        # empty rows; QUANTKIT_FP8_GEMV=0 turns it off (an A/B switch for the bench, read once here)
+        prepared.gemv = ok and os.environ.get("QUANTKIT_FP8_GEMV", "1") != "0"
+    if prepared.path == "reference" and device.type == "cpu":  # the CPU never dequantizes per call
+        prepared.dequantized = _dequantized(prepared)
+    return prepared
+
+
+def _dequantized(w: FP8LinearWeights) -> torch.Tensor:
+    scale = w.scale if w.scale.shape == w.weight.shape else w.scale.reshape(-1, 1)  # [N, K] or [N, 1]
+    return dequantize_fp8(w.weight, scale)
+
+
+def fp8_linear_ref(x: torch.Tensor, w: FP8LinearWeights) -> torch.Tensor:
+    """The float32 emulation: ``x [..., K]`` quantized to e4m3 (per token or static), both operands
+    dequantized, one float32 matmul; the result in ``x``'s dtype."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    qx, sx = quantize_per_token_ref(x2, w.input_scale)
+    weight = w.dequantized if w.dequantized is not None else _dequantized(w)
+    y = dequantize_fp8(qx, sx) @ weight.t()
+    if w.bias is not None:
+        y = y + w.bias.float()
+    return y.to(x.dtype).reshape(*shape[:-1], w.out_features)
+
+
+def fp8_linear_scaled_mm(x: torch.Tensor, w: FP8LinearWeights) -> torch.Tensor:
+    """The Hopper path: fused per-token quantization, then ``torch._scaled_mm`` (bfloat16 out)."""
+    from quantkit.kernels.fp8_quant import quantize_per_token
+
+    shape = x.shape
+    qx, sx = quantize_per_token(x.reshape(-1, shape[-1]).contiguous(), w.input_scale)
+    if w.gemv and qx.shape[0] <= GEMV_MAX_M:
+        from quantkit.kernels.gemv import gemv
+
+        y = gemv(qx, w.weight, w.bias, scales=(sx, w.scale), out_dtype=torch.bfloat16)
+        return y.to(x.dtype).reshape(*shape[:-1], w.out_features)
+    y = torch._scaled_mm(qx, w.weight.t(), scale_a=sx, scale_b=w.scale, out_dtype=torch.bfloat16)
+    if w.bias is not None:
+        y = y + w.bias.to(y.dtype)
+    return y.to(x.dtype).reshape(*shape[:-1], w.out_features)
+
+
+def fp8_linear(x: torch.Tensor, w: FP8LinearWeights) -> torch.Tensor:
+    """``x @ W^T + b`` through the path chosen when ``w`` was prepared."""
+    return fp8_linear_scaled_mm(x, w) if w.path == "scaled_mm" else fp8_linear_ref(x, w)
+
+
+class FP8Linear(nn.Module):
+    """A linear holding a compressed-tensors FP8 weight: buffers ``weight`` (float8_e4m3fn ``[out, in]``),
+    ``weight_scale`` (float32), ``input_scale`` (float32 ``[1]``, static activations only); ``bias``.
+
+    Moving the module (``.to(device, dtype)``, ``.half()``) moves these buffers but never casts them:
+    the codes and their float32 scales are the checkpoint's. The prepared path is rebuilt per device.
+    """
+
+    def __init__(self, in_features: int, out_features: int, strategy: str, *, block: tuple[int, int] | None = None,
+                 static_input: bool = False, bias: bool = False, device=None, dtype=None,
+                 scale_shape: tuple[int, ...] = (0,), input_scale_shape: tuple[int, ...] = (1,)) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.strategy, self.block = strategy, block
+        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn,
+                                                   device=device))
+        self.register_buffer("weight_scale", torch.empty(scale_shape, dtype=torch.float32, device=device))
+        self.register_buffer("input_scale", torch.empty(input_scale_shape, dtype=torch.float32, device=device)
+                             if static_input else None)
+        self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype), requires_grad=False) \
+            if bias else None
+        self._prepared: FP8LinearWeights | None = None
+
+    _CODES = ("weight", "weight_scale", "input_scale")
+
+    def _apply(self, fn, recurse=True):
+        keep = {name: self._buffers.pop(name) for name in self._CODES}
+        try:
+            super()._apply(fn, recurse)
+            probe = fn(torch.empty(0, device=keep["weight"].device))
+        finally:
+            self._buffers.update(keep)
+        for name, t in keep.items():
+            if t is not None:
+                self._buffers[name] = t.to(probe.device)
+        self._prepared = None
+        return self
+
+    def to_fp8_weight(self):
+        """The :class:`quantkit.methods.fp8.FP8Weight` record this module holds (for saving and inspecting)."""
+        from quantkit.fp8_weight import FP8Weight
+
+        return FP8Weight(self.weight, self.weight_scale, self.strategy, self.in_features, self.out_features,
+                         self.block, self.input_scale, None if self.bias is None else self.bias.detach())
+
+    def prepared(self) -> FP8LinearWeights:
+        if self._prepared is None or self._prepared.weight.device != self.weight.device:
+            self._prepared = prepare_fp8_linear(self.weight, self.weight_scale, self.strategy, block=self.block,
+                                                input_scale=self.input_scale, bias=self.bias,
+                                                device=self.weight.device)
+        return self._prepared
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(x, self.prepared())
+
+    def extra_repr(self) -> str:
+        static = ", static input scale" if self.input_scale is not None else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, fp8 e4m3 {self.strategy}{static}"

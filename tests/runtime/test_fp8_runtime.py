@@ -1,0 +1,199 @@
+"""FP8 in the runtime: the CPU emulation against a float64 model of the arithmetic, the loaded FP8 checkpoint
+against the transformers model the reader builds, the engine's greedy decode, and the GPU path (marked gpu)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quantkit.methods.fp8 import FP8Config, fp8_quantize_weight
+from quantkit.primitives import FP8_E4M3_MAX
+from quantkit.fp8_linear import FP8Linear, fp8_linear, fp8_linear_ref, prepare_fp8_linear
+
+
+def e4m3_f64(v: torch.Tensor) -> torch.Tensor:
+    """e4m3fn rounding in float64 from the format's definition (3 mantissa bits, exponent >= -6, ties to even)."""
+    v = v.double().clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+    exp = torch.floor(torch.log2(torch.where(v != 0, v.abs(), torch.ones_like(v)))).clamp_min(-6)
+    quantum = torch.pow(2.0, exp - 3)
+    return (torch.round(v / quantum) * quantum).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+
+
+def linear_f64(x, w, weights: str, input_scale=None, block=(32, 32)) -> torch.Tensor:
+    """W8A8 in float64: weight scales and codes recomputed independently, activations per token (or static)."""
+    w = w.double()
+    if weights == "channel":
+        sw = w.abs().amax(dim=1, keepdim=True) / 448
+    elif weights == "tensor":
+        sw = w.abs().amax() / 448
+    else:
+        sw = torch.empty_like(w)
+        for i in range(0, w.shape[0], block[0]):
+            for j in range(0, w.shape[1], block[1]):
+                sw[i:i + block[0], j:j + block[1]] = w[i:i + block[0], j:j + block[1]].abs().amax() / 448
+    sw = sw.float().double()  # scales are stored in float32
+    x = x.double()
+    sx = (x.abs().amax(dim=1, keepdim=True) / 448).float().double() if input_scale is None else input_scale.double()
+    return (e4m3_f64(x / sx) * sx) @ (e4m3_f64(w / sw) * sw).T
+
+
+@pytest.mark.parametrize("weights,static", [("channel", False), ("channel", True), ("tensor", False),
+                                            ("tensor", True), ("block", False)])  # block: dynamic only
+def test_cpu_emulation_matches_float64(weights, static):
+    torch.manual_seed(0)
+    w = torch.randn(96, 160) * torch.logspace(-1, 1, 96).unsqueeze(1)
+    x = torch.randn(7, 160) * torch.logspace(-2, 2, 7).unsqueeze(1)
+    input_scale = torch.tensor([0.02]) if static else None
+    rec, _ = fp8_quantize_weight(w, FP8Config(weights=weights, block=(32, 32)), input_scale=input_scale)
+    prepared = prepare_fp8_linear(rec.weight, rec.weight_scale, weights, block=rec.block, input_scale=input_scale)
+    got = fp8_linear_ref(x, prepared)
+    want = linear_f64(x, w, weights, input_scale)
+    # same roundings; only float32 accumulation over K=160 separates them
+    assert ((got.double() - want).norm() / want.norm()).item() < 1e-6
+
+
+def test_module_keeps_codes_and_float32_scales_when_cast():
+    torch.manual_seed(0)
+    rec, _ = fp8_quantize_weight(torch.randn(32, 48), FP8Config())
+    m = FP8Linear(48, 32, "channel")
+    m._buffers.update(weight=rec.weight, weight_scale=rec.weight_scale)
+    m.to(torch.bfloat16)
+    assert m.weight.dtype == torch.float8_e4m3fn and m.weight_scale.dtype == torch.float32
+    x = torch.randn(3, 48, dtype=torch.bfloat16)
+    assert m(x).dtype == torch.bfloat16
+
+
+@pytest.fixture(scope="module")
+def fp8_llama(tmp_path_factory):
+    from quantkit.config import LoadConfig
+    from quantkit.fp8_api import quantize_fp8
+    from tests.runtime.conftest import save_tiny
+
+    src = tmp_path_factory.mktemp("fp8_src")
+    save_tiny("llama", src)
+    out = tmp_path_factory.mktemp("fp8_q") / "fp8"
+    quantize_fp8(str(src), out, load=LoadConfig(device="cpu"))
+    return out
+
+
+def test_runtime_logits_equal_the_readers_model(fp8_llama):
+    from quantkit.api import load_any
+    from quantkit.config import LoadConfig
+    from quantkit.runtime.loader import load_runtime_model
+
+    runtime, _ = load_runtime_model(str(fp8_llama), device="cpu", dtype="float32")
+    assert all(lin.fp8 is not None for layer in runtime.weights.layers for lin in (layer.qkv, layer.down))
+    assert runtime.weights.layers[0].qkv.fp8.path == "reference" and runtime.prefill_fp8 == "auto"
+    hf, _ = load_any(str(fp8_llama), LoadConfig(device="cpu"))
+    ids = torch.randint(0, 250, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = hf(ids).logits
+    got = runtime.forward_logits(ids)
+    assert ((got - ref).norm() / ref.norm()).item() < 1e-5  # fused q/k/v and gate/up: another summation order
+
+
+def test_engine_greedy_equals_transformers_generate(fp8_llama):
+    from quantkit.api import load_any
+    from quantkit.config import LoadConfig
+    from quantkit.runtime.loader import load_engine
+    from quantkit.runtime.types import SamplingParams
+
+    hf, _ = load_any(str(fp8_llama), LoadConfig(device="cpu"))
+    engine = load_engine(str(fp8_llama), device="cpu", max_batch=1, max_seq_len=32)
+    prompt = [7, 1, 200, 33]
+    engine.add_request(prompt, SamplingParams(max_tokens=10, ignore_eos=True))
+    tokens = []
+    while engine.has_work():
+        tokens += [e.token_id for e in engine.step() if e.token_id is not None]
+    with torch.no_grad():
+        expected = hf.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, pad_token_id=0,
+                               eos_token_id=None)[0, len(prompt):].tolist()
+    assert tokens == expected
+
+
+def test_dequantized_runtime_holds_the_same_weights_in_16_bits(fp8_llama):
+    from quantkit.runtime.loader import load_runtime_model
+
+    runtime, _ = load_runtime_model(str(fp8_llama), device="cpu", dtype="float32", dequantize=True)
+    assert runtime.weights.layers[0].qkv.fp8 is None and runtime.weights.layers[0].qkv.dense is not None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("m", [1, 4, 8, 32, 2048])  # 1 and 4: the FP8 GEMV; the others: torch._scaled_mm
+@pytest.mark.parametrize("static", [False, True])
+def test_scaled_mm_path_matches_the_emulation(m, static):
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 tensor cores need compute capability 8.9+")
+    torch.manual_seed(0)
+    w = torch.randn(4096, 1024, device="cuda") * 0.02
+    input_scale = torch.tensor([0.01], device="cuda") if static else None
+    rec, _ = fp8_quantize_weight(w, FP8Config(), bias=torch.randn(4096, device="cuda"), input_scale=input_scale)
+    fast = prepare_fp8_linear(rec.weight, rec.weight_scale, "channel", input_scale=input_scale,
+                              bias=rec.bias.bfloat16(), device="cuda")
+    assert fast.path == "scaled_mm" and fast.gemv, fast.reason
+    ref = prepare_fp8_linear(rec.weight, rec.weight_scale, "channel", input_scale=input_scale,
+                             bias=rec.bias.bfloat16(), device="cuda", backend="reference")
+    x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
+    got, want = fp8_linear(x, fast), fp8_linear_ref(x, ref)
+    # the same quantized operands; bf16 output rounding and accumulation order apart
+    assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fp8_linear_captures_in_a_cuda_graph():
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 tensor cores need compute capability 8.9+")
+    torch.manual_seed(0)
+    rec, _ = fp8_quantize_weight(torch.randn(512, 256, device="cuda"), FP8Config())
+    w = prepare_fp8_linear(rec.weight, rec.weight_scale, "channel", device="cuda")
+    x = torch.randn(4, 256, device="cuda", dtype=torch.bfloat16)
+    eager = fp8_linear(x, w)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fp8_linear(x, w)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fp8_linear(x, w)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    assert torch.equal(out, fp8_linear(x, w)) and not torch.equal(out, eager)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fp8_model_on_the_kernels_backend_with_graphs_and_fp8_prefill():
+    """A Llama-shaped FP8 model (head dim 128) on the kernels backend: logits against the transformers FP8 model,
+    greedy decode under CUDA graphs against the prefill path, and a 2048-token prefill whose attention may run in
+    FP8 (fp8="auto") against the same prefill in 16 bits."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 tensor cores need compute capability 8.9+")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from quantkit.runtime.engine import Engine
+    from quantkit.tools import bench
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=1024, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
+    with torch.device("cuda"):
+        hf = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    bench.quantize_fp8_in_place(hf)
+    runtime = bench.runtime_from_hf(hf, None, max_positions=4096)
+    assert runtime.prefill_fp8 == "auto" and runtime.weights.layers[0].qkv.fp8.path == "scaled_mm"
+    ids = torch.randint(0, 1024, (1, 64), device="cuda")
+    with torch.inference_mode():
+        ref = hf(ids).logits.float()
+    got = runtime.forward_logits(ids)
+    assert ((got - ref).norm() / ref.norm()).item() < 3e-2
+    engine = Engine(runtime, None, max_batch=2, max_seq_len=256, cuda_graphs=True, graph_buckets=(1, 2))
+    agreement = bench.greedy_agreement(engine)
+    assert agreement["first_mismatch"] is None or agreement["gap_at_mismatch"] < 0.05, agreement
+    long = torch.randint(0, 1024, (1, 2048), device="cuda")
+    fp8_logits = runtime.forward_logits(long)
+    runtime.prefill_fp8 = False
+    bf16_logits = runtime.forward_logits(long)
+    assert ((fp8_logits - bf16_logits).norm() / bf16_logits.norm()).item() < 5e-2
