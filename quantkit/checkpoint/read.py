@@ -362,13 +362,19 @@ def _packed_linears(model: nn.Module, records: dict[str, TensorRecord]) -> list[
     if not names:
         raise QuantkitError("the checkpoint declares a quantized layout but holds no packed linear (no .qweight)")
     for name in names:
-        try:
-            linear = model.get_submodule(name)
-        except AttributeError:
-            linear = None
-        if not isinstance(linear, nn.Linear):
-            raise QuantkitError(f"{name}.qweight: {type(model).__name__} has no linear layer {name}")
+        _require_linear(model, name, "qweight")
     return names
+
+
+def _require_linear(model: nn.Module, name: str, leaf: str) -> nn.Linear:
+    """``model``'s linear layer ``name``, or an error naming the stored tensor ``name.leaf`` that has none."""
+    try:
+        linear = model.get_submodule(name)
+    except AttributeError:
+        linear = None
+    if not isinstance(linear, nn.Linear):
+        raise QuantkitError(f"{name}.{leaf}: {type(model).__name__} has no linear layer {name}")
+    return linear
 
 
 def check_tensors(
@@ -492,12 +498,7 @@ def fp8_linears(model: nn.Module, records: dict, settings: FP8Settings) -> list[
     if not names:
         raise QuantkitError("the checkpoint declares FP8 weights but holds no weight_scale tensor")
     for name in names:
-        try:
-            linear = model.get_submodule(name)
-        except AttributeError:
-            linear = None
-        if not isinstance(linear, nn.Linear):
-            raise QuantkitError(f"{name}.weight_scale: {type(model).__name__} has no linear layer {name}")
+        linear = _require_linear(model, name, "weight_scale")
         if name in settings.ignore:
             raise QuantkitError(f"{name} is FP8 in the files but listed in the config's ignore")
         _check_fp8_tensors(name, linear, records, settings)
