@@ -73,7 +73,15 @@ def test_layers_are_read_when_asked_and_released_after(tiny_llama_dir):
     loaded, source = lazy_model.open_streamed(str(tiny_llama_dir), LoadConfig(device="cpu"))
     layers = list(source.layers)
     assert all(p.is_meta for layer in layers for p in layer.parameters())
-    assert not any(p.is_meta for p in loaded.model.model.embed_tokens.parameters())
+    # the embedding and the output head are not held: read for the calibration capture only / copied at save
+    assert loaded.model.model.embed_tokens.weight.is_meta and loaded.model.lm_head.weight.is_meta
+    assert not loaded.model.model.norm.weight.is_meta
+    with source.input_embeddings():
+        weight = loaded.model.model.embed_tokens.weight
+        assert not weight.is_meta and weight.dtype == source.records["model.embed_tokens.weight"].dtype
+        out = loaded.model.model.embed_tokens(torch.tensor([[1, 2]]))
+        assert out.dtype == torch.float32  # the working dtype: cast on the way out
+    assert loaded.model.model.embed_tokens.weight.is_meta
     seen = []
 
     def on_finish(prefix, layer, weights):
