@@ -8,9 +8,14 @@ input Hessian ``H = 2/n sum x x^T``. It minimizes the output error ``tr(dW H dW^
 * Damping: ``damp * mean(diag H)`` on the diagonal; a Cholesky failure multiplies it by 10 (a few
   times) and warns. Dead columns (zero diagonal: an input that is always zero) get ``H_ii = 1`` and
   a zero weight, as their value cannot matter.
-* The inverse goes through one Cholesky factorization and a triangular inverse (float64), and the
-  solver works on the upper Cholesky factor ``U`` of ``H^-1``: within a block of columns the error
-  is pushed by rank-1 updates, between blocks by one matrix product (the "lazy batch" update).
+* The inverse goes through one Cholesky factorization and a triangular inverse, and the solver works on
+  the upper Cholesky factor ``U`` of ``H^-1``: within a block of columns the error is pushed by rank-1
+  updates, between blocks by one matrix product (the "lazy batch" update). On the host both run in
+  float32 in one matrix, in place (the reference GPTQ code factors in float32 too; host memory is what
+  bounds a streamed run: an 8192-wide down_proj's factor is 268 MB in float32, 537 MB in float64); a
+  float32 factorization that fails is retried in float64 at the same damping before the damping is
+  raised. Accelerators keep float64 (their measured device peaks, and the quality baselines, were made
+  with it). The reductions (mean diagonal, errors, mse column weights) are float64 everywhere: vectors.
 * Groups are aligned with blocks, so each group's scale is computed from fully updated weights.
 * ``desc_act``: columns in order of decreasing ``diag H``; the permutation ends up in ``g_idx``
   (``g_idx[perm[j]] = j // group_size``). ``static_groups``: every group's scale is computed from the
@@ -259,9 +264,14 @@ def damped_inverse_factor(
     mean_diag = float(torch.diagonal(H).double().mean() if perm is None else torch.diagonal(H)[perm].double().mean())
     idx = torch.arange(n, device=H.device)
     d = damp
-    factor = _inverse_factor_in_place if H.device.type == "cpu" else _inverse_factor
+    host = H.device.type == "cpu"
     for attempt in range(max_escalations + 1):
-        U = factor(H, order, idx, d * mean_diag)
+        if host:  # float32 in place; float64 when float32 is not enough at this damping
+            U = _inverse_factor_in_place(H, order, idx, d * mean_diag, torch.float32)
+            if U is None:
+                U = _inverse_factor_in_place(H, order, idx, d * mean_diag, torch.float64)
+        else:
+            U = _inverse_factor(H, order, idx, d * mean_diag)
         if U is not None:
             return U, d
         if attempt < max_escalations:
@@ -297,27 +307,56 @@ def _inverse_factor(H: torch.Tensor, order: torch.Tensor, idx: torch.Tensor, shi
     return U.float() if torch.isfinite(U).all() else None
 
 
-def _inverse_factor_in_place(H: torch.Tensor, order: torch.Tensor, idx: torch.Tensor,
-                             shift: float) -> torch.Tensor | None:
-    """``_inverse_factor`` with one float64 matrix alive (the host path, where it lowers peak resident memory:
-    a streamed Llama layer of MLP 4096, 942 -> 816 MiB with the heap bound; at n = 6144 the factorization's
-    extra peak 710 -> 529 MiB). The matrix is stored column-major, the layout LAPACK factors in, so the
-    Cholesky works in place (any other layout makes torch factor a copy); the triangular inverse is
-    blocked in place (``invert_lower_``); float32 before the flip. On the H200 this variant measured
-    8.78 GiB of peak device memory for an 8B GPTQ --desc-act walk against 7.25 with ``_inverse_factor``
-    (one float64 down_proj matrix more, cause not found), so accelerators keep that one."""
+def _inverse_factor_in_place(H: torch.Tensor, order: torch.Tensor, idx: torch.Tensor, shift: float,
+                             dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+    """``_inverse_factor`` with one matrix alive, of ``dtype`` (the host path, where it bounds resident memory:
+    float32 is one 4-byte matrix where the accelerator path holds two 8-byte ones). The matrix is stored
+    column-major, the layout LAPACK factors in, so the Cholesky works in place (any other layout makes
+    torch factor a copy); the triangular inverse is blocked in place (``invert_lower_``), and the flip to
+    ``J L^-1 J`` in row-major order is a reflection of the buffer in place (``anti_transpose_``). The
+    permuted copy of ``H`` is gathered in row blocks, so no second whole matrix is made. On the H200 the
+    float64 in-place variant measured 8.78 GiB of peak device memory for an 8B GPTQ --desc-act walk
+    against 7.25 with ``_inverse_factor`` (cause not found), so accelerators keep that one."""
     n = H.shape[0]
-    L = torch.empty_strided((n, n), (1, n), dtype=torch.float64, device=H.device)
-    L.copy_(H[order[:, None], order])
+    L = torch.empty_strided((n, n), (1, n), dtype=dtype, device=H.device)
+    step = max(1, (1 << 22) // max(n, 1))  # rows of the permuted copy gathered at a time (16 MB of float32)
+    for r0 in range(0, n, step):
+        rows = order[r0 : r0 + step]
+        L[r0 : r0 + step].copy_(H[rows[:, None], order])
     L[idx, idx] += shift
     L, info = _cholesky_in_place(L)
     if int(info) != 0:
         return None
     invert_lower_(L)  # L^-1, in place
-    U = L.float()  # float32 before the flip: the copy the flip makes is half the size
-    del L
-    U = U.flip((0, 1)).contiguous()  # J L^-1 J (row-major, as the solvers read it)
+    # L is column-major: its buffer is the row-major matrix L^-T, whose anti-transpose is J L^-1 J
+    U = anti_transpose_(L.t())
+    if U.dtype != torch.float32:
+        U = U.float()
     return U if torch.isfinite(U).all() else None
+
+
+def anti_transpose_(A: torch.Tensor, block: int = 1024) -> torch.Tensor:
+    """Reflect the contiguous square ``A`` across its anti-diagonal in place (``A[i, j] <- A[n-1-j, n-1-i]``,
+    i.e. ``J A^T J``) and return it; blocks of at most ``block`` rows are swapped through one temporary."""
+    n = A.shape[0]
+    assert A.is_contiguous() and A.shape == (n, n), (A.shape, A.stride())
+    low = list(range(0, (n + 1) // 2, block))
+    edges = sorted({0, n, *low, *(n - e for e in low)})
+    spans = list(zip(edges[:-1], edges[1:]))
+    for r0, r1 in spans:
+        for c0, c1 in spans:
+            p = (n - c1, n - c0, n - r1, n - r0)  # the block this one is swapped with
+            if (p[0], p[2]) < (r0, c0):
+                continue  # done from the other side
+            mine = A[r0:r1, c0:c1]
+            if p == (r0, r1, c0, c1):
+                mine.copy_(mine.flip((0, 1)).t().clone())
+                continue
+            other = A[p[0] : p[1], p[2] : p[3]]
+            tmp = mine.clone()
+            mine.copy_(other.flip((0, 1)).t())
+            other.copy_(tmp.flip((0, 1)).t())
+    return A
 
 
 def _cholesky_in_place(A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -358,7 +397,7 @@ def invert_lower_(L: torch.Tensor, block: int = 1024) -> torch.Tensor:
 def _columns(
     W: torch.Tensor, U: torch.Tensor, scheme: QuantScheme, gs: int, config: GPTQConfig,
     col_params: tuple[torch.Tensor, torch.Tensor] | None, errors: torch.Tensor | None = None,
-    mse_weight: torch.Tensor | None = None,
+    mse_weight: torch.Tensor | None = None, in_place: bool = False,
 ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
     """The GPTQ column loop on ``W [out, in]`` (already permuted) and ``U [in, in]``.
 
@@ -369,15 +408,20 @@ def _columns(
     ``mse_weight``: the mse search's column weights float32 ``[in]`` in position order (None: unweighted).
     Returns codes int32 ``[out, in]`` and the per-position group parameters computed on the way.
     The loop works on ``W^T [in, out]`` so that a column and the rank-1 updates are contiguous.
+    ``in_place``: ``W`` is the transpose of a contiguous float32 matrix the caller gives up; the loop works
+    in it (no copy), and it is overwritten.
     """
     out_features, in_features = W.shape
     block = config.block_size
     if col_params is None and block % gs:
         block = gs * max(1, block // gs)  # a group never straddles two blocks
     Wt = W.t().contiguous()  # [in, out]
+    if Wt.data_ptr() == W.data_ptr() and not (in_place and Wt.dtype == torch.float32):
+        Wt = Wt.clone()  # the caller's tensor stays as it is
     # Codes are built as floats (whole numbers) and converted once at the end: fewer small kernels
-    # per column, which is what the loop's time is made of on a GPU.
-    codes_t = torch.empty(in_features, out_features, dtype=torch.float32, device=W.device)  # [in, out]
+    # per column, which is what the loop's time is made of on a GPU. They go into the rows of ``Wt``
+    # already done (a block is read from its own copy ``W1``, and later updates touch later rows only).
+    codes_t = Wt  # [in, out]
     dq = torch.empty(out_features, dtype=torch.float32, device=W.device)  # [out] scratch
     maxq = 2**scheme.bits - 1
     groups: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -411,6 +455,7 @@ def _columns(
 def solve_columns(
     W: torch.Tensor, U: torch.Tensor, scheme: QuantScheme, gs: int, config: GPTQConfig,
     col_params: tuple[torch.Tensor, torch.Tensor] | None, mse_weight: torch.Tensor | None = None,
+    in_place: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The column solve (arguments of :func:`_columns`): codes int32 ``[out, in]`` and, without
     ``col_params``, the groups' scales / zeros ``[G, out]`` in position order (else None, None).
@@ -427,14 +472,36 @@ def solve_columns(
         if ok:
             from quantkit.kernels.gptq_solve import gptq_columns_triton
 
+            if col_params is not None:
+                col_params = tuple(_rows_of(t) for t in col_params)
             return gptq_columns_triton(W, U, scheme.bits, scheme.sym, gs, block, col_params, config.mse,
                                        config.mse_max_shrink, config.mse_grid, config.search_norm,
                                        mse_weight=mse_weight)
         log.debug("GPTQ solve on the torch loop: %s", reason)
-    codes, groups = _columns(W, U, scheme, gs, config, col_params, mse_weight=mse_weight)
+    codes, groups = _columns(W, U, scheme, gs, config, col_params, mse_weight=mse_weight, in_place=in_place)
     if col_params is not None:
         return codes, None, None
     return codes, torch.stack([s for s, _ in groups]), torch.stack([z for _, z in groups])
+
+
+@dataclass(frozen=True)
+class GroupRows:
+    """Per-position parameters ``table[index[j]]`` (``[in, out]`` when made whole) without making them whole:
+    ``rows[j]`` is position ``j``'s ``[out]`` row. The static-groups solve reads one row per column, so the
+    ``[in, out]`` tables (two of the weight's size) are never built on the host."""
+
+    table: torch.Tensor  # [G, out]
+    index: torch.Tensor  # [in], the group of each position
+
+    def __getitem__(self, j):
+        return self.table[self.index[j]]
+
+    def whole(self) -> torch.Tensor:
+        return self.table[self.index]
+
+
+def _rows_of(t) -> torch.Tensor:
+    return t.whole() if isinstance(t, GroupRows) else t
 
 
 def _kernel_supported(block: int, device: torch.device) -> tuple[bool, str]:
@@ -456,25 +523,28 @@ def gptq_quantize(
         if not torch.isfinite(t).all():
             raise FloatingPointError(f"GPTQ {name or 'layer'}: NaN or Inf in the {what}")
     H32 = H.detach().float()
-    W = w.detach().float()  # [out, in]; the unchanged float32 weight is made again for the errors at the end
-    if W.data_ptr() == w.data_ptr():
-        W = W.clone()
+    # The working copy, transposed ([in, out], as the column loop reads it) and converted in one copy;
+    # the original ``w`` is read again for the errors at the end.
+    Wt = torch.empty(in_features, out_features, dtype=torch.float32, device=w.device)
+    Wt.copy_(w.detach().t())
+    W = Wt.t()  # [out, in] view
     dead = torch.diagonal(H32) == 0
-    Hw = H32
-    if dead.any():  # copy the Hessian only when it must change (0.8 GB for an 8B down_proj)
-        Hw = H32.clone()
-        Hw[dead, dead] = 1.0
+    any_dead = bool(dead.any())
+    if any_dead:  # in place and undone below: no copy of the Hessian (0.8 GB for an 8B down_proj)
+        H32[dead, dead] = 1.0
         W[:, dead] = 0.0
-
-    gs = scheme.group_size if scheme.group_size != -1 else in_features
-    G = num_groups(in_features, scheme.group_size)
-    static = config.static_groups or scheme.group_size == -1
-    g_idx = default_g_idx(in_features, scheme.group_size, device=W.device)  # [in]
-    fixed = None
-    perm = torch.argsort(torch.diagonal(Hw), descending=True) if config.desc_act else None
-    U, damp_used = damped_inverse_factor(Hw, config.damp, config.max_damp_escalations, name, perm)
-    mse_w = mse_column_weights(config, Hw, U, perm)  # [in] in position order, or None
-    del Hw
+    try:
+        gs = scheme.group_size if scheme.group_size != -1 else in_features
+        G = num_groups(in_features, scheme.group_size)
+        static = config.static_groups or scheme.group_size == -1
+        g_idx = default_g_idx(in_features, scheme.group_size, device=W.device)  # [in]
+        fixed = None
+        perm = torch.argsort(torch.diagonal(H32), descending=True) if config.desc_act else None
+        U, damp_used = damped_inverse_factor(H32, config.damp, config.max_damp_escalations, name, perm)
+        mse_w = mse_column_weights(config, H32, U, perm)  # [in] in position order, or None
+    finally:
+        if any_dead:
+            H32[dead, dead] = 0.0
     if static:
         static_w = mse_w
         if mse_w is not None and perm is not None:  # back to the original column order
@@ -482,27 +552,45 @@ def gptq_quantize(
             static_w[perm] = mse_w
         scales_g, zeros_g = _static_params(W, scheme, config, gs, static_w)  # [G, out]
     if perm is not None:
-        W = W[:, perm]  # the Hessian was permuted inside ``damped_inverse_factor``
+        Wt = Wt[perm]  # rows of W^T = columns of W; the Hessian was permuted inside ``damped_inverse_factor``
+    W = Wt.t()
+    del Wt  # the solve works in it (in_place) and leaves the codes there
     if static:
         col_group = g_idx.long() if perm is None else g_idx.long()[perm]  # group of each position
-        fixed = (scales_g[col_group], zeros_g[col_group].float())  # [in, out] each
+        fixed = (GroupRows(scales_g, col_group), GroupRows(zeros_g.float(), col_group))  # [in, out] each
 
-    codes_p, scales, zeros = solve_columns(W, U, scheme, gs, config, fixed, mse_w)
+    codes_p, scales, zeros = solve_columns(W, U, scheme, gs, config, fixed, mse_w, in_place=True)
+    del W, U, fixed
     if static:
         scales, zeros = scales_g, zeros_g
     codes = codes_p
     if perm is not None:
         codes = torch.empty_like(codes_p)
         codes[:, perm] = codes_p
+        del codes_p
         if not static:
             g_idx = torch.empty_like(g_idx)
-            g_idx[perm] = torch.arange(in_features, device=W.device, dtype=torch.int32) // gs
+            g_idx[perm] = torch.arange(in_features, device=codes.device, dtype=torch.int32) // gs
     assert scales.shape == (G, out_features), (scales.shape, G)
-    result_w = dequantize(codes, scales, zeros, g_idx)
-    if not torch.isfinite(result_w).all():
-        raise FloatingPointError(f"GPTQ {name or 'layer'}: NaN or Inf in the quantized weight")
-    rows = _row_errors(w.detach().float(), result_w, H32, scheme)  # [3, out]
+    rows = _row_errors_packed(w.detach(), codes, scales, zeros, g_idx, H32, scheme, name)  # [3, out]
     return GPTQResult(codes, scales, zeros, g_idx, damp_used, rows[0], rows[1], rows[2])
+
+
+def _row_errors_packed(w: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                       g_idx: torch.Tensor, H: torch.Tensor, scheme: QuantScheme, name: str = "",
+                       chunk_elements: int = 1 << 22) -> torch.Tensor:
+    """``_row_errors`` of the GPTQ weights given as codes, dequantized a block of rows at a time (about
+    ``chunk_elements`` values, 16 MB in float32), so no whole float32 copy of the weight is made.
+    Raises if a dequantized weight is not finite."""
+    out = torch.empty(3, w.shape[0], dtype=torch.float32, device=w.device)
+    step = max(1, chunk_elements // max(1, w.shape[1]))
+    for start in range(0, w.shape[0], step):
+        rows = slice(start, start + step)
+        w_gptq = dequantize(codes[rows], scales[:, rows], zeros[:, rows], g_idx)
+        if not torch.isfinite(w_gptq).all():
+            raise FloatingPointError(f"GPTQ {name or 'layer'}: NaN or Inf in the quantized weight")
+        out[:, rows] = _row_errors(w[rows].float(), w_gptq, H, scheme, chunk_elements)
+    return out
 
 
 def _row_errors(w: torch.Tensor, w_gptq: torch.Tensor, H: torch.Tensor, scheme: QuantScheme,

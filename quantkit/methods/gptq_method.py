@@ -32,7 +32,7 @@ import torch
 from quantkit.config import QuantkitError, QuantScheme
 from quantkit.distributed.plan import SolveItem, plan_solves
 from quantkit.methods.gptq import GPTQConfig, GPTQResult, HessianAccumulator, gptq_quantize, relative_error
-from quantkit.primitives import num_groups
+from quantkit.primitives import dequantize, num_groups
 from quantkit.qtensor import QuantizedWeight
 from quantkit.walker import LayerContext, LayerResult, capture_linear_inputs, first_output
 
@@ -123,15 +123,17 @@ class _LayerWork:
 
     def _install(self, members: list[str], w: torch.Tensor, res: GPTQResult) -> None:
         scheme, ctx = self.method.scheme, self.ctx
-        w_hat = res.dequantize()  # [sum out_n, in], what the packed weights dequantize to
         row = 0
         for name in members:
             linear = ctx.linears[name]
             rows = slice(row, row + linear.weight.shape[0])
             qw = QuantizedWeight.from_codes(res.codes[rows], res.scales[:, rows], res.zeros[:, rows], res.g_idx,
                                             scheme, bias=linear.bias)
-            # Install from the device copy (the walker installs ``qw`` again, from host memory).
-            linear.weight.data.copy_(w_hat[rows].to(linear.weight.dtype))
+            # What the packed weights dequantize to, installed from the device copy one linear at a time
+            # (the walker does not install ``qw`` again: ``installed``).
+            w_hat = dequantize(res.codes[rows], res.scales[:, rows], res.zeros[:, rows], res.g_idx)  # [out_n, in]
+            linear.weight.data.copy_(w_hat.to(linear.weight.dtype))
+            del w_hat
             self.weights[name] = qw
             self.stats[name] = {
                 "err_rtn": relative_error(res.row_err_rtn[rows], res.row_energy[rows]),
