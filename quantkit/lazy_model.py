@@ -164,6 +164,7 @@ class SafetensorsLayers:
     files: dict = field(default_factory=dict)  # key -> quantkit.stream_io.FileTensor (every stored tensor)
     model: nn.Module | None = None  # the whole (meta) model, for the tensors outside the layers
     deferred: dict[str, str] = field(default_factory=dict)  # "embed" / "head" -> key of a tensor not held
+    releases_layers = True  # (class attribute) each layer is dropped after ``finish``: see LayerContext.releasable
 
     def __len__(self) -> int:
         return len(self.layers)

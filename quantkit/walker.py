@@ -106,6 +106,9 @@ class LayerContext:
     inputs: LayerInputs | None  # None for methods without calibration
     device: torch.device
     comm: Communicator = LOCAL  # the ranks sharing this layer's work (one process: LOCAL)
+    # The layer is dropped once its packed weights are handed over (a streaming source): a method may free a
+    # linear's float weight as soon as nothing of this layer's work reads it again.
+    releasable: bool = False
 
 
 @dataclass
@@ -432,6 +435,7 @@ def walk(
             ctx = LayerContext(
                 index=i, n_layers=len(source), prefix=f"{prefix}.{i}", layer=layer, linears=linears,
                 groups=sequential_groups(spec, linears), spec=spec, inputs=inputs, device=device, comm=comm,
+                releasable=getattr(source, "releases_layers", False),
             )
             result = method.quantize_layer(ctx)
             clock.lap("method")

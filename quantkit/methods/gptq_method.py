@@ -284,6 +284,8 @@ def _single_pass(work: _LayerWork) -> list[torch.Tensor]:
         return hook
 
     handles = [ctx.linears[n].register_forward_pre_hook(pre_hook(n)) for n in group_of]
+    if ctx.releasable:  # each linear runs once in this forward: its float weight is dead after that
+        handles += [ctx.linears[n].register_forward_hook(_release_weight) for n in group_of]
     try:
         with torch.no_grad():
             out = first_output(ctx.layer(x, **ctx.inputs.kwargs))  # [n_samples, S, hidden]
@@ -294,6 +296,12 @@ def _single_pass(work: _LayerWork) -> list[torch.Tensor]:
     if missing:
         raise QuantkitError(f"{ctx.prefix}: linears {missing} never ran in the calibration forward")
     return [ctx.inputs.keep(o) for o in out.split([h.shape[0] for h in ctx.inputs.hidden])]
+
+
+def _release_weight(module: torch.nn.Module, args, output) -> None:
+    """Free a linear's float weight after its one forward of a single pass (the packed weight is kept):
+    while the MLP's down_proj is solved, the layer's other float weights are no longer resident."""
+    module.weight.data = torch.empty(0, dtype=module.weight.dtype, device=module.weight.device)
 
 
 @dataclass(frozen=True)
