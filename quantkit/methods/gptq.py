@@ -235,7 +235,7 @@ def mse_column_weights(config: GPTQConfig, H: torch.Tensor, U: torch.Tensor,
     if not config.mse or config.mse_weight == "none":
         return None
     if config.mse_weight == "hessian":
-        weight = torch.diagonal(H).double()
+        weight = H.diagonal().double()
         if perm is not None:
             weight = weight[perm]
     else:  # "residual": what GPTQ's step charges for column j's error e: e^2 / U_jj^2
@@ -261,7 +261,7 @@ def damped_inverse_factor(
     n = H.shape[0]
     rev = torch.arange(n - 1, -1, -1, device=H.device)  # J
     order = rev if perm is None else perm[rev]
-    mean_diag = float(torch.diagonal(H).double().mean() if perm is None else torch.diagonal(H)[perm].double().mean())
+    mean_diag = float(H.diagonal().double().mean())  # (a SpilledHessian has its diagonal in memory)
     idx = torch.arange(n, device=H.device)
     d = damp
     host = H.device.type == "cpu"
@@ -322,7 +322,7 @@ def _inverse_factor_in_place(H: torch.Tensor, order: torch.Tensor, idx: torch.Te
     step = max(1, (1 << 22) // max(n, 1))  # rows of the permuted copy gathered at a time (16 MB of float32)
     for r0 in range(0, n, step):
         rows = order[r0 : r0 + step]
-        L[r0 : r0 + step].copy_(H[rows[:, None], order])
+        L[r0 : r0 + step].copy_(H[rows[:, None], order] if isinstance(H, torch.Tensor) else H.rows(rows)[:, order])
     L[idx, idx] += shift
     L, info = _cholesky_in_place(L)
     if int(info) != 0:
@@ -524,9 +524,14 @@ def _kernel_supported(block: int, device: torch.device) -> tuple[bool, str]:
 
 
 def gptq_quantize(
-    w: torch.Tensor, H: torch.Tensor, scheme: QuantScheme, config: GPTQConfig = GPTQConfig(), name: str = ""
+    w: torch.Tensor, H: torch.Tensor, scheme: QuantScheme, config: GPTQConfig = GPTQConfig(), name: str = "",
+    spill_hessian: bool = False,
 ) -> GPTQResult:
-    """Quantize ``w [out, in]`` against the input Hessian ``H [in, in]``; ``name`` labels errors."""
+    """Quantize ``w [out, in]`` against the input Hessian ``H [in, in]``; ``name`` labels errors.
+
+    ``spill_hessian`` (host only; a float32 ``H`` of 64 MiB or more): ``H`` waits in a temporary file while
+    the factor is built and the columns solved (``quantkit.methods.hessian_spill``), so the two ``[in, in]``
+    matrices are never resident together; ``H`` holds its values again when this returns."""
     out_features, in_features = w.shape
     if H.shape != (in_features, in_features):
         raise ValueError(f"{name}: Hessian {tuple(H.shape)} does not match weight {tuple(w.shape)}")
@@ -544,17 +549,29 @@ def gptq_quantize(
     if any_dead:  # in place and undone below: no copy of the Hessian (0.8 GB for an 8B down_proj)
         H32[dead, dead] = 1.0
         W[:, dead] = 0.0
+    spill = None
+    if spill_hessian and H32.device.type == "cpu" and H32.is_contiguous() and H32.numel() * 4 >= 64 * 2**20:
+        from quantkit.methods.hessian_spill import SpilledHessian
+
+        spill = SpilledHessian(H32)  # H32's memory is given back until ``restore``
     try:
         gs = scheme.group_size if scheme.group_size != -1 else in_features
         G = num_groups(in_features, scheme.group_size)
         static = config.static_groups or scheme.group_size == -1
         g_idx = default_g_idx(in_features, scheme.group_size, device=W.device)  # [in]
         fixed = None
-        perm = torch.argsort(torch.diagonal(H32), descending=True) if config.desc_act else None
-        U, damp_used = damped_inverse_factor(H32, config.damp, config.max_damp_escalations, name, perm)
-        mse_w = mse_column_weights(config, H32, U, perm)  # [in] in position order, or None
+        Hs = H32 if spill is None else spill  # what the factor reads
+        perm = torch.argsort(Hs.diagonal(), descending=True) if config.desc_act else None
+        U, damp_used = damped_inverse_factor(Hs, config.damp, config.max_damp_escalations, name, perm)
+        mse_w = mse_column_weights(config, Hs, U, perm)  # [in] in position order, or None
+    except BaseException:
+        if spill is not None:
+            spill.restore()
+            if any_dead:
+                H32[dead, dead] = 0.0
+        raise
     finally:
-        if any_dead:
+        if any_dead and spill is None:
             H32[dead, dead] = 0.0
     if static:
         static_w = mse_w
@@ -584,6 +601,10 @@ def gptq_quantize(
             g_idx = torch.empty_like(g_idx)
             g_idx[perm] = torch.arange(in_features, device=codes.device, dtype=torch.int32) // gs
     assert scales.shape == (G, out_features), (scales.shape, G)
+    if spill is not None:
+        spill.restore()  # the factor is freed: H's values come back for the errors
+        if any_dead:
+            H32[dead, dead] = 0.0
     rows = _row_errors_packed(w.detach(), codes, scales, zeros, g_idx, H32, scheme, name)  # [3, out]
     return GPTQResult(codes, scales, zeros, g_idx, damp_used, rows[0], rows[1], rows[2])
 

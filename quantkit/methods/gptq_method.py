@@ -107,7 +107,7 @@ class _LayerWork:
                 members = sets[it.key][0]
                 parts[it.key, it.row_start] = gptq_quantize(
                     stacks[it.key][it.row_start : it.row_stop], hessians[it.key], self.method.scheme, config,
-                    name=f"{ctx.prefix}.{'+'.join(members)}")
+                    name=f"{ctx.prefix}.{'+'.join(members)}", spill_hessian=ctx.releasable)
         for it in items:
             parts[it.key, it.row_start] = _share_part(ctx, parts.get((it.key, it.row_start)), it,
                                                       stacks[it.key].shape[1], self.method.scheme)
