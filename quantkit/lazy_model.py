@@ -194,24 +194,40 @@ class SafetensorsLayers:
 
     @contextlib.contextmanager
     def input_embeddings(self):
-        """The input embedding materialized for the calibration capture, in its stored dtype (its output cast
-        to the working dtype: the same values as a promoted table), and given back to the meta device after."""
+        """The input embedding usable for the calibration capture, then given back to the meta device.
+
+        Each call reads only the rows of the ids it is given (plain reads, stored dtype) into a table of
+        those rows, remaps the ids onto it, and casts the output to the working dtype: the same values as
+        the whole table promoted, for the memory of the rows used (a few MB, not the vocabulary)."""
         key = self.deferred.get("embed")
-        if key is None or self.model is None:
+        if key is None or self.model is None or not isinstance(self.model.get_input_embeddings(), nn.Embedding):
             yield
             return
-        embed = self.model.get_input_embeddings()
-        work_dtype = self.expected[key].dtype
-        old = embed.weight
-        param = nn.Parameter(self._read_tensor(key, None), requires_grad=False)
-        _swap_parameter(self.model, old, param)
-        hook = embed.register_forward_hook(lambda module, args, out: out.to(work_dtype))
+        from quantkit.stream_io import file_tensors, read_rows
+
+        if not self.files:
+            self.files = file_tensors(self.records)
+        ft, embed, work_dtype = self.files[key], self.model.get_input_embeddings(), self.expected[key].dtype
+        old, padding_idx = embed.weight, embed.padding_idx
+
+        def rows_only(module, args, kwargs):
+            ids = args[0] if args else kwargs.pop("input")
+            used, local = torch.unique(ids, return_inverse=True)  # local ids into the table of used rows
+            module._parameters["weight"] = nn.Parameter(read_rows(ft, used.cpu()).to(ids.device), requires_grad=False)
+            return (local.view_as(ids), *args[1:]), kwargs
+
+        def cast(module, args, out):
+            module._parameters["weight"] = old  # the rows are dropped with the call
+            return out.to(work_dtype)
+
+        embed.padding_idx = None  # forward only (no gradients): the index must not point past the row table
+        hooks = [embed.register_forward_pre_hook(rows_only, with_kwargs=True), embed.register_forward_hook(cast)]
         try:
             yield
         finally:
-            hook.remove()
-            _swap_parameter(self.model, param, old)
-            del param
+            for hook in hooks:
+                hook.remove()
+            embed._parameters["weight"], embed.padding_idx = old, padding_idx
             return_freed_memory()
 
     @contextlib.contextmanager

@@ -92,6 +92,21 @@ def read_tensor(ft: FileTensor, dtype: torch.dtype | None = None, chunk_bytes: i
     return out.view(ft.shape)
 
 
+def read_rows(ft: FileTensor, index: torch.Tensor) -> torch.Tensor:
+    """Rows ``index`` (sorted ints) of the 2-D tensor ``ft``, as stored: ``[len(index), cols]``, one read per
+    row (an embedding lookup of the calibration ids, without the table)."""
+    cols = ft.shape[1]
+    row_bytes = cols * ft.dtype.itemsize
+    out = torch.empty(len(index), row_bytes, dtype=torch.uint8)
+    with open(ft.file, "rb", buffering=0) as handle:
+        for i, r in enumerate(index.tolist()):
+            if not 0 <= r < ft.shape[0]:
+                raise IndexError(f"row {r} of a table of {ft.shape[0]} rows")
+            handle.seek(ft.start + r * row_bytes)
+            _read_exact(handle, out[i].numpy(), ft)
+    return out.view(ft.dtype).view(len(index), cols)
+
+
 def _read_exact(handle, buffer, ft: FileTensor) -> None:
     view = memoryview(buffer).cast("B")
     got = 0

@@ -30,11 +30,15 @@ CALIB = REPO.parent / "shared" / "data" / "wikitext2" / "valid.tokens.txt"
 MiB = 2**20
 
 
-def _calib(tmp_path: Path) -> Path:
-    if CALIB.is_file():
+def _calib(tmp_path: Path, excerpt: bool) -> Path:
+    """wikitext-2's validation text, or (``excerpt``) its first 64 KB: quantkit tokenizes the whole file it is
+    given before drawing windows, about 140 MB of transient tokenizer memory for the 1.1 MB file with the test
+    tokenizer, a fixed cost the small checkpoint's bound cannot absorb (it is not the model's)."""
+    if CALIB.is_file() and not excerpt:
         return CALIB
-    text = tmp_path / "calib.txt"  # outside the shared machine: any English text does for memory
-    text.write_text("the quick brown fox jumps over the lazy dog. " * 4000)
+    text = tmp_path / "calib.txt"
+    source = CALIB.read_text()[: 64 * 1024] if CALIB.is_file() else "the quick brown fox jumps over the lazy dog. " * 1500
+    text.write_text(source)
     return text
 
 
@@ -51,9 +55,10 @@ def _check_copied_tensors(model: Path, out: Path) -> None:
     assert all(written[k].dtype == torch.bfloat16 and torch.equal(written[k], source[k]) for k in source)
 
 
-def _run(model: Path, tmp_path: Path, method: str, size: int) -> int:
+def _run(model: Path, tmp_path: Path, method: str, size: int, excerpt: bool = False) -> int:
     out = tmp_path / f"out-{method}"
-    run = bench.quantize_cli(model, out, method, calib=_calib(tmp_path), nsamples=4, seqlen=256, timeout=3600)
+    run = bench.quantize_cli(model, out, method, calib=_calib(tmp_path, excerpt), nsamples=4, seqlen=256,
+                             timeout=3600)
     report = run["report"]
     peak = report["peak_host_memory_bytes"]
     print(f"\n{method} --stream on: checkpoint {size / MiB:.0f} MiB, peak {peak / MiB:.0f} MiB "
@@ -77,7 +82,7 @@ def small_model(tmp_path_factory):
 def test_streamed_peak_is_bounded_by_a_layer_not_the_model(small_model, tmp_path, method):
     model, size = small_model
     assert 100 * MiB < size < 130 * MiB and len(list(model.glob("*.safetensors"))) >= 3
-    _run(model, tmp_path, method, size)
+    _run(model, tmp_path, method, size, excerpt=True)
 
 
 @pytest.fixture(scope="module")
