@@ -46,9 +46,9 @@ SHAPES = {
     # Llama-3-8B itself (16.1 GB of bf16)
     "llama8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                     num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False),
-    # the default test's shape (tests/test_stream_memory.py)
+    # the default test's shape (tests/test_stream_memory.py): small layers, Llama 3's vocabulary (tied)
     "small": dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=8,
-                  num_key_value_heads=8, vocab_size=49152, tie_word_embeddings=True),
+                  num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True),
     "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=1024, tie_word_embeddings=False),
 }

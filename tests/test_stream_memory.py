@@ -4,9 +4,10 @@ A random bf16 Llama-shaped checkpoint is written layer by layer (bench/bench_str
 the ``quantkit`` CLI in a child process, whose peak resident memory (its own VmHWM, in its JSON report) must stay
 below a third of the checkpoint plus 512 MiB, for RTN and for GPTQ (4 windows of 256 tokens of wikitext-2).
 
-* default run: a 117 MB checkpoint (hidden 512, MLP 2048, 8 layers, SmolLM2's 49,152-word vocabulary, tied),
-  bound 551 MiB. Loading it whole in float32 would take 234 MB above the ~420 MiB a process with torch and
-  transformers' Llama holds, so a run that promoted the model (or its embedding twice over) fails.
+* default run: a 198 MB (189 MiB) checkpoint (hidden 512, MLP 2048, 8 layers, Llama 3's 128,256-word vocabulary, tied:
+  the embedding is two thirds of it), bound 575 MiB. Loading it whole in float32 would take 398 MB above the
+  ~430 MiB the CLI process holds with torch and transformers' Llama imported, and holding the embedding alone
+  131 MB (stored) or 263 MB (promoted): a run that promotes or holds what it need not fails.
 * ``large`` (left out of the default run): issue 43's checkpoint, hidden 2048, MLP 8192, 16 layers, 500 MB
   shards, 2.35 GB; bound 1,259 MiB. GPTQ takes about 10 minutes on a quiet 2-core CPU.
 """
@@ -81,7 +82,7 @@ def small_model(tmp_path_factory):
 @pytest.mark.parametrize("method", ["rtn", "gptq"])
 def test_streamed_peak_is_bounded_by_a_layer_not_the_model(small_model, tmp_path, method):
     model, size = small_model
-    assert 100 * MiB < size < 130 * MiB and len(list(model.glob("*.safetensors"))) >= 3
+    assert 180 * MiB < size < 200 * MiB and len(list(model.glob("*.safetensors"))) >= 3
     _run(model, tmp_path, method, size, excerpt=True)
 
 

@@ -613,11 +613,11 @@ def _row_errors_packed(w: torch.Tensor, codes: torch.Tensor, scales: torch.Tenso
                        g_idx: torch.Tensor, H: torch.Tensor, scheme: QuantScheme, name: str = "",
                        chunk_elements: int | None = None) -> torch.Tensor:
     """``_row_errors`` of the GPTQ weights given as codes, dequantized a block of rows at a time (about
-    ``chunk_elements`` values; default 16 MB of float32 on the host, where memory bounds a streamed run,
+    ``chunk_elements`` values; default 4 MB of float32 on the host, where memory bounds a streamed run,
     256 MB on an accelerator, where larger products run faster), so no whole float32 copy of the weight
     is made. Raises if a dequantized weight is not finite."""
     if chunk_elements is None:
-        chunk_elements = 1 << 22 if w.device.type == "cpu" else 1 << 26
+        chunk_elements = 1 << 20 if w.device.type == "cpu" else 1 << 26
     out = torch.empty(3, w.shape[0], dtype=torch.float32, device=w.device)
     step = max(1, chunk_elements // max(1, w.shape[1]))
     for start in range(0, w.shape[0], step):

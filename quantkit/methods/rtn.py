@@ -29,7 +29,7 @@ class RTNResult:
     weight_error: float
 
 
-def rtn_quantize(w: torch.Tensor, scheme: QuantScheme, chunk_elements: int = 1 << 22) -> RTNResult:
+def rtn_quantize(w: torch.Tensor, scheme: QuantScheme, chunk_elements: int = 1 << 20) -> RTNResult:
     """Round ``w [out, in]`` to the nearest point of its per-group grid.
 
     Rows are quantized a block of about ``chunk_elements`` values at a time (each row's groups are its own),
@@ -73,7 +73,7 @@ class RTNMethod:
 
 
 @torch.no_grad()
-def install_rows(linear: torch.nn.Linear, res: RTNResult, chunk_elements: int = 1 << 22) -> None:
+def install_rows(linear: torch.nn.Linear, res: RTNResult, chunk_elements: int = 1 << 20) -> None:
     """Put the dequantized ``res`` into ``linear.weight``, a block of rows at a time (no whole float32 copy)."""
     w = linear.weight.data
     step = max(1, chunk_elements // max(1, w.shape[1]))
