@@ -141,8 +141,9 @@ def plan_loading(spec: str, load: LoadConfig, *, self_calibration: bool, world_s
     return LoadPlan(False, f"whole model in memory: {sizes} (--stream on streams it)")
 
 
-def stream_shard_bytes(folder: Path, max_shard_bytes: int = 4 * 2**30) -> int:
-    """Shard size for a streamed model's checkpoint: the writer holds one shard's packed tensors."""
+def stream_shard_bytes(folder: Path, max_shard_bytes: int = 512 * 2**20) -> int:
+    """Shard size for a streamed model's checkpoint: the writer holds one shard's packed tensors, so it is
+    capped at 512 MiB (a 64th of a 140 GB 70B model would be 2.2 GB, five packed layers held)."""
     return max(MIN_STREAM_SHARD_BYTES, min(max_shard_bytes, int(stored_bytes(folder) * STREAM_SHARD_FRACTION)))
 
 

@@ -589,14 +589,19 @@ def gptq_quantize(
 
     codes_p, scales, zeros = solve_columns(W, U, scheme, gs, config, fixed, mse_w, in_place=True)
     del W, U, fixed
-    codes_p = codes_p.to(torch.int32)  # whole numbers in the loop's float32 buffer (in_place); the factor is freed
+    # codes_p: whole numbers in the loop's float32 buffer (in_place), converted now that the factor is freed
     if static:
         scales, zeros = scales_g, zeros_g
-    codes = codes_p
-    if perm is not None:
-        codes = torch.empty_like(codes_p)
-        codes[:, perm] = codes_p
+    if perm is None:
+        codes = codes_p.to(torch.int32)
+    else:  # back to the original column order, through one byte a code (bits <= 8): one int32 copy alive
+        small = codes_p.to(torch.uint8 if scheme.bits <= 8 else torch.int32)
         del codes_p
+        codes = torch.empty(small.shape, dtype=torch.int32, device=small.device)
+        step = max(1, (1 << 20) // max(1, small.shape[1]))
+        for r in range(0, small.shape[0], step):  # index_put wants one dtype: widen a block of rows at a time
+            codes[r : r + step, perm] = small[r : r + step].to(torch.int32)
+        del small
         if not static:
             g_idx = torch.empty_like(g_idx)
             g_idx[perm] = torch.arange(in_features, device=codes.device, dtype=torch.int32) // gs

@@ -96,6 +96,10 @@ class _LayerWork:
         ctx, comm, config = self.ctx, self.ctx.comm, self.method.config
         t0 = _clock(ctx.device)
         stacks = [_stacked(ctx, members) for members, _ in sets]  # each [sum out_n, in]
+        if ctx.releasable:  # a stack of several linears is a copy: their own float weights are dead until
+            for members, _ in sets:  # ``_install`` puts the quantized ones back
+                for name in members if len(members) > 1 else ():
+                    _release_weight(ctx.linears[name], None, None)
         items = plan_solves([tuple(w.shape) for w in stacks], comm.world_size, config.split_min_rows)
         hessians = [global_hessian(ctx, acc, {it.owner for it in items if it.key == k})
                     for k, (_, acc) in enumerate(sets)]
@@ -126,13 +130,16 @@ class _LayerWork:
         row = 0
         for name in members:
             linear = ctx.linears[name]
-            rows = slice(row, row + linear.weight.shape[0])
+            rows = slice(row, row + linear.out_features)
             qw = QuantizedWeight.from_codes(res.codes[rows], res.scales[:, rows], res.zeros[:, rows], res.g_idx,
                                             scheme, bias=linear.bias)
             # What the packed weights dequantize to, installed from the device copy one linear at a time
             # (the walker does not install ``qw`` again: ``installed``).
             w_hat = dequantize(res.codes[rows], res.scales[:, rows], res.zeros[:, rows], res.g_idx)  # [out_n, in]
-            linear.weight.data.copy_(w_hat.to(linear.weight.dtype))
+            if linear.weight.numel() == 0:  # released while its stack was solved (ctx.releasable)
+                linear.weight.data = w_hat.to(linear.weight.dtype)
+            else:
+                linear.weight.data.copy_(w_hat.to(linear.weight.dtype))
             del w_hat
             self.weights[name] = qw
             self.stats[name] = {
