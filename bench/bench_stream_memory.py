@@ -8,7 +8,9 @@ plus 512 MiB.
 
     python bench/bench_stream_memory.py                                   # the 2.2 GB shape, CPU
     python bench/bench_stream_memory.py --shape llama2k --shape llama4k --layers 2   # two widths
-    python bench/bench_stream_memory.py --device cuda --shape llama8b --compare-whole  # H200: stream vs whole
+    python bench/bench_stream_memory.py --device cuda --shape llama8b --method gptq --streams on,off \
+        --nsamples 128 --seqlen 2048                                      # H200: streamed vs whole model
+    python bench/bench_stream_memory.py ... --model DIR --streams off    # reuse a checkpoint written with --keep
     python bench/bench_stream_memory.py --shape tiny                      # a smoke run (seconds)
 
 Memory numbers do not depend on how busy the machine is; times do (a shared CPU makes them longer).
@@ -154,19 +156,24 @@ def measure(shape_name: str, methods: list[str], args: argparse.Namespace, work:
     shape = dict(SHAPES[shape_name])
     if args.layers:
         shape["num_hidden_layers"] = args.layers
-    model = work / f"model-{shape_name}"
+    reuse = args.model is not None
+    model = Path(args.model) if reuse else work / f"model-{shape_name}"
     t0 = time.perf_counter()
-    size = write_llama_checkpoint(model, shape, shard_bytes=args.shard_mb * 10**6,
-                                  device="cuda" if args.device.startswith("cuda") else "cpu")
-    print(f"wrote {shape_name}: {size / 2**30:.2f} GiB in {time.perf_counter() - t0:.0f} s", flush=True)
+    if reuse:
+        shape = {k: v for k, v in json.loads((model / "config.json").read_text()).items() if k in shape}
+        size = sum(f.stat().st_size for f in model.glob("*.safetensors"))
+    else:
+        size = write_llama_checkpoint(model, shape, shard_bytes=args.shard_mb * 10**6,
+                                      device="cuda" if args.device.startswith("cuda") else "cpu")
+        print(f"wrote {shape_name}: {size / 2**30:.2f} GiB in {time.perf_counter() - t0:.0f} s", flush=True)
     rows = []
     try:
-        streams = ["on", "off"] if args.compare_whole else ["on"]
+        streams = args.streams.split(",")
         for method in methods:
             for stream in streams:
                 out = work / f"out-{shape_name}-{method}-{stream}"
                 run = quantize_cli(model, out, method, device=args.device, stream=stream, nsamples=args.nsamples,
-                                   seqlen=args.seqlen)
+                                   seqlen=args.seqlen, calib=Path(args.calib))
                 rep = run["report"]
                 peak = rep["peak_host_memory_bytes"]
                 rows.append({
@@ -180,7 +187,7 @@ def measure(shape_name: str, methods: list[str], args: argparse.Namespace, work:
                 print(_row_text(rows[-1]), flush=True)
                 shutil.rmtree(out, ignore_errors=True)
     finally:
-        if not args.keep:
+        if not args.keep and not reuse:
             shutil.rmtree(model, ignore_errors=True)
     return rows
 
@@ -216,6 +223,13 @@ def host() -> dict:
     return info
 
 
+def _default_calib() -> Path:
+    for path in (CALIB, REPO / "shared" / "data" / "wikitext2" / "valid.tokens.txt"):
+        if path.is_file():
+            return path
+    return CALIB
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", action="append", choices=sorted(SHAPES), default=None,
@@ -224,7 +238,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--method", action="append", choices=("rtn", "gptq"), default=None,
                    help="repeatable; default both")
     p.add_argument("--device", default="cpu", help="where layers are processed (cpu, cuda)")
-    p.add_argument("--compare-whole", action="store_true", help="also run each method with --stream off")
+    p.add_argument("--streams", default="on", help="comma-separated --stream values to run (default on; on,off "
+                   "compares with the whole model loaded)")
+    p.add_argument("--calib", default=str(_default_calib()), help="calibration text for GPTQ (default: wikitext-2 "
+                   "validation from ../shared or ./shared)")
+    p.add_argument("--model", default=None, help="an existing checkpoint folder to measure (skips writing one)")
     p.add_argument("--nsamples", type=int, default=4, help="GPTQ calibration windows (default 4)")
     p.add_argument("--seqlen", type=int, default=256, help="tokens per window (default 256)")
     p.add_argument("--shard-mb", type=int, default=500, help="source shard size, MB (default 500)")
@@ -237,6 +255,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> Path:
     args = parse_args(argv)
     shapes = args.shape or ["llama2k"]
+    if args.model is not None and len(shapes) != 1:
+        raise SystemExit("--model measures one checkpoint: give one --shape (its name labels the rows)")
     methods = args.method or ["rtn", "gptq"]
     work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="qk-stream-mem-"))
     work.mkdir(parents=True, exist_ok=True)

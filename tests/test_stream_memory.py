@@ -180,3 +180,15 @@ def test_spilled_hessian_gives_the_same_result_and_h_back(desc_act, dead):
     assert torch.equal(H.H, before)
     for field in ("codes", "scales", "zeros", "g_idx", "row_err_gptq", "row_err_rtn", "row_energy"):
         assert torch.equal(getattr(a, field), getattr(b, field)), field
+
+
+def test_bench_tiny_run_writes_its_table_and_json(tmp_path, capsys):
+    out = bench.main(["--shape", "tiny", "--method", "rtn", "--workdir", str(tmp_path / "work"),
+                      "--out", str(tmp_path / "r.json")])
+    rec = json.loads(out.read_text())
+    run = rec["runs"][0]
+    assert run["method"] == "rtn" and run["stream"] == "on" and run["checkpoint_bytes"] > 0
+    assert run["peak_host_bytes"] > 2**20 and run["bound_bytes"] == bench.bound_bytes(run["checkpoint_bytes"])
+    assert rec["versions"]["torch"] and rec["date"] and rec["host"]["cpus"]
+    assert "peak MiB" in capsys.readouterr().out
+    assert not (tmp_path / "work" / "model-tiny").exists()  # deleted without --keep
