@@ -74,7 +74,18 @@ def test_layers_are_read_when_asked_and_released_after(tiny_llama_dir):
     loaded, source = lazy_model.open_streamed(str(tiny_llama_dir), LoadConfig(device="cpu"))
     layers = list(source.layers)
     assert all(p.is_meta for layer in layers for p in layer.parameters())
-    assert not any(p.is_meta for p in loaded.model.model.embed_tokens.parameters())
+    # the embedding and the output head are not held: read for the calibration capture only / copied at save
+    assert loaded.model.model.embed_tokens.weight.is_meta and loaded.model.lm_head.weight.is_meta
+    assert not loaded.model.model.norm.weight.is_meta
+    from safetensors.torch import load_file
+
+    table = load_file(str(tiny_llama_dir / "model.safetensors"))["model.embed_tokens.weight"]
+    ids = torch.tensor([[5, 1, 200, 5], [0, 1, 7, 255]])
+    with source.input_embeddings():  # only the rows of the ids asked for are read, and cast on the way out
+        out = loaded.model.model.embed_tokens(ids)
+        assert out.dtype == torch.float32 and torch.equal(out, table.float()[ids])
+        assert loaded.model.model.embed_tokens.weight.is_meta  # between calls nothing is held
+    assert loaded.model.model.embed_tokens.weight.is_meta
     seen = []
 
     def on_finish(prefix, layer, weights):

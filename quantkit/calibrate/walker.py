@@ -12,6 +12,7 @@ time from safetensors shards (for models larger than host memory) only has to im
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -105,6 +106,9 @@ class LayerContext:
     inputs: LayerInputs | None  # None for methods without calibration
     device: torch.device
     comm: Communicator = LOCAL  # the ranks sharing this layer's work (one process: LOCAL)
+    # The layer is dropped once its packed weights are handed over (a streaming source): a method may free a
+    # linear's float weight as soon as nothing of this layer's work reads it again.
+    releasable: bool = False
 
 
 @dataclass
@@ -407,7 +411,9 @@ def walk(
         log.info("calibration activations (%.2f GiB in and out) kept in %s memory", set_bytes / 2**30,
                  "host" if offload else device.type)
         keep = offload_to_host if offload else (lambda t: t)
-        hidden, layer_kwargs = capture_layer_inputs(model, source, token_ids[share], device, batch_size, keep)
+        # a streaming source reads the input embedding for this and releases it after
+        with getattr(source, "input_embeddings", contextlib.nullcontext)():
+            hidden, layer_kwargs = capture_layer_inputs(model, source, token_ids[share], device, batch_size, keep)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
@@ -429,6 +435,7 @@ def walk(
             ctx = LayerContext(
                 index=i, n_layers=len(source), prefix=f"{prefix}.{i}", layer=layer, linears=linears,
                 groups=sequential_groups(spec, linears), spec=spec, inputs=inputs, device=device, comm=comm,
+                releasable=getattr(source, "releases_layers", False),
             )
             result = method.quantize_layer(ctx)
             clock.lap("method")
@@ -457,7 +464,8 @@ def walk(
         weights.update(pipe.results())
     if quantize_lm_head:
         inputs = None if hidden is None else LayerInputs(hidden, {}, share.start, total_tokens, device, offload)
-        name, qw, stats = quantize_output_head(model, method, inputs, device, comm)
+        with getattr(source, "output_head", contextlib.nullcontext)():  # a streaming source reads it now
+            name, qw, stats = quantize_output_head(model, method, inputs, device, comm)
         weights[name] = qw
         layer_stats.append({"layer": len(source), "prefix": name, "seconds": stats.pop("_seconds"),
                             "linears": {name: stats}, "notes": []})

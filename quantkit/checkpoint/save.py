@@ -225,7 +225,9 @@ def build_state_dict(
     seen: dict[tuple, str] = {}
     dropped: list[str] = []
     quantized_done: set[str] = set()
-    for key, tensor in model.state_dict().items():
+    # keep_vars: the parameters themselves, so tied ones still on the meta device (a streamed model's
+    # embeddings, copied from its files) are one object under both keys
+    for key, tensor in model.state_dict(keep_vars=True).items():
         module_name = key.rpartition(".")[0]
         if module_name in weights:
             if module_name not in quantized_done:
@@ -264,7 +266,9 @@ def _packed_tensors(
 
 
 def _storage_identity(tensor: torch.Tensor) -> tuple | None:
-    if tensor.device.type == "meta" or tensor.numel() == 0:
+    if tensor.device.type == "meta":
+        return ("meta", id(tensor))
+    if tensor.numel() == 0:
         return None
     return (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
 

@@ -52,6 +52,19 @@ class PendingTensor:
         return tensor.to("cpu").contiguous()
 
 
+@dataclass(frozen=True)
+class FilePending:
+    """A tensor copied straight from a source safetensors file (``quantkit.checkpoint.stream_io.FileTensor``) into its
+    shard, chunk by chunk, cast to ``dtype`` (None: as stored): tensors a streamed model never holds."""
+
+    source: Any  # quantkit.checkpoint.stream_io.FileTensor
+    dtype: torch.dtype | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.source.numel * (self.dtype or self.source.dtype).itemsize
+
+
 def shard_name(index: int, count: int) -> str:
     return WEIGHTS_NAME if count == 1 else f"model-{index + 1:05d}-of-{count:05d}.safetensors"
 
@@ -80,6 +93,9 @@ class CheckpointWriter:
         self._pending_bytes = 0
         self._shards: list[list[str]] = []
         self._total_bytes = 0
+        # key -> quantkit.checkpoint.stream_io.FileTensor: a tensor added while still on the meta device (never read by a
+        # streamed model) is copied from there instead
+        self.file_sources: dict[str, Any] = {}
 
     def __enter__(self) -> CheckpointWriter:
         return self
@@ -93,6 +109,8 @@ class CheckpointWriter:
         for key, pending in state.items():
             if key in self.written:
                 raise ValueError(f"tensor {key} was added twice to {self.output}")
+            if isinstance(pending, PendingTensor) and pending.source.is_meta and key in self.file_sources:
+                pending = FilePending(self.file_sources[key], pending.dtype)
             if self._pending and self._pending_bytes + pending.nbytes > self.max_shard_bytes:
                 self._flush()
             self._pending[key] = pending
@@ -102,8 +120,12 @@ class CheckpointWriter:
     def _flush(self) -> None:
         if not self._pending:
             return
-        tensors = _own_storage({k: p.materialize(k) for k, p in self._pending.items()})
-        _write_shard(self.tmp / _provisional_name(len(self._shards)), tensors, self.metadata)
+        path = self.tmp / _provisional_name(len(self._shards))
+        if any(isinstance(p, FilePending) for p in self._pending.values()):
+            _write_streamed_shard(path, self._pending, self.metadata)
+        else:
+            tensors = _own_storage({k: p.materialize(k) for k, p in self._pending.items()})
+            _write_shard(path, tensors, self.metadata)
         self._shards.append(list(self._pending))
         self._total_bytes += self._pending_bytes
         self._pending, self._pending_bytes = {}, 0
@@ -159,6 +181,20 @@ def _write_shard(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[st
     save_file(tensors, str(path), metadata=metadata)
     # safetensors creates its files owner-only (0600); a checkpoint is meant to be read by servers
     # running as other users, like the json files next to it.
+    path.chmod(0o644)
+
+
+def _write_streamed_shard(path: Path, pending: dict, metadata: dict[str, str]) -> None:
+    """A shard holding tensors copied from source files: written tensor by tensor, file tensors in chunks."""
+    from quantkit.checkpoint.stream_io import write_shard
+
+    items = []
+    for key, p in pending.items():
+        if isinstance(p, FilePending):
+            items.append((key, p.source, p.dtype or p.source.dtype))
+        else:
+            items.append((key, p.materialize(key), p.dtype or p.source.dtype))
+    write_shard(path, items, metadata)
     path.chmod(0o644)
 
 

@@ -8,9 +8,14 @@ input Hessian ``H = 2/n sum x x^T``. It minimizes the output error ``tr(dW H dW^
 * Damping: ``damp * mean(diag H)`` on the diagonal; a Cholesky failure multiplies it by 10 (a few
   times) and warns. Dead columns (zero diagonal: an input that is always zero) get ``H_ii = 1`` and
   a zero weight, as their value cannot matter.
-* The inverse goes through one Cholesky factorization and a triangular inverse (float64), and the
-  solver works on the upper Cholesky factor ``U`` of ``H^-1``: within a block of columns the error
-  is pushed by rank-1 updates, between blocks by one matrix product (the "lazy batch" update).
+* The inverse goes through one Cholesky factorization and a triangular inverse, and the solver works on
+  the upper Cholesky factor ``U`` of ``H^-1``: within a block of columns the error is pushed by rank-1
+  updates, between blocks by one matrix product (the "lazy batch" update). On the host both run in
+  float32 in one matrix, in place (the reference GPTQ code factors in float32 too; host memory is what
+  bounds a streamed run: an 8192-wide down_proj's factor is 268 MB in float32, 537 MB in float64); a
+  float32 factorization that fails is retried in float64 at the same damping before the damping is
+  raised. Accelerators keep float64 (their measured device peaks, and the quality baselines, were made
+  with it). The reductions (mean diagonal, errors, mse column weights) are float64 everywhere: vectors.
 * Groups are aligned with blocks, so each group's scale is computed from fully updated weights.
 * ``desc_act``: columns in order of decreasing ``diag H``; the permutation ends up in ``g_idx``
   (``g_idx[perm[j]] = j // group_size``). ``static_groups``: every group's scale is computed from the
@@ -28,12 +33,20 @@ from __future__ import annotations
 
 import logging
 import math
-import warnings
 from dataclasses import dataclass
 
 import torch
 
 from quantkit.config import QuantkitError, QuantScheme
+from quantkit.methods.gptq_factor import (  # noqa: F401 (re-exported: the factor's home before the split)
+    _cholesky_in_place,
+    _inverse_factor,
+    _inverse_factor_in_place,
+    all_finite,
+    anti_transpose_,
+    damped_inverse_factor,
+    invert_lower_,
+)
 from quantkit.methods.gptq_mse import group_qparams, static_group_qparams  # the range search (min/max or mse)
 from quantkit.primitives import (
     default_g_idx,
@@ -199,7 +212,7 @@ def mse_column_weights(config: GPTQConfig, H: torch.Tensor, U: torch.Tensor,
     if not config.mse or config.mse_weight == "none":
         return None
     if config.mse_weight == "hessian":
-        weight = torch.diagonal(H).double()
+        weight = H.diagonal().double()
         if perm is not None:
             weight = weight[perm]
     else:  # "residual": what GPTQ's step charges for column j's error e: e^2 / U_jj^2
@@ -207,127 +220,10 @@ def mse_column_weights(config: GPTQConfig, H: torch.Tensor, U: torch.Tensor,
     return (weight / weight.mean().clamp_min(1e-300)).float()
 
 
-def damped_inverse_factor(
-    H: torch.Tensor, damp: float, max_escalations: int, name: str = "", perm: torch.Tensor | None = None
-) -> tuple[torch.Tensor, float]:
-    """Upper Cholesky factor ``U`` of ``(H + d I)^-1`` (float32 ``[in, in]``) and the damping used;
-    with ``perm``, of the permuted ``H[perm][:, perm]`` (built here, so no permuted copy outlives it).
-
-    One Cholesky factorization and one triangular inverse in float64: with ``J`` the reversal permutation
-    and ``J H J = L L^T``, ``H^-1 = (J L^-1 J)^T (J L^-1 J)`` and ``J L^-1 J`` is upper triangular with a
-    positive diagonal, so it is the (unique) upper Cholesky factor of ``H^-1``: the same matrix as
-    ``cholesky(cholesky_inverse(cholesky(H)), upper=True)`` up to float64 rounding, with a third of the
-    arithmetic and two float64 matrices alive instead of three (each 1.6 GB for an 8B model's down_proj);
-    on the host one, both steps in place (``_inverse_factor_in_place``). On failure the damping is
-    multiplied by 10, up to ``max_escalations`` times, with a warning; then a ``FloatingPointError``
-    names the layer.
-    """
-    n = H.shape[0]
-    rev = torch.arange(n - 1, -1, -1, device=H.device)  # J
-    order = rev if perm is None else perm[rev]
-    mean_diag = float(torch.diagonal(H).double().mean() if perm is None else torch.diagonal(H)[perm].double().mean())
-    idx = torch.arange(n, device=H.device)
-    d = damp
-    factor = _inverse_factor_in_place if H.device.type == "cpu" else _inverse_factor
-    for attempt in range(max_escalations + 1):
-        U = factor(H, order, idx, d * mean_diag)
-        if U is not None:
-            return U, d
-        if attempt < max_escalations:
-            new_d = max(d * 10.0, 1e-6)
-            warnings.warn(
-                f"GPTQ {name or 'layer'}: Cholesky factorization failed with damp={d:g}; "
-                f"escalating damping to {new_d:g} of the mean Hessian diagonal",
-                RuntimeWarning, stacklevel=2,
-            )
-            d = new_d
-    raise FloatingPointError(
-        f"GPTQ {name or 'layer'}: the Hessian is not positive definite even with damp={d:g}; "
-        "check the calibration data (NaN/Inf activations?) or raise --damp"
-    )
-
-
-def _inverse_factor(H: torch.Tensor, order: torch.Tensor, idx: torch.Tensor, shift: float) -> torch.Tensor | None:
-    """``J L^-1 J`` (float32) for ``J P H P^T J + shift I = L L^T``, or None when the factorization fails or
-    gives non-finite values: the factor and its inverse as two float64 matrices (the accelerator path;
-    measured on the H200, see ``_inverse_factor_in_place``)."""
-    n = H.shape[0]
-    Hd = H[order[:, None], order].double()  # J P H P^T J, converted again on every attempt
-    Hd[idx, idx] += shift
-    L, info = torch.linalg.cholesky_ex(Hd)
-    del Hd
-    if int(info) != 0:
-        return None
-    Linv = torch.eye(n, dtype=L.dtype, device=L.device)
-    torch.linalg.solve_triangular(L, Linv, upper=False, out=Linv)  # L^-1
-    del L
-    U = Linv.flip((0, 1))  # J L^-1 J
-    del Linv
-    return U.float() if torch.isfinite(U).all() else None
-
-
-def _inverse_factor_in_place(H: torch.Tensor, order: torch.Tensor, idx: torch.Tensor,
-                             shift: float) -> torch.Tensor | None:
-    """``_inverse_factor`` with one float64 matrix alive (the host path, where it lowers peak resident memory:
-    a streamed Llama layer of MLP 4096, 942 -> 816 MiB with the heap bound; at n = 6144 the factorization's
-    extra peak 710 -> 529 MiB). The matrix is stored column-major, the layout LAPACK factors in, so the
-    Cholesky works in place (any other layout makes torch factor a copy); the triangular inverse is
-    blocked in place (``invert_lower_``); float32 before the flip. On the H200 this variant measured
-    8.78 GiB of peak device memory for an 8B GPTQ --desc-act walk against 7.25 with ``_inverse_factor``
-    (one float64 down_proj matrix more, cause not found), so accelerators keep that one."""
-    n = H.shape[0]
-    L = torch.empty_strided((n, n), (1, n), dtype=torch.float64, device=H.device)
-    L.copy_(H[order[:, None], order])
-    L[idx, idx] += shift
-    L, info = _cholesky_in_place(L)
-    if int(info) != 0:
-        return None
-    invert_lower_(L)  # L^-1, in place
-    U = L.float()  # float32 before the flip: the copy the flip makes is half the size
-    del L
-    U = U.flip((0, 1)).contiguous()  # J L^-1 J (row-major, as the solvers read it)
-    return U if torch.isfinite(U).all() else None
-
-
-def _cholesky_in_place(A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Lower Cholesky factor of the column-major ``A``, written over it: (L, info). Should a backend
-    refuse the aliased output, the ordinary call (one more matrix) gives the same factor."""
-    info = torch.empty((), dtype=torch.int32, device=A.device)
-    try:
-        torch.linalg.cholesky_ex(A, out=(A, info))
-        return A, info
-    except RuntimeError:
-        return torch.linalg.cholesky_ex(A)
-
-
-def invert_lower_(L: torch.Tensor, block: int = 1024) -> torch.Tensor:
-    """Invert the lower-triangular ``L [n, n]`` in place (its upper triangle must be zero) and return it.
-
-    With ``L = [[A, 0], [B, C]]``, ``L^-1 = [[A^-1, 0], [-C^-1 B A^-1, C^-1]]``: the off-diagonal block
-    from two triangular solves, then both diagonal blocks the same way, recursively down to ``block``
-    columns, where one ``solve_triangular`` against the identity does it. The temporaries are a
-    quarter of ``L`` at most, where ``solve_triangular(L, I)`` needs a second whole matrix (1.5 GiB in
-    float64 for an 8B model's down_proj)."""
-    n = L.shape[0]
-    if n <= block:
-        eye = torch.eye(n, dtype=L.dtype, device=L.device)
-        L.copy_(torch.linalg.solve_triangular(L, eye, upper=False))
-        return L
-    h = n // 2
-    A, B, C = L[:h, :h], L[h:, :h], L[h:, h:]
-    X = torch.linalg.solve_triangular(C, B, upper=False)  # C^-1 B
-    X = torch.linalg.solve_triangular(A, X, upper=False, left=False)  # C^-1 B A^-1
-    B.copy_(X.neg_())
-    del X
-    invert_lower_(A, block)
-    invert_lower_(C, block)
-    return L
-
-
 def _columns(
     W: torch.Tensor, U: torch.Tensor, scheme: QuantScheme, gs: int, config: GPTQConfig,
     col_params: tuple[torch.Tensor, torch.Tensor] | None, errors: torch.Tensor | None = None,
-    mse_weight: torch.Tensor | None = None,
+    mse_weight: torch.Tensor | None = None, in_place: bool = False,
 ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
     """The GPTQ column loop on ``W [out, in]`` (already permuted) and ``U [in, in]``.
 
@@ -338,15 +234,21 @@ def _columns(
     ``mse_weight``: the mse search's column weights float32 ``[in]`` in position order (None: unweighted).
     Returns codes int32 ``[out, in]`` and the per-position group parameters computed on the way.
     The loop works on ``W^T [in, out]`` so that a column and the rank-1 updates are contiguous.
+    ``in_place``: ``W`` is the transpose of a contiguous float32 matrix the caller gives up; the loop works
+    in it (no copy), and the codes come back in it (whole numbers in float32, a view): the caller converts
+    them once it has freed what it no longer needs.
     """
     out_features, in_features = W.shape
     block = config.block_size
     if col_params is None and block % gs:
         block = gs * max(1, block // gs)  # a group never straddles two blocks
     Wt = W.t().contiguous()  # [in, out]
+    if Wt.data_ptr() == W.data_ptr() and not (in_place and Wt.dtype == torch.float32):
+        Wt = Wt.clone()  # the caller's tensor stays as it is
     # Codes are built as floats (whole numbers) and converted once at the end: fewer small kernels
-    # per column, which is what the loop's time is made of on a GPU.
-    codes_t = torch.empty(in_features, out_features, dtype=torch.float32, device=W.device)  # [in, out]
+    # per column, which is what the loop's time is made of on a GPU. They go into the rows of ``Wt``
+    # already done (a block is read from its own copy ``W1``, and later updates touch later rows only).
+    codes_t = Wt  # [in, out]
     dq = torch.empty(out_features, dtype=torch.float32, device=W.device)  # [out] scratch
     maxq = 2**scheme.bits - 1
     groups: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -374,12 +276,14 @@ def _columns(
             errors[i1:i2] = E1
         if i2 < in_features:
             Wt[i2:].addmm_(U[i1:i2, i2:].t(), E1, alpha=-1.0)
-    return codes_t.t().to(torch.int32), groups
+    codes = codes_t.t()  # [out, in]
+    return (codes if in_place and codes_t is Wt else codes.to(torch.int32)), groups
 
 
 def solve_columns(
     W: torch.Tensor, U: torch.Tensor, scheme: QuantScheme, gs: int, config: GPTQConfig,
     col_params: tuple[torch.Tensor, torch.Tensor] | None, mse_weight: torch.Tensor | None = None,
+    in_place: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The column solve (arguments of :func:`_columns`): codes int32 ``[out, in]`` and, without
     ``col_params``, the groups' scales / zeros ``[G, out]`` in position order (else None, None).
@@ -396,14 +300,36 @@ def solve_columns(
         if ok:
             from quantkit.kernels.gptq_solve import gptq_columns_triton
 
+            if col_params is not None:
+                col_params = tuple(_rows_of(t) for t in col_params)
             return gptq_columns_triton(W, U, scheme.bits, scheme.sym, gs, block, col_params, config.mse,
                                        config.mse_max_shrink, config.mse_grid, config.search_norm,
                                        mse_weight=mse_weight)
         log.debug("GPTQ solve on the torch loop: %s", reason)
-    codes, groups = _columns(W, U, scheme, gs, config, col_params, mse_weight=mse_weight)
+    codes, groups = _columns(W, U, scheme, gs, config, col_params, mse_weight=mse_weight, in_place=in_place)
     if col_params is not None:
         return codes, None, None
     return codes, torch.stack([s for s, _ in groups]), torch.stack([z for _, z in groups])
+
+
+@dataclass(frozen=True)
+class GroupRows:
+    """Per-position parameters ``table[index[j]]`` (``[in, out]`` when made whole) without making them whole:
+    ``rows[j]`` is position ``j``'s ``[out]`` row. The static-groups solve reads one row per column, so the
+    ``[in, out]`` tables (two of the weight's size) are never built on the host."""
+
+    table: torch.Tensor  # [G, out]
+    index: torch.Tensor  # [in], the group of each position
+
+    def __getitem__(self, j):
+        return self.table[self.index[j]]
+
+    def whole(self) -> torch.Tensor:
+        return self.table[self.index]
+
+
+def _rows_of(t) -> torch.Tensor:
+    return t.whole() if isinstance(t, GroupRows) else t
 
 
 def _kernel_supported(block: int, device: torch.device) -> tuple[bool, str]:
@@ -415,35 +341,55 @@ def _kernel_supported(block: int, device: torch.device) -> tuple[bool, str]:
 
 
 def gptq_quantize(
-    w: torch.Tensor, H: torch.Tensor, scheme: QuantScheme, config: GPTQConfig = GPTQConfig(), name: str = ""
+    w: torch.Tensor, H: torch.Tensor, scheme: QuantScheme, config: GPTQConfig = GPTQConfig(), name: str = "",
+    spill_hessian: bool = False,
 ) -> GPTQResult:
-    """Quantize ``w [out, in]`` against the input Hessian ``H [in, in]``; ``name`` labels errors."""
+    """Quantize ``w [out, in]`` against the input Hessian ``H [in, in]``; ``name`` labels errors.
+
+    ``spill_hessian`` (host only; a float32 ``H`` of 64 MiB or more): ``H`` waits in a temporary file while
+    the factor is built and the columns solved (``quantkit.methods.hessian_spill``), so the two ``[in, in]``
+    matrices are never resident together; ``H`` holds its values again when this returns."""
     out_features, in_features = w.shape
     if H.shape != (in_features, in_features):
         raise ValueError(f"{name}: Hessian {tuple(H.shape)} does not match weight {tuple(w.shape)}")
     for what, t in (("weight", w), ("Hessian", H)):
-        if not torch.isfinite(t).all():
+        if not all_finite(t):
             raise FloatingPointError(f"GPTQ {name or 'layer'}: NaN or Inf in the {what}")
     H32 = H.detach().float()
-    W = w.detach().float()  # [out, in]; the unchanged float32 weight is made again for the errors at the end
-    if W.data_ptr() == w.data_ptr():
-        W = W.clone()
+    # The working copy, transposed ([in, out], as the column loop reads it) and converted in one copy;
+    # the original ``w`` is read again for the errors at the end.
+    Wt = torch.empty(in_features, out_features, dtype=torch.float32, device=w.device)
+    Wt.copy_(w.detach().t())
+    W = Wt.t()  # [out, in] view
     dead = torch.diagonal(H32) == 0
-    Hw = H32
-    if dead.any():  # copy the Hessian only when it must change (0.8 GB for an 8B down_proj)
-        Hw = H32.clone()
-        Hw[dead, dead] = 1.0
+    any_dead = bool(dead.any())
+    if any_dead:  # in place and undone below: no copy of the Hessian (0.8 GB for an 8B down_proj)
+        H32[dead, dead] = 1.0
         W[:, dead] = 0.0
+    spill = None
+    if spill_hessian and H32.device.type == "cpu" and H32.is_contiguous() and H32.numel() * 4 >= 64 * 2**20:
+        from quantkit.methods.hessian_spill import SpilledHessian
 
-    gs = scheme.group_size if scheme.group_size != -1 else in_features
-    G = num_groups(in_features, scheme.group_size)
-    static = config.static_groups or scheme.group_size == -1
-    g_idx = default_g_idx(in_features, scheme.group_size, device=W.device)  # [in]
-    fixed = None
-    perm = torch.argsort(torch.diagonal(Hw), descending=True) if config.desc_act else None
-    U, damp_used = damped_inverse_factor(Hw, config.damp, config.max_damp_escalations, name, perm)
-    mse_w = mse_column_weights(config, Hw, U, perm)  # [in] in position order, or None
-    del Hw
+        spill = SpilledHessian(H32)  # H32's memory is given back until ``restore``
+    try:
+        gs = scheme.group_size if scheme.group_size != -1 else in_features
+        G = num_groups(in_features, scheme.group_size)
+        static = config.static_groups or scheme.group_size == -1
+        g_idx = default_g_idx(in_features, scheme.group_size, device=W.device)  # [in]
+        fixed = None
+        Hs = H32 if spill is None else spill  # what the factor reads
+        perm = torch.argsort(Hs.diagonal(), descending=True) if config.desc_act else None
+        U, damp_used = damped_inverse_factor(Hs, config.damp, config.max_damp_escalations, name, perm)
+        mse_w = mse_column_weights(config, Hs, U, perm)  # [in] in position order, or None
+    except BaseException:
+        if spill is not None:
+            spill.restore()
+            if any_dead:
+                H32[dead, dead] = 0.0
+        raise
+    finally:
+        if any_dead and spill is None:
+            H32[dead, dead] = 0.0
     if static:
         static_w = mse_w
         if mse_w is not None and perm is not None:  # back to the original column order
@@ -451,27 +397,58 @@ def gptq_quantize(
             static_w[perm] = mse_w
         scales_g, zeros_g = _static_params(W, scheme, config, gs, static_w)  # [G, out]
     if perm is not None:
-        W = W[:, perm]  # the Hessian was permuted inside ``damped_inverse_factor``
+        Wt = Wt[perm]  # rows of W^T = columns of W; the Hessian was permuted inside ``damped_inverse_factor``
+    W = Wt.t()
+    del Wt  # the solve works in it (in_place) and leaves the codes there
     if static:
         col_group = g_idx.long() if perm is None else g_idx.long()[perm]  # group of each position
-        fixed = (scales_g[col_group], zeros_g[col_group].float())  # [in, out] each
+        fixed = (GroupRows(scales_g, col_group), GroupRows(zeros_g.float(), col_group))  # [in, out] each
 
-    codes_p, scales, zeros = solve_columns(W, U, scheme, gs, config, fixed, mse_w)
+    codes_p, scales, zeros = solve_columns(W, U, scheme, gs, config, fixed, mse_w, in_place=True)
+    del W, U, fixed
+    # codes_p: whole numbers in the loop's float32 buffer (in_place), converted now that the factor is freed
     if static:
         scales, zeros = scales_g, zeros_g
-    codes = codes_p
-    if perm is not None:
-        codes = torch.empty_like(codes_p)
-        codes[:, perm] = codes_p
+    if perm is None:
+        codes = codes_p.to(torch.int32)
+    else:  # back to the original column order, through one byte a code (bits <= 8): one int32 copy alive
+        small = codes_p.to(torch.uint8 if scheme.bits <= 8 else torch.int32)
+        del codes_p
+        codes = torch.empty(small.shape, dtype=torch.int32, device=small.device)
+        step = max(1, (1 << 20) // max(1, small.shape[1]))
+        for r in range(0, small.shape[0], step):  # index_put wants one dtype: widen a block of rows at a time
+            codes[r : r + step, perm] = small[r : r + step].to(torch.int32)
+        del small
         if not static:
             g_idx = torch.empty_like(g_idx)
-            g_idx[perm] = torch.arange(in_features, device=W.device, dtype=torch.int32) // gs
+            g_idx[perm] = torch.arange(in_features, device=codes.device, dtype=torch.int32) // gs
     assert scales.shape == (G, out_features), (scales.shape, G)
-    result_w = dequantize(codes, scales, zeros, g_idx)
-    if not torch.isfinite(result_w).all():
-        raise FloatingPointError(f"GPTQ {name or 'layer'}: NaN or Inf in the quantized weight")
-    rows = _row_errors(w.detach().float(), result_w, H32, scheme)  # [3, out]
+    if spill is not None:
+        spill.restore()  # the factor is freed: H's values come back for the errors
+        if any_dead:
+            H32[dead, dead] = 0.0
+    rows = _row_errors_packed(w.detach(), codes, scales, zeros, g_idx, H32, scheme, name)  # [3, out]
     return GPTQResult(codes, scales, zeros, g_idx, damp_used, rows[0], rows[1], rows[2])
+
+
+def _row_errors_packed(w: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                       g_idx: torch.Tensor, H: torch.Tensor, scheme: QuantScheme, name: str = "",
+                       chunk_elements: int | None = None) -> torch.Tensor:
+    """``_row_errors`` of the GPTQ weights given as codes, dequantized a block of rows at a time (about
+    ``chunk_elements`` values; default 4 MB of float32 on the host, where memory bounds a streamed run,
+    256 MB on an accelerator, where larger products run faster), so no whole float32 copy of the weight
+    is made. Raises if a dequantized weight is not finite."""
+    if chunk_elements is None:
+        chunk_elements = 1 << 20 if w.device.type == "cpu" else 1 << 26
+    out = torch.empty(3, w.shape[0], dtype=torch.float32, device=w.device)
+    step = max(1, chunk_elements // max(1, w.shape[1]))
+    for start in range(0, w.shape[0], step):
+        rows = slice(start, start + step)
+        w_gptq = dequantize(codes[rows], scales[:, rows], zeros[:, rows], g_idx)
+        if not torch.isfinite(w_gptq).all():
+            raise FloatingPointError(f"GPTQ {name or 'layer'}: NaN or Inf in the quantized weight")
+        out[:, rows] = _row_errors(w[rows].float(), w_gptq, H, scheme, chunk_elements)
+    return out
 
 
 def _row_errors(w: torch.Tensor, w_gptq: torch.Tensor, H: torch.Tensor, scheme: QuantScheme,

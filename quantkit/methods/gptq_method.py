@@ -33,7 +33,7 @@ from quantkit.calibrate.walker import LayerContext, LayerResult, capture_linear_
 from quantkit.config import QuantkitError, QuantScheme
 from quantkit.distributed.plan import SolveItem, plan_solves
 from quantkit.methods.gptq import GPTQConfig, GPTQResult, HessianAccumulator, gptq_quantize, relative_error
-from quantkit.primitives import num_groups
+from quantkit.primitives import dequantize, num_groups
 from quantkit.qtensor import QuantizedWeight
 
 log = logging.getLogger(__name__)
@@ -96,6 +96,10 @@ class _LayerWork:
         ctx, comm, config = self.ctx, self.ctx.comm, self.method.config
         t0 = _clock(ctx.device)
         stacks = [_stacked(ctx, members) for members, _ in sets]  # each [sum out_n, in]
+        if ctx.releasable:  # a stack of several linears is a copy: their own float weights are dead until
+            for members, _ in sets:  # ``_install`` puts the quantized ones back
+                for name in members if len(members) > 1 else ():
+                    _release_weight(ctx.linears[name], None, None)
         items = plan_solves([tuple(w.shape) for w in stacks], comm.world_size, config.split_min_rows)
         hessians = [global_hessian(ctx, acc, {it.owner for it in items if it.key == k})
                     for k, (_, acc) in enumerate(sets)]
@@ -107,7 +111,7 @@ class _LayerWork:
                 members = sets[it.key][0]
                 parts[it.key, it.row_start] = gptq_quantize(
                     stacks[it.key][it.row_start : it.row_stop], hessians[it.key], self.method.scheme, config,
-                    name=f"{ctx.prefix}.{'+'.join(members)}")
+                    name=f"{ctx.prefix}.{'+'.join(members)}", spill_hessian=ctx.releasable)
         for it in items:
             parts[it.key, it.row_start] = _share_part(ctx, parts.get((it.key, it.row_start)), it,
                                                       stacks[it.key].shape[1], self.method.scheme)
@@ -123,15 +127,20 @@ class _LayerWork:
 
     def _install(self, members: list[str], w: torch.Tensor, res: GPTQResult) -> None:
         scheme, ctx = self.method.scheme, self.ctx
-        w_hat = res.dequantize()  # [sum out_n, in], what the packed weights dequantize to
         row = 0
         for name in members:
             linear = ctx.linears[name]
-            rows = slice(row, row + linear.weight.shape[0])
+            rows = slice(row, row + linear.out_features)
             qw = QuantizedWeight.from_codes(res.codes[rows], res.scales[:, rows], res.zeros[:, rows], res.g_idx,
                                             scheme, bias=linear.bias)
-            # Install from the device copy (the walker installs ``qw`` again, from host memory).
-            linear.weight.data.copy_(w_hat[rows].to(linear.weight.dtype))
+            # What the packed weights dequantize to, installed from the device copy one linear at a time
+            # (the walker does not install ``qw`` again: ``installed``).
+            w_hat = dequantize(res.codes[rows], res.scales[:, rows], res.zeros[:, rows], res.g_idx)  # [out_n, in]
+            if linear.weight.numel() == 0:  # released while its stack was solved (ctx.releasable)
+                linear.weight.data = w_hat.to(linear.weight.dtype)
+            else:
+                linear.weight.data.copy_(w_hat.to(linear.weight.dtype))
+            del w_hat
             self.weights[name] = qw
             self.stats[name] = {
                 "err_rtn": relative_error(res.row_err_rtn[rows], res.row_energy[rows]),
@@ -282,6 +291,8 @@ def _single_pass(work: _LayerWork) -> list[torch.Tensor]:
         return hook
 
     handles = [ctx.linears[n].register_forward_pre_hook(pre_hook(n)) for n in group_of]
+    if ctx.releasable:  # each linear runs once in this forward: its float weight is dead after that
+        handles += [ctx.linears[n].register_forward_hook(_release_weight) for n in group_of]
     try:
         with torch.no_grad():
             out = first_output(ctx.layer(x, **ctx.inputs.kwargs))  # [n_samples, S, hidden]
@@ -292,6 +303,12 @@ def _single_pass(work: _LayerWork) -> list[torch.Tensor]:
     if missing:
         raise QuantkitError(f"{ctx.prefix}: linears {missing} never ran in the calibration forward")
     return [ctx.inputs.keep(o) for o in out.split([h.shape[0] for h in ctx.inputs.hidden])]
+
+
+def _release_weight(module: torch.nn.Module, args, output) -> None:
+    """Free a linear's float weight after its one forward of a single pass (the packed weight is kept):
+    while the MLP's down_proj is solved, the layer's other float weights are no longer resident."""
+    module.weight.data = torch.empty(0, dtype=module.weight.dtype, device=module.weight.device)
 
 
 @dataclass(frozen=True)

@@ -29,12 +29,23 @@ class RTNResult:
     weight_error: float
 
 
-def rtn_quantize(w: torch.Tensor, scheme: QuantScheme) -> RTNResult:
-    """Round ``w [out, in]`` to the nearest point of its per-group grid."""
+def rtn_quantize(w: torch.Tensor, scheme: QuantScheme, chunk_elements: int = 1 << 20) -> RTNResult:
+    """Round ``w [out, in]`` to the nearest point of its per-group grid.
+
+    Rows are quantized a block of about ``chunk_elements`` values at a time (each row's groups are its own),
+    so the float32 temporaries are a block's, not the weight's: what bounds a streamed run's memory."""
     scales, zeros, g_idx = compute_qparams(w, scheme.bits, scheme.group_size, scheme.sym)
-    codes = quantize(w, scales, zeros, g_idx, scheme.bits)
-    w32 = w.float()
-    err = (dequantize(codes, scales, zeros, g_idx) - w32).norm() / w32.norm().clamp_min(1e-12)
+    codes = torch.empty(w.shape, dtype=torch.int32, device=w.device)
+    err2 = norm2 = 0.0
+    step = max(1, chunk_elements // max(1, w.shape[1]))
+    for start in range(0, w.shape[0], step):
+        rows = slice(start, start + step)
+        w32 = w[rows].float()
+        codes[rows] = quantize(w32, scales[:, rows], zeros[:, rows], g_idx, scheme.bits)
+        diff = dequantize(codes[rows], scales[:, rows], zeros[:, rows], g_idx).sub_(w32)
+        err2 += float(diff.double().pow(2).sum())
+        norm2 += float(w32.double().pow(2).sum())
+    err = (err2 ** 0.5) / max(norm2 ** 0.5, 1e-12)
     return RTNResult(codes, scales, zeros, g_idx, float(err))
 
 
@@ -56,4 +67,16 @@ class RTNMethod:
                 res.codes, res.scales, res.zeros, res.g_idx, self.scheme, bias=linear.bias
             )
             stats[name] = {"weight_error": res.weight_error}
-        return LayerResult(weights=weights, stats=stats)
+            install_rows(linear, res)
+        # the layer holds exactly what the packed weights dequantize to (scales are on the fp16 grid already)
+        return LayerResult(weights=weights, stats=stats, installed=frozenset(weights))
+
+
+@torch.no_grad()
+def install_rows(linear: torch.nn.Linear, res: RTNResult, chunk_elements: int = 1 << 20) -> None:
+    """Put the dequantized ``res`` into ``linear.weight``, a block of rows at a time (no whole float32 copy)."""
+    w = linear.weight.data
+    step = max(1, chunk_elements // max(1, w.shape[1]))
+    for start in range(0, w.shape[0], step):
+        rows = slice(start, start + step)
+        w[rows].copy_(dequantize(res.codes[rows], res.scales[:, rows], res.zeros[:, rows], res.g_idx))

@@ -1,17 +1,24 @@
 """Models larger than host memory: a safetensors folder read one decoder layer at a time.
 
 The model is built from its config with every parameter on the meta device (no memory, no random
-initialization; buffers such as rotary tables stay real). The tensors outside the decoder layers
-(embeddings, final norm, output head) are read at once; each decoder layer is read from the files
-only when the walker asks for it, and given back to the meta device as soon as its packed tensors
-are handed to the checkpoint writer. Each read opens the file, copies the layer's tensors out of the
-memory map and closes it again, so pages of the files do not stay mapped (and counted as resident).
+initialization; buffers such as rotary tables stay real). Host memory is bounded by one layer, not the model:
+
+* each decoder layer is read from the files only when the walker asks for it, converted to the working
+  dtype as it is read, and given back to the meta device as soon as its packed tensors are handed to the
+  checkpoint writer;
+* the input embedding is read in its stored dtype only for the calibration capture (its output cast to
+  the working dtype) and released after it; RTN never reads it; the output head is read only when it is
+  quantized; both are copied from the source files into the checkpoint chunk by chunk, never held;
+* reads are plain file reads into buffers the process owns (:mod:`quantkit.checkpoint.stream_io`), never memory maps,
+  so no page of a source file stays resident after its read;
+* the small tensors outside the layers (the final norm) are read at once.
 
 GGUF files are not streamed: they are converted by transformers as a whole (``quantkit.models.load``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -134,8 +141,9 @@ def plan_loading(spec: str, load: LoadConfig, *, self_calibration: bool, world_s
     return LoadPlan(False, f"whole model in memory: {sizes} (--stream on streams it)")
 
 
-def stream_shard_bytes(folder: Path, max_shard_bytes: int = 4 * 2**30) -> int:
-    """Shard size for a streamed model's checkpoint: the writer holds one shard's packed tensors."""
+def stream_shard_bytes(folder: Path, max_shard_bytes: int = 512 * 2**20) -> int:
+    """Shard size for a streamed model's checkpoint: the writer holds one shard's packed tensors, so it is
+    capped at 512 MiB (a 64th of a 140 GB 70B model would be 2.2 GB, five packed layers held)."""
     return max(MIN_STREAM_SHARD_BYTES, min(max_shard_bytes, int(stored_bytes(folder) * STREAM_SHARD_FRACTION)))
 
 
@@ -154,6 +162,10 @@ class SafetensorsLayers:
     expected: dict[str, torch.Tensor]  # key -> the model's (meta) tensor, for its dtype
     on_finish: Callable[[str, nn.Module, dict[str, QuantizedWeight]], None] | None = None
     _read: set[int] = field(default_factory=set)
+    files: dict = field(default_factory=dict)  # key -> quantkit.checkpoint.stream_io.FileTensor (every stored tensor)
+    model: nn.Module | None = None  # the whole (meta) model, for the tensors outside the layers
+    deferred: dict[str, str] = field(default_factory=dict)  # "embed" / "head" -> key of a tensor not held
+    releases_layers = True  # (class attribute) each layer is dropped after ``finish``: see LayerContext.releasable
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -162,15 +174,88 @@ class SafetensorsLayers:
         if index in self._read:
             raise RuntimeError(f"layer {index} was already read and released; a streamed model is walked once")
         self._read.add(index)
-        from quantkit.checkpoint.read import _assign, read_tensors
+        from quantkit.checkpoint.read import _assign
 
         layer = self.layers[index]
         start = f"{self.prefix}.{index}."
-        keys = [k for k in self.expected if k.startswith(start)]
-        for key, tensor in read_tensors(self.records, keys):
-            _assign(layer, key[len(start):], tensor, self.expected[key].dtype, "cpu")
+        for key in [k for k in self.expected if k.startswith(start)]:
+            tensor = self._read_tensor(key, self.expected[key].dtype)
+            _assign(layer, key[len(start):], tensor, tensor.dtype, "cpu")
         _check_materialized(layer, f"{self.prefix}.{index}")
         return layer
+
+    def _read_tensor(self, key: str, dtype: torch.dtype | None) -> torch.Tensor:
+        """``key`` in ``dtype`` (floating tensors; None: as stored), read into memory this process owns."""
+        from quantkit.checkpoint.stream_io import file_tensors, read_tensor
+
+        if not self.files:
+            self.files = file_tensors(self.records)
+        ft = self.files[key]
+        return read_tensor(ft, dtype if dtype is not None and ft.dtype.is_floating_point else None)
+
+    @contextlib.contextmanager
+    def input_embeddings(self):
+        """The input embedding usable for the calibration capture, then given back to the meta device.
+
+        Each call reads only the rows of the ids it is given (plain reads, stored dtype) into a table of
+        those rows, remaps the ids onto it, and casts the output to the working dtype: the same values as
+        the whole table promoted, for the memory of the rows used (a few MB, not the vocabulary)."""
+        key = self.deferred.get("embed")
+        if key is None or self.model is None or not isinstance(self.model.get_input_embeddings(), nn.Embedding):
+            yield
+            return
+        from quantkit.checkpoint.stream_io import file_tensors, read_rows
+
+        if not self.files:
+            self.files = file_tensors(self.records)
+        ft, embed, work_dtype = self.files[key], self.model.get_input_embeddings(), self.expected[key].dtype
+        old, padding_idx = embed.weight, embed.padding_idx
+
+        def rows_only(module, args, kwargs):
+            ids = args[0] if args else kwargs.pop("input")
+            used, local = torch.unique(ids, return_inverse=True)  # local ids into the table of used rows
+            module._parameters["weight"] = nn.Parameter(read_rows(ft, used.cpu()).to(ids.device), requires_grad=False)
+            return (local.view_as(ids), *args[1:]), kwargs
+
+        def cast(module, args, out):
+            module._parameters["weight"] = old  # the rows are dropped with the call
+            return out.to(work_dtype)
+
+        embed.padding_idx = None  # forward only (no gradients): the index must not point past the row table
+        hooks = [embed.register_forward_pre_hook(rows_only, with_kwargs=True), embed.register_forward_hook(cast)]
+        try:
+            yield
+        finally:
+            for hook in hooks:
+                hook.remove()
+            embed._parameters["weight"], embed.padding_idx = old, padding_idx
+            return_freed_memory()
+
+    @contextlib.contextmanager
+    def output_head(self):
+        """The output head materialized in the working dtype while it is quantized, released after."""
+        key = self.deferred.get("head") or self.deferred.get("embed")
+        head = self.model.get_output_embeddings() if self.model is not None else None
+        if key is None or head is None or not head.weight.is_meta:
+            yield
+            return
+        old = head.weight
+        _swap_parameter(self.model, old, nn.Parameter(self._read_tensor(key, self.expected[key].dtype),
+                                                      requires_grad=False))
+        try:
+            yield
+        finally:
+            release_parameters(head)
+            release_parameters(self.model.get_input_embeddings())
+            return_freed_memory()
+
+    def writer_sources(self) -> dict:
+        """key -> FileTensor for the tensors outside the layers that were never read (copied, not held)."""
+        from quantkit.checkpoint.stream_io import file_tensors
+
+        if not self.files:
+            self.files = file_tensors(self.records)
+        return {key: self.files[key] for key in self.deferred.values() if key in self.files}
 
     def finish(self, index: int, weights: dict[str, QuantizedWeight]) -> dict[str, QuantizedWeight]:
         layer = self.layers[index]
@@ -188,6 +273,14 @@ def release_parameters(module: nn.Module) -> None:
         for name, param in sub._parameters.items():
             if param is not None and not param.is_meta:
                 sub._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=False)
+
+
+def _swap_parameter(model: nn.Module, old: nn.Parameter, new: nn.Parameter) -> None:
+    """Put ``new`` wherever ``model`` holds ``old`` (tied weights stay one object)."""
+    for sub in model.modules():
+        for name, param in sub._parameters.items():
+            if param is old:
+                sub._parameters[name] = new
 
 
 def return_freed_memory() -> None:
@@ -266,7 +359,7 @@ def open_streamed(spec: str, load: LoadConfig):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from quantkit.arch import find_decoder_layers
-    from quantkit.checkpoint.read import _assign, check_tensors, index_tensors, parameters_on_meta, read_tensors
+    from quantkit.checkpoint.read import _assign, check_tensors, index_tensors, parameters_on_meta
     from quantkit.models.load import LoadedModel, quiet_transformers
 
     folder = Path(spec).expanduser()
@@ -287,16 +380,31 @@ def open_streamed(spec: str, load: LoadConfig):
     expected = check_tensors(model, records)
     prefix, layers = find_decoder_layers(model)
     inside = prefix + "."
-    outside = [k for k in expected if not k.startswith(inside)]
-    for key, tensor in read_tensors(records, outside):
-        _assign(model, key, tensor, expected[key].dtype, "cpu")
+    deferred = _embedding_keys(model, expected)
+    source = SafetensorsLayers(prefix, layers, records, expected, model=model, deferred=deferred)
+    for key in [k for k in expected if not k.startswith(inside) and k not in deferred.values()]:
+        tensor = source._read_tensor(key, expected[key].dtype)  # the small ones (final norm): read at once
+        _assign(model, key, tensor, tensor.dtype, "cpu")
     model.tie_weights()
     _load_generation_config(model, folder)
     model.eval()
     use_cache = getattr(model.config, "use_cache", None)
     model.config.use_cache = False  # calibration forwards need no KV cache
     loaded = LoadedModel(model=model, tokenizer=tokenizer, source=spec, use_cache=use_cache)
-    return loaded, SafetensorsLayers(prefix, layers, records, expected)
+    return loaded, source
+
+
+def _embedding_keys(model: nn.Module, expected: dict[str, torch.Tensor]) -> dict[str, str]:
+    """Keys of the input embedding ("embed") and an output head stored apart from it ("head") in the files."""
+    out = {}
+    names = {id(m): n for n, m in model.named_modules()}
+    for role, module in (("embed", model.get_input_embeddings()), ("head", model.get_output_embeddings())):
+        if module is None or id(module) not in names:
+            continue
+        key = f"{names[id(module)]}.weight".lstrip(".")
+        if key in expected:
+            out[role] = key
+    return out
 
 
 def open_model(spec: str, load: LoadConfig, plan: LoadPlan):
@@ -328,5 +436,6 @@ def stream_to_writer(loaded, source: SafetensorsLayers, output: Path, *, scheme,
     shard_bytes = stream_shard_bytes(Path(loaded.source).expanduser())
     writer = open_writer(loaded.model, output, scheme=scheme, layout=layout, overwrite=overwrite,
                          max_shard_bytes=shard_bytes)
+    writer.file_sources = source.writer_sources()
     source.on_finish = lambda prefix, layer, weights: add_layer(writer, layer, prefix, weights)
     return writer

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from quantkit.config import QuantkitError, QuantScheme
+from quantkit.methods import gptq
 from quantkit.methods.gptq import (
     GPTQConfig,
     HessianAccumulator,
@@ -317,10 +318,31 @@ def test_inverse_factor_equals_the_three_step_reference(desc_act):
     Hp = H if perm is None else H[perm][:, perm]
     H64 = Hp.double() + 0.01 * torch.diagonal(Hp).double().mean() * torch.eye(96, dtype=torch.float64)
     ref = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H64)), upper=True)
+    # the float64 factor (the host's fallback, and the accelerators' path) to float64 rounding
+    n = H.shape[0]
+    order = torch.arange(n - 1, -1, -1) if perm is None else perm[torch.arange(n - 1, -1, -1)]
+    shift = 0.01 * float(torch.diagonal(Hp).double().mean())
+    U64 = gptq._inverse_factor_in_place(H, order, torch.arange(n), shift, torch.float64)
+    assert torch.equal(U64, torch.triu(U64))
+    assert (U64 != ref.float()).float().mean() <= 1e-4
+    torch.testing.assert_close(U64.double(), ref, rtol=1e-6, atol=1e-9)
+    # the host's default: float32, in place, to float32 factorization accuracy
     U, damp = damped_inverse_factor(H, 0.01, 0, perm=perm)
-    assert damp == 0.01 and torch.equal(U, torch.triu(U))
-    assert (U != ref.float()).float().mean() <= 1e-4
-    torch.testing.assert_close(U.double(), ref, rtol=1e-6, atol=1e-9)
+    assert damp == 0.01 and U.dtype == torch.float32 and U.is_contiguous() and torch.equal(U, torch.triu(U))
+    rel = (U.double() - ref).abs().max() / ref.abs().max()
+    assert 0 < rel < 1e-5, rel
+    inv_check = U.double().t() @ U.double() @ H64 - torch.eye(n, dtype=torch.float64)
+    assert inv_check.abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("n, block", [(1, 4), (7, 2), (300, 64), (1030, 256)])
+def test_anti_transpose_in_place(n, block):
+    """The in-place reflection across the anti-diagonal (how the host factor flips to ``J L^-1 J`` without a
+    second matrix) is ``J A^T J`` exactly, for sizes the blocks do not divide."""
+    A = torch.randn(n, n)
+    expected = A.t().flip((0, 1)).clone()
+    out = gptq.anti_transpose_(A, block)
+    assert out.data_ptr() == A.data_ptr() and torch.equal(out, expected)
 
 
 @pytest.mark.parametrize("n, block", [(50, 1024), (301, 64), (1000, 128)])
@@ -342,8 +364,9 @@ def test_invert_lower_in_place_matches_the_triangular_solve(n, block):
 
 
 def test_host_and_accelerator_factorizations_agree():
-    """The host's in-place factorization and the accelerators' two-matrix one give the same factor to
-    float64 rounding (both run here on the CPU), and both report a failed factorization as None."""
+    """The host's in-place factorization in float64 and the accelerators' two-matrix one give the same factor to
+    float64 rounding (both run here on the CPU), the host's float32 one agrees to float32 accuracy, and all
+    report a failed factorization as None."""
     from quantkit.methods.gptq import _inverse_factor, _inverse_factor_in_place
 
     torch.manual_seed(0)
@@ -353,9 +376,13 @@ def test_host_and_accelerator_factorizations_agree():
     order = torch.argsort(torch.diagonal(H), descending=True).flip(0)
     idx = torch.arange(n)
     shift = 0.01 * float(torch.diagonal(H).double().mean())
-    a, b = _inverse_factor(H, order, idx, shift), _inverse_factor_in_place(H, order, idx, shift)
+    a, b = _inverse_factor(H, order, idx, shift), _inverse_factor_in_place(H, order, idx, shift, torch.float64)
     assert a.is_contiguous() and b.is_contiguous()
     torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
+    # the host's float32 default: float32 factorization accuracy, relative to the factor's scale
+    c = _inverse_factor_in_place(H, order, idx, shift)
+    assert c.dtype == torch.float32 and c.is_contiguous() and torch.equal(c, torch.triu(c))
+    assert float((c.double() - a.double()).abs().max() / a.double().abs().max()) < 1e-5
     bad = -torch.eye(8)
     assert _inverse_factor(bad, torch.arange(8), torch.arange(8), 0.0) is None
     assert _inverse_factor_in_place(bad, torch.arange(8), torch.arange(8), 0.0) is None

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from quantkit.fp8_linear import FP8Linear, fp8_linear, fp8_linear_ref, prepare_fp8_linear
 from quantkit.methods.fp8 import FP8Config, fp8_quantize_weight
 from quantkit.primitives import FP8_E4M3_MAX
-from quantkit.fp8_linear import FP8Linear, fp8_linear, fp8_linear_ref, prepare_fp8_linear
 
 
 def e4m3_f64(v: torch.Tensor) -> torch.Tensor:
