@@ -39,12 +39,12 @@ benches)
     python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/oldsite /tmp/old >/dev/null 2>&1 \
         || echo "old main install failed"
     here=$PWD
-    step 200 python3 -m quantkit.cli.app bench --shape llama3-8b --no-baselines --out "$OUT/bench_8b_new.json"
-    (cd /tmp && PYTHONPATH=/tmp/oldsite:/tmp/site step 150 python3 -m quantkit.cli.app bench --shape llama3-8b \
+    step 170 python3 -m quantkit.cli.app bench --shape llama3-8b --no-baselines --out "$OUT/bench_8b_new.json"
+    (cd /tmp && PYTHONPATH=/tmp/oldsite:/tmp/site step 110 python3 -m quantkit.cli.app bench --shape llama3-8b \
         --no-baselines --out "$OUT/bench_8b_old.json")
-    step 100 python3 bench/bench_w4a16.py --shapes 28672x8192,4096x4096 --ms 1,16,256,1024 \
+    step 60 python3 bench/bench_w4a16.py --shapes 28672x8192,4096x4096 --ms 1,16,256,1024 \
         --out "$OUT/w4a16_new.json"
-    (cd /tmp && PYTHONPATH=/tmp/oldsite:/tmp/site step 100 python3 "$here/bench/bench_w4a16.py" \
+    (cd /tmp && PYTHONPATH=/tmp/oldsite:/tmp/site step 60 python3 "$here/bench/bench_w4a16.py" \
         --shapes 28672x8192,4096x4096 --ms 1,16,256,1024 --out "$OUT/w4a16_old.json")
     rm -f "$OUT"/*.png
     ;;
