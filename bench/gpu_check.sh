@@ -12,6 +12,8 @@
 # Then:
 #   call 1, carry [.stage/whl, .stage/smolA, .stage/old]:  bash bench/gpu_check.sh benches BUDGET_S
 #   call 2, carry [.stage/smolB, .stage/data]:              bash bench/gpu_check.sh suite BUDGET_S
+# or, when only one call fits the device time left (the tests that need the GGUF then skip, saying why):
+#   carry [.stage/whl, .stage/data, .stage/old]:          bash bench/gpu_check.sh one BUDGET_S
 # Everything lands in $OUT (JSON of each bench, the suite's log).
 set -o pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 COLUMNS=200
@@ -28,20 +30,37 @@ card() {
     date -u
 }
 
+run_suite() {
+    step "$1" python3 -m pytest -m gpu tests -n 12 -q -rfE -p no:cacheprovider 2>&1 | tee "$OUT/gpu_pytest.txt" \
+        | tail -40
+}
+
+run_benches() {  # the previous main installed apart (not editable), run from /tmp: the checkout is off sys.path
+    mkdir -p /tmp/old && tar -xzf .stage/old/oldmain.tgz -C /tmp/old
+    python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/oldsite /tmp/old >/dev/null 2>&1 \
+        || echo "old main install failed"
+    step "$1" python3 -m quantkit.cli.app bench --shape llama3-8b --no-baselines --out "$OUT/bench_8b_new.json"
+    (cd /tmp && PYTHONPATH=/tmp/oldsite:/tmp/site step "$2" python3 -m quantkit.cli.app bench --shape llama3-8b \
+        --no-baselines --out "$OUT/bench_8b_old.json")
+    rm -f "$OUT"/*.png
+}
+
 case "$1" in
+one)
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .stage/whl/*.whl 2>&1 | tail -2
+    export PYTHONPATH=/tmp/site
+    mkdir -p ../shared/data/wikitext2 && cp .stage/data/*.txt ../shared/data/wikitext2/
+    card | tee "$OUT/card.txt"
+    run_suite 330
+    run_benches 150 110
+    ;;
 benches)
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .stage/whl/*.whl 2>&1 | tail -2
     export PYTHONPATH=/tmp/site
     cp .stage/smolA/part /tmp/partA && echo "GGUF part A in /tmp ($(stat -c %s /tmp/partA) bytes)"
     card | tee "$OUT/card.txt"
-    # The previous main, installed apart (not editable), run from /tmp so the checkout is not on sys.path.
-    mkdir -p /tmp/old && tar -xzf .stage/old/oldmain.tgz -C /tmp/old
-    python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/oldsite /tmp/old >/dev/null 2>&1 \
-        || echo "old main install failed"
+    run_benches 170 110
     here=$PWD
-    step 170 python3 -m quantkit.cli.app bench --shape llama3-8b --no-baselines --out "$OUT/bench_8b_new.json"
-    (cd /tmp && PYTHONPATH=/tmp/oldsite:/tmp/site step 110 python3 -m quantkit.cli.app bench --shape llama3-8b \
-        --no-baselines --out "$OUT/bench_8b_old.json")
     step 60 python3 bench/bench_w4a16.py --shapes 28672x8192,4096x4096 --ms 1,16,256,1024 \
         --out "$OUT/w4a16_new.json"
     (cd /tmp && PYTHONPATH=/tmp/oldsite:/tmp/site step 60 python3 "$here/bench/bench_w4a16.py" \
@@ -52,11 +71,9 @@ suite)
     export PYTHONPATH=/tmp/site
     g=$HOME/.cache/quantkit/smollm2
     mkdir -p "$g" && cat /tmp/partA .stage/smolB/part | xz -d > "$g/SmolLM2-135M-Instruct.Q4_1.gguf" && ls -l "$g"
-    sha256sum "$g/SmolLM2-135M-Instruct.Q4_1.gguf" | cut -c1-16
     mkdir -p ../shared/data/wikitext2 && cp .stage/data/*.txt ../shared/data/wikitext2/
     card
-    step 460 python3 -m pytest -m gpu tests -n 12 -q -rfE -p no:cacheprovider 2>&1 | tee "$OUT/gpu_pytest.txt" \
-        | tail -40
+    run_suite 460
     ;;
 *) echo "usage: gpu_check.sh benches|suite BUDGET_S"; exit 2 ;;
 esac
