@@ -117,6 +117,7 @@ def quantize_fp8(
 
         writer = open_fp8_writer(loaded.model, out, config, overwrite=overwrite,
                                  max_shard_bytes=stream_shard_bytes(Path(loaded.source).expanduser()))
+        writer.file_sources = source.writer_sources()  # embedding / head: copied file to shard, never held
         source.on_finish = lambda prefix, layer, weights: add_layer(writer, layer, prefix, weights)
     skip = (lambda name: False) if quantize_router else is_router
     try:

@@ -92,7 +92,10 @@ class MoEMethod:
         expert_linears = {n for n in ctx.linears if any(n.startswith(p + ".") for p in blocks)}
         rest = {n: m for n, m in ctx.linears.items() if n not in expert_linears}
         groups = [[n for n in g if n in rest] for g in ctx.groups]
-        result = self.inner.quantize_layer(replace(ctx, linears=rest, groups=[g for g in groups if g]))
+        # The expert blocks below run the whole layer again (its attention included): the inner method must not
+        # release the float weights of the linears it quantizes (a streamed layer's ``releasable``).
+        result = self.inner.quantize_layer(replace(ctx, linears=rest, groups=[g for g in groups if g],
+                                                   releasable=False))
         with torch.no_grad():
             for name, qw in result.weights.items():
                 if name not in result.installed:
