@@ -22,7 +22,10 @@ from quantkit.cli.options import (
     Seed,
     Stream,
     TextField,
+    Threads,
     TrustRemoteCode,
+    apply_threads,
+    say_threads,
 )
 
 _WEIGHTS_HELP = ("Weight scales: channel (one per output channel, llm-compressor's FP8_DYNAMIC), tensor (one per "
@@ -68,10 +71,12 @@ def register(app: typer.Typer) -> None:
                                                           "(gate/router linears); default: 16 bits.")] = False,
             device: Device = "auto", dtype: Dtype = "auto", trust_remote_code: TrustRemoteCode = False,
             batch_size: BatchSize = 8, overwrite: Overwrite = False, json_: Json = False,
-            save_stats: SaveStats = None, quantize_lm_head: LmHead = False, stream: Stream = "auto") -> None:
+            save_stats: SaveStats = None, quantize_lm_head: LmHead = False, stream: Stream = "auto",
+            threads: Threads = None) -> None:
         """FP8 (E4M3): weights per channel, activations per token at run time; the compressed-tensors checkpoint
         vLLM and SGLang serve. Norms, embeddings, lm_head and routers stay 16-bit unless asked."""
-        from quantkit import api
+        choice = apply_threads(threads)  # before torch is imported; said once the checks below pass
+        from quantkit import api, preflight
         from quantkit.cli import display
         from quantkit.config import LoadConfig, resolve_device
         from quantkit.fp8_api import check_fp8_options, quantize_fp8
@@ -86,6 +91,12 @@ def register(app: typer.Typer) -> None:
         elif nsamples is not None or seqlen is not None:
             raise api.QuantkitError("--nsamples / --seqlen size calibration, which only --calib asks for")
         api.check_output(output, overwrite)
+        if calib_config is not None:
+            from quantkit.calib_data.sources import NAMED_SOURCES
+
+            api.check_text_source(calib_config.source, NAMED_SOURCES, "--calib")
+        preflight.check_model_spec(model)  # after the options, before any load
+        say_threads(choice)
         console = display.console(stderr=json_)
         with display.LayerProgress(console, "fp8") as progress, display.library_logs(console):
             report = quantize_fp8(model, output, config=config, calib=calib_config, load=load, overwrite=overwrite,
