@@ -16,22 +16,9 @@ from quantkit.calib_data import runtime_sampler
 from quantkit.calib_data.runtime_sampler import batch_for_memory, choose_sampler, runtime_blocker
 from quantkit.calib_data.self_generated import generate_calibration, start_token_id
 from quantkit.config import QuantkitError
-from tests.conftest import tiny_llama_config, tiny_tokenizer
+from tests.conftest import tiny_llama_config
 
 TOP_K, TOP_P = 50, 0.95
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return tiny_tokenizer()
-
-
-@pytest.fixture()
-def model(tokenizer):
-    from transformers import LlamaForCausalLM
-
-    torch.manual_seed(0)
-    return LlamaForCausalLM(tiny_llama_config(vocab_size=len(tokenizer), max_position_embeddings=128)).eval()
 
 
 def _allowed(logits: torch.Tensor) -> torch.Tensor:

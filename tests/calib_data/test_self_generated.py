@@ -14,20 +14,7 @@ from quantkit.calib_data.self_generated import (
 )
 from quantkit.calib_data.sources import load_calibration
 from quantkit.config import CalibConfig, QuantkitError
-from tests.conftest import tiny_llama_config, tiny_tokenizer
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return tiny_tokenizer()
-
-
-@pytest.fixture()
-def model(tokenizer):
-    from transformers import LlamaForCausalLM
-
-    torch.manual_seed(0)
-    return LlamaForCausalLM(tiny_llama_config(vocab_size=len(tokenizer), max_position_embeddings=128)).eval()
+from tests.conftest import tiny_tokenizer
 
 
 class _ForwardCounter:
