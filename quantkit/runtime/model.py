@@ -164,8 +164,9 @@ class RuntimeModel:
     def _qk_norm(self, qkv: torch.Tensor, layer) -> None:
         s = self.spec
         m = qkv.shape[0]
-        q = qkv[:, : s.q_size].view(m, s.num_heads, s.head_dim)
-        k = qkv[:, s.q_size : s.q_size + s.kv_size].view(m, s.num_kv_heads, s.head_dim)
+        q, k = qkv[:, : s.q_size], qkv[:, s.q_size : s.q_size + s.kv_size]
+        if s.qk_norm == "head":
+            q, k = q.view(m, s.num_heads, s.head_dim), k.view(m, s.num_kv_heads, s.head_dim)
         q.copy_(ops.rms_norm_ref(q, layer.q_norm, s.rms_eps, s.norm_offset))
         k.copy_(ops.rms_norm_ref(k, layer.k_norm, s.rms_eps, s.norm_offset))
 
@@ -189,6 +190,8 @@ class RuntimeModel:
             qkv = lw.qkv(x)
             if s.qk_norm:
                 self._qk_norm(qkv, lw)
+            if s.clip_qkv:
+                qkv.clamp_(-s.clip_qkv, s.clip_qkv)
             if not rope_in_attention:
                 cos, sin = self.layer_rope[i]
                 o.rope_cache(

@@ -16,8 +16,9 @@ from quantkit.config import QuantkitError
 
 LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 GEMMA_TYPES = ("gemma2", "gemma3_text")
-# MoE families (quantkit.runtime.moe); OLMoE is not among them: its q/k norms span all heads at once.
-MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+# MoE families (quantkit.runtime.moe)
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+QK_NORMS = ("", "head", "full")
 SUPPORTED_TYPES = LLAMA_TYPES + GEMMA_TYPES + MOE_TYPES
 
 
@@ -37,7 +38,10 @@ class ModelSpec:
     max_position_embeddings: int
     tie_embeddings: bool
     qkv_bias: bool = False
-    qk_norm: bool = False  # Qwen3 / Gemma 3: RMSNorm over each head of q and k before RoPE
+    # RMSNorm of q and k before RoPE: "head" over each head (Qwen3, Gemma 3), "full" over the whole
+    # projection, all heads at once (OLMoE: weights [heads * head_dim]), "" none
+    qk_norm: str = ""
+    clip_qkv: float = 0.0  # OLMoE: q (after its norm), k and v clamped to +-clip_qkv; 0: no clamp
     norm_offset: float = 0.0  # Gemma: RMSNorm multiplies by (1 + weight)
     sandwich_norms: bool = False  # Gemma 2/3: norms after attention and MLP too
     activation: str = "silu"  # or "gelu_tanh"
@@ -58,6 +62,8 @@ class ModelSpec:
             )
         if self.num_heads % self.num_kv_heads:
             raise QuantkitError(f"{self.num_heads} attention heads are not a multiple of {self.num_kv_heads} kv heads")
+        if self.qk_norm not in QK_NORMS:
+            raise QuantkitError(f"qk_norm {self.qk_norm!r} is not one of {QK_NORMS}")
         if self.activation not in ("silu", "gelu_tanh"):
             raise QuantkitError(f"activation {self.activation!r} is not one the runtime implements")
         if self.sliding_layers and len(self.sliding_layers) != self.num_layers:
@@ -127,7 +133,8 @@ def spec_from_config(cfg) -> ModelSpec:
         max_position_embeddings=cfg.max_position_embeddings,
         tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
         qkv_bias=mt in ("qwen2", "qwen2_moe") or bool(getattr(cfg, "attention_bias", False)),
-        qk_norm=mt in ("qwen3", "gemma3_text", "qwen3_moe"),
+        qk_norm="head" if mt in ("qwen3", "gemma3_text", "qwen3_moe") else "full" if mt == "olmoe" else "",
+        clip_qkv=float(getattr(cfg, "clip_qkv", None) or 0.0) if mt == "olmoe" else 0.0,
         norm_offset=1.0 if gemma else 0.0,
         sandwich_norms=gemma,
         activation="gelu_tanh" if gemma else "silu",

@@ -12,7 +12,7 @@ from tests.conftest import rel_err, tiny_tokenizer
 from tests.moe.test_moe_quantize import SCHEME, quantized
 
 
-@pytest.fixture(scope="module", params=["mixtral", "qwen2_moe", "qwen3_moe"])
+@pytest.fixture(scope="module", params=["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
 def moe_checkpoint(request, tmp_path_factory):
     from tests.moe.moe_tiny import tiny_moe
 
@@ -45,6 +45,28 @@ def test_runtime_16bit_fused_experts_match_transformers(tmp_path):
     runtime, _ = load_runtime_model(str(tmp_path / "fp"), device="cpu", dtype="float32", backend="reference")
     with torch.no_grad():
         ref = model(ids()).logits
+    assert rel_err(runtime.forward_logits(ids()), ref) < 1e-5
+
+
+def test_olmoe_whole_projection_qk_norm_and_clip_match_transformers(tmp_path):
+    """OLMoE normalizes q and k over all heads at once (norm weights [heads * head_dim]) and may clamp
+    q, k and v; a clamp that bites (0.05 on outputs of about 0.1) must change nothing against transformers."""
+    from tests.moe.moe_tiny import tiny_moe
+
+    model = tiny_moe("olmoe", clip_qkv=0.05)
+    with torch.no_grad():
+        for layer in model.model.layers:  # norms away from one, so that a per-head norm would differ
+            layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+            layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+    model.save_pretrained(tmp_path / "fp")
+    tiny_tokenizer(128).save_pretrained(tmp_path / "fp")
+    runtime, _ = load_runtime_model(str(tmp_path / "fp"), device="cpu", dtype="float32", backend="reference")
+    assert (runtime.spec.qk_norm, runtime.spec.clip_qkv, runtime.spec.moe_renormalize) == ("full", 0.05, False)
+    with torch.no_grad():
+        ref = model(ids()).logits
+        unclipped = tiny_moe("olmoe")
+        unclipped.load_state_dict(model.state_dict())
+        assert rel_err(unclipped(ids()).logits, ref) > 1e-3  # the clamp bites
     assert rel_err(runtime.forward_logits(ids()), ref) < 1e-5
 
 
