@@ -113,7 +113,7 @@ class _LayerWork:
                     stacks[it.key][it.row_start : it.row_stop], hessians[it.key], self.method.scheme, config,
                     name=f"{ctx.prefix}.{'+'.join(members)}", spill_hessian=ctx.releasable)
         for it in items:
-            parts[it.key, it.row_start] = _share_part(ctx, parts.get((it.key, it.row_start)), it,
+            parts[it.key, it.row_start] = share_solved_rows(ctx, parts.get((it.key, it.row_start)), it,
                                                       stacks[it.key].shape[1], self.method.scheme)
         seconds = _clock(ctx.device) - t1
         total = sum(w.numel() for w in stacks)
@@ -174,10 +174,11 @@ def global_hessian(ctx: LayerContext, acc: HessianAccumulator, owners: set[int])
     return H if comm.rank in owners else None
 
 
-def _share_part(
+def share_solved_rows(
     ctx: LayerContext, res: GPTQResult | None, item: SolveItem, in_features: int, scheme: QuantScheme
 ) -> GPTQResult:
-    """The solved rows of ``item``, broadcast from their owner (codes travel as bytes)."""
+    """The solved rows of ``item`` on every rank, broadcast from their owner (codes travel as bytes); every rank
+    calls this for every item in the same order."""
     comm = ctx.comm
     if comm.world_size == 1:
         return res

@@ -28,7 +28,9 @@ import torch
 
 from quantkit.calibrate.walker import LayerContext, LayerResult, StopForward, install_weight
 from quantkit.config import QuantkitError
-from quantkit.methods.gptq import HessianAccumulator, gptq_quantize, relative_error
+from quantkit.distributed.plan import SolveItem, assign_owners, solve_cost
+from quantkit.methods.gptq import GPTQResult, HessianAccumulator, gptq_quantize, relative_error
+from quantkit.methods.gptq_method import share_solved_rows
 from quantkit.methods.rtn import rtn_quantize
 from quantkit.moe.experts import SeparateExperts, find_separate_experts
 from quantkit.qtensor import QuantizedWeight
@@ -87,8 +89,6 @@ class MoEMethod:
             return _awq_layer(ctx, blocks, self.inner)
         if self.inner.name != "gptq":
             raise QuantkitError(f"{self.inner.name} on MoE experts is not supported; use gptq, awq or rtn")
-        if ctx.comm.world_size > 1:
-            raise QuantkitError("MoE models are quantized in one process for now; run without --gpus")
         expert_linears = {n for n in ctx.linears if any(n.startswith(p + ".") for p in blocks)}
         rest = {n: m for n, m in ctx.linears.items() if n not in expert_linears}
         groups = [[n for n in g if n in rest] for g in ctx.groups]
@@ -170,8 +170,12 @@ def _quantize_block(ctx: LayerContext, path: str, block: SeparateExperts, inner:
         _run(ctx, block, on_in)
     finally:
         block.mode = "routed"
-    routed = block.routed_tokens.tolist()
-    seen = [accs[None].n if None in accs else (accs[e].n if e in accs else 0) for e in range(n)]
+    # Under --gpus each rank saw its own windows: the counts (and so the fallbacks) are those of all ranks.
+    routed = _global_counts(ctx, block.routed_tokens.tolist())
+    shared = None in accs if ctx.comm.world_size == 1 else config.mode == "all"
+    counts = _global_counts(ctx, [accs[None].n if None in accs else 0] if shared else
+                            [accs[e].n if e in accs else 0 for e in range(n)])
+    seen = counts * n if shared else counts
     weights: dict[str, QuantizedWeight] = {}
     stats: dict[str, dict[str, float]] = {}
     notes: list[str] = []
@@ -191,13 +195,17 @@ def _quantize_block(ctx: LayerContext, path: str, block: SeparateExperts, inner:
             weights[name] = qw
             stats[name] = {"weight_error": res.weight_error, "fallback_rtn": 1.0}
     solve = [e for e in range(n) if e not in fallback]
-    # gate/up: all experts share one Hessian in "all" mode, each has its own in "routed" mode
-    chunk = config.chunk if None in accs else 1
-    for first in range(0, len(solve), chunk):
-        group = solve[first : first + chunk]
-        H = accs[None].H if None in accs else accs[group[0]].H
-        mats = [(e, ln) for e in group for ln in (gate_n, up_n)]
-        _solve(ctx, block, path, mats, H, scheme, gcfg, weights, stats)
+    # gate/up: all experts share one Hessian in "all" mode (solved in stacks of ``chunk`` experts), each has
+    # its own in "routed" mode
+    if shared:
+        jobs = [[(e, ln) for e in solve[i : i + config.chunk] for ln in (gate_n, up_n)]
+                for i in range(0, len(solve), config.chunk)]
+        H = _global_hessian(ctx, accs.get(None), block[0].get_submodule(gate_n).in_features, counts[0], None)
+        _solve_jobs(ctx, block, path, jobs, [H] * len(jobs), None, scheme, gcfg, weights, stats)
+    else:
+        jobs = [[(e, gate_n), (e, up_n)] for e in solve]
+        _solve_jobs(ctx, block, path, jobs, [accs.get(e) for e in solve], [seen[e] for e in solve], scheme, gcfg,
+                    weights, stats)
     # down: each expert's own input, through its quantized gate/up
     accs.clear()
     if solve:
@@ -212,24 +220,83 @@ def _quantize_block(ctx: LayerContext, path: str, block: SeparateExperts, inner:
             _run(ctx, block, on_down)
         finally:
             block.mode = "routed"
-    for e in solve:
-        _solve(ctx, block, path, [(e, down_n)], accs[e].H, scheme, gcfg, weights, stats)
+    down_counts = _global_counts(ctx, [accs[e].n if e in accs else 0 for e in solve])
+    _solve_jobs(ctx, block, path, [[(e, down_n)] for e in solve], [accs.get(e) for e in solve], down_counts,
+                scheme, gcfg, weights, stats)
     for e in range(n):
         for lname in (gate_n, up_n, down_n):
             stats[f"{path}.{e}.{lname}"].update(routed_tokens=float(routed[e]), calib_tokens=float(seen[e]))
     return weights, stats, notes
 
 
-def _solve(ctx: LayerContext, block: SeparateExperts, path: str, mats: list[tuple[int, str]], H: torch.Tensor,
-           scheme, gcfg, weights: dict, stats: dict) -> None:
-    """GPTQ on the stacked weights ``mats`` (expert, linear name) against ``H``; installs and packs them."""
-    linears = [block[e].get_submodule(ln) for e, ln in mats]
-    w = torch.cat([lin.weight.data for lin in linears])  # [sum out, in]
-    label = f"{ctx.prefix}.{path}.{mats[0][0]}..{mats[-1][0]}"
-    res = gptq_quantize(w, H, scheme, gcfg, name=label)
+def _global_counts(ctx: LayerContext, counts: list[int]) -> list[int]:
+    """``counts`` summed over the ranks (the same list on every rank; as given in one process)."""
+    if ctx.comm.world_size == 1:
+        return list(counts)
+    t = torch.tensor(counts, dtype=torch.float64, device=ctx.device)
+    return [int(round(v)) for v in ctx.comm.all_reduce_sum(t).tolist()]
+
+
+def _global_hessian(ctx: LayerContext, acc: HessianAccumulator | None, in_features: int, total: int,
+                    owner: int | None) -> torch.Tensor | None:
+    """The Hessian over every rank's tokens (each rank's running mean weighted by its share of ``total``), on
+    ``owner`` (None: on every rank); a rank that saw no token of it adds zeros."""
+    comm = ctx.comm
+    if comm.world_size == 1:
+        return acc.H
+    if acc is None or total == 0:
+        H = torch.zeros(in_features, in_features, dtype=torch.float32, device=ctx.device)
+    else:
+        H = acc.H.mul_(acc.n / total)
+    if owner is None:
+        return comm.all_reduce_sum(H)
+    H = comm.reduce_sum(H, dst=owner)
+    return H if comm.rank == owner else None
+
+
+def _solve_jobs(ctx: LayerContext, block: SeparateExperts, path: str, jobs: list[list[tuple[int, str]]],
+                hessians: list, totals: list[int] | None, scheme, gcfg, weights: dict, stats: dict) -> None:
+    """GPTQ on each job's stacked weights (expert, linear name), installed and packed on every rank.
+
+    ``hessians``: one per job, a tensor on every rank (``totals`` None), or each rank's accumulator whose
+    tokens sum to ``totals[j]`` over the ranks. In one process the jobs run in order. Under --gpus each job
+    has an owner (largest first, to the least loaded rank): the Hessians are reduced onto their owners, every
+    rank solves its own jobs, then each result is broadcast from its owner; every rank installs every job.
+    """
+    comm = ctx.comm
+
+    def stack(mats: list[tuple[int, str]]) -> torch.Tensor:  # built when solved: one stack alive at a time
+        return torch.cat([block[e].get_submodule(ln).weight.data for e, ln in mats])
+
+    shapes = [(sum(block[e].get_submodule(ln).out_features for e, ln in mats),
+               block[mats[0][0]].get_submodule(mats[0][1]).in_features) for mats in jobs]
+    owners = assign_owners([solve_cost(rows, in_f) for rows, in_f in shapes], comm.world_size)
+    if totals is not None:
+        hessians = [_global_hessian(ctx, acc, in_f, total, owner if comm.world_size > 1 else None)
+                    for acc, (_, in_f), total, owner in zip(hessians, shapes, totals, owners)]
+    results: dict[int, GPTQResult] = {}
+    for j, mats in enumerate(jobs):
+        if owners[j] == comm.rank:
+            label = f"{ctx.prefix}.{path}.{mats[0][0]}..{mats[-1][0]}"
+            results[j] = gptq_quantize(stack(mats), hessians[j], scheme, gcfg, name=label)
+            if comm.world_size == 1:  # solved and installed in order: the next job reads nothing of this one
+                _install(block, path, mats, results.pop(j), scheme, weights, stats)
+        hessians[j] = None
+    if comm.world_size == 1:
+        return
+    for j, mats in enumerate(jobs):
+        res = share_solved_rows(ctx, results.pop(j, None), SolveItem(j, 0, shapes[j][0], owners[j], 0.0),
+                                shapes[j][1], scheme)
+        _install(block, path, mats, res, scheme, weights, stats)
+
+
+def _install(block: SeparateExperts, path: str, mats: list[tuple[int, str]], res: GPTQResult, scheme,
+             weights: dict, stats: dict) -> None:
+    """The solved stack ``res`` back into its experts' linears (dequantized), packed, with its errors."""
     w_hat = res.dequantize()
     row = 0
-    for (e, ln), lin in zip(mats, linears):
+    for e, ln in mats:
+        lin = block[e].get_submodule(ln)
         rows = slice(row, row + lin.weight.shape[0])
         lin.weight.data.copy_(w_hat[rows].to(lin.weight.dtype))
         name = f"{path}.{e}.{ln}"

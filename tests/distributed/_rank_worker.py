@@ -1,6 +1,7 @@
 """Run by torchrun from test_distributed.py: each rank quantizes the tiny model for every case, or fails.
 
-Usage: _rank_worker.py MODEL_DIR TEXT_FILE OUT_DIR MODE   (MODE: ok | raise | kill)
+Usage: _rank_worker.py MODEL_DIR TEXT_FILE OUT_DIR MODE   (MODE: ok | moe | raise | kill; moe: MODEL_DIR is a
+tiny MoE model and the MOE_CASES run)
 The work device is $QUANTKIT_TEST_DEVICE (default cpu; "cuda": the ranks share one GPU over gloo, with
 QUANTKIT_DIST_BACKEND=gloo).
 """
@@ -19,16 +20,27 @@ CASES = {  # name -> (method, options); shared with the test, which runs the sam
     "awq": ("awq", {"grid": 4, "clip_grid": 4, "clip_tokens": 64}),
 }
 
+MOE_CASES = {  # name -> (method, options, MoE calibration mode, expert token floor)
+    "moe_all": ("gptq", {"desc_act": True}, "all", 8),
+    "moe_routed": ("gptq", {}, "routed", 40),  # a floor some experts miss: the fallbacks must agree
+    "moe_awq": ("awq", {"grid": 4, "clip_grid": 4, "clip_tokens": 64}, "all", 8),
+}
+
 
 def quantize_case(model_dir: str, text: str, out: str, name: str, gpus: int | None = None, device: str = "cpu"):
     from quantkit import api
     from quantkit.config import CalibConfig, LoadConfig, QuantScheme
+    from quantkit.methods.moe import MoECalibConfig
 
-    method, options = CASES[name]
+    if name in MOE_CASES:
+        method, options, mode, floor = MOE_CASES[name]
+        moe = MoECalibConfig(mode=mode, min_tokens=floor)
+    else:
+        (method, options), moe = CASES[name], None
     scheme = QuantScheme(4, 32, method == "gptq")
     return api.quantize(model_dir, out, method=method, scheme=scheme, method_options=dict(options),
                         calib=CalibConfig(source=text, nsamples=8, seqlen=32, seed=0),
-                        load=LoadConfig(device=device, dtype="float32"), batch_size=2, gpus=gpus)
+                        load=LoadConfig(device=device, dtype="float32"), batch_size=2, gpus=gpus, moe=moe)
 
 
 def inject_failure(mode: str) -> None:
@@ -51,11 +63,11 @@ def main() -> None:
     model_dir, text, out, mode = sys.argv[1:5]
     device = os.environ.get("QUANTKIT_TEST_DEVICE", "cpu")
     assert os.environ.get("NCCL_NVLS_ENABLE") == "0", "the launcher must turn NVLink multicast off"
-    if mode != "ok":
+    if mode not in ("ok", "moe"):
         inject_failure(mode)
         quantize_case(model_dir, text, os.path.join(out, "gptq"), "gptq", gpus=2, device=device)
         return
-    for name in CASES:
+    for name in MOE_CASES if mode == "moe" else CASES:
         quantize_case(model_dir, text, os.path.join(out, name), name, gpus=2, device=device)
     if os.environ["RANK"] == "0":
         with open(os.path.join(out, "ranks.json"), "w") as f:
