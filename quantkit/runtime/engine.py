@@ -400,9 +400,9 @@ class Engine:
         req.ids.append(token)
         if self._tokenizer is None:
             return ""
-        decode = self._tokenizer.decode
-        prefix = decode(req.ids[req.prefix_offset : req.read_offset], skip_special_tokens=True)
-        full = decode(req.ids[req.prefix_offset :], skip_special_tokens=True)
+        skip = req.params.skip_special_tokens
+        prefix = self._tokenizer.decode(req.ids[req.prefix_offset : req.read_offset], skip_special_tokens=skip)
+        full = self._tokenizer.decode(req.ids[req.prefix_offset :], skip_special_tokens=skip)
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             req.prefix_offset, req.read_offset = req.read_offset, len(req.ids)
             return full[len(prefix) :]
@@ -412,8 +412,9 @@ class Engine:
         """Text of tokens held back as an incomplete character, when the request ends (replacement marks)."""
         if self._tokenizer is None or req.read_offset == len(req.ids):
             return ""
-        prefix = self._tokenizer.decode(req.ids[req.prefix_offset : req.read_offset], skip_special_tokens=True)
-        return self._tokenizer.decode(req.ids[req.prefix_offset :], skip_special_tokens=True)[len(prefix) :]
+        skip = req.params.skip_special_tokens
+        prefix = self._tokenizer.decode(req.ids[req.prefix_offset : req.read_offset], skip_special_tokens=skip)
+        return self._tokenizer.decode(req.ids[req.prefix_offset :], skip_special_tokens=skip)[len(prefix) :]
 
     def _finish(self, req: _Request, token: int, reason: str) -> TokenEvent:
         self._running.pop(req.id, None)

@@ -2,7 +2,7 @@
 
 Requests are validated strictly (pydantic strict mode: ``"5"`` is not a number), so a client with a
 typo gets a 400 naming the field instead of a silent default. Fields that OpenAI defines but this
-server cannot honour (``n > 1``, ``logprobs``, penalties, ``tools``, ...) are rejected when set to
+server cannot honour (``n > 1``, ``logprobs``, penalties, ``functions``, ...) are rejected when set to
 anything but their neutral value, never ignored; a field it does not know at all (``foo``) is a 400
 too. ``user`` is accepted and ignored (an end-user id, with no effect on the answer). ``top_k`` and
 ``repetition_penalty`` are extensions (vLLM spells them the same way). Every error has a non-null code.
@@ -88,6 +88,7 @@ class _SamplingFields(_Strict):
     repetition_penalty: float | None = Field(default=None, gt=0)  # extension
     ignore_eos: bool | None = None  # extension (vLLM's): generate max_tokens even past end-of-sequence
     user: str | None = None  # an end-user id: accepted, no effect
+    response_format: Any = None  # text, json_object or json_schema (constrained decoding)
     # OpenAI fields this server does not implement: accepted only at their neutral values (UNSUPPORTED_FIELDS).
     presence_penalty: Any = None
     frequency_penalty: Any = None
@@ -123,7 +124,8 @@ class _SamplingFields(_Strict):
         return tuple(stops)
 
     def sampling_params(self, requested_max_tokens: int | None, default_max_tokens: int,
-                        max_tokens_limit: int, grammar: str | None = None) -> SamplingParams:
+                        max_tokens_limit: int, grammar: str | None = None,
+                        skip_special_tokens: bool = True) -> SamplingParams:
         """The engine's :class:`SamplingParams`; ``max_tokens`` above the server's limit is a 400."""
         self.check_supported()
         max_tokens = default_max_tokens if requested_max_tokens is None else requested_max_tokens
@@ -141,9 +143,35 @@ class _SamplingFields(_Strict):
                 stop=self.stop_strings(),
                 ignore_eos=bool(self.ignore_eos),
                 grammar=grammar,
+                skip_special_tokens=skip_special_tokens,
             )
         except QuantkitError as exc:
             raise APIError(400, str(exc)) from exc
+
+    def response_grammar(self) -> str | None:
+        """The grammar ``response_format`` asks for (None: free text); 400 when it cannot be honoured."""
+        fmt = self.response_format
+        if fmt is None:
+            return None
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind == "text":
+            return None
+        if kind not in ("json_object", "json_schema"):
+            raise APIError(400, "response_format.type must be text, json_object or json_schema",
+                           param="response_format.type", code="invalid_value")
+        from quantkit.runtime.constrained import json_grammar
+
+        schema = None
+        if kind == "json_schema":
+            spec = fmt.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise APIError(400, "response_format.json_schema.schema must be a JSON schema object",
+                               param="response_format.json_schema.schema", code="invalid_value")
+        try:
+            return json_grammar(schema)
+        except QuantkitError as exc:
+            raise APIError(400, str(exc), param="response_format", code="invalid_value") from exc
 
     @property
     def include_usage(self) -> bool:
@@ -170,7 +198,8 @@ class CompletionRequest(_SamplingFields):
         return prompt
 
     def params(self, max_tokens_limit: int) -> SamplingParams:
-        return self.sampling_params(self.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, max_tokens_limit)
+        return self.sampling_params(self.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, max_tokens_limit,
+                                    self.response_grammar())
 
     @property
     def max_tokens_given(self) -> bool:
@@ -198,9 +227,13 @@ class ChatMessage(_Strict):
 
     def template_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"role": self.role, "content": self.text()}
-        for key in ("name", "tool_calls", "tool_call_id"):
+        for key in ("name", "tool_call_id"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
+        if self.tool_calls is not None:
+            from quantkit.runtime.tool_calls import template_tool_calls
+
+            out["tool_calls"] = template_tool_calls(self.tool_calls)
         return out
 
     def text(self) -> str:
@@ -219,40 +252,15 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: Any = None
     functions: Any = None
     function_call: Any = None
-    response_format: Any = None
     modalities: Any = None
     audio: Any = None
     prediction: Any = None
     reasoning_effort: Any = None
     web_search_options: Any = None
 
-    def response_grammar(self) -> str | None:
-        """The grammar ``response_format`` asks for (None: free text); 400 when it cannot be honoured."""
-        fmt = self.response_format
-        if fmt is None:
-            return None
-        kind = fmt.get("type") if isinstance(fmt, dict) else None
-        if kind == "text":
-            return None
-        if kind not in ("json_object", "json_schema"):
-            raise APIError(400, "response_format.type must be text, json_object or json_schema",
-                           param="response_format.type", code="invalid_value")
-        from quantkit.runtime.constrained import json_grammar
-
-        schema = None
-        if kind == "json_schema":
-            spec = fmt.get("json_schema")
-            schema = spec.get("schema") if isinstance(spec, dict) else None
-            if not isinstance(schema, dict):
-                raise APIError(400, "response_format.json_schema.schema must be a JSON schema object",
-                               param="response_format.json_schema.schema", code="invalid_value")
-        try:
-            return json_grammar(schema)
-        except QuantkitError as exc:
-            raise APIError(400, str(exc), param="response_format", code="invalid_value") from exc
-
-    def tool_plan(self, chat_template: str | None):
-        """The request's tools (runtime.tool_calls.ToolPlan, or None); 400 when they cannot be honoured."""
+    def tool_plan(self, chat_template: str | None, special: dict[str, int] | None = None):
+        """The request's tools (runtime.tool_calls.ToolPlan, or None); 400 when they cannot be honoured.
+        ``special``: the tokenizer's special tokens (text -> id)."""
         from quantkit.runtime import tool_calls
 
         if self.parallel_tool_calls not in (None, True, False):
@@ -262,7 +270,7 @@ class ChatCompletionRequest(_SamplingFields):
             raise APIError(400, "parallel_tool_calls is only allowed with tools", param="parallel_tool_calls",
                            code="invalid_value")
         try:
-            plan = tool_calls.plan(self.tools, self.tool_choice, chat_template)
+            plan = tool_calls.plan(self.tools, self.tool_choice, chat_template, special)
         except tool_calls.ToolError as exc:
             raise APIError(400, exc.message, param=exc.param, code=exc.code) from exc
         if plan is not None and plan.grammar_lark is not None and self.response_format not in (None, {"type": "text"}):
@@ -279,10 +287,11 @@ class ChatCompletionRequest(_SamplingFields):
     def max_tokens_given(self) -> bool:
         return self.max_completion_tokens is not None or self.max_tokens is not None
 
-    def params(self, max_tokens_limit: int, grammar: str | None = None) -> SamplingParams:
+    def params(self, max_tokens_limit: int, grammar: str | None = None,
+               skip_special_tokens: bool = True) -> SamplingParams:
         requested = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         # Left out: as many as the server allows (the engine cuts it to what the cache slot holds).
-        return self.sampling_params(requested, max_tokens_limit, max_tokens_limit, grammar)
+        return self.sampling_params(requested, max_tokens_limit, max_tokens_limit, grammar, skip_special_tokens)
 
 
 def parse_request(model_type: type[_Strict], body: Any) -> Any:
@@ -320,27 +329,31 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 @dataclass(frozen=True)
 class ResponseFormat:
-    """Writes one request's response bodies: the whole answer, or the chunks of a stream. ``tools``: the
-    answer may hold tool calls (parsed from the text at its end; ``max_calls`` 1 when parallel_tool_calls
-    is false)."""
+    """Writes one request's response bodies: the whole answer, or the chunks of a stream. ``tool_syntax``
+    (a runtime.tool_syntax.ToolSyntax): the answer may hold tool calls written that way (parsed from the
+    text at its end; ``max_calls`` 1 when parallel_tool_calls is false)."""
 
     chat: bool
     model: str
     request_id: str
     created: int
-    tools: bool = False
+    tool_syntax: Any = None
     max_calls: int | None = None
 
     @classmethod
-    def new(cls, chat: bool, model: str, tools: bool = False, max_calls: int | None = None) -> ResponseFormat:
+    def new(cls, chat: bool, model: str, tool_syntax: Any = None, max_calls: int | None = None) -> ResponseFormat:
         return cls(chat=chat, model=model, request_id=new_id("chatcmpl" if chat else "cmpl"), created=int(time.time()),
-                   tools=tools, max_calls=max_calls)
+                   tool_syntax=tool_syntax, max_calls=max_calls)
+
+    @property
+    def tools(self) -> bool:
+        return self.tool_syntax is not None
 
     def tool_message(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
         """The assistant message (content and tool_calls) of ``text``, and the finish reason it gives."""
         from quantkit.runtime import tool_calls
 
-        content, calls = tool_calls.parse(text)
+        content, calls = tool_calls.parse(text, self.tool_syntax)
         calls = calls[: self.max_calls] if self.max_calls else calls
         if not calls:
             return {"role": "assistant", "content": text}, finish_reason

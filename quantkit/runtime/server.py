@@ -13,8 +13,9 @@ unknown field (400 naming it), a prompt, or prompt + an explicit ``max_tokens``,
 sequence (400, ``context_length_exceeded``), ``max_tokens`` above ``max_tokens`` (400), an unknown model
 name (404), every place taken (503, ``queue_full``, ``Retry-After``), an engine failure (500, only for the
 requests it hit). A client that disconnects, streaming or not, has its request aborted in the engine.
-Chat requests may carry ``response_format`` (JSON, by constrained decoding) and ``tools`` (templates with
-Hermes-style tool calls, :mod:`quantkit.runtime.tool_calls`). Shutdown: :mod:`.server_shutdown`.
+Both endpoints take ``response_format`` (JSON, by constrained decoding); chat requests also ``tools``
+(templates whose tool-call syntax :mod:`quantkit.runtime.tool_syntax` knows: Hermes, Llama 3.1-3.3 JSON,
+Mistral). Shutdown: :mod:`.server_shutdown`.
 """
 
 from __future__ import annotations
@@ -243,14 +244,16 @@ class _Service:
         body = parse_request(ChatCompletionRequest, await _read_json(request, self.config.max_body_bytes))
         self._check_model(body.model)
         tokenizer = self.worker.engine.tokenizer
-        plan = body.tool_plan(getattr(tokenizer, "chat_template", None))
+        special = getattr(tokenizer, "get_added_vocab", dict)() if body.tools else None
+        plan = body.tool_plan(getattr(tokenizer, "chat_template", None), special)
         grammar = body.response_grammar()
         if plan is not None and plan.grammar_lark is not None:
             from quantkit.runtime.constrained import lark_grammar
 
             grammar = lark_grammar(plan.grammar_lark)
-        params = body.params(self.config.max_tokens, grammar)
-        fmt = ResponseFormat.new(chat=True, model=self.model_name, tools=plan is not None and plan.parse,
+        params = body.params(self.config.max_tokens, grammar,
+                             skip_special_tokens=not (plan is not None and plan.keep_special_tokens))
+        fmt = ResponseFormat.new(chat=True, model=self.model_name, tool_syntax=plan.syntax if plan else None,
                                  max_calls=1 if body.parallel_tool_calls is False else None)
         build = chat_prompt(body.template_messages(), plan.tools if plan is not None else None)
         return await self._generate(request, build, "messages", params, fmt, bool(body.stream), body.include_usage,

@@ -1,27 +1,24 @@
 """Tool calls (``tools`` / ``tool_choice``) for chat templates that define them.
 
-A model can call tools only in the syntax its chat template taught it. This server knows one: the
-Hermes convention (Qwen2/2.5/3, Hermes, many fine-tunes), where the template renders the tools' JSON
-schemas into the system prompt and the model answers ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
-(one block per call). A template that mentions no tools is refused with a 400 saying so; one with another
-syntax (Llama 3.1's, Mistral's) likewise, naming what is missing.
+A model can call tools only in the syntax its chat template taught it; :mod:`.tool_syntax` holds one
+record per syntax this server knows (Hermes ``<tool_call>``, Llama 3.1-3.3 JSON, Mistral ``[TOOL_CALLS]``
+old and v11+), detected from the template's text. A template that mentions no tools is refused with a
+400 saying so; one whose syntax is none of those likewise, naming the ones it knows.
 
 ``tool_choice``: ``"none"`` renders no tools; ``"auto"`` (the default) lets the model choose and parses
-any blocks it wrote; ``"required"`` and ``{"type": "function", "function": {"name": ...}}`` constrain the
-output with a grammar (:mod:`.constrained`) to one call of one of the tools (or the named one), whose
-arguments follow that tool's ``parameters`` schema.
+any calls it wrote; ``"required"`` and ``{"type": "function", "function": {"name": ...}}`` constrain the
+output with the syntax's grammar (:mod:`.constrained`) to one call of one of the tools (or the named one),
+whose arguments follow that tool's ``parameters`` schema.
 """
 
 from __future__ import annotations
 
 import json
-import re
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
-_BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.DOTALL)
+from quantkit.runtime import tool_syntax
+from quantkit.runtime.tool_syntax import HERMES, Special, ToolSyntax
 
 
 class ToolError(Exception):
@@ -32,14 +29,16 @@ class ToolError(Exception):
         self.message, self.param, self.code = message, param, code
 
 
-def template_syntax(chat_template: str | None) -> str:
-    """Why this template cannot take tools (a message), or "" when it can (the Hermes syntax)."""
+def template_syntax(chat_template: str | None) -> ToolSyntax | str:
+    """The tool-call syntax this template teaches, or a message saying why it cannot take tools."""
     if not chat_template or "tools" not in chat_template:
         return "this model's chat template has no tool calls (it never renders `tools`); send no tools"
-    if OPEN not in chat_template:
-        return ("this model's chat template renders tools, but not in the <tool_call> syntax this server parses; "
-                "send no tools")
-    return ""
+    syntax = tool_syntax.detect(chat_template)
+    if syntax is None:
+        known = ", ".join(s.name for s in tool_syntax.SYNTAXES)
+        return (f"this model's chat template renders tools, but not in a tool-call syntax this server parses "
+                f"({known}); send no tools")
+    return syntax
 
 
 @dataclass(frozen=True)
@@ -48,10 +47,15 @@ class ToolPlan:
 
     tools: list[dict[str, Any]] | None  # passed to the template (None: tool_choice "none")
     grammar_lark: str | None  # set when a call is required
+    syntax: ToolSyntax | None = None  # how the answer's calls are written (None: nothing to parse)
 
     @property
     def parse(self) -> bool:
-        return self.tools is not None
+        return self.syntax is not None
+
+    @property
+    def keep_special_tokens(self) -> bool:
+        return self.syntax is not None and self.syntax.keep_special_tokens
 
 
 def _functions(tools: Any) -> list[dict[str, Any]]:
@@ -72,8 +76,9 @@ def _functions(tools: Any) -> list[dict[str, Any]]:
     return out
 
 
-def plan(tools: Any, tool_choice: Any, chat_template: str | None) -> ToolPlan | None:
-    """The plan for a request's ``tools`` / ``tool_choice`` (None: no tools in play); raises ToolError."""
+def plan(tools: Any, tool_choice: Any, chat_template: str | None, special: Special | None = None) -> ToolPlan | None:
+    """The plan for a request's ``tools`` / ``tool_choice`` (None: no tools in play); raises ToolError.
+    ``special``: the tokenizer's special tokens (text -> id), which the forced grammars name by id."""
     if tools is None or tools == []:
         if tool_choice not in (None, "none", "auto"):
             raise ToolError("tool_choice needs tools", "tool_choice", "invalid_value")
@@ -81,11 +86,11 @@ def plan(tools: Any, tool_choice: Any, chat_template: str | None) -> ToolPlan | 
     functions = _functions(tools)
     if tool_choice == "none":
         return ToolPlan(None, None)
-    problem = template_syntax(chat_template)
-    if problem:
-        raise ToolError(problem, "tools", "tools_unsupported")
+    syntax = template_syntax(chat_template)
+    if isinstance(syntax, str):
+        raise ToolError(syntax, "tools", "tools_unsupported")
     if tool_choice in (None, "auto"):
-        return ToolPlan(tools, None)
+        return ToolPlan(tools, None, syntax)
     if tool_choice == "required":
         chosen = functions
     elif (isinstance(tool_choice, dict) and tool_choice.get("type") == "function"
@@ -98,32 +103,32 @@ def plan(tools: Any, tool_choice: Any, chat_template: str | None) -> ToolPlan | 
     else:
         raise ToolError("tool_choice must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", "
                         "\"function\": {\"name\": ...}}", "tool_choice", "invalid_value")
-    return ToolPlan(tools, call_grammar(chosen))
+    return ToolPlan(tools, syntax.grammar(chosen, special or {}), syntax)
 
 
-def call_grammar(functions: list[dict[str, Any]]) -> str:
-    """A Lark grammar (llguidance's dialect, with %json) of exactly one call of one of ``functions``."""
-    calls = [{"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": f["parameters"]},
-              "required": ["name", "arguments"], "additionalProperties": False} for f in functions]
-    schema = dict(calls[0]) if len(calls) == 1 else {"anyOf": calls}
-    schema["x-guidance"] = {"whitespace_flexible": False}  # compact JSON: no room for endless padding
-    return (f'start: "{OPEN}\\n" call "\\n{CLOSE}"\n'
-            f'call: %json {json.dumps(schema, separators=(",", ":"))}\n')
-
-
-def parse(text: str) -> tuple[str | None, list[dict[str, Any]]]:
-    """(content outside the call blocks or None, the calls in OpenAI's ``tool_calls`` shape)."""
-    calls = []
-    for block in _BLOCK.findall(text):
-        try:
-            call = json.loads(block)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(call, dict) and isinstance(call.get("name"), str):
-            arguments = call.get("arguments", call.get("parameters", {}))
-            calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                          "function": {"name": call["name"], "arguments": json.dumps(arguments)}})
+def parse(text: str, syntax: ToolSyntax = HERMES) -> tuple[str | None, list[dict[str, Any]]]:
+    """(content outside the calls or None, the calls in OpenAI's ``tool_calls`` shape); a malformed answer
+    is ``(text, [])``."""
+    content, calls = syntax.parse(text)
     if not calls:
         return text, []
-    content = _BLOCK.sub("", text).strip()
-    return content or None, calls
+    return content, [{"id": syntax.new_id(), "type": "function",
+                      "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
+                     for name, arguments in calls]
+
+
+def template_tool_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """An assistant message's ``tool_calls`` as templates expect them: ``arguments`` decoded from the API's
+    JSON string into an object (Llama's and Mistral's templates write it with ``tojson``), as vLLM does."""
+    out = []
+    for call in calls:
+        fn = call.get("function") if isinstance(call, dict) else None
+        if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+            try:
+                arguments = json.loads(fn["arguments"])
+            except json.JSONDecodeError:
+                arguments = None
+            if isinstance(arguments, dict):
+                call = dict(call, function=dict(fn, arguments=arguments))
+        out.append(call)
+    return out

@@ -39,6 +39,9 @@ class SamplingParams:
     # constrained decoding: an llguidance grammar (runtime.constrained: JSON schema, tool call); the
     # request ends ("stop") when the grammar is complete
     grammar: str | None = None
+    # False: special tokens are kept in the text (tool calls whose markers are special tokens, such as
+    # Mistral's [TOOL_CALLS] or Llama's <|python_tag|>); end-of-sequence tokens never appear either way
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         problems = []

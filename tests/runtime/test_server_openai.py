@@ -194,3 +194,29 @@ def test_metrics_of_the_real_engine_show_kv_use(tiny_family):
             t.join(30)
     assert max(m["quantkit_kv_cache_usage_ratio"] for m in seen) > 0
     assert max(m["quantkit_requests_running"] for m in seen) > 0
+
+
+def test_every_503_carries_retry_after(tokenizer, monkeypatch):  # noqa: F811
+    """Besides a full queue (above): a request arriving while the server drains, and one the engine worker
+    cannot take, are 503s with Retry-After too; /health says draining."""
+    from quantkit.runtime.async_engine import RequestFailed
+
+    with running_server(FakeEngine(tokenizer)) as (url, app):
+        service, worker = app.state.service, app.state.worker
+        service.draining = True
+        try:
+            response = httpx.post(f"{url}/v1/completions", json={"prompt": [3], "max_tokens": 1}, timeout=10)
+            assert_error(response, 503, code="server_shutdown")
+            assert int(response.headers["retry-after"]) >= 1
+            health = httpx.get(f"{url}/health", timeout=10)
+            assert health.status_code == 503 and health.json()["status"] == "draining"
+        finally:
+            service.draining = False
+
+        def dead(*args, **kwargs):
+            raise RequestFailed("the engine worker is not running", client_error=False)
+
+        monkeypatch.setattr(worker, "submit", dead)
+        response = httpx.post(f"{url}/v1/completions", json={"prompt": [3], "max_tokens": 1}, timeout=10)
+        assert_error(response, 503, code="engine_unavailable")
+        assert int(response.headers["retry-after"]) >= 1

@@ -261,3 +261,4 @@ def test_shutdown_past_the_grace_period_ends_streams_with_an_abort_event(sig):
         assert len(events) - 2 < 400  # tokens (none if it waited for a slot: 2 slots, 3 requests), the abort
     assert len(streams) == 2 and max(len(e) for e in streams.values()) > 10
     assert_error(whole["r"], 503, code="server_shutdown")
+    assert int(whole["r"].headers["retry-after"]) >= 1  # issue 40, item 7: every 503 says when to retry

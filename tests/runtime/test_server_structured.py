@@ -70,6 +70,38 @@ def test_json_object_and_bad_formats(tiny_served):
             "response_format.json_schema.schema")
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_completions_take_response_format_too(tiny_served, temperature):
+    """/v1/completions: the same constrained decoding (the openai client passes it in extra_body), streamed
+    or not, and the same 400s."""
+    model = tiny_served.models.list().data[0].id
+    answer = tiny_served.completions.create(model=model, prompt="the quick brown fox", max_tokens=100,
+                                            temperature=temperature, seed=1,
+                                            extra_body={"response_format": schema_format(SCHEMA)})
+    assert answer.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(answer.choices[0].text), SCHEMA)
+    chunks = list(tiny_served.completions.create(model=model, prompt="the lazy dog", max_tokens=100,
+                                                 temperature=temperature, seed=2, stream=True,
+                                                 extra_body={"response_format": schema_format(SCHEMA)}))
+    jsonschema.validate(json.loads("".join(c.choices[0].text for c in chunks if c.choices)), SCHEMA)
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    # any object (unbounded: a random model may write one long string until max_tokens cuts it)
+    anything = tiny_served.completions.create(model=model, prompt="the", max_tokens=40, temperature=temperature,
+                                              seed=3, extra_body={"response_format": {"type": "json_object"}})
+    assert anything.choices[0].text.startswith("{")
+    if anything.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(anything.choices[0].text), dict)
+    refused(lambda: tiny_served.completions.create(model=model, prompt="x",
+                                                   extra_body={"response_format": {"type": "yaml"}}),
+            "response_format.type")
+    refused(lambda: tiny_served.completions.create(
+        model=model, prompt="x", extra_body={"response_format": {"type": "json_schema", "json_schema": {}}}),
+        "response_format.json_schema.schema")
+    text = tiny_served.completions.create(model=model, prompt="the", max_tokens=3, temperature=0,
+                                          extra_body={"response_format": {"type": "text"}})
+    assert text.choices[0].finish_reason == "length"
+
+
 def test_tool_call_round_trip(tiny_served):
     model = tiny_served.models.list().data[0].id
     first = tiny_served.chat.completions.create(model=model, messages=USER, max_tokens=120, temperature=0,
