@@ -37,32 +37,22 @@ from quantkit.distributed.launch import teardown as teardown_ranks
 from quantkit.methods.registry import METHOD_NAMES, build_method  # noqa: F401  (re-exported)
 from quantkit.models.load import load_any  # noqa: F401  (re-exported)
 from quantkit.preflight import check_output, check_text_source  # noqa: F401  (re-exported)
+from quantkit.run_report import RunReport
 
 if TYPE_CHECKING:
     from quantkit.models.load import LoadedModel
 
 log = logging.getLogger(__name__)
 
-@dataclass(frozen=True)
-class QuantizeReport:
-    """The outcome of one quantization run (``to_dict`` is the CLI's ``--json`` object)."""
+@dataclass(frozen=True, kw_only=True)
+class QuantizeReport(RunReport):
+    """The outcome of one INT4 quantization run (``to_dict`` is the CLI's ``--json`` object); the fields every run
+    reports are :class:`quantkit.run_report.RunReport`'s."""
 
-    output: str
-    method: str
     scheme: QuantScheme
-    n_quantized: int
-    seconds_total: float
-    seconds_load: float
-    seconds_calibration: float
-    seconds_quantize: float
-    seconds_save: float
-    peak_memory_bytes: int  # device (accelerator) memory; 0 on the CPU
     partial_group_layers: list[str]
-    layer_stats: list[dict[str, Any]] = field(repr=False)
     engine_kernels: dict[str, str] = field(default_factory=dict)
     options: dict[str, Any] = field(default_factory=dict)
-    peak_host_memory_bytes: int = 0  # the process's resident-memory high-water mark (VmHWM on Linux)
-    streamed: bool = False  # decoder layers read from disk one at a time (quantkit.models.lazy)
     unquantized: list[str] = field(default_factory=list)  # weights no method reached (quantkit.coverage)
     compression_ratio: float = 0.0  # over all of the model's weights, 16-bit bytes / bytes written
 
@@ -70,12 +60,7 @@ class QuantizeReport:
         return {
             "output": self.output, "method": self.method, "bits": self.scheme.bits,
             "group_size": self.scheme.group_size, "sym": self.scheme.sym, "n_quantized": self.n_quantized,
-            "seconds": {"total": self.seconds_total, "load": self.seconds_load,
-                        "calibration": self.seconds_calibration, "quantize": self.seconds_quantize,
-                        "save": self.seconds_save},
-            "peak_memory_bytes": self.peak_memory_bytes,
-            "peak_device_memory_bytes": self.peak_memory_bytes, "peak_host_memory_bytes": self.peak_host_memory_bytes,
-            "streamed": self.streamed,
+            "seconds": self.seconds(), "peak_memory_bytes": self.peak_memory_bytes, **self.memory(),
             "partial_group_layers": self.partial_group_layers,
             "engine_kernels": self.engine_kernels,
             "options": self.options,

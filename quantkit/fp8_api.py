@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +15,7 @@ import torch
 
 from quantkit.config import CalibConfig, LoadConfig, QuantkitError, resolve_device
 from quantkit.methods.fp8 import FP8Config, FP8Method
+from quantkit.run_report import RunReport
 
 log = logging.getLogger(__name__)
 
@@ -27,34 +28,19 @@ def is_router(name: str) -> bool:
     return name.rpartition(".")[2] in ROUTER_NAMES
 
 
-@dataclass(frozen=True)
-class FP8Report:
-    """The outcome of one FP8 run (``to_dict`` is the CLI's ``--json`` object)."""
+@dataclass(frozen=True, kw_only=True)
+class FP8Report(RunReport):
+    """The outcome of one FP8 run (``to_dict`` is the CLI's ``--json`` object); the fields every run reports are
+    :class:`quantkit.run_report.RunReport`'s."""
 
-    output: str
     config: FP8Config
-    n_quantized: int
-    seconds_total: float
-    seconds_load: float
-    seconds_calibration: float
-    seconds_quantize: float
-    seconds_save: float
-    peak_memory_bytes: int
-    peak_host_memory_bytes: int
-    streamed: bool
     ignored: list[str]
-    layer_stats: list[dict[str, Any]] = field(repr=False)
     method: str = "fp8"
 
     def to_dict(self) -> dict[str, Any]:
         return {"output": self.output, "method": "fp8", "weights": self.config.weights,
                 "activations": self.config.activations, "block": list(self.config.block),
-                "n_quantized": self.n_quantized, "ignored": self.ignored,
-                "seconds": {"total": self.seconds_total, "load": self.seconds_load,
-                            "calibration": self.seconds_calibration, "quantize": self.seconds_quantize,
-                            "save": self.seconds_save},
-                "peak_device_memory_bytes": self.peak_memory_bytes,
-                "peak_host_memory_bytes": self.peak_host_memory_bytes, "streamed": self.streamed,
+                "n_quantized": self.n_quantized, "ignored": self.ignored, "seconds": self.seconds(), **self.memory(),
                 "engines": {"vllm": "CompressedTensorsW8A8Fp8", "sglang": "CompressedTensorsW8A8Fp8"}}
 
 

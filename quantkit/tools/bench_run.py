@@ -11,6 +11,7 @@ import gc
 import logging
 import platform
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -90,38 +91,50 @@ def run(
     return record
 
 
-def _shape_phases(target, batches, steps, prefill_tokens, baselines, publish) -> None:
-    # int4 first (the number the run is for), each phase published as soon as it exists; the bf16 model is a second
-    # random model of the same shape (its linears are what the int4 model's QuantLinears replaced)
-    hf = bench.random_hf_model(target, "cuda")
-    vocab = hf.config.vocab_size
-    quant = bench.quantize_randomly(hf)
-    _free()
-    runtime = bench.runtime_from_hf(hf, quant)
-    publish("check_int4_rel_err_vs_quantlinear", _logits_check(runtime, lambda ids: hf(ids).logits, vocab))
-    publish("int4", bench.bench_runtime(runtime, batches, steps, prefill_tokens, split=True))
-    del runtime
-    _free()
-    if baselines:
-        publish("transformers_quantlinear", bench.hf_generate_tps(hf))
-    del hf
-    _free()
-    hf = bench.random_hf_model(target, "cuda")
+@dataclass(frozen=True)
+class _ShapeFormat:
+    """One runtime row of a shape run: how the fresh random model becomes this format, and what is checked."""
+
+    key: str  # the record's row: "int4", "fp8" or "bf16"
+    check: str  # the record key of the runtime's logits error against the model it was built from
+    quantize: Callable | None  # model -> the runtime's quant info, changing the model in place; None: as built
+    baseline: str | None  # the record key of transformers' generate on this model (when baselines are on)
+
+
+def _int4(hf):
+    return bench.quantize_randomly(hf)
+
+
+def _fp8(hf) -> None:
     bench.quantize_fp8_in_place(hf)  # FP8 e4m3 weights per channel, activations per token (quantkit fp8's default)
-    _free()
-    runtime = bench.runtime_from_hf(hf, None)
-    publish("check_fp8_rel_err_vs_fp8linear", _logits_check(runtime, lambda ids: hf(ids).logits, vocab))
-    publish("fp8", bench.bench_runtime(runtime, batches, steps, prefill_tokens, split=True))
-    del runtime, hf
-    _free()
-    hf = bench.random_hf_model(target, "cuda")
-    runtime = bench.runtime_from_hf(hf, None)
-    publish("check_bf16_rel_err_vs_transformers", _logits_check(runtime, lambda ids: hf(ids).logits, vocab))
-    publish("bf16", bench.bench_runtime(runtime, batches, steps, prefill_tokens, split=True))
-    del runtime
-    _free()
-    if baselines:
-        publish("transformers_bf16", bench.hf_generate_tps(hf))
+
+
+# int4 first (the number the run is for); the bf16 model is a third random model of the same shape (its linears
+# are what the int4 model's QuantLinears replaced)
+_SHAPE_FORMATS = (
+    _ShapeFormat("int4", "check_int4_rel_err_vs_quantlinear", _int4, "transformers_quantlinear"),
+    _ShapeFormat("fp8", "check_fp8_rel_err_vs_fp8linear", _fp8, None),
+    _ShapeFormat("bf16", "check_bf16_rel_err_vs_transformers", None, "transformers_bf16"),
+)
+
+
+def _shape_phases(target, batches, steps, prefill_tokens, baselines, publish) -> None:
+    """Each format on its own random model, each phase published as soon as it exists."""
+    for fmt in _SHAPE_FORMATS:
+        hf = bench.random_hf_model(target, "cuda")
+        quant = None
+        if fmt.quantize is not None:
+            quant = fmt.quantize(hf)
+            _free()
+        runtime = bench.runtime_from_hf(hf, quant)
+        publish(fmt.check, _logits_check(runtime, lambda ids: hf(ids).logits, hf.config.vocab_size))
+        publish(fmt.key, bench.bench_runtime(runtime, batches, steps, prefill_tokens, split=True))
+        del runtime
+        _free()
+        if baselines and fmt.baseline is not None:
+            publish(fmt.baseline, bench.hf_generate_tps(hf))
+        del hf
+        _free()
 
 
 def _checkpoint_phases(target, batches, steps, prefill_tokens, baselines, publish) -> None:

@@ -36,3 +36,48 @@ def test_table_shows_fp8_beside_int4_and_bf16():
     assert "| runtime fp8 | 180 | 1080 | 20000 |" in table
     assert "fp8 / bf16: decode b=1 1.80x, decode b=8 1.80x, prefill 1.67x" in table
     assert "fp8 batch-1 step (ms): linears 1.000" in table
+
+
+
+class _FakeHF(str):
+    """A random model stand-in: its name, and the vocabulary size the logits check reads."""
+
+    config = type("Config", (), {"vocab_size": 256})
+
+
+def test_shape_run_measures_int4_fp8_bf16_in_order(monkeypatch):
+    """The shape run without a GPU: each format on a fresh random model (int4 quantized, fp8 in place, bf16 as
+    built), its logits check, then its numbers; the transformers baselines on the int4 and bf16 models."""
+    events, published = [], []
+    monkeypatch.setattr(bench, "quantize_randomly", lambda hf: events.append(("int4", hf)) or "info")
+    monkeypatch.setattr(bench, "quantize_fp8_in_place", lambda hf: events.append(("fp8", hf)))
+    monkeypatch.setattr(bench, "runtime_from_hf", lambda hf, quant: events.append(("runtime", hf, quant)) or hf)
+    monkeypatch.setattr(bench, "bench_runtime", lambda rt, b, s, p, split: {"rt": rt, "args": (b, s, p, split)})
+    monkeypatch.setattr(bench, "hf_generate_tps", lambda hf: {"generate": hf})
+    monkeypatch.setattr(bench_run, "_logits_check", lambda rt, ref, vocab: f"check {rt} {vocab}")
+    monkeypatch.setattr(bench_run, "_free", lambda: None)
+    bench_args = ((1, 8), 4, 16, True)
+    expected = [("check_int4_rel_err_vs_quantlinear", "check model0 256"),
+                ("int4", {"rt": "model0", "args": bench_args}),
+                ("transformers_quantlinear", {"generate": "model0"}),
+                ("check_fp8_rel_err_vs_fp8linear", "check model1 256"),
+                ("fp8", {"rt": "model1", "args": bench_args}),
+                ("check_bf16_rel_err_vs_transformers", "check model2 256"),
+                ("bf16", {"rt": "model2", "args": bench_args}),
+                ("transformers_bf16", {"generate": "model2"})]
+    for baselines in (True, False):
+        events.clear()
+        published.clear()
+        names = iter(range(3))
+
+        def model(target, device):
+            name = _FakeHF(f"model{next(names)}")
+            events.append(("model", target, device, name))
+            return name
+
+        monkeypatch.setattr(bench, "random_hf_model", model)
+        bench_run._shape_phases("tiny", (1, 8), 4, 16, baselines, lambda k, v: published.append((k, v)))
+        assert events == [("model", "tiny", "cuda", "model0"), ("int4", "model0"), ("runtime", "model0", "info"),
+                          ("model", "tiny", "cuda", "model1"), ("fp8", "model1"), ("runtime", "model1", None),
+                          ("model", "tiny", "cuda", "model2"), ("runtime", "model2", None)]
+        assert published == (expected if baselines else [e for e in expected if not e[0].startswith("transformers")])
