@@ -8,8 +8,9 @@ accelerator takes (``single_pass_max_tokens=0``), and counts per decoder layer, 
 * forwards of the decoder layer over the calibration batches (whole, or stopped early by a capture);
 * Hessian accumulations; matrix-product FLOPs (mm/addmm/bmm/linear/attention) by phase;
 * host syncs: ``aten._local_scalar_dense`` (``.item()``, ``bool()``, ``float()`` of a tensor), and the calls
-  that synchronize only on CUDA: GPTQ's ``_clock`` (device-wide ``torch.cuda.synchronize``: waits for the
-  walker's side-stream copies too), ``PhaseClock`` laps (the compute stream), stopwatch reads (one event);
+  that synchronize only on CUDA: GPTQ's ``_clock`` (before h44speed a device-wide ``torch.cuda.synchronize``,
+  which also waited for the walker's side-stream copies), ``PhaseClock`` laps (the compute stream), the solve
+  timeline's event reads;
 * requests to bring a tensor to the host (``.to("cpu")``, ``.cpu()``; no-ops here, blocking copies on a GPU);
 * dtype conversions and new tensors of activation size (one calibration batch of hidden states or more);
 * where the model's host weights live (anonymous memory or a private, copy-on-write map of the file): the
@@ -187,11 +188,13 @@ def instrument(tally: Tally) -> contextlib.ExitStack:
         _wrap(tally, gptq_method._LayerWork, "_install", "pack + install"),
         _wrap(tally, QuantizedWeight, "from_codes", None, "packings"),
         _wrap(tally, gptq_method, "relative_error", None, "relative_error floats"),
-        _wrap(tally, gptq_method, "_clock", None, "device-wide syncs on CUDA (gptq _clock)"),
+        _wrap(tally, gptq_method, "_clock", None, "syncs on CUDA: gptq _clock (device-wide until h44speed)"),
         _wrap(tally, activations.PhaseClock, "_now", None, "stream syncs on CUDA (PhaseClock)"),
         _wrap(tally, save, "save_quantized", "save"),
     ]
     patches.append(_wrap(tally, lazy, "open_model", "load"))
+    if hasattr(gptq_method, "_Timeline"):  # h44speed: the solve's times from CUDA events, read once a layer
+        patches.append(_wrap(tally, gptq_method._Timeline, "wait", None, "syncs on CUDA: solve-time event wait"))
     stack = contextlib.ExitStack()
     for module, attr, orig, new in patches:
         setattr(module, attr, new)
