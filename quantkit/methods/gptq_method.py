@@ -176,8 +176,10 @@ class _LayerWork:
         for name in members:
             linear = ctx.linears[name]
             rows = slice(row, row + linear.out_features)
+            # Packed where the codes are (the device): the walker's worker brings them to the host
+            # (``calibrate.pipeline``), instead of four blocking copies per linear in this thread.
             qw = QuantizedWeight.from_codes(res.codes[rows], res.scales[:, rows], res.zeros[:, rows], res.g_idx,
-                                            scheme, bias=linear.bias)
+                                            scheme, bias=linear.bias, device=res.codes.device)
             # What the packed weights dequantize to, installed from the device copy one linear at a time
             # (the walker does not install ``qw`` again: ``installed``).
             w_hat = dequantize(res.codes[rows], res.scales[:, rows], res.zeros[:, rows], res.g_idx)  # [out_n, in]
