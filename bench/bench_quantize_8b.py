@@ -50,6 +50,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--group-size", type=int, default=128)
     p.add_argument("--asym", action="store_true")
     p.add_argument("--desc-act", action="store_true")
+    p.add_argument("--cli-defaults", action="store_true",
+                   help="GPTQ with `quantkit gptq`'s default options (act-order, static groups, Hessian-weighted mse "
+                        "search) instead of the options given here (issue 37: the CLI against this path)")
     p.add_argument("--solver", choices=("auto", "torch", "triton"), default="auto",
                    help="GPTQ column solve: auto (the Triton block kernel on CUDA), torch (the column loop), triton")
     p.add_argument("--device", default=None, help="default cuda (cpu with --tiny)")
@@ -183,6 +186,8 @@ def run(args: argparse.Namespace) -> dict:
     # made the defaults of build_method), so a rerun measures the same work.
     gptq_options = {"desc_act": args.desc_act, "static_groups": False, "mse": False, "solver": args.solver,
                     "single_pass_max_tokens": args.single_pass_tokens}
+    if args.cli_defaults:  # build_method's defaults are the CLI's (quantkit.defaults)
+        gptq_options = {"solver": args.solver, "single_pass_max_tokens": args.single_pass_tokens}
     method = build_method(args.method, scheme, gptq_options if args.method == "gptq" else None)
     tokens = torch.randint(0, shape["vocab_size"], (nsamples, seqlen), generator=torch.Generator().manual_seed(0))
 
@@ -216,7 +221,7 @@ def run(args: argparse.Namespace) -> dict:
     return {
         "method": args.method, "gpus": comm.world_size, "activations": args.activations,
         "overlap": not args.no_overlap and os.environ.get("QUANTKIT_OVERLAP", "1") != "0",
-        "single_pass_tokens": args.single_pass_tokens, "argv": sys.argv[1:], "scheme": {"bits": 4, "group_size": args.group_size, "sym": not args.asym,
+        "single_pass_tokens": args.single_pass_tokens, "cli_defaults": args.cli_defaults, "argv": sys.argv[1:], "scheme": {"bits": 4, "group_size": args.group_size, "sym": not args.asym,
                                           "desc_act": args.desc_act},
         "solver": args.solver if args.method == "gptq" else None,
         "shape": {**shape, "num_hidden_layers": n_layers}, "nsamples": nsamples, "seqlen": seqlen,

@@ -6,6 +6,9 @@
 #
 #   run (device tool), carry [".stage/h37speed"], timeout_s 400, command:
 #     cd .stage/h37speed && export PYTHONPATH=$PWD/..:$PWD && bash bench/shortest_command_8b.sh
+# `bash bench/shortest_command_8b.sh cli-vs-bench` (BUDGET=420, timeout_s 450) runs instead the --calib file
+# command with --save-stats and bench_quantize_8b.py's walk (--cli-defaults, then --desc-act) and prints the
+# per-layer time and phases of all three side by side (split.txt).
 # with data/valid.tokens.txt (WikiText-2 validation) and .whl/typer-*.whl copied into .stage/h37speed/.
 # Everything lands in $OUT: card/versions, mse_batched.json, write_model.txt, gptq_self.log, gptq_file.log,
 # gptq_self_cached.log (the same self command again: a cache hit), times.txt.
@@ -26,7 +29,7 @@ QK=$(command -v quantkit || echo "python3 -m quantkit.cli.app")
   date -u; git log -1 --format=%H 2>/dev/null; echo "quantkit command: $QK"; } > "$OUT/card.txt" 2>&1
 cat "$OUT/card.txt"
 
-step 90 python3 bench/gptq_mse_batched.py --out "$OUT/mse_batched.json"
+[ "${1:-}" = "cli-vs-bench" ] || step 90 python3 bench/gptq_mse_batched.py --out "$OUT/mse_batched.json"
 
 step 150 python3 - > "$OUT/write_model.txt" 2>&1 <<'PY'
 import sys, time
@@ -50,6 +53,41 @@ timed() {  # timed NAME CAP ARGS...: the quantkit command, its output in $OUT/NA
     echo "$name: $(python3 -c "print(f'{$b - $a:.1f}')") s wall, rc $rc, output $(du -sh /tmp/out_$name 2>/dev/null | cut -f1)" | tee -a "$OUT/times.txt"
     tail -25 "$OUT/$name.log"
 }
+if [ "${1:-}" = "cli-vs-bench" ]; then
+    # Issue 37's per-layer gap, in one call (~300 s): the CLI with a local file (its per-layer phases from
+    # --save-stats), then bench_quantize_8b.py's walk with the CLI's GPTQ options and with docs/speed.md's
+    # (--desc-act), on the same card. The last lines compare the per-layer splits.
+    timed gptq_file 150 --calib data/valid.tokens.txt --save-stats "$OUT/cli_stats.json"
+    step 130 python3 bench/bench_quantize_8b.py --method gptq --cli-defaults --out "$OUT/bench_cli_opts.json" \
+        > "$OUT/bench_cli_opts.txt" 2>&1; tail -12 "$OUT/bench_cli_opts.txt"
+    step 110 python3 bench/bench_quantize_8b.py --method gptq --desc-act --out "$OUT/bench_desc_act.json" \
+        > "$OUT/bench_desc_act.txt" 2>&1; tail -12 "$OUT/bench_desc_act.txt"
+    python3 - "$OUT" <<'PY' | tee "$OUT/split.txt"
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+def split(layers):  # layers 2.. (the first compiles kernels)
+    rows = layers[1:] or layers
+    phases = sorted({k for r in rows for k in r.get("phases", {})})
+    mean = {k: sum(r.get("phases", {}).get(k, 0.0) for r in rows) / len(rows) for k in phases}
+    return sum(r["seconds"] for r in rows) / len(rows), mean
+runs = {}
+if (out / "cli_stats.json").exists():
+    rec = json.loads((out / "cli_stats.json").read_text())
+    print("CLI phases (s):", {k: round(v, 1) for k, v in rec["summary"]["seconds"].items()})
+    runs["cli --calib file"] = split([r for r in rec["layers"] if "phases" in r])
+for name in ("bench_cli_opts", "bench_desc_act"):
+    if (out / f"{name}.json").exists():
+        runs[name] = split(json.loads((out / f"{name}.json").read_text())["per_layer"])
+keys = sorted({k for _, m in runs.values() for k in m})
+print(f"{'per layer (layers 2..), s':<28}" + "".join(f"{n:>20}" for n in runs))
+print(f"{'layer':<28}" + "".join(f"{t:>20.3f}" for t, _ in runs.values()))
+for k in keys:
+    print(f"{'  ' + k:<28}" + "".join(f"{m.get(k, 0.0):>20.3f}" for _, m in runs.values()))
+PY
+    echo "== done after $(( $(date +%s) - t0 )) s"
+    exit 0
+fi
 timed gptq_self 240
 timed gptq_file 150 --calib data/valid.tokens.txt
 STEP_MIN_S=40 step 60 python3 -m pytest -q -p no:cacheprovider -m gpu tests/calib_data/test_runtime_sampler.py \

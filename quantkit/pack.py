@@ -73,14 +73,22 @@ def pack_rows(codes: torch.Tensor, bits: int, chunk_elements: int = 1 << 22) -> 
 
     Columns are independent: a large matrix is packed ``chunk_elements`` codes at a time, so the int64
     temporaries stay small (whole, they were four times the int32 codes: 270 MB for one 8192 x 2048 linear)."""
+    if codes.numel():  # one check (one host round trip on a GPU) for the whole matrix, not one per chunk
+        low, high = torch.aminmax(codes)
+        if bool((low < 0) | (high >= 2**bits)):
+            raise ValueError(f"codes out of range for {bits} bits")
+    return _pack_rows_checked(codes, bits, chunk_elements)
+
+
+def _pack_rows_checked(codes: torch.Tensor, bits: int, chunk_elements: int) -> torch.Tensor:
+    """:func:`pack_rows` on codes already known to lie in ``[0, 2**bits)``."""
     n, m = codes.shape
     step = max(1, chunk_elements // max(n, 1))
     if m > step:
-        return torch.cat([pack_rows(codes[:, c : c + step], bits, chunk_elements) for c in range(0, m, step)], dim=1)
+        return torch.cat([_pack_rows_checked(codes[:, c : c + step], bits, chunk_elements)
+                          for c in range(0, m, step)], dim=1)
     n_words = packed_rows(n, bits)
     codes = codes.to(torch.int64)
-    if codes.numel() and (codes.min() < 0 or codes.max() >= 2**bits):
-        raise ValueError(f"codes out of range for {bits} bits")
     if WORD_BITS % bits == 0:
         per_word = WORD_BITS // bits
         shifts = torch.arange(per_word, device=codes.device, dtype=torch.int64) * bits
@@ -126,13 +134,14 @@ def unpack_rows(packed: torch.Tensor, bits: int, n: int | None = None) -> torch.
 def pack_gptq(codes: torch.Tensor, zeros: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes ``[out, in]`` and zero points ``[G, out]`` ->
     (``qweight [in*bits/32, out]``, ``qzeros [G, out*bits/32]``)."""
-    if zeros.numel() and (zeros.min() < 1 or zeros.max() >= 2**bits):
+    low, high = torch.aminmax(zeros) if zeros.numel() else (None, None)
+    if zeros.numel() and bool((low < 1) | (high >= 2**bits)):
         raise ValueError(
             "GPTQ v1 checkpoints store zero - 1, so every zero point must lie in [1, 2**bits - 1]; "
             "compute quantization parameters with quantkit.primitives.compute_qparams"
         )
     qweight = pack_rows(codes.t(), bits)
-    qzeros = pack_rows((zeros.to(torch.int64) - 1).t(), bits).t().contiguous()
+    qzeros = _pack_rows_checked((zeros.to(torch.int64) - 1).t(), bits, 1 << 22).t().contiguous()  # in range: above
     return qweight, qzeros
 
 

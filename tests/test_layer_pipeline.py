@@ -107,3 +107,23 @@ def test_overlap_gives_the_same_weights_on_cuda(method):
         assert torch.equal(qw.scales, r2.weights[name].scales), name
     for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
         assert p.device.type == "cpu" and torch.equal(p, q), n
+
+
+@pytest.mark.gpu
+def test_gptq_packs_on_the_device_as_on_the_host():
+    """GPTQ packs where its codes are (the worker brings them to the host): the same bytes as packing there."""
+    from quantkit.qtensor import QuantizedWeight
+
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (96, 256), generator=g, dtype=torch.int32)  # [out, in]
+    zeros = torch.randint(1, 16, (2, 96), generator=g, dtype=torch.int32)  # [G, out]
+    scales = torch.rand(2, 96, generator=g) * 0.1
+    g_idx = torch.arange(256, dtype=torch.int32) // 128
+    bias = torch.randn(96, generator=g)
+    scheme = QuantScheme(4, 128, True)
+    host = QuantizedWeight.from_codes(codes, scales, zeros, g_idx, scheme, bias=bias)
+    dev = QuantizedWeight.from_codes(codes.cuda(), scales.cuda(), zeros.cuda(), g_idx.cuda(), scheme,
+                                     bias=bias.cuda(), device="cuda")
+    for f in ("qweight", "qzeros", "scales", "g_idx", "bias"):
+        assert getattr(dev, f).device.type == "cuda"
+        assert torch.equal(getattr(dev, f).cpu(), getattr(host, f)), f

@@ -40,10 +40,40 @@ log = logging.getLogger(__name__)
 
 
 def _clock(device: torch.device) -> float:
-    """Wall time after the device's queued work is done (so GPU timings mean something)."""
+    """Wall time after the compute stream's queued work is done (so GPU timings mean something). Only that
+    stream: a device-wide wait also waited for the walker's side-stream copies (the next layer in, the last
+    one back to the host), which ``calibrate.pipeline`` overlaps with this work."""
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        torch.cuda.current_stream(device).synchronize()
     return time.perf_counter()
+
+
+class _Timeline:
+    """Points on the compute stream's time line: CUDA events read once, after the layer's last solve (no host
+    round trip per point), or the host clock elsewhere."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.points: list = []
+
+    def mark(self) -> int:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self.points.append(ev)
+        else:
+            self.points.append(time.perf_counter())
+        return len(self.points) - 1
+
+    def wait(self) -> None:
+        """Wait for the last point (one host round trip); ``seconds`` reads only points before it."""
+        if self.cuda and self.points:
+            self.points[-1].synchronize()
+
+    def seconds(self, a: int, b: int) -> float:
+        if not self.cuda:
+            return self.points[b] - self.points[a]
+        return self.points[a].elapsed_time(self.points[b]) / 1e3
 
 
 class _Stopwatch:
@@ -84,6 +114,26 @@ class _LayerWork:
     ctx: LayerContext
     weights: dict[str, QuantizedWeight]
     stats: dict[str, dict[str, float]]
+    timeline: _Timeline | None = None
+    # (linears, Hessian seconds measured before ``solve``, marks: start, Hessians ready, solved) per stack set
+    pending: list = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.timeline is None:
+            self.timeline = _Timeline(self.ctx.device)
+
+    def finish_timings(self) -> None:
+        """Each linear's ``seconds`` (solve) and ``hessian_seconds``, its share of its set's by weight size."""
+        tl = self.timeline
+        tl.wait()
+        for names, hessian_seconds, (a, b, c) in self.pending:
+            total = sum(self.ctx.linears[n].weight.numel() for n in names) or 1
+            hs, seconds = hessian_seconds + tl.seconds(a, b), tl.seconds(b, c)
+            for name in names:
+                share = self.ctx.linears[name].weight.numel() / total
+                self.stats[name]["seconds"] = seconds * share
+                self.stats[name]["hessian_seconds"] = hs * share
+        self.pending.clear()
 
     def solve(self, sets: list[tuple[list[str], HessianAccumulator]], hessian_seconds: float) -> None:
         """GPTQ on each stack of linears sharing one Hessian (``members``, their accumulator); installs them.
@@ -94,7 +144,8 @@ class _LayerWork:
         same weights.
         """
         ctx, comm, config = self.ctx, self.ctx.comm, self.method.config
-        t0 = _clock(ctx.device)
+        names = [n for members, _ in sets for n in members]
+        t0 = self.timeline.mark()
         stacks = [_stacked(ctx, members) for members, _ in sets]  # each [sum out_n, in]
         if ctx.releasable:  # a stack of several linears is a copy: their own float weights are dead until
             for members, _ in sets:  # ``_install`` puts the quantized ones back
@@ -103,8 +154,7 @@ class _LayerWork:
         items = plan_solves([tuple(w.shape) for w in stacks], comm.world_size, config.split_min_rows)
         hessians = [global_hessian(ctx, acc, {it.owner for it in items if it.key == k})
                     for k, (_, acc) in enumerate(sets)]
-        hessian_seconds += _clock(ctx.device) - t0
-        t1 = _clock(ctx.device)
+        t1 = self.timeline.mark()
         parts: dict[tuple[int, int], GPTQResult] = {}
         for it in items:
             if it.owner == comm.rank:
@@ -115,15 +165,10 @@ class _LayerWork:
         for it in items:
             parts[it.key, it.row_start] = share_solved_rows(ctx, parts.get((it.key, it.row_start)), it,
                                                       stacks[it.key].shape[1], self.method.scheme)
-        seconds = _clock(ctx.device) - t1
-        total = sum(w.numel() for w in stacks)
+        self.pending.append((names, hessian_seconds, (t0, t1, self.timeline.mark())))
         for k, (members, _) in enumerate(sets):
             res = _join([parts[it.key, it.row_start] for it in items if it.key == k])
             self._install(members, stacks[k], res)
-            for name in members:
-                share = ctx.linears[name].weight.numel() / total
-                self.stats[name]["seconds"] = seconds * share
-                self.stats[name]["hessian_seconds"] = hessian_seconds * share
 
     def _install(self, members: list[str], w: torch.Tensor, res: GPTQResult) -> None:
         scheme, ctx = self.method.scheme, self.ctx
@@ -131,8 +176,10 @@ class _LayerWork:
         for name in members:
             linear = ctx.linears[name]
             rows = slice(row, row + linear.out_features)
+            # Packed where the codes are (the device): the walker's worker brings them to the host
+            # (``calibrate.pipeline``), instead of four blocking copies per linear in this thread.
             qw = QuantizedWeight.from_codes(res.codes[rows], res.scales[:, rows], res.zeros[:, rows], res.g_idx,
-                                            scheme, bias=linear.bias)
+                                            scheme, bias=linear.bias, device=res.codes.device)
             # What the packed weights dequantize to, installed from the device copy one linear at a time
             # (the walker does not install ``qw`` again: ``installed``).
             w_hat = dequantize(res.codes[rows], res.scales[:, rows], res.zeros[:, rows], res.g_idx)  # [out_n, in]
@@ -343,6 +390,7 @@ class GPTQMethod:
         else:
             for group in ctx.groups:
                 self._collect_and_solve(work, list(group))
+        work.finish_timings()  # one wait for the last solve's event, not two device-wide syncs per solve
         # Report in the layer's module order.
         stats = {n: work.stats[n] for n in ctx.linears if n in work.stats}
         # ``_install`` already put exactly the packed weights' values into the layer, on the device.

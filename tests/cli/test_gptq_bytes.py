@@ -1,0 +1,69 @@
+"""The checkpoint `quantkit gptq` writes with its defaults, byte for byte: speed work on the walk must not move a bit.
+
+The hashes were taken on main (1bfcc39, before issue 37's per-layer sync and packing changes) on the CPU with
+torch 2.13.0 and transformers 5.25.0, on the session's tiny Llama (tests/conftest.py ``tiny_llama_dir``) and
+text (``tiny_text_file``); over the tensors' bytes and the metadata (``tensor_digest``). Both calibration modes: the CPU's single pass, and the group passes an accelerator
+takes (``single_pass_max_tokens`` 0). Other versions of torch may round differently: the test then says so
+and skips, and the two modes are still compared with each other's re-run (determinism)."""
+
+import hashlib
+
+import pytest
+import torch
+import transformers
+
+PINNED_VERSIONS = ("2.13.0", "5.25.0")
+# The same bytes from both modes at this size (the Hessians' last-bit differences move no code here).
+PINNED = {
+    "single_pass": "3af519823272b1d7bf8a048c905a2f625a3407ad9d85f4ad9ce80234052cc6f7",
+    "group_passes": "3af519823272b1d7bf8a048c905a2f625a3407ad9d85f4ad9ce80234052cc6f7",
+}
+
+
+def _quantize(folder, text, out, monkeypatch, mode: str) -> str:
+    from typer.testing import CliRunner
+
+    from quantkit.cli.app import app
+    from quantkit.methods import gptq
+
+    if mode == "group_passes":
+        monkeypatch.setattr(gptq.GPTQConfig, "single_pass_limit", lambda self, device: 0)
+    res = CliRunner().invoke(app, ["gptq", str(folder), "-o", str(out), "--calib", str(text), "--nsamples", "16",
+                                   "--seqlen", "64", "--batch-size", "4", "--device", "cpu", "--threads", "1"])
+    assert res.exit_code == 0, res.output
+    return tensor_digest(out)
+
+
+def tensor_digest(folder) -> str:
+    """sha256 over every tensor's name, dtype, shape and raw bytes, and the sorted metadata, of every shard.
+    Not the file's bytes: safetensors writes its metadata map in hash order, which differs between two
+    identical runs."""
+    import json
+    import struct
+
+    digest = hashlib.sha256()
+    files = sorted(folder.glob("*.safetensors"))
+    assert files
+    for f in files:
+        raw = f.read_bytes()
+        n = struct.unpack("<Q", raw[:8])[0]
+        header = json.loads(raw[8 : 8 + n])
+        meta = header.pop("__metadata__", {})
+        digest.update(json.dumps(meta, sort_keys=True).encode())
+        for name in sorted(header):
+            entry = header[name]
+            start, stop = entry["data_offsets"]
+            digest.update(f"{f.name}:{name}:{entry['dtype']}:{entry['shape']}".encode())
+            digest.update(raw[8 + n + start : 8 + n + stop])
+    return digest.hexdigest()
+
+
+@pytest.mark.parametrize("mode", ["single_pass", "group_passes"])
+def test_gptq_defaults_checkpoint_bytes(tiny_llama_dir, tiny_text_file, tmp_path, monkeypatch, mode):
+    first = _quantize(tiny_llama_dir, tiny_text_file, tmp_path / "a", monkeypatch, mode)
+    again = _quantize(tiny_llama_dir, tiny_text_file, tmp_path / "b", monkeypatch, mode)
+    assert first == again  # deterministic, whatever the versions
+    if (torch.__version__.split("+")[0], transformers.__version__) != PINNED_VERSIONS:
+        pytest.skip(f"hash pinned on torch/transformers {PINNED_VERSIONS}, here {torch.__version__}, "
+                    f"{transformers.__version__}")
+    assert first == PINNED[mode]
