@@ -19,3 +19,16 @@ def quantize_per_token_ref(x: torch.Tensor, input_scale: torch.Tensor | None = N
     else:
         s = input_scale.float().reshape(1, 1).expand(x.shape[0], 1)
     return quantize_fp8(x, s), s.contiguous()
+
+
+def quantize_per_group_ref(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q float8_e4m3fn [M, K], s float32 [M, ceil(K / group)])`` of ``x [M, K]``: one scale per token and
+    run of ``group`` columns (the last run may be shorter), as block-scaled FP8 GEMMs quantize activations."""
+    m, k = x.shape
+    n_groups = -(-k // group)
+    pad = n_groups * group - k
+    xf = x.float()
+    padded = torch.nn.functional.pad(xf, (0, pad)) if pad else xf
+    s = fp8_scale(padded.view(m, n_groups, group).abs().amax(dim=-1))  # [M, G]
+    q = quantize_fp8(xf, s.repeat_interleave(group, dim=1)[:, :k])
+    return q, s

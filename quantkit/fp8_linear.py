@@ -1,8 +1,9 @@
 """The FP8 linear: ``y = x @ W^T + b`` with e4m3 weights and e4m3 activations, as vLLM serves it.
 
 Activations are quantized per token at run time (``s_x = absmax(row) / 448``) or with a static scale
-(``input_scale``). Weights carry one float32 scale per output channel (per tensor and per block are
-expanded or dequantized when prepared). Two paths, chosen once when the weights are prepared
+(``input_scale``); with block weights per token and run of ``block[1]`` columns (what vLLM's block GEMM does, and
+what the checkpoint declares: ``input_activations`` strategy ``group``). Weights carry one float32 scale per output
+channel (per tensor is expanded when prepared) or per block. The paths, chosen once when the weights are prepared
 (:func:`prepare_fp8_linear`), never per call:
 
 * ``scaled_mm`` (CUDA, compute capability >= 8.9): activations quantized by one Triton kernel
@@ -12,8 +13,12 @@ expanded or dequantized when prepared). Two paths, chosen once when the weights 
   CUDA graphs capture it.
   At M <= 4 (decode) the quantized activations go through quantkit's GEMV with FP8 codes and the same scales
   (``kernels/gemv.py``, ``scales=``), which reads the 1-byte weights at full bandwidth.
-* ``reference`` (the CPU, and anything the fast path does not take): the same rounding, emulated:
-  activations quantized to e4m3 per token, both operands dequantized, one float32 matmul.
+* ``scaled_mm_block`` (CUDA, block 128x128 weights, where :func:`block_scaled_mm_layout` finds torch's
+  block-scaled GEMM and checks it against the emulation on the device once): activations quantized per token
+  and 128 columns, then ``torch.nn.functional.scaled_mm`` with ``BlockWise1x128`` / ``BlockWise128x128`` scales.
+* ``reference`` (the CPU, and anything the fast paths do not take): the same rounding, emulated:
+  activations quantized to e4m3 (per token, or per token and group), both operands dequantized, one float32
+  matmul.
 
 :class:`FP8Linear` is the ``nn.Module`` the checkpoint reader installs in a transformers model;
 the runtime keeps the prepared record (:class:`FP8LinearWeights`) in its own ``Linear``.
@@ -28,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from quantkit.kernels.fp8_quant_ref import quantize_per_token_ref
+from quantkit.kernels.fp8_quant_ref import quantize_per_group_ref, quantize_per_token_ref
 from quantkit.primitives import dequantize_fp8
 
 log = logging.getLogger(__name__)
@@ -49,6 +54,8 @@ class FP8LinearWeights:
     reason: str = ""
     dequantized: torch.Tensor | None = None  # reference path on the CPU: float32 ``[N, K]``, dequantized once
     gemv: bool = False  # scaled_mm path: decode-sized batches (M <= 4) through quantkit's FP8 GEMV instead
+    act_group: int = 0  # block weights: activations scaled per token and run of this many columns (0: per token)
+    block_scale: torch.Tensor | None = None  # scaled_mm_block path: the weight's block scales, laid out as it needs
 
     @property
     def out_features(self) -> int:
@@ -95,8 +102,16 @@ def prepare_fp8_linear(weight: torch.Tensor, weight_scale: torch.Tensor, strateg
         from quantkit.fp8_weight import FP8Weight
 
         rec = FP8Weight(weight, weight_scale.to(device), "block", k, n, block)
-        prepared = FP8LinearWeights(weight, rec.expanded_scale(device).contiguous(), "reference", input_scale, bias,
-                                    "block-wise weights: the float32 emulation")
+        layout, why = block_scaled_mm_layout(device) if backend == "auto" else (None, "reference asked for")
+        if layout is not None and (tuple(block) != (128, 128) or n % 128 or k % 128):
+            layout, why = None, f"block {tuple(block)} on [{n}, {k}]: the block GEMM takes whole 128x128 blocks"
+        if layout is not None:
+            prepared = FP8LinearWeights(weight, weight_scale.float().to(device), "scaled_mm_block", input_scale, bias,
+                                        why, act_group=128, block_scale=layout(weight_scale.float().to(device)))
+        else:
+            prepared = FP8LinearWeights(weight, rec.expanded_scale(device).contiguous(), "reference", input_scale,
+                                        bias, f"block-wise weights: the float32 emulation ({why})",
+                                        act_group=block[1])
     else:
         scale = row_scale(weight_scale, strategy, n).to(device)
         ok, reason = scaled_mm_supported(device, n, k) if backend == "auto" else (False, "reference asked for")
@@ -119,7 +134,11 @@ def fp8_linear_ref(x: torch.Tensor, w: FP8LinearWeights) -> torch.Tensor:
     dequantized, one float32 matmul; the result in ``x``'s dtype."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    qx, sx = quantize_per_token_ref(x2, w.input_scale)
+    if w.act_group:
+        qx, sx = quantize_per_group_ref(x2, w.act_group)
+        sx = sx.repeat_interleave(w.act_group, dim=1)[:, : x2.shape[1]]
+    else:
+        qx, sx = quantize_per_token_ref(x2, w.input_scale)
     weight = w.dequantized if w.dequantized is not None else _dequantized(w)
     y = dequantize_fp8(qx, sx) @ weight.t()
     if w.bias is not None:
@@ -146,7 +165,23 @@ def fp8_linear_scaled_mm(x: torch.Tensor, w: FP8LinearWeights) -> torch.Tensor:
 
 def fp8_linear(x: torch.Tensor, w: FP8LinearWeights) -> torch.Tensor:
     """``x @ W^T + b`` through the path chosen when ``w`` was prepared."""
-    return fp8_linear_scaled_mm(x, w) if w.path == "scaled_mm" else fp8_linear_ref(x, w)
+    if w.path == "scaled_mm":
+        return fp8_linear_scaled_mm(x, w)
+    if w.path == "scaled_mm_block":
+        from quantkit.fp8_block import fp8_linear_block
+
+        return fp8_linear_block(x, w)
+    return fp8_linear_ref(x, w)
+
+
+def block_scaled_mm_layout(device: torch.device):
+    """``(layout, reason)``: how torch's block-scaled GEMM wants a ``[N/128, K/128]`` weight scale on ``device``
+    (a function), or ``(None, why not)``; probed once per device (:mod:`quantkit.fp8_block`)."""
+    if device.type != "cuda":
+        return None, "not a CUDA device"
+    from quantkit.fp8_block import probe_block_layout
+
+    return probe_block_layout(device.index if device.index is not None else torch.cuda.current_device())
 
 
 class FP8Linear(nn.Module):

@@ -20,7 +20,8 @@ def e4m3_f64(v: torch.Tensor) -> torch.Tensor:
 
 
 def linear_f64(x, w, weights: str, input_scale=None, block=(32, 32)) -> torch.Tensor:
-    """W8A8 in float64: weight scales and codes recomputed independently, activations per token (or static)."""
+    """W8A8 in float64: weight scales and codes recomputed independently, activations per token (or static); with
+    block weights per token and run of ``block[1]`` columns (what the checkpoint declares and vLLM computes)."""
     w = w.double()
     if weights == "channel":
         sw = w.abs().amax(dim=1, keepdim=True) / 448
@@ -31,9 +32,15 @@ def linear_f64(x, w, weights: str, input_scale=None, block=(32, 32)) -> torch.Te
         for i in range(0, w.shape[0], block[0]):
             for j in range(0, w.shape[1], block[1]):
                 sw[i:i + block[0], j:j + block[1]] = w[i:i + block[0], j:j + block[1]].abs().amax() / 448
-    sw = sw.float().double()  # scales are stored in float32
+    sw = sw.float().clamp_min(torch.finfo(torch.float32).tiny).double()  # float32 scales, never zero
     x = x.double()
-    sx = (x.abs().amax(dim=1, keepdim=True) / 448).float().double() if input_scale is None else input_scale.double()
+    if weights == "block":
+        sx = torch.empty_like(x)
+        for j in range(0, x.shape[1], block[1]):
+            sx[:, j:j + block[1]] = (x[:, j:j + block[1]].abs().amax(dim=1, keepdim=True) / 448).float().double()
+    else:
+        sx = (x.abs().amax(dim=1, keepdim=True) / 448).float().double() if input_scale is None \
+            else input_scale.double()
     return (e4m3_f64(x / sx) * sx) @ (e4m3_f64(w / sw) * sw).T
 
 
@@ -42,7 +49,8 @@ def linear_f64(x, w, weights: str, input_scale=None, block=(32, 32)) -> torch.Te
 def test_cpu_emulation_matches_float64(weights, static):
     torch.manual_seed(0)
     w = torch.randn(96, 160) * torch.logspace(-1, 1, 96).unsqueeze(1)
-    x = torch.randn(7, 160) * torch.logspace(-2, 2, 7).unsqueeze(1)
+    # K = 160 is five blocks of 32: columns of very different sizes, so per-group activation scales matter
+    x = torch.randn(7, 160) * torch.logspace(-2, 2, 7).unsqueeze(1) * torch.logspace(-1, 1, 160)
     input_scale = torch.tensor([0.02]) if static else None
     rec, _ = fp8_quantize_weight(w, FP8Config(weights=weights, block=(32, 32)), input_scale=input_scale)
     prepared = prepare_fp8_linear(rec.weight, rec.weight_scale, weights, block=rec.block, input_scale=input_scale)
@@ -137,6 +145,47 @@ def test_scaled_mm_path_matches_the_emulation(m, static):
     x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
     got, want = fp8_linear(x, fast), fp8_linear_ref(x, ref)
     # the same quantized operands; bf16 output rounding and accumulation order apart
+    assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 1e-2
+
+
+def test_block_weights_quantize_activations_per_group_not_per_token():
+    """A block checkpoint's activations are scaled per token and 128 columns: one huge column in the first block
+    must not coarsen the rounding of the others (it would with one scale per token)."""
+    torch.manual_seed(0)
+    w = torch.randn(128, 256)
+    w[:, :128] = 0.0  # the first block's outputs vanish: what is left is the second block's rounding
+    x = torch.randn(3, 256)
+    x[:, 0] = 1e6  # 448 / 1e6 puts the ordinary columns below e4m3's smallest subnormal on a per-token scale
+    rec, _ = fp8_quantize_weight(w, FP8Config(weights="block", block=(128, 128)))
+    block = prepare_fp8_linear(rec.weight, rec.weight_scale, "block", block=rec.block)
+    assert block.path == "reference" and block.act_group == 128
+    exact = x.double() @ rec.dequantize().double().T
+    got = fp8_linear_ref(x, block).double()
+    # one scale per token rounds the 255 ordinary columns on the huge one's scale: to zero
+    sx = x.abs().amax(dim=1, keepdim=True) / 448
+    per_token = (x / sx).to(torch.float8_e4m3fn).double() * sx.double() @ rec.dequantize().double().T
+    assert (got - exact).norm() < 0.1 * (per_token - exact).norm()
+    assert ((got - linear_f64(x, w, "block", block=(128, 128))).norm() / exact.norm()).item() < 1e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("m", [1, 5, 64, 1024])
+def test_block_scaled_mm_path_matches_the_emulation(m):
+    """Block 128x128 weights on Hopper: torch's block-scaled GEMM (the layout its probe found) against the float32
+    emulation of the same rounding; skipped with the probe's reason where torch offers no such GEMM."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("torch's block-scaled FP8 GEMM needs compute capability 9.0")
+    torch.manual_seed(0)
+    w = torch.randn(1024, 768, device="cuda") * torch.logspace(-2, 0, 1024, device="cuda").unsqueeze(1)
+    rec, _ = fp8_quantize_weight(w, FP8Config(weights="block", block=(128, 128)))
+    fast = prepare_fp8_linear(rec.weight, rec.weight_scale, "block", block=rec.block, device="cuda")
+    if fast.path != "scaled_mm_block":
+        pytest.skip(fast.reason)
+    ref = prepare_fp8_linear(rec.weight, rec.weight_scale, "block", block=rec.block, device="cuda",
+                             backend="reference")
+    x = torch.randn(m, 768, device="cuda", dtype=torch.bfloat16) * torch.logspace(-1, 1, 768, device="cuda")
+    got, want = fp8_linear(x, fast), fp8_linear_ref(x, ref)
     assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 1e-2
 
 

@@ -1,0 +1,96 @@
+"""Block-scaled FP8 GEMM on Hopper through torch: activations per token and 128 columns, weights per 128x128 block.
+
+This is the arithmetic of DeepSeek-V3-style checkpoints (compressed-tensors ``FP8_BLOCK``, what vLLM serves with
+its block GEMM). torch exposes cuBLAS's block-scaled FP8 GEMM as ``torch.nn.functional.scaled_mm`` with
+``ScalingType.BlockWise1x128`` for A and ``BlockWise128x128`` for B, on compute capability 9.0. Its scale layouts
+are strict (A's scales "outer-dim-major": ``[M, K/128]`` with strides ``(1, M)``) and B's are not spelled out beside
+the function, and older torch builds lack the function. So :func:`probe_block_layout` finds the layout once per
+device by running the candidates on small random problems (several M, scales varying block to block) against the
+float32 emulation of the same rounding; where none agrees, block checkpoints keep the emulation and the reason is
+logged. Nothing is guessed at serving time.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+from quantkit.kernels.fp8_quant_ref import quantize_per_group_ref
+from quantkit.primitives import dequantize_fp8, fp8_scale, quantize_fp8
+
+log = logging.getLogger(__name__)
+BLOCK = 128
+
+# How a weight's ``[N/128, K/128]`` block scales may have to be laid out for B = W^T ``[K, N]`` (column-major).
+_WEIGHT_LAYOUTS = {
+    "[K/128, N/128] row-major": lambda s: s.t().contiguous(),
+    "[K/128, N/128] column-major": lambda s: s.contiguous().t(),
+    "[N/128, K/128] row-major": lambda s: s.contiguous(),
+    "[N/128, K/128] column-major": lambda s: s.t().contiguous().t(),
+}
+
+
+def _scaled_mm(qx: torch.Tensor, sx: torch.Tensor, weight: torch.Tensor, block_scale: torch.Tensor) -> torch.Tensor:
+    F = torch.nn.functional
+    return F.scaled_mm(qx, weight.t(), scale_a=sx.t().contiguous().t(), scale_recipe_a=F.ScalingType.BlockWise1x128,
+                       scale_b=block_scale, scale_recipe_b=F.ScalingType.BlockWise128x128,
+                       output_dtype=torch.bfloat16)
+
+
+def fp8_linear_block(x: torch.Tensor, w) -> torch.Tensor:
+    """``x @ W^T + b`` for a prepared ``FP8LinearWeights`` on the ``scaled_mm_block`` path (bfloat16 GEMM out)."""
+    shape = x.shape
+    qx, sx = quantize_per_group_ref(x.reshape(-1, shape[-1]), BLOCK)
+    y = _scaled_mm(qx, sx, w.weight, w.block_scale)
+    if w.bias is not None:
+        y = y + w.bias.to(y.dtype)
+    return y.to(x.dtype).reshape(*shape[:-1], w.out_features)
+
+
+def _block_problem(device: torch.device, m: int, n: int, k: int, g: torch.Generator):
+    """Random activations and a block-quantized weight whose scales differ from block to block (so that a wrong
+    layout gives a wrong answer), and the float32 emulation of their product."""
+    x = torch.randn(m, k, device=device, generator=g) * torch.exp2(
+        torch.randint(-3, 4, (m, k // BLOCK), device=device, generator=g).float()).repeat_interleave(BLOCK, 1)
+    w = torch.randn(n, k, device=device, generator=g) * torch.exp2(
+        torch.randint(-3, 4, (n // BLOCK, k // BLOCK), device=device, generator=g).float()
+    ).repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)
+    ws = fp8_scale(w.view(n // BLOCK, BLOCK, k // BLOCK, BLOCK).abs().amax(dim=(1, 3)))  # [N/128, K/128]
+    ws_full = ws.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)
+    wq = quantize_fp8(w, ws_full)
+    x = x.to(torch.bfloat16)
+    qx, sx = quantize_per_group_ref(x, BLOCK)
+    ref = dequantize_fp8(qx, sx.repeat_interleave(BLOCK, 1)) @ dequantize_fp8(wq, ws_full).t()
+    return qx, sx, wq, ws, ref
+
+
+@functools.cache
+def probe_block_layout(device_index: int):
+    """``(layout, reason)`` for CUDA device ``device_index``: the function laying out a weight's block scales as
+    torch's block-scaled GEMM reads them, or ``(None, why not)``. Memoized: one probe per device and process."""
+    F = torch.nn.functional
+    if not (hasattr(F, "scaled_mm") and hasattr(F, "ScalingType")):
+        return None, f"torch {torch.__version__} has no torch.nn.functional.scaled_mm"
+    if torch.cuda.get_device_capability(device_index) != (9, 0):
+        return None, "torch's block-scaled FP8 GEMM runs on compute capability 9.0 only"
+    device = torch.device("cuda", device_index)
+    g = torch.Generator(device=device).manual_seed(0)
+    problems = [_block_problem(device, m, 256, 384, g) for m in (1, 3, 64)]
+    tried = []
+    for name, layout in _WEIGHT_LAYOUTS.items():
+        try:
+            worst = 0.0
+            for qx, sx, wq, ws, ref in problems:
+                y = _scaled_mm(qx, sx, wq, layout(ws)).float()
+                worst = max(worst, float((y - ref).norm() / ref.norm()))
+        except (RuntimeError, ValueError, TypeError, NotImplementedError) as exc:
+            tried.append(f"{name}: {str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__}")
+            continue
+        if worst < 1e-2:  # bfloat16 output: ~4e-3 of rounding
+            return layout, f"torch block-scaled FP8 GEMM (weight scales {name})"
+        tried.append(f"{name}: off by {worst:.1e} against the emulation")
+    reason = "torch's block-scaled FP8 GEMM did not match the emulation: " + "; ".join(tried)
+    log.info("FP8 block weights on %s take the float32 emulation: %s", device, reason)
+    return None, reason
