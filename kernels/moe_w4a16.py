@@ -260,14 +260,16 @@ def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tenso
 
 
 def fused_moe_ref(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                  experts: MoEExperts) -> torch.Tensor:
-    """Plain PyTorch: each routed expert in float32 on its tokens, weighted, summed into the token's row."""
+                  experts: MoEExperts, act_quant=None) -> torch.Tensor:
+    """Plain PyTorch: each routed expert in float32 on its tokens, weighted, summed into the token's row.
+    ``act_quant``: applied to the inputs of gate/up and of down (FP8 experts: the activations' rounding)."""
     w13, w2 = experts.dequantized()
     inter = experts.inter
+    q = act_quant if act_quant is not None else (lambda v: v)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in torch.unique(topk_ids).tolist():
         tok, slot = torch.where(topk_ids == e)
-        gu = x[tok].float() @ w13[e].t()  # [t_e, 2I]
+        gu = q(x[tok].float()) @ w13[e].t()  # [t_e, 2I]
         h = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
-        out.index_add_(0, tok, (h @ w2[e].t()) * topk_weights[tok, slot, None].float())
+        out.index_add_(0, tok, (q(h) @ w2[e].t()) * topk_weights[tok, slot, None].float())
     return out.to(x.dtype)

@@ -44,8 +44,17 @@ def packed_bytes(qw: QuantizedWeight) -> int:
     return n
 
 
-def weight_coverage(model: nn.Module, weights: dict[str, QuantizedWeight]) -> Coverage:
-    """Sort every parameter of ``model`` by what became of it (``weights``: full module name -> packed)."""
+def written_bytes(record) -> int:
+    """Bytes of one quantized linear as written: a packed INT4 weight, or an FP8 record (codes and scales)."""
+    if isinstance(record, QuantizedWeight):
+        return packed_bytes(record)
+    bias = record.bias
+    return record.nbytes() + (2 * bias.numel() if bias is not None else 0)
+
+
+def weight_coverage(model: nn.Module, weights: dict) -> Coverage:
+    """Sort every parameter of ``model`` by what became of it (``weights``: full module name -> the packed
+    :class:`QuantizedWeight` or :class:`quantkit.fp8_weight.FP8Weight`)."""
     spec = arch_for(getattr(model.config, "model_type", ""))
     keep_rel = set(spec.keep_16bit) if spec is not None else set()
     try:
@@ -72,7 +81,7 @@ def weight_coverage(model: nn.Module, weights: dict[str, QuantizedWeight]) -> Co
             kept.append(name)
         else:
             unreached.append(name)
-    written += sum(packed_bytes(qw) for qw in weights.values())
+    written += sum(written_bytes(w) for w in weights.values())
     return Coverage(len(weights), tuple(kept), tuple(unreached), b16, written)
 
 

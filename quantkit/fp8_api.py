@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,11 +36,14 @@ class FP8Report(RunReport):
     config: FP8Config
     ignored: list[str]
     method: str = "fp8"
+    unquantized: list[str] = field(default_factory=list)  # weights no method reached (quantkit.coverage)
+    compression_ratio: float = 0.0  # 16-bit bytes of all weights / bytes as written
 
     def to_dict(self) -> dict[str, Any]:
         return {"output": self.output, "method": "fp8", "weights": self.config.weights,
                 "activations": self.config.activations, "block": list(self.config.block),
-                "n_quantized": self.n_quantized, "ignored": self.ignored, "seconds": self.seconds(), **self.memory(),
+                "n_quantized": self.n_quantized, "ignored": self.ignored, "unquantized": self.unquantized,
+                "compression_ratio": self.compression_ratio, "seconds": self.seconds(), **self.memory(),
                 "engines": {"vllm": "CompressedTensorsW8A8Fp8", "sglang": "CompressedTensorsW8A8Fp8"}}
 
 
@@ -91,6 +94,13 @@ def quantize_fp8(
                         and calib.source == "self")
     log.info("loading: %s", plan.reason)
     loaded, source = open_model(model, load, plan)
+    from quantkit.methods.moe_prepare import prepare_layout
+    from quantkit.moe.experts import find_separate_experts
+
+    prepare_layout(loaded.model)  # MoE: every expert as its own linear, rounded like any other (streamed: already)
+    if method.needs_calibration and find_separate_experts(loaded.model):
+        raise QuantkitError("static FP8 activation scales (--calib) are not supported on MoE experts; drop --calib "
+                            "(activations are then quantized per token at run time, the default)")
     t_loaded = time.perf_counter()
     token_ids = None
     if method.needs_calibration:
@@ -124,14 +134,18 @@ def quantize_fp8(
         save_fp8(loaded.model, result.weights, out, config=config, tokenizer=loaded.tokenizer, extra=extra,
                  overwrite=overwrite, writer=writer)
     from quantkit.checkpoint.fp8 import unquantized_linears
+    from quantkit.coverage import warn_unreached, weight_coverage
 
+    coverage = weight_coverage(loaded.model, result.weights)
+    warn_unreached(coverage)
     t_end = time.perf_counter()
     peak = torch.cuda.max_memory_allocated() if device.startswith("cuda") else 0
     return FP8Report(output=str(out), config=config, n_quantized=len(result.weights), seconds_total=t_end - t_start,
                      seconds_load=t_loaded - t_start, seconds_calibration=t_calib - t_loaded,
                      seconds_quantize=t_quant - t_calib, seconds_save=t_end - t_quant, peak_memory_bytes=peak,
                      peak_host_memory_bytes=peak_host_memory_bytes(), streamed=source is not None,
-                     ignored=unquantized_linears(loaded.model, result.weights), layer_stats=result.layer_stats)
+                     ignored=unquantized_linears(loaded.model, result.weights), layer_stats=result.layer_stats,
+                     unquantized=list(coverage.unreached), compression_ratio=coverage.compression_ratio)
 
 
 def check_fp8_options(weights: str, activations: str, block: tuple[int, int]) -> FP8Config:

@@ -35,13 +35,17 @@ def test_int4_report_json():
 
 
 def test_fp8_report_json():
-    report = FP8Report(**RUN, config=FP8Config("block", "dynamic", (64, 64)), ignored=["lm_head"])
+    report = FP8Report(**RUN, config=FP8Config("block", "dynamic", (64, 64)), ignored=["lm_head"],
+                       unquantized=["model.layers.0.mlp.experts.gate_up_proj"], compression_ratio=1.5)
     d = report.to_dict()
     assert report.method == "fp8"
+    # unquantized / compression_ratio: the coverage of the run (MoE experts once went unreported), as QuantizeReport
     assert d == {"output": "/out", "method": "fp8", "weights": "block", "activations": "dynamic", "block": [64, 64],
-                 "n_quantized": 7, "ignored": ["lm_head"], "seconds": SECONDS, "peak_device_memory_bytes": 5,
+                 "n_quantized": 7, "ignored": ["lm_head"], "unquantized": ["model.layers.0.mlp.experts.gate_up_proj"],
+                 "compression_ratio": 1.5, "seconds": SECONDS, "peak_device_memory_bytes": 5,
                  "peak_host_memory_bytes": 6, "streamed": True,
                  "engines": {"vllm": "CompressedTensorsW8A8Fp8", "sglang": "CompressedTensorsW8A8Fp8"}}
-    assert list(d) == ["output", "method", "weights", "activations", "block", "n_quantized", "ignored", "seconds",
-                       "peak_device_memory_bytes", "peak_host_memory_bytes", "streamed", "engines"]
+    assert list(d) == ["output", "method", "weights", "activations", "block", "n_quantized", "ignored", "unquantized",
+                       "compression_ratio", "seconds", "peak_device_memory_bytes", "peak_host_memory_bytes", "streamed",
+                       "engines"]
     assert "layer_stats" not in repr(report)

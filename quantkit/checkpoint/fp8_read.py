@@ -84,6 +84,9 @@ def load_fp8(path: str | os.PathLike, *, device: str | torch.device = "cpu",
     records = {k: r for k, r in records.items() if k not in foreign}
     model_dtype = _resolve_dtype(dtype, config, device)
     model = build_empty_model(config, model_dtype)
+    from quantkit.moe.layout import prepare_moe_model
+
+    prepare_moe_model(model)  # MoE: per-expert linears under the checkpoint's names (fused 3-D experts split)
     names = fp8_linears(model, records, settings)
     for name in names:  # scale buffers in the stored shapes, so check_tensors compares them; normalized below
         linear = model.get_submodule(name)

@@ -46,6 +46,32 @@ def _parts(get: dict, name: str):
     return weight, scale, strategy, block, get.get(f"{name}.input_scale")
 
 
+def fp8_expert_weights(get: dict, prefix: str, n: int, names: tuple[str, str, str]):
+    """``(weight, act_quant)`` for FP8 experts ``{prefix}{e}.{name}``: ``weight(name)`` the float32 dequantized
+    ``[N, K]`` weight, ``act_quant`` the activations' rounding the checkpoint declares (per token; per token and
+    column group for block weights). Static input scales are refused: quantkit writes none for experts."""
+    from quantkit.fp8_weight import FP8Weight
+    from quantkit.kernels.fp8_quant_ref import quantize_per_group_ref, quantize_per_token_ref
+    from quantkit.primitives import dequantize_fp8
+
+    first = f"{prefix}0.{names[0]}"
+    if f"{first}.input_scale" in get:
+        raise QuantkitError(f"{first}: static FP8 activation scales on MoE experts are not served by the runtime")
+    _, _, _, block, _ = _parts(get, first)
+
+    def weight(name: str) -> torch.Tensor:
+        w, scale, strategy, blk, _ = _parts(get, name)
+        return FP8Weight(w, scale, strategy, w.shape[1], w.shape[0], blk).dequantize()
+
+    def act_quant(x: torch.Tensor) -> torch.Tensor:
+        if block is not None:
+            q, s = quantize_per_group_ref(x, block[1])
+            return dequantize_fp8(q, s.repeat_interleave(block[1], dim=1)[:, : x.shape[1]])
+        return dequantize_fp8(*quantize_per_token_ref(x))
+
+    return weight, act_quant
+
+
 def fp8_linear_from(get: dict, name: str, bias, dtype, device, mode: str):
     """The runtime ``Linear`` of one FP8 linear; ``mode`` "auto", "reference" or "dequantize"."""
     from quantkit.fp8_weight import FP8Weight

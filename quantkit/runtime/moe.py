@@ -30,6 +30,7 @@ class MoELayer:
     shared_gate_up: object | None = None  # runtime Linear [2I_s, H]
     shared_down: object | None = None
     shared_gate: torch.Tensor | None = None  # [1, H]
+    act_quant: object | None = None  # FP8 experts: the activations' e4m3 rounding (quantkit.runtime.fp8_weights)
     _ref: tuple | None = None  # dequantized experts for the reference path (made once)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,10 +45,10 @@ class MoELayer:
         from quantkit.kernels.moe_w4a16 import fused_moe, fused_moe_ref
 
         weights, ids = self.route(x)
-        if self.use_kernel:
+        if self.use_kernel and self.act_quant is None:
             y = fused_moe(x, weights, ids, self.experts)
-        else:
-            y = fused_moe_ref(x, weights, ids, self._reference_experts())
+        else:  # FP8 experts too: their activation rounding is emulated (no FP8 MoE kernel yet)
+            y = fused_moe_ref(x, weights, ids, self._reference_experts(), self.act_quant)
         if self.shared_gate_up is not None:
             s = self.shared_down(act_mul(self.shared_gate_up(x), "silu"))
             if self.shared_gate is not None:
@@ -91,6 +92,7 @@ def load_moe(get: dict, spec: ModelSpec, quant, dtype, device, packed_kernel: bo
 
     block = _block(get)
     ex = f"{block}.experts."
+    act_quant = None
     if f"{ex}gate_up_proj" in get:  # transformers 5's fused 16-bit experts
         experts = stack_dense(get[f"{ex}gate_up_proj"].to(device, dtype), get[f"{ex}down_proj"].to(device, dtype))
     else:
@@ -112,16 +114,23 @@ def load_moe(get: dict, spec: ModelSpec, quant, dtype, device, packed_kernel: bo
             experts = stack_quantized([tuple(qw(f"{ex}{e}.{lin}") for lin in names) for e in range(n)], dtype,
                                       device)
         else:
-            w13 = torch.stack([torch.cat([get[f"{ex}{e}.{names[0]}.weight"], get[f"{ex}{e}.{names[1]}.weight"]])
+            if f"{ex}0.{names[0]}.weight_scale" in get:  # FP8 experts: their 16-bit values, activations emulated
+                from quantkit.runtime.fp8_weights import fp8_expert_weights
+
+                weight, act_quant = fp8_expert_weights(get, ex, n, names)
+            else:
+                def weight(name: str) -> torch.Tensor:
+                    return get[f"{name}.weight"]
+            w13 = torch.stack([torch.cat([weight(f"{ex}{e}.{names[0]}"), weight(f"{ex}{e}.{names[1]}")])
                                for e in range(n)])
-            w2 = torch.stack([get[f"{ex}{e}.{names[2]}.weight"] for e in range(n)])
+            w2 = torch.stack([weight(f"{ex}{e}.{names[2]}") for e in range(n)])
             experts = stack_dense(w13.to(device, dtype), w2.to(device, dtype))
     if experts.quantized and not packed_kernel:  # the reference backend, or --dequantize: 16-bit experts
         w13, w2 = experts.dequantized()
         experts = stack_dense(w13.to(dtype), w2.to(dtype))
     lin = dict(quant=quant, dtype=dtype, device=device, packed_kernel=packed_kernel)
     layer = MoELayer(router=get[f"{block}.gate.weight"].to(device, dtype), experts=experts, top_k=spec.top_k,
-                     renormalize=spec.moe_renormalize, use_kernel=packed_kernel)
+                     renormalize=spec.moe_renormalize, use_kernel=packed_kernel, act_quant=act_quant)
     shared = f"{block}.shared_expert."
     if any(k.startswith(shared) for k in get):
         layer.shared_gate_up = fused_linear(get, [f"{shared}gate_proj", f"{shared}up_proj"], **lin)
