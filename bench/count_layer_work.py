@@ -20,6 +20,11 @@ The solve's column loop (the torch loop here, one Triton launch per block on CUD
 
     python bench/count_layer_work.py                 # CLI vs bench (its options) vs bench (the CLI's options)
     python bench/count_layer_work.py --json out.json
+    python bench/count_layer_work.py --finite-chunk 5350   # the finite checks cut in as many blocks as on 8B
+
+The finite checks (``all_finite``) read their tensors in blocks of 4M values: an 8B layer's weights and
+Hessians make 113 blocks, this shape's one block a tensor. ``--finite-chunk`` shrinks the block so that this
+shape's down_proj Hessian (512 x 512) makes 49 blocks, as the 8B one (14336 x 14336) does.
 """
 
 from __future__ import annotations
@@ -161,8 +166,9 @@ def _wrap(tally: Tally, module, attr: str, phase: str | None, item: str | None =
     return module, attr, orig, wrapped
 
 
-def instrument(tally: Tally) -> contextlib.ExitStack:
-    """Patch the walk's functions so ops land in named phases and the CUDA-only syncs are counted."""
+def instrument(tally: Tally, finite_chunk: int | None = None) -> contextlib.ExitStack:
+    """Patch the walk's functions so ops land in named phases and the CUDA-only syncs are counted
+    (``finite_chunk``: the finite checks' block size, None for the library's)."""
     from quantkit.calibrate import activations, walker
     from quantkit.calibrate.pipeline import LayerPipeline
     from quantkit.checkpoint import save
@@ -170,6 +176,16 @@ def instrument(tally: Tally) -> contextlib.ExitStack:
     from quantkit.models import lazy
     from quantkit.qtensor import QuantizedWeight
 
+    stack = contextlib.ExitStack()
+    if finite_chunk is not None:
+        real_all_finite = gptq_factor.all_finite
+
+        def all_finite(t, chunk_elements=finite_chunk):
+            return real_all_finite(t, chunk_elements)
+
+        for module in (gptq, gptq_factor):
+            setattr(module, "all_finite", all_finite)
+            stack.callback(setattr, module, "all_finite", real_all_finite)
     patches = [
         _wrap(tally, walker, "capture_layer_inputs", "input capture (once)"),
         _wrap(tally, LayerPipeline, "take", "move in"),
@@ -195,7 +211,6 @@ def instrument(tally: Tally) -> contextlib.ExitStack:
     patches.append(_wrap(tally, lazy, "open_model", "load"))
     if hasattr(gptq_method, "_Timeline"):  # h44speed: the solve's times from CUDA events, read once a layer
         patches.append(_wrap(tally, gptq_method._Timeline, "wait", None, "syncs on CUDA: solve-time event wait"))
-    stack = contextlib.ExitStack()
     for module, attr, orig, new in patches:
         setattr(module, attr, new)
         stack.callback(setattr, module, attr, orig)
@@ -279,7 +294,7 @@ def _tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
 
 
-def cli_run(folder: Path, calib: Path, out: Path, tally: Tally) -> dict:
+def cli_run(folder: Path, calib: Path, out: Path, tally: Tally, finite_chunk: int | None = None) -> dict:
     """`quantkit gptq FOLDER -o OUT --calib FILE` in-process (typer), with the counters on."""
     from typer.testing import CliRunner
 
@@ -302,7 +317,7 @@ def cli_run(folder: Path, calib: Path, out: Path, tally: Tally) -> dict:
 
     api.walk = walk
     try:
-        with instrument(tally):
+        with instrument(tally, finite_chunk):
             res = CliRunner().invoke(app, ["gptq", str(folder), "-o", str(out), "--calib", str(calib),
                                            "--nsamples", str(NSAMPLES), "--seqlen", str(SEQLEN),
                                            "--batch-size", str(BATCH), "--dtype", "bf16", "--device", "cpu",
@@ -314,7 +329,7 @@ def cli_run(folder: Path, calib: Path, out: Path, tally: Tally) -> dict:
     return share
 
 
-def bench_run(options: dict, tally: Tally) -> dict:
+def bench_run(options: dict, tally: Tally, finite_chunk: int | None = None) -> dict:
     """bench_quantize_8b.py's path: build_model (random, resident) and walk with build_method's GPTQ."""
     from bench_quantize_8b import build_model
 
@@ -328,7 +343,7 @@ def bench_run(options: dict, tally: Tally) -> dict:
     tokens = torch.randint(0, SHAPE["vocab_size"], (NSAMPLES, SEQLEN), generator=torch.Generator().manual_seed(0))
     handles = hook_layers(model, tally)
     try:
-        with instrument(tally), tally.under("walk (per-layer work)"):
+        with instrument(tally, finite_chunk), tally.under("walk (per-layer work)"):
             walk(model, method, device="cpu", token_ids=tokens, batch_size=BATCH)
     finally:
         for h in handles:
@@ -371,6 +386,8 @@ def main() -> None:
     p.add_argument("--calib", default=str(Path(__file__).resolve().parents[1].parent / "shared/data/wikitext2/"
                                           "valid.tokens.txt"), help="text file for the CLI's --calib")
     p.add_argument("--json", default=None, help="write the counts here too")
+    p.add_argument("--finite-chunk", type=int, default=None,
+                   help="block size of the finite checks (default: the library's; 5350 gives 8B's block counts)")
     args = p.parse_args()
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -382,11 +399,11 @@ def main() -> None:
         LlamaForCausalLM(LlamaConfig(**SHAPE)).to(torch.bfloat16).save_pretrained(folder)
         _tokenizer().save_pretrained(folder)
         tally = Tally(act)
-        share = cli_run(folder, Path(args.calib), Path(tmp) / "out", tally)
+        share = cli_run(folder, Path(args.calib), Path(tmp) / "out", tally, args.finite_chunk)
         runs["cli"] = {"counts": per_layer(tally), "sites": _sites(tally), **share}
     for label, options in (("bench", BENCH_OPTIONS), ("bench+cli-opts", CLI_OPTIONS)):
         tally = Tally(act)
-        share = bench_run(options, tally)
+        share = bench_run(options, tally, args.finite_chunk)
         runs[label] = {"counts": per_layer(tally), "sites": _sites(tally), **share}
     print(f"{SHAPE['num_hidden_layers']} layers, hidden {SHAPE['hidden_size']}, intermediate "
           f"{SHAPE['intermediate_size']}, {NSAMPLES} x {SEQLEN} tokens in batches of {BATCH}, bf16, CPU, "
