@@ -136,8 +136,9 @@ class OpCounter(TorchDispatchMode):
 
 
 def _to_host_hook(tally: Tally):
-    """Counts ``Tensor.to(cpu)`` / ``.cpu()`` requests: free on the CPU, a blocking copy from a GPU."""
-    orig_to, orig_cpu = torch.Tensor.to, torch.Tensor.cpu
+    """Counts ``Tensor.to(cpu)`` / ``.cpu()`` / ``.tolist()`` requests: free on the CPU, a blocking copy from a
+    GPU (``tolist`` reads the data without an aten op the dispatch counter would see)."""
+    orig_to, orig_cpu, orig_tolist = torch.Tensor.to, torch.Tensor.cpu, torch.Tensor.tolist
 
     def to(self, *args, **kwargs):
         dev = kwargs.get("device", args[0] if args else None)
@@ -149,7 +150,11 @@ def _to_host_hook(tally: Tally):
         tally.add("to-host requests (blocking D2H on a GPU)", site=True)
         return orig_cpu(self, *args, **kwargs)
 
-    return {"to": (orig_to, to), "cpu": (orig_cpu, cpu)}
+    def tolist(self, *args, **kwargs):
+        tally.add("to-host requests (blocking D2H on a GPU)", site=True)
+        return orig_tolist(self, *args, **kwargs)
+
+    return {"to": (orig_to, to), "cpu": (orig_cpu, cpu), "tolist": (orig_tolist, tolist)}
 
 
 def _wrap(tally: Tally, module, attr: str, phase: str | None, item: str | None = None):
@@ -203,12 +208,16 @@ def instrument(tally: Tally, finite_chunk: int | None = None) -> contextlib.Exit
         _wrap(tally, gptq, "_row_errors_packed", "error stats (rtn, gptq, energy)"),
         _wrap(tally, gptq_method._LayerWork, "_install", "pack + install"),
         _wrap(tally, QuantizedWeight, "from_codes", None, "packings"),
-        _wrap(tally, gptq_method, "relative_error", None, "relative_error floats"),
+        _wrap(tally, gptq_method, "relative_error", None, "relative_error floats (a read each)")
+        if hasattr(gptq_method, "relative_error") else  # h45walk: device scalars, read together by finish_errors
+        _wrap(tally, gptq_method, "relative_error_tensor", None, "relative_error scalars (read once a layer)"),
         _wrap(tally, gptq_method, "_clock", None, "syncs on CUDA: gptq _clock (device-wide until h44speed)"),
         _wrap(tally, activations.PhaseClock, "_now", None, "stream syncs on CUDA (PhaseClock)"),
         _wrap(tally, save, "save_quantized", "save"),
     ]
     patches.append(_wrap(tally, lazy, "open_model", "load"))
+    if hasattr(gptq_method._LayerWork, "finish_errors"):  # h45walk: a layer's error floats read together
+        patches.append(_wrap(tally, gptq_method._LayerWork, "finish_errors", "error floats read"))
     if hasattr(gptq_method, "_Timeline"):  # h44speed: the solve's times from CUDA events, read once a layer
         patches.append(_wrap(tally, gptq_method._Timeline, "wait", None, "syncs on CUDA: solve-time event wait"))
     for module, attr, orig, new in patches:

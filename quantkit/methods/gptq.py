@@ -157,7 +157,12 @@ class GPTQResult:
 
 def relative_error(row_err: torch.Tensor, row_energy: torch.Tensor) -> float:
     """Sum of per-row H-weighted errors over the rows' energy (``[rows]`` each)."""
-    return float(row_err.double().sum() / row_energy.double().sum().clamp_min(1e-30))
+    return float(relative_error_tensor(row_err, row_energy))
+
+
+def relative_error_tensor(row_err: torch.Tensor, row_energy: torch.Tensor) -> torch.Tensor:
+    """``relative_error`` as a float64 scalar where the rows are: many are stacked and read in one host round trip."""
+    return row_err.double().sum() / row_energy.double().sum().clamp_min(1e-30)
 
 
 class HessianAccumulator:
