@@ -211,7 +211,7 @@ def tuned_configs() -> dict:
     for name, tuner in (("gemv", kw._gemv_tuned), ("gemv_direct", kw._gemv_direct_tuned), ("decode", kw._decode_tuned),
                         ("prefill", kw._prefill_tuned), ("pairs", kw._pairs_tuned)):
         out[name] = {str(key): str(cfg) for key, cfg in tuner.cache.items()}
-    if "quantkit.kernels.w4a16_gluon" in sys.modules:
+    if hasattr(sys.modules.get("quantkit.kernels.w4a16_gluon"), "GLUON_TUNER"):  # the Gluon module may have no tuner
         out["gluon"] = {str(key): str(cfg) for key, cfg in sys.modules["quantkit.kernels.w4a16_gluon"].GLUON_TUNER.cache.items()}
     return out
 

@@ -20,6 +20,11 @@ The solve's column loop (the torch loop here, one Triton launch per block on CUD
 
     python bench/count_layer_work.py                 # CLI vs bench (its options) vs bench (the CLI's options)
     python bench/count_layer_work.py --json out.json
+    python bench/count_layer_work.py --finite-chunk 5350   # the finite checks cut in as many blocks as on 8B
+
+The finite checks (``all_finite``) read their tensors in blocks of 4M values: an 8B layer's weights and
+Hessians make 113 blocks, this shape's one block a tensor. ``--finite-chunk`` shrinks the block so that this
+shape's down_proj Hessian (512 x 512) makes 49 blocks, as the 8B one (14336 x 14336) does.
 """
 
 from __future__ import annotations
@@ -131,8 +136,9 @@ class OpCounter(TorchDispatchMode):
 
 
 def _to_host_hook(tally: Tally):
-    """Counts ``Tensor.to(cpu)`` / ``.cpu()`` requests: free on the CPU, a blocking copy from a GPU."""
-    orig_to, orig_cpu = torch.Tensor.to, torch.Tensor.cpu
+    """Counts ``Tensor.to(cpu)`` / ``.cpu()`` / ``.tolist()`` requests: free on the CPU, a blocking copy from a
+    GPU (``tolist`` reads the data without an aten op the dispatch counter would see)."""
+    orig_to, orig_cpu, orig_tolist = torch.Tensor.to, torch.Tensor.cpu, torch.Tensor.tolist
 
     def to(self, *args, **kwargs):
         dev = kwargs.get("device", args[0] if args else None)
@@ -144,7 +150,11 @@ def _to_host_hook(tally: Tally):
         tally.add("to-host requests (blocking D2H on a GPU)", site=True)
         return orig_cpu(self, *args, **kwargs)
 
-    return {"to": (orig_to, to), "cpu": (orig_cpu, cpu)}
+    def tolist(self, *args, **kwargs):
+        tally.add("to-host requests (blocking D2H on a GPU)", site=True)
+        return orig_tolist(self, *args, **kwargs)
+
+    return {"to": (orig_to, to), "cpu": (orig_cpu, cpu), "tolist": (orig_tolist, tolist)}
 
 
 def _wrap(tally: Tally, module, attr: str, phase: str | None, item: str | None = None):
@@ -161,8 +171,9 @@ def _wrap(tally: Tally, module, attr: str, phase: str | None, item: str | None =
     return module, attr, orig, wrapped
 
 
-def instrument(tally: Tally) -> contextlib.ExitStack:
-    """Patch the walk's functions so ops land in named phases and the CUDA-only syncs are counted."""
+def instrument(tally: Tally, finite_chunk: int | None = None) -> contextlib.ExitStack:
+    """Patch the walk's functions so ops land in named phases and the CUDA-only syncs are counted
+    (``finite_chunk``: the finite checks' block size, None for the library's)."""
     from quantkit.calibrate import activations, walker
     from quantkit.calibrate.pipeline import LayerPipeline
     from quantkit.checkpoint import save
@@ -170,6 +181,16 @@ def instrument(tally: Tally) -> contextlib.ExitStack:
     from quantkit.models import lazy
     from quantkit.qtensor import QuantizedWeight
 
+    stack = contextlib.ExitStack()
+    if finite_chunk is not None:
+        real_all_finite = gptq_factor.all_finite
+
+        def all_finite(t, chunk_elements=finite_chunk):
+            return real_all_finite(t, chunk_elements)
+
+        for module in (gptq, gptq_factor):
+            setattr(module, "all_finite", all_finite)
+            stack.callback(setattr, module, "all_finite", real_all_finite)
     patches = [
         _wrap(tally, walker, "capture_layer_inputs", "input capture (once)"),
         _wrap(tally, LayerPipeline, "take", "move in"),
@@ -187,15 +208,18 @@ def instrument(tally: Tally) -> contextlib.ExitStack:
         _wrap(tally, gptq, "_row_errors_packed", "error stats (rtn, gptq, energy)"),
         _wrap(tally, gptq_method._LayerWork, "_install", "pack + install"),
         _wrap(tally, QuantizedWeight, "from_codes", None, "packings"),
-        _wrap(tally, gptq_method, "relative_error", None, "relative_error floats"),
+        _wrap(tally, gptq_method, "relative_error", None, "relative_error floats (a read each)")
+        if hasattr(gptq_method, "relative_error") else  # h45walk: device scalars, read together by finish_errors
+        _wrap(tally, gptq_method, "relative_error_tensor", None, "relative_error scalars (read once a layer)"),
         _wrap(tally, gptq_method, "_clock", None, "syncs on CUDA: gptq _clock (device-wide until h44speed)"),
         _wrap(tally, activations.PhaseClock, "_now", None, "stream syncs on CUDA (PhaseClock)"),
         _wrap(tally, save, "save_quantized", "save"),
     ]
     patches.append(_wrap(tally, lazy, "open_model", "load"))
+    if hasattr(gptq_method._LayerWork, "finish_errors"):  # h45walk: a layer's error floats read together
+        patches.append(_wrap(tally, gptq_method._LayerWork, "finish_errors", "error floats read"))
     if hasattr(gptq_method, "_Timeline"):  # h44speed: the solve's times from CUDA events, read once a layer
         patches.append(_wrap(tally, gptq_method._Timeline, "wait", None, "syncs on CUDA: solve-time event wait"))
-    stack = contextlib.ExitStack()
     for module, attr, orig, new in patches:
         setattr(module, attr, new)
         stack.callback(setattr, module, attr, orig)
@@ -279,7 +303,7 @@ def _tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
 
 
-def cli_run(folder: Path, calib: Path, out: Path, tally: Tally) -> dict:
+def cli_run(folder: Path, calib: Path, out: Path, tally: Tally, finite_chunk: int | None = None) -> dict:
     """`quantkit gptq FOLDER -o OUT --calib FILE` in-process (typer), with the counters on."""
     from typer.testing import CliRunner
 
@@ -302,7 +326,7 @@ def cli_run(folder: Path, calib: Path, out: Path, tally: Tally) -> dict:
 
     api.walk = walk
     try:
-        with instrument(tally):
+        with instrument(tally, finite_chunk):
             res = CliRunner().invoke(app, ["gptq", str(folder), "-o", str(out), "--calib", str(calib),
                                            "--nsamples", str(NSAMPLES), "--seqlen", str(SEQLEN),
                                            "--batch-size", str(BATCH), "--dtype", "bf16", "--device", "cpu",
@@ -314,7 +338,7 @@ def cli_run(folder: Path, calib: Path, out: Path, tally: Tally) -> dict:
     return share
 
 
-def bench_run(options: dict, tally: Tally) -> dict:
+def bench_run(options: dict, tally: Tally, finite_chunk: int | None = None) -> dict:
     """bench_quantize_8b.py's path: build_model (random, resident) and walk with build_method's GPTQ."""
     from bench_quantize_8b import build_model
 
@@ -328,7 +352,7 @@ def bench_run(options: dict, tally: Tally) -> dict:
     tokens = torch.randint(0, SHAPE["vocab_size"], (NSAMPLES, SEQLEN), generator=torch.Generator().manual_seed(0))
     handles = hook_layers(model, tally)
     try:
-        with instrument(tally), tally.under("walk (per-layer work)"):
+        with instrument(tally, finite_chunk), tally.under("walk (per-layer work)"):
             walk(model, method, device="cpu", token_ids=tokens, batch_size=BATCH)
     finally:
         for h in handles:
@@ -371,6 +395,8 @@ def main() -> None:
     p.add_argument("--calib", default=str(Path(__file__).resolve().parents[1].parent / "shared/data/wikitext2/"
                                           "valid.tokens.txt"), help="text file for the CLI's --calib")
     p.add_argument("--json", default=None, help="write the counts here too")
+    p.add_argument("--finite-chunk", type=int, default=None,
+                   help="block size of the finite checks (default: the library's; 5350 gives 8B's block counts)")
     args = p.parse_args()
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -382,11 +408,11 @@ def main() -> None:
         LlamaForCausalLM(LlamaConfig(**SHAPE)).to(torch.bfloat16).save_pretrained(folder)
         _tokenizer().save_pretrained(folder)
         tally = Tally(act)
-        share = cli_run(folder, Path(args.calib), Path(tmp) / "out", tally)
+        share = cli_run(folder, Path(args.calib), Path(tmp) / "out", tally, args.finite_chunk)
         runs["cli"] = {"counts": per_layer(tally), "sites": _sites(tally), **share}
     for label, options in (("bench", BENCH_OPTIONS), ("bench+cli-opts", CLI_OPTIONS)):
         tally = Tally(act)
-        share = bench_run(options, tally)
+        share = bench_run(options, tally, args.finite_chunk)
         runs[label] = {"counts": per_layer(tally), "sites": _sites(tally), **share}
     print(f"{SHAPE['num_hidden_layers']} layers, hidden {SHAPE['hidden_size']}, intermediate "
           f"{SHAPE['intermediate_size']}, {NSAMPLES} x {SEQLEN} tokens in batches of {BATCH}, bf16, CPU, "

@@ -157,7 +157,12 @@ class GPTQResult:
 
 def relative_error(row_err: torch.Tensor, row_energy: torch.Tensor) -> float:
     """Sum of per-row H-weighted errors over the rows' energy (``[rows]`` each)."""
-    return float(row_err.double().sum() / row_energy.double().sum().clamp_min(1e-30))
+    return float(relative_error_tensor(row_err, row_energy))
+
+
+def relative_error_tensor(row_err: torch.Tensor, row_energy: torch.Tensor) -> torch.Tensor:
+    """``relative_error`` as a float64 scalar where the rows are: many are stacked and read in one host round trip."""
+    return row_err.double().sum() / row_energy.double().sum().clamp_min(1e-30)
 
 
 class HessianAccumulator:
@@ -437,17 +442,19 @@ def _row_errors_packed(w: torch.Tensor, codes: torch.Tensor, scales: torch.Tenso
     """``_row_errors`` of the GPTQ weights given as codes, dequantized a block of rows at a time (about
     ``chunk_elements`` values; default 4 MB of float32 on the host, where memory bounds a streamed run,
     256 MB on an accelerator, where larger products run faster), so no whole float32 copy of the weight
-    is made. Raises if a dequantized weight is not finite."""
+    is made. Raises if a dequantized weight is not finite (the blocks' flags read once, after the last)."""
     if chunk_elements is None:
         chunk_elements = 1 << 20 if w.device.type == "cpu" else 1 << 26
     out = torch.empty(3, w.shape[0], dtype=torch.float32, device=w.device)
+    finite = torch.ones((), dtype=torch.bool, device=w.device)
     step = max(1, chunk_elements // max(1, w.shape[1]))
     for start in range(0, w.shape[0], step):
         rows = slice(start, start + step)
         w_gptq = dequantize(codes[rows], scales[:, rows], zeros[:, rows], g_idx)
-        if not torch.isfinite(w_gptq).all():
-            raise FloatingPointError(f"GPTQ {name or 'layer'}: NaN or Inf in the quantized weight")
+        finite &= torch.isfinite(w_gptq).all()
         out[:, rows] = _row_errors(w[rows].float(), w_gptq, H, scheme, chunk_elements)
+    if not finite:
+        raise FloatingPointError(f"GPTQ {name or 'layer'}: NaN or Inf in the quantized weight")
     return out
 
 

@@ -106,9 +106,14 @@ def _inverse_factor_in_place(H: torch.Tensor, order: torch.Tensor, idx: torch.Te
 
 def all_finite(t: torch.Tensor, chunk_elements: int = 1 << 22) -> bool:
     """``torch.isfinite(t).all()`` a block at a time: ``isfinite`` of a float tensor makes a whole ``abs``
-    copy and a mask besides (measured: +447 MiB of peak for an 8192 x 8192 float32 matrix)."""
+    copy and a mask besides (measured: +447 MiB of peak for an 8192 x 8192 float32 matrix). The blocks'
+    flags are folded into one on the tensor's device and read once: one host round trip a call, not one a
+    block (49 for an 8B model's down_proj Hessian)."""
     flat = t.reshape(-1) if t.is_contiguous() else t.contiguous().reshape(-1)
-    return all(bool(torch.isfinite(part).all()) for part in flat.split(chunk_elements))
+    ok = torch.ones((), dtype=torch.bool, device=flat.device)
+    for part in flat.split(chunk_elements):
+        ok &= torch.isfinite(part).all()
+    return bool(ok)
 
 
 def anti_transpose_(A: torch.Tensor, block: int = 1024) -> torch.Tensor:

@@ -32,7 +32,7 @@ import torch
 from quantkit.calibrate.walker import LayerContext, LayerResult, capture_linear_inputs, first_output
 from quantkit.config import QuantkitError, QuantScheme
 from quantkit.distributed.plan import SolveItem, plan_solves
-from quantkit.methods.gptq import GPTQConfig, GPTQResult, HessianAccumulator, gptq_quantize, relative_error
+from quantkit.methods.gptq import GPTQConfig, GPTQResult, HessianAccumulator, gptq_quantize, relative_error_tensor
 from quantkit.primitives import dequantize, num_groups
 from quantkit.qtensor import QuantizedWeight
 
@@ -117,10 +117,20 @@ class _LayerWork:
     timeline: _Timeline | None = None
     # (linears, Hessian seconds measured before ``solve``, marks: start, Hessians ready, solved) per stack set
     pending: list = field(default_factory=list)
+    # (linear, stat name, float64 scalar on the device): the errors, read together by ``finish_errors``
+    errors: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.timeline is None:
             self.timeline = _Timeline(self.ctx.device)
+
+    def finish_errors(self) -> None:
+        """Each linear's ``err_rtn`` and ``err_gptq``, read in one host round trip for the whole layer."""
+        if self.errors:
+            values = torch.stack([t for _, _, t in self.errors]).tolist()
+            for (name, key, _), value in zip(self.errors, values):
+                self.stats[name][key] = value
+        self.errors.clear()
 
     def finish_timings(self) -> None:
         """Each linear's ``seconds`` (solve) and ``hessian_seconds``, its share of its set's by weight size."""
@@ -189,11 +199,9 @@ class _LayerWork:
                 linear.weight.data.copy_(w_hat.to(linear.weight.dtype))
             del w_hat
             self.weights[name] = qw
-            self.stats[name] = {
-                "err_rtn": relative_error(res.row_err_rtn[rows], res.row_energy[rows]),
-                "err_gptq": relative_error(res.row_err_gptq[rows], res.row_energy[rows]),
-                "damp": res.damp,
-            }
+            self.stats[name] = {"err_rtn": None, "err_gptq": None, "damp": res.damp}  # errors: ``finish_errors``
+            self.errors += [(name, "err_rtn", relative_error_tensor(res.row_err_rtn[rows], res.row_energy[rows])),
+                            (name, "err_gptq", relative_error_tensor(res.row_err_gptq[rows], res.row_energy[rows]))]
             row = rows.stop
         assert row == w.shape[0], (row, w.shape)
 
@@ -390,6 +398,7 @@ class GPTQMethod:
         else:
             for group in ctx.groups:
                 self._collect_and_solve(work, list(group))
+        work.finish_errors()  # one host round trip for the layer's 2 x linears error floats
         work.finish_timings()  # one wait for the last solve's event, not two device-wide syncs per solve
         # Report in the layer's module order.
         stats = {n: work.stats[n] for n in ctx.linears if n in work.stats}
