@@ -211,8 +211,10 @@ def tuned_configs() -> dict:
     for name, tuner in (("gemv", kw._gemv_tuned), ("gemv_direct", kw._gemv_direct_tuned), ("decode", kw._decode_tuned),
                         ("prefill", kw._prefill_tuned), ("pairs", kw._pairs_tuned)):
         out[name] = {str(key): str(cfg) for key, cfg in tuner.cache.items()}
-    if hasattr(sys.modules.get("quantkit.kernels.w4a16_gluon"), "GLUON_TUNER"):  # the Gluon module may have no tuner
-        out["gluon"] = {str(key): str(cfg) for key, cfg in sys.modules["quantkit.kernels.w4a16_gluon"].GLUON_TUNER.cache.items()}
+    # the timed module's own Gluon tuner (modules from before the selection table had one; today's has none)
+    tuner = getattr(sys.modules.get(kw.__name__.rsplit(".", 1)[0] + ".w4a16_gluon"), "GLUON_TUNER", None)
+    if tuner is not None:
+        out["gluon"] = {str(key): str(cfg) for key, cfg in tuner.cache.items()}
     return out
 
 

@@ -18,7 +18,7 @@ import triton
 
 from quantkit.kernels import device_info
 from quantkit.kernels.device_info import interpreting
-from quantkit.kernels.w4a16_configs import PAIR_TILE_K, GemvConfig, GluonConfig, PairsConfig, TcConfig
+from quantkit.kernels.w4a16_configs import PAIR_TILE_K, CudaConfig, GemvConfig, GluonConfig, PairsConfig, TcConfig
 from quantkit.kernels.w4a16_select import PAIRS_SPLIT_MAX_M, KernelChoice, LayerFacts, select_w4a16
 from quantkit.kernels.w4a16_triton import _gather_columns, _w4a16_gemv_kernel, _w4a16_kernel, _w4a16_pairs_kernel
 from quantkit.kernels.w4a16_weights import W4A16Weights, prepare_w4a16_weights, w4a16_matmul_ref
@@ -159,12 +159,16 @@ def w4a16_matmul(x: torch.Tensor, w: W4A16Weights, config=None) -> torch.Tensor:
         from quantkit.kernels.w4a16_gluon import w4a16_gluon_matmul
 
         return w4a16_gluon_matmul(x, w, config)
+    if isinstance(config, CudaConfig):
+        from quantkit.kernels.w4a16_cuda import w4a16_cuda_matmul
+
+        return w4a16_cuda_matmul(x, w, config)
     if isinstance(config, PairsConfig):
         if w.pair_index is None:  # set for 4-bit codes with K a multiple of the tile only
             raise ValueError(f"the paired-nibble kernel needs 4-bit codes and K a multiple of {PAIR_TILE_K}, "
                              f"got {w.bits}-bit, K = {w.in_features}")
     elif not isinstance(config, (GemvConfig, TcConfig)):
-        raise TypeError(f"config must be a GemvConfig, PairsConfig, TcConfig or GluonConfig, got {config!r}")
+        raise TypeError(f"config must be a GemvConfig, PairsConfig, TcConfig, GluonConfig or CudaConfig, got {config!r}")
     elif isinstance(config, GemvConfig) and x.shape[0] > 64:
         raise ValueError(f"the GEMV takes at most 64 rows, got {x.shape[0]}")
     return _launcher(config)(x, w)
@@ -187,6 +191,8 @@ def bind_launcher(choice: KernelChoice, facts: LayerFacts, bucket: int):
     if choice.kernel == "reference":
         return None
     config = choice.config
+    if isinstance(config, CudaConfig):
+        return _cuda_launcher(config, bind_launcher(choice.fallback, facts, bucket))
     if isinstance(config, GluonConfig):
         from quantkit.kernels import w4a16_gluon
 
@@ -195,3 +201,26 @@ def bind_launcher(choice: KernelChoice, facts: LayerFacts, bucket: int):
             return lambda x, w: w4a16_gluon.launch(x, w, config)
         return lambda x, w: w4a16_gluon.w4a16_gluon_matmul(x, w, config)
     return _launcher(config)
+
+
+def _cuda_launcher(config, fallback):
+    """``run(x, w)`` for a ``cuda`` choice: the CUDA kernel where its library builds (decided once per dtype and
+    row tile, the build on the first call), else ``fallback`` (the Triton choice), with one log line from the
+    build (:func:`quantkit.kernels.w4a16_cuda.library`)."""
+    usable = {}
+
+    def run(x, w):
+        key = (x.dtype, x.shape[0] > 8)
+        if key not in usable:
+            from quantkit.kernels import w4a16_cuda
+
+            usable[key] = w4a16_cuda.available(x, w, config)[0]
+        if usable[key]:
+            from quantkit.kernels.w4a16_cuda import w4a16_cuda_matmul
+
+            return w4a16_cuda_matmul(x, w, config)
+        if fallback is None:
+            raise ValueError("the CUDA W4A16 kernel is not available here and no fallback was planned")
+        return fallback(x, w)
+
+    return run

@@ -3,7 +3,8 @@
 No Triton here, so the selection table, ``explain`` and the CPU tests read configs without a compiler. Field
 names are the kernels' constexpr names, except grid-only ones (``PROGS_PER_SM``, ``SPLIT_K``, ``CTAS_PER_SM``).
 Families: ``gemv`` (CUDA-core GEMV, 1-2 rows), ``pairs`` (paired-nibble tensor-core, 4-bit, K a multiple of 128),
-``tc`` (general tensor-core), ``gluon`` (Hopper; ``DIRECT``: the ring-less decode kernel).
+``tc`` (general tensor-core), ``gluon`` (Hopper; ``DIRECT``: the ring-less decode kernel), ``cuda`` (the CUDA C++
+decode GEMM of ``w4a16_cuda.py``, built with nvcc on first use; no table entry yet).
 """
 
 from __future__ import annotations
@@ -159,7 +160,34 @@ class GluonConfig:
         return m <= self.BLOCK_M and (self.BLOCK_M <= 16 or 2 * m > self.BLOCK_M)
 
 
-CONFIG_TYPES = {"gemv": GemvConfig, "pairs": PairsConfig, "tc": TcConfig, "gluon": GluonConfig}
+@dataclasses.dataclass(frozen=True)
+class CudaConfig:
+    """The CUDA C++ decode GEMM (:mod:`quantkit.kernels.w4a16_cuda`, M <= 16, groups a multiple of 128): R blocks of
+    16 output rows a warp, U K tiles of 128 loaded per batch (2 * R * U 16-byte loads of words in flight a thread),
+    W warps a CTA splitting K, SPLITS CTAs a row tile (None: enough to fill the SMs once), L2_256: the L2::256B
+    prefetch hint on the weight loads."""
+
+    R: int = 2
+    U: int = 2
+    W: int = 4
+    SPLITS: int | None = None
+    L2_256: bool = False
+
+    def __post_init__(self):
+        if self.R not in (1, 2, 4) or self.U not in (1, 2, 4) or self.W not in (1, 2, 4, 8):
+            raise ValueError(f"bad CUDA decode config {self}: R and U in 1, 2, 4; W in 1, 2, 4, 8")
+        if self.SPLITS is not None and self.SPLITS < 1:
+            raise ValueError(f"SPLITS must be positive or None, got {self.SPLITS}")
+
+    def fits(self, m: int, group_size: int) -> bool:
+        """Up to 16 activation rows, one group per K tile (or per channel)."""
+        return 1 <= m <= CUDA_MAX_M and group_size % PAIR_TILE_K == 0
+
+
+# The CUDA decode GEMM's activation rows at most (two n8 tiles of mma.sync).
+CUDA_MAX_M = 16
+
+CONFIG_TYPES = {"gemv": GemvConfig, "pairs": PairsConfig, "tc": TcConfig, "gluon": GluonConfig, "cuda": CudaConfig}
 
 
 def config_from_dict(kernel: str, fields: dict):
@@ -182,6 +210,9 @@ def config_to_dict(config) -> dict:
 def config_label(config) -> str:
     """A short readable form, e.g. ``GluonConfig(128x16, NUM_BUF=4, CTAS_PER_SM=4, X_BOX_K=64)``."""
     fields = config_to_dict(config)
+    if isinstance(config, CudaConfig):
+        fields = dataclasses.asdict(config)
+        return f"CudaConfig({', '.join(f'{k}={v}' for k, v in fields.items())})"
     second = fields.pop("BLOCK_M") if "BLOCK_M" in fields else fields.pop("BLOCK_K")
     head = [f"{fields.pop('BLOCK_N')}x{second}"]
     return f"{type(config).__name__}({', '.join(head + [f'{k}={v}' for k, v in fields.items()])})"
