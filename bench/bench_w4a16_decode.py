@@ -56,17 +56,11 @@ def gluon_configs(m: int, n: int, k: int):
 
 
 def make_weights(n: int, k: int, sym: bool = True):
-    import torch
+    """bench_w4a16.py's random GPTQ-layout weights (beside this script), prepared for the kernels."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_w4a16 import make_weights as bench_weights
 
-    from quantkit.kernels.w4a16_weights import prepare_w4a16_weights
-
-    qweight = torch.randint(-(2**31), 2**31 - 1, (k // 8, n), dtype=torch.int32, device="cuda")
-    if sym:
-        qzeros = torch.full((k // GROUP, n // 8), 0x77777777, dtype=torch.int32, device="cuda")
-    else:
-        qzeros = torch.randint(-(2**31), 2**31 - 1, (k // GROUP, n // 8), dtype=torch.int32, device="cuda")
-    scales = (torch.rand(k // GROUP, n, device="cuda") * 2e-3 + 1e-3).half()
-    return prepare_w4a16_weights(qweight, qzeros, scales, None, 4, GROUP, sym)
+    return bench_weights(n, k, sym)
 
 
 def max_err(out, ref) -> float:
