@@ -222,9 +222,9 @@ def build_state_dict(
 ) -> tuple[dict[str, PendingTensor], list[str]]:
     """The tensors to write, in model order: packed tensors for ``weights``, the rest cast to ``dtype``.
 
-    A float32 tensor named by ``keep_fp32`` (transformers' ``_keep_in_fp32_modules(_strict)`` of the model:
-    DeepSeek's router ``gate.weight`` and ``e_score_correction_bias``, whose bfloat16 rounding can flip the
-    choice between two close experts) stays float32.
+    Tensors named by ``keep_fp32`` (transformers' ``_keep_in_fp32_modules(_strict)`` of the model: DeepSeek's
+    router ``gate.weight`` and ``e_score_correction_bias``, whose bfloat16 rounding can flip the choice between
+    two close experts) are written in float32, as transformers holds them.
 
     Keys that alias an earlier key's storage (tied embeddings) are dropped; they are returned as the
     second element.
@@ -248,8 +248,11 @@ def build_state_dict(
             continue
         if identity is not None:
             seen[identity] = key
-        fp32 = tensor.dtype == torch.float32 and any(f".{name}." in f".{key}." for name in keep_fp32)
-        state[key] = PendingTensor(tensor, dtype if tensor.is_floating_point() and not fp32 else None)
+        if not tensor.is_floating_point():
+            state[key] = PendingTensor(tensor, None)
+        else:  # float32 for keep_fp32 even from a bfloat16 file (exact): streamed or not, the same bytes
+            fp32 = any(f".{name}." in f".{key}." for name in keep_fp32)
+            state[key] = PendingTensor(tensor, torch.float32 if fp32 else dtype)
     return state, dropped
 
 

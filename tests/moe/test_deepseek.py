@@ -170,3 +170,28 @@ def test_cli_gptq_then_eval_through_transformers(tmp_path):
     ppl = json.loads(quantkit("eval", "perplexity", tmp_path / "q", "--data", text, "--seqlen", "32",
                               "--max-windows", "2", "--json").stdout)
     assert 1.0 < ppl["ppl"] < 1e4
+
+
+def test_streamed_equals_whole_router_float32(tmp_path):
+    """Layer by layer from the files (a bfloat16 source, router included): the same bytes as in memory, where
+    transformers holds the router in float32; both write it in float32."""
+    from safetensors.torch import load_file
+
+    from quantkit import api
+    from quantkit.config import LoadConfig
+    from tests.conftest import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    tiny_moe("deepseek_v3", vocab_size=len(tok)).to(torch.bfloat16).save_pretrained(tmp_path / "src")
+    tok.save_pretrained(tmp_path / "src")
+    calib = torch.randint(3, 200, (4, 32), generator=torch.Generator().manual_seed(0))
+    outs = {}
+    for stream in ("on", "off"):
+        report = api.quantize(str(tmp_path / "src"), tmp_path / stream, method="gptq", scheme=SCHEME,
+                              calib_tokens=calib, load=LoadConfig(stream=stream, device="cpu"), progress=False)
+        assert report.streamed == (stream == "on") and report.unquantized == [] and report.n_quantized == 40
+        outs[stream] = load_file(str(tmp_path / stream / "model.safetensors"))
+    assert outs["on"].keys() == outs["off"].keys()
+    for key, t in outs["off"].items():
+        assert torch.equal(outs["on"][key], t), key
+    assert outs["on"]["model.layers.1.mlp.gate.weight"].dtype == torch.float32
