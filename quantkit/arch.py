@@ -32,6 +32,9 @@ class ScalingGroup:
     prev_kind: str = "norm"
     block: str = ""
     tokenwise: bool = False
+    # 16-bit modules that read the same input (an MoE router, a shared-expert gate): the scale is folded into
+    # their weight's input columns exactly, so what they compute does not change; never searched or quantized
+    passthrough: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -40,9 +43,12 @@ class MoESpec:
 
     ``block`` is the block's path in quantkit's layout and in checkpoints (what vLLM maps); ``model_block``
     the attribute transformers 5 gives it (Mixtral: ``mlp``, stored as ``block_sparse_moe``). ``experts``
-    hold ``{e}.{gate,up,down}`` named ``expert_names``. The router (``router``) and the shared-expert gate
-    stay 16-bit. ``scoring``: "softmax" or "sigmoid" over the router logits; ``renormalize``: True, or the
-    config attribute that says whether the top-k weights are renormalized (``norm_topk_prob``).
+    hold ``{e}.{gate,up,down}`` named ``expert_names``. The router (``router``: an ``nn.Linear``, or
+    DeepSeek's router module with a ``weight`` and V3's ``e_score_correction_bias``) and the shared-expert
+    gate stay 16-bit. ``shared_expert``: an MLP with gate/up/down beside the routed experts (reads the same
+    input). ``scoring``: "softmax" or "sigmoid" over the router logits (DeepSeek's grouped top-k is
+    transformers' own code either way); ``renormalize``: True, or the config attribute that says whether
+    the top-k weights are renormalized (``norm_topk_prob``).
     """
 
     block: str = "mlp"
@@ -57,7 +63,7 @@ class MoESpec:
 
     @property
     def keep_16bit(self) -> tuple[str, ...]:
-        """Linears of the block that stay 16-bit, relative to the decoder layer."""
+        """Modules of the block that stay 16-bit (router, shared-expert gate), relative to the decoder layer."""
         names = [self.router] + ([self.shared_gate] if self.shared_gate else [])
         return tuple(f"{self.block}.{n}" for n in names)
 
@@ -74,6 +80,8 @@ class ArchSpec:
     layers_path: str | None = None  # None: found generically
     notes: tuple[str, ...] = field(default=())
     moe: MoESpec | None = None  # sparse MoE families
+    # Why quantkit's runtime (generate/serve/verify/bench) cannot run this family ("": it can, or it is dense)
+    no_runtime: str = ""
 
     @property
     def keep_16bit(self) -> tuple[str, ...]:
@@ -124,18 +132,56 @@ ARCHITECTURES: tuple[ArchSpec, ...] = (
 
 
 _QWEN_SHARED = (("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"), ("mlp.shared_expert.down_proj",))
-# MoE families: the experts' groups are made by quantkit.methods.moe (they depend on the calibration mode);
-# Qwen3-MoE's mlp_only_layers are dense (the llama MLP groups).
+# MoE families: the experts' groups are made by quantkit.methods.moe (they depend on the calibration mode) and
+# their AWQ scaling groups by quantkit.methods.moe_awq (after the record's own); Qwen3-MoE's mlp_only_layers are
+# dense (the llama MLP groups).
 MOE_ARCHITECTURES: tuple[ArchSpec, ...] = (
     ArchSpec(family="mixtral", model_types=("mixtral",), sequential=(_ATTN, ("self_attn.o_proj",)),
+             scaling=_llama_like_scaling("post_attention_layernorm")[:2],
              moe=MoESpec(block="block_sparse_moe", model_block="mlp", expert_names=("w1", "w3", "w2"),
                          renormalize=True)),
     ArchSpec(family="qwen2_moe", model_types=("qwen2_moe",), sequential=(*_LLAMA_SEQUENTIAL, *_QWEN_SHARED),
+             scaling=_llama_like_scaling("post_attention_layernorm"),
              moe=MoESpec(shared_expert="shared_expert", shared_gate="shared_expert_gate")),
     ArchSpec(family="qwen3_moe", model_types=("qwen3_moe", "olmoe"), sequential=_LLAMA_SEQUENTIAL,
+             scaling=_llama_like_scaling("post_attention_layernorm"),
              moe=MoESpec()),
 )
-ARCHITECTURES = ARCHITECTURES + MOE_ARCHITECTURES
+
+# DeepSeek-V2/V3: multi-head latent attention. V3 (and V2 with q_lora_rank) projects q through a rank-r bottleneck
+# (q_a_proj -> q_a_layernorm -> q_b_proj), V2-Lite directly (q_proj); kv_a_proj_with_mqa gives the kv latent (its
+# first kv_lora_rank outputs, normed by kv_a_layernorm, feed kv_b_proj) and the shared rope key. The first
+# first_k_dense_replace layers have a dense MLP (mlp.{gate,up,down}_proj), the rest an MoE block: routed experts,
+# shared_experts (no gate), and the router mlp.gate (grouped top-k) kept 16-bit with V3's correction bias.
+_MLA_SEQUENTIAL = (
+    ("self_attn.q_proj", "self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa"),  # input_layernorm's output
+    ("self_attn.q_b_proj",),  # q_a_layernorm's output
+    ("self_attn.kv_b_proj",),  # kv_a_layernorm's output
+    ("self_attn.o_proj",),
+)
+_DEEPSEEK_SHARED = (("mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj"), ("mlp.shared_experts.down_proj",))
+_MLA_SCALING = (
+    ScalingGroup("input_layernorm", ("self_attn.q_proj", "self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa"),
+                 "norm", block="self_attn"),
+    ScalingGroup("self_attn.q_a_layernorm", ("self_attn.q_b_proj",), "norm"),
+    ScalingGroup("self_attn.kv_a_layernorm", ("self_attn.kv_b_proj",), "norm"),
+    # o_proj reads the attention's values, made by kv_b_proj's value rows interleaved with its key rows per head:
+    # no single op to fold into; AWQ clips and rounds it alone.
+)
+_MLA_NO_RUNTIME = ("multi-head latent attention (low-rank q/kv projections with kv_b_proj absorbed per head) and the "
+                   "grouped top-k router are not implemented by quantkit's runtime")
+_DEEPSEEK = dict(
+    sequential=(*_MLA_SEQUENTIAL, *_LLAMA_SEQUENTIAL[2:], *_DEEPSEEK_SHARED),
+    scaling=_MLA_SCALING + _llama_like_scaling("post_attention_layernorm")[2:],
+    no_runtime=_MLA_NO_RUNTIME,
+)
+MLA_ARCHITECTURES: tuple[ArchSpec, ...] = (
+    ArchSpec(family="deepseek_v2", model_types=("deepseek_v2",), **_DEEPSEEK,
+             moe=MoESpec(shared_expert="shared_experts", scoring="softmax")),
+    ArchSpec(family="deepseek_v3", model_types=("deepseek_v3",), **_DEEPSEEK,
+             moe=MoESpec(shared_expert="shared_experts", scoring="sigmoid")),
+)
+ARCHITECTURES = ARCHITECTURES + MOE_ARCHITECTURES + MLA_ARCHITECTURES
 
 
 def arch_for(model_type: str) -> ArchSpec | None:

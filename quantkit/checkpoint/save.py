@@ -97,7 +97,7 @@ def save_quantized(
         extra = dict(extra or {})
         _require_json(extra, "extra")
         weights = _collect_weights(model, weights)
-        state_dict, dropped_aliases = build_state_dict(model, weights, writer.dtype)
+        state_dict, dropped_aliases = build_state_dict(model, weights, writer.dtype, writer.keep_fp32)
         quant_config = build_quantization_config(model, weights, scheme=scheme, method=method, extra=extra)
         quant_config["quantkit"]["save_dtype"] = _dtype_name(writer.dtype)
         lm_head_quantized = quant_config["lm_head"]
@@ -120,10 +120,12 @@ def save_quantized(
 class QuantizedCheckpointWriter(CheckpointWriter):
     """A :class:`CheckpointWriter` that also knows the dtype of unpacked tensors and the packed layout."""
 
-    def __init__(self, output: str | os.PathLike, *, dtype: torch.dtype, layout: str, **kwargs: Any) -> None:
+    def __init__(self, output: str | os.PathLike, *, dtype: torch.dtype, layout: str,
+                 keep_fp32: tuple[str, ...] = (), **kwargs: Any) -> None:
         super().__init__(output, **kwargs)
         self.dtype = dtype
         self.layout = layout
+        self.keep_fp32 = keep_fp32  # names transformers keeps in float32 (see :func:`build_state_dict`)
 
 
 def open_writer(model: nn.Module, output_dir: str | os.PathLike, *, scheme: QuantScheme, layout: str = "gptq",
@@ -133,7 +135,9 @@ def open_writer(model: nn.Module, output_dir: str | os.PathLike, *, scheme: Quan
     if layout not in ("gptq", "awq"):
         raise QuantkitError(f"--format must be gptq or awq, got {layout!r}")
     dtype = resolve_save_dtype(model, save_dtype)
-    return QuantizedCheckpointWriter(Path(output_dir), dtype=dtype, layout=layout,
+    keep_fp32 = tuple(getattr(model, "_keep_in_fp32_modules_strict", None) or ()) + tuple(
+        getattr(model, "_keep_in_fp32_modules", None) or ())
+    return QuantizedCheckpointWriter(Path(output_dir), dtype=dtype, layout=layout, keep_fp32=keep_fp32,
                                      metadata=_file_metadata(scheme, layout), overwrite=overwrite,
                                      max_shard_bytes=max_shard_bytes)
 
@@ -142,7 +146,7 @@ def add_layer(writer: QuantizedCheckpointWriter, layer: nn.Module, prefix: str,
               weights: dict[str, QuantizedWeight]) -> None:
     """Add one finished decoder layer: ``weights`` (names relative to ``layer``) packed, its other tensors
     in the writer's dtype, every key under ``prefix`` (``model.layers.3``)."""
-    state, _ = build_state_dict(layer, weights, writer.dtype)
+    state, _ = build_state_dict(layer, weights, writer.dtype, writer.keep_fp32)
     if writer.layout == "awq":
         state = _to_awq_layout(state, weights)
     writer.add({f"{prefix}.{key}": pending for key, pending in state.items()})
@@ -214,9 +218,13 @@ def resolve_save_dtype(model: nn.Module, save_dtype: str) -> torch.dtype:
 
 
 def build_state_dict(
-    model: nn.Module, weights: dict[str, QuantizedWeight], dtype: torch.dtype
+    model: nn.Module, weights: dict[str, QuantizedWeight], dtype: torch.dtype, keep_fp32: tuple[str, ...] = ()
 ) -> tuple[dict[str, PendingTensor], list[str]]:
     """The tensors to write, in model order: packed tensors for ``weights``, the rest cast to ``dtype``.
+
+    Tensors named by ``keep_fp32`` (transformers' ``_keep_in_fp32_modules(_strict)`` of the model: DeepSeek's
+    router ``gate.weight`` and ``e_score_correction_bias``, whose bfloat16 rounding can flip the choice between
+    two close experts) are written in float32, as transformers holds them.
 
     Keys that alias an earlier key's storage (tied embeddings) are dropped; they are returned as the
     second element.
@@ -240,7 +248,11 @@ def build_state_dict(
             continue
         if identity is not None:
             seen[identity] = key
-        state[key] = PendingTensor(tensor, dtype if tensor.is_floating_point() else None)
+        if not tensor.is_floating_point():
+            state[key] = PendingTensor(tensor, None)
+        else:  # float32 for keep_fp32 even from a bfloat16 file (exact): streamed or not, the same bytes
+            fp32 = any(f".{name}." in f".{key}." for name in keep_fp32)
+            state[key] = PendingTensor(tensor, torch.float32 if fp32 else dtype)
     return state, dropped
 
 

@@ -134,6 +134,8 @@ class GroupScale:
     # (n_rep, head_dim) when ``prev``'s outputs are repeated n_rep times per head for the consumers
     # (grouped-query attention); ``scales`` is then tied across the repeats.
     tie: tuple[int, int] | None = None
+    # 16-bit modules reading the same input (an MoE router): ``s`` folded into their columns, exactly
+    passthrough: tuple[str, ...] = ()
 
     def prev_scales(self) -> torch.Tensor:
         """The scale of each output of ``prev``: ``scales`` itself, or one per repeated channel."""
@@ -157,7 +159,8 @@ class LayerRecord:
         for g in self.scales:
             tensors[f"scale/{g.prev}"] = g.scales.detach().cpu()
             meta[f"scale/{g.prev}"] = {"prev_kind": g.prev_kind, "linears": list(g.linears), "alpha": g.alpha,
-                                       "tie": None if g.tie is None else list(g.tie)}
+                                       "tie": None if g.tie is None else list(g.tie),
+                                       "passthrough": list(g.passthrough)}
         for name, (cmin, cmax) in self.clips.items():
             tensors[f"clip_min/{name}"] = cmin.detach().cpu()
             tensors[f"clip_max/{name}"] = cmax.detach().cpu()
@@ -167,7 +170,7 @@ class LayerRecord:
     def from_state_dict(cls, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> LayerRecord:
         scales = tuple(
             GroupScale(key[len("scale/"):], m["prev_kind"], tuple(m["linears"]), tensors[key], float(m["alpha"]),
-                       None if m.get("tie") is None else tuple(m["tie"]))
+                       None if m.get("tie") is None else tuple(m["tie"]), tuple(m.get("passthrough", ())))
             for key, m in meta.items()
         )
         clips = {

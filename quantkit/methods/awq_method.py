@@ -296,7 +296,7 @@ def apply_group_scale(layer: nn.Module, g: GroupScale, norm_offset: float) -> No
             prev.bias.data.copy_(b)
     else:
         prev.weight.data.copy_(fold_into_norm(prev.weight.data, s, norm_offset))
-    for name in g.linears:
+    for name in g.linears + g.passthrough:  # passthrough: 16-bit readers of the same input (an MoE router)
         lin = layer.get_submodule(name)
         lin.weight.data.copy_(scale_columns(lin.weight.data, s))
 
@@ -372,7 +372,7 @@ class AWQMethod:
                 stats[n].update(alpha=res.alpha, scale_err_rtn=res.error_rtn / power,
                                 scale_err_awq=res.error_best / power)
             found.append(GroupScale(site.group.prev, site.group.prev_kind, site.linears, res.scales, res.alpha,
-                                    site.tie))
+                                    site.tie, site.group.passthrough))
             site.calls.clear()
             site.outputs.clear()
         return found

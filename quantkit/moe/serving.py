@@ -23,7 +23,7 @@ def moe_sizes(config: dict) -> dict[str, int] | None:
     spec = arch_for(config.get("model_type", ""))
     if spec is None or spec.moe is None:
         return None
-    experts = config.get("num_local_experts") or config.get("num_experts")
+    experts = config.get("num_local_experts") or config.get("num_experts") or config.get("n_routed_experts")
     inter = config.get("moe_intermediate_size") or config.get("intermediate_size")
     return {"num_experts": int(experts), "top_k": int(config.get("num_experts_per_tok", 0)),
             "hidden_size": int(config["hidden_size"]), "intermediate_size": int(inter)}

@@ -88,6 +88,20 @@ class ModelSpec:
         return self.num_kv_heads * self.head_dim
 
 
+def unsupported_message(model_type: str | None) -> str | None:
+    """Why the runtime cannot run ``model_type`` and what works instead (None: it can)."""
+    if model_type in SUPPORTED_TYPES:
+        return None
+    from quantkit.arch import arch_for
+
+    spec = arch_for(model_type or "")
+    if spec is not None and spec.no_runtime:
+        return (f"{model_type}: {spec.no_runtime}, so generate, serve, verify and bench cannot run it. quantkit "
+                "quantizes it and reads the checkpoint back: `quantkit eval perplexity CKPT` and `quantkit eval kld` "
+                "run it through transformers' own modeling code; vLLM serves the checkpoint (docs/moe.md)")
+    return f"the runtime serves {', '.join(SUPPORTED_TYPES)}; this model's model_type is {model_type!r}"
+
+
 def hf_config(config: dict, trust_remote_code: bool = False):
     """The transformers config object for a ``config.json`` dict (normalizes rope and layer types).
 
@@ -101,10 +115,9 @@ def hf_config(config: dict, trust_remote_code: bool = False):
     if model_type == "gemma3" and isinstance(config.get("text_config"), dict):
         config = {**config["text_config"], "model_type": "gemma3_text"}
         model_type = "gemma3_text"
-    if model_type not in SUPPORTED_TYPES:
-        raise QuantkitError(
-            f"the runtime serves {', '.join(SUPPORTED_TYPES)}; this model's model_type is {model_type!r}"
-        )
+    refusal = unsupported_message(model_type)
+    if refusal:
+        raise QuantkitError(refusal)
     fields = {k: v for k, v in config.items() if k != "model_type"}
     return AutoConfig.for_model(model_type, **fields)
 

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import datetime
 import gc
+import json
 import logging
 import platform
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -36,6 +38,19 @@ def _card() -> dict:
         "python": platform.python_version(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
+
+
+def _require_runtime_family(folder: str) -> None:
+    from quantkit.runtime.spec import unsupported_message
+
+    config = Path(folder) / "config.json"
+    if config.is_file():
+        try:
+            refusal = unsupported_message(json.loads(config.read_text()).get("model_type"))
+        except (json.JSONDecodeError, AttributeError):
+            return  # the loader says what is wrong with it
+        if refusal:
+            raise QuantkitError(refusal)
 
 
 def _logits_check(runtime, reference_fn, vocab: int) -> float:
@@ -63,6 +78,8 @@ def run(
     on_result: Callable[[dict], None] | None = None,
 ) -> dict:
     """Benchmark ``target`` (a shape name from ``bench.SHAPES`` when ``shape``, else a checkpoint folder)."""
+    if not shape:  # an architecture the runtime does not implement: say so first, on any machine
+        _require_runtime_family(target)
     if not torch.cuda.is_available():
         raise QuantkitError("quantkit bench measures the GPU runtime and needs CUDA")
     if shape and target not in bench.SHAPES:
