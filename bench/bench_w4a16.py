@@ -175,6 +175,14 @@ def run_shape(n, k, ms, copy_tbs, rows, variants, deadline=float("inf"), first=F
             bench_graph(ours)  # the warm-up timing, dropped (docstring)
         row["triton_us"] = bench_graph(ours)
         row["cublas_us"] = bench_graph([lambda x=x, w=w: F.linear(x, w) for x, w in zip(xs, bf16)])
+        dequant = getattr(kw, "DequantConfig", None)  # dequantize-then-cuBLAS, a prefill candidate (no table entry)
+        if dequant is not None and m >= 256:
+            ref = xs[0].float() @ dequant_f32(ws[0])
+            row["relerr_dequant"] = ((kw.w4a16_matmul(xs[0], ws[0], config=dequant()).float() - ref).norm()
+                                     / ref.norm()).item()
+            del ref
+            row["dequant_cublas_us"] = bench_graph(
+                [lambda x=x, w=w: kw.w4a16_matmul(x, w, config=dequant()) for x, w in zip(xs, ws)])
         if i4:
             row["torch_int4_us"] = bench_graph(
                 [lambda x=x, p=p: torch._weight_int4pack_mm(x, p[0], GROUP, p[1]) for x, p in zip(xs, i4)])

@@ -18,7 +18,15 @@ import triton
 
 from quantkit.kernels import device_info
 from quantkit.kernels.device_info import interpreting
-from quantkit.kernels.w4a16_configs import PAIR_TILE_K, CudaConfig, GemvConfig, GluonConfig, PairsConfig, TcConfig
+from quantkit.kernels.w4a16_configs import (
+    PAIR_TILE_K,
+    CudaConfig,
+    DequantConfig,
+    GemvConfig,
+    GluonConfig,
+    PairsConfig,
+    TcConfig,
+)
 from quantkit.kernels.w4a16_select import PAIRS_SPLIT_MAX_M, KernelChoice, LayerFacts, select_w4a16
 from quantkit.kernels.w4a16_triton import _gather_columns, _w4a16_gemv_kernel, _w4a16_kernel, _w4a16_pairs_kernel
 from quantkit.kernels.w4a16_weights import W4A16Weights, prepare_w4a16_weights, w4a16_matmul_ref
@@ -163,20 +171,27 @@ def w4a16_matmul(x: torch.Tensor, w: W4A16Weights, config=None) -> torch.Tensor:
         from quantkit.kernels.w4a16_cuda import w4a16_cuda_matmul
 
         return w4a16_cuda_matmul(x, w, config)
+    if isinstance(config, DequantConfig):
+        return _launcher(config)(x, w)
     if isinstance(config, PairsConfig):
         if w.pair_index is None:  # set for 4-bit codes with K a multiple of the tile only
             raise ValueError(f"the paired-nibble kernel needs 4-bit codes and K a multiple of {PAIR_TILE_K}, "
                              f"got {w.bits}-bit, K = {w.in_features}")
     elif not isinstance(config, (GemvConfig, TcConfig)):
-        raise TypeError(f"config must be a GemvConfig, PairsConfig, TcConfig, GluonConfig or CudaConfig, got {config!r}")
+        raise TypeError("config must be a GemvConfig, PairsConfig, TcConfig, GluonConfig, CudaConfig or DequantConfig, "
+                        f"got {config!r}")
     elif isinstance(config, GemvConfig) and x.shape[0] > 64:
         raise ValueError(f"the GEMV takes at most 64 rows, got {x.shape[0]}")
     return _launcher(config)(x, w)
 
 
 def _launcher(config) -> Callable[[torch.Tensor, W4A16Weights], torch.Tensor]:
-    """``run(x, w)`` for a Triton config (gemv, pairs or tc), inputs already checked: the column gather for
-    act-order weights (the pairs kernel gathers its own), then the launch."""
+    """``run(x, w)`` for a Triton config (gemv, pairs, tc or dequant), inputs already checked: the column gather for
+    act-order weights (the pairs kernel and dequantize-then-cuBLAS gather their own), then the launch."""
+    if isinstance(config, DequantConfig):
+        from quantkit.kernels.w4a16_dequant import w4a16_dequant_matmul
+
+        return lambda x, w: w4a16_dequant_matmul(x, w, config)
     if isinstance(config, PairsConfig):
         return lambda x, w: _pairs_matmul(x, w, config)
     launch = _gemv_matmul if isinstance(config, GemvConfig) else _tc_matmul

@@ -4,7 +4,8 @@ No Triton here, so the selection table, ``explain`` and the CPU tests read confi
 names are the kernels' constexpr names, except grid-only ones (``PROGS_PER_SM``, ``SPLIT_K``, ``CTAS_PER_SM``).
 Families: ``gemv`` (CUDA-core GEMV, 1-2 rows), ``pairs`` (paired-nibble tensor-core, 4-bit, K a multiple of 128),
 ``tc`` (general tensor-core), ``gluon`` (Hopper; ``DIRECT``: the ring-less decode kernel), ``cuda`` (the CUDA C++
-decode GEMM of ``w4a16_cuda.py``, built with nvcc on first use; no table entry yet).
+decode GEMM of ``w4a16_cuda.py``, built with nvcc on first use; no table entry yet), ``dequant`` (prefill: the
+weights dequantized to 16 bits by one Triton kernel, then cuBLAS; ``w4a16_dequant.py``; no table entry yet).
 """
 
 from __future__ import annotations
@@ -187,7 +188,28 @@ class CudaConfig:
 # The CUDA decode GEMM's activation rows at most (two n8 tiles of mma.sync).
 CUDA_MAX_M = 16
 
-CONFIG_TYPES = {"gemv": GemvConfig, "pairs": PairsConfig, "tc": TcConfig, "gluon": GluonConfig, "cuda": CudaConfig}
+
+@dataclasses.dataclass(frozen=True)
+class DequantConfig:
+    """Dequantize-then-cuBLAS (:mod:`quantkit.kernels.w4a16_dequant`): the 16-bit ``[N, K]`` weight written by
+    one Triton kernel in tiles of BLOCK_N rows x BLOCK_K codes, then one cuBLAS GEMM. It pays only where the GEMM
+    is long enough to hide writing and re-reading the 16-bit weight (large M)."""
+
+    BLOCK_N: int = 64
+    BLOCK_K: int = 256
+    num_warps: int = 4
+
+    def __post_init__(self):
+        if self.BLOCK_N < 1 or self.BLOCK_K < 8 or self.BLOCK_K % 8:
+            raise ValueError(f"bad dequantize config {self}: BLOCK_K a multiple of 8")
+
+    def fits(self, m: int, group_size: int) -> bool:
+        """Any rows, any contiguous groups."""
+        return m >= 1
+
+
+CONFIG_TYPES = {"gemv": GemvConfig, "pairs": PairsConfig, "tc": TcConfig, "gluon": GluonConfig, "cuda": CudaConfig,
+                "dequant": DequantConfig}
 
 
 def config_from_dict(kernel: str, fields: dict):

@@ -8,8 +8,9 @@ time: the opt-in tuner ``bench/tune_w4a16.py`` writes the table read here.
 2. Hopper, 4-bit, K a multiple of 128, groups a multiple of 8: the Gluon kernels (the GEMV for one row on small
    layers, :func:`_small_for_gluon`), config from the H200 table ``w4a16_h200.json``: the nearest measured
    shape (log2 N and log2 K), then nearest M bucket, whose config fits this layer.
-   A ``cuda`` entry (the CUDA C++ decode GEMM, built with nvcc on first use) serves only the exact (N, K, M bucket)
-   it was measured at, with the choice above as its ``fallback`` where nvcc or the build is missing.
+   A ``cuda`` entry (the CUDA C++ decode GEMM, built with nvcc on first use) or a ``dequant`` entry (prefill:
+   dequantize-then-cuBLAS) serves only the exact (N, K, M bucket) it was measured at; a ``cuda`` choice keeps the
+   choice above as its ``fallback`` where nvcc or the build is missing.
 3. Elsewhere, or where no entry fits, :func:`_by_rule`: 1-2 rows the CUDA-core GEMV (direct store up to
    ``GEMV_DIRECT_MAX_WEIGHTS``), more rows the paired-nibble kernel if it applies, else the general one. Their
    configs are H200 autotuning winners (bench/archive/NOTES_w4a16.md); no other GPU has been measured.
@@ -73,8 +74,9 @@ class LayerFacts:
 
 @dataclasses.dataclass(frozen=True)
 class KernelChoice:
-    """A kernel family ("gemv", "pairs", "tc", "gluon", "cuda" or "reference"), its config (None: reference) and
-    why; ``fallback``: what serves where this one cannot be built (a "cuda" choice's Triton kernel)."""
+    """A kernel family ("gemv", "pairs", "tc", "gluon", "cuda", "dequant" or "reference"), its config (None:
+    reference) and why; ``fallback``: what serves where this one cannot be built (a "cuda" choice's Triton
+    kernel)."""
 
     kernel: str
     config: GemvConfig | PairsConfig | TcConfig | GluonConfig | CudaConfig | None
@@ -151,18 +153,23 @@ def select_w4a16(m: int, facts: LayerFacts, arch: str | None) -> KernelChoice:
         kernel = "gemv" if _small_for_gluon(bucket, facts) else "gluon"
         choice = _from_table(bucket, facts, load_table(), kernel)
     choice = choice or _by_rule(bucket, facts, arch)
-    return _measured_cuda(bucket, facts, arch, load_table(), choice) or choice
+    return _measured_exact(bucket, facts, arch, load_table(), choice) or choice
 
 
-def _measured_cuda(bucket: int, facts: LayerFacts, arch: str, table, fallback: KernelChoice) -> KernelChoice | None:
-    """A ``cuda`` entry measured at exactly this layer's (N, K) and bucket on this table's GPU generation, with
-    ``fallback``; None where there is none (today: everywhere)."""
+def _measured_exact(bucket: int, facts: LayerFacts, arch: str, table, fallback: KernelChoice) -> KernelChoice | None:
+    """A ``cuda`` or ``dequant`` entry measured at exactly this layer's (N, K) and bucket on this table's GPU
+    generation (a ``cuda`` one with ``fallback``); None where there is none (today: everywhere)."""
     if arch != "sm90":
         return None
     for e in table:
-        if e["kernel"] == "cuda" and (e["n"], e["k"], e["m"]) == (facts.n, facts.k, bucket) and e["config"].fits(
-                bucket, facts.group_size or 1) and facts.bits == 4 and facts.paired:
-            return KernelChoice("cuda", e["config"], f"H200 table, measured ({e.get('source', '')})", fallback)
+        if (e["n"], e["k"], e["m"]) != (facts.n, facts.k, bucket):
+            continue
+        source = f"H200 table, measured ({e.get('source', '')})"
+        if e["kernel"] == "cuda" and e["config"].fits(bucket, facts.group_size or 1) and facts.bits == 4 \
+                and facts.paired:
+            return KernelChoice("cuda", e["config"], source, fallback)
+        if e["kernel"] == "dequant":
+            return KernelChoice("dequant", e["config"], source)
     return None
 
 

@@ -20,7 +20,7 @@ import torch
 
 from quantkit.kernels import w4a16_cuda
 from quantkit.kernels.w4a16_configs import CudaConfig, GemvConfig, config_from_dict, config_label
-from quantkit.kernels.w4a16_select import KernelChoice, _measured_cuda, facts_of, load_table, select_w4a16
+from quantkit.kernels.w4a16_select import KernelChoice, _measured_exact, facts_of, load_table, select_w4a16
 
 REPO = Path(__file__).resolve().parents[2]
 LLAMA_8B = [(28672, 8192), (8192, 28672), (14336, 4096), (4096, 4096), (6144, 4096)]
@@ -76,12 +76,12 @@ def test_a_cuda_entry_serves_only_its_measured_cell():
     facts = facts_of(28672, 8192, 4, 128, True, False)
     table = [dict(n=28672, k=8192, m=1, kernel="cuda", config=CudaConfig(2, 2, 4), source="test")]
     today = select_w4a16(1, facts, "sm90")
-    picked = _measured_cuda(1, facts, "sm90", table, today)
+    picked = _measured_exact(1, facts, "sm90", table, today)
     assert picked.kernel == "cuda" and picked.config == CudaConfig(2, 2, 4) and picked.fallback == today
-    assert _measured_cuda(2, facts, "sm90", table, today) is None  # another bucket
-    assert _measured_cuda(1, facts_of(28672, 4096, 4, 128, True, False), "sm90", table, today) is None  # shape
-    assert _measured_cuda(1, facts_of(28672, 8192, 4, 64, True, False), "sm90", table, today) is None  # g64
-    assert _measured_cuda(1, facts, "sm80", table, today) is None
+    assert _measured_exact(2, facts, "sm90", table, today) is None  # another bucket
+    assert _measured_exact(1, facts_of(28672, 4096, 4, 128, True, False), "sm90", table, today) is None  # shape
+    assert _measured_exact(1, facts_of(28672, 8192, 4, 64, True, False), "sm90", table, today) is None  # g64
+    assert _measured_exact(1, facts, "sm80", table, today) is None
 
 
 def test_cuda_configs_round_trip_and_check_their_fields():
