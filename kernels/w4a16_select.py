@@ -27,9 +27,9 @@ from pathlib import Path
 
 from quantkit.kernels.w4a16_configs import (
     PAIR_TILE_K,
+    CudaConfig,
     GemvConfig,
     GluonConfig,
-    CudaConfig,
     PairsConfig,
     TcConfig,
     config_from_dict,
