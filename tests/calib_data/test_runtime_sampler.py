@@ -112,7 +112,6 @@ def test_batch_for_memory():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graph_sampler_valid_and_deterministic(tokenizer, tmp_path):
     """On CUDA ``auto`` takes the runtime (kernels backend, one captured step); the samples stay inside
     the transformers model's top-k / top-p sets and repeat per seed."""

@@ -44,7 +44,6 @@ def assert_same_codes(q, q_ref, scaled):
     assert (got == ref).float().mean() > 0.95
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.gpu
 def test_bfloat16_on_the_gpu():
     torch.manual_seed(0)

@@ -57,7 +57,6 @@ def test_configs_round_trip_and_a_dequant_entry_serves_only_its_cell():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("sym,act", [(True, False), (False, True)])
 def test_dequant_gemm_on_the_gpu(dtype, sym, act):

@@ -69,7 +69,6 @@ def test_engine_json_schema_output_validates(tiny_family, temperature):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_engine_json_schema_with_cuda_graphs(tiny_family):
     """On the GPU the mask is applied to the logits the captured decode graph wrote (outside the graph); the
     unconstrained neighbour keeps the graph's own greedy tokens."""

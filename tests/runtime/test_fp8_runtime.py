@@ -127,7 +127,6 @@ def test_dequantized_runtime_holds_the_same_weights_in_16_bits(fp8_llama):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("m", [1, 4, 8, 32, 2048])  # 1 and 4: the FP8 GEMV; the others: torch._scaled_mm
 @pytest.mark.parametrize("static", [False, True])
 def test_scaled_mm_path_matches_the_emulation(m, static):
@@ -169,7 +168,6 @@ def test_block_weights_quantize_activations_per_group_not_per_token():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("m", [1, 5, 64, 1024])
 def test_block_scaled_mm_path_matches_the_emulation(m):
     """Block 128x128 weights on Hopper: torch's block-scaled GEMM (the layout its probe found) against the float32
@@ -190,7 +188,6 @@ def test_block_scaled_mm_path_matches_the_emulation(m):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_fp8_linear_captures_in_a_cuda_graph():
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 tensor cores need compute capability 8.9+")
@@ -213,7 +210,6 @@ def test_fp8_linear_captures_in_a_cuda_graph():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_fp8_model_on_the_kernels_backend_with_graphs_and_fp8_prefill():
     """A Llama-shaped FP8 model (head dim 128) on the kernels backend: logits against the transformers FP8 model,
     greedy decode under CUDA graphs against the prefill path, and a 2048-token prefill whose attention may run in
