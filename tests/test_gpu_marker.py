@@ -18,7 +18,7 @@ def test_a_gpu_test_runs_only_with_cuda():
 
 
 def test_no_test_guards_cuda_by_itself():
-    guard = re.compile(r"skipif\(\s*not\s+(CUDA\b|torch\.cuda\.is_available\(\))")
+    guard = re.compile(r"mark\.skipif\(\s*not\s+(CUDA\b|torch\.cuda\.is_available\(\))")
     offenders = [f"{path.relative_to(TESTS)}:{n}" for path in sorted(TESTS.rglob("*.py"))
                  for n, line in enumerate(path.read_text().splitlines(), 1) if guard.search(line)]
     assert not offenders, f"use @pytest.mark.gpu instead of a CUDA skipif: {offenders}"
