@@ -96,6 +96,14 @@ def register(app: typer.Typer) -> None:
 
             api.check_text_source(calib_config.source, NAMED_SOURCES, "--calib")
         preflight.check_model_spec(model)  # after the options, before any load
+        if calib_config is not None:
+            from quantkit.arch import arch_for
+
+            spec = arch_for(preflight.model_type(model) or "")
+            if spec is not None and spec.moe is not None:  # quantize_fp8 says the same after loading otherwise
+                raise api.QuantkitError(f"static FP8 activation scales (--calib) are not supported on MoE experts "
+                                        f"({spec.family}); drop --calib (activations are then quantized per token "
+                                        "at run time, the default)")
         say_threads(choice)
         console = display.console(stderr=json_)
         with display.LayerProgress(console, "fp8") as progress, display.library_logs(console):

@@ -89,6 +89,19 @@ def _config_file(spec: str) -> Path | None:
     return Path(found) if isinstance(found, str) else None
 
 
+def model_type(spec: str) -> str | None:
+    """The model's ``model_type`` read cheaply from its config.json (a folder, or a hub id already cached); None
+    where unknown without loading (GGUF files, hub ids not cached)."""
+    config_file = None if spec.endswith(".gguf") else _config_file(spec)
+    if config_file is None:
+        return None
+    try:
+        value = json.loads(config_file.read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) else None
+
+
 def model_max_positions(spec: str) -> int | None:
     """The longest sequence the model allows, read cheaply (config.json or GGUF header); None if unknown."""
     if spec.endswith(".gguf"):

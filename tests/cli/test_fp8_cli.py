@@ -27,6 +27,16 @@ def test_bad_options_exit_2_before_the_model_loads(tmp_path, args, needle):
     assert not (tmp_path / "out").exists()
 
 
+def test_static_scales_on_a_moe_model_are_refused_before_it_loads(tmp_path, tiny_text_file):
+    """Only config.json is there: the refusal must come from reading it, not from loading weights."""
+    folder = tmp_path / "moe"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen3_moe"}))
+    proc = quantkit("fp8", folder, "-o", tmp_path / "out", "--calib", tiny_text_file, check_code=2)
+    assert "not supported on MoE experts (qwen3_moe)" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_existing_output_is_refused(tmp_path):
     (tmp_path / "out").mkdir()
     proc = quantkit("fp8", MISSING_MODEL, "-o", tmp_path / "out", check_code=2)
