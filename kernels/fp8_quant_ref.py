@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from quantkit.primitives import fp8_scale, quantize_fp8
+from quantkit.primitives import dequantize_fp8, fp8_scale, quantize_fp8
 
 
 def quantize_per_token_ref(x: torch.Tensor, input_scale: torch.Tensor | None = None
@@ -32,3 +32,13 @@ def quantize_per_group_ref(x: torch.Tensor, group: int) -> tuple[torch.Tensor, t
     s = fp8_scale(padded.view(m, n_groups, group).abs().amax(dim=-1))  # [M, G]
     q = quantize_fp8(xf, s.repeat_interleave(group, dim=1)[:, :k])
     return q, s
+
+
+def activations_through_e4m3(x: torch.Tensor, group: int = 0, input_scale: torch.Tensor | None = None
+                             ) -> torch.Tensor:
+    """Float32 values of ``x [M, K]`` after the e4m3 rounding a FP8 linear applies to its input: per token (or the
+    static ``input_scale``), or with ``group`` per token and run of ``group`` columns (block weights)."""
+    if group:
+        q, s = quantize_per_group_ref(x, group)
+        return dequantize_fp8(q, s.repeat_interleave(group, dim=1)[:, : x.shape[1]])
+    return dequantize_fp8(*quantize_per_token_ref(x, input_scale))

@@ -17,8 +17,7 @@ import logging
 
 import torch
 
-from quantkit.kernels.fp8_quant_ref import quantize_per_group_ref
-from quantkit.primitives import dequantize_fp8, fp8_scale, quantize_fp8
+from quantkit.kernels.fp8_quant_ref import activations_through_e4m3, quantize_per_group_ref
 
 log = logging.getLogger(__name__)
 BLOCK = 128
@@ -52,18 +51,18 @@ def fp8_linear_block(x: torch.Tensor, w) -> torch.Tensor:
 def _block_problem(device: torch.device, m: int, n: int, k: int, g: torch.Generator):
     """Random activations and a block-quantized weight whose scales differ from block to block (so that a wrong
     layout gives a wrong answer), and the float32 emulation of their product."""
+    from quantkit.fp8_weight import FP8Config, fp8_quantize_weight
+
     x = torch.randn(m, k, device=device, generator=g) * torch.exp2(
         torch.randint(-3, 4, (m, k // BLOCK), device=device, generator=g).float()).repeat_interleave(BLOCK, 1)
     w = torch.randn(n, k, device=device, generator=g) * torch.exp2(
         torch.randint(-3, 4, (n // BLOCK, k // BLOCK), device=device, generator=g).float()
     ).repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)
-    ws = fp8_scale(w.view(n // BLOCK, BLOCK, k // BLOCK, BLOCK).abs().amax(dim=(1, 3)))  # [N/128, K/128]
-    ws_full = ws.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)
-    wq = quantize_fp8(w, ws_full)
+    rec, _ = fp8_quantize_weight(w, FP8Config(weights="block", block=(BLOCK, BLOCK)))  # scales [N/128, K/128]
     x = x.to(torch.bfloat16)
     qx, sx = quantize_per_group_ref(x, BLOCK)
-    ref = dequantize_fp8(qx, sx.repeat_interleave(BLOCK, 1)) @ dequantize_fp8(wq, ws_full).t()
-    return qx, sx, wq, ws, ref
+    ref = activations_through_e4m3(x, BLOCK) @ rec.dequantize(device).t()
+    return qx, sx, rec.weight, rec.weight_scale.float(), ref
 
 
 @functools.cache

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from quantkit.kernels.fp8_quant_ref import quantize_per_group_ref, quantize_per_token_ref
+from quantkit.kernels.fp8_quant_ref import activations_through_e4m3
 from quantkit.primitives import dequantize_fp8
 
 log = logging.getLogger(__name__)
@@ -130,17 +130,12 @@ def _dequantized(w: FP8LinearWeights) -> torch.Tensor:
 
 
 def fp8_linear_ref(x: torch.Tensor, w: FP8LinearWeights) -> torch.Tensor:
-    """The float32 emulation: ``x [..., K]`` quantized to e4m3 (per token or static), both operands
-    dequantized, one float32 matmul; the result in ``x``'s dtype."""
+    """The float32 emulation: ``x [..., K]`` quantized to e4m3 (per token, static, or per token and column group
+    for block weights), both operands dequantized, one float32 matmul; the result in ``x``'s dtype."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    if w.act_group:
-        qx, sx = quantize_per_group_ref(x2, w.act_group)
-        sx = sx.repeat_interleave(w.act_group, dim=1)[:, : x2.shape[1]]
-    else:
-        qx, sx = quantize_per_token_ref(x2, w.input_scale)
     weight = w.dequantized if w.dequantized is not None else _dequantized(w)
-    y = dequantize_fp8(qx, sx) @ weight.t()
+    y = activations_through_e4m3(x2, w.act_group, w.input_scale) @ weight.t()
     if w.bias is not None:
         y = y + w.bias.float()
     return y.to(x.dtype).reshape(*shape[:-1], w.out_features)

@@ -51,8 +51,7 @@ def fp8_expert_weights(get: dict, prefix: str, n: int, names: tuple[str, str, st
     ``[N, K]`` weight, ``act_quant`` the activations' rounding the checkpoint declares (per token; per token and
     column group for block weights). Static input scales are refused: quantkit writes none for experts."""
     from quantkit.fp8_weight import FP8Weight
-    from quantkit.kernels.fp8_quant_ref import quantize_per_group_ref, quantize_per_token_ref
-    from quantkit.primitives import dequantize_fp8
+    from quantkit.kernels.fp8_quant_ref import activations_through_e4m3
 
     first = f"{prefix}0.{names[0]}"
     if f"{first}.input_scale" in get:
@@ -63,13 +62,8 @@ def fp8_expert_weights(get: dict, prefix: str, n: int, names: tuple[str, str, st
         w, scale, strategy, blk, _ = _parts(get, name)
         return FP8Weight(w, scale, strategy, w.shape[1], w.shape[0], blk).dequantize()
 
-    def act_quant(x: torch.Tensor) -> torch.Tensor:
-        if block is not None:
-            q, s = quantize_per_group_ref(x, block[1])
-            return dequantize_fp8(q, s.repeat_interleave(block[1], dim=1)[:, : x.shape[1]])
-        return dequantize_fp8(*quantize_per_token_ref(x))
-
-    return weight, act_quant
+    group = block[1] if block is not None else 0
+    return weight, lambda x: activations_through_e4m3(x, group)
 
 
 def fp8_linear_from(get: dict, name: str, bias, dtype, device, mode: str):
