@@ -89,16 +89,22 @@ def _config_file(spec: str) -> Path | None:
     return Path(found) if isinstance(found, str) else None
 
 
-def model_type(spec: str) -> str | None:
-    """The model's ``model_type`` read cheaply from its config.json (a folder, or a hub id already cached); None
-    where unknown without loading (GGUF files, hub ids not cached)."""
-    config_file = None if spec.endswith(".gguf") else _config_file(spec)
+def _config_json(spec: str) -> dict | None:
+    """The model's config.json as a dict (a folder, or a hub id already cached); None where it cannot be read."""
+    config_file = _config_file(spec)
     if config_file is None:
         return None
     try:
-        value = json.loads(config_file.read_text()).get("model_type")
-    except (OSError, ValueError, AttributeError):
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError):
         return None
+    return config if isinstance(config, dict) else None
+
+
+def model_type(spec: str) -> str | None:
+    """The model's ``model_type`` read cheaply from its config.json; None where unknown without loading (GGUF
+    files, hub ids not cached)."""
+    value = None if spec.endswith(".gguf") else (_config_json(spec) or {}).get("model_type")
     return value if isinstance(value, str) else None
 
 
@@ -106,13 +112,8 @@ def model_max_positions(spec: str) -> int | None:
     """The longest sequence the model allows, read cheaply (config.json or GGUF header); None if unknown."""
     if spec.endswith(".gguf"):
         return _gguf_positions(Path(spec).expanduser())
-    config_file = _config_file(spec)
-    if config_file is None:
-        return None
-    try:
-        return _config_positions(json.loads(config_file.read_text()))
-    except (OSError, ValueError):
-        return None
+    config = _config_json(spec)
+    return None if config is None else _config_positions(config)
 
 
 def check_seqlen(spec: str, seqlen: int | None, option: str = "--seqlen") -> None:
