@@ -211,16 +211,23 @@ def _stacked(ctx: LayerContext, members: list[str]) -> torch.Tensor:
     return ws[0] if len(ws) == 1 else torch.cat(ws)
 
 
-def global_hessian(ctx: LayerContext, acc: HessianAccumulator, owners: set[int]) -> torch.Tensor | None:
+def global_hessian(ctx: LayerContext, acc: HessianAccumulator | None, owners: set[int], total: int | None = None,
+                   in_features: int = 0) -> torch.Tensor | None:
     """The Hessian over every rank's tokens, on the ranks in ``owners`` (None elsewhere).
 
-    Each rank's running mean is weighted by its share of the tokens and summed: reduced onto a
-    single owner, all-reduced when a stack is cut between several ranks."""
+    Each rank's running mean is weighted by its share of the ``total`` tokens it was accumulated over (default:
+    every calibration token; an MoE expert's Hessian saw fewer) and summed: reduced onto a single owner,
+    all-reduced when several ranks need it. A rank whose ``acc`` is None (it saw none of those tokens) adds zeros
+    ``[in_features, in_features]``."""
     comm = ctx.comm
     if comm.world_size == 1:
         return acc.H
-    weight = acc.n / ctx.inputs.n_tokens_all
-    H = acc.H.mul_(weight) if weight != 1.0 else acc.H
+    total = ctx.inputs.n_tokens_all if total is None else total
+    if acc is None or total == 0:
+        H = torch.zeros(in_features, in_features, dtype=torch.float32, device=ctx.device)
+    else:
+        weight = acc.n / total
+        H = acc.H.mul_(weight) if weight != 1.0 else acc.H
     if len(owners) == 1:
         (owner,) = owners
         H = comm.reduce_sum(H, dst=owner)

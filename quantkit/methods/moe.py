@@ -30,7 +30,7 @@ from quantkit.calibrate.walker import LayerContext, LayerResult, StopForward, in
 from quantkit.config import QuantkitError
 from quantkit.distributed.plan import SolveItem, assign_owners, solve_cost
 from quantkit.methods.gptq import GPTQResult, HessianAccumulator, gptq_quantize, relative_error
-from quantkit.methods.gptq_method import share_solved_rows
+from quantkit.methods.gptq_method import global_hessian, share_solved_rows
 from quantkit.methods.rtn import rtn_quantize
 from quantkit.moe.experts import SeparateExperts, find_separate_experts
 from quantkit.qtensor import QuantizedWeight
@@ -200,7 +200,8 @@ def _quantize_block(ctx: LayerContext, path: str, block: SeparateExperts, inner:
     if shared:
         jobs = [[(e, ln) for e in solve[i : i + config.chunk] for ln in (gate_n, up_n)]
                 for i in range(0, len(solve), config.chunk)]
-        H = _global_hessian(ctx, accs.get(None), block[0].get_submodule(gate_n).in_features, counts[0], None)
+        H = global_hessian(ctx, accs.get(None), set(range(ctx.comm.world_size)), counts[0],
+                           block[0].get_submodule(gate_n).in_features)
         _solve_jobs(ctx, block, path, jobs, [H] * len(jobs), None, scheme, gcfg, weights, stats)
     else:
         jobs = [[(e, gate_n), (e, up_n)] for e in solve]
@@ -237,23 +238,6 @@ def _global_counts(ctx: LayerContext, counts: list[int]) -> list[int]:
     return [int(round(v)) for v in ctx.comm.all_reduce_sum(t).tolist()]
 
 
-def _global_hessian(ctx: LayerContext, acc: HessianAccumulator | None, in_features: int, total: int,
-                    owner: int | None) -> torch.Tensor | None:
-    """The Hessian over every rank's tokens (each rank's running mean weighted by its share of ``total``), on
-    ``owner`` (None: on every rank); a rank that saw no token of it adds zeros."""
-    comm = ctx.comm
-    if comm.world_size == 1:
-        return acc.H
-    if acc is None or total == 0:
-        H = torch.zeros(in_features, in_features, dtype=torch.float32, device=ctx.device)
-    else:
-        H = acc.H.mul_(acc.n / total)
-    if owner is None:
-        return comm.all_reduce_sum(H)
-    H = comm.reduce_sum(H, dst=owner)
-    return H if comm.rank == owner else None
-
-
 def _solve_jobs(ctx: LayerContext, block: SeparateExperts, path: str, jobs: list[list[tuple[int, str]]],
                 hessians: list, totals: list[int] | None, scheme, gcfg, weights: dict, stats: dict) -> None:
     """GPTQ on each job's stacked weights (expert, linear name), installed and packed on every rank.
@@ -272,7 +256,7 @@ def _solve_jobs(ctx: LayerContext, block: SeparateExperts, path: str, jobs: list
                block[mats[0][0]].get_submodule(mats[0][1]).in_features) for mats in jobs]
     owners = assign_owners([solve_cost(rows, in_f) for rows, in_f in shapes], comm.world_size)
     if totals is not None:
-        hessians = [_global_hessian(ctx, acc, in_f, total, owner if comm.world_size > 1 else None)
+        hessians = [global_hessian(ctx, acc, {owner}, total, in_f)
                     for acc, (_, in_f), total, owner in zip(hessians, shapes, totals, owners)]
     results: dict[int, GPTQResult] = {}
     for j, mats in enumerate(jobs):
