@@ -29,7 +29,7 @@ import torch
 from quantkit.calibrate.walker import LayerContext, LayerResult, StopForward, install_weight
 from quantkit.config import QuantkitError
 from quantkit.distributed.plan import SolveItem, assign_owners, solve_cost
-from quantkit.methods.gptq import GPTQResult, HessianAccumulator, gptq_quantize, relative_error
+from quantkit.methods.gptq import GPTQResult, HessianAccumulator, gptq_quantize, relative_error_tensor
 from quantkit.methods.gptq_method import global_hessian, share_solved_rows
 from quantkit.methods.rtn import rtn_quantize
 from quantkit.moe.experts import SeparateExperts, find_separate_experts
@@ -224,10 +224,21 @@ def _quantize_block(ctx: LayerContext, path: str, block: SeparateExperts, inner:
     down_counts = _global_counts(ctx, [accs[e].n if e in accs else 0 for e in solve])
     _solve_jobs(ctx, block, path, [[(e, down_n)] for e in solve], [accs.get(e) for e in solve], down_counts,
                 scheme, gcfg, weights, stats)
+    _read_errors(stats)
     for e in range(n):
         for lname in (gate_n, up_n, down_n):
             stats[f"{path}.{e}.{lname}"].update(routed_tokens=float(routed[e]), calib_tokens=float(seen[e]))
     return weights, stats, notes
+
+
+def _read_errors(stats: dict) -> None:
+    """The block's error statistics, float64 scalars on the device until now, read in one host round trip
+    (two per expert linear otherwise: hundreds per layer on a 128-expert model)."""
+    pending = [(name, key) for name, st in stats.items() for key, v in st.items() if isinstance(v, torch.Tensor)]
+    if pending:
+        values = torch.stack([stats[name][key] for name, key in pending]).tolist()
+        for (name, key), value in zip(pending, values):
+            stats[name][key] = value
 
 
 def _global_counts(ctx: LayerContext, counts: list[int]) -> list[int]:
@@ -286,7 +297,7 @@ def _install(block: SeparateExperts, path: str, mats: list[tuple[int, str]], res
         name = f"{path}.{e}.{ln}"
         weights[name] = QuantizedWeight.from_codes(res.codes[rows], res.scales[:, rows], res.zeros[:, rows],
                                                    res.g_idx, scheme)
-        stats[name] = {"err_rtn": relative_error(res.row_err_rtn[rows], res.row_energy[rows]),
-                       "err_gptq": relative_error(res.row_err_gptq[rows], res.row_energy[rows]),
-                       "damp": res.damp}
+        stats[name] = {"err_rtn": relative_error_tensor(res.row_err_rtn[rows], res.row_energy[rows]),
+                       "err_gptq": relative_error_tensor(res.row_err_gptq[rows], res.row_energy[rows]),
+                       "damp": res.damp}  # the errors stay on the device until ``_read_errors``
         row = rows.stop
