@@ -20,6 +20,19 @@ _TINY = tl.constexpr(1.1754943508222875e-38)  # float32's smallest normal: the s
 
 
 @triton.jit
+def e4m3_scale(amax):
+    """A row's dynamic scale from its float32 absmax: ``max(absmax / 448, tiny)``. Shared with the FP8 GEMV
+    (kernels/gemv.py), which quantizes its activations in registers and must round exactly as this kernel does."""
+    return tl.maximum(amax / FP8_MAX, _TINY)
+
+
+@triton.jit
+def e4m3_codes(x, scale):
+    """float32 ``x`` to e4m3 codes (``tl.float8e4nv``): ``x / scale`` clamped to +-448, round to nearest."""
+    return tl.clamp(x / scale, -FP8_MAX, FP8_MAX).to(tl.float8e4nv)
+
+
+@triton.jit
 def _quant_row_kernel(x_ptr, q_ptr, s_ptr, static_ptr, K, stride_xm, stride_qm,
                       STATIC: tl.constexpr, BLOCK_K: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -31,11 +44,10 @@ def _quant_row_kernel(x_ptr, q_ptr, s_ptr, static_ptr, K, stride_xm, stride_qm,
         for k0 in range(0, K, BLOCK_K):
             x = tl.load(x_ptr + row * stride_xm + k0 + ks, mask=k0 + ks < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
-        scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX, _TINY)
+        scale = e4m3_scale(tl.max(amax, axis=0))
     for k0 in range(0, K, BLOCK_K):
         x = tl.load(x_ptr + row * stride_xm + k0 + ks, mask=k0 + ks < K, other=0.0).to(tl.float32)
-        q = tl.clamp(x / scale, -FP8_MAX, FP8_MAX)
-        tl.store(q_ptr + row * stride_qm + k0 + ks, q.to(q_ptr.dtype.element_ty), mask=k0 + ks < K)
+        tl.store(q_ptr + row * stride_qm + k0 + ks, e4m3_codes(x, scale), mask=k0 + ks < K)
     tl.store(s_ptr + row, scale)
 
 

@@ -10,6 +10,10 @@ workspace, one launch); each step loads a ``[BLOCK_N, BLOCK_K]`` tile in 16-byte
 float32 accumulators of that shape, one per activation row, reduced over K at the end. Separate 2-D accumulators
 (not one 3-D) share the weight tile's layout, so nothing crosses threads before the final sum. Thousands of small
 programs keep several resident per SM and the per-SM work even.
+
+FP8 (``SCALED``): e4m3 weights with per-channel scales, and e4m3 activation codes with per-row scales
+(``gemv(..., scales=)``, after ``fp8_quant.quantize_per_token``), or 16-bit activations the kernel quantizes itself
+(``QUANT_X``: the one-launch FP8 decode GEMV, whose launcher and configs are ``gemv_fp8.py``).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from quantkit.kernels.device_info import interpreting, programmatic_launch
+from quantkit.kernels.fp8_quant import e4m3_codes, e4m3_scale
 
 MAX_M = 4  # activation rows one launch takes (the kernel keeps one accumulator per row)
 
@@ -43,8 +48,8 @@ class DenseGemvConfig:
                 raise ValueError(f"DenseGemvConfig.{name} must be a power of two, got {value}")
 
 
-# The fastest config at M = 1 by shape (N, K), Llama-3-8B's linears on one H200 (bench/archive/studies/ab_bf16_gemv.py, timings in
-# bench/archive/NOTES_decode.md).
+# The fastest config at M = 1 by shape (N, K), Llama-3-8B's linears on one H200 (bench/archive/studies/ab_bf16_gemv.py,
+# timings in bench/archive/NOTES_decode.md).
 TUNED_M1: dict[tuple[int, int], DenseGemvConfig] = {
     (6144, 4096): DenseGemvConfig(4, 1024, 4),
     (4096, 4096): DenseGemvConfig(8, 1024, 4),
@@ -66,20 +71,52 @@ def _gemv_config(m: int, n: int, k: int) -> DenseGemvConfig:
 
 
 @triton.jit
-def _row_tile_dot(acc, w, x_ptr, k0, ks, K, EVEN_K: tl.constexpr):
-    """``acc + w * x[k0 + ks]`` (float32) for one activation row at ``x_ptr``."""
+def _row_tile_dot(acc, w, x_ptr, k0, ks, K, EVEN_K: tl.constexpr, xs, QUANT_X: tl.constexpr):
+    """``acc + w * x[k0 + ks]`` (float32) for one activation row at ``x_ptr``. QUANT_X: ``x`` is 16-bit and is
+    rounded to e4m3 codes with the row's scale ``xs`` first, exactly as ``fp8_quant.quantize_per_token`` does."""
     if EVEN_K:
         x = tl.load(x_ptr + k0 + ks)
     else:
         x = tl.load(x_ptr + k0 + ks, mask=k0 + ks < K, other=0.0)
-    return acc + w * x.to(tl.float32)[None, :]
+    x = x.to(tl.float32)
+    if QUANT_X:
+        x = e4m3_codes(x, xs).to(tl.float32)
+    return acc + w * x[None, :]
 
 
 @triton.jit
-def _store_row(acc, y_ptr, b_ptr, rows, N, HAS_BIAS: tl.constexpr, xs_ptr, ws_ptr, SCALED: tl.constexpr):
+def _amax_step(amax, x_ptr, k0, ks, K):
+    x = tl.load(x_ptr + k0 + ks, mask=k0 + ks < K, other=0.0)
+    return tl.maximum(amax, tl.abs(x.to(tl.float32)))
+
+
+@triton.jit
+def _row_scales(x_ptr, stride_xm, K, M: tl.constexpr, AMAX_BLOCK: tl.constexpr):
+    """The dynamic e4m3 scales of the M (1..4) activation rows, ``max(absmax / 448, tiny)`` over all of K, as
+    ``fp8_quant.quantize_per_token`` computes them: one loop loads every row's next slice together (x is small
+    and L2-resident; one round trip per step, not one per row)."""
+    ks = tl.arange(0, AMAX_BLOCK)
+    a0 = tl.zeros([AMAX_BLOCK], dtype=tl.float32)
+    a1 = a0
+    a2 = a0
+    a3 = a0
+    for k0 in range(0, K, AMAX_BLOCK):
+        a0 = _amax_step(a0, x_ptr, k0, ks, K)
+        if M > 1:
+            a1 = _amax_step(a1, x_ptr + stride_xm, k0, ks, K)
+        if M > 2:
+            a2 = _amax_step(a2, x_ptr + 2 * stride_xm, k0, ks, K)
+        if M > 3:
+            a3 = _amax_step(a3, x_ptr + 3 * stride_xm, k0, ks, K)
+    return (e4m3_scale(tl.max(a0, axis=0)), e4m3_scale(tl.max(a1, axis=0)), e4m3_scale(tl.max(a2, axis=0)),
+            e4m3_scale(tl.max(a3, axis=0)))
+
+
+@triton.jit
+def _store_row(acc, y_ptr, b_ptr, rows, N, HAS_BIAS: tl.constexpr, xs, ws_ptr, SCALED: tl.constexpr):
     y = tl.sum(acc, axis=1)
     if SCALED:  # FP8: codes were multiplied; the row's activation scale and each output channel's weight scale
-        y = y * tl.load(xs_ptr) * tl.load(ws_ptr + rows, mask=rows < N, other=0.0)
+        y = y * xs * tl.load(ws_ptr + rows, mask=rows < N, other=0.0)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
     tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rows < N)
@@ -88,52 +125,78 @@ def _store_row(acc, y_ptr, b_ptr, rows, N, HAS_BIAS: tl.constexpr, xs_ptr, ws_pt
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_ym, xs_ptr, ws_ptr,
                  M: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 EVEN_K: tl.constexpr, PDL: tl.constexpr, SCALED: tl.constexpr):
+                 EVEN_K: tl.constexpr, PDL: tl.constexpr, SCALED: tl.constexpr, QUANT_X: tl.constexpr = False,
+                 STATIC_X: tl.constexpr = False, AMAX_BLOCK: tl.constexpr = 16):
     """``y[m, rows] = x[m] . W[rows]`` for m < M (1..4) and this program's BLOCK_N rows, over all of K. PDL: load the
     first weight tile, let the next kernel launch, then wait for the previous one (which may write ``x``).
-    SCALED (FP8 e4m3 ``x`` and ``W``): the dot products of the codes times ``xs[m] * ws[rows]``."""
+    SCALED (FP8 e4m3 ``W``): the dot products of the codes times ``xs[m] * ws[rows]``, where ``x`` holds e4m3 codes
+    and ``xs_ptr`` their per-row scales, or with QUANT_X ``x`` is 16-bit and the kernel rounds it to codes itself:
+    per row with the absmax scale over all of K (every program computes it; ``AMAX_BLOCK`` columns a step), or
+    STATIC_X with the one scale at ``xs_ptr``."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     # rows past N read row N - 1 (never stored): the loop's loads need no row mask
     w_rows = w_ptr + tl.minimum(rows, N - 1).to(tl.int64)[:, None] * stride_wn
     ks = tl.arange(0, BLOCK_K)
+    if QUANT_X:  # 8 codes a vector, as x's 16-byte loads hold 8 bf16 columns: thread and column line up
+        ks = tl.max_contiguous(ks, 8)
     if EVEN_K:
         w = tl.load(w_rows + ks[None, :])
     else:
         w = tl.load(w_rows + ks[None, :], mask=ks[None, :] < K, other=0.0)
+    if QUANT_X and STATIC_X:  # a constant of the layer, not written by the previous kernel
+        xs0 = tl.load(xs_ptr).to(tl.float32)
+        xs1 = xs0
+        xs2 = xs0
+        xs3 = xs0
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
+    if QUANT_X and not STATIC_X:
+        xs0, xs1, xs2, xs3 = _row_scales(x_ptr, stride_xm, K, M, AMAX_BLOCK)
+    if not QUANT_X:
+        xs0 = 1.0  # per-row code scales, read at the end (SCALED) or unused
+        xs1 = xs0
+        xs2 = xs0
+        xs3 = xs0
     w = w.to(tl.float32)
     zero = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc0 = _row_tile_dot(zero, w, x_ptr, 0, ks, K, EVEN_K)
+    acc0 = _row_tile_dot(zero, w, x_ptr, 0, ks, K, EVEN_K, xs0, QUANT_X)
     acc1 = zero
     acc2 = zero
     acc3 = zero
     if M > 1:
-        acc1 = _row_tile_dot(zero, w, x_ptr + stride_xm, 0, ks, K, EVEN_K)
+        acc1 = _row_tile_dot(zero, w, x_ptr + stride_xm, 0, ks, K, EVEN_K, xs1, QUANT_X)
     if M > 2:
-        acc2 = _row_tile_dot(zero, w, x_ptr + 2 * stride_xm, 0, ks, K, EVEN_K)
+        acc2 = _row_tile_dot(zero, w, x_ptr + 2 * stride_xm, 0, ks, K, EVEN_K, xs2, QUANT_X)
     if M > 3:
-        acc3 = _row_tile_dot(zero, w, x_ptr + 3 * stride_xm, 0, ks, K, EVEN_K)
+        acc3 = _row_tile_dot(zero, w, x_ptr + 3 * stride_xm, 0, ks, K, EVEN_K, xs3, QUANT_X)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         if EVEN_K:
             w = tl.load(w_rows + k0 + ks[None, :]).to(tl.float32)
         else:
             w = tl.load(w_rows + k0 + ks[None, :], mask=k0 + ks[None, :] < K, other=0.0).to(tl.float32)
-        acc0 = _row_tile_dot(acc0, w, x_ptr, k0, ks, K, EVEN_K)
+        acc0 = _row_tile_dot(acc0, w, x_ptr, k0, ks, K, EVEN_K, xs0, QUANT_X)
         if M > 1:
-            acc1 = _row_tile_dot(acc1, w, x_ptr + stride_xm, k0, ks, K, EVEN_K)
+            acc1 = _row_tile_dot(acc1, w, x_ptr + stride_xm, k0, ks, K, EVEN_K, xs1, QUANT_X)
         if M > 2:
-            acc2 = _row_tile_dot(acc2, w, x_ptr + 2 * stride_xm, k0, ks, K, EVEN_K)
+            acc2 = _row_tile_dot(acc2, w, x_ptr + 2 * stride_xm, k0, ks, K, EVEN_K, xs2, QUANT_X)
         if M > 3:
-            acc3 = _row_tile_dot(acc3, w, x_ptr + 3 * stride_xm, k0, ks, K, EVEN_K)
-    _store_row(acc0, y_ptr, b_ptr, rows, N, HAS_BIAS, xs_ptr + 0, ws_ptr, SCALED)
+            acc3 = _row_tile_dot(acc3, w, x_ptr + 3 * stride_xm, k0, ks, K, EVEN_K, xs3, QUANT_X)
+    if SCALED and not QUANT_X:
+        xs0 = tl.load(xs_ptr)
+        if M > 1:
+            xs1 = tl.load(xs_ptr + 1)
+        if M > 2:
+            xs2 = tl.load(xs_ptr + 2)
+        if M > 3:
+            xs3 = tl.load(xs_ptr + 3)
+    _store_row(acc0, y_ptr, b_ptr, rows, N, HAS_BIAS, xs0, ws_ptr, SCALED)
     if M > 1:
-        _store_row(acc1, y_ptr + stride_ym, b_ptr, rows, N, HAS_BIAS, xs_ptr + 1, ws_ptr, SCALED)
+        _store_row(acc1, y_ptr + stride_ym, b_ptr, rows, N, HAS_BIAS, xs1, ws_ptr, SCALED)
     if M > 2:
-        _store_row(acc2, y_ptr + 2 * stride_ym, b_ptr, rows, N, HAS_BIAS, xs_ptr + 2, ws_ptr, SCALED)
+        _store_row(acc2, y_ptr + 2 * stride_ym, b_ptr, rows, N, HAS_BIAS, xs2, ws_ptr, SCALED)
     if M > 3:
-        _store_row(acc3, y_ptr + 3 * stride_ym, b_ptr, rows, N, HAS_BIAS, xs_ptr + 3, ws_ptr, SCALED)
+        _store_row(acc3, y_ptr + 3 * stride_ym, b_ptr, rows, N, HAS_BIAS, xs3, ws_ptr, SCALED)
 
 
 def gemv_supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

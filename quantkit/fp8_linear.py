@@ -11,8 +11,10 @@ channel (per tensor is expanded when prepared) or per block. The paths, chosen o
   ``[M, 1]``, ``scale_b`` float32 ``[1, N]``, B column-major (the ``[N, K]`` weight transposed, a view),
   K and N multiples of 16, bfloat16 output (row-wise scaling requires it). No host synchronization:
   CUDA graphs capture it.
-  At M <= 4 (decode) the quantized activations go through quantkit's GEMV with FP8 codes and the same scales
-  (``kernels/gemv.py``, ``scales=``), which reads the 1-byte weights at full bandwidth.
+  At M <= 4 (decode) quantkit's FP8 GEMV instead, in one launch: it quantizes the activations per token itself,
+  exactly as the kernel above does, and reads the 1-byte weights at full bandwidth (``kernels/gemv_fp8.py``).
+  ``QUANTKIT_FP8_GEMV``: ``0`` sends decode to ``_scaled_mm`` too, ``unfused`` to the two-launch GEMV path
+  (the quantization kernel, then ``kernels/gemv.py`` with ``scales=``): A/B switches, read when prepared.
 * ``scaled_mm_block`` (CUDA, block 128x128 weights, where :func:`block_scaled_mm_layout` finds torch's
   block-scaled GEMM and checks it against the emulation on the device once): activations quantized per token
   and 128 columns, then ``torch.nn.functional.scaled_mm`` with ``BlockWise1x128`` / ``BlockWise128x128`` scales.
@@ -54,6 +56,7 @@ class FP8LinearWeights:
     reason: str = ""
     dequantized: torch.Tensor | None = None  # reference path on the CPU: float32 ``[N, K]``, dequantized once
     gemv: bool = False  # scaled_mm path: decode-sized batches (M <= 4) through quantkit's FP8 GEMV instead
+    gemv_fused: bool = True  # that GEMV quantizes the activations itself (one launch), else a kernel before it
     act_group: int = 0  # block weights: activations scaled per token and run of this many columns (0: per token)
     block_scale: torch.Tensor | None = None  # scaled_mm_block path: the weight's block scales, laid out as it needs
 
@@ -117,8 +120,10 @@ def prepare_fp8_linear(weight: torch.Tensor, weight_scale: torch.Tensor, strateg
         ok, reason = scaled_mm_supported(device, n, k) if backend == "auto" else (False, "reference asked for")
         prepared = FP8LinearWeights(weight, scale, "scaled_mm" if ok else "reference", input_scale, bias, reason)
         # M <= 4 (decode): the FP8 GEMV reads the weight once at full bandwidth where _scaled_mm's tiles are mostly
-        # empty rows; QUANTKIT_FP8_GEMV=0 turns it off (an A/B switch for the bench, read once here)
-        prepared.gemv = ok and os.environ.get("QUANTKIT_FP8_GEMV", "1") != "0"
+        # empty rows; QUANTKIT_FP8_GEMV=0 turns it off, =unfused runs the two-launch GEMV (A/B switches for the
+        # bench, read once here)
+        switch = os.environ.get("QUANTKIT_FP8_GEMV", "1")
+        prepared.gemv, prepared.gemv_fused = ok and switch != "0", switch != "unfused"
     if prepared.path == "reference" and device.type == "cpu":  # the CPU never dequantizes per call
         prepared.dequantized = _dequantized(prepared)
     return prepared
@@ -142,12 +147,18 @@ def fp8_linear_ref(x: torch.Tensor, w: FP8LinearWeights) -> torch.Tensor:
 
 
 def fp8_linear_scaled_mm(x: torch.Tensor, w: FP8LinearWeights) -> torch.Tensor:
-    """The Hopper path: fused per-token quantization, then ``torch._scaled_mm`` (bfloat16 out)."""
+    """The Hopper path: at M <= 4 the FP8 GEMV, quantizing ``x`` per token itself (one launch, the result in
+    ``x``'s dtype); else per-token quantization (one kernel), then ``torch._scaled_mm`` (bfloat16 out)."""
     from quantkit.kernels.fp8_quant import quantize_per_token
 
     shape = x.shape
-    qx, sx = quantize_per_token(x.reshape(-1, shape[-1]).contiguous(), w.input_scale)
-    if w.gemv and qx.shape[0] <= GEMV_MAX_M:
+    x2 = x.reshape(-1, shape[-1]).contiguous()
+    if w.gemv and w.gemv_fused and 0 < x2.shape[0] <= GEMV_MAX_M:
+        from quantkit.kernels.gemv_fp8 import gemv_fp8
+
+        return gemv_fp8(x2, w.weight, w.scale, w.bias, w.input_scale).reshape(*shape[:-1], w.out_features)
+    qx, sx = quantize_per_token(x2, w.input_scale)
+    if w.gemv and 0 < qx.shape[0] <= GEMV_MAX_M:
         from quantkit.kernels.gemv import gemv
 
         y = gemv(qx, w.weight, w.bias, scales=(sx, w.scale), out_dtype=torch.bfloat16)
