@@ -35,17 +35,22 @@ MAX_M = 4  # activation rows one launch takes (the kernel keeps one accumulator 
 class DenseGemvConfig:
     """Launch config of the 16-bit GEMV (the W4A16 GEMV's is ``w4a16_configs.GemvConfig``). BLOCK_K = 256 * NUM_WARPS
     suits 16-bit weights: a warp's 32 threads x 8 weights (16 bytes) span a tile row and the warps lie along K, so
-    x's [BLOCK_K] slice is already in the tile's column layout (no shared-memory exchange)."""
+    x's [BLOCK_K] slice is already in the tile's column layout (no shared-memory exchange). ``vec``: weights a
+    thread loads at once (0: 16 bytes' worth); the FP8 GEMV that quantizes its own 16-bit activations takes 8
+    (``gemv_fp8.VEC``), and the two-launch FP8 path with ``vec=8`` has its layout, hence its float32 sums."""
 
     block_n: int
     block_k: int
     num_warps: int
+    vec: int = 0
 
     def __post_init__(self):
         for name in ("block_n", "block_k", "num_warps"):
             value = getattr(self, name)
             if value < 1 or value & (value - 1):
                 raise ValueError(f"DenseGemvConfig.{name} must be a power of two, got {value}")
+        if self.vec < 0 or self.vec & (self.vec - 1):
+            raise ValueError(f"DenseGemvConfig.vec must be 0 or a power of two, got {self.vec}")
 
 
 # The fastest config at M = 1 by shape (N, K), Llama-3-8B's linears on one H200 (bench/archive/studies/ab_bf16_gemv.py,
@@ -126,19 +131,19 @@ def _store_row(acc, y_ptr, b_ptr, rows, N, HAS_BIAS: tl.constexpr, xs, ws_ptr, S
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_ym, xs_ptr, ws_ptr,
                  M: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  EVEN_K: tl.constexpr, PDL: tl.constexpr, SCALED: tl.constexpr, QUANT_X: tl.constexpr = False,
-                 STATIC_X: tl.constexpr = False, AMAX_BLOCK: tl.constexpr = 16):
+                 STATIC_X: tl.constexpr = False, AMAX_BLOCK: tl.constexpr = 16, W_VEC: tl.constexpr = 0):
     """``y[m, rows] = x[m] . W[rows]`` for m < M (1..4) and this program's BLOCK_N rows, over all of K. PDL: load the
     first weight tile, let the next kernel launch, then wait for the previous one (which may write ``x``).
     SCALED (FP8 e4m3 ``W``): the dot products of the codes times ``xs[m] * ws[rows]``, where ``x`` holds e4m3 codes
     and ``xs_ptr`` their per-row scales, or with QUANT_X ``x`` is 16-bit and the kernel rounds it to codes itself:
     per row with the absmax scale over all of K (every program computes it; ``AMAX_BLOCK`` columns a step), or
-    STATIC_X with the one scale at ``xs_ptr``."""
+    STATIC_X with the one scale at ``xs_ptr``. W_VEC (0: 16 bytes' worth): weights loaded at once by a thread."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     # rows past N read row N - 1 (never stored): the loop's loads need no row mask
     w_rows = w_ptr + tl.minimum(rows, N - 1).to(tl.int64)[:, None] * stride_wn
     ks = tl.arange(0, BLOCK_K)
-    if QUANT_X:  # 8 codes a vector, as x's 16-byte loads hold 8 bf16 columns: thread and column line up
-        ks = tl.max_contiguous(ks, 8)
+    if W_VEC:  # narrower than 16 bytes: 8 codes line up with x's 16-byte loads of 8 bf16 columns (QUANT_X)
+        ks = tl.max_contiguous(ks, W_VEC)
     if EVEN_K:
         w = tl.load(w_rows + ks[None, :])
     else:
@@ -244,14 +249,15 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     n = weight.shape[0]
     cfg = config or _gemv_config(m, n, k)
     if scales is not None and config is None:  # 1-byte weights: 16-byte vectors hold twice the columns
-        cfg = DenseGemvConfig(cfg.block_n, min(2 * cfg.block_k, max(triton.next_power_of_2(k), 16)), cfg.num_warps)
+        cfg = DenseGemvConfig(cfg.block_n, min(2 * cfg.block_k, max(triton.next_power_of_2(k), 16)), cfg.num_warps,
+                              cfg.vec)
     y = torch.empty((m, n), device=x.device, dtype=out_dtype or (torch.bfloat16 if scales is not None else x.dtype))
     xs, ws = scales if scales is not None else (y, y)  # placeholders, never read unless SCALED
     pdl = programmatic_launch(x.device)
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, weight, weight if bias is None else bias, y, n, k, x.stride(0), weight.stride(0), y.stride(0), xs, ws,
         M=m, HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0,
-        PDL=pdl, SCALED=scales is not None, num_warps=cfg.num_warps, num_stages=1,
+        PDL=pdl, SCALED=scales is not None, W_VEC=cfg.vec, num_warps=cfg.num_warps, num_stages=1,
         **({"launch_pdl": True} if pdl else {}))
     return y
 

@@ -7,11 +7,12 @@ the GEMV quantizes its activations itself: after the first weight tile is reques
 waited for (PDL, as ``gemv.py``), each program reads its M rows of ``x`` over all of K (a few KB, L2-resident)
 for their absmax, takes ``s = max(absmax / 448, tiny)`` (or the static input scale), and rounds each ``x`` slice
 to e4m3 in registers as it multiplies it, with ``fp8_quant``'s own ``e4m3_scale`` / ``e4m3_codes``. The kernel is
-``gemv._gemv_kernel`` with ``QUANT_X`` (one kernel, constexpr flags). The codes, the scale and the float32
-accumulation are those of the two-launch path, so at the same config the result is bitwise the same (the tests
-check it); another config changes only the float32 summation order. The weights are read in 8-byte vectors (8
+``gemv._gemv_kernel`` with ``QUANT_X`` (one kernel, constexpr flags). The weights are read in 8-byte vectors (8
 codes), not 16: then each thread's columns are those of its 16-byte loads of 16-bit ``x``; with 16-code vectors
-Triton exchanges the x codes through shared memory, a barrier in every step (seen in the sm_90 SASS).
+Triton exchanges the x codes through shared memory, a barrier in every step (seen in the sm_90 SASS). The codes,
+the scales and the float32 products are those of the two-launch path; at the same config and vector width
+(``DenseGemvConfig(..., vec=8)`` there) the result is bitwise the same, and elsewhere (today's 16-byte vectors,
+another config) only the float32 summation order differs. The tests check both.
 
 Configs: 1-byte weights get their own table (:data:`TUNED_FP8`, by (N, K, M bucket)), which
 ``bench/tune_fp8_gemv.py`` measures and prints. The reference is :func:`gemv_fp8_ref` (plain PyTorch).
@@ -65,7 +66,7 @@ def fp8_gemv_config(m: int, n: int, k: int) -> DenseGemvConfig:
     """The table's config for ``(n, k, m_bucket(m))``, else the bucket's default; BLOCK_K shrunk to a small K."""
     cfg = TUNED_FP8.get((n, k, m_bucket(m))) or DEFAULT_FP8[m_bucket(m)]
     block_k = min(cfg.block_k, max(triton.next_power_of_2(k), 16))
-    return cfg if block_k == cfg.block_k else DenseGemvConfig(cfg.block_n, block_k, cfg.num_warps)
+    return cfg if block_k == cfg.block_k else DenseGemvConfig(cfg.block_n, block_k, cfg.num_warps, cfg.vec)
 
 
 def amax_block(m: int, k: int, num_warps: int) -> int:
@@ -122,7 +123,7 @@ def gemv_fp8(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, bias:
         x, weight, weight if bias is None else bias, y, n, k, x.stride(0), weight.stride(0), y.stride(0),
         input_scale if static else w_scale, w_scale, M=m, HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0, PDL=pdl, SCALED=True, QUANT_X=True, STATIC_X=static,
-        AMAX_BLOCK=amax_block(m, k, cfg.num_warps), num_warps=cfg.num_warps, num_stages=1,
+        AMAX_BLOCK=amax_block(m, k, cfg.num_warps), W_VEC=cfg.vec or VEC, num_warps=cfg.num_warps, num_stages=1,
         **({"launch_pdl": True} if pdl else {}))
     return y
 

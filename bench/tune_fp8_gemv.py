@@ -1,0 +1,339 @@
+"""FP8 decode GEMV configs (kernels/gemv_fp8.py) on this GPU: every candidate checked, then timed, beside today's
+two-launch path and cuBLAS bf16, on Llama-3-8B's linears at M = 1, 2, 4.
+
+    python bench/tune_fp8_gemv.py [--shapes 6144x4096,...] [--ms 1,2,4] [--deadline 120] [--jobs 12] [--out PATH]
+
+Candidates: BLOCK_N in 1, 2, 4, 8, 16, BLOCK_K in 512 .. 8192, 4 or 8 warps, kept where ``gemv_fp8.fits`` says the
+tile fits (every thread owns a weight vector, BLOCK_K within K, (M + 1) x the thread's share of the tile at most
+``MAX_TILE_FLOATS`` float32 registers: past it the sm_90 build spills). All of them are compiled first, in
+``--jobs`` worker processes (Triton's disk cache then serves this process). Each (shape, M) cell then:
+
+* checks every candidate on random bf16 activations against the float32 reference (``gemv_fp8_ref``): the max
+  error relative to the reference's largest value (a bf16 output rounding is ~4e-3); one above ``--max-err`` is
+  reported and not timed. ``same`` says whether it equals the two-launch path bit for bit (it does at the same
+  config; elsewhere the float32 sums' order differs);
+* times each as a served model runs it (``gpu_timing.gpu_time_us``: CUDA-graph replays, L2 evicted before each
+  call), then the ``--confirm`` fastest and the table's current config again with more replays, and keeps the
+  fastest by that second timing;
+* times today's two-launch path (``quantize_per_token``, then ``gemv(..., scales=)`` at its default config) and
+  cuBLAS on the bf16 weight (``F.linear``).
+
+GB/s counts the weight codes and scales read; "% copy" is that rate against a device-to-device copy of the same
+bytes measured in the same run (a copy moves them twice: read + write). The closing table gives, per cell, the
+pick, the table's config, the two-launch path and cuBLAS, the time of one token's 32 layers of these linears at
+each M (the lm_head, bf16 in both models, is not in it), and the ``TUNED_FP8`` lines to paste into
+kernels/gemv_fp8.py. Writes JSON (card, versions, date, every cell) to ``--out`` (default
+``bench/runs/fp8_gemv_<date>.json``) after every cell, so the deadline keeps the finished cells.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import multiprocessing
+import os
+import sys
+import time
+
+SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # qkv, o, gate_up, down
+LAYERS = 32
+BLOCK_NS, BLOCK_KS, WARPS = (1, 2, 4, 8, 16), (512, 1024, 2048, 4096, 8192), (4, 8)
+
+
+def candidates(m: int, k: int) -> list:
+    from quantkit.kernels.gemv import DenseGemvConfig
+    from quantkit.kernels.gemv_fp8 import fits
+
+    out = [DenseGemvConfig(bn, bk, w) for bn in BLOCK_NS for bk in BLOCK_KS for w in WARPS]
+    return [c for c in out if fits(c, m, k)]
+
+
+def label(cfg) -> str:
+    return f"{cfg.block_n}x{cfg.block_k}/{cfg.num_warps}w"
+
+
+def _compile(tasks: list, device: str) -> int:
+    """In a worker process: launch gemv_fp8 once per (n, k, m, config), so Triton compiles it into its disk cache
+    (the same arguments' alignment as the timed calls, hence the same cache key). Returns the number compiled."""
+    if device == "cpu":  # --smoke: the interpreter (TRITON_INTERPRET=1 came with the environment)
+        _interpreter_fix()
+    import torch
+
+    from quantkit.kernels.gemv import DenseGemvConfig
+    from quantkit.kernels.gemv_fp8 import gemv_fp8
+
+    weights, done = {}, 0
+    for n, k, m, cfg in tasks:
+        if (n, k) not in weights:
+            weights[(n, k)] = (torch.zeros(n, k, device=device, dtype=torch.float8_e4m3fn),
+                               torch.ones(1, n, device=device))
+        try:
+            gemv_fp8(torch.zeros(m, k, device=device, dtype=torch.bfloat16), *weights[(n, k)],
+                     config=DenseGemvConfig(*cfg))
+            done += 1
+        except Exception:  # reported when the cell checks it
+            pass
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return done
+
+
+def _interpreter_fix() -> None:
+    """Triton 3.6's interpreter under NumPy >= 2.4 (run-time loop bounds): the tests' patch."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from tests.kernels.conftest import _fix_interpreter_index
+
+    _fix_interpreter_index()
+
+
+def precompile(cells, jobs: int, until: float, device: str, log) -> None:
+    """Compile every candidate of every cell in ``jobs`` spawned processes, waiting until ``until`` at most (then
+    the workers are stopped, so that none runs beside the timings, and the rest compile when first timed)."""
+    tasks = sorted({(n, k, m, (c.block_n, c.block_k, c.num_warps)) for n, k, m in cells for c in candidates(m, k)})
+    if jobs <= 0 or not tasks:
+        return
+    t0 = time.time()
+    try:
+        pool = multiprocessing.get_context("spawn").Pool(jobs)
+    except OSError as e:  # no semaphores (/dev/shm) on this machine
+        log(f"no worker processes ({e}): each kernel compiles when first timed")
+        return
+    try:
+        pending = [pool.apply_async(_compile, (tasks[i::jobs], device)) for i in range(jobs) if tasks[i::jobs]]
+        compiled, errors, late = 0, [], 0
+        for job in pending:
+            try:
+                compiled += job.get(timeout=max(until - time.time(), 0.1))
+            except multiprocessing.TimeoutError:
+                late += 1
+            except Exception as e:
+                errors.append(repr(e)[:200])
+        log(f"compiled {compiled} of {len(tasks)} kernels in {time.time() - t0:.1f} s with {jobs} processes"
+            + (f"; {late} workers stopped at the time limit (the rest compile when timed)" if late else "")
+            + (f"; worker errors: {errors}" if errors else ""))
+    finally:
+        pool.terminate()
+        pool.join()
+
+
+class Shape:
+    """One layer's FP8 weight (codes, per-channel scales), its bf16 original and the copy bandwidth of its bytes."""
+
+    def __init__(self, n: int, k: int, device: str, time_us):
+        import torch
+
+        gen = torch.Generator(device=device).manual_seed(n + k)
+        self.n, self.k = n, k
+        self.w16 = (torch.randn(n, k, generator=gen, device=device) * k**-0.5).bfloat16()
+        self.ws = (self.w16.float().abs().amax(dim=1) / 448).reshape(1, n).contiguous()
+        self.wq = (self.w16.float() / self.ws.reshape(n, 1)).to(torch.float8_e4m3fn)
+        self.bytes = n * k + 4 * n  # codes and scales
+        src = torch.empty(self.bytes, dtype=torch.uint8, device=device)
+        dst = torch.empty_like(src)
+        self.copy_tbs = 2 * self.bytes / time_us(lambda: dst.copy_(src), 5) / 1e6
+
+
+def run_cell(shape: Shape, m: int, args, us, log) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    from quantkit.kernels.fp8_quant import quantize_per_token
+    from quantkit.kernels.gemv import gemv
+    from quantkit.kernels.gemv_fp8 import fp8_gemv_config, gemv_fp8, gemv_fp8_ref
+
+    n, k, wq, ws = shape.n, shape.k, shape.wq, shape.ws
+    x = torch.randn(m, k, device=wq.device, generator=torch.Generator(device=wq.device).manual_seed(m)).bfloat16()
+    ref = gemv_fp8_ref(x, wq, ws, out_dtype=torch.float32)
+
+    def two_launch():
+        qx, sx = quantize_per_token(x)
+        return gemv(qx, wq, None, scales=(sx, ws), out_dtype=torch.bfloat16)
+
+    def max_err(y) -> float:
+        return ((y.float() - ref).abs().max() / ref.abs().max()).item()
+
+    y_two = two_launch()
+    table = fp8_gemv_config(m, n, k)
+    cell = dict(N=n, K=k, M=m, copy_tbs=shape.copy_tbs, table=label(table), two_launch_err=max_err(y_two),
+                two_launch_us=us(two_launch, args.replays), cublas_us=us(lambda: F.linear(x, shape.w16), args.replays),
+                rows=[])
+    cands = candidates(m, k)
+    cands += [table] if table not in cands else []
+    for cfg in cands:
+        row = dict(config=label(cfg), cfg=[cfg.block_n, cfg.block_k, cfg.num_warps])
+        if time.time() > args.t_end:
+            row["error"] = "deadline: not run"
+            cell["rows"].append(row)
+            continue
+        try:
+            y = gemv_fp8(x, wq, ws, config=cfg)
+            row.update(max_err=max_err(y), same=bool(torch.equal(y, y_two)))
+            if row["max_err"] <= args.max_err:
+                row["us"] = us(lambda cfg=cfg: gemv_fp8(x, wq, ws, config=cfg), args.replays)
+        except Exception as e:
+            row["error"] = f"{type(e).__name__}: {e}"[:300]
+        cell["rows"].append(row)
+    timed = sorted((r for r in cell["rows"] if "us" in r), key=lambda r: r["us"])
+    confirm = timed[: args.confirm] + [r for r in timed[args.confirm:] if r["config"] == label(table)]
+    for r in confirm:
+        cfg = type(table)(*r["cfg"])
+        r["us_confirm"] = us(lambda cfg=cfg: gemv_fp8(x, wq, ws, config=cfg), 4 * args.replays)
+    if confirm:
+        best = min(confirm, key=lambda r: r["us_confirm"])
+        cell["best"] = dict(config=best["config"], cfg=best["cfg"], us=best["us_confirm"])
+        table_rows = [r for r in confirm if r["config"] == label(table)]
+        cell["table_us"] = table_rows[0]["us_confirm"] if table_rows else None
+    print_cell(cell, shape, log)
+    return cell
+
+
+def gbs(shape: Shape, us: float) -> float:
+    return shape.bytes / us / 1e3
+
+
+def print_cell(cell: dict, shape: Shape, log) -> None:
+    copy = shape.copy_tbs * 1e3
+    log(f"\n{cell['N']}x{cell['K']} M={cell['M']}: copy {copy:.0f} GB/s; two-launch {cell['two_launch_us']:.1f} us "
+        f"(max err {cell['two_launch_err']:.1e}), cuBLAS bf16 {cell['cublas_us']:.1f} us; table {cell['table']}")
+    log(f"  {'config':<16} {'max err':>8} {'same':>5} {'us':>7} {'confirm':>8} {'GB/s':>6} {'% copy':>7}")
+    rows = sorted(cell["rows"], key=lambda r: r.get("us_confirm", r.get("us", float("inf"))))
+    for r in rows:
+        t = r.get("us_confirm", r.get("us"))
+        rate = f"{gbs(shape, t):>6.0f} {100 * gbs(shape, t) / copy:>7.1f}" if t else f"{'':>6} {'':>7}"
+        note = r.get("error", "") or ("" if "us" in r else "  NOT TIMED (error above --max-err)")
+        log(f"  {r['config']:<16} {r.get('max_err', float('nan')):>8.1e} {str(r.get('same', '')):>5} "
+            f"{r.get('us', float('nan')):>7.1f} {r.get('us_confirm', float('nan')):>8.1f} {rate}{note}")
+
+
+def summary(cells: list, shapes: dict, n_shapes: int, log) -> list[str]:
+    """The closing table, the per-token totals and the TUNED_FP8 lines to paste."""
+    log(f"\n{'shape':<12} {'M':>2} {'pick':<14} {'us':>7} {'% copy':>7} {'table us':>9} {'2-launch':>9} "
+        f"{'cuBLAS':>7} {'x bf16':>7} {'x 2-launch':>10}")
+    lines, totals = [], {}
+    for c in cells:
+        if "best" not in c:
+            continue
+        shape, b = shapes[(c["N"], c["K"])], c["best"]
+        log(f"{c['N']}x{c['K']:<7} {c['M']:>2} {b['config']:<14} {b['us']:>7.1f} "
+            f"{100 * gbs(shape, b['us']) / (shape.copy_tbs * 1e3):>7.1f} {c.get('table_us') or float('nan'):>9.1f} "
+            f"{c['two_launch_us']:>9.1f} {c['cublas_us']:>7.1f} {c['cublas_us'] / b['us']:>7.2f} "
+            f"{c['two_launch_us'] / b['us']:>10.2f}")
+        lines.append(f"    ({c['N']}, {c['K']}, {c['M']}): C({b['cfg'][0]}, {b['cfg'][1]}, {b['cfg'][2]}),  "
+                     f"# {b['us']:.1f} us, {100 * gbs(shape, b['us']) / (shape.copy_tbs * 1e3):.0f}% of copy")
+        t = totals.setdefault(c["M"], dict(cells=0, fused=0.0, table=0.0, two=0.0, cublas=0.0))
+        t["cells"] += 1
+        t["fused"] += b["us"]
+        t["table"] += c.get("table_us") or float("nan")
+        t["two"] += c["two_launch_us"]
+        t["cublas"] += c["cublas_us"]
+    for m, t in sorted(totals.items()):
+        part = "" if t["cells"] == n_shapes else f" (only {t['cells']} of {n_shapes} linears)"
+        log(f"one token, {LAYERS} layers' linears at M={m}{part}: FP8 one launch {LAYERS * t['fused'] / 1e3:.2f} ms "
+            f"(table {LAYERS * t['table'] / 1e3:.2f}), two launches {LAYERS * t['two'] / 1e3:.2f} ms, "
+            f"cuBLAS bf16 {LAYERS * t['cublas'] / 1e3:.2f} ms: {t['cublas'] / t['fused']:.2f}x bf16")
+    log("\nTUNED_FP8 entries (kernels/gemv_fp8.py):\n" + "\n".join(lines))
+    return lines
+
+
+def timer(smoke: bool):
+    """``(device, time_us(fn, replays))``: CUDA-graph replays with L2 evicted, or the wall clock of one call on the
+    CPU (--smoke)."""
+    if smoke:
+        def wall_us(fn, replays):
+            t0 = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t0) * 1e6
+
+        return "cpu", wall_us
+    from gpu_timing import gpu_time_us, l2_evict_buffer
+
+    flush = l2_evict_buffer("cuda")
+    return "cuda", lambda fn, replays: gpu_time_us(fn, flush, calls=10, replays=replays)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES), help="NxK list")
+    ap.add_argument("--ms", default="1,2,4", help="activation rows list (1-4)")
+    ap.add_argument("--deadline", type=float, default=120.0,
+                    help="seconds from the start: compiling stops waiting at 40%% of it, cells not started by then "
+                         "are skipped and a cell running past it times no further candidates")
+    ap.add_argument("--jobs", type=int, default=None,
+                    help="processes compiling the candidates first (default: CPU cores - 2, at most 12; 0: compile "
+                         "each when first timed)")
+    ap.add_argument("--replays", type=int, default=3, help="CUDA-graph replays per timing (the confirmation: 4x)")
+    ap.add_argument("--confirm", type=int, default=3, help="fastest candidates timed again")
+    ap.add_argument("--max-err", type=float, default=1e-2, help="largest max error (relative) a timed config may have")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--smoke", action="store_true",
+                    help="a CPU check of this script (Triton's interpreter, --shapes 16x512, wall-clock timing, no "
+                         "compile processes): exercises every step, measures nothing")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are imported
+        # the interpreter rounds float32 to e4m3 its own way (tests/kernels/test_fp8_quant.py): errors of ~0.1
+        args.shapes, args.max_err = "16x512", 0.5
+        args.jobs = 0 if args.jobs is None else args.jobs
+        _interpreter_fix()
+    elif args.jobs is None:
+        args.jobs = min(12, max(1, (os.cpu_count() or 2) - 2))
+    try:
+        shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+        ms = [int(v) for v in args.ms.split(",")]
+    except ValueError:
+        ap.error("--shapes takes NxK,NxK and --ms 1,2,4")
+    if any(not 1 <= m <= 4 for m in ms):
+        ap.error("--ms: the GEMV takes 1 to 4 rows")
+    import torch
+
+    if not torch.cuda.is_available() and not args.smoke:
+        print("tune_fp8_gemv: needs a CUDA GPU (torch sees none); --smoke checks the script on the CPU",
+              file=sys.stderr)
+        return 2
+    import triton
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    device, time_us = timer(args.smoke)
+
+    t0 = time.time()
+    args.t_end = t0 + args.deadline
+    now = datetime.datetime.now(datetime.timezone.utc)
+    out = args.out or f"bench/runs/fp8_gemv_{now:%Y%m%d_%H%M}.json"
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+
+    def log(line):
+        print(line, flush=True)
+
+    cells = [(n, k, m) for m in ms for n, k in shapes]  # M = 1 first on every shape: batch-1 decode matters most
+    precompile(cells, args.jobs, t0 + 0.4 * args.deadline, device, log)
+    result = dict(card="CPU smoke run" if args.smoke else torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                  date=now.isoformat(timespec="seconds"), deadline_s=args.deadline,
+                  timing=f"gpu_timing.gpu_time_us: 10 calls a graph, L2 evicted by reading, best of {args.replays} "
+                         f"replays; the {args.confirm} fastest and the table's config again, best of "
+                         f"{4 * args.replays}", cells=[], complete=False)
+    built: dict = {}
+    for i, (n, k, m) in enumerate(cells):
+        if time.time() > args.t_end:
+            log(f"deadline: {n}x{k} M={m} and {len(cells) - i - 1} more cells not run")
+            break
+        elapsed = time.time() - t0
+        log(f"[{i + 1}/{len(cells)}] {n}x{k} M={m} ({elapsed:.0f} s"
+            + (f", about {elapsed / i * (len(cells) - i):.0f} s left)" if i else ")"))
+        if (n, k) not in built:
+            built[(n, k)] = Shape(n, k, device, time_us)
+        result["cells"].append(run_cell(built[(n, k)], m, args, time_us, log))
+        result["copy_tbs"] = {f"{s.n}x{s.k}": s.copy_tbs for s in built.values()}
+        with open(out, "w") as f:
+            json.dump(result, f, indent=1)
+    result["paste"] = summary(result["cells"], built, len(shapes), log)
+    result["complete"] = len(result["cells"]) == len(cells)
+    result["seconds"] = time.time() - t0
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
+    log(f"wrote {out} ({result['seconds']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

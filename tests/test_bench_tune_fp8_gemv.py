@@ -1,0 +1,56 @@
+"""bench/tune_fp8_gemv.py end to end on the CPU (``--smoke``: Triton's interpreter, one small shape, wall-clock
+timing, one compile process): every step runs and the JSON and the lines to paste say what was measured."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "bench" / "tune_fp8_gemv.py"
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=600)
+
+
+def test_help_without_a_gpu():
+    done = _run("--help")
+    assert done.returncode == 0 and "--deadline" in done.stdout and "--smoke" in done.stdout
+
+
+def test_bad_rows_exit_2():
+    done = _run("--ms", "1,8")
+    assert done.returncode == 2 and "1 to 4 rows" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_smoke_run_writes_every_cell(tmp_path):
+    out = tmp_path / "fp8_gemv.json"
+    done = _run("--smoke", "--ms", "1,4", "--jobs", "1", "--out", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    compiled = re.search(r"compiled (\d+) of (\d+) kernels", done.stdout)
+    assert compiled and compiled.group(1) == compiled.group(2) == "13"  # 7 candidates at M = 1, 6 at M = 4
+    assert "TUNED_FP8 entries" in done.stdout
+    result = json.loads(out.read_text())
+    assert result["complete"] and [c["M"] for c in result["cells"]] == [1, 4]
+    for cell in result["cells"]:
+        rows = {r["config"]: r for r in cell["rows"]}
+        assert all("us" in r for r in rows.values()), rows  # every candidate checked, then timed
+        assert rows["2x512/4w"]["same"]  # the two-launch path's own config: bit for bit
+        assert cell["best"]["config"] in rows and cell["two_launch_us"] > 0 and cell["cublas_us"] > 0
+    assert result["paste"][0].startswith("    (16, 512, 1): C(")
+
+
+def test_no_gpu_says_so():
+    if torch.cuda.is_available():
+        return
+    done = _run("--ms", "1")
+    assert done.returncode == 2 and "needs a CUDA GPU" in done.stderr and "Traceback" not in done.stderr
