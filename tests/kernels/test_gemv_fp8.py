@@ -255,11 +255,11 @@ def test_8b_shapes_on_the_gpu(n, k, m, static):
     x = _x(m, k, torch.bfloat16, seed=m, device="cuda")
     b = torch.randn(n, device="cuda").to(torch.bfloat16) if m == 2 else None
     input_scale = torch.tensor([0.02], device="cuda") if static else None
-    today = C(2, 2048, 4) if m != 2 else C(2, 4096, 8)  # the two-launch path's default at these shapes
-    got = gemv_fp8(x, wq, ws, b, input_scale, config=today)
-    assert torch.equal(got, _two_launch(x, wq, ws, b, input_scale, C(*cfg_args(today), vec=8), torch.bfloat16))
-    y = gemv_fp8(x, wq, ws, b, input_scale, out_dtype=torch.float32)
-    y_today = _two_launch(x, wq, ws, b, input_scale, today, torch.float32)
+    cfg = C(2, 2048, 4) if m != 2 else C(2, 4096, 8)
+    got = gemv_fp8(x, wq, ws, b, input_scale, config=cfg)
+    assert torch.equal(got, _two_launch(x, wq, ws, b, input_scale, C(*cfg_args(cfg), vec=8), torch.bfloat16))
+    y = gemv_fp8(x, wq, ws, b, input_scale, out_dtype=torch.float32)  # the table's config
+    y_today = _two_launch(x, wq, ws, b, input_scale, None, torch.float32)  # gemv's own FP8 default
     qx, sx = quantize_per_token(x, input_scale)
     magnitude = (qx.float().abs() * sx) @ (wq.float().abs() * ws.reshape(-1, 1)).T  # sum of |products|
     assert ((y - y_today).abs() <= _sum_order_bound(k, magnitude)).all()
