@@ -1,5 +1,5 @@
 """FP8 decode GEMV configs (kernels/gemv_fp8.py) on this GPU: every candidate checked, then timed, beside today's
-two-launch path and cuBLAS bf16, on Llama-3-8B's linears at M = 1, 2, 4.
+two-launch path and bf16, on Llama-3-8B's linears at M = 1, 2, 4.
 
     python bench/tune_fp8_gemv.py [--shapes 6144x4096,...] [--ms 1,2,4] [--deadline 120] [--jobs 12] [--out PATH]
 
@@ -10,17 +10,20 @@ tile fits (every thread owns a weight vector, BLOCK_K within K, (M + 1) x the th
 
 * checks every candidate on random bf16 activations against the float32 reference (``gemv_fp8_ref``): the max
   error relative to the reference's largest value (a bf16 output rounding is ~4e-3); one above ``--max-err`` is
-  reported and not timed. ``same`` says whether it equals the two-launch path bit for bit (it does at the same
-  config; elsewhere the float32 sums' order differs);
+  reported and not timed. ``same`` says whether it equals the two-launch path bit for bit (the same codes and
+  scales; the float32 sums group differently where the config differs, and on the GPU also at the same config,
+  as the two-launch path reads 16-byte weight vectors and this kernel 8-byte ones: tests/kernels/test_gemv_fp8.py
+  checks the bitwise case with ``vec=8``);
 * times each as a served model runs it (``gpu_timing.gpu_time_us``: CUDA-graph replays, L2 evicted before each
   call), then the ``--confirm`` fastest and the table's current config again with more replays, and keeps the
   fastest by that second timing;
-* times today's two-launch path (``quantize_per_token``, then ``gemv(..., scales=)`` at its default config) and
-  cuBLAS on the bf16 weight (``F.linear``).
+* times today's two-launch path (``quantize_per_token``, then ``gemv(..., scales=)`` at its default config), the
+  runtime's bf16 linear on the bf16 weight (``dispatch.dense_linear``: quantkit's bf16 GEMV at M = 1, cuBLAS
+  above) and cuBLAS (``F.linear``); "x bf16" compares with the runtime's.
 
 GB/s counts the weight codes and scales read; "% copy" is that rate against a device-to-device copy of the same
 bytes measured in the same run (a copy moves them twice: read + write). The closing table gives, per cell, the
-pick, the table's config, the two-launch path and cuBLAS, the time of one token's 32 layers of these linears at
+pick, the table's config, the two-launch path and bf16, the time of one token's 32 layers of these linears at
 each M (the lm_head, bf16 in both models, is not in it), and the ``TUNED_FP8`` lines to paste into
 kernels/gemv_fp8.py. Writes JSON (card, versions, date, every cell) to ``--out`` (default
 ``bench/runs/fp8_gemv_<date>.json``) after every cell, so the deadline keeps the finished cells.
@@ -138,6 +141,7 @@ def run_cell(shape: Shape, m: int, args, us, log) -> dict:
     import torch
     import torch.nn.functional as F
 
+    from quantkit.kernels.dispatch import dense_linear
     from quantkit.kernels.fp8_quant import quantize_per_token
     from quantkit.kernels.gemv import gemv
     from quantkit.kernels.gemv_fp8 import fp8_gemv_config, gemv_fp8, gemv_fp8_ref
@@ -157,7 +161,7 @@ def run_cell(shape: Shape, m: int, args, us, log) -> dict:
     table = fp8_gemv_config(m, n, k)
     cell = dict(N=n, K=k, M=m, copy_tbs=shape.copy_tbs, table=label(table), two_launch_err=max_err(y_two),
                 two_launch_us=us(two_launch, args.replays), cublas_us=us(lambda: F.linear(x, shape.w16), args.replays),
-                rows=[])
+                bf16_us=us(lambda: dense_linear(x, shape.w16), args.replays), rows=[])
     cands = candidates(m, k)
     cands += [table] if table not in cands else []
     for cfg in cands:
@@ -195,7 +199,8 @@ def gbs(shape: Shape, us: float) -> float:
 def print_cell(cell: dict, shape: Shape, log) -> None:
     copy = shape.copy_tbs * 1e3
     log(f"\n{cell['N']}x{cell['K']} M={cell['M']}: copy {copy:.0f} GB/s; two-launch {cell['two_launch_us']:.1f} us "
-        f"(max err {cell['two_launch_err']:.1e}), cuBLAS bf16 {cell['cublas_us']:.1f} us; table {cell['table']}")
+        f"(max err {cell['two_launch_err']:.1e}), bf16 {cell['bf16_us']:.1f} us (cuBLAS {cell['cublas_us']:.1f}); "
+        f"table {cell['table']}")
     log(f"  {'config':<16} {'max err':>8} {'same':>5} {'us':>7} {'confirm':>8} {'GB/s':>6} {'% copy':>7}")
     rows = sorted(cell["rows"], key=lambda r: r.get("us_confirm", r.get("us", float("inf"))))
     for r in rows:
@@ -209,7 +214,7 @@ def print_cell(cell: dict, shape: Shape, log) -> None:
 def summary(cells: list, shapes: dict, n_shapes: int, log) -> list[str]:
     """The closing table, the per-token totals and the TUNED_FP8 lines to paste."""
     log(f"\n{'shape':<12} {'M':>2} {'pick':<14} {'us':>7} {'% copy':>7} {'table us':>9} {'2-launch':>9} "
-        f"{'cuBLAS':>7} {'x bf16':>7} {'x 2-launch':>10}")
+        f"{'bf16':>7} {'cuBLAS':>7} {'x bf16':>7} {'x 2-launch':>10}")
     lines, totals = [], {}
     for c in cells:
         if "best" not in c:
@@ -217,21 +222,21 @@ def summary(cells: list, shapes: dict, n_shapes: int, log) -> list[str]:
         shape, b = shapes[(c["N"], c["K"])], c["best"]
         log(f"{c['N']}x{c['K']:<7} {c['M']:>2} {b['config']:<14} {b['us']:>7.1f} "
             f"{100 * gbs(shape, b['us']) / (shape.copy_tbs * 1e3):>7.1f} {c.get('table_us') or float('nan'):>9.1f} "
-            f"{c['two_launch_us']:>9.1f} {c['cublas_us']:>7.1f} {c['cublas_us'] / b['us']:>7.2f} "
+            f"{c['two_launch_us']:>9.1f} {c['bf16_us']:>7.1f} {c['cublas_us']:>7.1f} {c['bf16_us'] / b['us']:>7.2f} "
             f"{c['two_launch_us'] / b['us']:>10.2f}")
         lines.append(f"    ({c['N']}, {c['K']}, {c['M']}): C({b['cfg'][0]}, {b['cfg'][1]}, {b['cfg'][2]}),  "
                      f"# {b['us']:.1f} us, {100 * gbs(shape, b['us']) / (shape.copy_tbs * 1e3):.0f}% of copy")
-        t = totals.setdefault(c["M"], dict(cells=0, fused=0.0, table=0.0, two=0.0, cublas=0.0))
+        t = totals.setdefault(c["M"], dict(cells=0, fused=0.0, table=0.0, two=0.0, bf16=0.0))
         t["cells"] += 1
         t["fused"] += b["us"]
         t["table"] += c.get("table_us") or float("nan")
         t["two"] += c["two_launch_us"]
-        t["cublas"] += c["cublas_us"]
+        t["bf16"] += c["bf16_us"]
     for m, t in sorted(totals.items()):
         part = "" if t["cells"] == n_shapes else f" (only {t['cells']} of {n_shapes} linears)"
         log(f"one token, {LAYERS} layers' linears at M={m}{part}: FP8 one launch {LAYERS * t['fused'] / 1e3:.2f} ms "
             f"(table {LAYERS * t['table'] / 1e3:.2f}), two launches {LAYERS * t['two'] / 1e3:.2f} ms, "
-            f"cuBLAS bf16 {LAYERS * t['cublas'] / 1e3:.2f} ms: {t['cublas'] / t['fused']:.2f}x bf16")
+            f"bf16 {LAYERS * t['bf16'] / 1e3:.2f} ms: {t['bf16'] / t['fused']:.2f}x bf16")
     log("\nTUNED_FP8 entries (kernels/gemv_fp8.py):\n" + "\n".join(lines))
     return lines
 
