@@ -10,6 +10,15 @@ that a rank died without one: killed), so the run ends with one clear message on
 ``setup`` is what each rank calls: it reads RANK / WORLD_SIZE / LOCAL_RANK, checks them against
 ``--gpus``, initializes the process group (NCCL on CUDA, gloo on the CPU) with a timeout, and
 returns the communicator and the rank's device.
+
+The end of a run: every quantization ends with a barrier (``teardown``), so the ranks leave it
+together; the group lives on for the next call in the process and is destroyed at exit (an ``atexit``
+handler, which runs while the interpreter is whole). Destroyed then, not during interpreter
+finalization: the backend's worker threads free the last collectives' tensors, and a thread that takes
+the GIL to free a Python-owned tensor once finalization has begun is ended by ``pthread_exit``, whose
+unwinding through a C++ destructor calls ``std::terminate`` (SIGABRT, "terminate called without an
+active exception"). ``setup`` therefore makes sure nothing else keeps the group alive past that handler
+(``_import_group_default_users``).
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import functools
+import gc
 import logging
 import os
 import socket
@@ -170,6 +180,7 @@ def setup(gpus: int | None, device: str) -> tuple[Communicator, str]:
     timeout = datetime.timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S)))
     owns_group = not dist.is_initialized()
     if owns_group:
+        _import_group_default_users()
         dist.init_process_group(backend, timeout=timeout)
         atexit.register(_destroy_at_exit)
     return TorchComm(rank, world, dist.get_backend(), owns_group), device
@@ -182,11 +193,31 @@ def teardown(comm: Communicator) -> None:
     comm.barrier()
 
 
+def _import_group_default_users() -> None:
+    """Import, before the process group exists, the modules that bind it at import time.
+
+    ``torch.distributed.nn.functional`` declares its collectives with ``group=group.WORLD`` as a
+    default argument, evaluated when it is imported; transformers imports it while it loads a model,
+    that is after ``init_process_group``. Those defaults then hold the default group, so
+    ``destroy_process_group`` at exit leaves it (and gloo's worker threads) alive until interpreter
+    finalization, where a worker freeing the last collective's tensors aborts the process (see the
+    module docstring). Imported first, the defaults are None (the default group at call time).
+    """
+    try:
+        import torch.distributed.nn.functional  # noqa: F401
+    except ImportError:  # a torch build without it: nothing binds the group then
+        pass
+
+
 def _destroy_at_exit() -> None:
+    """Destroy the process group while the interpreter is whole: its backend's threads are joined here,
+    so none of them frees a Python-owned tensor after finalization has begun. No barrier: a rank whose
+    peer died must not wait on it (the last quantization already ended with one)."""
     import torch.distributed as dist
 
     if dist.is_initialized():
         dist.destroy_process_group()
+        gc.collect()  # a group kept by cyclic garbage (a traceback's frames) is freed now, not at finalization
 
 
 def launch_cli(command: str, gpus: int) -> None:

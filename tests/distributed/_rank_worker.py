@@ -8,10 +8,12 @@ QUANTKIT_DIST_BACKEND=gloo).
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import signal
 import sys
+from pathlib import Path
 
 CASES = {  # name -> (method, options); shared with the test, which runs the same cases in one process
     "gptq": ("gptq", {"split_min_rows": 16}),
@@ -59,6 +61,34 @@ def inject_failure(mode: str) -> None:
     GPTQMethod.quantize_layer = failing
 
 
+def native_threads() -> list[str] | None:
+    """The names of this process's threads (Linux: /proc/self/task/*/comm; None elsewhere)."""
+    tasks = Path("/proc/self/task")
+    if not tasks.is_dir():
+        return None
+    names = []
+    for task in tasks.iterdir():
+        try:
+            names.append((task / "comm").read_text().strip())
+        except OSError:  # the thread ended meanwhile
+            pass
+    return sorted(names)
+
+
+def record_threads_at_exit(out: str) -> dict:
+    """Write this rank's thread names while the process group works (``during``, filled by the caller) and at exit
+    (``exit``), after quantkit's exit handler: registered before the first quantize, this handler runs after the one
+    quantkit registers then. The test checks that the group's threads are gone before the interpreter finalizes."""
+    seen: dict = {}
+
+    def record() -> None:
+        seen["exit"] = native_threads()
+        Path(out, f"threads_rank{os.environ['RANK']}.json").write_text(json.dumps(seen))
+
+    atexit.register(record)
+    return seen
+
+
 def main() -> None:
     model_dir, text, out, mode = sys.argv[1:5]
     device = os.environ.get("QUANTKIT_TEST_DEVICE", "cpu")
@@ -67,8 +97,10 @@ def main() -> None:
         inject_failure(mode)
         quantize_case(model_dir, text, os.path.join(out, "gptq"), "gptq", gpus=2, device=device)
         return
+    threads = record_threads_at_exit(out)
     for name in MOE_CASES if mode == "moe" else CASES:
         quantize_case(model_dir, text, os.path.join(out, name), name, gpus=2, device=device)
+    threads["during"] = native_threads()
     if os.environ["RANK"] == "0":
         with open(os.path.join(out, "ranks.json"), "w") as f:
             json.dump({"world_size": int(os.environ["WORLD_SIZE"])}, f)

@@ -85,9 +85,23 @@ def test_two_ranks_quantize_moe_experts_as_one_process(tiny_text_file, tmp_path)
                          tolerance={"moe_routed": (0.02, 0.05)})
 
 
+def _assert_group_destroyed_before_finalization(two: Path, backend_thread: str) -> None:
+    """Each rank's process group is really destroyed by quantkit's exit handler: its backend's threads (named
+    ``backend_thread``, seen while the group worked) are gone before the interpreter finalizes. A group kept alive
+    past that handler (transformers imports ``torch.distributed.nn.functional``, whose default arguments bind
+    the group) is destroyed during finalization, where a gloo worker freeing a tensor aborts the rank (SIGABRT)."""
+    for rank in range(2):
+        seen = json.loads((two / f"threads_rank{rank}.json").read_text())
+        if seen["during"] is None:
+            continue  # no /proc: thread names cannot be read here
+        assert any(backend_thread in name for name in seen["during"]), (rank, seen)
+        assert not any(backend_thread in name for name in seen["exit"]), (rank, seen)
+
+
 def _compare_one_and_two(tiny_llama_dir: Path, tiny_text_file: Path, tmp_path: Path, device: str, cases=CASES,
                          n_linears: int = 14, tolerance: dict | None = None) -> None:
     assert json.loads((tmp_path / "two" / "ranks.json").read_text()) == {"world_size": 2}
+    _assert_group_destroyed_before_finalization(tmp_path / "two", "gloo")
     exact = []
     for name in cases:
         quantize_case(str(tiny_llama_dir), str(tiny_text_file), str(tmp_path / "one" / name), name, device=device)
