@@ -11,10 +11,11 @@ channel (per tensor is expanded when prepared) or per block. The paths, chosen o
   ``[M, 1]``, ``scale_b`` float32 ``[1, N]``, B column-major (the ``[N, K]`` weight transposed, a view),
   K and N multiples of 16, bfloat16 output (row-wise scaling requires it). No host synchronization:
   CUDA graphs capture it.
-  At M <= 4 (decode) quantkit's FP8 GEMV instead, in one launch: it quantizes the activations per token itself,
-  exactly as the kernel above does, and reads the 1-byte weights at full bandwidth (``kernels/gemv_fp8.py``).
-  ``QUANTKIT_FP8_GEMV``: ``0`` sends decode to ``_scaled_mm`` too, ``unfused`` to the two-launch GEMV path
-  (the quantization kernel, then ``kernels/gemv.py`` with ``scales=``): A/B switches, read when prepared.
+  At M <= 4 (decode) quantkit's FP8 GEMV instead: the quantization kernel, then ``kernels/gemv.py`` with
+  ``scales=`` (two launches, the path measured on the GPU). ``QUANTKIT_FP8_GEMV=fused`` runs the one-launch GEMV
+  that quantizes the activations per token itself, exactly as the kernel above does (``kernels/gemv_fp8.py``;
+  the default once ``bench/tune_fp8_gemv.py`` has measured it faster on the GPU); ``0`` sends decode to
+  ``_scaled_mm`` too. Read when the weights are prepared.
 * ``scaled_mm_block`` (CUDA, block 128x128 weights, where :func:`block_scaled_mm_layout` finds torch's
   block-scaled GEMM and checks it against the emulation on the device once): activations quantized per token
   and 128 columns, then ``torch.nn.functional.scaled_mm`` with ``BlockWise1x128`` / ``BlockWise128x128`` scales.
@@ -56,7 +57,7 @@ class FP8LinearWeights:
     reason: str = ""
     dequantized: torch.Tensor | None = None  # reference path on the CPU: float32 ``[N, K]``, dequantized once
     gemv: bool = False  # scaled_mm path: decode-sized batches (M <= 4) through quantkit's FP8 GEMV instead
-    gemv_fused: bool = True  # that GEMV quantizes the activations itself (one launch), else a kernel before it
+    gemv_fused: bool = False  # that GEMV quantizes the activations itself (one launch), else a kernel before it
     act_group: int = 0  # block weights: activations scaled per token and run of this many columns (0: per token)
     block_scale: torch.Tensor | None = None  # scaled_mm_block path: the weight's block scales, laid out as it needs
 
@@ -120,10 +121,10 @@ def prepare_fp8_linear(weight: torch.Tensor, weight_scale: torch.Tensor, strateg
         ok, reason = scaled_mm_supported(device, n, k) if backend == "auto" else (False, "reference asked for")
         prepared = FP8LinearWeights(weight, scale, "scaled_mm" if ok else "reference", input_scale, bias, reason)
         # M <= 4 (decode): the FP8 GEMV reads the weight once at full bandwidth where _scaled_mm's tiles are mostly
-        # empty rows; QUANTKIT_FP8_GEMV=0 turns it off, =unfused runs the two-launch GEMV (A/B switches for the
-        # bench, read once here)
-        switch = os.environ.get("QUANTKIT_FP8_GEMV", "1")
-        prepared.gemv, prepared.gemv_fused = ok and switch != "0", switch != "unfused"
+        # empty rows; QUANTKIT_FP8_GEMV=0 turns it off, =fused runs the one-launch GEMV (not yet timed on a GPU,
+        # so not the default; A/B switches for the bench, read once here)
+        switch = os.environ.get("QUANTKIT_FP8_GEMV", "unfused")
+        prepared.gemv, prepared.gemv_fused = ok and switch != "0", switch == "fused"
     if prepared.path == "reference" and device.type == "cpu":  # the CPU never dequantizes per call
         prepared.dequantized = _dequantized(prepared)
     return prepared

@@ -150,7 +150,7 @@ def test_fp8_linear_takes_the_one_launch_gemv_at_decode(monkeypatch, static):
     assert torch.equal(y2[0], _two_launch(x[0], wq, ws, b, input_scale, None, torch.bfloat16).float())
 
 
-@pytest.mark.parametrize("switch,gemv_fused", [("1", True), ("unfused", False), ("0", True)])
+@pytest.mark.parametrize("switch,gemv_fused", [("fused", True), ("unfused", False), ("1", False), ("0", False)])
 def test_switch(monkeypatch, switch, gemv_fused):
     monkeypatch.setenv("QUANTKIT_FP8_GEMV", switch)
     wq, ws = _weights(16, 32, device="cpu")
@@ -270,10 +270,12 @@ def test_8b_shapes_on_the_gpu(n, k, m, static):
 
 
 @pytest.mark.gpu
-def test_fp8_linear_on_cuda_is_the_one_launch_gemv():
-    """The prepared Hopper linear at M = 1: bitwise gemv_fp8's result; within bf16 rounding of fp8_linear_ref."""
+def test_fp8_linear_on_cuda_is_the_one_launch_gemv(monkeypatch):
+    """The prepared Hopper linear at M = 1 with QUANTKIT_FP8_GEMV=fused: bitwise gemv_fp8's result; within bf16
+    rounding of fp8_linear_ref."""
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("the scaled_mm path needs compute capability 8.9+")
+    monkeypatch.setenv("QUANTKIT_FP8_GEMV", "fused")
     wq, ws = _weights(4096, 4096, device="cuda")
     fast = prepare_fp8_linear(wq, ws.reshape(-1), "channel", device="cuda")
     assert fast.path == "scaled_mm" and fast.gemv and fast.gemv_fused, fast.reason
