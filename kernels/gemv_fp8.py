@@ -28,13 +28,18 @@ from quantkit.kernels.gemv import MAX_M, DenseGemvConfig, _gemv_kernel
 
 C = DenseGemvConfig
 # The FP8 GEMV's config by (N, K, M bucket: 1, 2 or 4; M = 3 takes 4's), Llama-3-8B's decode linears (qkv, o,
-# gate_up, down). NOT YET MEASURED: these are the configs the two-launch path runs today (the bf16 table with
-# BLOCK_K doubled); replace them with the lines `python bench/tune_fp8_gemv.py` prints on the serving GPU.
+# gate_up, down). M = 1: measured on one H200 (bench/results/fp8_gemv_h200.json, `python bench/tune_fp8_gemv.py`,
+# 2026-12-05; us per call and share of the copy rate in the comments). M = 2 and 4: NOT YET MEASURED (the tuner's
+# deadline came first): the configs the two-launch path runs (the bf16 table with BLOCK_K doubled).
 TUNED_FP8: dict[tuple[int, int, int], DenseGemvConfig] = {
-    (6144, 4096, 1): C(4, 2048, 4), (6144, 4096, 2): C(2, 4096, 8), (6144, 4096, 4): C(2, 2048, 4),
-    (4096, 4096, 1): C(8, 2048, 4), (4096, 4096, 2): C(2, 4096, 8), (4096, 4096, 4): C(2, 2048, 4),
-    (28672, 4096, 1): C(4, 2048, 4), (28672, 4096, 2): C(2, 4096, 8), (28672, 4096, 4): C(2, 2048, 4),
-    (4096, 14336, 1): C(2, 2048, 4), (4096, 14336, 2): C(2, 4096, 8), (4096, 14336, 4): C(2, 2048, 4),
+    (6144, 4096, 1): C(16, 512, 8),  # 9.8 us, 92 %
+    (4096, 4096, 1): C(8, 1024, 4),  # 7.5 us, 92 %
+    (28672, 4096, 1): C(8, 512, 4),  # 36.2 us, 85 %
+    (4096, 14336, 1): C(4, 1024, 4),  # 25.6 us, 67 % (the two-launch path: 21.5 us)
+    (6144, 4096, 2): C(2, 4096, 8), (6144, 4096, 4): C(2, 2048, 4),
+    (4096, 4096, 2): C(2, 4096, 8), (4096, 4096, 4): C(2, 2048, 4),
+    (28672, 4096, 2): C(2, 4096, 8), (28672, 4096, 4): C(2, 2048, 4),
+    (4096, 14336, 2): C(2, 4096, 8), (4096, 14336, 4): C(2, 2048, 4),
 }
 DEFAULT_FP8 = {1: C(2, 2048, 4), 2: C(2, 4096, 8), 4: C(2, 2048, 4)}  # a shape the table lacks
 
