@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import time
 
 import pytest
 import torch
@@ -107,6 +108,13 @@ def test_real_engine_disconnect_mid_stream_frees_the_slot(checkpoint):
         engine_abort(request_id)
 
     engine.abort = recording_abort  # the worker thread calls it through the instance
+    engine_step = engine.step
+
+    def slow_step():  # 250 tokens take >= 5 s: the request cannot end on its own before the server sees the client go
+        time.sleep(0.02)
+        return engine_step()
+
+    engine.step = slow_step
     with running_server(engine, max_queue=0, max_tokens=250) as (url, app):
         with httpx.Client(base_url=url, timeout=60) as client:
             body = {"prompt": [5, 6, 7], "max_tokens": 250, "stream": True}
