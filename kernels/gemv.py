@@ -204,16 +204,41 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_
         _store_row(acc3, y_ptr + 3 * stride_ym, b_ptr, rows, N, HAS_BIAS, xs3, ws_ptr, SCALED)
 
 
+def shape_problem(x: torch.Tensor, weight: torch.Tensor) -> str:
+    """Why the GEMV kernel cannot take ``x [M, K]`` and ``weight [N, K]`` by their shapes, or "" (shared by every
+    launcher of ``_gemv_kernel``: this module's and ``gemv_fp8``'s)."""
+    if x.dim() != 2 or weight.dim() != 2:
+        return f"x and weight must be 2-D, got {tuple(x.shape)} and {tuple(weight.shape)}"
+    m, k = x.shape
+    if weight.shape[1] != k:
+        return f"x has {k} features, the weight {weight.shape[1]}"
+    if not 1 <= m <= MAX_M:
+        return f"the GEMV takes 1..{MAX_M} rows, got {m}"
+    return ""
+
+
+def layout_problem(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   others: tuple[torch.Tensor | None, ...] = (), names: str = "x, weight and bias") -> str:
+    """Why the GEMV kernel cannot take these operands by their strides, bias shape or devices (``others``: further
+    tensors that must sit on x's device, ``names`` says which in the message), or ""."""
+    if weight.stride(1) != 1 or x.stride(1) != 1:
+        return "x and weight must be contiguous along K"
+    if bias is not None and (bias.shape != (weight.shape[0],) or bias.stride(0) != 1):
+        return f"bias must be a contiguous [{weight.shape[0]}] vector, got {tuple(bias.shape)}"
+    if any(t is not None and t.device != x.device for t in (weight, bias, *others)):
+        return f"{names} must be on one device"
+    if x.device.type != "cuda" and not interpreting():
+        return "the GEMV runs on CUDA (or under TRITON_INTERPRET=1)"
+    return ""
+
+
 def gemv_supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[bool, str]:
     """Whether :func:`gemv` runs ``x [M, K] @ weight[N, K]^T (+ bias)``: ``(ok, reason it does not)``."""
-    if x.dim() != 2 or weight.dim() != 2:
-        return False, f"x and weight must be 2-D, got {tuple(x.shape)} and {tuple(weight.shape)}"
-    m, k = x.shape
-    if weight.shape[1] != k:
-        return False, f"x has {k} features, the weight {weight.shape[1]}"
-    if not 1 <= m <= MAX_M:
-        return False, f"the GEMV takes 1..{MAX_M} rows, got {m}"
+    reason = shape_problem(x, weight)
+    if reason:
+        return False, reason
+    m = x.shape[0]
     dtypes = (torch.float16, torch.bfloat16, torch.float32)
     if scales is not None:  # FP8: e4m3 codes, float32 scales [M, 1] (x) and [1, N] or [N] (weight)
         dtypes = (torch.float8_e4m3fn,)
@@ -224,15 +249,8 @@ def gemv_supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
             return False, "FP8 scales must be contiguous"
     if x.dtype not in dtypes or weight.dtype != x.dtype:
         return False, f"x and weight must share a dtype among {dtypes}, got {x.dtype} and {weight.dtype}"
-    if weight.stride(1) != 1 or x.stride(1) != 1:
-        return False, "x and weight must be contiguous along K"
-    if bias is not None and (bias.shape != (weight.shape[0],) or bias.stride(0) != 1):
-        return False, f"bias must be a contiguous [{weight.shape[0]}] vector, got {tuple(bias.shape)}"
-    if x.device != weight.device or (bias is not None and bias.device != x.device):
-        return False, "x, weight and bias must be on one device"
-    if x.device.type != "cuda" and not interpreting():
-        return False, "the GEMV runs on CUDA (or under TRITON_INTERPRET=1)"
-    return True, ""
+    reason = layout_problem(x, weight, bias)
+    return not reason, reason
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

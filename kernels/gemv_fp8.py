@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 import triton
 
-from quantkit.kernels.device_info import interpreting, programmatic_launch
-from quantkit.kernels.gemv import MAX_M, DenseGemvConfig, _gemv_kernel
+from quantkit.kernels.device_info import programmatic_launch
+from quantkit.kernels.gemv import DenseGemvConfig, _gemv_kernel, layout_problem, shape_problem
 
 C = DenseGemvConfig
 # The FP8 GEMV's config by (N, K, M bucket: 1, 2 or 4; M = 3 takes 4's), Llama-3-8B's decode linears (qkv, o,
@@ -84,29 +84,18 @@ def amax_block(m: int, k: int, num_warps: int) -> int:
 def gemv_fp8_supports(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
                       input_scale: torch.Tensor | None = None) -> tuple[bool, str]:
     """Whether :func:`gemv_fp8` runs these operands: ``(ok, reason it does not)``."""
-    if x.dim() != 2 or weight.dim() != 2:
-        return False, f"x and weight must be 2-D, got {tuple(x.shape)} and {tuple(weight.shape)}"
-    (m, k), n = x.shape, weight.shape[0]
-    if weight.shape[1] != k:
-        return False, f"x has {k} features, the weight {weight.shape[1]}"
-    if not 1 <= m <= MAX_M:
-        return False, f"the GEMV takes 1..{MAX_M} rows, got {m}"
+    reason = shape_problem(x, weight)
+    if reason:
+        return False, reason
+    n = weight.shape[0]
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32) or weight.dtype != torch.float8_e4m3fn:
         return False, f"x must be 16- or 32-bit and the weight float8_e4m3fn, got {x.dtype} and {weight.dtype}"
     if w_scale.dtype != torch.float32 or w_scale.numel() != n or not w_scale.is_contiguous():
         return False, f"the weight scale must be {n} contiguous float32 values, got {tuple(w_scale.shape)}"
     if input_scale is not None and (input_scale.dtype != torch.float32 or input_scale.numel() != 1):
         return False, "the static input scale must be one float32 value"
-    if weight.stride(1) != 1 or x.stride(1) != 1:
-        return False, "x and weight must be contiguous along K"
-    if bias is not None and (bias.shape != (n,) or bias.stride(0) != 1):
-        return False, f"bias must be a contiguous [{n}] vector, got {tuple(bias.shape)}"
-    tensors = [t for t in (weight, w_scale, bias, input_scale) if t is not None]
-    if any(t.device != x.device for t in tensors):
-        return False, "x, weight, scales and bias must be on one device"
-    if x.device.type != "cuda" and not interpreting():
-        return False, "the GEMV runs on CUDA (or under TRITON_INTERPRET=1)"
-    return True, ""
+    reason = layout_problem(x, weight, bias, (w_scale, input_scale), "x, weight, scales and bias")
+    return not reason, reason
 
 
 def gemv_fp8(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,

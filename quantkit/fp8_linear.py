@@ -148,8 +148,9 @@ def fp8_linear_ref(x: torch.Tensor, w: FP8LinearWeights) -> torch.Tensor:
 
 
 def fp8_linear_scaled_mm(x: torch.Tensor, w: FP8LinearWeights) -> torch.Tensor:
-    """The Hopper path: at M <= 4 the FP8 GEMV, quantizing ``x`` per token itself (one launch, the result in
-    ``x``'s dtype); else per-token quantization (one kernel), then ``torch._scaled_mm`` (bfloat16 out)."""
+    """The Hopper path: per-token quantization (one kernel), then at M <= 4 quantkit's FP8 GEMV, else
+    ``torch._scaled_mm`` (bfloat16 out); with ``gemv_fused`` (QUANTKIT_FP8_GEMV=fused) at M <= 4 one launch that
+    quantizes ``x`` itself (the result in ``x``'s dtype)."""
     from quantkit.kernels.fp8_quant import quantize_per_token
 
     shape = x.shape
