@@ -118,10 +118,9 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from quantkit.kernels.gemv import _gemv_kernel
 
-m, block_n, block_k, warps, out = json.loads(sys.argv[1])
-signature = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "N": "i32", "K": "i32",
+x_ty, w_ty, warps, constexprs, out = json.loads(sys.argv[1])
+signature = {"x_ptr": x_ty, "w_ptr": w_ty, "b_ptr": "*bf16", "y_ptr": "*bf16", "N": "i32", "K": "i32",
              "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32", "xs_ptr": "*fp32", "ws_ptr": "*fp32"}
-constexprs = dict(M=m, HAS_BIAS=False, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=True, PDL=True, SCALED=False)
 signature |= {k: "constexpr" for k in constexprs}
 attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 5, 6, 7, 8)}
 src = ASTSource(fn=_gemv_kernel, signature=signature, constexprs=constexprs, attrs=attrs)
@@ -131,13 +130,20 @@ open(out + ".cubin", "wb").write(kernel.asm["cubin"])
 """
 
 
+def compile_gemv_sm90(sm90, out: str, x_ty: str, w_ty: str, warps: int, **constexprs) -> None:
+    """``_gemv_kernel`` compiled for sm_90 into ``out``.ptx / .cubin: x and W of Triton pointer types ``x_ty`` /
+    ``w_ty``, no bias, K a multiple of BLOCK_K, PDL on, and ``constexprs`` (M, BLOCK_N, BLOCK_K, SCALED, ...)."""
+    constexprs = {"HAS_BIAS": False, "EVEN_K": True, "PDL": True} | constexprs
+    sm90.compile(_COMPILE, json.dumps([x_ty, w_ty, warps, constexprs, out]))
+
+
 @pytest.mark.parametrize("m,block_n,block_k,warps", [(1, 4, 2048, 8), (4, 2, 1024, 4)])
 def test_sm90_loads_weights_before_the_wait(sm90, tmp_path, m, block_n, block_k, warps):
     """The compiled kernel requests its first weight tile (16-byte loads) before ``griddepcontrol.wait``
     (ACQBULK), lets the next kernel launch there (PREEXIT), exchanges nothing through shared memory in its
     loop, and does not spill."""
     out = str(tmp_path / "gemv")
-    sm90.compile(_COMPILE, json.dumps([m, block_n, block_k, warps, out]))
+    compile_gemv_sm90(sm90, out, "*bf16", "*bf16", warps, M=m, BLOCK_N=block_n, BLOCK_K=block_k, SCALED=False)
     sass = sm90.sass(out + ".cubin")
     wait = next(i for i, line in enumerate(sass) if "ACQBULK" in line)
     tile_loads = block_n * block_k * 2 // (16 * 32 * warps)
@@ -177,17 +183,12 @@ def test_selection_point_on_cuda(monkeypatch):
     assert torch.equal(dense_linear(x16, w), F.linear(x16, w))
 
 
-_COMPILE_FP8 = _COMPILE.replace('"x_ptr": "*bf16", "w_ptr": "*bf16"', '"x_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv"').replace(
-    "SCALED=False", "SCALED=True")
-
-
 @pytest.mark.parametrize("m,block_n,block_k,warps", [(1, 2, 2048, 4), (4, 2, 2048, 4)])
 def test_sm90_fp8_variant_loads_16_byte_vectors_before_the_wait(sm90, tmp_path, m, block_n, block_k, warps):
     """The FP8 GEMV (SCALED, e4m3 codes) compiles for sm_90 with the same shape of code: its first weight tile in
     16-byte loads (16 codes each) before ``griddepcontrol.wait``, no shared memory in the loop, no spills."""
-    assert _COMPILE_FP8 != _COMPILE
     out = str(tmp_path / "gemv_fp8")
-    sm90.compile(_COMPILE_FP8, json.dumps([m, block_n, block_k, warps, out]))
+    compile_gemv_sm90(sm90, out, "*fp8e4nv", "*fp8e4nv", warps, M=m, BLOCK_N=block_n, BLOCK_K=block_k, SCALED=True)
     sass = sm90.sass(out + ".cubin")
     wait = next(i for i, line in enumerate(sass) if "ACQBULK" in line)
     assert sum("LDG.E.128" in line for line in sass[:wait]) == block_n * block_k // (16 * 32 * warps)

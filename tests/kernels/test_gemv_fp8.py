@@ -12,8 +12,6 @@ no rounding happens and any error in the scale, the codes or their use shows.
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
@@ -23,6 +21,8 @@ from quantkit.kernels.gemv import DenseGemvConfig, gemv
 from quantkit.kernels.gemv_fp8 import (
     DEFAULT_FP8,
     TUNED_FP8,
+    VEC,
+    amax_block,
     fits,
     fp8_gemv_config,
     gemv_fp8,
@@ -30,6 +30,7 @@ from quantkit.kernels.gemv_fp8 import (
     gemv_fp8_supports,
     m_bucket,
 )
+from tests.kernels.test_gemv import compile_gemv_sm90
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -187,28 +188,6 @@ def test_config_table():
     assert not fits(C(1, 512, 4), 1, 4096)  # 512 codes over 128 threads: threads without a vector
 
 
-_COMPILE = r"""
-import json, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from quantkit.kernels.gemv import _gemv_kernel
-from quantkit.kernels.gemv_fp8 import VEC, amax_block
-
-m, block_n, block_k, warps, static, out = json.loads(sys.argv[1])
-signature = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "b_ptr": "*bf16", "y_ptr": "*bf16", "N": "i32", "K": "i32",
-             "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32", "xs_ptr": "*fp32", "ws_ptr": "*fp32"}
-constexprs = dict(M=m, HAS_BIAS=False, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=True, PDL=True, SCALED=True,
-                  QUANT_X=True, STATIC_X=static, AMAX_BLOCK=amax_block(m, 4096, warps), W_VEC=VEC)
-signature |= {k: "constexpr" for k in constexprs}
-attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 5, 6, 7, 8)}
-src = ASTSource(fn=_gemv_kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 1})
-open(out + ".ptx", "w").write(kernel.asm["ptx"])
-open(out + ".cubin", "wb").write(kernel.asm["cubin"])
-"""
-
-
 @pytest.mark.parametrize("m,block_n,block_k,warps,static", [(1, 4, 2048, 4, False), (4, 2, 2048, 4, False),
                                                             (2, 2, 4096, 8, True)])
 def test_sm90_one_launch_variant(sm90, tmp_path, m, block_n, block_k, warps, static):
@@ -218,7 +197,8 @@ def test_sm90_one_launch_variant(sm90, tmp_path, m, block_n, block_k, warps, sta
     activations rounded with the saturating round-to-nearest instruction and the division ``fp8_quant``'s kernel
     uses (so the codes are the same); no spills."""
     out = str(tmp_path / "gemv_fp8")
-    sm90.compile(_COMPILE, json.dumps([m, block_n, block_k, warps, static, out]))
+    compile_gemv_sm90(sm90, out, "*bf16", "*fp8e4nv", warps, M=m, BLOCK_N=block_n, BLOCK_K=block_k, SCALED=True,
+                      QUANT_X=True, STATIC_X=static, AMAX_BLOCK=amax_block(m, 4096, warps), W_VEC=VEC)
     sass = sm90.sass(out + ".cubin")
     wait = next(i for i, line in enumerate(sass) if "ACQBULK" in line)
     assert sum("LDG.E.64" in line for line in sass[:wait]) == block_n * block_k // (8 * 32 * warps)
