@@ -225,7 +225,9 @@ class RuntimeModel:
         """float32 logits ``[M, V]`` of final hidden states (with Gemma's final soft-cap)."""
         return ops.softcap(self.weights.lm_head(hidden).float(), self.spec.final_softcap)
 
-    def _prefill_attend(self, cu_seqlens: torch.Tensor, max_len: int, kv_aligned: bool | None = None):
+    def prefill_attend(self, cu_seqlens: torch.Tensor, max_len: int, kv_aligned: bool | None = None):
+        """``attend(layer, qkv [M, q+2kv]) -> [M, q]``: causal attention of whole prompts packed at ``cu_seqlens``
+        (no cache read), in FP8 where ``prefill_fp8`` picks it. Public for the bench's prefill split."""
         s = self.spec
 
         def attend(i: int, qkv: torch.Tensor) -> torch.Tensor:
@@ -268,7 +270,7 @@ class RuntimeModel:
         ids = input_ids.to(self.device).reshape(-1)
         positions = torch.arange(t, device=self.device, dtype=torch.int32).repeat(b)
         cu = torch.arange(0, (b + 1) * t, t, device=self.device, dtype=torch.int32)
-        hidden = self._hidden(ids, positions, self._prefill_attend(cu, t, kv_aligned=t % 32 == 0), None, None)
+        hidden = self._hidden(ids, positions, self.prefill_attend(cu, t, kv_aligned=t % 32 == 0), None, None)
         return self.logits(hidden).view(b, t, -1)
 
     @torch.inference_mode()
@@ -292,7 +294,7 @@ class RuntimeModel:
             attend = self._chunk_attend(cu, max(lengths), slots, [a + n for a, n in zip(starts, lengths)], cache)
         else:
             aligned = all(o % 32 == 0 for o in offsets)  # known on the host: no device check in the FP8 attention
-            attend = self._prefill_attend(cu, max(lengths), aligned)
+            attend = self.prefill_attend(cu, max(lengths), aligned)
         hidden = self._hidden(ids, positions, attend, cache, token_slots)
         last = torch.tensor(offsets[1:], dtype=torch.long, device=dev) - 1
         return self.logits(hidden[last])

@@ -273,6 +273,45 @@ def time_split(engine: Engine, context: int = 128) -> dict:
     return {k: v * 1e3 for k, v in parts.items()}  # milliseconds
 
 
+def prefill_split(engine: Engine, n_tokens: int = 2048) -> dict:
+    """Milliseconds of one ``n_tokens``-token prefill at batch 1 by part: the whole prefill, every layer's linears
+    at the prefill's shapes, layer 0's four linears alone (which one falls short), the FP8 activation quantization
+    where a separate kernel does it, every layer's attention, and the rest (norms, RoPE, cache writes, the head)."""
+    model, s = engine.model, engine.model.spec
+    dev, w = model.device, model.weights
+
+    def rand(width: int) -> torch.Tensor:
+        return torch.randn(n_tokens, width, device=dev, dtype=model.dtype)
+
+    h, q_in, mid, qkv = rand(s.hidden_size), rand(s.q_size), rand(s.intermediate_size), rand(s.q_size + 2 * s.kv_size)
+    prompt = torch.randint(0, s.vocab_size, (n_tokens,)).tolist()
+    parts = {"prefill": sync_time(lambda: model.prefill([prompt], [0], engine.cache), repeat=3)}
+    if all(lw.moe is None for lw in w.layers):
+        def linears():
+            for lw in w.layers:
+                lw.qkv(h), lw.o(q_in), lw.gate_up(h), lw.down(mid)
+
+        parts["linears"] = sync_time(linears, repeat=3)
+        lw0 = w.layers[0]
+        shapes = (("qkv", lw0.qkv, h), ("o", lw0.o, q_in), ("gate_up", lw0.gate_up, h), ("down", lw0.down, mid))
+        for name, lin, x in shapes:
+            parts[f"layer0_{name}"] = sync_time(lambda lin=lin, x=x: lin(x), repeat=5)
+        if any(lin.fp8 is not None for lin in w.linears()):
+            from quantkit.kernels.fp8_quant import quantize_per_token
+
+            def activation_quant():
+                for _ in w.layers:
+                    quantize_per_token(h), quantize_per_token(q_in), quantize_per_token(h), quantize_per_token(mid)
+
+            parts["fp8_activation_quant_in_linears"] = sync_time(activation_quant, repeat=3)
+    cu = torch.tensor([0, n_tokens], dtype=torch.int32, device=dev)
+    attend = model.prefill_attend(cu, n_tokens, kv_aligned=n_tokens % 32 == 0)
+    parts["attention"] = sync_time(lambda: [attend(i, qkv) for i in range(s.num_layers)], repeat=3)
+    if "linears" in parts:
+        parts["other"] = parts["prefill"] - parts["linears"] - parts["attention"]
+    return {k: v * 1e3 for k, v in parts.items()}
+
+
 def greedy_agreement(engine: Engine, n_prompt: int = 32, n_new: int = 24, seed: int = 1) -> dict:
     """Greedy tokens of the engine's decode (CUDA graphs, the pipeline, the fused decode kernel) against the argmax
     of the prefill path's logits over the same sequence (attention_varlen and the unfused RoPE/cache kernel): the
@@ -328,6 +367,7 @@ def bench_runtime(
         ms["engine_step_wall"] = 1e3 / result["decode_tps"]["1"]
         ms["host"] = ms["engine_step_wall"] - ms["decode_step_graph"]
         result["time_split_ms"] = ms
+        result["prefill_split_ms"] = prefill_split(engine, prefill_tokens)
     result["peak_memory_bytes"] = torch.cuda.max_memory_allocated()
     del engine
     return result

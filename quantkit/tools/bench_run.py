@@ -144,7 +144,7 @@ def _shape_phases(target, batches, steps, prefill_tokens, baselines, publish) ->
             quant = fmt.quantize(hf)
             _free()
         runtime = bench.runtime_from_hf(hf, quant)
-        publish(fmt.check, _logits_check(runtime, lambda ids: hf(ids).logits, hf.config.vocab_size))
+        publish(fmt.check, _logits_check(runtime, lambda ids, hf=hf: hf(ids).logits, hf.config.vocab_size))
         publish(fmt.key, bench.bench_runtime(runtime, batches, steps, prefill_tokens, split=True))
         del runtime
         _free()
@@ -234,6 +234,9 @@ def format_table(record: dict) -> str:
         if "time_split_ms" in record.get(key, {}):
             lines.append(f"{key} batch-1 step (ms): "
                          + ", ".join(f"{k} {v:.3f}" for k, v in record[key]["time_split_ms"].items()))
+        if "prefill_split_ms" in record.get(key, {}):
+            lines.append(f"{key} prefill split (ms): "
+                         + ", ".join(f"{k} {v:.2f}" for k, v in record[key]["prefill_split_ms"].items()))
     if "fp8" in record and "bf16" in record:
         f, b = record["fp8"], record["bf16"]
         lines.append("fp8 / bf16: " + ", ".join(f"decode b={n} {f['decode_tps'][str(n)] / b['decode_tps'][str(n)]:.2f}x"

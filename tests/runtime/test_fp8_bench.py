@@ -81,3 +81,26 @@ def test_shape_run_measures_int4_fp8_bf16_in_order(monkeypatch):
                           ("model", "tiny", "cuda", "model1"), ("fp8", "model1"), ("runtime", "model1", None),
                           ("model", "tiny", "cuda", "model2"), ("runtime", "model2", None)]
         assert published == (expected if baselines else [e for e in expected if not e[0].startswith("transformers")])
+
+
+def test_prefill_split_times_every_part_of_an_fp8_prefill(monkeypatch):
+    """The bench's prefill split on the CPU (the device sync stubbed): each part is timed, FP8's separate activation
+    quantization is listed, and the parts are printed under the table."""
+    from transformers import AutoModelForCausalLM
+
+    from quantkit.runtime.engine import Engine
+    from tests.runtime.conftest import tiny_config
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(tiny_config("llama", 256)).eval()
+    bench.quantize_fp8_in_place(hf)
+    engine = Engine(bench.runtime_from_hf(hf, None, backend="reference"), None, max_batch=1, max_seq_len=128)
+    ms = bench.prefill_split(engine, 64)
+    parts = ("prefill", "linears", "layer0_qkv", "layer0_o", "layer0_gate_up", "layer0_down",
+             "fp8_activation_quant_in_linears", "attention", "other")
+    assert set(ms) == set(parts) and all(ms[k] > 0 for k in parts[:-1]), ms
+    assert abs(ms["prefill"] - ms["linears"] - ms["attention"] - ms["other"]) < 1e-9
+    record = {"batches": [1], "fp8": {"decode_tps": {"1": 1.0}, "prefill_tps": 1.0, "weight_bytes_per_token": 1,
+                                      "peak_memory_bytes": 1, "prefill_split_ms": ms}}
+    assert "fp8 prefill split (ms): prefill " in bench_run.format_table(record)
