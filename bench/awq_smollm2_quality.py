@@ -160,7 +160,7 @@ def _args(argv):
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--table", action="store_true", help="collect $QK_OUT into the results table instead of running")
-    ap.add_argument("rows", nargs="*", metavar="ROW", help="rows to run (one of: %s)" % ", ".join(sorted(rows())))
+    ap.add_argument("rows", nargs="*", metavar="ROW", help=f"rows to run (one of: {', '.join(sorted(rows()))})")
     args = ap.parse_args(argv)
     unknown = [r for r in args.rows if r not in rows()]
     if unknown or (not args.rows and not args.table):

@@ -66,11 +66,11 @@ def timed(fn, repeat: int = 5) -> float:
 
 def run_gptq(args, sizes: dict, record: dict):
     from quantkit.api import build_method
-    from quantkit.config import QuantScheme
-    from quantkit.models.lazy import peak_host_memory_bytes
-    from quantkit.methods.moe_prepare import prepare_for_quantization
-    from quantkit.moe.stats import expert_tokens
     from quantkit.calibrate.walker import walk
+    from quantkit.config import QuantScheme
+    from quantkit.methods.moe_prepare import prepare_for_quantization
+    from quantkit.models.lazy import peak_host_memory_bytes
+    from quantkit.moe.stats import expert_tokens
 
     t0 = time.perf_counter()
     model = random_moe("qwen3_moe", device=args.device, dtype=torch.bfloat16, **sizes)
@@ -106,9 +106,9 @@ def run_gptq(args, sizes: dict, record: dict):
 def quantize_rtn(args, sizes: dict, record: dict):
     """The model with RTN weights (for the serving section when the GPTQ section is skipped)."""
     from quantkit.api import build_method
+    from quantkit.calibrate.walker import walk
     from quantkit.config import QuantScheme
     from quantkit.methods.moe_prepare import prepare_for_quantization
-    from quantkit.calibrate.walker import walk
 
     model = random_moe("qwen3_moe", device=args.device, dtype=torch.bfloat16, **sizes)
     scheme = QuantScheme(bits=4, group_size=128, sym=True)
@@ -121,10 +121,10 @@ def quantize_rtn(args, sizes: dict, record: dict):
 def run_method(args, sizes: dict, name: str) -> dict:
     """A fresh random model quantized by ``name`` with its defaults: seconds and peak memory."""
     from quantkit.api import build_method, default_options
-    from quantkit.config import QuantScheme
-    from quantkit.models.lazy import peak_host_memory_bytes
-    from quantkit.methods.moe_prepare import prepare_for_quantization
     from quantkit.calibrate.walker import walk
+    from quantkit.config import QuantScheme
+    from quantkit.methods.moe_prepare import prepare_for_quantization
+    from quantkit.models.lazy import peak_host_memory_bytes
 
     model = random_moe("qwen3_moe", device=args.device, dtype=torch.bfloat16, seed=1, **sizes)
     scheme = QuantScheme(bits=4, group_size=128, sym=name != "awq")
@@ -190,8 +190,8 @@ class _MetaModel:
 
 
 def serve_rows(runtime, label: str, args, bandwidth: float) -> list[dict]:
-    from quantkit.tools.bench import decode_tps
     from quantkit.runtime.engine import Engine
+    from quantkit.tools.bench import decode_tps
 
     def prefill_tps(engine, n):
         prompt = torch.randint(0, engine.model.spec.vocab_size, (n,)).tolist()

@@ -87,8 +87,8 @@ def prebuild(ms, log) -> dict:
 def run_shape(n, k, ms, args, log) -> list[dict]:
     import torch
     import torch.nn.functional as F
-
     from gpu_timing import gpu_time_us
+
     from quantkit.kernels import w4a16
     from quantkit.kernels.w4a16_cuda import w4a16_cuda_matmul
     from quantkit.kernels.w4a16_weights import w4a16_matmul_ref

@@ -189,7 +189,7 @@ def instrument(tally: Tally, finite_chunk: int | None = None) -> contextlib.Exit
             return real_all_finite(t, chunk_elements)
 
         for module in (gptq, gptq_factor):
-            setattr(module, "all_finite", all_finite)
+            module.all_finite = all_finite
             stack.callback(setattr, module, "all_finite", real_all_finite)
     patches = [
         _wrap(tally, walker, "capture_layer_inputs", "input capture (once)"),

@@ -32,10 +32,10 @@ def score(ref: torch.Tensor, out: torch.Tensor) -> tuple[float, float]:
 
 def run(args) -> list[dict]:
     from quantkit.api import build_method
+    from quantkit.calibrate.walker import walk
     from quantkit.config import QuantScheme
     from quantkit.methods.moe import MoECalibConfig
     from quantkit.methods.moe_prepare import prepare_for_quantization
-    from quantkit.calibrate.walker import walk
 
     rows = []
     sizes = dict(hidden_size=args.hidden, moe_intermediate_size=args.inter, intermediate_size=2 * args.inter,

@@ -163,7 +163,8 @@ def _moe_gemm_kernel(a_ptr, w_ptr, s_ptr, z_ptr, g_ptr, out_ptr, sorted_ptr, blo
                      num_pairs, N, K, UP_OFFSET, TOP_K,
                      stride_am, stride_we, stride_wk, stride_wn, stride_se, stride_sg, stride_sn, stride_om,
                      QUANT: tl.constexpr, GROUP: tl.constexpr, GATED: tl.constexpr, A_BY_TOKEN: tl.constexpr,
-                     MUL_ROUTED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr):
+                     MUL_ROUTED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     DTYPE: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if tl.load(sorted_ptr + pid_m * BLOCK_M) >= num_pairs:

@@ -141,7 +141,8 @@ def _flush(acc, c_ptr, ws_ptr, tile_units_ptr, tn, tm, M, N, seg_units, k_tiles,
         else:
             gl.atomic_add(ws_ptr + offs, acc, mask=mask, sem="relaxed")
             # All threads have issued their sums (barrier) before one thread's release of the count, which
-            # covers them (split-K semaphore). Not a per-thread fence: it gave wrong sums (bench/archive/NOTES_w4a16.md).
+            # covers them (split-K semaphore). Not a per-thread fence: it gave wrong sums
+            # (bench/archive/NOTES_w4a16.md).
             gl.thread_barrier()
             done = gl.atomic_add(tile_units_ptr + tn, seg_units, sem="acq_rel") + seg_units
             if done == k_tiles:

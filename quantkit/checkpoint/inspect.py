@@ -123,7 +123,8 @@ def inspect_checkpoint(path: str | os.PathLike) -> CheckpointInfo:
 
 
 def _inspect_fp8(path: Path) -> CheckpointInfo:
-    """A :class:`CheckpointInfo` for an FP8 checkpoint (compressed-tensors, :mod:`quantkit.checkpoint.fp8`), from its config and headers:
+    """A :class:`CheckpointInfo` for an FP8 checkpoint (compressed-tensors, :mod:`quantkit.checkpoint.fp8`), from its
+    config and headers:
     ``bits`` 8, ``group_size`` -1 (channel), 0 (tensor) or the block's column count, ``layout`` ``fp8_e4m3_<strategy>``
     (``_static`` when activations have calibrated scales)."""
     import torch

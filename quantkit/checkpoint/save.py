@@ -260,7 +260,8 @@ def _packed_tensors(
     name: str, qw: QuantizedWeight, model: nn.Module, dtype: torch.dtype
 ) -> dict[str, PendingTensor]:
     if not isinstance(qw, QuantizedWeight):  # a record naming its own tensors (quantkit.methods.fp8.FP8Weight)
-        out = {f"{name}.{leaf}": PendingTensor(t, dtype if leaf == "bias" else None) for leaf, t in qw.tensors().items()}
+        out = {f"{name}.{leaf}": PendingTensor(t, dtype if leaf == "bias" else None)
+               for leaf, t in qw.tensors().items()}
         bias = getattr(model.get_submodule(name), "bias", None)
         if bias is not None and f"{name}.bias" not in out:
             out[f"{name}.bias"] = PendingTensor(bias, dtype)

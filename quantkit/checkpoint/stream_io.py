@@ -130,14 +130,15 @@ def write_shard(path: Path, items: list[tuple[str, torch.Tensor | FileTensor, to
             raise QuantkitError(f"{key}: dtype {dtype} cannot be stored in safetensors")
         numel = src.numel if isinstance(src, FileTensor) else src.numel()
         nbytes = numel * dtype.itemsize
-        header[key] = {"dtype": _DTYPE_NAMES[dtype], "shape": list(src.shape), "data_offsets": [offset, offset + nbytes]}
+        header[key] = {"dtype": _DTYPE_NAMES[dtype], "shape": list(src.shape),
+                       "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned, as safetensors writes it
     with open(path, "wb") as out:
         out.write(struct.pack("<Q", len(blob)))
         out.write(blob)
-        for key, src, dtype in items:
+        for _key, src, dtype in items:
             if isinstance(src, FileTensor):
                 _copy_file_tensor(out, src, dtype, chunk_bytes)
             else:

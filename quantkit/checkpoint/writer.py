@@ -93,8 +93,8 @@ class CheckpointWriter:
         self._pending_bytes = 0
         self._shards: list[list[str]] = []
         self._total_bytes = 0
-        # key -> quantkit.checkpoint.stream_io.FileTensor: a tensor added while still on the meta device (never read by a
-        # streamed model) is copied from there instead
+        # key -> quantkit.checkpoint.stream_io.FileTensor: a tensor added while still on the meta device (never read
+        # by a streamed model) is copied from there instead
         self.file_sources: dict[str, Any] = {}
 
     def __enter__(self) -> CheckpointWriter:

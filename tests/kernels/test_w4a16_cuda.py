@@ -106,8 +106,8 @@ def _emulated_kernel_block(words: torch.Tensor, x: torch.Tensor) -> torch.Tensor
         b = torch.zeros(16, 8, dtype=torch.float64)  # B[k, n]
         for g in range(8):
             for t in range(4):
-                for reg, (row, col0, pair) in enumerate([(g, 2 * t, 2 * s), (g + 8, 2 * t, 2 * s),
-                                                         (g, 2 * t + 8, 2 * s + 1), (g + 8, 2 * t + 8, 2 * s + 1)]):
+                for row, col0, pair in [(g, 2 * t, 2 * s), (g + 8, 2 * t, 2 * s),
+                                        (g, 2 * t + 8, 2 * s + 1), (g + 8, 2 * t + 8, 2 * s + 1)]:
                     i, j = divmod(pair, 4)
                     word = int(words[row, 4 * t + i])
                     a[row, col0] = (word >> (4 * j)) & 0xF
