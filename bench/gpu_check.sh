@@ -14,6 +14,12 @@
 #   call 2, carry [.stage/smolB, .stage/data]:              bash bench/gpu_check.sh suite BUDGET_S
 # or, when only one call fits the device time left (the tests that need the GGUF then skip, saying why):
 #   carry [.stage/whl, .stage/data, .stage/old]:          bash bench/gpu_check.sh one BUDGET_S
+# or the suite alone, each call useful by itself (where calls are often refused or cut short):
+#   carry [.stage/whl, .stage/smolA, .stage/data]:  bash bench/gpu_check.sh tests BUDGET_S
+#     (FP8 runtime tests first with full tracebacks, then the rest of the suite, -v so a cut run still says
+#     which passed; the GGUF tests skip; part A stays in /tmp)
+#   then at once, carry [.stage/smolB, .stage/data]:  bash bench/gpu_check.sh gguf BUDGET_S
+#     (the tests that need SmolLM2's GGUF)
 # Everything lands in $OUT (JSON of each bench, the suite's log).
 set -o pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 COLUMNS=200
@@ -75,5 +81,29 @@ suite)
     card
     run_suite 460
     ;;
-*) echo "usage: gpu_check.sh benches|suite BUDGET_S"; exit 2 ;;
+tests)
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .stage/whl/*.whl 2>&1 | tail -2
+    export PYTHONPATH=/tmp/site
+    cp -r .stage/whl /tmp/whl && cp .stage/smolA/part /tmp/partA
+    export PIP_NO_INDEX=1  # no network here: the GGUF fixture's pip download fails at once and its tests skip
+    mkdir -p ../shared/data/wikitext2 && cp .stage/data/*.txt ../shared/data/wikitext2/
+    card | tee "$OUT/card.txt"
+    step 120 python3 -m pytest -m gpu tests/runtime/test_fp8_runtime.py -v -p no:cacheprovider 2>&1 \
+        | tee "$OUT/gpu_pytest_fp8_runtime.txt" | tail -60
+    step 600 python3 -m pytest -m gpu tests -n 12 -v -rfE -p no:cacheprovider --durations=30 \
+        --ignore=tests/runtime/test_fp8_runtime.py > "$OUT/gpu_pytest.txt" 2>&1
+    grep -E "passed|failed|FAILED|ERROR" "$OUT/gpu_pytest.txt" | tail -30
+    ;;
+gguf)
+    [ -d /tmp/whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/whl/*.whl
+    export PYTHONPATH=/tmp/site
+    g=$HOME/.cache/quantkit/smollm2
+    mkdir -p "$g" && cat /tmp/partA .stage/smolB/part | xz -d > "$g/SmolLM2-135M-Instruct.Q4_1.gguf" && ls -l "$g"
+    mkdir -p ../shared/data/wikitext2 && cp .stage/data/*.txt ../shared/data/wikitext2/
+    card | tee "$OUT/card.txt"
+    step 400 python3 -m pytest -m gpu tests/e2e/test_gpu_runtime.py tests/e2e/test_gpu_serving.py -n 4 -v -rfE \
+        -p no:cacheprovider > "$OUT/gpu_pytest_gguf.txt" 2>&1
+    grep -E "passed|failed|FAILED|ERROR|SKIPPED" "$OUT/gpu_pytest_gguf.txt" | tail -30
+    ;;
+*) echo "usage: gpu_check.sh benches|suite|one|tests|gguf BUDGET_S"; exit 2 ;;
 esac
