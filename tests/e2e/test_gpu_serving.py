@@ -21,25 +21,38 @@ CASES = {
 
 @pytest.fixture
 def kernel_calls(monkeypatch):
-    """The W4A16 paths the model's calls took, and how often QuantLinear fell back to the reference."""
-    from quantkit.kernels import w4a16, w4a16_weights
+    """The W4A16 kernels the model's calls ran (recorded by the launchers bound at load) and how often a quantized
+    linear fell back to the reference."""
+    from quantkit.kernels import dispatch, w4a16
 
     calls = {"paths": [], "reference": 0}
-    choose = w4a16._planned_choice
-    reference = w4a16_weights.w4a16_matmul_ref
+    bind = w4a16.bind_launcher
+    reference = dispatch.w4a16_matmul_ref
 
-    def recording_choose(*args, **kwargs):
-        choice = choose(*args, **kwargs)
-        calls["paths"].append(choice.kernel)
-        return choice
+    def recording_bind(choice, facts, bucket):
+        run = bind(choice, facts, bucket)
+        if run is None:
+            return None
+
+        def recording_run(x, w):
+            calls["paths"].append(choice.kernel)
+            return run(x, w)
+
+        return recording_run
 
     def counting_reference(*args, **kwargs):
         calls["reference"] += 1
         return reference(*args, **kwargs)
 
-    monkeypatch.setattr(w4a16, "_planned_choice", recording_choose)
-    monkeypatch.setattr(w4a16_weights, "w4a16_matmul_ref", counting_reference)
-    return calls
+    def clear_bindings():  # launchers are memoized per layer shape: bind afresh under the recorder, and after it
+        dispatch.bound_launchers.cache_clear()
+        dispatch.planned.cache_clear()
+
+    clear_bindings()
+    monkeypatch.setattr(w4a16, "bind_launcher", recording_bind)
+    monkeypatch.setattr(dispatch, "w4a16_matmul_ref", counting_reference)
+    yield calls
+    clear_bindings()
 
 
 @pytest.mark.parametrize("case", list(CASES))
