@@ -13,7 +13,7 @@ from quantkit.kernels.fp8_quant_ref import quantize_per_token_ref
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize("m,k", [(1, 64), (5, 300), (3, 4096)])
+@pytest.mark.parametrize("m,k", [(1, 64), (5, 300), (3, 4096), (3, 14336), (3, 20000)])  # the last: rows in blocks
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("static", [False, True])
 def test_matches_the_reference_exactly(m, k, dtype, static):
@@ -77,10 +77,10 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from quantkit.kernels.fp8_quant import _quant_row_kernel
 
-static, block_k, warps, out = json.loads(sys.argv[1])
+static, block_k, whole, warps, out = json.loads(sys.argv[1])
 signature = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "static_ptr": "*fp32", "K": "i32",
              "stride_xm": "i32", "stride_qm": "i32"}
-constexprs = dict(STATIC=static, BLOCK_K=block_k)
+constexprs = dict(STATIC=static, BLOCK_K=block_k, WHOLE_ROW=whole)
 signature |= {k: "constexpr" for k in constexprs}
 src = ASTSource(fn=_quant_row_kernel, signature=signature, constexprs=constexprs)
 kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
@@ -90,11 +90,13 @@ open(out + ".cubin", "wb").write(kernel.asm["cubin"])
 
 
 @pytest.mark.parametrize("static", [False, True])
-def test_kernel_compiles_for_sm90_with_hardware_e4m3_conversion(sm90, tmp_path, static):
+@pytest.mark.parametrize("block_k,whole,warps", [(2048, False, 8), (16384, True, 16)])  # looped rows; the longest held
+def test_kernel_compiles_for_sm90_with_hardware_e4m3_conversion(sm90, tmp_path, static, block_k, whole, warps):
     """The launcher's kernel builds for Hopper (globals as constexpr, the fp8 store) and converts with the
-    saturating round-to-nearest instruction (``cvt.rn.satfinite.e4m3x2.f32``), as torch's cast rounds."""
+    saturating round-to-nearest instruction (``cvt.rn.satfinite.e4m3x2.f32``), as torch's cast rounds; a whole row
+    of the longest length held in registers does not spill."""
     out = str(tmp_path / "quant")
-    sm90.compile(_COMPILE, json.dumps([static, 2048, 8, out]))
+    sm90.compile(_COMPILE, json.dumps([static, block_k, whole, warps, out]))
     ptx = open(out + ".ptx").read()
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
     assert "0 bytes spill stores" in sm90.ptxas_notices(out + ".ptx")
