@@ -1,27 +1,25 @@
 """Tool calls while they are being written: an incremental parser fed a streamed answer's text deltas.
 
-OpenAI streams a tool call as ``delta.tool_calls[i]``: first ``index``, ``id``, ``type`` and the function's
-``name`` (``arguments: ""``), then fragments of ``function.arguments``, and the finish chunk says
-``"tool_calls"``. :class:`ToolStream` turns the text deltas of an answer written in one
-:mod:`.tool_syntax` into such :class:`Delta` records as early as it can be sure of them:
+OpenAI streams a call as ``delta.tool_calls[i]``: ``index``, ``id``, ``type`` and ``function.name`` (with
+``arguments: ""``) first, then ``function.arguments`` fragments; the finish chunk says ``"tool_calls"``.
+:class:`ToolStream` turns the deltas of an answer in one :mod:`.tool_syntax` into such :class:`Delta` records
+as soon as it can be sure of them:
 
-* Content goes out at once, except a suffix that could still become the syntax's opening marker
-  (``<tool_call>``, ``[TOOL_CALLS]``; for Llama the answer's first ``{`` or ``<|python_tag|>``), trailing
-  whitespace (the finished answer's content is stripped when it holds calls) and, after Llama calls, the
-  ``<|eom_id|>`` / ``<|eot_id|>`` end markers. A marker split across tokens is never sent as content.
-* A call's name goes out once it is complete (``{"name": "f", "arguments": {`` seen, or Mistral v11's
-  ``f[ARGS]``), then the arguments object's raw JSON text as it arrives. A call whose object does not start
-  that way (other key order, arguments not an object) is held and sent whole once it is complete.
-* Mistral v11 text after a call is held to the end (a later broken call would make the whole answer content).
+* Content goes out at once, less a suffix that could still become the opening marker (``<tool_call>``,
+  ``[TOOL_CALLS]``; Llama: a leading ``{`` or ``<|python_tag|>``), trailing whitespace and (after Llama
+  calls) the end markers. A marker split across tokens is never sent as content.
+* A call's head goes out once its name is complete (``{"name": "f", "arguments": {``, or v11's ``f[ARGS]``),
+  then the arguments object's raw JSON text as it comes. An object in another order is sent whole once read.
+* Mistral v11 text after a call is held to the end (a later broken call voids all calls).
 
-The final word stays with the syntax's own parser (``ToolSyntax.parse``, which the non-streamed answer
-uses too): :meth:`ToolStream.finish` parses the whole text with it and sends what is still missing (the
-rest of the content, calls not yet sent). For a well-formed answer the stream then adds up to exactly the
-non-streamed message (arguments equal as JSON). Where that parser rejects a call whose fragments already
-went out (cut by ``max_tokens``, bad JSON, a later broken call in an all-or-nothing syntax), nothing can be
-taken back: the content is completed to the non-streamed content where the stream has sent a prefix of it,
-the sent fragments stay, and the finish reason is the non-streamed one (``"length"``/``"stop"`` when no
-call parsed: the client must not run the partial call, as with OpenAI's own cut streams).
+The last word is the syntax's own parser (``ToolSyntax.parse``, the non-streamed answer's too):
+:meth:`ToolStream.finish` parses the whole text and sends what is missing (the rest of the content, calls
+not yet sent). A well-formed answer's stream adds up to the non-streamed message (arguments equal as JSON);
+one difference: whitespace at the very start of text before a call went out before the call was known.
+When that parser rejects a call already (partly) sent (cut by ``max_tokens``, bad JSON, a later broken call
+in an all-or-nothing syntax), nothing is taken back: the content is completed to the non-streamed content
+where the stream sent a prefix of it, and the finish reason is the non-streamed one (``"length"``/``"stop"``
+when no call parsed: the partial call is not to be run, as in OpenAI's own cut streams).
 """
 
 from __future__ import annotations
@@ -32,13 +30,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from quantkit.runtime import tool_syntax
-from quantkit.runtime.tool_syntax import ARGS, CALL_ID, HERMES_CLOSE, HERMES_OPEN, PYTHON_TAG, TOOL_CALLS, ToolSyntax
+from quantkit.runtime.tool_syntax import HERMES_CLOSE, HERMES_OPEN, TOOL_CALLS, ToolSyntax
 
-_LLAMA_ENDS = ("<|eom_id|>", "<|eot_id|>")
-_ARG_KEYS = ("arguments", "parameters")
+_KEYS = ("arguments", "parameters")  # where a call object's arguments may be, first found first
 # The head of a {"name": ..., "arguments": {...}} object up to the arguments' opening brace.
 _HEADER = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*\{\Z')
-_NAME = re.compile(r"[A-Za-z0-9_.\-]+")
+# States that skip whitespace, separators and brackets up to the next call object.
+_BETWEEN = frozenset({"hermes_open", "mistral_open", "mistral_item", "mistral_sep", "llama_next", "llama_more",
+                      "v11_open"})
 
 
 @dataclass(frozen=True)
@@ -74,8 +73,7 @@ class _Sent:
 class _Scan:
     """Where a JSON value fed piece by piece ends: bracket depth outside strings."""
 
-    def __init__(self) -> None:
-        self.depth, self.in_string, self.escaped = 0, False, False
+    depth, in_string, escaped = 0, False, False
 
     def step(self, ch: str) -> bool:
         """Take one character; True when it closes the top-level value."""
@@ -99,13 +97,8 @@ class _Scan:
 
 def _partial_suffix(text: str, markers: tuple[str, ...]) -> int:
     """Length of the longest suffix of ``text`` that is a proper prefix of one of ``markers``."""
-    best = 0
-    for marker in markers:
-        for n in range(min(len(marker) - 1, len(text)), best, -1):
-            if text.endswith(marker[:n]):
-                best = n
-                break
-    return best
+    return max((n for m in markers for n in range(1, min(len(m), len(text) + 1)) if text.endswith(m[:n])),
+               default=0)
 
 
 def _held_from(text: str, markers: tuple[str, ...], ends: tuple[str, ...] = ()) -> int:
@@ -188,10 +181,14 @@ class ToolStream:
         elif self._calls_seen:
             piece = piece.lstrip()
         if piece:
-            out.append(Delta(content=piece))
-            self.content_sent += piece
+            self._send(piece, out)
             self._held_ws = ""
         self._held_ws += tail
+
+    def _send(self, piece: str, out: list[Delta]) -> None:
+        if piece:
+            out.append(Delta(content=piece))
+            self.content_sent += piece
 
     def _content_step(self, out: list[Delta], opener: str | None, ends: tuple[str, ...] = (),
                       hold: bool = False) -> bool:
@@ -212,10 +209,7 @@ class ToolStream:
         """The answer turned out to hold no call: everything is content, sent as written from here."""
         self._mode, self._buf = "raw", ""
         if self.text.startswith(self.content_sent):
-            rest = self.text[len(self.content_sent):]
-            if rest:
-                out.append(Delta(content=rest))
-                self.content_sent += rest
+            self._send(self.text[len(self.content_sent):], out)
         else:
             self._mode = "hold"  # the stream already left the text's own order: finish sorts it out
 
@@ -223,40 +217,31 @@ class ToolStream:
 
     def _step(self, out: list[Delta]) -> bool:
         """Consume what can be consumed of the buffer; False when more text is needed."""
-        mode, syntax = self._mode, self.syntax
-        if mode == "raw":
-            out.append(Delta(content=self._buf))
-            self.content_sent += self._buf
-            self._buf = ""
-            return False
-        if mode == "hold":
-            self._buf = ""
-            return False
-        if mode == "content":
-            if syntax is tool_syntax.HERMES:
-                return self._open(self._content_step(out, HERMES_OPEN), "hermes_open")
-            if syntax is tool_syntax.MISTRAL_V11:
-                return self._open(self._content_step(out, TOOL_CALLS, hold=self._calls_seen > 0), "v11_name")
-            if syntax is tool_syntax.MISTRAL:
-                return self._open(self._content_step(out, TOOL_CALLS), "mistral_open")
-        if mode == "tail":  # after the calls no other can start (Mistral's one list, Llama's leading calls)
-            self._content_step(out, None, _LLAMA_ENDS if syntax is tool_syntax.LLAMA3_JSON else ())
-            return False
-        if mode == "llama_start":
-            return self._llama_start(out)
-        if mode in ("hermes_open", "mistral_open", "mistral_item", "mistral_sep", "llama_next", "llama_more"):
+        if self._mode in _BETWEEN:
             return self._between(out)
-        if mode == "hermes_after":
-            return self._hermes_after(out)
-        if mode == "object":
-            return self._object(out)
-        if mode == "v11_name":
-            return self._v11_name(out)
-        if mode == "v11_args":
-            return self._v11_args(out)
-        if mode == "hermes_close":
-            return self._hermes_close(out)
-        raise AssertionError(mode)
+        return {"raw": self._drain, "hold": self._drain, "content": self._content, "tail": self._tail,
+                "llama_start": self._llama_start, "object": self._object, "hermes_after": self._hermes_after,
+                "hermes_close": self._hermes_close, "v11_name": self._v11_name}[self._mode](out)
+
+    def _drain(self, out: list[Delta]) -> bool:
+        """"raw": all is content, sent as written; "hold": finish() sends what is owed."""
+        if self._mode == "raw":
+            self._send(self._buf, out)
+        self._buf = ""
+        return False
+
+    def _content(self, out: list[Delta]) -> bool:
+        syntax = self.syntax
+        if syntax is tool_syntax.HERMES:
+            return self._open(self._content_step(out, HERMES_OPEN), "hermes_open")
+        if syntax is tool_syntax.MISTRAL_V11:  # text after a call is held: a later broken call voids them all
+            return self._open(self._content_step(out, TOOL_CALLS, hold=self._calls_seen > 0), "v11_name")
+        return self._open(self._content_step(out, TOOL_CALLS), "mistral_open")
+
+    def _tail(self, out: list[Delta]) -> bool:
+        """After the calls, where no other can start (Mistral's one list, Llama's leading calls)."""
+        self._content_step(out, None, tool_syntax.LLAMA_ENDS if self.syntax is tool_syntax.LLAMA3_JSON else ())
+        return False
 
     def _open(self, opened: bool, mode: str) -> bool:
         if opened:
@@ -266,11 +251,11 @@ class ToolStream:
 
     def _llama_start(self, out: list[Delta]) -> bool:
         body = self._buf.lstrip()
-        if body.startswith(PYTHON_TAG):
-            body = body[len(PYTHON_TAG):].lstrip()
+        if body.startswith(tool_syntax.PYTHON_TAG):
+            body = body[len(tool_syntax.PYTHON_TAG):].lstrip()
             if not body:
                 return False
-        elif not body or (PYTHON_TAG.startswith(body)):
+        elif tool_syntax.PYTHON_TAG.startswith(body):  # (also when empty)
             return False
         if not body.startswith("{"):
             self._all_content(out)
@@ -294,21 +279,24 @@ class ToolStream:
             return True
         if ch == "{" and mode != "mistral_sep":
             self._buf = body
-            self._start_object()
+            self._start_object(arguments_only=mode == "v11_open")
             return True
         if mode in ("llama_next", "llama_more"):  # the calls are over: the rest is content
             self._mode = "tail"
             return True
         if mode == "hermes_open":  # not a JSON object: the block is no call
             self._buf = body
-            self._hermes_broken(out)
+            self._hermes_broken()
             return True
-        self._all_content(out)  # Mistral: not a list of call objects
+        self._all_content(out)  # Mistral: no list of call objects; v11: arguments that are no object
         return False
 
-    def _start_object(self) -> None:
-        self._mode, self._obj, self._scan, self._args_depth = "object", "", _Scan(), 0
-        self._call = None
+    def _start_object(self, arguments_only: bool = False) -> None:
+        """Read a call object; ``arguments_only``: Mistral v11's, whose name came before it."""
+        self._mode, self._obj, self._scan = "object", "", _Scan()
+        self._args_depth = 1 if arguments_only else 0
+        if not arguments_only:
+            self._call = None
 
     def _object(self, out: list[Delta]) -> bool:
         """A ``{"name": ..., "arguments": {...}}`` call object, one character at a time."""
@@ -320,13 +308,14 @@ class ToolStream:
                 fragment.append(ch)
                 if self._scan.depth < self._args_depth:
                     self._args_depth = 0
-                    self.sent[self._call].done = True
+                    if self._call is not None:
+                        self.sent[self._call].done = True
             elif ch == "{" and self._scan.depth == 2 and self._call is None and not self._scan.in_string:
                 self._begin_call(out)
             if self.syntax is tool_syntax.HERMES and ch == ">" and self._obj.endswith(HERMES_CLOSE):
                 self._flush_args(fragment, out)  # the block ended inside the object: no call
                 self._buf, self._mode = buf[i + 1:], "content"
-                self._hermes_broken(out, closed=True)
+                self._hermes_broken(closed=True)
                 return True
             if closed:
                 self._flush_args(fragment, out)
@@ -340,14 +329,19 @@ class ToolStream:
     def _begin_call(self, out: list[Delta]) -> None:
         match = _HEADER.match(self._obj)
         name = _loads(match.group(1)) if match else None
-        if isinstance(name, str) and name and self._room():
-            self._call, self._args_depth = len(self.sent), 2
-            self.sent.append(_Sent(name))
-            out.append(Delta(index=self._call, id=self.syntax.new_id(), name=name))
-            self._flush_args(["{"], out)
+        if isinstance(name, str) and name:
+            self._call = self._new_call(name, out)
+            if self._call is not None:
+                self._args_depth = 2
+                self._flush_args(["{"], out)
 
-    def _room(self) -> bool:
-        return not self.max_calls or len(self.sent) < self.max_calls
+    def _new_call(self, name: str, out: list[Delta]) -> int | None:
+        """Send a call's head; its index, or None past ``max_calls`` (the call is read, not sent)."""
+        if self.max_calls and len(self.sent) >= self.max_calls:
+            return None
+        self.sent.append(_Sent(name))
+        out.append(Delta(index=len(self.sent) - 1, id=self.syntax.new_id(), name=name))
+        return len(self.sent) - 1
 
     def _flush_args(self, fragment: list[str], out: list[Delta]) -> None:
         if self._call is not None and fragment:
@@ -357,113 +351,84 @@ class ToolStream:
 
     def _send_whole(self, name: str, arguments: dict[str, Any], out: list[Delta]) -> None:
         """A call that could not be streamed (its object does not start with name then arguments)."""
-        if self._room():
-            index, text = len(self.sent), json.dumps(arguments, ensure_ascii=False)
-            self.sent.append(_Sent(name, text, done=True))
-            out += [Delta(index=index, id=self.syntax.new_id(), name=name), Delta(index=index, arguments=text)]
+        self._call = self._new_call(name, out)
+        self._flush_args([json.dumps(arguments, ensure_ascii=False)], out)
+        if self._call is not None:
+            self.sent[self._call].done = True
 
     def _object_done(self, out: list[Delta]) -> None:
         """The object closed: check it; a call held back is sent whole once it counts."""
-        obj = _loads(self._obj)
-        arguments = next((obj[k] for k in _ARG_KEYS if k in obj), {}) if isinstance(obj, dict) else None
-        valid = isinstance(arguments, dict) and isinstance(obj.get("name"), str) and bool(obj["name"])
-        self._pending = (obj["name"], arguments) if valid and self._call is None else None
-        if self.syntax is tool_syntax.HERMES:
-            self._mode = "hermes_after" if valid else "hermes_close"
-            if not valid:
-                self._hermes_broken(out)
+        syntax, obj = self.syntax, _loads(self._obj)
+        if syntax is tool_syntax.MISTRAL_V11:  # the arguments object
+            self._mode = "content"
+            if not isinstance(obj, dict):
+                self._all_content(out)
             return
-        if not valid:
+        call = tool_syntax.as_call(obj, ("parameters", "arguments") if syntax is tool_syntax.LLAMA3_JSON else _KEYS)
+        self._pending = call if self._call is None else None
+        if syntax is tool_syntax.HERMES:
+            self._mode = "hermes_after"
+            if call is None:
+                self._hermes_broken()
+        elif call is None:
             self._all_content(out)  # Llama and Mistral: one bad call makes the whole answer content
-            return
-        if self._pending:
-            self._send_whole(*self._pending, out)
-        self._mode = "llama_next" if self.syntax is tool_syntax.LLAMA3_JSON else (
-            "mistral_sep" if self._in_list else "tail")
+        else:
+            if self._pending:
+                self._send_whole(*self._pending, out)
+            self._mode = "llama_next" if syntax is tool_syntax.LLAMA3_JSON else (
+                "mistral_sep" if self._in_list else "tail")
 
     def _hermes_after(self, out: list[Delta]) -> bool:
         """After a Hermes call object only whitespace may come before ``</tool_call>``."""
         body = self._buf.lstrip()
+        self._buf = body
         if body.startswith(HERMES_CLOSE):
             self._buf, self._mode = body[len(HERMES_CLOSE):], "content"
             self._good_calls += 1
             if self._pending:
                 self._send_whole(*self._pending, out)
             return True
-        self._buf = body
         if HERMES_CLOSE.startswith(body):
             return False
-        self._mode = "hermes_close"
-        self._hermes_broken(out)
+        self._hermes_broken()
         return True
 
-    def _hermes_broken(self, out: list[Delta], closed: bool = False) -> None:
-        """A Hermes block that is no call. With a good call before it, it is just cut from the content; else
-        whether it is content depends on whether a good call follows: hold the rest of the answer to the end."""
+    def _hermes_broken(self, closed: bool = False) -> None:
+        """A Hermes block with no call in it. After a good call it is just cut from the content; before one,
+        whether it is content depends on whether a good call follows: hold the rest to the end."""
         if self._good_calls:
             self._mode = "content" if closed else "hermes_close"
         else:
             self._mode, self._buf = "hold", ""
 
     def _hermes_close(self, out: list[Delta]) -> bool:
+        """Skip to the end of a block with no call in it."""
         at = self._buf.find(HERMES_CLOSE)
-        if at < 0:
-            keep = _partial_suffix(self._buf, (HERMES_CLOSE,))
-            self._buf = self._buf[len(self._buf) - keep:] if keep else ""
-            return False
-        self._buf, self._mode = self._buf[at + len(HERMES_CLOSE):], "content"
-        return True
+        if at >= 0:
+            self._buf, self._mode = self._buf[at + len(HERMES_CLOSE):], "content"
+            return True
+        self._buf = self._buf[len(self._buf) - _partial_suffix(self._buf, (HERMES_CLOSE,)):]
+        return False
 
     def _v11_name(self, out: list[Delta]) -> bool:
         """Mistral v11: ``name`` (``[CALL_ID]id``) up to ``[ARGS]`` or the arguments' brace."""
         head = self._buf
-        at_args, at_brace, at_next = head.find(ARGS), head.find("{"), head.find(TOOL_CALLS)
+        at_args, at_brace, at_next = head.find(tool_syntax.ARGS), head.find("{"), head.find(TOOL_CALLS)
         if at_args >= 0 and (at_brace < 0 or at_args < at_brace):
-            name, rest = head[:at_args], head[at_args + len(ARGS):]
+            name, rest = head[:at_args], head[at_args + len(tool_syntax.ARGS):]
         elif at_brace >= 0:
             name, rest = head[:at_brace], head[at_brace:]
         else:
             if at_next >= 0:
                 self._all_content(out)  # a [TOOL_CALLS] without arguments
             return False
-        name = name.partition(CALL_ID)[0].strip()
-        if TOOL_CALLS in name or not _NAME.fullmatch(name):
+        name = name.partition(tool_syntax.CALL_ID)[0].strip()
+        if TOOL_CALLS in name or not tool_syntax.FUNCTION_NAME.fullmatch(name):
             self._all_content(out)
             return False
-        self._call = None
-        if self._room():
-            self._call = len(self.sent)
-            self.sent.append(_Sent(name))
-            out.append(Delta(index=self._call, id=self.syntax.new_id(), name=name))
-        self._buf, self._mode, self._scan, self._obj = rest, "v11_args", _Scan(), ""
+        self._call = self._new_call(name, out)
+        self._buf, self._mode = rest, "v11_open"
         return True
-
-    def _v11_args(self, out: list[Delta]) -> bool:
-        if not self._scan.depth:
-            body = self._buf.lstrip()
-            if not body:
-                self._buf = ""
-                return False
-            if body[0] != "{":
-                self._all_content(out)
-                return False
-            self._buf = body
-        fragment, buf = [], self._buf
-        for i, ch in enumerate(buf):
-            fragment.append(ch)
-            self._obj += ch
-            if self._scan.step(ch):
-                self._flush_args(fragment, out)
-                self._buf, self._mode = buf[i + 1:], "content"
-                if not isinstance(_loads(self._obj), dict):
-                    self._all_content(out)
-                    return False
-                if self._call is not None:
-                    self.sent[self._call].done = True
-                return True
-        self._flush_args(fragment, out)
-        self._buf = ""
-        return False
 
 
 def _loads(text: str) -> Any:

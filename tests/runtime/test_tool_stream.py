@@ -7,12 +7,13 @@ must stream before the end."""
 from __future__ import annotations
 
 import json
+import random
 import re
 
 import pytest
 
 from quantkit.runtime import tool_calls
-from quantkit.runtime.tool_stream import ToolStream
+from quantkit.runtime.tool_stream import Delta, ToolStream, merge_deltas
 from quantkit.runtime.tool_syntax import HERMES, LLAMA3_JSON, MISTRAL, MISTRAL_V11
 
 W = '{"name": "weather", "arguments": {"city": "Oslo", "days": 2}}'
@@ -28,6 +29,7 @@ WELL_FORMED = [
     (LLAMA3_JSON, f"  {C}{W}<|eom_id|>"),
     (LLAMA3_JSON, "The answer is {not a call}; prose stays content."),
     (LLAMA3_JSON, "<|python_tag|> not a call"),
+    (LLAMA3_JSON, '{"answer": 42} is JSON, but no call'),
     (MISTRAL, f"[TOOL_CALLS] [{W}]"),
     (MISTRAL, f"Let me check.[TOOL_CALLS][{W}, {C[:-1]}, \"id\": \"abcdefghi\"}}] ok"),
     (MISTRAL, f"[TOOL_CALLS] {C}"),
@@ -175,3 +177,47 @@ def test_leading_whitespace_before_text_and_a_call_is_kept_by_the_stream():
     before, end = stream(HERMES, [text[:3], text[3:]])
     content, calls = accumulate(before + list(end.deltas))
     assert (content.lstrip(), calls) == expected(HERMES, text) and not end.consistent
+
+
+def random_answer(rng, syntax):
+    """A well-formed answer with 1-3 calls in ``syntax`` (pretty-printed or compact arguments, text around)."""
+    def call():
+        name = rng.choice(["weather", "clock", "get.x-y_z"])
+        args = json.dumps(rng.choice([{}, {"a": 1}, {"s": 'x}"{', "l": [1, {"b": None}]}, {"c": "Zürich"}]),
+                          ensure_ascii=False, indent=rng.choice([None, 1]))
+        if syntax is MISTRAL_V11:
+            return f"[TOOL_CALLS]{name}" + rng.choice(["", "[CALL_ID]abcdefghi"]) + rng.choice(["[ARGS]", ""]) + args
+        return f'{{"name": "{name}", "{rng.choice(["arguments", "parameters"])}": {args}}}'
+    text = lambda: rng.choice(["", "Sure.", "ok ", "\n", "a < b", "[TOOL", "done."])  # noqa: E731
+    calls = [call() for _ in range(rng.randint(1, 3))]
+    if syntax is HERMES:
+        return text() + "".join(f"<tool_call>{rng.choice(['', chr(10)])}{c}</tool_call>{text()}" for c in calls)
+    if syntax is LLAMA3_JSON:
+        return rng.choice(["", "<|python_tag|>"]) + rng.choice(["; ", ""]).join(calls) + text() + "<|eot_id|>"
+    if syntax is MISTRAL:
+        return text() + "[TOOL_CALLS] [" + ", ".join(calls) + "]" + text()
+    return text() + "".join(c + text() for c in calls)
+
+
+@pytest.mark.parametrize("syntax", [HERMES, LLAMA3_JSON, MISTRAL, MISTRAL_V11], ids=lambda s: s.name)
+def test_random_answers_and_their_truncations(syntax):
+    """Well-formed answers add up to the final parse at random splits; any prefix of one (a cut answer) never
+    raises, and whenever the stream says it is consistent it is, and its content is the final content."""
+    rng = random.Random(syntax.name)
+    for _ in range(60):
+        text = random_answer(rng, syntax)
+        for cut in (len(text), rng.randint(0, len(text))):
+            content, calls = expected(syntax, text[:cut])
+            cuts = sorted(rng.sample(range(1, cut), min(cut - 1, 8))) if cut > 1 else []
+            pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, cut])]
+            before, end = stream(syntax, pieces)
+            deltas = before + list(end.deltas)
+            assert "".join(d.content or "" for d in deltas) == content, (text[:cut], pieces)
+            if end.consistent or cut == len(text):
+                assert end.consistent and accumulate(deltas) == (content, calls), (text[:cut], pieces)
+
+
+def test_merge_deltas_joins_neighbours_and_keeps_heads_apart():
+    deltas = [Delta(content="a"), Delta(content="b"), Delta(index=0, id="x", name="f"), Delta(index=0, arguments="{"),
+              Delta(index=0, arguments="}"), Delta(index=1, id="y", name="g"), Delta(index=1, arguments="{}")]
+    assert merge_deltas(deltas) == [Delta(content="ab"), deltas[2], Delta(index=0, arguments="{}"), *deltas[5:]]
