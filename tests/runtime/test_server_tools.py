@@ -133,15 +133,17 @@ def test_tool_call_round_trip(engine, client, syntax):
 @pytest.mark.parametrize("syntax", list(TEMPLATES))
 def test_auto_answers_are_content_or_calls_never_errors(engine, client, syntax):
     """With tool_choice auto the random model writes what it likes (special tokens included): a 200 with
-    content (or a call that parses), never a 500."""
+    content (or a call that parses), never a 500; streamed (same seed), the same content and finish reason."""
     engine.tokenizer.chat_template = TEMPLATES[syntax]
     for seed in range(3):
-        answer = client.chat.completions.create(model=client.models.list().data[0].id,
-                                                messages=USER, max_tokens=12, temperature=1.0, seed=seed,
-                                                tools=[WEATHER, CLOCK])
-        choice = answer.choices[0]
+        request = dict(model=client.models.list().data[0].id, messages=USER, max_tokens=12, temperature=1.0,
+                       seed=seed, tools=[WEATHER, CLOCK])
+        choice = client.chat.completions.create(**request).choices[0]
         assert choice.finish_reason in ("length", "stop", "tool_calls")
         assert choice.message.tool_calls or isinstance(choice.message.content, str)
+        chunks = [c.choices[0] for c in client.chat.completions.create(**request, stream=True) if c.choices]
+        assert chunks[-1].finish_reason == choice.finish_reason
+        assert "".join(c.delta.content or "" for c in chunks) == (choice.message.content or "")
 
 
 @pytest.mark.parametrize("syntax", list(TEMPLATES))
