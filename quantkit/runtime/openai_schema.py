@@ -331,7 +331,8 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 class ResponseFormat:
     """Writes one request's response bodies: the whole answer, or the chunks of a stream. ``tool_syntax``
     (a runtime.tool_syntax.ToolSyntax): the answer may hold tool calls written that way (parsed from the
-    text at its end; ``max_calls`` 1 when parallel_tool_calls is false)."""
+    whole text; a stream sends them as they are written, runtime.tool_stream; ``max_calls`` 1 when
+    parallel_tool_calls is false)."""
 
     chat: bool
     model: str
@@ -359,20 +360,22 @@ class ResponseFormat:
             return {"role": "assistant", "content": text}, finish_reason
         return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
 
-    def tool_chunks(self, text: str, finish_reason: str | None) -> list[dict]:
-        """A buffered tool-call answer as stream chunks: the content and the calls, then the finish chunk."""
-        message, finish_reason = self.tool_message(text, finish_reason)
-        delta: dict[str, Any] = {}
-        if message.get("content"):
-            delta["content"] = message["content"]
-        if message.get("tool_calls"):
-            delta["tool_calls"] = [dict(call, index=i) for i, call in enumerate(message["tool_calls"])]
-        chunks = []
-        if delta:
-            chunks.append(self._envelope("chat.completion.chunk", [{"index": 0, "delta": delta, "logprobs": None,
-                                                                   "finish_reason": None}]))
-        chunks.append(self.chunk(None, finish_reason))
-        return chunks
+    def tool_stream(self):
+        """The incremental parser (runtime.tool_stream.ToolStream) of one streamed answer's tool calls."""
+        from quantkit.runtime.tool_stream import ToolStream
+
+        return ToolStream(self.tool_syntax, self.max_calls)
+
+    def delta_chunk(self, delta) -> dict:
+        """The stream chunk of a runtime.tool_stream.Delta: content, a call's head (``index``, ``id``, ``type``,
+        ``function.name``, ``arguments: ""``) or a fragment of its ``function.arguments``."""
+        if delta.index is None:
+            return self.chunk(delta.content)
+        call: dict[str, Any] = {"index": delta.index, "function": {"arguments": delta.arguments}}
+        if delta.name is not None:
+            call.update(id=delta.id, type="function", function={"name": delta.name, "arguments": delta.arguments})
+        return self._envelope("chat.completion.chunk", [{"index": 0, "delta": {"tool_calls": [call]},
+                                                         "logprobs": None, "finish_reason": None}])
 
     def _envelope(self, object_name: str, choices: list[dict]) -> dict[str, Any]:
         return {"id": self.request_id, "object": object_name, "created": self.created, "model": self.model,

@@ -39,6 +39,7 @@ from quantkit.runtime.openai_schema import (
     ResponseFormat,
     parse_request,
 )
+from quantkit.runtime.tool_stream import merge_deltas
 from quantkit.runtime.types import Engine, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -300,24 +301,32 @@ class _Service:
 
     async def _stream(self, handle: RequestHandle, fmt: ResponseFormat, prompt_tokens: int, include_usage: bool,
                       timer):
-        """Server-sent events: a role chunk (chat), one chunk per text delta, the finish chunk, [DONE]."""
+        """Server-sent events: a role chunk (chat), one chunk per text delta (with tools: per content or
+        tool-call delta, :mod:`.tool_stream`), the finish chunk, [DONE]."""
         try:
             if fmt.chat:
                 yield _sse(fmt.chunk(None, role=True))
-            counted, generated, held = 0, 0, []
+            counted, generated = 0, 0
+            tools = fmt.tool_stream() if fmt.tools else None  # tool calls are parsed as the text arrives
             async for event in handle.events():
                 timer.on_event(event)
                 counted += event.token_id is not None
-                if event.text and fmt.tools:
-                    held.append(event.text)  # tool calls are parsed from the whole answer
+                if event.text and tools is not None:
+                    for delta in merge_deltas(tools.feed(event.text)):
+                        yield _sse(fmt.delta_chunk(delta))
                 elif event.text:
                     yield _sse(fmt.chunk(event.text))
                 if event.finished:
                     generated = event.generated_tokens or counted
-                    closing = fmt.tool_chunks("".join(held), event.finish_reason) if fmt.tools else [
-                        fmt.chunk(None, event.finish_reason)]
-                    for chunk in closing:
-                        yield _sse(chunk)
+                    finish_reason = event.finish_reason
+                    if tools is not None:
+                        end = tools.finish(finish_reason)
+                        if not end.consistent:
+                            log.debug("streamed tool calls differ from the final parse (malformed call)")
+                        for delta in merge_deltas(end.deltas):
+                            yield _sse(fmt.delta_chunk(delta))
+                        finish_reason = end.finish_reason
+                    yield _sse(fmt.chunk(None, finish_reason))
             if include_usage:
                 yield _sse(fmt.usage_chunk(prompt_tokens, generated))
         except RequestFailed as exc:

@@ -42,7 +42,7 @@ Call = tuple[str, dict[str, Any]]
 Special = Mapping[str, int]
 
 _DECODER = json.JSONDecoder()
-_NAME = re.compile(r"[A-Za-z0-9_.\-]+")
+FUNCTION_NAME = re.compile(r"[A-Za-z0-9_.\-]+")
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ def _call_schema(functions: list[dict[str, Any]], arguments_key: str) -> dict[st
     return dict(calls[0]) if len(calls) == 1 else {"anyOf": calls}
 
 
-def _as_call(obj: Any, keys: tuple[str, ...]) -> Call | None:
+def as_call(obj: Any, keys: tuple[str, ...]) -> Call | None:
     """``(name, arguments)`` of a decoded ``{"name": ..., <one of keys>: {...}}`` object, or None."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return None
@@ -106,7 +106,7 @@ def _hermes_parse(text: str) -> tuple[str | None, list[Call]]:
     calls = []
     for block in _HERMES_BLOCK.findall(text):
         try:
-            call = _as_call(json.loads(block), ("arguments", "parameters"))
+            call = as_call(json.loads(block), ("arguments", "parameters"))
         except json.JSONDecodeError:
             continue
         if call is not None:
@@ -124,7 +124,7 @@ def _hermes_grammar(functions: list[dict[str, Any]], special: Special) -> str:
 # -- llama3_json --------------------------------------------------------------------------------------------
 
 PYTHON_TAG = "<|python_tag|>"
-_LLAMA_ENDS = ("<|eom_id|>", "<|eot_id|>")
+LLAMA_ENDS = ("<|eom_id|>", "<|eot_id|>")
 
 
 def _llama_detect(template: str) -> bool:
@@ -133,7 +133,7 @@ def _llama_detect(template: str) -> bool:
 
 def _llama_parse(text: str) -> tuple[str | None, list[Call]]:
     body = text.strip()
-    for end in _LLAMA_ENDS:
+    for end in LLAMA_ENDS:
         body = body.removesuffix(end).rstrip()
     body = body.removeprefix(PYTHON_TAG).lstrip()
     if not body.startswith("{"):
@@ -144,7 +144,7 @@ def _llama_parse(text: str) -> tuple[str | None, list[Call]]:
             obj, pos = _DECODER.raw_decode(body, pos)
         except json.JSONDecodeError:
             return text, []
-        call = _as_call(obj, ("parameters", "arguments"))
+        call = as_call(obj, ("parameters", "arguments"))
         if call is None:
             return text, []
         calls.append(call)
@@ -173,7 +173,7 @@ def _mistral_parse(text: str) -> tuple[str | None, list[Call]]:
         obj, end = _DECODER.raw_decode(rest)
     except json.JSONDecodeError:
         return text, []
-    calls = [_as_call(item, ("arguments", "parameters")) for item in (obj if isinstance(obj, list) else [obj])]
+    calls = [as_call(item, ("arguments", "parameters")) for item in (obj if isinstance(obj, list) else [obj])]
     if not calls or any(c is None for c in calls):
         return text, []
     return _content(head, rest[end:]), calls
@@ -194,7 +194,7 @@ def _mistral_v11_parse(text: str) -> tuple[str | None, list[Call]]:
             arguments, end = _DECODER.raw_decode(args.lstrip())
         except json.JSONDecodeError:
             return text, []
-        if not _NAME.fullmatch(name) or not isinstance(arguments, dict):
+        if not FUNCTION_NAME.fullmatch(name) or not isinstance(arguments, dict):
             return text, []
         calls.append((name, arguments))
         tail += args.lstrip()[end:]

@@ -123,12 +123,13 @@ def test_tool_call_round_trip(tiny_served):
     again = tiny_served.chat.completions.create(model=model, messages=follow, max_tokens=5, temperature=0,
                                                 tools=[WEATHER])
     assert again.choices[0].finish_reason in ("length", "stop", "tool_calls")
-    # streamed: the call arrives as a tool_calls delta, then finish_reason tool_calls
+    # streamed: the call's head (name, arguments ""), its arguments in fragments, then finish_reason tool_calls
     chunks = list(tiny_served.chat.completions.create(model=model, messages=USER, max_tokens=120, temperature=0,
                                                       tools=[WEATHER], tool_choice="required", stream=True))
-    deltas = [c.choices[0].delta for c in chunks if c.choices and c.choices[0].delta.tool_calls]
-    assert len(deltas) == 1 and deltas[0].tool_calls[0].function.name == "weather"
-    jsonschema.validate(json.loads(deltas[0].tool_calls[0].function.arguments), SCHEMA)
+    calls = [c.choices[0].delta.tool_calls[0] for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    assert calls[0].function.name == "weather" and calls[0].function.arguments == "" and calls[0].id
+    assert len(calls) > 2 and all(c.index == 0 and c.function.name is None and not c.id for c in calls[1:])
+    jsonschema.validate(json.loads("".join(c.function.arguments for c in calls)), SCHEMA)
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 

@@ -120,28 +120,30 @@ def test_tool_call_round_trip(engine, client, syntax):
     again = client.chat.completions.create(model=model, messages=follow, max_tokens=6, temperature=0,
                                            tools=[WEATHER, CLOCK])
     assert again.choices[0].finish_reason in ("length", "stop", "tool_calls")
-    # streamed: the call arrives as one tool_calls delta, then finish_reason tool_calls
+    # streamed: the call's head (name, arguments ""), its arguments in fragments, then finish_reason tool_calls
     chunks = list(client.chat.completions.create(model=model, messages=USER, max_tokens=120, temperature=0,
                                                  tools=[WEATHER], tool_choice="required", stream=True))
-    deltas = [c.choices[0].delta for c in chunks if c.choices and c.choices[0].delta.tool_calls]
-    assert len(deltas) == 1 and deltas[0].tool_calls[0].function.name == "weather"
-    assert deltas[0].tool_calls[0].index == 0
-    jsonschema.validate(json.loads(deltas[0].tool_calls[0].function.arguments), SCHEMA)
+    calls = [c.choices[0].delta.tool_calls[0] for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    assert calls[0].function.name == "weather" and calls[0].function.arguments == "" and calls[0].id
+    assert len(calls) > 2 and all(c.index == 0 and c.function.name is None and not c.id for c in calls[1:])
+    jsonschema.validate(json.loads("".join(c.function.arguments for c in calls)), SCHEMA)
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
 @pytest.mark.parametrize("syntax", list(TEMPLATES))
 def test_auto_answers_are_content_or_calls_never_errors(engine, client, syntax):
     """With tool_choice auto the random model writes what it likes (special tokens included): a 200 with
-    content (or a call that parses), never a 500."""
+    content (or a call that parses), never a 500; streamed (same seed), the same content and finish reason."""
     engine.tokenizer.chat_template = TEMPLATES[syntax]
     for seed in range(3):
-        answer = client.chat.completions.create(model=client.models.list().data[0].id,
-                                                messages=USER, max_tokens=12, temperature=1.0, seed=seed,
-                                                tools=[WEATHER, CLOCK])
-        choice = answer.choices[0]
+        request = dict(model=client.models.list().data[0].id, messages=USER, max_tokens=12, temperature=1.0,
+                       seed=seed, tools=[WEATHER, CLOCK])
+        choice = client.chat.completions.create(**request).choices[0]
         assert choice.finish_reason in ("length", "stop", "tool_calls")
         assert choice.message.tool_calls or isinstance(choice.message.content, str)
+        chunks = [c.choices[0] for c in client.chat.completions.create(**request, stream=True) if c.choices]
+        assert chunks[-1].finish_reason == choice.finish_reason
+        assert "".join(c.delta.content or "" for c in chunks) == (choice.message.content or "")
 
 
 @pytest.mark.parametrize("syntax", list(TEMPLATES))
