@@ -177,7 +177,14 @@ def decode_tps(engine: Engine, batch: int, steps: int, prompt_len: int = 128, se
     params = SamplingParams(max_tokens=steps + 1, ignore_eos=True)
     for _ in range(batch):
         engine.add_request(torch.randint(0, vocab, (prompt_len,), generator=gen).tolist(), params)
-    engine.step()  # the prefill
+    # Every prompt in one prefill step, so that all rows decode from the same step to the same last one: with the
+    # engine's chunked prefill (2048 tokens a step on CUDA) 32 x 128 tokens took two steps, the first half of the
+    # rows decoded one step alone and ended one step early, and two half-full steps cost batch 32 ~2% of its rate.
+    chunk, engine.prefill_chunk = engine.prefill_chunk, max(engine.prefill_chunk, batch * prompt_len)
+    try:
+        engine.step()  # the prefill
+    finally:
+        engine.prefill_chunk = chunk
     before = (engine.stats.decode_tokens, engine.stats.decode_seconds)
     while engine.has_work():
         engine.step()

@@ -1,4 +1,5 @@
-"""The benchmark's FP8 pieces that run without a GPU: the in-place FP8 model and the table's FP8 rows."""
+"""The benchmark's pieces that run without a GPU: the in-place FP8 model, the table's rows, the prefill split, and
+how the decode rate is measured."""
 
 from __future__ import annotations
 
@@ -104,3 +105,20 @@ def test_prefill_split_times_every_part_of_an_fp8_prefill(monkeypatch):
     record = {"batches": [1], "fp8": {"decode_tps": {"1": 1.0}, "prefill_tps": 1.0, "weight_bytes_per_token": 1,
                                       "peak_memory_bytes": 1, "prefill_split_ms": ms}}
     assert "fp8 prefill split (ms): prefill " in bench_run.format_table(record)
+
+
+def test_decode_rate_is_measured_on_full_batches_when_the_prompts_need_several_prefill_chunks():
+    """32 x 128 prompt tokens exceed one prefill chunk on CUDA (2048); here 4 x 128 exceed the CPU's 256. The bench's
+    decode steps must all carry the whole batch (none half-full while the rest of the prompts are prefilled)."""
+    from transformers import AutoModelForCausalLM
+
+    from quantkit.runtime.engine import Engine
+    from tests.runtime.conftest import tiny_config
+
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(tiny_config("llama", 256)).eval()
+    engine = Engine(bench.runtime_from_hf(hf, None, backend="reference"), None, max_batch=4, max_seq_len=160)
+    assert engine.prefill_chunk < 4 * 128
+    bench.decode_tps(engine, batch=4, steps=6)
+    assert engine.stats.decode_tokens == 4 * 6 and engine.stats.decode_steps == 6, engine.stats
+    assert engine.prefill_chunk < 4 * 128  # restored
