@@ -18,8 +18,9 @@
 #   carry [.stage/whl, .stage/smolA, .stage/data]:  bash bench/gpu_check.sh tests BUDGET_S
 #     (FP8 runtime tests first with full tracebacks, then the rest of the suite, -v so a cut run still says
 #     which passed; the GGUF tests skip; part A stays in /tmp)
-#   then at once, carry [.stage/smolB, .stage/data]:  bash bench/gpu_check.sh gguf BUDGET_S
-#     (the tests that need SmolLM2's GGUF)
+#   then at once, carry [.stage/smolB, .stage/data(, .stage/whl)]:  bash bench/gpu_check.sh gguf BUDGET_S [coldstart]
+#     (the tests that need SmolLM2's GGUF; with "coldstart", then bench_serve_coldstart.py on SmolLM2 quantized
+#     with GPTQ's defaults: issue 40's measurements, ~6 minutes, BUDGET_S 560)
 # Everything lands in $OUT (JSON of each bench, the suite's log).
 set -o pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 COLUMNS=200
@@ -95,7 +96,9 @@ tests)
     grep -E "passed|failed|FAILED|ERROR" "$OUT/gpu_pytest.txt" | tail -30
     ;;
 gguf)
-    [ -d /tmp/whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/whl/*.whl
+    whl=.stage/whl; [ -d "$whl" ] || whl=/tmp/whl  # carried now (coldstart needs them), or left by the tests call
+    [ -d "$whl" ] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$whl"/*.whl \
+        2>&1 | grep -v "^WARNING" | tail -2
     export PYTHONPATH=/tmp/site
     g=$HOME/.cache/quantkit/smollm2
     mkdir -p "$g" && cat /tmp/partA .stage/smolB/part | xz -d > "$g/SmolLM2-135M-Instruct.Q4_1.gguf" && ls -l "$g"
@@ -104,6 +107,12 @@ gguf)
     step 400 python3 -m pytest -m gpu tests/e2e/test_gpu_runtime.py tests/e2e/test_gpu_serving.py -n 4 -v -rfE \
         -p no:cacheprovider > "$OUT/gpu_pytest_gguf.txt" 2>&1
     grep -E "passed|failed|FAILED|ERROR|SKIPPED" "$OUT/gpu_pytest_gguf.txt" | tail -30
+    if [ "${3:-}" = coldstart ]; then  # issue 40's H200 must-show on SmolLM2 quantized here (GPTQ defaults)
+        step 90 python3 -m quantkit.cli.app gptq "$g/SmolLM2-135M-Instruct.Q4_1.gguf" -o /tmp/smol-gptq \
+            --calib ../shared/data/wikitext2/valid.tokens.txt > "$OUT/smollm2_gptq.log" 2>&1
+        step 300 python3 bench/bench_serve_coldstart.py /tmp/smol-gptq --out "$OUT/serve_coldstart_smollm2_h200.json" \
+            --server-log "$OUT/serve_coldstart_server.log" 2>&1 | tail -40
+    fi
     ;;
 *) echo "usage: gpu_check.sh benches|suite|one|tests|gguf BUDGET_S"; exit 2 ;;
 esac
