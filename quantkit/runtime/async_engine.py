@@ -155,7 +155,10 @@ class AsyncEngine:
         return handle
 
     def abort(self, handle: RequestHandle) -> None:
-        """Drop a request (its client went away); its place is freed once the engine confirms."""
+        """Drop a request (its client went away); its place is freed once the engine confirms. Idempotent: a
+        stream's own cleanup and its response's background task may both ask."""
+        if handle.cancelled.is_set():
+            return
         handle.cancelled.set()
         self._inbox.put(("abort", handle))
 

@@ -268,6 +268,7 @@ class _Service:
     async def _generate(self, request, build, prompt_param: str, params: SamplingParams, fmt: ResponseFormat,
                         stream: bool, include_usage: bool, max_tokens_given: bool = False):
         from fastapi.responses import JSONResponse, Response, StreamingResponse
+        from starlette.background import BackgroundTask
 
         if self.draining:
             raise APIError(503, "the server is shutting down; send this request elsewhere", type="server_error",
@@ -285,9 +286,15 @@ class _Service:
             prompt_tokens = await _unless_disconnected(request, handle.accepted())
             if stream:
                 streaming = True  # from here the event stream owns the request
+                # The background task runs once the response ends, also when the client went away, and aborts an
+                # unfinished request at once. The stream's own `finally` is not enough on its own: if the
+                # disconnect cancels the response while the generator is suspended at a yield (not awaiting an
+                # event), that `finally` runs only when the generator is collected. A CI run saw a disconnected
+                # stream's request run to its end without an abort; this is the likely way.
                 return StreamingResponse(self._stream(handle, fmt, prompt_tokens, include_usage, timer),
                                          media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                                         background=BackgroundTask(self._abort_unfinished, handle))
             text, finish_reason, generated = await _unless_disconnected(request, _collect(handle, timer))
             return JSONResponse(fmt.full(text, finish_reason, prompt_tokens, generated))
         except RequestFailed as exc:
@@ -298,6 +305,12 @@ class _Service:
         finally:
             if not streaming and not handle.finished:
                 self.worker.abort(handle)
+
+    def _abort_unfinished(self, handle: RequestHandle) -> None:
+        """After a streamed response: abort its request if the engine has not finished it (idempotent)."""
+        if not handle.finished:
+            log.debug("streamed response over before its request; aborting it")
+            self.worker.abort(handle)
 
     async def _stream(self, handle: RequestHandle, fmt: ResponseFormat, prompt_tokens: int, include_usage: bool,
                       timer):

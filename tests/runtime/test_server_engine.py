@@ -111,13 +111,14 @@ def test_real_engine_disconnect_mid_stream_frees_the_slot(checkpoint):
     engine_step = engine.step
 
     def slow_step():  # 250 tokens take >= 5 s: the request cannot end on its own before the server sees the client go
+        # (ignore_eos below: a sampled end-of-sequence would end it early too)
         time.sleep(0.02)
         return engine_step()
 
     engine.step = slow_step
     with running_server(engine, max_queue=0, max_tokens=250) as (url, app):
         with httpx.Client(base_url=url, timeout=60) as client:
-            body = {"prompt": [5, 6, 7], "max_tokens": 250, "stream": True}
+            body = {"prompt": [5, 6, 7], "max_tokens": 250, "stream": True, "ignore_eos": True}
             with client.stream("POST", "/v1/completions", json=body) as response:
                 lines = response.iter_lines()
                 assert next(lines).startswith("data: ")
