@@ -34,7 +34,7 @@ BatchSize = Annotated[int, typer.Option("--batch-size", help="Calibration window
 ModelArg = Annotated[str, typer.Argument(metavar="MODEL", help="Hugging Face model folder, hub id, or .gguf file.")]
 Stream = Annotated[str, typer.Option(
     "--stream", help="Read a local safetensors model one decoder layer at a time and write packed layers as they "
-    "finish: auto (when the model would take over half the free host memory), on, off.")]
+    "finish: auto (on a GPU, or when the model would take over half the free host memory), on, off.")]
 LmHead = Annotated[bool, typer.Option(
     "--quantize-lm-head", help="Also quantize the output projection (untied from the embeddings); default: 16 bits.")]
 Threads = Annotated[int | None, typer.Option(

@@ -138,6 +138,21 @@ def test_plan_loading(tiny_llama_dir, tmp_path, monkeypatch):
         LoadConfig(stream="yes")
 
 
+def test_plan_loading_streams_a_local_folder_whenever_the_walk_runs_on_a_gpu(tiny_llama_dir, tmp_path, monkeypatch):
+    """On a GPU, auto streams a local safetensors folder even when it fits (the load leaves the critical path);
+    what cannot stream still loads whole, and --stream off still wins."""
+    monkeypatch.setattr(lazy_model, "resolve_device", lambda device: "cuda:0")
+    monkeypatch.setattr(lazy_model, "available_memory_bytes", lambda: 2**50)  # fits many times over
+    plan = lazy_model.plan_loading(str(tiny_llama_dir), LoadConfig(), self_calibration=False)
+    assert plan.stream and "cuda:0" in plan.reason
+    assert not lazy_model.plan_loading(str(tiny_llama_dir), LoadConfig(), self_calibration=True).stream
+    assert not lazy_model.plan_loading(str(tiny_llama_dir), LoadConfig(stream="off"), self_calibration=False).stream
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    assert not lazy_model.plan_loading(str(gguf), LoadConfig(), self_calibration=False).stream
+    assert not lazy_model.plan_loading(str(tiny_llama_dir), LoadConfig(), self_calibration=False, world_size=2).stream
+
+
 def test_streaming_refuses_files_that_do_not_match_the_config(tiny_llama_dir, tmp_path):
     import shutil
 

@@ -112,9 +112,12 @@ class LoadPlan:
 def plan_loading(spec: str, load: LoadConfig, *, self_calibration: bool, world_size: int = 1) -> LoadPlan:
     """Stream (``load.stream``: on, off, or auto) a local safetensors folder or load the whole model.
 
-    ``auto`` streams when the model, loaded in its working dtype, would take more than half of the
-    memory available now. Self-generated calibration needs the whole model (it generates text with
-    it), and so do several ranks (each holds its own copy today): those load it whole.
+    ``auto`` streams whenever the walk runs on a GPU, and on the CPU when the model, loaded in its
+    working dtype, would take more than half of the memory available now. On a GPU the next layer is
+    read while the current one is quantized, so the load leaves the critical path (the 8B shape's GPTQ
+    on one H200: 74.4 s streamed against 90.4 s whole, 3.0 against 20.2 GiB of host memory), with the
+    same checkpoint. Self-generated calibration needs the whole model (it generates text with it), and
+    so do several ranks (each holds its own copy today): those load it whole.
     """
     folder = safetensors_folder(spec)
     if load.stream == "off":
@@ -133,7 +136,11 @@ def plan_loading(spec: str, load: LoadConfig, *, self_calibration: bool, world_s
         return LoadPlan(True, "--stream on")
     if blocker is not None:
         return LoadPlan(False, f"whole model in memory: {blocker}")
-    dtype = resolve_dtype(load.dtype, resolve_device(load.device))
+    device = resolve_device(load.device)
+    if device.startswith("cuda"):
+        return LoadPlan(True, f"streamed from disk: the walk runs on {device}, which reads each layer while the "
+                              "previous one is quantized (--stream off loads the whole model first)")
+    dtype = resolve_dtype(load.dtype, device)
     need, have = loaded_bytes(folder, dtype), available_memory_bytes()
     sizes = f"{need / 2**30:.1f} GiB loaded in {str(dtype).removeprefix('torch.')}, {have / 2**30:.1f} GiB available"
     if need > AUTO_STREAM_FRACTION * have:
