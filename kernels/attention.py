@@ -29,7 +29,12 @@ import math
 
 import torch
 
-from quantkit.kernels.attention_fp8 import fp8_operands, kv_starts_aligned, quantize_qkv_fp8
+from quantkit.kernels.attention_fp8 import (
+    fp8_operands,
+    fused_quantization_applies,
+    kv_starts_aligned,
+    quantize_qkv_fp8,
+)
 from quantkit.kernels.attention_select import (
     BACKENDS,
     AttentionCall,
@@ -61,7 +66,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=F
                      q_descale=None, k_descale=None, v_descale=None, out_dtype=torch.bfloat16):
     """Packed variable-length attention forward.
 
-    q: (total_q, Hq, D); k, v: (total_k, Hkv, D), fp16 or bf16 (fp32 too, for the CPU tests);
+    q: (total_q, Hq, D); k, v: (total_k, Hkv, D), fp16 or bf16 (fp32 too, for the CPU tests); any strides (views
+    into a fused QKV output are read in place by the fp8 quantization, copied contiguous for the other paths);
     cu_seqlens_q, cu_seqlens_k: (B + 1,) int32 cumulative offsets; max_seqlen_q: int.
     Hq must be a multiple of Hkv (GQA/MQA). window_left < 0: no window. softcap <= 0: none.
     fp8=True quantizes q, k, v (and P) to e4m3 with `attention_fp8.quantize_qkv_fp8` (hadamard, fp8_pv: see
@@ -112,8 +118,14 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=F
                 raise ValueError(f"the {backend} kernel does not handle this call: {reason}")
             if backend == "gluon" and fp8:
                 raise ValueError("the FA3-ordered gluon kernel runs 16-bit attention only; fp8 runs in gluon_ws")
-    if quantize:
+    if quantize and fused_quantization_applies(q, k, v, hadamard, fp8_pv):
+        # read in place (views into a fused QKV output need no copy); the kernels then take q, k, v for shapes
         fp8_prepared = quantize_qkv_fp8(q, k, v, cu_seqlens_k, max_seqlen_k, hadamard, fp8_pv)
+        q, k, v = (_shape_of(x, x.dtype) for x in (q, k, v))
+    elif fp8_prepared is None:  # (prepared operands come with q, k, v as shapes only: nothing to copy)
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        if quantize:
+            fp8_prepared = quantize_qkv_fp8(q, k, v, cu_seqlens_k, max_seqlen_k, hadamard, fp8_pv)
     if backend == "gluon":
         from quantkit.kernels.attention_gluon import attention_fa3_ordered
 

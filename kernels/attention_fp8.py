@@ -160,25 +160,30 @@ def _scale_of(amax):
 
 
 @triton.jit
-def _quantize_q_rows(q_ptr, q8_ptr, qs_ptr, row0, n_rows, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr,
-                     ROUND_IN_F32: tl.constexpr):
-    """Rows row0.. of q viewed as (tokens * Hq, D): one scale a row (a token of one head)."""
+def _quantize_q_rows(q_ptr, q8_ptr, qs_ptr, row0, n_rows, stride_q, N_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                     ROWS: tl.constexpr, ROUND_IN_F32: tl.constexpr):
+    """Rows row0.. of q viewed as (tokens * Hq, D): one scale a row (a token of one head). q's tokens are
+    stride_q apart (heads packed within a token), so a view into the fused QKV projection is read in place;
+    q8 is written contiguous."""
     rows = row0 + tl.arange(0, ROWS)
     offs_d = tl.arange(0, HEAD_DIM)
     ok = rows < n_rows
-    ptrs = rows.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :]
-    x = tl.load(q_ptr + ptrs, mask=ok[:, None], other=0.0).to(tl.float32)
+    rows64 = rows.to(tl.int64)
+    src = ((rows64 // N_HEADS) * stride_q + (rows64 % N_HEADS) * HEAD_DIM)[:, None] + offs_d[None, :]
+    x = tl.load(q_ptr + src, mask=ok[:, None], other=0.0).to(tl.float32)
     scale = _scale_of(tl.max(tl.abs(x), axis=1))
-    tl.store(q8_ptr + ptrs, _to_e4m3(_codes_jit(x, scale[:, None]), ROUND_IN_F32), mask=ok[:, None])
+    dst = rows64[:, None] * HEAD_DIM + offs_d[None, :]
+    tl.store(q8_ptr + dst, _to_e4m3(_codes_jit(x, scale[:, None]), ROUND_IN_F32), mask=ok[:, None])
     tl.store(qs_ptr + rows, scale, mask=ok)
 
 
 @triton.jit
 def _quantize_k_block(k_ptr, v_ptr, k8_ptr, ks_ptr, vmax_ptr, cu_seqlens_k_ptr, slot, n_blocks, n_slots,
-                      N_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+                      stride_k, stride_v, N_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
                       ROUND_IN_F32: tl.constexpr):
-    """Key block `slot` = (sequence, block, head): one K scale for its keys (written for each of them), e4m3 K,
-    and the block's V maximum (0 for a block past the end of its sequence)."""
+    """Key block `slot` = (sequence, block, head): one K scale for its keys (written for each of them), e4m3 K
+    (contiguous), and the block's V maximum (0 for a block past the end of its sequence). K's and V's tokens are
+    stride_k and stride_v apart."""
     head = slot % N_KV_HEADS
     blk = (slot // N_KV_HEADS) % n_blocks
     seq = slot // (N_KV_HEADS * n_blocks)
@@ -188,47 +193,48 @@ def _quantize_k_block(k_ptr, v_ptr, k8_ptr, ks_ptr, vmax_ptr, cu_seqlens_k_ptr, 
     ok = local < seqlen
     offs_d = tl.arange(0, HEAD_DIM)
     tok = (kv_start + local).to(tl.int64)
-    ptrs = (tok[:, None] * N_KV_HEADS + head) * HEAD_DIM + offs_d[None, :]
-    k = tl.load(k_ptr + ptrs, mask=ok[:, None], other=0.0).to(tl.float32)
+    in_head = head * HEAD_DIM + offs_d[None, :]
+    k = tl.load(k_ptr + tok[:, None] * stride_k + in_head, mask=ok[:, None], other=0.0).to(tl.float32)
     scale = _scale_of(tl.max(tl.max(tl.abs(k), axis=1), axis=0))
-    tl.store(k8_ptr + ptrs, _to_e4m3(_codes_jit(k, scale), ROUND_IN_F32), mask=ok[:, None])
+    dst = (tok[:, None] * N_KV_HEADS + head) * HEAD_DIM + offs_d[None, :]
+    tl.store(k8_ptr + dst, _to_e4m3(_codes_jit(k, scale), ROUND_IN_F32), mask=ok[:, None])
     tl.store(ks_ptr + tok * N_KV_HEADS + head, tl.zeros([BLOCK], tl.float32) + scale, mask=ok)
-    v = tl.load(v_ptr + ptrs, mask=ok[:, None], other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + tok[:, None] * stride_v + in_head, mask=ok[:, None], other=0.0).to(tl.float32)
     # head-major, so that the second launch reads one head's maxima as one contiguous run
     tl.store(vmax_ptr + head * (n_slots // N_KV_HEADS) + slot // N_KV_HEADS, tl.max(tl.max(tl.abs(v), axis=1), axis=0))
 
 
 @triton.jit
 def _quantize_qk_amax_v_kernel(q_ptr, k_ptr, v_ptr, q8_ptr, qs_ptr, k8_ptr, ks_ptr, vmax_ptr, cu_seqlens_k_ptr,
-                        n_q_rows, n_blocks, n_kv_programs,
-                        N_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
-                        ROWS: tl.constexpr, ROUND_IN_F32: tl.constexpr):
+                        n_q_rows, n_blocks, n_kv_programs, stride_q, stride_k, stride_v,
+                        N_HEADS: tl.constexpr, N_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                        BLOCK: tl.constexpr, ROWS: tl.constexpr, ROUND_IN_F32: tl.constexpr):
     """First launch: programs 0..n_kv_programs - 1 take a key block each, the rest ROWS rows of Q each."""
     pid = tl.program_id(0)
     if pid < n_kv_programs:
         _quantize_k_block(k_ptr, v_ptr, k8_ptr, ks_ptr, vmax_ptr, cu_seqlens_k_ptr, pid, n_blocks, n_kv_programs,
-                          N_KV_HEADS, HEAD_DIM, BLOCK, ROUND_IN_F32)
+                          stride_k, stride_v, N_KV_HEADS, HEAD_DIM, BLOCK, ROUND_IN_F32)
     else:
-        _quantize_q_rows(q_ptr, q8_ptr, qs_ptr, (pid - n_kv_programs) * ROWS, n_q_rows, HEAD_DIM, ROWS,
-                         ROUND_IN_F32)
+        _quantize_q_rows(q_ptr, q8_ptr, qs_ptr, (pid - n_kv_programs) * ROWS, n_q_rows, stride_q, N_HEADS,
+                         HEAD_DIM, ROWS, ROUND_IN_F32)
 
 
 @triton.jit
-def _quantize_v_t_kernel(v_ptr, vt_ptr, vmax_ptr, v_scale_ptr, n_per_head, total_k, n_pad,
+def _quantize_v_t_kernel(v_ptr, vt_ptr, vmax_ptr, v_scale_ptr, n_per_head, total_k, n_pad, stride_v,
                          N_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
                          SCAN: tl.constexpr, SCALED: tl.constexpr, ROUND_IN_F32: tl.constexpr):
     """Second launch, program (i, head): positions i * BLOCK .. of the head's e4m3 V^T [D, n_pad]. The key
     permutation is inside aligned 16-token groups of the whole storage, sequences regardless, so a tile row is
     one token's V row and a transposed row a contiguous run; positions past total_k get zeros. SCALED: v is
     16-bit, scaled by the max of the head's n_per_head block maxima (program 0 writes it to v_scale_ptr);
-    else v is e4m3 and only moved."""
+    else v is e4m3 and only moved. v's tokens are stride_v apart."""
     pid = tl.program_id(0)
     head = tl.program_id(1)
     offs_d = tl.arange(0, HEAD_DIM)
     pos = pid * BLOCK + tl.arange(0, BLOCK)
     tok = _token_at(pos)
     ok = tok < total_k
-    v = tl.load(v_ptr + ((tok.to(tl.int64) * N_KV_HEADS + head) * HEAD_DIM)[:, None] + offs_d[None, :],
+    v = tl.load(v_ptr + (tok.to(tl.int64) * stride_v + head * HEAD_DIM)[:, None] + offs_d[None, :],
                 mask=ok[:, None], other=0.0)
     if SCALED:
         amax = tl.zeros([SCAN], tl.float32)
@@ -255,26 +261,33 @@ def _launch_v_t(v, vt, n_pad, vmax, v_scale, n_per_head, scaled):
     total_k, n_kv_heads, head_dim = v.shape
     scan = min(1024, triton.next_power_of_2(max(n_per_head, 16)))
     _quantize_v_t_kernel[(_cdiv(n_pad, KV_SCALE_BLOCK), n_kv_heads)](
-        v, vt, vmax, v_scale, n_per_head, total_k, n_pad,
+        v, vt, vmax, v_scale, n_per_head, total_k, n_pad, v.stride(0),
         N_KV_HEADS=n_kv_heads, HEAD_DIM=head_dim, BLOCK=KV_SCALE_BLOCK, SCAN=scan, SCALED=scaled,
         ROUND_IN_F32=interpreting(), num_warps=8)
 
 
-def _fused_applies(q, k, v, hadamard=False, fp8_pv=True) -> bool:
+def fused_quantization_applies(q, k, v, hadamard=False, fp8_pv=True) -> bool:
     """Whether :func:`quantize_qkv_fp8` runs the Triton kernels (else it falls back to ``prepare_fp8``)."""
     d = q.shape[-1]
     return (not hadamard and fp8_pv and d & (d - 1) == 0 and 16 <= d <= 256
-            and all(x.is_contiguous() and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
-                    for x in (q, k, v)))
+            and all(heads_packed(x) and x.dtype in (torch.bfloat16, torch.float16, torch.float32) for x in (q, k, v)))
+
+
+def heads_packed(x) -> bool:
+    """Whether x (tokens, heads, D) has its heads packed within each token (D apart, each row contiguous), as a
+    contiguous tensor or a view into a fused QKV projection's output has: the quantization kernels then read it
+    in place, tokens x.stride(0) apart."""
+    return x.dim() == 3 and x.stride(2) == 1 and (x.shape[1] == 1 or x.stride(1) == x.shape[2])
 
 
 def quantize_qkv_fp8(q, k, v, cu_seqlens_k=None, max_seqlen_k=None, hadamard=False, fp8_pv=True):
     """The fp8 operands of the attention kernels, ``prepare_fp8``'s tuple (q8, q_scale, k8, k_scale, v8, v_scale).
 
-    q: (total_q, Hq, D); k, v: (total_k, Hkv, D), contiguous 16-bit (fp32 for the CPU tests), D a power of two;
+    q: (total_q, Hq, D); k, v: (total_k, Hkv, D), 16-bit (fp32 for the CPU tests) with heads packed within each
+    token (contiguous, or views into a fused QKV output: read in place, no copy), D a power of two;
     cu_seqlens_k: (B + 1,) int32 (None: one sequence); max_seqlen_k: longest key sequence (None: total_k, which
     only adds idle programs). Hadamard, fp8_pv=False and any other layout fall back to ``prepare_fp8``."""
-    if not _fused_applies(q, k, v, hadamard, fp8_pv):
+    if not fused_quantization_applies(q, k, v, hadamard, fp8_pv):
         return prepare_fp8(q, k, v, hadamard, fp8_pv, cu_seqlens_k)
     total_q, n_heads, head_dim = q.shape
     total_k, n_kv_heads, _ = k.shape
@@ -291,7 +304,8 @@ def quantize_qkv_fp8(q, k, v, cu_seqlens_k=None, max_seqlen_k=None, hadamard=Fal
     n_q_rows = total_q * n_heads
     _quantize_qk_amax_v_kernel[(n_kv_programs + _cdiv(n_q_rows, Q_ROWS),)](
         q, k, v, q8, q_scale, k8, k_scale, vmax, cu_seqlens_k, n_q_rows, n_blocks, n_kv_programs,
-        N_KV_HEADS=n_kv_heads, HEAD_DIM=head_dim, BLOCK=KV_SCALE_BLOCK, ROWS=Q_ROWS, ROUND_IN_F32=interpreting(),
+        q.stride(0), k.stride(0), v.stride(0), N_HEADS=n_heads, N_KV_HEADS=n_kv_heads, HEAD_DIM=head_dim,
+        BLOCK=KV_SCALE_BLOCK, ROWS=Q_ROWS, ROUND_IN_F32=interpreting(),
         num_warps=8)
     vt, n_pad = _v_t_storage(total_k, n_kv_heads, head_dim, dev)
     v_scale = torch.empty(n_kv_heads, dtype=torch.float32, device=dev)

@@ -99,9 +99,9 @@ class _Kernels:
         from quantkit.kernels.attention import attention_varlen
 
         return attention_varlen(
-            q.contiguous(),
-            k.contiguous(),
-            v.contiguous(),
+            q,  # views into the QKV output: the fp8 quantization reads them in place, other paths copy
+            k,
+            v,
             cu_seqlens,
             cu_seqlens if cu_k is None else cu_k,
             max_len,

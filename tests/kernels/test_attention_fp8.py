@@ -109,6 +109,48 @@ def test_public_fp8_call_runs_the_fused_operands():
     assert rel_err(out, attention_ref(q, k, v, cu, cu, causal=True)) < 0.07
 
 
+def _qkv_views(q, k, v):
+    """q, k, v as views into one fused QKV projection output [tokens, (Hq + 2 Hkv) * D], as the runtime has them."""
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    fused = torch.cat([x.reshape(t, -1) for x in (q, k, v)], dim=1)
+    views = (fused[:, : hq * d].view(t, hq, d), fused[:, hq * d : (hq + hkv) * d].view(t, hkv, d),
+             fused[:, (hq + hkv) * d :].view(t, hkv, d))
+    assert not any(x.is_contiguous() for x in views) and all(fq.heads_packed(x) for x in views)
+    return views
+
+
+@pytest.mark.parametrize("lens,hq,hkv,d,dtype", CPU_CASES[1:])
+def test_fused_quantization_reads_views_of_a_fused_qkv_in_place(lens, hq, hkv, d, dtype, poisoned_v_storage):
+    # the runtime passes views into its QKV output: same operands as from contiguous copies, no copy made
+    q, k, v, cu = _packed(lens, hq, hkv, d, dtype, seed=5)
+    assert fq.fused_quantization_applies(*_qkv_views(q, k, v))  # the kernels run, not the prepare_fp8 fallback
+    _assert_same_operands(fq.quantize_qkv_fp8(*_qkv_views(q, k, v), cu, max(lens)),
+                          prepare_fp8(q, k, v, cu_seqlens_k=cu))
+
+
+def test_public_fp8_call_on_qkv_views_equals_contiguous_inputs(monkeypatch):
+    q, k, v, cu = _packed([40, 64], 4, 2, 32, torch.float16, seed=6, outliers=False)
+    views = _qkv_views(q, k, v)
+    for fp8 in (True, False):
+        assert torch.equal(attention_varlen(*views, cu, cu, 64, causal=True, fp8=fp8),
+                           attention_varlen(q, k, v, cu, cu, 64, causal=True, fp8=fp8))
+    # the fp8 quantization gets the views themselves (no contiguous copy before it)
+    seen = []
+    real = fq.quantize_qkv_fp8
+
+    def spy(q, k, v, *args):
+        seen.append([x.is_contiguous() for x in (q, k, v)])
+        return real(q, k, v, *args)
+
+    from quantkit.kernels import attention as attention_module
+
+    monkeypatch.setattr(attention_module, "quantize_qkv_fp8", spy)
+    attention_varlen(*views, cu, cu, 64, causal=True, fp8=True)
+    assert seen == [[False, False, False]]
+    assert not fq.heads_packed(q.transpose(1, 2))  # heads not packed within a token: copied first
+
+
 def _prequantized(q, k, v):
     """What a projection that emits e4m3 gives: per-token q codes and scales, per-head k and v."""
     q8, q_descale = quantize_fp8_per_token(q)
@@ -178,6 +220,7 @@ def test_fp8_inputs_need_descales_of_known_shapes():
 def test_gpu_fused_quantization_is_prepare_fp8_bit_for_bit(d, poisoned_v_storage):
     q, k, v, cu = _packed([1000, 0, 2051, 300], 16, 4, d, torch.bfloat16, seed=7)
     _assert_same_operands(fq.quantize_qkv_fp8(q, k, v, cu, 2051), prepare_fp8(q, k, v, cu_seqlens_k=cu))
+    _assert_same_operands(fq.quantize_qkv_fp8(*_qkv_views(q, k, v), cu, 2051), prepare_fp8(q, k, v, cu_seqlens_k=cu))
 
 
 @pytest.mark.gpu
