@@ -63,13 +63,22 @@ def test_capture_linear_inputs_stops_early_and_sees_inputs():
     hidden, kwargs = capture_layer_inputs(model, ModelLayers(prefix, layers), ids, torch.device("cpu"), 3)
     layer = layers[0]
     seen = []
-    mlp_calls = []
-    handle = layer.mlp.down_proj.register_forward_hook(lambda *a: mlp_calls.append(1))
+    ran = []
+    handles = [layer.get_submodule(n).register_forward_hook(lambda *a, n=n: ran.append(n))
+               for n in ("self_attn.q_proj", "self_attn.k_proj", "mlp.down_proj")]
     capture_linear_inputs(layer, LayerInputs(hidden, kwargs[0]), ["self_attn.q_proj", "self_attn.k_proj"],
                           lambda name, x: seen.append((name, x.shape)))
-    handle.remove()
     assert seen == [("self_attn.q_proj", (3, 16, 64)), ("self_attn.k_proj", (3, 16, 64))]
-    assert mlp_calls == []  # the forward ended once q and k had run
+    # the forward ended once k's input was seen: k itself and everything after it never ran
+    assert ran == ["self_attn.q_proj"]
+    # the MLP's gate/up inputs without computing up_proj (nor the down projection after it)
+    ran.clear()
+    handles.append(layer.mlp.up_proj.register_forward_hook(lambda *a: ran.append("mlp.up_proj")))
+    capture_linear_inputs(layer, LayerInputs(hidden, kwargs[0]), ["mlp.gate_proj", "mlp.up_proj"],
+                          lambda name, x: seen.append((name, x.shape)))
+    assert ran == ["self_attn.q_proj", "self_attn.k_proj"] and seen[-1][0] == "mlp.up_proj"
+    for handle in handles:
+        handle.remove()
     normed = layer.input_layernorm(hidden[0])
     got = []
     capture_linear_inputs(layer, LayerInputs(hidden, kwargs[0]), ["self_attn.v_proj"], lambda n, x: got.append(x))

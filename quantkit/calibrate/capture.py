@@ -58,10 +58,13 @@ def capture_calls(
     names: list[str],
     on_call: Callable[[str, tuple, dict, Any], None],
     stop_early: bool = True,
+    inputs_only: bool = False,
 ) -> None:
     """Run ``layer`` on every batch and call ``on_call(name, args, kwargs, output)`` for each call of the
     named sub-modules. With ``stop_early`` each batch's forward ends once all of them have run, so
-    capturing the inputs of the attention projections costs no MLP work.
+    capturing the inputs of the attention projections costs no MLP work. ``inputs_only``: the calls are
+    seen before the modules run (``output`` None), so the forward stops before the last named module
+    runs: capturing the MLP's gate/up inputs does not compute gate/up (half the MLP's work).
     """
     modules = dict(layer.named_modules())
     missing = [n for n in names if n not in modules]
@@ -69,16 +72,20 @@ def capture_calls(
         raise KeyError(f"no sub-modules {missing} in {type(layer).__name__}")
     seen: set[str] = set()
 
-    def make_hook(name: str):
-        def hook(module, args, kwargs, output):
-            on_call(name, args, kwargs, output)
-            seen.add(name)
-            if stop_early and len(seen) == len(names):
-                raise StopForward
+    def seen_call(name: str, args, kwargs, output) -> None:
+        on_call(name, args, kwargs, output)
+        seen.add(name)
+        if stop_early and len(seen) == len(names):
+            raise StopForward
 
-        return hook
-
-    handles = [modules[n].register_forward_hook(make_hook(n), with_kwargs=True) for n in names]
+    if inputs_only:
+        handles = [modules[n].register_forward_pre_hook(
+            lambda module, args, kwargs, name=n: seen_call(name, args, kwargs, None), with_kwargs=True)
+            for n in names]
+    else:
+        handles = [modules[n].register_forward_hook(
+            lambda module, args, kwargs, output, name=n: seen_call(name, args, kwargs, output), with_kwargs=True)
+            for n in names]
     try:
         for h in inputs.batches():
             seen.clear()
@@ -95,7 +102,7 @@ def capture_linear_inputs(
     layer: nn.Module, inputs: LayerInputs, names: list[str], on_input: Callable[[str, torch.Tensor], None]
 ) -> None:
     """Call ``on_input(name, x)`` with the input ``x [b, S, in]`` of each named linear, batch by batch."""
-    capture_calls(layer, inputs, names, lambda name, args, kwargs, out: on_input(name, args[0]))
+    capture_calls(layer, inputs, names, lambda name, args, kwargs, out: on_input(name, args[0]), inputs_only=True)
 
 
 @torch.no_grad()
