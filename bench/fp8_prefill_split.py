@@ -2,9 +2,10 @@
 2048, 4096 and 8192 tokens on the runtime with the FP8 attention as ``fp8="auto"`` picks it and forced off, the
 attention of all layers alone in FP8 and in 16 bits, the per-token activation quantization against a copy of the
 same bytes, and a profile of one prefill of the first length (the kernels taking the most device time, and the host
-synchronizations, which stall the launch queue).
+synchronizations, which stall the launch queue, and the host's CPU time by op: whether the GPU or the launch queue
+sets the pace).
 
-    python bench/fp8_prefill_split.py [--lengths 2048,4096,8192] [--out PATH]
+    python bench/fp8_prefill_split.py [--lengths 2048,4096,8192] [--repeat 10] [--out PATH]
 
 Random weights built on the GPU (`quantkit.tools.bench`). Prints a table and writes JSON (card, versions, date).
 """
@@ -15,6 +16,7 @@ import argparse
 import datetime
 import json
 import platform
+import statistics
 from pathlib import Path
 
 import torch
@@ -24,6 +26,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="llama3-8b")
     parser.add_argument("--lengths", default="2048,4096,8192")
+    parser.add_argument("--repeat", type=int, default=10, help="whole prefills timed per variant (median kept)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     import transformers
@@ -54,7 +57,13 @@ def main() -> None:
         for label, fp8 in (("auto", "auto"), ("attention_16bit", False)):
             runtime.prefill_fp8 = fp8
             runtime.prefill([prompt], [0], engine.cache)  # compile / warm
-            row[f"prefill_{label}_ms"] = 1e3 * bench.sync_time(lambda: runtime.prefill([prompt], [0], engine.cache), 3)
+            walls = []
+            for _ in range(args.repeat):
+                walls.append(1e3 * bench.sync_time(lambda: runtime.prefill([prompt], [0], engine.cache)))
+            # wall times of a whole prefill vary run to run by far more than the device time does (the host
+            # launches ~480 kernels): the median is the figure, the min and the spread are kept beside it
+            row[f"prefill_{label}_ms"] = statistics.median(walls)
+            row[f"prefill_{label}_ms_min_max"] = [min(walls), max(walls)]
         for label, fp8 in (("fp8", True), ("16bit", False)):
             runtime.prefill_fp8 = fp8
             attend = runtime.prefill_attend(cu, n, kv_aligned=n % 32 == 0)
@@ -86,13 +95,24 @@ def main() -> None:
     events = prof.key_averages()
     device_time = [(e.key, e.device_time_total / 1e3, e.count) for e in events if e.device_time_total > 0]
     device_time.sort(key=lambda t: -t[1])
+    # the host's side: CPU self time by op (the profiler adds its own cost per op, so this overstates the host
+    # time; compared with the device total it says whether the launch queue or the GPU sets the pace)
+    host_time = sorted(((e.key, e.self_cpu_time_total / 1e3, e.count) for e in events if e.self_cpu_time_total > 0),
+                       key=lambda t: -t[1])
+    kernels_ms = sum(ms for key, ms, _ in device_time if not key.startswith(("aten::", "cuLaunch", "cuda")))
     syncs = {e.key: e.count for e in events if "Synchronize" in e.key or "Memcpy" in e.key or e.key == "aten::item"}
     record[f"profile_{n}"] = {"top_kernels_ms": [[k, round(ms, 3), c] for k, ms, c in device_time[:25]],
-                              "host_syncs": syncs}
+                              "host_syncs": syncs, "device_kernels_total_ms": round(kernels_ms, 3),
+                              "host_self_ms_total_profiled": round(sum(ms for _, ms, _ in host_time), 3),
+                              "top_host_ops_ms": [[k, round(ms, 3), c] for k, ms, c in host_time[:15]]}
     print(f"{n}-token FP8 prefill, device time by kernel (ms, calls):")
     for key, ms, count in device_time[:25]:
         print(f"  {ms:8.3f} {count:5d}  {key[:110]}")
     print("host synchronizations and copies:", syncs)
+    print(f"device time in kernels {kernels_ms:.2f} ms; host CPU self time under the profiler "
+          f"{sum(ms for _, ms, _ in host_time):.2f} ms, by op:")
+    for key, ms, count in host_time[:15]:
+        print(f"  {ms:8.3f} {count:5d}  {key[:110]}")
     out = Path(args.out or Path(__file__).parent / "runs" / "fp8_prefill_split.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1))
