@@ -222,6 +222,9 @@ def _quantize(model: str, output: str | Path, *, method: str, scheme: QuantSchem
     probe = build_method(method, scheme if isinstance(scheme, QuantScheme) else QuantScheme(bits=auto_bits),
                          method_options)
     preflight.check_model_spec(model)  # a missing model is said before the loading line, not after it
+    if quantize_lm_head:
+        preflight.check_output_head_rows(preflight.vocab_size(model),
+                                         scheme.bits if isinstance(scheme, QuantScheme) else auto_bits)
     comm, device = setup_ranks(gpus, resolve_device(load.device))
     calib = calib or default_calibration(method, device=device)
     if probe.needs_calibration:
@@ -243,6 +246,9 @@ def _quantize(model: str, output: str | Path, *, method: str, scheme: QuantSchem
 
     prepare_layout(loaded.model)  # MoE: experts as per-expert linears (a streamed model already is)
     scheme = resolve_scheme(scheme, method, loaded, quantize_lm_head)
+    head = loaded.model.get_output_embeddings() if quantize_lm_head else None
+    if head is not None:  # GGUF files and hub ids not cached have no config.json to read it from before the load
+        preflight.check_output_head_rows(head.weight.shape[0], scheme.bits)
     quant_method = wrap_method(loaded.model, build_method(method, scheme, method_options), moe)
     t_loaded = time.perf_counter()
 

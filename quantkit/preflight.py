@@ -153,6 +153,28 @@ def check_quantize(model: str, *, bits: int, group_size: int | None, sym: bool |
     check_seqlen(model, seqlen)
 
 
+def check_output_head_rows(rows: int | None, bits: int) -> None:
+    """``--quantize-lm-head`` packs the head's ``rows`` (the vocabulary) ``32 / bits`` to a word in the GPTQ layout's
+    zero points: refuse a vocabulary that does not fill whole words (``rows`` None: not known yet)."""
+    from quantkit.pack import WORD_BITS, _gcd
+
+    multiple = WORD_BITS // _gcd(bits, WORD_BITS)
+    if rows is not None and rows % multiple:
+        raise QuantkitError(f"--quantize-lm-head: the output head has {rows} rows (the vocabulary), not a multiple of "
+                            f"{multiple}, which {bits}-bit GPTQ packing needs; leave the head in 16 bits (drop "
+                            "--quantize-lm-head)")
+
+
+def vocab_size(spec: str) -> int | None:
+    """The vocabulary size read cheaply from config.json (its text model's for multimodal configs); None if unknown."""
+    config = None if spec.endswith(".gguf") else _config_json(spec)
+    for cfg in ((config or {}).get("text_config"), config):
+        value = cfg.get("vocab_size") if isinstance(cfg, dict) else None
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
 def check_output(output: str | Path, overwrite: bool) -> Path:
     """Refuse an existing output folder before any long work starts."""
     out = Path(output).expanduser()

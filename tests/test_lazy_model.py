@@ -49,6 +49,53 @@ def test_streamed_checkpoint_equals_whole_load(tiny_llama_dir, tiny_text_file, t
     assert streamed.to_dict()["streamed"] is True and "peak_device_memory_bytes" in streamed.to_dict()
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_streamed_output_head_quantization_equals_whole_load(tiny_llama_dir, tiny_text_file, tmp_path, tied):
+    """--quantize-lm-head with the model streamed (as auto does on a GPU) writes what the whole model writes, with
+    the embeddings tied to the head or not (a tied head is untied and quantized, the embeddings stay 16-bit)."""
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    from tests.conftest import tiny_llama_config
+
+    torch.manual_seed(0)  # 264 rows: the head's zero points pack 8 to a word (the tokenizer's 258 would not)
+    model = LlamaForCausalLM(tiny_llama_config(vocab_size=264, tie_word_embeddings=tied))
+    model_dir = tmp_path / "model"
+    model.save_pretrained(model_dir)
+    AutoTokenizer.from_pretrained(tiny_llama_dir).save_pretrained(model_dir)
+    whole = quantize(model_dir, tmp_path / "whole", "gptq", "off", tiny_text_file, quantize_lm_head=True)
+    streamed = quantize(model_dir, tmp_path / "streamed", "gptq", "on", tiny_text_file, quantize_lm_head=True)
+    assert streamed.streamed and streamed.n_quantized == whole.n_quantized == 15
+    a, b = checkpoint_tensors(tmp_path / "whole"), checkpoint_tensors(tmp_path / "streamed")
+    assert sorted(a) == sorted(b) and any(k.startswith("lm_head.") and k.endswith("qweight") for k in a)
+    assert [k for k in a if a[k].dtype != b[k].dtype or not torch.equal(a[k], b[k])] == []
+
+
+def test_a_head_that_cannot_pack_is_refused_before_the_model_loads(tiny_llama_dir, tiny_text_file, tmp_path,
+                                                                     monkeypatch):
+    import quantkit.models.lazy as lazy
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the check")
+
+    monkeypatch.setattr(lazy, "open_model", no_load)
+    with pytest.raises(QuantkitError, match="258 rows.*multiple of 8.*drop --quantize-lm-head"):
+        quantize(tiny_llama_dir, tmp_path / "out", "gptq", "auto", tiny_text_file, quantize_lm_head=True)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_head_that_cannot_pack_is_refused_before_the_walk_when_config_json_cannot_say(
+        tiny_llama_dir, tiny_text_file, tmp_path, monkeypatch):
+    """GGUF files have no config.json to read the vocabulary from: the loaded head is checked before any layer."""
+    from quantkit import preflight
+
+    monkeypatch.setattr(preflight, "vocab_size", lambda spec: None)
+    walked = []
+    monkeypatch.setattr(api, "walk", lambda *a, **k: walked.append(1))
+    with pytest.raises(QuantkitError, match="258 rows"):
+        quantize(tiny_llama_dir, tmp_path / "out", "gptq", "off", tiny_text_file, quantize_lm_head=True)
+    assert walked == [] and not (tmp_path / "out").exists()
+
+
 def test_streamed_layers_shard_as_they_finish_and_load(tiny_llama_dir, tiny_text_file, tmp_path, monkeypatch):
     from quantkit.checkpoint.read import load_quantized
 
