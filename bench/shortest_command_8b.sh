@@ -6,6 +6,8 @@
 #
 #   run (device tool), carry [".stage/h37speed"], timeout_s 400, command:
 #     cd .stage/h37speed && export PYTHONPATH=$PWD/..:$PWD && bash bench/shortest_command_8b.sh
+# From the repository root with carry [".stage/data"] (the text is copied to data/ when missing), e.g. for issue 37's
+# per-layer split: `BUDGET=375 bash bench/shortest_command_8b.sh cli-vs-bench` (timeout_s 395).
 # `bash bench/shortest_command_8b.sh cli-vs-bench` (BUDGET=420, timeout_s 450) runs instead the --calib file
 # command with --save-stats and bench_quantize_8b.py's walk (--cli-defaults, then --desc-act) and prints the
 # per-layer time and phases of all three side by side (split.txt).
@@ -28,6 +30,10 @@ QK=$(command -v quantkit || echo "python3 -m quantkit.cli.app")
 "triton", triton.__version__, "transformers", transformers.__version__, "typer", typer.__version__)'
   date -u; git log -1 --format=%H 2>/dev/null; echo "quantkit command: $QK"; } > "$OUT/card.txt" 2>&1
 cat "$OUT/card.txt"
+# the calibration text: data/ (the .stage/h37speed layout) or the carried .stage/data (bench/gpu_check.sh's)
+if [ ! -f data/valid.tokens.txt ] && [ -f .stage/data/valid.tokens.txt ]; then
+    mkdir -p data && cp .stage/data/valid.tokens.txt data/
+fi
 
 [ "${1:-}" = "cli-vs-bench" ] || step 90 python3 bench/gptq_mse_batched.py --out "$OUT/mse_batched.json"
 
