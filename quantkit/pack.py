@@ -32,6 +32,8 @@ AWQ GEMM layout (``quant_method = "awq"``, ``version = "gemm"``; 4 bits only)
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 SUPPORTED_BITS = (2, 3, 4, 8)
@@ -45,21 +47,20 @@ def _check_bits(bits: int) -> None:
         raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits}")
 
 
+def whole_word_multiple(bits: int) -> int:
+    """The count of ``bits``-bit codes a packed dimension must be a multiple of to fill whole 32-bit words."""
+    return WORD_BITS // math.gcd(bits, WORD_BITS)
+
+
 def packed_rows(n: int, bits: int) -> int:
     """Number of int32 words that hold ``n`` codes of ``bits`` bits (``n * bits`` must fill whole words)."""
     _check_bits(bits)
     if (n * bits) % WORD_BITS:
         raise ValueError(
             f"{n} codes of {bits} bits do not fill whole 32-bit words; the GPTQ layout needs "
-            f"the packed dimension to be a multiple of {WORD_BITS // _gcd(bits, WORD_BITS)}"
+            f"the packed dimension to be a multiple of {whole_word_multiple(bits)}"
         )
     return n * bits // WORD_BITS
-
-
-def _gcd(a: int, b: int) -> int:
-    while b:
-        a, b = b, a % b
-    return a
 
 
 def _to_int32(words: torch.Tensor) -> torch.Tensor:

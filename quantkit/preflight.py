@@ -51,10 +51,11 @@ def check_model_spec(spec: str, *, check_hub: bool = True) -> None:
         hub_offline(spec)  # raises with what to do when the id is neither reachable nor cached
 
 
-def _config_positions(config: dict) -> int | None:
+def _config_int(config: dict, keys: tuple[str, ...]) -> int | None:
+    """The first positive integer under ``keys`` in a config (its text model's first, for multimodal configs)."""
     for cfg in (config.get("text_config"), config):
         if isinstance(cfg, dict):
-            for key in _POSITION_KEYS:
+            for key in keys:
                 value = cfg.get(key)
                 if isinstance(value, int) and value > 0:
                     return value
@@ -113,7 +114,7 @@ def model_max_positions(spec: str) -> int | None:
     if spec.endswith(".gguf"):
         return _gguf_positions(Path(spec).expanduser())
     config = _config_json(spec)
-    return None if config is None else _config_positions(config)
+    return None if config is None else _config_int(config, _POSITION_KEYS)
 
 
 def check_seqlen(spec: str, seqlen: int | None, option: str = "--seqlen") -> None:
@@ -156,9 +157,9 @@ def check_quantize(model: str, *, bits: int, group_size: int | None, sym: bool |
 def check_output_head_rows(rows: int | None, bits: int) -> None:
     """``--quantize-lm-head`` packs the head's ``rows`` (the vocabulary) ``32 / bits`` to a word in the GPTQ layout's
     zero points: refuse a vocabulary that does not fill whole words (``rows`` None: not known yet)."""
-    from quantkit.pack import WORD_BITS, _gcd
+    from quantkit.pack import whole_word_multiple
 
-    multiple = WORD_BITS // _gcd(bits, WORD_BITS)
+    multiple = whole_word_multiple(bits)
     if rows is not None and rows % multiple:
         raise QuantkitError(f"--quantize-lm-head: the output head has {rows} rows (the vocabulary), not a multiple of "
                             f"{multiple}, which {bits}-bit GPTQ packing needs; leave the head in 16 bits (drop "
@@ -168,11 +169,7 @@ def check_output_head_rows(rows: int | None, bits: int) -> None:
 def vocab_size(spec: str) -> int | None:
     """The vocabulary size read cheaply from config.json (its text model's for multimodal configs); None if unknown."""
     config = None if spec.endswith(".gguf") else _config_json(spec)
-    for cfg in ((config or {}).get("text_config"), config):
-        value = cfg.get("vocab_size") if isinstance(cfg, dict) else None
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
+    return None if config is None else _config_int(config, ("vocab_size",))
 
 
 def check_output(output: str | Path, overwrite: bool) -> Path:
