@@ -8,9 +8,10 @@
 #     cd .stage/h37speed && export PYTHONPATH=$PWD/..:$PWD && bash bench/shortest_command_8b.sh
 # From the repository root with carry [".stage/data"] (the text is copied to data/ when missing), e.g. for issue 37's
 # per-layer split: `BUDGET=375 bash bench/shortest_command_8b.sh cli-vs-bench` (timeout_s 395).
-# `bash bench/shortest_command_8b.sh cli-vs-bench` (BUDGET=420, timeout_s 450) runs instead the --calib file
-# command with --save-stats and bench_quantize_8b.py's walk (--cli-defaults, then --desc-act) and prints the
-# per-layer time and phases of all three side by side (split.txt).
+# `bash bench/shortest_command_8b.sh cli-vs-bench [self]` (BUDGET=420, timeout_s 450) runs instead the --calib
+# file command with --save-stats, bench_quantize_8b.py's walk with the CLI's options, and the command again under
+# cProfile on 8 windows (where the seconds outside the layers go), prints the per-layer time and phases of the
+# first two side by side (split.txt); with "self", then the shortest command with self-generated calibration.
 # with data/valid.tokens.txt (WikiText-2 validation) and .whl/typer-*.whl copied into .stage/h37speed/.
 # Everything lands in $OUT: card/versions, mse_batched.json, write_model.txt, gptq_self.log, gptq_file.log,
 # gptq_self_cached.log (the same self command again: a cache hit), times.txt.
@@ -66,8 +67,15 @@ if [ "${1:-}" = "cli-vs-bench" ]; then
     timed gptq_file 150 --calib data/valid.tokens.txt --save-stats "$OUT/cli_stats.json"
     step 130 python3 bench/bench_quantize_8b.py --method gptq --cli-defaults --out "$OUT/bench_cli_opts.json" \
         > "$OUT/bench_cli_opts.txt" 2>&1; tail -12 "$OUT/bench_cli_opts.txt"
-    step 110 python3 bench/bench_quantize_8b.py --method gptq --desc-act --out "$OUT/bench_desc_act.json" \
-        > "$OUT/bench_desc_act.txt" 2>&1; tail -12 "$OUT/bench_desc_act.txt"
+    # what the seconds outside the layers go to (imports, CUDA start, the streamed skeleton, tokenizing the
+    # text): the same command under cProfile on 8 windows, so its layers take little of it
+    rm -rf /tmp/out_prof
+    step 60 python3 -m cProfile -o "$OUT/gptq_file_8win.prof" -m quantkit.cli.app gptq /tmp/m8b -o /tmp/out_prof \
+        --calib data/valid.tokens.txt --nsamples 8 > "$OUT/gptq_file_8win.log" 2>&1
+    python3 -c "import pstats, sys; pstats.Stats(sys.argv[1]).sort_stats('cumulative').print_stats(60)" \
+        "$OUT/gptq_file_8win.prof" 2>&1 | cut -c1-190 > "$OUT/gptq_file_8win_profile.txt"
+    grep -E "time  |cumtime" "$OUT/gptq_file_8win.log" "$OUT/gptq_file_8win_profile.txt" | head -5
+    [ "${2:-}" = "self" ] && STEP_MIN_S=100 timed gptq_self 180
     python3 - "$OUT" <<'PY' | tee "$OUT/split.txt"
 import json, sys
 from pathlib import Path
@@ -82,7 +90,7 @@ if (out / "cli_stats.json").exists():
     rec = json.loads((out / "cli_stats.json").read_text())
     print("CLI phases (s):", {k: round(v, 1) for k, v in rec["summary"]["seconds"].items()})
     runs["cli --calib file"] = split([r for r in rec["layers"] if "phases" in r])
-for name in ("bench_cli_opts", "bench_desc_act"):
+for name in ("bench_cli_opts",):
     if (out / f"{name}.json").exists():
         runs[name] = split(json.loads((out / f"{name}.json").read_text())["per_layer"])
 keys = sorted({k for _, m in runs.values() for k in m})

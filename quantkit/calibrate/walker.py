@@ -146,6 +146,9 @@ def walk(
 
     weights: dict[str, QuantizedWeight] = {}
     layer_stats: list[dict[str, Any]] = []
+    # said before the first layer (which may run for minutes on a host): a log's heartbeat then names this
+    # step instead of the calibration that came before it
+    log.info("layers: %d decoder layers to quantize on %s", len(source), device.type)
     start = time.perf_counter()
     if overlap is None:
         overlap = os.environ.get("QUANTKIT_OVERLAP", "1") != "0"

@@ -445,6 +445,11 @@ def _row_errors_packed(w: torch.Tensor, codes: torch.Tensor, scales: torch.Tenso
     is made. Raises if a dequantized weight is not finite (the blocks' flags read once, after the last)."""
     if chunk_elements is None:
         chunk_elements = 1 << 20 if w.device.type == "cpu" else 1 << 26
+    # The products are display-only (no decision reads them): on an accelerator the three [out, in] x [in, in]
+    # float32 products a linear cost more than the Hessian (~0.18 s a layer on an 8B shape at the float32 rate),
+    # so H and the differences go through bfloat16 there (float32 accumulation; the ratios keep ~3 digits).
+    # The host keeps float32, where bfloat16 products are slower, not faster.
+    Hm = H if w.device.type == "cpu" else H.to(torch.bfloat16)
     out = torch.empty(3, w.shape[0], dtype=torch.float32, device=w.device)
     finite = torch.ones((), dtype=torch.bool, device=w.device)
     step = max(1, chunk_elements // max(1, w.shape[1]))
@@ -452,7 +457,7 @@ def _row_errors_packed(w: torch.Tensor, codes: torch.Tensor, scales: torch.Tenso
         rows = slice(start, start + step)
         w_gptq = dequantize(codes[rows], scales[:, rows], zeros[:, rows], g_idx)
         finite &= torch.isfinite(w_gptq).all()
-        out[:, rows] = _row_errors(w[rows].float(), w_gptq, H, scheme, chunk_elements)
+        out[:, rows] = _row_errors(w[rows].float(), w_gptq, Hm, scheme, chunk_elements)
     if not finite:
         raise FloatingPointError(f"GPTQ {name or 'layer'}: NaN or Inf in the quantized weight")
     return out
@@ -462,15 +467,16 @@ def _row_errors(w: torch.Tensor, w_gptq: torch.Tensor, H: torch.Tensor, scheme: 
                 chunk_elements: int = 1 << 26) -> torch.Tensor:
     """Per row of ``w [out, in]``: ``dW H dW^T`` of GPTQ and of plain RTN, and ``W H W^T``: ``[3, out]``.
 
-    Rows go through in chunks of about ``chunk_elements`` values (256 MB in float32), so the
-    bookkeeping never holds more than a few such blocks (a stacked 8B gate/up weight is 470 MB)."""
+    The products run in ``H``'s dtype (float32, or bfloat16 for speed), the sums in float32. Rows go through
+    in chunks of about ``chunk_elements`` values (256 MB in float32), so the bookkeeping never holds more
+    than a few such blocks (a stacked 8B gate/up weight is 470 MB)."""
     w_rtn = fake_quantize_contiguous(w, scheme.bits, scheme.group_size, scheme.sym)
     out = torch.empty(3, w.shape[0], dtype=torch.float32, device=w.device)
     step = max(1, chunk_elements // max(1, w.shape[1]))
     for start in range(0, w.shape[0], step):
         rows = slice(start, start + step)
         for k, d in enumerate((w_gptq[rows] - w[rows], w_rtn[rows] - w[rows], w[rows])):
-            out[k, rows] = ((d @ H) * d).sum(dim=1)
+            out[k, rows] = ((d.to(H.dtype) @ H).float() * d).sum(dim=1)
     return out
 
 

@@ -117,6 +117,7 @@ def test_redirected_quantize_and_eval_logs_hold_plain_lines(tiny_llama_dir, tiny
     assert not BAR_GLYPHS.search(text), repr(text)
     lines = text.splitlines()
     assert lines[0] == "threads: 1 (OMP_NUM_THREADS)"
+    assert "layers: 2 decoder layers to quantize on cpu" in lines  # a heartbeat during layer 1 names it
     assert any(re.fullmatch(r"gptq: 2/2 layers in \d+ s", line) for line in lines), text
     assert any(re.fullmatch(r"perplexity: 3/3 windows in \d+ s, ppl [\d.]+", line) for line in lines), text
     assert sum(line.startswith("layer ") for line in lines) == 2

@@ -72,6 +72,23 @@ def test_row_errors_packed_one_read_and_chunks_agree():
     torch.testing.assert_close(chunked, whole, rtol=1e-6, atol=0)
 
 
+def test_row_errors_in_bfloat16_keep_the_relative_errors_to_three_digits():
+    # what an accelerator runs (gptq._row_errors_packed casts H there): display-only numbers, so bfloat16
+    # products are fine as long as the per-linear ratios shown to the user stay put
+    from quantkit.methods.gptq import _row_errors, relative_error_tensor
+    from quantkit.primitives import dequantize
+
+    w, codes, scales, zeros, g_idx, H, scheme = _packed(96, 256, 64)
+    w_gptq = dequantize(codes, scales, zeros, g_idx)
+    exact = _row_errors(w, w_gptq, H, scheme)
+    fast = _row_errors(w, w_gptq, H.to(torch.bfloat16), scheme)
+    assert fast.dtype == torch.float32
+    for k in (0, 1):  # GPTQ's and RTN's relative error of the whole linear
+        e, f = relative_error_tensor(exact[k], exact[2]), relative_error_tensor(fast[k], fast[2])
+        assert abs(float(f) / float(e) - 1) < 2e-3, (k, float(e), float(f))
+    torch.testing.assert_close(fast, exact, rtol=2e-2, atol=0)  # and each row close
+
+
 def test_row_errors_packed_finds_a_bad_scale_in_a_later_block():
     w, codes, scales, zeros, g_idx, H, scheme = _packed(48, 64, 32)
     scales[1, 40] = float("inf")  # row 40: the 9th block of 5 rows
