@@ -21,6 +21,9 @@
 #   then at once, carry [.stage/smolB, .stage/data(, .stage/whl)]:  bash bench/gpu_check.sh gguf BUDGET_S [coldstart]
 #     (the tests that need SmolLM2's GGUF; with "coldstart", then bench_serve_coldstart.py on SmolLM2 quantized
 #     with GPTQ's defaults: issue 40's measurements, ~6 minutes, BUDGET_S 560)
+# Issue 40's cold start as an A/B without the GGUF (a random SmolLM2-shaped model, RTN; .stage/smoltok holds
+# SmolLM2's config.json and tokenizer files, saved from the GGUF with transformers' save_pretrained):
+#   carry [.stage/whl, .stage/smoltok, .stage/old]:  bash bench/gpu_check.sh coldstart-ab BUDGET_S (~300)
 # Everything lands in $OUT (JSON of each bench, the suite's log).
 set -o pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 COLUMNS=200
@@ -114,5 +117,35 @@ gguf)
             --server-log "$OUT/serve_coldstart_server.log" 2>&1 | tail -40
     fi
     ;;
-*) echo "usage: gpu_check.sh benches|suite|one|tests|gguf BUDGET_S"; exit 2 ;;
+coldstart-ab)  # issue 40's cold start, new code against the previous main (.stage/old) in one call, on a random
+    # SmolLM2-shaped model (carried config and tokenizer, .stage/smoltok) quantized with RTN here: no GGUF to carry
+    # in two halves; start-up compiles and serving speed do not depend on the weights' values.
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .stage/whl/*.whl 2>&1 | tail -2
+    export PYTHONPATH=/tmp/site
+    mkdir -p /tmp/old && tar -xzf .stage/old/oldmain.tgz -C /tmp/old
+    python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/oldsite /tmp/old >/dev/null 2>&1 \
+        || echo "old main install failed"
+    card | tee "$OUT/card.txt"
+    step 60 python3 - <<'PY'
+import shutil, torch
+from transformers import AutoConfig, AutoModelForCausalLM
+config = AutoConfig.from_pretrained(".stage/smoltok")
+torch.manual_seed(0)
+with torch.device("cuda"):
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+for p in model.parameters():
+    torch.nn.init.normal_(p, std=0.02) if p.ndim > 1 else torch.nn.init.ones_(p)
+model.save_pretrained("/tmp/smolrand")
+for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+    shutil.copy(f".stage/smoltok/{f}", "/tmp/smolrand/")
+print("wrote /tmp/smolrand")
+PY
+    step 60 python3 -m quantkit.cli.app rtn /tmp/smolrand -o /tmp/smol-rtn > "$OUT/smol_rtn.log" 2>&1; tail -3 "$OUT/smol_rtn.log"
+    here=$PWD
+    step 140 python3 bench/bench_serve_coldstart.py /tmp/smol-rtn --out "$OUT/serve_coldstart_new.json" \
+        --server-log "$OUT/serve_coldstart_new_server.log" 2>&1 | tail -14
+    (cd /tmp && PYTHONPATH=/tmp/oldsite:/tmp/site step 140 python3 "$here/bench/bench_serve_coldstart.py" /tmp/smol-rtn \
+        --out "$OUT/serve_coldstart_old.json" --server-log "$OUT/serve_coldstart_old_server.log" 2>&1 | tail -14)
+    ;;
+*) echo "usage: gpu_check.sh benches|suite|one|tests|gguf|coldstart-ab BUDGET_S"; exit 2 ;;
 esac

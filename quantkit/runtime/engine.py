@@ -225,11 +225,11 @@ class Engine:
         held = sum(r.prefilled + len(r.output) for r in reqs)
         return held / (self._max_batch * self._max_seq_len)
 
-    def warm_up(self):
+    def warm_up(self, requests: bool | None = None):
         """Compile and run the prefill and decode shapes this engine serves (:mod:`.warmup`); call it idle."""
         from quantkit.runtime.warmup import warm_up
 
-        return warm_up(self)
+        return warm_up(self, requests)
 
     def has_work(self) -> bool:
         return bool(self._queue or self._running or self._prefilling or self._aborted or self._inflight)

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from quantkit.runtime.warmup import prefill_lengths
+from quantkit.runtime.warmup import WarmRequest, prefill_lengths, request_scenarios
 
 
 def test_prefill_lengths_cover_the_chunk():
@@ -33,6 +33,63 @@ def test_engine_warm_up_runs_every_shape_and_leaves_it_serving(tiny_family):
     schedule = [(0, [5, 6, 7, 8], SamplingParams(max_tokens=6, ignore_eos=True)),
                 (1, list(range(1, 40)), SamplingParams(max_tokens=5, temperature=0.8, seed=1, ignore_eos=True))]
     assert run_schedule(warm, schedule) == run_schedule(cold, schedule)  # stale warm-up keys are never read
+
+
+def test_request_scenarios_cover_several_prompts_a_split_chunk_and_a_long_prompt_among_decoders():
+    burst, every, long = request_scenarios(32, 4096, 2048)
+    assert [r.prompt_tokens for r in burst] == [5, 37, 128, 1, 64, 17, 200, 96]
+    assert {r.sampled for r in burst} == {True, False}
+    assert len(every) == 32 and sum(r.prompt_tokens for r in every) > 2048  # chunks split prompts
+    assert long[1] == WarmRequest(2048 + 37, 2, steps_before=2) and long[1].prompt_tokens % 16
+    small = request_scenarios(2, 12, 16)  # everything clipped to what a slot holds
+    assert all(1 <= r.prompt_tokens <= 8 for wave in small for r in wave) and len(small[0]) == 2
+    assert request_scenarios(1, 64, 16)[-1] == [WarmRequest(60, 2)]  # one slot: no wave that needs two
+    assert request_scenarios(4, 4, 16) == []
+
+
+def test_warm_up_requests_run_through_the_scheduler_and_leave_no_trace(tiny_family):
+    from quantkit.runtime.loader import load_engine
+    from quantkit.runtime.types import SamplingParams
+    from tests.runtime.test_engine import run_schedule
+
+    folder, _ = tiny_family("llama")
+    cold = load_engine(str(folder), device="cpu", max_batch=4, max_seq_len=64, prefill_chunk=16)
+    warm = load_engine(str(folder), device="cpu", max_batch=4, max_seq_len=64, prefill_chunk=16)
+    seen = []
+    step = warm.step
+    warm.step = lambda: seen.append((len(warm._prefilling), len(warm._running))) or step()
+    report = warm.warm_up(requests=True)
+    del warm.step
+    assert report.requests == 4 + 4 + 2 and "10 requests through the scheduler" in report.describe()
+    assert any(p >= 2 for p, _ in seen)  # several prompts in one prefill
+    assert any(p >= 1 and r >= 1 for p, r in seen)  # a prompt prefilled beside decoding rows
+    assert not warm.has_work() and warm.stats.prefill_tokens == 0 and warm.stats.decode_tokens == 0
+    assert sorted(warm._free_slots) == [0, 1, 2, 3]
+    schedule = [(0, [5, 6, 7, 8], SamplingParams(max_tokens=6, ignore_eos=True)),
+                (1, list(range(1, 40)), SamplingParams(max_tokens=5, temperature=0.8, seed=1, ignore_eos=True))]
+    assert run_schedule(warm, schedule) == run_schedule(cold, schedule)
+    assert cold.warm_up().requests == 0  # the CPU's reference backend compiles nothing: no requests by default
+
+
+def test_chat_template_is_rendered_once_when_there_is_one(tokenizer):
+    from quantkit.runtime.warmup import _warm_chat_template
+
+    assert not _warm_chat_template(None) and not _warm_chat_template(tokenizer)  # no template: nothing to do
+    rendered = []
+
+    class WithTemplate:
+        chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+
+        def apply_chat_template(self, messages, **kwargs):
+            rendered.append(messages)
+            return "Hello"
+
+    class Refusing(WithTemplate):
+        def apply_chat_template(self, messages, **kwargs):
+            raise ValueError("roles must alternate")
+
+    assert _warm_chat_template(WithTemplate()) and rendered == [[{"role": "user", "content": "Hello"}]]
+    assert not _warm_chat_template(Refusing())  # said in the log, never fatal
 
 
 def test_health_is_503_until_warm(tokenizer):
