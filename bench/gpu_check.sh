@@ -113,7 +113,7 @@ gguf)
     if [ "${3:-}" = coldstart ]; then  # issue 40's H200 must-show on SmolLM2 quantized here (GPTQ defaults)
         step 90 python3 -m quantkit.cli.app gptq "$g/SmolLM2-135M-Instruct.Q4_1.gguf" -o /tmp/smol-gptq \
             --calib ../shared/data/wikitext2/valid.tokens.txt > "$OUT/smollm2_gptq.log" 2>&1
-        step 300 python3 bench/bench_serve_coldstart.py /tmp/smol-gptq --out "$OUT/serve_coldstart_smollm2_h200.json" \
+        step 300 python3 bench/bench_serve_coldstart.py /tmp/smol-gptq --out "$OUT/serve_coldstart_smollm2.json" \
             --server-log "$OUT/serve_coldstart_server.log" 2>&1 | tail -40
     fi
     ;;

@@ -1,23 +1,25 @@
 """Warm-up: run the prefill and decode shapes a server will use before it says it is ready.
 
-Triton compiles (and autotunes) a kernel the first time it meets a new shape class, and the W4A16 GEMM
+Triton compiles a kernel the first time it meets a new specialization (constexprs, integer arguments equal
+to 1 or divisible by 16), and the W4A16 GEMM
 picks its kernel by the number of rows: without a warm-up the first requests after start pay for that
 (issue 40: TTFT p95 2.1-2.6 s in the first minute on an H200, 0.10 s once warm). :func:`warm_up` runs
 
-* prefill of 1, 2, 4, ... tokens up to the engine's ``prefill_chunk`` (and ``max_seq_len - 1``), so every
-  row count the GEMM selection distinguishes and every attention block count are compiled;
+* prefill of 1, 2, 3, 4, 7, 8, 15, 16, ... tokens up to the engine's ``prefill_chunk`` (and ``max_seq_len - 1``):
+  every row bucket the GEMM selection distinguishes (powers of two) at its top and one below it, since Triton
+  specializes integer arguments on ``== 1`` and ``% 16`` and both variants occur (a 952-token second chunk
+  of a 3,000-token prompt is not a multiple of 16), and every attention block count;
 * a chunk that attends to earlier keys in its slot (the chunked-prefill attention path);
 * one decode step per batch bucket (replays of the captured CUDA graphs, or the eager step), greedy and
   sampled, so the sampler's host path is warm too;
 * constrained decoding: the tokenizer's conversion for llguidance and one masked step;
-* the chat template, rendered once (transformers compiles it on first use);
-* requests through the engine's own scheduler, as clients send them: a burst of prompts of mixed lengths
-  (several prompts in one prefill, lengths on and off multiples of 16, greedy and sampled rows), every
-  slot at once (prompts split across chunks), and a prompt longer than a chunk arriving while others
-  decode (a chunk over earlier keys at an unaligned offset, beside decode steps). Triton specializes
-  integer arguments on ``== 1`` and ``% 16``, so one prompt at a time leaves these to the first clients
-  (measured on an H100 before this step: cold TTFT p95 1.15 s at 8 streams against 0.12 s warm, and an
-  853 ms inter-token gap during a 3,000-token prompt).
+* requests through the engine's own scheduler, as clients send them: 2, 3 and 4 prompts finishing in one
+  prefill (the 16-bit output head's GEMV compiles per row count, 1-4, and decode graphs only meet 1, 2 and
+  4), a burst of prompts of mixed lengths (greedy and sampled rows), every slot at once (prompts split
+  across chunks), and a prompt longer than a chunk arriving while others decode (a chunk over earlier keys
+  at an unaligned offset, beside decode steps). Measured on an H100 with single-prompt warm-up only: cold
+  TTFT p95 1.15 s at 8 streams against 0.12 s warm, and an 853 ms inter-token gap during a 3,000-token
+  prompt (SmolLM2, GPTQ).
 
 It writes only into cache slots no request holds yet (the engine is idle): a slot's contents are always
 rewritten from position 0 before they are read.
@@ -44,35 +46,37 @@ class WarmupReport:
     decode_buckets: tuple[int, ...]
     grammar: bool = False  # constrained decoding ready (tokenizer converted, one mask applied)
     requests: int = 0  # requests run through the scheduler (:func:`request_scenarios`)
-    chat_template: bool = False  # the tokenizer's chat template compiled (rendered once)
 
     def describe(self) -> str:
-        return (f"warm-up: {self.seconds:.1f} s (prefill of {', '.join(map(str, self.prefill_lengths))} tokens and "
-                f"a chunk over earlier keys; decode at batch {', '.join(map(str, self.decode_buckets))}"
-                f"{'; grammar masks' if self.grammar else ''}{'; the chat template' if self.chat_template else ''}"
+        lengths = self.prefill_lengths
+        return (f"warm-up: {self.seconds:.1f} s (prefill of {len(lengths)} lengths, {lengths[0]} to {lengths[-1]} "
+                f"tokens, and a chunk over earlier keys; decode at batch {', '.join(map(str, self.decode_buckets))}"
+                f"{'; grammar masks' if self.grammar else ''}"
                 f"{f'; {self.requests} requests through the scheduler' if self.requests else ''})")
 
 
-def prefill_lengths(prefill_chunk: int, max_seq_len: int) -> tuple[int, ...]:
-    """1, 2, 4, ... below the chunk size, and the chunk size itself (all within one sequence)."""
+def prefill_lengths(prefill_chunk: int, max_seq_len: int, off_16: bool = True) -> tuple[int, ...]:
+    """Each power of two below the chunk size, then the chunk size (all within one sequence); with ``off_16``
+    also the number one below each: every row bucket, on and off a multiple of 16."""
     top = min(prefill_chunk, max_seq_len - 1)
-    lengths, n = [], 1
+    lengths, n = {top, top - 1 if off_16 else top}, 1
     while n < top:
-        lengths.append(n)
+        lengths.update((n, n - 1 if off_16 else n))
         n *= 2
-    return (*lengths, top)
+    return tuple(sorted(n for n in lengths if n >= 1))
 
 
 def warm_up(engine, requests: bool | None = None) -> WarmupReport:
-    """Run ``engine``'s prefill and decode shapes once (it must be idle); how long that took. ``requests``:
-    also run :func:`request_scenarios` through the scheduler (default: where kernels compile on first use,
-    the kernels backend; the reference backend has nothing to compile)."""
+    """Run ``engine``'s prefill and decode shapes once (it must be idle); how long that took. Where kernels
+    compile on first use (the kernels backend) prefill lengths off multiples of 16 run too, and ``requests``
+    (default: there) runs :func:`request_scenarios` through the scheduler."""
     if engine.has_work():
         raise RuntimeError("warm_up needs an idle engine")
     start = time.perf_counter()
     model, cache, runner = engine.model, engine.cache, engine._runner
     vocab = model.spec.vocab_size
-    lengths = prefill_lengths(engine.prefill_chunk, engine.max_seq_len)
+    compiles = getattr(model, "backend", "") == "kernels"  # the reference backend (the CPU) compiles nothing
+    lengths = prefill_lengths(engine.prefill_chunk, engine.max_seq_len, off_16=compiles)
     for i, n in enumerate(lengths):
         prompt = [(7 * j + 3) % vocab for j in range(n)]
         logits = model.prefill([prompt], [0], cache)
@@ -90,13 +94,10 @@ def warm_up(engine, requests: bool | None = None) -> WarmupReport:
         sampling.sample_batch(launched.logits[:1], [sampler], [torch.empty(0, dtype=torch.long)], [gen])
     sampling.sample_batch(logits[:1].float(), [sampler], [torch.empty(0, dtype=torch.long)], [gen])
     grammar = _warm_grammar(engine, logits[:1].float())
-    chat = _warm_chat_template(engine.tokenizer)
-    if requests is None:
-        requests = getattr(model, "backend", "") == "kernels"
-    n_requests = _warm_requests(engine) if requests else 0
+    n_requests = _warm_requests(engine) if (compiles if requests is None else requests) else 0
     if model.device.type == "cuda":
         torch.cuda.synchronize(model.device)
-    return WarmupReport(time.perf_counter() - start, lengths, buckets, grammar, n_requests, chat)
+    return WarmupReport(time.perf_counter() - start, lengths, buckets, grammar, n_requests)
 
 
 BURST_LENGTHS = (5, 37, 128, 1, 64, 17, 200, 96)  # on and off multiples of 16, one single-token prompt
@@ -116,7 +117,8 @@ class WarmRequest:
 def request_scenarios(max_batch: int, max_seq_len: int, prefill_chunk: int) -> list[list[WarmRequest]]:
     """The warm-up's request waves (each run until the engine is idle again):
 
-    1. a burst of up to 8 prompts of :data:`BURST_LENGTHS`, every other one sampled;
+    1. 2, 3 and 4 prompts at once (as many as fit the slots), then a burst of up to 8, of :data:`BURST_LENGTHS`,
+       every other one sampled;
     2. every slot at once, odd-length prompts (their sum spills over a chunk, so chunks split prompts);
     3. a short prompt, then, once it decodes, one longer than a chunk by an odd count."""
     room = max_seq_len - 4  # a prompt leaves room for its tokens
@@ -126,10 +128,12 @@ def request_scenarios(max_batch: int, max_seq_len: int, prefill_chunk: int) -> l
     def clip(n: int) -> int:
         return max(1, min(n, room))
 
-    burst = [WarmRequest(clip(BURST_LENGTHS[i % len(BURST_LENGTHS)]), 3, sampled=i % 2 == 1)
-             for i in range(min(max_batch, 8))]
-    every = [WarmRequest(clip(97), 2) for _ in range(max_batch)]
-    waves = [burst, every]
+    def group(n: int, tokens: int) -> list[WarmRequest]:
+        return [WarmRequest(clip(BURST_LENGTHS[i % len(BURST_LENGTHS)]), tokens, sampled=i % 2 == 1)
+                for i in range(n)]
+
+    waves = [group(n, 2) for n in (2, 3, 4) if n <= max_batch]
+    waves += [group(min(max_batch, 8), 3), [WarmRequest(clip(97), 2) for _ in range(max_batch)]]
     if max_batch >= 2:
         waves.append([WarmRequest(clip(9), 8), WarmRequest(clip(prefill_chunk + 37), 2, steps_before=2)])
     return waves
@@ -156,20 +160,6 @@ def _warm_requests(engine) -> int:
             engine.step()
     engine.stats = type(engine.stats)()
     return n
-
-
-def _warm_chat_template(tokenizer) -> bool:
-    """Render the chat template once: transformers compiles a template (jinja) on its first use and keeps it,
-    which cost the first chat request about 2 s on an H100 host (issue 40's bench, before this step)."""
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        return False
-    try:
-        tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}], add_generation_prompt=True,
-                                      tokenize=False)
-        return True
-    except Exception as exc:  # noqa: BLE001 (a template that refuses this message still serves others)
-        log.info("chat template not warmed up: %s", exc)
-        return False
 
 
 def _warm_grammar(engine, logits: torch.Tensor) -> bool:

@@ -12,9 +12,12 @@ from quantkit.runtime.warmup import WarmRequest, prefill_lengths, request_scenar
 
 
 def test_prefill_lengths_cover_the_chunk():
-    assert prefill_lengths(256, 4096) == (1, 2, 4, 8, 16, 32, 64, 128, 256)
-    assert prefill_lengths(2048, 100) == (1, 2, 4, 8, 16, 32, 64, 99)
+    assert prefill_lengths(256, 4096) == (1, 2, 3, 4, 7, 8, 15, 16, 31, 32, 63, 64, 127, 128, 255, 256)
+    assert prefill_lengths(2048, 100) == (1, 2, 3, 4, 7, 8, 15, 16, 31, 32, 63, 64, 98, 99)
     assert prefill_lengths(1, 64) == (1,)
+    assert prefill_lengths(256, 4096, off_16=False) == (1, 2, 4, 8, 16, 32, 64, 128, 256)  # the CPU's
+    lengths = prefill_lengths(2048, 4096)  # every power-of-two bucket at its top, on and off a multiple of 16
+    assert {n % 16 == 0 for n in lengths if n > 16} == {True, False} and lengths[-1] == 2048
 
 
 def test_engine_warm_up_runs_every_shape_and_leaves_it_serving(tiny_family):
@@ -26,7 +29,7 @@ def test_engine_warm_up_runs_every_shape_and_leaves_it_serving(tiny_family):
     cold = load_engine(str(folder), device="cpu", max_batch=4, max_seq_len=64, prefill_chunk=16)
     warm = load_engine(str(folder), device="cpu", max_batch=4, max_seq_len=64, prefill_chunk=16)
     report = warm.warm_up()
-    assert report.prefill_lengths == (1, 2, 4, 8, 16) and report.decode_buckets == (1, 2, 4)
+    assert report.prefill_lengths == (1, 2, 4, 8, 16) and report.decode_buckets == (1, 2, 4)  # nothing compiles
     assert report.seconds > 0 and "warm-up" in report.describe()
     assert report.grammar == (importlib.util.find_spec("llguidance") is not None)
     assert not warm.has_work() and warm.stats.prefill_tokens == 0  # the engine's own books are untouched
@@ -36,13 +39,14 @@ def test_engine_warm_up_runs_every_shape_and_leaves_it_serving(tiny_family):
 
 
 def test_request_scenarios_cover_several_prompts_a_split_chunk_and_a_long_prompt_among_decoders():
-    burst, every, long = request_scenarios(32, 4096, 2048)
+    two, three, four, burst, every, long = request_scenarios(32, 4096, 2048)
+    assert [len(w) for w in (two, three, four)] == [2, 3, 4]  # the output head's GEMV rows, 2-4
     assert [r.prompt_tokens for r in burst] == [5, 37, 128, 1, 64, 17, 200, 96]
     assert {r.sampled for r in burst} == {True, False}
     assert len(every) == 32 and sum(r.prompt_tokens for r in every) > 2048  # chunks split prompts
     assert long[1] == WarmRequest(2048 + 37, 2, steps_before=2) and long[1].prompt_tokens % 16
     small = request_scenarios(2, 12, 16)  # everything clipped to what a slot holds
-    assert all(1 <= r.prompt_tokens <= 8 for wave in small for r in wave) and len(small[0]) == 2
+    assert all(1 <= r.prompt_tokens <= 8 for wave in small for r in wave) and [len(w) for w in small] == [2, 2, 2, 2]
     assert request_scenarios(1, 64, 16)[-1] == [WarmRequest(60, 2)]  # one slot: no wave that needs two
     assert request_scenarios(4, 4, 16) == []
 
@@ -60,7 +64,7 @@ def test_warm_up_requests_run_through_the_scheduler_and_leave_no_trace(tiny_fami
     warm.step = lambda: seen.append((len(warm._prefilling), len(warm._running))) or step()
     report = warm.warm_up(requests=True)
     del warm.step
-    assert report.requests == 4 + 4 + 2 and "10 requests through the scheduler" in report.describe()
+    assert report.requests == 2 + 3 + 4 + 4 + 4 + 2 and "19 requests through the scheduler" in report.describe()
     assert any(p >= 2 for p, _ in seen)  # several prompts in one prefill
     assert any(p >= 1 and r >= 1 for p, r in seen)  # a prompt prefilled beside decoding rows
     assert not warm.has_work() and warm.stats.prefill_tokens == 0 and warm.stats.decode_tokens == 0
@@ -69,27 +73,6 @@ def test_warm_up_requests_run_through_the_scheduler_and_leave_no_trace(tiny_fami
                 (1, list(range(1, 40)), SamplingParams(max_tokens=5, temperature=0.8, seed=1, ignore_eos=True))]
     assert run_schedule(warm, schedule) == run_schedule(cold, schedule)
     assert cold.warm_up().requests == 0  # the CPU's reference backend compiles nothing: no requests by default
-
-
-def test_chat_template_is_rendered_once_when_there_is_one(tokenizer):
-    from quantkit.runtime.warmup import _warm_chat_template
-
-    assert not _warm_chat_template(None) and not _warm_chat_template(tokenizer)  # no template: nothing to do
-    rendered = []
-
-    class WithTemplate:
-        chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
-
-        def apply_chat_template(self, messages, **kwargs):
-            rendered.append(messages)
-            return "Hello"
-
-    class Refusing(WithTemplate):
-        def apply_chat_template(self, messages, **kwargs):
-            raise ValueError("roles must alternate")
-
-    assert _warm_chat_template(WithTemplate()) and rendered == [[{"role": "user", "content": "Hello"}]]
-    assert not _warm_chat_template(Refusing())  # said in the log, never fatal
 
 
 def test_health_is_503_until_warm(tokenizer):
