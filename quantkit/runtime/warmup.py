@@ -141,25 +141,29 @@ def request_scenarios(max_batch: int, max_seq_len: int, prefill_chunk: int) -> l
 
 def _warm_requests(engine) -> int:
     """Run :func:`request_scenarios` through ``engine.add_request`` / ``step`` until idle; returns how many
-    requests ran. The engine's statistics are reset after (the warm-up is not traffic)."""
-    from quantkit.runtime.types import SamplingParams
-
+    requests ran. The engine's statistics are reset after (the warm-up is not traffic); if a step fails, the
+    warm-up's requests are aborted before the error goes on, so none holds a slot when serving starts."""
     vocab = engine.model.spec.vocab_size
-    n = 0
-    for wave in request_scenarios(engine.max_batch, engine.max_seq_len, engine.prefill_chunk):
-        for i, req in enumerate(wave):
-            for _ in range(req.steps_before):
+    ids: list[int] = []
+    try:
+        for wave in request_scenarios(engine.max_batch, engine.max_seq_len, engine.prefill_chunk):
+            for i, req in enumerate(wave):
+                for _ in range(req.steps_before):
+                    engine.step()
+                params = SamplingParams(max_tokens=req.max_tokens, ignore_eos=True, seed=i,
+                                        **(dict(temperature=0.7, top_k=20, top_p=0.9) if req.sampled else {}))
+                ids.append(engine.add_request([(11 * j + 5 + i) % vocab for j in range(req.prompt_tokens)], params))
+            for _ in range(100_000):  # bounded: each step makes progress; a stuck engine must not hang start-up
+                if not engine.has_work():
+                    break
                 engine.step()
-            params = SamplingParams(max_tokens=req.max_tokens, ignore_eos=True, seed=i,
-                                    **(dict(temperature=0.7, top_k=20, top_p=0.9) if req.sampled else {}))
-            engine.add_request([(11 * j + 5 + i) % vocab for j in range(req.prompt_tokens)], params)
-            n += 1
-        for _ in range(100_000):  # bounded: each step makes progress; a stuck engine must not hang start-up
-            if not engine.has_work():
-                break
-            engine.step()
-    engine.stats = type(engine.stats)()
-    return n
+    except Exception:
+        for request_id in ids:
+            engine.abort(request_id)  # a finished request is no longer found: nothing happens
+        raise
+    finally:
+        engine.stats = type(engine.stats)()
+    return len(ids)
 
 
 def _warm_grammar(engine, logits: torch.Tensor) -> bool:

@@ -75,6 +75,27 @@ def test_warm_up_requests_run_through_the_scheduler_and_leave_no_trace(tiny_fami
     assert cold.warm_up().requests == 0  # the CPU's reference backend compiles nothing: no requests by default
 
 
+def test_a_failing_warm_up_step_leaves_no_request_in_the_engine(tiny_family):
+    from quantkit.runtime.loader import load_engine
+
+    folder, _ = tiny_family("llama")
+    engine = load_engine(str(folder), device="cpu", max_batch=4, max_seq_len=64, prefill_chunk=16)
+    step, calls = engine.step, []
+
+    def failing_step():
+        calls.append(1)
+        if len(calls) == 3:  # inside the first wave, with requests prefilled and decoding
+            raise RuntimeError("device lost")
+        return step()
+
+    engine.step = failing_step
+    with pytest.raises(RuntimeError, match="device lost"):
+        engine.warm_up(requests=True)
+    del engine.step
+    assert not engine._queue and not engine._running and not engine._prefilling
+    assert sorted(engine._free_slots) == [0, 1, 2, 3] and engine.stats.prefill_tokens == 0
+
+
 def test_health_is_503_until_warm(tokenizer):
     pytest.importorskip("fastapi")
     httpx = pytest.importorskip("httpx")
