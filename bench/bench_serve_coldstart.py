@@ -13,6 +13,11 @@ Starts `quantkit serve MODEL` as a subprocess and drives it with the official `o
 5. shutdown: SIGTERM with a stream in flight: exit status, seconds to exit, whether the stream ended with an
    event (its text or the abort error) and [DONE].
 
+The server starts from an empty Triton cache of its own (--triton-cache, default a new temporary folder), so
+its start is as cold as on a fresh machine, and after each phase the kernels compiled since the previous one
+are listed by name (new cache entries): anything compiled after `/health` said ready is what the warm-up
+missed, and what the first clients paid for.
+
     python bench/bench_serve_coldstart.py MODEL [--serve-arg=--kv-cache-fraction=0.8 ...] [--out PATH]
 
 Writes JSON (card, versions, date, every number) and prints a summary table.
@@ -51,6 +56,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def compiled_kernels(cache_dir: str | Path) -> set[tuple[str, str]]:
+    """``(entry, kernel name)`` of every compiled kernel in a Triton cache folder (one entry per compilation;
+    the name is the stem of its ``.cubin``)."""
+    return {(f.parent.name, f.stem) for f in Path(cache_dir).glob("*/*.cubin")}
+
+
+def new_kernels(before: set[tuple[str, str]], after: set[tuple[str, str]]) -> dict[str, int]:
+    """Kernel name -> compilations in ``after`` and not in ``before``."""
+    counts: dict[str, int] = {}
+    for _, name in sorted(after - before):
+        counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
 def start_server(args, port: int) -> tuple[subprocess.Popen, float]:
     cmd = [sys.executable, "-c", "from quantkit.cli.app import main; main()", "serve", args.model,
            "--port", str(port), "--max-tokens", str(max(args.max_tokens, 1024)), "--shutdown-grace",
@@ -58,7 +77,8 @@ def start_server(args, port: int) -> tuple[subprocess.Popen, float]:
     print("launching:", " ".join(cmd[3:]), flush=True)
     started = time.perf_counter()
     log = open(args.server_log, "w")  # noqa: SIM115 (the process writes it until the end)
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                            env=dict(os.environ, TRITON_CACHE_DIR=str(args.triton_cache)))
     import httpx
 
     while True:
@@ -192,7 +212,15 @@ async def main_async(args) -> dict:
 
     port = free_port()
     proc, ready_s = start_server(args, port)
-    record = {"startup_to_ready_s": ready_s}
+    record = {"startup_to_ready_s": ready_s, "triton_cache": str(args.triton_cache), "compiled_after_ready": {}}
+    seen = compiled_kernels(args.triton_cache)
+    record["kernels_compiled_by_ready"] = len(seen)
+
+    def compiled_since(phase: str) -> None:
+        nonlocal seen
+        now = compiled_kernels(args.triton_cache)
+        record["compiled_after_ready"][phase] = new_kernels(seen, now)
+        seen = now
     client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=600)
     try:
         model_info = (await client.models.list()).data[0]
@@ -200,13 +228,16 @@ async def main_async(args) -> dict:
         context = int(getattr(model_info, "max_model_len", None) or 2048)
         for phase in ("cold", "warm"):
             record[phase] = [await load(client, model, c, args, vocab) for c in args.streams]
+            compiled_since(phase)
             print(phase, json.dumps(record[phase]), flush=True)
         record["cold_over_warm"] = [{"streams": c["streams"], "ttft_p95": c["ttft_p95_s"] / w["ttft_p95_s"],
                                      "tok_per_s": w["tok_per_s"] / c["tok_per_s"]}
                                     for c, w in zip(record["cold"], record["warm"])]
         record["structured"] = {b: await structured(client, model, b, args) for b in args.structured_batches}
+        compiled_since("structured")
         print("structured", json.dumps(record["structured"]), flush=True)
         record["mixed"] = await mixed(client, model, args, vocab)
+        compiled_since("mixed")
         print("mixed", json.dumps(record["mixed"]), flush=True)
         record["shutdown"] = await shutdown(client, model, proc, args, vocab, context)
     finally:
@@ -249,7 +280,13 @@ def main() -> None:
     parser.add_argument("--shutdown-grace", type=float, default=2.0, help="the server's --shutdown-grace")
     parser.add_argument("--server-log", default="serve_coldstart_server.log")
     parser.add_argument("--out", help="JSON path (default bench/results/serve_coldstart_<model>_<date>.json)")
+    parser.add_argument("--triton-cache", help="the server's TRITON_CACHE_DIR (default: a new empty temporary "
+                        "folder, so the start is cold and what compiles after ready can be listed)")
     args = parser.parse_args()
+    if args.triton_cache is None:
+        import tempfile
+
+        args.triton_cache = tempfile.mkdtemp(prefix="triton_coldstart_")
     args.streams = [int(s) for s in args.streams.split(",")]
     args.structured_batches = [int(s) for s in args.structured_batches.split(",")]
     out = Path(args.out or f"bench/results/serve_coldstart_{Path(args.model).stem}_{datetime.date.today()}.json")
@@ -272,6 +309,8 @@ def main() -> None:
           f"its prefill {m['worst_gap_during_prefill_s'] * 1e3:.0f} ms (median gap before "
           f"{m['median_gap_before_s'] * 1e3:.1f} ms)")
     print("shutdown:", record["shutdown"])
+    print(f"kernels compiled by ready: {record['kernels_compiled_by_ready']}; after ready, by phase:",
+          {phase: dict(k) for phase, k in record["compiled_after_ready"].items()})
     print("wrote", out)
 
 

@@ -113,9 +113,8 @@ gguf)
     if [ "${3:-}" = coldstart ]; then  # issue 40's H200 must-show on SmolLM2 quantized here (GPTQ defaults)
         step 90 python3 -m quantkit.cli.app gptq "$g/SmolLM2-135M-Instruct.Q4_1.gguf" -o /tmp/smol-gptq \
             --calib ../shared/data/wikitext2/valid.tokens.txt > "$OUT/smollm2_gptq.log" 2>&1
-        # an empty Triton cache: the suite just before compiled many of the server's kernels into the default one
-        TRITON_CACHE_DIR=/tmp/triton_coldstart step 300 python3 bench/bench_serve_coldstart.py /tmp/smol-gptq \
-            --out "$OUT/serve_coldstart_smollm2.json" \
+        # the bench gives the server an empty Triton cache (the suite just before filled the default one)
+        step 300 python3 bench/bench_serve_coldstart.py /tmp/smol-gptq --out "$OUT/serve_coldstart_smollm2.json" \
             --server-log "$OUT/serve_coldstart_server.log" 2>&1 | tail -40
     fi
     ;;
@@ -144,13 +143,12 @@ print("wrote /tmp/smolrand")
 PY
     step 60 python3 -m quantkit.cli.app rtn /tmp/smolrand -o /tmp/smol-rtn > "$OUT/smol_rtn.log" 2>&1; tail -3 "$OUT/smol_rtn.log"
     here=$PWD
-    # each server starts from an empty Triton cache of its own: with a shared one the second run loads what the
-    # first compiled (the first A/B of 2026-12-05 ran so, and its second run looked warm from the start)
-    TRITON_CACHE_DIR=/tmp/triton_new step 140 python3 bench/bench_serve_coldstart.py /tmp/smol-rtn \
-        --out "$OUT/serve_coldstart_new.json" --server-log "$OUT/serve_coldstart_new_server.log" 2>&1 | tail -14
-    (cd /tmp && TRITON_CACHE_DIR=/tmp/triton_old PYTHONPATH=/tmp/oldsite:/tmp/site step 140 python3 \
-        "$here/bench/bench_serve_coldstart.py" /tmp/smol-rtn --out "$OUT/serve_coldstart_old.json" \
-        --server-log "$OUT/serve_coldstart_old_server.log" 2>&1 | tail -14)
+    # the bench gives each server an empty Triton cache of its own: with a shared one the second run loads what
+    # the first compiled (the first A/B of 2026-12-05 ran so, and its second run looked warm from the start)
+    step 140 python3 bench/bench_serve_coldstart.py /tmp/smol-rtn --out "$OUT/serve_coldstart_new.json" \
+        --server-log "$OUT/serve_coldstart_new_server.log" 2>&1 | tail -15
+    (cd /tmp && PYTHONPATH=/tmp/oldsite:/tmp/site step 140 python3 "$here/bench/bench_serve_coldstart.py" /tmp/smol-rtn \
+        --out "$OUT/serve_coldstart_old.json" --server-log "$OUT/serve_coldstart_old_server.log" 2>&1 | tail -15)
     ;;
 *) echo "usage: gpu_check.sh benches|suite|one|tests|gguf|coldstart-ab BUDGET_S"; exit 2 ;;
 esac
