@@ -233,6 +233,8 @@ async def main_async(args) -> dict:
         record["cold_over_warm"] = [{"streams": c["streams"], "ttft_p95": c["ttft_p95_s"] / w["ttft_p95_s"],
                                      "tok_per_s": w["tok_per_s"] / c["tok_per_s"]}
                                     for c, w in zip(record["cold"], record["warm"])]
+        if args.load_only:
+            return record
         record["structured"] = {b: await structured(client, model, b, args) for b in args.structured_batches}
         compiled_since("structured")
         print("structured", json.dumps(record["structured"]), flush=True)
@@ -280,6 +282,8 @@ def main() -> None:
     parser.add_argument("--shutdown-grace", type=float, default=2.0, help="the server's --shutdown-grace")
     parser.add_argument("--server-log", default="serve_coldstart_server.log")
     parser.add_argument("--out", help="JSON path (default bench/results/serve_coldstart_<model>_<date>.json)")
+    parser.add_argument("--load-only", action="store_true", help="stop after the cold and warm load phases "
+                        "(no structured output, mixed load or shutdown): the cold-start check alone")
     parser.add_argument("--triton-cache", help="the server's TRITON_CACHE_DIR (default: a new empty temporary "
                         "folder, so the start is cold and what compiles after ready can be listed)")
     args = parser.parse_args()
@@ -301,6 +305,11 @@ def main() -> None:
     for c, w in zip(record["cold"], record["warm"]):
         print(f"{c['streams']:7d} | {c['ttft_p50_s']:.3f} / {c['ttft_p95_s']:.3f} | {w['ttft_p50_s']:.3f} / "
               f"{w['ttft_p95_s']:.3f} | {c['tok_per_s']:.0f} / {w['tok_per_s']:.0f}")
+    print(f"kernels compiled by ready: {record['kernels_compiled_by_ready']}; after ready, by phase:",
+          {phase: dict(k) for phase, k in record["compiled_after_ready"].items()})
+    if args.load_only:
+        print("wrote", out)
+        return
     for b, s in record["structured"].items():
         print(f"batch {b}: json_schema {s['json_schema']['decode_tok_per_s_per_stream']:.1f} tok/s/stream vs "
               f"unconstrained {s['unconstrained']['decode_tok_per_s_per_stream']:.1f} (ratio {s['ratio']:.2f})")
@@ -309,8 +318,6 @@ def main() -> None:
           f"its prefill {m['worst_gap_during_prefill_s'] * 1e3:.0f} ms (median gap before "
           f"{m['median_gap_before_s'] * 1e3:.1f} ms)")
     print("shutdown:", record["shutdown"])
-    print(f"kernels compiled by ready: {record['kernels_compiled_by_ready']}; after ready, by phase:",
-          {phase: dict(k) for phase, k in record["compiled_after_ready"].items()})
     print("wrote", out)
 
 

@@ -24,6 +24,7 @@
 # Issue 40's cold start as an A/B without the GGUF (a random SmolLM2-shaped model, RTN; .stage/smoltok holds
 # SmolLM2's config.json and tokenizer files, saved from the GGUF with transformers' save_pretrained):
 #   carry [.stage/whl, .stage/smoltok, .stage/old]:  bash bench/gpu_check.sh coldstart-ab BUDGET_S (~300)
+#   (third argument "quick": the new code alone, cold and warm load phases only)
 # Everything lands in $OUT (JSON of each bench, the suite's log).
 set -o pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 COLUMNS=200
@@ -123,9 +124,11 @@ coldstart-ab)  # issue 40's cold start, new code against the previous main (.sta
     # in two halves; start-up compiles and serving speed do not depend on the weights' values.
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .stage/whl/*.whl 2>&1 | tail -2
     export PYTHONPATH=/tmp/site
-    mkdir -p /tmp/old && tar -xzf .stage/old/oldmain.tgz -C /tmp/old
-    python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/oldsite /tmp/old >/dev/null 2>&1 \
-        || echo "old main install failed"
+    if [ "${3:-}" != quick ]; then
+        mkdir -p /tmp/old && tar -xzf .stage/old/oldmain.tgz -C /tmp/old
+        python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/oldsite /tmp/old >/dev/null 2>&1 \
+            || echo "old main install failed"
+    fi
     card | tee "$OUT/card.txt"
     step 60 python3 - <<'PY'
 import shutil, torch
@@ -143,6 +146,11 @@ print("wrote /tmp/smolrand")
 PY
     step 60 python3 -m quantkit.cli.app rtn /tmp/smolrand -o /tmp/smol-rtn > "$OUT/smol_rtn.log" 2>&1; tail -3 "$OUT/smol_rtn.log"
     here=$PWD
+    if [ "${3:-}" = quick ]; then  # the new code's cold start alone, load phases only (~60 s after the model)
+        step 120 python3 bench/bench_serve_coldstart.py /tmp/smol-rtn --load-only --out "$OUT/serve_coldstart_new.json" \
+            --server-log "$OUT/serve_coldstart_new_server.log" 2>&1 | tail -12
+        exit 0
+    fi
     # the bench gives each server an empty Triton cache of its own: with a shared one the second run loads what
     # the first compiled (the first A/B of 2026-12-05 ran so, and its second run looked warm from the start)
     step 140 python3 bench/bench_serve_coldstart.py /tmp/smol-rtn --out "$OUT/serve_coldstart_new.json" \
