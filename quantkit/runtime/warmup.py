@@ -1,9 +1,9 @@
 """Warm-up: run the prefill and decode shapes a server will use before it says it is ready.
 
 Triton compiles a kernel the first time it meets a new specialization (constexprs, integer arguments equal
-to 1 or divisible by 16), and the W4A16 GEMM
-picks its kernel by the number of rows: without a warm-up the first requests after start pay for that
-(issue 40: TTFT p95 2.1-2.6 s in the first minute on an H200, 0.10 s once warm). :func:`warm_up` runs
+to 1 or divisible by 16), and the W4A16 GEMM picks its kernel by the number of rows: without a warm-up the
+first requests after start pay for that (issue 40: TTFT p95 2.1-2.6 s in the first minute on an H200, 0.10 s
+once warm). :func:`warm_up` runs
 
 * prefill of 1, 2, 3, 4, 7, 8, 15, 16, ... tokens up to the engine's ``prefill_chunk`` (and ``max_seq_len - 1``):
   every row bucket the GEMM selection distinguishes (powers of two) at its top and one below it, since Triton
