@@ -17,6 +17,7 @@ Prints a table and writes JSON (card, versions, date) to bench/results/bench_moe
     python bench/bench_moe.py                  # everything (H200: expect ~20-30 minutes)
     python bench/bench_moe.py --skip awq serve kernel   # GPTQ alone (each section also runs alone:
     python bench/bench_moe.py --skip gptq awq kernel    # serving, on RTN weights: speed does not depend on them)
+    python bench/bench_moe.py --tiny --device cpu       # the smoke test (~10 s; tests/test_bench_moe.py)
 """
 
 from __future__ import annotations
@@ -274,20 +275,28 @@ def kernel_rows(args) -> list[dict]:
     return rows
 
 
+FULL_DEFAULTS = {"layers": 48, "nsamples": 128, "seqlen": 2048, "steps": 64, "kernel_m": [1, 8, 32, 256, 2048]}
+TINY_DEFAULTS = {"layers": 2, "nsamples": 4, "seqlen": 64, "steps": 4, "kernel_m": [1, 8]}  # minutes on a CPU
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--layers", type=int, default=48, help="decoder layers (48: the real depth)")
-    p.add_argument("--nsamples", type=int, default=128)
-    p.add_argument("--seqlen", type=int, default=2048)
+    # defaults of None: the real sizes, or with --tiny the smoke test's (TINY_DEFAULTS)
+    p.add_argument("--layers", type=int, default=None, help="decoder layers (48: the real depth)")
+    p.add_argument("--nsamples", type=int, default=None, help="calibration windows (128)")
+    p.add_argument("--seqlen", type=int, default=None, help="tokens a window (2048)")
     p.add_argument("--batch-size", type=int, default=8, help="calibration windows per forward")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32], help="decode batch sizes")
-    p.add_argument("--steps", type=int, default=64, help="decode steps per batch size")
-    p.add_argument("--kernel-m", type=int, nargs="+", default=[1, 8, 32, 256, 2048])
+    p.add_argument("--steps", type=int, default=None, help="decode steps per batch size (64)")
+    p.add_argument("--kernel-m", type=int, nargs="+", default=None, help="rows of the kernel section")
     p.add_argument("--skip", nargs="*", default=[], choices=["gptq", "awq", "serve", "kernel"])
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="a small model of the same family (a smoke test, CPU ok)")
     p.add_argument("--out", default=None, help="JSON path (default bench/results/bench_moe_<date>.json)")
     args = p.parse_args()
+    for name, value in (TINY_DEFAULTS if args.tiny else FULL_DEFAULTS).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     sizes = dict(QWEN3_30B_A3B, num_hidden_layers=args.layers)
     if args.tiny:
         sizes.update(hidden_size=256, moe_intermediate_size=128, intermediate_size=512, num_experts=16,
@@ -320,7 +329,9 @@ def main() -> None:
         record["serve"] = rows
         by = {(r["model"], r["what"]): r["tokens_per_s"] for r in rows}
         record["int4_over_bf16_decode_b1"] = by[("int4", "decode b1")] / by[("bf16", "decode b1")]
-    if "kernel" not in args.skip:
+    if "kernel" not in args.skip and not args.device.startswith("cuda"):
+        print("kernel section skipped: the fused kernel against the per-expert W4A16 loop is a CUDA timing")
+    elif "kernel" not in args.skip:
         record["kernel"] = kernel_rows(args)
     if "awq" not in args.skip and "serve" not in args.skip:  # after the serving runs freed their memory
         gc.collect()
