@@ -37,6 +37,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 SCHEMA = {"type": "object", "properties": {"items": {"type": "array", "minItems": 24, "maxItems": 24, "items": {
@@ -64,10 +65,7 @@ def compiled_kernels(cache_dir: str | Path) -> set[tuple[str, str]]:
 
 def new_kernels(before: set[tuple[str, str]], after: set[tuple[str, str]]) -> dict[str, int]:
     """Kernel name -> compilations in ``after`` and not in ``before``."""
-    counts: dict[str, int] = {}
-    for _, name in sorted(after - before):
-        counts[name] = counts.get(name, 0) + 1
-    return counts
+    return dict(Counter(name for _, name in sorted(after - before)))
 
 
 def start_server(args, port: int) -> tuple[subprocess.Popen, float]:
@@ -306,18 +304,16 @@ def main() -> None:
         print(f"{c['streams']:7d} | {c['ttft_p50_s']:.3f} / {c['ttft_p95_s']:.3f} | {w['ttft_p50_s']:.3f} / "
               f"{w['ttft_p95_s']:.3f} | {c['tok_per_s']:.0f} / {w['tok_per_s']:.0f}")
     print(f"kernels compiled by ready: {record['kernels_compiled_by_ready']}; after ready, by phase:",
-          {phase: dict(k) for phase, k in record["compiled_after_ready"].items()})
-    if args.load_only:
-        print("wrote", out)
-        return
-    for b, s in record["structured"].items():
-        print(f"batch {b}: json_schema {s['json_schema']['decode_tok_per_s_per_stream']:.1f} tok/s/stream vs "
-              f"unconstrained {s['unconstrained']['decode_tok_per_s_per_stream']:.1f} (ratio {s['ratio']:.2f})")
-    m = record["mixed"]
-    print(f"mixed: {m['long_prompt_tokens']}-token prompt, TTFT {m['long_ttft_s']:.2f} s; 8 streams' worst gap during "
-          f"its prefill {m['worst_gap_during_prefill_s'] * 1e3:.0f} ms (median gap before "
-          f"{m['median_gap_before_s'] * 1e3:.1f} ms)")
-    print("shutdown:", record["shutdown"])
+          record["compiled_after_ready"])
+    if not args.load_only:
+        for b, s in record["structured"].items():
+            print(f"batch {b}: json_schema {s['json_schema']['decode_tok_per_s_per_stream']:.1f} tok/s/stream vs "
+                  f"unconstrained {s['unconstrained']['decode_tok_per_s_per_stream']:.1f} (ratio {s['ratio']:.2f})")
+        m = record["mixed"]
+        print(f"mixed: {m['long_prompt_tokens']}-token prompt, TTFT {m['long_ttft_s']:.2f} s; 8 streams' worst gap "
+              f"during its prefill {m['worst_gap_during_prefill_s'] * 1e3:.0f} ms (median gap before "
+              f"{m['median_gap_before_s'] * 1e3:.1f} ms)")
+        print("shutdown:", record["shutdown"])
     print("wrote", out)
 
 

@@ -59,11 +59,13 @@ def prefill_lengths(prefill_chunk: int, max_seq_len: int, off_16: bool = True) -
     """Each power of two below the chunk size, then the chunk size (all within one sequence); with ``off_16``
     also the number one below each: every row bucket, on and off a multiple of 16."""
     top = min(prefill_chunk, max_seq_len - 1)
-    lengths, n = {top, top - 1 if off_16 else top}, 1
+    lengths, n = {top}, 1
     while n < top:
-        lengths.update((n, n - 1 if off_16 else n))
+        lengths.add(n)
         n *= 2
-    return tuple(sorted(n for n in lengths if n >= 1))
+    if off_16:
+        lengths |= {n - 1 for n in lengths if n > 1}
+    return tuple(sorted(lengths))
 
 
 def warm_up(engine, requests: bool | None = None) -> WarmupReport:
