@@ -42,6 +42,11 @@ class MoEExperts:
     s2: torch.Tensor | None = None  # [E, G2, H]
     z2: torch.Tensor | None = None
     g2: torch.Tensor | None = None  # [E, I]
+    # every expert's groups as contiguous runs of this many rows (g_idx = arange(K) // G), found once when the
+    # experts are stacked; 0: irregular (act-order) or 16-bit. Read per call, it would sync the host, and a sync
+    # breaks CUDA-graph capture (the int4 MoE decode graphs failed so on an H200)
+    group13: int = 0
+    group2: int = 0
 
     @property
     def num_experts(self) -> int:
@@ -92,7 +97,8 @@ def stack_quantized(experts: list[tuple], dtype: torch.dtype, device) -> MoEExpe
     g13 = torch.stack([g.g_idx for g, _, _ in experts]).to(device, torch.int32)
     g2 = torch.stack([d.g_idx for _, _, d in experts]).to(device, torch.int32)
     gate, _, down = experts[0]
-    return MoEExperts(w13, w2, gate.in_features, gate.out_features, True, s13, z13, g13, s2, z2, g2)
+    return MoEExperts(w13, w2, gate.in_features, gate.out_features, True, s13, z13, g13, s2, z2, g2,
+                      _contiguous_group(g13), _contiguous_group(g2))
 
 
 def stack_dense(w13: torch.Tensor, w2: torch.Tensor) -> MoEExperts:
@@ -206,17 +212,19 @@ def _moe_gemm_kernel(a_ptr, w_ptr, s_ptr, z_ptr, g_ptr, out_ptr, sorted_ptr, blo
 _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
-def _contiguous_group(g_idx: torch.Tensor | None, k: int, block_k: int) -> int:
-    """The group size when every expert's ``g_idx`` is ``arange(K) // G`` with ``G`` a multiple of ``block_k``
-    (one scale row per tile), else 0 (gather per row)."""
-    if g_idx is None:
-        return 0
-    first = g_idx[0].long()
-    n_groups = int(first.max()) + 1
+def _contiguous_group(g_idx: torch.Tensor) -> int:
+    """``G`` when every expert's ``g_idx [E, K]`` is ``arange(K) // G``, else 0 (the kernel gathers each row's
+    group). Reads the tensor on the host: call it once, when the experts are stacked."""
+    k = g_idx.shape[1]
+    n_groups = int(g_idx[0].max()) + 1
     size = -(-k // n_groups)
-    if size % block_k or not bool((g_idx.long() == (torch.arange(k, device=g_idx.device) // size)).all()):
-        return 0
-    return size
+    expected = torch.arange(k, device=g_idx.device, dtype=g_idx.dtype) // size
+    return size if bool((g_idx == expected).all()) else 0
+
+
+def _tile_group(group: int, block_k: int) -> int:
+    """The kernel's ``GROUP``: the group size where it is a multiple of the K tile (one scale row a tile), else 0."""
+    return group if group and group % block_k == 0 else 0
 
 
 def _launch(a, ex_w, s, z, g, out, sorted_ids, block_expert, topw, pairs, n, k, up_offset, top_k, quant, gated,
@@ -250,8 +258,7 @@ def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tenso
     topw = topk_weights.reshape(-1).to(torch.float32).contiguous()
     inter = torch.empty(pairs, experts.inter, dtype=x.dtype, device=x.device)
     q = experts.quantized
-    g13 = _contiguous_group(experts.g13, h, block_k) if q else 0
-    g2 = _contiguous_group(experts.g2, experts.inter, block_k) if q else 0
+    g13, g2 = _tile_group(experts.group13, block_k), _tile_group(experts.group2, block_k)
     _launch(x, experts.w13, experts.s13, experts.z13, experts.g13, inter, sorted_ids, block_expert, topw, pairs,
             experts.inter, h, experts.inter, k, q, True, True, False, block_m, block_n, block_k, g13)
     out = torch.empty(pairs, h, dtype=torch.float32 if x.dtype == torch.float32 else x.dtype, device=x.device)

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import time
 
+from quantkit.runtime.server_warmup import WARMUP_SCOPE_KEY
+
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.0)
@@ -62,17 +64,20 @@ class ServerMetrics:
 
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
-    def timer(self) -> RequestTimer:
-        return RequestTimer(self)
+    def timer(self, record: bool = True) -> RequestTimer:
+        """A request's timer; ``record=False`` (the server's own warm-up requests) observes nothing."""
+        return RequestTimer(self if record else None)
 
 
 class RequestTimer:
     """Times one request's token events (TTFT, inter-token gaps, total) and counts its tokens when it ends."""
 
-    def __init__(self, metrics: ServerMetrics) -> None:
+    def __init__(self, metrics: ServerMetrics | None) -> None:
         self.metrics, self.start, self.last = metrics, time.perf_counter(), None
 
     def on_event(self, event) -> None:
+        if self.metrics is None:
+            return
         now = time.perf_counter()
         if event.token_id is not None:
             if self.last is None:
@@ -93,7 +98,7 @@ class CountRequests:
         self.app, self.metrics = app, metrics
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope.get(WARMUP_SCOPE_KEY):  # the server's own warm-up is not traffic
             return await self.app(scope, receive, send)
         status = {"code": 499}  # no response started: the client went away
 

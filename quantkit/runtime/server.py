@@ -39,6 +39,7 @@ from quantkit.runtime.openai_schema import (
     ResponseFormat,
     parse_request,
 )
+from quantkit.runtime.server_warmup import WARMUP_SCOPE_KEY, warm_http, warmup_requests
 from quantkit.runtime.tool_stream import merge_deltas
 from quantkit.runtime.types import Engine, SamplingParams
 
@@ -207,14 +208,16 @@ class _Service:
         self.worker, self.config, self.model_name, self.metrics = worker, config, model_name, metrics
         self.created = created  # when the model was loaded (unix seconds), as /v1/models reports it
         self.draining = False  # a shutdown began: /health says so, new requests get 503
+        self.http_warm = False  # the app answered its own warm-up requests (:mod:`.server_warmup`)
 
     async def health(self, request):
         from fastapi.responses import JSONResponse
 
         engine = self.worker.engine
-        ok = self.worker.ready and not self.draining
+        ready = self.worker.ready and self.http_warm
+        ok = ready and not self.draining
         status = ("draining" if self.draining else "unavailable" if not self.worker.alive
-                  else "ok" if self.worker.ready else "warming_up")
+                  else "ok" if ready else "warming_up")
         body = {"status": status, "model": self.model_name,
                 "in_flight": self.worker.in_flight, "capacity": self.worker.capacity,
                 "max_batch": engine.max_batch, "max_seq_len": engine.max_seq_len}
@@ -281,7 +284,7 @@ class _Service:
         except RequestFailed as exc:
             raise APIError(503, exc.message, type="server_error", code="engine_unavailable",
                            headers={"Retry-After": RETRY_AFTER_S}) from exc
-        streaming, timer = False, self.metrics.timer()
+        streaming, timer = False, self.metrics.timer(record=not request.scope.get(WARMUP_SCOPE_KEY))
         try:
             prompt_tokens = await _unless_disconnected(request, handle.accepted())
             if stream:
@@ -388,6 +391,14 @@ def create_app(engine: Engine, config: ServerConfig = ServerConfig(), started_at
 
     async def announce_ready():
         await asyncio.to_thread(worker.wait_ready)
+        if worker.alive:  # the first requests through the HTTP stack, before /health says ok
+            chat = bool(getattr(engine.tokenizer, "chat_template", None))
+            requests = warmup_requests(service.model_name, chat)
+            seconds, problems = await warm_http(app, requests)
+            for problem in problems:
+                log.warning("HTTP warm-up request failed (serving anyway): %s", problem)
+            log.info("HTTP warm-up: %d requests in %.2f s", len(requests), seconds)
+        service.http_warm = True
         since = started_at or created
         log.info("ready: start-up took %.1f s (%s)", time.time() - since,
                     "model load and warm-up" if started_at else "warm-up")

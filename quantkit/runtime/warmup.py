@@ -5,10 +5,11 @@ to 1 or divisible by 16), and the W4A16 GEMM picks its kernel by the number of r
 first requests after start pay for that (issue 40: TTFT p95 2.1-2.6 s in the first minute on an H200, 0.10 s
 once warm). :func:`warm_up` runs
 
-* prefill of 1, 2, 3, 4, 7, 8, 15, 16, ... tokens up to the engine's ``prefill_chunk`` (and ``max_seq_len - 1``):
-  every row bucket the GEMM selection distinguishes (powers of two) at its top and one below it, since Triton
-  specializes integer arguments on ``== 1`` and ``% 16`` and both variants occur (a 952-token second chunk
-  of a 3,000-token prompt is not a multiple of 16), and every attention block count;
+* prefill of 1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 15, 16, ... tokens up to the engine's ``prefill_chunk`` (and
+  ``max_seq_len - 1``): every row bucket the GEMM selection distinguishes (powers of two) at its top and at
+  three quarters, each also one below, since Triton specializes integer arguments (the rows, and the row
+  tiles derived from them) on ``== 1`` and ``% 16`` and all variants occur (a 952-token second chunk of a
+  3,000-token prompt is not a multiple of 16), and every attention block count;
 * a chunk that attends to earlier keys in its slot (the chunked-prefill attention path);
 * one decode step per batch bucket (replays of the captured CUDA graphs, or the eager step), greedy and
   sampled, so the sampler's host path is warm too;
@@ -57,13 +58,18 @@ class WarmupReport:
 
 def prefill_lengths(prefill_chunk: int, max_seq_len: int, off_16: bool = True) -> tuple[int, ...]:
     """Each power of two below the chunk size, then the chunk size (all within one sequence); with ``off_16``
-    also the number one below each: every row bucket, on and off a multiple of 16."""
+    also three quarters of each power from 8 up, and the number one below each of these: every row bucket
+    ``(n/2, n]``, on and off a multiple of 16, and inside each bucket a row count whose tile count is off a
+    multiple of 16 too (the Gluon W4A16 kernel's ``tiles_m = ceil(M / BLOCK_M)`` is an integer argument: at
+    bucket 1024 with 64-row tiles, M = 1024 gives 16 tiles, 896 gives 14, a second compile, seen as the one
+    kernel still compiled after ready at 8 streams of 128-token prompts on an H100)."""
     top = min(prefill_chunk, max_seq_len - 1)
     lengths, n = {top}, 1
     while n < top:
         lengths.add(n)
         n *= 2
     if off_16:
+        lengths |= {3 * n // 4 for n in lengths if n >= 8 and n & (n - 1) == 0}
         lengths |= {n - 1 for n in lengths if n > 1}
     return tuple(sorted(lengths))
 

@@ -59,6 +59,8 @@ def test_fused_moe_w4a16_matches_reference(dtype, tokens, n_exp, top_k, hidden, 
     if dtype == torch.float16 and DEVICE == "cpu" and group_size == -1:
         pytest.skip("one fp16 case is enough under the interpreter")
     ex = stack_quantized(experts_q(n_exp, hidden, inter, group_size), dtype, DEVICE)
+    # the group size found once when stacking (no host read per call): a whole row is one group for -1
+    assert (ex.group13, ex.group2) == ((group_size, group_size) if group_size > 0 else (hidden, inter))
     w, ids = routing(tokens, n_exp, top_k, skip=(1,))  # expert 1 receives no token
     x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(2)).to(DEVICE, dtype)
     out = fused_moe(x, w.to(DEVICE), ids.to(DEVICE), ex, block_m=16, block_n=32, block_k=32)
@@ -93,6 +95,7 @@ def test_fused_moe_act_order_groups():
             new.append(QuantizedWeight.from_codes(quantize(w, s, z, gi, 4), s, z, gi, scheme))
         permuted.append((*new, down))
     ex = stack_quantized(permuted, torch.float32, DEVICE)
+    assert (ex.group13, ex.group2) == (0, 32)  # gate/up permuted: gathered per row; down contiguous
     w, ids = routing(7, 2, 1)
     x = torch.randn(7, 64, generator=torch.Generator().manual_seed(4)).to(DEVICE)
     out = fused_moe(x, w.to(DEVICE), ids.to(DEVICE), ex, block_n=32, block_k=32)

@@ -132,8 +132,9 @@ def tokenizer():
 
 
 @contextmanager
-def running_server(engine, **config):
-    """uvicorn serving ``engine`` on a free loopback port in a background thread: yields (url, app)."""
+def running_server(engine, wait_warm=True, **config):
+    """uvicorn serving ``engine`` on a free loopback port in a background thread, once it has warmed up (unless
+    ``wait_warm`` is False): yields (url, app)."""
     from quantkit.runtime.server import ServerConfig, uvicorn_server
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -145,6 +146,11 @@ def running_server(engine, **config):
     deadline = time.monotonic() + 20
     while not server.started:
         assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.02)
+    # as an orchestrator waits for /health: until then the app's own warm-up requests hold places (a server of
+    # one place would answer a request sent now with 503)
+    while wait_warm and not server.config.app.state.service.http_warm:
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not finish its warm-up"
         time.sleep(0.02)
     try:
         yield f"http://127.0.0.1:{port}", server.config.app

@@ -12,12 +12,43 @@ from quantkit.runtime.warmup import WarmRequest, prefill_lengths, request_scenar
 
 
 def test_prefill_lengths_cover_the_chunk():
-    assert prefill_lengths(256, 4096) == (1, 2, 3, 4, 7, 8, 15, 16, 31, 32, 63, 64, 127, 128, 255, 256)
-    assert prefill_lengths(2048, 100) == (1, 2, 3, 4, 7, 8, 15, 16, 31, 32, 63, 64, 98, 99)
+    assert prefill_lengths(256, 4096) == (1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 15, 16, 23, 24, 31, 32, 47, 48, 63, 64,
+                                          95, 96, 127, 128, 191, 192, 255, 256)
+    assert prefill_lengths(2048, 100) == (1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 15, 16, 23, 24, 31, 32, 47, 48, 63, 64,
+                                          98, 99)
     assert prefill_lengths(1, 64) == (1,)
     assert prefill_lengths(256, 4096, off_16=False) == (1, 2, 4, 8, 16, 32, 64, 128, 256)  # the CPU's
     lengths = prefill_lengths(2048, 4096)  # every power-of-two bucket at its top, on and off a multiple of 16
     assert {n % 16 == 0 for n in lengths if n > 16} == {True, False} and lengths[-1] == 2048
+
+
+def _w4a16_specialization(m: int, plan) -> tuple:
+    """What Triton compiles a W4A16 launch for at ``m`` rows: the bucket's kernel and config, its constexprs
+    that depend on ``m``, and the integer arguments derived from ``m`` as Triton specializes them (== 1,
+    % 16) -- the arithmetic of ``kernels/w4a16_gluon.launch``."""
+    choice = plan.choice(m)
+    key = (choice.kernel, choice.config, m == 1, m % 16 == 0)
+    if choice.kernel != "gluon":
+        return key
+    block_m = choice.config.block_m(m)
+    if choice.config.DIRECT:
+        return key + (block_m,)
+    tiles_m = -(-m // block_m)
+    return key + (block_m, choice.config.STREAM_K and tiles_m == 1, tiles_m == 1, tiles_m % 16 == 0)
+
+
+@pytest.mark.parametrize("n,k", [(576, 1536), (6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336),
+                                 (2048, 1024), (4096, 2048)])
+def test_prefill_lengths_meet_every_w4a16_specialization_of_a_chunk(n, k):
+    """Every kernel variant that some prefill of 1..2048 rows launches on Hopper is compiled by the warm-up's
+    lengths (in the H100 cold-start run, 5-7 prompts of 128 tokens at once met a tile count of 10-14 at
+    bucket 1024, which 1023 and 1024 rows, both 16 tiles, never had)."""
+    from quantkit.kernels.w4a16_select import LayerFacts, plan_w4a16
+
+    plan = plan_w4a16(LayerFacts(n, k, 4, 128, False, False), "sm90")
+    needed = {_w4a16_specialization(m, plan) for m in range(1, 2049)}
+    warmed = {_w4a16_specialization(m, plan) for m in prefill_lengths(2048, 4096)}
+    assert needed - warmed == set()
 
 
 def test_engine_warm_up_runs_every_shape_and_leaves_it_serving(tiny_family):
@@ -99,6 +130,7 @@ def test_a_failing_warm_up_step_leaves_no_request_in_the_engine(tiny_family):
 def test_health_is_503_until_warm(tokenizer):
     pytest.importorskip("fastapi")
     httpx = pytest.importorskip("httpx")
+    from quantkit.runtime.server_warmup import warmup_requests
     from tests.runtime.test_server import FakeEngine, running_server, wait_until
 
     release = threading.Event()
@@ -112,7 +144,7 @@ def test_health_is_503_until_warm(tokenizer):
             self.warmed = True
 
     engine = SlowToWarm(tokenizer)
-    with running_server(engine) as (url, app):
+    with running_server(engine, wait_warm=False) as (url, app):
         health = httpx.get(f"{url}/health")
         assert health.status_code == 503 and health.json()["status"] == "warming_up"
         result = {}
@@ -124,6 +156,12 @@ def test_health_is_503_until_warm(tokenizer):
         caller.join(20)
         assert engine.warmed and result["r"].status_code == 200
         assert result["r"].json()["choices"][0]["text"] == FakeEngine.expected([4], 3)
+        # before ready, the app answered its own requests through the HTTP stack (server_warmup): the engine saw
+        # them, the metrics did not (the client's request is the one completion counted)
+        assert len(engine.prompts) == 1 + len(warmup_requests("m", chat=False))  # no chat template here
+        metrics = httpx.get(f"{url}/metrics").text
+        assert 'quantkit_requests_total{endpoint="/v1/completions",status="200"} 1.0' in metrics
+        assert "/v1/chat/completions" not in metrics
 
 
 @pytest.fixture(scope="module")
