@@ -160,6 +160,9 @@ def runtime_from(model, weights: dict | None, scheme, dense_random: bool = False
         for leaf in ("qweight", "qzeros", "scales", "g_idx"):
             state[f"{name}.{leaf}"] = getattr(qw, leaf)
     dev = model.device
+    # a generator of its own: after a failed CUDA-graph capture the default one refuses to draw ("Offset
+    # increment outside graph capture", seen on the H200 when the int4 capture had failed)
+    gen = torch.Generator(device=dev).manual_seed(0)
 
     def source(keys):
         out = {}
@@ -167,7 +170,8 @@ def runtime_from(model, weights: dict | None, scheme, dense_random: bool = False
             if k not in state:
                 continue
             t = state[k]
-            out[k] = torch.randn(t.shape, device=dev, dtype=torch.bfloat16) * 0.02 if dense_random else t.to(dev)
+            out[k] = (torch.randn(t.shape, device=dev, dtype=torch.bfloat16, generator=gen) * 0.02 if dense_random
+                      else t.to(dev))
         return out
 
     spec = spec_from_config(model.config)
