@@ -392,12 +392,15 @@ def create_app(engine: Engine, config: ServerConfig = ServerConfig(), started_at
     async def announce_ready():
         await asyncio.to_thread(worker.wait_ready)
         if worker.alive:  # the first requests through the HTTP stack, before /health says ok
-            chat = bool(getattr(engine.tokenizer, "chat_template", None))
-            requests = warmup_requests(service.model_name, chat)
-            seconds, problems = await warm_http(app, requests)
-            for problem in problems:
-                log.warning("HTTP warm-up request failed (serving anyway): %s", problem)
-            log.info("HTTP warm-up: %d requests in %.2f s", len(requests), seconds)
+            try:
+                chat = bool(getattr(engine.tokenizer, "chat_template", None))
+                requests = warmup_requests(service.model_name, chat)
+                seconds, problems = await warm_http(app, requests)
+                for problem in problems:
+                    log.warning("HTTP warm-up request failed (serving anyway): %s", problem)
+                log.info("HTTP warm-up: %d requests in %.2f s", len(requests), seconds)
+            except Exception:  # noqa: BLE001 - a warm-up that breaks must not keep /health at 503
+                log.exception("HTTP warm-up failed; serving without it")
         service.http_warm = True
         since = started_at or created
         log.info("ready: start-up took %.1f s (%s)", time.time() - since,

@@ -169,3 +169,21 @@ def tokenizer():
     from tests.conftest import tiny_tokenizer
 
     return tiny_tokenizer()
+
+
+def test_a_failing_http_warm_up_still_turns_health_ready(tokenizer, monkeypatch, caplog):
+    """The HTTP warm-up is best effort: if it raises, the server logs it and /health still says ok."""
+    pytest.importorskip("fastapi")
+    httpx = pytest.importorskip("httpx")
+    from quantkit.runtime import server
+    from tests.runtime.test_server import FakeEngine, running_server
+
+    async def broken(app, requests, timeout_s=60.0):
+        raise RuntimeError("warm-up exploded")
+
+    monkeypatch.setattr(server, "warm_http", broken)
+    with running_server(FakeEngine(tokenizer)) as (url, _):
+        assert httpx.get(f"{url}/health").json()["status"] == "ok"
+        response = httpx.post(f"{url}/v1/completions", json={"prompt": [4], "max_tokens": 3})
+        assert response.json()["choices"][0]["text"] == FakeEngine.expected([4], 3)
+    assert "HTTP warm-up failed" in caplog.text
