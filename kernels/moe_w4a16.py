@@ -110,23 +110,23 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     """(pair ids sorted by expert, each expert's run padded to ``block_m`` with ``T*k``; expert per block).
 
     No host sync (CUDA-graph safe): the arrays have their largest size, ``T*k + E*(block_m - 1)`` rounded up
-    to ``block_m``; blocks past the last expert's run hold only padding (the kernel returns at once)."""
-    flat = topk_ids.reshape(-1).long()  # [T*k]: pair p = t*k + j routes to expert flat[p]
-    pairs = flat.numel()
-    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
-    order = torch.argsort(flat, stable=True)
-    experts_sorted = flat[order]
-    first = torch.cumsum(counts, 0) - counts  # start of each expert's run in `order`
-    ends = torch.cumsum(padded, 0)
-    start = ends - padded  # start of its padded run
-    rank = torch.arange(pairs, device=flat.device) - first[experts_sorted]
+    to ``block_m``; blocks past the last expert's run hold only padding (the kernel returns at once). Each op
+    is a kernel launch on every MoE layer of every decode step, so there are few: one stable sort gives the
+    order and the sorted experts, one binary search each expert's first pair (hence the counts)."""
+    flat = topk_ids.reshape(-1)  # [T*k]: pair p = t*k + j routes to expert flat[p]
+    pairs, dev = flat.numel(), flat.device
+    experts_sorted, order = torch.sort(flat, stable=True)
+    first = torch.searchsorted(experts_sorted, torch.arange(num_experts + 1, device=dev, dtype=flat.dtype))
+    counts = first[1:] - first[:-1]  # pairs of each expert; its run in `order` starts at first[e]
+    padded = (counts + (block_m - 1)).div_(block_m, rounding_mode="floor").mul_(block_m)
+    ends = torch.cumsum(padded, 0)  # end of each expert's padded run
+    shift = ends - padded - first[:-1]  # padded start minus unpadded start
     n_blocks = (pairs + num_experts * (block_m - 1) + block_m - 1) // block_m
-    sorted_ids = torch.full((n_blocks * block_m,), pairs, dtype=torch.int32, device=flat.device)
-    sorted_ids[start[experts_sorted] + rank] = order.to(torch.int32)
-    blocks = torch.arange(n_blocks, device=flat.device) * block_m
-    block_expert = torch.searchsorted(ends, blocks, right=True).clamp_max(num_experts - 1).to(torch.int32)
+    sorted_ids = torch.full((n_blocks * block_m,), pairs, dtype=torch.int32, device=dev)
+    dest = shift[experts_sorted].add_(torch.arange(pairs, device=dev))
+    sorted_ids.scatter_(0, dest, order.to(torch.int32))
+    blocks = torch.arange(0, n_blocks * block_m, block_m, device=dev, dtype=ends.dtype)
+    block_expert = torch.searchsorted(ends, blocks, right=True, out_int32=True).clamp_max_(num_experts - 1)
     return sorted_ids, block_expert
 
 

@@ -52,6 +52,34 @@ def test_moe_align_groups_pairs_by_expert():
     assert sorted(p for p in sorted_ids.tolist() if p < pairs) == list(range(pairs))
 
 
+def _align_layout(ids: list[list[int]], num_experts: int, block_m: int) -> tuple[list[int], list[int]]:
+    """moe_align's layout built plainly: each expert's pairs in pair order, its run padded to block_m with the
+    pair count; padding blocks after the last run; each block's expert (the last expert for trailing padding)."""
+    flat = [e for row in ids for e in row]
+    pairs = len(flat)
+    n_blocks = (pairs + num_experts * (block_m - 1) + block_m - 1) // block_m
+    sorted_ids, block_expert = [], []
+    for e in range(num_experts):
+        run = [p for p in range(pairs) if flat[p] == e]
+        run += [pairs] * (-len(run) % block_m)
+        sorted_ids += run
+        block_expert += [e] * (len(run) // block_m)
+    sorted_ids += [pairs] * (n_blocks * block_m - len(sorted_ids))
+    block_expert += [num_experts - 1] * (n_blocks - len(block_expert))
+    return sorted_ids, block_expert
+
+
+@pytest.mark.parametrize(("tokens", "n_exp", "top_k", "block_m"), [(1, 8, 2, 16), (5, 4, 2, 4), (37, 16, 4, 16),
+                                                                   (64, 128, 8, 16), (3, 6, 3, 1)])
+def test_moe_align_layout_exactly(tokens, n_exp, top_k, block_m):
+    ids = torch.stack([torch.randperm(n_exp, generator=torch.Generator().manual_seed(t))[:top_k]
+                       for t in range(tokens)])
+    sorted_ids, block_expert = moe_align(ids.to(DEVICE), n_exp, block_m)
+    expected_ids, expected_experts = _align_layout(ids.tolist(), n_exp, block_m)
+    assert sorted_ids.dtype == torch.int32 and block_expert.dtype == torch.int32
+    assert sorted_ids.tolist() == expected_ids and block_expert.tolist() == expected_experts
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(("tokens", "n_exp", "top_k", "hidden", "inter", "group_size"),
                          [(5, 4, 2, 64, 32, 32), (1, 8, 2, 64, 64, 64), (19, 6, 3, 96, 48, -1)])
