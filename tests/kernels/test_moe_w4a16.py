@@ -141,3 +141,33 @@ def test_fused_moe_dense_experts_same_structure(dtype):
     out = fused_moe(x, w.to(DEVICE), ids.to(DEVICE), ex, block_n=32, block_k=32)
     ref = fused_moe_ref(x.float(), w.to(DEVICE), ids.to(DEVICE), ex)
     assert rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 5e-3)
+
+
+HOST_READS = {"_local_scalar_dense", "item", "is_nonzero", "equal", "nonzero", "unique", "_unique2"}
+
+
+def test_fused_moe_reads_nothing_on_the_host(monkeypatch):
+    """The MoE decode runs in CUDA graphs: ``fused_moe``'s host code may not read a tensor's value (a host sync,
+    illegal while capturing). It read the experts' g_idx so (``int(max)``, ``bool(all)``) and the int4 MoE graph
+    capture failed on an H200. Every tensor op of a call is recorded, with the kernel launches stubbed out (the
+    CPU's Triton interpreter reads tensors itself)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import quantkit.kernels.moe_w4a16 as moe
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.add(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    ex = stack_quantized(experts_q(4, 64, 32, 32), torch.float32, "cpu")
+    w, ids = routing(5, 4, 2)
+    monkeypatch.setattr(moe, "_launch", lambda *args, **kwargs: None)
+    record = Record()
+    with record:
+        moe.fused_moe(torch.randn(5, 64), w, ids, ex, block_n=32, block_k=32)
+    assert "sort" in record.ops and record.ops & HOST_READS == set()
