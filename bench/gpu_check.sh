@@ -25,6 +25,8 @@
 # SmolLM2's config.json and tokenizer files, saved from the GGUF with transformers' save_pretrained):
 #   carry [.stage/whl, .stage/smoltok, .stage/old]:  bash bench/gpu_check.sh coldstart-ab BUDGET_S (~300)
 #   (third argument "quick": the new code alone, cold and warm load phases only)
+# Issue 39's MoE serving and kernel sections after the MoE GPU tests, no carry needed:
+#   bash bench/gpu_check.sh moe BUDGET_S (~420)
 # Everything lands in $OUT (JSON of each bench, the suite's log).
 set -o pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 COLUMNS=200
@@ -158,5 +160,12 @@ PY
     (cd /tmp && PYTHONPATH=/tmp/oldsite:/tmp/site step 140 python3 "$here/bench/bench_serve_coldstart.py" /tmp/smol-rtn \
         --out "$OUT/serve_coldstart_old.json" --server-log "$OUT/serve_coldstart_old_server.log" 2>&1 | tail -15)
     ;;
-*) echo "usage: gpu_check.sh benches|suite|one|tests|gguf|coldstart-ab BUDGET_S"; exit 2 ;;
+moe)  # issue 39 on one GPU: the MoE GPU tests first (CUDA-graph capture of the int4 experts), then bench_moe.py's
+    # serving and kernel sections on the Qwen3-30B-A3B shape (~5 minutes on an H200); GPTQ/AWQ: --skip serve kernel
+    card | tee "$OUT/card.txt"
+    step 120 python3 -m pytest -m gpu tests/moe tests/kernels/test_moe_w4a16.py -q -rfE -p no:cacheprovider 2>&1 \
+        | tee "$OUT/gpu_pytest_moe.txt" | tail -15
+    step 420 python3 bench/bench_moe.py --skip gptq awq --out "$OUT/bench_moe_serve_kernel.json" 2>&1 | tail -30
+    ;;
+*) echo "usage: gpu_check.sh benches|suite|one|tests|gguf|coldstart-ab|moe BUDGET_S"; exit 2 ;;
 esac
