@@ -10,7 +10,8 @@ top-8, hidden 2048, expert intermediate 768, skewed routers). Sections (each can
 * ``serve``: the runtime (kernels backend, CUDA graphs at decode when they capture) on the GPTQ weights
   (int4) and on 16-bit experts of the same shapes: decode tokens/s at batch 1/8/32, prefill of 2048 tokens,
   and the active-expert bytes per decode token against the copy bandwidth (roofline);
-* ``kernel``: one layer's experts, fused kernel vs a per-expert loop of ``w4a16_linear``, M = 1..2048.
+* ``kernel``: one layer's experts, fused kernel vs a per-expert loop of ``w4a16_linear``, M = 1..2048; and
+  the fused call as a CUDA-graph replay (as decode runs it) with either way of aligning the pairs.
 
 Prints a table and writes JSON (card, versions, date) to bench/results/bench_moe_<date>.json.
 
@@ -26,6 +27,7 @@ import argparse
 import datetime
 import gc
 import json
+import os
 import platform
 import sys
 import time
@@ -63,6 +65,23 @@ def timed(fn, repeat: int = 5) -> float:
         sync()
         best = min(best, time.perf_counter() - t0)
     return best
+
+
+def graphed(fn, replays: int = 50) -> float:
+    """Seconds a call of ``fn`` takes as a CUDA-graph replay (as the runtime's decode runs it: no host work
+    between kernels), the mean of ``replays`` back-to-back replays after one untimed."""
+    fn()  # compile outside the capture
+    sync()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(replays):
+        graph.replay()
+    sync()
+    return (time.perf_counter() - t0) / replays
 
 
 def run_gptq(args, sizes: dict, record: dict):
@@ -231,7 +250,7 @@ def kernel_rows(args) -> list[dict]:
     """One layer's experts: fused kernel vs a per-expert loop of the dense W4A16 kernel."""
     from quantkit.config import QuantScheme
     from quantkit.kernels.dispatch import w4a16_linear
-    from quantkit.kernels.moe_w4a16 import fused_moe, stack_quantized
+    from quantkit.kernels.moe_w4a16 import align_in_one_program, fused_moe, moe_align, stack_quantized
     from quantkit.kernels.w4a16_weights import prepare_w4a16_weights
     from quantkit.methods.rtn import rtn_quantize
     from quantkit.qtensor import QuantizedWeight
@@ -274,8 +293,16 @@ def kernel_rows(args) -> list[dict]:
                / loop(x, w, ids).float().norm()).item()
         t_fused = timed(lambda: fused_moe(x, w, ids, ex))
         t_loop = timed(lambda: loop(x, w, ids))
-        rows.append({"m": m, "fused_us": t_fused * 1e6, "loop_us": t_loop * 1e6, "speedup": t_loop / t_fused,
-                     "rel_err_vs_loop": err})
+        row = {"m": m, "fused_us": t_fused * 1e6, "loop_us": t_loop * 1e6, "speedup": t_loop / t_fused,
+               "rel_err_vs_loop": err}
+        # as decode runs it: in a CUDA graph, with each way of aligning the pairs (one program where it applies)
+        for align in ("auto", "torch"):
+            os.environ["QUANTKIT_MOE_ALIGN"] = align
+            row[f"graph_fused_us_align_{align}"] = graphed(lambda: fused_moe(x, w, ids, ex)) * 1e6
+            row[f"graph_align_us_{align}"] = graphed(lambda: moe_align(ids, n_exp, 16)) * 1e6
+        os.environ.pop("QUANTKIT_MOE_ALIGN")
+        row["one_program_align"] = align_in_one_program(ids.numel(), n_exp, ids.device)
+        rows.append(row)
     return rows
 
 
@@ -366,10 +393,13 @@ def print_table(record: dict) -> None:
             print(f"{r['model']:6s} {r['what']:14s} {r['tokens_per_s']:10.1f}  {str(r['graphs']):6s}  {roof}")
         print(f"int4 / bf16 decode at batch 1: {record['int4_over_bf16_decode_b1']:.2f}x (target >= 1.6x)")
     if "kernel" in record:
-        print(f"\n{'M':>6s} {'fused us':>10s} {'loop us':>10s} {'speedup':>8s} {'rel err':>9s}")
+        print(f"\n{'M':>6s} {'fused us':>10s} {'loop us':>10s} {'speedup':>8s} {'rel err':>9s}   in a CUDA graph, us: "
+              "fused (align: one program / torch ops), align alone (same)")
         for r in record["kernel"]:
             print(f"{r['m']:6d} {r['fused_us']:10.1f} {r['loop_us']:10.1f} {r['speedup']:8.2f} "
-                  f"{r['rel_err_vs_loop']:9.1e}")
+                  f"{r['rel_err_vs_loop']:9.1e}   {r['graph_fused_us_align_auto']:8.1f} / "
+                  f"{r['graph_fused_us_align_torch']:8.1f}   {r['graph_align_us_auto']:6.1f} / "
+                  f"{r['graph_align_us_torch']:6.1f}{'' if r['one_program_align'] else '  (beyond one program)'}")
 
 
 if __name__ == "__main__":

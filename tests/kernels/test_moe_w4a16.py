@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import quantkit.kernels.moe_w4a16 as moe
 from quantkit.config import QuantScheme
 from quantkit.kernels.moe_w4a16 import fused_moe, fused_moe_ref, moe_align, stack_dense, stack_quantized
 from quantkit.methods.rtn import rtn_quantize
@@ -69,11 +70,17 @@ def _align_layout(ids: list[list[int]], num_experts: int, block_m: int) -> tuple
     return sorted_ids, block_expert
 
 
+@pytest.mark.parametrize("impl", ["torch", "one_program"])
 @pytest.mark.parametrize(("tokens", "n_exp", "top_k", "block_m"), [(1, 8, 2, 16), (5, 4, 2, 4), (37, 16, 4, 16),
-                                                                   (64, 128, 8, 16), (3, 6, 3, 1)])
-def test_moe_align_layout_exactly(tokens, n_exp, top_k, block_m):
+                                                                   (64, 128, 8, 16), (3, 6, 3, 1), (2, 60, 4, 64)])
+def test_moe_align_layout_exactly(monkeypatch, impl, tokens, n_exp, top_k, block_m):
+    """Both ways of building the layout (torch ops; one Triton program, here under the interpreter) give it exactly;
+    (64, 128, 8) has 512 pairs, beyond the one-program limit, so there ``auto`` takes the torch ops."""
+    monkeypatch.setenv("QUANTKIT_MOE_ALIGN", "torch" if impl == "torch" else "auto")
     ids = torch.stack([torch.randperm(n_exp, generator=torch.Generator().manual_seed(t))[:top_k]
                        for t in range(tokens)])
+    one = moe.align_in_one_program(tokens * top_k, n_exp, torch.device(DEVICE))
+    assert one == (impl == "one_program" and tokens * top_k <= 256)
     sorted_ids, block_expert = moe_align(ids.to(DEVICE), n_exp, block_m)
     expected_ids, expected_experts = _align_layout(ids.tolist(), n_exp, block_m)
     assert sorted_ids.dtype == torch.int32 and block_expert.dtype == torch.int32
@@ -146,14 +153,20 @@ def test_fused_moe_dense_experts_same_structure(dtype):
 HOST_READS = {"_local_scalar_dense", "item", "is_nonzero", "equal", "nonzero", "unique", "_unique2"}
 
 
-def test_fused_moe_reads_nothing_on_the_host(monkeypatch):
+class _NoLaunch:
+    """Stands for a Triton kernel: ``kernel[grid](...)`` does nothing."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+@pytest.mark.parametrize("align", ["torch", "auto"])
+def test_fused_moe_reads_nothing_on_the_host(monkeypatch, align):
     """The MoE decode runs in CUDA graphs: ``fused_moe``'s host code may not read a tensor's value (a host sync,
     illegal while capturing). It read the experts' g_idx so (``int(max)``, ``bool(all)``) and the int4 MoE graph
     capture failed on an H200. Every tensor op of a call is recorded, with the kernel launches stubbed out (the
-    CPU's Triton interpreter reads tensors itself)."""
+    CPU's Triton interpreter reads tensors itself). Both ways of aligning the pairs: torch ops, one Triton program."""
     from torch.utils._python_dispatch import TorchDispatchMode
-
-    import quantkit.kernels.moe_w4a16 as moe
 
     class Record(TorchDispatchMode):
         def __init__(self):
@@ -167,7 +180,9 @@ def test_fused_moe_reads_nothing_on_the_host(monkeypatch):
     ex = stack_quantized(experts_q(4, 64, 32, 32), torch.float32, "cpu")
     w, ids = routing(5, 4, 2)
     monkeypatch.setattr(moe, "_launch", lambda *args, **kwargs: None)
+    monkeypatch.setattr(moe, "_moe_align_kernel", _NoLaunch())
+    monkeypatch.setenv("QUANTKIT_MOE_ALIGN", align)
     record = Record()
     with record:
         moe.fused_moe(torch.randn(5, 64), w, ids, ex, block_n=32, block_k=32)
-    assert "sort" in record.ops and record.ops & HOST_READS == set()
+    assert ("sort" in record.ops) == (align == "torch") and record.ops & HOST_READS == set()

@@ -44,6 +44,31 @@ def test_fused_moe_compiled_matches_reference(m, dtype):
     assert err <= max(2 * err16, 1e-2)
 
 
+@pytest.mark.parametrize(("n_exp", "top_k", "block_m"), [(128, 8, 16), (60, 4, 64), (8, 2, 16), (256, 8, 16)])
+def test_moe_align_one_program_equals_torch_ops(monkeypatch, n_exp, top_k, block_m):
+    """The one-program align, compiled (its padding fill and the pairs' stores are ordered by a barrier, which the
+    CPU interpreter cannot test), builds exactly the torch ops' layout for every decode batch it serves."""
+    from quantkit.kernels import moe_w4a16 as moe
+
+    g = torch.Generator().manual_seed(n_exp)
+    checked = 0
+    for tokens in range(1, 33):
+        for _ in range(4):
+            ids = torch.stack([torch.randperm(n_exp, generator=g)[:top_k] for _ in range(tokens)]).cuda()
+            if tokens % 3 == 0:  # crowd a few experts: long runs, many empty experts
+                ids = torch.stack([torch.randperm(min(n_exp, 2 * top_k), generator=g)[:top_k]
+                                   for _ in range(tokens)]).cuda()
+            if not moe.align_in_one_program(ids.numel(), n_exp, ids.device):
+                continue
+            monkeypatch.setenv("QUANTKIT_MOE_ALIGN", "torch")
+            want = moe.moe_align(ids, n_exp, block_m)
+            monkeypatch.setenv("QUANTKIT_MOE_ALIGN", "auto")
+            got = moe.moe_align(ids, n_exp, block_m)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (tokens, ids.tolist())
+            checked += 1
+    assert checked >= 4 * 16  # up to 16 tokens at the least fall under the one-program limit
+
+
 def test_runtime_kernels_backend_matches_reference(tmp_path):
     from quantkit.checkpoint.save import save_quantized
     from quantkit.runtime.loader import load_runtime_model
