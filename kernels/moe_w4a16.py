@@ -3,8 +3,9 @@
 ``fused_moe(x [T, H], topk_weights [T, k], topk_ids [T, k], experts) -> [T, H]`` computes, for every token,
 ``sum_j w_j * down_e(silu(gate_e(x)) * up_e(x))`` over its k routed experts ``e = topk_ids[t, j]``:
 
-1. ``moe_align``: the T*k (token, slot) pairs sorted by expert, each expert's run padded to a multiple of
-   BLOCK_M (pad rows point past the end and are masked), and the expert of every BLOCK_M block;
+1. ``moe_align`` (``kernels/moe_align.py``, with the routing): the T*k (token, slot) pairs sorted by expert, each
+   expert's run padded to a multiple of BLOCK_M (pad rows point past the end and are masked), and the expert of
+   every BLOCK_M block;
 2. ``_moe_gemm_kernel`` with ``GATED``: each program takes one block of pairs (one expert) and BLOCK_N
    columns of the intermediate, reads the tokens' rows of ``x`` once and accumulates gate and up together
    (one pass over K = H), applies ``silu(gate) * up`` and stores ``[T*k, I]``;
@@ -20,12 +21,13 @@ baseline) go through the same kernel with ``QUANT=False`` (``w [E, N, K]``).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from quantkit.kernels.moe_align import BLOCK_M, moe_align
 
 
 @dataclass(frozen=True)
@@ -105,90 +107,6 @@ def stack_quantized(experts: list[tuple], dtype: torch.dtype, device) -> MoEExpe
 def stack_dense(w13: torch.Tensor, w2: torch.Tensor) -> MoEExperts:
     """16-bit experts: ``w13 [E, 2I, H]`` (gate rows first), ``w2 [E, H, I]``."""
     return MoEExperts(w13.contiguous(), w2.contiguous(), w13.shape[2], w2.shape[2], False)
-
-
-# ``moe_align`` in one Triton program where its [pairs, experts] matrices are this small (decode: up to 32 tokens
-# of top-8 over 128 experts); the torch ops beyond (prefill). ``QUANTKIT_MOE_ALIGN=torch`` forces the torch ops
-# (an A/B switch). Every torch op is a kernel launch on every MoE layer of every decode step: 19 of them, ~2 us
-# each even inside a CUDA graph, against one launch here.
-ALIGN_ONE_PROGRAM_MAX = 1 << 15  # next_power_of_2(pairs) * next_power_of_2(experts)
-
-
-def align_in_one_program(pairs: int, num_experts: int, device: torch.device) -> bool:
-    """Whether ``moe_align`` runs as the one-program kernel (the choice, in one place)."""
-    from quantkit.kernels.device_info import interpreting
-
-    if os.environ.get("QUANTKIT_MOE_ALIGN", "auto") == "torch" or pairs == 0:
-        return False
-    if device.type != "cuda" and not interpreting():
-        return False
-    return triton.next_power_of_2(pairs) * triton.next_power_of_2(num_experts) <= ALIGN_ONE_PROGRAM_MAX
-
-
-def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(pair ids sorted by expert, each expert's run padded to ``block_m`` with ``T*k``; expert per block).
-
-    No host sync (CUDA-graph safe): the arrays have their largest size, ``T*k + E*(block_m - 1)`` rounded up
-    to ``block_m``; blocks past the last expert's run hold only padding (the kernel returns at once). Within an
-    expert's run the pairs keep their order. One launch for small routings (``align_in_one_program``), else
-    torch ops: one stable sort gives the order and the sorted experts, one binary search each expert's first
-    pair (hence the counts)."""
-    flat = topk_ids.reshape(-1)  # [T*k]: pair p = t*k + j routes to expert flat[p]
-    pairs, dev = flat.numel(), flat.device
-    n_blocks = (pairs + num_experts * (block_m - 1) + block_m - 1) // block_m
-    if align_in_one_program(pairs, num_experts, dev):
-        return _align_one_program(flat.contiguous(), num_experts, block_m, n_blocks)
-    experts_sorted, order = torch.sort(flat, stable=True)
-    first = torch.searchsorted(experts_sorted, torch.arange(num_experts + 1, device=dev, dtype=flat.dtype))
-    counts = first[1:] - first[:-1]  # pairs of each expert; its run in `order` starts at first[e]
-    padded = (counts + (block_m - 1)).div_(block_m, rounding_mode="floor").mul_(block_m)
-    ends = torch.cumsum(padded, 0)  # end of each expert's padded run
-    shift = ends - padded - first[:-1]  # padded start minus unpadded start
-    sorted_ids = torch.full((n_blocks * block_m,), pairs, dtype=torch.int32, device=dev)
-    dest = shift[experts_sorted].add_(torch.arange(pairs, device=dev))
-    sorted_ids.scatter_(0, dest, order.to(torch.int32))
-    blocks = torch.arange(0, n_blocks * block_m, block_m, device=dev, dtype=ends.dtype)
-    block_expert = torch.searchsorted(ends, blocks, right=True, out_int32=True).clamp_max_(num_experts - 1)
-    return sorted_ids, block_expert
-
-
-@triton.jit
-def _moe_align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_pairs, num_experts, n_blocks, n_slots,
-                      BLOCK_M: tl.constexpr, PAIRS: tl.constexpr, EXPERTS: tl.constexpr, FILL: tl.constexpr):
-    """``moe_align`` in one program. ``hit [PAIRS, EXPERTS]``: pair p routes to expert e. Its column sums are the
-    counts; its running sums down the pairs give each pair's place in its expert's run (pair order kept)."""
-    offs_p = tl.arange(0, PAIRS)
-    p_mask = offs_p < num_pairs
-    offs_e = tl.arange(0, EXPERTS)
-    ids = tl.load(ids_ptr + offs_p, mask=p_mask, other=EXPERTS)  # lanes past the pairs route nowhere
-    hit = (ids[:, None] == offs_e[None, :]).to(tl.int32)
-    counts = tl.sum(hit, axis=0)  # [EXPERTS]
-    padded = (counts + (BLOCK_M - 1)) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, axis=0)  # end of each expert's padded run
-    place = tl.cumsum(hit, axis=0) - 1 + (ends - padded)[None, :]  # [PAIRS, EXPERTS], read where hit
-    dest = tl.sum(tl.where(hit != 0, place, 0), axis=1)  # [PAIRS]
-    for s0 in range(0, n_slots, FILL):
-        offs_s = s0 + tl.arange(0, FILL)
-        tl.store(sorted_ptr + offs_s, num_pairs, mask=offs_s < n_slots)
-    tl.debug_barrier()  # the padding fill lands before the pairs are written over it
-    tl.store(sorted_ptr + dest, offs_p, mask=p_mask)
-    # each block's expert: how many experts' runs end at or before its first row (clamped: trailing padding)
-    real_ends = tl.where(offs_e < num_experts, ends, n_slots + 1)
-    for b0 in range(0, n_blocks, FILL):
-        offs_b = b0 + tl.arange(0, FILL)
-        ended = tl.sum((real_ends[None, :] <= offs_b[:, None] * BLOCK_M).to(tl.int32), axis=1)
-        tl.store(block_expert_ptr + offs_b, tl.minimum(ended, num_experts - 1), mask=offs_b < n_blocks)
-
-
-def _align_one_program(flat: torch.Tensor, num_experts: int, block_m: int, n_blocks: int):
-    sorted_ids = torch.empty(n_blocks * block_m, dtype=torch.int32, device=flat.device)
-    block_expert = torch.empty(n_blocks, dtype=torch.int32, device=flat.device)
-    pairs, experts = triton.next_power_of_2(flat.numel()), triton.next_power_of_2(num_experts)
-    fill = max(16, min(1024, ALIGN_ONE_PROGRAM_MAX // experts))  # block rows x experts of the last loop
-    _moe_align_kernel[(1,)](flat, sorted_ids, block_expert, flat.numel(), num_experts, n_blocks,
-                            n_blocks * block_m, BLOCK_M=block_m,
-                            PAIRS=pairs, EXPERTS=experts, FILL=fill, num_warps=8)
-    return sorted_ids, block_expert
 
 
 @triton.jit
@@ -305,8 +223,11 @@ def _launch(a, ex_w, s, z, g, out, sorted_ids, block_expert, topw, pairs, n, k, 
 
 
 def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, experts: MoEExperts,
-              block_m: int = 16, block_n: int = 64, block_k: int = 64) -> torch.Tensor:
-    """The MoE block's routed output ``[T, H]`` (module docstring); ``x [T, H]`` in 16-bit (or float32)."""
+              block_m: int = BLOCK_M, block_n: int = 64, block_k: int = 64, aligned: tuple | None = None
+              ) -> torch.Tensor:
+    """The MoE block's routed output ``[T, H]`` (module docstring); ``x [T, H]`` in 16-bit (or float32).
+    ``aligned``: ``moe_align``'s ``(sorted_ids, block_expert)`` for ``topk_ids`` at ``block_m``, where the caller
+    made them already (``moe_align.route_and_align``)."""
     t, h = x.shape
     k = topk_ids.shape[1]
     if h != experts.hidden:
@@ -314,7 +235,7 @@ def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tenso
     if experts.quantized and (experts.hidden % 8 or experts.inter % 8 or block_k % 8):
         raise ValueError("4-bit experts need hidden and intermediate sizes (and block_k) divisible by 8")
     x = x.contiguous()
-    sorted_ids, block_expert = moe_align(topk_ids, experts.num_experts, block_m)
+    sorted_ids, block_expert = aligned if aligned is not None else moe_align(topk_ids, experts.num_experts, block_m)
     pairs = t * k
     topw = topk_weights.reshape(-1).to(torch.float32).contiguous()
     inter = torch.empty(pairs, experts.inter, dtype=x.dtype, device=x.device)

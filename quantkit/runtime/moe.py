@@ -35,19 +35,25 @@ class MoELayer:
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Routing weights and expert ids ``[M, k]`` (softmax in float32, top-k, optional renormalization)."""
-        probs = torch.softmax(torch.nn.functional.linear(x, self.router).float(), dim=-1)
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)
-        if self.renormalize:
-            weights = weights / weights.sum(-1, keepdim=True)
-        return weights, ids
+        from quantkit.kernels.moe_align import route_ref
+
+        return route_ref(torch.nn.functional.linear(x, self.router), self.top_k, self.renormalize)
 
     def __call__(self, x: torch.Tensor, act_mul) -> torch.Tensor:
+        from quantkit.kernels.moe_align import align_in_one_program, route_and_align
         from quantkit.kernels.moe_w4a16 import fused_moe, fused_moe_ref
 
-        weights, ids = self.route(x)
         if self.use_kernel and self.act_quant is None:
-            y = fused_moe(x, weights, ids, self.experts)
+            if align_in_one_program(x.shape[0] * self.top_k, self.experts.num_experts, x.device):
+                # decode-sized: routing and the pairs' layout in one launch (kernels/moe_align.py says why)
+                logits = torch.nn.functional.linear(x, self.router)
+                weights, ids, aligned = route_and_align(logits, self.top_k, self.renormalize)
+                y = fused_moe(x, weights, ids, self.experts, aligned=aligned)
+            else:
+                weights, ids = self.route(x)
+                y = fused_moe(x, weights, ids, self.experts)
         else:  # FP8 experts too: their activation rounding is emulated (no FP8 MoE kernel yet)
+            weights, ids = self.route(x)
             y = fused_moe_ref(x, weights, ids, self._reference_experts(), self.act_quant)
         if self.shared_gate_up is not None:
             s = self.shared_down(act_mul(self.shared_gate_up(x), "silu"))

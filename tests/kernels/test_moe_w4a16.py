@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+import quantkit.kernels.moe_align as align
 import quantkit.kernels.moe_w4a16 as moe
 from quantkit.config import QuantScheme
-from quantkit.kernels.moe_w4a16 import fused_moe, fused_moe_ref, moe_align, stack_dense, stack_quantized
+from quantkit.kernels.moe_align import moe_align, route_and_align, route_ref
+from quantkit.kernels.moe_w4a16 import fused_moe, fused_moe_ref, stack_dense, stack_quantized
 from quantkit.methods.rtn import rtn_quantize
 from quantkit.primitives import compute_qparams, quantize
 from quantkit.qtensor import QuantizedWeight
@@ -79,12 +81,64 @@ def test_moe_align_layout_exactly(monkeypatch, impl, tokens, n_exp, top_k, block
     monkeypatch.setenv("QUANTKIT_MOE_ALIGN", "torch" if impl == "torch" else "auto")
     ids = torch.stack([torch.randperm(n_exp, generator=torch.Generator().manual_seed(t))[:top_k]
                        for t in range(tokens)])
-    one = moe.align_in_one_program(tokens * top_k, n_exp, torch.device(DEVICE))
+    one = align.align_in_one_program(tokens * top_k, n_exp, torch.device(DEVICE))
     assert one == (impl == "one_program" and tokens * top_k <= 256)
     sorted_ids, block_expert = moe_align(ids.to(DEVICE), n_exp, block_m)
     expected_ids, expected_experts = _align_layout(ids.tolist(), n_exp, block_m)
     assert sorted_ids.dtype == torch.int32 and block_expert.dtype == torch.int32
     assert sorted_ids.tolist() == expected_ids and block_expert.tolist() == expected_experts
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize(("tokens", "n_exp", "top_k", "dtype"), [(1, 128, 8, torch.float32), (7, 60, 4, torch.float16),
+                                                                 (32, 128, 8, torch.float32), (5, 8, 2, torch.float16)])
+def test_route_and_align_in_one_program_equals_the_torch_ops(monkeypatch, renormalize, tokens, n_exp, top_k, dtype):
+    """The one-launch routing (softmax, top-k, renormalization) and align give the reference's weights and experts
+    and the align's exact layout of those experts."""
+    monkeypatch.setenv("QUANTKIT_MOE_ALIGN", "auto")
+    logits = (3 * torch.randn(tokens, n_exp, generator=torch.Generator().manual_seed(tokens))).to(DEVICE, dtype)
+    weights, ids, (sorted_ids, block_expert) = route_and_align(logits, top_k, renormalize)
+    want_w, want_ids = route_ref(logits, top_k, renormalize)
+    assert ids.dtype == torch.int64 and weights.dtype == torch.float32
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_w, rtol=1e-5, atol=1e-7)
+    expected_ids, expected_experts = _align_layout(want_ids.tolist(), n_exp, align.BLOCK_M)
+    assert sorted_ids.tolist() == expected_ids and block_expert.tolist() == expected_experts
+
+
+def test_route_and_align_refuses_what_one_program_does_not_take(monkeypatch):
+    monkeypatch.setenv("QUANTKIT_MOE_ALIGN", "auto")
+    with pytest.raises(ValueError, match="exceed one program"):
+        route_and_align(torch.randn(64, 128, device=DEVICE), 8, True)
+    with pytest.raises(ValueError, match="top_k"):
+        route_and_align(torch.randn(2, 4, device=DEVICE), 5, True)
+
+
+@pytest.mark.parametrize("one_program", [True, False])
+def test_runtime_moe_layer_kernel_path_equals_its_reference(monkeypatch, one_program):
+    """The runtime's MoE block on the kernel path (routing and align in one launch, or torch ops) against its
+    reference path on the same experts, a shared expert included."""
+    from quantkit.runtime.moe import MoELayer
+
+    monkeypatch.setenv("QUANTKIT_MOE_ALIGN", "auto" if one_program else "torch")
+    n_exp, hidden, inter = 8, 64, 32
+    g = torch.Generator().manual_seed(5)
+    ex = stack_quantized(experts_q(n_exp, hidden, inter, 32), torch.float32, DEVICE)
+    router = torch.randn(n_exp, hidden, generator=g).to(DEVICE)
+    shared_gate = torch.randn(1, hidden, generator=g).to(DEVICE)
+    w_su = torch.randn(2 * inter, hidden, generator=g).to(DEVICE) / hidden**0.5
+    w_sd = torch.randn(hidden, inter, generator=g).to(DEVICE) / inter**0.5
+
+    def act_mul(h, act):
+        return torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]
+
+    def layer(use_kernel):
+        return MoELayer(router, ex, 2, True, use_kernel, lambda v: v @ w_su.t(), lambda v: v @ w_sd.t(), shared_gate)
+
+    x = torch.randn(6, hidden, generator=g).to(DEVICE)
+    assert align.align_in_one_program(6 * 2, n_exp, x.device) == one_program
+    out, ref = layer(True)(x, act_mul), layer(False)(x, act_mul)
+    assert rel_err(out, ref) < 1e-5
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -160,12 +214,8 @@ class _NoLaunch:
         return lambda *args, **kwargs: None
 
 
-@pytest.mark.parametrize("align", ["torch", "auto"])
-def test_fused_moe_reads_nothing_on_the_host(monkeypatch, align):
-    """The MoE decode runs in CUDA graphs: ``fused_moe``'s host code may not read a tensor's value (a host sync,
-    illegal while capturing). It read the experts' g_idx so (``int(max)``, ``bool(all)``) and the int4 MoE graph
-    capture failed on an H200. Every tensor op of a call is recorded, with the kernel launches stubbed out (the
-    CPU's Triton interpreter reads tensors itself). Both ways of aligning the pairs: torch ops, one Triton program."""
+def _recorded_ops(fn) -> set[str]:
+    """The names of the tensor ops ``fn()`` runs."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Record(TorchDispatchMode):
@@ -177,12 +227,37 @@ def test_fused_moe_reads_nothing_on_the_host(monkeypatch, align):
             self.ops.add(func.overloadpacket.__name__)
             return func(*args, **(kwargs or {}))
 
+    record = Record()
+    with record:
+        fn()
+    return record.ops
+
+
+@pytest.mark.parametrize("align_impl", ["torch", "auto"])
+def test_fused_moe_reads_nothing_on_the_host(monkeypatch, align_impl):
+    """The MoE decode runs in CUDA graphs: ``fused_moe``'s host code may not read a tensor's value (a host sync,
+    illegal while capturing). It read the experts' g_idx so (``int(max)``, ``bool(all)``) and the int4 MoE graph
+    capture failed on an H200. Every tensor op of a call is recorded, with the kernel launches stubbed out (the
+    CPU's Triton interpreter reads tensors itself). Both ways of aligning the pairs: torch ops, one Triton program."""
     ex = stack_quantized(experts_q(4, 64, 32, 32), torch.float32, "cpu")
     w, ids = routing(5, 4, 2)
     monkeypatch.setattr(moe, "_launch", lambda *args, **kwargs: None)
-    monkeypatch.setattr(moe, "_moe_align_kernel", _NoLaunch())
-    monkeypatch.setenv("QUANTKIT_MOE_ALIGN", align)
-    record = Record()
-    with record:
-        moe.fused_moe(torch.randn(5, 64), w, ids, ex, block_n=32, block_k=32)
-    assert ("sort" in record.ops) == (align == "torch") and record.ops & HOST_READS == set()
+    monkeypatch.setattr(align, "_moe_align_kernel", _NoLaunch())
+    monkeypatch.setenv("QUANTKIT_MOE_ALIGN", align_impl)
+    ops = _recorded_ops(lambda: moe.fused_moe(torch.randn(5, 64), w, ids, ex, block_n=32, block_k=32))
+    assert ("sort" in ops) == (align_impl == "torch") and ops & HOST_READS == set()
+
+
+@pytest.mark.parametrize("align_impl", ["torch", "auto"])
+def test_runtime_moe_block_reads_nothing_on_the_host(monkeypatch, align_impl):
+    """The same for the runtime's whole MoE block (router, routing, align, experts) on the kernel path."""
+    from quantkit.runtime.moe import MoELayer
+
+    ex = stack_quantized(experts_q(4, 64, 32, 32), torch.float32, "cpu")
+    monkeypatch.setattr(moe, "_launch", lambda *args, **kwargs: None)
+    monkeypatch.setattr(align, "_moe_align_kernel", _NoLaunch())
+    monkeypatch.setattr(align, "_route_align_kernel", _NoLaunch())
+    monkeypatch.setenv("QUANTKIT_MOE_ALIGN", align_impl)
+    layer = MoELayer(torch.randn(4, 64), ex, 2, True, True)
+    ops = _recorded_ops(lambda: layer(torch.randn(5, 64), None))
+    assert ("topk" in ops) == (align_impl == "torch") and ops & HOST_READS == set()

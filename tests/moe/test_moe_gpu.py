@@ -48,7 +48,7 @@ def test_fused_moe_compiled_matches_reference(m, dtype):
 def test_moe_align_one_program_equals_torch_ops(monkeypatch, n_exp, top_k, block_m):
     """The one-program align, compiled (its padding fill and the pairs' stores are ordered by a barrier, which the
     CPU interpreter cannot test), builds exactly the torch ops' layout for every decode batch it serves."""
-    from quantkit.kernels import moe_w4a16 as moe
+    from quantkit.kernels import moe_align as moe
 
     g = torch.Generator().manual_seed(n_exp)
     checked = 0
@@ -67,6 +67,30 @@ def test_moe_align_one_program_equals_torch_ops(monkeypatch, n_exp, top_k, block
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (tokens, ids.tolist())
             checked += 1
     assert checked >= 4 * 16  # up to 16 tokens at the least fall under the one-program limit
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize(("n_exp", "top_k"), [(128, 8), (60, 4), (8, 2)])
+def test_route_and_align_compiled_equals_the_torch_ops(monkeypatch, renormalize, n_exp, top_k):
+    """The one-launch routing and align, compiled, on bf16 router logits of every decode batch it serves: the
+    reference's experts (ties aside: none among random logits), weights to float32 rounding, the exact layout."""
+    from quantkit.kernels import moe_align as moe
+
+    monkeypatch.setenv("QUANTKIT_MOE_ALIGN", "auto")
+    g = torch.Generator().manual_seed(top_k)
+    for tokens in range(1, 33):
+        if not moe.align_in_one_program(tokens * top_k, n_exp, torch.device("cuda")):
+            break
+        logits = (3 * torch.randn(tokens, n_exp, generator=g)).to("cuda", torch.bfloat16)
+        weights, ids, (sorted_ids, block_expert) = moe.route_and_align(logits, top_k, renormalize)
+        want_w, want_ids = moe.route_ref(logits, top_k, renormalize)
+        assert torch.equal(ids, want_ids), tokens
+        torch.testing.assert_close(weights, want_w, rtol=1e-5, atol=1e-6)
+        monkeypatch.setenv("QUANTKIT_MOE_ALIGN", "torch")
+        want_sorted, want_blocks = moe.moe_align(want_ids, n_exp, moe.BLOCK_M)
+        monkeypatch.setenv("QUANTKIT_MOE_ALIGN", "auto")
+        assert torch.equal(sorted_ids, want_sorted) and torch.equal(block_expert, want_blocks), tokens
+    assert tokens >= 16
 
 
 def test_runtime_kernels_backend_matches_reference(tmp_path):
