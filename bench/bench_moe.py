@@ -306,8 +306,30 @@ def kernel_rows(args) -> list[dict]:
             row[f"graph_block_us_align_{align}"] = graphed(lambda: block(x, None)) * 1e6
         os.environ.pop("QUANTKIT_MOE_ALIGN")
         row["one_program_align"] = align_in_one_program(ids.numel(), n_exp, ids.device)
+        if m <= 32:  # decode sizes: the tiles a decode table would choose from
+            row["tile_sweep"] = tile_sweep(lambda **tiles: fused_moe(x, w, ids, ex, **tiles))
         rows.append(row)
     return rows
+
+
+TILE_CANDIDATES = [dict(block_n=n, block_k=kk, num_warps=nw, num_stages=st)
+                   for n in (32, 64, 128) for kk in (64, 128) for nw in (4, 8) for st in (3,)]
+
+
+def tile_sweep(call) -> list[dict]:
+    """``call(**tiles)`` as a CUDA-graph replay for every candidate tile config, fastest first; each output checked
+    against the default config's (relative difference), so a config that computes something else shows."""
+    want = call().float()
+    out = []
+    for tiles in TILE_CANDIDATES:
+        try:
+            got = call(**tiles).float()
+            us = graphed(lambda tiles=tiles: call(**tiles)) * 1e6
+        except Exception as exc:  # e.g. out of shared memory: the config cannot run here
+            out.append({**tiles, "error": f"{type(exc).__name__}: {str(exc)[:120]}"})
+            continue
+        out.append({**tiles, "us": us, "rel_diff": ((got - want).norm() / want.norm()).item()})
+    return sorted(out, key=lambda r: r.get("us", float("inf")))
 
 
 FULL_DEFAULTS = {"layers": 48, "nsamples": 128, "seqlen": 2048, "steps": 64, "kernel_m": [1, 8, 32, 256, 2048]}
@@ -403,6 +425,13 @@ def print_table(record: dict) -> None:
             print(f"{r['m']:6d} {r['fused_us']:10.1f} {r['loop_us']:10.1f} {r['speedup']:8.2f} "
                   f"{r['rel_err_vs_loop']:9.1e}   {r['graph_block_us_align_auto']:8.1f} / "
                   f"{r['graph_block_us_align_torch']:8.1f}{'' if r['one_program_align'] else '  (beyond one program)'}")
+        for r in record["kernel"]:
+            if r.get("tile_sweep"):
+                best = r["tile_sweep"][0]
+                default = next(t for t in r["tile_sweep"] if (t["block_n"], t["block_k"], t["num_warps"],
+                                                              t["num_stages"]) == (64, 64, 4, 3))
+                print(f"M={r['m']}: fastest tiles {({k: best[k] for k in TILE_CANDIDATES[0]})} "
+                      f"{best['us']:.1f} us (rel diff {best['rel_diff']:.1e}); default {default.get('us', float('nan')):.1f} us")
 
 
 if __name__ == "__main__":

@@ -207,7 +207,7 @@ def _tile_group(group: int, block_k: int) -> int:
 
 
 def _launch(a, ex_w, s, z, g, out, sorted_ids, block_expert, topw, pairs, n, k, up_offset, top_k, quant, gated,
-            by_token, mul, block_m, block_n, block_k, group):
+            by_token, mul, block_m, block_n, block_k, group, num_warps, num_stages):
     if quant:
         swe, swk, swn = ex_w.stride()  # [E, K/8, N]
         sse, ssg, ssn = s.stride()
@@ -219,15 +219,17 @@ def _launch(a, ex_w, s, z, g, out, sorted_ids, block_expert, topw, pairs, n, k, 
     _moe_gemm_kernel[grid](a, ex_w, s, z, g, out, sorted_ids, block_expert, topw, pairs, n, k, up_offset, top_k,
                            a.stride(0), swe, swk, swn, sse, ssg, ssn, out.stride(0),
                            QUANT=quant, GROUP=group, GATED=gated, A_BY_TOKEN=by_token, MUL_ROUTED=mul, BLOCK_M=block_m,
-                           BLOCK_N=block_n, BLOCK_K=block_k, DTYPE=_TL_DTYPE[a.dtype])
+                           BLOCK_N=block_n, BLOCK_K=block_k, DTYPE=_TL_DTYPE[a.dtype], num_warps=num_warps,
+                           num_stages=num_stages)
 
 
 def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, experts: MoEExperts,
-              block_m: int = BLOCK_M, block_n: int = 64, block_k: int = 64, aligned: tuple | None = None
-              ) -> torch.Tensor:
+              block_m: int = BLOCK_M, block_n: int = 64, block_k: int = 64, aligned: tuple | None = None,
+              num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
     """The MoE block's routed output ``[T, H]`` (module docstring); ``x [T, H]`` in 16-bit (or float32).
     ``aligned``: ``moe_align``'s ``(sorted_ids, block_expert)`` for ``topk_ids`` at ``block_m``, where the caller
-    made them already (``moe_align.route_and_align``)."""
+    made them already (``moe_align.route_and_align``). The tiles, warps and pipeline stages apply to both GEMMs
+    (Triton's own defaults for the last two; ``bench/bench_moe.py``'s kernel section sweeps them)."""
     t, h = x.shape
     k = topk_ids.shape[1]
     if h != experts.hidden:
@@ -242,10 +244,11 @@ def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tenso
     q = experts.quantized
     g13, g2 = _tile_group(experts.group13, block_k), _tile_group(experts.group2, block_k)
     _launch(x, experts.w13, experts.s13, experts.z13, experts.g13, inter, sorted_ids, block_expert, topw, pairs,
-            experts.inter, h, experts.inter, k, q, True, True, False, block_m, block_n, block_k, g13)
+            experts.inter, h, experts.inter, k, q, True, True, False, block_m, block_n, block_k, g13, num_warps,
+            num_stages)
     out = torch.empty(pairs, h, dtype=torch.float32 if x.dtype == torch.float32 else x.dtype, device=x.device)
     _launch(inter, experts.w2, experts.s2, experts.z2, experts.g2, out, sorted_ids, block_expert, topw, pairs,
-            h, experts.inter, 0, k, q, False, False, True, block_m, block_n, block_k, g2)
+            h, experts.inter, 0, k, q, False, False, True, block_m, block_n, block_k, g2, num_warps, num_stages)
     # one launch: a 16-bit sum accumulates in float32 and rounds once, as summing to float32 and casting would
     return out.view(t, k, h).sum(1)
 
