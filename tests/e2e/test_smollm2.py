@@ -12,11 +12,13 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def smollm2(smollm2_gguf):
+def smollm2(smollm2_folder):
+    """The unquantized model, from the GGUF's weights saved once as a folder (the test quantizes from the GGUF
+    itself: one GGUF load, ~15 s on 2 cores, not two)."""
     from quantkit.config import LoadConfig
     from quantkit.models.load import load_model
 
-    return load_model(str(smollm2_gguf), LoadConfig(dtype="float32", device="cpu"))
+    return load_model(str(smollm2_folder), LoadConfig(dtype="float32", device="cpu"))
 
 
 def test_rtn_g128_checkpoint_reloads_and_scores(smollm2, smollm2_gguf, wikitext_dir, tmp_path):
