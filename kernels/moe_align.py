@@ -64,7 +64,8 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
         block_expert = torch.empty(n_blocks, dtype=torch.int32, device=dev)
         _moe_align_kernel[(1,)](flat.contiguous(), sorted_ids, block_expert, pairs, num_experts, n_blocks,
                                 n_blocks * block_m, BLOCK_M=block_m, PAIRS=triton.next_power_of_2(pairs),
-                                EXPERTS=triton.next_power_of_2(num_experts), FILL=_fill(num_experts), num_warps=8)
+                                EXPERTS=triton.next_power_of_2(num_experts), FILL=FILL,
+                                BLOCKS=_blocks_a_step(num_experts), num_warps=_warps(pairs, num_experts))
         return sorted_ids, block_expert
     experts_sorted, order = torch.sort(flat, stable=True)
     first = torch.searchsorted(experts_sorted, torch.arange(num_experts + 1, device=dev, dtype=flat.dtype))
@@ -99,18 +100,30 @@ def route_and_align(logits: torch.Tensor, top_k: int, renormalize: bool, block_m
     _route_align_kernel[(1,)](logits, logits.stride(0), weights, ids, sorted_ids, block_expert, tokens, num_experts,
                               n_blocks, n_blocks * block_m, TOP_K=top_k, RENORM=renormalize, BLOCK_M=block_m,
                               TOKENS=triton.next_power_of_2(tokens), PAIRS=triton.next_power_of_2(pairs),
-                              EXPERTS=triton.next_power_of_2(num_experts), FILL=_fill(num_experts), num_warps=8)
+                              EXPERTS=triton.next_power_of_2(num_experts), FILL=FILL,
+                              BLOCKS=_blocks_a_step(num_experts), num_warps=_warps(pairs, num_experts))
     return weights, ids, (sorted_ids, block_expert)
 
 
-def _fill(num_experts: int) -> int:
-    """Slots (and blocks) a step of the align's loops: [FILL, experts] stays within the program's budget."""
-    return max(16, min(1024, ALIGN_ONE_PROGRAM_MAX // triton.next_power_of_2(num_experts)))
+FILL = 1024  # padding slots a store step of the align writes
+
+
+def _warps(pairs: int, num_experts: int) -> int:
+    """Warps of the one program: its [pairs, experts] matrices at ~32-64 values a thread (registers, no spills);
+    fewer warps where they are small (each reduction across warps goes through shared memory)."""
+    cells = triton.next_power_of_2(pairs) * triton.next_power_of_2(num_experts)
+    return 4 if cells <= 4096 else 8 if cells <= 16384 else 16
+
+
+def _blocks_a_step(num_experts: int) -> int:
+    """Blocks whose expert one step of the align finds: a [blocks, experts] comparison of ~8K values."""
+    return max(16, min(1024, 8192 // triton.next_power_of_2(num_experts)))
 
 
 @triton.jit
 def _align_body(ids_ptr, sorted_ptr, block_expert_ptr, num_pairs, num_experts, n_blocks, n_slots,
-                BLOCK_M: tl.constexpr, PAIRS: tl.constexpr, EXPERTS: tl.constexpr, FILL: tl.constexpr):
+                BLOCK_M: tl.constexpr, PAIRS: tl.constexpr, EXPERTS: tl.constexpr, FILL: tl.constexpr,
+                BLOCKS: tl.constexpr):
     """The align from the pairs' expert ids in memory. ``hit [PAIRS, EXPERTS]``: pair p routes to expert e; its
     column sums are the counts, its running sums down the pairs each pair's place in its expert's run."""
     offs_p = tl.arange(0, PAIRS)
@@ -130,17 +143,18 @@ def _align_body(ids_ptr, sorted_ptr, block_expert_ptr, num_pairs, num_experts, n
     tl.store(sorted_ptr + dest, offs_p, mask=p_mask)
     # each block's expert: how many experts' runs end at or before its first row (clamped: trailing padding)
     real_ends = tl.where(offs_e < num_experts, ends, n_slots + 1)
-    for b0 in range(0, n_blocks, FILL):
-        offs_b = b0 + tl.arange(0, FILL)
+    for b0 in range(0, n_blocks, BLOCKS):
+        offs_b = b0 + tl.arange(0, BLOCKS)
         ended = tl.sum((real_ends[None, :] <= offs_b[:, None] * BLOCK_M).to(tl.int32), axis=1)
         tl.store(block_expert_ptr + offs_b, tl.minimum(ended, num_experts - 1), mask=offs_b < n_blocks)
 
 
 @triton.jit
 def _moe_align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_pairs, num_experts, n_blocks, n_slots,
-                      BLOCK_M: tl.constexpr, PAIRS: tl.constexpr, EXPERTS: tl.constexpr, FILL: tl.constexpr):
+                      BLOCK_M: tl.constexpr, PAIRS: tl.constexpr, EXPERTS: tl.constexpr, FILL: tl.constexpr,
+                      BLOCKS: tl.constexpr):
     _align_body(ids_ptr, sorted_ptr, block_expert_ptr, num_pairs, num_experts, n_blocks, n_slots,
-                BLOCK_M, PAIRS, EXPERTS, FILL)
+                BLOCK_M, PAIRS, EXPERTS, FILL, BLOCKS)
 
 
 @triton.jit
@@ -155,7 +169,7 @@ def _top_k_pick(probs, offs_e, EXPERTS: tl.constexpr):
 def _route_align_kernel(logits_ptr, stride_lt, weights_ptr, ids_ptr, sorted_ptr, block_expert_ptr, num_tokens,
                         num_experts, n_blocks, n_slots, TOP_K: tl.constexpr, RENORM: tl.constexpr,
                         BLOCK_M: tl.constexpr, TOKENS: tl.constexpr, PAIRS: tl.constexpr, EXPERTS: tl.constexpr,
-                        FILL: tl.constexpr):
+                        FILL: tl.constexpr, BLOCKS: tl.constexpr):
     offs_t = tl.arange(0, TOKENS)
     offs_e = tl.arange(0, EXPERTS)
     t_mask = offs_t < num_tokens
@@ -182,4 +196,4 @@ def _route_align_kernel(logits_ptr, stride_lt, weights_ptr, ids_ptr, sorted_ptr,
         work = tl.where(offs_e[None, :] == expert[:, None], -1.0, work)
     tl.debug_barrier()  # the ids are in memory before the align reads them back as pairs
     _align_body(ids_ptr, sorted_ptr, block_expert_ptr, num_tokens * TOP_K, num_experts, n_blocks, n_slots,
-                BLOCK_M, PAIRS, EXPERTS, FILL)
+                BLOCK_M, PAIRS, EXPERTS, FILL, BLOCKS)
