@@ -312,8 +312,11 @@ def kernel_rows(args) -> list[dict]:
     return rows
 
 
+# At M = 1 only ~100 programs of the gate/up GEMM have work (8 experts x 12 column tiles), one a SM, each with
+# ~12 KB of cp.async loads in flight at 3 stages (its sm_90 SASS: 128-bit LDGSTS), under the ~25-30 KB an SM needs
+# at copy speed: deeper pipelines and narrower tiles (more programs) are the candidates.
 TILE_CANDIDATES = [dict(block_n=n, block_k=kk, num_warps=nw, num_stages=st)
-                   for n in (32, 64, 128) for kk in (64, 128) for nw in (4, 8) for st in (3,)]
+                   for n in (32, 64, 128) for kk in (64, 128) for nw, st in ((4, 3), (4, 5), (8, 3))]
 
 
 def tile_sweep(call) -> list[dict]:
