@@ -1,4 +1,4 @@
-"""Fused MoE with W4A16 (or 16-bit) experts in Triton, and the plain-PyTorch reference beside it.
+"""Fused MoE with W4A16 (or FP8, or 16-bit) experts in Triton, and the plain-PyTorch reference beside it.
 
 ``fused_moe(x [T, H], topk_weights [T, k], topk_ids [T, k], experts) -> [T, H]`` computes, for every token,
 ``sum_j w_j * down_e(silu(gate_e(x)) * up_e(x))`` over its k routed experts ``e = topk_ids[t, j]``:
@@ -16,7 +16,11 @@ Weights (:class:`MoEExperts`) are the experts' GPTQ tensors stacked: ``qweight [
 codes packed along K: row r in word r // 8 at bit 4 (r % 8), ``quantkit.pack``), scales and float zero
 points ``[E, G, N]``, ``g_idx [E, K]`` (any grouping, act-order included: scales are gathered per row).
 Gate and up are concatenated along N (``[E, K/8, 2I]``: gate columns first). 16-bit experts (the bf16
-baseline) go through the same kernel with ``QUANT=False`` (``w [E, N, K]``).
+baseline) go through the same kernel with ``QUANT=False`` (``w [E, N, K]``). FP8 experts (``stack_fp8``) keep
+their e4m3 codes ``[E, N, K]`` (half the bytes of 16-bit) with float32 scales per output channel and run of
+input columns; their activations are rounded to e4m3 per token (or per token and scale block) as the FP8 linears
+round theirs, and each K tile's dot of codes is scaled by both scales (``FP8``). The dot itself runs in 16-bit
+on the tensor cores: every e4m3 code, and every product of two, is exact there.
 """
 
 from __future__ import annotations
@@ -32,9 +36,11 @@ from quantkit.kernels.moe_align import BLOCK_M, moe_align
 
 @dataclass(frozen=True)
 class MoEExperts:
-    """Stacked experts (module docstring). ``quantized``: 4-bit GPTQ tensors; else 16-bit ``w13``/``w2``."""
+    """Stacked experts (module docstring). ``quantized``: 4-bit GPTQ tensors; ``fp8``: e4m3 ``w13``/``w2`` with
+    float32 scales ``s13 [E, 2I, G13]`` / ``s2 [E, H, G2]`` per output channel and run of ``group13``/``group2``
+    input columns (block-scaled checkpoints; 0: one run, per-channel or per-tensor scales); else 16-bit."""
 
-    w13: torch.Tensor  # quantized: int32 [E, H/8, 2I]; else [E, 2I, H]
+    w13: torch.Tensor  # quantized: int32 [E, H/8, 2I]; else [E, 2I, H] (e4m3 for fp8)
     w2: torch.Tensor  # quantized: int32 [E, I/8, H]; else [E, H, I]
     hidden: int
     inter: int
@@ -50,6 +56,7 @@ class MoEExperts:
     # breaks CUDA-graph capture (the int4 MoE decode graphs failed so on an H200)
     group13: int = 0
     group2: int = 0
+    fp8: bool = False
 
     @property
     def num_experts(self) -> int:
@@ -61,6 +68,8 @@ class MoEExperts:
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 ``w13 [E, 2I, H]`` and ``w2 [E, H, I]`` (the reference's weights)."""
+        if self.fp8:
+            return _dequant_fp8(self.w13, self.s13, self.group13), _dequant_fp8(self.w2, self.s2, self.group2)
         if not self.quantized:
             return self.w13.float(), self.w2.float()
         return (_dequant(self.w13, self.s13, self.z13, self.g13, self.hidden),
@@ -76,6 +85,42 @@ def _dequant(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, g
     s = torch.gather(scales.float(), 1, g[:, :, None].expand(-1, -1, scales.shape[2]))  # [E, K, N]
     z = torch.gather(zeros.float(), 1, g[:, :, None].expand(-1, -1, zeros.shape[2]))
     return ((codes.float() - z) * s).transpose(1, 2).contiguous()
+
+
+def _dequant_fp8(codes: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
+    """e4m3 ``[E, N, K]`` with scales ``[E, N, G]`` (runs of ``group`` columns; 0: one) -> float32 ``[E, N, K]``."""
+    k = codes.shape[2]
+    s = scales.repeat_interleave(group, dim=2)[:, :, :k] if group else scales
+    return codes.float() * s
+
+
+def stack_fp8(experts: list[tuple], device) -> MoEExperts:
+    """:class:`MoEExperts` from each expert's ``(gate, up, down)`` ``quantkit.fp8_weight.FP8Weight`` (channel,
+    tensor or block scales, all three alike, no static input scales). Block scales become one per output channel
+    and run of the block's columns (so gate and up stack whatever the intermediate size)."""
+
+    def column_scales(w) -> tuple[torch.Tensor, int]:  # [N, G] float32, and the run length (0: one run)
+        if w.input_scale is not None:
+            raise ValueError("static FP8 activation scales on MoE experts are not served by the kernel")
+        if w.strategy == "block":
+            b0, b1 = w.block
+            return w.weight_scale.float().repeat_interleave(b0, dim=0)[: w.out_features], b1
+        return w.weight_scale.float().reshape(-1, 1).expand(w.out_features, 1), 0
+
+    strategies = {(w.strategy, w.block) for trio in experts for w in trio}
+    if len(strategies) != 1:
+        raise ValueError(f"the experts mix FP8 scale layouts {sorted(map(str, strategies))}")
+    w13, s13, w2, s2 = [], [], [], []
+    for gate, up, down in experts:
+        (sg, group13), (su, _), (sd, group2) = column_scales(gate), column_scales(up), column_scales(down)
+        w13.append(torch.cat([gate.weight, up.weight]))
+        s13.append(torch.cat([sg, su]))
+        w2.append(down.weight)
+        s2.append(sd)
+    gate = experts[0][0]
+    return MoEExperts(torch.stack(w13).to(device), torch.stack(w2).to(device), gate.in_features, gate.out_features,
+                      False, torch.stack(s13).to(device).contiguous(), s2=torch.stack(s2).to(device).contiguous(),
+                      group13=group13, group2=group2, fp8=True)
 
 
 def stack_quantized(experts: list[tuple], dtype: torch.dtype, device) -> MoEExperts:
@@ -144,12 +189,15 @@ def _weight_tile(w_ptr, s_ptr, z_ptr, g_ptr, e, k0, offs_k, offs_n, k_mask, n_ma
 
 
 @triton.jit
-def _moe_gemm_kernel(a_ptr, w_ptr, s_ptr, z_ptr, g_ptr, out_ptr, sorted_ptr, block_expert_ptr, topw_ptr,
-                     num_pairs, N, K, UP_OFFSET, TOP_K,
-                     stride_am, stride_we, stride_wk, stride_wn, stride_se, stride_sg, stride_sn, stride_om,
+def _moe_gemm_kernel(a_ptr, w_ptr, s_ptr, z_ptr, g_ptr, out_ptr, sorted_ptr, block_expert_ptr, topw_ptr, as_ptr,
+                     num_pairs, N, K, UP_OFFSET, TOP_K, SCALE_K,
+                     stride_am, stride_we, stride_wk, stride_wn, stride_se, stride_sg, stride_sn, stride_om, stride_asm,
                      QUANT: tl.constexpr, GROUP: tl.constexpr, GATED: tl.constexpr, A_BY_TOKEN: tl.constexpr,
-                     MUL_ROUTED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     DTYPE: tl.constexpr):
+                     MUL_ROUTED: tl.constexpr, FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, DTYPE: tl.constexpr):
+    """``FP8``: ``a`` holds e4m3 codes with float32 scales ``as [rows, K / SCALE_K]`` and ``w`` e4m3 codes with
+    scales ``s [E, N, K / SCALE_K]``; codes are exact in DTYPE, so each K tile's dot is the FP8 GEMM's exact sum
+    of code products, scaled by the row's and the column's scale of its run of SCALE_K columns."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if tl.load(sorted_ptr + pid_m * BLOCK_M) >= num_pairs:
@@ -173,12 +221,23 @@ def _moe_gemm_kernel(a_ptr, w_ptr, s_ptr, z_ptr, g_ptr, out_ptr, sorted_ptr, blo
                     mask=valid[:, None] & k_mask[None, :], other=0.0).to(DTYPE)  # [BLOCK_M, BLOCK_K]
         w = _weight_tile(w_ptr, s_ptr, z_ptr, g_ptr, e, k0, offs_k, offs_n, k_mask, n_mask, K, stride_we, stride_wk,
                          stride_wn, stride_se, stride_sg, stride_sn, QUANT, GROUP, BLOCK_K, BLOCK_N, DTYPE)
-        acc += tl.dot(a, w)
+        if FP8:
+            run = k0 // SCALE_K
+            sa = tl.load(as_ptr + a_rows.to(tl.int64) * stride_asm + run, mask=valid, other=0.0)
+            sw = tl.load(s_ptr + e * stride_se + run * stride_sg + offs_n * stride_sn, mask=n_mask, other=0.0)
+            acc += tl.dot(a, w) * (sa[:, None] * sw[None, :])
+        else:
+            acc += tl.dot(a, w)
         if GATED:  # the up half of the same expert, same activations: one pass over K for both
             w_up = _weight_tile(w_ptr, s_ptr, z_ptr, g_ptr, e, k0, offs_k, offs_n + UP_OFFSET, k_mask, n_mask, K,
                                 stride_we, stride_wk, stride_wn, stride_se, stride_sg, stride_sn, QUANT, GROUP,
                                 BLOCK_K, BLOCK_N, DTYPE)
-            acc_up += tl.dot(a, w_up)
+            if FP8:
+                sw_up = tl.load(s_ptr + e * stride_se + run * stride_sg + (offs_n + UP_OFFSET) * stride_sn,
+                                mask=n_mask, other=0.0)
+                acc_up += tl.dot(a, w_up) * (sa[:, None] * sw_up[None, :])
+            else:
+                acc_up += tl.dot(a, w_up)
     if GATED:
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up  # silu(gate) * up
     if MUL_ROUTED:
@@ -207,50 +266,83 @@ def _tile_group(group: int, block_k: int) -> int:
 
 
 def _launch(a, ex_w, s, z, g, out, sorted_ids, block_expert, topw, pairs, n, k, up_offset, top_k, quant, gated,
-            by_token, mul, block_m, block_n, block_k, group, num_warps, num_stages):
+            by_token, mul, block_m, block_n, block_k, group, num_warps, num_stages, a_scales=None):
+    """One of the two GEMMs. ``a_scales``: FP8 experts, ``a`` their e4m3 activation codes (``group``: the scales'
+    run of input columns, 0 for one run); else ``group`` is the 4-bit experts' contiguous group size."""
+    fp8 = a_scales is not None
+    scale_k = (group or k) if fp8 else 1
     if quant:
         swe, swk, swn = ex_w.stride()  # [E, K/8, N]
         sse, ssg, ssn = s.stride()
+    elif fp8:
+        swe, swn, swk = ex_w.stride()  # [E, N, K]
+        sse, ssn, ssg = s.stride()  # [E, N, G]
+        z = g = ex_w  # unused
     else:
         swe, swn, swk = ex_w.stride()  # [E, N, K]
         sse = ssg = ssn = 0
         s = z = g = ex_w  # unused
     grid = (block_expert.numel(), triton.cdiv(n, block_n))
-    _moe_gemm_kernel[grid](a, ex_w, s, z, g, out, sorted_ids, block_expert, topw, pairs, n, k, up_offset, top_k,
-                           a.stride(0), swe, swk, swn, sse, ssg, ssn, out.stride(0),
-                           QUANT=quant, GROUP=group, GATED=gated, A_BY_TOKEN=by_token, MUL_ROUTED=mul, BLOCK_M=block_m,
-                           BLOCK_N=block_n, BLOCK_K=block_k, DTYPE=_TL_DTYPE[a.dtype], num_warps=num_warps,
+    _moe_gemm_kernel[grid](a, ex_w, s, z, g, out, sorted_ids, block_expert, topw, a_scales if fp8 else topw, pairs, n,
+                           k, up_offset, top_k, scale_k, a.stride(0), swe, swk, swn, sse, ssg, ssn, out.stride(0),
+                           a_scales.stride(0) if fp8 else 0, QUANT=quant, GROUP=group if quant else 0, GATED=gated,
+                           A_BY_TOKEN=by_token, MUL_ROUTED=mul, FP8=fp8, BLOCK_M=block_m,
+                           BLOCK_N=block_n, BLOCK_K=block_k, DTYPE=_TL_DTYPE[out.dtype], num_warps=num_warps,
                            num_stages=num_stages)
 
 
 def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, experts: MoEExperts,
-              block_m: int = BLOCK_M, block_n: int = 64, block_k: int = 64, aligned: tuple | None = None,
+              block_m: int = BLOCK_M, block_n: int = 64, block_k: int | None = None, aligned: tuple | None = None,
               num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
     """The MoE block's routed output ``[T, H]`` (module docstring); ``x [T, H]`` in 16-bit (or float32).
     ``aligned``: ``moe_align``'s ``(sorted_ids, block_expert)`` for ``topk_ids`` at ``block_m``, where the caller
     made them already (``moe_align.route_and_align``). The tiles, warps and pipeline stages apply to both GEMMs
-    (Triton's own defaults for the last two; ``bench/bench_moe.py``'s kernel section sweeps them)."""
+    (Triton's own defaults for the last two; ``bench/bench_moe.py``'s kernel section sweeps them). ``block_k``
+    defaults to 64, or for block-scaled FP8 experts to the largest of 64, 32, 16 inside one scale block."""
+    if block_k is None:
+        runs = [g for g in (experts.group13, experts.group2) if experts.fp8 and g]
+        block_k = next((b for b in (64, 32, 16) if all(g % b == 0 for g in runs)), 64)
     t, h = x.shape
     k = topk_ids.shape[1]
     if h != experts.hidden:
         raise ValueError(f"x has {h} features, the experts {experts.hidden}")
     if experts.quantized and (experts.hidden % 8 or experts.inter % 8 or block_k % 8):
         raise ValueError("4-bit experts need hidden and intermediate sizes (and block_k) divisible by 8")
+    if experts.fp8 and any(g and g % block_k for g in (experts.group13, experts.group2)):
+        raise ValueError(f"block_k {block_k} must divide the FP8 scale blocks ({experts.group13}, {experts.group2})")
     x = x.contiguous()
     sorted_ids, block_expert = aligned if aligned is not None else moe_align(topk_ids, experts.num_experts, block_m)
     pairs = t * k
     topw = topk_weights.reshape(-1).to(torch.float32).contiguous()
     inter = torch.empty(pairs, experts.inter, dtype=x.dtype, device=x.device)
     q = experts.quantized
-    g13, g2 = _tile_group(experts.group13, block_k), _tile_group(experts.group2, block_k)
-    _launch(x, experts.w13, experts.s13, experts.z13, experts.g13, inter, sorted_ids, block_expert, topw, pairs,
+    if experts.fp8:  # the activations' e4m3 codes and scales, as the FP8 linears round them
+        g13, g2 = experts.group13, experts.group2
+        a13, as13 = quantize_activations(x, g13)
+    else:
+        g13, g2 = _tile_group(experts.group13, block_k), _tile_group(experts.group2, block_k)
+        a13, as13 = x, None
+    _launch(a13, experts.w13, experts.s13, experts.z13, experts.g13, inter, sorted_ids, block_expert, topw, pairs,
             experts.inter, h, experts.inter, k, q, True, True, False, block_m, block_n, block_k, g13, num_warps,
-            num_stages)
+            num_stages, as13)
+    a2, as2 = quantize_activations(inter, g2) if experts.fp8 else (inter, None)
     out = torch.empty(pairs, h, dtype=torch.float32 if x.dtype == torch.float32 else x.dtype, device=x.device)
-    _launch(inter, experts.w2, experts.s2, experts.z2, experts.g2, out, sorted_ids, block_expert, topw, pairs,
-            h, experts.inter, 0, k, q, False, False, True, block_m, block_n, block_k, g2, num_warps, num_stages)
+    _launch(a2, experts.w2, experts.s2, experts.z2, experts.g2, out, sorted_ids, block_expert, topw, pairs,
+            h, experts.inter, 0, k, q, False, False, True, block_m, block_n, block_k, g2, num_warps, num_stages, as2)
     # one launch: a 16-bit sum accumulates in float32 and rounds once, as summing to float32 and casting would
     return out.view(t, k, h).sum(1)
+
+
+def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 codes ``[M, K]`` and float32 scales ``[M, G]`` of ``x``: per row (``group`` 0, the per-token kernel),
+    or per row and run of ``group`` columns (block-scaled experts), as the FP8 linears quantize their inputs."""
+    if group:
+        from quantkit.kernels.fp8_quant_ref import quantize_per_group_ref
+
+        return quantize_per_group_ref(x, group)
+    from quantkit.kernels.fp8_quant import quantize_per_token
+
+    return quantize_per_token(x)
 
 
 def fused_moe_ref(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,

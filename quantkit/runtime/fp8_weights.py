@@ -66,6 +66,22 @@ def fp8_expert_weights(get: dict, prefix: str, n: int, names: tuple[str, str, st
     return weight, lambda x: activations_through_e4m3(x, group)
 
 
+def fp8_expert_records(get: dict, prefix: str, n: int, names: tuple[str, str, str]) -> list[tuple]:
+    """Each expert's ``(gate, up, down)`` as ``FP8Weight`` records (e4m3 codes and their scales, as stored), for
+    the fused MoE kernel (``kernels.moe_w4a16.stack_fp8``)."""
+    from quantkit.fp8_weight import FP8Weight
+
+    first = f"{prefix}0.{names[0]}"
+    if f"{first}.input_scale" in get:
+        raise QuantkitError(f"{first}: static FP8 activation scales on MoE experts are not served by the runtime")
+
+    def record(name: str) -> FP8Weight:
+        w, scale, strategy, block, _ = _parts(get, name)
+        return FP8Weight(w, scale, strategy, w.shape[1], w.shape[0], block)
+
+    return [tuple(record(f"{prefix}{e}.{lin}") for lin in names) for e in range(n)]
+
+
 def fp8_linear_from(get: dict, name: str, bias, dtype, device, mode: str):
     """The runtime ``Linear`` of one FP8 linear; ``mode`` "auto", "reference" or "dequantize"."""
     from quantkit.fp8_weight import FP8Weight

@@ -52,7 +52,7 @@ class MoELayer:
             else:
                 weights, ids = self.route(x)
                 y = fused_moe(x, weights, ids, self.experts)
-        else:  # FP8 experts too: their activation rounding is emulated (no FP8 MoE kernel yet)
+        else:  # the reference (and FP8 experts off the kernel path: their activation rounding emulated)
             weights, ids = self.route(x)
             y = fused_moe_ref(x, weights, ids, self._reference_experts(), self.act_quant)
         if self.shared_gate_up is not None:
@@ -119,6 +119,11 @@ def load_moe(get: dict, spec: ModelSpec, quant, dtype, device, packed_kernel: bo
 
             experts = stack_quantized([tuple(qw(f"{ex}{e}.{lin}") for lin in names) for e in range(n)], dtype,
                                       device)
+        elif packed_kernel and f"{ex}0.{names[0]}.weight_scale" in get:  # FP8 experts, kept e4m3 for the kernel
+            from quantkit.kernels.moe_w4a16 import stack_fp8
+            from quantkit.runtime.fp8_weights import fp8_expert_records
+
+            experts = stack_fp8(fp8_expert_records(get, ex, n, names), device)
         else:
             if f"{ex}0.{names[0]}.weight_scale" in get:  # FP8 experts: their 16-bit values, activations emulated
                 from quantkit.runtime.fp8_weights import fp8_expert_weights

@@ -179,7 +179,7 @@ def load_layer(
     a, m = "self_attn.", "mlp."
     lin = dict(quant=quant, dtype=dtype, device=device, packed_kernel=packed_kernel, fp8=fp8)
     moe = None
-    if spec.num_experts:  # MoE experts are INT4 or 16-bit (FP8 experts are not served yet)
+    if spec.num_experts:  # MoE experts: INT4, FP8 or 16-bit
         from quantkit.runtime.moe import is_moe_layer, load_moe
 
         moe = (load_moe(get, spec, quant=quant, dtype=dtype, device=device, packed_kernel=packed_kernel,

@@ -110,6 +110,33 @@ def test_runtime_kernels_backend_matches_reference(tmp_path):
     assert ((a - b).norm() / b.norm()).item() < 2e-2
 
 
+@pytest.mark.parametrize(("model_type", "weights"), [("mixtral", "channel"), ("qwen3_moe", "block"),
+                                                  ("qwen2_moe", "tensor")])
+def test_fp8_experts_run_in_the_fused_kernel_and_match_the_reference(tmp_path, model_type, weights):
+    """FP8 experts stay e4m3 on the kernel backend (the fused kernel with ``FP8``: no 16-bit copies) and give
+    the reference backend's logits (16-bit activations against float32: close, not bitwise)."""
+    from quantkit.config import LoadConfig
+    from quantkit.fp8_api import quantize_fp8
+    from quantkit.methods.fp8 import FP8Config
+    from quantkit.runtime.loader import load_runtime_model
+    from quantkit.runtime.moe import MoELayer
+    from tests.conftest import tiny_tokenizer
+    from tests.moe.moe_tiny import tiny_moe
+
+    tok = tiny_tokenizer()
+    tiny_moe(model_type, vocab_size=len(tok)).save_pretrained(tmp_path / "fp")
+    tok.save_pretrained(tmp_path / "fp")
+    quantize_fp8(str(tmp_path / "fp"), str(tmp_path / "fp8"), config=FP8Config(weights=weights, block=(32, 32)),
+                 load=LoadConfig(dtype="float32", device="cpu"))
+    ids = torch.randint(3, 200, (2, 24), generator=torch.Generator().manual_seed(1))
+    fast, _ = load_runtime_model(str(tmp_path / "fp8"), device="cuda", dtype="bfloat16", backend="kernels")
+    layers = [layer.moe for layer in fast.weights.layers if isinstance(layer.moe, MoELayer)]
+    assert layers and all(m.experts.fp8 and m.experts.w13.dtype == torch.float8_e4m3fn for m in layers)
+    ref, _ = load_runtime_model(str(tmp_path / "fp8"), device="cuda", dtype="float32", backend="reference")
+    a, b = fast.forward_logits(ids).float(), ref.forward_logits(ids).float()
+    assert ((a - b).norm() / b.norm()).item() < 3e-2
+
+
 def test_fused_moe_captures_in_a_cuda_graph():
     """The int4 MoE decode runs as CUDA-graph replays: ``fused_moe`` may not read a tensor on the host (it did,
     to find the experts' group size, and the engine's graph capture failed on an H200). A replay with new
