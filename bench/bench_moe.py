@@ -380,11 +380,16 @@ def main() -> None:
         # bytes read per second (a copy reads and writes); the CPU smoke test takes a nominal 10 GB/s
         bandwidth = copy_bandwidth(args.device) * 1e9 / 2 if args.device.startswith("cuda") else 1e10
         record["copy_read_bandwidth_gbs"] = bandwidth / 1e9
-        rows = serve_rows(runtime_from(model, result.weights, scheme), "int4", args, bandwidth)
-        shapes = _MetaModel(model)  # the bf16 baseline needs only the shapes: free the 61 GB model first
+        runtime = runtime_from(model, result.weights, scheme)
+        # the int4 engine and the bf16 baseline need only the packed weights and the shapes: the 61 GB bf16 model
+        # goes first (beside it the int4 engine's KV cache did not fit an 80 GB H100)
+        shapes = _MetaModel(model)
         del model, result
-        gc.collect()
-        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+        _free()
+        rows = serve_rows(runtime, "int4", args, bandwidth)
+        del runtime
+        _free()
+        save(record, args)
         rows += serve_rows(runtime_from(shapes, None, scheme, dense_random=True), "bf16", args, bandwidth)
         record["serve"] = rows
         by = {(r["model"], r["what"]): r["tokens_per_s"] for r in rows}
@@ -392,16 +397,27 @@ def main() -> None:
     if "kernel" not in args.skip and not args.device.startswith("cuda"):
         print("kernel section skipped: the fused kernel against the per-expert W4A16 loop is a CUDA timing")
     elif "kernel" not in args.skip:
+        save(record, args)
         record["kernel"] = kernel_rows(args)
     if "awq" not in args.skip and "serve" not in args.skip:  # after the serving runs freed their memory
         gc.collect()
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
         record["awq"] = run_method(args, sizes, "awq")
     print_table(record)
+    print(f"wrote {save(record, args)}")
+
+
+def save(record: dict, args) -> Path:
+    """The record so far (written after each section too: a run cut by a time limit keeps what it measured)."""
     out = Path(args.out or f"bench/results/bench_moe_{datetime.date.today().isoformat()}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1, default=str))
-    print(f"wrote {out}")
+    return out
+
+
+def _free() -> None:
+    gc.collect()
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
 
 
 def print_table(record: dict) -> None:

@@ -26,7 +26,7 @@
 #   carry [.stage/whl, .stage/smoltok, .stage/old]:  bash bench/gpu_check.sh coldstart-ab BUDGET_S (~300)
 #   (third argument "quick": the new code alone, cold and warm load phases only)
 # Issue 39's MoE serving and kernel sections after the MoE GPU tests, no carry needed:
-#   bash bench/gpu_check.sh moe BUDGET_S (~420)
+#   bash bench/gpu_check.sh moe BUDGET_S (~420) [bench-only]
 # Everything lands in $OUT (JSON of each bench, the suite's log).
 set -o pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 COLUMNS=200
@@ -163,8 +163,8 @@ PY
 moe)  # issue 39 on one GPU: the MoE GPU tests first (CUDA-graph capture of the int4 experts), then bench_moe.py's
     # serving and kernel sections on the Qwen3-30B-A3B shape (~5 minutes on an H200); GPTQ/AWQ: --skip serve kernel
     card | tee "$OUT/card.txt"
-    step 120 python3 -m pytest -m gpu tests/moe tests/kernels/test_moe_w4a16.py -q -rfE -p no:cacheprovider 2>&1 \
-        | tee "$OUT/gpu_pytest_moe.txt" | tail -15
+    [ "${3:-}" = bench-only ] || step 120 python3 -m pytest -m gpu tests/moe tests/kernels/test_moe_w4a16.py -q -rfE \
+        -p no:cacheprovider 2>&1 | tee "$OUT/gpu_pytest_moe.txt" | tail -15  # "bench-only": the suite just ran them
     step 420 python3 bench/bench_moe.py --skip gptq awq --out "$OUT/bench_moe_serve_kernel.json" 2>&1 | tail -30
     ;;
 *) echo "usage: gpu_check.sh benches|suite|one|tests|gguf|coldstart-ab|moe BUDGET_S"; exit 2 ;;
