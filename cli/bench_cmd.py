@@ -15,7 +15,8 @@ def register(app: typer.Typer) -> None:
     def bench(
         target: Annotated[str | None, typer.Argument(metavar="CKPT", help="A quantized checkpoint folder (or use --shape).")] = None,
         shape: Annotated[str | None, typer.Option("--shape", help="Random weights of a known shape: llama3-8b, "
-                                                                  "smollm2-135m (built on the GPU, no download).")] = None,
+                                                                  "qwen3-30b-a3b (MoE), smollm2-135m (built on the "
+                                                                  "GPU, no download).")] = None,
         batches: Annotated[str, typer.Option("--batches", help="Decode batch sizes, comma-separated.")] = "1,8,32",
         steps: Annotated[int, typer.Option("--steps", help="Decode steps at batch 1.")] = 128,
         prefill_tokens: Annotated[int, typer.Option("--prefill-tokens", help="Prompt length of the prefill test.")] = 2048,

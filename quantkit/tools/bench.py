@@ -43,6 +43,25 @@ SHAPES = {
         },
         rope_theta=500000.0,
     ),
+    # Mixture-of-Experts: built from tensor names and shapes, not through transformers (tools/random_moe.py)
+    "qwen3-30b-a3b": dict(
+        model_type="qwen3_moe",
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_experts=128,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=40960,
+        rope_theta=1000000.0,
+        tie_word_embeddings=False,
+    ),
     "smollm2-135m": dict(
         model_type="llama",
         vocab_size=49152,
@@ -240,9 +259,13 @@ def time_split(engine: Engine, context: int = 128) -> dict:
     slot = torch.zeros(1, dtype=torch.int32, device=dev)
     o = model.ops
 
-    def linears():
+    def linears():  # MoE layers: the routed experts (routing and align included) and any shared expert
         for lw in w.layers:
-            lw.qkv(h), lw.o(q_in), lw.gate_up(h), lw.down(mid)
+            lw.qkv(h), lw.o(q_in)
+            if lw.moe is not None:
+                lw.moe(h, o.act_mul)
+            else:
+                lw.gate_up(h), lw.down(mid)
         w.lm_head(h)
 
     def attention():
@@ -255,14 +278,17 @@ def time_split(engine: Engine, context: int = 128) -> dict:
         for lw in w.layers:
             o.add_rms_norm(h, h, lw.input_norm, s.rms_eps, s.norm_offset)
             o.add_rms_norm(h, h, lw.post_attn_norm, s.rms_eps, s.norm_offset)
-            o.act_mul(gate_up, s.activation)
+            if lw.moe is None:  # a MoE block's activation is inside its kernel (counted in "linears")
+                o.act_mul(gate_up, s.activation)
         o.add_rms_norm(h, h, w.final_norm, s.rms_eps, s.norm_offset)
 
     def fp8_activation_quant():  # what the FP8 linears spend quantizing their inputs (one launch each)
         from quantkit.kernels.fp8_quant import quantize_per_token
 
-        for _ in w.layers:
-            quantize_per_token(h), quantize_per_token(q_in), quantize_per_token(h), quantize_per_token(mid)
+        for lw in w.layers:
+            quantize_per_token(h), quantize_per_token(q_in)
+            if lw.moe is None:
+                quantize_per_token(h), quantize_per_token(mid)
 
     tokens = torch.zeros(1, dtype=torch.long, device=dev)
     parts = {

@@ -137,6 +137,11 @@ _SHAPE_FORMATS = (
 
 def _shape_phases(target, batches, steps, prefill_tokens, baselines, publish) -> None:
     """Each format on its own random model, each phase published as soon as it exists."""
+    from quantkit.tools import random_moe
+
+    if random_moe.is_moe_shape(bench.SHAPES.get(target, {})):
+        _moe_shape_phases(target, batches, steps, prefill_tokens, publish)
+        return
     for fmt in _SHAPE_FORMATS:
         hf = bench.random_hf_model(target, "cuda")
         quant = None
@@ -151,6 +156,21 @@ def _shape_phases(target, batches, steps, prefill_tokens, baselines, publish) ->
         if baselines and fmt.baseline is not None:
             publish(fmt.baseline, bench.hf_generate_tps(hf))
         del hf
+        _free()
+
+
+def _moe_shape_phases(target, batches, steps, prefill_tokens, publish) -> None:
+    """A MoE shape: each format's runtime straight from random tensors (``tools/random_moe.py`` says why), so no
+    transformers model to check the logits against or to time ``generate`` on (the GPU tests compare the kernels
+    backend with the reference backend on tiny MoE checkpoints of every format)."""
+    from quantkit.tools.random_moe import random_moe_runtime
+
+    publish("baselines", "none: MoE shapes are built without a transformers model (tools/random_moe.py)")
+    for key in FORMATS:
+        runtime = random_moe_runtime(bench.SHAPES[target], key, "cuda", max_positions=max(4096, prefill_tokens + 1),
+                                     name=target)
+        publish(key, bench.bench_runtime(runtime, batches, steps, prefill_tokens, split=True))
+        del runtime
         _free()
 
 

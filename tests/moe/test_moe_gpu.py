@@ -208,3 +208,26 @@ def test_int4_moe_engine_decodes_with_cuda_graphs(tmp_path):
     engine = Engine(runtime, None, max_batch=2, max_seq_len=128, cuda_graphs=True, graph_buckets=(1, 2))
     agreement = bench.greedy_agreement(engine)
     assert agreement["first_mismatch"] is None or agreement["gap_at_mismatch"] < 0.05, agreement
+
+
+@pytest.mark.parametrize("fmt", ["int4", "fp8", "bf16"])
+def test_random_moe_runtime_kernels_match_reference_and_bench_splits(fmt):
+    """``quantkit bench --shape qwen3-30b-a3b``'s runtimes at a small size: the kernels backend gives the reference
+    backend's logits on the same random tensors (same seed, same draws), and the bench's decode and prefill splits
+    run on MoE layers (the experts timed inside "linears")."""
+    from quantkit.tools import bench
+    from quantkit.tools.random_moe import random_moe_runtime
+
+    config = dict(model_type="qwen3_moe", hidden_size=256, moe_intermediate_size=128, intermediate_size=512,
+                  num_experts=16, num_experts_per_tok=4, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=64, vocab_size=1024, norm_topk_prob=True,
+                  tie_word_embeddings=False, max_position_embeddings=2048)
+    ids = torch.randint(0, 1024, (1, 32), generator=torch.Generator().manual_seed(0)).cuda()
+    fast = random_moe_runtime(config, fmt, "cuda", seed=5)
+    ref = random_moe_runtime(config, fmt, "cuda", backend="reference", seed=5)
+    a, b = fast.forward_logits(ids).float(), ref.forward_logits(ids).float()
+    assert ((a - b).norm() / b.norm()).item() < 3e-2
+    del ref
+    result = bench.bench_runtime(fast, (1, 2), 4, 64, split=True)
+    assert result["decode_tps"]["1"] > 0 and result["time_split_ms"]["linears"] > 0
+    assert result["prefill_split_ms"]["prefill"] > 0
