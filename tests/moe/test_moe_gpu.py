@@ -218,7 +218,7 @@ def test_random_moe_runtime_kernels_match_reference_and_bench_splits(fmt):
     from quantkit.tools import bench
     from quantkit.tools.random_moe import random_moe_runtime
 
-    config = dict(model_type="qwen3_moe", hidden_size=256, moe_intermediate_size=128, intermediate_size=512,
+    config = dict(model_type="qwen3_moe", hidden_size=256, moe_intermediate_size=384, intermediate_size=512,
                   num_experts=16, num_experts_per_tok=4, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=64, vocab_size=1024, norm_topk_prob=True,
                   tie_word_embeddings=False, max_position_embeddings=2048)

@@ -10,7 +10,7 @@ import torch
 from quantkit.tools import bench, bench_run
 from quantkit.tools.random_moe import random_moe_runtime, tensor_shapes
 
-TINY = dict(model_type="qwen3_moe", hidden_size=64, moe_intermediate_size=32, intermediate_size=128, num_experts=8,
+TINY = dict(model_type="qwen3_moe", hidden_size=64, moe_intermediate_size=48, intermediate_size=128, num_experts=8,
             num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
             vocab_size=256, norm_topk_prob=True, tie_word_embeddings=False, max_position_embeddings=512)
 
