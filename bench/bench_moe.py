@@ -67,23 +67,6 @@ def timed(fn, repeat: int = 5) -> float:
     return best
 
 
-def graphed(fn, replays: int = 50) -> float:
-    """Seconds a call of ``fn`` takes as a CUDA-graph replay (as the runtime's decode runs it: no host work
-    between kernels), the mean of ``replays`` back-to-back replays after one untimed."""
-    fn()  # compile outside the capture
-    sync()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(replays):
-        graph.replay()
-    sync()
-    return (time.perf_counter() - t0) / replays
-
-
 def run_gptq(args, sizes: dict, record: dict):
     from quantkit.api import build_method
     from quantkit.calibrate.walker import walk
@@ -256,6 +239,7 @@ def kernel_rows(args) -> list[dict]:
     from quantkit.methods.rtn import rtn_quantize
     from quantkit.qtensor import QuantizedWeight
     from quantkit.runtime.moe import MoELayer
+    from quantkit.tools.bench import graph_time
 
     h, inter, n_exp, k = 2048, 768, 128, 8
     scheme = QuantScheme(4, 128, True)
@@ -303,7 +287,7 @@ def kernel_rows(args) -> list[dict]:
         block = MoELayer(router, ex, k, True, True)
         for align in ("auto", "torch"):
             os.environ["QUANTKIT_MOE_ALIGN"] = align
-            row[f"graph_block_us_align_{align}"] = graphed(lambda: block(x, None)) * 1e6
+            row[f"graph_block_us_align_{align}"] = graph_time(lambda: block(x, None)) * 1e6
         os.environ.pop("QUANTKIT_MOE_ALIGN")
         row["one_program_align"] = align_in_one_program(ids.numel(), n_exp, ids.device)
         if m <= 32:  # decode sizes: the tiles a decode table would choose from
@@ -322,12 +306,14 @@ TILE_CANDIDATES = [dict(block_n=n, block_k=kk, num_warps=nw, num_stages=st)
 def tile_sweep(call) -> list[dict]:
     """``call(**tiles)`` as a CUDA-graph replay for every candidate tile config, fastest first; each output checked
     against the default config's (relative difference), so a config that computes something else shows."""
+    from quantkit.tools.bench import graph_time
+
     want = call().float()
     out = []
     for tiles in TILE_CANDIDATES:
         try:
             got = call(**tiles).float()
-            us = graphed(lambda tiles=tiles: call(**tiles)) * 1e6
+            us = graph_time(lambda tiles=tiles: call(**tiles)) * 1e6
         except Exception as exc:  # e.g. out of shared memory: the config cannot run here
             out.append({**tiles, "error": f"{type(exc).__name__}: {str(exc)[:120]}"})
             continue
@@ -368,8 +354,7 @@ def main() -> None:
         print(json.dumps(record["gptq"], indent=1), flush=True)
     if "awq" not in args.skip and "serve" in args.skip:
         model = result = None
-        gc.collect()
-        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+        _free()
         record["awq"] = run_method(args, sizes, "awq")
         print(json.dumps(record["awq"], indent=1), flush=True)
     if "serve" not in args.skip and model is None:  # serving speed does not depend on the method: RTN is quick
@@ -400,8 +385,7 @@ def main() -> None:
         save(record, args)
         record["kernel"] = kernel_rows(args)
     if "awq" not in args.skip and "serve" not in args.skip:  # after the serving runs freed their memory
-        gc.collect()
-        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+        _free()
         record["awq"] = run_method(args, sizes, "awq")
     print_table(record)
     print(f"wrote {save(record, args)}")

@@ -231,7 +231,7 @@ def hf_generate_tps(model, prompt_len: int = 128, new_tokens: int = 17) -> dict:
     return {"prefill_tps": prompt_len / one, "decode_tps": (new_tokens - 1) / (many - one)}
 
 
-def _graph_time(fn: Callable[[], object], replays: int = 20) -> float:
+def graph_time(fn: Callable[[], object], replays: int = 20) -> float:
     """Seconds per replay of ``fn`` captured in a CUDA graph."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -292,17 +292,17 @@ def time_split(engine: Engine, context: int = 128) -> dict:
 
     tokens = torch.zeros(1, dtype=torch.long, device=dev)
     parts = {
-        "linears": _graph_time(linears),
-        "attention_rope_kv": _graph_time(attention),
-        "norms_act": _graph_time(small_ops),
-        "decode_step_graph": _graph_time(lambda: model.decode(tokens, pos, slot, cache)),
+        "linears": graph_time(linears),
+        "attention_rope_kv": graph_time(attention),
+        "norms_act": graph_time(small_ops),
+        "decode_step_graph": graph_time(lambda: model.decode(tokens, pos, slot, cache)),
     }
     parts["other_in_graph"] = (
         parts["decode_step_graph"] - parts["linears"] - parts["attention_rope_kv"] - parts["norms_act"]
     )
     # inside "linears": the share the GEMMs do not take, where a separate kernel quantizes (not the fused FP8 GEMV)
     if any(lin.fp8 is not None and not (lin.fp8.gemv and lin.fp8.gemv_fused) for lin in w.linears()):
-        parts["fp8_activation_quant_in_linears"] = _graph_time(fp8_activation_quant)
+        parts["fp8_activation_quant_in_linears"] = graph_time(fp8_activation_quant)
     return {k: v * 1e3 for k, v in parts.items()}  # milliseconds
 
 
