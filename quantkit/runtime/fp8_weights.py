@@ -46,40 +46,38 @@ def _parts(get: dict, name: str):
     return weight, scale, strategy, block, get.get(f"{name}.input_scale")
 
 
+def _first_expert_without_static_inputs(get: dict, prefix: str, names: tuple[str, str, str]) -> str:
+    """The first expert's first linear; static input scales are refused (quantkit writes none for experts)."""
+    first = f"{prefix}0.{names[0]}"
+    if f"{first}.input_scale" in get:
+        raise QuantkitError(f"{first}: static FP8 activation scales on MoE experts are not served by the runtime")
+    return first
+
+
+def _expert_record(get: dict, name: str):
+    """One expert linear as an ``FP8Weight`` record: its e4m3 codes and scales as stored."""
+    from quantkit.fp8_weight import FP8Weight
+
+    w, scale, strategy, block, _ = _parts(get, name)
+    return FP8Weight(w, scale, strategy, w.shape[1], w.shape[0], block)
+
+
 def fp8_expert_weights(get: dict, prefix: str, n: int, names: tuple[str, str, str]):
     """``(weight, act_quant)`` for FP8 experts ``{prefix}{e}.{name}``: ``weight(name)`` the float32 dequantized
     ``[N, K]`` weight, ``act_quant`` the activations' rounding the checkpoint declares (per token; per token and
     column group for block weights). Static input scales are refused: quantkit writes none for experts."""
-    from quantkit.fp8_weight import FP8Weight
     from quantkit.kernels.fp8_quant_ref import activations_through_e4m3
 
-    first = f"{prefix}0.{names[0]}"
-    if f"{first}.input_scale" in get:
-        raise QuantkitError(f"{first}: static FP8 activation scales on MoE experts are not served by the runtime")
-    _, _, _, block, _ = _parts(get, first)
-
-    def weight(name: str) -> torch.Tensor:
-        w, scale, strategy, blk, _ = _parts(get, name)
-        return FP8Weight(w, scale, strategy, w.shape[1], w.shape[0], blk).dequantize()
-
+    block = _expert_record(get, _first_expert_without_static_inputs(get, prefix, names)).block
     group = block[1] if block is not None else 0
-    return weight, lambda x: activations_through_e4m3(x, group)
+    return (lambda name: _expert_record(get, name).dequantize()), lambda x: activations_through_e4m3(x, group)
 
 
 def fp8_expert_records(get: dict, prefix: str, n: int, names: tuple[str, str, str]) -> list[tuple]:
     """Each expert's ``(gate, up, down)`` as ``FP8Weight`` records (e4m3 codes and their scales, as stored), for
     the fused MoE kernel (``kernels.moe_w4a16.stack_fp8``)."""
-    from quantkit.fp8_weight import FP8Weight
-
-    first = f"{prefix}0.{names[0]}"
-    if f"{first}.input_scale" in get:
-        raise QuantkitError(f"{first}: static FP8 activation scales on MoE experts are not served by the runtime")
-
-    def record(name: str) -> FP8Weight:
-        w, scale, strategy, block, _ = _parts(get, name)
-        return FP8Weight(w, scale, strategy, w.shape[1], w.shape[0], block)
-
-    return [tuple(record(f"{prefix}{e}.{lin}") for lin in names) for e in range(n)]
+    _first_expert_without_static_inputs(get, prefix, names)
+    return [tuple(_expert_record(get, f"{prefix}{e}.{lin}") for lin in names) for e in range(n)]
 
 
 def fp8_linear_from(get: dict, name: str, bias, dtype, device, mode: str):
