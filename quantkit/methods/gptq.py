@@ -81,8 +81,9 @@ class GPTQConfig:
     # it as the forward reaches them (true-sequential at the cost of one pass), when the set holds at
     # most this many tokens; else one early-stopped pass per group over the calibration batches, with
     # Hessians accumulated batch by batch (memory independent of the number of tokens). None: 2^19
-    # on the CPU (host memory; saves ~1.1 forwards a layer), 0 on an accelerator (the whole set's
-    # MLP intermediates would take 4 x 7.5 GB for an 8B model at 128 x 2048 tokens).
+    # on the CPU (host memory; saves ~1.1 forwards a layer); on a CUDA device, whenever the forward's
+    # estimated peak fits the memory free there (``gptq_method.single_pass_fits``: the whole set's MLP
+    # intermediates take ~4 x 7.5 GB for an 8B model at 128 x 2048 tokens), group passes otherwise.
     single_pass_max_tokens: int | None = None
     # Under several ranks a stack of linears is cut by output rows between ranks down to this many
     # rows (GPTQ solves rows independently); no effect in one process.
@@ -116,11 +117,14 @@ class GPTQConfig:
             return self.mse_norm
         return 2.4 if self.mse_weight == "none" else 2.0
 
-    def single_pass_limit(self, device: torch.device) -> int:
-        """``single_pass_max_tokens``, its default resolved for the work device."""
+    def single_pass_limit(self, device: torch.device) -> int | None:
+        """``single_pass_max_tokens``, its default resolved for the work device; None on CUDA by default: the
+        device's free memory decides (``gptq_method.single_pass_fits``)."""
         if self.single_pass_max_tokens is not None:
             return self.single_pass_max_tokens
-        return 1 << 19 if device.type == "cpu" else 0
+        if device.type == "cpu":
+            return 1 << 19
+        return None if device.type == "cuda" else 0
 
 
 @dataclass(frozen=True)

@@ -8,11 +8,13 @@ True-sequential (the default) quantizes the groups of ``ctx.groups`` in order, e
 come through the already quantized groups before it. It runs in one of two ways:
 
 * single pass (the whole calibration set holds at most ``single_pass_max_tokens`` tokens; by default
-  only on the CPU, where the set lives in host memory anyway): one
+  on the CPU, where the set lives in host memory anyway, and on a CUDA device whose free memory holds
+  the forward's estimated peak, ``single_pass_fits``): one
   forward of the layer on all calibration samples at once; a pre-hook on each group's first linear
   accumulates its Hessian, quantizes the group and installs the result before the forward goes on.
   The forward's output is then the quantized layer's output: capture, every group and propagation
-  cost one pass.
+  cost one pass. Should the device run out of memory all the same, the groups not yet solved are
+  solved group by group (a warning says so) and later layers go that way from the start.
 * group by group: one (early-stopped) pass per group over the calibration batches, each batch's
   inputs folded into the group's Hessian by a forward hook and dropped (device memory does not grow
   with the number of tokens); the walker's forward of the quantized layer then makes the next inputs.
@@ -324,15 +326,39 @@ def collect_hessians(
     return accs, members, timer.seconds()
 
 
-def _single_pass(work: _LayerWork) -> list[torch.Tensor]:
+def single_pass_fits(ctx: LayerContext) -> bool:
+    """Whether one forward of the layer over this rank's whole calibration set fits the CUDA device's free
+    memory (what the caching allocator holds unused counted as free), with a fifth kept spare.
+
+    The estimate, per token in the activation dtype: six hidden-wide tensors (the inputs, their concatenation,
+    the output, an RMS norm's float32 temporaries) and four of the widest linear's width (an MLP's gate, up,
+    activation and product), plus the widest Hessian in float32 and its float64 factor. On the Llama-3-8B shape
+    at 128 x 2048 tokens: 45 GB estimated, 29.4 GiB measured (an H200, 2026-12-02)."""
+    device = ctx.device
+    if device.type != "cuda" or not ctx.linears:
+        return False
+    first = ctx.inputs.hidden[0]
+    width = max(max(m.in_features, m.out_features) for m in ctx.linears.values())
+    need = ctx.inputs.n_tokens * first.element_size() * (6 * first.shape[-1] + 4 * width) + 12 * width * width
+    free = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return need <= 0.8 * free
+
+
+def _single_pass(work: _LayerWork) -> list[torch.Tensor] | None:
     """Quantize every group inside one forward of all calibration samples; returns the layer's output
-    split back into the calibration batches."""
+    split back into the calibration batches.
+
+    Out of device memory in one process (one rank: the collectives of several could not be matched), the
+    groups not yet solved are solved group by group instead and None is returned (the walker then runs
+    the quantized layer batch by batch); out of memory inside a solve whose linears were already changed
+    (released or partly installed) there is nothing sound to go back to, and the error goes on."""
     ctx = work.ctx
     hidden = list(ctx.inputs.batches())
     x = hidden[0] if len(hidden) == 1 else torch.cat(hidden)  # [n_samples, S, hidden]
     del hidden[:]
     group_of = {name: gi for gi, group in enumerate(ctx.groups) for name in group}
     group_input: dict[int, int] = {}  # group -> data_ptr of the input it was solved on
+    solved: set[int] = set()
 
     def pre_hook(name: str) -> Callable:
         def hook(module, args):
@@ -349,6 +375,7 @@ def _single_pass(work: _LayerWork) -> list[torch.Tensor]:
             acc = HessianAccumulator(inp.shape[-1], ctx.device)
             acc.add(inp)
             work.solve([(list(ctx.groups[gi]), acc)], _clock(ctx.device) - t0)
+            solved.add(gi)
             return
 
         return hook
@@ -359,13 +386,51 @@ def _single_pass(work: _LayerWork) -> list[torch.Tensor]:
     try:
         with torch.no_grad():
             out = first_output(ctx.layer(x, **ctx.inputs.kwargs))  # [n_samples, S, hidden]
+    except torch.OutOfMemoryError:
+        if not _can_fall_back(work, set(group_input) - solved):
+            raise
+        out = None
     finally:
         for handle in handles:
             handle.remove()
+    if out is None:
+        del x  # the exception, and with it the forward's intermediates, is gone by now
+        torch.cuda.empty_cache()
+        work.method.single_pass_memory.refuse(ctx.inputs.n_tokens)
+        log.warning("%s: out of device memory in the single calibration pass of %d tokens; solving the "
+                    "remaining groups pass by pass (so are the later layers)", ctx.prefix, ctx.inputs.n_tokens)
+        for gi, group in enumerate(ctx.groups):
+            if gi not in solved:
+                GPTQMethod._collect_and_solve(work, list(group))
+        return None
     missing = [g for gi, g in enumerate(ctx.groups) if gi not in group_input]
     if missing:
         raise QuantkitError(f"{ctx.prefix}: linears {missing} never ran in the calibration forward")
     return [ctx.inputs.keep(o) for o in out.split([h.shape[0] for h in ctx.inputs.hidden])]
+
+
+def _can_fall_back(work: _LayerWork, unfinished: set[int]) -> bool:
+    """Whether a single pass that ran out of memory can go on group by group: one rank, and the linears of a
+    group whose solve was cut short still hold their float weights (none released, none installed)."""
+    ctx = work.ctx
+    if ctx.comm.world_size != 1:
+        return False
+    names = [n for gi in unfinished for n in ctx.groups[gi]]
+    return all(n not in work.weights and ctx.linears[n].weight.numel() > 0 for n in names)
+
+
+@dataclass
+class SinglePassMemory:
+    """The calibration set size (tokens) at which a single pass ran out of device memory in this run, so
+    that later layers (the same shapes) go group by group from the start."""
+
+    refused_tokens: int | None = None
+
+    def refuse(self, n_tokens: int) -> None:
+        self.refused_tokens = n_tokens if self.refused_tokens is None else min(self.refused_tokens, n_tokens)
+
+    def allows(self, n_tokens: int) -> bool:
+        return self.refused_tokens is None or n_tokens < self.refused_tokens
 
 
 def _release_weight(module: torch.nn.Module, args, output) -> None:
@@ -382,6 +447,8 @@ class GPTQMethod:
     config: GPTQConfig = field(default_factory=GPTQConfig)
     name: str = "gptq"
     needs_calibration: bool = True
+    # what this run learned of the device: not part of the method's identity
+    single_pass_memory: SinglePassMemory = field(default_factory=SinglePassMemory, compare=False, repr=False)
 
     def checkpoint_extra(self) -> dict:
         """GPTQ's entries of ``quantization_config`` in config.json."""
@@ -400,7 +467,7 @@ class GPTQMethod:
         if not self.config.true_sequential:
             names = [n for group in ctx.groups for n in group]
             self._collect_and_solve(work, names)
-        elif ctx.inputs.n_tokens_all <= self.config.single_pass_limit(ctx.device):
+        elif self._single_pass(ctx):
             next_hidden = _single_pass(work)
         else:
             for group in ctx.groups:
@@ -412,6 +479,13 @@ class GPTQMethod:
         # ``_install`` already put exactly the packed weights' values into the layer, on the device.
         return LayerResult(weights=work.weights, stats=stats, next_hidden=next_hidden,
                            installed=frozenset(work.weights))
+
+    def _single_pass(self, ctx: LayerContext) -> bool:
+        """One forward for the whole layer (``_single_pass``) rather than a pass per group?"""
+        if not self.single_pass_memory.allows(ctx.inputs.n_tokens):
+            return False
+        limit = self.config.single_pass_limit(ctx.device)
+        return single_pass_fits(ctx) if limit is None else ctx.inputs.n_tokens_all <= limit
 
     @staticmethod
     def _collect_and_solve(work: _LayerWork, names: list[str]) -> None:

@@ -225,8 +225,15 @@ def test_random_moe_runtime_kernels_match_reference_and_bench_splits(fmt):
     ids = torch.randint(0, 1024, (1, 32), generator=torch.Generator().manual_seed(0)).cuda()
     fast = random_moe_runtime(config, fmt, "cuda", seed=5)
     ref = random_moe_runtime(config, fmt, "cuda", backend="reference", seed=5)
-    a, b = fast.forward_logits(ids).float(), ref.forward_logits(ids).float()
-    assert ((a - b).norm() / b.norm()).item() < 3e-2
+    a, b = fast.forward_logits(ids).float(), ref.forward_logits(ids).float()  # [1, 32, vocab]
+    # Per token: random routers put near-ties among the top-k of 16 experts (the 4th and 5th logits within the
+    # two backends' rounding for ~3% of a layer's tokens), and a token routed to another expert differs by a
+    # quarter of its MoE output. Such flips stay a few tokens; a wrong expert layout or scale would reach every
+    # token routed to that expert (a quarter of them a layer, per expert) and every token through a wrong scale.
+    rows = ((a - b).norm(dim=-1) / b.norm(dim=-1)).flatten()
+    close = rows < 3e-2
+    assert rows.median().item() < 1.5e-2 and close.float().mean().item() >= 0.875, rows.tolist()
+    assert ((a - b)[0, close].norm() / b[0, close].norm()).item() < 1.5e-2, rows.tolist()
     del ref
     result = bench.bench_runtime(fast, (1, 2), 4, 64, split=True)
     assert result["decode_tps"]["1"] > 0 and result["time_split_ms"]["linears"] > 0
