@@ -95,10 +95,11 @@ def test_copy_home_writes_into_the_resident_host_tensors():
     assert layer.input_layernorm.weight.shape == (3,)
 
 
-def test_gptq_default_single_pass_only_on_the_cpu():
+def test_gptq_default_single_pass_on_the_cpu_by_tokens_on_cuda_by_free_memory():
     config = GPTQConfig()
     assert config.single_pass_limit(torch.device("cpu")) == 1 << 19
-    assert config.single_pass_limit(torch.device("cuda")) == 0
+    assert config.single_pass_limit(torch.device("cuda")) is None  # gptq_method.single_pass_fits decides
+    assert config.single_pass_limit(torch.device("mps")) == 0
     assert GPTQConfig(single_pass_max_tokens=7).single_pass_limit(torch.device("cuda")) == 7
 
 
