@@ -8,6 +8,7 @@
 #     cd .stage/h37speed && export PYTHONPATH=$PWD/..:$PWD && bash bench/shortest_command_8b.sh
 # From the repository root with carry [".stage/data"] (the text is copied to data/ when missing), e.g. for issue 37's
 # per-layer split: `BUDGET=375 bash bench/shortest_command_8b.sh cli-vs-bench` (timeout_s 395).
+# `BUDGET=200 bash bench/shortest_command_8b.sh file`: the --calib file command alone (wall time in times.txt).
 # `bash bench/shortest_command_8b.sh cli-vs-bench [self]` (BUDGET=420, timeout_s 450) runs instead the --calib
 # file command with --save-stats, bench_quantize_8b.py's walk with the CLI's options, and the command again under
 # cProfile on 8 windows (where the seconds outside the layers go), prints the per-layer time and phases of the
@@ -46,7 +47,7 @@ if [ ! -f data/valid.tokens.txt ] && [ -f .stage/data/valid.tokens.txt ]; then
     mkdir -p data && cp .stage/data/valid.tokens.txt data/
 fi
 
-[ "${1:-}" = "cli-vs-bench" ] || step 90 python3 bench/gptq_mse_batched.py --out "$OUT/mse_batched.json"
+[ "${1:-}" = "cli-vs-bench" ] || [ "${1:-}" = "file" ] || step 90 python3 bench/gptq_mse_batched.py --out "$OUT/mse_batched.json"
 
 step 150 python3 - > "$OUT/write_model.txt" 2>&1 <<'PY'
 import sys, time
@@ -70,6 +71,10 @@ timed() {  # timed NAME CAP ARGS...: the quantkit command, its output in $OUT/NA
     echo "$name: $(python3 -c "print(f'{$b - $a:.1f}')") s wall, rc $rc, output $(du -sh /tmp/out_$name 2>/dev/null | cut -f1)" | tee -a "$OUT/times.txt"
     tail -25 "$OUT/$name.log"
 }
+if [ "${1:-}" = "file" ]; then  # the --calib file command alone, its wall time and log (~150 s with the model write)
+    timed gptq_file 150 --calib data/valid.tokens.txt
+    exit 0
+fi
 if [ "${1:-}" = "cli-vs-bench" ]; then
     # Issue 37's per-layer gap, in one call (~300 s): the CLI with a local file (its per-layer phases from
     # --save-stats), then bench_quantize_8b.py's walk with the CLI's GPTQ options and with docs/speed.md's
