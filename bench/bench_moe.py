@@ -232,6 +232,7 @@ def serve_rows(runtime, label: str, args, bandwidth: float) -> list[dict]:
 def kernel_rows(args) -> list[dict]:
     """One layer's experts: fused kernel vs a per-expert loop of the dense W4A16 kernel."""
     from quantkit.config import QuantScheme
+    from quantkit.kernels import moe_gemv
     from quantkit.kernels.dispatch import w4a16_linear
     from quantkit.kernels.moe_align import align_in_one_program
     from quantkit.kernels.moe_w4a16 import fused_moe, stack_quantized
@@ -290,6 +291,14 @@ def kernel_rows(args) -> list[dict]:
             row[f"graph_block_us_align_{align}"] = graph_time(lambda: block(x, None)) * 1e6
         os.environ.pop("QUANTKIT_MOE_ALIGN")
         row["one_program_align"] = align_in_one_program(ids.numel(), n_exp, ids.device)
+        if moe_gemv.applies(ex, ids.numel()):  # the decode GEMV (kernels/moe_gemv.py): alone and in the block
+            row["gemv_rel_err_vs_loop"] = ((moe_gemv.moe_gemv(x, w, ids, ex).float() - loop(x, w, ids).float()).norm()
+                                           / loop(x, w, ids).float().norm()).item()
+            row["gemv_graph_us"] = graph_time(lambda: moe_gemv.moe_gemv(x, w, ids, ex)) * 1e6
+            row["tiles_graph_us"] = graph_time(lambda: fused_moe(x, w, ids, ex)) * 1e6
+            os.environ["QUANTKIT_MOE_DECODE"] = "gemv"
+            row["graph_block_us_gemv"] = graph_time(lambda: block(x, None)) * 1e6
+            os.environ.pop("QUANTKIT_MOE_DECODE")
         if m <= 32:  # decode sizes: the tiles a decode table would choose from
             row["tile_sweep"] = tile_sweep(lambda **tiles: fused_moe(x, w, ids, ex, **tiles))
         rows.append(row)
@@ -428,6 +437,11 @@ def print_table(record: dict) -> None:
             print(f"{r['m']:6d} {r['fused_us']:10.1f} {r['loop_us']:10.1f} {r['speedup']:8.2f} "
                   f"{r['rel_err_vs_loop']:9.1e}   {r['graph_block_us_align_auto']:8.1f} / "
                   f"{r['graph_block_us_align_torch']:8.1f}{'' if r['one_program_align'] else '  (beyond one program)'}")
+        for r in record["kernel"]:
+            if "gemv_graph_us" in r:
+                print(f"M={r['m']}: decode GEMV {r['gemv_graph_us']:.1f} us against the tiled kernel "
+                      f"{r['tiles_graph_us']:.1f} us (graph replays; rel err vs loop {r['gemv_rel_err_vs_loop']:.1e}); "
+                      f"the MoE block with it {r['graph_block_us_gemv']:.1f} us")
         for r in record["kernel"]:
             if r.get("tile_sweep"):
                 best = r["tile_sweep"][0]

@@ -291,6 +291,27 @@ def _launch(a, ex_w, s, z, g, out, sorted_ids, block_expert, topw, pairs, n, k, 
                            num_stages=num_stages)
 
 
+# Which kernel serves a call, by (token, slot) pairs, where ``moe_gemv.applies`` (16-bit or contiguous-group 4-bit
+# experts, at most moe_gemv.MAX_PAIRS pairs); the tiled kernel serves everything else.
+#   "gemv":  kernels/moe_gemv.py, one program per pair x N tile x slice of K (decode)
+#   "tiles": this file's kernel, 16 pairs of one expert a program
+# Default "tiles" everywhere: the GEMV has not yet been timed on a GPU (bench/bench_moe.py's kernel section times
+# both, QUANTKIT_MOE_DECODE=gemv|tiles forces one; issue 39's decode row decides).
+DECODE_KERNELS = ("tiles", "gemv")
+
+
+def decode_kernel(experts: MoEExperts, pairs: int) -> str:
+    """"gemv" or "tiles" for ``pairs`` (token, slot) pairs of ``experts`` (the table above)."""
+    import os
+
+    from quantkit.kernels import moe_gemv
+
+    choice = os.environ.get("QUANTKIT_MOE_DECODE", "tiles")
+    if choice not in DECODE_KERNELS:
+        raise ValueError(f"QUANTKIT_MOE_DECODE must be one of {DECODE_KERNELS}, got {choice!r}")
+    return "gemv" if choice == "gemv" and moe_gemv.applies(experts, pairs) else "tiles"
+
+
 def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, experts: MoEExperts,
               block_m: int = BLOCK_M, block_n: int = 64, block_k: int | None = None, aligned: tuple | None = None,
               num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
@@ -299,6 +320,10 @@ def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tenso
     made them already (``moe_align.route_and_align``). The tiles, warps and pipeline stages apply to both GEMMs
     (Triton's own defaults for the last two; ``bench/bench_moe.py``'s kernel section sweeps them). ``block_k``
     defaults to 64, or for block-scaled FP8 experts to the largest of 64, 32, 16 inside one scale block."""
+    if decode_kernel(experts, topk_ids.numel()) == "gemv":
+        from quantkit.kernels.moe_gemv import moe_gemv
+
+        return moe_gemv(x, topk_weights, topk_ids, experts)
     if block_k is None:
         runs = [g for g in (experts.group13, experts.group2) if experts.fp8 and g]
         block_k = next((b for b in (64, 32, 16) if all(g % b == 0 for g in runs)), 64)

@@ -1,0 +1,149 @@
+"""Decode-sized MoE: every (token, slot) pair's expert as a split-K GEMV, with no sorting or padding.
+
+At decode a MoE block sees a few tokens: 8 (token, expert) pairs at batch 1 for top-8. The tiled kernel
+(``moe_w4a16._moe_gemm_kernel``) gives each block of 16 pair rows one expert, so a pair fills one row in
+sixteen, and its grid (blocks x N tiles) gives each program the whole of K to walk: on the Qwen3-30B-A3B shape
+int4 decode at batch 1 ran at 9 % of its roofline, slower than bf16 (docs/moe.md, H100, 2026-12-06). Here a
+program takes one pair, BLOCK_N output columns and one of S slices of K, and multiplies a vector by a weight tile
+on the CUDA cores (a one-row product has no tensor-core tile to fill); slices land in float32 partial sums:
+
+1. gate and up: ``p1 [S1, P, 2I] = x[token(p)] . W13[e(p)]`` over slice s;
+2. down: each program first forms its slice of ``h = silu(sum_s p1 gate) * sum_s p1 up`` (rounded to the
+   activation dtype, as the tiled kernel stores ``h``), then ``p2 [S2, P, H] = w_p * (h . W2[e(p)])``;
+3. ``out[t] = sum`` over slices and the token's k pairs (one reduction), rounded once.
+
+Takes 4-bit experts whose groups are contiguous runs (a K tile inside one group: one scale and zero row a tile,
+applied once to the tile's sum) and 16-bit experts; act-order and FP8 experts stay on the tiled kernel. The
+reference is ``moe_w4a16.fused_moe_ref``. Which kernel serves a call: ``moe_w4a16.fused_moe``'s selection.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# The most (token, slot) pairs this kernel takes: beyond, a tiled program's 16 rows are mostly full.
+MAX_PAIRS = 64
+# Programs a launch aims at (a few per SM on an H100/H200's 132); the split of K is sized to reach it.
+TARGET_PROGRAMS = 512
+
+
+@triton.jit
+def _moe_gemv_kernel(a_ptr, p1_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, topw_ptr, out_ptr,
+                     N, K, TOP_K, IN_SPLITS, INTER,
+                     stride_am, stride_we, stride_wk, stride_wn, stride_se, stride_sg, stride_sn,
+                     stride_ps, stride_pp, stride_os, stride_op,
+                     QUANT: tl.constexpr, GROUP: tl.constexpr, GATED_INPUT: tl.constexpr, MUL_ROUTED: tl.constexpr,
+                     K_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One pair ``p``, BLOCK_N columns, slice ``s`` of K (K_SPLIT columns). ``GATED_INPUT``: the input row is
+    ``silu(gate) * up`` of ``p1``'s IN_SPLITS partial sums (the down GEMV), else ``a[p // TOP_K]`` (gate/up)."""
+    p = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    sp = tl.program_id(2)
+    e = tl.load(ids_ptr + p).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(sp * K_SPLIT, sp * K_SPLIT + K_SPLIT, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        if GATED_INPUT:
+            g = tl.zeros((BLOCK_K,), dtype=tl.float32)
+            u = tl.zeros((BLOCK_K,), dtype=tl.float32)
+            for s in range(IN_SPLITS):
+                row = p1_ptr + s * stride_ps + p * stride_pp
+                g += tl.load(row + offs_k, mask=k_mask, other=0.0)
+                u += tl.load(row + INTER + offs_k, mask=k_mask, other=0.0)
+            a = (g / (1.0 + tl.exp(-g)) * u).to(a_ptr.dtype.element_ty).to(tl.float32)  # as x's dtype
+        else:
+            a = tl.load(a_ptr + (p // TOP_K).to(tl.int64) * stride_am + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        if QUANT:
+            offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+            words = tl.load(w_ptr + e * stride_we + offs_w[:, None] * stride_wk + offs_n[None, :] * stride_wn,
+                            mask=(offs_w[:, None] < K // 8) & n_mask[None, :], other=0)  # [BLOCK_K/8, BLOCK_N]
+            shifts = tl.arange(0, 8) * 4
+            codes = (words[:, None, :] >> shifts[None, :, None]) & 0xF  # word w, nibble j: row 8 w + j
+            codes = tl.reshape(codes, [BLOCK_K, BLOCK_N]).to(tl.float32)
+            sz = e * stride_se + (k0 // GROUP) * stride_sg + offs_n * stride_sn
+            inside = n_mask & (k0 < K)
+            scale = tl.load(s_ptr + sz, mask=inside, other=0.0).to(tl.float32)
+            zero = tl.load(z_ptr + sz, mask=inside, other=0.0).to(tl.float32)
+            # sum_k a_k (c_k - z) s = s (sum_k a_k c_k - z sum_k a_k): the tile lies in one group
+            acc += scale * (tl.sum(a[:, None] * codes, axis=0) - zero * tl.sum(a, axis=0))
+        else:
+            w = tl.load(w_ptr + e * stride_we + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn,
+                        mask=k_mask[:, None] & n_mask[None, :], other=0.0).to(tl.float32)
+            acc += tl.sum(a[:, None] * w, axis=0)
+    if MUL_ROUTED:
+        acc = acc * tl.load(topw_ptr + p)
+    tl.store(out_ptr + sp * stride_os + p * stride_op + offs_n, acc, mask=n_mask)
+
+
+def block_k_for(experts) -> int:
+    """The K tile: 64 for 16-bit experts; for 4-bit ones the largest of 128/64/32 inside both groups, or 0 where
+    their groups are not contiguous runs that a tile fits in (act-order: the tiled kernel serves them)."""
+    if experts.fp8:
+        return 0
+    if not experts.quantized:
+        return 64
+    return next((b for b in (128, 64, 32) if experts.group13 and experts.group2
+                 and experts.group13 % b == 0 and experts.group2 % b == 0), 0)
+
+
+def applies(experts, pairs: int) -> bool:
+    """Whether this kernel can serve ``pairs`` (token, slot) pairs of these experts."""
+    return 0 < pairs <= MAX_PAIRS and block_k_for(experts) > 0
+
+
+def _split(k: int, block_k: int, programs: int) -> tuple[int, int]:
+    """(slices, columns a slice): enough slices of K for ~TARGET_PROGRAMS programs, each a whole number of tiles."""
+    tiles = triton.cdiv(k, block_k)
+    want = max(1, min(tiles, triton.cdiv(TARGET_PROGRAMS, max(programs, 1))))
+    per = triton.cdiv(tiles, want)
+    return triton.cdiv(tiles, per), per * block_k
+
+
+def _launch(a, p1, w, s, z, ids, topw, out_parts, n, k, top_k, in_splits, inter, quant, group, gated_input,
+            mul_routed, k_split, block_n, block_k, num_warps):
+    if quant:
+        swe, swk, swn = w.stride()  # [E, K/8, N]
+        sse, ssg, ssn = s.stride()  # [E, G, N]
+    else:
+        swe, swn, swk = w.stride()  # [E, N, K]
+        sse = ssg = ssn = 0
+        s = z = w  # unused
+    slices, pairs = out_parts.shape[0], out_parts.shape[1]
+    grid = (pairs, triton.cdiv(n, block_n), slices)
+    _moe_gemv_kernel[grid](a, p1, w, s, z, ids, topw, out_parts, n, k, top_k, in_splits, inter,
+                           a.stride(0), swe, swk, swn, sse, ssg, ssn, p1.stride(0), p1.stride(1),
+                           out_parts.stride(0), out_parts.stride(1), QUANT=quant, GROUP=group,
+                           GATED_INPUT=gated_input, MUL_ROUTED=mul_routed, K_SPLIT=k_split, BLOCK_N=block_n,
+                           BLOCK_K=block_k, num_warps=num_warps)
+
+
+def moe_gemv(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, experts, block_n: int = 64,
+             num_warps: int = 4) -> torch.Tensor:
+    """``fused_moe``'s result for a decode-sized ``x [T, H]`` (``applies(experts, T * k)``); module docstring."""
+    t, h = x.shape
+    top_k = topk_ids.shape[1]
+    pairs = t * top_k
+    if not applies(experts, pairs):
+        raise ValueError(f"moe_gemv takes 1..{MAX_PAIRS} pairs of 16-bit or contiguous-group 4-bit experts")
+    block_k = block_k_for(experts)
+    inter = experts.inter
+    x = x.contiguous()
+    ids = topk_ids.reshape(-1).contiguous()
+    topw = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    q = experts.quantized
+    s1, k1 = _split(h, block_k, pairs * triton.cdiv(2 * inter, block_n))
+    p1 = torch.empty(s1, pairs, 2 * inter, dtype=torch.float32, device=x.device)
+    _launch(x, p1, experts.w13, experts.s13, experts.z13, ids, topw, p1, 2 * inter, h, top_k, 1, inter, q,
+            experts.group13, False, False, k1, block_n, block_k, num_warps)
+    s2, k2 = _split(inter, block_k, pairs * triton.cdiv(h, block_n))
+    p2 = torch.empty(s2, pairs, h, dtype=torch.float32, device=x.device)
+    _launch(x, p1, experts.w2, experts.s2, experts.z2, ids, topw, p2, h, inter, top_k, s1, inter, q,
+            experts.group2, True, True, k2, block_n, block_k, num_warps)
+    # slices and the token's k pairs summed in float32, rounded once (as the tiled path's sum)
+    out = p2.view(s2, t, top_k, h).sum(dim=(0, 2))
+    return out if x.dtype == torch.float32 else out.to(x.dtype)

@@ -1,0 +1,97 @@
+"""The decode-sized MoE GEMV against the plain-PyTorch reference and the tiled kernel (TRITON_INTERPRET=1 on the
+CPU: float32 and float16; bfloat16 on a GPU), and the selection between the two kernels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quantkit.kernels import moe_gemv
+from quantkit.kernels.moe_gemv import moe_gemv as gemv
+from quantkit.kernels.moe_w4a16 import decode_kernel, fused_moe, fused_moe_ref, stack_dense, stack_quantized
+from tests.conftest import rel_err
+from tests.kernels.test_moe_w4a16 import DEVICE, experts_q, routing
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("tokens", "n_exp", "top_k", "hidden", "inter", "group_size"),
+                         [(1, 8, 2, 64, 32, 32), (3, 6, 3, 128, 96, 32), (2, 4, 4, 256, 64, 64)])
+def test_gemv_matches_reference_and_tiled_kernel(dtype, tokens, n_exp, top_k, hidden, inter, group_size, monkeypatch):
+    """4-bit experts of contiguous groups: N not a multiple of the tile (96 x 2 = 192 columns), K slices that do
+    not divide K (the split is sized for a program count), one expert routed twice in one token's pairs."""
+    monkeypatch.setattr(moe_gemv, "TARGET_PROGRAMS", 40)  # several slices of K at these small sizes
+    ex = stack_quantized(experts_q(n_exp, hidden, inter, group_size), dtype, DEVICE)
+    w, ids = routing(tokens, n_exp, top_k, skip=(1,))
+    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(2)).to(DEVICE, dtype)
+    out = gemv(x, w.to(DEVICE), ids.to(DEVICE), ex, block_n=32)
+    ref = fused_moe_ref(x.float(), w.to(DEVICE), ids.to(DEVICE), ex)
+    tiled = fused_moe(x, w.to(DEVICE), ids.to(DEVICE), ex, block_n=32, block_k=32)
+    assert out.shape == (tokens, hidden) and out.dtype == dtype
+    assert rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 5e-3)
+    assert rel_err(out, tiled) < (1e-5 if dtype == torch.float32 else 5e-3)
+
+
+def test_gemv_dense_experts_and_one_slice_or_many(monkeypatch):
+    g = torch.Generator().manual_seed(5)
+    w13 = (torch.randn(4, 96, 80, generator=g) / 9).to(DEVICE)  # [E, 2I, H], I = 48, H = 80 (not a tile multiple)
+    w2 = (torch.randn(4, 80, 48, generator=g) / 7).to(DEVICE)
+    ex = stack_dense(w13, w2)
+    w, ids = routing(2, 4, 2)
+    x = torch.randn(2, 80, generator=g).to(DEVICE)
+    ref = fused_moe_ref(x, w.to(DEVICE), ids.to(DEVICE), ex)
+    for programs in (1, 10_000):  # one slice of K; as many slices as K tiles
+        monkeypatch.setattr(moe_gemv, "TARGET_PROGRAMS", programs)
+        assert rel_err(gemv(x, w.to(DEVICE), ids.to(DEVICE), ex, block_n=32), ref) < 1e-5
+
+
+def test_split_covers_k_in_whole_tiles():
+    for k, block_k, programs in [(2048, 128, 192), (768, 128, 256), (80, 64, 1), (4096, 32, 1), (96, 32, 10**6)]:
+        slices, per = moe_gemv._split(k, block_k, programs)
+        assert per % block_k == 0 and slices * per >= k and (slices - 1) * per < k, (k, block_k, programs)
+
+
+def test_selection_table(monkeypatch):
+    """Tiled by default; the GEMV where asked and where it applies (decode-sized, contiguous 4-bit groups that a
+    K tile fits in, or 16-bit); act-order, FP8 and many pairs stay tiled."""
+    contiguous = stack_quantized(experts_q(4, 64, 32, 32), torch.float32, "cpu")
+    act_order = stack_quantized(experts_q(4, 64, 32, 32), torch.float32, "cpu")
+    act_order = type(act_order)(**{**act_order.__dict__, "group13": 0, "group2": 0})
+    dense = stack_dense(torch.zeros(4, 64, 64), torch.zeros(4, 64, 32))
+    monkeypatch.delenv("QUANTKIT_MOE_DECODE", raising=False)
+    assert decode_kernel(contiguous, 8) == "tiles"
+    monkeypatch.setenv("QUANTKIT_MOE_DECODE", "gemv")
+    assert decode_kernel(contiguous, 8) == "gemv" and decode_kernel(dense, 1) == "gemv"
+    assert decode_kernel(contiguous, moe_gemv.MAX_PAIRS + 1) == "tiles"
+    assert decode_kernel(act_order, 8) == "tiles"
+    assert moe_gemv.block_k_for(contiguous) == 32 and moe_gemv.block_k_for(dense) == 64
+    monkeypatch.setenv("QUANTKIT_MOE_DECODE", "fast")
+    with pytest.raises(ValueError, match="QUANTKIT_MOE_DECODE"):
+        decode_kernel(contiguous, 8)
+
+
+def test_fused_moe_routes_decode_calls_to_the_gemv_when_selected(monkeypatch):
+    ex = stack_quantized(experts_q(4, 64, 32, 32), torch.float32, DEVICE)
+    w, ids = routing(1, 4, 2)
+    x = torch.randn(1, 64, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    calls = []
+    real = moe_gemv.moe_gemv
+    monkeypatch.setattr(moe_gemv, "moe_gemv", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setenv("QUANTKIT_MOE_DECODE", "gemv")
+    out = fused_moe(x, w.to(DEVICE), ids.to(DEVICE), ex)
+    assert calls == [1]
+    assert rel_err(out, fused_moe_ref(x, w.to(DEVICE), ids.to(DEVICE), ex)) < 1e-5
+
+
+@pytest.mark.gpu
+def test_gemv_bf16_on_the_gpu_matches_the_tiled_kernel(monkeypatch):
+    """bf16 (the interpreter's tl.dot is wrong in bf16, so the tiled side runs here only) at the 30B-A3B expert
+    shapes, batch 1 and 4 of top-8 over 128 experts."""
+    ex = stack_quantized(experts_q(128, 2048, 768, 128), torch.bfloat16, "cuda")
+    for tokens in (1, 4):
+        w, ids = routing(tokens, 128, 8, seed=tokens)
+        x = torch.randn(tokens, 2048, generator=torch.Generator().manual_seed(7)).to("cuda", torch.bfloat16)
+        ref = fused_moe_ref(x.float(), w.cuda(), ids.cuda(), ex)
+        out = gemv(x, w.cuda(), ids.cuda(), ex)
+        monkeypatch.setenv("QUANTKIT_MOE_DECODE", "tiles")
+        tiled = fused_moe(x, w.cuda(), ids.cuda(), ex)
+        assert rel_err(out, ref) < 1e-2 and rel_err(tiled, ref) < 1e-2
