@@ -333,7 +333,7 @@ def single_pass_fits(ctx: LayerContext) -> bool:
     The estimate, per token in the activation dtype: six hidden-wide tensors (the inputs, their concatenation,
     the output, an RMS norm's float32 temporaries) and four of the widest linear's width (an MLP's gate, up,
     activation and product), plus the widest Hessian in float32 and its float64 factor. On the Llama-3-8B shape
-    at 128 x 2048 tokens: 45 GB estimated, 29.4 GiB measured (an H200, 2026-12-02)."""
+    at 128 x 2048 tokens: 45 GB estimated, 30.0 GiB measured (an H100, 2026-12-06)."""
     device = ctx.device
     if device.type != "cuda" or not ctx.linears:
         return False
@@ -467,7 +467,7 @@ class GPTQMethod:
         if not self.config.true_sequential:
             names = [n for group in ctx.groups for n in group]
             self._collect_and_solve(work, names)
-        elif self._single_pass(ctx):
+        elif self._use_single_pass(ctx):
             next_hidden = _single_pass(work)
         else:
             for group in ctx.groups:
@@ -480,7 +480,7 @@ class GPTQMethod:
         return LayerResult(weights=work.weights, stats=stats, next_hidden=next_hidden,
                            installed=frozenset(work.weights))
 
-    def _single_pass(self, ctx: LayerContext) -> bool:
+    def _use_single_pass(self, ctx: LayerContext) -> bool:
         """One forward for the whole layer (``_single_pass``) rather than a pass per group?"""
         if not self.single_pass_memory.allows(ctx.inputs.n_tokens):
             return False
