@@ -333,13 +333,19 @@ def single_pass_fits(ctx: LayerContext) -> bool:
     The estimate, per token in the activation dtype: six hidden-wide tensors (the inputs, their concatenation,
     the output, an RMS norm's float32 temporaries) and four of the widest linear's width (an MLP's gate, up,
     activation and product), plus the widest Hessian in float32 and its float64 factor. On the Llama-3-8B shape
-    at 128 x 2048 tokens: 45 GB estimated, 30.0 GiB measured (an H100, 2026-12-06)."""
+    at 128 x 2048 tokens: 45 GB estimated, 30.0 GiB measured (an H100, 2026-12-06). Eager attention (a model
+    without SDPA support) also holds every window's scores: float32 scores and probabilities and a 16-bit copy,
+    ``windows x heads x S^2 x 10`` bytes (an 8B-shaped layer at 128 x 2048: 172 GB more, so group passes there)."""
     device = ctx.device
     if device.type != "cuda" or not ctx.linears:
         return False
     first = ctx.inputs.hidden[0]
     width = max(max(m.in_features, m.out_features) for m in ctx.linears.values())
     need = ctx.inputs.n_tokens * first.element_size() * (6 * first.shape[-1] + 4 * width) + 12 * width * width
+    attn_config = getattr(getattr(ctx.layer, "self_attn", None), "config", None)
+    if attn_config is not None and getattr(attn_config, "_attn_implementation", None) == "eager":
+        seqlen = first.shape[1]
+        need += ctx.inputs.n_tokens // seqlen * attn_config.num_attention_heads * seqlen * seqlen * 10
     free = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     return need <= 0.8 * free
 

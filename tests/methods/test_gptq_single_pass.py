@@ -30,11 +30,14 @@ def tiny_model_and_calib():
     return model, calib
 
 
-def _cuda_ctx(tokens: int, hidden: int, widths: list[tuple[int, int]]) -> SimpleNamespace:
-    """What ``single_pass_fits`` reads of a layer's context: device, linears, inputs (meta: no memory)."""
+def _cuda_ctx(tokens: int, hidden: int, widths: list[tuple[int, int]], attention: str = "sdpa") -> SimpleNamespace:
+    """What ``single_pass_fits`` reads of a layer's context: device, linears, inputs (meta: no memory), the
+    attention's implementation."""
     linears = {f"l{i}": nn.Linear(i_f, o_f, bias=False, device="meta") for i, (i_f, o_f) in enumerate(widths)}
     h = torch.empty(tokens // 2048, 2048, hidden, dtype=torch.bfloat16, device="meta")
-    return SimpleNamespace(device=torch.device("cuda"), linears=linears, inputs=LayerInputs([h], {}))
+    config = SimpleNamespace(_attn_implementation=attention, num_attention_heads=32)
+    return SimpleNamespace(device=torch.device("cuda"), linears=linears, inputs=LayerInputs([h], {}),
+                           layer=SimpleNamespace(self_attn=SimpleNamespace(config=config)))
 
 
 def _free_memory(monkeypatch, free: int, reserved: int = 0, allocated: int = 0) -> None:
@@ -54,6 +57,11 @@ def test_single_pass_fits_an_8b_layer_on_an_80gb_card_not_on_a_24gb_one(monkeypa
     assert single_pass_fits(ctx)
     # twice the tokens need about twice the memory
     assert not single_pass_fits(_cuda_ctx(256 * 2048, 4096, [(4096, 14336), (14336, 4096)]))
+    # eager attention holds every window's 32 x 2048 x 2048 scores as well: 172 GB more
+    _free_memory(monkeypatch, 72 << 30)
+    assert not single_pass_fits(_cuda_ctx(128 * 2048, 4096, [(4096, 14336), (14336, 4096)], attention="eager"))
+    _free_memory(monkeypatch, 300 << 30)
+    assert single_pass_fits(_cuda_ctx(128 * 2048, 4096, [(4096, 14336), (14336, 4096)], attention="eager"))
 
 
 def test_single_pass_is_never_chosen_off_cuda(monkeypatch):
