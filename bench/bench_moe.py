@@ -277,8 +277,12 @@ def kernel_rows(args) -> list[dict]:
         logits = torch.randn(m, n_exp, device=dev)
         w, ids = torch.topk(logits.softmax(-1), k, dim=-1)
         w = w / w.sum(-1, keepdim=True)
-        err = ((fused_moe(x, w, ids, ex).float() - loop(x, w, ids).float()).norm()
-               / loop(x, w, ids).float().norm()).item()
+        want = loop(x, w, ids).float()
+
+        def err_vs_loop(out: torch.Tensor) -> float:
+            return ((out.float() - want).norm() / want.norm()).item()
+
+        err = err_vs_loop(fused_moe(x, w, ids, ex))
         t_fused = timed(lambda: fused_moe(x, w, ids, ex))
         t_loop = timed(lambda: loop(x, w, ids))
         row = {"m": m, "fused_us": t_fused * 1e6, "loop_us": t_loop * 1e6, "speedup": t_loop / t_fused,
@@ -292,8 +296,7 @@ def kernel_rows(args) -> list[dict]:
         os.environ.pop("QUANTKIT_MOE_ALIGN")
         row["one_program_align"] = align_in_one_program(ids.numel(), n_exp, ids.device)
         if moe_gemv.applies(ex, ids.numel()):  # the decode GEMV (kernels/moe_gemv.py): alone and in the block
-            row["gemv_rel_err_vs_loop"] = ((moe_gemv.moe_gemv(x, w, ids, ex).float() - loop(x, w, ids).float()).norm()
-                                           / loop(x, w, ids).float().norm()).item()
+            row["gemv_rel_err_vs_loop"] = err_vs_loop(moe_gemv.moe_gemv(x, w, ids, ex))
             row["gemv_graph_us"] = graph_time(lambda: moe_gemv.moe_gemv(x, w, ids, ex)) * 1e6
             row["tiles_graph_us"] = graph_time(lambda: fused_moe(x, w, ids, ex)) * 1e6
             os.environ["QUANTKIT_MOE_DECODE"] = "gemv"
