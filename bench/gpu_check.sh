@@ -27,6 +27,8 @@
 #   (third argument "quick": the new code alone, cold and warm load phases only)
 # Issue 39's MoE serving and kernel sections after the MoE GPU tests, no carry needed:
 #   bash bench/gpu_check.sh moe BUDGET_S (~420) [bench-only]
+# Decode kernels, no carry needed: issue 41's W4A16 variants (`w4a16-decode 300`) and issue 39's MoE GEMV against
+# the tiled kernel, block and whole step (`moe-decode 560`).
 # Everything lands in $OUT (JSON of each bench, the suite's log).
 # pytest runs with OMP_NUM_THREADS=1: 8-12 xdist workers on 16 cores, each with torch's one thread a core, took
 # turns on the cores (the MoE GPU tests, mostly CPU set-up, ran 44-109 s a case on an H100, 2026-12-05).
@@ -169,5 +171,20 @@ moe)  # issue 39 on one GPU: the MoE GPU tests first (CUDA-graph capture of the 
         -p no:cacheprovider 2>&1 | tee "$OUT/gpu_pytest_moe.txt" | tail -15  # "bench-only": the suite just ran them
     step 420 python3 bench/bench_moe.py --skip gptq awq --out "$OUT/bench_moe_serve_kernel.json" 2>&1 | tail -30
     ;;
-*) echo "usage: gpu_check.sh benches|suite|one|tests|gguf|coldstart-ab|moe BUDGET_S"; exit 2 ;;
+w4a16-decode)  # issue 41 at decode: every decode variant (the CUDA C++ GEMM built with nvcc, Gluon configs) checked
+    # against the reference, then timed beside today's pick, cuBLAS and torch int4 on the 8B layers (~4 minutes)
+    card | tee "$OUT/card.txt"
+    step 280 python3 bench/bench_w4a16_decode.py --deadline 220 --out "$OUT/w4a16_decode.json" 2>&1 | tail -60
+    ;;
+moe-decode)  # issue 39 at decode: the GEMV against the tiled kernel, one layer's block replayed from a graph (the
+    # kernel section at M = 1 and 8), then the whole step at batch 1 and 8 under each (~8 minutes)
+    card | tee "$OUT/card.txt"
+    step 150 python3 bench/bench_moe.py --skip gptq awq serve --kernel-m 1 8 32 --out "$OUT/bench_moe_kernel.json" 2>&1 | tail -25
+    for v in gemv tiles; do
+        step 200 env QUANTKIT_MOE_DECODE=$v python3 -m quantkit.cli.app bench --shape qwen3-30b-a3b --no-baselines \
+            --steps 32 --batches 1,8 --out "$OUT/bench_30b_$v.json" 2>&1 | tail -14
+    done
+    rm -f "$OUT"/*.png
+    ;;
+*) echo "usage: gpu_check.sh benches|suite|one|tests|gguf|coldstart-ab|moe|w4a16-decode|moe-decode BUDGET_S"; exit 2 ;;
 esac

