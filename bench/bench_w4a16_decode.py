@@ -90,6 +90,7 @@ def run_shape(n, k, ms, args, log) -> list[dict]:
     from gpu_timing import gpu_time_us
 
     from quantkit.kernels import w4a16
+    from quantkit.kernels.w4a16_configs import config_label
     from quantkit.kernels.w4a16_cuda import w4a16_cuda_matmul
     from quantkit.kernels.w4a16_weights import w4a16_matmul_ref
 
@@ -120,7 +121,7 @@ def run_shape(n, k, ms, args, log) -> list[dict]:
         variants = [("today: " + choice.label(), lambda x=x: w4a16.w4a16_matmul(x, w), None)]
         variants += [(f"cuda {c.R}/{c.U}/{c.W}" + (f" S{c.SPLITS}" if c.SPLITS else "") + (" L2" if c.L2_256 else ""),
                       lambda x=x, c=c: w4a16_cuda_matmul(x, w, c), c) for c in cuda_configs(m)]
-        variants += [("gluon " + c.label(), lambda x=x, c=c: w4a16.w4a16_matmul(x, w, c), c)
+        variants += [("gluon " + config_label(c), lambda x=x, c=c: w4a16.w4a16_matmul(x, w, c), c)
                      for c in gluon_configs(m, n, k) if c != choice.config]
         copy_limit_us = weight_bytes / (copy_tbs * 1e6)
         cell = dict(N=n, K=k, M=m, copy_tbs=copy_tbs, copy_limit_us=copy_limit_us, today=choice.label(), variants=[])
@@ -182,6 +183,7 @@ def main(argv=None) -> int:
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from quantkit.kernels import w4a16_cuda
+    from quantkit.kernels.w4a16_configs import config_label
 
     args.t_end = time.time() + args.deadline
     now = datetime.datetime.now(datetime.timezone.utc)
@@ -196,7 +198,7 @@ def main(argv=None) -> int:
     result = dict(card=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                   nvcc=w4a16_cuda._nvcc_version(nvcc) if nvcc else None, date=now.isoformat(timespec="seconds"),
                   group_size=GROUP, timing="gpu_timing.gpu_time_us: 10 calls a graph, L2 evicted by reading, best of 5",
-                  cuda_builds={f"{c.label()} mt={mt} asym={z}": ok for (c, mt, z), ok in built.items()}, cells=[], complete=False)
+                  cuda_builds={f"{config_label(c)} mt={mt} asym={z}": ok for (c, mt, z), ok in built.items()}, cells=[], complete=False)
     for i, (n, k) in enumerate(shapes):
         log(f"[{i + 1}/{len(shapes)}] {n}x{k}")
         result["cells"] += run_shape(n, k, ms, args, log)

@@ -295,9 +295,14 @@ def _launch(a, ex_w, s, z, g, out, sorted_ids, block_expert, topw, pairs, n, k, 
 # experts, at most moe_gemv.MAX_PAIRS pairs); the tiled kernel serves everything else.
 #   "gemv":  kernels/moe_gemv.py, one program per pair x N tile x slice of K (decode)
 #   "tiles": this file's kernel, 16 pairs of one expert a program
-# Default "tiles" everywhere: the GEMV has not yet been timed on a GPU (bench/bench_moe.py's kernel section times
-# both, QUANTKIT_MOE_DECODE=gemv|tiles forces one; issue 39's decode row decides).
-DECODE_KERNELS = ("tiles", "gemv")
+# Measured (H100, Qwen3-30B-A3B shape, top-8 of 128; bench/results/bench_moe_kernel_h100_gemv.json and
+# bench_qwen3-30b-a3b_h100_{gemv,tiles}.json, 2026-12-06): 4-bit experts at 8 pairs (batch 1), the MoE block
+# 38.7 us against 87.9 and the whole step 197 tok/s against 134; at 64 pairs (batch 8) the step 823 tok/s against
+# 892 (the block alone 134.7 against 153.5 us: the GEMV's win there does not survive the step). 16-bit experts
+# lose at both (bf16 steps 157 against 170 tok/s at batch 1, 485 against 599 at batch 8). So: the GEMV for
+# 4-bit experts up to GEMV_MAX_PAIRS pairs, measured there only; QUANTKIT_MOE_DECODE=gemv|tiles forces one.
+DECODE_KERNELS = ("auto", "tiles", "gemv")
+GEMV_MAX_PAIRS = 8
 
 
 def decode_kernel(experts: MoEExperts, pairs: int) -> str:
@@ -306,10 +311,14 @@ def decode_kernel(experts: MoEExperts, pairs: int) -> str:
 
     from quantkit.kernels import moe_gemv
 
-    choice = os.environ.get("QUANTKIT_MOE_DECODE", "tiles")
+    choice = os.environ.get("QUANTKIT_MOE_DECODE", "auto")
     if choice not in DECODE_KERNELS:
         raise ValueError(f"QUANTKIT_MOE_DECODE must be one of {DECODE_KERNELS}, got {choice!r}")
-    return "gemv" if choice == "gemv" and moe_gemv.applies(experts, pairs) else "tiles"
+    if choice == "tiles" or not moe_gemv.applies(experts, pairs):
+        return "tiles"
+    if choice == "gemv":
+        return "gemv"
+    return "gemv" if experts.quantized and pairs <= GEMV_MAX_PAIRS else "tiles"
 
 
 def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, experts: MoEExperts,

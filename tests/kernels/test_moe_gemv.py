@@ -8,7 +8,14 @@ import torch
 
 from quantkit.kernels import moe_gemv
 from quantkit.kernels.moe_gemv import moe_gemv as gemv
-from quantkit.kernels.moe_w4a16 import decode_kernel, fused_moe, fused_moe_ref, stack_dense, stack_quantized
+from quantkit.kernels.moe_w4a16 import (
+    GEMV_MAX_PAIRS,
+    decode_kernel,
+    fused_moe,
+    fused_moe_ref,
+    stack_dense,
+    stack_quantized,
+)
 from tests.conftest import rel_err
 from tests.kernels.test_moe_w4a16 import DEVICE, experts_q, routing
 
@@ -51,13 +58,19 @@ def test_split_covers_k_in_whole_tiles():
 
 
 def test_selection_table(monkeypatch):
-    """Tiled by default; the GEMV where asked and where it applies (decode-sized, contiguous 4-bit groups that a
-    K tile fits in, or 16-bit); act-order, FP8 and many pairs stay tiled."""
+    """By default the GEMV for contiguous-group 4-bit experts up to GEMV_MAX_PAIRS pairs (where it was measured
+    faster), the tiled kernel otherwise (16-bit experts, more pairs); forced either way where asked and where the
+    GEMV applies (decode-sized, contiguous 4-bit groups that a K tile fits in, or 16-bit); act-order, FP8 and
+    many pairs stay tiled."""
     contiguous = stack_quantized(experts_q(4, 64, 32, 32), torch.float32, "cpu")
     act_order = stack_quantized(experts_q(4, 64, 32, 32), torch.float32, "cpu")
     act_order = type(act_order)(**{**act_order.__dict__, "group13": 0, "group2": 0})
     dense = stack_dense(torch.zeros(4, 64, 64), torch.zeros(4, 64, 32))
     monkeypatch.delenv("QUANTKIT_MOE_DECODE", raising=False)
+    assert GEMV_MAX_PAIRS == 8  # batch 1 of top-8: measured (kernels/moe_w4a16.py's table comment)
+    assert decode_kernel(contiguous, 1) == decode_kernel(contiguous, 8) == "gemv"
+    assert decode_kernel(contiguous, 9) == decode_kernel(dense, 1) == decode_kernel(act_order, 8) == "tiles"
+    monkeypatch.setenv("QUANTKIT_MOE_DECODE", "tiles")
     assert decode_kernel(contiguous, 8) == "tiles"
     monkeypatch.setenv("QUANTKIT_MOE_DECODE", "gemv")
     assert decode_kernel(contiguous, 8) == "gemv" and decode_kernel(dense, 1) == "gemv"

@@ -18,6 +18,13 @@ from tests.conftest import rel_err
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+@pytest.fixture(autouse=True)
+def tiled_kernel(monkeypatch):
+    """This file tests the tiled kernel at every size, the decode sizes included where fused_moe's table would
+    pick the GEMV (tests/kernels/test_moe_gemv.py tests that one and the table)."""
+    monkeypatch.setenv("QUANTKIT_MOE_DECODE", "tiles")
+
+
 def experts_q(n_exp, hidden, inter, group_size, seed=0):
     g = torch.Generator().manual_seed(seed)
     scheme = QuantScheme(4, group_size, sym=False)
