@@ -27,7 +27,7 @@
 #   (third argument "quick": the new code alone, cold and warm load phases only)
 # Issue 39's MoE serving and kernel sections after the MoE GPU tests, no carry needed:
 #   bash bench/gpu_check.sh moe BUDGET_S (~420) [bench-only]
-# Decode kernels, no carry needed: issue 41's W4A16 variants (`w4a16-decode 300`) and issue 39's MoE GEMV against
+# Decode kernels, no carry needed: issue 41's W4A16 decode variants and prefill candidates (`w4a16 470`) and issue 39's MoE GEMV against
 # the tiled kernel, block and whole step (`moe-decode 560`).
 # Everything lands in $OUT (JSON of each bench, the suite's log).
 # pytest runs with OMP_NUM_THREADS=1: 8-12 xdist workers on 16 cores, each with torch's one thread a core, took
@@ -171,10 +171,14 @@ moe)  # issue 39 on one GPU: the MoE GPU tests first (CUDA-graph capture of the 
         -p no:cacheprovider 2>&1 | tee "$OUT/gpu_pytest_moe.txt" | tail -15  # "bench-only": the suite just ran them
     step 420 python3 bench/bench_moe.py --skip gptq awq --out "$OUT/bench_moe_serve_kernel.json" 2>&1 | tail -30
     ;;
-w4a16-decode)  # issue 41 at decode: every decode variant (the CUDA C++ GEMM built with nvcc, Gluon configs) checked
-    # against the reference, then timed beside today's pick, cuBLAS and torch int4 on the 8B layers (~4 minutes)
+w4a16)  # issue 41: every decode variant (the CUDA C++ GEMM built with nvcc, Gluon configs) checked against the
+    # reference, then timed beside today's pick, cuBLAS and torch int4 on the 8B layers (~4 minutes); then the
+    # prefill sizes with dequantize-then-cuBLAS beside the planned kernel and cuBLAS (~3 minutes)
     card | tee "$OUT/card.txt"
-    step 280 python3 bench/bench_w4a16_decode.py --deadline 220 --out "$OUT/w4a16_decode.json" 2>&1 | tail -60
+    step 250 python3 bench/bench_w4a16_decode.py --deadline 200 --out "$OUT/w4a16_decode.json" 2>&1 | tail -70
+    step 200 python3 bench/bench_w4a16.py --shapes 28672x8192,8192x28672,4096x4096 --ms 256,1024,4096 \
+        --deadline 150 --out "$OUT/w4a16_prefill.json" 2>&1 | tail -20
+    rm -f "$OUT"/*.png
     ;;
 moe-decode)  # issue 39 at decode: the GEMV against the tiled kernel, one layer's block replayed from a graph (the
     # kernel section at M = 1 and 8), then the whole step at batch 1 and 8 under each (~8 minutes)
@@ -186,5 +190,5 @@ moe-decode)  # issue 39 at decode: the GEMV against the tiled kernel, one layer'
     done
     rm -f "$OUT"/*.png
     ;;
-*) echo "usage: gpu_check.sh benches|suite|one|tests|gguf|coldstart-ab|moe|w4a16-decode|moe-decode BUDGET_S"; exit 2 ;;
+*) echo "usage: gpu_check.sh benches|suite|one|tests|gguf|coldstart-ab|moe|w4a16|moe-decode BUDGET_S"; exit 2 ;;
 esac
