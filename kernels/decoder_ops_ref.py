@@ -29,6 +29,19 @@ def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor | None, weight: tor
     return rms_norm_ref(summed, weight, eps, offset), summed
 
 
+def qk_norm_ref(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, n_heads: int, n_kv_heads: int,
+                head_dim: int, eps: float, offset: float = 0.0, per_head: bool = True) -> None:
+    """RMSNorm of q and k in place on ``qkv``: each head with the ``[D]`` weights (``per_head``: Qwen3, Gemma 3),
+    or the whole q and the whole k projections with ``[Hq*D]`` / ``[Hkv*D]`` weights (OLMoE)."""
+    m = qkv.shape[0]
+    q_size, kv_size = n_heads * head_dim, n_kv_heads * head_dim
+    q, k = qkv[:, :q_size], qkv[:, q_size:q_size + kv_size]
+    if per_head:
+        q, k = q.view(m, n_heads, head_dim), k.view(m, n_kv_heads, head_dim)
+    q.copy_(rms_norm_ref(q, q_weight, eps, offset))
+    k.copy_(rms_norm_ref(k, k_weight, eps, offset))
+
+
 def rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """RoPE in the half-split layout: ``x [M, heads, D]``, ``cos, sin [M, D/2]`` float32."""
     half = x.shape[-1] // 2

@@ -56,6 +56,7 @@ class _Reference:
     """Plain PyTorch for every small operation and attention."""
 
     add_rms_norm = staticmethod(ops.add_rms_norm_ref)
+    qk_norm = staticmethod(ops.qk_norm_ref)
     rope_cache = staticmethod(ops.rope_cache_ref)
     act_mul = staticmethod(ops.act_mul_ref)
 
@@ -90,6 +91,7 @@ class _Kernels:
         from quantkit.kernels import decoder_ops as fused_kernels
 
         self.add_rms_norm = fused_kernels.add_rms_norm
+        self.qk_norm = fused_kernels.qk_norm
         self.rope_cache = fused_kernels.rope_cache
         self.act_mul = fused_kernels.act_mul
 
@@ -163,12 +165,8 @@ class RuntimeModel:
 
     def _qk_norm(self, qkv: torch.Tensor, layer) -> None:
         s = self.spec
-        m = qkv.shape[0]
-        q, k = qkv[:, : s.q_size], qkv[:, s.q_size : s.q_size + s.kv_size]
-        if s.qk_norm == "head":
-            q, k = q.view(m, s.num_heads, s.head_dim), k.view(m, s.num_kv_heads, s.head_dim)
-        q.copy_(ops.rms_norm_ref(q, layer.q_norm, s.rms_eps, s.norm_offset))
-        k.copy_(ops.rms_norm_ref(k, layer.k_norm, s.rms_eps, s.norm_offset))
+        self.ops.qk_norm(qkv, layer.q_norm, layer.k_norm, s.num_heads, s.num_kv_heads, s.head_dim, s.rms_eps,
+                         s.norm_offset, per_head=s.qk_norm == "head")
 
     def _hidden(
         self, ids: torch.Tensor, positions: torch.Tensor, attend, cache: KVCache | None, slots: torch.Tensor | None,

@@ -274,9 +274,12 @@ def time_split(engine: Engine, context: int = 128) -> dict:
             o.decode_attention_rope(qkv, cos, sin, pos, slot, cache.k[i], cache.v[i], s.num_heads, cache.counters,
                                     s.softmax_scale, s.window_left(i), s.attn_softcap)
 
-    def small_ops():
+    def small_ops():  # with Qwen3's / OLMoE's q and k norms (in place on a scratch qkv row)
         for lw in w.layers:
             o.add_rms_norm(h, h, lw.input_norm, s.rms_eps, s.norm_offset)
+            if s.qk_norm:
+                o.qk_norm(qkv, lw.q_norm, lw.k_norm, s.num_heads, s.num_kv_heads, s.head_dim, s.rms_eps,
+                          s.norm_offset, per_head=s.qk_norm == "head")
             o.add_rms_norm(h, h, lw.post_attn_norm, s.rms_eps, s.norm_offset)
             if lw.moe is None:  # a MoE block's activation is inside its kernel (counted in "linears")
                 o.act_mul(gate_up, s.activation)

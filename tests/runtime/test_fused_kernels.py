@@ -37,6 +37,30 @@ def test_add_rms_norm(dtype, with_residual, offset):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("per_head,hq,hkv,d,offset", [(True, 4, 2, 16, 0.0), (True, 3, 1, 24, 1.0),
+                                                     (False, 4, 2, 16, 0.0), (False, 3, 1, 24, 0.0)])
+def test_qk_norm_in_place(dtype, per_head, hq, hkv, d, offset):
+    """Per head (Qwen3, Gemma 3: ``[D]`` weights) and over the whole q and k (OLMoE); head sizes off a power of
+    two; v and every other row untouched."""
+    g = torch.Generator().manual_seed(2)
+    m = 3
+    qkv = (torch.randn(m, (hq + 2 * hkv) * d, generator=g) * 3).to(DEV, dtype)
+    wq = torch.randn(d if per_head else hq * d, generator=g).to(DEV, dtype)
+    wk = torch.randn(d if per_head else hkv * d, generator=g).to(DEV, dtype)
+    expected = qkv.clone()
+    ops.qk_norm_ref(expected, wq, wk, hq, hkv, d, 1e-6, offset, per_head=per_head)
+    fused = qkv.clone()
+    fused_kernels.qk_norm(fused, wq, wk, hq, hkv, d, 1e-6, offset, per_head=per_head)
+    assert rel_err(fused, expected) < _tol(dtype)
+    v = slice((hq + hkv) * d, None)
+    assert torch.equal(fused[:, v], qkv[:, v]) and not torch.equal(expected[:, : hq * d], qkv[:, : hq * d])
+    heads = expected[:, : (hq + hkv) * d].float().view(m, hq + hkv, d) if per_head else None
+    if per_head and offset == 0.0:  # each head normed on its own: the norm of head / weight is sqrt(D)
+        w = torch.cat([wq.float().expand(hq, d), wk.float().expand(hkv, d)])
+        assert torch.allclose((heads / w).pow(2).mean(-1), torch.ones(m, hq + hkv), rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("write_cache", [False, True])
 def test_rope_cache(dtype, write_cache):
     g = torch.Generator().manual_seed(1)

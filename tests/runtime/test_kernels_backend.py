@@ -22,7 +22,7 @@ from tests.conftest import rel_err  # noqa: E402
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2"])
+@pytest.mark.parametrize("family", ["llama", "gemma2", "qwen3", "gemma3_text"])  # the last two: q/k norms
 def test_kernels_backend_matches_reference(family, tiny_family):
     folder, _ = tiny_family(family)
     dtype = "bfloat16" if DEV == "cuda" else "float32"
