@@ -80,6 +80,19 @@ def _moe_gemv_kernel(a_ptr, p1_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, topw_ptr, out_
     tl.store(out_ptr + sp * stride_os + p * stride_op + offs_n, acc, mask=n_mask)
 
 
+@triton.jit
+def _sum_parts_kernel(parts_ptr, out_ptr, H, PARTS, BLOCK: tl.constexpr):
+    """``out[t] = sum over PARTS rows of parts[:, t]`` (float32), rounded once to out's dtype: the slices of K and
+    the token's k pairs in one launch (torch's sum and cast would be two, a few us each at decode)."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < H
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for i in range(PARTS):
+        acc += tl.load(parts_ptr + (t * PARTS + i) * H + cols, mask=ok, other=0.0)
+    tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
 def block_k_for(experts) -> int:
     """The K tile: 64 for 16-bit experts; for 4-bit ones the largest of 128/64/32 inside both groups, or 0 where
     their groups are not contiguous runs that a tile fits in (act-order: the tiled kernel serves them)."""
@@ -141,9 +154,12 @@ def moe_gemv(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     _launch(x, p1, experts.w13, experts.s13, experts.z13, ids, topw, p1, 2 * inter, h, top_k, 1, inter, q,
             experts.group13, False, False, k1, block_n, block_k, num_warps)
     s2, k2 = _split(inter, block_k, pairs * triton.cdiv(h, block_n))
-    p2 = torch.empty(s2, pairs, h, dtype=torch.float32, device=x.device)
-    _launch(x, p1, experts.w2, experts.s2, experts.z2, ids, topw, p2, h, inter, top_k, s1, inter, q,
-            experts.group2, True, True, k2, block_n, block_k, num_warps)
+    # token-major [T, k, S2, H]: a token's k pairs and S2 slices are one run of rows for the final sum
+    p2 = torch.empty(t, top_k, s2, h, dtype=torch.float32, device=x.device)
+    _launch(x, p1, experts.w2, experts.s2, experts.z2, ids, topw, p2.permute(2, 0, 1, 3).view(s2, pairs, h), h,
+            inter, top_k, s1, inter, q, experts.group2, True, True, k2, block_n, block_k, num_warps)
     # slices and the token's k pairs summed in float32, rounded once (as the tiled path's sum)
-    out = p2.view(s2, t, top_k, h).sum(dim=(0, 2))
-    return out if x.dtype == torch.float32 else out.to(x.dtype)
+    out = torch.empty(t, h, dtype=x.dtype, device=x.device)
+    block = min(1024, triton.next_power_of_2(h))
+    _sum_parts_kernel[(t, triton.cdiv(h, block))](p2, out, h, top_k * s2, BLOCK=block, num_warps=4)
+    return out
