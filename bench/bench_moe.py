@@ -282,6 +282,7 @@ def kernel_rows(args) -> list[dict]:
         def err_vs_loop(out: torch.Tensor) -> float:
             return ((out.float() - want).norm() / want.norm()).item()
 
+        os.environ["QUANTKIT_MOE_DECODE"] = "tiles"  # the tiled kernel at every M (the table's GEMV: below)
         err = err_vs_loop(fused_moe(x, w, ids, ex))
         t_fused = timed(lambda: fused_moe(x, w, ids, ex))
         t_loop = timed(lambda: loop(x, w, ids))
@@ -301,9 +302,12 @@ def kernel_rows(args) -> list[dict]:
             row["tiles_graph_us"] = graph_time(lambda: fused_moe(x, w, ids, ex)) * 1e6
             os.environ["QUANTKIT_MOE_DECODE"] = "gemv"
             row["graph_block_us_gemv"] = graph_time(lambda: block(x, None)) * 1e6
-            os.environ.pop("QUANTKIT_MOE_DECODE")
+            row["gemv_sweep"] = tile_sweep(lambda **c: moe_gemv.moe_gemv(x, w, ids, ex, **c), GEMV_CANDIDATES,
+                                           GEMV_DEFAULT)
+        os.environ["QUANTKIT_MOE_DECODE"] = "tiles"
         if m <= 32:  # decode sizes: the tiles a decode table would choose from
             row["tile_sweep"] = tile_sweep(lambda **tiles: fused_moe(x, w, ids, ex, **tiles))
+        os.environ.pop("QUANTKIT_MOE_DECODE")
         rows.append(row)
     return rows
 
@@ -315,14 +319,22 @@ TILE_CANDIDATES = [dict(block_n=n, block_k=kk, num_warps=nw, num_stages=st)
                    for n in (32, 64, 128) for kk in (64, 128) for nw, st in ((4, 3), (4, 5), (8, 3))]
 
 
-def tile_sweep(call) -> list[dict]:
-    """``call(**tiles)`` as a CUDA-graph replay for every candidate tile config, fastest first; each output checked
-    against the default config's (relative difference), so a config that computes something else shows."""
+# The decode GEMV's knobs: output columns a program, warps, and the programs a launch aims at (more slices of K:
+# more loads in flight, more partial sums to add).
+GEMV_CANDIDATES = [dict(block_n=n, num_warps=nw, target_programs=tp)
+                   for n in (32, 64, 128) for nw in (2, 4) for tp in (256, 512, 1024, 2048)]
+GEMV_DEFAULT = dict(block_n=64, num_warps=4, target_programs=512)
+
+
+def tile_sweep(call, candidates=None, default=None) -> list[dict]:
+    """``call(**tiles)`` as a CUDA-graph replay for every candidate config (TILE_CANDIDATES), fastest first; each
+    output checked against the ``default`` config's (relative difference), so a config that computes something
+    else shows."""
     from quantkit.tools.bench import graph_time
 
-    want = call().float()
+    want = call(**(default or {})).float()
     out = []
-    for tiles in TILE_CANDIDATES:
+    for tiles in candidates or TILE_CANDIDATES:
         try:
             got = call(**tiles).float()
             us = graph_time(lambda tiles=tiles: call(**tiles)) * 1e6
@@ -452,6 +464,12 @@ def print_table(record: dict) -> None:
                                                               t["num_stages"]) == (64, 64, 4, 3))
                 print(f"M={r['m']}: fastest tiles {({k: best[k] for k in TILE_CANDIDATES[0]})} "
                       f"{best['us']:.1f} us (rel diff {best['rel_diff']:.1e}); default {default.get('us', float('nan')):.1f} us")
+        for r in record["kernel"]:
+            if r.get("gemv_sweep"):
+                best = r["gemv_sweep"][0]
+                default = next(t for t in r["gemv_sweep"] if all(t[k] == v for k, v in GEMV_DEFAULT.items()))
+                print(f"M={r['m']}: fastest GEMV {({k: best[k] for k in GEMV_DEFAULT})} {best['us']:.1f} us "
+                      f"(rel diff {best['rel_diff']:.1e}); default {default.get('us', float('nan')):.1f} us")
 
 
 if __name__ == "__main__":

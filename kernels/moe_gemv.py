@@ -109,10 +109,11 @@ def applies(experts, pairs: int) -> bool:
     return 0 < pairs <= MAX_PAIRS and block_k_for(experts) > 0
 
 
-def _split(k: int, block_k: int, programs: int) -> tuple[int, int]:
-    """(slices, columns a slice): enough slices of K for ~TARGET_PROGRAMS programs, each a whole number of tiles."""
+def _split(k: int, block_k: int, programs: int, target: int | None = None) -> tuple[int, int]:
+    """(slices, columns a slice): enough slices of K for ~``target`` programs (TARGET_PROGRAMS), each a whole
+    number of tiles."""
     tiles = triton.cdiv(k, block_k)
-    want = max(1, min(tiles, triton.cdiv(TARGET_PROGRAMS, max(programs, 1))))
+    want = max(1, min(tiles, triton.cdiv(TARGET_PROGRAMS if target is None else target, max(programs, 1))))
     per = triton.cdiv(tiles, want)
     return triton.cdiv(tiles, per), per * block_k
 
@@ -136,8 +137,10 @@ def _launch(a, p1, w, s, z, ids, topw, out_parts, n, k, top_k, in_splits, inter,
 
 
 def moe_gemv(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, experts, block_n: int = 64,
-             num_warps: int = 4) -> torch.Tensor:
-    """``fused_moe``'s result for a decode-sized ``x [T, H]`` (``applies(experts, T * k)``); module docstring."""
+             num_warps: int = 4, target_programs: int | None = None) -> torch.Tensor:
+    """``fused_moe``'s result for a decode-sized ``x [T, H]`` (``applies(experts, T * k)``); module docstring.
+    ``target_programs``: the programs a launch aims at (default TARGET_PROGRAMS; bench_moe.py sweeps it)."""
+    target = TARGET_PROGRAMS if target_programs is None else target_programs
     t, h = x.shape
     top_k = topk_ids.shape[1]
     pairs = t * top_k
@@ -149,11 +152,11 @@ def moe_gemv(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ids = topk_ids.reshape(-1).contiguous()
     topw = topk_weights.reshape(-1).to(torch.float32).contiguous()
     q = experts.quantized
-    s1, k1 = _split(h, block_k, pairs * triton.cdiv(2 * inter, block_n))
+    s1, k1 = _split(h, block_k, pairs * triton.cdiv(2 * inter, block_n), target)
     p1 = torch.empty(s1, pairs, 2 * inter, dtype=torch.float32, device=x.device)
     _launch(x, p1, experts.w13, experts.s13, experts.z13, ids, topw, p1, 2 * inter, h, top_k, 1, inter, q,
             experts.group13, False, False, k1, block_n, block_k, num_warps)
-    s2, k2 = _split(inter, block_k, pairs * triton.cdiv(h, block_n))
+    s2, k2 = _split(inter, block_k, pairs * triton.cdiv(h, block_n), target)
     # token-major [T, k, S2, H]: a token's k pairs and S2 slices are one run of rows for the final sum
     p2 = torch.empty(t, top_k, s2, h, dtype=torch.float32, device=x.device)
     _launch(x, p1, experts.w2, experts.s2, experts.z2, ids, topw, p2.permute(2, 0, 1, 3).view(s2, pairs, h), h,
