@@ -83,3 +83,14 @@ def quantize_per_token(x: torch.Tensor, input_scale: torch.Tensor | None = None)
         _quant_row_kernel[(m,)](x, q, s, input_scale if static else s, k, x.stride(0), q.stride(0),
                                 STATIC=static, BLOCK_K=block_k, WHOLE_ROW=whole, num_warps=warps)
     return q, s
+
+
+def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 codes ``[M, K]`` and float32 scales ``[M, G]`` of ``x``: per row (``group`` 0, the per-token kernel),
+    or per row and run of ``group`` columns (block-scaled weights), as the FP8 linears quantize their inputs; the
+    MoE kernels' FP8 experts round theirs with it."""
+    if group:
+        from quantkit.kernels.fp8_quant_ref import quantize_per_group_ref
+
+        return quantize_per_group_ref(x, group)
+    return quantize_per_token(x)

@@ -13,8 +13,10 @@ on the CUDA cores (a one-row product has no tensor-core tile to fill); slices la
 3. ``out[t] = sum`` over slices and the token's k pairs (one reduction), rounded once.
 
 Takes 4-bit experts whose groups are contiguous runs (a K tile inside one group: one scale and zero row a tile,
-applied once to the tile's sum) and 16-bit experts; act-order and FP8 experts stay on the tiled kernel. The
-reference is ``moe_w4a16.fused_moe_ref``. Which kernel serves a call: ``moe_w4a16.fused_moe``'s selection.
+applied once to the tile's sum), 16-bit experts, and FP8 experts (e4m3 codes; the activations rounded per token,
+or per token and scale block, before each GEMV as the tiled kernel rounds them, so ``h`` is formed whole by one
+more launch between the two); act-order experts stay on the tiled kernel. The reference is
+``moe_w4a16.fused_moe_ref``. Which kernel serves a call: ``moe_w4a16.fused_moe``'s selection.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from quantkit.kernels.fp8_quant import quantize_activations
+
 # The most (token, slot) pairs this kernel takes: beyond, a tiled program's 16 rows are mostly full.
 MAX_PAIRS = 64
 # Programs a launch aims at (a few per SM on an H100/H200's 132); the split of K is sized to reach it.
@@ -30,14 +34,17 @@ TARGET_PROGRAMS = 512
 
 
 @triton.jit
-def _moe_gemv_kernel(a_ptr, p1_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, topw_ptr, out_ptr,
+def _moe_gemv_kernel(a_ptr, p1_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, topw_ptr, out_ptr, as_ptr,
                      N, K, TOP_K, IN_SPLITS, INTER,
                      stride_am, stride_we, stride_wk, stride_wn, stride_se, stride_sg, stride_sn,
-                     stride_ps, stride_pp, stride_os, stride_op,
+                     stride_ps, stride_pp, stride_os, stride_op, stride_asm,
                      QUANT: tl.constexpr, GROUP: tl.constexpr, GATED_INPUT: tl.constexpr, MUL_ROUTED: tl.constexpr,
-                     K_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     FP8: tl.constexpr, K_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """One pair ``p``, BLOCK_N columns, slice ``s`` of K (K_SPLIT columns). ``GATED_INPUT``: the input row is
-    ``silu(gate) * up`` of ``p1``'s IN_SPLITS partial sums (the down GEMV), else ``a[p // TOP_K]`` (gate/up)."""
+    ``silu(gate) * up`` of ``p1``'s IN_SPLITS partial sums (the down GEMV), else ``a[p // TOP_K]`` (gate/up; the
+    down GEMV of FP8 experts passes TOP_K 1: its rows are the pairs'). ``FP8``: ``a`` holds e4m3 codes with float32
+    scales ``as [rows, K / GROUP]`` and ``w [E, N, K]`` e4m3 codes with scales ``s [E, N, K / GROUP]`` (GROUP: the
+    scales' run of input columns, K for one run); each K tile's sum of code products is scaled by both."""
     p = tl.program_id(0)
     pid_n = tl.program_id(1)
     sp = tl.program_id(2)
@@ -71,6 +78,13 @@ def _moe_gemv_kernel(a_ptr, p1_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, topw_ptr, out_
             zero = tl.load(z_ptr + sz, mask=inside, other=0.0).to(tl.float32)
             # sum_k a_k (c_k - z) s = s (sum_k a_k c_k - z sum_k a_k): the tile lies in one group
             acc += scale * (tl.sum(a[:, None] * codes, axis=0) - zero * tl.sum(a, axis=0))
+        elif FP8:  # e4m3 x e4m3 products are exact in float32, as the FP8 GEMM's
+            w = tl.load(w_ptr + e * stride_we + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn,
+                        mask=k_mask[:, None] & n_mask[None, :], other=0.0).to(tl.float32)
+            run = k0 // GROUP
+            sa = tl.load(as_ptr + (p // TOP_K).to(tl.int64) * stride_asm + run)
+            sw = tl.load(s_ptr + e * stride_se + run * stride_sg + offs_n * stride_sn, mask=n_mask, other=0.0)
+            acc += tl.sum(a[:, None] * w, axis=0) * (sa * sw)
         else:
             w = tl.load(w_ptr + e * stride_we + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn,
                         mask=k_mask[:, None] & n_mask[None, :], other=0.0).to(tl.float32)
@@ -93,11 +107,29 @@ def _sum_parts_kernel(parts_ptr, out_ptr, H, PARTS, BLOCK: tl.constexpr):
     tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
+@triton.jit
+def _gated_rows_kernel(p1_ptr, h_ptr, INTER, IN_SPLITS, stride_ps, stride_pp, BLOCK: tl.constexpr):
+    """``h[p] = silu(sum_s p1 gate) * sum_s p1 up``, rounded to h's dtype: the FP8 down GEMV's input, which the
+    activations' per-token e4m3 rounding needs whole (its scale is the row's largest value)."""
+    p = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < INTER
+    g = tl.zeros((BLOCK,), dtype=tl.float32)
+    u = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(IN_SPLITS):
+        row = p1_ptr + s * stride_ps + p * stride_pp
+        g += tl.load(row + cols, mask=ok, other=0.0)
+        u += tl.load(row + INTER + cols, mask=ok, other=0.0)
+    tl.store(h_ptr + p * INTER + cols, (g / (1.0 + tl.exp(-g)) * u).to(h_ptr.dtype.element_ty), mask=ok)
+
+
 def block_k_for(experts) -> int:
     """The K tile: 64 for 16-bit experts; for 4-bit ones the largest of 128/64/32 inside both groups, or 0 where
-    their groups are not contiguous runs that a tile fits in (act-order: the tiled kernel serves them)."""
+    their groups are not contiguous runs that a tile fits in (act-order: the tiled kernel serves them); for FP8
+    ones 64, or the largest of 128/64/32 inside both scale blocks."""
     if experts.fp8:
-        return 0
+        runs = [g for g in (experts.group13, experts.group2) if g]
+        return next((b for b in (128, 64, 32) if all(g % b == 0 for g in runs)), 0) if runs else 64
     if not experts.quantized:
         return 64
     return next((b for b in (128, 64, 32) if experts.group13 and experts.group2
@@ -105,7 +137,8 @@ def block_k_for(experts) -> int:
 
 
 def applies(experts, pairs: int) -> bool:
-    """Whether this kernel can serve ``pairs`` (token, slot) pairs of these experts."""
+    """Whether this kernel can serve ``pairs`` (token, slot) pairs of these experts (4-bit with contiguous groups,
+    FP8 with dynamic activation scales, 16-bit)."""
     return 0 < pairs <= MAX_PAIRS and block_k_for(experts) > 0
 
 
@@ -119,21 +152,27 @@ def _split(k: int, block_k: int, programs: int, target: int | None = None) -> tu
 
 
 def _launch(a, p1, w, s, z, ids, topw, out_parts, n, k, top_k, in_splits, inter, quant, group, gated_input,
-            mul_routed, k_split, block_n, block_k, num_warps):
+            mul_routed, k_split, block_n, block_k, num_warps, a_scales=None):
+    fp8 = a_scales is not None
     if quant:
         swe, swk, swn = w.stride()  # [E, K/8, N]
         sse, ssg, ssn = s.stride()  # [E, G, N]
+    elif fp8:
+        swe, swn, swk = w.stride()  # [E, N, K] e4m3
+        sse, ssn, ssg = s.stride()  # [E, N, G] float32
+        z = w  # unused
+        group = group or k
     else:
         swe, swn, swk = w.stride()  # [E, N, K]
         sse = ssg = ssn = 0
         s = z = w  # unused
     slices, pairs = out_parts.shape[0], out_parts.shape[1]
     grid = (pairs, triton.cdiv(n, block_n), slices)
-    _moe_gemv_kernel[grid](a, p1, w, s, z, ids, topw, out_parts, n, k, top_k, in_splits, inter,
-                           a.stride(0), swe, swk, swn, sse, ssg, ssn, p1.stride(0), p1.stride(1),
-                           out_parts.stride(0), out_parts.stride(1), QUANT=quant, GROUP=group,
-                           GATED_INPUT=gated_input, MUL_ROUTED=mul_routed, K_SPLIT=k_split, BLOCK_N=block_n,
-                           BLOCK_K=block_k, num_warps=num_warps)
+    _moe_gemv_kernel[grid](a, p1, w, s, z, ids, topw, out_parts, a_scales if fp8 else topw, n, k, top_k, in_splits,
+                           inter, a.stride(0), swe, swk, swn, sse, ssg, ssn, p1.stride(0), p1.stride(1),
+                           out_parts.stride(0), out_parts.stride(1), a_scales.stride(0) if fp8 else 0, QUANT=quant,
+                           GROUP=group, GATED_INPUT=gated_input, MUL_ROUTED=mul_routed, FP8=fp8, K_SPLIT=k_split,
+                           BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
 
 
 def moe_gemv(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, experts, block_n: int = 64,
@@ -145,22 +184,35 @@ def moe_gemv(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     top_k = topk_ids.shape[1]
     pairs = t * top_k
     if not applies(experts, pairs):
-        raise ValueError(f"moe_gemv takes 1..{MAX_PAIRS} pairs of 16-bit or contiguous-group 4-bit experts")
+        raise ValueError(f"moe_gemv takes 1..{MAX_PAIRS} pairs of 16-bit, FP8 or contiguous-group 4-bit experts")
     block_k = block_k_for(experts)
     inter = experts.inter
     x = x.contiguous()
     ids = topk_ids.reshape(-1).contiguous()
     topw = topk_weights.reshape(-1).to(torch.float32).contiguous()
-    q = experts.quantized
+    q, fp8 = experts.quantized, experts.fp8
+    # FP8 experts: the activations rounded to e4m3 per token (or token and scale block), as the FP8 linears and
+    # the tiled kernel round them
+    a13, as13 = quantize_activations(x, experts.group13) if fp8 else (x, None)
     s1, k1 = _split(h, block_k, pairs * triton.cdiv(2 * inter, block_n), target)
     p1 = torch.empty(s1, pairs, 2 * inter, dtype=torch.float32, device=x.device)
-    _launch(x, p1, experts.w13, experts.s13, experts.z13, ids, topw, p1, 2 * inter, h, top_k, 1, inter, q,
-            experts.group13, False, False, k1, block_n, block_k, num_warps)
+    _launch(a13, p1, experts.w13, experts.s13, experts.z13, ids, topw, p1, 2 * inter, h, top_k, 1, inter, q,
+            experts.group13, False, False, k1, block_n, block_k, num_warps, as13)
     s2, k2 = _split(inter, block_k, pairs * triton.cdiv(h, block_n), target)
     # token-major [T, k, S2, H]: a token's k pairs and S2 slices are one run of rows for the final sum
     p2 = torch.empty(t, top_k, s2, h, dtype=torch.float32, device=x.device)
-    _launch(x, p1, experts.w2, experts.s2, experts.z2, ids, topw, p2.permute(2, 0, 1, 3).view(s2, pairs, h), h,
-            inter, top_k, s1, inter, q, experts.group2, True, True, k2, block_n, block_k, num_warps)
+    parts2 = p2.permute(2, 0, 1, 3).view(s2, pairs, h)
+    if fp8:  # silu(gate) * up whole (its rounding needs each row's largest value), then the down GEMV on codes
+        hid = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
+        block = min(1024, triton.next_power_of_2(inter))
+        _gated_rows_kernel[(pairs, triton.cdiv(inter, block))](p1, hid, inter, s1, p1.stride(0), p1.stride(1),
+                                                                BLOCK=block, num_warps=4)
+        a2, as2 = quantize_activations(hid, experts.group2)
+        _launch(a2, p1, experts.w2, experts.s2, experts.z2, ids, topw, parts2, h, inter, 1, s1, inter, q,
+                experts.group2, False, True, k2, block_n, block_k, num_warps, as2)
+    else:
+        _launch(x, p1, experts.w2, experts.s2, experts.z2, ids, topw, parts2, h, inter, top_k, s1, inter, q,
+                experts.group2, True, True, k2, block_n, block_k, num_warps)
     # slices and the token's k pairs summed in float32, rounded once (as the tiled path's sum)
     out = torch.empty(t, h, dtype=x.dtype, device=x.device)
     block = min(1024, triton.next_power_of_2(h))

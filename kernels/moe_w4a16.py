@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from quantkit.kernels.fp8_quant import quantize_activations
 from quantkit.kernels.moe_align import BLOCK_M, moe_align
 
 
@@ -300,7 +301,9 @@ def _launch(a, ex_w, s, z, g, out, sorted_ids, block_expert, topw, pairs, n, k, 
 # 38.7 us against 87.9 and the whole step 197 tok/s against 134; at 64 pairs (batch 8) the step 823 tok/s against
 # 892 (the block alone 134.7 against 153.5 us: the GEMV's win there does not survive the step). 16-bit experts
 # lose at both (bf16 steps 157 against 170 tok/s at batch 1, 485 against 599 at batch 8). So: the GEMV for
-# 4-bit experts up to GEMV_MAX_PAIRS pairs, measured there only; QUANTKIT_MOE_DECODE=gemv|tiles forces one.
+# 4-bit experts up to GEMV_MAX_PAIRS pairs, measured there only; QUANTKIT_MOE_DECODE=gemv|tiles forces one. FP8
+# experts go through the GEMV only when forced: not yet timed (`bash bench/gpu_check.sh moe-decode` times the
+# forced run's FP8 beside the tiled one).
 DECODE_KERNELS = ("auto", "tiles", "gemv")
 GEMV_MAX_PAIRS = 8
 
@@ -365,18 +368,6 @@ def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tenso
             h, experts.inter, 0, k, q, False, False, True, block_m, block_n, block_k, g2, num_warps, num_stages, as2)
     # one launch: a 16-bit sum accumulates in float32 and rounds once, as summing to float32 and casting would
     return out.view(t, k, h).sum(1)
-
-
-def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """e4m3 codes ``[M, K]`` and float32 scales ``[M, G]`` of ``x``: per row (``group`` 0, the per-token kernel),
-    or per row and run of ``group`` columns (block-scaled experts), as the FP8 linears quantize their inputs."""
-    if group:
-        from quantkit.kernels.fp8_quant_ref import quantize_per_group_ref
-
-        return quantize_per_group_ref(x, group)
-    from quantkit.kernels.fp8_quant import quantize_per_token
-
-    return quantize_per_token(x)
 
 
 def fused_moe_ref(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
