@@ -79,16 +79,17 @@ def _moe_gemv_kernel(a_ptr, p1_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, topw_ptr, out_
             # sum_k a_k (c_k - z) s = s (sum_k a_k c_k - z sum_k a_k): the tile lies in one group
             acc += scale * (tl.sum(a[:, None] * codes, axis=0) - zero * tl.sum(a, axis=0))
         elif FP8:  # e4m3 x e4m3 products are exact in float32, as the FP8 GEMM's
-            w = tl.load(w_ptr + e * stride_we + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn,
-                        mask=k_mask[:, None] & n_mask[None, :], other=0.0).to(tl.float32)
+            # [BLOCK_N, BLOCK_K]: rows of K-contiguous codes, reduced along K inside a thread's run
+            w = tl.load(w_ptr + e * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk,
+                        mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
             run = k0 // GROUP
             sa = tl.load(as_ptr + (p // TOP_K).to(tl.int64) * stride_asm + run)
             sw = tl.load(s_ptr + e * stride_se + run * stride_sg + offs_n * stride_sn, mask=n_mask, other=0.0)
-            acc += tl.sum(a[:, None] * w, axis=0) * (sa * sw)
+            acc += tl.sum(w * a[None, :], axis=1) * (sa * sw)
         else:
-            w = tl.load(w_ptr + e * stride_we + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn,
-                        mask=k_mask[:, None] & n_mask[None, :], other=0.0).to(tl.float32)
-            acc += tl.sum(a[:, None] * w, axis=0)
+            w = tl.load(w_ptr + e * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk,
+                        mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+            acc += tl.sum(w * a[None, :], axis=1)
     if MUL_ROUTED:
         acc = acc * tl.load(topw_ptr + p)
     tl.store(out_ptr + sp * stride_os + p * stride_op + offs_n, acc, mask=n_mask)
@@ -126,8 +127,7 @@ def _gated_rows_kernel(p1_ptr, h_ptr, INTER, IN_SPLITS, stride_ps, stride_pp, BL
 def block_k_for(experts) -> int:
     """The K tile: 64 for 16-bit experts; for 4-bit ones the largest of 128/64/32 inside both groups, or 0 where
     their groups are not contiguous runs that a tile fits in (act-order: the tiled kernel serves them); for FP8
-    ones 64, or 32 where the scale blocks are not multiples of 64 (a 128-row FP8 tile spills in the sm_90 build:
-    255 registers and 260 bytes of spill stores at 64 columns, none at 64 rows; Triton 3.6's ptxas)."""
+    ones 64 as for 16-bit, or 32 where the scale blocks are not multiples of 64 (not yet swept on a GPU)."""
     if experts.fp8:
         runs = [g for g in (experts.group13, experts.group2) if g]
         return next((b for b in (64, 32) if all(g % b == 0 for g in runs)), 0)

@@ -193,7 +193,8 @@ open(out, "w").write(kernel.asm["ptx"])
 @pytest.mark.parametrize(("kind", "block_k"), [("int4", 128), ("int4-down", 128), ("fp8", 64)])
 def test_gemv_compiles_for_sm90_without_spills(sm90, tmp_path, kind, block_k):
     """The GEMV as the table runs it at 128-groups (4-bit gate/up and down with its gated prologue) and FP8 at its
-    64-row tile (block_k_for), compiled for Hopper: no spill stores (a 128-row FP8 tile spills 260 bytes)."""
+    64-row tile (block_k_for), compiled for Hopper: no spill stores. (The FP8 and 16-bit tiles are [N, K], rows of
+    K-contiguous codes: read as [K, N] like the 4-bit words, the FP8 tile took 255 registers and spilled.)"""
     import json
 
     ptx = str(tmp_path / "gemv.ptx")
