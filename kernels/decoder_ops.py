@@ -95,6 +95,38 @@ def qk_norm(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, n
 
 
 @triton.jit
+def _add_sigmoid_gated_kernel(y_ptr, s_ptr, x_ptr, g_ptr, out_ptr, H, stride_y, stride_s, stride_x, stride_o,
+                              BLOCK_H: tl.constexpr, BLOCK: tl.constexpr):
+    # program (row, block of columns); every program forms the row's gate itself (H values, from L2), so the whole
+    # expression is one launch
+    row = tl.program_id(0).to(tl.int64)
+    dtype = out_ptr.dtype.element_ty
+    hs = tl.arange(0, BLOCK_H)
+    x = tl.load(x_ptr + row * stride_x + hs, mask=hs < H, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + hs, mask=hs < H, other=0.0).to(tl.float32)
+    z = tl.sum(x * g, 0).to(dtype).to(tl.float32)  # the linear's 16-bit output
+    gate = (1.0 / (1.0 + tl.exp(-z))).to(dtype).to(tl.float32)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < H
+    s = tl.load(s_ptr + row * stride_s + cols, mask=ok, other=0.0).to(tl.float32)
+    y = tl.load(y_ptr + row * stride_y + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, (y + (gate * s).to(dtype).to(tl.float32)).to(dtype), mask=ok)
+
+
+def add_sigmoid_gated(y: torch.Tensor, s: torch.Tensor, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """As :func:`.decoder_ops_ref.add_sigmoid_gated_ref`, in one launch (the reference is six: the gate's linear,
+    float, sigmoid, cast, product, sum)."""
+    m, h = y.shape
+    assert s.shape == x.shape == (m, h) and gate.numel() == h and y.stride(1) == s.stride(1) == x.stride(1) == 1
+    out = torch.empty_like(y)
+    block = min(1024, triton.next_power_of_2(h))
+    _add_sigmoid_gated_kernel[(m, triton.cdiv(h, block))](y, s, x, gate.contiguous(), out, h, y.stride(0), s.stride(0),
+                                                          x.stride(0), out.stride(0), BLOCK_H=triton.next_power_of_2(h),
+                                                          BLOCK=block, num_warps=4)
+    return out
+
+
+@triton.jit
 def _rope_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
                        stride_t, stride_cos, stride_cs, stride_cn, stride_ch,
                        N_HEADS: tl.constexpr, N_KV: tl.constexpr, HALF: tl.constexpr,

@@ -42,6 +42,13 @@ def qk_norm_ref(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tenso
     k.copy_(rms_norm_ref(k, k_weight, eps, offset))
 
 
+def add_sigmoid_gated_ref(y: torch.Tensor, s: torch.Tensor, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """``y + sigmoid(x . gate) * s`` for rows ``[M, H]`` and ``gate [1, H]`` (Qwen2-MoE's shared expert ``s`` scaled
+    by its gate and added to the routed experts' ``y``), each step rounded to the activations' dtype as the
+    model's own ops round them."""
+    return y + torch.sigmoid(F.linear(x, gate).float()).to(s.dtype) * s
+
+
 def rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """RoPE in the half-split layout: ``x [M, heads, D]``, ``cos, sin [M, D/2]`` float32."""
     half = x.shape[-1] // 2

@@ -57,9 +57,16 @@ class MoELayer:
             y = fused_moe_ref(x, weights, ids, self._reference_experts(), self.act_quant)
         if self.shared_gate_up is not None:
             s = self.shared_down(act_mul(self.shared_gate_up(x), "silu"))
-            if self.shared_gate is not None:
-                s = torch.sigmoid(torch.nn.functional.linear(x, self.shared_gate).float()).to(s.dtype) * s
-            y = y + s
+            if self.shared_gate is None:
+                y = y + s
+            elif self.use_kernel:  # the gate, its sigmoid and the sum in one launch (kernels/decoder_ops.py)
+                from quantkit.kernels.decoder_ops import add_sigmoid_gated
+
+                y = add_sigmoid_gated(y, s, x, self.shared_gate)
+            else:
+                from quantkit.kernels.decoder_ops_ref import add_sigmoid_gated_ref
+
+                y = add_sigmoid_gated_ref(y, s, x, self.shared_gate)
         return y
 
     def _reference_experts(self):

@@ -1,5 +1,6 @@
 """The decoder step's small Triton kernels compiled for Hopper on the CPU (the interpreter runs no compiler):
-the q/k norm, whose segment length and weights come from a branch on the program id."""
+the q/k norm, whose segment length and weights come from a branch on the program id, and the shared expert's
+gated sum."""
 
 from __future__ import annotations
 
@@ -30,5 +31,31 @@ def test_qk_norm_compiles_for_sm90_without_spills(sm90, tmp_path, n_q, seg_q, se
     """Per head (Qwen3-30B-A3B: 32 q heads of 128) and over the whole projections (OLMoE: q 2048, k 512)."""
     ptx = str(tmp_path / "qk_norm.ptx")
     sm90.compile(_COMPILE_QK_NORM, json.dumps([n_q, seg_q, seg_k, ptx]))
+    notices = sm90.ptxas_notices(ptx)
+    assert "0 bytes spill stores" in notices, notices
+
+
+_COMPILE_GATED = r"""
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from quantkit.kernels import decoder_ops as d
+
+h, out = json.loads(sys.argv[1])
+signature = {"y_ptr": "*bf16", "s_ptr": "*bf16", "x_ptr": "*bf16", "g_ptr": "*bf16", "out_ptr": "*bf16", "H": "i32",
+             "stride_y": "i32", "stride_s": "i32", "stride_x": "i32", "stride_o": "i32"}
+constexprs = dict(BLOCK_H=triton.next_power_of_2(h), BLOCK=min(1024, triton.next_power_of_2(h)))
+signature |= {name: "constexpr" for name in constexprs}
+kernel = triton.compile(ASTSource(fn=d._add_sigmoid_gated_kernel, signature=signature, constexprs=constexprs, attrs={}),
+                        target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+open(out, "w").write(kernel.asm["ptx"])
+"""
+
+
+@pytest.mark.parametrize("h", [2048, 3584])  # Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B
+def test_add_sigmoid_gated_compiles_for_sm90_without_spills(sm90, tmp_path, h):
+    ptx = str(tmp_path / "gated.ptx")
+    sm90.compile(_COMPILE_GATED, json.dumps([h, ptx]))
     notices = sm90.ptxas_notices(ptx)
     assert "0 bytes spill stores" in notices, notices

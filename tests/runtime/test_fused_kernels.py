@@ -61,6 +61,19 @@ def test_qk_norm_in_place(dtype, per_head, hq, hkv, d, offset):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("m", "h"), [(1, 64), (3, 200)])  # 200: the gate's row and the columns off a power of two
+def test_add_sigmoid_gated(dtype, m, h):
+    """Qwen2-MoE's shared expert: ``y + sigmoid(x . gate) * s`` in one launch, against the model's own op chain."""
+    g = torch.Generator().manual_seed(3)
+    y, s, x = (torch.randn(m, h, generator=g).to(DEV, dtype) for _ in range(3))
+    gate = (torch.randn(1, h, generator=g) / h**0.5).to(DEV, dtype)
+    out = fused_kernels.add_sigmoid_gated(y, s, x, gate)
+    ref = ops.add_sigmoid_gated_ref(y, s, x, gate)
+    assert out.dtype == dtype and rel_err(out, ref) < _tol(dtype)
+    assert rel_err(out, y + s) > 10 * _tol(dtype)  # the gate scales s: not the plain sum
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("write_cache", [False, True])
 def test_rope_cache(dtype, write_cache):
     g = torch.Generator().manual_seed(1)
