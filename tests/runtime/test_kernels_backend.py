@@ -59,3 +59,60 @@ def test_kernels_backend_chunked_prefill_matches_reference(family, tiny_family):
         m.prefill([prompt[:6]], [1], cache)
         outs.append(m.prefill([prompt[6:], prompt[:4]], [1, 0], cache, [6, 0]))
     assert rel_err(outs[1], outs[0]) < tol
+
+
+# What a decode step may run as PyTorch ops on the kernels backend besides its Triton kernels: allocations and
+# views, the linears (16-bit ones stay cuBLAS; quantized ones are Triton), the embedding row, and a few per-step
+# or per-layer casts and sums. Anything else (pow, mean, rsqrt, sigmoid, softmax, topk, add...) is a chain of
+# launches that a fused kernel should run: Qwen3's q/k norms ran as ~20 such ops a layer, a third of a 30B-A3B
+# batch-1 step, until this test's families went through it.
+_FREE_OPS = {"empty", "empty_like", "new_empty", "reshape", "view", "as_strided", "detach", "alias", "_unsafe_view",
+             "slice", "select", "t", "transpose", "expand", "unsqueeze", "squeeze", "permute", "contiguous"}
+_PER_LAYER_OPS = {"to", "sum", "mul"}  # Gemma's embedding scale (mul), the tiled MoE's final sum and its casts
+
+
+@pytest.mark.parametrize(("family", "linears_a_layer"), [("llama", 4), ("qwen3", 4), ("gemma3_text", 4),
+                                                          ("qwen3_moe", 3), ("qwen2_moe", 5)])
+def test_decode_step_runs_no_chains_of_pytorch_ops(family, linears_a_layer, tiny_family, tmp_path, monkeypatch):
+    """The PyTorch ops of one decode step on the kernels backend (the Triton launches themselves made no-ops
+    under the interpreter, so only the ops our Python code issues are counted): only the allowed ones, the
+    linears a layer each family has (MoE: q/k/v, o, the router, and Qwen2-MoE's shared expert's two; its gate is
+    fused), and no per-layer op more than once a layer."""
+    import collections
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    if family.endswith("moe"):
+        from tests.moe.moe_tiny import tiny_moe
+
+        folder = tmp_path / family
+        tiny_moe(family).save_pretrained(folder)
+    else:
+        folder, _ = tiny_family(family)
+    model, _ = load_runtime_model(str(folder), device=DEV, dtype="float32", backend="kernels")
+    cache = KVCache.allocate(model.spec, 2, 16, model.dtype, model.device)
+    model.prefill([[1, 2, 3]], [0], cache)
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        import triton.runtime.interpreter as interpreter
+
+        monkeypatch.setattr(interpreter.InterpretedFunction, "run", lambda self, *args, **kwargs: None)
+    step = (torch.tensor([4], device=DEV), torch.tensor([3], dtype=torch.int32, device=DEV),
+            torch.tensor([0], dtype=torch.int32, device=DEV))
+    record = Record()
+    with record:
+        model.decode(*step, cache)
+    layers = model.spec.num_layers
+    ops = {op: n for op, n in record.ops.items() if op not in _FREE_OPS}
+    assert ops.pop("linear") == linears_a_layer * layers + 1, record.ops  # + the head
+    assert ops.pop("index", 0) <= 1, record.ops  # the embedding row
+    assert set(ops) <= _PER_LAYER_OPS and all(n <= layers + 1 for n in ops.values()), record.ops
