@@ -34,6 +34,19 @@ TARGET_PROGRAMS = 512
 
 
 @triton.jit
+def _gated_input(p1_ptr, p, cols, ok, IN_SPLITS, INTER, stride_ps, stride_pp):
+    """``silu(gate) * up`` in float32 at columns ``cols`` of pair ``p``, from p1's IN_SPLITS partial sums (gate in
+    the first INTER columns of a row, up in the next)."""
+    g = tl.zeros(cols.shape, dtype=tl.float32)
+    u = tl.zeros(cols.shape, dtype=tl.float32)
+    for s in range(IN_SPLITS):
+        row = p1_ptr + s * stride_ps + p * stride_pp
+        g += tl.load(row + cols, mask=ok, other=0.0)
+        u += tl.load(row + INTER + cols, mask=ok, other=0.0)
+    return g / (1.0 + tl.exp(-g)) * u
+
+
+@triton.jit
 def _moe_gemv_kernel(a_ptr, p1_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, topw_ptr, out_ptr, as_ptr,
                      N, K, TOP_K, IN_SPLITS, INTER,
                      stride_am, stride_we, stride_wk, stride_wn, stride_se, stride_sg, stride_sn,
@@ -56,13 +69,8 @@ def _moe_gemv_kernel(a_ptr, p1_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, topw_ptr, out_
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
         if GATED_INPUT:
-            g = tl.zeros((BLOCK_K,), dtype=tl.float32)
-            u = tl.zeros((BLOCK_K,), dtype=tl.float32)
-            for s in range(IN_SPLITS):
-                row = p1_ptr + s * stride_ps + p * stride_pp
-                g += tl.load(row + offs_k, mask=k_mask, other=0.0)
-                u += tl.load(row + INTER + offs_k, mask=k_mask, other=0.0)
-            a = (g / (1.0 + tl.exp(-g)) * u).to(a_ptr.dtype.element_ty).to(tl.float32)  # as x's dtype
+            a = _gated_input(p1_ptr, p, offs_k, k_mask, IN_SPLITS, INTER, stride_ps, stride_pp)
+            a = a.to(a_ptr.dtype.element_ty).to(tl.float32)  # as x's dtype
         else:
             a = tl.load(a_ptr + (p // TOP_K).to(tl.int64) * stride_am + offs_k, mask=k_mask, other=0.0).to(tl.float32)
         if QUANT:
@@ -115,13 +123,8 @@ def _gated_rows_kernel(p1_ptr, h_ptr, INTER, IN_SPLITS, stride_ps, stride_pp, BL
     p = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < INTER
-    g = tl.zeros((BLOCK,), dtype=tl.float32)
-    u = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in range(IN_SPLITS):
-        row = p1_ptr + s * stride_ps + p * stride_pp
-        g += tl.load(row + cols, mask=ok, other=0.0)
-        u += tl.load(row + INTER + cols, mask=ok, other=0.0)
-    tl.store(h_ptr + p * INTER + cols, (g / (1.0 + tl.exp(-g)) * u).to(h_ptr.dtype.element_ty), mask=ok)
+    h = _gated_input(p1_ptr, p, cols, ok, IN_SPLITS, INTER, stride_ps, stride_pp)
+    tl.store(h_ptr + p * INTER + cols, h.to(h_ptr.dtype.element_ty), mask=ok)
 
 
 def block_k_for(experts) -> int:

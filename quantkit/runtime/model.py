@@ -163,7 +163,9 @@ class RuntimeModel:
 
     # -- the decoder ----------------------------------------------------------------------------------
 
-    def _qk_norm(self, qkv: torch.Tensor, layer) -> None:
+    def qk_norm(self, qkv: torch.Tensor, layer) -> None:
+        """RMSNorm of q and k in place on a ``layer``'s ``qkv`` (Qwen3, Gemma 3, OLMoE). Public for the bench's
+        decode split."""
         s = self.spec
         self.ops.qk_norm(qkv, layer.q_norm, layer.k_norm, s.num_heads, s.num_kv_heads, s.head_dim, s.rms_eps,
                          s.norm_offset, per_head=s.qk_norm == "head")
@@ -187,7 +189,7 @@ class RuntimeModel:
             x, residual = o.add_rms_norm(delta, residual, lw.input_norm, s.rms_eps, s.norm_offset)
             qkv = lw.qkv(x)
             if s.qk_norm:
-                self._qk_norm(qkv, lw)
+                self.qk_norm(qkv, lw)
             if s.clip_qkv:
                 qkv.clamp_(-s.clip_qkv, s.clip_qkv)
             if not rope_in_attention:

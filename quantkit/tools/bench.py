@@ -278,8 +278,7 @@ def time_split(engine: Engine, context: int = 128) -> dict:
         for lw in w.layers:
             o.add_rms_norm(h, h, lw.input_norm, s.rms_eps, s.norm_offset)
             if s.qk_norm:
-                o.qk_norm(qkv, lw.q_norm, lw.k_norm, s.num_heads, s.num_kv_heads, s.head_dim, s.rms_eps,
-                          s.norm_offset, per_head=s.qk_norm == "head")
+                model.qk_norm(qkv, lw)
             o.add_rms_norm(h, h, lw.post_attn_norm, s.rms_eps, s.norm_offset)
             if lw.moe is None:  # a MoE block's activation is inside its kernel (counted in "linears")
                 o.act_mul(gate_up, s.activation)
