@@ -67,6 +67,27 @@ def timed(fn, repeat: int = 5) -> float:
     return best
 
 
+def layer_printer(name: str, done: list):
+    """The walker's per-layer callback: prints k of n, seconds, ETA and the method's phases (where the time of a
+    layer goes), keeps each layer's seconds and phases in ``done``."""
+
+    def on_layer(ev):
+        done.append({"seconds": ev.seconds, "phases": {k: round(v, 3) for k, v in ev.phases.items()}})
+        eta = ev.elapsed / (ev.index + 1) * (ev.n_layers - ev.index - 1)
+        split = ", ".join(f"{k[len('method.'):]} {v:.1f}" for k, v in ev.phases.items() if k.startswith("method."))
+        print(f"  {name} layer {ev.index + 1}/{ev.n_layers}: {ev.seconds:.1f} s (ETA {eta:.0f} s; {split})",
+              flush=True)
+
+    return on_layer
+
+
+def median_layer(done: list) -> dict:
+    """The median layer's seconds and the median of each phase over the layers."""
+    mid = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    return {"layer_seconds_median": mid([d["seconds"] for d in done]),
+            "layer_phases_median": {k: mid([d["phases"].get(k, 0.0) for d in done]) for k in done[0]["phases"]}}
+
+
 def run_gptq(args, sizes: dict, record: dict):
     from quantkit.api import build_method
     from quantkit.calibrate.walker import walk
@@ -84,20 +105,15 @@ def run_gptq(args, sizes: dict, record: dict):
                            generator=torch.Generator().manual_seed(0))
     if args.device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
-    done = []
-
-    def on_layer(ev):
-        done.append(ev.seconds)
-        eta = ev.elapsed / (ev.index + 1) * (ev.n_layers - ev.index - 1)
-        print(f"  gptq layer {ev.index + 1}/{ev.n_layers}: {ev.seconds:.1f} s (ETA {eta:.0f} s)", flush=True)
-
+    done: list = []
     t0 = time.perf_counter()
-    result = walk(model, method, device=args.device, token_ids=tokens, batch_size=args.batch_size, on_layer=on_layer)
+    result = walk(model, method, device=args.device, token_ids=tokens, batch_size=args.batch_size,
+                  on_layer=layer_printer("gptq", done))
     sync()
     seconds = time.perf_counter() - t0
     experts = expert_tokens(result.layer_stats)
     record["gptq"] = {
-        "seconds": seconds, "layer_seconds_median": sorted(done)[len(done) // 2],
+        "seconds": seconds, **median_layer(done),
         "peak_device_gib": torch.cuda.max_memory_allocated() / 2**30 if args.device.startswith("cuda") else 0,
         "peak_host_gib": peak_host_memory_bytes() / 2**30, "n_quantized": len(result.weights),
         "rtn_fallback_experts": sum(len(r["rtn_fallback"]) for r in experts.values()),
@@ -137,14 +153,12 @@ def run_method(args, sizes: dict, name: str) -> dict:
     if args.device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
 
-    def on_layer(ev):
-        eta = ev.elapsed / (ev.index + 1) * (ev.n_layers - ev.index - 1)
-        print(f"  {name} layer {ev.index + 1}/{ev.n_layers}: {ev.seconds:.1f} s (ETA {eta:.0f} s)", flush=True)
-
+    done: list = []
     t0 = time.perf_counter()
-    result = walk(model, method, device=args.device, token_ids=tokens, batch_size=args.batch_size, on_layer=on_layer)
+    result = walk(model, method, device=args.device, token_ids=tokens, batch_size=args.batch_size,
+                  on_layer=layer_printer(name, done))
     sync()
-    return {"seconds": time.perf_counter() - t0, "n_quantized": len(result.weights),
+    return {"seconds": time.perf_counter() - t0, **median_layer(done), "n_quantized": len(result.weights),
             "peak_device_gib": torch.cuda.max_memory_allocated() / 2**30 if args.device.startswith("cuda") else 0,
             "peak_host_gib": peak_host_memory_bytes() / 2**30, "tokens": args.nsamples * args.seqlen,
             "options": default_options(name, scheme)}

@@ -292,18 +292,20 @@ def _launch(a, ex_w, s, z, g, out, sorted_ids, block_expert, topw, pairs, n, k, 
                            num_stages=num_stages)
 
 
-# Which kernel serves a call, by (token, slot) pairs, where ``moe_gemv.applies`` (16-bit or contiguous-group 4-bit
-# experts, at most moe_gemv.MAX_PAIRS pairs); the tiled kernel serves everything else.
+# Which kernel serves a call, by (token, slot) pairs, where ``moe_gemv.applies`` (16-bit, FP8 with dynamic activation
+# scales, or contiguous-group 4-bit experts, at most moe_gemv.MAX_PAIRS pairs); the tiled kernel serves everything else.
 #   "gemv":  kernels/moe_gemv.py, one program per pair x N tile x slice of K (decode)
 #   "tiles": this file's kernel, 16 pairs of one expert a program
 # Measured (H100, Qwen3-30B-A3B shape, top-8 of 128; bench/results/bench_moe_kernel_h100_gemv.json and
-# bench_qwen3-30b-a3b_h100_{gemv,tiles}.json, 2026-12-06): 4-bit experts at 8 pairs (batch 1), the MoE block
-# 38.7 us against 87.9 and the whole step 197 tok/s against 134; at 64 pairs (batch 8) the step 823 tok/s against
-# 892 (the block alone 134.7 against 153.5 us: the GEMV's win there does not survive the step). 16-bit experts
-# lose at both (bf16 steps 157 against 170 tok/s at batch 1, 485 against 599 at batch 8). So: the GEMV for
-# 4-bit experts up to GEMV_MAX_PAIRS pairs, measured there only; QUANTKIT_MOE_DECODE=gemv|tiles forces one. FP8
-# experts go through the GEMV only when forced: not yet timed (`bash bench/gpu_check.sh moe-decode` times the
-# forced run's FP8 beside the tiled one).
+# bench_qwen3-30b-a3b_h100_{gemv,tiles}.json, whole decode steps under each kernel forced, same machine):
+#   4-bit experts, 8 pairs (batch 1): the MoE block 39.1 us against 87.9, the step 292 tok/s against 169;
+#     64 pairs (batch 8): the step 1,036 against 1,149 tok/s (the block alone is faster on the GEMV, 120 against
+#     148 us, but not the step) -> the GEMV up to GEMV_MAX_PAIRS;
+#   FP8 experts with per-channel scales (e4m3 rows read as [N, K]): the step 251 against 151 tok/s at batch 1 and
+#     807 against 696 at batch 8 -> the GEMV wherever it applies (up to moe_gemv.MAX_PAIRS), for one-run scales;
+#     block-scaled FP8 experts were not timed and stay tiled;
+#   16-bit experts lose at both (bf16 steps 218 against 235 tok/s at batch 1, 557 against 717 at batch 8).
+# QUANTKIT_MOE_DECODE=gemv|tiles forces one (where the GEMV applies).
 DECODE_KERNELS = ("auto", "tiles", "gemv")
 GEMV_MAX_PAIRS = 8
 
@@ -321,6 +323,8 @@ def decode_kernel(experts: MoEExperts, pairs: int) -> str:
         return "tiles"
     if choice == "gemv":
         return "gemv"
+    if experts.fp8:
+        return "gemv" if experts.group13 == experts.group2 == 0 else "tiles"
     return "gemv" if experts.quantized and pairs <= GEMV_MAX_PAIRS else "tiles"
 
 

@@ -23,6 +23,9 @@ def test_tiny_run_writes_every_cpu_section(tmp_path):
     record = json.loads(out.read_text())
     assert record["shape"]["num_hidden_layers"] == 2 and record["gptq"]["tokens"] == 4 * 64
     assert record["gptq"]["n_quantized"] > 0 and record["awq"]["seconds"] > 0
+    # where each method's layer time goes (the walker's phases and the method's own)
+    assert "method.scale_search" in record["awq"]["layer_phases_median"]
+    assert record["gptq"]["layer_seconds_median"] > 0 and "method" in record["gptq"]["layer_phases_median"]
     whats = {(r["model"], r["what"]) for r in record["serve"]}
     assert {("int4", "decode b1"), ("bf16", "decode b1"), ("int4", "prefill 2048")} <= whats
     assert record["int4_over_bf16_decode_b1"] > 0 and "kernel" not in record

@@ -102,11 +102,14 @@ class SeparateExperts(nn.ModuleList):
                 self.observer(e, "down_in", h)
             routed = dense[:, e] != 0
             down = self[e].linears()[2]
-            if self.observer is None:  # hooks on down (AWQ's capture) see all tokens; the routed rows are kept
-                y = down(h)[routed]
+            if self.observer is None:  # hooks on down (AWQ's capture) see all tokens; the routed rows are kept.
+                # torch.where, not a boolean index: indexing by a mask reads its count on the host, a sync per
+                # expert (AWQ's scale search runs this block for each of its candidates)
+                y = (down(h) * dense[:, e, None]).to(out.dtype)
+                out += torch.where(routed[:, None], y, torch.zeros((), dtype=out.dtype, device=out.device))
             else:  # the observer already has down's input: run it on the routed rows only (E/k less work)
                 y = down(h[routed])
-            out[routed] += (y * dense[routed, e, None]).to(out.dtype)
+                out[routed] += (y * dense[routed, e, None]).to(out.dtype)
         return out
 
 

@@ -80,9 +80,10 @@ def test_gemv_fp8_experts_match_the_emulated_reference_and_tiled_kernel(monkeypa
     tiled = fused_moe(x, w.to(DEVICE), ids.to(DEVICE), ex, block_n=32, block_k=32)
     assert rel_err(out, ref) < 1e-4 and rel_err(out, tiled) < 1e-4, (rel_err(out, ref), rel_err(out, tiled))
     monkeypatch.setenv("QUANTKIT_MOE_DECODE", "gemv")
-    assert decode_kernel(ex, ids.numel()) == "gemv"  # forced; the default keeps FP8 tiled until timed
+    assert decode_kernel(ex, ids.numel()) == "gemv"
     monkeypatch.delenv("QUANTKIT_MOE_DECODE")
-    assert decode_kernel(ex, ids.numel()) == "tiles"
+    # by default: the GEMV for per-channel scales (timed faster), tiles for block scales (not timed)
+    assert decode_kernel(ex, ids.numel()) == ("tiles" if weights == "block" else "gemv")
 
 
 def test_split_covers_k_in_whole_tiles():
@@ -92,10 +93,11 @@ def test_split_covers_k_in_whole_tiles():
 
 
 def test_selection_table(monkeypatch):
-    """By default the GEMV for contiguous-group 4-bit experts up to GEMV_MAX_PAIRS pairs (where it was measured
-    faster), the tiled kernel otherwise (16-bit experts, more pairs); forced either way where asked and where the
-    GEMV applies (decode-sized, contiguous 4-bit groups that a K tile fits in, or 16-bit); act-order, FP8 and
-    many pairs stay tiled."""
+    """By default the GEMV for contiguous-group 4-bit experts up to GEMV_MAX_PAIRS pairs and for per-channel FP8
+    experts up to the GEMV's own limit (where each was measured faster), the tiled kernel otherwise (16-bit
+    experts, more pairs); forced either way where asked and where the GEMV applies (decode-sized, contiguous 4-bit
+    groups that a K tile fits in, FP8 or 16-bit); act-order and many pairs stay tiled. (FP8 experts: the FP8
+    interpreter test above.)"""
     contiguous = stack_quantized(experts_q(4, 64, 32, 32), torch.float32, "cpu")
     act_order = stack_quantized(experts_q(4, 64, 32, 32), torch.float32, "cpu")
     act_order = type(act_order)(**{**act_order.__dict__, "group13": 0, "group2": 0})

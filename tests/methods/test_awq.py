@@ -282,6 +282,37 @@ def test_walk_awq_logits_closer_to_fp_than_rtn(config):
     assert ("alpha" in result.layer_stats[0]["linears"]["self_attn.o_proj"]) == config.gqa_tied_vo
 
 
+def test_token_wise_search_calls_are_merged_into_one(monkeypatch):
+    """The strided tokens a token-wise site (the MLP, up -> down) takes from each batch are scored as one call:
+    the same scales and errors as scoring batch by batch (attention keeps its windows)."""
+    from quantkit.methods import awq_method
+
+    calib = torch.randint(0, 128, (16, 32), generator=torch.Generator().manual_seed(4))
+    config = AWQConfig(grid=6, clip=False, search_tokens=64)  # 512 tokens: a stride of 8 over 4 batches
+
+    def run(merge: bool):
+        calls = {}
+        real = awq_method._merge_token_calls
+
+        def merged(site):
+            if merge:
+                real(site)
+            calls[site.linears] = len(site.calls)
+
+        monkeypatch.setattr(awq_method, "_merge_token_calls", merged)
+        method = AWQMethod(ASYM64, config)
+        result = walk(_salient_llama(seed=5), method, device="cpu", token_ids=calib, batch_size=4)
+        return calls, result.layer_stats[0]["linears"]
+
+    calls, stats = run(merge=True)
+    calls_apart, stats_apart = run(merge=False)
+    assert calls[("mlp.gate_proj", "mlp.up_proj")] == calls[("mlp.down_proj",)] == 1
+    assert calls_apart[("mlp.gate_proj", "mlp.up_proj")] == 4
+    for name in ("mlp.gate_proj", "mlp.down_proj", "self_attn.q_proj"):
+        assert stats[name]["alpha"] == stats_apart[name]["alpha"]
+        assert stats[name]["scale_err_awq"] == pytest.approx(stats_apart[name]["scale_err_awq"], rel=1e-5)
+
+
 def test_saved_record_reapplies_to_the_same_weights():
     torch.manual_seed(2)
     calib = torch.randint(0, 128, (8, 32))

@@ -119,6 +119,22 @@ def test_all_expert_mode_passes_on_only_routed_outputs():
     assert all(int(b.routed_tokens.sum()) == 2 * 32 * 2 for b in blocks)  # tokens x top-2
 
 
+def test_all_expert_mode_without_an_observer_passes_on_only_routed_outputs():
+    """AWQ's "all" mode (no observer: down runs on every token, the unrouted rows masked out without a host sync)
+    computes what the routed layer computes."""
+    from quantkit.moe.layout import prepare_moe_model
+
+    model = tiny_moe("qwen2_moe")
+    prepare_moe_model(model)
+    ids = calib_ids(seed=6, n=2)
+    with torch.no_grad():
+        ref = model(ids).logits
+        for b in (m for m in model.modules() if isinstance(m, SeparateExperts)):
+            b.mode = "all"
+        out = model(ids).logits
+    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
+
+
 def test_rtn_quantizes_every_expert():
     model, result = quantized("olmoe", method="rtn")
     assert len(result.weights) == 2 * (4 + 3 * 8)
