@@ -24,6 +24,7 @@ Prints a table and writes JSON (card, versions, date) to bench/results/bench_moe
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import json
@@ -65,6 +66,22 @@ def timed(fn, repeat: int = 5) -> float:
         sync()
         best = min(best, time.perf_counter() - t0)
     return best
+
+
+@contextlib.contextmanager
+def env(**values: str):
+    """Environment variables set for the block (the kernel switches the runtime reads at each call), then put
+    back as they were."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def layer_printer(name: str, done: list):
@@ -296,9 +313,9 @@ def kernel_rows(args) -> list[dict]:
         def err_vs_loop(out: torch.Tensor) -> float:
             return ((out.float() - want).norm() / want.norm()).item()
 
-        os.environ["QUANTKIT_MOE_DECODE"] = "tiles"  # the tiled kernel at every M (the table's GEMV: below)
-        err = err_vs_loop(fused_moe(x, w, ids, ex))
-        t_fused = timed(lambda: fused_moe(x, w, ids, ex))
+        with env(QUANTKIT_MOE_DECODE="tiles"):  # the tiled kernel at every M (the table's GEMV: below)
+            err = err_vs_loop(fused_moe(x, w, ids, ex))
+            t_fused = timed(lambda: fused_moe(x, w, ids, ex))
         t_loop = timed(lambda: loop(x, w, ids))
         row = {"m": m, "fused_us": t_fused * 1e6, "loop_us": t_loop * 1e6, "speedup": t_loop / t_fused,
                "rel_err_vs_loop": err}
@@ -306,22 +323,21 @@ def kernel_rows(args) -> list[dict]:
         # replayed from a CUDA graph, routing and align in one program where it applies, and as torch ops
         block = MoELayer(router, ex, k, True, True)
         for align in ("auto", "torch"):
-            os.environ["QUANTKIT_MOE_ALIGN"] = align
-            row[f"graph_block_us_align_{align}"] = graph_time(lambda: block(x, None)) * 1e6
-        os.environ.pop("QUANTKIT_MOE_ALIGN")
+            with env(QUANTKIT_MOE_DECODE="tiles", QUANTKIT_MOE_ALIGN=align):
+                row[f"graph_block_us_align_{align}"] = graph_time(lambda: block(x, None)) * 1e6
         row["one_program_align"] = align_in_one_program(ids.numel(), n_exp, ids.device)
         if moe_gemv.applies(ex, ids.numel()):  # the decode GEMV (kernels/moe_gemv.py): alone and in the block
             row["gemv_rel_err_vs_loop"] = err_vs_loop(moe_gemv.moe_gemv(x, w, ids, ex))
             row["gemv_graph_us"] = graph_time(lambda: moe_gemv.moe_gemv(x, w, ids, ex)) * 1e6
-            row["tiles_graph_us"] = graph_time(lambda: fused_moe(x, w, ids, ex)) * 1e6
-            os.environ["QUANTKIT_MOE_DECODE"] = "gemv"
-            row["graph_block_us_gemv"] = graph_time(lambda: block(x, None)) * 1e6
+            with env(QUANTKIT_MOE_DECODE="tiles"):
+                row["tiles_graph_us"] = graph_time(lambda: fused_moe(x, w, ids, ex)) * 1e6
+            with env(QUANTKIT_MOE_DECODE="gemv"):
+                row["graph_block_us_gemv"] = graph_time(lambda: block(x, None)) * 1e6
             row["gemv_sweep"] = tile_sweep(lambda **c: moe_gemv.moe_gemv(x, w, ids, ex, **c), GEMV_CANDIDATES,
                                            GEMV_DEFAULT)
-        os.environ["QUANTKIT_MOE_DECODE"] = "tiles"
         if m <= 32:  # decode sizes: the tiles a decode table would choose from
-            row["tile_sweep"] = tile_sweep(lambda **tiles: fused_moe(x, w, ids, ex, **tiles))
-        os.environ.pop("QUANTKIT_MOE_DECODE")
+            with env(QUANTKIT_MOE_DECODE="tiles"):
+                row["tile_sweep"] = tile_sweep(lambda **tiles: fused_moe(x, w, ids, ex, **tiles))
         rows.append(row)
     return rows
 

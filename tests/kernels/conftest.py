@@ -5,6 +5,7 @@ the kernel modules are imported; test_w4a16 re-imports its module if some earlie
 first.
 """
 
+import json
 import os
 import re
 import subprocess
@@ -38,6 +39,21 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     _fix_interpreter_index()
 
 
+_COMPILE_TRITON = r"""
+import importlib, json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+spec = json.loads(sys.argv[1])
+fn = getattr(importlib.import_module(spec["module"]), spec["kernel"])
+signature = dict(spec["signature"], **{name: "constexpr" for name in spec["constexprs"]})
+kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=spec["constexprs"], attrs={}),
+                        target=GPUTarget("cuda", 90, 32), options={"num_warps": spec["num_warps"]})
+open(spec["out"], "w").write(kernel.asm["ptx"])
+"""
+
+
 class Sm90Tools:
     """Triton's own ptxas and nvdisasm, for the tests that compile Gluon kernels for sm_90 on the CPU (Gluon has
     no interpreter) and read their machine code."""
@@ -51,6 +67,15 @@ class Sm90Tools:
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         done = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True)
         assert done.returncode == 0, done.stderr[-3000:]
+
+    def triton_ptx(self, out: str, module: str, kernel: str, signature: dict[str, str], constexprs: dict,
+                   num_warps: int) -> str:
+        """``module.kernel`` (a ``@triton.jit`` function) compiled for sm_90 with these argument types and
+        constexprs; its PTX written to ``out`` (the path, returned) for :meth:`ptxas_notices`."""
+        spec = dict(out=out, module=module, kernel=kernel, signature=signature, constexprs=constexprs,
+                    num_warps=num_warps)
+        self.compile(_COMPILE_TRITON, json.dumps(spec))
+        return out
 
     def sass(self, cubin: str) -> list[str]:
         """The instruction lines of a cubin's SASS."""

@@ -4,58 +4,29 @@ gated sum."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
-
-_COMPILE_QK_NORM = r"""
-import json, sys
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from quantkit.kernels import decoder_ops as d
-
-n_q, seg_q, seg_k, out = json.loads(sys.argv[1])
-block = triton.next_power_of_2(max(seg_q, seg_k))
-signature = {"qkv_ptr": "*bf16", "qw_ptr": "*bf16", "kw_ptr": "*bf16", "stride_t": "i32", "eps": "fp32", "offset": "fp32"}
-constexprs = dict(N_Q=n_q, SEG_Q=seg_q, SEG_K=seg_k, BLOCK=block)
-signature |= {name: "constexpr" for name in constexprs}
-kernel = triton.compile(ASTSource(fn=d._qk_norm_kernel, signature=signature, constexprs=constexprs, attrs={}),
-                        target=GPUTarget("cuda", 90, 32), options={"num_warps": 1 if block <= 256 else 4})
-open(out, "w").write(kernel.asm["ptx"])
-"""
 
 
 @pytest.mark.parametrize(("n_q", "seg_q", "seg_k"), [(32, 128, 128), (1, 2048, 512)])
 def test_qk_norm_compiles_for_sm90_without_spills(sm90, tmp_path, n_q, seg_q, seg_k):
     """Per head (Qwen3-30B-A3B: 32 q heads of 128) and over the whole projections (OLMoE: q 2048, k 512)."""
-    ptx = str(tmp_path / "qk_norm.ptx")
-    sm90.compile(_COMPILE_QK_NORM, json.dumps([n_q, seg_q, seg_k, ptx]))
+    block = triton.next_power_of_2(max(seg_q, seg_k))
+    signature = {"qkv_ptr": "*bf16", "qw_ptr": "*bf16", "kw_ptr": "*bf16", "stride_t": "i32", "eps": "fp32",
+                 "offset": "fp32"}
+    ptx = sm90.triton_ptx(str(tmp_path / "qk_norm.ptx"), "quantkit.kernels.decoder_ops", "_qk_norm_kernel",
+                          signature, dict(N_Q=n_q, SEG_Q=seg_q, SEG_K=seg_k, BLOCK=block),
+                          num_warps=1 if block <= 256 else 4)
     notices = sm90.ptxas_notices(ptx)
     assert "0 bytes spill stores" in notices, notices
 
 
-_COMPILE_GATED = r"""
-import json, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from quantkit.kernels import decoder_ops as d
-
-h, out = json.loads(sys.argv[1])
-signature = {"y_ptr": "*bf16", "s_ptr": "*bf16", "x_ptr": "*bf16", "g_ptr": "*bf16", "out_ptr": "*bf16", "H": "i32",
-             "stride_y": "i32", "stride_s": "i32", "stride_x": "i32", "stride_o": "i32"}
-constexprs = dict(BLOCK_H=triton.next_power_of_2(h), BLOCK=min(1024, triton.next_power_of_2(h)))
-signature |= {name: "constexpr" for name in constexprs}
-kernel = triton.compile(ASTSource(fn=d._add_sigmoid_gated_kernel, signature=signature, constexprs=constexprs, attrs={}),
-                        target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-open(out, "w").write(kernel.asm["ptx"])
-"""
-
-
 @pytest.mark.parametrize("h", [2048, 3584])  # Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B
 def test_add_sigmoid_gated_compiles_for_sm90_without_spills(sm90, tmp_path, h):
-    ptx = str(tmp_path / "gated.ptx")
-    sm90.compile(_COMPILE_GATED, json.dumps([h, ptx]))
+    signature = {"y_ptr": "*bf16", "s_ptr": "*bf16", "x_ptr": "*bf16", "g_ptr": "*bf16", "out_ptr": "*bf16",
+                 "H": "i32", "stride_y": "i32", "stride_s": "i32", "stride_x": "i32", "stride_o": "i32"}
+    constexprs = dict(BLOCK_H=triton.next_power_of_2(h), BLOCK=min(1024, triton.next_power_of_2(h)))
+    ptx = sm90.triton_ptx(str(tmp_path / "gated.ptx"), "quantkit.kernels.decoder_ops", "_add_sigmoid_gated_kernel",
+                          signature, constexprs, num_warps=4)
     notices = sm90.ptxas_notices(ptx)
     assert "0 bytes spill stores" in notices, notices

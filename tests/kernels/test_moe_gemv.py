@@ -167,39 +167,22 @@ def test_gemv_fp8_experts_on_the_gpu_match_the_tiled_kernel(monkeypatch, weights
         assert rel_err(out, ref) < 2e-2 and rel_err(out, tiled) < 2e-2, (rel_err(out, ref), rel_err(out, tiled))
 
 
-_COMPILE_GEMV = r"""
-import json, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from quantkit.kernels import moe_gemv as g
-
-kind, block_k, out = json.loads(sys.argv[1])
-quant, fp8, gated = kind == "int4", kind == "fp8", kind == "int4-down"
-quant = quant or gated
-w = "*i32" if quant else "*fp8e4nv"
-signature = {"a_ptr": "*fp8e4nv" if fp8 else "*bf16", "p1_ptr": "*fp32", "w_ptr": w, "s_ptr": "*fp32" if fp8 else "*bf16",
-             "z_ptr": "*bf16" if quant else w, "ids_ptr": "*i64", "topw_ptr": "*fp32", "out_ptr": "*fp32", "as_ptr": "*fp32"}
-signature |= {name: "i32" for name in ("N", "K", "TOP_K", "IN_SPLITS", "INTER", "stride_am", "stride_we", "stride_wk",
-                                       "stride_wn", "stride_se", "stride_sg", "stride_sn", "stride_ps", "stride_pp",
-                                       "stride_os", "stride_op", "stride_asm")}
-constexprs = dict(QUANT=quant, GROUP=128, GATED_INPUT=gated, MUL_ROUTED=gated, FP8=fp8, K_SPLIT=768, BLOCK_N=64,
-                  BLOCK_K=block_k)
-signature |= {name: "constexpr" for name in constexprs}
-kernel = triton.compile(ASTSource(fn=g._moe_gemv_kernel, signature=signature, constexprs=constexprs, attrs={}),
-                        target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-open(out, "w").write(kernel.asm["ptx"])
-"""
-
-
 @pytest.mark.parametrize(("kind", "block_k"), [("int4", 128), ("int4-down", 128), ("fp8", 64)])
 def test_gemv_compiles_for_sm90_without_spills(sm90, tmp_path, kind, block_k):
     """The GEMV as the table runs it at 128-groups (4-bit gate/up and down with its gated prologue) and FP8 at its
     64-row tile (block_k_for), compiled for Hopper: no spill stores. (The FP8 and 16-bit tiles are [N, K], rows of
     K-contiguous codes: read as [K, N] like the 4-bit words, the FP8 tile took 255 registers and spilled.)"""
-    import json
-
-    ptx = str(tmp_path / "gemv.ptx")
-    sm90.compile(_COMPILE_GEMV, json.dumps([kind, block_k, ptx]))
+    quant, fp8, gated = kind in ("int4", "int4-down"), kind == "fp8", kind == "int4-down"
+    w = "*i32" if quant else "*fp8e4nv"
+    signature = {"a_ptr": "*fp8e4nv" if fp8 else "*bf16", "p1_ptr": "*fp32", "w_ptr": w,
+                 "s_ptr": "*fp32" if fp8 else "*bf16", "z_ptr": "*bf16" if quant else w, "ids_ptr": "*i64",
+                 "topw_ptr": "*fp32", "out_ptr": "*fp32", "as_ptr": "*fp32"}
+    signature |= {name: "i32" for name in ("N", "K", "TOP_K", "IN_SPLITS", "INTER", "stride_am", "stride_we",
+                                           "stride_wk", "stride_wn", "stride_se", "stride_sg", "stride_sn",
+                                           "stride_ps", "stride_pp", "stride_os", "stride_op", "stride_asm")}
+    constexprs = dict(QUANT=quant, GROUP=128, GATED_INPUT=gated, MUL_ROUTED=gated, FP8=fp8, K_SPLIT=768, BLOCK_N=64,
+                      BLOCK_K=block_k)
+    ptx = sm90.triton_ptx(str(tmp_path / "gemv.ptx"), "quantkit.kernels.moe_gemv", "_moe_gemv_kernel", signature,
+                          constexprs, num_warps=4)
     notices = sm90.ptxas_notices(ptx)
     assert "0 bytes spill stores" in notices, notices

@@ -317,34 +317,22 @@ def test_runtime_moe_block_reads_nothing_on_the_host(monkeypatch, align_impl):
     assert ("topk" in ops) == (align_impl == "torch") and ops & HOST_READS == set()
 
 
-_COMPILE_ROUTE = r"""
-import json, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from quantkit.kernels import moe_align as m
-
-tokens, experts, top_k, out = json.loads(sys.argv[1])
-pairs = tokens * top_k
-signature = {"logits_ptr": "*bf16", "stride_lt": "i32", "weights_ptr": "*fp32", "ids_ptr": "*i64", "sorted_ptr": "*i32",
-             "block_expert_ptr": "*i32", "num_tokens": "i32", "num_experts": "i32", "n_blocks": "i32", "n_slots": "i32"}
-constexprs = dict(TOP_K=top_k, RENORM=True, BLOCK_M=m.BLOCK_M, TOKENS=triton.next_power_of_2(tokens),
-                  PAIRS=triton.next_power_of_2(pairs), EXPERTS=triton.next_power_of_2(experts), FILL=m.FILL,
-                  BLOCKS=m._blocks_a_step(experts))
-signature |= {name: "constexpr" for name in constexprs}
-kernel = triton.compile(ASTSource(fn=m._route_align_kernel, signature=signature, constexprs=constexprs, attrs={}),
-                        target=GPUTarget("cuda", 90, 32), options={"num_warps": m._warps(pairs, experts)})
-open(out, "w").write(kernel.asm["ptx"])
-"""
-
-
 @pytest.mark.parametrize(("tokens", "n_exp", "top_k"), [(1, 128, 8), (16, 128, 8)])
 def test_route_and_align_compiles_for_sm90_within_registers(sm90, tmp_path, tokens, n_exp, top_k):
     """The one program compiles for Hopper (the CPU interpreter runs no compiler) and keeps its matrices in
     registers up to 16 tokens of top-8 over 128 experts (32 tokens, 16 warps, spill a few hundred bytes)."""
-    import json
+    import triton
 
-    ptx = str(tmp_path / "route.ptx")
-    sm90.compile(_COMPILE_ROUTE, json.dumps([tokens, n_exp, top_k, ptx]))
+    from quantkit.kernels import moe_align as m
+
+    pairs = tokens * top_k
+    signature = {"logits_ptr": "*bf16", "stride_lt": "i32", "weights_ptr": "*fp32", "ids_ptr": "*i64",
+                 "sorted_ptr": "*i32", "block_expert_ptr": "*i32", "num_tokens": "i32", "num_experts": "i32",
+                 "n_blocks": "i32", "n_slots": "i32"}
+    constexprs = dict(TOP_K=top_k, RENORM=True, BLOCK_M=m.BLOCK_M, TOKENS=triton.next_power_of_2(tokens),
+                      PAIRS=triton.next_power_of_2(pairs), EXPERTS=triton.next_power_of_2(n_exp), FILL=m.FILL,
+                      BLOCKS=m._blocks_a_step(n_exp))
+    ptx = sm90.triton_ptx(str(tmp_path / "route.ptx"), "quantkit.kernels.moe_align", "_route_align_kernel", signature,
+                          constexprs, num_warps=m._warps(pairs, n_exp))
     notices = sm90.ptxas_notices(ptx)
     assert "0 bytes spill stores, 0 bytes spill loads" in notices, notices
