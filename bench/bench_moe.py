@@ -338,6 +338,10 @@ def kernel_rows(args) -> list[dict]:
         if m <= 32:  # decode sizes: the tiles a decode table would choose from
             with env(QUANTKIT_MOE_DECODE="tiles"):
                 row["tile_sweep"] = tile_sweep(lambda **tiles: fused_moe(x, w, ids, ex, **tiles))
+        if m >= 256:  # prefill sizes: taller tiles dequantize each expert's weights fewer times
+            with env(QUANTKIT_MOE_DECODE="tiles"):
+                row["prefill_tile_sweep"] = tile_sweep(lambda **tiles: fused_moe(x, w, ids, ex, **tiles),
+                                                       PREFILL_TILE_CANDIDATES, PREFILL_TILE_DEFAULT)
         rows.append(row)
     return rows
 
@@ -347,6 +351,14 @@ def kernel_rows(args) -> list[dict]:
 # at copy speed: deeper pipelines and narrower tiles (more programs) are the candidates.
 TILE_CANDIDATES = [dict(block_n=n, block_k=kk, num_warps=nw, num_stages=st)
                    for n in (32, 64, 128) for kk in (64, 128) for nw, st in ((4, 3), (4, 5), (8, 3))]
+
+
+# At prefill (2048 tokens of top-8 over 128 experts: ~128 rows an expert) the 16-row tiles dequantize each 4-bit
+# weight tile once per 16 rows, ~8 times an expert; int4 prefill ran at 0.60x bf16 (docs/moe.md). Taller tiles
+# unpack each weight fewer times; the candidates for a prefill tile table.
+PREFILL_TILE_CANDIDATES = [dict(block_m=bm, block_n=n, block_k=kk, num_warps=nw, num_stages=3)
+                           for bm in (16, 32, 64) for n in (64, 128) for kk in (64, 128) for nw in (4, 8)]
+PREFILL_TILE_DEFAULT = dict(block_m=16, block_n=64, block_k=64, num_warps=4, num_stages=3)
 
 
 # The decode GEMV's knobs: output columns a program, warps, and the programs a launch aims at (more slices of K:
@@ -494,6 +506,14 @@ def print_table(record: dict) -> None:
                                                               t["num_stages"]) == (64, 64, 4, 3))
                 print(f"M={r['m']}: fastest tiles {({k: best[k] for k in TILE_CANDIDATES[0]})} "
                       f"{best['us']:.1f} us (rel diff {best['rel_diff']:.1e}); default {default.get('us', float('nan')):.1f} us")
+        for r in record["kernel"]:
+            if r.get("prefill_tile_sweep"):
+                best = r["prefill_tile_sweep"][0]
+                default = next(t for t in r["prefill_tile_sweep"]
+                               if all(t[k] == v for k, v in PREFILL_TILE_DEFAULT.items()))
+                print(f"M={r['m']}: fastest prefill tiles {({k: best[k] for k in PREFILL_TILE_DEFAULT})} "
+                      f"{best.get('us', float('nan')):.1f} us (rel diff {best.get('rel_diff', float('nan')):.1e}); "
+                      f"default {default.get('us', float('nan')):.1f} us")
         for r in record["kernel"]:
             if r.get("gemv_sweep"):
                 best = r["gemv_sweep"][0]

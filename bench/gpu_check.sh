@@ -28,8 +28,8 @@
 # Issue 39's MoE serving and kernel sections after the MoE GPU tests, no carry needed:
 #   bash bench/gpu_check.sh moe BUDGET_S (~420) [bench-only]
 # No carry needed either: issue 41's W4A16 decode variants and prefill candidates (`w4a16 470`); issue 39's MoE
-# GEMV against the tiled kernel, block and whole step (`moe-decode 470`), and its GPTQ / AWQ times
-# (`moe-quantize 590 gptq|awq [LAYERS]`).
+# GEMV against the tiled kernel, block and whole step (`moe-decode 470`), its prefill tiles (`moe-prefill 300`),
+# and its GPTQ / AWQ times (`moe-quantize 590 gptq|awq [LAYERS]`).
 # Everything lands in $OUT (JSON of each bench, the suite's log).
 # pytest runs with OMP_NUM_THREADS=1: 8-12 xdist workers on 16 cores, each with torch's one thread a core, took
 # turns on the cores (the MoE GPU tests, mostly CPU set-up, ran 44-109 s a case on an H100, 2026-12-05).
@@ -191,6 +191,12 @@ moe-decode)  # issue 39 at decode: the GEMV against the tiled kernel, one layer'
     done
     rm -f "$OUT"/*.png
     ;;
+moe-prefill)  # issue 39 at prefill (int4 0.60x bf16): the fused kernel's tiles at 256 and 2048 rows, taller tiles
+    # (BLOCK_M 16/32/64) among them, as graph replays, each checked against the default's output (~3 minutes)
+    card | tee "$OUT/card.txt"
+    step 280 python3 bench/bench_moe.py --skip gptq awq serve --kernel-m 256 2048 --out "$OUT/bench_moe_prefill.json" \
+        2>&1 | tail -12
+    ;;
 moe-quantize)  # issue 39's 10-minute targets: GPTQ (third argument gptq, the default) or AWQ (awq) with the
     # defaults on 128 x 2048 tokens, on the first LAYERS (fourth argument, default 16) of the Qwen3-30B-A3B shape:
     # a call's 600 s do not hold the whole model's target, so the whole is the per-layer time x 48 (the layers are
@@ -200,5 +206,5 @@ moe-quantize)  # issue 39's 10-minute targets: GPTQ (third argument gptq, the de
     step 560 python3 bench/bench_moe.py --skip "$other" serve kernel --layers "${4:-16}" \
         --out "$OUT/bench_moe_$m.json" 2>&1 | tail -30
     ;;
-*) echo "usage: gpu_check.sh benches|suite|one|tests|gguf|coldstart-ab|moe|w4a16|moe-decode|moe-quantize BUDGET_S"; exit 2 ;;
+*) echo "usage: gpu_check.sh benches|suite|one|tests|gguf|coldstart-ab|moe|w4a16|moe-decode|moe-prefill|moe-quantize BUDGET_S"; exit 2 ;;
 esac

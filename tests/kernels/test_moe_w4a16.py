@@ -165,6 +165,17 @@ def test_fused_moe_w4a16_matches_reference(dtype, tokens, n_exp, top_k, hidden, 
     assert rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 5e-3)
 
 
+@pytest.mark.parametrize("block_m", [32, 64])
+def test_fused_moe_w4a16_taller_tiles(block_m):
+    """The prefill sweep's taller tiles (bench_moe.py's PREFILL_TILE_CANDIDATES): the same sums, each expert's run
+    padded to the taller tile."""
+    ex = stack_quantized(experts_q(6, 64, 32, 32), torch.float32, DEVICE)
+    w, ids = routing(40, 6, 2, skip=(1,))
+    x = torch.randn(40, 64, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    out = fused_moe(x, w.to(DEVICE), ids.to(DEVICE), ex, block_m=block_m, block_n=32, block_k=32)
+    assert rel_err(out, fused_moe_ref(x, w.to(DEVICE), ids.to(DEVICE), ex)) < 1e-5
+
+
 def experts_fp8(n_exp, hidden, inter, weights="channel", block=(32, 32), seed=0):
     from quantkit.fp8_weight import FP8Config, fp8_quantize_weight
 
