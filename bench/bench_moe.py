@@ -266,6 +266,7 @@ def kernel_rows(args) -> list[dict]:
     from quantkit.kernels import moe_gemv
     from quantkit.kernels.dispatch import w4a16_linear
     from quantkit.kernels.moe_align import align_in_one_program
+    from quantkit.kernels.moe_router import router_fused_applies
     from quantkit.kernels.moe_w4a16 import fused_moe, stack_quantized
     from quantkit.kernels.w4a16_weights import prepare_w4a16_weights
     from quantkit.methods.rtn import rtn_quantize
@@ -333,6 +334,9 @@ def kernel_rows(args) -> list[dict]:
                 row["tiles_graph_us"] = graph_time(lambda: fused_moe(x, w, ids, ex)) * 1e6
             with env(QUANTKIT_MOE_DECODE="gemv"):
                 row["graph_block_us_gemv"] = graph_time(lambda: block(x, None)) * 1e6
+            if router_fused_applies(m, k, n_exp, x.device):  # the router GEMM and the routing in one launch
+                with env(QUANTKIT_MOE_DECODE="gemv", QUANTKIT_MOE_ROUTER="fused"):
+                    row["graph_block_us_gemv_fused_router"] = graph_time(lambda: block(x, None)) * 1e6
             row["gemv_sweep"] = tile_sweep(lambda **c: moe_gemv.moe_gemv(x, w, ids, ex, **c), GEMV_CANDIDATES,
                                            GEMV_DEFAULT)
         if m <= 32:  # decode sizes: the tiles a decode table would choose from
@@ -498,7 +502,9 @@ def print_table(record: dict) -> None:
             if "gemv_graph_us" in r:
                 print(f"M={r['m']}: decode GEMV {r['gemv_graph_us']:.1f} us against the tiled kernel "
                       f"{r['tiles_graph_us']:.1f} us (graph replays; rel err vs loop {r['gemv_rel_err_vs_loop']:.1e}); "
-                      f"the MoE block with it {r['graph_block_us_gemv']:.1f} us")
+                      f"the MoE block with it {r['graph_block_us_gemv']:.1f} us"
+                      + (f", and with the router fused into the routing {r['graph_block_us_gemv_fused_router']:.1f} us"
+                         if "graph_block_us_gemv_fused_router" in r else ""))
         for r in record["kernel"]:
             if r.get("tile_sweep"):
                 best = r["tile_sweep"][0]

@@ -166,17 +166,23 @@ def _top_k_pick(probs, offs_e, EXPERTS: tl.constexpr):
 
 
 @triton.jit
-def _route_align_kernel(logits_ptr, stride_lt, weights_ptr, ids_ptr, sorted_ptr, block_expert_ptr, num_tokens,
-                        num_experts, n_blocks, n_slots, TOP_K: tl.constexpr, RENORM: tl.constexpr,
-                        BLOCK_M: tl.constexpr, TOKENS: tl.constexpr, PAIRS: tl.constexpr, EXPERTS: tl.constexpr,
-                        FILL: tl.constexpr, BLOCKS: tl.constexpr):
+def _route_body(logits_ptr, stride_lt, weights_ptr, ids_ptr, sorted_ptr, block_expert_ptr, num_tokens, num_experts,
+                n_blocks, n_slots, TOP_K: tl.constexpr, RENORM: tl.constexpr, BLOCK_M: tl.constexpr,
+                TOKENS: tl.constexpr, PAIRS: tl.constexpr, EXPERTS: tl.constexpr, FILL: tl.constexpr,
+                BLOCKS: tl.constexpr, FRESH: tl.constexpr):
+    """Softmax, top-k (renormalized when RENORM) and the align from the router logits in memory. ``FRESH``: the
+    logits were written by other programs of this launch, so they are read past L1 (which another replay of the
+    step may have left holding this buffer's old lines)."""
     offs_t = tl.arange(0, TOKENS)
     offs_e = tl.arange(0, EXPERTS)
     t_mask = offs_t < num_tokens
     e_mask = offs_e < num_experts
-    logits = tl.load(logits_ptr + offs_t[:, None] * stride_lt + offs_e[None, :],
-                     mask=t_mask[:, None] & e_mask[None, :], other=0.0).to(tl.float32)
-    logits = tl.where(e_mask[None, :], logits, float("-inf"))
+    at = logits_ptr + offs_t[:, None] * stride_lt + offs_e[None, :]
+    if FRESH:
+        logits = tl.load(at, mask=t_mask[:, None] & e_mask[None, :], other=0.0, cache_modifier=".cg")
+    else:
+        logits = tl.load(at, mask=t_mask[:, None] & e_mask[None, :], other=0.0)
+    logits = tl.where(e_mask[None, :], logits.to(tl.float32), float("-inf"))
     z = tl.exp(logits - tl.max(logits, axis=1)[:, None])
     probs = z / tl.sum(z, axis=1)[:, None]  # [TOKENS, EXPERTS]; 0 past the experts
     scale = tl.full((TOKENS,), 1.0, tl.float32)
@@ -197,3 +203,12 @@ def _route_align_kernel(logits_ptr, stride_lt, weights_ptr, ids_ptr, sorted_ptr,
     tl.debug_barrier()  # the ids are in memory before the align reads them back as pairs
     _align_body(ids_ptr, sorted_ptr, block_expert_ptr, num_tokens * TOP_K, num_experts, n_blocks, n_slots,
                 BLOCK_M, PAIRS, EXPERTS, FILL, BLOCKS)
+
+
+@triton.jit
+def _route_align_kernel(logits_ptr, stride_lt, weights_ptr, ids_ptr, sorted_ptr, block_expert_ptr, num_tokens,
+                        num_experts, n_blocks, n_slots, TOP_K: tl.constexpr, RENORM: tl.constexpr,
+                        BLOCK_M: tl.constexpr, TOKENS: tl.constexpr, PAIRS: tl.constexpr, EXPERTS: tl.constexpr,
+                        FILL: tl.constexpr, BLOCKS: tl.constexpr):
+    _route_body(logits_ptr, stride_lt, weights_ptr, ids_ptr, sorted_ptr, block_expert_ptr, num_tokens, num_experts,
+                n_blocks, n_slots, TOP_K, RENORM, BLOCK_M, TOKENS, PAIRS, EXPERTS, FILL, BLOCKS, False)

@@ -31,7 +31,14 @@ class MoELayer:
     shared_down: object | None = None
     shared_gate: torch.Tensor | None = None  # [1, H]
     act_quant: object | None = None  # FP8 experts: the activations' e4m3 rounding (quantkit.runtime.fp8_weights)
+    # the fused router's arrival counter (kernels/moe_router.py): one int32 zero on the router's device, made once
+    # here so that a CUDA graph captures no fill of it
+    router_counter: torch.Tensor | None = None
     _ref: tuple | None = None  # dequantized experts for the reference path (made once)
+
+    def __post_init__(self) -> None:
+        if self.router_counter is None:
+            self.router_counter = torch.zeros(1, dtype=torch.int32, device=self.router.device)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Routing weights and expert ids ``[M, k]`` (softmax in float32, top-k, optional renormalization)."""
@@ -40,11 +47,17 @@ class MoELayer:
         return route_ref(torch.nn.functional.linear(x, self.router), self.top_k, self.renormalize)
 
     def __call__(self, x: torch.Tensor, act_mul) -> torch.Tensor:
-        from quantkit.kernels.moe_align import align_in_one_program, route_and_align
+        from quantkit.kernels.moe_align import BLOCK_M, align_in_one_program, route_and_align
+        from quantkit.kernels.moe_router import router_fused_selected, router_route_and_align
         from quantkit.kernels.moe_w4a16 import fused_moe, fused_moe_ref
 
         if self.use_kernel and self.act_quant is None:
-            if align_in_one_program(x.shape[0] * self.top_k, self.experts.num_experts, x.device):
+            if router_fused_selected(x.shape[0], self.top_k, self.experts.num_experts, x.device):
+                # a decode batch of a few tokens: the router GEMM, routing and layout in one launch
+                weights, ids, aligned = router_route_and_align(x, self.router, self.top_k, self.renormalize,
+                                                               self.router_counter, BLOCK_M)
+                y = fused_moe(x, weights, ids, self.experts, aligned=aligned)
+            elif align_in_one_program(x.shape[0] * self.top_k, self.experts.num_experts, x.device):
                 # decode-sized: routing and the pairs' layout in one launch (kernels/moe_align.py says why)
                 logits = torch.nn.functional.linear(x, self.router)
                 weights, ids, aligned = route_and_align(logits, self.top_k, self.renormalize)

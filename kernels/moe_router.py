@@ -1,0 +1,115 @@
+"""The router's GEMM, the top-k routing and the pairs' layout in one launch, for decode batches of a few tokens.
+
+At batch 1 the MoE block spent ~12 us of its ~38 us (Qwen3-30B-A3B shape, H100, docs/moe.md) on two launches
+before the experts: the router's ``[T, H] x [H, E]`` GEMM (cuBLAS) and ``moe_align.route_and_align``. Here the
+router's rows are split over ``E / BLOCK_E`` programs (each reads ``BLOCK_E`` rows of the 16-bit router: 16 KB a
+program at H = 2048, so the 512 KB are read in parallel), each writes its logits and counts itself done on an
+atomic counter; the program that arrives last runs ``route_and_align``'s body on all the logits and puts the counter
+back to zero for the next call (a CUDA-graph replay sees it zero again). One launch instead of two.
+
+The logits are rounded to the activations' dtype before the softmax, as ``F.linear``'s 16-bit output is, so the
+routing is the unfused path's up to the order of the float32 sums (a different last bit of a 16-bit logit can swap
+two experts only at a near-tie). The reference is ``route_ref(F.linear(x, router))`` plus ``moe_align``.
+
+The counter is the caller's (one int32 zero, kept with the layer: ``runtime/moe.py``); the kernel reads nothing
+on the host.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from quantkit.kernels.moe_align import FILL, _blocks_a_step, _n_blocks, _route_body, _warps, align_in_one_program
+
+# Up to this many tokens (a decode batch); more take the router GEMM and route_and_align apart.
+ROUTER_FUSED_MAX_TOKENS = 4
+BLOCK_E = 4  # router rows a program (E / 4 programs: 32 for 128 experts)
+
+
+def router_fused_applies(tokens: int, top_k: int, num_experts: int, device: torch.device) -> bool:
+    """Whether ``router_route_and_align`` takes this call (decode-sized, one program's routing)."""
+    return 0 < tokens <= ROUTER_FUSED_MAX_TOKENS and align_in_one_program(tokens * top_k, num_experts, device)
+
+
+def router_fused_selected(tokens: int, top_k: int, num_experts: int, device: torch.device) -> bool:
+    """Whether the runtime's MoE block routes this call here. Not by default: the fused launch has not been timed
+    against the two it replaces (``bench_moe.py``'s kernel section times the block both ways);
+    ``QUANTKIT_MOE_ROUTER=fused`` selects it where it applies."""
+    import os
+
+    choice = os.environ.get("QUANTKIT_MOE_ROUTER", "apart")
+    if choice not in ("apart", "fused"):
+        raise ValueError(f"QUANTKIT_MOE_ROUTER must be 'apart' or 'fused', got {choice!r}")
+    return choice == "fused" and router_fused_applies(tokens, top_k, num_experts, device)
+
+
+@triton.jit
+def _router_route_kernel(x_ptr, stride_xt, w_ptr, stride_we, logits_ptr, counter_ptr, weights_ptr, ids_ptr,
+                         sorted_ptr, block_expert_ptr, num_tokens, num_experts, hidden, n_blocks, n_slots,
+                         TOP_K: tl.constexpr, RENORM: tl.constexpr, BLOCK_M: tl.constexpr, TOKENS: tl.constexpr,
+                         PAIRS: tl.constexpr, EXPERTS: tl.constexpr, FILL: tl.constexpr, BLOCKS: tl.constexpr,
+                         BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):
+    pid = tl.program_id(0)
+    offs_t = tl.arange(0, TOKENS)
+    offs_e = pid * BLOCK_E + tl.arange(0, BLOCK_E)
+    t_mask = offs_t < num_tokens
+    e_mask = offs_e < num_experts
+    acc = tl.zeros((TOKENS, BLOCK_E), dtype=tl.float32)
+    for h0 in range(0, hidden, BLOCK_H):
+        offs_h = h0 + tl.arange(0, BLOCK_H)
+        h_mask = offs_h < hidden
+        x = tl.load(x_ptr + offs_t[:, None] * stride_xt + offs_h[None, :], mask=t_mask[:, None] & h_mask[None, :],
+                    other=0.0).to(tl.float32)  # [TOKENS, BLOCK_H]
+        w = tl.load(w_ptr + offs_e[:, None] * stride_we + offs_h[None, :], mask=e_mask[:, None] & h_mask[None, :],
+                    other=0.0).to(tl.float32)  # [BLOCK_E, BLOCK_H]
+        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+    # rounded to the activations' dtype (the logits buffer's), as F.linear's output is
+    tl.store(logits_ptr + offs_t[:, None] * num_experts + offs_e[None, :], acc.to(logits_ptr.dtype.element_ty),
+             mask=t_mask[:, None] & e_mask[None, :])
+    # every thread's logits stored before the one thread that counts (the barrier), released with its count at
+    # GPU scope; the last program's count acquires all of them
+    tl.debug_barrier()
+    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel")
+    if arrived == tl.num_programs(0) - 1:
+        tl.atomic_xchg(counter_ptr, 0, sem="relaxed")  # zero again for the next call
+        _route_body(logits_ptr, num_experts, weights_ptr, ids_ptr, sorted_ptr, block_expert_ptr, num_tokens,
+                    num_experts, n_blocks, n_slots, TOP_K, RENORM, BLOCK_M, TOKENS, PAIRS, EXPERTS, FILL, BLOCKS,
+                    True)
+
+
+def router_route_and_align(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool,
+                           counter: torch.Tensor, block_m: int):
+    """``route_ref(F.linear(x, router), top_k, renormalize)`` and ``moe_align(ids, E, block_m)`` in one launch:
+    ``(weights [T, k] float32, ids [T, k] int64, (sorted_ids, block_expert))``. ``x [T, H]`` 16-bit (or float32),
+    ``router [E, H]``, ``counter``: an int32 tensor of one zero on x's device, kept by the caller between calls (the
+    kernel leaves it zero). Only where ``router_fused_applies``."""
+    tokens, hidden = x.shape
+    num_experts = router.shape[0]
+    if router.shape[1] != hidden:
+        raise ValueError(f"x has {hidden} features, the router {router.shape[1]}")
+    if not router_fused_applies(tokens, top_k, num_experts, x.device):
+        raise ValueError(f"{tokens} tokens of top-{top_k} over {num_experts} experts: not a fused-router call")
+    if counter.dtype != torch.int32 or counter.numel() != 1 or counter.device != x.device:
+        raise ValueError("counter must be one int32 on the activations' device")
+    x, router = x.contiguous(), router.contiguous()
+    dev = x.device
+    pairs = tokens * top_k
+    n_blocks = _n_blocks(pairs, num_experts, block_m)
+    logits = torch.empty(tokens, num_experts, dtype=x.dtype, device=dev)
+    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=dev)
+    ids = torch.empty(tokens, top_k, dtype=torch.int64, device=dev)
+    sorted_ids = torch.empty(n_blocks * block_m, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(n_blocks, dtype=torch.int32, device=dev)
+    toks = triton.next_power_of_2(tokens)
+    # a [TOKENS, BLOCK_E, BLOCK_H] product of ~4K values a step (32 a thread at 4 warps)
+    block_h = max(32, min(triton.next_power_of_2(hidden), 4096 // (toks * BLOCK_E)))
+    grid = (triton.cdiv(num_experts, BLOCK_E),)
+    _router_route_kernel[grid](x, x.stride(0), router, router.stride(0), logits, counter, weights, ids, sorted_ids,
+                               block_expert, tokens, num_experts, hidden, n_blocks, n_blocks * block_m, TOP_K=top_k,
+                               RENORM=renormalize, BLOCK_M=block_m, TOKENS=toks,
+                               PAIRS=triton.next_power_of_2(pairs), EXPERTS=triton.next_power_of_2(num_experts),
+                               FILL=FILL, BLOCKS=_blocks_a_step(num_experts), BLOCK_E=BLOCK_E, BLOCK_H=block_h,
+                               num_warps=_warps(pairs, num_experts))
+    return weights, ids, (sorted_ids, block_expert)
