@@ -272,7 +272,7 @@ def kernel_rows(args) -> list[dict]:
     from quantkit.methods.rtn import rtn_quantize
     from quantkit.qtensor import QuantizedWeight
     from quantkit.runtime.moe import MoELayer
-    from quantkit.tools.bench import graph_time
+    from quantkit.tools.bench import graph_time, kernel_times
 
     h, inter, n_exp, k = 2048, 768, 128, 8
     scheme = QuantScheme(4, 128, True)
@@ -334,6 +334,8 @@ def kernel_rows(args) -> list[dict]:
                 row["tiles_graph_us"] = graph_time(lambda: fused_moe(x, w, ids, ex)) * 1e6
             with env(QUANTKIT_MOE_DECODE="gemv"):
                 row["graph_block_us_gemv"] = graph_time(lambda: block(x, None)) * 1e6
+                # the block kernel by kernel (durations alone; the graph replay above less their sum: the gaps)
+                row["block_kernels_gemv"] = kernel_times(lambda: block(x, None))
             if router_fused_applies(m, k, n_exp, x.device):  # the router GEMM and the routing in one launch
                 with env(QUANTKIT_MOE_DECODE="gemv", QUANTKIT_MOE_ROUTER="fused"):
                     row["graph_block_us_gemv_fused_router"] = graph_time(lambda: block(x, None)) * 1e6
@@ -505,6 +507,9 @@ def print_table(record: dict) -> None:
                       f"the MoE block with it {r['graph_block_us_gemv']:.1f} us"
                       + (f", and with the router fused into the routing {r['graph_block_us_gemv_fused_router']:.1f} us"
                          if "graph_block_us_gemv_fused_router" in r else ""))
+                kt = r["block_kernels_gemv"]
+                print(f"  its kernels: {kt['sum_us']:.1f} us in {kt['launches']} launches: "
+                      + "; ".join(f"{x['name'][:36]} x{x['calls']} {x['us']:.1f}" for x in kt["kernels"]))
         for r in record["kernel"]:
             if r.get("tile_sweep"):
                 best = r["tile_sweep"][0]

@@ -308,6 +308,41 @@ def time_split(engine: Engine, context: int = 128) -> dict:
     return {k: v * 1e3 for k, v in parts.items()}  # milliseconds
 
 
+def kernel_times(fn: Callable[[], object], device_type: str = "cuda", top: int = 12) -> dict:
+    """What one call of ``fn`` runs on the device, kernel by kernel, from torch's profiler (after one call to warm
+    up): ``{"kernels": [{"name", "calls", "us"}, ...] (the ``top`` by time, names cut at 80 characters),
+    "launches": n, "sum_us": total}``. Kernel durations only: set beside a graph replay's time, the difference is
+    what launches and the gaps between them cost. ``device_type`` "cpu" profiles the CPU ops instead (the CPU
+    test; nested ops are counted each there)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    on_cuda = device_type == "cuda"
+    sync = torch.cuda.synchronize if on_cuda else (lambda: None)
+    fn()
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA if on_cuda else ProfilerActivity.CPU]) as prof:
+        fn()
+        sync()
+    want = DeviceType.CUDA if on_cuda else DeviceType.CPU
+    by_name: dict[str, list[float]] = {}
+    for evt in prof.events():
+        if evt.device_type == want:
+            by_name.setdefault(evt.name[:80], []).append(evt.time_range.elapsed_us())
+    rows = sorted(({"name": n, "calls": len(v), "us": sum(v)} for n, v in by_name.items()), key=lambda r: -r["us"])
+    return {"kernels": rows[:top], "launches": sum(r["calls"] for r in rows), "sum_us": sum(r["us"] for r in rows)}
+
+
+def step_kernels(engine: Engine, context: int = 128) -> dict:
+    """``kernel_times`` of one batch-1 decode step run eagerly (as ``time_split``'s whole step, without its graph)."""
+    model, cache = engine.model, engine.cache
+    dev = model.device
+    tokens = torch.zeros(1, dtype=torch.long, device=dev)
+    pos = torch.full((1,), context, dtype=torch.int32, device=dev)
+    slot = torch.zeros(1, dtype=torch.int32, device=dev)
+    return kernel_times(lambda: model.decode(tokens, pos, slot, cache), dev.type)
+
+
 def prefill_split(engine: Engine, n_tokens: int = 2048) -> dict:
     """Milliseconds of one ``n_tokens``-token prefill at batch 1 by part: the whole prefill, every layer's linears
     at the prefill's shapes, layer 0's four linears alone (which one falls short), the FP8 activation quantization
@@ -403,6 +438,10 @@ def bench_runtime(
         ms["host"] = ms["engine_step_wall"] - ms["decode_step_graph"]
         result["time_split_ms"] = ms
         result["prefill_split_ms"] = prefill_split(engine, prefill_tokens)
+        try:  # the step kernel by kernel (the profiler may be unavailable: the numbers above stand without it)
+            result["step_kernels"] = step_kernels(engine)
+        except Exception as exc:  # noqa: BLE001
+            log.warning("per-kernel profile of the decode step failed: %s: %s", type(exc).__name__, exc)
     result["peak_memory_bytes"] = torch.cuda.max_memory_allocated()
     del engine
     return result

@@ -257,6 +257,11 @@ def format_table(record: dict) -> str:
         if "prefill_split_ms" in record.get(key, {}):
             lines.append(f"{key} prefill split (ms): "
                          + ", ".join(f"{k} {v:.2f}" for k, v in record[key]["prefill_split_ms"].items()))
+        if "step_kernels" in record.get(key, {}):
+            k = record[key]["step_kernels"]
+            lines.append(f"{key} batch-1 step, eager, by kernel: {k['launches']} launches, {k['sum_us'] / 1e3:.3f} ms "
+                         "of kernels; " + "; ".join(f"{r['name'][:40]} x{r['calls']} {r['us']:.0f} us"
+                                                    for r in k["kernels"][:6]))
     if "fp8" in record and "bf16" in record:
         f, b = record["fp8"], record["bf16"]
         lines.append("fp8 / bf16: " + ", ".join(f"decode b={n} {f['decode_tps'][str(n)] / b['decode_tps'][str(n)]:.2f}x"

@@ -122,3 +122,25 @@ def test_decode_rate_is_measured_on_full_batches_when_the_prompts_need_several_p
     bench.decode_tps(engine, batch=4, steps=6)
     assert engine.stats.decode_tokens == 4 * 6 and engine.stats.decode_steps == 6, engine.stats
     assert engine.prefill_chunk < 4 * 128  # restored
+
+
+def test_step_kernels_lists_what_one_decode_step_runs():
+    """The per-kernel profile of a decode step (on the CPU the profiler's CPU ops stand in for the kernels): named
+    rows by time with their call counts, the launch count and total, and a line under the table."""
+    from transformers import AutoModelForCausalLM
+
+    from quantkit.runtime.engine import Engine
+    from tests.runtime.conftest import tiny_config
+
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(tiny_config("llama", 256)).eval()
+    engine = Engine(bench.runtime_from_hf(hf, None, backend="reference"), None, max_batch=1, max_seq_len=160)
+    got = bench.step_kernels(engine)
+    rows = got["kernels"]
+    assert 0 < len(rows) <= 12 and got["launches"] >= sum(r["calls"] for r in rows)
+    assert [r["us"] for r in rows] == sorted((r["us"] for r in rows), reverse=True)
+    assert any(r["name"] in ("aten::linear", "aten::mm", "aten::addmm", "aten::matmul") for r in rows), rows
+    assert all(r["calls"] >= 1 and r["us"] >= 0 for r in rows) and got["sum_us"] >= rows[0]["us"]
+    record = {"batches": [1], "int4": {"decode_tps": {"1": 1.0}, "prefill_tps": 1.0, "weight_bytes_per_token": 1,
+                                       "peak_memory_bytes": 1, "step_kernels": got}}
+    assert f"int4 batch-1 step, eager, by kernel: {got['launches']} launches" in bench_run.format_table(record)
