@@ -341,6 +341,8 @@ def kernel_rows(args) -> list[dict]:
                     row["graph_block_us_gemv_fused_router"] = graph_time(lambda: block(x, None)) * 1e6
             row["gemv_sweep"] = tile_sweep(lambda **c: moe_gemv.moe_gemv(x, w, ids, ex, **c), GEMV_CANDIDATES,
                                            GEMV_DEFAULT)
+            row["gemv_pipelining_sweep"] = tile_sweep(lambda **c: moe_gemv.moe_gemv(x, w, ids, ex, **c),
+                                                      GEMV_PIPELINING, {})
         if m <= 32:  # decode sizes: the tiles a decode table would choose from
             with env(QUANTKIT_MOE_DECODE="tiles"):
                 row["tile_sweep"] = tile_sweep(lambda **tiles: fused_moe(x, w, ids, ex, **tiles))
@@ -372,6 +374,9 @@ PREFILL_TILE_DEFAULT = dict(block_m=16, block_n=64, block_k=64, num_warps=4, num
 GEMV_CANDIDATES = [dict(block_n=n, num_warps=nw, target_programs=tp)
                    for n in (32, 64, 128) for nw in (2, 4) for tp in (256, 512, 1024, 2048)]
 GEMV_DEFAULT = dict(block_n=64, num_warps=4, target_programs=512)
+# The K loops' software pipelining (cp.async stages) and unrolling at the default config (moe_gemv.pipelining):
+# a program of the default waits for each tile's words before it asks for the next (sm_90 SASS).
+GEMV_PIPELINING = [dict(num_stages=st, unroll=u) for st in (None, 2, 3, 4) for u in (None, 2)]
 
 
 def tile_sweep(call, candidates=None, default=None) -> list[dict]:
@@ -525,6 +530,13 @@ def print_table(record: dict) -> None:
                 print(f"M={r['m']}: fastest prefill tiles {({k: best[k] for k in PREFILL_TILE_DEFAULT})} "
                       f"{best.get('us', float('nan')):.1f} us (rel diff {best.get('rel_diff', float('nan')):.1e}); "
                       f"default {default.get('us', float('nan')):.1f} us")
+        for r in record["kernel"]:
+            if r.get("gemv_pipelining_sweep"):
+                best = r["gemv_pipelining_sweep"][0]
+                plain = next(t for t in r["gemv_pipelining_sweep"] if t["num_stages"] is None and t["unroll"] is None)
+                print(f"M={r['m']}: GEMV pipelining, fastest stages {best['num_stages']} unroll {best['unroll']} "
+                      f"{best.get('us', float('nan')):.1f} us (rel diff {best.get('rel_diff', float('nan')):.1e}); "
+                      f"neither {plain.get('us', float('nan')):.1f} us")
         for r in record["kernel"]:
             if r.get("gemv_sweep"):
                 best = r["gemv_sweep"][0]

@@ -189,9 +189,11 @@ moe-decode)  # issue 39 at decode: the GEMV against the tiled kernel, one layer'
         step 200 env QUANTKIT_MOE_DECODE=$v python3 -m quantkit.cli.app bench --shape qwen3-30b-a3b --no-baselines \
             --steps 32 --batches 1,8 --out "$OUT/bench_30b_$v.json" 2>&1 | tail -14
     done
-    # the router GEMM and the routing in one launch (kernels/moe_router.py; opt-in until this shows it faster)
-    step 120 env QUANTKIT_MOE_ROUTER=fused python3 -m quantkit.cli.app bench --shape qwen3-30b-a3b --no-baselines \
-        --steps 32 --batches 1,4 --out "$OUT/bench_30b_fused_router.json" 2>&1 | tail -14
+    # the router GEMM and the routing in one launch (kernels/moe_router.py), and the GEMV's K loops pipelined
+    # (moe_gemv.pipelining): opt-in until these show them faster
+    step 120 env QUANTKIT_MOE_ROUTER=fused QUANTKIT_MOE_GEMV_STAGES=3 python3 -m quantkit.cli.app bench \
+        --shape qwen3-30b-a3b --no-baselines --steps 32 --batches 1,4 --out "$OUT/bench_30b_fused_router.json" \
+        2>&1 | tail -14
     rm -f "$OUT"/*.png
     ;;
 moe-prefill)  # issue 39 at prefill (int4 0.60x bf16): the fused kernel's tiles at 256 and 2048 rows, taller tiles

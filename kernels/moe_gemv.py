@@ -34,12 +34,12 @@ TARGET_PROGRAMS = 512
 
 
 @triton.jit
-def _gated_input(p1_ptr, p, cols, ok, IN_SPLITS, INTER, stride_ps, stride_pp):
+def _gated_input(p1_ptr, p, cols, ok, IN_SPLITS, INTER, stride_ps, stride_pp, UNROLL: tl.constexpr = None):
     """``silu(gate) * up`` in float32 at columns ``cols`` of pair ``p``, from p1's IN_SPLITS partial sums (gate in
-    the first INTER columns of a row, up in the next)."""
+    the first INTER columns of a row, up in the next). ``UNROLL``: the loop's unroll factor (None: not unrolled)."""
     g = tl.zeros(cols.shape, dtype=tl.float32)
     u = tl.zeros(cols.shape, dtype=tl.float32)
-    for s in range(IN_SPLITS):
+    for s in tl.range(0, IN_SPLITS, loop_unroll_factor=UNROLL):
         row = p1_ptr + s * stride_ps + p * stride_pp
         g += tl.load(row + cols, mask=ok, other=0.0)
         u += tl.load(row + INTER + cols, mask=ok, other=0.0)
@@ -52,12 +52,17 @@ def _moe_gemv_kernel(a_ptr, p1_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, topw_ptr, out_
                      stride_am, stride_we, stride_wk, stride_wn, stride_se, stride_sg, stride_sn,
                      stride_ps, stride_pp, stride_os, stride_op, stride_asm,
                      QUANT: tl.constexpr, GROUP: tl.constexpr, GATED_INPUT: tl.constexpr, MUL_ROUTED: tl.constexpr,
-                     FP8: tl.constexpr, K_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     FP8: tl.constexpr, K_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     NUM_STAGES: tl.constexpr = None, UNROLL: tl.constexpr = None):
     """One pair ``p``, BLOCK_N columns, slice ``s`` of K (K_SPLIT columns). ``GATED_INPUT``: the input row is
     ``silu(gate) * up`` of ``p1``'s IN_SPLITS partial sums (the down GEMV), else ``a[p // TOP_K]`` (gate/up; the
     down GEMV of FP8 experts passes TOP_K 1: its rows are the pairs'). ``FP8``: ``a`` holds e4m3 codes with float32
     scales ``as [rows, K / GROUP]`` and ``w [E, N, K]`` e4m3 codes with scales ``s [E, N, K / GROUP]`` (GROUP: the
-    scales' run of input columns, K for one run); each K tile's sum of code products is scaled by both."""
+    scales' run of input columns, K for one run); each K tile's sum of code products is scaled by both.
+    ``NUM_STAGES``: the K loop software-pipelined (Triton's cp.async stages: the next tiles' words requested while
+    one is multiplied; in the sm_90 build the 4-bit gate/up loop takes it, the down loop with its gated prologue
+    does not), None for none. ``UNROLL``: the K loop's and the gated prologue's unroll factor (the prologue's
+    partial-sum loads then go out together), None for none. Neither changes the sums or their order."""
     p = tl.program_id(0)
     pid_n = tl.program_id(1)
     sp = tl.program_id(2)
@@ -65,11 +70,12 @@ def _moe_gemv_kernel(a_ptr, p1_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, topw_ptr, out_
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for k0 in range(sp * K_SPLIT, sp * K_SPLIT + K_SPLIT, BLOCK_K):
+    k_start = sp * K_SPLIT
+    for k0 in tl.range(k_start, k_start + K_SPLIT, BLOCK_K, num_stages=NUM_STAGES, loop_unroll_factor=UNROLL):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
         if GATED_INPUT:
-            a = _gated_input(p1_ptr, p, offs_k, k_mask, IN_SPLITS, INTER, stride_ps, stride_pp)
+            a = _gated_input(p1_ptr, p, offs_k, k_mask, IN_SPLITS, INTER, stride_ps, stride_pp, UNROLL)
             a = a.to(a_ptr.dtype.element_ty).to(tl.float32)  # as x's dtype
         else:
             a = tl.load(a_ptr + (p // TOP_K).to(tl.int64) * stride_am + offs_k, mask=k_mask, other=0.0).to(tl.float32)
@@ -104,14 +110,15 @@ def _moe_gemv_kernel(a_ptr, p1_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, topw_ptr, out_
 
 
 @triton.jit
-def _sum_parts_kernel(parts_ptr, out_ptr, H, PARTS, BLOCK: tl.constexpr):
+def _sum_parts_kernel(parts_ptr, out_ptr, H, PARTS, BLOCK: tl.constexpr, UNROLL: tl.constexpr = None):
     """``out[t] = sum over PARTS rows of parts[:, t]`` (float32), rounded once to out's dtype: the slices of K and
-    the token's k pairs in one launch (torch's sum and cast would be two, a few us each at decode)."""
+    the token's k pairs in one launch (torch's sum and cast would be two, a few us each at decode). ``UNROLL`` as
+    the GEMV's (at batch 1 its 16 dependent loads took 3.6 us, H100 profile, docs/moe.md)."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < H
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for i in range(PARTS):
+    for i in tl.range(0, PARTS, loop_unroll_factor=UNROLL):
         acc += tl.load(parts_ptr + (t * PARTS + i) * H + cols, mask=ok, other=0.0)
     tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
@@ -156,7 +163,7 @@ def _split(k: int, block_k: int, programs: int, target: int | None = None) -> tu
 
 
 def _launch(a, p1, w, s, z, ids, topw, out_parts, n, k, top_k, in_splits, inter, quant, group, gated_input,
-            mul_routed, k_split, block_n, block_k, num_warps, a_scales=None):
+            mul_routed, k_split, block_n, block_k, num_warps, a_scales=None, num_stages=None, unroll=None):
     fp8 = a_scales is not None
     if quant:
         swe, swk, swn = w.stride()  # [E, K/8, N]
@@ -176,14 +183,39 @@ def _launch(a, p1, w, s, z, ids, topw, out_parts, n, k, top_k, in_splits, inter,
                            inter, a.stride(0), swe, swk, swn, sse, ssg, ssn, p1.stride(0), p1.stride(1),
                            out_parts.stride(0), out_parts.stride(1), a_scales.stride(0) if fp8 else 0, QUANT=quant,
                            GROUP=group, GATED_INPUT=gated_input, MUL_ROUTED=mul_routed, FP8=fp8, K_SPLIT=k_split,
-                           BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
+                           BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages, UNROLL=unroll,
+                           num_warps=num_warps)
+
+
+def pipelining(num_stages: int | None = None, unroll: int | None = None) -> tuple[int | None, int | None]:
+    """The K loops' software pipelining and unrolling (the kernel's NUM_STAGES, UNROLL): the arguments where given,
+    else ``QUANTKIT_MOE_GEMV_STAGES`` / ``QUANTKIT_MOE_GEMV_UNROLL`` (A/B switches for the benches), else None:
+    neither, as measured so far. Both are new and not yet timed on a GPU (bench_moe.py's kernel section sweeps
+    them; the default changes only where that shows them faster). In the sm_90 build, stages turn the 4-bit
+    gate/up loop's word loads into cp.async; an unroll by 4 spills the 4-bit down GEMV (by 2 it does not)."""
+    import os
+
+    def pick(value, name):
+        if value is None:
+            raw = os.environ.get(name, "").strip()
+            if not raw:
+                return None
+            if not raw.isdigit() or int(raw) < 1:
+                raise ValueError(f"{name} must be a positive integer, got {raw!r}")
+            value = int(raw)
+        return None if value == 1 else value  # one stage, or an unroll by one: neither
+
+    return pick(num_stages, "QUANTKIT_MOE_GEMV_STAGES"), pick(unroll, "QUANTKIT_MOE_GEMV_UNROLL")
 
 
 def moe_gemv(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, experts, block_n: int = 64,
-             num_warps: int = 4, target_programs: int | None = None) -> torch.Tensor:
+             num_warps: int = 4, target_programs: int | None = None, num_stages: int | None = None,
+             unroll: int | None = None) -> torch.Tensor:
     """``fused_moe``'s result for a decode-sized ``x [T, H]`` (``applies(experts, T * k)``); module docstring.
-    ``target_programs``: the programs a launch aims at (default TARGET_PROGRAMS; bench_moe.py sweeps it)."""
+    ``target_programs``: the programs a launch aims at (default TARGET_PROGRAMS; bench_moe.py sweeps it).
+    ``num_stages``, ``unroll``: the K loops' pipelining and unrolling (``pipelining``)."""
     target = TARGET_PROGRAMS if target_programs is None else target_programs
+    num_stages, unroll = pipelining(num_stages, unroll)
     t, h = x.shape
     top_k = topk_ids.shape[1]
     pairs = t * top_k
@@ -201,7 +233,7 @@ def moe_gemv(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     s1, k1 = _split(h, block_k, pairs * triton.cdiv(2 * inter, block_n), target)
     p1 = torch.empty(s1, pairs, 2 * inter, dtype=torch.float32, device=x.device)
     _launch(a13, p1, experts.w13, experts.s13, experts.z13, ids, topw, p1, 2 * inter, h, top_k, 1, inter, q,
-            experts.group13, False, False, k1, block_n, block_k, num_warps, as13)
+            experts.group13, False, False, k1, block_n, block_k, num_warps, as13, num_stages, unroll)
     s2, k2 = _split(inter, block_k, pairs * triton.cdiv(h, block_n), target)
     # token-major [T, k, S2, H]: a token's k pairs and S2 slices are one run of rows for the final sum
     p2 = torch.empty(t, top_k, s2, h, dtype=torch.float32, device=x.device)
@@ -213,12 +245,12 @@ def moe_gemv(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
                                                                 BLOCK=block, num_warps=4)
         a2, as2 = quantize_activations(hid, experts.group2)
         _launch(a2, p1, experts.w2, experts.s2, experts.z2, ids, topw, parts2, h, inter, 1, s1, inter, q,
-                experts.group2, False, True, k2, block_n, block_k, num_warps, as2)
+                experts.group2, False, True, k2, block_n, block_k, num_warps, as2, num_stages, unroll)
     else:
         _launch(x, p1, experts.w2, experts.s2, experts.z2, ids, topw, parts2, h, inter, top_k, s1, inter, q,
-                experts.group2, True, True, k2, block_n, block_k, num_warps)
+                experts.group2, True, True, k2, block_n, block_k, num_warps, None, num_stages, unroll)
     # slices and the token's k pairs summed in float32, rounded once (as the tiled path's sum)
     out = torch.empty(t, h, dtype=x.dtype, device=x.device)
     block = min(1024, triton.next_power_of_2(h))
-    _sum_parts_kernel[(t, triton.cdiv(h, block))](p2, out, h, top_k * s2, BLOCK=block, num_warps=4)
+    _sum_parts_kernel[(t, triton.cdiv(h, block))](p2, out, h, top_k * s2, BLOCK=block, UNROLL=unroll, num_warps=4)
     return out

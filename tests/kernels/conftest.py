@@ -48,7 +48,9 @@ from triton.compiler import ASTSource
 spec = json.loads(sys.argv[1])
 fn = getattr(importlib.import_module(spec["module"]), spec["kernel"])
 signature = dict(spec["signature"], **{name: "constexpr" for name in spec["constexprs"]})
-kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=spec["constexprs"], attrs={}),
+# what Triton's launcher specializes at run time: 16-byte aligned pointers, integers divisible by 16
+attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in spec["aligned"]}
+kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=spec["constexprs"], attrs=attrs),
                         target=GPUTarget("cuda", 90, 32), options={"num_warps": spec["num_warps"]})
 open(spec["out"], "w").write(kernel.asm["ptx"])
 """
@@ -69,12 +71,22 @@ class Sm90Tools:
         assert done.returncode == 0, done.stderr[-3000:]
 
     def triton_ptx(self, out: str, module: str, kernel: str, signature: dict[str, str], constexprs: dict,
-                   num_warps: int) -> str:
+                   num_warps: int, aligned: tuple[str, ...] = ()) -> str:
         """``module.kernel`` (a ``@triton.jit`` function) compiled for sm_90 with these argument types and
-        constexprs; its PTX written to ``out`` (the path, returned) for :meth:`ptxas_notices`."""
+        constexprs; its PTX written to ``out`` (the path, returned) for :meth:`ptxas_notices`. ``aligned``: the
+        arguments to compile as Triton's launcher specializes them when they are 16-byte aligned pointers or
+        integers divisible by 16 (the vector widths of the loads depend on it; an integer equal to 1 it makes a
+        constexpr: pass those in ``constexprs``)."""
         spec = dict(out=out, module=module, kernel=kernel, signature=signature, constexprs=constexprs,
-                    num_warps=num_warps)
+                    num_warps=num_warps, aligned=list(aligned))
         self.compile(_COMPILE_TRITON, json.dumps(spec))
+        return out
+
+    def cubin(self, ptx: str) -> str:
+        """``ptx`` assembled for sm_90a (beside it, ``.cubin``), for :meth:`sass`."""
+        out = ptx + ".cubin"
+        done = self._run("ptxas", "-arch=sm_90a", "-o", out, ptx)
+        assert done.returncode == 0, done.stderr[-2000:]
         return out
 
     def sass(self, cubin: str) -> list[str]:

@@ -167,11 +167,9 @@ def test_gemv_fp8_experts_on_the_gpu_match_the_tiled_kernel(monkeypatch, weights
         assert rel_err(out, ref) < 2e-2 and rel_err(out, tiled) < 2e-2, (rel_err(out, ref), rel_err(out, tiled))
 
 
-@pytest.mark.parametrize(("kind", "block_k"), [("int4", 128), ("int4-down", 128), ("fp8", 64)])
-def test_gemv_compiles_for_sm90_without_spills(sm90, tmp_path, kind, block_k):
-    """The GEMV as the table runs it at 128-groups (4-bit gate/up and down with its gated prologue) and FP8 at its
-    64-row tile (block_k_for), compiled for Hopper: no spill stores. (The FP8 and 16-bit tiles are [N, K], rows of
-    K-contiguous codes: read as [K, N] like the 4-bit words, the FP8 tile took 255 registers and spilled.)"""
+def _gemv_ptx(sm90, out, kind, block_k, num_stages=None, unroll=None):
+    """The GEMV compiled for Hopper as Triton's launcher specializes it at run time: unit strides as constexpr 1,
+    aligned pointers and strides divisible by 16."""
     quant, fp8, gated = kind in ("int4", "int4-down"), kind == "fp8", kind == "int4-down"
     w = "*i32" if quant else "*fp8e4nv"
     signature = {"a_ptr": "*fp8e4nv" if fp8 else "*bf16", "p1_ptr": "*fp32", "w_ptr": w,
@@ -180,9 +178,69 @@ def test_gemv_compiles_for_sm90_without_spills(sm90, tmp_path, kind, block_k):
     signature |= {name: "i32" for name in ("N", "K", "TOP_K", "IN_SPLITS", "INTER", "stride_am", "stride_we",
                                            "stride_wk", "stride_wn", "stride_se", "stride_sg", "stride_sn",
                                            "stride_ps", "stride_pp", "stride_os", "stride_op", "stride_asm")}
-    constexprs = dict(QUANT=quant, GROUP=128, GATED_INPUT=gated, MUL_ROUTED=gated, FP8=fp8, K_SPLIT=768, BLOCK_N=64,
-                      BLOCK_K=block_k)
-    ptx = sm90.triton_ptx(str(tmp_path / "gemv.ptx"), "quantkit.kernels.moe_gemv", "_moe_gemv_kernel", signature,
-                          constexprs, num_warps=4)
+    units = ("stride_wn", "stride_sn") if quant else ("stride_wk",)  # [E, K/8, N] words / [E, N, K] codes
+    for name in units:
+        del signature[name]
+    constexprs = dict({name: 1 for name in units}, QUANT=quant, GROUP=128, GATED_INPUT=gated, MUL_ROUTED=gated,
+                      FP8=fp8, K_SPLIT=768, BLOCK_N=64, BLOCK_K=block_k, NUM_STAGES=num_stages, UNROLL=unroll)
+    unaligned = ("TOP_K", "IN_SPLITS") + (() if quant else ("stride_sg", "stride_sn"))
+    aligned = tuple(name for name in signature if name not in unaligned)
+    return sm90.triton_ptx(out, "quantkit.kernels.moe_gemv", "_moe_gemv_kernel", signature, constexprs,
+                           num_warps=4, aligned=aligned)
+
+
+@pytest.mark.parametrize(("kind", "block_k", "num_stages", "unroll"),
+                         [("int4", 128, None, None), ("int4-down", 128, None, None), ("fp8", 64, None, None),
+                          ("int4", 128, 3, None), ("int4-down", 128, None, 2), ("fp8", 64, 3, 2)])
+def test_gemv_compiles_for_sm90_without_spills(sm90, tmp_path, kind, block_k, num_stages, unroll):
+    """The GEMV as the table runs it at 128-groups (4-bit gate/up and down with its gated prologue) and FP8 at its
+    64-row tile (block_k_for), and with the pipelining the bench sweeps, compiled for Hopper: no spill stores.
+    (The FP8 and 16-bit tiles are [N, K], rows of K-contiguous codes: read as [K, N] like the 4-bit words, the FP8
+    tile took 255 registers and spilled.) The 4-bit words load 16 bytes at a time; with stages, through cp.async."""
+    ptx = _gemv_ptx(sm90, str(tmp_path / "gemv.ptx"), kind, block_k, num_stages, unroll)
     notices = sm90.ptxas_notices(ptx)
     assert "0 bytes spill stores" in notices, notices
+    sass = " ".join(sm90.sass(sm90.cubin(ptx)))
+    if kind.startswith("int4"):
+        assert "LDG.E.128" in sass or "LDGSTS.E.BYPASS.128" in sass
+    if kind == "int4" and num_stages:
+        assert "LDGSTS.E.BYPASS.128" in sass and "LDGDEPBAR" in sass  # the words' tiles requested stages ahead
+
+
+@pytest.mark.parametrize(("num_stages", "unroll"), [(3, None), (None, 4), (2, 2)])
+def test_gemv_pipelining_gives_the_same_sums(monkeypatch, num_stages, unroll):
+    """Software pipelining and unrolling of the K loops change when loads go out, not the sums or their order:
+    the same result bit for bit, 4-bit (with several slices of K and partial sums to add) and 16-bit."""
+    monkeypatch.setattr(moe_gemv, "TARGET_PROGRAMS", 40)
+    ex = stack_quantized(experts_q(6, 256, 96, 32), torch.float32, DEVICE)
+    w, ids = routing(3, 6, 2, skip=(1,))
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(8)).to(DEVICE)
+    plain = gemv(x, w.to(DEVICE), ids.to(DEVICE), ex, block_n=32)
+    got = gemv(x, w.to(DEVICE), ids.to(DEVICE), ex, block_n=32, num_stages=num_stages, unroll=unroll)
+    assert torch.equal(got, plain)
+    monkeypatch.setenv("QUANTKIT_MOE_GEMV_STAGES", str(num_stages or 1))
+    monkeypatch.setenv("QUANTKIT_MOE_GEMV_UNROLL", str(unroll or 1))
+    assert moe_gemv.pipelining() == (num_stages, unroll)
+    assert torch.equal(gemv(x, w.to(DEVICE), ids.to(DEVICE), ex, block_n=32), plain)
+
+
+def test_pipelining_switches_refuse_what_is_not_a_count(monkeypatch):
+    monkeypatch.delenv("QUANTKIT_MOE_GEMV_STAGES", raising=False)
+    monkeypatch.delenv("QUANTKIT_MOE_GEMV_UNROLL", raising=False)
+    assert moe_gemv.pipelining() == (None, None)  # the default: neither (not yet timed)
+    monkeypatch.setenv("QUANTKIT_MOE_GEMV_STAGES", "three")
+    with pytest.raises(ValueError, match="QUANTKIT_MOE_GEMV_STAGES"):
+        moe_gemv.pipelining()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("num_stages", "unroll"), [(3, None), (None, 2), (3, 2)])
+def test_gemv_pipelining_on_the_gpu_gives_the_same_sums(num_stages, unroll):
+    """bf16, the 30B-A3B expert sizes at batch 1: pipelined and unrolled K loops against the plain ones (the same
+    sums in the same order, so equal up to nothing; a difference would mean the compiler reassociated)."""
+    ex = stack_quantized(experts_q(16, 2048, 768, 128), torch.bfloat16, "cuda")
+    w, ids = routing(1, 16, 8)
+    x = torch.randn(1, 2048, generator=torch.Generator().manual_seed(9)).to("cuda", torch.bfloat16)
+    plain = gemv(x, w.cuda(), ids.cuda(), ex)
+    got = gemv(x, w.cuda(), ids.cuda(), ex, num_stages=num_stages, unroll=unroll)
+    assert rel_err(got, plain) < 1e-6
