@@ -169,10 +169,11 @@ def _top_k_pick(probs, offs_e, EXPERTS: tl.constexpr):
 def _route_body(logits_ptr, stride_lt, weights_ptr, ids_ptr, sorted_ptr, block_expert_ptr, num_tokens, num_experts,
                 n_blocks, n_slots, TOP_K: tl.constexpr, RENORM: tl.constexpr, BLOCK_M: tl.constexpr,
                 TOKENS: tl.constexpr, PAIRS: tl.constexpr, EXPERTS: tl.constexpr, FILL: tl.constexpr,
-                BLOCKS: tl.constexpr, FRESH: tl.constexpr):
+                BLOCKS: tl.constexpr, FRESH: tl.constexpr, ALIGN: tl.constexpr = True):
     """Softmax, top-k (renormalized when RENORM) and the align from the router logits in memory. ``FRESH``: the
     logits were written by other programs of this launch, so they are read past L1 (which another replay of the
-    step may have left holding this buffer's old lines)."""
+    step may have left holding this buffer's old lines). ``ALIGN`` False: weights and ids only (the decode GEMV
+    reads no layout)."""
     offs_t = tl.arange(0, TOKENS)
     offs_e = tl.arange(0, EXPERTS)
     t_mask = offs_t < num_tokens
@@ -200,9 +201,10 @@ def _route_body(logits_ptr, stride_lt, weights_ptr, ids_ptr, sorted_ptr, block_e
         tl.store(weights_ptr + offs_t * TOP_K + j, best * scale, mask=t_mask)
         tl.store(ids_ptr + offs_t * TOP_K + j, expert.to(tl.int64), mask=t_mask)
         work = tl.where(offs_e[None, :] == expert[:, None], -1.0, work)
-    tl.debug_barrier()  # the ids are in memory before the align reads them back as pairs
-    _align_body(ids_ptr, sorted_ptr, block_expert_ptr, num_tokens * TOP_K, num_experts, n_blocks, n_slots,
-                BLOCK_M, PAIRS, EXPERTS, FILL, BLOCKS)
+    if ALIGN:
+        tl.debug_barrier()  # the ids are in memory before the align reads them back as pairs
+        _align_body(ids_ptr, sorted_ptr, block_expert_ptr, num_tokens * TOP_K, num_experts, n_blocks, n_slots,
+                    BLOCK_M, PAIRS, EXPERTS, FILL, BLOCKS)
 
 
 @triton.jit

@@ -50,7 +50,7 @@ def _router_route_kernel(x_ptr, stride_xt, w_ptr, stride_we, logits_ptr, counter
                          sorted_ptr, block_expert_ptr, num_tokens, num_experts, hidden, n_blocks, n_slots,
                          TOP_K: tl.constexpr, RENORM: tl.constexpr, BLOCK_M: tl.constexpr, TOKENS: tl.constexpr,
                          PAIRS: tl.constexpr, EXPERTS: tl.constexpr, FILL: tl.constexpr, BLOCKS: tl.constexpr,
-                         BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):
+                         BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, ALIGN: tl.constexpr):
     pid = tl.program_id(0)
     offs_t = tl.arange(0, TOKENS)
     offs_e = pid * BLOCK_E + tl.arange(0, BLOCK_E)
@@ -76,15 +76,16 @@ def _router_route_kernel(x_ptr, stride_xt, w_ptr, stride_we, logits_ptr, counter
         tl.atomic_xchg(counter_ptr, 0, sem="relaxed")  # zero again for the next call
         _route_body(logits_ptr, num_experts, weights_ptr, ids_ptr, sorted_ptr, block_expert_ptr, num_tokens,
                     num_experts, n_blocks, n_slots, TOP_K, RENORM, BLOCK_M, TOKENS, PAIRS, EXPERTS, FILL, BLOCKS,
-                    True)
+                    True, ALIGN)
 
 
 def router_route_and_align(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool,
-                           counter: torch.Tensor, block_m: int):
+                           counter: torch.Tensor, block_m: int, align: bool = True):
     """``route_ref(F.linear(x, router), top_k, renormalize)`` and ``moe_align(ids, E, block_m)`` in one launch:
     ``(weights [T, k] float32, ids [T, k] int64, (sorted_ids, block_expert))``. ``x [T, H]`` 16-bit (or float32),
     ``router [E, H]``, ``counter``: an int32 tensor of one zero on x's device, kept by the caller between calls (the
-    kernel leaves it zero). Only where ``router_fused_applies``."""
+    kernel leaves it zero). ``align`` False: no layout (the third item None; the decode GEMV reads none). Only
+    where ``router_fused_applies``."""
     tokens, hidden = x.shape
     num_experts = router.shape[0]
     if router.shape[1] != hidden:
@@ -100,8 +101,8 @@ def router_route_and_align(x: torch.Tensor, router: torch.Tensor, top_k: int, re
     logits = torch.empty(tokens, num_experts, dtype=x.dtype, device=dev)
     weights = torch.empty(tokens, top_k, dtype=torch.float32, device=dev)
     ids = torch.empty(tokens, top_k, dtype=torch.int64, device=dev)
-    sorted_ids = torch.empty(n_blocks * block_m, dtype=torch.int32, device=dev)
-    block_expert = torch.empty(n_blocks, dtype=torch.int32, device=dev)
+    sorted_ids = torch.empty(n_blocks * block_m if align else 1, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(n_blocks if align else 1, dtype=torch.int32, device=dev)
     toks = triton.next_power_of_2(tokens)
     # a [TOKENS, BLOCK_E, BLOCK_H] product of ~4K values a step (32 a thread at 4 warps)
     block_h = max(32, min(triton.next_power_of_2(hidden), 4096 // (toks * BLOCK_E)))
@@ -111,5 +112,5 @@ def router_route_and_align(x: torch.Tensor, router: torch.Tensor, top_k: int, re
                                RENORM=renormalize, BLOCK_M=block_m, TOKENS=toks,
                                PAIRS=triton.next_power_of_2(pairs), EXPERTS=triton.next_power_of_2(num_experts),
                                FILL=FILL, BLOCKS=_blocks_a_step(num_experts), BLOCK_E=BLOCK_E, BLOCK_H=block_h,
-                               num_warps=_warps(pairs, num_experts))
-    return weights, ids, (sorted_ids, block_expert)
+                               ALIGN=align, num_warps=_warps(pairs, num_experts))
+    return weights, ids, (sorted_ids, block_expert) if align else None

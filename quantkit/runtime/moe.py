@@ -49,13 +49,15 @@ class MoELayer:
     def __call__(self, x: torch.Tensor, act_mul) -> torch.Tensor:
         from quantkit.kernels.moe_align import BLOCK_M, align_in_one_program, route_and_align
         from quantkit.kernels.moe_router import router_fused_selected, router_route_and_align
-        from quantkit.kernels.moe_w4a16 import fused_moe, fused_moe_ref
+        from quantkit.kernels.moe_w4a16 import decode_kernel, fused_moe, fused_moe_ref
 
         if self.use_kernel and self.act_quant is None:
             if router_fused_selected(x.shape[0], self.top_k, self.experts.num_experts, x.device):
-                # a decode batch of a few tokens: the router GEMM, routing and layout in one launch
+                # a decode batch of a few tokens: the router GEMM, routing and layout in one launch (no layout
+                # where the decode GEMV serves: it reads none)
+                align = decode_kernel(self.experts, x.shape[0] * self.top_k) != "gemv"
                 weights, ids, aligned = router_route_and_align(x, self.router, self.top_k, self.renormalize,
-                                                               self.router_counter, BLOCK_M)
+                                                               self.router_counter, BLOCK_M, align)
                 y = fused_moe(x, weights, ids, self.experts, aligned=aligned)
             elif align_in_one_program(x.shape[0] * self.top_k, self.experts.num_experts, x.device):
                 # decode-sized: routing and the pairs' layout in one launch (kernels/moe_align.py says why)

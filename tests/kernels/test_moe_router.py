@@ -45,6 +45,10 @@ def test_fused_router_equals_the_linear_then_the_routing(renormalize, tokens, n_
         torch.testing.assert_close(weights, want_w, rtol=1e-4, atol=1e-6)
         assert sorted_ids.tolist() == expected_ids and block_expert.tolist() == expected_experts
         assert counter.item() == 0
+    # without the layout (the decode GEMV reads none): the same weights and experts
+    weights, ids, aligned = router_route_and_align(x, router, top_k, renormalize, counter, align.BLOCK_M, False)
+    assert aligned is None and torch.equal(ids, want_ids) and counter.item() == 0
+    torch.testing.assert_close(weights, want_w, rtol=1e-4, atol=1e-6)
 
 
 def test_fused_router_refuses_what_it_does_not_take():
@@ -82,13 +86,16 @@ def test_runtime_moe_block_with_the_fused_router_equals_its_reference(monkeypatc
 
     real = moe_router.router_route_and_align
     monkeypatch.setattr(moe_router, "router_route_and_align", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setenv("QUANTKIT_MOE_DECODE", "gemv")  # routing only: the GEMV reads no layout
     out = MoELayer(router, ex, 2, True, True)(x, None)
+    monkeypatch.setenv("QUANTKIT_MOE_DECODE", "tiles")  # routing and layout
+    out_tiles = MoELayer(router, ex, 2, True, True)(x, None)
     ref = MoELayer(router, ex, 2, True, False)(x, None)
-    assert calls == [1] and rel_err(out, ref) < 1e-5
+    assert len(calls) == 2 and rel_err(out, ref) < 1e-5 and rel_err(out_tiles, ref) < 1e-5
 
 
-@pytest.mark.parametrize("tokens", [1, 4])
-def test_fused_router_compiles_for_sm90_without_spills(sm90, tmp_path, tokens):
+@pytest.mark.parametrize(("tokens", "with_layout"), [(1, False), (1, True), (4, True)])
+def test_fused_router_compiles_for_sm90_without_spills(sm90, tmp_path, tokens, with_layout):
     """Qwen3-30B-A3B's router (128 experts of 2048, top-8) at 1 and 4 tokens: the GEMM's product and the last
     program's routing in registers."""
     from quantkit.kernels.moe_align import FILL, _blocks_a_step, _warps
@@ -102,7 +109,7 @@ def test_fused_router_compiles_for_sm90_without_spills(sm90, tmp_path, tokens):
                  "n_blocks": "i32", "n_slots": "i32"}
     constexprs = dict(TOP_K=8, RENORM=True, BLOCK_M=align.BLOCK_M, TOKENS=toks, PAIRS=triton.next_power_of_2(pairs),
                       EXPERTS=n_exp, FILL=FILL, BLOCKS=_blocks_a_step(n_exp), BLOCK_E=BLOCK_E,
-                      BLOCK_H=max(32, min(hidden, 4096 // (toks * BLOCK_E))))
+                      BLOCK_H=max(32, min(hidden, 4096 // (toks * BLOCK_E))), ALIGN=with_layout)
     ptx = sm90.triton_ptx(str(tmp_path / "router.ptx"), "quantkit.kernels.moe_router", "_router_route_kernel",
                           signature, constexprs, num_warps=_warps(pairs, n_exp))
     notices = sm90.ptxas_notices(ptx)
