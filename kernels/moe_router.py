@@ -4,8 +4,9 @@ At batch 1 the MoE block spent ~12 us of its ~38 us (Qwen3-30B-A3B shape, H100, 
 before the experts: the router's ``[T, H] x [H, E]`` GEMM (cuBLAS) and ``moe_align.route_and_align``. Here the
 router's rows are split over ``E / BLOCK_E`` programs (each reads ``BLOCK_E`` rows of the 16-bit router: 16 KB a
 program at H = 2048, so the 512 KB are read in parallel), each writes its logits and counts itself done on an
-atomic counter; the program that arrives last runs ``route_and_align``'s body on all the logits and puts the counter
-back to zero for the next call (a CUDA-graph replay sees it zero again). One launch instead of two.
+atomic counter; the program that arrives last runs ``route_and_align``'s body on all the logits (its picks kept
+in registers and stored once: ``ONE_PASS``) and puts the counter back to zero for the next call (a CUDA-graph
+replay sees it zero again). One launch instead of two.
 
 The logits are rounded to the activations' dtype before the softmax, as ``F.linear``'s 16-bit output is, so the
 routing is the unfused path's up to the order of the float32 sums (a different last bit of a 16-bit logit can swap
@@ -50,7 +51,8 @@ def _router_route_kernel(x_ptr, stride_xt, w_ptr, stride_we, logits_ptr, counter
                          sorted_ptr, block_expert_ptr, num_tokens, num_experts, hidden, n_blocks, n_slots,
                          TOP_K: tl.constexpr, RENORM: tl.constexpr, BLOCK_M: tl.constexpr, TOKENS: tl.constexpr,
                          PAIRS: tl.constexpr, EXPERTS: tl.constexpr, FILL: tl.constexpr, BLOCKS: tl.constexpr,
-                         BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, ALIGN: tl.constexpr):
+                         BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, ALIGN: tl.constexpr,
+                         TOP_K_P2: tl.constexpr):
     pid = tl.program_id(0)
     offs_t = tl.arange(0, TOKENS)
     offs_e = pid * BLOCK_E + tl.arange(0, BLOCK_E)
@@ -76,7 +78,7 @@ def _router_route_kernel(x_ptr, stride_xt, w_ptr, stride_we, logits_ptr, counter
         tl.atomic_xchg(counter_ptr, 0, sem="relaxed")  # zero again for the next call
         _route_body(logits_ptr, num_experts, weights_ptr, ids_ptr, sorted_ptr, block_expert_ptr, num_tokens,
                     num_experts, n_blocks, n_slots, TOP_K, RENORM, BLOCK_M, TOKENS, PAIRS, EXPERTS, FILL, BLOCKS,
-                    True, ALIGN)
+                    True, ALIGN, True, TOP_K_P2)
 
 
 def router_route_and_align(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool,
@@ -112,5 +114,6 @@ def router_route_and_align(x: torch.Tensor, router: torch.Tensor, top_k: int, re
                                RENORM=renormalize, BLOCK_M=block_m, TOKENS=toks,
                                PAIRS=triton.next_power_of_2(pairs), EXPERTS=triton.next_power_of_2(num_experts),
                                FILL=FILL, BLOCKS=_blocks_a_step(num_experts), BLOCK_E=BLOCK_E, BLOCK_H=block_h,
-                               ALIGN=align, num_warps=_warps(pairs, num_experts))
+                               ALIGN=align, TOP_K_P2=triton.next_power_of_2(top_k),
+                               num_warps=_warps(pairs, num_experts))
     return weights, ids, (sorted_ids, block_expert) if align else None

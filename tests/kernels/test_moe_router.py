@@ -109,7 +109,7 @@ def test_fused_router_compiles_for_sm90_without_spills(sm90, tmp_path, tokens, w
                  "n_blocks": "i32", "n_slots": "i32"}
     constexprs = dict(TOP_K=8, RENORM=True, BLOCK_M=align.BLOCK_M, TOKENS=toks, PAIRS=triton.next_power_of_2(pairs),
                       EXPERTS=n_exp, FILL=FILL, BLOCKS=_blocks_a_step(n_exp), BLOCK_E=BLOCK_E,
-                      BLOCK_H=max(32, min(hidden, 4096 // (toks * BLOCK_E))), ALIGN=with_layout)
+                      BLOCK_H=max(32, min(hidden, 4096 // (toks * BLOCK_E))), ALIGN=with_layout, TOP_K_P2=8)
     ptx = sm90.triton_ptx(str(tmp_path / "router.ptx"), "quantkit.kernels.moe_router", "_router_route_kernel",
                           signature, constexprs, num_warps=_warps(pairs, n_exp))
     notices = sm90.ptxas_notices(ptx)
