@@ -106,7 +106,7 @@ class SeparateExperts(nn.ModuleList):
                 # torch.where, not a boolean index: indexing by a mask reads its count on the host, a sync per
                 # expert (AWQ's scale search runs this block for each of its candidates)
                 y = (down(h) * dense[:, e, None]).to(out.dtype)
-                out += torch.where(routed[:, None], y, torch.zeros((), dtype=out.dtype, device=out.device))
+                out += torch.where(routed[:, None], y, 0.0)
             else:  # the observer already has down's input: run it on the routed rows only (E/k less work)
                 y = down(h[routed])
                 out[routed] += (y * dense[routed, e, None]).to(out.dtype)
