@@ -28,7 +28,7 @@
 # Issue 39's MoE serving and kernel sections after the MoE GPU tests, no carry needed:
 #   bash bench/gpu_check.sh moe BUDGET_S (~420) [bench-only]
 # No carry needed either: issue 41's W4A16 decode variants and prefill candidates (`w4a16 470`); issue 39's MoE
-# GEMV against the tiled kernel, block and whole step (`moe-decode 470`), its prefill tiles (`moe-prefill 300`),
+# GEMV against the tiled kernel, block and whole step (`moe-decode 520`), its prefill tiles (`moe-prefill 300`),
 # and its GPTQ / AWQ times (`moe-quantize 590 gptq|awq [LAYERS]`).
 # Everything lands in $OUT (JSON of each bench, the suite's log).
 # pytest runs with OMP_NUM_THREADS=1: 8-12 xdist workers on 16 cores, each with torch's one thread a core, took
@@ -181,10 +181,11 @@ w4a16)  # issue 41: every decode variant (the CUDA C++ GEMM built with nvcc, Glu
         --deadline 150 --out "$OUT/w4a16_prefill.json" 2>&1 | tail -20
     rm -f "$OUT"/*.png
     ;;
-moe-decode)  # issue 39 at decode: the GEMV against the tiled kernel, one layer's block replayed from a graph (the
-    # kernel section at M = 1 and 8), then the whole step at batch 1 and 8 under each (~8 minutes)
+moe-decode)  # issue 39 at decode (BUDGET_S ~520): the GEMV against the tiled kernel, one layer's block replayed
+    # from a graph (the kernel section at M = 1, 8, 32, with its sweeps, the fused router and the block's kernels),
+    # then the whole step at batch 1 and 8 under each, and with the opt-in router and GEMV pipelining (~8 minutes)
     card | tee "$OUT/card.txt"
-    step 150 python3 bench/bench_moe.py --skip gptq awq serve --kernel-m 1 8 32 --out "$OUT/bench_moe_kernel.json" 2>&1 | tail -25
+    step 200 python3 bench/bench_moe.py --skip gptq awq serve --kernel-m 1 8 32 --out "$OUT/bench_moe_kernel.json" 2>&1 | tail -25
     for v in gemv tiles; do
         step 200 env QUANTKIT_MOE_DECODE=$v python3 -m quantkit.cli.app bench --shape qwen3-30b-a3b --no-baselines \
             --steps 32 --batches 1,8 --out "$OUT/bench_30b_$v.json" 2>&1 | tail -14
