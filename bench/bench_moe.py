@@ -342,7 +342,7 @@ def kernel_rows(args) -> list[dict]:
             row["gemv_sweep"] = tile_sweep(lambda **c: moe_gemv.moe_gemv(x, w, ids, ex, **c), GEMV_CANDIDATES,
                                            GEMV_DEFAULT)
             row["gemv_pipelining_sweep"] = tile_sweep(lambda **c: moe_gemv.moe_gemv(x, w, ids, ex, **c),
-                                                      GEMV_PIPELINING, {})
+                                                      GEMV_PIPELINING, GEMV_PIPELINING_PLAIN)
         if m <= 32:  # decode sizes: the tiles a decode table would choose from
             with env(QUANTKIT_MOE_DECODE="tiles"):
                 row["tile_sweep"] = tile_sweep(lambda **tiles: fused_moe(x, w, ids, ex, **tiles))
@@ -359,6 +359,7 @@ def kernel_rows(args) -> list[dict]:
 # at copy speed: deeper pipelines and narrower tiles (more programs) are the candidates.
 TILE_CANDIDATES = [dict(block_n=n, block_k=kk, num_warps=nw, num_stages=st)
                    for n in (32, 64, 128) for kk in (64, 128) for nw, st in ((4, 3), (4, 5), (8, 3))]
+TILE_DEFAULT = dict(block_n=64, block_k=64, num_warps=4, num_stages=3)  # fused_moe's own (its default arguments)
 
 
 # At prefill (2048 tokens of top-8 over 128 experts: ~128 rows an expert) the 16-row tiles dequantize each 4-bit
@@ -377,6 +378,17 @@ GEMV_DEFAULT = dict(block_n=64, num_warps=4, target_programs=512)
 # The K loops' software pipelining (cp.async stages) and unrolling at the default config (moe_gemv.pipelining):
 # a program of the default waits for each tile's words before it asks for the next (sm_90 SASS).
 GEMV_PIPELINING = [dict(num_stages=st, unroll=u) for st in (None, 2, 3, 4) for u in (None, 2)]
+GEMV_PIPELINING_PLAIN = dict(num_stages=None, unroll=None)
+
+
+def sweep_line(rows: list[dict], what: str, base: dict, base_name: str) -> str:
+    """One line of a sweep (``tile_sweep``'s rows, fastest first): the fastest config and its time and difference
+    from the ``base`` config's output, then the base config's time."""
+    nan = float("nan")
+    best = rows[0]
+    at_base = next(r for r in rows if all(r[k] == v for k, v in base.items()))
+    return (f"fastest {what} {({k: best[k] for k in base})} {best.get('us', nan):.1f} us (rel diff "
+            f"{best.get('rel_diff', nan):.1e}); {base_name} {at_base.get('us', nan):.1f} us")
 
 
 def tile_sweep(call, candidates=None, default=None) -> list[dict]:
@@ -515,34 +527,14 @@ def print_table(record: dict) -> None:
                 kt = r["block_kernels_gemv"]
                 print(f"  its kernels: {kt['sum_us']:.1f} us in {kt['launches']} launches: "
                       + "; ".join(f"{x['name'][:36]} x{x['calls']} {x['us']:.1f}" for x in kt["kernels"]))
-        for r in record["kernel"]:
-            if r.get("tile_sweep"):
-                best = r["tile_sweep"][0]
-                default = next(t for t in r["tile_sweep"] if (t["block_n"], t["block_k"], t["num_warps"],
-                                                              t["num_stages"]) == (64, 64, 4, 3))
-                print(f"M={r['m']}: fastest tiles {({k: best[k] for k in TILE_CANDIDATES[0]})} "
-                      f"{best['us']:.1f} us (rel diff {best['rel_diff']:.1e}); default {default.get('us', float('nan')):.1f} us")
-        for r in record["kernel"]:
-            if r.get("prefill_tile_sweep"):
-                best = r["prefill_tile_sweep"][0]
-                default = next(t for t in r["prefill_tile_sweep"]
-                               if all(t[k] == v for k, v in PREFILL_TILE_DEFAULT.items()))
-                print(f"M={r['m']}: fastest prefill tiles {({k: best[k] for k in PREFILL_TILE_DEFAULT})} "
-                      f"{best.get('us', float('nan')):.1f} us (rel diff {best.get('rel_diff', float('nan')):.1e}); "
-                      f"default {default.get('us', float('nan')):.1f} us")
-        for r in record["kernel"]:
-            if r.get("gemv_pipelining_sweep"):
-                best = r["gemv_pipelining_sweep"][0]
-                plain = next(t for t in r["gemv_pipelining_sweep"] if t["num_stages"] is None and t["unroll"] is None)
-                print(f"M={r['m']}: GEMV pipelining, fastest stages {best['num_stages']} unroll {best['unroll']} "
-                      f"{best.get('us', float('nan')):.1f} us (rel diff {best.get('rel_diff', float('nan')):.1e}); "
-                      f"neither {plain.get('us', float('nan')):.1f} us")
-        for r in record["kernel"]:
-            if r.get("gemv_sweep"):
-                best = r["gemv_sweep"][0]
-                default = next(t for t in r["gemv_sweep"] if all(t[k] == v for k, v in GEMV_DEFAULT.items()))
-                print(f"M={r['m']}: fastest GEMV {({k: best[k] for k in GEMV_DEFAULT})} {best['us']:.1f} us "
-                      f"(rel diff {best['rel_diff']:.1e}); default {default.get('us', float('nan')):.1f} us")
+        sweeps = (("tile_sweep", "tiles", TILE_DEFAULT, "default"),
+                  ("prefill_tile_sweep", "prefill tiles", PREFILL_TILE_DEFAULT, "default"),
+                  ("gemv_pipelining_sweep", "GEMV pipelining", GEMV_PIPELINING_PLAIN, "neither"),
+                  ("gemv_sweep", "GEMV", GEMV_DEFAULT, "default"))
+        for key, what, base, base_name in sweeps:
+            for r in record["kernel"]:
+                if r.get(key):
+                    print(f"M={r['m']}: " + sweep_line(r[key], what, base, base_name))
 
 
 if __name__ == "__main__":
