@@ -32,6 +32,7 @@ import os
 import platform
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -332,15 +333,16 @@ def kernel_rows(args) -> list[dict]:
             row["gemv_graph_us"] = graph_time(lambda: moe_gemv.moe_gemv(x, w, ids, ex)) * 1e6
             with env(QUANTKIT_MOE_DECODE="tiles"):
                 row["tiles_graph_us"] = graph_time(lambda: fused_moe(x, w, ids, ex)) * 1e6
-            with env(QUANTKIT_MOE_DECODE="gemv"):
+            with env(QUANTKIT_MOE_DECODE="gemv", QUANTKIT_MOE_ROUTER="apart"):
                 row["graph_block_us_gemv"] = graph_time(lambda: block(x, None)) * 1e6
+            with env(QUANTKIT_MOE_DECODE="gemv"):  # the router GEMM and the routing in one launch where it applies
+                if router_fused_applies(m, k, n_exp, x.device):
+                    row["graph_block_us_gemv_fused_router"] = graph_time(lambda: block(x, None)) * 1e6
                 # the block kernel by kernel (durations alone; the graph replay above less their sum: the gaps)
                 row["block_kernels_gemv"] = kernel_times(lambda: block(x, None))
-            if router_fused_applies(m, k, n_exp, x.device):  # the router GEMM and the routing in one launch
-                with env(QUANTKIT_MOE_DECODE="gemv", QUANTKIT_MOE_ROUTER="fused"):
-                    row["graph_block_us_gemv_fused_router"] = graph_time(lambda: block(x, None)) * 1e6
+            row["gemv_config"] = asdict(moe_gemv.gemv_config(ex, ids.numel()))  # the table's pick: the sweep's base
             row["gemv_sweep"] = tile_sweep(lambda **c: moe_gemv.moe_gemv(x, w, ids, ex, **c), GEMV_CANDIDATES,
-                                           GEMV_DEFAULT)
+                                           row["gemv_config"])
             row["gemv_pipelining_sweep"] = tile_sweep(lambda **c: moe_gemv.moe_gemv(x, w, ids, ex, **c),
                                                       GEMV_PIPELINING, GEMV_PIPELINING_PLAIN)
         if m <= 32:  # decode sizes: the tiles a decode table would choose from
@@ -374,8 +376,7 @@ PREFILL_TILE_DEFAULT = dict(block_m=16, block_n=64, block_k=64, num_warps=4, num
 # more loads in flight, more partial sums to add).
 GEMV_CANDIDATES = [dict(block_n=n, num_warps=nw, target_programs=tp)
                    for n in (32, 64, 128) for nw in (2, 4) for tp in (256, 512, 1024, 2048)]
-GEMV_DEFAULT = dict(block_n=64, num_warps=4, target_programs=512)
-# The K loops' software pipelining (cp.async stages) and unrolling at the default config (moe_gemv.pipelining):
+# The K loops' software pipelining (cp.async stages) and unrolling at the table's config (moe_gemv.pipelining):
 # a program of the default waits for each tile's words before it asks for the next (sm_90 SASS).
 GEMV_PIPELINING = [dict(num_stages=st, unroll=u) for st in (None, 2, 3, 4) for u in (None, 2)]
 GEMV_PIPELINING_PLAIN = dict(num_stages=None, unroll=None)
@@ -522,19 +523,20 @@ def print_table(record: dict) -> None:
                 print(f"M={r['m']}: decode GEMV {r['gemv_graph_us']:.1f} us against the tiled kernel "
                       f"{r['tiles_graph_us']:.1f} us (graph replays; rel err vs loop {r['gemv_rel_err_vs_loop']:.1e}); "
                       f"the MoE block with it {r['graph_block_us_gemv']:.1f} us"
-                      + (f", and with the router fused into the routing {r['graph_block_us_gemv_fused_router']:.1f} us"
+                      + (f", and with the router fused into the routing (the default) "
+                         f"{r['graph_block_us_gemv_fused_router']:.1f} us"
                          if "graph_block_us_gemv_fused_router" in r else ""))
                 kt = r["block_kernels_gemv"]
                 print(f"  its kernels: {kt['sum_us']:.1f} us in {kt['launches']} launches: "
                       + "; ".join(f"{x['name'][:36]} x{x['calls']} {x['us']:.1f}" for x in kt["kernels"]))
-        sweeps = (("tile_sweep", "tiles", TILE_DEFAULT, "default"),
-                  ("prefill_tile_sweep", "prefill tiles", PREFILL_TILE_DEFAULT, "default"),
-                  ("gemv_pipelining_sweep", "GEMV pipelining", GEMV_PIPELINING_PLAIN, "neither"),
-                  ("gemv_sweep", "GEMV", GEMV_DEFAULT, "default"))
+        sweeps = (("tile_sweep", "tiles", lambda r: TILE_DEFAULT, "default"),
+                  ("prefill_tile_sweep", "prefill tiles", lambda r: PREFILL_TILE_DEFAULT, "default"),
+                  ("gemv_pipelining_sweep", "GEMV pipelining", lambda r: GEMV_PIPELINING_PLAIN, "neither"),
+                  ("gemv_sweep", "GEMV", lambda r: r["gemv_config"], "the table's"))
         for key, what, base, base_name in sweeps:
             for r in record["kernel"]:
                 if r.get(key):
-                    print(f"M={r['m']}: " + sweep_line(r[key], what, base, base_name))
+                    print(f"M={r['m']}: " + sweep_line(r[key], what, base(r), base_name))
 
 
 if __name__ == "__main__":

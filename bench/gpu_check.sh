@@ -28,7 +28,8 @@
 # Issue 39's MoE serving and kernel sections after the MoE GPU tests, no carry needed:
 #   bash bench/gpu_check.sh moe BUDGET_S (~420) [bench-only]
 # No carry needed either: issue 41's W4A16 decode variants and prefill candidates (`w4a16 470`); issue 39's MoE
-# GEMV against the tiled kernel, block and whole step (`moe-decode 520`), its prefill tiles (`moe-prefill 300`),
+# GEMV against the tiled kernel, block and whole step (`moe-decode 400`), the step under switches
+# (`moe-step BUDGET NAME:VAR=VALUE,...`), its prefill tiles (`moe-prefill 300`),
 # and its GPTQ / AWQ times (`moe-quantize 590 gptq|awq [LAYERS]`).
 # Everything lands in $OUT (JSON of each bench, the suite's log).
 # pytest runs with OMP_NUM_THREADS=1: 8-12 xdist workers on 16 cores, each with torch's one thread a core, took
@@ -60,6 +61,16 @@ run_benches() {  # the previous main installed apart (not editable), run from /t
     step "$1" python3 -m quantkit.cli.app bench --shape llama3-8b --no-baselines --out "$OUT/bench_8b_new.json"
     (cd /tmp && PYTHONPATH=/tmp/oldsite:/tmp/site step "$2" python3 -m quantkit.cli.app bench --shape llama3-8b \
         --no-baselines --out "$OUT/bench_8b_old.json")
+    rm -f "$OUT"/*.png
+}
+
+moe_steps() {  # one `quantkit bench` of the MoE shape a NAME:VAR=VALUE,... argument, under those variables
+    local v name vars
+    for v in "$@"; do
+        name=${v%%:*}; vars=${v#*:}
+        step 120 env ${vars//,/ } python3 -m quantkit.cli.app bench --shape qwen3-30b-a3b --no-baselines --steps 32 \
+            --batches 1,8 --out "$OUT/bench_30b_$name.json" 2>&1 | tail -14
+    done
     rm -f "$OUT"/*.png
 }
 
@@ -181,21 +192,18 @@ w4a16)  # issue 41: every decode variant (the CUDA C++ GEMM built with nvcc, Glu
         --deadline 150 --out "$OUT/w4a16_prefill.json" 2>&1 | tail -20
     rm -f "$OUT"/*.png
     ;;
-moe-decode)  # issue 39 at decode (BUDGET_S ~520): the GEMV against the tiled kernel, one layer's block replayed
+moe-decode)  # issue 39 at decode (BUDGET_S ~400): the GEMV against the tiled kernel, one layer's block replayed
     # from a graph (the kernel section at M = 1, 8, 32, with its sweeps, the fused router and the block's kernels),
-    # then the whole step at batch 1 and 8 under each, and with the opt-in router and GEMV pipelining (~8 minutes)
+    # then the whole step at batch 1 and 8 with the defaults and with the GEMV's K loops pipelined (~6 minutes)
     card | tee "$OUT/card.txt"
     step 200 python3 bench/bench_moe.py --skip gptq awq serve --kernel-m 1 8 32 --out "$OUT/bench_moe_kernel.json" 2>&1 | tail -25
-    for v in gemv tiles; do
-        step 200 env QUANTKIT_MOE_DECODE=$v python3 -m quantkit.cli.app bench --shape qwen3-30b-a3b --no-baselines \
-            --steps 32 --batches 1,8 --out "$OUT/bench_30b_$v.json" 2>&1 | tail -14
-    done
-    # the router GEMM and the routing in one launch (kernels/moe_router.py), and the GEMV's K loops pipelined
-    # (moe_gemv.pipelining): opt-in until these show them faster
-    step 120 env QUANTKIT_MOE_ROUTER=fused QUANTKIT_MOE_GEMV_STAGES=3 python3 -m quantkit.cli.app bench \
-        --shape qwen3-30b-a3b --no-baselines --steps 32 --batches 1,4 --out "$OUT/bench_30b_fused_router.json" \
-        2>&1 | tail -14
-    rm -f "$OUT"/*.png
+    moe_steps default: pipelined:QUANTKIT_MOE_GEMV_STAGES=2,QUANTKIT_MOE_GEMV_UNROLL=2
+    ;;
+moe-step)  # issue 39: `quantkit bench --shape qwen3-30b-a3b` at batch 1 and 8 once a VARIANT (third argument on):
+    # NAME:VAR=VALUE,VAR=VALUE... (environment switches; "default:" for none), ~60-90 s each, one after another
+    card | tee "$OUT/card.txt"
+    shift 2
+    moe_steps "$@"
     ;;
 moe-prefill)  # issue 39 at prefill (int4 0.60x bf16): the fused kernel's tiles at 256 and 2048 rows, taller tiles
     # (BLOCK_M 16/32/64) among them, as graph replays, each checked against the default's output (~3 minutes)
@@ -212,5 +220,5 @@ moe-quantize)  # issue 39's 10-minute targets: GPTQ (third argument gptq, the de
     step 560 python3 bench/bench_moe.py --skip "$other" serve kernel --layers "${4:-16}" \
         --out "$OUT/bench_moe_$m.json" 2>&1 | tail -30
     ;;
-*) echo "usage: gpu_check.sh benches|suite|one|tests|gguf|coldstart-ab|moe|w4a16|moe-decode|moe-prefill|moe-quantize BUDGET_S"; exit 2 ;;
+*) echo "usage: gpu_check.sh benches|suite|one|tests|gguf|coldstart-ab|moe|w4a16|moe-decode|moe-step|moe-prefill|moe-quantize BUDGET_S"; exit 2 ;;
 esac

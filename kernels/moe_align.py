@@ -101,7 +101,8 @@ def route_and_align(logits: torch.Tensor, top_k: int, renormalize: bool, block_m
                               n_blocks, n_blocks * block_m, TOP_K=top_k, RENORM=renormalize, BLOCK_M=block_m,
                               TOKENS=triton.next_power_of_2(tokens), PAIRS=triton.next_power_of_2(pairs),
                               EXPERTS=triton.next_power_of_2(num_experts), FILL=FILL,
-                              BLOCKS=_blocks_a_step(num_experts), num_warps=_warps(pairs, num_experts))
+                              BLOCKS=_blocks_a_step(num_experts), TOP_K_P2=triton.next_power_of_2(top_k),
+                              num_warps=_warps(pairs, num_experts))
     return weights, ids, (sorted_ids, block_expert)
 
 
@@ -169,14 +170,13 @@ def _top_k_pick(probs, offs_e, EXPERTS: tl.constexpr):
 def _route_body(logits_ptr, stride_lt, weights_ptr, ids_ptr, sorted_ptr, block_expert_ptr, num_tokens, num_experts,
                 n_blocks, n_slots, TOP_K: tl.constexpr, RENORM: tl.constexpr, BLOCK_M: tl.constexpr,
                 TOKENS: tl.constexpr, PAIRS: tl.constexpr, EXPERTS: tl.constexpr, FILL: tl.constexpr,
-                BLOCKS: tl.constexpr, FRESH: tl.constexpr, ALIGN: tl.constexpr = True,
-                ONE_PASS: tl.constexpr = False, TOP_K_P2: tl.constexpr = 1):
+                BLOCKS: tl.constexpr, FRESH: tl.constexpr, ALIGN: tl.constexpr, TOP_K_P2: tl.constexpr):
     """Softmax, top-k (renormalized when RENORM) and the align from the router logits in memory. ``FRESH``: the
     logits were written by other programs of this launch, so they are read past L1 (which another replay of the
     step may have left holding this buffer's old lines). ``ALIGN`` False: weights and ids only (the decode GEMV
-    reads no layout). ``ONE_PASS``: the k picks kept in registers ([TOKENS, TOP_K_P2]) and stored once, instead of
-    a first pass of picks for the renormalization's sum and a second that picks again and stores (each pick is
-    two reductions across the program's warps); the same picks, sums and weights."""
+    reads no layout). The k picks are kept in registers ([TOKENS, TOP_K_P2]) and stored once: one pass of picks
+    serves both the renormalization's sum and the stores (each pick is two reductions across the program's warps:
+    a first pass for the sum and a second that picked again and stored took twice as many when renormalizing)."""
     offs_t = tl.arange(0, TOKENS)
     offs_e = tl.arange(0, EXPERTS)
     t_mask = offs_t < num_tokens
@@ -189,26 +189,23 @@ def _route_body(logits_ptr, stride_lt, weights_ptr, ids_ptr, sorted_ptr, block_e
     logits = tl.where(e_mask[None, :], logits.to(tl.float32), float("-inf"))
     z = tl.exp(logits - tl.max(logits, axis=1)[:, None])
     probs = z / tl.sum(z, axis=1)[:, None]  # [TOKENS, EXPERTS]; 0 past the experts
-    if ONE_PASS:
-        offs_j = tl.arange(0, TOP_K_P2)
-        picked = tl.zeros((TOKENS, TOP_K_P2), tl.float32)
-        chosen = tl.zeros((TOKENS, TOP_K_P2), tl.int32)
-        total = tl.zeros((TOKENS,), tl.float32)
-        work = probs
-        for j in tl.static_range(TOP_K):
-            best, expert = _top_k_pick(work, offs_e, EXPERTS)
-            total += best
-            picked = tl.where(offs_j[None, :] == j, best[:, None], picked)
-            chosen = tl.where(offs_j[None, :] == j, expert[:, None], chosen)
-            work = tl.where(offs_e[None, :] == expert[:, None], -1.0, work)
-        if RENORM:
-            picked = picked * (1.0 / total)[:, None]
-        at_j = offs_t[:, None] * TOP_K + offs_j[None, :]
-        tj_mask = t_mask[:, None] & (offs_j[None, :] < TOP_K)
-        tl.store(weights_ptr + at_j, picked, mask=tj_mask)
-        tl.store(ids_ptr + at_j, chosen.to(tl.int64), mask=tj_mask)
-    else:
-        _route_two_pass(probs, offs_t, offs_e, t_mask, weights_ptr, ids_ptr, TOP_K, RENORM, TOKENS, EXPERTS)
+    offs_j = tl.arange(0, TOP_K_P2)
+    picked = tl.zeros((TOKENS, TOP_K_P2), tl.float32)
+    chosen = tl.zeros((TOKENS, TOP_K_P2), tl.int32)
+    total = tl.zeros((TOKENS,), tl.float32)
+    work = probs
+    for j in tl.static_range(TOP_K):
+        best, expert = _top_k_pick(work, offs_e, EXPERTS)
+        total += best
+        picked = tl.where(offs_j[None, :] == j, best[:, None], picked)
+        chosen = tl.where(offs_j[None, :] == j, expert[:, None], chosen)
+        work = tl.where(offs_e[None, :] == expert[:, None], -1.0, work)
+    if RENORM:
+        picked = picked * (1.0 / total)[:, None]
+    at_j = offs_t[:, None] * TOP_K + offs_j[None, :]
+    tj_mask = t_mask[:, None] & (offs_j[None, :] < TOP_K)
+    tl.store(weights_ptr + at_j, picked, mask=tj_mask)
+    tl.store(ids_ptr + at_j, chosen.to(tl.int64), mask=tj_mask)
     if ALIGN:
         tl.debug_barrier()  # the ids are in memory before the align reads them back as pairs
         _align_body(ids_ptr, sorted_ptr, block_expert_ptr, num_tokens * TOP_K, num_experts, n_blocks, n_slots,
@@ -216,30 +213,9 @@ def _route_body(logits_ptr, stride_lt, weights_ptr, ids_ptr, sorted_ptr, block_e
 
 
 @triton.jit
-def _route_two_pass(probs, offs_t, offs_e, t_mask, weights_ptr, ids_ptr, TOP_K: tl.constexpr, RENORM: tl.constexpr,
-                    TOKENS: tl.constexpr, EXPERTS: tl.constexpr):
-    """The k picks (and for RENORM a first pass for their sum), each stored as it is picked."""
-    scale = tl.full((TOKENS,), 1.0, tl.float32)
-    if RENORM:  # a first pass for the sum of the k picks
-        work = probs
-        total = tl.zeros((TOKENS,), tl.float32)
-        for _ in tl.static_range(TOP_K):
-            best, expert = _top_k_pick(work, offs_e, EXPERTS)
-            total += best
-            work = tl.where(offs_e[None, :] == expert[:, None], -1.0, work)
-        scale = 1.0 / total
-    work = probs
-    for j in tl.static_range(TOP_K):
-        best, expert = _top_k_pick(work, offs_e, EXPERTS)
-        tl.store(weights_ptr + offs_t * TOP_K + j, best * scale, mask=t_mask)
-        tl.store(ids_ptr + offs_t * TOP_K + j, expert.to(tl.int64), mask=t_mask)
-        work = tl.where(offs_e[None, :] == expert[:, None], -1.0, work)
-
-
-@triton.jit
 def _route_align_kernel(logits_ptr, stride_lt, weights_ptr, ids_ptr, sorted_ptr, block_expert_ptr, num_tokens,
                         num_experts, n_blocks, n_slots, TOP_K: tl.constexpr, RENORM: tl.constexpr,
                         BLOCK_M: tl.constexpr, TOKENS: tl.constexpr, PAIRS: tl.constexpr, EXPERTS: tl.constexpr,
-                        FILL: tl.constexpr, BLOCKS: tl.constexpr):
+                        FILL: tl.constexpr, BLOCKS: tl.constexpr, TOP_K_P2: tl.constexpr):
     _route_body(logits_ptr, stride_lt, weights_ptr, ids_ptr, sorted_ptr, block_expert_ptr, num_tokens, num_experts,
-                n_blocks, n_slots, TOP_K, RENORM, BLOCK_M, TOKENS, PAIRS, EXPERTS, FILL, BLOCKS, False)
+                n_blocks, n_slots, TOP_K, RENORM, BLOCK_M, TOKENS, PAIRS, EXPERTS, FILL, BLOCKS, False, True, TOP_K_P2)

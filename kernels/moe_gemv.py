@@ -21,6 +21,8 @@ more launch between the two); act-order experts stay on the tiled kernel. The re
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -31,6 +33,38 @@ from quantkit.kernels.fp8_quant import quantize_activations
 MAX_PAIRS = 64
 # Programs a launch aims at (a few per SM on an H100/H200's 132); the split of K is sized to reach it.
 TARGET_PROGRAMS = 512
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """A launch's shape: output columns a program, warps a program, programs the split of K aims at."""
+
+    block_n: int = 64
+    num_warps: int = 4
+    target_programs: int = TARGET_PROGRAMS
+
+
+# The config by weights and (token, slot) pairs: the first row whose weights match and whose pairs are at least the
+# call's; anything else takes GemvConfig() (not swept). From bench_moe.py's kernel section (`gemv_sweep`, CUDA-graph
+# replays of this launch alone, Qwen3-30B-A3B shape, H100, 2026-12-06, bench/results/bench_moe_kernel_h100.json):
+#   4-bit,  8 pairs (batch 1): block_n 32, 2 warps, 512 programs 24.7 us; GemvConfig() 26.8 (fewer columns a
+#     program: more programs over the 8 experts' rows, narrower slices of K each);
+#   4-bit, 64 pairs (batch 8): block_n 128, 2 warps, 1024 programs 96.7 us; GemvConfig() 120.8.
+GEMV_CONFIGS: tuple[tuple[str, int, GemvConfig], ...] = (
+    ("4bit", 8, GemvConfig(block_n=32, num_warps=2, target_programs=512)),
+    ("4bit", 64, GemvConfig(block_n=128, num_warps=2, target_programs=1024)),
+)
+
+
+def weights_kind(experts) -> str:
+    """"4bit", "fp8" or "16bit": the experts' weights as GEMV_CONFIGS names them."""
+    return "fp8" if experts.fp8 else "4bit" if experts.quantized else "16bit"
+
+
+def gemv_config(experts, pairs: int) -> GemvConfig:
+    """GEMV_CONFIGS' pick for ``pairs`` pairs of ``experts``."""
+    kind = weights_kind(experts)
+    return next((c for k, most, c in GEMV_CONFIGS if k == kind and pairs <= most), GemvConfig())
 
 
 @triton.jit
@@ -208,19 +242,23 @@ def pipelining(num_stages: int | None = None, unroll: int | None = None) -> tupl
     return pick(num_stages, "QUANTKIT_MOE_GEMV_STAGES"), pick(unroll, "QUANTKIT_MOE_GEMV_UNROLL")
 
 
-def moe_gemv(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, experts, block_n: int = 64,
-             num_warps: int = 4, target_programs: int | None = None, num_stages: int | None = None,
+def moe_gemv(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, experts, block_n: int | None = None,
+             num_warps: int | None = None, target_programs: int | None = None, num_stages: int | None = None,
              unroll: int | None = None) -> torch.Tensor:
     """``fused_moe``'s result for a decode-sized ``x [T, H]`` (``applies(experts, T * k)``); module docstring.
-    ``target_programs``: the programs a launch aims at (default TARGET_PROGRAMS; bench_moe.py sweeps it).
-    ``num_stages``, ``unroll``: the K loops' pipelining and unrolling (``pipelining``)."""
-    target = TARGET_PROGRAMS if target_programs is None else target_programs
+    ``block_n``, ``num_warps``, ``target_programs`` (the programs a launch aims at): ``gemv_config``'s where not
+    given (bench_moe.py sweeps them). ``num_stages``, ``unroll``: the K loops' pipelining and unrolling
+    (``pipelining``)."""
     num_stages, unroll = pipelining(num_stages, unroll)
     t, h = x.shape
     top_k = topk_ids.shape[1]
     pairs = t * top_k
     if not applies(experts, pairs):
         raise ValueError(f"moe_gemv takes 1..{MAX_PAIRS} pairs of 16-bit, FP8 or contiguous-group 4-bit experts")
+    config = gemv_config(experts, pairs)
+    block_n = config.block_n if block_n is None else block_n
+    num_warps = config.num_warps if num_warps is None else num_warps
+    target = config.target_programs if target_programs is None else target_programs
     block_k = block_k_for(experts)
     inter = experts.inter
     x = x.contiguous()

@@ -5,7 +5,7 @@ before the experts: the router's ``[T, H] x [H, E]`` GEMM (cuBLAS) and ``moe_ali
 router's rows are split over ``E / BLOCK_E`` programs (each reads ``BLOCK_E`` rows of the 16-bit router: 16 KB a
 program at H = 2048, so the 512 KB are read in parallel), each writes its logits and counts itself done on an
 atomic counter; the program that arrives last runs ``route_and_align``'s body on all the logits (its picks kept
-in registers and stored once: ``ONE_PASS``) and puts the counter back to zero for the next call (a CUDA-graph
+in registers and stored once) and puts the counter back to zero for the next call (a CUDA-graph
 replay sees it zero again). One launch instead of two.
 
 The logits are rounded to the activations' dtype before the softmax, as ``F.linear``'s 16-bit output is, so the
@@ -35,12 +35,13 @@ def router_fused_applies(tokens: int, top_k: int, num_experts: int, device: torc
 
 
 def router_fused_selected(tokens: int, top_k: int, num_experts: int, device: torch.device) -> bool:
-    """Whether the runtime's MoE block routes this call here. Not by default: the fused launch has not been timed
-    against the two it replaces (``bench_moe.py``'s kernel section times the block both ways);
-    ``QUANTKIT_MOE_ROUTER=fused`` selects it where it applies."""
+    """Whether the runtime's MoE block routes this call here: wherever it applies. Measured on the
+    Qwen3-30B-A3B shape (H100, 2026-12-06, docs/moe.md): the batch-1 block 33.5 us against 38.6 for the router
+    GEMM and ``route_and_align`` apart. ``QUANTKIT_MOE_ROUTER=apart`` keeps them apart (an A/B switch for the
+    benches)."""
     import os
 
-    choice = os.environ.get("QUANTKIT_MOE_ROUTER", "apart")
+    choice = os.environ.get("QUANTKIT_MOE_ROUTER", "fused")
     if choice not in ("apart", "fused"):
         raise ValueError(f"QUANTKIT_MOE_ROUTER must be 'apart' or 'fused', got {choice!r}")
     return choice == "fused" and router_fused_applies(tokens, top_k, num_experts, device)
@@ -78,7 +79,7 @@ def _router_route_kernel(x_ptr, stride_xt, w_ptr, stride_we, logits_ptr, counter
         tl.atomic_xchg(counter_ptr, 0, sem="relaxed")  # zero again for the next call
         _route_body(logits_ptr, num_experts, weights_ptr, ids_ptr, sorted_ptr, block_expert_ptr, num_tokens,
                     num_experts, n_blocks, n_slots, TOP_K, RENORM, BLOCK_M, TOKENS, PAIRS, EXPERTS, FILL, BLOCKS,
-                    True, ALIGN, True, TOP_K_P2)
+                    True, ALIGN, TOP_K_P2)
 
 
 def router_route_and_align(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool,

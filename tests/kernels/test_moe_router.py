@@ -62,13 +62,14 @@ def test_fused_router_refuses_what_it_does_not_take():
         router_route_and_align(x[:1], router, 2, True, torch.zeros(1, device=DEVICE), align.BLOCK_M)
 
 
-def test_selection_is_opt_in(monkeypatch):
-    """Apart (the router GEMM, then route_and_align) unless QUANTKIT_MOE_ROUTER=fused: not yet timed."""
+def test_selection_is_the_fused_router_wherever_it_applies(monkeypatch):
+    """Fused by default for decode batches (timed faster), apart with QUANTKIT_MOE_ROUTER=apart or past the cap."""
     dev = torch.device(DEVICE)
     monkeypatch.delenv("QUANTKIT_MOE_ROUTER", raising=False)
-    assert router_fused_applies(1, 8, 128, dev) and not router_fused_selected(1, 8, 128, dev)
-    monkeypatch.setenv("QUANTKIT_MOE_ROUTER", "fused")
-    assert router_fused_selected(1, 8, 128, dev) and not router_fused_selected(ROUTER_FUSED_MAX_TOKENS + 1, 8, 128, dev)
+    assert router_fused_applies(1, 8, 128, dev) and router_fused_selected(1, 8, 128, dev)
+    assert not router_fused_selected(ROUTER_FUSED_MAX_TOKENS + 1, 8, 128, dev)
+    monkeypatch.setenv("QUANTKIT_MOE_ROUTER", "apart")
+    assert not router_fused_selected(1, 8, 128, dev)
     monkeypatch.setenv("QUANTKIT_MOE_ROUTER", "fast")
     with pytest.raises(ValueError, match="QUANTKIT_MOE_ROUTER"):
         router_fused_selected(1, 8, 128, dev)

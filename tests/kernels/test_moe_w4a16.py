@@ -342,7 +342,7 @@ def test_route_and_align_compiles_for_sm90_within_registers(sm90, tmp_path, toke
                  "n_blocks": "i32", "n_slots": "i32"}
     constexprs = dict(TOP_K=top_k, RENORM=True, BLOCK_M=m.BLOCK_M, TOKENS=triton.next_power_of_2(tokens),
                       PAIRS=triton.next_power_of_2(pairs), EXPERTS=triton.next_power_of_2(n_exp), FILL=m.FILL,
-                      BLOCKS=m._blocks_a_step(n_exp))
+                      BLOCKS=m._blocks_a_step(n_exp), TOP_K_P2=triton.next_power_of_2(top_k))
     ptx = sm90.triton_ptx(str(tmp_path / "route.ptx"), "quantkit.kernels.moe_align", "_route_align_kernel", signature,
                           constexprs, num_warps=m._warps(pairs, n_exp))
     notices = sm90.ptxas_notices(ptx)
