@@ -159,11 +159,12 @@ def _moe_align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_pairs, num_expe
 
 
 @triton.jit
-def _top_k_pick(probs, offs_e, EXPERTS: tl.constexpr):
-    """Each row's largest probability and its expert (the lowest id among equals)."""
-    best = tl.max(probs, axis=1)
-    expert = tl.min(tl.where(probs == best[:, None], offs_e[None, :], EXPERTS), axis=1)
-    return best, expert
+def _pick_keys(probs, offs_e, EXPERTS: tl.constexpr):
+    """Each probability and its expert in one int64 that orders as the pick does: the float32's bits (which order
+    as the values, all >= 0) above ``EXPERTS - 1 - expert`` (equal probabilities: the lower expert wins), so one
+    ``max`` reduction picks what a max and a min over the ids did in two."""
+    bits = probs.to(tl.int32, bitcast=True).to(tl.int64)
+    return (bits << 32) | (EXPERTS - 1 - offs_e[None, :]).to(tl.int64)
 
 
 @triton.jit
@@ -174,9 +175,9 @@ def _route_body(logits_ptr, stride_lt, weights_ptr, ids_ptr, sorted_ptr, block_e
     """Softmax, top-k (renormalized when RENORM) and the align from the router logits in memory. ``FRESH``: the
     logits were written by other programs of this launch, so they are read past L1 (which another replay of the
     step may have left holding this buffer's old lines). ``ALIGN`` False: weights and ids only (the decode GEMV
-    reads no layout). The k picks are kept in registers ([TOKENS, TOP_K_P2]) and stored once: one pass of picks
-    serves both the renormalization's sum and the stores (each pick is two reductions across the program's warps:
-    a first pass for the sum and a second that picked again and stored took twice as many when renormalizing)."""
+    reads no layout). The k picks are kept in registers ([TOKENS, TOP_K_P2]) and stored once, one reduction across
+    the program's warps each (``_pick_keys``): one pass of picks serves both the renormalization's sum and the
+    stores (the first version picked twice when renormalizing, with two reductions a pick: four times as many)."""
     offs_t = tl.arange(0, TOKENS)
     offs_e = tl.arange(0, EXPERTS)
     t_mask = offs_t < num_tokens
@@ -193,13 +194,15 @@ def _route_body(logits_ptr, stride_lt, weights_ptr, ids_ptr, sorted_ptr, block_e
     picked = tl.zeros((TOKENS, TOP_K_P2), tl.float32)
     chosen = tl.zeros((TOKENS, TOP_K_P2), tl.int32)
     total = tl.zeros((TOKENS,), tl.float32)
-    work = probs
+    work = _pick_keys(probs, offs_e, EXPERTS)  # [TOKENS, EXPERTS] int64, all distinct in a row
     for j in tl.static_range(TOP_K):
-        best, expert = _top_k_pick(work, offs_e, EXPERTS)
+        key = tl.max(work, axis=1)
+        best = (key >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+        expert = EXPERTS - 1 - (key & 0xFFFFFFFF).to(tl.int32)
         total += best
         picked = tl.where(offs_j[None, :] == j, best[:, None], picked)
         chosen = tl.where(offs_j[None, :] == j, expert[:, None], chosen)
-        work = tl.where(offs_e[None, :] == expert[:, None], -1.0, work)
+        work = tl.where(work == key[:, None], -1, work)  # taken: below every key left
     if RENORM:
         picked = picked * (1.0 / total)[:, None]
     at_j = offs_t[:, None] * TOP_K + offs_j[None, :]

@@ -113,6 +113,21 @@ def test_route_and_align_in_one_program_equals_the_torch_ops(monkeypatch, renorm
     assert sorted_ids.tolist() == expected_ids and block_expert.tolist() == expected_experts
 
 
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_route_and_align_gives_ties_to_the_lower_expert(monkeypatch, renormalize):
+    """Equal probabilities (ties among the top, a row of equal logits, experts past a non-power-of-2 count) are
+    picked lowest expert first, with each weight its own probability."""
+    monkeypatch.setenv("QUANTKIT_MOE_ALIGN", "auto")
+    logits = torch.tensor([[0.0, 2.0, 1.0, 2.0, 2.0, -1.0],   # three-way tie at the top: experts 1, 3, 4
+                           [0.5, 0.5, 0.5, 0.5, 0.5, 0.5],    # all equal: 0, 1, 2
+                           [-9.0, -9.0, 3.0, -9.0, -9.0, -9.0]], device=DEVICE)  # one, then ties at the bottom
+    weights, ids, _ = route_and_align(logits, 3, renormalize)
+    assert ids.tolist() == [[1, 3, 4], [0, 1, 2], [2, 0, 1]]
+    probs = torch.softmax(logits.float(), dim=-1).gather(1, ids)
+    want = probs / probs.sum(-1, keepdim=True) if renormalize else probs
+    torch.testing.assert_close(weights, want, rtol=1e-6, atol=1e-8)
+
+
 def test_route_and_align_refuses_what_one_program_does_not_take(monkeypatch):
     monkeypatch.setenv("QUANTKIT_MOE_ALIGN", "auto")
     with pytest.raises(ValueError, match="exceed one program"):
