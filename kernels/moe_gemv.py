@@ -62,7 +62,17 @@ def weights_kind(experts) -> str:
 
 
 def gemv_config(experts, pairs: int) -> GemvConfig:
-    """GEMV_CONFIGS' pick for ``pairs`` pairs of ``experts``."""
+    """GEMV_CONFIGS' pick for ``pairs`` pairs of ``experts``; ``QUANTKIT_MOE_GEMV_CONFIG=BLOCK_N,WARPS,PROGRAMS``
+    puts one config on every call instead (an A/B switch for the benches)."""
+    import os
+
+    raw = os.environ.get("QUANTKIT_MOE_GEMV_CONFIG", "").strip()
+    if raw:
+        parts = raw.split(",")
+        if len(parts) != 3 or not all(x.strip().isdigit() and int(x) > 0 for x in parts):
+            raise ValueError(f"QUANTKIT_MOE_GEMV_CONFIG must be BLOCK_N,WARPS,PROGRAMS (three positive integers), "
+                             f"got {raw!r}")
+        return GemvConfig(*(int(x) for x in parts))
     kind = weights_kind(experts)
     return next((c for k, most, c in GEMV_CONFIGS if k == kind and pairs <= most), GemvConfig())
 
@@ -221,25 +231,33 @@ def _launch(a, p1, w, s, z, ids, topw, out_parts, n, k, top_k, in_splits, inter,
                            num_warps=num_warps)
 
 
+# The K loops' pipelining and unrolling by default (the kernel's NUM_STAGES, UNROLL): two cp.async stages in the
+# 4-bit gate/up loop and both loops (and the gated prologue, the final sum) unrolled by two. Measured in whole
+# decode steps (Qwen3-30B-A3B shape, H100, 2026-12-06, one machine, bench/results/bench_qwen3-30b-a3b_h100_
+# {default,pipelined}_ddd2f8b.json): int4 batch 1 322 against 311 tok/s, FP8 batch 1 279 against 268, FP8 batch 8
+# 925 against 819. (An unroll by 4 spills the 4-bit down GEMV in the sm_90 build; by 2 it does not.)
+PIPELINING = (2, 2)
+
+
 def pipelining(num_stages: int | None = None, unroll: int | None = None) -> tuple[int | None, int | None]:
-    """The K loops' software pipelining and unrolling (the kernel's NUM_STAGES, UNROLL): the arguments where given,
-    else ``QUANTKIT_MOE_GEMV_STAGES`` / ``QUANTKIT_MOE_GEMV_UNROLL`` (A/B switches for the benches), else None:
-    neither, as measured so far. Both are new and not yet timed on a GPU (bench_moe.py's kernel section sweeps
-    them; the default changes only where that shows them faster). In the sm_90 build, stages turn the 4-bit
-    gate/up loop's word loads into cp.async; an unroll by 4 spills the 4-bit down GEMV (by 2 it does not)."""
+    """(NUM_STAGES, UNROLL) for a launch: the arguments where given, else ``QUANTKIT_MOE_GEMV_STAGES`` /
+    ``QUANTKIT_MOE_GEMV_UNROLL`` (A/B switches for the benches), else PIPELINING; 1 means neither (None to the
+    kernel: a plain loop)."""
     import os
 
-    def pick(value, name):
+    def pick(value, name, default):
         if value is None:
             raw = os.environ.get(name, "").strip()
             if not raw:
-                return None
-            if not raw.isdigit() or int(raw) < 1:
+                value = default
+            elif not raw.isdigit() or int(raw) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {raw!r}")
-            value = int(raw)
+            else:
+                value = int(raw)
         return None if value == 1 else value  # one stage, or an unroll by one: neither
 
-    return pick(num_stages, "QUANTKIT_MOE_GEMV_STAGES"), pick(unroll, "QUANTKIT_MOE_GEMV_UNROLL")
+    return (pick(num_stages, "QUANTKIT_MOE_GEMV_STAGES", PIPELINING[0]),
+            pick(unroll, "QUANTKIT_MOE_GEMV_UNROLL", PIPELINING[1]))
 
 
 def moe_gemv(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, experts, block_n: int | None = None,

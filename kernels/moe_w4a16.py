@@ -299,15 +299,16 @@ def _launch(a, ex_w, s, z, g, out, sorted_ids, block_expert, topw, pairs, n, k, 
 # Measured (H100, Qwen3-30B-A3B shape, top-8 of 128; bench/results/bench_moe_kernel_h100_gemv.json and
 # bench_qwen3-30b-a3b_h100_{gemv,tiles}.json, whole decode steps under each kernel forced, same machine):
 #   4-bit experts, 8 pairs (batch 1): the MoE block 39.1 us against 87.9, the step 292 tok/s against 169;
-#     64 pairs (batch 8): the step 1,036 against 1,149 tok/s (the block alone is faster on the GEMV, 120 against
-#     148 us, but not the step) -> the GEMV up to GEMV_MAX_PAIRS;
+#     64 pairs (batch 8): with the GEMV's first config the step lost (1,036 against 1,149 tok/s); with
+#     moe_gemv.GEMV_CONFIGS' 64-pair row it wins, 1,234 against 1,131 (2026-12-06, one machine,
+#     bench/results/bench_qwen3-30b-a3b_h100_{default,gemv}_ddd2f8b.json) -> the GEMV up to GEMV_MAX_PAIRS;
 #   FP8 experts with per-channel scales (e4m3 rows read as [N, K]): the step 251 against 151 tok/s at batch 1 and
 #     807 against 696 at batch 8 -> the GEMV wherever it applies (up to moe_gemv.MAX_PAIRS), for one-run scales;
 #     block-scaled FP8 experts were not timed and stay tiled;
 #   16-bit experts lose at both (bf16 steps 218 against 235 tok/s at batch 1, 557 against 717 at batch 8).
 # QUANTKIT_MOE_DECODE=gemv|tiles forces one (where the GEMV applies).
 DECODE_KERNELS = ("auto", "tiles", "gemv")
-GEMV_MAX_PAIRS = 8
+GEMV_MAX_PAIRS = 64  # 4-bit experts: batch 8 of top-8
 
 
 def decode_kernel(experts: MoEExperts, pairs: int) -> str:

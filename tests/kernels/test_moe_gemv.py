@@ -103,9 +103,9 @@ def test_selection_table(monkeypatch):
     act_order = type(act_order)(**{**act_order.__dict__, "group13": 0, "group2": 0})
     dense = stack_dense(torch.zeros(4, 64, 64), torch.zeros(4, 64, 32))
     monkeypatch.delenv("QUANTKIT_MOE_DECODE", raising=False)
-    assert GEMV_MAX_PAIRS == 8  # batch 1 of top-8: measured (kernels/moe_w4a16.py's table comment)
-    assert decode_kernel(contiguous, 1) == decode_kernel(contiguous, 8) == "gemv"
-    assert decode_kernel(contiguous, 9) == decode_kernel(dense, 1) == decode_kernel(act_order, 8) == "tiles"
+    assert GEMV_MAX_PAIRS == 64  # batch 8 of top-8: measured (kernels/moe_w4a16.py's table comment)
+    assert decode_kernel(contiguous, 1) == decode_kernel(contiguous, 64) == "gemv"
+    assert decode_kernel(contiguous, 65) == decode_kernel(dense, 1) == decode_kernel(act_order, 8) == "tiles"
     monkeypatch.setenv("QUANTKIT_MOE_DECODE", "tiles")
     assert decode_kernel(contiguous, 8) == "tiles"
     monkeypatch.setenv("QUANTKIT_MOE_DECODE", "gemv")
@@ -191,10 +191,12 @@ def _gemv_ptx(sm90, out, kind, block_k, num_stages=None, unroll=None):
 
 @pytest.mark.parametrize(("kind", "block_k", "num_stages", "unroll"),
                          [("int4", 128, None, None), ("int4-down", 128, None, None), ("fp8", 64, None, None),
-                          ("int4", 128, 3, None), ("int4-down", 128, None, 2), ("fp8", 64, 3, 2)])
+                          ("int4", 128, 3, None), ("int4-down", 128, None, 2), ("fp8", 64, 3, 2),
+                          ("int4", 128, *moe_gemv.PIPELINING), ("int4-down", 128, *moe_gemv.PIPELINING)])
 def test_gemv_compiles_for_sm90_without_spills(sm90, tmp_path, kind, block_k, num_stages, unroll):
-    """The GEMV as the table runs it at 128-groups (4-bit gate/up and down with its gated prologue) and FP8 at its
-    64-row tile (block_k_for), and with the pipelining the bench sweeps, compiled for Hopper: no spill stores.
+    """The GEMV at 128-groups (4-bit gate/up and down with its gated prologue) and FP8 at its 64-row tile
+    (block_k_for), plain, with the default pipelining and with others the bench sweeps, compiled for Hopper: no
+    spill stores.
     (The FP8 and 16-bit tiles are [N, K], rows of K-contiguous codes: read as [K, N] like the 4-bit words, the FP8
     tile took 255 registers and spilled.) The 4-bit words load 16 bytes at a time; with stages, through cp.async."""
     ptx = _gemv_ptx(sm90, str(tmp_path / "gemv.ptx"), kind, block_k, num_stages, unroll)
@@ -215,7 +217,7 @@ def test_gemv_pipelining_gives_the_same_sums(monkeypatch, num_stages, unroll):
     ex = stack_quantized(experts_q(6, 256, 96, 32), torch.float32, DEVICE)
     w, ids = routing(3, 6, 2, skip=(1,))
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(8)).to(DEVICE)
-    plain = gemv(x, w.to(DEVICE), ids.to(DEVICE), ex, block_n=32)
+    plain = gemv(x, w.to(DEVICE), ids.to(DEVICE), ex, block_n=32, num_stages=1, unroll=1)
     got = gemv(x, w.to(DEVICE), ids.to(DEVICE), ex, block_n=32, num_stages=num_stages, unroll=unroll)
     assert torch.equal(got, plain)
     monkeypatch.setenv("QUANTKIT_MOE_GEMV_STAGES", str(num_stages or 1))
@@ -227,20 +229,39 @@ def test_gemv_pipelining_gives_the_same_sums(monkeypatch, num_stages, unroll):
 def test_pipelining_switches_refuse_what_is_not_a_count(monkeypatch):
     monkeypatch.delenv("QUANTKIT_MOE_GEMV_STAGES", raising=False)
     monkeypatch.delenv("QUANTKIT_MOE_GEMV_UNROLL", raising=False)
-    assert moe_gemv.pipelining() == (None, None)  # the default: neither (not yet timed)
+    assert moe_gemv.pipelining() == moe_gemv.PIPELINING == (2, 2)  # measured faster in whole steps
+    assert moe_gemv.pipelining(1, 1) == (None, None)  # one stage, an unroll by one: a plain loop
     monkeypatch.setenv("QUANTKIT_MOE_GEMV_STAGES", "three")
     with pytest.raises(ValueError, match="QUANTKIT_MOE_GEMV_STAGES"):
         moe_gemv.pipelining()
 
 
+def test_gemv_config_table_and_its_switch(monkeypatch):
+    """The table's rows by weights and pairs (4-bit at 8 and 64 pairs as measured), the plain config elsewhere;
+    QUANTKIT_MOE_GEMV_CONFIG overrides every call and refuses what is not three counts."""
+    monkeypatch.delenv("QUANTKIT_MOE_GEMV_CONFIG", raising=False)
+    q = stack_quantized(experts_q(4, 64, 32, 32), torch.float32, "cpu")
+    dense = stack_dense(torch.zeros(4, 64, 64), torch.zeros(4, 64, 32))
+    rows = {(kind, most): c for kind, most, c in moe_gemv.GEMV_CONFIGS}
+    assert moe_gemv.gemv_config(q, 1) == moe_gemv.gemv_config(q, 8) == rows[("4bit", 8)]
+    assert moe_gemv.gemv_config(q, 9) == moe_gemv.gemv_config(q, 64) == rows[("4bit", 64)]
+    assert moe_gemv.gemv_config(dense, 8) == moe_gemv.GemvConfig()
+    monkeypatch.setenv("QUANTKIT_MOE_GEMV_CONFIG", "64,4,512")
+    assert moe_gemv.gemv_config(q, 8) == moe_gemv.GemvConfig(64, 4, 512) == moe_gemv.GemvConfig()
+    for bad in ("64,4", "64,0,512", "a,b,c"):
+        monkeypatch.setenv("QUANTKIT_MOE_GEMV_CONFIG", bad)
+        with pytest.raises(ValueError, match="QUANTKIT_MOE_GEMV_CONFIG"):
+            moe_gemv.gemv_config(q, 8)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize(("num_stages", "unroll"), [(3, None), (None, 2), (3, 2)])
+@pytest.mark.parametrize(("num_stages", "unroll"), [(3, None), (None, 2), (3, 2), (2, 2)])
 def test_gemv_pipelining_on_the_gpu_gives_the_same_sums(num_stages, unroll):
     """bf16, the 30B-A3B expert sizes at batch 1: pipelined and unrolled K loops against the plain ones (the same
     sums in the same order, so equal up to nothing; a difference would mean the compiler reassociated)."""
     ex = stack_quantized(experts_q(16, 2048, 768, 128), torch.bfloat16, "cuda")
     w, ids = routing(1, 16, 8)
     x = torch.randn(1, 2048, generator=torch.Generator().manual_seed(9)).to("cuda", torch.bfloat16)
-    plain = gemv(x, w.cuda(), ids.cuda(), ex)
+    plain = gemv(x, w.cuda(), ids.cuda(), ex, num_stages=1, unroll=1)
     got = gemv(x, w.cuda(), ids.cuda(), ex, num_stages=num_stages, unroll=unroll)
     assert rel_err(got, plain) < 1e-6
