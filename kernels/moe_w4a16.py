@@ -329,18 +329,55 @@ def decode_kernel(experts: MoEExperts, pairs: int) -> str:
     return "gemv" if experts.quantized and pairs <= GEMV_MAX_PAIRS else "tiles"
 
 
+@dataclass(frozen=True)
+class TileConfig:
+    """The tiled kernel's tiles (both GEMMs): pair rows and output columns a program, warps, pipeline stages."""
+
+    block_m: int = BLOCK_M
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+# Tiles by weights and (token, slot) pairs: the first row whose weights match and whose pairs the call reaches;
+# anything else takes TileConfig(). From bench_moe.py's kernel section (`prefill_tile_sweep`, CUDA-graph replays of
+# fused_moe, Qwen3-30B-A3B shape, top-8 of 128, 4-bit experts, H100, 2026-12-06,
+# bench/results/bench_moe_prefill_h100.json): taller tiles unpack each expert's 4-bit weights for more rows at once
+#   2048 tokens (16,384 pairs, ~128 rows an expert): block_m 64, block_n 64: 1,015 us against 2,399 for TileConfig()
+#   256 tokens (2,048 pairs, ~16 rows an expert): block_m 32, block_n 128: 418 us against 489
+#     (at 2048 tokens this row gives 1,519 us, still under TileConfig()'s).
+# 16-bit and FP8 experts were not swept.
+TILE_CONFIGS: tuple[tuple[str, int, TileConfig], ...] = (
+    ("4bit", 16384, TileConfig(block_m=64, block_n=64)),
+    ("4bit", 2048, TileConfig(block_m=32, block_n=128)),
+)
+
+
+def tile_config(experts: MoEExperts, pairs: int) -> TileConfig:
+    """TILE_CONFIGS' pick for ``pairs`` (token, slot) pairs of ``experts``."""
+    kind = "fp8" if experts.fp8 else "4bit" if experts.quantized else "16bit"
+    return next((c for k, least, c in TILE_CONFIGS if k == kind and pairs >= least), TileConfig())
+
+
 def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, experts: MoEExperts,
-              block_m: int = BLOCK_M, block_n: int = 64, block_k: int | None = None, aligned: tuple | None = None,
-              num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+              block_m: int | None = None, block_n: int | None = None, block_k: int | None = None,
+              aligned: tuple | None = None, num_warps: int | None = None,
+              num_stages: int | None = None) -> torch.Tensor:
     """The MoE block's routed output ``[T, H]`` (module docstring); ``x [T, H]`` in 16-bit (or float32).
     ``aligned``: ``moe_align``'s ``(sorted_ids, block_expert)`` for ``topk_ids`` at ``block_m``, where the caller
-    made them already (``moe_align.route_and_align``). The tiles, warps and pipeline stages apply to both GEMMs
-    (Triton's own defaults for the last two; ``bench/bench_moe.py``'s kernel section sweeps them). ``block_k``
-    defaults to 64, or for block-scaled FP8 experts to the largest of 64, 32, 16 inside one scale block."""
+    made them already (``moe_align.route_and_align``, at ``BLOCK_M`` unless ``block_m`` says otherwise). The tiles,
+    warps and pipeline stages apply to both GEMMs: ``tile_config``'s where not given (``bench/bench_moe.py``'s
+    kernel section sweeps them). ``block_k`` defaults to 64, or for block-scaled FP8 experts to the largest of 64,
+    32, 16 inside one scale block."""
     if decode_kernel(experts, topk_ids.numel()) == "gemv":
         from quantkit.kernels.moe_gemv import moe_gemv
 
         return moe_gemv(x, topk_weights, topk_ids, experts)
+    tiles = TileConfig() if aligned is not None else tile_config(experts, topk_ids.numel())
+    block_m = tiles.block_m if block_m is None else block_m
+    block_n = tiles.block_n if block_n is None else block_n
+    num_warps = tiles.num_warps if num_warps is None else num_warps
+    num_stages = tiles.num_stages if num_stages is None else num_stages
     if block_k is None:
         runs = [g for g in (experts.group13, experts.group2) if experts.fp8 and g]
         block_k = next((b for b in (64, 32, 16) if all(g % b == 0 for g in runs)), 64)

@@ -191,6 +191,30 @@ def test_fused_moe_w4a16_taller_tiles(block_m):
     assert rel_err(out, fused_moe_ref(x, w.to(DEVICE), ids.to(DEVICE), ex)) < 1e-5
 
 
+def test_tile_table_picks_taller_tiles_for_4bit_prefill():
+    """TILE_CONFIGS: 4-bit experts get the measured taller tiles from 2,048 pairs (256 tokens of top-8) and the
+    tallest from 16,384 (2,048 tokens); fewer pairs and other weights keep TileConfig()."""
+    from quantkit.kernels.moe_w4a16 import TileConfig, tile_config
+
+    q = stack_quantized(experts_q(4, 64, 32, 32), torch.float32, "cpu")
+    dense = stack_dense(torch.zeros(4, 64, 64), torch.zeros(4, 64, 32))
+    assert tile_config(q, 2047) == tile_config(dense, 10**6) == TileConfig()
+    assert tile_config(q, 2048) == tile_config(q, 16383) == TileConfig(block_m=32, block_n=128)
+    assert tile_config(q, 16384) == TileConfig(block_m=64, block_n=64)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [256, 2048])
+def test_fused_moe_with_the_tile_table_on_the_gpu_matches_the_reference(tokens):
+    """bf16 4-bit experts at the prefill sizes whose rows the table changes (2,048 and 16,384 pairs of top-8):
+    fused_moe's own picks against the float32 reference."""
+    ex = stack_quantized(experts_q(32, 256, 128, 128), torch.bfloat16, "cuda")
+    w, ids = routing(tokens, 32, 8)
+    x = torch.randn(tokens, 256, generator=torch.Generator().manual_seed(6)).to("cuda", torch.bfloat16)
+    out = fused_moe(x, w.cuda(), ids.cuda(), ex)
+    assert rel_err(out, fused_moe_ref(x.float(), w.cuda(), ids.cuda(), ex)) < 5e-3
+
+
 def experts_fp8(n_exp, hidden, inter, weights="channel", block=(32, 32), seed=0):
     from quantkit.fp8_weight import FP8Config, fp8_quantize_weight
 
