@@ -29,7 +29,7 @@
 #   bash bench/gpu_check.sh moe BUDGET_S (~420) [bench-only]
 # No carry needed either: issue 41's W4A16 decode variants and prefill candidates (`w4a16 470`); issue 39's MoE
 # GEMV against the tiled kernel, block and whole step (`moe-decode 400`), the step under switches
-# (`moe-step BUDGET NAME:VAR=VALUE,...`), its prefill tiles (`moe-prefill 300`),
+# (`moe-step BUDGET NAME:VAR=VALUE,...`), its prefill tiles and the step with them (`moe-prefill 430`),
 # and its GPTQ / AWQ times (`moe-quantize 590 gptq|awq [LAYERS]`).
 # Everything lands in $OUT (JSON of each bench, the suite's log).
 # pytest runs with OMP_NUM_THREADS=1: 8-12 xdist workers on 16 cores, each with torch's one thread a core, took
@@ -200,16 +200,20 @@ moe-decode)  # issue 39 at decode (BUDGET_S ~400): the GEMV against the tiled ke
     moe_steps default: pipelined:QUANTKIT_MOE_GEMV_STAGES=2,QUANTKIT_MOE_GEMV_UNROLL=2
     ;;
 moe-step)  # issue 39: `quantkit bench --shape qwen3-30b-a3b` at batch 1 and 8 once a VARIANT (third argument on):
-    # NAME:VAR=VALUE,VAR=VALUE... (environment switches; "default:" for none), ~60-90 s each, one after another
+    # NAME:VAR=VALUE,VAR=VALUE... (environment switches; "default:" for none), ~60-90 s each, one after another.
+    # A value with commas goes in the call's own environment instead (it reaches every variant):
+    #   QUANTKIT_MOE_GEMV_CONFIG=64,4,512 bash bench/gpu_check.sh moe-step 120 cfg64:
     card | tee "$OUT/card.txt"
     shift 2
     moe_steps "$@"
     ;;
-moe-prefill)  # issue 39 at prefill (int4 0.60x bf16): the fused kernel's tiles at 256 and 2048 rows, taller tiles
-    # (BLOCK_M 16/32/64) among them, as graph replays, each checked against the default's output (~3 minutes)
+moe-prefill)  # issue 39 at prefill (BUDGET_S ~430): the fused kernel's tiles at 256 and 2048 rows (BLOCK_M 16/32/64)
+    # as graph replays, each checked against the default's output (~1 minute on an H100), then the whole bench (its
+    # prefill of 2048 tokens) with moe_w4a16.TILE_CONFIGS and with the plain tiles (QUANTKIT_MOE_TILES=plain)
     card | tee "$OUT/card.txt"
-    step 280 python3 bench/bench_moe.py --skip gptq awq serve --kernel-m 256 2048 --out "$OUT/bench_moe_prefill.json" \
+    step 200 python3 bench/bench_moe.py --skip gptq awq serve --kernel-m 256 2048 --out "$OUT/bench_moe_prefill.json" \
         2>&1 | tail -12
+    moe_steps default: plain:QUANTKIT_MOE_TILES=plain
     ;;
 moe-quantize)  # issue 39's 10-minute targets: GPTQ (third argument gptq, the default) or AWQ (awq) with the
     # defaults on 128 x 2048 tokens, on the first LAYERS (fourth argument, default 16) of the Qwen3-30B-A3B shape:

@@ -354,7 +354,15 @@ TILE_CONFIGS: tuple[tuple[str, int, TileConfig], ...] = (
 
 
 def tile_config(experts: MoEExperts, pairs: int) -> TileConfig:
-    """TILE_CONFIGS' pick for ``pairs`` (token, slot) pairs of ``experts``."""
+    """TILE_CONFIGS' pick for ``pairs`` (token, slot) pairs of ``experts``; ``QUANTKIT_MOE_TILES=plain`` gives
+    TileConfig() to every call (an A/B switch for the benches)."""
+    import os
+
+    choice = os.environ.get("QUANTKIT_MOE_TILES", "table")
+    if choice not in ("table", "plain"):
+        raise ValueError(f"QUANTKIT_MOE_TILES must be 'table' or 'plain', got {choice!r}")
+    if choice == "plain":
+        return TileConfig()
     kind = "fp8" if experts.fp8 else "4bit" if experts.quantized else "16bit"
     return next((c for k, least, c in TILE_CONFIGS if k == kind and pairs >= least), TileConfig())
 

@@ -191,16 +191,23 @@ def test_fused_moe_w4a16_taller_tiles(block_m):
     assert rel_err(out, fused_moe_ref(x, w.to(DEVICE), ids.to(DEVICE), ex)) < 1e-5
 
 
-def test_tile_table_picks_taller_tiles_for_4bit_prefill():
+def test_tile_table_picks_taller_tiles_for_4bit_prefill(monkeypatch):
     """TILE_CONFIGS: 4-bit experts get the measured taller tiles from 2,048 pairs (256 tokens of top-8) and the
-    tallest from 16,384 (2,048 tokens); fewer pairs and other weights keep TileConfig()."""
+    tallest from 16,384 (2,048 tokens); fewer pairs and other weights keep TileConfig(), as does every call under
+    QUANTKIT_MOE_TILES=plain."""
     from quantkit.kernels.moe_w4a16 import TileConfig, tile_config
 
+    monkeypatch.delenv("QUANTKIT_MOE_TILES", raising=False)
     q = stack_quantized(experts_q(4, 64, 32, 32), torch.float32, "cpu")
     dense = stack_dense(torch.zeros(4, 64, 64), torch.zeros(4, 64, 32))
     assert tile_config(q, 2047) == tile_config(dense, 10**6) == TileConfig()
     assert tile_config(q, 2048) == tile_config(q, 16383) == TileConfig(block_m=32, block_n=128)
     assert tile_config(q, 16384) == TileConfig(block_m=64, block_n=64)
+    monkeypatch.setenv("QUANTKIT_MOE_TILES", "plain")
+    assert tile_config(q, 16384) == TileConfig()
+    monkeypatch.setenv("QUANTKIT_MOE_TILES", "tall")
+    with pytest.raises(ValueError, match="QUANTKIT_MOE_TILES"):
+        tile_config(q, 16384)
 
 
 @pytest.mark.gpu
