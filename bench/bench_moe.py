@@ -321,33 +321,51 @@ def kernel_rows(args) -> list[dict]:
         t_loop = timed(lambda: loop(x, w, ids))
         row = {"m": m, "fused_us": t_fused * 1e6, "loop_us": t_loop * 1e6, "speedup": t_loop / t_fused,
                "rel_err_vs_loop": err}
+        # The graph timings below run each call over several routings (several inputs for the block) in turn and
+        # divide: at decode sizes one routing's experts (~19 MB at batch 1) stay in L2 across replays, which made
+        # configs look faster than whole steps found them (docs/moe.md); prefill sizes read every expert anyway.
+        rot = routings(m, n_exp, k, dev) if m <= 32 else [(w, ids)]
+        xs = [torch.randn(m, h, device=dev, dtype=torch.bfloat16) for _ in rot[1:]] + [x]
+        row["rotations"] = len(rot)
+
+        def over_routings(fn):  # fn(w, ids, **config) on every routing: a list of outputs
+            return lambda **c: [fn(wj, idj, **c) for wj, idj in rot]
+
+        def per_call_us(fn) -> float:  # one call's share of a graph replay of len(rot) calls
+            return graph_time(fn) * 1e6 / len(rot)
+
         # as decode runs it: the runtime's whole MoE block (router, routing, align, experts; no shared expert)
         # replayed from a CUDA graph, routing and align in one program where it applies, and as torch ops
         block = MoELayer(router, ex, k, True, True)
+
+        def blocks():
+            return [block(xj, None) for xj in xs]
+
         for align in ("auto", "torch"):
             with env(QUANTKIT_MOE_DECODE="tiles", QUANTKIT_MOE_ALIGN=align):
-                row[f"graph_block_us_align_{align}"] = graph_time(lambda: block(x, None)) * 1e6
+                row[f"graph_block_us_align_{align}"] = per_call_us(blocks)
         row["one_program_align"] = align_in_one_program(ids.numel(), n_exp, ids.device)
         if moe_gemv.applies(ex, ids.numel()):  # the decode GEMV (kernels/moe_gemv.py): alone and in the block
+            gemv_calls = over_routings(lambda wj, idj, **c: moe_gemv.moe_gemv(x, wj, idj, ex, **c))
             row["gemv_rel_err_vs_loop"] = err_vs_loop(moe_gemv.moe_gemv(x, w, ids, ex))
-            row["gemv_graph_us"] = graph_time(lambda: moe_gemv.moe_gemv(x, w, ids, ex)) * 1e6
+            row["gemv_graph_us"] = per_call_us(gemv_calls)
             with env(QUANTKIT_MOE_DECODE="tiles"):
-                row["tiles_graph_us"] = graph_time(lambda: fused_moe(x, w, ids, ex)) * 1e6
+                row["tiles_graph_us"] = per_call_us(over_routings(lambda wj, idj: fused_moe(x, wj, idj, ex)))
             with env(QUANTKIT_MOE_DECODE="gemv", QUANTKIT_MOE_ROUTER="apart"):
-                row["graph_block_us_gemv"] = graph_time(lambda: block(x, None)) * 1e6
+                row["graph_block_us_gemv"] = per_call_us(blocks)
             with env(QUANTKIT_MOE_DECODE="gemv"):  # the router GEMM and the routing in one launch where it applies
                 if router_fused_applies(m, k, n_exp, x.device):
-                    row["graph_block_us_gemv_fused_router"] = graph_time(lambda: block(x, None)) * 1e6
-                # the block kernel by kernel (durations alone; the graph replay above less their sum: the gaps)
+                    row["graph_block_us_gemv_fused_router"] = per_call_us(blocks)
+                # the block kernel by kernel, one input (durations alone; the graph replay less their sum: the gaps)
                 row["block_kernels_gemv"] = kernel_times(lambda: block(x, None))
             row["gemv_config"] = asdict(moe_gemv.gemv_config(ex, ids.numel()))  # the table's pick: the sweep's base
-            row["gemv_sweep"] = tile_sweep(lambda **c: moe_gemv.moe_gemv(x, w, ids, ex, **c), GEMV_CANDIDATES,
-                                           row["gemv_config"])
-            row["gemv_pipelining_sweep"] = tile_sweep(lambda **c: moe_gemv.moe_gemv(x, w, ids, ex, **c),
-                                                      GEMV_PIPELINING, GEMV_PIPELINING_PLAIN)
+            row["gemv_sweep"] = tile_sweep(gemv_calls, GEMV_CANDIDATES, row["gemv_config"], per=len(rot))
+            row["gemv_pipelining_sweep"] = tile_sweep(gemv_calls, GEMV_PIPELINING, GEMV_PIPELINING_PLAIN,
+                                                      per=len(rot))
         if m <= 32:  # decode sizes: the tiles a decode table would choose from
             with env(QUANTKIT_MOE_DECODE="tiles"):
-                row["tile_sweep"] = tile_sweep(lambda **tiles: fused_moe(x, w, ids, ex, **tiles))
+                row["tile_sweep"] = tile_sweep(over_routings(lambda wj, idj, **t: fused_moe(x, wj, idj, ex, **t)),
+                                               per=len(rot))
         if m >= 256:  # prefill sizes: taller tiles dequantize each expert's weights fewer times
             with env(QUANTKIT_MOE_DECODE="tiles"):
                 row["prefill_tile_sweep"] = tile_sweep(lambda **tiles: fused_moe(x, w, ids, ex, **tiles),
@@ -361,7 +379,7 @@ def kernel_rows(args) -> list[dict]:
 # at copy speed: deeper pipelines and narrower tiles (more programs) are the candidates.
 TILE_CANDIDATES = [dict(block_n=n, block_k=kk, num_warps=nw, num_stages=st)
                    for n in (32, 64, 128) for kk in (64, 128) for nw, st in ((4, 3), (4, 5), (8, 3))]
-TILE_DEFAULT = dict(block_n=64, block_k=64, num_warps=4, num_stages=3)  # fused_moe's own (its default arguments)
+TILE_DEFAULT = dict(block_n=64, block_k=64, num_warps=4, num_stages=3)  # moe_w4a16.TileConfig() (decode sizes)
 
 
 # At prefill (2048 tokens of top-8 over 128 experts: ~128 rows an expert) the 16-row tiles dequantize each 4-bit
@@ -392,18 +410,39 @@ def sweep_line(rows: list[dict], what: str, base: dict, base_name: str) -> str:
             f"{best.get('rel_diff', nan):.1e}); {base_name} {at_base.get('us', nan):.1f} us")
 
 
-def tile_sweep(call, candidates=None, default=None) -> list[dict]:
-    """``call(**tiles)`` as a CUDA-graph replay for every candidate config (TILE_CANDIDATES), fastest first; each
-    output checked against the ``default`` config's (relative difference), so a config that computes something
-    else shows."""
+def routings(m: int, n_exp: int, k: int, dev: str, count: int = 16) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``count`` routings ``(weights [m, k] renormalized, ids [m, k])`` of m tokens for timed calls to cycle
+    through: at batch 1 disjoint sets of k experts while they last (16 x 8 of 128: every expert once), else random
+    top-k."""
+    g = torch.Generator().manual_seed(100 + m)
+    perm = torch.randperm(n_exp, generator=g)
+    out = []
+    for j in range(count):
+        logits = torch.randn(m, n_exp, generator=g)
+        if m == 1 and (j + 1) * k <= n_exp:
+            logits[0, perm[j * k:(j + 1) * k]] += 30.0  # these k win
+        w, ids = torch.topk(logits.softmax(-1), k, dim=-1)
+        out.append(((w / w.sum(-1, keepdim=True)).to(dev), ids.to(dev)))
+    return out
+
+
+def _as_vector(out) -> torch.Tensor:
+    """A call's output (a tensor, or a list of them: one a routing) as one float32 vector."""
+    return torch.cat([o.float().flatten() for o in out]) if isinstance(out, list) else out.float().flatten()
+
+
+def tile_sweep(call, candidates=None, default=None, per: int = 1) -> list[dict]:
+    """``call(**tiles)`` as a CUDA-graph replay for every candidate config (TILE_CANDIDATES), fastest first, in us
+    a replay / ``per`` (the calls a replay makes: ``over_routings``); each output checked against the ``default``
+    config's (relative difference), so a config that computes something else shows."""
     from quantkit.tools.bench import graph_time
 
-    want = call(**(default or {})).float()
+    want = _as_vector(call(**(default or {})))
     out = []
     for tiles in candidates or TILE_CANDIDATES:
         try:
-            got = call(**tiles).float()
-            us = graph_time(lambda tiles=tiles: call(**tiles)) * 1e6
+            got = _as_vector(call(**tiles))
+            us = graph_time(lambda tiles=tiles: call(**tiles)) * 1e6 / per
         except Exception as exc:  # e.g. out of shared memory: the config cannot run here
             out.append({**tiles, "error": f"{type(exc).__name__}: {str(exc)[:120]}"})
             continue
@@ -518,6 +557,10 @@ def print_table(record: dict) -> None:
             print(f"{r['m']:6d} {r['fused_us']:10.1f} {r['loop_us']:10.1f} {r['speedup']:8.2f} "
                   f"{r['rel_err_vs_loop']:9.1e}   {r['graph_block_us_align_auto']:8.1f} / "
                   f"{r['graph_block_us_align_torch']:8.1f}{'' if r['one_program_align'] else '  (beyond one program)'}")
+        rotated = max((r.get("rotations", 1) for r in record["kernel"]), default=1)
+        if rotated > 1:
+            print(f"(decode sizes: graph timings are one call's share of a replay over {rotated} routings, so the "
+                  "experts come from HBM, not L2)")
         for r in record["kernel"]:
             if "gemv_graph_us" in r:
                 print(f"M={r['m']}: decode GEMV {r['gemv_graph_us']:.1f} us against the tiled kernel "

@@ -29,3 +29,25 @@ def test_tiny_run_writes_every_cpu_section(tmp_path):
     whats = {(r["model"], r["what"]) for r in record["serve"]}
     assert {("int4", "decode b1"), ("bf16", "decode b1"), ("int4", "prefill 2048")} <= whats
     assert record["int4_over_bf16_decode_b1"] > 0 and "kernel" not in record
+
+
+def test_decode_timings_rotate_over_routings_that_cover_the_experts():
+    """The kernel section's routings: at batch 1, 16 disjoint sets of 8 among 128 experts (every expert once, so a
+    graph replay reads ~16 x one routing's weights, past L2), weights renormalized; larger batches random top-k;
+    a list of outputs compares as one vector."""
+    import importlib.util
+
+    import torch
+
+    sys.path.insert(0, str(REPO / "bench"))
+    spec = importlib.util.spec_from_file_location("bench_moe", REPO / "bench" / "bench_moe.py")
+    bench_moe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_moe)
+    rot = bench_moe.routings(1, 128, 8, "cpu")
+    ids = torch.cat([i.flatten() for _, i in rot])
+    assert len(rot) == 16 and sorted(ids.tolist()) == list(range(128))
+    assert all(torch.allclose(w.sum(-1), torch.ones(1)) for w, _ in rot)
+    rot8 = bench_moe.routings(8, 128, 8, "cpu", count=4)
+    assert [tuple(i.shape) for _, i in rot8] == [(8, 8)] * 4 and len({tuple(i.flatten().tolist()) for _, i in rot8}) == 4
+    a, b = torch.ones(2, 3), torch.zeros(4)
+    assert bench_moe._as_vector([a, b]).shape == (10,) and bench_moe._as_vector(a).shape == (6,)
