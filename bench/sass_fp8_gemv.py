@@ -56,8 +56,8 @@ def cases() -> list[dict]:
                         types=["*bf16", "*bf16", "*bf16", "*bf16", "i32", "i32", "i32", "i32", "i32", "*bf16", "*bf16"],
                         cx=dict(base, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SCALED=False, W_VEC=cfg.vec),
                         warps=cfg.num_warps))
-        # the two-launch FP8 path: codes from fp8_quant, then gemv(..., scales=) with BLOCK_K doubled
-        c2 = gemv.DenseGemvConfig(cfg.block_n, min(2 * cfg.block_k, k), cfg.num_warps, cfg.vec)
+        # the two-launch FP8 path: codes from fp8_quant, then gemv(..., scales=) (bf16's config, BLOCK_K doubled)
+        c2 = gemv._fp8_codes_config(1, n, k)
         out.append(dict(label=f"fp8 two-launch {layer} {n}x{k}", layer=layer, path="fp8_two_launch",
                         config=c2.__dict__,
                         types=["*fp8e4nv", "*fp8e4nv", "*fp8e4nv", "*bf16", "i32", "i32", "i32", "i32", "i32", "*fp32",

@@ -75,6 +75,14 @@ def _gemv_config(m: int, n: int, k: int) -> DenseGemvConfig:
     return cfg if block_k == cfg.block_k else DenseGemvConfig(cfg.block_n, block_k, cfg.num_warps)
 
 
+def _fp8_codes_config(m: int, n: int, k: int) -> DenseGemvConfig:
+    """The config of the two-launch FP8 path (e4m3 codes in, ``gemv(..., scales=)``): the 16-bit one with BLOCK_K
+    doubled, as 16-byte vectors of 1-byte weights hold twice the columns."""
+    cfg = _gemv_config(m, n, k)
+    return DenseGemvConfig(cfg.block_n, min(2 * cfg.block_k, max(triton.next_power_of_2(k), 16)), cfg.num_warps,
+                           cfg.vec)
+
+
 @triton.jit
 def _row_tile_dot(acc, w, x_ptr, k0, ks, K, EVEN_K: tl.constexpr, xs, QUANT_X: tl.constexpr):
     """``acc + w * x[k0 + ks]`` (float32) for one activation row at ``x_ptr``. QUANT_X: ``x`` is 16-bit and is
@@ -265,10 +273,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         raise ValueError(reason)
     m, k = x.shape
     n = weight.shape[0]
-    cfg = config or _gemv_config(m, n, k)
-    if scales is not None and config is None:  # 1-byte weights: 16-byte vectors hold twice the columns
-        cfg = DenseGemvConfig(cfg.block_n, min(2 * cfg.block_k, max(triton.next_power_of_2(k), 16)), cfg.num_warps,
-                              cfg.vec)
+    cfg = config or (_fp8_codes_config(m, n, k) if scales is not None else _gemv_config(m, n, k))
     y = torch.empty((m, n), device=x.device, dtype=out_dtype or (torch.bfloat16 if scales is not None else x.dtype))
     xs, ws = scales if scales is not None else (y, y)  # placeholders, never read unless SCALED
     pdl = programmatic_launch(x.device)

@@ -263,3 +263,27 @@ def test_fp8_linear_on_cuda_is_the_one_launch_gemv(monkeypatch):
     assert torch.equal(fp8_linear(x, fast), gemv_fp8(x, wq, fast.scale))
     ref = fp8_linear_ref(x, fast)
     assert ((fp8_linear(x, fast).float() - ref.float()).norm() / ref.float().norm()).item() < 4e-3
+
+
+def test_sass_reading_compiles_the_launchers_configs():
+    """bench/sass_fp8_gemv.py reads the configs the launchers run at M = 1: bf16's, the two-launch path's (the
+    same function ``gemv`` calls) and the one-launch table's, for each 8B linear."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    from quantkit.kernels import gemv as dense
+    from quantkit.kernels import gemv_fp8
+
+    bench = Path(__file__).resolve().parents[2] / "bench"
+    sys.path.insert(0, str(bench))
+    spec = importlib.util.spec_from_file_location("sass_fp8_gemv", bench / "sass_fp8_gemv.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    by = {(c["layer"], c["path"]): c for c in mod.cases()}
+    assert len(by) == 12
+    for layer, (n, k) in mod.SHAPES.items():
+        assert by[(layer, "bf16")]["config"] == dense._gemv_config(1, n, k).__dict__
+        assert by[(layer, "fp8_two_launch")]["config"] == dense._fp8_codes_config(1, n, k).__dict__
+        assert by[(layer, "fp8_one_launch")]["config"] == gemv_fp8.TUNED_FP8[(n, k, 1)].__dict__
+        assert by[(layer, "fp8_one_launch")]["cx"]["QUANT_X"] and not by[(layer, "fp8_two_launch")]["cx"].get("QUANT_X")

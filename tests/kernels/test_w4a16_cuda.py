@@ -144,7 +144,8 @@ def test_the_sm90a_build_streams_words_in_128_bit_loads_without_spills(sm90, tmp
     assert sum(op.startswith("HMMA.16816.F32.BF16") for op in ops) == 8 * cfg.U * mt * (cfg.R + 1)
 
 
-@pytest.mark.parametrize("script", ["bench/bench_w4a16_decode.py", "bench/sass_w4a16_decode.py"])
+@pytest.mark.parametrize("script", ["bench/bench_w4a16_decode.py", "bench/sass_w4a16_decode.py",
+                                    "bench/sass_fp8_gemv.py"])
 def test_the_scripts_answer_help_without_a_gpu(script):
     done = subprocess.run([sys.executable, str(REPO / script), "--help"], capture_output=True, text=True, cwd=REPO)
     assert done.returncode == 0 and "usage" in done.stdout
