@@ -194,10 +194,10 @@ w4a16)  # issue 41: every decode variant (the CUDA C++ GEMM built with nvcc, Glu
     ;;
 moe-decode)  # issue 39 at decode (BUDGET_S ~400): the GEMV against the tiled kernel, one layer's block replayed
     # from a graph (the kernel section at M = 1, 8, 32, with its sweeps, the fused router and the block's kernels),
-    # then the whole step at batch 1 and 8 with the defaults and with the GEMV's K loops pipelined (~6 minutes)
+    # then the whole step at batch 1 and 8 with the defaults and with PDL on the MoE kernels (opt-in) (~6 minutes)
     card | tee "$OUT/card.txt"
     step 200 python3 bench/bench_moe.py --skip gptq awq serve --kernel-m 1 8 32 --out "$OUT/bench_moe_kernel.json" 2>&1 | tail -25
-    moe_steps default: pipelined:QUANTKIT_MOE_GEMV_STAGES=2,QUANTKIT_MOE_GEMV_UNROLL=2
+    moe_steps default: pdl:QUANTKIT_MOE_PDL=1
     ;;
 moe-step)  # issue 39: `quantkit bench --shape qwen3-30b-a3b` at batch 1 and 8 once a VARIANT (third argument on):
     # NAME:VAR=VALUE,VAR=VALUE... (environment switches; "default:" for none), ~60-90 s each, one after another.

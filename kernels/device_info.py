@@ -54,3 +54,12 @@ def programmatic_launch(device: torch.device | str) -> bool:
     if device.type != "cuda" or interpreting() or os.environ.get("QUANTKIT_PDL", "1") == "0":
         return False
     return capability(device)[0] >= 9
+
+
+def moe_programmatic_launch(device: torch.device | str) -> bool:
+    """PDL for the MoE decode kernels (the fused router, the expert GEMVs and their sum: kernels/moe_router.py,
+    kernels/moe_gemv.py), where :func:`programmatic_launch` allows it and ``QUANTKIT_MOE_PDL=1`` asks for it: opt-in
+    until a whole decode step is timed with it (bash bench/gpu_check.sh moe-step ... pdl:QUANTKIT_MOE_PDL=1). Each of
+    those kernels waits for the previous one before its first load (no prefetch: what they read next depends on
+    the routing), so what it can save is each launch's latency and ramp, four times a layer."""
+    return os.environ.get("QUANTKIT_MOE_PDL", "0") == "1" and programmatic_launch(device)

@@ -26,7 +26,9 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from quantkit.kernels.device_info import moe_programmatic_launch
 from quantkit.kernels.fp8_quant import quantize_activations
 
 # The most (token, slot) pairs this kernel takes: beyond, a tiled program's 16 rows are mostly full.
@@ -97,7 +99,7 @@ def _moe_gemv_kernel(a_ptr, p1_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, topw_ptr, out_
                      stride_ps, stride_pp, stride_os, stride_op, stride_asm,
                      QUANT: tl.constexpr, GROUP: tl.constexpr, GATED_INPUT: tl.constexpr, MUL_ROUTED: tl.constexpr,
                      FP8: tl.constexpr, K_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     NUM_STAGES: tl.constexpr = None, UNROLL: tl.constexpr = None):
+                     NUM_STAGES: tl.constexpr = None, UNROLL: tl.constexpr = None, PDL: tl.constexpr = False):
     """One pair ``p``, BLOCK_N columns, slice ``s`` of K (K_SPLIT columns). ``GATED_INPUT``: the input row is
     ``silu(gate) * up`` of ``p1``'s IN_SPLITS partial sums (the down GEMV), else ``a[p // TOP_K]`` (gate/up; the
     down GEMV of FP8 experts passes TOP_K 1: its rows are the pairs'). ``FP8``: ``a`` holds e4m3 codes with float32
@@ -106,7 +108,11 @@ def _moe_gemv_kernel(a_ptr, p1_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, topw_ptr, out_
     ``NUM_STAGES``: the K loop software-pipelined (Triton's cp.async stages: the next tiles' words requested while
     one is multiplied; in the sm_90 build the 4-bit gate/up loop takes it, the down loop with its gated prologue
     does not), None for none. ``UNROLL``: the K loop's and the gated prologue's unroll factor (the prologue's
-    partial-sum loads then go out together), None for none. Neither changes the sums or their order."""
+    partial-sum loads then go out together), None for none. Neither changes the sums or their order. ``PDL``: let the
+    next kernel launch, then wait for the previous one, before any load (device_info.moe_programmatic_launch)."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     p = tl.program_id(0)
     pid_n = tl.program_id(1)
     sp = tl.program_id(2)
@@ -154,10 +160,14 @@ def _moe_gemv_kernel(a_ptr, p1_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, topw_ptr, out_
 
 
 @triton.jit
-def _sum_parts_kernel(parts_ptr, out_ptr, H, PARTS, BLOCK: tl.constexpr, UNROLL: tl.constexpr = None):
+def _sum_parts_kernel(parts_ptr, out_ptr, H, PARTS, BLOCK: tl.constexpr, UNROLL: tl.constexpr = None,
+                      PDL: tl.constexpr = False):
     """``out[t] = sum over PARTS rows of parts[:, t]`` (float32), rounded once to out's dtype: the slices of K and
     the token's k pairs in one launch (torch's sum and cast would be two, a few us each at decode). ``UNROLL`` as
-    the GEMV's (at batch 1 its 16 dependent loads took 3.6 us, H100 profile, docs/moe.md)."""
+    the GEMV's (at batch 1 its 16 dependent loads took 3.6 us, H100 profile, docs/moe.md); ``PDL`` as its."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < H
@@ -207,7 +217,7 @@ def _split(k: int, block_k: int, programs: int, target: int | None = None) -> tu
 
 
 def _launch(a, p1, w, s, z, ids, topw, out_parts, n, k, top_k, in_splits, inter, quant, group, gated_input,
-            mul_routed, k_split, block_n, block_k, num_warps, a_scales=None, num_stages=None, unroll=None):
+            mul_routed, k_split, block_n, block_k, num_warps, a_scales=None, num_stages=None, unroll=None, pdl=False):
     fp8 = a_scales is not None
     if quant:
         swe, swk, swn = w.stride()  # [E, K/8, N]
@@ -227,8 +237,8 @@ def _launch(a, p1, w, s, z, ids, topw, out_parts, n, k, top_k, in_splits, inter,
                            inter, a.stride(0), swe, swk, swn, sse, ssg, ssn, p1.stride(0), p1.stride(1),
                            out_parts.stride(0), out_parts.stride(1), a_scales.stride(0) if fp8 else 0, QUANT=quant,
                            GROUP=group, GATED_INPUT=gated_input, MUL_ROUTED=mul_routed, FP8=fp8, K_SPLIT=k_split,
-                           BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages, UNROLL=unroll,
-                           num_warps=num_warps)
+                           BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages, UNROLL=unroll, PDL=pdl,
+                           num_warps=num_warps, **({"launch_pdl": True} if pdl else {}))
 
 
 # The K loops' pipelining and unrolling by default (the kernel's NUM_STAGES, UNROLL): two cp.async stages in the
@@ -279,6 +289,8 @@ def moe_gemv(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     target = config.target_programs if target_programs is None else target_programs
     block_k = block_k_for(experts)
     inter = experts.inter
+    # FP8 experts: the activations' quantization launches (no PDL) sit between the GEMVs, so none there
+    pdl = moe_programmatic_launch(x.device) and not experts.fp8
     x = x.contiguous()
     ids = topk_ids.reshape(-1).contiguous()
     topw = topk_weights.reshape(-1).to(torch.float32).contiguous()
@@ -289,7 +301,7 @@ def moe_gemv(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     s1, k1 = _split(h, block_k, pairs * triton.cdiv(2 * inter, block_n), target)
     p1 = torch.empty(s1, pairs, 2 * inter, dtype=torch.float32, device=x.device)
     _launch(a13, p1, experts.w13, experts.s13, experts.z13, ids, topw, p1, 2 * inter, h, top_k, 1, inter, q,
-            experts.group13, False, False, k1, block_n, block_k, num_warps, as13, num_stages, unroll)
+            experts.group13, False, False, k1, block_n, block_k, num_warps, as13, num_stages, unroll, pdl)
     s2, k2 = _split(inter, block_k, pairs * triton.cdiv(h, block_n), target)
     # token-major [T, k, S2, H]: a token's k pairs and S2 slices are one run of rows for the final sum
     p2 = torch.empty(t, top_k, s2, h, dtype=torch.float32, device=x.device)
@@ -301,12 +313,13 @@ def moe_gemv(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
                                                                 BLOCK=block, num_warps=4)
         a2, as2 = quantize_activations(hid, experts.group2)
         _launch(a2, p1, experts.w2, experts.s2, experts.z2, ids, topw, parts2, h, inter, 1, s1, inter, q,
-                experts.group2, False, True, k2, block_n, block_k, num_warps, as2, num_stages, unroll)
+                experts.group2, False, True, k2, block_n, block_k, num_warps, as2, num_stages, unroll, pdl)
     else:
         _launch(x, p1, experts.w2, experts.s2, experts.z2, ids, topw, parts2, h, inter, top_k, s1, inter, q,
-                experts.group2, True, True, k2, block_n, block_k, num_warps, None, num_stages, unroll)
+                experts.group2, True, True, k2, block_n, block_k, num_warps, None, num_stages, unroll, pdl)
     # slices and the token's k pairs summed in float32, rounded once (as the tiled path's sum)
     out = torch.empty(t, h, dtype=x.dtype, device=x.device)
     block = min(1024, triton.next_power_of_2(h))
-    _sum_parts_kernel[(t, triton.cdiv(h, block))](p2, out, h, top_k * s2, BLOCK=block, UNROLL=unroll, num_warps=4)
+    _sum_parts_kernel[(t, triton.cdiv(h, block))](p2, out, h, top_k * s2, BLOCK=block, UNROLL=unroll, PDL=pdl,
+                                                  num_warps=4, **({"launch_pdl": True} if pdl else {}))
     return out

@@ -21,7 +21,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from quantkit.kernels.device_info import moe_programmatic_launch
 from quantkit.kernels.moe_align import FILL, _blocks_a_step, _n_blocks, _route_body, _warps, align_in_one_program
 
 # Up to this many tokens (a decode batch); more take the router GEMM and route_and_align apart.
@@ -53,7 +55,10 @@ def _router_route_kernel(x_ptr, stride_xt, w_ptr, stride_we, logits_ptr, counter
                          TOP_K: tl.constexpr, RENORM: tl.constexpr, BLOCK_M: tl.constexpr, TOKENS: tl.constexpr,
                          PAIRS: tl.constexpr, EXPERTS: tl.constexpr, FILL: tl.constexpr, BLOCKS: tl.constexpr,
                          BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, ALIGN: tl.constexpr,
-                         TOP_K_P2: tl.constexpr):
+                         TOP_K_P2: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:  # the next kernel may launch; x is the previous one's output
+        gdc_launch_dependents()
+        gdc_wait()
     pid = tl.program_id(0)
     offs_t = tl.arange(0, TOKENS)
     offs_e = pid * BLOCK_E + tl.arange(0, BLOCK_E)
@@ -107,6 +112,7 @@ def router_route_and_align(x: torch.Tensor, router: torch.Tensor, top_k: int, re
     sorted_ids = torch.empty(n_blocks * block_m if align else 1, dtype=torch.int32, device=dev)
     block_expert = torch.empty(n_blocks if align else 1, dtype=torch.int32, device=dev)
     toks = triton.next_power_of_2(tokens)
+    pdl = moe_programmatic_launch(dev)
     # a [TOKENS, BLOCK_E, BLOCK_H] product of ~4K values a step (32 a thread at 4 warps)
     block_h = max(32, min(triton.next_power_of_2(hidden), 4096 // (toks * BLOCK_E)))
     grid = (triton.cdiv(num_experts, BLOCK_E),)
@@ -115,6 +121,6 @@ def router_route_and_align(x: torch.Tensor, router: torch.Tensor, top_k: int, re
                                RENORM=renormalize, BLOCK_M=block_m, TOKENS=toks,
                                PAIRS=triton.next_power_of_2(pairs), EXPERTS=triton.next_power_of_2(num_experts),
                                FILL=FILL, BLOCKS=_blocks_a_step(num_experts), BLOCK_E=BLOCK_E, BLOCK_H=block_h,
-                               ALIGN=align, TOP_K_P2=triton.next_power_of_2(top_k),
-                               num_warps=_warps(pairs, num_experts))
+                               ALIGN=align, TOP_K_P2=triton.next_power_of_2(top_k), PDL=pdl,
+                               num_warps=_warps(pairs, num_experts), **({"launch_pdl": True} if pdl else {}))
     return weights, ids, (sorted_ids, block_expert) if align else None

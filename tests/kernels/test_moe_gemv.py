@@ -167,7 +167,7 @@ def test_gemv_fp8_experts_on_the_gpu_match_the_tiled_kernel(monkeypatch, weights
         assert rel_err(out, ref) < 2e-2 and rel_err(out, tiled) < 2e-2, (rel_err(out, ref), rel_err(out, tiled))
 
 
-def _gemv_ptx(sm90, out, kind, block_k, num_stages=None, unroll=None):
+def _gemv_ptx(sm90, out, kind, block_k, num_stages=None, unroll=None, pdl=False):
     """The GEMV compiled for Hopper as Triton's launcher specializes it at run time: unit strides as constexpr 1,
     aligned pointers and strides divisible by 16."""
     quant, fp8, gated = kind in ("int4", "int4-down"), kind == "fp8", kind == "int4-down"
@@ -182,7 +182,8 @@ def _gemv_ptx(sm90, out, kind, block_k, num_stages=None, unroll=None):
     for name in units:
         del signature[name]
     constexprs = dict({name: 1 for name in units}, QUANT=quant, GROUP=128, GATED_INPUT=gated, MUL_ROUTED=gated,
-                      FP8=fp8, K_SPLIT=768, BLOCK_N=64, BLOCK_K=block_k, NUM_STAGES=num_stages, UNROLL=unroll)
+                      FP8=fp8, K_SPLIT=768, BLOCK_N=64, BLOCK_K=block_k, NUM_STAGES=num_stages, UNROLL=unroll,
+                      PDL=pdl)
     unaligned = ("TOP_K", "IN_SPLITS") + (() if quant else ("stride_sg", "stride_sn"))
     aligned = tuple(name for name in signature if name not in unaligned)
     return sm90.triton_ptx(out, "quantkit.kernels.moe_gemv", "_moe_gemv_kernel", signature, constexprs,
@@ -207,6 +208,17 @@ def test_gemv_compiles_for_sm90_without_spills(sm90, tmp_path, kind, block_k, nu
         assert "LDG.E.128" in sass or "LDGSTS.E.BYPASS.128" in sass
     if kind == "int4" and num_stages:
         assert "LDGSTS.E.BYPASS.128" in sass and "LDGDEPBAR" in sass  # the words' tiles requested stages ahead
+
+
+@pytest.mark.parametrize("kind", ["int4", "int4-down"])
+def test_gemv_with_pdl_waits_before_any_load(sm90, tmp_path, kind):
+    """With PDL (opt-in, QUANTKIT_MOE_PDL=1) the GEMV waits for the previous kernel before its first global load
+    (the expert id it reads first is the routing's output), at the default pipelining, without spills."""
+    from tests.kernels.test_moe_router import assert_waits_before_loads
+
+    ptx = _gemv_ptx(sm90, str(tmp_path / "gemv.ptx"), kind, 128, *moe_gemv.PIPELINING, pdl=True)
+    assert "0 bytes spill stores" in sm90.ptxas_notices(ptx)
+    assert_waits_before_loads(open(ptx).read(), True)
 
 
 @pytest.mark.parametrize(("num_stages", "unroll"), [(3, None), (None, 4), (2, 2)])

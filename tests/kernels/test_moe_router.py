@@ -95,10 +95,11 @@ def test_runtime_moe_block_with_the_fused_router_equals_its_reference(monkeypatc
     assert len(calls) == 2 and rel_err(out, ref) < 1e-5 and rel_err(out_tiles, ref) < 1e-5
 
 
-@pytest.mark.parametrize(("tokens", "with_layout"), [(1, False), (1, True), (4, True)])
-def test_fused_router_compiles_for_sm90_without_spills(sm90, tmp_path, tokens, with_layout):
+@pytest.mark.parametrize(("tokens", "with_layout", "pdl"), [(1, False, False), (1, True, False), (4, True, False),
+                                                            (1, False, True)])
+def test_fused_router_compiles_for_sm90_without_spills(sm90, tmp_path, tokens, with_layout, pdl):
     """Qwen3-30B-A3B's router (128 experts of 2048, top-8) at 1 and 4 tokens: the GEMM's product and the last
-    program's routing in registers."""
+    program's routing in registers. With PDL (opt-in): the wait for the previous kernel before any global load."""
     from quantkit.kernels.moe_align import FILL, _blocks_a_step, _warps
     from quantkit.kernels.moe_router import BLOCK_E
 
@@ -110,11 +111,66 @@ def test_fused_router_compiles_for_sm90_without_spills(sm90, tmp_path, tokens, w
                  "n_blocks": "i32", "n_slots": "i32"}
     constexprs = dict(TOP_K=8, RENORM=True, BLOCK_M=align.BLOCK_M, TOKENS=toks, PAIRS=triton.next_power_of_2(pairs),
                       EXPERTS=n_exp, FILL=FILL, BLOCKS=_blocks_a_step(n_exp), BLOCK_E=BLOCK_E,
-                      BLOCK_H=max(32, min(hidden, 4096 // (toks * BLOCK_E))), ALIGN=with_layout, TOP_K_P2=8)
+                      BLOCK_H=max(32, min(hidden, 4096 // (toks * BLOCK_E))), ALIGN=with_layout, TOP_K_P2=8,
+                      PDL=pdl)
     ptx = sm90.triton_ptx(str(tmp_path / "router.ptx"), "quantkit.kernels.moe_router", "_router_route_kernel",
                           signature, constexprs, num_warps=_warps(pairs, n_exp))
     notices = sm90.ptxas_notices(ptx)
     assert "0 bytes spill stores, 0 bytes spill loads" in notices, notices
+    assert_waits_before_loads(open(ptx).read(), pdl)
+
+
+def assert_waits_before_loads(ptx: str, pdl: bool) -> None:
+    """With PDL the kernel lets its dependents launch and waits for its prerequisite before its first global load
+    (nothing it reads may be read earlier); without, neither instruction is there."""
+    first_load = ptx.index("ld.global")
+    if not pdl:
+        assert "griddepcontrol" not in ptx
+        return
+    assert ptx.index("griddepcontrol.launch_dependents") < first_load
+    assert ptx.index("griddepcontrol.wait") < first_load
+
+
+def test_moe_pdl_is_opt_in_and_only_where_pdl_runs(monkeypatch):
+    """QUANTKIT_MOE_PDL=1 asks for it; never on the CPU or under the interpreter (no griddepcontrol there)."""
+    from quantkit.kernels.device_info import moe_programmatic_launch
+
+    monkeypatch.delenv("QUANTKIT_MOE_PDL", raising=False)
+    assert not moe_programmatic_launch("cpu")
+    monkeypatch.setenv("QUANTKIT_MOE_PDL", "1")
+    assert not moe_programmatic_launch("cpu")
+    if torch.cuda.is_available():
+        from quantkit.kernels.device_info import programmatic_launch
+
+        assert moe_programmatic_launch("cuda") == programmatic_launch("cuda")
+        monkeypatch.setenv("QUANTKIT_MOE_PDL", "0")
+        assert not moe_programmatic_launch("cuda")
+
+
+@pytest.mark.gpu
+def test_moe_block_with_pdl_on_the_gpu_gives_the_same_outputs_in_a_graph(monkeypatch):
+    """The runtime's int4 MoE block at batch 1 (fused router, both GEMVs, the sum) with QUANTKIT_MOE_PDL=1 against
+    without, eagerly and replayed from a CUDA graph: the same bits."""
+    from quantkit.kernels.moe_w4a16 import stack_quantized
+    from quantkit.runtime.moe import MoELayer
+    from tests.kernels.test_moe_w4a16 import experts_q
+
+    ex = stack_quantized(experts_q(16, 2048, 768, 128), torch.bfloat16, "cuda")
+    x, router = _inputs(1, 16, 2048, torch.bfloat16, seed=3, device="cuda")
+    monkeypatch.setenv("QUANTKIT_MOE_PDL", "0")
+    want = MoELayer(router, ex, 8, True, True)(x, None)
+    monkeypatch.setenv("QUANTKIT_MOE_PDL", "1")
+    block = MoELayer(router, ex, 8, True, True)
+    assert torch.equal(block(x, None), want)
+    graph = torch.cuda.CUDAGraph()
+    static_x = x.clone()
+    block(static_x, None)  # compiled before the capture
+    with torch.cuda.graph(graph):
+        out = block(static_x, None)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)
 
 
 @pytest.mark.gpu
