@@ -17,6 +17,8 @@ tile fits (every thread owns a weight vector, BLOCK_K within K, (M + 1) x the th
 * times each as a served model runs it (``gpu_timing.gpu_time_us``: CUDA-graph replays, L2 evicted before each
   call), then the ``--confirm`` fastest and the table's current config again with more replays, and keeps the
   fastest by that second timing;
+* times the two-launch path's GEMV (codes in) at each confirmed config too (``two_launch_us`` in a row; the fastest
+  as ``two_launch_best``): its own configs are bf16's with BLOCK_K doubled (``gemv._fp8_codes_config``);
 * times today's two-launch path (``quantize_per_token``, then ``gemv(..., scales=)`` at its default config), the
   runtime's bf16 linear on the bf16 weight (``dispatch.dense_linear``: quantkit's bf16 GEMV at M = 1, cuBLAS
   above) and cuBLAS (``F.linear``); "x bf16" compares with the runtime's.
@@ -150,9 +152,9 @@ def run_cell(shape: Shape, m: int, args, us, log) -> dict:
     x = torch.randn(m, k, device=wq.device, generator=torch.Generator(device=wq.device).manual_seed(m)).bfloat16()
     ref = gemv_fp8_ref(x, wq, ws, out_dtype=torch.float32)
 
-    def two_launch():
+    def two_launch(config=None):  # today's path: its own config unless one is given
         qx, sx = quantize_per_token(x)
-        return gemv(qx, wq, None, scales=(sx, ws), out_dtype=torch.bfloat16)
+        return gemv(qx, wq, None, config=config, scales=(sx, ws), out_dtype=torch.bfloat16)
 
     def max_err(y) -> float:
         return ((y.float() - ref).abs().max() / ref.abs().max()).item()
@@ -183,11 +185,22 @@ def run_cell(shape: Shape, m: int, args, us, log) -> dict:
     for r in confirm:
         cfg = type(table)(*r["cfg"])
         r["us_confirm"] = us(lambda cfg=cfg: gemv_fp8(x, wq, ws, config=cfg), 4 * args.replays)
+        # the two-launch path's GEMV at the same tile (its 16-byte vectors: 16 codes a thread): its configs are
+        # bf16's with BLOCK_K doubled, which keep half bf16's warps per SM (bench/sass_fp8_gemv.py)
+        try:
+            r["two_launch_err"] = max_err(two_launch(cfg))
+            r["two_launch_us"] = us(lambda cfg=cfg: two_launch(cfg), 4 * args.replays)
+        except Exception as e:
+            r["two_launch_error"] = f"{type(e).__name__}: {e}"[:300]
     if confirm:
         best = min(confirm, key=lambda r: r["us_confirm"])
         cell["best"] = dict(config=best["config"], cfg=best["cfg"], us=best["us_confirm"])
         table_rows = [r for r in confirm if r["config"] == label(table)]
         cell["table_us"] = table_rows[0]["us_confirm"] if table_rows else None
+        two = [r for r in confirm if r.get("two_launch_us") and r["two_launch_err"] <= args.max_err]
+        if two:
+            b2 = min(two, key=lambda r: r["two_launch_us"])
+            cell["two_launch_best"] = dict(config=b2["config"], cfg=b2["cfg"], us=b2["two_launch_us"])
     print_cell(cell, shape, log)
     return cell
 
@@ -201,20 +214,22 @@ def print_cell(cell: dict, shape: Shape, log) -> None:
     log(f"\n{cell['N']}x{cell['K']} M={cell['M']}: copy {copy:.0f} GB/s; two-launch {cell['two_launch_us']:.1f} us "
         f"(max err {cell['two_launch_err']:.1e}), bf16 {cell['bf16_us']:.1f} us (cuBLAS {cell['cublas_us']:.1f}); "
         f"table {cell['table']}")
-    log(f"  {'config':<16} {'max err':>8} {'same':>5} {'us':>7} {'confirm':>8} {'GB/s':>6} {'% copy':>7}")
+    log(f"  {'config':<16} {'max err':>8} {'same':>5} {'us':>7} {'confirm':>8} {'GB/s':>6} {'% copy':>7} "
+        f"{'2-launch at it':>14}")
     rows = sorted(cell["rows"], key=lambda r: r.get("us_confirm", r.get("us", float("inf"))))
     for r in rows:
         t = r.get("us_confirm", r.get("us"))
         rate = f"{gbs(shape, t):>6.0f} {100 * gbs(shape, t) / copy:>7.1f}" if t else f"{'':>6} {'':>7}"
         note = r.get("error", "") or ("" if "us" in r else "  NOT TIMED (error above --max-err)")
         log(f"  {r['config']:<16} {r.get('max_err', float('nan')):>8.1e} {str(r.get('same', '')):>5} "
-            f"{r.get('us', float('nan')):>7.1f} {r.get('us_confirm', float('nan')):>8.1f} {rate}{note}")
+            f"{r.get('us', float('nan')):>7.1f} {r.get('us_confirm', float('nan')):>8.1f} {rate} "
+            f"{r.get('two_launch_us', float('nan')):>14.1f}{note}")
 
 
 def summary(cells: list, shapes: dict, n_shapes: int, log) -> list[str]:
     """The closing table, the per-token totals and the TUNED_FP8 lines to paste."""
     log(f"\n{'shape':<12} {'M':>2} {'pick':<14} {'us':>7} {'% copy':>7} {'table us':>9} {'2-launch':>9} "
-        f"{'bf16':>7} {'cuBLAS':>7} {'x bf16':>7} {'x 2-launch':>10}")
+        f"{'bf16':>7} {'cuBLAS':>7} {'x bf16':>7} {'x 2-launch':>10}  best 2-launch config")
     lines, totals = [], {}
     for c in cells:
         if "best" not in c:
@@ -223,7 +238,9 @@ def summary(cells: list, shapes: dict, n_shapes: int, log) -> list[str]:
         log(f"{c['N']}x{c['K']:<7} {c['M']:>2} {b['config']:<14} {b['us']:>7.1f} "
             f"{100 * gbs(shape, b['us']) / (shape.copy_tbs * 1e3):>7.1f} {c.get('table_us') or float('nan'):>9.1f} "
             f"{c['two_launch_us']:>9.1f} {c['bf16_us']:>7.1f} {c['cublas_us']:>7.1f} {c['bf16_us'] / b['us']:>7.2f} "
-            f"{c['two_launch_us'] / b['us']:>10.2f}")
+            f"{c['two_launch_us'] / b['us']:>10.2f}  "
+            + (f"{c['two_launch_best']['config']} {c['two_launch_best']['us']:.1f} us" if "two_launch_best" in c
+               else "-"))
         lines.append(f"    ({c['N']}, {c['K']}, {c['M']}): C({b['cfg'][0]}, {b['cfg'][1]}, {b['cfg'][2]}),  "
                      f"# {b['us']:.1f} us, {100 * gbs(shape, b['us']) / (shape.copy_tbs * 1e3):.0f}% of copy")
         t = totals.setdefault(c["M"], dict(cells=0, fused=0.0, table=0.0, two=0.0, bf16=0.0))

@@ -46,6 +46,9 @@ def test_smoke_run_writes_every_cell(tmp_path):
         assert all("us" in r for r in rows.values()), rows  # every candidate checked, then timed
         assert rows["2x512/4w"]["same"]  # the two-launch path's config (the interpreter sums as numpy does)
         assert cell["best"]["config"] in rows and cell["two_launch_us"] > 0 and cell["cublas_us"] > 0
+        # the two-launch GEMV timed at the confirmed configs, its fastest named
+        assert any(r.get("two_launch_us", 0) > 0 for r in rows.values())
+        assert cell["two_launch_best"]["config"] in rows
     assert result["paste"][0].startswith("    (16, 512, 1): C(")
 
 
