@@ -47,11 +47,15 @@ class GemvConfig:
 
 
 # The config by weights and (token, slot) pairs: the first row whose weights match and whose pairs are at least the
-# call's; anything else takes GemvConfig() (not swept). From bench_moe.py's kernel section (`gemv_sweep`, CUDA-graph
-# replays of this launch alone, Qwen3-30B-A3B shape, H100, 2026-12-06, bench/results/bench_moe_kernel_h100.json):
-#   4-bit,  8 pairs (batch 1): block_n 32, 2 warps, 512 programs 24.7 us; GemvConfig() 26.8 (fewer columns a
-#     program: more programs over the 8 experts' rows, narrower slices of K each);
-#   4-bit, 64 pairs (batch 8): block_n 128, 2 warps, 1024 programs 96.7 us; GemvConfig() 120.8.
+# call's; anything else takes GemvConfig() (not swept). Found by bench_moe.py's kernel section (`gemv_sweep`, this
+# launch alone replayed over one routing, so from L2: Qwen3-30B-A3B shape, H100, 2026-12-06,
+# bench/results/bench_moe_kernel_h100.json), then checked in whole decode steps against GemvConfig() forced
+# (QUANTKIT_MOE_GEMV_CONFIG=64,4,512; same machine,
+# bench/results/bench_qwen3-30b-a3b_h100_{default,cfg64}_0838693.json):
+#   4-bit,  8 pairs (batch 1): block_n 32, 2 warps, 512 programs: alone 24.7 us against 26.8; the step a tie
+#     (322 against 321 tok/s);
+#   4-bit, 64 pairs (batch 8): block_n 128, 2 warps, 1024 programs: alone 96.7 us against 120.8; the step 1,213
+#     against 1,130 tok/s.
 GEMV_CONFIGS: tuple[tuple[str, int, GemvConfig], ...] = (
     ("4bit", 8, GemvConfig(block_n=32, num_warps=2, target_programs=512)),
     ("4bit", 64, GemvConfig(block_n=128, num_warps=2, target_programs=1024)),
