@@ -394,10 +394,11 @@ PREFILL_TILE_DEFAULT = dict(block_m=16, block_n=64, block_k=64, num_warps=4, num
 # more loads in flight, more partial sums to add).
 GEMV_CANDIDATES = [dict(block_n=n, num_warps=nw, target_programs=tp)
                    for n in (32, 64, 128) for nw in (2, 4) for tp in (256, 512, 1024, 2048)]
-# The K loops' software pipelining (cp.async stages) and unrolling at the table's config (moe_gemv.pipelining):
-# a program of the default waits for each tile's words before it asks for the next (sm_90 SASS).
-GEMV_PIPELINING = [dict(num_stages=st, unroll=u) for st in (None, 2, 3, 4) for u in (None, 2)]
-GEMV_PIPELINING_PLAIN = dict(num_stages=None, unroll=None)
+# The K loops' software pipelining (cp.async stages) and unrolling at the table's config (moe_gemv.pipelining; 1:
+# neither, as the arguments' None now means moe_gemv.PIPELINING): a plain loop waits for each tile's words before it
+# asks for the next (sm_90 SASS). An unroll by 4 spills the 4-bit down GEMV.
+GEMV_PIPELINING = [dict(num_stages=st, unroll=u) for st in (1, 2, 3, 4) for u in (1, 2)]
+GEMV_PIPELINING_PLAIN = dict(num_stages=1, unroll=1)
 
 
 def sweep_line(rows: list[dict], what: str, base: dict, base_name: str) -> str:

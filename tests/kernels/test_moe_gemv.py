@@ -26,11 +26,11 @@ from tests.kernels.test_moe_w4a16 import DEVICE, experts_q, routing
 def test_gemv_matches_reference_and_tiled_kernel(dtype, tokens, n_exp, top_k, hidden, inter, group_size, monkeypatch):
     """4-bit experts of contiguous groups: N not a multiple of the tile (96 x 2 = 192 columns), K slices that do
     not divide K (the split is sized for a program count), one expert routed twice in one token's pairs."""
-    monkeypatch.setattr(moe_gemv, "TARGET_PROGRAMS", 40)  # several slices of K at these small sizes
     ex = stack_quantized(experts_q(n_exp, hidden, inter, group_size), dtype, DEVICE)
     w, ids = routing(tokens, n_exp, top_k, skip=(1,))
     x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(2)).to(DEVICE, dtype)
-    out = gemv(x, w.to(DEVICE), ids.to(DEVICE), ex, block_n=32)
+    # 40 programs: several slices of K at these small sizes
+    out = gemv(x, w.to(DEVICE), ids.to(DEVICE), ex, block_n=32, target_programs=40)
     ref = fused_moe_ref(x.float(), w.to(DEVICE), ids.to(DEVICE), ex)
     monkeypatch.setenv("QUANTKIT_MOE_DECODE", "tiles")  # the table would send these sizes to the GEMV itself
     tiled = fused_moe(x, w.to(DEVICE), ids.to(DEVICE), ex, block_n=32, block_k=32)
@@ -39,7 +39,7 @@ def test_gemv_matches_reference_and_tiled_kernel(dtype, tokens, n_exp, top_k, hi
     assert rel_err(out, tiled) < (1e-5 if dtype == torch.float32 else 5e-3)
 
 
-def test_gemv_dense_experts_and_one_slice_or_many(monkeypatch):
+def test_gemv_dense_experts_and_one_slice_or_many():
     g = torch.Generator().manual_seed(5)
     w13 = (torch.randn(4, 96, 80, generator=g) / 9).to(DEVICE)  # [E, 2I, H], I = 48, H = 80 (not a tile multiple)
     w2 = (torch.randn(4, 80, 48, generator=g) / 7).to(DEVICE)
@@ -48,8 +48,7 @@ def test_gemv_dense_experts_and_one_slice_or_many(monkeypatch):
     x = torch.randn(2, 80, generator=g).to(DEVICE)
     ref = fused_moe_ref(x, w.to(DEVICE), ids.to(DEVICE), ex)
     for programs in (1, 10_000):  # one slice of K; as many slices as K tiles
-        monkeypatch.setattr(moe_gemv, "TARGET_PROGRAMS", programs)
-        assert rel_err(gemv(x, w.to(DEVICE), ids.to(DEVICE), ex, block_n=32), ref) < 1e-5
+        assert rel_err(gemv(x, w.to(DEVICE), ids.to(DEVICE), ex, block_n=32, target_programs=programs), ref) < 1e-5
 
 
 @pytest.mark.parametrize(("weights", "inter"), [("channel", 32), ("tensor", 48), ("block", 48)])
@@ -68,12 +67,11 @@ def test_gemv_fp8_experts_match_the_emulated_reference_and_tiled_kernel(monkeypa
         reference_codes = lambda v, group: quantize_per_group_ref(v, group) if group else quantize_per_token_ref(v)  # noqa: E731
         monkeypatch.setattr(moe, "quantize_activations", reference_codes)  # the tiled kernel's
         monkeypatch.setattr(moe_gemv, "quantize_activations", reference_codes)
-    monkeypatch.setattr(moe_gemv, "TARGET_PROGRAMS", 40)  # several slices of K
     ex = stack_fp8(experts_fp8(6, 64, inter, weights), DEVICE)
     w, ids = routing(3, 6, 2, skip=(3,))
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(4)).to(DEVICE)
     assert moe_gemv.applies(ex, ids.numel()) and moe_gemv.block_k_for(ex) == (32 if weights == "block" else 64)
-    out = gemv(x, w.to(DEVICE), ids.to(DEVICE), ex, block_n=32)
+    out = gemv(x, w.to(DEVICE), ids.to(DEVICE), ex, block_n=32, target_programs=40)  # several slices of K
     group = 32 if weights == "block" else 0
     ref = fused_moe_ref(x, w.to(DEVICE), ids.to(DEVICE), ex, lambda v: activations_through_e4m3(v, group))
     monkeypatch.setenv("QUANTKIT_MOE_DECODE", "tiles")
@@ -221,21 +219,21 @@ def test_gemv_with_pdl_waits_before_any_load(sm90, tmp_path, kind):
     assert_waits_before_loads(open(ptx).read(), True)
 
 
-@pytest.mark.parametrize(("num_stages", "unroll"), [(3, None), (None, 4), (2, 2)])
+@pytest.mark.parametrize(("num_stages", "unroll"), [(3, 1), (1, 4), (2, 2)])
 def test_gemv_pipelining_gives_the_same_sums(monkeypatch, num_stages, unroll):
     """Software pipelining and unrolling of the K loops change when loads go out, not the sums or their order:
     the same result bit for bit, 4-bit (with several slices of K and partial sums to add) and 16-bit."""
-    monkeypatch.setattr(moe_gemv, "TARGET_PROGRAMS", 40)
     ex = stack_quantized(experts_q(6, 256, 96, 32), torch.float32, DEVICE)
     w, ids = routing(3, 6, 2, skip=(1,))
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(8)).to(DEVICE)
-    plain = gemv(x, w.to(DEVICE), ids.to(DEVICE), ex, block_n=32, num_stages=1, unroll=1)
-    got = gemv(x, w.to(DEVICE), ids.to(DEVICE), ex, block_n=32, num_stages=num_stages, unroll=unroll)
+    cfg = dict(block_n=32, target_programs=40)  # a few slices of K
+    plain = gemv(x, w.to(DEVICE), ids.to(DEVICE), ex, num_stages=1, unroll=1, **cfg)
+    got = gemv(x, w.to(DEVICE), ids.to(DEVICE), ex, num_stages=num_stages, unroll=unroll, **cfg)
     assert torch.equal(got, plain)
-    monkeypatch.setenv("QUANTKIT_MOE_GEMV_STAGES", str(num_stages or 1))
-    monkeypatch.setenv("QUANTKIT_MOE_GEMV_UNROLL", str(unroll or 1))
-    assert moe_gemv.pipelining() == (num_stages, unroll)
-    assert torch.equal(gemv(x, w.to(DEVICE), ids.to(DEVICE), ex, block_n=32), plain)
+    monkeypatch.setenv("QUANTKIT_MOE_GEMV_STAGES", str(num_stages))
+    monkeypatch.setenv("QUANTKIT_MOE_GEMV_UNROLL", str(unroll))
+    assert moe_gemv.pipelining() == tuple(None if v == 1 else v for v in (num_stages, unroll))
+    assert torch.equal(gemv(x, w.to(DEVICE), ids.to(DEVICE), ex, **cfg), plain)
 
 
 def test_pipelining_switches_refuse_what_is_not_a_count(monkeypatch):
@@ -267,7 +265,7 @@ def test_gemv_config_table_and_its_switch(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("num_stages", "unroll"), [(3, None), (None, 2), (3, 2), (2, 2)])
+@pytest.mark.parametrize(("num_stages", "unroll"), [(3, 1), (1, 2), (3, 2), (2, 2)])
 def test_gemv_pipelining_on_the_gpu_gives_the_same_sums(num_stages, unroll):
     """bf16, the 30B-A3B expert sizes at batch 1: pipelined and unrolled K loops against the plain ones (the same
     sums in the same order, so equal up to nothing; a difference would mean the compiler reassociated)."""
