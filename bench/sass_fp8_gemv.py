@@ -14,7 +14,6 @@ streams about (bytes in flight) / latency; an H200 needs ~25-30 KB in flight per
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import subprocess
@@ -24,7 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sass_w4a16_decode import analyse, summarize, tool  # noqa: E402
+from sass_w4a16_decode import analyse, in_flight_per_sm, summarize, tool, write_record  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 
@@ -96,19 +95,10 @@ def main(argv=None) -> int:
                 print(done.stderr[-3000:], file=sys.stderr)
                 return 1
             for a in analyse(cubin, 32 * c["warps"], None):
-                ml = a["main_loop"] or {}
-                kb_sm = ml.get("peak_outstanding_bytes", 0) * 32 * a["warps_per_sm"] / 1024
                 results.append(dict(case=c["label"], layer=c["layer"], path=c["path"], config=c["config"],
-                                    in_flight_kb_per_sm_peak=kb_sm, **a))
+                                    in_flight_kb_per_sm_peak=in_flight_per_sm(a) / 1024, **a))
                 print(f"[{i + 1}/{len(todo)}] " + summarize(f"{c['label']} {c['config']}", a), flush=True)
-    now = datetime.datetime.now(datetime.timezone.utc)
-    out = Path(args.out or f"bench/runs/sass_fp8_gemv_{now:%Y%m%d_%H%M}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    import triton
-
-    out.write_text(json.dumps(dict(date=now.isoformat(timespec="seconds"), target="sm_90 (compiled on the CPU)",
-                                   triton=triton.__version__, results=results), indent=1, default=str))
-    print(f"wrote {out}")
+    write_record(args.out, "sass_fp8_gemv", results)
     return 0
 
 

@@ -228,9 +228,27 @@ def compile_gluon(kind: str, fields: dict, block_m: int, cubin: Path) -> None:
         raise RuntimeError(done.stderr[-3000:])
 
 
+def in_flight_per_sm(a: dict) -> int:
+    """Bytes of global loads an SM holds outstanding at the main loop's peak: a thread's, times its warps."""
+    return (a["main_loop"] or {}).get("peak_outstanding_bytes", 0) * 32 * a["warps_per_sm"]
+
+
+def write_record(out: str | None, stem: str, results: list[dict]) -> Path:
+    """The results as JSON at ``out`` (default bench/runs/<stem>_<date>.json), with the date and Triton's version."""
+    import triton
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    path = Path(out or f"bench/runs/{stem}_{now:%Y%m%d_%H%M}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(dict(date=now.isoformat(timespec="seconds"), target="sm_90 (compiled on the CPU)",
+                                    triton=triton.__version__, results=results), indent=1, default=str))
+    print(f"wrote {path}")
+    return path
+
+
 def summarize(label: str, a: dict) -> str:
     ml = a["main_loop"] or {}
-    per_sm = ml.get("peak_outstanding_bytes", 0) * 32 * a["warps_per_sm"]
+    per_sm = in_flight_per_sm(a)
     return (f"{label}\n  {a['function'][:60]}: {a.get('regs')} regs, smem {a.get('smem')} B, spills {a['spill_local']}, "
             f"{a['warps_per_sm']} warps/SM ({a['ctas_per_sm']} CTAs x {a['threads_per_cta'] // 32})\n"
             f"  loads {a['ldg_all']} UTMALDG {a['utmaldg']} atomics {a['atomics']}\n"
@@ -277,14 +295,7 @@ def main(argv=None) -> int:
             cubin.with_suffix(".sass").write_text(sass)
     else:
         shutil.rmtree(work, ignore_errors=True)
-    now = datetime.datetime.now(datetime.timezone.utc)
-    out = Path(args.out or f"bench/runs/sass_w4a16_decode_{now:%Y%m%d_%H%M}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    import triton
-
-    out.write_text(json.dumps(dict(date=now.isoformat(timespec="seconds"), target="sm_90 (compiled on the CPU)",
-                                   triton=triton.__version__, results=results), indent=1, default=str))
-    print(f"wrote {out}")
+    write_record(args.out, "sass_w4a16_decode", results)
     return 0
 
 

@@ -56,6 +56,15 @@ def programmatic_launch(device: torch.device | str) -> bool:
     return capability(device)[0] >= 9
 
 
+def ab_switch(name: str, choices: tuple[str, ...]) -> str:
+    """The environment variable ``name`` (an A/B switch of the benches) among ``choices``, the first when unset;
+    anything else is refused, naming the variable and its choices."""
+    value = os.environ.get(name, choices[0])
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+    return value
+
+
 def moe_programmatic_launch(device: torch.device | str) -> bool:
     """PDL for the MoE decode kernels (the fused router, the expert GEMVs and their sum: kernels/moe_router.py,
     kernels/moe_gemv.py), where :func:`programmatic_launch` allows it and ``QUANTKIT_MOE_PDL=1`` asks for it: opt-in

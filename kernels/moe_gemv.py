@@ -46,9 +46,10 @@ class GemvConfig:
     target_programs: int = TARGET_PROGRAMS
 
 
-# The config by weights and (token, slot) pairs: the first row whose weights match and whose pairs are at least the
-# call's; anything else takes GemvConfig() (not swept). Found by bench_moe.py's kernel section (`gemv_sweep`, this
-# launch alone replayed over one routing, so from L2: Qwen3-30B-A3B shape, H100, 2026-12-06,
+# The config by weights (MoEExperts.kind) and (token, slot) pairs: the first row whose weights match and whose
+# pairs are at least the call's; anything else takes GemvConfig() (not swept). Found by bench_moe.py's kernel
+# section (`gemv_sweep`, this launch alone replayed over one routing, so from L2: Qwen3-30B-A3B shape, H100,
+# 2026-12-06,
 # bench/results/bench_moe_kernel_h100.json), then checked in whole decode steps against GemvConfig() forced
 # (QUANTKIT_MOE_GEMV_CONFIG=64,4,512; same machine,
 # bench/results/bench_qwen3-30b-a3b_h100_{default,cfg64}_0838693.json):
@@ -60,11 +61,6 @@ GEMV_CONFIGS: tuple[tuple[str, int, GemvConfig], ...] = (
     ("4bit", 8, GemvConfig(block_n=32, num_warps=2, target_programs=512)),
     ("4bit", 64, GemvConfig(block_n=128, num_warps=2, target_programs=1024)),
 )
-
-
-def weights_kind(experts) -> str:
-    """"4bit", "fp8" or "16bit": the experts' weights as GEMV_CONFIGS names them."""
-    return "fp8" if experts.fp8 else "4bit" if experts.quantized else "16bit"
 
 
 def gemv_config(experts, pairs: int) -> GemvConfig:
@@ -79,8 +75,7 @@ def gemv_config(experts, pairs: int) -> GemvConfig:
             raise ValueError(f"QUANTKIT_MOE_GEMV_CONFIG must be BLOCK_N,WARPS,PROGRAMS (three positive integers), "
                              f"got {raw!r}")
         return GemvConfig(*(int(x) for x in parts))
-    kind = weights_kind(experts)
-    return next((c for k, most, c in GEMV_CONFIGS if k == kind and pairs <= most), GemvConfig())
+    return next((c for k, most, c in GEMV_CONFIGS if k == experts.kind and pairs <= most), GemvConfig())
 
 
 @triton.jit

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from quantkit.kernels.device_info import moe_programmatic_launch
+from quantkit.kernels.device_info import ab_switch, moe_programmatic_launch
 from quantkit.kernels.moe_align import FILL, _blocks_a_step, _n_blocks, _route_body, _warps, align_in_one_program
 
 # Up to this many tokens (a decode batch); more take the router GEMM and route_and_align apart.
@@ -41,12 +41,8 @@ def router_fused_selected(tokens: int, top_k: int, num_experts: int, device: tor
     Qwen3-30B-A3B shape (H100, 2026-12-06, docs/moe.md): the batch-1 block 33.5 us against 38.6 for the router
     GEMM and ``route_and_align`` apart. ``QUANTKIT_MOE_ROUTER=apart`` keeps them apart (an A/B switch for the
     benches)."""
-    import os
-
-    choice = os.environ.get("QUANTKIT_MOE_ROUTER", "fused")
-    if choice not in ("apart", "fused"):
-        raise ValueError(f"QUANTKIT_MOE_ROUTER must be 'apart' or 'fused', got {choice!r}")
-    return choice == "fused" and router_fused_applies(tokens, top_k, num_experts, device)
+    return (ab_switch("QUANTKIT_MOE_ROUTER", ("fused", "apart")) == "fused"
+            and router_fused_applies(tokens, top_k, num_experts, device))
 
 
 @triton.jit

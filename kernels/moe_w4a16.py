@@ -63,6 +63,11 @@ class MoEExperts:
     def num_experts(self) -> int:
         return self.w13.shape[0]
 
+    @property
+    def kind(self) -> str:
+        """"4bit", "fp8" or "16bit": the weights, as the kernels' config tables name them."""
+        return "fp8" if self.fp8 else "4bit" if self.quantized else "16bit"
+
     def nbytes(self) -> int:
         ts = [self.w13, self.w2, self.s13, self.z13, self.g13, self.s2, self.z2, self.g2]
         return sum(t.numel() * t.element_size() for t in ts if t is not None)
@@ -313,13 +318,10 @@ GEMV_MAX_PAIRS = 64  # 4-bit experts: batch 8 of top-8
 
 def decode_kernel(experts: MoEExperts, pairs: int) -> str:
     """"gemv" or "tiles" for ``pairs`` (token, slot) pairs of ``experts`` (the table above)."""
-    import os
-
     from quantkit.kernels import moe_gemv
+    from quantkit.kernels.device_info import ab_switch
 
-    choice = os.environ.get("QUANTKIT_MOE_DECODE", "auto")
-    if choice not in DECODE_KERNELS:
-        raise ValueError(f"QUANTKIT_MOE_DECODE must be one of {DECODE_KERNELS}, got {choice!r}")
+    choice = ab_switch("QUANTKIT_MOE_DECODE", DECODE_KERNELS)
     if choice == "tiles" or not moe_gemv.applies(experts, pairs):
         return "tiles"
     if choice == "gemv":
@@ -356,15 +358,11 @@ TILE_CONFIGS: tuple[tuple[str, int, TileConfig], ...] = (
 def tile_config(experts: MoEExperts, pairs: int) -> TileConfig:
     """TILE_CONFIGS' pick for ``pairs`` (token, slot) pairs of ``experts``; ``QUANTKIT_MOE_TILES=plain`` gives
     TileConfig() to every call (an A/B switch for the benches)."""
-    import os
+    from quantkit.kernels.device_info import ab_switch
 
-    choice = os.environ.get("QUANTKIT_MOE_TILES", "table")
-    if choice not in ("table", "plain"):
-        raise ValueError(f"QUANTKIT_MOE_TILES must be 'table' or 'plain', got {choice!r}")
-    if choice == "plain":
+    if ab_switch("QUANTKIT_MOE_TILES", ("table", "plain")) == "plain":
         return TileConfig()
-    kind = "fp8" if experts.fp8 else "4bit" if experts.quantized else "16bit"
-    return next((c for k, least, c in TILE_CONFIGS if k == kind and pairs >= least), TileConfig())
+    return next((c for k, least, c in TILE_CONFIGS if k == experts.kind and pairs >= least), TileConfig())
 
 
 def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, experts: MoEExperts,
