@@ -67,8 +67,10 @@ def ab_switch(name: str, choices: tuple[str, ...]) -> str:
 
 def moe_programmatic_launch(device: torch.device | str) -> bool:
     """PDL for the MoE decode kernels (the fused router, the expert GEMVs and their sum: kernels/moe_router.py,
-    kernels/moe_gemv.py), where :func:`programmatic_launch` allows it and ``QUANTKIT_MOE_PDL=1`` asks for it: opt-in
-    until a whole decode step is timed with it (bash bench/gpu_check.sh moe-step ... pdl:QUANTKIT_MOE_PDL=1). Each of
-    those kernels waits for the previous one before its first load (no prefetch: what they read next depends on
-    the routing), so what it can save is each launch's latency and ramp, four times a layer."""
-    return os.environ.get("QUANTKIT_MOE_PDL", "0") == "1" and programmatic_launch(device)
+    kernels/moe_gemv.py), where :func:`programmatic_launch` allows it and ``QUANTKIT_MOE_PDL`` is not 0 (the A/B
+    switch). Each of those kernels waits for the previous one before its first load (no prefetch: what they read
+    next depends on the routing), so what it saves is each launch's latency and ramp, four times a layer: the
+    30B-A3B shape's int4 step at batch 1 ran 336.7 tok/s with it against 321.4 without, batch 8 1,193 against
+    1,208-1,220 in two runs without, a tie (H100, one machine, bench/results/bench_qwen3-30b-a3b_h100_pdl.json and
+    ..._nopdl_717ce35.json)."""
+    return ab_switch("QUANTKIT_MOE_PDL", ("1", "0")) == "1" and programmatic_launch(device)

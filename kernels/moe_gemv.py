@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from quantkit.kernels.device_info import moe_programmatic_launch
+from quantkit.kernels.device_info import ab_switch, moe_programmatic_launch
 from quantkit.kernels.fp8_quant import quantize_activations
 
 # The most (token, slot) pairs this kernel takes: beyond, a tiled program's 16 rows are mostly full.
@@ -47,19 +47,19 @@ class GemvConfig:
 
 
 # The config by weights (MoEExperts.kind) and (token, slot) pairs: the first row whose weights match and whose
-# pairs are at least the call's; anything else takes GemvConfig() (not swept). Found by bench_moe.py's kernel
-# section (`gemv_sweep`, this launch alone replayed over one routing, so from L2: Qwen3-30B-A3B shape, H100,
-# 2026-12-06,
-# bench/results/bench_moe_kernel_h100.json), then checked in whole decode steps against GemvConfig() forced
-# (QUANTKIT_MOE_GEMV_CONFIG=64,4,512; same machine,
-# bench/results/bench_qwen3-30b-a3b_h100_{default,cfg64}_0838693.json):
-#   4-bit,  8 pairs (batch 1): block_n 32, 2 warps, 512 programs: alone 24.7 us against 26.8; the step a tie
-#     (322 against 321 tok/s);
-#   4-bit, 64 pairs (batch 8): block_n 128, 2 warps, 1024 programs: alone 96.7 us against 120.8; the step 1,213
-#     against 1,130 tok/s.
+# pairs are at least the call's; anything else takes GemvConfig() (not swept). Chosen in whole decode steps
+# (`quantkit bench --shape qwen3-30b-a3b`, H100, one machine a comparison): block-level sweeps mislead here (one
+# layer's experts stay in L2 across replays; even replays over 16 routings picked 32/4/2048 at batch 1, which lost
+# in the step, 331 against 361 tok/s).
+#   4-bit,  8 pairs (batch 1): block_n 32, 2 warps, 512 programs: against GemvConfig() a tie in the step with the
+#     tile sums (322 against 321 tok/s, bench/results/bench_qwen3-30b-a3b_h100_{default,cfg64}_0838693.json);
+#     with the row sums 361 (bench_qwen3-30b-a3b_h100_rows.json);
+#   4-bit, 64 pairs (batch 8): block_n 64, 4 warps, 2048 programs: with the row sums 1,230 tok/s against 1,166 at
+#     128/2/1024, the tile sums' pick (1,213 against 1,130 for GemvConfig() then), and 1,188 for the tile sums
+#     (bench_qwen3-30b-a3b_h100_rows_cfg64x4x2048.json beside _rows.json and _tile.json).
 GEMV_CONFIGS: tuple[tuple[str, int, GemvConfig], ...] = (
     ("4bit", 8, GemvConfig(block_n=32, num_warps=2, target_programs=512)),
-    ("4bit", 64, GemvConfig(block_n=128, num_warps=2, target_programs=1024)),
+    ("4bit", 64, GemvConfig(block_n=64, num_warps=4, target_programs=2048)),
 )
 
 
@@ -92,13 +92,46 @@ def _gated_input(p1_ptr, p, cols, ok, IN_SPLITS, INTER, stride_ps, stride_pp, UN
 
 
 @triton.jit
+def _int4_rows_tile(a_row, p1_ptr, p, w_e, s_e, z_e, k0, offs_n, n_mask, K, IN_SPLITS, INTER, stride_wk, stride_wn,
+                    stride_sg, stride_sn, stride_ps, stride_pp, GROUP: tl.constexpr, GATED_INPUT: tl.constexpr,
+                    BLOCK_K: tl.constexpr, UNROLL: tl.constexpr, EVEN_K: tl.constexpr):
+    """One 4-bit K tile's products, scaled, as [word row, column] sums (the kernel's ``ROWS``): for nibble j of
+    each word row w, input column k0 + 8 w + j. Everything stays in the words' layout: the activations come as one
+    [W] vector a nibble, so nothing is reduced or moved between threads. ``EVEN_K``: K is whole tiles (no masks
+    along K: the slices cover K exactly)."""
+    offs_w = tl.arange(0, BLOCK_K // 8)
+    rows = k0 // 8 + offs_w
+    words = tl.load(w_e + rows[:, None] * stride_wk + offs_n[None, :] * stride_wn,
+                    mask=((rows[:, None] < K // 8) | EVEN_K) & n_mask[None, :], other=0)  # [W, BLOCK_N]
+    words = words.to(tl.uint32, bitcast=True)  # logical shifts: no sign extension to mask off
+    sz = (k0 // GROUP) * stride_sg + offs_n * stride_sn
+    inside = n_mask & ((k0 < K) | EVEN_K)
+    scale = tl.load(s_e + sz, mask=inside, other=0.0).to(tl.float32)
+    bias = 8388608.0 + tl.load(z_e + sz, mask=inside, other=0.0).to(tl.float32)  # 2^23 + zero, exact
+    dot = tl.zeros(words.shape, dtype=tl.float32)
+    for j in tl.static_range(8):
+        cols = k0 + offs_w * 8 + j
+        ok = (cols < K) | EVEN_K
+        if GATED_INPUT:
+            a = _gated_input(p1_ptr, p, cols, ok, IN_SPLITS, INTER, stride_ps, stride_pp, UNROLL)
+            a = a.to(a_row.dtype.element_ty).to(tl.float32)  # as x's dtype
+        else:
+            a = tl.load(a_row + cols, mask=ok, other=0.0).to(tl.float32)
+        # code j as the float 2^23 + code (its bits OR'd into 2^23's), minus 2^23 + zero: code - zero, exactly
+        bits = ((words >> (4 * j)) & 0xF) | 0x4B000000
+        dot += a[:, None] * (bits.to(tl.float32, bitcast=True) - bias[None, :])
+    return scale[None, :] * dot
+
+
+@triton.jit
 def _moe_gemv_kernel(a_ptr, p1_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, topw_ptr, out_ptr, as_ptr,
                      N, K, TOP_K, IN_SPLITS, INTER,
                      stride_am, stride_we, stride_wk, stride_wn, stride_se, stride_sg, stride_sn,
                      stride_ps, stride_pp, stride_os, stride_op, stride_asm,
                      QUANT: tl.constexpr, GROUP: tl.constexpr, GATED_INPUT: tl.constexpr, MUL_ROUTED: tl.constexpr,
                      FP8: tl.constexpr, K_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     NUM_STAGES: tl.constexpr = None, UNROLL: tl.constexpr = None, PDL: tl.constexpr = False):
+                     NUM_STAGES: tl.constexpr = None, UNROLL: tl.constexpr = None, PDL: tl.constexpr = False,
+                     ROWS: tl.constexpr = False, EVEN_K: tl.constexpr = False):
     """One pair ``p``, BLOCK_N columns, slice ``s`` of K (K_SPLIT columns). ``GATED_INPUT``: the input row is
     ``silu(gate) * up`` of ``p1``'s IN_SPLITS partial sums (the down GEMV), else ``a[p // TOP_K]`` (gate/up; the
     down GEMV of FP8 experts passes TOP_K 1: its rows are the pairs'). ``FP8``: ``a`` holds e4m3 codes with float32
@@ -108,7 +141,12 @@ def _moe_gemv_kernel(a_ptr, p1_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, topw_ptr, out_
     one is multiplied; in the sm_90 build the 4-bit gate/up loop takes it, the down loop with its gated prologue
     does not), None for none. ``UNROLL``: the K loop's and the gated prologue's unroll factor (the prologue's
     partial-sum loads then go out together), None for none. Neither changes the sums or their order. ``PDL``: let the
-    next kernel launch, then wait for the previous one, before any load (device_info.moe_programmatic_launch)."""
+    next kernel launch, then wait for the previous one, before any load (device_info.moe_programmatic_launch).
+    ``ROWS`` (4-bit): each thread keeps its own sums, one per word row and column, and the program adds them up once
+    after the K loop (the plain 4-bit tile sums over K in every tile: shuffles and barriers between the warps, five
+    a tile in the sm_90 build); each code becomes a float by OR-ing it into 2^23's bits (exact; no int-to-float
+    conversion, which issues at a quarter of the FMA rate) and one subtraction of 2^23 + zero (exact: integer
+    zeros, all below 2^24)."""
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
@@ -119,40 +157,51 @@ def _moe_gemv_kernel(a_ptr, p1_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, topw_ptr, out_
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    if ROWS:
+        acc_rows = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)  # [word row, column]
+    a_row = a_ptr + (p // TOP_K).to(tl.int64) * stride_am  # the input row (unread where GATED_INPUT)
     k_start = sp * K_SPLIT
     for k0 in tl.range(k_start, k_start + K_SPLIT, BLOCK_K, num_stages=NUM_STAGES, loop_unroll_factor=UNROLL):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < K
-        if GATED_INPUT:
-            a = _gated_input(p1_ptr, p, offs_k, k_mask, IN_SPLITS, INTER, stride_ps, stride_pp, UNROLL)
-            a = a.to(a_ptr.dtype.element_ty).to(tl.float32)  # as x's dtype
+        if ROWS:
+            acc_rows += _int4_rows_tile(a_row, p1_ptr, p, w_ptr + e * stride_we,
+                                        s_ptr + e * stride_se, z_ptr + e * stride_se, k0, offs_n, n_mask, K,
+                                        IN_SPLITS, INTER, stride_wk, stride_wn, stride_sg, stride_sn, stride_ps,
+                                        stride_pp, GROUP, GATED_INPUT, BLOCK_K, UNROLL, EVEN_K)
         else:
-            a = tl.load(a_ptr + (p // TOP_K).to(tl.int64) * stride_am + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-        if QUANT:
-            offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-            words = tl.load(w_ptr + e * stride_we + offs_w[:, None] * stride_wk + offs_n[None, :] * stride_wn,
-                            mask=(offs_w[:, None] < K // 8) & n_mask[None, :], other=0)  # [BLOCK_K/8, BLOCK_N]
-            shifts = tl.arange(0, 8) * 4
-            codes = (words[:, None, :] >> shifts[None, :, None]) & 0xF  # word w, nibble j: row 8 w + j
-            codes = tl.reshape(codes, [BLOCK_K, BLOCK_N]).to(tl.float32)
-            sz = e * stride_se + (k0 // GROUP) * stride_sg + offs_n * stride_sn
-            inside = n_mask & (k0 < K)
-            scale = tl.load(s_ptr + sz, mask=inside, other=0.0).to(tl.float32)
-            zero = tl.load(z_ptr + sz, mask=inside, other=0.0).to(tl.float32)
-            # sum_k a_k (c_k - z) s = s (sum_k a_k c_k - z sum_k a_k): the tile lies in one group
-            acc += scale * (tl.sum(a[:, None] * codes, axis=0) - zero * tl.sum(a, axis=0))
-        elif FP8:  # e4m3 x e4m3 products are exact in float32, as the FP8 GEMM's
-            # [BLOCK_N, BLOCK_K]: rows of K-contiguous codes, reduced along K inside a thread's run
-            w = tl.load(w_ptr + e * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk,
-                        mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-            run = k0 // GROUP
-            sa = tl.load(as_ptr + (p // TOP_K).to(tl.int64) * stride_asm + run)
-            sw = tl.load(s_ptr + e * stride_se + run * stride_sg + offs_n * stride_sn, mask=n_mask, other=0.0)
-            acc += tl.sum(w * a[None, :], axis=1) * (sa * sw)
-        else:
-            w = tl.load(w_ptr + e * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk,
-                        mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-            acc += tl.sum(w * a[None, :], axis=1)
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_mask = offs_k < K
+            if GATED_INPUT:
+                a = _gated_input(p1_ptr, p, offs_k, k_mask, IN_SPLITS, INTER, stride_ps, stride_pp, UNROLL)
+                a = a.to(a_ptr.dtype.element_ty).to(tl.float32)  # as x's dtype
+            else:
+                a = tl.load(a_row + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+            if QUANT:
+                offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+                words = tl.load(w_ptr + e * stride_we + offs_w[:, None] * stride_wk + offs_n[None, :] * stride_wn,
+                                mask=(offs_w[:, None] < K // 8) & n_mask[None, :], other=0)  # [BLOCK_K/8, BLOCK_N]
+                shifts = tl.arange(0, 8) * 4
+                codes = (words[:, None, :] >> shifts[None, :, None]) & 0xF  # word w, nibble j: row 8 w + j
+                codes = tl.reshape(codes, [BLOCK_K, BLOCK_N]).to(tl.float32)
+                sz = e * stride_se + (k0 // GROUP) * stride_sg + offs_n * stride_sn
+                inside = n_mask & (k0 < K)
+                scale = tl.load(s_ptr + sz, mask=inside, other=0.0).to(tl.float32)
+                zero = tl.load(z_ptr + sz, mask=inside, other=0.0).to(tl.float32)
+                # sum_k a_k (c_k - z) s = s (sum_k a_k c_k - z sum_k a_k): the tile lies in one group
+                acc += scale * (tl.sum(a[:, None] * codes, axis=0) - zero * tl.sum(a, axis=0))
+            elif FP8:  # e4m3 x e4m3 products are exact in float32, as the FP8 GEMM's
+                # [BLOCK_N, BLOCK_K]: rows of K-contiguous codes, reduced along K inside a thread's run
+                w = tl.load(w_ptr + e * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk,
+                            mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+                run = k0 // GROUP
+                sa = tl.load(as_ptr + (p // TOP_K).to(tl.int64) * stride_asm + run)
+                sw = tl.load(s_ptr + e * stride_se + run * stride_sg + offs_n * stride_sn, mask=n_mask, other=0.0)
+                acc += tl.sum(w * a[None, :], axis=1) * (sa * sw)
+            else:
+                w = tl.load(w_ptr + e * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk,
+                            mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+                acc += tl.sum(w * a[None, :], axis=1)
+    if ROWS:
+        acc = tl.sum(acc_rows, axis=0)
     if MUL_ROUTED:
         acc = acc * tl.load(topw_ptr + p)
     tl.store(out_ptr + sp * stride_os + p * stride_op + offs_n, acc, mask=n_mask)
@@ -177,9 +226,14 @@ def _sum_parts_kernel(parts_ptr, out_ptr, H, PARTS, BLOCK: tl.constexpr, UNROLL:
 
 
 @triton.jit
-def _gated_rows_kernel(p1_ptr, h_ptr, INTER, IN_SPLITS, stride_ps, stride_pp, BLOCK: tl.constexpr):
-    """``h[p] = silu(sum_s p1 gate) * sum_s p1 up``, rounded to h's dtype: the FP8 down GEMV's input, which the
-    activations' per-token e4m3 rounding needs whole (its scale is the row's largest value)."""
+def _gated_rows_kernel(p1_ptr, h_ptr, INTER, IN_SPLITS, stride_ps, stride_pp, BLOCK: tl.constexpr,
+                       PDL: tl.constexpr = False):
+    """``h[p] = silu(sum_s p1 gate) * sum_s p1 up``, rounded to h's dtype: the down GEMV's input where it needs it
+    whole (FP8: the activations' per-token e4m3 rounding takes the row's largest value; ``ROWS``). ``PDL`` as the
+    GEMV's."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     p = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < INTER
@@ -216,7 +270,8 @@ def _split(k: int, block_k: int, programs: int, target: int | None = None) -> tu
 
 
 def _launch(a, p1, w, s, z, ids, topw, out_parts, n, k, top_k, in_splits, inter, quant, group, gated_input,
-            mul_routed, k_split, block_n, block_k, num_warps, a_scales=None, num_stages=None, unroll=None, pdl=False):
+            mul_routed, k_split, block_n, block_k, num_warps, a_scales=None, num_stages=None, unroll=None, pdl=False,
+            rows=False):
     fp8 = a_scales is not None
     if quant:
         swe, swk, swn = w.stride()  # [E, K/8, N]
@@ -237,6 +292,7 @@ def _launch(a, p1, w, s, z, ids, topw, out_parts, n, k, top_k, in_splits, inter,
                            out_parts.stride(0), out_parts.stride(1), a_scales.stride(0) if fp8 else 0, QUANT=quant,
                            GROUP=group, GATED_INPUT=gated_input, MUL_ROUTED=mul_routed, FP8=fp8, K_SPLIT=k_split,
                            BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages, UNROLL=unroll, PDL=pdl,
+                           ROWS=rows and quant, EVEN_K=slices * k_split == k,
                            num_warps=num_warps, **({"launch_pdl": True} if pdl else {}))
 
 
@@ -269,14 +325,26 @@ def pipelining(num_stages: int | None = None, unroll: int | None = None) -> tupl
             pick(unroll, "QUANTKIT_MOE_GEMV_UNROLL", PIPELINING[1]))
 
 
+def row_sums(rows: bool | None = None) -> bool:
+    """Whether 4-bit launches keep per-thread row sums (the kernel's ``ROWS``, the default): ``rows`` where given,
+    else ``QUANTKIT_MOE_GEMV_MATH`` (``rows`` or ``tile``, the per-tile sums; an A/B switch for the benches). The
+    row sums measured faster in whole decode steps on the 30B-A3B shape: int4 batch 1 361 against 337 tok/s (H100,
+    one machine, bench/results/bench_qwen3-30b-a3b_h100_{rows,tile}.json; the GEMVs 928 against 1,169 us a step,
+    the gated input's own launch included in neither)."""
+    if rows is not None:
+        return rows
+    return ab_switch("QUANTKIT_MOE_GEMV_MATH", ("rows", "tile")) == "rows"
+
+
 def moe_gemv(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, experts, block_n: int | None = None,
              num_warps: int | None = None, target_programs: int | None = None, num_stages: int | None = None,
-             unroll: int | None = None) -> torch.Tensor:
+             unroll: int | None = None, rows: bool | None = None) -> torch.Tensor:
     """``fused_moe``'s result for a decode-sized ``x [T, H]`` (``applies(experts, T * k)``); module docstring.
     ``block_n``, ``num_warps``, ``target_programs`` (the programs a launch aims at): ``gemv_config``'s where not
     given (bench_moe.py sweeps them). ``num_stages``, ``unroll``: the K loops' pipelining and unrolling
-    (``pipelining``)."""
+    (``pipelining``). ``rows``: 4-bit sums kept per thread until the end (``row_sums``)."""
     num_stages, unroll = pipelining(num_stages, unroll)
+    rows = row_sums(rows)
     t, h = x.shape
     top_k = topk_ids.shape[1]
     pairs = t * top_k
@@ -300,22 +368,25 @@ def moe_gemv(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     s1, k1 = _split(h, block_k, pairs * triton.cdiv(2 * inter, block_n), target)
     p1 = torch.empty(s1, pairs, 2 * inter, dtype=torch.float32, device=x.device)
     _launch(a13, p1, experts.w13, experts.s13, experts.z13, ids, topw, p1, 2 * inter, h, top_k, 1, inter, q,
-            experts.group13, False, False, k1, block_n, block_k, num_warps, as13, num_stages, unroll, pdl)
+            experts.group13, False, False, k1, block_n, block_k, num_warps, as13, num_stages, unroll, pdl, rows)
     s2, k2 = _split(inter, block_k, pairs * triton.cdiv(h, block_n), target)
     # token-major [T, k, S2, H]: a token's k pairs and S2 slices are one run of rows for the final sum
     p2 = torch.empty(t, top_k, s2, h, dtype=torch.float32, device=x.device)
     parts2 = p2.permute(2, 0, 1, 3).view(s2, pairs, h)
-    if fp8:  # silu(gate) * up whole (its rounding needs each row's largest value), then the down GEMV on codes
+    if fp8 or (rows and q):
+        # silu(gate) * up whole: FP8's rounding needs each row's largest value; the row-sum GEMV reads its input
+        # one nibble's column at a time, which would repeat the prologue eight times a tile. Then the down GEMV.
         hid = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
         block = min(1024, triton.next_power_of_2(inter))
         _gated_rows_kernel[(pairs, triton.cdiv(inter, block))](p1, hid, inter, s1, p1.stride(0), p1.stride(1),
-                                                                BLOCK=block, num_warps=4)
-        a2, as2 = quantize_activations(hid, experts.group2)
+                                                                BLOCK=block, PDL=pdl, num_warps=4,
+                                                                **({"launch_pdl": True} if pdl else {}))
+        a2, as2 = quantize_activations(hid, experts.group2) if fp8 else (hid, None)
         _launch(a2, p1, experts.w2, experts.s2, experts.z2, ids, topw, parts2, h, inter, 1, s1, inter, q,
-                experts.group2, False, True, k2, block_n, block_k, num_warps, as2, num_stages, unroll, pdl)
+                experts.group2, False, True, k2, block_n, block_k, num_warps, as2, num_stages, unroll, pdl, rows)
     else:
         _launch(x, p1, experts.w2, experts.s2, experts.z2, ids, topw, parts2, h, inter, top_k, s1, inter, q,
-                experts.group2, True, True, k2, block_n, block_k, num_warps, None, num_stages, unroll, pdl)
+                experts.group2, True, True, k2, block_n, block_k, num_warps, None, num_stages, unroll, pdl, rows)
     # slices and the token's k pairs summed in float32, rounded once (as the tiled path's sum)
     out = torch.empty(t, h, dtype=x.dtype, device=x.device)
     block = min(1024, triton.next_power_of_2(h))

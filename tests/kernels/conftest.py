@@ -91,8 +91,11 @@ class Sm90Tools:
 
     def sass(self, cubin: str) -> list[str]:
         """The instruction lines of a cubin's SASS."""
-        text = self._run("nvdisasm", "-c", cubin).stdout
-        return [line for line in text.splitlines() if re.search(r"/\*[0-9a-f]{4,}\*/", line)]
+        return [line for line in self.sass_text(cubin).splitlines() if re.search(r"/\*[0-9a-f]{4,}\*/", line)]
+
+    def sass_text(self, cubin: str) -> str:
+        """A cubin's whole disassembly, branch labels included."""
+        return self._run("nvdisasm", "-c", cubin).stdout
 
     def ptxas_notices(self, ptx: str) -> str:
         """ptxas's report on a PTX file: registers, spills, and notices such as "wgmma serialized" (C7514)."""

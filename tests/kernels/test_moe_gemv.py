@@ -3,6 +3,8 @@ CPU: float32 and float16; bfloat16 on a GPU), and the selection between the two 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -20,17 +22,20 @@ from tests.conftest import rel_err
 from tests.kernels.test_moe_w4a16 import DEVICE, experts_q, routing
 
 
+@pytest.mark.parametrize("rows", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(("tokens", "n_exp", "top_k", "hidden", "inter", "group_size"),
                          [(1, 8, 2, 64, 32, 32), (3, 6, 3, 128, 96, 32), (2, 4, 4, 256, 64, 64)])
-def test_gemv_matches_reference_and_tiled_kernel(dtype, tokens, n_exp, top_k, hidden, inter, group_size, monkeypatch):
+def test_gemv_matches_reference_and_tiled_kernel(dtype, tokens, n_exp, top_k, hidden, inter, group_size, rows,
+                                                 monkeypatch):
     """4-bit experts of contiguous groups: N not a multiple of the tile (96 x 2 = 192 columns), K slices that do
-    not divide K (the split is sized for a program count), one expert routed twice in one token's pairs."""
+    not divide K (the split is sized for a program count), one expert routed twice in one token's pairs; the tile
+    sums and the per-thread row sums (``rows``; its K masks where the slices overrun K, none where they do not)."""
     ex = stack_quantized(experts_q(n_exp, hidden, inter, group_size), dtype, DEVICE)
     w, ids = routing(tokens, n_exp, top_k, skip=(1,))
     x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(2)).to(DEVICE, dtype)
     # 40 programs: several slices of K at these small sizes
-    out = gemv(x, w.to(DEVICE), ids.to(DEVICE), ex, block_n=32, target_programs=40)
+    out = gemv(x, w.to(DEVICE), ids.to(DEVICE), ex, block_n=32, target_programs=40, rows=rows)
     ref = fused_moe_ref(x.float(), w.to(DEVICE), ids.to(DEVICE), ex)
     monkeypatch.setenv("QUANTKIT_MOE_DECODE", "tiles")  # the table would send these sizes to the GEMV itself
     tiled = fused_moe(x, w.to(DEVICE), ids.to(DEVICE), ex, block_n=32, block_k=32)
@@ -165,10 +170,12 @@ def test_gemv_fp8_experts_on_the_gpu_match_the_tiled_kernel(monkeypatch, weights
         assert rel_err(out, ref) < 2e-2 and rel_err(out, tiled) < 2e-2, (rel_err(out, ref), rel_err(out, tiled))
 
 
-def _gemv_ptx(sm90, out, kind, block_k, num_stages=None, unroll=None, pdl=False):
+def _gemv_ptx(sm90, out, kind, block_k, num_stages=None, unroll=None, pdl=False, rows=False):
     """The GEMV compiled for Hopper as Triton's launcher specializes it at run time: unit strides as constexpr 1,
-    aligned pointers and strides divisible by 16."""
-    quant, fp8, gated = kind in ("int4", "int4-down"), kind == "fp8", kind == "int4-down"
+    aligned pointers and strides divisible by 16. ``rows``: the 4-bit row sums, whose down GEMV reads the gated
+    input whole (no prologue), K whole tiles."""
+    quant, fp8 = kind in ("int4", "int4-down"), kind == "fp8"
+    gated = kind == "int4-down" and not rows
     w = "*i32" if quant else "*fp8e4nv"
     signature = {"a_ptr": "*fp8e4nv" if fp8 else "*bf16", "p1_ptr": "*fp32", "w_ptr": w,
                  "s_ptr": "*fp32" if fp8 else "*bf16", "z_ptr": "*bf16" if quant else w, "ids_ptr": "*i64",
@@ -179,9 +186,9 @@ def _gemv_ptx(sm90, out, kind, block_k, num_stages=None, unroll=None, pdl=False)
     units = ("stride_wn", "stride_sn") if quant else ("stride_wk",)  # [E, K/8, N] words / [E, N, K] codes
     for name in units:
         del signature[name]
-    constexprs = dict({name: 1 for name in units}, QUANT=quant, GROUP=128, GATED_INPUT=gated, MUL_ROUTED=gated,
-                      FP8=fp8, K_SPLIT=768, BLOCK_N=64, BLOCK_K=block_k, NUM_STAGES=num_stages, UNROLL=unroll,
-                      PDL=pdl)
+    constexprs = dict({name: 1 for name in units}, QUANT=quant, GROUP=128, GATED_INPUT=gated,
+                      MUL_ROUTED=kind == "int4-down", FP8=fp8, K_SPLIT=768, BLOCK_N=64, BLOCK_K=block_k,
+                      NUM_STAGES=num_stages, UNROLL=unroll, PDL=pdl, ROWS=rows, EVEN_K=rows)
     unaligned = ("TOP_K", "IN_SPLITS") + (() if quant else ("stride_sg", "stride_sn"))
     aligned = tuple(name for name in signature if name not in unaligned)
     return sm90.triton_ptx(out, "quantkit.kernels.moe_gemv", "_moe_gemv_kernel", signature, constexprs,
@@ -208,9 +215,35 @@ def test_gemv_compiles_for_sm90_without_spills(sm90, tmp_path, kind, block_k, nu
         assert "LDGSTS.E.BYPASS.128" in sass and "LDGDEPBAR" in sass  # the words' tiles requested stages ahead
 
 
+def _loop_body(sass_text: str) -> list[str]:
+    """The lines of a kernel's longest loop: from the label of a backward branch to that branch."""
+    lines = sass_text.splitlines()
+    labels = {line.strip()[:-1]: i for i, line in enumerate(lines) if re.fullmatch(r"\s*\.L_x_\d+:", line)}
+    spans = [(labels[m.group(1)], i) for i, line in enumerate(lines)
+             if (m := re.search(r"BRA `\((\.L_x_\d+)\)", line)) and labels.get(m.group(1), i) < i]
+    assert spans, "no loop"
+    start, end = max(spans, key=lambda span: span[1] - span[0])
+    return lines[start:end + 1]
+
+
+@pytest.mark.parametrize("kind", ["int4", "int4-down"])
+@pytest.mark.parametrize(("num_stages", "unroll"), [moe_gemv.PIPELINING, (None, 2)])
+def test_gemv_row_sums_move_nothing_between_threads_in_the_k_loop(sm90, tmp_path, kind, num_stages, unroll):
+    """The row sums' K loop (sm_90 SASS): no shuffle or shared-memory store (the tile sums had five barriers a
+    tile, their K sum crossing warps), no int-to-float conversion (the codes become floats through their bits), no
+    spills; no barrier at all in a plain loop, and with cp.async stages only the ring's two an iteration."""
+    ptx = _gemv_ptx(sm90, str(tmp_path / "gemv.ptx"), kind, 128, num_stages, unroll, rows=True)
+    assert "0 bytes spill stores" in sm90.ptxas_notices(ptx)
+    body = " ".join(_loop_body(sm90.sass_text(sm90.cubin(ptx))))
+    for op in ("SHFL", "STS", "I2F"):
+        assert not re.search(rf"\s{op}\b", body), op  # (LDGSTS, cp.async's, is not STS)
+    assert body.count("BAR.SYNC") == (0 if num_stages is None else 2)
+    assert "FFMA" in body and ("LDG.E.128" in body or "LDGSTS.E.BYPASS.128" in body)
+
+
 @pytest.mark.parametrize("kind", ["int4", "int4-down"])
 def test_gemv_with_pdl_waits_before_any_load(sm90, tmp_path, kind):
-    """With PDL (opt-in, QUANTKIT_MOE_PDL=1) the GEMV waits for the previous kernel before its first global load
+    """With PDL (the default on Hopper; QUANTKIT_MOE_PDL=0 turns it off) the GEMV waits for the previous kernel before its first global load
     (the expert id it reads first is the routing's output), at the default pipelining, without spills."""
     from tests.kernels.test_moe_router import assert_waits_before_loads
 
@@ -219,21 +252,22 @@ def test_gemv_with_pdl_waits_before_any_load(sm90, tmp_path, kind):
     assert_waits_before_loads(open(ptx).read(), True)
 
 
+@pytest.mark.parametrize("rows", [False, True])
 @pytest.mark.parametrize(("num_stages", "unroll"), [(3, 1), (1, 4), (2, 2)])
-def test_gemv_pipelining_gives_the_same_sums(monkeypatch, num_stages, unroll):
+def test_gemv_pipelining_gives_the_same_sums(monkeypatch, num_stages, unroll, rows):
     """Software pipelining and unrolling of the K loops change when loads go out, not the sums or their order:
     the same result bit for bit, 4-bit (with several slices of K and partial sums to add) and 16-bit."""
     ex = stack_quantized(experts_q(6, 256, 96, 32), torch.float32, DEVICE)
     w, ids = routing(3, 6, 2, skip=(1,))
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(8)).to(DEVICE)
     cfg = dict(block_n=32, target_programs=40)  # a few slices of K
-    plain = gemv(x, w.to(DEVICE), ids.to(DEVICE), ex, num_stages=1, unroll=1, **cfg)
-    got = gemv(x, w.to(DEVICE), ids.to(DEVICE), ex, num_stages=num_stages, unroll=unroll, **cfg)
+    plain = gemv(x, w.to(DEVICE), ids.to(DEVICE), ex, num_stages=1, unroll=1, rows=rows, **cfg)
+    got = gemv(x, w.to(DEVICE), ids.to(DEVICE), ex, num_stages=num_stages, unroll=unroll, rows=rows, **cfg)
     assert torch.equal(got, plain)
     monkeypatch.setenv("QUANTKIT_MOE_GEMV_STAGES", str(num_stages))
     monkeypatch.setenv("QUANTKIT_MOE_GEMV_UNROLL", str(unroll))
     assert moe_gemv.pipelining() == tuple(None if v == 1 else v for v in (num_stages, unroll))
-    assert torch.equal(gemv(x, w.to(DEVICE), ids.to(DEVICE), ex, **cfg), plain)
+    assert torch.equal(gemv(x, w.to(DEVICE), ids.to(DEVICE), ex, rows=rows, **cfg), plain)
 
 
 def test_pipelining_switches_refuse_what_is_not_a_count(monkeypatch):
@@ -265,13 +299,15 @@ def test_gemv_config_table_and_its_switch(monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("rows", [False, True])
 @pytest.mark.parametrize(("num_stages", "unroll"), [(3, 1), (1, 2), (3, 2), (2, 2)])
-def test_gemv_pipelining_on_the_gpu_gives_the_same_sums(num_stages, unroll):
+def test_gemv_pipelining_on_the_gpu_gives_the_same_sums(num_stages, unroll, rows):
     """bf16, the 30B-A3B expert sizes at batch 1: pipelined and unrolled K loops against the plain ones (the same
     sums in the same order, so equal up to nothing; a difference would mean the compiler reassociated)."""
     ex = stack_quantized(experts_q(16, 2048, 768, 128), torch.bfloat16, "cuda")
     w, ids = routing(1, 16, 8)
     x = torch.randn(1, 2048, generator=torch.Generator().manual_seed(9)).to("cuda", torch.bfloat16)
-    plain = gemv(x, w.cuda(), ids.cuda(), ex, num_stages=1, unroll=1)
-    got = gemv(x, w.cuda(), ids.cuda(), ex, num_stages=num_stages, unroll=unroll)
+    plain = gemv(x, w.cuda(), ids.cuda(), ex, num_stages=1, unroll=1, rows=rows)
+    got = gemv(x, w.cuda(), ids.cuda(), ex, num_stages=num_stages, unroll=unroll, rows=rows)
     assert rel_err(got, plain) < 1e-6
+    assert rel_err(got, fused_moe_ref(x.float(), w.cuda(), ids.cuda(), ex)) < 1e-2

@@ -131,17 +131,20 @@ def assert_waits_before_loads(ptx: str, pdl: bool) -> None:
     assert ptx.index("griddepcontrol.wait") < first_load
 
 
-def test_moe_pdl_is_opt_in_and_only_where_pdl_runs(monkeypatch):
-    """QUANTKIT_MOE_PDL=1 asks for it; never on the CPU or under the interpreter (no griddepcontrol there)."""
-    from quantkit.kernels.device_info import moe_programmatic_launch
+def test_moe_pdl_is_on_by_default_and_only_where_pdl_runs(monkeypatch):
+    """On wherever PDL runs unless QUANTKIT_MOE_PDL=0; never on the CPU or under the interpreter (no
+    griddepcontrol there); a value other than 0 or 1 is refused, naming the variable."""
+    from quantkit.kernels.device_info import moe_programmatic_launch, programmatic_launch
 
     monkeypatch.delenv("QUANTKIT_MOE_PDL", raising=False)
     assert not moe_programmatic_launch("cpu")
     monkeypatch.setenv("QUANTKIT_MOE_PDL", "1")
     assert not moe_programmatic_launch("cpu")
+    monkeypatch.setenv("QUANTKIT_MOE_PDL", "yes")
+    with pytest.raises(ValueError, match="QUANTKIT_MOE_PDL"):
+        moe_programmatic_launch("cpu")
     if torch.cuda.is_available():
-        from quantkit.kernels.device_info import programmatic_launch
-
+        monkeypatch.delenv("QUANTKIT_MOE_PDL")
         assert moe_programmatic_launch("cuda") == programmatic_launch("cuda")
         monkeypatch.setenv("QUANTKIT_MOE_PDL", "0")
         assert not moe_programmatic_launch("cuda")
@@ -149,8 +152,8 @@ def test_moe_pdl_is_opt_in_and_only_where_pdl_runs(monkeypatch):
 
 @pytest.mark.gpu
 def test_moe_block_with_pdl_on_the_gpu_gives_the_same_outputs_in_a_graph(monkeypatch):
-    """The runtime's int4 MoE block at batch 1 (fused router, both GEMVs, the sum) with QUANTKIT_MOE_PDL=1 against
-    without, eagerly and replayed from a CUDA graph: the same bits."""
+    """The runtime's int4 MoE block at batch 1 (fused router, both GEMVs, the sum) with PDL (the default) against
+    without (QUANTKIT_MOE_PDL=0), eagerly and replayed from a CUDA graph: the same bits."""
     from quantkit.kernels.moe_w4a16 import stack_quantized
     from quantkit.runtime.moe import MoELayer
     from tests.kernels.test_moe_w4a16 import experts_q
