@@ -92,13 +92,18 @@ def _gated_input(p1_ptr, p, cols, ok, IN_SPLITS, INTER, stride_ps, stride_pp, UN
 
 
 @triton.jit
-def _int4_rows_tile(a_row, p1_ptr, p, w_e, s_e, z_e, k0, offs_n, n_mask, K, IN_SPLITS, INTER, stride_wk, stride_wn,
-                    stride_sg, stride_sn, stride_ps, stride_pp, GROUP: tl.constexpr, GATED_INPUT: tl.constexpr,
-                    BLOCK_K: tl.constexpr, UNROLL: tl.constexpr, EVEN_K: tl.constexpr):
+def _int4_rows_tile(a_row, w_e, s_e, z_e, k0, offs_n, n_mask, K, stride_wk, stride_wn, stride_sg, stride_sn,
+                    GROUP: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
     """One 4-bit K tile's products, scaled, as [word row, column] sums (the kernel's ``ROWS``): for nibble j of
     each word row w, input column k0 + 8 w + j. Everything stays in the words' layout: the activations come as one
     [W] vector a nibble, so nothing is reduced or moved between threads. ``EVEN_K``: K is whole tiles (no masks
-    along K: the slices cover K exactly)."""
+    along K: the slices cover K exactly).
+
+    Each code costs a shift, a mask (ptxas makes it a bit-field extract), an OR, a subtraction and the FMA. Masking
+    the codes where they sit and OR-ing each into the power of two whose mantissa unit is 1 there saves the shifts
+    but not the instructions: LOP3 takes one immediate, so the mask and the OR stay two (sm_90 SASS, 322 integer
+    instructions for two tiles against 339). Two codes an instruction need half-precision pairs, which Triton
+    reaches only through inline assembly (no interpreter)."""
     offs_w = tl.arange(0, BLOCK_K // 8)
     rows = k0 // 8 + offs_w
     words = tl.load(w_e + rows[:, None] * stride_wk + offs_n[None, :] * stride_wn,
@@ -111,12 +116,7 @@ def _int4_rows_tile(a_row, p1_ptr, p, w_e, s_e, z_e, k0, offs_n, n_mask, K, IN_S
     dot = tl.zeros(words.shape, dtype=tl.float32)
     for j in tl.static_range(8):
         cols = k0 + offs_w * 8 + j
-        ok = (cols < K) | EVEN_K
-        if GATED_INPUT:
-            a = _gated_input(p1_ptr, p, cols, ok, IN_SPLITS, INTER, stride_ps, stride_pp, UNROLL)
-            a = a.to(a_row.dtype.element_ty).to(tl.float32)  # as x's dtype
-        else:
-            a = tl.load(a_row + cols, mask=ok, other=0.0).to(tl.float32)
+        a = tl.load(a_row + cols, mask=(cols < K) | EVEN_K, other=0.0).to(tl.float32)
         # code j as the float 2^23 + code (its bits OR'd into 2^23's), minus 2^23 + zero: code - zero, exactly
         bits = ((words >> (4 * j)) & 0xF) | 0x4B000000
         dot += a[:, None] * (bits.to(tl.float32, bitcast=True) - bias[None, :])
@@ -146,7 +146,7 @@ def _moe_gemv_kernel(a_ptr, p1_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, topw_ptr, out_
     after the K loop (the plain 4-bit tile sums over K in every tile: shuffles and barriers between the warps, five
     a tile in the sm_90 build); each code becomes a float by OR-ing it into 2^23's bits (exact; no int-to-float
     conversion, which issues at a quarter of the FMA rate) and one subtraction of 2^23 + zero (exact: integer
-    zeros, all below 2^24)."""
+    zeros, all below 2^24). The down GEMV's gated input is then formed beforehand (``GATED_INPUT`` off)."""
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
@@ -158,15 +158,15 @@ def _moe_gemv_kernel(a_ptr, p1_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, topw_ptr, out_
     n_mask = offs_n < N
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     if ROWS:
+        tl.static_assert(QUANT and not GATED_INPUT, "row sums: 4-bit weights, the gated input formed beforehand")
         acc_rows = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)  # [word row, column]
     a_row = a_ptr + (p // TOP_K).to(tl.int64) * stride_am  # the input row (unread where GATED_INPUT)
     k_start = sp * K_SPLIT
     for k0 in tl.range(k_start, k_start + K_SPLIT, BLOCK_K, num_stages=NUM_STAGES, loop_unroll_factor=UNROLL):
         if ROWS:
-            acc_rows += _int4_rows_tile(a_row, p1_ptr, p, w_ptr + e * stride_we,
-                                        s_ptr + e * stride_se, z_ptr + e * stride_se, k0, offs_n, n_mask, K,
-                                        IN_SPLITS, INTER, stride_wk, stride_wn, stride_sg, stride_sn, stride_ps,
-                                        stride_pp, GROUP, GATED_INPUT, BLOCK_K, UNROLL, EVEN_K)
+            acc_rows += _int4_rows_tile(a_row, w_ptr + e * stride_we, s_ptr + e * stride_se, z_ptr + e * stride_se,
+                                        k0, offs_n, n_mask, K, stride_wk, stride_wn, stride_sg, stride_sn, GROUP,
+                                        BLOCK_K, EVEN_K)
         else:
             offs_k = k0 + tl.arange(0, BLOCK_K)
             k_mask = offs_k < K

@@ -243,8 +243,9 @@ def test_gemv_row_sums_move_nothing_between_threads_in_the_k_loop(sm90, tmp_path
 
 @pytest.mark.parametrize("kind", ["int4", "int4-down"])
 def test_gemv_with_pdl_waits_before_any_load(sm90, tmp_path, kind):
-    """With PDL (the default on Hopper; QUANTKIT_MOE_PDL=0 turns it off) the GEMV waits for the previous kernel before its first global load
-    (the expert id it reads first is the routing's output), at the default pipelining, without spills."""
+    """With PDL (the default on Hopper; QUANTKIT_MOE_PDL=0 turns it off) the GEMV waits for the previous kernel
+    before its first global load (the expert id it reads first is the routing's output), at the default
+    pipelining, without spills."""
     from tests.kernels.test_moe_router import assert_waits_before_loads
 
     ptx = _gemv_ptx(sm90, str(tmp_path / "gemv.ptx"), kind, 128, *moe_gemv.PIPELINING, pdl=True)
