@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from quantkit.kernels.device_info import ab_switch, moe_programmatic_launch
+from quantkit.kernels.device_info import ab_switch, interpreting, moe_programmatic_launch
 from quantkit.kernels.fp8_quant import quantize_activations
 
 # The most (token, slot) pairs this kernel takes: beyond, a tiled program's 16 rows are mostly full.
@@ -92,18 +92,34 @@ def _gated_input(p1_ptr, p, cols, ok, IN_SPLITS, INTER, stride_ps, stride_pp, UN
 
 
 @triton.jit
+def _nibble_at_16(x, ASM: tl.constexpr):
+    """``(x & 0x000F0000) | 0x43000000``: the nibble at bits 16-19 OR-ed into 128.0's bits, the float 128 + code.
+    ``ASM``: one ``lop3`` (ptxas keeps a mask and an OR with two immediates as two instructions); the same bits
+    from plain operations under the interpreter."""
+    if ASM:
+        return tl.inline_asm_elementwise("lop3.b32 $0, $1, 983040, 1124073472, 0xea;", "=r,r", [x], dtype=tl.uint32,
+                                         is_pure=True, pack=1)
+    return (x & 0x000F0000) | 0x43000000
+
+
+@triton.jit
 def _int4_rows_tile(a_row, w_e, s_e, z_e, k0, offs_n, n_mask, K, stride_wk, stride_wn, stride_sg, stride_sn,
-                    GROUP: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+                    GROUP: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, OFFSET: tl.constexpr = False,
+                    ASM: tl.constexpr = False):
     """One 4-bit K tile's products, scaled, as [word row, column] sums (the kernel's ``ROWS``): for nibble j of
     each word row w, input column k0 + 8 w + j. Everything stays in the words' layout: the activations come as one
     [W] vector a nibble, so nothing is reduced or moved between threads. ``EVEN_K``: K is whole tiles (no masks
     along K: the slices cover K exactly).
 
-    Each code costs a shift, a mask (ptxas makes it a bit-field extract), an OR, a subtraction and the FMA. Masking
-    the codes where they sit and OR-ing each into the power of two whose mantissa unit is 1 there saves the shifts
-    but not the instructions: LOP3 takes one immediate, so the mask and the OR stay two (sm_90 SASS, 322 integer
-    instructions for two tiles against 339). Two codes an instruction need half-precision pairs, which Triton
-    reaches only through inline assembly (no interpreter)."""
+    Each code becomes a float without a conversion. Plain: shifted to bits 0-3 and OR-ed into 2^23's bits (the
+    float 2^23 + code), minus 2^23 + zero: code - zero exactly; a shift, a mask (ptxas makes it a bit-field
+    extract), an OR, the subtraction and the FMA a code. Masking the codes where they sit and OR-ing each into
+    the power of two whose mantissa unit is 1 there saves the shifts but not the instructions: LOP3 takes one
+    immediate, so the mask and the OR stay two (sm_90 SASS, 322 integer instructions for two tiles against 339).
+    ``OFFSET``: each code shifted to bits 16-19 and OR-ed into 128.0's (the float 128 + code; ``ASM``: mask and OR
+    in one lop3), multiplied as it is; the tile then takes (128 + zero) x the sum of its activations off each
+    word row once. A shift, one LOP3 and the FMA a code. The 128 rides along in float32: 8 products of ~128 x a
+    leave the code's share ~2^-17 of a row's sum, far below bf16's rounding."""
     offs_w = tl.arange(0, BLOCK_K // 8)
     rows = k0 // 8 + offs_w
     words = tl.load(w_e + rows[:, None] * stride_wk + offs_n[None, :] * stride_wn,
@@ -112,14 +128,26 @@ def _int4_rows_tile(a_row, w_e, s_e, z_e, k0, offs_n, n_mask, K, stride_wk, stri
     sz = (k0 // GROUP) * stride_sg + offs_n * stride_sn
     inside = n_mask & ((k0 < K) | EVEN_K)
     scale = tl.load(s_e + sz, mask=inside, other=0.0).to(tl.float32)
-    bias = 8388608.0 + tl.load(z_e + sz, mask=inside, other=0.0).to(tl.float32)  # 2^23 + zero, exact
+    zero = tl.load(z_e + sz, mask=inside, other=0.0).to(tl.float32)
     dot = tl.zeros(words.shape, dtype=tl.float32)
+    a_sum = tl.zeros(offs_w.shape, dtype=tl.float32)
     for j in tl.static_range(8):
         cols = k0 + offs_w * 8 + j
         a = tl.load(a_row + cols, mask=(cols < K) | EVEN_K, other=0.0).to(tl.float32)
-        # code j as the float 2^23 + code (its bits OR'd into 2^23's), minus 2^23 + zero: code - zero, exactly
-        bits = ((words >> (4 * j)) & 0xF) | 0x4B000000
-        dot += a[:, None] * (bits.to(tl.float32, bitcast=True) - bias[None, :])
+        if OFFSET:  # nibble j (bits 4j..4j+3) moved to bits 16-19
+            if j < 4:
+                moved = words << (16 - 4 * j)
+            elif j > 4:
+                moved = words >> (4 * j - 16)
+            else:
+                moved = words
+            dot += a[:, None] * _nibble_at_16(moved, ASM).to(tl.float32, bitcast=True)  # a (128 + code)
+            a_sum += a
+        else:
+            bits = ((words >> (4 * j)) & 0xF) | 0x4B000000  # 2^23 + code
+            dot += a[:, None] * (bits.to(tl.float32, bitcast=True) - (zero + 8388608.0)[None, :])
+    if OFFSET:
+        dot -= (zero + 128.0)[None, :] * a_sum[:, None]
     return scale[None, :] * dot
 
 
@@ -131,7 +159,7 @@ def _moe_gemv_kernel(a_ptr, p1_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, topw_ptr, out_
                      QUANT: tl.constexpr, GROUP: tl.constexpr, GATED_INPUT: tl.constexpr, MUL_ROUTED: tl.constexpr,
                      FP8: tl.constexpr, K_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      NUM_STAGES: tl.constexpr = None, UNROLL: tl.constexpr = None, PDL: tl.constexpr = False,
-                     ROWS: tl.constexpr = False, EVEN_K: tl.constexpr = False):
+                     ROWS: tl.constexpr = 0, EVEN_K: tl.constexpr = False, ASM: tl.constexpr = False):
     """One pair ``p``, BLOCK_N columns, slice ``s`` of K (K_SPLIT columns). ``GATED_INPUT``: the input row is
     ``silu(gate) * up`` of ``p1``'s IN_SPLITS partial sums (the down GEMV), else ``a[p // TOP_K]`` (gate/up; the
     down GEMV of FP8 experts passes TOP_K 1: its rows are the pairs'). ``FP8``: ``a`` holds e4m3 codes with float32
@@ -144,9 +172,10 @@ def _moe_gemv_kernel(a_ptr, p1_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, topw_ptr, out_
     next kernel launch, then wait for the previous one, before any load (device_info.moe_programmatic_launch).
     ``ROWS`` (4-bit): each thread keeps its own sums, one per word row and column, and the program adds them up once
     after the K loop (the plain 4-bit tile sums over K in every tile: shuffles and barriers between the warps, five
-    a tile in the sm_90 build); each code becomes a float by OR-ing it into 2^23's bits (exact; no int-to-float
-    conversion, which issues at a quarter of the FMA rate) and one subtraction of 2^23 + zero (exact: integer
-    zeros, all below 2^24). The down GEMV's gated input is then formed beforehand (``GATED_INPUT`` off)."""
+    a tile in the sm_90 build); the codes become floats through their bits (no int-to-float conversion, which
+    issues at a quarter of the FMA rate). 0: the tile sums; else MATHS' index (:func:`_int4_rows_tile`). The down
+    GEMV's gated input is then formed beforehand (``GATED_INPUT`` off). ``ASM``: inline PTX where it saves an
+    instruction (not under the interpreter)."""
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
@@ -166,7 +195,7 @@ def _moe_gemv_kernel(a_ptr, p1_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, topw_ptr, out_
         if ROWS:
             acc_rows += _int4_rows_tile(a_row, w_ptr + e * stride_we, s_ptr + e * stride_se, z_ptr + e * stride_se,
                                         k0, offs_n, n_mask, K, stride_wk, stride_wn, stride_sg, stride_sn, GROUP,
-                                        BLOCK_K, EVEN_K)
+                                        BLOCK_K, EVEN_K, ROWS == 2, ASM)  # 2: "offset"
         else:
             offs_k = k0 + tl.arange(0, BLOCK_K)
             k_mask = offs_k < K
@@ -271,7 +300,7 @@ def _split(k: int, block_k: int, programs: int, target: int | None = None) -> tu
 
 def _launch(a, p1, w, s, z, ids, topw, out_parts, n, k, top_k, in_splits, inter, quant, group, gated_input,
             mul_routed, k_split, block_n, block_k, num_warps, a_scales=None, num_stages=None, unroll=None, pdl=False,
-            rows=False):
+            math="tile"):
     fp8 = a_scales is not None
     if quant:
         swe, swk, swn = w.stride()  # [E, K/8, N]
@@ -292,7 +321,8 @@ def _launch(a, p1, w, s, z, ids, topw, out_parts, n, k, top_k, in_splits, inter,
                            out_parts.stride(0), out_parts.stride(1), a_scales.stride(0) if fp8 else 0, QUANT=quant,
                            GROUP=group, GATED_INPUT=gated_input, MUL_ROUTED=mul_routed, FP8=fp8, K_SPLIT=k_split,
                            BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages, UNROLL=unroll, PDL=pdl,
-                           ROWS=rows and quant, EVEN_K=slices * k_split == k,
+                           ROWS=MATHS.index(math) if quant else 0, EVEN_K=slices * k_split == k,
+                           ASM=not interpreting(),
                            num_warps=num_warps, **({"launch_pdl": True} if pdl else {}))
 
 
@@ -325,26 +355,35 @@ def pipelining(num_stages: int | None = None, unroll: int | None = None) -> tupl
             pick(unroll, "QUANTKIT_MOE_GEMV_UNROLL", PIPELINING[1]))
 
 
-def row_sums(rows: bool | None = None) -> bool:
-    """Whether 4-bit launches keep per-thread row sums (the kernel's ``ROWS``, the default): ``rows`` where given,
-    else ``QUANTKIT_MOE_GEMV_MATH`` (``rows`` or ``tile``, the per-tile sums; an A/B switch for the benches). The
-    row sums measured faster in whole decode steps on the 30B-A3B shape: int4 batch 1 361 against 337 tok/s (H100,
-    one machine, bench/results/bench_qwen3-30b-a3b_h100_{rows,tile}.json; the GEMVs 928 against 1,169 us a step,
-    the gated input's own launch included in neither)."""
-    if rows is not None:
-        return rows
-    return ab_switch("QUANTKIT_MOE_GEMV_MATH", ("rows", "tile")) == "rows"
+# How the 4-bit GEMV sums its products (the kernel's ROWS, _int4_rows_tile): "tile", the K sums of every tile
+# (across warps); "rows", per-thread sums added once after the K loop, each code as 2^23 + code less 2^23 + zero;
+# "offset", the same sums, each code as 128 + code, the offset taken off once a tile and word row.
+MATHS = ("tile", "rows", "offset")
+
+
+def gemv_math(math: str | None = None) -> str:
+    """How 4-bit launches sum their products (MATHS): ``math`` where given, else ``QUANTKIT_MOE_GEMV_MATH`` (an
+    A/B switch for the benches), else ``rows``. The row sums measured faster than the tile sums in whole decode
+    steps on the 30B-A3B shape: int4 batch 1 361 against 337 tok/s (H100, one machine,
+    bench/results/bench_qwen3-30b-a3b_h100_{rows,tile}.json; the GEMVs 928 against 1,169 us a step). "offset"
+    (three instructions a code against five in the sm_90 SASS) has not run on a GPU yet:
+    ``bash bench/gpu_check.sh moe-step 200 default: offset:QUANTKIT_MOE_GEMV_MATH=offset``."""
+    if math is None:
+        return ab_switch("QUANTKIT_MOE_GEMV_MATH", ("rows", "offset", "tile"))
+    if math not in MATHS:
+        raise ValueError(f"math must be one of {MATHS}, got {math!r}")
+    return math
 
 
 def moe_gemv(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, experts, block_n: int | None = None,
              num_warps: int | None = None, target_programs: int | None = None, num_stages: int | None = None,
-             unroll: int | None = None, rows: bool | None = None) -> torch.Tensor:
+             unroll: int | None = None, math: str | None = None) -> torch.Tensor:
     """``fused_moe``'s result for a decode-sized ``x [T, H]`` (``applies(experts, T * k)``); module docstring.
     ``block_n``, ``num_warps``, ``target_programs`` (the programs a launch aims at): ``gemv_config``'s where not
     given (bench_moe.py sweeps them). ``num_stages``, ``unroll``: the K loops' pipelining and unrolling
-    (``pipelining``). ``rows``: 4-bit sums kept per thread until the end (``row_sums``)."""
+    (``pipelining``). ``math``: how 4-bit launches sum their products (``gemv_math``)."""
     num_stages, unroll = pipelining(num_stages, unroll)
-    rows = row_sums(rows)
+    math = gemv_math(math)
     t, h = x.shape
     top_k = topk_ids.shape[1]
     pairs = t * top_k
@@ -368,12 +407,12 @@ def moe_gemv(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     s1, k1 = _split(h, block_k, pairs * triton.cdiv(2 * inter, block_n), target)
     p1 = torch.empty(s1, pairs, 2 * inter, dtype=torch.float32, device=x.device)
     _launch(a13, p1, experts.w13, experts.s13, experts.z13, ids, topw, p1, 2 * inter, h, top_k, 1, inter, q,
-            experts.group13, False, False, k1, block_n, block_k, num_warps, as13, num_stages, unroll, pdl, rows)
+            experts.group13, False, False, k1, block_n, block_k, num_warps, as13, num_stages, unroll, pdl, math)
     s2, k2 = _split(inter, block_k, pairs * triton.cdiv(h, block_n), target)
     # token-major [T, k, S2, H]: a token's k pairs and S2 slices are one run of rows for the final sum
     p2 = torch.empty(t, top_k, s2, h, dtype=torch.float32, device=x.device)
     parts2 = p2.permute(2, 0, 1, 3).view(s2, pairs, h)
-    if fp8 or (rows and q):
+    if fp8 or (q and math != "tile"):
         # silu(gate) * up whole: FP8's rounding needs each row's largest value; the row-sum GEMV reads its input
         # one nibble's column at a time, which would repeat the prologue eight times a tile. Then the down GEMV.
         hid = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
@@ -383,10 +422,10 @@ def moe_gemv(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
                                                                 **({"launch_pdl": True} if pdl else {}))
         a2, as2 = quantize_activations(hid, experts.group2) if fp8 else (hid, None)
         _launch(a2, p1, experts.w2, experts.s2, experts.z2, ids, topw, parts2, h, inter, 1, s1, inter, q,
-                experts.group2, False, True, k2, block_n, block_k, num_warps, as2, num_stages, unroll, pdl, rows)
+                experts.group2, False, True, k2, block_n, block_k, num_warps, as2, num_stages, unroll, pdl, math)
     else:
         _launch(x, p1, experts.w2, experts.s2, experts.z2, ids, topw, parts2, h, inter, top_k, s1, inter, q,
-                experts.group2, True, True, k2, block_n, block_k, num_warps, None, num_stages, unroll, pdl, rows)
+                experts.group2, True, True, k2, block_n, block_k, num_warps, None, num_stages, unroll, pdl, math)
     # slices and the token's k pairs summed in float32, rounded once (as the tiled path's sum)
     out = torch.empty(t, h, dtype=x.dtype, device=x.device)
     block = min(1024, triton.next_power_of_2(h))

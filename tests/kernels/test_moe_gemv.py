@@ -22,20 +22,20 @@ from tests.conftest import rel_err
 from tests.kernels.test_moe_w4a16 import DEVICE, experts_q, routing
 
 
-@pytest.mark.parametrize("rows", [False, True])
+@pytest.mark.parametrize("math", moe_gemv.MATHS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(("tokens", "n_exp", "top_k", "hidden", "inter", "group_size"),
                          [(1, 8, 2, 64, 32, 32), (3, 6, 3, 128, 96, 32), (2, 4, 4, 256, 64, 64)])
-def test_gemv_matches_reference_and_tiled_kernel(dtype, tokens, n_exp, top_k, hidden, inter, group_size, rows,
+def test_gemv_matches_reference_and_tiled_kernel(dtype, tokens, n_exp, top_k, hidden, inter, group_size, math,
                                                  monkeypatch):
     """4-bit experts of contiguous groups: N not a multiple of the tile (96 x 2 = 192 columns), K slices that do
-    not divide K (the split is sized for a program count), one expert routed twice in one token's pairs; the tile
-    sums and the per-thread row sums (``rows``; its K masks where the slices overrun K, none where they do not)."""
+    not divide K (the split is sized for a program count), one expert routed twice in one token's pairs; each of
+    moe_gemv.MATHS (the row sums with their K masks where the slices overrun K, none where they do not)."""
     ex = stack_quantized(experts_q(n_exp, hidden, inter, group_size), dtype, DEVICE)
     w, ids = routing(tokens, n_exp, top_k, skip=(1,))
     x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(2)).to(DEVICE, dtype)
     # 40 programs: several slices of K at these small sizes
-    out = gemv(x, w.to(DEVICE), ids.to(DEVICE), ex, block_n=32, target_programs=40, rows=rows)
+    out = gemv(x, w.to(DEVICE), ids.to(DEVICE), ex, block_n=32, target_programs=40, math=math)
     ref = fused_moe_ref(x.float(), w.to(DEVICE), ids.to(DEVICE), ex)
     monkeypatch.setenv("QUANTKIT_MOE_DECODE", "tiles")  # the table would send these sizes to the GEMV itself
     tiled = fused_moe(x, w.to(DEVICE), ids.to(DEVICE), ex, block_n=32, block_k=32)
@@ -170,11 +170,12 @@ def test_gemv_fp8_experts_on_the_gpu_match_the_tiled_kernel(monkeypatch, weights
         assert rel_err(out, ref) < 2e-2 and rel_err(out, tiled) < 2e-2, (rel_err(out, ref), rel_err(out, tiled))
 
 
-def _gemv_ptx(sm90, out, kind, block_k, num_stages=None, unroll=None, pdl=False, rows=False):
+def _gemv_ptx(sm90, out, kind, block_k, num_stages=None, unroll=None, pdl=False, math="tile"):
     """The GEMV compiled for Hopper as Triton's launcher specializes it at run time: unit strides as constexpr 1,
-    aligned pointers and strides divisible by 16. ``rows``: the 4-bit row sums, whose down GEMV reads the gated
-    input whole (no prologue), K whole tiles."""
+    aligned pointers and strides divisible by 16. ``math``: moe_gemv.MATHS; the row sums' down GEMV reads the
+    gated input whole (no prologue), K whole tiles; inline PTX as on a GPU."""
     quant, fp8 = kind in ("int4", "int4-down"), kind == "fp8"
+    rows = math != "tile"
     gated = kind == "int4-down" and not rows
     w = "*i32" if quant else "*fp8e4nv"
     signature = {"a_ptr": "*fp8e4nv" if fp8 else "*bf16", "p1_ptr": "*fp32", "w_ptr": w,
@@ -188,7 +189,8 @@ def _gemv_ptx(sm90, out, kind, block_k, num_stages=None, unroll=None, pdl=False,
         del signature[name]
     constexprs = dict({name: 1 for name in units}, QUANT=quant, GROUP=128, GATED_INPUT=gated,
                       MUL_ROUTED=kind == "int4-down", FP8=fp8, K_SPLIT=768, BLOCK_N=64, BLOCK_K=block_k,
-                      NUM_STAGES=num_stages, UNROLL=unroll, PDL=pdl, ROWS=rows, EVEN_K=rows)
+                      NUM_STAGES=num_stages, UNROLL=unroll, PDL=pdl, ROWS=moe_gemv.MATHS.index(math),
+                      EVEN_K=rows, ASM=True)
     unaligned = ("TOP_K", "IN_SPLITS") + (() if quant else ("stride_sg", "stride_sn"))
     aligned = tuple(name for name in signature if name not in unaligned)
     return sm90.triton_ptx(out, "quantkit.kernels.moe_gemv", "_moe_gemv_kernel", signature, constexprs,
@@ -226,19 +228,24 @@ def _loop_body(sass_text: str) -> list[str]:
     return lines[start:end + 1]
 
 
+@pytest.mark.parametrize("math", ["rows", "offset"])
 @pytest.mark.parametrize("kind", ["int4", "int4-down"])
 @pytest.mark.parametrize(("num_stages", "unroll"), [moe_gemv.PIPELINING, (None, 2)])
-def test_gemv_row_sums_move_nothing_between_threads_in_the_k_loop(sm90, tmp_path, kind, num_stages, unroll):
+def test_gemv_row_sums_move_nothing_between_threads_in_the_k_loop(sm90, tmp_path, kind, num_stages, unroll, math):
     """The row sums' K loop (sm_90 SASS): no shuffle or shared-memory store (the tile sums had five barriers a
     tile, their K sum crossing warps), no int-to-float conversion (the codes become floats through their bits), no
-    spills; no barrier at all in a plain loop, and with cp.async stages only the ring's two an iteration."""
-    ptx = _gemv_ptx(sm90, str(tmp_path / "gemv.ptx"), kind, 128, num_stages, unroll, rows=True)
+    spills; no barrier at all in a plain loop, and with cp.async stages only the ring's two an iteration. "offset"
+    also without the bit-field extracts and the per-code subtractions of "rows"."""
+    ptx = _gemv_ptx(sm90, str(tmp_path / "gemv.ptx"), kind, 128, num_stages, unroll, math=math)
     assert "0 bytes spill stores" in sm90.ptxas_notices(ptx)
     body = " ".join(_loop_body(sm90.sass_text(sm90.cubin(ptx))))
     for op in ("SHFL", "STS", "I2F"):
         assert not re.search(rf"\s{op}\b", body), op  # (LDGSTS, cp.async's, is not STS)
     assert body.count("BAR.SYNC") == (0 if num_stages is None else 2)
     assert "FFMA" in body and ("LDG.E.128" in body or "LDGSTS.E.BYPASS.128" in body)
+    if math == "offset":  # a shift, one LOP3 (the inline PTX) and the FMA a code: no extract, no subtraction
+        assert not re.search(r"SGXT\.U32 \w+, \w+, 0x4 ", body)  # (a 3-bit one is cp.async's addressing)
+        assert 2 * len(re.findall(r"\sFADD\b", body)) < len(re.findall(r"\sFFMA\b", body))
 
 
 @pytest.mark.parametrize("kind", ["int4", "int4-down"])
@@ -253,22 +260,22 @@ def test_gemv_with_pdl_waits_before_any_load(sm90, tmp_path, kind):
     assert_waits_before_loads(open(ptx).read(), True)
 
 
-@pytest.mark.parametrize("rows", [False, True])
+@pytest.mark.parametrize("math", moe_gemv.MATHS)
 @pytest.mark.parametrize(("num_stages", "unroll"), [(3, 1), (1, 4), (2, 2)])
-def test_gemv_pipelining_gives_the_same_sums(monkeypatch, num_stages, unroll, rows):
+def test_gemv_pipelining_gives_the_same_sums(monkeypatch, num_stages, unroll, math):
     """Software pipelining and unrolling of the K loops change when loads go out, not the sums or their order:
     the same result bit for bit, 4-bit (with several slices of K and partial sums to add) and 16-bit."""
     ex = stack_quantized(experts_q(6, 256, 96, 32), torch.float32, DEVICE)
     w, ids = routing(3, 6, 2, skip=(1,))
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(8)).to(DEVICE)
     cfg = dict(block_n=32, target_programs=40)  # a few slices of K
-    plain = gemv(x, w.to(DEVICE), ids.to(DEVICE), ex, num_stages=1, unroll=1, rows=rows, **cfg)
-    got = gemv(x, w.to(DEVICE), ids.to(DEVICE), ex, num_stages=num_stages, unroll=unroll, rows=rows, **cfg)
+    plain = gemv(x, w.to(DEVICE), ids.to(DEVICE), ex, num_stages=1, unroll=1, math=math, **cfg)
+    got = gemv(x, w.to(DEVICE), ids.to(DEVICE), ex, num_stages=num_stages, unroll=unroll, math=math, **cfg)
     assert torch.equal(got, plain)
     monkeypatch.setenv("QUANTKIT_MOE_GEMV_STAGES", str(num_stages))
     monkeypatch.setenv("QUANTKIT_MOE_GEMV_UNROLL", str(unroll))
     assert moe_gemv.pipelining() == tuple(None if v == 1 else v for v in (num_stages, unroll))
-    assert torch.equal(gemv(x, w.to(DEVICE), ids.to(DEVICE), ex, rows=rows, **cfg), plain)
+    assert torch.equal(gemv(x, w.to(DEVICE), ids.to(DEVICE), ex, math=math, **cfg), plain)
 
 
 def test_pipelining_switches_refuse_what_is_not_a_count(monkeypatch):
@@ -300,15 +307,15 @@ def test_gemv_config_table_and_its_switch(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows", [False, True])
+@pytest.mark.parametrize("math", moe_gemv.MATHS)
 @pytest.mark.parametrize(("num_stages", "unroll"), [(3, 1), (1, 2), (3, 2), (2, 2)])
-def test_gemv_pipelining_on_the_gpu_gives_the_same_sums(num_stages, unroll, rows):
+def test_gemv_pipelining_on_the_gpu_gives_the_same_sums(num_stages, unroll, math):
     """bf16, the 30B-A3B expert sizes at batch 1: pipelined and unrolled K loops against the plain ones (the same
     sums in the same order, so equal up to nothing; a difference would mean the compiler reassociated)."""
     ex = stack_quantized(experts_q(16, 2048, 768, 128), torch.bfloat16, "cuda")
     w, ids = routing(1, 16, 8)
     x = torch.randn(1, 2048, generator=torch.Generator().manual_seed(9)).to("cuda", torch.bfloat16)
-    plain = gemv(x, w.cuda(), ids.cuda(), ex, num_stages=1, unroll=1, rows=rows)
-    got = gemv(x, w.cuda(), ids.cuda(), ex, num_stages=num_stages, unroll=unroll, rows=rows)
+    plain = gemv(x, w.cuda(), ids.cuda(), ex, num_stages=1, unroll=1, math=math)
+    got = gemv(x, w.cuda(), ids.cuda(), ex, num_stages=num_stages, unroll=unroll, math=math)
     assert rel_err(got, plain) < 1e-6
     assert rel_err(got, fused_moe_ref(x.float(), w.cuda(), ids.cuda(), ex)) < 1e-2
