@@ -28,7 +28,8 @@
 # Issue 39's MoE serving and kernel sections after the MoE GPU tests, no carry needed:
 #   bash bench/gpu_check.sh moe BUDGET_S (~420) [bench-only]
 # No carry needed either: issue 41's W4A16 decode variants and prefill candidates (`w4a16 470`); issue 39's MoE
-# GEMV against the tiled kernel, block and whole step (`moe-decode 400`), the step under switches
+# GEMV against the tiled kernel, block and whole step (`moe-decode 400`), the GEMV's maths (`moe-math 260`),
+# the step under switches
 # (`moe-step BUDGET NAME:VAR=VALUE,...`), its prefill tiles and the step with them (`moe-prefill 430`),
 # and its GPTQ / AWQ times (`moe-quantize 590 gptq|awq [LAYERS]`).
 # Everything lands in $OUT (JSON of each bench, the suite's log).
@@ -207,6 +208,14 @@ moe-step)  # issue 39: `quantkit bench --shape qwen3-30b-a3b` at batch 1 and 8 o
     shift 2
     moe_steps "$@"
     ;;
+moe-math)  # issue 39 (BUDGET_S ~260): the 4-bit expert GEMV's maths (moe_gemv.MATHS) on the GPU: its GPU tests
+    # (each math against the reference, pipelined and plain), then the whole step with the default ("rows") and
+    # with "offset" (inline-PTX dequantization, opt-in until it wins here), ~4 minutes on an H100
+    card | tee "$OUT/card.txt"
+    step 90 env OMP_NUM_THREADS=1 python3 -m pytest -m gpu tests/kernels/test_moe_gemv.py -n 4 -q -p no:cacheprovider \
+        2>&1 | tail -5
+    moe_steps default: offset:QUANTKIT_MOE_GEMV_MATH=offset
+    ;;
 moe-prefill)  # issue 39 at prefill (BUDGET_S ~430): the fused kernel's tiles at 256 and 2048 rows (BLOCK_M 16/32/64)
     # as graph replays, each checked against the default's output (~1 minute on an H100), then the whole bench (its
     # prefill of 2048 tokens) with moe_w4a16.TILE_CONFIGS and with the plain tiles (QUANTKIT_MOE_TILES=plain)
@@ -224,5 +233,5 @@ moe-quantize)  # issue 39's 10-minute targets: GPTQ (third argument gptq, the de
     step 560 python3 bench/bench_moe.py --skip "$other" serve kernel --layers "${4:-16}" \
         --out "$OUT/bench_moe_$m.json" 2>&1 | tail -30
     ;;
-*) echo "usage: gpu_check.sh benches|suite|one|tests|gguf|coldstart-ab|moe|w4a16|moe-decode|moe-step|moe-prefill|moe-quantize BUDGET_S"; exit 2 ;;
+*) echo "usage: gpu_check.sh benches|suite|one|tests|gguf|coldstart-ab|moe|w4a16|moe-decode|moe-math|moe-step|moe-prefill|moe-quantize BUDGET_S"; exit 2 ;;
 esac

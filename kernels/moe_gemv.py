@@ -367,7 +367,7 @@ def gemv_math(math: str | None = None) -> str:
     steps on the 30B-A3B shape: int4 batch 1 361 against 337 tok/s (H100, one machine,
     bench/results/bench_qwen3-30b-a3b_h100_{rows,tile}.json; the GEMVs 928 against 1,169 us a step). "offset"
     (three instructions a code against five in the sm_90 SASS) has not run on a GPU yet:
-    ``bash bench/gpu_check.sh moe-step 200 default: offset:QUANTKIT_MOE_GEMV_MATH=offset``."""
+    ``bash bench/gpu_check.sh moe-math 260`` tests and times it."""
     if math is None:
         return ab_switch("QUANTKIT_MOE_GEMV_MATH", ("rows", "offset", "tile"))
     if math not in MATHS:
