@@ -188,7 +188,9 @@ w4a16)  # issue 41: every decode variant (the CUDA C++ GEMM built with nvcc, Glu
     # reference, then timed beside today's pick, cuBLAS and torch int4 on the 8B layers (~4 minutes); then the
     # prefill sizes with dequantize-then-cuBLAS beside the planned kernel and cuBLAS (~3 minutes)
     card | tee "$OUT/card.txt"
-    step 250 python3 bench/bench_w4a16_decode.py --deadline 200 --out "$OUT/w4a16_decode.json" 2>&1 | tail -70
+    # the 8B layers, then the Qwen3-30B-A3B shape's dense q/k/v and o (issue 39's step)
+    step 250 python3 bench/bench_w4a16_decode.py --deadline 200 --out "$OUT/w4a16_decode.json" \
+        --shapes 28672x8192,8192x28672,14336x4096,4096x4096,5120x2048,2048x4096 2>&1 | tail -70
     step 200 python3 bench/bench_w4a16.py --shapes 28672x8192,8192x28672,4096x4096 --ms 256,1024,4096 \
         --deadline 150 --out "$OUT/w4a16_prefill.json" 2>&1 | tail -20
     rm -f "$OUT"/*.png
