@@ -118,8 +118,8 @@ def _int4_rows_tile(a_row, w_e, s_e, z_e, k0, offs_n, n_mask, K, stride_wk, stri
     immediate, so the mask and the OR stay two (sm_90 SASS, 322 integer instructions for two tiles against 339).
     ``OFFSET``: each code shifted to bits 16-19 and OR-ed into 128.0's (the float 128 + code; ``ASM``: mask and OR
     in one lop3), multiplied as it is; the tile then takes (128 + zero) x the sum of its activations off each
-    word row once. A shift, one LOP3 and the FMA a code. The 128 rides along in float32: 8 products of ~128 x a
-    leave the code's share ~2^-17 of a row's sum, far below bf16's rounding."""
+    word row once. A shift, one LOP3 and the FMA a code. The 128 rides along in float32: a word row's 8 products
+    add up to at most ~1,100 x max|a|, so their rounding (~1e-4 x max|a|) stays far below bf16's on the result."""
     offs_w = tl.arange(0, BLOCK_K // 8)
     rows = k0 // 8 + offs_w
     words = tl.load(w_e + rows[:, None] * stride_wk + offs_n[None, :] * stride_wn,
