@@ -387,6 +387,8 @@ TILE_DEFAULT = dict(block_n=64, block_k=64, num_warps=4, num_stages=3)  # moe_w4
 # unpack each weight fewer times; the candidates for a prefill tile table.
 PREFILL_TILE_CANDIDATES = [dict(block_m=bm, block_n=n, block_k=kk, num_warps=nw, num_stages=3)
                            for bm in (16, 32, 64) for n in (64, 128) for kk in (64, 128) for nw in (4, 8)]
+# The base the prefill sweep compares with: moe_w4a16.TileConfig(), the tiles before TILE_CONFIGS (which fused_moe
+# now picks at these sizes) and what QUANTKIT_MOE_TILES=plain forces.
 PREFILL_TILE_DEFAULT = dict(block_m=16, block_n=64, block_k=64, num_warps=4, num_stages=3)
 
 
@@ -574,7 +576,7 @@ def print_table(record: dict) -> None:
                 print(f"  its kernels: {kt['sum_us']:.1f} us in {kt['launches']} launches: "
                       + "; ".join(f"{x['name'][:36]} x{x['calls']} {x['us']:.1f}" for x in kt["kernels"]))
         sweeps = (("tile_sweep", "tiles", lambda r: TILE_DEFAULT, "default"),
-                  ("prefill_tile_sweep", "prefill tiles", lambda r: PREFILL_TILE_DEFAULT, "default"),
+                  ("prefill_tile_sweep", "prefill tiles", lambda r: PREFILL_TILE_DEFAULT, "the plain 16 x 64 tiles"),
                   ("gemv_pipelining_sweep", "GEMV pipelining", lambda r: GEMV_PIPELINING_PLAIN, "neither"),
                   ("gemv_sweep", "GEMV", lambda r: r["gemv_config"], "the table's"))
         for key, what, base, base_name in sweeps:

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from quantkit.kernels.device_info import num_sms
+from quantkit.kernels.device_info import num_sms, pdl_launch
 
 
 @triton.jit
@@ -264,7 +264,6 @@ def decode_attention_rope(qkv, cos_table, sin_table, positions, slots, k_cache, 
     o_part = torch.empty(b, n_heads, num_splits, head_dim, device=qkv.device, dtype=torch.float32)
     lse_part = torch.empty(b, n_heads, num_splits, device=qkv.device, dtype=torch.float32)
     out = torch.empty(b, n_heads * head_dim, device=qkv.device, dtype=qkv.dtype)
-    extra = {"launch_pdl": True} if pdl else {}
     group_p2, splits_p2 = triton.next_power_of_2(group), triton.next_power_of_2(num_splits)
     # the combine holds GROUP_P2 x SPLIT_BLOCK x D partial outputs: at most 64 floats a thread of 4 warps
     split_block = max(1, min(splits_p2, 8192 // (group_p2 * head_dim)))
@@ -275,7 +274,7 @@ def decode_attention_rope(qkv, cos_table, sin_table, positions, slots, k_cache, 
         N_HEADS=n_heads, N_KV=n_kv_heads, GROUP=group, HALF=head_dim // 2, NUM_SPLITS=num_splits,
         MIN_SPLIT_KEYS=min_split_keys, BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, ROPE=rope,
         HAS_WINDOW=window_left >= 0, HAS_SOFTCAP=softcap > 0, PDL=pdl, GROUP_P2=group_p2, SPLITS_P2=splits_p2,
-        SPLIT_BLOCK=split_block, num_warps=4, **extra)
+        SPLIT_BLOCK=split_block, num_warps=4, **pdl_launch(pdl))
     return out
 
 

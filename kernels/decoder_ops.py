@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from quantkit.kernels.device_info import programmatic_launch
+from quantkit.kernels.device_info import pdl_launch, programmatic_launch
 
 
 @triton.jit
@@ -54,7 +54,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     _add_rms_norm_kernel[(m,)](x, res, weight, out, res_out, h, eps, offset,
                                x.stride(0), res.stride(0), out.stride(0), res_out.stride(0),
                                HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(h), PDL=pdl,
-                               num_warps=4 if h <= 4096 else 8, **_pdl_launch(pdl))
+                               num_warps=4 if h <= 4096 else 8, **pdl_launch(pdl))
     return out, res_out
 
 
@@ -207,10 +207,5 @@ def act_mul(gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
     pdl = programmatic_launch(gate_up.device)
     _act_mul_kernel[(m, triton.cdiv(inter, block))](gate_up, out, inter, gate_up.stride(0), out.stride(0),
                                                    GELU=activation == "gelu_tanh", BLOCK=block, PDL=pdl, num_warps=4,
-                                                   **_pdl_launch(pdl))
+                                                   **pdl_launch(pdl))
     return out
-
-
-def _pdl_launch(pdl: bool) -> dict:
-    """The launch option of a PDL kernel (left out otherwise: the interpreter takes no such option)."""
-    return {"launch_pdl": True} if pdl else {}

@@ -56,6 +56,12 @@ def programmatic_launch(device: torch.device | str) -> bool:
     return capability(device)[0] >= 9
 
 
+def pdl_launch(pdl: bool) -> dict:
+    """The launch option of a kernel built with PDL (``launch_pdl=True``), as keyword arguments; none otherwise
+    (the interpreter takes no such option)."""
+    return {"launch_pdl": True} if pdl else {}
+
+
 def ab_switch(name: str, choices: tuple[str, ...]) -> str:
     """The environment variable ``name`` (an A/B switch of the benches) among ``choices``, the first when unset;
     anything else is refused, naming the variable and its choices."""

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from quantkit.kernels.device_info import interpreting, programmatic_launch
+from quantkit.kernels.device_info import interpreting, pdl_launch, programmatic_launch
 from quantkit.kernels.fp8_quant import e4m3_codes, e4m3_scale
 
 MAX_M = 4  # activation rows one launch takes (the kernel keeps one accumulator per row)
@@ -281,7 +281,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         x, weight, weight if bias is None else bias, y, n, k, x.stride(0), weight.stride(0), y.stride(0), xs, ws,
         M=m, HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0,
         PDL=pdl, SCALED=scales is not None, W_VEC=cfg.vec, num_warps=cfg.num_warps, num_stages=1,
-        **({"launch_pdl": True} if pdl else {}))
+        **pdl_launch(pdl))
     return y
 
 

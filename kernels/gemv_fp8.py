@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from quantkit.kernels.device_info import programmatic_launch
+from quantkit.kernels.device_info import pdl_launch, programmatic_launch
 from quantkit.kernels.gemv import DenseGemvConfig, _gemv_kernel, layout_problem, shape_problem
 
 C = DenseGemvConfig
@@ -118,7 +118,7 @@ def gemv_fp8(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, bias:
         input_scale if static else w_scale, w_scale, M=m, HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0, PDL=pdl, SCALED=True, QUANT_X=True, STATIC_X=static,
         AMAX_BLOCK=amax_block(m, k, cfg.num_warps), W_VEC=cfg.vec or VEC, num_warps=cfg.num_warps, num_stages=1,
-        **({"launch_pdl": True} if pdl else {}))
+        **pdl_launch(pdl))
     return y
 
 

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from quantkit.kernels.device_info import ab_switch, interpreting, moe_programmatic_launch
+from quantkit.kernels.device_info import ab_switch, interpreting, moe_programmatic_launch, pdl_launch
 from quantkit.kernels.fp8_quant import quantize_activations
 
 # The most (token, slot) pairs this kernel takes: beyond, a tiled program's 16 rows are mostly full.
@@ -323,7 +323,7 @@ def _launch(a, p1, w, s, z, ids, topw, out_parts, n, k, top_k, in_splits, inter,
                            BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages, UNROLL=unroll, PDL=pdl,
                            ROWS=MATHS.index(math) if quant else 0, EVEN_K=slices * k_split == k,
                            ASM=not interpreting(),
-                           num_warps=num_warps, **({"launch_pdl": True} if pdl else {}))
+                           num_warps=num_warps, **pdl_launch(pdl))
 
 
 # The K loops' pipelining and unrolling by default (the kernel's NUM_STAGES, UNROLL): two cp.async stages in the
@@ -419,7 +419,7 @@ def moe_gemv(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
         block = min(1024, triton.next_power_of_2(inter))
         _gated_rows_kernel[(pairs, triton.cdiv(inter, block))](p1, hid, inter, s1, p1.stride(0), p1.stride(1),
                                                                 BLOCK=block, PDL=pdl, num_warps=4,
-                                                                **({"launch_pdl": True} if pdl else {}))
+                                                                **pdl_launch(pdl))
         a2, as2 = quantize_activations(hid, experts.group2) if fp8 else (hid, None)
         _launch(a2, p1, experts.w2, experts.s2, experts.z2, ids, topw, parts2, h, inter, 1, s1, inter, q,
                 experts.group2, False, True, k2, block_n, block_k, num_warps, as2, num_stages, unroll, pdl, math)
@@ -430,5 +430,5 @@ def moe_gemv(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     out = torch.empty(t, h, dtype=x.dtype, device=x.device)
     block = min(1024, triton.next_power_of_2(h))
     _sum_parts_kernel[(t, triton.cdiv(h, block))](p2, out, h, top_k * s2, BLOCK=block, UNROLL=unroll, PDL=pdl,
-                                                  num_warps=4, **({"launch_pdl": True} if pdl else {}))
+                                                  num_warps=4, **pdl_launch(pdl))
     return out

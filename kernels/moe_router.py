@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from quantkit.kernels.device_info import ab_switch, moe_programmatic_launch
+from quantkit.kernels.device_info import ab_switch, moe_programmatic_launch, pdl_launch
 from quantkit.kernels.moe_align import FILL, _blocks_a_step, _n_blocks, _route_body, _warps, align_in_one_program
 
 # Up to this many tokens (a decode batch); more take the router GEMM and route_and_align apart.
@@ -118,5 +118,5 @@ def router_route_and_align(x: torch.Tensor, router: torch.Tensor, top_k: int, re
                                PAIRS=triton.next_power_of_2(pairs), EXPERTS=triton.next_power_of_2(num_experts),
                                FILL=FILL, BLOCKS=_blocks_a_step(num_experts), BLOCK_E=BLOCK_E, BLOCK_H=block_h,
                                ALIGN=align, TOP_K_P2=triton.next_power_of_2(top_k), PDL=pdl,
-                               num_warps=_warps(pairs, num_experts), **({"launch_pdl": True} if pdl else {}))
+                               num_warps=_warps(pairs, num_experts), **pdl_launch(pdl))
     return weights, ids, (sorted_ids, block_expert) if align else None

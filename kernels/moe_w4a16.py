@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from quantkit.kernels.device_info import ab_switch
 from quantkit.kernels.fp8_quant import quantize_activations
 from quantkit.kernels.moe_align import BLOCK_M, moe_align
 
@@ -319,7 +320,6 @@ GEMV_MAX_PAIRS = 64  # 4-bit experts: batch 8 of top-8
 def decode_kernel(experts: MoEExperts, pairs: int) -> str:
     """"gemv" or "tiles" for ``pairs`` (token, slot) pairs of ``experts`` (the table above)."""
     from quantkit.kernels import moe_gemv
-    from quantkit.kernels.device_info import ab_switch
 
     choice = ab_switch("QUANTKIT_MOE_DECODE", DECODE_KERNELS)
     if choice == "tiles" or not moe_gemv.applies(experts, pairs):
@@ -358,8 +358,6 @@ TILE_CONFIGS: tuple[tuple[str, int, TileConfig], ...] = (
 def tile_config(experts: MoEExperts, pairs: int) -> TileConfig:
     """TILE_CONFIGS' pick for ``pairs`` (token, slot) pairs of ``experts``; ``QUANTKIT_MOE_TILES=plain`` gives
     TileConfig() to every call (an A/B switch for the benches)."""
-    from quantkit.kernels.device_info import ab_switch
-
     if ab_switch("QUANTKIT_MOE_TILES", ("table", "plain")) == "plain":
         return TileConfig()
     return next((c for k, least, c in TILE_CONFIGS if k == experts.kind and pairs >= least), TileConfig())

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from quantkit.kernels.device_info import interpreting, programmatic_launch
+from quantkit.kernels.device_info import interpreting, pdl_launch, programmatic_launch
 from quantkit.kernels.w4a16_configs import PAIR_TILE_K
 
 
@@ -417,6 +417,6 @@ def _gather_columns(x: torch.Tensor, index: torch.Tensor, zero: torch.Tensor | N
     pdl = programmatic_launch(x.device)
     _gather_columns_kernel[grid](x, index, out, zero, tile_sums, m, k, zero.numel(), x.stride(0), BLOCK=block,
                                  SUM_TILE=sum_tile, LAUNCH_DEPENDENTS=x.is_cuda and not interpreting(),
-                                 WAIT_PREVIOUS=pdl, **({"launch_pdl": True} if pdl else {}))
+                                 WAIT_PREVIOUS=pdl, **pdl_launch(pdl))
     return out
 

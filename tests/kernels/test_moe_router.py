@@ -99,7 +99,7 @@ def test_runtime_moe_block_with_the_fused_router_equals_its_reference(monkeypatc
                                                             (1, False, True)])
 def test_fused_router_compiles_for_sm90_without_spills(sm90, tmp_path, tokens, with_layout, pdl):
     """Qwen3-30B-A3B's router (128 experts of 2048, top-8) at 1 and 4 tokens: the GEMM's product and the last
-    program's routing in registers. With PDL (opt-in): the wait for the previous kernel before any global load."""
+    program's routing in registers. With PDL (the default on Hopper): the wait for the previous kernel before any global load."""
     from quantkit.kernels.moe_align import FILL, _blocks_a_step, _warps
     from quantkit.kernels.moe_router import BLOCK_E
 
