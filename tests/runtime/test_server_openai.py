@@ -169,31 +169,47 @@ def test_metrics_parse_as_prometheus_text(tokenizer):  # noqa: F811
 
 
 def test_metrics_of_the_real_engine_show_kv_use(tiny_family):
-    """While requests run on the real engine the queue depth and KV-cache use are non-zero."""
+    """While requests run on the real engine the queue depth and KV-cache use are non-zero.
+
+    The engine's worker is held after a step that left requests in the cache, and /metrics is read then: polling
+    while the requests ran raced them (a fast machine finished all three between two reads)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     from quantkit.runtime.loader import load_engine
 
     folder, _ = tiny_family("llama")
     engine = load_engine(str(folder), device="cpu", max_batch=2, max_seq_len=64)
-    seen = []
     with running_server(engine, max_tokens=60) as (url, app):
+        step, holding, release = engine.step, threading.Event(), threading.Event()
+
+        def held_step():
+            events = step()
+            if engine.num_running and not release.is_set():
+                holding.set()
+                release.wait(30)
+            return events
+
+        engine.step = held_step  # the worker looks the method up on the engine at each step
+        statuses = []
+
         def call(i):
-            httpx.post(f"{url}/v1/completions", json={"prompt": [i + 1] * 8, "max_tokens": 50}, timeout=60)
+            body = {"prompt": [i + 1] * 8, "max_tokens": 20, "ignore_eos": True}
+            statuses.append(httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code)
 
         threads = [threading.Thread(target=call, args=(i,)) for i in range(3)]
         for t in threads:
             t.start()
-        deadline = time.monotonic() + 30
-        while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
-            text = httpx.get(f"{url}/metrics").text
-            seen.append({s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
-                         if not s.labels})
-            time.sleep(0.01)
-        for t in threads:
-            t.join(30)
-    assert max(m["quantkit_kv_cache_usage_ratio"] for m in seen) > 0
-    assert max(m["quantkit_requests_running"] for m in seen) > 0
+        try:
+            assert holding.wait(30), "no engine step left a request running"
+            text = httpx.get(f"{url}/metrics", timeout=10).text
+        finally:
+            release.set()
+            for t in threads:
+                t.join(30)
+    seen = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels}
+    assert seen["quantkit_kv_cache_usage_ratio"] > 0
+    assert seen["quantkit_requests_running"] > 0
+    assert statuses == [200, 200, 200]
 
 
 def test_every_503_carries_retry_after(tokenizer, monkeypatch):  # noqa: F811
