@@ -206,9 +206,9 @@ def test_signal_shuts_down_gracefully(sig):
     proc, url = start_server_process()
     try:
         result = {}
-        # An in-flight request (40 steps of 20 ms) that the shutdown must let finish.
+        # An in-flight request (100 steps of 20 ms) that the shutdown must let finish.
         caller = threading.Thread(target=lambda: result.update(r=httpx.post(
-            f"{url}/v1/completions", json={"prompt": [3], "max_tokens": 40}, timeout=30)))
+            f"{url}/v1/completions", json={"prompt": [3], "max_tokens": 100}, timeout=30)))
         caller.start()
         wait_until(lambda: httpx.get(f"{url}/health", timeout=5).json()["in_flight"] == 1, timeout=20,
                    what="the request to be in flight")
@@ -222,7 +222,7 @@ def test_signal_shuts_down_gracefully(sig):
     assert "Traceback" not in err
     assert "served out" in out and "Shutting down" in err and "Application shutdown complete" in err
     assert result["r"].status_code == 200
-    assert result["r"].json()["choices"][0]["text"] == FakeEngine.expected([3], 40)
+    assert result["r"].json()["choices"][0]["text"] == FakeEngine.expected([3], 100)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
