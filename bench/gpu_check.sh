@@ -31,7 +31,8 @@
 # GEMV against the tiled kernel, block and whole step (`moe-decode 400`), the GEMV's maths (`moe-math 260`),
 # the step under switches
 # (`moe-step BUDGET NAME:VAR=VALUE,...`), its prefill tiles and the step with them (`moe-prefill 430`),
-# and its GPTQ / AWQ times (`moe-quantize 590 gptq|awq [LAYERS]`).
+# and its GPTQ / AWQ times (`moe-quantize 590 gptq|awq [LAYERS]`); issue 42's tensor-core FP8 GEMM, its configs and
+# the 8B step with it (`fp8-mma 420`).
 # Everything lands in $OUT (JSON of each bench, the suite's log).
 # pytest runs with OMP_NUM_THREADS=1: 8-12 xdist workers on 16 cores, each with torch's one thread a core, took
 # turns on the cores (the MoE GPU tests, mostly CPU set-up, ran 44-109 s a case on an H100, 2026-12-05).
@@ -218,6 +219,19 @@ moe-math)  # issue 39 (BUDGET_S ~260): the 4-bit expert GEMV's maths (moe_gemv.M
         2>&1 | tail -5
     moe_steps default: offset:QUANTKIT_MOE_GEMV_MATH=offset
     ;;
+fp8-mma)  # issue 42 (BUDGET_S ~420): the tensor-core FP8 GEMM (QUANTKIT_FP8_GEMV=mma, opt-in until it wins
+    # here): its GPU tests, its configs at the 8B linears (M = 1, 8, 32) beside today's FP8 linear and bf16, then the
+    # whole 8B bench of FP8 and bf16 with today's default and with mma (~7 minutes)
+    card | tee "$OUT/card.txt"
+    step 90 env OMP_NUM_THREADS=1 python3 -m pytest -m gpu tests/kernels/test_gemv_fp8_mma.py -n 4 -q -p no:cacheprovider \
+        2>&1 | tail -5
+    step 120 python3 bench/tune_fp8_mma.py --deadline 100 --out "$OUT/fp8_mma.json" 2>&1 | tail -16
+    for v in default:QUANTKIT_FP8_GEMV=unfused mma:QUANTKIT_FP8_GEMV=mma; do
+        step 110 env "${v#*:}" python3 -m quantkit.cli.app bench --shape llama3-8b --formats fp8,bf16 --no-baselines \
+            --steps 64 --out "$OUT/bench_8b_fp8_${v%%:*}.json" 2>&1 | tail -12
+    done
+    rm -f "$OUT"/*.png
+    ;;
 moe-prefill)  # issue 39 at prefill (BUDGET_S ~430): the fused kernel's tiles at 256 and 2048 rows (BLOCK_M 16/32/64)
     # as graph replays, each checked against the default's output (~1 minute on an H100), then the whole bench (its
     # prefill of 2048 tokens) with moe_w4a16.TILE_CONFIGS and with the plain tiles (QUANTKIT_MOE_TILES=plain)
@@ -235,5 +249,5 @@ moe-quantize)  # issue 39's 10-minute targets: GPTQ (third argument gptq, the de
     step 560 python3 bench/bench_moe.py --skip "$other" serve kernel --layers "${4:-16}" \
         --out "$OUT/bench_moe_$m.json" 2>&1 | tail -30
     ;;
-*) echo "usage: gpu_check.sh benches|suite|one|tests|gguf|coldstart-ab|moe|w4a16|moe-decode|moe-math|moe-step|moe-prefill|moe-quantize BUDGET_S"; exit 2 ;;
+*) echo "usage: gpu_check.sh benches|suite|one|tests|gguf|coldstart-ab|moe|w4a16|moe-decode|moe-math|moe-step|moe-prefill|moe-quantize|fp8-mma BUDGET_S"; exit 2 ;;
 esac

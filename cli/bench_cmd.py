@@ -22,6 +22,9 @@ def register(app: typer.Typer) -> None:
         prefill_tokens: Annotated[int, typer.Option("--prefill-tokens", help="Prompt length of the prefill test.")] = 2048,
         baselines: Annotated[bool, typer.Option("--baselines/--no-baselines",
                                                 help="Also time transformers generate on the same weights.")] = True,
+        formats: Annotated[str, typer.Option("--formats", help="Runtime rows to time, comma-separated: int4, fp8, "
+                                                               "bf16 (a checkpoint: its own format and bf16).")]
+        = "int4,fp8,bf16",
         out: Annotated[Path | None, typer.Option("--out", help="JSON path (a PNG plot is written beside it).")] = None,
     ) -> None:
         """int4 and fp8 against bf16 in one run (a checkpoint: itself against its bf16 dequantization): decode tok/s by batch, prefill tok/s, peak memory, copy bandwidth."""
@@ -42,7 +45,8 @@ def register(app: typer.Typer) -> None:
             partial.write_text(json.dumps(record, indent=2))
 
         record = bench_run.run(shape or target, shape=shape is not None, batches=sizes, steps=steps,
-                               prefill_tokens=prefill_tokens, baselines=baselines, on_result=save)
+                               prefill_tokens=prefill_tokens, baselines=baselines, on_result=save,
+                               formats=tuple(f.strip() for f in formats.split(",") if f.strip()))
         path.write_text(json.dumps(record, indent=2))
         partial.unlink(missing_ok=True)
         typer.echo(bench_run.format_table(record))

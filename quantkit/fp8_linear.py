@@ -15,7 +15,10 @@ channel (per tensor is expanded when prepared) or per block. The paths, chosen o
   ``scales=`` (two launches, the path measured on the GPU). ``QUANTKIT_FP8_GEMV=fused`` runs the one-launch GEMV
   that quantizes the activations per token itself, exactly as the kernel above does (``kernels/gemv_fp8.py``;
   the default once ``bench/tune_fp8_gemv.py`` has measured it faster on the GPU); ``0`` sends decode to
-  ``_scaled_mm`` too. Read when the weights are prepared.
+  ``_scaled_mm`` too. ``QUANTKIT_FP8_GEMV=mma`` (opt-in until timed on a GPU) runs decode batches up to
+  ``gemv_fp8_mma.MAX_M`` = 64 rows through quantkit's tensor-core FP8 GEMM (``kernels/gemv_fp8_mma.py``: the weight
+  codes go to the FP8 warpgroup MMA as they are, with no per-byte conversion), after the same quantization
+  kernel. Read when the weights are prepared.
 * ``scaled_mm_block`` (CUDA, block 128x128 weights, where :func:`block_scaled_mm_layout` finds torch's
   block-scaled GEMM and checks it against the emulation on the device once): activations quantized per token
   and 128 columns, then ``torch.nn.functional.scaled_mm`` with ``BlockWise1x128`` / ``BlockWise128x128`` scales.
@@ -30,17 +33,18 @@ the runtime keeps the prepared record (:class:`FP8LinearWeights`) in its own ``L
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from quantkit.kernels.device_info import ab_switch
 from quantkit.kernels.fp8_quant_ref import activations_through_e4m3
 from quantkit.primitives import dequantize_fp8
 
 log = logging.getLogger(__name__)
 GEMV_MAX_M = 4  # kernels/gemv.py's MAX_M: rows the decode GEMV takes
+MMA_MAX_M = 64  # kernels/gemv_fp8_mma.py's MAX_M: rows the tensor-core FP8 GEMM takes
 
 
 @dataclass
@@ -58,6 +62,8 @@ class FP8LinearWeights:
     dequantized: torch.Tensor | None = None  # reference path on the CPU: float32 ``[N, K]``, dequantized once
     gemv: bool = False  # scaled_mm path: decode-sized batches (M <= 4) through quantkit's FP8 GEMV instead
     gemv_fused: bool = False  # that GEMV quantizes the activations itself (one launch), else a kernel before it
+    gemv_mma: bool = False  # scaled_mm path: M <= 64 through the tensor-core FP8 GEMM instead (QUANTKIT_FP8_GEMV=mma)
+    mma_counters: torch.Tensor | None = None  # its split-K tile counters (int32, zero between calls), one set a linear
     act_group: int = 0  # block weights: activations scaled per token and run of this many columns (0: per token)
     block_scale: torch.Tensor | None = None  # scaled_mm_block path: the weight's block scales, laid out as it needs
 
@@ -121,10 +127,16 @@ def prepare_fp8_linear(weight: torch.Tensor, weight_scale: torch.Tensor, strateg
         ok, reason = scaled_mm_supported(device, n, k) if backend == "auto" else (False, "reference asked for")
         prepared = FP8LinearWeights(weight, scale, "scaled_mm" if ok else "reference", input_scale, bias, reason)
         # M <= 4 (decode): the FP8 GEMV reads the weight once at full bandwidth where _scaled_mm's tiles are mostly
-        # empty rows; QUANTKIT_FP8_GEMV=0 turns it off, =fused runs the one-launch GEMV (not yet timed on a GPU,
-        # so not the default; A/B switches for the bench, read once here)
-        switch = os.environ.get("QUANTKIT_FP8_GEMV", "unfused")
+        # empty rows; QUANTKIT_FP8_GEMV=0 turns it off, =fused runs the one-launch GEMV, =mma the tensor-core GEMM
+        # up to 64 rows (neither faster in a measured step yet, so not the default; A/B switches for the bench,
+        # read once here)
+        switch = ab_switch("QUANTKIT_FP8_GEMV", ("unfused", "1", "0", "fused", "mma"))
         prepared.gemv, prepared.gemv_fused = ok and switch != "0", switch == "fused"
+        prepared.gemv_mma = ok and switch == "mma"
+        if prepared.gemv_mma:
+            from quantkit.kernels.gemv_fp8_mma import counters_for
+
+            prepared.mma_counters = counters_for(n, device)
     if prepared.path == "reference" and device.type == "cpu":  # the CPU never dequantizes per call
         prepared.dequantized = _dequantized(prepared)
     return prepared
@@ -150,7 +162,8 @@ def fp8_linear_ref(x: torch.Tensor, w: FP8LinearWeights) -> torch.Tensor:
 def fp8_linear_scaled_mm(x: torch.Tensor, w: FP8LinearWeights) -> torch.Tensor:
     """The Hopper path: per-token quantization (one kernel), then at M <= 4 quantkit's FP8 GEMV, else
     ``torch._scaled_mm`` (bfloat16 out); with ``gemv_fused`` (QUANTKIT_FP8_GEMV=fused) at M <= 4 one launch that
-    quantizes ``x`` itself (the result in ``x``'s dtype)."""
+    quantizes ``x`` itself (the result in ``x``'s dtype); with ``gemv_mma`` (QUANTKIT_FP8_GEMV=mma) at M <= 64 the
+    tensor-core FP8 GEMM after the quantization kernel."""
     from quantkit.kernels.fp8_quant import quantize_per_token
 
     shape = x.shape
@@ -160,6 +173,11 @@ def fp8_linear_scaled_mm(x: torch.Tensor, w: FP8LinearWeights) -> torch.Tensor:
 
         return gemv_fp8(x2, w.weight, w.scale, w.bias, w.input_scale).reshape(*shape[:-1], w.out_features)
     qx, sx = quantize_per_token(x2, w.input_scale)
+    if w.gemv_mma and 0 < qx.shape[0] <= MMA_MAX_M:
+        from quantkit.kernels.gemv_fp8_mma import gemv_fp8_mma
+
+        y = gemv_fp8_mma(qx, sx, w.weight, w.scale, w.bias, counters=w.mma_counters)
+        return y.to(x.dtype).reshape(*shape[:-1], w.out_features)
     if w.gemv and 0 < qx.shape[0] <= GEMV_MAX_M:
         from quantkit.kernels.gemv import gemv
 

@@ -76,8 +76,15 @@ def run(
     prefill_tokens: int = 2048,
     baselines: bool = True,
     on_result: Callable[[dict], None] | None = None,
+    formats: tuple[str, ...] = FORMATS,
 ) -> dict:
-    """Benchmark ``target`` (a shape name from ``bench.SHAPES`` when ``shape``, else a checkpoint folder)."""
+    """Benchmark ``target`` (a shape name from ``bench.SHAPES`` when ``shape``, else a checkpoint folder).
+    ``formats``: the runtime rows to time (a shape: any of :data:`FORMATS`; a checkpoint: its own format and/or
+    bf16, its dequantization)."""
+    unknown = [f for f in formats if f not in FORMATS]
+    if unknown or not formats:
+        raise QuantkitError(f"--formats takes a comma-separated subset of {', '.join(FORMATS)}, "
+                            f"got {','.join(formats)!r}")
     if not shape:  # an architecture the runtime does not implement: say so first, on any machine
         _require_runtime_family(target)
     if not torch.cuda.is_available():
@@ -90,6 +97,7 @@ def run(
         "batches": list(batches),
         "steps": steps,
         "prefill_tokens": prefill_tokens,
+        "formats": list(formats),
     }
 
     def publish(key: str, value) -> None:
@@ -102,9 +110,9 @@ def run(
 
     publish("copy_bandwidth_gbs", bench.copy_bandwidth("cuda"))
     if shape:
-        _shape_phases(target, batches, steps, prefill_tokens, baselines, publish)
+        _shape_phases(target, batches, steps, prefill_tokens, baselines, publish, formats)
     else:
-        _checkpoint_phases(target, batches, steps, prefill_tokens, baselines, publish)
+        _checkpoint_phases(target, batches, steps, prefill_tokens, baselines, publish, formats)
     return record
 
 
@@ -135,14 +143,14 @@ _SHAPE_FORMATS = (
 )
 
 
-def _shape_phases(target, batches, steps, prefill_tokens, baselines, publish) -> None:
+def _shape_phases(target, batches, steps, prefill_tokens, baselines, publish, formats) -> None:
     """Each format on its own random model, each phase published as soon as it exists."""
     from quantkit.tools import random_moe
 
     if random_moe.is_moe_shape(bench.SHAPES.get(target, {})):
-        _moe_shape_phases(target, batches, steps, prefill_tokens, publish)
+        _moe_shape_phases(target, batches, steps, prefill_tokens, publish, formats)
         return
-    for fmt in _SHAPE_FORMATS:
+    for fmt in (f for f in _SHAPE_FORMATS if f.key in formats):
         hf = bench.random_hf_model(target, "cuda")
         quant = None
         if fmt.quantize is not None:
@@ -159,14 +167,14 @@ def _shape_phases(target, batches, steps, prefill_tokens, baselines, publish) ->
         _free()
 
 
-def _moe_shape_phases(target, batches, steps, prefill_tokens, publish) -> None:
+def _moe_shape_phases(target, batches, steps, prefill_tokens, publish, formats) -> None:
     """A MoE shape: each format's runtime straight from random tensors (``tools/random_moe.py`` says why), so no
     transformers model to check the logits against or to time ``generate`` on (the GPU tests compare the kernels
     backend with the reference backend on tiny MoE checkpoints of every format)."""
     from quantkit.tools.random_moe import random_moe_runtime
 
     publish("baselines", "none: MoE shapes are built without a transformers model (tools/random_moe.py)")
-    for key in FORMATS:
+    for key in (k for k in FORMATS if k in formats):
         runtime = random_moe_runtime(bench.SHAPES[target], key, "cuda", max_positions=max(4096, prefill_tokens + 1),
                                      name=target)
         publish(key, bench.bench_runtime(runtime, batches, steps, prefill_tokens, split=True))
@@ -174,12 +182,17 @@ def _moe_shape_phases(target, batches, steps, prefill_tokens, publish) -> None:
         _free()
 
 
-def _checkpoint_phases(target, batches, steps, prefill_tokens, baselines, publish) -> None:
+def _checkpoint_phases(target, batches, steps, prefill_tokens, baselines, publish, formats) -> None:
     from quantkit.checkpoint.fp8 import is_fp8_checkpoint
     from quantkit.runtime.loader import load_runtime_model
 
     quantized = "fp8" if is_fp8_checkpoint(target) else "int4"
+    if not set(formats) & {"bf16", quantized}:
+        raise QuantkitError(f"{target} is an {quantized} checkpoint: --formats can time {quantized} and bf16 (its "
+                            f"dequantization), got {','.join(formats)!r}")
     for key, dequantize in (("bf16", True), (quantized, False)):
+        if key not in formats:
+            continue
         runtime, _ = load_runtime_model(
             target, device="cuda", dtype="bfloat16", dequantize=dequantize, max_positions=max(4096, prefill_tokens + 1)
         )

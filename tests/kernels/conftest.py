@@ -51,7 +51,8 @@ signature = dict(spec["signature"], **{name: "constexpr" for name in spec["const
 # what Triton's launcher specializes at run time: 16-byte aligned pointers, integers divisible by 16
 attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in spec["aligned"]}
 kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=spec["constexprs"], attrs=attrs),
-                        target=GPUTarget("cuda", 90, 32), options={"num_warps": spec["num_warps"]})
+                        target=GPUTarget("cuda", 90, 32),
+                        options={"num_warps": spec["num_warps"], "num_stages": spec.get("num_stages") or 3})
 open(spec["out"], "w").write(kernel.asm["ptx"])
 """
 
@@ -71,14 +72,15 @@ class Sm90Tools:
         assert done.returncode == 0, done.stderr[-3000:]
 
     def triton_ptx(self, out: str, module: str, kernel: str, signature: dict[str, str], constexprs: dict,
-                   num_warps: int, aligned: tuple[str, ...] = ()) -> str:
+                   num_warps: int, aligned: tuple[str, ...] = (), num_stages: int | None = None) -> str:
         """``module.kernel`` (a ``@triton.jit`` function) compiled for sm_90 with these argument types and
         constexprs; its PTX written to ``out`` (the path, returned) for :meth:`ptxas_notices`. ``aligned``: the
         arguments to compile as Triton's launcher specializes them when they are 16-byte aligned pointers or
         integers divisible by 16 (the vector widths of the loads depend on it; an integer equal to 1 it makes a
-        constexpr: pass those in ``constexprs``)."""
+        constexpr: pass those in ``constexprs``). ``num_stages``: the software pipeline's depth (Triton's default,
+        3, when None)."""
         spec = dict(out=out, module=module, kernel=kernel, signature=signature, constexprs=constexprs,
-                    num_warps=num_warps, aligned=list(aligned))
+                    num_warps=num_warps, aligned=list(aligned), num_stages=num_stages)
         self.compile(_COMPILE_TRITON, json.dumps(spec))
         return out
 

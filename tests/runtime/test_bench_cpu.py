@@ -3,8 +3,10 @@ how the decode rate is measured."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from quantkit.config import QuantkitError
 from quantkit.tools import bench, bench_run
 
 
@@ -77,11 +79,26 @@ def test_shape_run_measures_int4_fp8_bf16_in_order(monkeypatch):
             return name
 
         monkeypatch.setattr(bench, "random_hf_model", model)
-        bench_run._shape_phases("tiny", (1, 8), 4, 16, baselines, lambda k, v: published.append((k, v)))
+        bench_run._shape_phases("tiny", (1, 8), 4, 16, baselines, lambda k, v: published.append((k, v)),
+                                bench_run.FORMATS)
         assert events == [("model", "tiny", "cuda", "model0"), ("int4", "model0"), ("runtime", "model0", "info"),
                           ("model", "tiny", "cuda", "model1"), ("fp8", "model1"), ("runtime", "model1", None),
                           ("model", "tiny", "cuda", "model2"), ("runtime", "model2", None)]
         assert published == (expected if baselines else [e for e in expected if not e[0].startswith("transformers")])
+    # --formats fp8,bf16: the int4 model is never built, the others as before (bf16 keeps its baseline)
+    events.clear()
+    published.clear()
+    names = iter(range(1, 3))
+    bench_run._shape_phases("tiny", (1, 8), 4, 16, True, lambda k, v: published.append((k, v)), ("fp8", "bf16"))
+    assert [e[0] for e in events] == ["model", "fp8", "runtime", "model", "runtime"]
+    assert published == expected[3:]
+
+
+def test_formats_are_checked_before_the_gpu_is_asked_for():
+    """An unknown or empty --formats is a clear error on any machine (exit 2 through the CLI)."""
+    for bad in (("int8",), ()):
+        with pytest.raises(QuantkitError, match="--formats takes a comma-separated subset of int4, fp8, bf16"):
+            bench_run.run("llama3-8b", shape=True, formats=bad)
 
 
 def test_prefill_split_times_every_part_of_an_fp8_prefill(monkeypatch):

@@ -43,6 +43,8 @@ def test_cli_errors_exit_2(tmp_path):
     if not torch.cuda.is_available():
         bench = quantkit("bench", "--shape", "llama3-8b")
         assert bench.returncode == 2 and "CUDA" in bench.stderr
+    bench = quantkit("bench", "--shape", "llama3-8b", "--formats", "int4,gguf")
+    assert bench.returncode == 2 and "--formats takes" in bench.stderr and "Traceback" not in bench.stderr
 
 
 def test_generate_streams_what_it_returns(tiny_family):
