@@ -32,7 +32,7 @@
 # the step under switches
 # (`moe-step BUDGET NAME:VAR=VALUE,...`), its prefill tiles and the step with them (`moe-prefill 430`),
 # and its GPTQ / AWQ times (`moe-quantize 590 gptq|awq [LAYERS]`); issue 42's tensor-core FP8 GEMM, its configs and
-# the 8B step with it (`fp8-mma 420`).
+# the 8B step with it and with the FP8 codes written by the norm and activation kernels (`fp8-mma 560`).
 # Everything lands in $OUT (JSON of each bench, the suite's log).
 # pytest runs with OMP_NUM_THREADS=1: 8-12 xdist workers on 16 cores, each with torch's one thread a core, took
 # turns on the cores (the MoE GPU tests, mostly CPU set-up, ran 44-109 s a case on an H100, 2026-12-05).
@@ -219,16 +219,19 @@ moe-math)  # issue 39 (BUDGET_S ~260): the 4-bit expert GEMV's maths (moe_gemv.M
         2>&1 | tail -5
     moe_steps default: offset:QUANTKIT_MOE_GEMV_MATH=offset
     ;;
-fp8-mma)  # issue 42 (BUDGET_S ~420): the tensor-core FP8 GEMM (QUANTKIT_FP8_GEMV=mma, opt-in until it wins
-    # here): its GPU tests, its configs at the 8B linears (M = 1, 8, 32) beside today's FP8 linear and bf16, then the
-    # whole 8B bench of FP8 and bf16 with today's default and with mma (~7 minutes)
+fp8-mma)  # issue 42 (BUDGET_S ~560): the FP8 decode candidates: the tensor-core GEMM (QUANTKIT_FP8_GEMV=mma) and the
+    # norm / activation kernels writing the linears' codes (QUANTKIT_FP8_FUSED_QUANT=1), both opt-in until they win
+    # here: the GPU tests of both, the GEMM's configs at the 8B linears (M = 1, 8, 32) beside today's FP8 linear and
+    # bf16, then the 8B bench: FP8 and bf16 with the defaults, FP8 alone under each candidate (~9 minutes)
     card | tee "$OUT/card.txt"
-    step 90 env OMP_NUM_THREADS=1 python3 -m pytest -m gpu tests/kernels/test_gemv_fp8_mma.py -n 4 -q -p no:cacheprovider \
-        2>&1 | tail -5
-    step 120 python3 bench/tune_fp8_mma.py --deadline 100 --out "$OUT/fp8_mma.json" 2>&1 | tail -16
-    for v in default:QUANTKIT_FP8_GEMV=unfused mma:QUANTKIT_FP8_GEMV=mma; do
-        step 110 env "${v#*:}" python3 -m quantkit.cli.app bench --shape llama3-8b --formats fp8,bf16 --no-baselines \
-            --steps 64 --out "$OUT/bench_8b_fp8_${v%%:*}.json" 2>&1 | tail -12
+    step 100 env OMP_NUM_THREADS=1 python3 -m pytest -m gpu tests/kernels/test_gemv_fp8_mma.py \
+        tests/runtime/test_fp8_runtime.py -n 4 -q -p no:cacheprovider 2>&1 | tail -5
+    step 100 python3 bench/tune_fp8_mma.py --deadline 80 --out "$OUT/fp8_mma.json" 2>&1 | tail -16
+    for v in default:fp8,bf16:QUANTKIT_FP8_GEMV=unfused fusedq:fp8:QUANTKIT_FP8_FUSED_QUANT=1 \
+             mma:fp8:QUANTKIT_FP8_GEMV=mma mma_fusedq:fp8:QUANTKIT_FP8_GEMV=mma,QUANTKIT_FP8_FUSED_QUANT=1; do
+        IFS=: read -r name formats vars <<< "$v"
+        step 100 env ${vars//,/ } python3 -m quantkit.cli.app bench --shape llama3-8b --formats "$formats" \
+            --no-baselines --steps 64 --out "$OUT/bench_8b_fp8_$name.json" 2>&1 | tail -12
     done
     rm -f "$OUT"/*.png
     ;;

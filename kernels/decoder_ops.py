@@ -20,12 +20,32 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from quantkit.kernels.device_info import pdl_launch, programmatic_launch
+from quantkit.kernels.fp8_quant import WHOLE_ROW_MAX, e4m3_codes, e4m3_scale, quantize_per_token
 
 
 @triton.jit
-def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, H, eps, offset,
+def _fp8_row_out(y, out_ptr, s_ptr, static_ptr, row, cols, ok, DTYPE: tl.constexpr, QUANT: tl.constexpr,
+                 STATIC: tl.constexpr):
+    """Store a finished float32 row ``y``: rounded to the model's DTYPE, or (QUANT) rounded to DTYPE as the
+    16-bit output would be, then to e4m3 codes with the row's absmax scale (or the static one at ``static_ptr``)
+    and that scale: bitwise what ``fp8_quant.quantize_per_token`` gives on the 16-bit output."""
+    if QUANT:
+        y = y.to(DTYPE).to(tl.float32)
+        if STATIC:
+            scale = tl.load(static_ptr).to(tl.float32)
+        else:
+            scale = e4m3_scale(tl.max(tl.where(ok, tl.abs(y), 0.0), axis=0))
+        tl.store(out_ptr + cols, e4m3_codes(y, scale), mask=ok)
+        tl.store(s_ptr + row, scale)
+    else:
+        tl.store(out_ptr + cols, y.to(DTYPE), mask=ok)
+
+
+@triton.jit
+def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, s_ptr, static_ptr, H, eps, offset,
                          stride_x, stride_r, stride_o, stride_ro,
-                         HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+                         HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr, QUANT: tl.constexpr = False,
+                         STATIC: tl.constexpr = False):
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
@@ -40,22 +60,42 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, H, eps, of
     xf = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / H + eps)
     w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (xf * rstd * (w + offset)).to(out_ptr.dtype.element_ty), mask=ok)
+    _fp8_row_out(xf * rstd * (w + offset), out_ptr + row * stride_o, s_ptr, static_ptr, row, cols, ok,
+                 res_out_ptr.dtype.element_ty, QUANT, STATIC)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
                  offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """As :func:`.decoder_ops_ref.add_rms_norm_ref`: ``x, residual [M, H]`` -> ``(normed, x + residual)``."""
-    m, h = x.shape
     out = torch.empty_like(x)
+    return out, _launch_add_rms_norm(x, residual, weight, eps, offset, out, None, None)
+
+
+def add_rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                     offset: float = 0.0, input_scale: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`add_rms_norm` whose normed rows go straight to an FP8 linear: ``(codes float8_e4m3fn [M, H],
+    scales float32 [M, 1], x + residual)``, the codes and scales bitwise ``quantize_per_token(normed,
+    input_scale)``'s (the normed row is rounded to x's dtype first, as the 16-bit output would be). One launch
+    instead of two, and the 16-bit normed rows are never written."""
+    m, h = x.shape
+    q = torch.empty((m, h), device=x.device, dtype=torch.float8_e4m3fn)
+    s = torch.empty((m, 1), device=x.device, dtype=torch.float32)
+    return q, s, _launch_add_rms_norm(x, residual, weight, eps, offset, q, s, input_scale)
+
+
+def _launch_add_rms_norm(x, residual, weight, eps, offset, out, scales, input_scale) -> torch.Tensor:
+    m, h = x.shape
     res_out = x if residual is None else torch.empty_like(x)
     res = x if residual is None else residual
+    quant, static = scales is not None, input_scale is not None
     pdl = programmatic_launch(x.device)
-    _add_rms_norm_kernel[(m,)](x, res, weight, out, res_out, h, eps, offset,
+    _add_rms_norm_kernel[(m,)](x, res, weight, out, res_out, scales if quant else out,
+                               input_scale if static else out, h, eps, offset,
                                x.stride(0), res.stride(0), out.stride(0), res_out.stride(0),
                                HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(h), PDL=pdl,
-                               num_warps=4 if h <= 4096 else 8, **pdl_launch(pdl))
-    return out, res_out
+                               QUANT=quant, STATIC=static, num_warps=4 if h <= 4096 else 8, **pdl_launch(pdl))
+    return res_out
 
 
 @triton.jit
@@ -179,13 +219,13 @@ def rope_cache(qkv: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tens
 
 
 @triton.jit
-def _act_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o, GELU: tl.constexpr, BLOCK: tl.constexpr,
-                    PDL: tl.constexpr):
+def _act_mul_kernel(x_ptr, out_ptr, s_ptr, static_ptr, inter, stride_x, stride_o, GELU: tl.constexpr,
+                    BLOCK: tl.constexpr, PDL: tl.constexpr, QUANT: tl.constexpr = False, STATIC: tl.constexpr = False):
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
     row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # QUANT: one program holds the whole row
     ok = cols < inter
     g = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(x_ptr + row * stride_x + inter + cols, mask=ok, other=0.0).to(tl.float32)
@@ -195,7 +235,8 @@ def _act_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o, GELU: tl.constexp
         act = 0.5 * g * (1.0 + (2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0))
     else:
         act = g / (1.0 + tl.exp(-g))
-    tl.store(out_ptr + row * stride_o + cols, (act * u).to(out_ptr.dtype.element_ty), mask=ok)
+    _fp8_row_out(act * u, out_ptr + row * stride_o, s_ptr, static_ptr, row, cols, ok, x_ptr.dtype.element_ty,
+                 QUANT, STATIC)
 
 
 def act_mul(gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
@@ -205,7 +246,27 @@ def act_mul(gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
     out = torch.empty((m, inter), device=gate_up.device, dtype=gate_up.dtype)
     block = min(1024, triton.next_power_of_2(inter))
     pdl = programmatic_launch(gate_up.device)
-    _act_mul_kernel[(m, triton.cdiv(inter, block))](gate_up, out, inter, gate_up.stride(0), out.stride(0),
+    _act_mul_kernel[(m, triton.cdiv(inter, block))](gate_up, out, out, out, inter, gate_up.stride(0), out.stride(0),
                                                    GELU=activation == "gelu_tanh", BLOCK=block, PDL=pdl, num_warps=4,
                                                    **pdl_launch(pdl))
     return out
+
+
+def act_mul_fp8(gate_up: torch.Tensor, activation: str = "silu", input_scale: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`act_mul` whose rows go straight to an FP8 linear: ``(codes float8_e4m3fn [M, I], scales float32
+    [M, 1])``, bitwise ``quantize_per_token(act_mul(gate_up), input_scale)``. One program a row holds the whole
+    row (for its absmax); rows longer than ``WHOLE_ROW_MAX`` take those two launches."""
+    m, two_i = gate_up.shape
+    inter = two_i // 2
+    if inter > WHOLE_ROW_MAX:
+        return quantize_per_token(act_mul(gate_up, activation), input_scale)
+    q = torch.empty((m, inter), device=gate_up.device, dtype=torch.float8_e4m3fn)
+    s = torch.empty((m, 1), device=gate_up.device, dtype=torch.float32)
+    block = max(16, triton.next_power_of_2(inter))
+    static = input_scale is not None
+    pdl = programmatic_launch(gate_up.device)
+    _act_mul_kernel[(m, 1)](gate_up, q, s, input_scale if static else s, inter, gate_up.stride(0), q.stride(0),
+                            GELU=activation == "gelu_tanh", BLOCK=block, PDL=pdl, QUANT=True, STATIC=static,
+                            num_warps=4 if block <= 2048 else 8 if block <= 8192 else 16, **pdl_launch(pdl))
+    return q, s

@@ -29,6 +29,17 @@ def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor | None, weight: tor
     return rms_norm_ref(summed, weight, eps, offset), summed
 
 
+def add_rms_norm_fp8_ref(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                         offset: float = 0.0, input_scale: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`add_rms_norm_ref`, the normed rows then quantized to e4m3 per token (or with the static scale):
+    ``(codes, scales [M, 1], new_residual)``, what ``decoder_ops.add_rms_norm_fp8`` computes in one launch."""
+    from quantkit.kernels.fp8_quant_ref import quantize_per_token_ref
+
+    normed, summed = add_rms_norm_ref(x, residual, weight, eps, offset)
+    return (*quantize_per_token_ref(normed, input_scale), summed)
+
+
 def qk_norm_ref(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, n_heads: int, n_kv_heads: int,
                 head_dim: int, eps: float, offset: float = 0.0, per_head: bool = True) -> None:
     """RMSNorm of q and k in place on ``qkv``: each head with the ``[D]`` weights (``per_head``: Qwen3, Gemma 3),
@@ -80,6 +91,14 @@ def act_mul_ref(gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor
     gate, up = gate_up.float().chunk(2, dim=-1)
     act = F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
     return (act * up).to(gate_up.dtype)
+
+
+def act_mul_fp8_ref(gate_up: torch.Tensor, activation: str = "silu", input_scale: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`act_mul_ref` quantized to e4m3 per token (or with the static scale): ``(codes, scales [M, 1])``."""
+    from quantkit.kernels.fp8_quant_ref import quantize_per_token_ref
+
+    return quantize_per_token_ref(act_mul_ref(gate_up, activation), input_scale)
 
 
 def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:

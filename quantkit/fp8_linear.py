@@ -32,6 +32,7 @@ the runtime keeps the prepared record (:class:`FP8LinearWeights`) in its own ``L
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -63,6 +64,8 @@ class FP8LinearWeights:
     gemv: bool = False  # scaled_mm path: decode-sized batches (M <= 4) through quantkit's FP8 GEMV instead
     gemv_fused: bool = False  # that GEMV quantizes the activations itself (one launch), else a kernel before it
     gemv_mma: bool = False  # scaled_mm path: M <= 64 through the tensor-core FP8 GEMM instead (QUANTKIT_FP8_GEMV=mma)
+    codes_in: bool = False  # per-token activations: the runtime may hand it codes a fused producer quantized
+    # (QUANTKIT_FP8_FUSED_QUANT=1: the norm or activation kernel before it; fp8_linear_codes)
     mma_counters: torch.Tensor | None = None  # its split-K tile counters (int32, zero between calls), one set a linear
     act_group: int = 0  # block weights: activations scaled per token and run of this many columns (0: per token)
     block_scale: torch.Tensor | None = None  # scaled_mm_block path: the weight's block scales, laid out as it needs
@@ -133,6 +136,10 @@ def prepare_fp8_linear(weight: torch.Tensor, weight_scale: torch.Tensor, strateg
         switch = ab_switch("QUANTKIT_FP8_GEMV", ("unfused", "1", "0", "fused", "mma"))
         prepared.gemv, prepared.gemv_fused = ok and switch != "0", switch == "fused"
         prepared.gemv_mma = ok and switch == "mma"
+        # the norm / activation kernels in front quantize for it, saving a launch a linear; opt-in until a step
+        # measures it faster (the codes and scales are bitwise those of the quantization kernel); the reference
+        # backend's producers quantize as the emulation does, so it may take codes too
+        prepared.codes_in = ab_switch("QUANTKIT_FP8_FUSED_QUANT", ("0", "1")) == "1"
         if prepared.gemv_mma:
             from quantkit.kernels.gemv_fp8_mma import counters_for
 
@@ -140,6 +147,26 @@ def prepare_fp8_linear(weight: torch.Tensor, weight_scale: torch.Tensor, strateg
     if prepared.path == "reference" and device.type == "cpu":  # the CPU never dequantizes per call
         prepared.dequantized = _dequantized(prepared)
     return prepared
+
+
+def concat_fp8_linears(parts: list[FP8LinearWeights]) -> FP8LinearWeights:
+    """One prepared linear computing ``parts``' outputs side by side (q/k/v, gate/up): weights, row scales, biases
+    and CPU dequantizations stacked; the path and every decode choice the first part was prepared with (the parts
+    share their input, its static scale and their strategy: ``runtime.fp8_weights.fused_fp8_linear`` checks), the
+    split-K counters sized for the whole."""
+    first = parts[0]
+    fused = dataclasses.replace(
+        first,
+        weight=torch.cat([p.weight for p in parts]),
+        scale=torch.cat([p.scale for p in parts], dim=1),
+        bias=None if first.bias is None else torch.cat([p.bias for p in parts]),
+        dequantized=None if first.dequantized is None else torch.cat([p.dequantized for p in parts]),
+    )
+    if first.mma_counters is not None:
+        from quantkit.kernels.gemv_fp8_mma import counters_for
+
+        fused.mma_counters = counters_for(fused.out_features, first.weight.device)
+    return fused
 
 
 def _dequantized(w: FP8LinearWeights) -> torch.Tensor:
@@ -173,20 +200,37 @@ def fp8_linear_scaled_mm(x: torch.Tensor, w: FP8LinearWeights) -> torch.Tensor:
 
         return gemv_fp8(x2, w.weight, w.scale, w.bias, w.input_scale).reshape(*shape[:-1], w.out_features)
     qx, sx = quantize_per_token(x2, w.input_scale)
-    if w.gemv_mma and 0 < qx.shape[0] <= MMA_MAX_M:
+    return fp8_linear_codes(qx, sx, w, x.dtype).reshape(*shape[:-1], w.out_features)
+
+
+def fp8_linear_codes(qx: torch.Tensor, sx: torch.Tensor, w: FP8LinearWeights, out_dtype: torch.dtype) -> torch.Tensor:
+    """The GEMM on activations already quantized per token (``qx`` e4m3 ``[M, K]``, ``sx`` float32 ``[M, 1]``, as
+    ``quantize_per_token`` or a fused producer such as ``decoder_ops.add_rms_norm_fp8`` writes them); ``[M, N]`` in
+    ``out_dtype``. The scaled_mm path: the tensor-core FP8 GEMM (``gemv_mma``, M <= 64), else the CUDA-core FP8
+    GEMV (``gemv``, M <= 4), else ``torch._scaled_mm``. The reference path (per-token activations only): the codes
+    dequantized, one float32 matmul, as :func:`fp8_linear_ref` on the rows they quantize."""
+    m = qx.shape[0]
+    if w.path == "reference":
+        if w.act_group:
+            raise ValueError("block weights quantize activations per column group, not per token: use fp8_linear")
+        weight = w.dequantized if w.dequantized is not None else _dequantized(w)
+        y = dequantize_fp8(qx, sx) @ weight.t()
+        if w.bias is not None:
+            y = y + w.bias.float()
+        return y.to(out_dtype)
+    if w.gemv_mma and 0 < m <= MMA_MAX_M:
         from quantkit.kernels.gemv_fp8_mma import gemv_fp8_mma
 
         y = gemv_fp8_mma(qx, sx, w.weight, w.scale, w.bias, counters=w.mma_counters)
-        return y.to(x.dtype).reshape(*shape[:-1], w.out_features)
-    if w.gemv and 0 < qx.shape[0] <= GEMV_MAX_M:
+    elif w.gemv and 0 < m <= GEMV_MAX_M:
         from quantkit.kernels.gemv import gemv
 
         y = gemv(qx, w.weight, w.bias, scales=(sx, w.scale), out_dtype=torch.bfloat16)
-        return y.to(x.dtype).reshape(*shape[:-1], w.out_features)
-    y = torch._scaled_mm(qx, w.weight.t(), scale_a=sx, scale_b=w.scale, out_dtype=torch.bfloat16)
-    if w.bias is not None:
-        y = y + w.bias.to(y.dtype)
-    return y.to(x.dtype).reshape(*shape[:-1], w.out_features)
+    else:
+        y = torch._scaled_mm(qx, w.weight.t(), scale_a=sx, scale_b=w.scale, out_dtype=torch.bfloat16)
+        if w.bias is not None:
+            y = y + w.bias.to(y.dtype)
+    return y.to(out_dtype)
 
 
 def fp8_linear(x: torch.Tensor, w: FP8LinearWeights) -> torch.Tensor:

@@ -14,7 +14,7 @@ import math
 import torch
 
 from quantkit.config import QuantkitError
-from quantkit.fp8_linear import FP8LinearWeights, prepare_fp8_linear
+from quantkit.fp8_linear import concat_fp8_linears, prepare_fp8_linear
 from quantkit.runtime.linear import Linear
 
 _BLOCK_SIZES = (128, 64, 32, 256, 16)
@@ -115,11 +115,7 @@ def fused_fp8_linear(get: dict, names: list[str], dtype, device, mode: str):
     mixed_bias = any(b is not None for b in biases) and any(b is None for b in biases)
     if static_differ or mixed_bias or any(p[2] == "block" for p in parts):
         return Linear(sum(p.out_features for p in singles), parts=singles)
-    first: FP8LinearWeights = singles[0].fp8
-    weight = torch.cat([p.fp8.weight for p in singles])
-    scale = torch.cat([p.fp8.scale for p in singles], dim=1)
-    bias = None if biases[0] is None else torch.cat([p.fp8.bias for p in singles])
-    fused = FP8LinearWeights(weight, scale, first.path, first.input_scale, bias, first.reason)
-    if first.dequantized is not None:
-        fused.dequantized = torch.cat([p.fp8.dequantized for p in singles])
-    return Linear(weight.shape[0], fp8=fused, bias=bias)
+    # the parts' decode choices (the GEMV at M <= 4, the tensor-core GEMM, codes in) carry over: a fused record
+    # built from the weights alone once left q/k/v and gate/up on torch._scaled_mm at batch 1
+    fused = concat_fp8_linears([p.fp8 for p in singles])
+    return Linear(fused.out_features, fp8=fused, bias=fused.bias)

@@ -41,6 +41,19 @@ class Linear:
 
         return dense_linear(x, self.dense, self.bias)
 
+    @property
+    def takes_fp8_codes(self) -> bool:
+        """Whether the runtime may call :meth:`from_codes` instead: an FP8 linear that takes e4m3 activations a
+        fused producer quantized (``FP8LinearWeights.codes_in``)."""
+        return not self.parts and self.fp8 is not None and self.fp8.codes_in
+
+    def from_codes(self, qx: torch.Tensor, sx: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """``y`` from activations already quantized per token (``qx`` e4m3 ``[M, K]``, ``sx`` float32 ``[M, 1]``):
+        what ``self(x)`` gives when ``(qx, sx)`` is ``quantize_per_token(x, input_scale)``."""
+        from quantkit.fp8_linear import fp8_linear_codes
+
+        return fp8_linear_codes(qx, sx, self.fp8, out_dtype)
+
     def nbytes(self) -> int:
         if self.parts:
             return sum(p.nbytes() for p in self.parts)

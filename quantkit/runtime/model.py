@@ -59,6 +59,8 @@ class _Reference:
     qk_norm = staticmethod(ops.qk_norm_ref)
     rope_cache = staticmethod(ops.rope_cache_ref)
     act_mul = staticmethod(ops.act_mul_ref)
+    add_rms_norm_fp8 = staticmethod(ops.add_rms_norm_fp8_ref)
+    act_mul_fp8 = staticmethod(ops.act_mul_fp8_ref)
 
     @staticmethod
     def prefill_attention(q, k, v, cu_seqlens, max_len, scale, window_left, softcap, cu_k=None, max_k=None, fp8=False,
@@ -94,6 +96,8 @@ class _Kernels:
         self.qk_norm = fused_kernels.qk_norm
         self.rope_cache = fused_kernels.rope_cache
         self.act_mul = fused_kernels.act_mul
+        self.add_rms_norm_fp8 = fused_kernels.add_rms_norm_fp8  # the FP8 linears' fused producers
+        self.act_mul_fp8 = fused_kernels.act_mul_fp8
 
     @staticmethod
     def prefill_attention(q, k, v, cu_seqlens, max_len, scale, window_left, softcap, cu_k=None, max_k=None, fp8=False,
@@ -186,8 +190,7 @@ class RuntimeModel:
             h = h * self.embed_scale
         delta, residual = h, None
         for i, lw in enumerate(self.weights.layers):
-            x, residual = o.add_rms_norm(delta, residual, lw.input_norm, s.rms_eps, s.norm_offset)
-            qkv = lw.qkv(x)
+            qkv, residual = self._normed_linear(lw.qkv, delta, residual, lw.input_norm)
             if s.qk_norm:
                 self.qk_norm(qkv, lw)
             if s.clip_qkv:
@@ -207,19 +210,39 @@ class RuntimeModel:
                     slots,
                 )
             delta = lw.o(attend(i, qkv))
+            ff_norm = lw.post_attn_norm
             if s.sandwich_norms:
                 delta, _ = o.add_rms_norm(delta, None, lw.post_attn_norm, s.rms_eps, s.norm_offset)
-                x, residual = o.add_rms_norm(delta, residual, lw.pre_ff_norm, s.rms_eps, s.norm_offset)
-            else:
-                x, residual = o.add_rms_norm(delta, residual, lw.post_attn_norm, s.rms_eps, s.norm_offset)
+                ff_norm = lw.pre_ff_norm
             if lw.moe is not None:
+                x, residual = o.add_rms_norm(delta, residual, ff_norm, s.rms_eps, s.norm_offset)
                 delta = lw.moe(x, o.act_mul)
             else:
-                delta = lw.down(o.act_mul(lw.gate_up(x), s.activation))
+                gate_up, residual = self._normed_linear(lw.gate_up, delta, residual, ff_norm)
+                delta = self._activated_linear(lw.down, gate_up)
             if s.sandwich_norms:
                 delta, _ = o.add_rms_norm(delta, None, lw.post_ff_norm, s.rms_eps, s.norm_offset)
         x, _ = o.add_rms_norm(delta, residual, self.weights.final_norm, s.rms_eps, s.norm_offset)
         return x
+
+    def _normed_linear(self, linear, delta, residual, norm):
+        """``(linear(rms_norm(delta + residual)), delta + residual)``; an FP8 linear that takes codes gets them
+        from the norm kernel itself (one launch fewer, the same codes: ``decoder_ops.add_rms_norm_fp8``)."""
+        s, o = self.spec, self.ops
+        if linear.takes_fp8_codes:
+            qx, sx, residual = o.add_rms_norm_fp8(delta, residual, norm, s.rms_eps, s.norm_offset,
+                                                  linear.fp8.input_scale)
+            return linear.from_codes(qx, sx, delta.dtype), residual
+        x, residual = o.add_rms_norm(delta, residual, norm, s.rms_eps, s.norm_offset)
+        return linear(x), residual
+
+    def _activated_linear(self, linear, gate_up):
+        """``linear(act(gate) * up)``, the codes from the activation kernel where the FP8 linear takes them."""
+        s, o = self.spec, self.ops
+        if linear.takes_fp8_codes:
+            qx, sx = o.act_mul_fp8(gate_up, s.activation, linear.fp8.input_scale)
+            return linear.from_codes(qx, sx, gate_up.dtype)
+        return linear(o.act_mul(gate_up, s.activation))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits ``[M, V]`` of final hidden states (with Gemma's final soft-cap)."""

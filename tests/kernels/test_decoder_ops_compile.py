@@ -30,3 +30,27 @@ def test_add_sigmoid_gated_compiles_for_sm90_without_spills(sm90, tmp_path, h):
                           signature, constexprs, num_warps=4)
     notices = sm90.ptxas_notices(ptx)
     assert "0 bytes spill stores" in notices, notices
+
+
+@pytest.mark.parametrize("h", [4096, 8192])  # Llama-3-8B, -70B
+def test_add_rms_norm_fp8_compiles_for_sm90_without_spills(sm90, tmp_path, h):
+    """The norm that writes e4m3 codes and the row's scale (QUANT) for the FP8 linear behind it."""
+    signature = {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*fp8e4nv", "res_out_ptr": "*bf16",
+                 "s_ptr": "*fp32", "static_ptr": "*fp32", "H": "i32", "eps": "fp32", "offset": "fp32",
+                 "stride_x": "i32", "stride_r": "i32", "stride_o": "i32", "stride_ro": "i32"}
+    constexprs = dict(HAS_RES=True, BLOCK=triton.next_power_of_2(h), PDL=True, QUANT=True, STATIC=False)
+    ptx = sm90.triton_ptx(str(tmp_path / "norm_fp8.ptx"), "quantkit.kernels.decoder_ops", "_add_rms_norm_kernel",
+                          signature, constexprs, num_warps=4 if h <= 4096 else 8)
+    notices = sm90.ptxas_notices(ptx)
+    assert "0 bytes spill stores" in notices, notices
+
+
+@pytest.mark.parametrize("inter", [14336, 16384])  # Llama-3-8B's intermediate; the longest row held whole
+def test_act_mul_fp8_compiles_for_sm90_without_spills(sm90, tmp_path, inter):
+    signature = {"x_ptr": "*bf16", "out_ptr": "*fp8e4nv", "s_ptr": "*fp32", "static_ptr": "*fp32", "inter": "i32",
+                 "stride_x": "i32", "stride_o": "i32"}
+    constexprs = dict(GELU=False, BLOCK=triton.next_power_of_2(inter), PDL=True, QUANT=True, STATIC=False)
+    ptx = sm90.triton_ptx(str(tmp_path / "act_fp8.ptx"), "quantkit.kernels.decoder_ops", "_act_mul_kernel",
+                          signature, constexprs, num_warps=16)
+    notices = sm90.ptxas_notices(ptx)
+    assert "0 bytes spill stores" in notices, notices

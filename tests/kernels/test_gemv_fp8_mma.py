@@ -151,6 +151,40 @@ def test_fp8_linear_takes_the_mma_path_up_to_64_rows(m):
     assert torch.equal(y[0], expected.float())
 
 
+@pytest.mark.parametrize("m,mma", [(1, False), (4, False), (8, True), (1, True)])
+def test_linear_from_codes_is_the_linear_on_what_they_quantize(m, mma):
+    """runtime.Linear.from_codes on quantize_per_token's codes gives bitwise what the linear gives on the 16-bit
+    rows (the CUDA-core GEMV at M <= 4, the tensor-core GEMM with gemv_mma), so a fused producer that writes those
+    codes changes nothing but the launches; the switch that turns it on is checked."""
+    from quantkit.kernels.fp8_quant import quantize_per_token
+    from quantkit.runtime.linear import Linear
+
+    _, _, w, ws = _operands(1, 48, 64)
+    prepared = FP8LinearWeights(w, ws, "scaled_mm", None, torch.randn(48, device=DEV), gemv=True, gemv_mma=mma,
+                                mma_counters=counters_for(48, DEV), codes_in=True)
+    linear = Linear(48, fp8=prepared)
+    assert linear.takes_fp8_codes and not Linear(48, fp8=prepared, parts=[linear]).takes_fp8_codes
+    x = torch.randn(m, 64, generator=torch.Generator(device=DEV).manual_seed(m), device=DEV).to(torch.float16)
+    qx, sx = quantize_per_token(x)
+    got = linear.from_codes(qx, sx, torch.float16)
+    assert got.dtype == torch.float16 and torch.equal(got, linear(x))
+
+
+def test_fused_quant_switch(monkeypatch):
+    """QUANTKIT_FP8_FUSED_QUANT=1 lets a per-token FP8 linear take codes on any path (the reference path's
+    producers quantize as its emulation does); block weights never (their activations are quantized per column
+    group); an unknown value is refused."""
+    _, _, w, ws = _operands(1, 16, 32, device="cpu")
+    for value, expected in (("1", True), ("0", False)):
+        monkeypatch.setenv("QUANTKIT_FP8_FUSED_QUANT", value)
+        assert prepare_fp8_linear(w, ws.reshape(-1), "channel").codes_in is expected
+    block = prepare_fp8_linear(w, torch.ones(1, 1), "block", block=(16, 32))
+    assert block.act_group and not block.codes_in
+    monkeypatch.setenv("QUANTKIT_FP8_FUSED_QUANT", "yes")
+    with pytest.raises(ValueError, match="QUANTKIT_FP8_FUSED_QUANT must be one of"):
+        prepare_fp8_linear(w, ws.reshape(-1), "channel")
+
+
 def _compile(sm90, tmp_path, cfg: C, m: int, split: int):
     out = str(tmp_path / f"mma_{cfg.block_n}_{split}.ptx")
     signature = dict(x_ptr="*fp8e4nv", xs_ptr="*fp32", w_ptr="*fp8e4nv", ws_ptr="*fp32", b_ptr="*bf16",

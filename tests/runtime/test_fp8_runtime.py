@@ -282,3 +282,89 @@ def test_fp8_model_on_the_kernels_backend_with_graphs_and_fp8_prefill():
     runtime.prefill_fp8 = False
     bf16_logits = runtime.forward_logits(long)
     assert ((fp8_logits - bf16_logits).norm() / bf16_logits.norm()).item() < 5e-2
+
+
+@pytest.mark.parametrize("switch", ["unfused", "fused", "mma", "0"])
+def test_fused_qkv_takes_the_decode_path_of_its_parts(monkeypatch, switch):
+    """q/k/v (and gate/up) stacked into one FP8 linear keep every decode choice their parts were prepared with: the
+    GEMV at M <= 4 (or the one-launch or tensor-core one, or none), codes in, counters for the whole height. (The
+    stacked record was once built from the weights alone, so the 8B bench's q/k/v and gate/up ran
+    torch._scaled_mm at batch 1.) The CPU cannot run the scaled_mm path: it is forced here and only prepared."""
+    import quantkit.fp8_linear as fp8_linear_module
+    from quantkit.runtime.fp8_weights import fused_fp8_linear
+
+    monkeypatch.setattr(fp8_linear_module, "scaled_mm_supported", lambda device, n, k: (True, "forced"))
+    monkeypatch.setenv("QUANTKIT_FP8_GEMV", switch)
+    monkeypatch.setenv("QUANTKIT_FP8_FUSED_QUANT", "1")
+    get = {}
+    for name, n in (("q", 64), ("k", 32), ("v", 32)):
+        get[f"{name}.weight"] = (torch.randn(n, 48) * 100).to(torch.float8_e4m3fn)
+        get[f"{name}.weight_scale"] = torch.rand(n, 1) + 0.5
+        get[f"{name}.bias"] = torch.randn(n)
+    single = fused_fp8_linear({k: v for k, v in get.items() if k.startswith("q.")}, ["q"], torch.float32, "cpu", "auto")
+    fused = fused_fp8_linear(get, ["q", "k", "v"], torch.float32, "cpu", "auto")
+    w = fused.fp8
+    assert not fused.parts and w.path == "scaled_mm" and w.out_features == 128
+    for flag in ("gemv", "gemv_fused", "gemv_mma", "codes_in", "reason"):
+        assert getattr(w, flag) == getattr(single.fp8, flag), flag
+    assert w.gemv == (switch != "0") and w.gemv_mma == (switch == "mma") and w.codes_in
+    assert (w.mma_counters is not None and w.mma_counters.numel() >= 128 // 16) == (switch == "mma")
+    assert torch.equal(w.weight.view(torch.uint8), torch.cat([get[f"{n}.weight"] for n in "qkv"]).view(torch.uint8))
+    assert torch.equal(w.scale, torch.cat([get[f"{n}.weight_scale"] for n in "qkv"]).reshape(1, 128))
+    assert torch.equal(fused.bias, torch.cat([get[f"{n}.bias"] for n in "qkv"]))
+
+
+def test_fused_activation_quantization_on_the_reference_backend(monkeypatch):
+    """QUANTKIT_FP8_FUSED_QUANT=1 on the CPU's reference backend: the norm and activation producers hand the FP8
+    linears their codes (q/k/v, gate/up and down take codes, o does not: attention writes its input), and the
+    logits are bitwise those of the linears quantizing for themselves."""
+    from quantkit.tools import bench
+
+    hf = _tiny_llama("cpu")
+    bench.quantize_fp8_in_place(hf)
+    ids = torch.randint(0, 1024, (2, 16))
+    logits, calls = {}, {}
+    for fused in ("0", "1"):
+        monkeypatch.setenv("QUANTKIT_FP8_FUSED_QUANT", fused)
+        runtime = bench.runtime_from_hf(hf, None, backend="reference", max_positions=4096)
+        layer = runtime.weights.layers[0]
+        assert [lin.takes_fp8_codes for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)] == [fused == "1"] * 4
+        seen = []
+        for name in ("add_rms_norm_fp8", "act_mul_fp8"):
+            real = getattr(runtime.ops, name)
+            monkeypatch.setattr(runtime.ops, name, lambda *a, real=real, name=name, **k: seen.append(name) or real(*a, **k))
+        with torch.inference_mode():
+            logits[fused] = runtime.forward_logits(ids)
+        calls[fused] = seen
+    assert torch.equal(logits["0"], logits["1"])
+    assert calls["0"] == [] and calls["1"] == ["add_rms_norm_fp8", "add_rms_norm_fp8", "act_mul_fp8"] * 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gemv", ["unfused", "mma"])
+def test_fused_activation_quantization_changes_nothing_but_launches(monkeypatch, gemv):
+    """QUANTKIT_FP8_FUSED_QUANT=1 (the norm and activation kernels write the FP8 linears' codes): the same logits
+    bit for bit as the quantization kernel in front of each linear, at prefill (64 tokens: _scaled_mm) and on a
+    decode batch of 1 and 4 under each decode GEMM; fewer kernel launches a decode step."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the FP8 decode paths are timed and served on Hopper")
+    from quantkit.tools import bench
+
+    monkeypatch.setenv("QUANTKIT_FP8_GEMV", gemv)
+    hf = _tiny_llama("cuda")
+    bench.quantize_fp8_in_place(hf)
+    ids = torch.randint(0, 1024, (1, 64), device="cuda")
+    results = {}
+    for fused in ("0", "1"):
+        monkeypatch.setenv("QUANTKIT_FP8_FUSED_QUANT", fused)
+        runtime = bench.runtime_from_hf(hf, None, max_positions=4096)
+        assert runtime.weights.layers[0].qkv.takes_fp8_codes == (fused == "1")
+        with torch.inference_mode():
+            logits = [runtime.forward_logits(ids)] + [runtime.forward_logits(ids[:, :m].reshape(m, 1))
+                                                      for m in (1, 4)]
+            kernels = bench.kernel_times(lambda rt=runtime: rt.forward_logits(ids[:, :1]))["launches"]
+        results[fused] = (logits, kernels)
+        del runtime
+    for a, b in zip(results["0"][0], results["1"][0]):
+        assert torch.equal(a, b)
+    assert results["1"][1] < results["0"][1], results

@@ -99,3 +99,48 @@ def test_act_mul(dtype, activation):
     x = torch.randn(3, 2 * 200, generator=torch.Generator().manual_seed(2)).to(DEV, dtype) * 3
     out = fused_kernels.act_mul(x, activation)
     assert rel_err(out, ops.act_mul_ref(x, activation)) < _tol(dtype) * 2
+
+
+def _assert_quantized_rows(q, s, rows, input_scale):
+    """``(q, s)`` is bitwise the per-token quantization kernel's result on ``rows``; the codes times the scales
+    give ``rows`` back within e4m3's rounding (3 mantissa bits; the interpreter's conversion does not round to
+    nearest, tests/kernels/test_fp8_quant.py)."""
+    from quantkit.kernels.fp8_quant import quantize_per_token
+
+    q2, s2 = quantize_per_token(rows, input_scale)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (rows.shape[0], 1)
+    assert torch.equal(q.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(s, s2)
+    if input_scale is None:
+        assert rel_err(q.float() * s, rows.float()) < 0.1
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_residual,offset", [(False, 0.0), (True, 1.0)])
+@pytest.mark.parametrize("static", [False, True])
+def test_add_rms_norm_fp8_is_the_norm_then_the_quantization(dtype, with_residual, offset, static):
+    """One launch giving what add_rms_norm then quantize_per_token give (bitwise: the normed rows rounded to the
+    model's dtype first), the residual sum the same; an all-zero row gets the tiny scale and zero codes."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 96, generator=g).to(DEV, dtype)
+    x[2] = 0
+    res = torch.randn(4, 96, generator=g).to(DEV, dtype) if with_residual else None
+    if res is not None:
+        res[2] = 0
+    w = torch.randn(96, generator=g).to(DEV)
+    input_scale = torch.tensor([0.01], device=DEV) if static else None
+    q, s, new_res = fused_kernels.add_rms_norm_fp8(x, res, w, 1e-6, offset, input_scale)
+    out, ref_res = fused_kernels.add_rms_norm(x, res, w, 1e-6, offset)
+    assert torch.equal(new_res, ref_res)
+    _assert_quantized_rows(q, s, out, input_scale)
+    assert not q[2].float().any() and (s[2] > 0).all()
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("inter,static", [(200, False), (200, True), (16400, False)])
+def test_act_mul_fp8_is_the_activation_then_the_quantization(activation, inter, static):
+    """One program a row up to fp8_quant.WHOLE_ROW_MAX values, bitwise act_mul then quantize_per_token; longer rows
+    (16400) take those two launches."""
+    x = torch.randn(3, 2 * inter, generator=torch.Generator().manual_seed(3)).to(DEV, torch.float16) * 3
+    input_scale = torch.tensor([0.02], device=DEV) if static else None
+    q, s = fused_kernels.act_mul_fp8(x, activation, input_scale)
+    _assert_quantized_rows(q, s, fused_kernels.act_mul(x, activation), input_scale)
