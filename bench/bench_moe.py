@@ -369,7 +369,7 @@ def kernel_rows(args) -> list[dict]:
         if m >= 256:  # prefill sizes: taller tiles dequantize each expert's weights fewer times
             with env(QUANTKIT_MOE_DECODE="tiles"):
                 row["prefill_tile_sweep"] = tile_sweep(lambda **tiles: fused_moe(x, w, ids, ex, **tiles),
-                                                       PREFILL_TILE_CANDIDATES, PREFILL_TILE_DEFAULT)
+                                                       PREFILL_TILE_CANDIDATES, tile_default(prefill=True))
         rows.append(row)
     return rows
 
@@ -379,7 +379,18 @@ def kernel_rows(args) -> list[dict]:
 # at copy speed: deeper pipelines and narrower tiles (more programs) are the candidates.
 TILE_CANDIDATES = [dict(block_n=n, block_k=kk, num_warps=nw, num_stages=st)
                    for n in (32, 64, 128) for kk in (64, 128) for nw, st in ((4, 3), (4, 5), (8, 3))]
-TILE_DEFAULT = dict(block_n=64, block_k=64, num_warps=4, num_stages=3)  # moe_w4a16.TileConfig() (decode sizes)
+
+
+def tile_default(prefill: bool = False) -> dict:
+    """moe_w4a16.TileConfig() as sweep arguments (fused_moe's block_k default, 64, beside it); with ``prefill``
+    its block_m too: the base the prefill sweep compares with, the tiles before TILE_CONFIGS (which fused_moe now
+    picks at prefill sizes) and what QUANTKIT_MOE_TILES=plain forces. Read from the library, so a change to
+    TileConfig changes the sweeps' base with it."""
+    from quantkit.kernels.moe_w4a16 import TileConfig
+
+    tiles = TileConfig()
+    base = dict(block_n=tiles.block_n, block_k=64, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    return dict(block_m=tiles.block_m, **base) if prefill else base
 
 
 # At prefill (2048 tokens of top-8 over 128 experts: ~128 rows an expert) the 16-row tiles dequantize each 4-bit
@@ -387,9 +398,6 @@ TILE_DEFAULT = dict(block_n=64, block_k=64, num_warps=4, num_stages=3)  # moe_w4
 # unpack each weight fewer times; the candidates for a prefill tile table.
 PREFILL_TILE_CANDIDATES = [dict(block_m=bm, block_n=n, block_k=kk, num_warps=nw, num_stages=3)
                            for bm in (16, 32, 64) for n in (64, 128) for kk in (64, 128) for nw in (4, 8)]
-# The base the prefill sweep compares with: moe_w4a16.TileConfig(), the tiles before TILE_CONFIGS (which fused_moe
-# now picks at these sizes) and what QUANTKIT_MOE_TILES=plain forces.
-PREFILL_TILE_DEFAULT = dict(block_m=16, block_n=64, block_k=64, num_warps=4, num_stages=3)
 
 
 # The decode GEMV's knobs: output columns a program, warps, and the programs a launch aims at (more slices of K:
@@ -575,8 +583,9 @@ def print_table(record: dict) -> None:
                 kt = r["block_kernels_gemv"]
                 print(f"  its kernels: {kt['sum_us']:.1f} us in {kt['launches']} launches: "
                       + "; ".join(f"{x['name'][:36]} x{x['calls']} {x['us']:.1f}" for x in kt["kernels"]))
-        sweeps = (("tile_sweep", "tiles", lambda r: TILE_DEFAULT, "default"),
-                  ("prefill_tile_sweep", "prefill tiles", lambda r: PREFILL_TILE_DEFAULT, "the plain 16 x 64 tiles"),
+        sweeps = (("tile_sweep", "tiles", lambda r: tile_default(), "default"),
+                  ("prefill_tile_sweep", "prefill tiles", lambda r: tile_default(prefill=True),
+                   "the plain 16 x 64 tiles"),
                   ("gemv_pipelining_sweep", "GEMV pipelining", lambda r: GEMV_PIPELINING_PLAIN, "neither"),
                   ("gemv_sweep", "GEMV", lambda r: r["gemv_config"], "the table's"))
         for key, what, base, base_name in sweeps:
