@@ -32,7 +32,7 @@
 # the step under switches
 # (`moe-step BUDGET NAME:VAR=VALUE,...`), its prefill tiles and the step with them (`moe-prefill 430`),
 # and its GPTQ / AWQ times (`moe-quantize 590 gptq|awq [LAYERS]`); issue 42's tensor-core FP8 GEMM, its configs and
-# the 8B step with it and with the FP8 codes written by the norm and activation kernels (`fp8-mma 560`).
+# the 8B step with it (`fp8-mma 420`), and that step under other switches (`fp8-step BUDGET NAME:FORMATS:VARS ...`).
 # Everything lands in $OUT (JSON of each bench, the suite's log).
 # pytest runs with OMP_NUM_THREADS=1: 8-12 xdist workers on 16 cores, each with torch's one thread a core, took
 # turns on the cores (the MoE GPU tests, mostly CPU set-up, ran 44-109 s a case on an H100, 2026-12-05).
@@ -72,6 +72,16 @@ moe_steps() {  # one `quantkit bench` of the MoE shape a NAME:VAR=VALUE,... argu
         name=${v%%:*}; vars=${v#*:}
         step 120 env ${vars//,/ } python3 -m quantkit.cli.app bench --shape qwen3-30b-a3b --no-baselines --steps 32 \
             --batches 1,8 --out "$OUT/bench_30b_$name.json" 2>&1 | tail -14
+    done
+    rm -f "$OUT"/*.png
+}
+
+fp8_steps() {  # one `quantkit bench` of the 8B shape a NAME:FORMATS:VAR=VALUE,... argument, under those variables
+    local v name formats vars
+    for v in "$@"; do
+        IFS=: read -r name formats vars <<< "$v"
+        step 100 env ${vars//,/ } python3 -m quantkit.cli.app bench --shape llama3-8b --formats "$formats" \
+            --no-baselines --steps 64 --out "$OUT/bench_8b_fp8_$name.json" 2>&1 | tail -12
     done
     rm -f "$OUT"/*.png
 }
@@ -219,21 +229,22 @@ moe-math)  # issue 39 (BUDGET_S ~260): the 4-bit expert GEMV's maths (moe_gemv.M
         2>&1 | tail -5
     moe_steps default: offset:QUANTKIT_MOE_GEMV_MATH=offset
     ;;
-fp8-mma)  # issue 42 (BUDGET_S ~560): the FP8 decode candidates: the tensor-core GEMM (QUANTKIT_FP8_GEMV=mma) and the
-    # norm / activation kernels writing the linears' codes (QUANTKIT_FP8_FUSED_QUANT=1), both opt-in until they win
-    # here: the GPU tests of both, the GEMM's configs at the 8B linears (M = 1, 8, 32) beside today's FP8 linear and
-    # bf16, then the 8B bench: FP8 and bf16 with the defaults, FP8 alone under each candidate (~9 minutes)
+fp8-mma)  # issue 42 (BUDGET_S ~420): the tensor-core FP8 GEMM (QUANTKIT_FP8_GEMV=mma, opt-in until it wins here):
+    # the GPU tests of the FP8 decode paths, the GEMM's configs at the 8B linears (M = 1, 8, 32) beside today's FP8
+    # linear and bf16, then the 8B bench of FP8 and bf16 with the defaults and of FP8 with mma (~7 minutes)
     card | tee "$OUT/card.txt"
     step 100 env OMP_NUM_THREADS=1 python3 -m pytest -m gpu tests/kernels/test_gemv_fp8_mma.py \
         tests/runtime/test_fp8_runtime.py -n 4 -q -p no:cacheprovider 2>&1 | tail -5
-    step 100 python3 bench/tune_fp8_mma.py --deadline 80 --out "$OUT/fp8_mma.json" 2>&1 | tail -16
-    for v in default:fp8,bf16:QUANTKIT_FP8_GEMV=unfused fusedq:fp8:QUANTKIT_FP8_FUSED_QUANT=1 \
-             mma:fp8:QUANTKIT_FP8_GEMV=mma mma_fusedq:fp8:QUANTKIT_FP8_GEMV=mma,QUANTKIT_FP8_FUSED_QUANT=1; do
-        IFS=: read -r name formats vars <<< "$v"
-        step 100 env ${vars//,/ } python3 -m quantkit.cli.app bench --shape llama3-8b --formats "$formats" \
-            --no-baselines --steps 64 --out "$OUT/bench_8b_fp8_$name.json" 2>&1 | tail -12
-    done
-    rm -f "$OUT"/*.png
+    step 90 python3 bench/tune_fp8_mma.py --deadline 75 --out "$OUT/fp8_mma.json" 2>&1 | tail -16
+    fp8_steps default:fp8,bf16: mma:fp8:QUANTKIT_FP8_GEMV=mma
+    ;;
+fp8-step)  # issue 42: `quantkit bench --shape llama3-8b --formats FORMATS` once a VARIANT (third argument on):
+    # NAME:FORMATS:VAR=VALUE,VAR=VALUE... (FORMATS comma-separated: fp8 or fp8,bf16), ~60-90 s each, e.g.
+    #   bash bench/gpu_check.sh fp8-step 400 fused:fp8:QUANTKIT_FP8_GEMV=fused fusedq:fp8:QUANTKIT_FP8_FUSED_QUANT=1 \
+    #       mma_fusedq:fp8:QUANTKIT_FP8_GEMV=mma,QUANTKIT_FP8_FUSED_QUANT=1
+    card | tee "$OUT/card.txt"
+    shift 2
+    fp8_steps "$@"
     ;;
 moe-prefill)  # issue 39 at prefill (BUDGET_S ~430): the fused kernel's tiles at 256 and 2048 rows (BLOCK_M 16/32/64)
     # as graph replays, each checked against the default's output (~1 minute on an H100), then the whole bench (its
@@ -252,5 +263,5 @@ moe-quantize)  # issue 39's 10-minute targets: GPTQ (third argument gptq, the de
     step 560 python3 bench/bench_moe.py --skip "$other" serve kernel --layers "${4:-16}" \
         --out "$OUT/bench_moe_$m.json" 2>&1 | tail -30
     ;;
-*) echo "usage: gpu_check.sh benches|suite|one|tests|gguf|coldstart-ab|moe|w4a16|moe-decode|moe-math|moe-step|moe-prefill|moe-quantize|fp8-mma BUDGET_S"; exit 2 ;;
+*) echo "usage: gpu_check.sh benches|suite|one|tests|gguf|coldstart-ab|moe|w4a16|moe-decode|moe-math|moe-step|moe-prefill|moe-quantize|fp8-mma|fp8-step BUDGET_S"; exit 2 ;;
 esac
