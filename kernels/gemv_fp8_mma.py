@@ -51,10 +51,10 @@ class Fp8MmaConfig:
     num_stages: int = 4
 
     def __post_init__(self):
-        for name in ("block_n", "block_k", "num_warps"):
+        for name, least in (("block_n", 16), ("block_k", 16), ("num_warps", 1)):  # tl.dot's tiles: >= 16
             value = getattr(self, name)
-            if value < 16 and name != "num_warps" or value < 1 or value & (value - 1):
-                raise ValueError(f"Fp8MmaConfig.{name} must be a power of two (>= 16 for the tile), got {value}")
+            if value < least or value & (value - 1):
+                raise ValueError(f"Fp8MmaConfig.{name} must be a power of two >= {least}, got {value}")
         if self.split_k < 1 or self.num_stages < 1:
             raise ValueError(f"Fp8MmaConfig.split_k and num_stages must be >= 1, got {self.split_k}, {self.num_stages}")
 
