@@ -13,8 +13,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from quantkit.kernels.device_info import interpreting
+from quantkit.kernels.device_info import interpreting, pdl_launch, programmatic_launch
 
 FP8_MAX = tl.constexpr(448.0)
 _TINY = tl.constexpr(1.1754943508222875e-38)  # float32's smallest normal: the scale of an all-zero row
@@ -36,7 +37,10 @@ def e4m3_codes(x, scale):
 
 @triton.jit
 def _quant_row_kernel(x_ptr, q_ptr, s_ptr, static_ptr, K, stride_xm, stride_qm,
-                      STATIC: tl.constexpr, BLOCK_K: tl.constexpr, WHOLE_ROW: tl.constexpr):
+                      STATIC: tl.constexpr, BLOCK_K: tl.constexpr, WHOLE_ROW: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:  # as the decoder's small kernels: the GEMM behind may launch (and prefetch weights) while this runs
+        gdc_launch_dependents()
+        gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     ks = tl.arange(0, BLOCK_K)
     if STATIC:
@@ -79,9 +83,11 @@ def quantize_per_token(x: torch.Tensor, input_scale: torch.Tensor | None = None)
     whole = k <= WHOLE_ROW_MAX
     block_k = max(16, triton.next_power_of_2(k)) if whole else 2048
     warps = 4 if block_k <= 1024 else 8 if block_k <= 4096 else 16
+    pdl = programmatic_launch(x.device)
     if m:
         _quant_row_kernel[(m,)](x, q, s, input_scale if static else s, k, x.stride(0), q.stride(0),
-                                STATIC=static, BLOCK_K=block_k, WHOLE_ROW=whole, num_warps=warps)
+                                STATIC=static, BLOCK_K=block_k, WHOLE_ROW=whole, PDL=pdl, num_warps=warps,
+                                **pdl_launch(pdl))
     return q, s
 
 

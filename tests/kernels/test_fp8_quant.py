@@ -80,7 +80,7 @@ from quantkit.kernels.fp8_quant import _quant_row_kernel
 static, block_k, whole, warps, out = json.loads(sys.argv[1])
 signature = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "static_ptr": "*fp32", "K": "i32",
              "stride_xm": "i32", "stride_qm": "i32"}
-constexprs = dict(STATIC=static, BLOCK_K=block_k, WHOLE_ROW=whole)
+constexprs = dict(STATIC=static, BLOCK_K=block_k, WHOLE_ROW=whole, PDL=True)  # PDL: as launched on Hopper
 signature |= {k: "constexpr" for k in constexprs}
 src = ASTSource(fn=_quant_row_kernel, signature=signature, constexprs=constexprs)
 kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
@@ -94,9 +94,12 @@ open(out + ".cubin", "wb").write(kernel.asm["cubin"])
 def test_kernel_compiles_for_sm90_with_hardware_e4m3_conversion(sm90, tmp_path, static, block_k, whole, warps):
     """The launcher's kernel builds for Hopper (globals as constexpr, the fp8 store) and converts with the
     saturating round-to-nearest instruction (``cvt.rn.satfinite.e4m3x2.f32``), as torch's cast rounds; a whole row
-    of the longest length held in registers does not spill."""
+    of the longest length held in registers does not spill; it lets the next kernel launch and waits for the
+    previous one before reading (PDL, as the decoder's other small kernels)."""
     out = str(tmp_path / "quant")
     sm90.compile(_COMPILE, json.dumps([static, block_k, whole, warps, out]))
     ptx = open(out + ".ptx").read()
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
+    launch, wait = ptx.find("griddepcontrol.launch_dependents"), ptx.find("griddepcontrol.wait")
+    assert 0 <= launch < wait < ptx.find("ld.global")
     assert "0 bytes spill stores" in sm90.ptxas_notices(out + ".ptx")
