@@ -21,6 +21,9 @@
 #   then at once, carry [.stage/smolB, .stage/data(, .stage/whl)]:  bash bench/gpu_check.sh gguf BUDGET_S [coldstart]
 #     (the tests that need SmolLM2's GGUF; with "coldstart", then bench_serve_coldstart.py on SmolLM2 quantized
 #     with GPTQ's defaults: issue 40's measurements, ~6 minutes, BUDGET_S 560)
+# Today's defaults against the previous main's on one shape, one machine (the decode and prefill numbers of
+# `quantkit bench`): carry [.stage/whl, .stage/old]:  bash bench/gpu_check.sh ab BUDGET_S SHAPE  (~420 for the
+# Qwen3-30B-A3B shape)
 # Issue 40's cold start as an A/B without the GGUF (a random SmolLM2-shaped model, RTN; .stage/smoltok holds
 # SmolLM2's config.json and tokenizer files, saved from the GGUF with transformers' save_pretrained):
 #   carry [.stage/whl, .stage/smoltok, .stage/old]:  bash bench/gpu_check.sh coldstart-ab BUDGET_S (~300)
@@ -106,6 +109,21 @@ benches)
         --out "$OUT/w4a16_new.json"
     (cd /tmp && PYTHONPATH=/tmp/oldsite:/tmp/site step 60 python3 "$here/bench/bench_w4a16.py" \
         --shapes 28672x8192,4096x4096 --ms 1,16,256,1024 --out "$OUT/w4a16_old.json")
+    rm -f "$OUT"/*.png
+    ;;
+ab)  # today's defaults beside the previous main's on one shape, the same machine (carry .stage/old, and
+    # .stage/whl for typer's pin): `ab BUDGET SHAPE`, e.g. `ab 420 qwen3-30b-a3b`; decode at batch 1 and 8, 32 steps
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .stage/whl/*.whl 2>&1 | tail -2
+    export PYTHONPATH=/tmp/site
+    card | tee "$OUT/card.txt"
+    mkdir -p /tmp/old && tar -xzf .stage/old/oldmain.tgz -C /tmp/old
+    python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/oldsite /tmp/old >/dev/null 2>&1 \
+        || echo "old main install failed"
+    half=$(( (BUDGET - 20) / 2 ))
+    step "$half" python3 -m quantkit.cli.app bench --shape "$3" --no-baselines --steps 32 --batches 1,8 \
+        --out "$OUT/bench_${3}_new.json" 2>&1 | tail -14
+    (cd /tmp && PYTHONPATH=/tmp/oldsite:/tmp/site step "$half" python3 -m quantkit.cli.app bench --shape "$3" \
+        --no-baselines --steps 32 --batches 1,8 --out "$OUT/bench_${3}_old.json" 2>&1 | tail -14)
     rm -f "$OUT"/*.png
     ;;
 suite)
@@ -263,5 +281,5 @@ moe-quantize)  # issue 39's 10-minute targets: GPTQ (third argument gptq, the de
     step 560 python3 bench/bench_moe.py --skip "$other" serve kernel --layers "${4:-16}" \
         --out "$OUT/bench_moe_$m.json" 2>&1 | tail -30
     ;;
-*) echo "usage: gpu_check.sh benches|suite|one|tests|gguf|coldstart-ab|moe|w4a16|moe-decode|moe-math|moe-step|moe-prefill|moe-quantize|fp8-mma|fp8-step BUDGET_S"; exit 2 ;;
+*) echo "usage: gpu_check.sh benches|suite|one|tests|gguf|coldstart-ab|moe|w4a16|moe-decode|moe-math|moe-step|moe-prefill|moe-quantize|fp8-mma|fp8-step|ab BUDGET_S"; exit 2 ;;
 esac

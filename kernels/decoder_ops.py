@@ -6,10 +6,10 @@ At batch 1 a decode step of an 8B model has ~0.4 ms for everything but the linea
 replaces 5-15 PyTorch launches per layer with one. Each kernel handles one token row per program
 (rows are independent), computes in float32 and stores in the output's dtype.
 
-On Hopper the norm and activation kernels launch with programmatic dependent launch (PDL): each lets the
-next kernel launch at once (``griddepcontrol.launch_dependents``) and waits for the previous one
-(``griddepcontrol.wait``) before it touches memory, so the W4A16 GEMM behind it requests its first
-weights while this kernel runs, and this kernel's own launch overlaps the tail of the one before.
+On Hopper the norm, q/k norm and activation kernels launch with programmatic dependent launch (PDL): each lets
+the next kernel launch at once (``griddepcontrol.launch_dependents``) and waits for the previous one
+(``griddepcontrol.wait``) before it touches its input, so the GEMM behind it requests its first weights while this
+kernel runs, and this kernel's own launch overlaps the tail of the one before.
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def _launch_add_rms_norm(x, residual, weight, eps, offset, out, scales, input_sc
 
 @triton.jit
 def _qk_norm_kernel(qkv_ptr, qw_ptr, kw_ptr, stride_t, eps, offset, N_Q: tl.constexpr, SEG_Q: tl.constexpr,
-                    SEG_K: tl.constexpr, BLOCK: tl.constexpr):
+                    SEG_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     # program (token, segment): segments 0..N_Q-1 are q's (heads, or the whole q), the rest k's; q and k lie side
     # by side at the start of the row, so segment j > N_Q starts at N_Q * SEG_Q + (j - N_Q) * SEG_K
     t = tl.program_id(0).to(tl.int64)
@@ -116,6 +116,9 @@ def _qk_norm_kernel(qkv_ptr, qw_ptr, kw_ptr, stride_t, eps, offset, N_Q: tl.cons
         w = tl.load(kw_ptr + cols, mask=cols < SEG_K, other=0.0).to(tl.float32)
     ok = cols < seg
     base = qkv_ptr + t * stride_t + start
+    if PDL:  # the norm weights (constants) are requested; q and k are the previous kernel's output
+        gdc_launch_dependents()
+        gdc_wait()
     x = tl.load(base + cols, mask=ok, other=0.0).to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / seg + eps)
     tl.store(base + cols, (x * rstd * (w + offset)).to(qkv_ptr.dtype.element_ty), mask=ok)
@@ -130,8 +133,10 @@ def qk_norm(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, n
     seg_q, seg_k = (head_dim, head_dim) if per_head else (n_heads * head_dim, n_kv_heads * head_dim)
     n_q, n_k = (n_heads, n_kv_heads) if per_head else (1, 1)
     block = triton.next_power_of_2(max(seg_q, seg_k))
+    pdl = programmatic_launch(qkv.device)
     _qk_norm_kernel[(m, n_q + n_k)](qkv, q_weight, k_weight, qkv.stride(0), eps, offset, N_Q=n_q, SEG_Q=seg_q,
-                                    SEG_K=seg_k, BLOCK=block, num_warps=1 if block <= 256 else 4)
+                                    SEG_K=seg_k, BLOCK=block, PDL=pdl, num_warps=1 if block <= 256 else 4,
+                                    **pdl_launch(pdl))
 
 
 @triton.jit

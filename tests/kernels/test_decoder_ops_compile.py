@@ -10,15 +10,18 @@ import triton
 
 @pytest.mark.parametrize(("n_q", "seg_q", "seg_k"), [(32, 128, 128), (1, 2048, 512)])
 def test_qk_norm_compiles_for_sm90_without_spills(sm90, tmp_path, n_q, seg_q, seg_k):
-    """Per head (Qwen3-30B-A3B: 32 q heads of 128) and over the whole projections (OLMoE: q 2048, k 512)."""
+    """Per head (Qwen3-30B-A3B: 32 q heads of 128) and over the whole projections (OLMoE: q 2048, k 512), with PDL
+    as launched on Hopper."""
     block = triton.next_power_of_2(max(seg_q, seg_k))
     signature = {"qkv_ptr": "*bf16", "qw_ptr": "*bf16", "kw_ptr": "*bf16", "stride_t": "i32", "eps": "fp32",
                  "offset": "fp32"}
     ptx = sm90.triton_ptx(str(tmp_path / "qk_norm.ptx"), "quantkit.kernels.decoder_ops", "_qk_norm_kernel",
-                          signature, dict(N_Q=n_q, SEG_Q=seg_q, SEG_K=seg_k, BLOCK=block),
+                          signature, dict(N_Q=n_q, SEG_Q=seg_q, SEG_K=seg_k, BLOCK=block, PDL=True),
                           num_warps=1 if block <= 256 else 4)
     notices = sm90.ptxas_notices(ptx)
     assert "0 bytes spill stores" in notices, notices
+    text = open(ptx).read()  # PDL, as launched on Hopper: the next kernel may launch before this one waits
+    assert 0 <= text.find("griddepcontrol.launch_dependents") < text.find("griddepcontrol.wait")
 
 
 @pytest.mark.parametrize("h", [2048, 3584])  # Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B
