@@ -92,6 +92,24 @@ def _rotated(base, cos_ptr, sin_ptr, d, HALF: tl.constexpr, ROPE: tl.constexpr):
 
 
 @triton.jit
+def _normed_rotated(base, w_ptr, eps, offset, cos_ptr, sin_ptr, d, HALF: tl.constexpr, ROPE: tl.constexpr,
+                    DTYPE: tl.constexpr):
+    """:func:`_rotated` of the head vector(s) after their RMSNorm over the head (Qwen3's and Gemma 3's q/k norm,
+    weights ``[D]``), each normed value rounded to DTYPE first, as the separate q/k norm kernel stores them."""
+    x = tl.load(base + d).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=-1, keep_dims=True) / (2 * HALF) + eps)
+    x = (x * rstd * (tl.load(w_ptr + d).to(tl.float32) + offset)).to(DTYPE).to(tl.float32)
+    if ROPE:
+        p = (d + HALF) % (2 * HALF)
+        partner = tl.load(base + p).to(tl.float32)
+        partner = (partner * rstd * (tl.load(w_ptr + p).to(tl.float32) + offset)).to(DTYPE).to(tl.float32)
+        c = tl.load(cos_ptr + d % HALF)
+        s = tl.load(sin_ptr + d % HALF)
+        x = x * c + tl.where(d < HALF, -partner, partner) * s
+    return x
+
+
+@triton.jit
 def _combine_splits(o_part_ptr, lse_part_ptr, out_ptr, head0, n_splits, d, GROUP: tl.constexpr,
                     GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
                     SPLITS_P2: tl.constexpr, SPLIT_BLOCK: tl.constexpr):
@@ -124,13 +142,13 @@ def _combine_splits(o_part_ptr, lse_part_ptr, out_ptr, head0, n_splits, d, GROUP
 
 @triton.jit
 def _decode_rope_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slots_ptr, k_ptr, v_ptr, o_part_ptr, lse_part_ptr,
-                        out_ptr, counter_ptr, sm_scale, window_left, softcap,
+                        out_ptr, counter_ptr, qw_ptr, kw_ptr, sm_scale, window_left, softcap, norm_eps, norm_offset,
                         stride_qkv, stride_cos, stride_kb, stride_kn, stride_kh, stride_out,
                         N_HEADS: tl.constexpr, N_KV: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr,
                         NUM_SPLITS: tl.constexpr, MIN_SPLIT_KEYS: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, ROPE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                         PDL: tl.constexpr, GROUP_P2: tl.constexpr, SPLITS_P2: tl.constexpr,
-                        SPLIT_BLOCK: tl.constexpr):
+                        SPLIT_BLOCK: tl.constexpr, QK_NORM: tl.constexpr = False):
     # program (split, row b, KV head): the GROUP query heads of the KV head against this split's share of the
     # keys already cached (0 .. pos - 1); the last busy split also takes the new token's own key, from registers.
     # A row uses as many of the NUM_SPLITS programs as its length needs (MIN_SPLIT_KEYS keys each at least); the
@@ -152,7 +170,11 @@ def _decode_rope_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slots_ptr, k_ptr, v_
     head = kv_head * GROUP + tl.where(row_ok, offs_r, 0)
     d = tl.arange(0, HEAD_DIM)
     row_base = qkv_ptr + b * stride_qkv
-    q = _rotated(row_base + head[:, None] * HEAD_DIM, cos_row, sin_row, d[None, :], HALF, ROPE)
+    if QK_NORM:  # the per-head q/k norm here rather than in a launch of its own (qkv is left as it is)
+        q = _normed_rotated(row_base + head[:, None] * HEAD_DIM, qw_ptr, norm_eps, norm_offset, cos_row, sin_row,
+                            d[None, :], HALF, ROPE, qkv_ptr.dtype.element_ty)
+    else:
+        q = _rotated(row_base + head[:, None] * HEAD_DIM, cos_row, sin_row, d[None, :], HALF, ROPE)
     q = q.to(qkv_ptr.dtype.element_ty)  # the model rounds the rotated q, as the unfused path stores it
     k_base = k_ptr + slot * stride_kb + kv_head * stride_kh
     v_base = v_ptr + slot * stride_kb + kv_head * stride_kh
@@ -183,7 +205,11 @@ def _decode_rope_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slots_ptr, k_ptr, v_
     if split == n_splits - 1:
         # the new token: its key and value from the projection, written to the cache here (no program reads
         # position pos from the cache) and attended from registers
-        k_new = _rotated(row_base + (N_HEADS + kv_head) * HEAD_DIM, cos_row, sin_row, d, HALF, ROPE)
+        if QK_NORM:
+            k_new = _normed_rotated(row_base + (N_HEADS + kv_head) * HEAD_DIM, kw_ptr, norm_eps, norm_offset, cos_row,
+                                    sin_row, d, HALF, ROPE, qkv_ptr.dtype.element_ty)
+        else:
+            k_new = _rotated(row_base + (N_HEADS + kv_head) * HEAD_DIM, cos_row, sin_row, d, HALF, ROPE)
         k_new = k_new.to(k_ptr.dtype.element_ty)
         v_new = tl.load(row_base + (N_HEADS + N_KV + kv_head) * HEAD_DIM + d).to(v_ptr.dtype.element_ty)
         tl.store(k_base + pos * stride_kn + d, k_new)
@@ -236,7 +262,7 @@ def _rope_decode_splits(batch: int, n_kv_heads: int, max_len: int, min_split_key
 
 def decode_attention_rope(qkv, cos_table, sin_table, positions, slots, k_cache, v_cache, n_heads, counters,
                           sm_scale=None, window_left=-1, softcap=0.0, rope=True, num_splits=None, block_n=None,
-                          min_split_keys=None, pdl=False):
+                          min_split_keys=None, pdl=False, qk_norm=None):
     """One new token per sequence, straight from the fused projection: rotate its q and k (RoPE, half-split
     layout, ``cos_table / sin_table [positions, D / 2]`` float32), write its k and v into the cache at
     ``(slots[b], positions[b])``, and attend to the cache's keys 0..positions[b] -> ``[B, Hq * D]``.
@@ -247,13 +273,18 @@ def decode_attention_rope(qkv, cos_table, sin_table, positions, slots, k_cache, 
     runs them). ``rope=False``: no rotation (models without RoPE). ``num_splits``: the most programs one row's
     keys are split over; a row of L cached keys uses ceil(L / ``min_split_keys``) of them (default 4 key tiles
     each), and one alone stores its output without a combine. ``pdl``: launch with programmatic dependent
-    launch (sm_90; the previous kernel's tail and the next kernel's start overlap this one). One launch, no
+    launch (sm_90; the previous kernel's tail and the next kernel's start overlap this one). ``qk_norm``:
+    ``(q_weight [D], k_weight [D], eps, offset)``, the per-head RMSNorm of q and k (Qwen3, Gemma 3) applied here
+    before the rotation, each normed value rounded to the model's dtype as ``decoder_ops.qk_norm`` stores it,
+    instead of that kernel's launch before this one (``qkv`` stays unchanged either way). One launch, no
     host sync: safe inside a CUDA graph. Reference: :func:`decode_attention_rope_ref`."""
     b = qkv.shape[0]
     _, s_max, n_kv_heads, head_dim = k_cache.shape
     assert n_heads % n_kv_heads == 0 and qkv.shape[1] == (n_heads + 2 * n_kv_heads) * head_dim
     assert qkv.stride(1) == 1 and cos_table.stride(1) == 1 and k_cache.stride() == v_cache.stride()
     assert k_cache.stride(3) == 1 and counters.dtype == torch.int32 and counters.numel() >= b * n_kv_heads
+    q_w, k_w, eps, offset = qk_norm if qk_norm is not None else (qkv, qkv, 0.0, 0.0)
+    assert qk_norm is None or (q_w.numel() == k_w.numel() == head_dim and q_w.is_contiguous() and k_w.is_contiguous())
     group = n_heads // n_kv_heads
     sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
     on_gpu = qkv.is_cuda
@@ -268,22 +299,27 @@ def decode_attention_rope(qkv, cos_table, sin_table, positions, slots, k_cache, 
     # the combine holds GROUP_P2 x SPLIT_BLOCK x D partial outputs: at most 64 floats a thread of 4 warps
     split_block = max(1, min(splits_p2, 8192 // (group_p2 * head_dim)))
     _decode_rope_kernel[(num_splits, b, n_kv_heads)](
-        qkv, cos_table, sin_table, positions, slots, k_cache, v_cache, o_part, lse_part, out, counters,
-        sm_scale, int(window_left), float(softcap),
+        qkv, cos_table, sin_table, positions, slots, k_cache, v_cache, o_part, lse_part, out, counters, q_w, k_w,
+        sm_scale, int(window_left), float(softcap), float(eps), float(offset),
         qkv.stride(0), cos_table.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0),
         N_HEADS=n_heads, N_KV=n_kv_heads, GROUP=group, HALF=head_dim // 2, NUM_SPLITS=num_splits,
         MIN_SPLIT_KEYS=min_split_keys, BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, ROPE=rope,
         HAS_WINDOW=window_left >= 0, HAS_SOFTCAP=softcap > 0, PDL=pdl, GROUP_P2=group_p2, SPLITS_P2=splits_p2,
-        SPLIT_BLOCK=split_block, num_warps=4, **pdl_launch(pdl))
+        SPLIT_BLOCK=split_block, QK_NORM=qk_norm is not None, num_warps=4, **pdl_launch(pdl))
     return out
 
 
 def decode_attention_rope_ref(qkv, cos_table, sin_table, positions, slots, k_cache, v_cache, n_heads,
-                              sm_scale=None, window_left=-1, softcap=0.0, rope=True):
+                              sm_scale=None, window_left=-1, softcap=0.0, rope=True, qk_norm=None):
     """Plain-PyTorch reference of :func:`decode_attention_rope` (same arguments but ``counters``; the same cache
-    write), float32 math with q and k rounded to the model's dtype after rotation."""
+    write), float32 math with q and k rounded to the model's dtype after rotation (and after the q/k norm)."""
     b = qkv.shape[0]
     n_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    if qk_norm is not None:
+        from quantkit.kernels.decoder_ops_ref import qk_norm_ref
+
+        qkv = qkv.clone()  # as the kernel, leave the caller's rows as they are
+        qk_norm_ref(qkv, qk_norm[0], qk_norm[1], n_heads, n_kv_heads, head_dim, qk_norm[2], qk_norm[3])
     q_size, kv_size = n_heads * head_dim, n_kv_heads * head_dim
     q = qkv[:, :q_size].view(b, n_heads, head_dim)
     k = qkv[:, q_size:q_size + kv_size].view(b, n_kv_heads, head_dim)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from quantkit.kernels import decoder_ops_ref as ops
+from quantkit.kernels.device_info import ab_switch
 from quantkit.runtime.spec import ModelSpec, layer_rope_key, rope_tables
 from quantkit.runtime.weights import ModelWeights
 
@@ -77,12 +78,12 @@ class _Reference:
 
     @staticmethod
     def decode_attention_rope(qkv, cos, sin, positions, slots, k_cache, v_cache, n_heads, counters, scale,
-                              window_left, softcap):
+                              window_left, softcap, qk_norm=None):
         from quantkit.kernels.decode_attention import decode_attention_rope_ref
 
         return decode_attention_rope_ref(
             qkv, cos, sin, positions, slots, k_cache, v_cache, n_heads, sm_scale=scale, window_left=window_left,
-            softcap=softcap,
+            softcap=softcap, qk_norm=qk_norm,
         )
 
 
@@ -122,13 +123,13 @@ class _Kernels:
 
     @staticmethod
     def decode_attention_rope(qkv, cos, sin, positions, slots, k_cache, v_cache, n_heads, counters, scale,
-                              window_left, softcap):
+                              window_left, softcap, qk_norm=None):
         from quantkit.kernels.decode_attention import decode_attention_rope
         from quantkit.kernels.device_info import programmatic_launch
 
         return decode_attention_rope(
             qkv, cos, sin, positions, slots, k_cache, v_cache, n_heads, counters, sm_scale=scale,
-            window_left=window_left, softcap=softcap, pdl=programmatic_launch(qkv.device),
+            window_left=window_left, softcap=softcap, pdl=programmatic_launch(qkv.device), qk_norm=qk_norm,
         )
 
 
@@ -160,6 +161,11 @@ class RuntimeModel:
         # An FP8 model's prefill attention goes through the FP8 attention where fp8="auto" measures a gain
         # (kernels/attention_select.select_fp8); the KV cache and decode attention stay 16-bit.
         self.prefill_fp8 = "auto" if any(lin.fp8 is not None for lin in weights.linears()) else False
+        # Qwen3's / Gemma 3's per-head q/k norm inside the decode attention instead of a launch of its own
+        # (QUANTKIT_DECODE_QK_NORM=attention; opt-in until a whole decode step measures it faster). Not with
+        # clip_qkv, which clips between the norm and the attention.
+        switch = ab_switch("QUANTKIT_DECODE_QK_NORM", ("separate", "attention"))
+        self.qk_norm_in_decode = switch == "attention" and spec.qk_norm == "head" and not spec.clip_qkv
         self.max_positions = max_positions or spec.max_position_embeddings
         self.rope = rope_tables(config, spec, self.device, self.max_positions)
         self.layer_rope = [self.rope[layer_rope_key(config, i, self.rope)] for i in range(spec.num_layers)]
@@ -191,7 +197,7 @@ class RuntimeModel:
         delta, residual = h, None
         for i, lw in enumerate(self.weights.layers):
             qkv, residual = self._normed_linear(lw.qkv, delta, residual, lw.input_norm)
-            if s.qk_norm:
+            if s.qk_norm and not (rope_in_attention and self.qk_norm_in_decode):
                 self.qk_norm(qkv, lw)
             if s.clip_qkv:
                 qkv.clamp_(-s.clip_qkv, s.clip_qkv)
@@ -331,11 +337,14 @@ class RuntimeModel:
         counters = cache.counters
 
         def attend(i: int, qkv: torch.Tensor) -> torch.Tensor:
-            # RoPE, the cache write, attention and the split combine: one launch on the kernels backend
+            # RoPE, the cache write, attention and the split combine (and the q/k norm where qk_norm_in_decode):
+            # one launch on the kernels backend
             cos, sin = self.layer_rope[i]
+            lw = self.weights.layers[i]
+            norm = (lw.q_norm, lw.k_norm, s.rms_eps, s.norm_offset) if self.qk_norm_in_decode else None
             return self.ops.decode_attention_rope(
                 qkv, cos, sin, positions, slots, cache.k[i], cache.v[i], s.num_heads, counters, s.softmax_scale,
-                s.window_left(i), s.attn_softcap,
+                s.window_left(i), s.attn_softcap, qk_norm=norm,
             )
 
         with torch.inference_mode():

@@ -62,6 +62,40 @@ def test_fused_decode_matches_reference(dtype, hq, hkv, d, positions, splits, wi
         assert rel_err(k[slot, p], k_ref[slot, p]) < 1e-6 and torch.equal(v[slot, p], v_ref[slot, p])
 
 
+def _qk_norm_three_ways(dtype, hq, hkv, d, positions, rope, offset, splits, block_n):
+    """The kernel with the q/k norm inside, the q/k norm kernel then the kernel, and the reference with the norm:
+    ``(qkv unchanged, outputs, written keys)`` for each."""
+    from quantkit.kernels.decoder_ops import qk_norm
+
+    qkv, cos, sin, pos, slots, k, v = _case(len(positions), hq, hkv, d, 96, positions, dtype, seed=7)
+    gen = torch.Generator().manual_seed(8)
+    qw, kw = (torch.rand(d, generator=gen) + 0.5).to(DEV, dtype), (torch.rand(d, generator=gen) + 0.5).to(DEV, dtype)
+    norm = (qw, kw, 1e-6, offset)
+    counters = torch.zeros(len(positions) * hkv, dtype=torch.int32, device=DEV)
+    before = qkv.clone()
+    caches = [(k.clone(), v.clone()) for _ in range(3)]
+    kw_args = dict(rope=rope, num_splits=splits, block_n=block_n, min_split_keys=block_n)
+    fused = decode_attention_rope(qkv, cos, sin, pos, slots, *caches[0], hq, counters, qk_norm=norm, **kw_args)
+    normed = qkv.clone()
+    qk_norm(normed, qw, kw, hq, hkv, d, 1e-6, offset)
+    apart = decode_attention_rope(normed, cos, sin, pos, slots, *caches[1], hq, counters, **kw_args)
+    ref = decode_attention_rope_ref(qkv, cos, sin, pos, slots, *caches[2], hq, rope=rope, qk_norm=norm)
+    keys = [torch.stack([c[0][slot, p] for slot, p in zip(slots.tolist(), positions)]) for c in caches]
+    return torch.equal(qkv, before), (fused, apart, ref), keys
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rope,offset", [(True, 0.0), (True, 1.0), (False, 0.0)])
+def test_qk_norm_inside_is_the_norm_kernel_then_the_attention(dtype, rope, offset):
+    """qk_norm=(weights, eps, offset): the per-head q/k norm inside the kernel gives what decoder_ops.qk_norm then
+    the kernel give (the same rounding of the normed values; the norm's sum may add in another order), the new
+    key written normed and rotated, qkv untouched, and the reference agrees."""
+    unchanged, (fused, apart, ref), keys = _qk_norm_three_ways(dtype, 4, 2, 16, [37, 5], rope, offset, 3, 16)
+    tol = 1e-6 if dtype == torch.float32 and not CUDA else 3e-3
+    assert unchanged and rel_err(fused, apart) < tol and rel_err(fused, ref) < max(tol, 1e-5)
+    assert rel_err(keys[0], keys[1]) < tol and rel_err(keys[0], keys[2]) < max(tol, 1e-5)
+
+
 def test_split_count_does_not_change_the_result():
     qkv, cos, sin, pos, slots, k, v = _case(1, 4, 2, 16, 96, [90], torch.float32, seed=3)
     counters = torch.zeros(2, dtype=torch.int32, device=DEV)
@@ -88,3 +122,13 @@ def test_gpu_fused_decode_bf16(pdl, hq, hkv, d, positions, window, softcap):
     ref = decode_attention_rope_ref(qkv, cos, sin, pos, slots, k_ref, v_ref, hq, window_left=window, softcap=softcap)
     assert torch.isfinite(out).all() and rel_err(out, ref) < 1e-2
     assert not counters.any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("positions", [[0, 700], [2047]])
+def test_gpu_qk_norm_inside_at_the_qwen3_moe_heads(positions):
+    """bf16 at Qwen3-30B-A3B's heads (32 q, 4 kv, head dim 128), the launcher's own splits and tiles."""
+    unchanged, (fused, apart, ref), keys = _qk_norm_three_ways(torch.bfloat16, 32, 4, 128, positions, True, 0.0,
+                                                               None, None)
+    assert unchanged and rel_err(fused, apart) < 1e-2 and rel_err(fused, ref) < 1e-2
+    assert rel_err(keys[0], keys[1]) < 1e-2

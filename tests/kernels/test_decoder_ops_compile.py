@@ -57,3 +57,24 @@ def test_act_mul_fp8_compiles_for_sm90_without_spills(sm90, tmp_path, inter):
                           signature, constexprs, num_warps=16)
     notices = sm90.ptxas_notices(ptx)
     assert "0 bytes spill stores" in notices, notices
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_decode_attention_with_the_qk_norm_compiles_for_sm90_without_spills(sm90, tmp_path, qk_norm):
+    """The fused decode attention at Qwen3-30B-A3B's heads (group 8, head dim 128, the launcher's tiles), with the
+    per-head q/k norm inside (QK_NORM) and without."""
+    signature = {"qkv_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "pos_ptr": "*i32", "slots_ptr": "*i32",
+                 "k_ptr": "*bf16", "v_ptr": "*bf16", "o_part_ptr": "*fp32", "lse_part_ptr": "*fp32",
+                 "out_ptr": "*bf16", "counter_ptr": "*i32", "qw_ptr": "*bf16", "kw_ptr": "*bf16", "sm_scale": "fp32",
+                 "window_left": "i32", "softcap": "fp32", "norm_eps": "fp32", "norm_offset": "fp32",
+                 "stride_qkv": "i32", "stride_cos": "i32", "stride_kb": "i32", "stride_kn": "i32", "stride_kh": "i32",
+                 "stride_out": "i32"}
+    constexprs = dict(N_HEADS=32, N_KV=4, GROUP=8, HALF=64, NUM_SPLITS=16, MIN_SPLIT_KEYS=256, BLOCK_M=16,
+                      BLOCK_N=64, ROPE=True, HAS_WINDOW=False, HAS_SOFTCAP=False, PDL=True, GROUP_P2=8, SPLITS_P2=16,
+                      SPLIT_BLOCK=8, QK_NORM=qk_norm)
+    aligned = [name for name, ty in signature.items() if ty.startswith("*")] + [
+        "stride_qkv", "stride_cos", "stride_kb", "stride_kn", "stride_kh", "stride_out"]  # as the launcher specializes
+    ptx = sm90.triton_ptx(str(tmp_path / "decode.ptx"), "quantkit.kernels.decode_attention", "_decode_rope_kernel",
+                          signature, constexprs, num_warps=4, aligned=tuple(aligned))
+    notices = sm90.ptxas_notices(ptx)
+    assert "0 bytes spill stores" in notices, notices

@@ -43,6 +43,36 @@ def test_kernels_backend_matches_reference(family, tiny_family):
         assert rel_err(outs[1][0], outs[0][0]) < tol
 
 
+@pytest.mark.parametrize("family", ["qwen3", "gemma3_text"])
+def test_qk_norm_inside_the_decode_attention(family, tiny_family, monkeypatch):
+    """QUANTKIT_DECODE_QK_NORM=attention: the decode step norms q and k inside the fused attention (no q/k norm
+    call of its own at decode; prefill keeps it) and gives the separate norm's logits: bitwise on the reference
+    backend, within float32 summation order on the kernels backend."""
+    folder, _ = tiny_family(family)
+    dtype = "bfloat16" if DEV == "cuda" else "float32"
+    prompt = torch.randint(0, 256, (7,), generator=torch.Generator().manual_seed(6)).tolist()
+    tokens = torch.tensor([11, 0], device=DEV)
+    positions, slots = (torch.tensor(v, dtype=torch.int32, device=DEV) for v in ([7, 0], [1, 2]))
+    for backend in ("reference", "kernels"):
+        outs, norm_calls = [], []
+        for switch in ("separate", "attention"):
+            monkeypatch.setenv("QUANTKIT_DECODE_QK_NORM", switch)
+            m, _ = load_runtime_model(str(folder), device=DEV, dtype=dtype, backend=backend)
+            assert m.qk_norm_in_decode == (switch == "attention")
+            cache = KVCache.allocate(m.spec, 3, 16, m.dtype, m.device)
+            m.prefill([prompt], [1], cache)
+            calls = []
+            real = m.ops.qk_norm
+            monkeypatch.setattr(m.ops, "qk_norm", lambda *a, real=real, **k: calls.append(1) or real(*a, **k))
+            outs.append(m.decode(tokens, positions, slots, cache)[0])
+            norm_calls.append(len(calls))
+        assert norm_calls == [m.spec.num_layers, 0]
+        if backend == "reference":
+            assert torch.equal(outs[0], outs[1])
+        else:
+            assert rel_err(outs[1], outs[0]) < (2e-2 if DEV == "cuda" else 1e-5)
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
 def test_kernels_backend_chunked_prefill_matches_reference(family, tiny_family):
     """A prompt prefilled in chunks (attention_varlen with keys longer than queries, over the cache) gives the
