@@ -143,7 +143,7 @@ _SHAPE_FORMATS = (
 )
 
 
-def _shape_phases(target, batches, steps, prefill_tokens, baselines, publish, formats) -> None:
+def _shape_phases(target, batches, steps, prefill_tokens, baselines, publish, formats=FORMATS) -> None:
     """Each format on its own random model, each phase published as soon as it exists."""
     from quantkit.tools import random_moe
 
@@ -167,7 +167,7 @@ def _shape_phases(target, batches, steps, prefill_tokens, baselines, publish, fo
         _free()
 
 
-def _moe_shape_phases(target, batches, steps, prefill_tokens, publish, formats) -> None:
+def _moe_shape_phases(target, batches, steps, prefill_tokens, publish, formats=FORMATS) -> None:
     """A MoE shape: each format's runtime straight from random tensors (``tools/random_moe.py`` says why), so no
     transformers model to check the logits against or to time ``generate`` on (the GPU tests compare the kernels
     backend with the reference backend on tiny MoE checkpoints of every format)."""
@@ -182,7 +182,7 @@ def _moe_shape_phases(target, batches, steps, prefill_tokens, publish, formats) 
         _free()
 
 
-def _checkpoint_phases(target, batches, steps, prefill_tokens, baselines, publish, formats) -> None:
+def _checkpoint_phases(target, batches, steps, prefill_tokens, baselines, publish, formats=FORMATS) -> None:
     from quantkit.checkpoint.fp8 import is_fp8_checkpoint
     from quantkit.runtime.loader import load_runtime_model
 

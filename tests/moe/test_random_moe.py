@@ -66,3 +66,6 @@ def test_moe_shape_run_builds_no_transformers_model(monkeypatch):
     assert events == [("qwen3_moe", f, "cuda") for f in ("int4", "fp8", "bf16")]
     assert [k for k, _ in published] == ["baselines", "int4", "fp8", "bf16"]
     assert published[1][1] == {"rt": "int4", "split": True}
+    events.clear()  # --formats int4,bf16: the FP8 runtime is never built
+    bench_run._shape_phases("qwen3-30b-a3b", (1, 8), 4, 16, True, lambda k, v: None, ("int4", "bf16"))
+    assert events == [("qwen3_moe", f, "cuda") for f in ("int4", "bf16")]
