@@ -100,6 +100,14 @@ def _gemv_wanted(device_type: str, m: int, dtype: torch.dtype) -> bool:
     return os.environ.get("QUANTKIT_BF16_GEMV", "1") != "0"
 
 
+def dense_kernel(m: int, weight: torch.Tensor) -> str:
+    """Which kernel :func:`dense_linear` runs for ``m`` rows of the weight's dtype on its device: "gemv" or "cublas"
+    (off CUDA: "torch"). For reports; shapes the GEMV refuses fall back to cuBLAS at the call."""
+    if weight.device.type != "cuda":
+        return "torch"
+    return "gemv" if _gemv_wanted("cuda", m, weight.dtype) else "cublas"
+
+
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x [..., K] @ weight[N, K]^T (+ bias)``: the one selection point between the GEMV and cuBLAS."""
     x2 = x.reshape(-1, x.shape[-1])

@@ -186,6 +186,22 @@ def fp8_linear_ref(x: torch.Tensor, w: FP8LinearWeights) -> torch.Tensor:
     return y.to(x.dtype).reshape(*shape[:-1], w.out_features)
 
 
+def fp8_kernel(w: FP8LinearWeights, m: int, codes: bool = False) -> str:
+    """Which kernel runs ``m`` activation rows on ``w``, as :func:`fp8_linear` and :func:`fp8_linear_codes` decide
+    it (``codes``: the activations come quantized, so the one-launch GEMV, which quantizes 16-bit rows itself, is
+    out): "gemv_fp8" (one launch), "gemv_mma" (tensor cores), "gemv" (the CUDA-core GEMV on codes), "scaled_mm",
+    or the prepared path itself ("scaled_mm_block", "reference")."""
+    if w.path != "scaled_mm":
+        return w.path
+    if w.gemv and w.gemv_fused and not codes and 0 < m <= GEMV_MAX_M:
+        return "gemv_fp8"
+    if w.gemv_mma and 0 < m <= MMA_MAX_M:
+        return "gemv_mma"
+    if w.gemv and 0 < m <= GEMV_MAX_M:
+        return "gemv"
+    return "scaled_mm"
+
+
 def fp8_linear_scaled_mm(x: torch.Tensor, w: FP8LinearWeights) -> torch.Tensor:
     """The Hopper path: per-token quantization (one kernel), then at M <= 4 quantkit's FP8 GEMV, else
     ``torch._scaled_mm`` (bfloat16 out); with ``gemv_fused`` (QUANTKIT_FP8_GEMV=fused) at M <= 4 one launch that
@@ -195,7 +211,7 @@ def fp8_linear_scaled_mm(x: torch.Tensor, w: FP8LinearWeights) -> torch.Tensor:
 
     shape = x.shape
     x2 = x.reshape(-1, shape[-1]).contiguous()
-    if w.gemv and w.gemv_fused and 0 < x2.shape[0] <= GEMV_MAX_M:
+    if fp8_kernel(w, x2.shape[0]) == "gemv_fp8":
         from quantkit.kernels.gemv_fp8 import gemv_fp8
 
         return gemv_fp8(x2, w.weight, w.scale, w.bias, w.input_scale).reshape(*shape[:-1], w.out_features)
@@ -218,11 +234,12 @@ def fp8_linear_codes(qx: torch.Tensor, sx: torch.Tensor, w: FP8LinearWeights, ou
         if w.bias is not None:
             y = y + w.bias.float()
         return y.to(out_dtype)
-    if w.gemv_mma and 0 < m <= MMA_MAX_M:
+    kernel = fp8_kernel(w, m, codes=True)
+    if kernel == "gemv_mma":
         from quantkit.kernels.gemv_fp8_mma import gemv_fp8_mma
 
         y = gemv_fp8_mma(qx, sx, w.weight, w.scale, w.bias, counters=w.mma_counters)
-    elif w.gemv and 0 < m <= GEMV_MAX_M:
+    elif kernel == "gemv":
         from quantkit.kernels.gemv import gemv
 
         y = gemv(qx, w.weight, w.bias, scales=(sx, w.scale), out_dtype=torch.bfloat16)

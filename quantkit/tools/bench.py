@@ -406,6 +406,34 @@ def greedy_agreement(engine: Engine, n_prompt: int = 32, n_new: int = 24, seed: 
     }
 
 
+def linear_kernels(model: RuntimeModel, batches: tuple[int, ...]) -> dict:
+    """``{linear: {batch: kernel}}`` for the first decoder layer's linears and the lm_head: the kernel the dispatch
+    code picks at each decode batch size (FP8: ``fp8_linear.fp8_kernel``, "+codes" where a fused producer hands it
+    quantized rows; INT4: the W4A16 plan's choice; 16-bit: the GEMV or cuBLAS; split linears: their parts joined by
+    "+"). A record thus says which kernels its numbers are of (an FP8 record once timed q/k/v on _scaled_mm)."""
+    from quantkit.fp8_linear import fp8_kernel
+    from quantkit.kernels.device_info import gpu_arch
+    from quantkit.kernels.dispatch import dense_kernel
+    from quantkit.kernels.w4a16_select import plan_w4a16
+
+    def label(lin, m: int, fed_codes: bool) -> str:
+        if lin.parts:
+            return " + ".join(label(p, m, False) for p in lin.parts)
+        if lin.fp8 is not None:
+            codes = fed_codes and lin.takes_fp8_codes
+            return fp8_kernel(lin.fp8, m, codes=codes) + ("+codes" if codes else "")
+        if lin.packed is not None:
+            plan = plan_w4a16(lin.packed.facts(), gpu_arch(lin.packed.qweight.device))
+            return "reference" if plan is None else plan.choice(m).label()
+        return dense_kernel(m, lin.dense)
+
+    layer = model.weights.layers[0]
+    named = {"qkv": (layer.qkv, True), "o": (layer.o, False), "gate_up": (layer.gate_up, True),
+             "down": (layer.down, True), "lm_head": (model.weights.lm_head, False)}
+    return {name: {str(b): label(lin, b, fed) for b in batches} for name, (lin, fed) in named.items()
+            if lin is not None}
+
+
 def bench_runtime(
     model: RuntimeModel, batches: tuple[int, ...], steps: int, prefill_tokens: int, split: bool = False
 ) -> dict:
@@ -423,6 +451,7 @@ def bench_runtime(
     result = {
         "weight_bytes_per_token": model.weights.nbytes(),
         "kv_cache_bytes": engine.cache.nbytes(),
+        "linear_kernels": linear_kernels(model, batches),
         "decode_tps": {},
     }
     for b in batches:

@@ -264,6 +264,11 @@ def format_table(record: dict) -> str:
         if "greedy_vs_prefill" in record.get(key, {}):
             lines.append(f"{key} greedy decode vs prefill path: {record[key]['greedy_vs_prefill']}")
     for key in FORMATS:
+        if "linear_kernels" in record.get(key, {}):
+            lines.append(f"{key} kernels by batch: " + "; ".join(
+                f"{name} " + ", ".join(f"{b}: {k}" for b, k in by_batch.items())
+                for name, by_batch in record[key]["linear_kernels"].items()))
+    for key in FORMATS:
         if "time_split_ms" in record.get(key, {}):
             lines.append(f"{key} batch-1 step (ms): "
                          + ", ".join(f"{k} {v:.3f}" for k, v in record[key]["time_split_ms"].items()))

@@ -161,3 +161,32 @@ def test_step_kernels_lists_what_one_decode_step_runs():
     record = {"batches": [1], "int4": {"decode_tps": {"1": 1.0}, "prefill_tps": 1.0, "weight_bytes_per_token": 1,
                                        "peak_memory_bytes": 1, "step_kernels": got}}
     assert f"int4 batch-1 step, eager, by kernel: {got['launches']} launches" in bench_run.format_table(record)
+
+
+def test_linear_kernels_say_which_kernel_each_linear_runs(monkeypatch):
+    """The record names the kernel of each linear at each batch size, as the dispatch decides it: an FP8 model
+    prepared for the Hopper path (forced here: the CPU only prepares it) takes the GEMV at batch 1 on every linear,
+    q/k/v and gate/up included, and _scaled_mm above 4 rows; under the opt-in switches the tensor-core GEMM up to 64
+    rows and codes from the norm and activation kernels (not for o, whose input attention writes)."""
+    import quantkit.fp8_linear as fp8_linear_module
+
+    monkeypatch.setattr(fp8_linear_module, "scaled_mm_supported", lambda device, n, k: (True, "forced"))
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2)
+    hf = LlamaForCausalLM(cfg).eval()
+    bench.quantize_fp8_in_place(hf)
+    model = bench.runtime_from_hf(hf, None, backend="reference")
+    got = bench.linear_kernels(model, (1, 8, 128))
+    for name in ("qkv", "o", "gate_up", "down"):
+        assert got[name] == {"1": "gemv", "8": "scaled_mm", "128": "scaled_mm"}, (name, got)
+    assert got["lm_head"] == {"1": "torch", "8": "torch", "128": "torch"}
+    monkeypatch.setenv("QUANTKIT_FP8_GEMV", "mma")
+    monkeypatch.setenv("QUANTKIT_FP8_FUSED_QUANT", "1")
+    got = bench.linear_kernels(bench.runtime_from_hf(hf, None, backend="reference"), (1, 8, 128))
+    assert got["qkv"] == got["down"] == {"1": "gemv_mma+codes", "8": "gemv_mma+codes", "128": "scaled_mm+codes"}
+    assert got["o"] == {"1": "gemv_mma", "8": "gemv_mma", "128": "scaled_mm"}
+    record = {"batches": [1, 8], "fp8": {"linear_kernels": got, "decode_tps": {"1": 1.0, "8": 2.0},
+                                         "prefill_tps": 3.0, "weight_bytes_per_token": 1, "peak_memory_bytes": 1}}
+    assert "fp8 kernels by batch: qkv 1: gemv_mma+codes" in bench_run.format_table(record)
