@@ -38,7 +38,7 @@ def test_add_sigmoid_gated_compiles_for_sm90_without_spills(sm90, tmp_path, h):
 @pytest.mark.parametrize("h", [4096, 8192])  # Llama-3-8B, -70B
 def test_add_rms_norm_fp8_compiles_for_sm90_without_spills(sm90, tmp_path, h):
     """The norm that writes e4m3 codes and the row's scale (QUANT) for the FP8 linear behind it."""
-    signature = {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*fp8e4nv", "res_out_ptr": "*bf16",
+    signature = {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*fp8e4nv", "res_out_ptr": "*bf16",
                  "s_ptr": "*fp32", "static_ptr": "*fp32", "H": "i32", "eps": "fp32", "offset": "fp32",
                  "stride_x": "i32", "stride_r": "i32", "stride_o": "i32", "stride_ro": "i32"}
     constexprs = dict(HAS_RES=True, BLOCK=triton.next_power_of_2(h), PDL=True, QUANT=True, STATIC=False)
@@ -65,7 +65,7 @@ def test_decode_attention_with_the_qk_norm_compiles_for_sm90_without_spills(sm90
     per-head q/k norm inside (QK_NORM) and without."""
     signature = {"qkv_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "pos_ptr": "*i32", "slots_ptr": "*i32",
                  "k_ptr": "*bf16", "v_ptr": "*bf16", "o_part_ptr": "*fp32", "lse_part_ptr": "*fp32",
-                 "out_ptr": "*bf16", "counter_ptr": "*i32", "qw_ptr": "*bf16", "kw_ptr": "*bf16", "sm_scale": "fp32",
+                 "out_ptr": "*bf16", "counter_ptr": "*i32", "qw_ptr": "*fp32", "kw_ptr": "*fp32", "sm_scale": "fp32",
                  "window_left": "i32", "softcap": "fp32", "norm_eps": "fp32", "norm_offset": "fp32",
                  "stride_qkv": "i32", "stride_cos": "i32", "stride_kb": "i32", "stride_kn": "i32", "stride_kh": "i32",
                  "stride_out": "i32"}
