@@ -69,18 +69,26 @@ def smem_bytes(cfg: Fp8MmaConfig, m: int) -> int:
     return cfg.num_stages * (cfg.block_n + block_m(m)) * cfg.block_k
 
 
+def wave_balance(programs: int, sms: int) -> float:
+    """How evenly ``programs`` equal programs load ``sms`` SMs, each taking the next as one ends (the busiest SM's
+    share against the mean): 1.0 when they divide evenly, 448 / 528 = 0.85 for 448 programs on 132 SMs (four
+    rounds, the last a sixth full)."""
+    return programs / (triton.cdiv(programs, sms) * sms)
+
+
 def mma_config(m: int, n: int, k: int, sms: int = 132) -> Fp8MmaConfig:
     """The rule (not measured yet): 64-row tiles (the FP8 warpgroup MMA, no conversion), 256 columns a step (one
-    1-byte row of a tile is two 128-byte lines), as many stages as fit :data:`SMEM_BUDGET` up to 4, and K split
-    until the programs cover ``sms`` SMs, each split keeping at least ``num_stages`` steps to pipeline."""
+    1-byte row of a tile is two 128-byte lines), as many stages as fit :data:`SMEM_BUDGET` up to 4, and the least
+    K split whose programs load the SMs evenly (:func:`wave_balance` >= 0.95; a memory-bound GEMM is as slow as its
+    busiest SM), each split keeping at least ``num_stages`` steps to pipeline; where none does, the most even."""
     block_k = min(256, max(16, triton.next_power_of_2(k)))
     stages = 4
     while stages > 2 and stages * (64 + block_m(m)) * block_k > SMEM_BUDGET:
         stages -= 1
     tiles, steps = triton.cdiv(n, 64), triton.cdiv(k, block_k)
-    split = 1
-    while tiles * split < sms and steps // (2 * split) >= stages:
-        split *= 2
+    splits = [s for s in (1, 2, 4, 8, 16) if s == 1 or steps // s >= stages]
+    even = [s for s in splits if wave_balance(tiles * s, sms) >= 0.95]
+    split = even[0] if even else max(splits, key=lambda s: wave_balance(tiles * s, sms))
     return Fp8MmaConfig(64, block_k, split, 4, stages)
 
 

@@ -23,6 +23,7 @@ from quantkit.kernels.gemv_fp8_mma import (
     gemv_fp8_mma_supports,
     mma_config,
     smem_bytes,
+    wave_balance,
 )
 
 CUDA = torch.cuda.is_available()
@@ -85,17 +86,21 @@ def test_default_config_and_output_dtype():
 
 
 def test_config_rule_at_the_8b_shapes():
-    """64-row tiles and K split until the programs cover the SMs, each split keeping at least a pipeline's depth of
-    K steps, the pipeline within the shared-memory budget; the narrow side padded to 16, 32, 64."""
+    """64-row tiles and the least K split that loads 132 SMs evenly (each split keeping at least a pipeline's depth
+    of K steps), the pipeline within the shared-memory budget; the narrow side padded to 16, 32, 64."""
     for m in (1, 8, 16, 32, 64):
         for n, k in SHAPES_8B:
             cfg = mma_config(m, n, k, sms=132)
             tiles, steps = -(-n // cfg.block_n), k // cfg.block_k
             assert cfg.block_n == 64 and smem_bytes(cfg, m) <= SMEM_BUDGET
             assert steps // cfg.split_k >= cfg.num_stages
-            assert tiles * cfg.split_k >= 132 or steps // (2 * cfg.split_k) < cfg.num_stages
-    assert mma_config(1, 4096, 4096, sms=132) == C(64, 256, 4, 4, 3)
-    assert mma_config(1, 28672, 4096, sms=132).split_k == 1
+            assert wave_balance(tiles * cfg.split_k, 132) >= 0.95
+            assert cfg.split_k == 1 or wave_balance(tiles * cfg.split_k // 2, 132) < 0.95
+    # qkv: 96 tiles, 4 splits (384 programs, 0.97); o and down: 64 tiles, 2 (128, 0.97); gate_up: 448 tiles, 2
+    # (896, 0.97; one split leaves the fourth round a sixth full: 0.85)
+    assert [mma_config(1, n, k, sms=132).split_k for n, k in SHAPES_8B] == [4, 2, 2, 2]
+    assert mma_config(1, 4096, 4096, sms=132) == C(64, 256, 2, 4, 3)
+    assert wave_balance(448, 132) == pytest.approx(448 / 528) and wave_balance(264, 132) == 1.0
     assert [block_m(m) for m in (1, 16, 17, 33, 64)] == [16, 16, 32, 64, 64]
 
 
