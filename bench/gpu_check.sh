@@ -35,7 +35,7 @@
 # the step under switches
 # (`moe-step BUDGET NAME:VAR=VALUE,...`), its prefill tiles and the step with them (`moe-prefill 430`),
 # and its GPTQ / AWQ times (`moe-quantize 590 gptq|awq [LAYERS]`); issue 42's tensor-core FP8 GEMM, its configs and
-# the 8B step with it (`fp8-mma 420`), and that step under other switches (`fp8-step BUDGET NAME:FORMATS:VARS ...`).
+# the 8B step with it (`fp8-mma 480`), and that step under other switches (`fp8-step BUDGET NAME:FORMATS:VARS ...`).
 # Everything lands in $OUT (JSON of each bench, the suite's log).
 # pytest runs with OMP_NUM_THREADS=1: 8-12 xdist workers on 16 cores, each with torch's one thread a core, took
 # turns on the cores (the MoE GPU tests, mostly CPU set-up, ran 44-109 s a case on an H100, 2026-12-05).
@@ -247,11 +247,11 @@ moe-math)  # issue 39 (BUDGET_S ~260): the 4-bit expert GEMV's maths (moe_gemv.M
         2>&1 | tail -5
     moe_steps default: offset:QUANTKIT_MOE_GEMV_MATH=offset
     ;;
-fp8-mma)  # issue 42 (BUDGET_S ~420): the tensor-core FP8 GEMM (QUANTKIT_FP8_GEMV=mma, opt-in until it wins here):
+fp8-mma)  # issue 42 (BUDGET_S ~480): the tensor-core FP8 GEMM (QUANTKIT_FP8_GEMV=mma, opt-in until it wins here):
     # the GPU tests of the FP8 decode paths, the GEMM's configs at the 8B linears (M = 1, 8, 32) beside today's FP8
-    # linear and bf16, then the 8B bench of FP8 and bf16 with the defaults and of FP8 with mma (~7 minutes)
+    # linear and bf16, then the 8B bench of FP8 and bf16 with the defaults and of FP8 with mma (~8 minutes)
     card | tee "$OUT/card.txt"
-    step 100 env OMP_NUM_THREADS=1 python3 -m pytest -m gpu tests/kernels/test_gemv_fp8_mma.py \
+    step 150 env OMP_NUM_THREADS=1 python3 -m pytest -m gpu tests/kernels/test_gemv_fp8_mma.py \
         tests/runtime/test_fp8_runtime.py -n 4 -q -p no:cacheprovider 2>&1 | tail -5
     step 90 python3 bench/tune_fp8_mma.py --deadline 75 --out "$OUT/fp8_mma.json" 2>&1 | tail -16
     fp8_steps default:fp8,bf16: mma:fp8:QUANTKIT_FP8_GEMV=mma
