@@ -274,6 +274,7 @@ def test_fp8_model_on_the_kernels_backend_with_graphs_and_fp8_prefill():
     assert e8 < max(3e-2, FP8_AMPLIFICATION_BOUND * e16), (e16, e8)
     runtime = bench.runtime_from_hf(hf, None, max_positions=4096)
     assert runtime.prefill_fp8 == "auto" and runtime.weights.layers[0].qkv.fp8.path == "scaled_mm"
+    assert runtime.weights.layers[0].qkv.fp8.gemv  # the stacked q/k/v keeps its parts' decode GEMV
     engine = Engine(runtime, None, max_batch=2, max_seq_len=256, cuda_graphs=True, graph_buckets=(1, 2))
     agreement = bench.greedy_agreement(engine)
     assert agreement["first_mismatch"] is None or agreement["gap_at_mismatch"] < 0.05, agreement
