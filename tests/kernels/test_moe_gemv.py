@@ -265,6 +265,11 @@ def test_gemv_with_pdl_waits_before_any_load(sm90, tmp_path, kind):
 def test_gemv_pipelining_gives_the_same_sums(monkeypatch, num_stages, unroll, math):
     """Software pipelining and unrolling of the K loops change when loads go out, not the sums or their order:
     the same result bit for bit, 4-bit (with several slices of K and partial sums to add) and 16-bit."""
+    if DEVICE == "cpu" and (unroll == 1 or (math != moe_gemv.gemv_math() and (num_stages, unroll) != (2, 2))):
+        # Triton's interpreter ignores num_stages (a compiler option), so stages alone change nothing there; the
+        # unrolled loops are checked for the default math at both unrolls and for the others at the default
+        # pipelining (each case is ~30 s interpreted). The GPU runs every case.
+        pytest.skip("interpreter: stages alone change nothing; other maths at the default pipelining only")
     ex = stack_quantized(experts_q(6, 256, 96, 32), torch.float32, DEVICE)
     w, ids = routing(3, 6, 2, skip=(1,))
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(8)).to(DEVICE)
