@@ -84,6 +84,27 @@ class MoELayer:
                 y = add_sigmoid_gated_ref(y, s, x, self.shared_gate)
         return y
 
+    def kernel_label(self, tokens: int) -> str:
+        """Which kernel serves the experts of ``tokens`` rows, as :meth:`__call__` decides it (for bench records):
+        the decode GEMV (its maths for 4-bit experts and its config), the tiled kernel (its tiles), or the
+        reference."""
+        from quantkit.kernels import moe_gemv
+        from quantkit.kernels.moe_align import align_in_one_program
+        from quantkit.kernels.moe_router import router_fused_selected
+        from quantkit.kernels.moe_w4a16 import TileConfig, decode_kernel, tile_config
+
+        if not (self.use_kernel and self.act_quant is None):
+            return "reference"
+        pairs, n_exp, device = tokens * self.top_k, self.experts.num_experts, self.router.device
+        if decode_kernel(self.experts, pairs) == "gemv":
+            cfg = moe_gemv.gemv_config(self.experts, pairs)
+            math = f" {moe_gemv.gemv_math()}" if self.experts.quantized else ""
+            return f"gemv{math} {cfg.block_n} cols/{cfg.num_warps}w/{cfg.target_programs} programs"
+        aligned = router_fused_selected(tokens, self.top_k, n_exp, device) or align_in_one_program(pairs, n_exp,
+                                                                                                    device)
+        t = TileConfig() if aligned else tile_config(self.experts, pairs)
+        return f"tiles {t.block_m}x{t.block_n}/{t.num_warps}w/{t.num_stages} stages"
+
     def _reference_experts(self):
         if self._ref is None:
             from quantkit.kernels.moe_w4a16 import stack_dense

@@ -407,10 +407,11 @@ def greedy_agreement(engine: Engine, n_prompt: int = 32, n_new: int = 24, seed: 
 
 
 def linear_kernels(model: RuntimeModel, batches: tuple[int, ...]) -> dict:
-    """``{linear: {batch: kernel}}`` for the first decoder layer's linears and the lm_head: the kernel the dispatch
-    code picks at each decode batch size (FP8: ``fp8_linear.fp8_kernel``, "+codes" where a fused producer hands it
-    quantized rows; INT4: the W4A16 plan's choice; 16-bit: the GEMV or cuBLAS; split linears: their parts joined by
-    "+"). A record thus says which kernels its numbers are of (an FP8 record once timed q/k/v on _scaled_mm)."""
+    """``{linear: {batch: kernel}}`` for the first decoder layer's linears (its routed experts on a MoE layer) and
+    the lm_head: the kernel the dispatch code picks at each decode batch size (FP8: ``fp8_linear.fp8_kernel``,
+    "+codes" where a fused producer hands it quantized rows; INT4: the W4A16 plan's choice; 16-bit: the GEMV or
+    cuBLAS; split linears: their parts joined by "+"). A record thus says which kernels its numbers are of (an FP8
+    record once timed q/k/v on _scaled_mm)."""
     from quantkit.fp8_linear import fp8_kernel
     from quantkit.kernels.device_info import gpu_arch
     from quantkit.kernels.dispatch import dense_kernel
@@ -430,8 +431,11 @@ def linear_kernels(model: RuntimeModel, batches: tuple[int, ...]) -> dict:
     layer = model.weights.layers[0]
     named = {"qkv": (layer.qkv, True), "o": (layer.o, False), "gate_up": (layer.gate_up, True),
              "down": (layer.down, True), "lm_head": (model.weights.lm_head, False)}
-    return {name: {str(b): label(lin, b, fed) for b in batches} for name, (lin, fed) in named.items()
-            if lin is not None}
+    kernels = {name: {str(b): label(lin, b, fed) for b in batches} for name, (lin, fed) in named.items()
+               if lin is not None}
+    if layer.moe is not None:  # the routed experts: MoELayer.kernel_label
+        kernels["experts"] = {str(b): layer.moe.kernel_label(b) for b in batches}
+    return kernels
 
 
 def bench_runtime(

@@ -69,3 +69,19 @@ def test_moe_shape_run_builds_no_transformers_model(monkeypatch):
     events.clear()  # --formats int4,bf16: the FP8 runtime is never built
     bench_run._shape_phases("qwen3-30b-a3b", (1, 8), 4, 16, True, lambda k, v: None, ("int4", "bf16"))
     assert events == [("qwen3_moe", f, "cuda") for f in ("int4", "bf16")]
+
+
+def test_bench_names_the_experts_kernel_by_batch():
+    """quantkit bench's record names the routed experts' kernel at each batch size, as MoELayer decides it: the
+    kernels backend's decode GEMV (4-bit: its maths and config) at few pairs, the tiles past GEMV_MAX_PAIRS; the
+    reference backend's reference."""
+    from quantkit.kernels import moe_gemv
+    from quantkit.kernels.moe_w4a16 import GEMV_MAX_PAIRS
+
+    config = dict(TINY, hidden_size=128, moe_intermediate_size=128)  # whole 128-column groups: the GEMV applies
+    runtime = random_moe_runtime(config, "int4", "cpu", backend="kernels")
+    past = GEMV_MAX_PAIRS // TINY["num_experts_per_tok"] + 1
+    got = bench.linear_kernels(runtime, (1, past))["experts"]
+    assert got["1"].startswith(f"gemv {moe_gemv.gemv_math()} ") and got[str(past)].startswith("tiles "), got
+    ref = random_moe_runtime(config, "int4", "cpu", backend="reference")
+    assert bench.linear_kernels(ref, (1,))["experts"] == {"1": "reference"}
