@@ -36,10 +36,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import multiprocessing
 import os
 import sys
 import time
+
+from tuning import interpreter_fix, precompile_in_workers, timer  # bench/tuning.py, beside this script
 
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # qkv, o, gate_up, down
 LAYERS = 32
@@ -62,7 +63,7 @@ def _compile(tasks: list, device: str) -> int:
     """In a worker process: launch gemv_fp8 once per (n, k, m, config), so Triton compiles it into its disk cache
     (the same arguments' alignment as the timed calls, hence the same cache key). Returns the number compiled."""
     if device == "cpu":  # --smoke: the interpreter (TRITON_INTERPRET=1 came with the environment)
-        _interpreter_fix()
+        interpreter_fix()
     import torch
 
     from quantkit.kernels.gemv import DenseGemvConfig
@@ -84,42 +85,12 @@ def _compile(tasks: list, device: str) -> int:
     return done
 
 
-def _interpreter_fix() -> None:
-    """Triton 3.6's interpreter under NumPy >= 2.4 (run-time loop bounds): the tests' patch."""
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from tests.kernels.conftest import _fix_interpreter_index
-
-    _fix_interpreter_index()
 
 
 def precompile(cells, jobs: int, until: float, device: str, log) -> None:
-    """Compile every candidate of every cell in ``jobs`` spawned processes, waiting until ``until`` at most (then
-    the workers are stopped, so that none runs beside the timings, and the rest compile when first timed)."""
+    """Compile every candidate of every cell in ``jobs`` spawned processes (``tuning.precompile_in_workers``)."""
     tasks = sorted({(n, k, m, (c.block_n, c.block_k, c.num_warps)) for n, k, m in cells for c in candidates(m, k)})
-    if jobs <= 0 or not tasks:
-        return
-    t0 = time.time()
-    try:
-        pool = multiprocessing.get_context("spawn").Pool(jobs)
-    except OSError as e:  # no semaphores (/dev/shm) on this machine
-        log(f"no worker processes ({e}): each kernel compiles when first timed")
-        return
-    try:
-        pending = [pool.apply_async(_compile, (tasks[i::jobs], device)) for i in range(jobs) if tasks[i::jobs]]
-        compiled, errors, late = 0, [], 0
-        for job in pending:
-            try:
-                compiled += job.get(timeout=max(until - time.time(), 0.1))
-            except multiprocessing.TimeoutError:
-                late += 1
-            except Exception as e:
-                errors.append(repr(e)[:200])
-        log(f"compiled {compiled} of {len(tasks)} kernels in {time.time() - t0:.1f} s with {jobs} processes"
-            + (f"; {late} workers stopped at the time limit (the rest compile when timed)" if late else "")
-            + (f"; worker errors: {errors}" if errors else ""))
-    finally:
-        pool.terminate()
-        pool.join()
+    precompile_in_workers(tasks, _compile, jobs, until, device, log)
 
 
 class Shape:
@@ -258,20 +229,6 @@ def summary(cells: list, shapes: dict, n_shapes: int, log) -> list[str]:
     return lines
 
 
-def timer(smoke: bool):
-    """``(device, time_us(fn, replays))``: CUDA-graph replays with L2 evicted, or the wall clock of one call on the
-    CPU (--smoke)."""
-    if smoke:
-        def wall_us(fn, replays):
-            t0 = time.perf_counter()
-            fn()
-            return (time.perf_counter() - t0) * 1e6
-
-        return "cpu", wall_us
-    from gpu_timing import gpu_time_us, l2_evict_buffer
-
-    flush = l2_evict_buffer("cuda")
-    return "cuda", lambda fn, replays: gpu_time_us(fn, flush, calls=10, replays=replays)
 
 
 def main(argv=None) -> int:
@@ -297,7 +254,7 @@ def main(argv=None) -> int:
         # the interpreter rounds float32 to e4m3 its own way (tests/kernels/test_fp8_quant.py): errors of ~0.1
         args.shapes, args.max_err = "16x512", 0.5
         args.jobs = 0 if args.jobs is None else args.jobs
-        _interpreter_fix()
+        interpreter_fix()
     elif args.jobs is None:
         args.jobs = min(12, max(1, (os.cpu_count() or 2) - 2))
     try:

@@ -27,10 +27,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import multiprocessing
 import os
 import sys
 import time
+
+from tuning import interpreter_fix, precompile_in_workers, timer  # bench/tuning.py, beside this script
 
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # qkv, o, gate_up, down
 SMEM_LIMIT = 112 * 1024
@@ -58,18 +59,20 @@ def label(cfg) -> str:
 def _compile(tasks: list, device: str) -> int:
     """In a worker process: run each (n, k, m, config) once so that Triton compiles it into its disk cache."""
     if device == "cpu":
-        _interpreter_fix()
+        interpreter_fix()
     import torch
 
     from quantkit.kernels.gemv_fp8_mma import Fp8MmaConfig, gemv_fp8_mma
 
-    done = 0
+    weights, done = {}, 0
     for n, k, m, cfg in tasks:
-        w = torch.zeros(n, k, device=device, dtype=torch.float8_e4m3fn)
+        if (n, k) not in weights:  # tasks come sorted by shape: one weight a shape
+            weights[(n, k)] = (torch.zeros(n, k, device=device, dtype=torch.float8_e4m3fn),
+                               torch.ones(1, n, device=device))
+        w, ws = weights[(n, k)]
         x = torch.zeros(m, k, device=device, dtype=torch.float8_e4m3fn)
         try:
-            gemv_fp8_mma(x, torch.ones(m, 1, device=device), w, torch.ones(1, n, device=device),
-                         config=Fp8MmaConfig(*cfg))
+            gemv_fp8_mma(x, torch.ones(m, 1, device=device), w, ws, config=Fp8MmaConfig(*cfg))
             done += 1
         except Exception:  # reported when the cell checks it
             pass
@@ -77,28 +80,10 @@ def _compile(tasks: list, device: str) -> int:
 
 
 def precompile(cells, jobs: int, until: float, device: str, log) -> None:
+    """Compile every candidate of every cell in ``jobs`` spawned processes (``tuning.precompile_in_workers``)."""
     tasks = sorted({(n, k, m, (c.block_n, c.block_k, c.split_k, c.num_warps, c.num_stages))
                     for n, k, m in cells for c in candidates(m, n, k)})
-    if jobs <= 0 or not tasks:
-        return
-    t0 = time.time()
-    try:
-        pool = multiprocessing.get_context("spawn").Pool(jobs)
-    except OSError as e:
-        log(f"no worker processes ({e}): each kernel compiles when first timed")
-        return
-    try:
-        pending = [pool.apply_async(_compile, (tasks[i::jobs], device)) for i in range(jobs) if tasks[i::jobs]]
-        compiled = 0
-        for job in pending:
-            try:
-                compiled += job.get(timeout=max(until - time.time(), 0.1))
-            except multiprocessing.TimeoutError:
-                pass
-        log(f"compiled {compiled} of {len(tasks)} kernels in {time.time() - t0:.1f} s with {jobs} processes")
-    finally:
-        pool.terminate()
-        pool.join()
+    precompile_in_workers(tasks, _compile, jobs, until, device, log)
 
 
 def run_cell(n: int, k: int, m: int, args, time_us, device: str, copy_tbs: float, log) -> dict:
@@ -154,25 +139,8 @@ def run_cell(n: int, k: int, m: int, args, time_us, device: str, copy_tbs: float
     return cell
 
 
-def timer(smoke: bool):
-    if smoke:
-        def wall_us(fn, replays):
-            t0 = time.perf_counter()
-            fn()
-            return (time.perf_counter() - t0) * 1e6
-
-        return "cpu", wall_us
-    from gpu_timing import gpu_time_us, l2_evict_buffer
-
-    flush = l2_evict_buffer("cuda")
-    return "cuda", lambda fn, replays: gpu_time_us(fn, flush, calls=10, replays=replays)
 
 
-def _interpreter_fix() -> None:
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from tests.kernels.conftest import _fix_interpreter_index
-
-    _fix_interpreter_index()
 
 
 def main(argv=None) -> int:
@@ -194,7 +162,7 @@ def main(argv=None) -> int:
         os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are imported
         args.shapes, args.max_err = "64x512", 0.5  # the interpreter rounds to e4m3 its own way
         args.jobs = 0 if args.jobs is None else args.jobs
-        _interpreter_fix()
+        interpreter_fix()
     elif args.jobs is None:
         args.jobs = min(12, max(1, (os.cpu_count() or 2) - 2))
     try:
