@@ -92,10 +92,11 @@ def mma_config(m: int, n: int, k: int, sms: int = 132) -> Fp8MmaConfig:
     return Fp8MmaConfig(64, block_k, split, 4, stages)
 
 
-def counters_for(n: int, device: torch.device | str, cfg: Fp8MmaConfig | None = None) -> torch.Tensor:
-    """A zeroed int32 counter a tile for split-K calls on an ``n``-row weight (enough for any config's tiles);
-    the kernel leaves it zeroed after each call, so one buffer serves a linear for its lifetime, one call at a time."""
-    return torch.zeros(triton.cdiv(n, cfg.block_n if cfg else 16), dtype=torch.int32, device=device)
+def counters_for(n: int, device: torch.device | str) -> torch.Tensor:
+    """A zeroed int32 counter a tile for split-K calls on an ``n``-row weight (enough for any config's tiles, which
+    are 16 rows at least); the kernel leaves it zeroed after each call, so one buffer serves a linear for its
+    lifetime, one call at a time."""
+    return torch.zeros(triton.cdiv(n, 16), dtype=torch.int32, device=device)
 
 
 @triton.jit
@@ -199,7 +200,7 @@ def gemv_fp8_mma(qx: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, 
     if split > 1:
         part = torch.empty((split, m, n), device=qx.device, dtype=torch.float32)
         if counters is None:
-            counters = torch.zeros(tiles, dtype=torch.int32, device=qx.device)
+            counters = counters_for(n, qx.device)
         elif counters.dtype != torch.int32 or counters.numel() < tiles:
             raise ValueError(f"counters must hold {tiles} int32 values, got {counters.numel()} {counters.dtype}")
     else:
