@@ -355,10 +355,11 @@ TILE_CONFIGS: tuple[tuple[str, int, TileConfig], ...] = (
 )
 
 
-def tile_config(experts: MoEExperts, pairs: int) -> TileConfig:
+def tile_config(experts: MoEExperts, pairs: int, aligned: bool = False) -> TileConfig:
     """TILE_CONFIGS' pick for ``pairs`` (token, slot) pairs of ``experts``; ``QUANTKIT_MOE_TILES=plain`` gives
-    TileConfig() to every call (an A/B switch for the benches)."""
-    if ab_switch("QUANTKIT_MOE_TILES", ("table", "plain")) == "plain":
+    TileConfig() to every call (an A/B switch for the benches). ``aligned``: the caller laid the pairs out already,
+    at TileConfig()'s rows (``moe_align.BLOCK_M``), so those tiles."""
+    if aligned or ab_switch("QUANTKIT_MOE_TILES", ("table", "plain")) == "plain":
         return TileConfig()
     return next((c for k, least, c in TILE_CONFIGS if k == experts.kind and pairs >= least), TileConfig())
 
@@ -377,7 +378,7 @@ def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tenso
         from quantkit.kernels.moe_gemv import moe_gemv
 
         return moe_gemv(x, topk_weights, topk_ids, experts)
-    tiles = TileConfig() if aligned is not None else tile_config(experts, topk_ids.numel())
+    tiles = tile_config(experts, topk_ids.numel(), aligned=aligned is not None)
     block_m = tiles.block_m if block_m is None else block_m
     block_n = tiles.block_n if block_n is None else block_n
     num_warps = tiles.num_warps if num_warps is None else num_warps

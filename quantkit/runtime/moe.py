@@ -47,19 +47,20 @@ class MoELayer:
         return route_ref(torch.nn.functional.linear(x, self.router), self.top_k, self.renormalize)
 
     def __call__(self, x: torch.Tensor, act_mul) -> torch.Tensor:
-        from quantkit.kernels.moe_align import BLOCK_M, align_in_one_program, route_and_align
-        from quantkit.kernels.moe_router import router_fused_selected, router_route_and_align
+        from quantkit.kernels.moe_align import BLOCK_M, route_and_align
+        from quantkit.kernels.moe_router import router_route_and_align
         from quantkit.kernels.moe_w4a16 import decode_kernel, fused_moe, fused_moe_ref
 
         if self.use_kernel and self.act_quant is None:
-            if router_fused_selected(x.shape[0], self.top_k, self.experts.num_experts, x.device):
+            routing = self._routing(x.shape[0])
+            if routing == "router":
                 # a decode batch of a few tokens: the router GEMM, routing and layout in one launch (no layout
                 # where the decode GEMV serves: it reads none)
                 align = decode_kernel(self.experts, x.shape[0] * self.top_k) != "gemv"
                 weights, ids, aligned = router_route_and_align(x, self.router, self.top_k, self.renormalize,
                                                                self.router_counter, BLOCK_M, align)
                 y = fused_moe(x, weights, ids, self.experts, aligned=aligned)
-            elif align_in_one_program(x.shape[0] * self.top_k, self.experts.num_experts, x.device):
+            elif routing == "align":
                 # decode-sized: routing and the pairs' layout in one launch (kernels/moe_align.py says why)
                 logits = torch.nn.functional.linear(x, self.router)
                 weights, ids, aligned = route_and_align(logits, self.top_k, self.renormalize)
@@ -84,25 +85,33 @@ class MoELayer:
                 y = add_sigmoid_gated_ref(y, s, x, self.shared_gate)
         return y
 
-    def kernel_label(self, tokens: int) -> str:
-        """Which kernel serves the experts of ``tokens`` rows, as :meth:`__call__` decides it (for bench records):
-        the decode GEMV (its maths for 4-bit experts and its config), the tiled kernel (its tiles), or the
-        reference."""
-        from quantkit.kernels import moe_gemv
+    def _routing(self, tokens: int) -> str:
+        """How the kernel path routes ``tokens`` rows: "router" (a decode batch of a few tokens: the router GEMM,
+        routing and the pairs' layout in one launch), "align" (routing and layout in one launch after the router
+        GEMM), or "plain"."""
         from quantkit.kernels.moe_align import align_in_one_program
         from quantkit.kernels.moe_router import router_fused_selected
-        from quantkit.kernels.moe_w4a16 import TileConfig, decode_kernel, tile_config
+
+        n_exp, device = self.experts.num_experts, self.router.device
+        if router_fused_selected(tokens, self.top_k, n_exp, device):
+            return "router"
+        return "align" if align_in_one_program(tokens * self.top_k, n_exp, device) else "plain"
+
+    def kernel_label(self, tokens: int) -> str:
+        """Which kernel serves the experts of ``tokens`` rows, as :meth:`__call__` and ``fused_moe`` decide it (for
+        bench records): the decode GEMV (its maths for 4-bit experts and its config), the tiled kernel (its tiles),
+        or the reference."""
+        from quantkit.kernels import moe_gemv
+        from quantkit.kernels.moe_w4a16 import decode_kernel, tile_config
 
         if not (self.use_kernel and self.act_quant is None):
             return "reference"
-        pairs, n_exp, device = tokens * self.top_k, self.experts.num_experts, self.router.device
+        pairs = tokens * self.top_k
         if decode_kernel(self.experts, pairs) == "gemv":
             cfg = moe_gemv.gemv_config(self.experts, pairs)
             math = f" {moe_gemv.gemv_math()}" if self.experts.quantized else ""
             return f"gemv{math} {cfg.block_n} cols/{cfg.num_warps}w/{cfg.target_programs} programs"
-        aligned = router_fused_selected(tokens, self.top_k, n_exp, device) or align_in_one_program(pairs, n_exp,
-                                                                                                    device)
-        t = TileConfig() if aligned else tile_config(self.experts, pairs)
+        t = tile_config(self.experts, pairs, aligned=self._routing(tokens) != "plain")
         return f"tiles {t.block_m}x{t.block_n}/{t.num_warps}w/{t.num_stages} stages"
 
     def _reference_experts(self):
