@@ -178,12 +178,18 @@ def fp8_linear_ref(x: torch.Tensor, w: FP8LinearWeights) -> torch.Tensor:
     """The float32 emulation: ``x [..., K]`` quantized to e4m3 (per token, static, or per token and column group
     for block weights), both operands dequantized, one float32 matmul; the result in ``x``'s dtype."""
     shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
+    xf = activations_through_e4m3(x.reshape(-1, shape[-1]), w.act_group, w.input_scale)
+    return _emulated_product(xf, w, x.dtype).reshape(*shape[:-1], w.out_features)
+
+
+def _emulated_product(xf: torch.Tensor, w: FP8LinearWeights, out_dtype: torch.dtype) -> torch.Tensor:
+    """``xf`` (float32 activations, already through e4m3) times the dequantized weight in float32, plus the bias,
+    rounded once to ``out_dtype``: the emulation's product, whichever way the activations were quantized."""
     weight = w.dequantized if w.dequantized is not None else _dequantized(w)
-    y = activations_through_e4m3(x2, w.act_group, w.input_scale) @ weight.t()
+    y = xf @ weight.t()
     if w.bias is not None:
         y = y + w.bias.float()
-    return y.to(x.dtype).reshape(*shape[:-1], w.out_features)
+    return y.to(out_dtype)
 
 
 def fp8_kernel(w: FP8LinearWeights, m: int, codes: bool = False) -> str:
@@ -229,11 +235,7 @@ def fp8_linear_codes(qx: torch.Tensor, sx: torch.Tensor, w: FP8LinearWeights, ou
     if w.path == "reference":
         if w.act_group:
             raise ValueError("block weights quantize activations per column group, not per token: use fp8_linear")
-        weight = w.dequantized if w.dequantized is not None else _dequantized(w)
-        y = dequantize_fp8(qx, sx) @ weight.t()
-        if w.bias is not None:
-            y = y + w.bias.float()
-        return y.to(out_dtype)
+        return _emulated_product(dequantize_fp8(qx, sx), w, out_dtype)
     kernel = fp8_kernel(w, m, codes=True)
     if kernel == "gemv_mma":
         from quantkit.kernels.gemv_fp8_mma import gemv_fp8_mma
