@@ -79,30 +79,21 @@ def decode_attention_ref(q, k_cache, v_cache, cache_seqlens, sm_scale=None, cach
 
 
 @triton.jit
-def _rotated(base, cos_ptr, sin_ptr, d, HALF: tl.constexpr, ROPE: tl.constexpr):
+def _rotated(base, cos_ptr, sin_ptr, d, HALF: tl.constexpr, ROPE: tl.constexpr, w_ptr, eps, offset,
+             NORM: tl.constexpr, DTYPE: tl.constexpr):
     """The head vector(s) at ``base + d`` (d over the whole head) rotated by RoPE in the half-split layout (float32):
-    x[d] * cos[d % HALF] -+ x[(d + HALF) % D] * sin[d % HALF]."""
+    x[d] * cos[d % HALF] -+ x[(d + HALF) % D] * sin[d % HALF]. NORM: first each head's RMSNorm (Qwen3's and Gemma
+    3's q/k norm, weights ``[D]`` at ``w_ptr``), each normed value rounded to DTYPE, as the separate q/k norm
+    kernel stores them."""
     x = tl.load(base + d).to(tl.float32)
-    if ROPE:
-        partner = tl.load(base + (d + HALF) % (2 * HALF)).to(tl.float32)
-        c = tl.load(cos_ptr + d % HALF)
-        s = tl.load(sin_ptr + d % HALF)
-        x = x * c + tl.where(d < HALF, -partner, partner) * s
-    return x
-
-
-@triton.jit
-def _normed_rotated(base, w_ptr, eps, offset, cos_ptr, sin_ptr, d, HALF: tl.constexpr, ROPE: tl.constexpr,
-                    DTYPE: tl.constexpr):
-    """:func:`_rotated` of the head vector(s) after their RMSNorm over the head (Qwen3's and Gemma 3's q/k norm,
-    weights ``[D]``), each normed value rounded to DTYPE first, as the separate q/k norm kernel stores them."""
-    x = tl.load(base + d).to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=-1, keep_dims=True) / (2 * HALF) + eps)
-    x = (x * rstd * (tl.load(w_ptr + d).to(tl.float32) + offset)).to(DTYPE).to(tl.float32)
+    if NORM:
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=-1, keep_dims=True) / (2 * HALF) + eps)
+        x = (x * rstd * (tl.load(w_ptr + d).to(tl.float32) + offset)).to(DTYPE).to(tl.float32)
     if ROPE:
         p = (d + HALF) % (2 * HALF)
         partner = tl.load(base + p).to(tl.float32)
-        partner = (partner * rstd * (tl.load(w_ptr + p).to(tl.float32) + offset)).to(DTYPE).to(tl.float32)
+        if NORM:
+            partner = (partner * rstd * (tl.load(w_ptr + p).to(tl.float32) + offset)).to(DTYPE).to(tl.float32)
         c = tl.load(cos_ptr + d % HALF)
         s = tl.load(sin_ptr + d % HALF)
         x = x * c + tl.where(d < HALF, -partner, partner) * s
@@ -170,11 +161,9 @@ def _decode_rope_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slots_ptr, k_ptr, v_
     head = kv_head * GROUP + tl.where(row_ok, offs_r, 0)
     d = tl.arange(0, HEAD_DIM)
     row_base = qkv_ptr + b * stride_qkv
-    if QK_NORM:  # the per-head q/k norm here rather than in a launch of its own (qkv is left as it is)
-        q = _normed_rotated(row_base + head[:, None] * HEAD_DIM, qw_ptr, norm_eps, norm_offset, cos_row, sin_row,
-                            d[None, :], HALF, ROPE, qkv_ptr.dtype.element_ty)
-    else:
-        q = _rotated(row_base + head[:, None] * HEAD_DIM, cos_row, sin_row, d[None, :], HALF, ROPE)
+    # QK_NORM: the per-head q/k norm here rather than in a launch of its own (qkv is left as it is)
+    q = _rotated(row_base + head[:, None] * HEAD_DIM, cos_row, sin_row, d[None, :], HALF, ROPE, qw_ptr, norm_eps,
+                 norm_offset, QK_NORM, qkv_ptr.dtype.element_ty)
     q = q.to(qkv_ptr.dtype.element_ty)  # the model rounds the rotated q, as the unfused path stores it
     k_base = k_ptr + slot * stride_kb + kv_head * stride_kh
     v_base = v_ptr + slot * stride_kb + kv_head * stride_kh
@@ -205,11 +194,8 @@ def _decode_rope_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slots_ptr, k_ptr, v_
     if split == n_splits - 1:
         # the new token: its key and value from the projection, written to the cache here (no program reads
         # position pos from the cache) and attended from registers
-        if QK_NORM:
-            k_new = _normed_rotated(row_base + (N_HEADS + kv_head) * HEAD_DIM, kw_ptr, norm_eps, norm_offset, cos_row,
-                                    sin_row, d, HALF, ROPE, qkv_ptr.dtype.element_ty)
-        else:
-            k_new = _rotated(row_base + (N_HEADS + kv_head) * HEAD_DIM, cos_row, sin_row, d, HALF, ROPE)
+        k_new = _rotated(row_base + (N_HEADS + kv_head) * HEAD_DIM, cos_row, sin_row, d, HALF, ROPE, kw_ptr, norm_eps,
+                         norm_offset, QK_NORM, qkv_ptr.dtype.element_ty)
         k_new = k_new.to(k_ptr.dtype.element_ty)
         v_new = tl.load(row_base + (N_HEADS + N_KV + kv_head) * HEAD_DIM + d).to(v_ptr.dtype.element_ty)
         tl.store(k_base + pos * stride_kn + d, k_new)
