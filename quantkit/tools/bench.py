@@ -426,7 +426,7 @@ def linear_kernels(model: RuntimeModel, batches: tuple[int, ...]) -> dict:
         if lin.packed is not None:
             plan = plan_w4a16(lin.packed.facts(), gpu_arch(lin.packed.qweight.device))
             return "reference" if plan is None else plan.choice(m).label()
-        return dense_kernel(m, lin.dense)
+        return dense_kernel(m, lin.dense) if lin.gemv else "torch"  # the reference backend: plain F.linear
 
     layer = model.weights.layers[0]
     named = {"qkv": (layer.qkv, True), "o": (layer.o, False), "gate_up": (layer.gate_up, True),
