@@ -240,26 +240,27 @@ moe-step)  # issue 39: `quantkit bench --shape qwen3-30b-a3b` at batch 1 and 8 o
     moe_steps "$@"
     ;;
 moe-math)  # issue 39 (BUDGET_S ~260): the 4-bit expert GEMV's maths (moe_gemv.MATHS) on the GPU: its GPU tests
-    # (each math against the reference, pipelined and plain), then the whole step with the default ("rows") and
-    # with "offset" (inline-PTX dequantization, opt-in until it wins here), ~4 minutes on an H100
+    # (each math against the reference, pipelined and plain), then the whole step with the default ("offset",
+    # inline-PTX dequantization) and with "rows" (the default before), ~4 minutes on an H100
     card | tee "$OUT/card.txt"
     step 90 env OMP_NUM_THREADS=1 python3 -m pytest -m gpu tests/kernels/test_moe_gemv.py -n 4 -q -p no:cacheprovider \
         2>&1 | tail -5
-    moe_steps default: offset:QUANTKIT_MOE_GEMV_MATH=offset
+    moe_steps default: rows:QUANTKIT_MOE_GEMV_MATH=rows
     ;;
-fp8-mma)  # issue 42 (BUDGET_S ~480): the tensor-core FP8 GEMM (QUANTKIT_FP8_GEMV=mma, opt-in until it wins here):
+fp8-mma)  # issue 42 (BUDGET_S ~480): the tensor-core FP8 GEMM (the default for 2..64 rows since 2026-12-06):
     # the GPU tests of the FP8 decode paths, the GEMM's configs at the 8B linears (M = 1, 8, 32) beside today's FP8
-    # linear and bf16, then the 8B bench of FP8 and bf16 with the defaults and of FP8 with mma (~8 minutes)
+    # linear and bf16, then the 8B bench of FP8 and bf16 with the defaults and of FP8 with the defaults before
+    # (the GEMV up to 4 rows, _scaled_mm above, the separate quantization kernel) (~8 minutes)
     card | tee "$OUT/card.txt"
     step 150 env OMP_NUM_THREADS=1 python3 -m pytest -m gpu tests/kernels/test_gemv_fp8_mma.py \
         tests/runtime/test_fp8_runtime.py -n 4 -q -p no:cacheprovider 2>&1 | tail -5
     step 90 python3 bench/tune_fp8_mma.py --deadline 75 --out "$OUT/fp8_mma.json" 2>&1 | tail -16
-    fp8_steps default:fp8,bf16: mma:fp8:QUANTKIT_FP8_GEMV=mma
+    fp8_steps default:fp8,bf16: before:fp8:QUANTKIT_FP8_GEMV=unfused,QUANTKIT_FP8_FUSED_QUANT=0
     ;;
 fp8-step)  # issue 42: `quantkit bench --shape llama3-8b --formats FORMATS` once a VARIANT (third argument on):
     # NAME:FORMATS:VAR=VALUE,VAR=VALUE... (FORMATS comma-separated: fp8 or fp8,bf16), ~60-90 s each, e.g.
-    #   bash bench/gpu_check.sh fp8-step 400 fused:fp8:QUANTKIT_FP8_GEMV=fused fusedq:fp8:QUANTKIT_FP8_FUSED_QUANT=1 \
-    #       mma_fusedq:fp8:QUANTKIT_FP8_GEMV=mma,QUANTKIT_FP8_FUSED_QUANT=1
+    #   bash bench/gpu_check.sh fp8-step 400 default:fp8,bf16: fused:fp8:QUANTKIT_FP8_GEMV=fused,QUANTKIT_FP8_FUSED_QUANT=0 \
+    #       mma:fp8:QUANTKIT_FP8_GEMV=mma
     card | tee "$OUT/card.txt"
     shift 2
     fp8_steps "$@"

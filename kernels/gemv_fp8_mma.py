@@ -18,9 +18,16 @@ arrive sums the partials in split order (deterministic: the same bits every call
 counter to zero for the next call. The counters are one int32 a tile, zero between calls: the runtime keeps one
 buffer per linear (:func:`counters_for`), a call without one allocates it zeroed.
 
-The float32 sums differ from the CUDA-core GEMV's only in order; the tensor cores' FP8 products are exact and
-their accumulation is float32 per K step. Configs: :func:`mma_config` (a rule, NOT YET MEASURED on a GPU; the
-runtime takes this path only with ``QUANTKIT_FP8_GEMV=mma``). The reference is :func:`gemv_fp8_mma_ref`.
+ACCUMULATION. The tensor cores' FP8 products are exact, but Hopper's FP8 MMA adds them into its accumulator with
+fewer bits than float32, and Triton lets a whole K loop accumulate there by default: in the H100 sweep the error
+against the float32 reference grew with the K a program sums (0.0021 at 4096 columns, 0.0034 at 14336, against
+0.0018 with 1792 a split; bf16 output rounding alone is ~0.0017). So each K step's MMA sum (BLOCK_K columns) is
+added into a float32 accumulator (``max_num_imprecise_acc``; 8 FADDs a thread a step, no spill):
+``QUANTKIT_FP8_MMA_ACC=tensorcore`` leaves the whole loop to the tensor cores (an A/B switch). The float32 sums
+then differ from the CUDA-core GEMV's only in order. Configs: :func:`mma_config`, a rule fitted to the sweep of
+``bench/tune_fp8_mma.py`` on an H100 (bench/results/tune_fp8_mma_h100_e9cd379.json: alone, the kernel reads the
+Llama-3-8B linears at 94-102 % of copy bandwidth at M = 1 and 8). The runtime takes it at decode batches of 2..64
+rows (``fp8_linear``). The reference is :func:`gemv_fp8_mma_ref`.
 """
 
 from __future__ import annotations
@@ -32,10 +39,11 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from quantkit.kernels.device_info import num_sms, pdl_launch, programmatic_launch
+from quantkit.kernels.device_info import ab_switch, num_sms, pdl_launch, programmatic_launch
 
 MAX_M = 64  # activation rows one launch takes: the MMA's narrow side (16, 32 or 64 after padding)
-SMEM_BUDGET = 64 * 1024  # shared memory a program's pipeline may hold, so that several programs share an SM
+SMEM_BUDGET = 96 * 1024  # the deepest pipeline measured: 4 stages of (64 weight + 32 activation rows) x 256 bytes
+MIN_SPLIT_COLUMNS = 4096  # K columns each split keeps at least: below, the reduction costs more than the SMs gain
 
 
 @dataclass(frozen=True)
@@ -69,26 +77,23 @@ def smem_bytes(cfg: Fp8MmaConfig, m: int) -> int:
     return cfg.num_stages * (cfg.block_n + block_m(m)) * cfg.block_k
 
 
-def wave_balance(programs: int, sms: int) -> float:
-    """How evenly ``programs`` equal programs load ``sms`` SMs, each taking the next as one ends (the busiest SM's
-    share against the mean): 1.0 when they divide evenly, 448 / 528 = 0.85 for 448 programs on 132 SMs (four
-    rounds, the last a sixth full)."""
-    return programs / (triton.cdiv(programs, sms) * sms)
-
-
 def mma_config(m: int, n: int, k: int, sms: int = 132) -> Fp8MmaConfig:
-    """The rule (not measured yet): 64-row tiles (the FP8 warpgroup MMA, no conversion), 256 columns a step (one
-    1-byte row of a tile is two 128-byte lines), as many stages as fit :data:`SMEM_BUDGET` up to 4, and the least
-    K split whose programs load the SMs evenly (:func:`wave_balance` >= 0.95; a memory-bound GEMM is as slow as its
-    busiest SM), each split keeping at least ``num_stages`` steps to pipeline; where none does, the most even."""
+    """The rule, fitted to the H100 sweep (bench/results/tune_fp8_mma_h100_e9cd379.json: M = 1, 8, 32 on the
+    Llama-3-8B linears): 64-row tiles (the FP8 warpgroup MMA, no conversion), 256 columns a step (one 1-byte row of
+    a tile is two 128-byte lines), 4 stages where they fit :data:`SMEM_BUDGET` (best or within 0.3 us of the best
+    in every cell, 32 rows included), and a K split only where the tiles leave SMs idle and each split keeps at
+    least :data:`MIN_SPLIT_COLUMNS` columns: the largest such split whose programs fit one wave. Measured: 4096x4096
+    (64 tiles, K 4096) 8.6 us unsplit against 9.6 split in two; 4096x14336 (64 tiles, K 14336) 23.2 us split in
+    two against 24.0 unsplit; the 6144- and 28672-row layers fastest unsplit (the earlier, unmeasured rule split
+    them 4 and 2 ways: 12.7 against 10.6 us, 44.3 against 40.8)."""
     block_k = min(256, max(16, triton.next_power_of_2(k)))
     stages = 4
     while stages > 2 and stages * (64 + block_m(m)) * block_k > SMEM_BUDGET:
         stages -= 1
-    tiles, steps = triton.cdiv(n, 64), triton.cdiv(k, block_k)
-    splits = [s for s in (1, 2, 4, 8, 16) if s == 1 or steps // s >= stages]
-    even = [s for s in splits if wave_balance(tiles * s, sms) >= 0.95]
-    split = even[0] if even else max(splits, key=lambda s: wave_balance(tiles * s, sms))
+    tiles = triton.cdiv(n, 64)
+    split = 1
+    while tiles * split * 2 <= sms and k // (split * 2) >= MIN_SPLIT_COLUMNS:
+        split *= 2
     return Fp8MmaConfig(64, block_k, split, 4, stages)
 
 
@@ -115,7 +120,7 @@ def _scaled_store(acc, y_ptr, stride_ym, xs_ptr, ws_ptr, b_ptr, rn, rm, M, N, HA
 def _fp8_mma_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, K_SPLIT,
                     stride_xm, stride_wn, stride_ym, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
-                    PDL: tl.constexpr):
+                    PDL: tl.constexpr, PROMOTE: tl.constexpr = 0):
     """Program (t, s): rows ``[t * BLOCK_N, (t + 1) * BLOCK_N)`` of ``W`` over K columns ``[s * K_SPLIT, (s + 1) *
     K_SPLIT)`` (a multiple of BLOCK_K), accumulated as ``W_tile @ x_tile^T``; with SPLIT_K > 1 the last program of
     the tile to finish reduces the partials (see the module's docstring)."""
@@ -141,7 +146,10 @@ def _fp8_mma_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, count_
         else:
             w = tl.load(w_rows + ks[None, :], mask=ks[None, :] < K, other=0.0)
             x = tl.load(x_rows + ks[None, :], mask=(rm[:, None] < M) & (ks[None, :] < K), other=0.0)
-        acc = tl.dot(w, tl.trans(x), acc)
+        if PROMOTE > 0:  # the tensor cores' sum of each K step added into float32 (module docstring: ACCUMULATION)
+            acc = tl.dot(w, tl.trans(x), acc, max_num_imprecise_acc=PROMOTE)
+        else:
+            acc = tl.dot(w, tl.trans(x), acc)
     if SPLIT_K == 1:
         _scaled_store(acc, y_ptr, stride_ym, xs_ptr, ws_ptr, b_ptr, rn, rm, M, N, HAS_BIAS)
     else:
@@ -206,10 +214,11 @@ def gemv_fp8_mma(qx: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, 
     else:
         part = counters = y  # not read
     pdl = programmatic_launch(qx.device)
+    promote = cfg.block_k if ab_switch("QUANTKIT_FP8_MMA_ACC", ("float32", "tensorcore")) == "float32" else 0
     _fp8_mma_kernel[(tiles, split)](
         qx, x_scale, weight, w_scale, weight if bias is None else bias, y, part, counters, m, n, k, k_split,
         qx.stride(0), weight.stride(0), y.stride(0), HAS_BIAS=bias is not None, BLOCK_M=block_m(m),
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split, EVEN_K=k % cfg.block_k == 0, PDL=pdl,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split, EVEN_K=k % cfg.block_k == 0, PDL=pdl, PROMOTE=promote,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl))
     return y
 

@@ -363,13 +363,13 @@ MATHS = ("tile", "rows", "offset")
 
 def gemv_math(math: str | None = None) -> str:
     """How 4-bit launches sum their products (MATHS): ``math`` where given, else ``QUANTKIT_MOE_GEMV_MATH`` (an
-    A/B switch for the benches), else ``rows``. The row sums measured faster than the tile sums in whole decode
-    steps on the 30B-A3B shape: int4 batch 1 361 against 337 tok/s (H100, one machine,
-    bench/results/bench_qwen3-30b-a3b_h100_{rows,tile}.json; the GEMVs 928 against 1,169 us a step). "offset"
-    (three instructions a code against five in the sm_90 SASS) has not run on a GPU yet:
-    ``bash bench/gpu_check.sh moe-math 260`` tests and times it."""
+    A/B switch for the benches), else ``offset``. Each measured faster than the one before it in whole decode steps
+    of the 30B-A3B shape, each pair on one H100: "rows" 361 against "tile" 337 tok/s at batch 1
+    (bench/results/bench_qwen3-30b-a3b_h100_{rows,tile}.json); "offset" (three instructions a code against five
+    in the sm_90 SASS) 387 against "rows" 365 at batch 1 and 1,418 against 1,261 at batch 8, the GEMVs 823 against
+    916 us a step (bench/results/bench_qwen3-30b-a3b_h100_{offset,default}_e9cd379.json, 2026-12-06)."""
     if math is None:
-        return ab_switch("QUANTKIT_MOE_GEMV_MATH", ("rows", "offset", "tile"))
+        return ab_switch("QUANTKIT_MOE_GEMV_MATH", ("offset", "rows", "tile"))
     if math not in MATHS:
         raise ValueError(f"math must be one of {MATHS}, got {math!r}")
     return math

@@ -19,8 +19,10 @@ Gate and up are concatenated along N (``[E, K/8, 2I]``: gate columns first). 16-
 baseline) go through the same kernel with ``QUANT=False`` (``w [E, N, K]``). FP8 experts (``stack_fp8``) keep
 their e4m3 codes ``[E, N, K]`` (half the bytes of 16-bit) with float32 scales per output channel and run of
 input columns; their activations are rounded to e4m3 per token (or per token and scale block) as the FP8 linears
-round theirs, and each K tile's dot of codes is scaled by both scales (``FP8``). The dot itself runs in 16-bit
-on the tensor cores: every e4m3 code, and every product of two, is exact there.
+round theirs, and each K tile's dot of codes is scaled by both scales (``FP8``). The dot runs in 16-bit on the
+tensor cores (every e4m3 code, and every product of two, is exact there: the codes converted in registers each K
+tile), or with ``QUANTKIT_MOE_FP8_DOT=codes`` (:func:`fp8_dot`) on the codes themselves, Hopper's FP8 tensor cores
+at 64-row tiles, each K tile's products summed there and scaled into float32 as before.
 """
 
 from __future__ import annotations
@@ -201,10 +203,11 @@ def _moe_gemm_kernel(a_ptr, w_ptr, s_ptr, z_ptr, g_ptr, out_ptr, sorted_ptr, blo
                      stride_am, stride_we, stride_wk, stride_wn, stride_se, stride_sg, stride_sn, stride_om, stride_asm,
                      QUANT: tl.constexpr, GROUP: tl.constexpr, GATED: tl.constexpr, A_BY_TOKEN: tl.constexpr,
                      MUL_ROUTED: tl.constexpr, FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, DTYPE: tl.constexpr):
+                     BLOCK_K: tl.constexpr, DTYPE: tl.constexpr, OP_DTYPE: tl.constexpr):
     """``FP8``: ``a`` holds e4m3 codes with float32 scales ``as [rows, K / SCALE_K]`` and ``w`` e4m3 codes with
     scales ``s [E, N, K / SCALE_K]``; codes are exact in DTYPE, so each K tile's dot is the FP8 GEMM's exact sum
-    of code products, scaled by the row's and the column's scale of its run of SCALE_K columns."""
+    of code products, scaled by the row's and the column's scale of its run of SCALE_K columns. ``OP_DTYPE``: the
+    dot's operands, DTYPE, or for FP8 the e4m3 codes as loaded (no conversion)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if tl.load(sorted_ptr + pid_m * BLOCK_M) >= num_pairs:
@@ -225,9 +228,9 @@ def _moe_gemm_kernel(a_ptr, w_ptr, s_ptr, z_ptr, g_ptr, out_ptr, sorted_ptr, blo
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
         a = tl.load(a_ptr + a_rows[:, None].to(tl.int64) * stride_am + offs_k[None, :],
-                    mask=valid[:, None] & k_mask[None, :], other=0.0).to(DTYPE)  # [BLOCK_M, BLOCK_K]
+                    mask=valid[:, None] & k_mask[None, :], other=0.0).to(OP_DTYPE)  # [BLOCK_M, BLOCK_K]
         w = _weight_tile(w_ptr, s_ptr, z_ptr, g_ptr, e, k0, offs_k, offs_n, k_mask, n_mask, K, stride_we, stride_wk,
-                         stride_wn, stride_se, stride_sg, stride_sn, QUANT, GROUP, BLOCK_K, BLOCK_N, DTYPE)
+                         stride_wn, stride_se, stride_sg, stride_sn, QUANT, GROUP, BLOCK_K, BLOCK_N, OP_DTYPE)
         if FP8:
             run = k0 // SCALE_K
             sa = tl.load(as_ptr + a_rows.to(tl.int64) * stride_asm + run, mask=valid, other=0.0)
@@ -238,7 +241,7 @@ def _moe_gemm_kernel(a_ptr, w_ptr, s_ptr, z_ptr, g_ptr, out_ptr, sorted_ptr, blo
         if GATED:  # the up half of the same expert, same activations: one pass over K for both
             w_up = _weight_tile(w_ptr, s_ptr, z_ptr, g_ptr, e, k0, offs_k, offs_n + UP_OFFSET, k_mask, n_mask, K,
                                 stride_we, stride_wk, stride_wn, stride_se, stride_sg, stride_sn, QUANT, GROUP,
-                                BLOCK_K, BLOCK_N, DTYPE)
+                                BLOCK_K, BLOCK_N, OP_DTYPE)
             if FP8:
                 sw_up = tl.load(s_ptr + e * stride_se + run * stride_sg + (offs_n + UP_OFFSET) * stride_sn,
                                 mask=n_mask, other=0.0)
@@ -273,9 +276,10 @@ def _tile_group(group: int, block_k: int) -> int:
 
 
 def _launch(a, ex_w, s, z, g, out, sorted_ids, block_expert, topw, pairs, n, k, up_offset, top_k, quant, gated,
-            by_token, mul, block_m, block_n, block_k, group, num_warps, num_stages, a_scales=None):
+            by_token, mul, block_m, block_n, block_k, group, num_warps, num_stages, a_scales=None, fp8_codes=False):
     """One of the two GEMMs. ``a_scales``: FP8 experts, ``a`` their e4m3 activation codes (``group``: the scales'
-    run of input columns, 0 for one run); else ``group`` is the 4-bit experts' contiguous group size."""
+    run of input columns, 0 for one run; ``fp8_codes``: the dot on the codes as they are); else ``group`` is the
+    4-bit experts' contiguous group size."""
     fp8 = a_scales is not None
     scale_k = (group or k) if fp8 else 1
     if quant:
@@ -294,8 +298,9 @@ def _launch(a, ex_w, s, z, g, out, sorted_ids, block_expert, topw, pairs, n, k, 
                            k, up_offset, top_k, scale_k, a.stride(0), swe, swk, swn, sse, ssg, ssn, out.stride(0),
                            a_scales.stride(0) if fp8 else 0, QUANT=quant, GROUP=group if quant else 0, GATED=gated,
                            A_BY_TOKEN=by_token, MUL_ROUTED=mul, FP8=fp8, BLOCK_M=block_m,
-                           BLOCK_N=block_n, BLOCK_K=block_k, DTYPE=_TL_DTYPE[out.dtype], num_warps=num_warps,
-                           num_stages=num_stages)
+                           BLOCK_N=block_n, BLOCK_K=block_k, DTYPE=_TL_DTYPE[out.dtype],
+                           OP_DTYPE=tl.float8e4nv if fp8 and fp8_codes else _TL_DTYPE[out.dtype],
+                           num_warps=num_warps, num_stages=num_stages)
 
 
 # Which kernel serves a call, by (token, slot) pairs, where ``moe_gemv.applies`` (16-bit, FP8 with dynamic activation
@@ -348,20 +353,33 @@ class TileConfig:
 #   2048 tokens (16,384 pairs, ~128 rows an expert): block_m 64, block_n 64: 1,015 us against 2,399 for TileConfig()
 #   256 tokens (2,048 pairs, ~16 rows an expert): block_m 32, block_n 128: 418 us against 489
 #     (at 2048 tokens this row gives 1,519 us, still under TileConfig()'s).
-# 16-bit and FP8 experts were not swept.
+# 16-bit experts and FP8 experts converted to 16 bits were not swept. FP8 experts multiplied as codes
+# (QUANTKIT_MOE_FP8_DOT=codes, "fp8-codes") take 64-row tiles at 2048 tokens, the least that Hopper's FP8 warpgroup
+# MMA takes (below it Triton converts the codes for mma.sync); not yet timed.
 TILE_CONFIGS: tuple[tuple[str, int, TileConfig], ...] = (
     ("4bit", 16384, TileConfig(block_m=64, block_n=64)),
     ("4bit", 2048, TileConfig(block_m=32, block_n=128)),
+    ("fp8-codes", 16384, TileConfig(block_m=64, block_n=64)),
 )
+
+
+def fp8_dot() -> str:
+    """How the tiled kernel multiplies FP8 experts: "convert" (each K tile's codes to 16 bits, the 16-bit tensor
+    cores) or "codes" (the e4m3 codes into the dot as they are: FP8 tensor cores on Hopper). The A/B switch
+    ``QUANTKIT_MOE_FP8_DOT``; "convert" until a whole prefill measures "codes" faster (``bash
+    bench/gpu_check.sh moe-step``)."""
+    return ab_switch("QUANTKIT_MOE_FP8_DOT", ("convert", "codes"))
 
 
 def tile_config(experts: MoEExperts, pairs: int, aligned: bool = False) -> TileConfig:
     """TILE_CONFIGS' pick for ``pairs`` (token, slot) pairs of ``experts``; ``QUANTKIT_MOE_TILES=plain`` gives
-    TileConfig() to every call (an A/B switch for the benches). ``aligned``: the caller laid the pairs out already,
-    at TileConfig()'s rows (``moe_align.BLOCK_M``), so those tiles."""
+    TileConfig() to every call (an A/B switch for the benches); FP8 experts under ``QUANTKIT_MOE_FP8_DOT=codes``
+    take the "fp8-codes" rows. ``aligned``: the caller laid the pairs out already, at TileConfig()'s rows
+    (``moe_align.BLOCK_M``), so those tiles."""
     if aligned or ab_switch("QUANTKIT_MOE_TILES", ("table", "plain")) == "plain":
         return TileConfig()
-    return next((c for k, least, c in TILE_CONFIGS if k == experts.kind and pairs >= least), TileConfig())
+    kind = "fp8-codes" if experts.fp8 and fp8_dot() == "codes" else experts.kind
+    return next((c for k, least, c in TILE_CONFIGS if k == kind and pairs >= least), TileConfig())
 
 
 def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, experts: MoEExperts,
@@ -395,6 +413,7 @@ def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tenso
     if experts.fp8 and any(g and g % block_k for g in (experts.group13, experts.group2)):
         raise ValueError(f"block_k {block_k} must divide the FP8 scale blocks ({experts.group13}, {experts.group2})")
     x = x.contiguous()
+    codes = experts.fp8 and fp8_dot() == "codes"
     sorted_ids, block_expert = aligned if aligned is not None else moe_align(topk_ids, experts.num_experts, block_m)
     pairs = t * k
     topw = topk_weights.reshape(-1).to(torch.float32).contiguous()
@@ -408,11 +427,12 @@ def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tenso
         a13, as13 = x, None
     _launch(a13, experts.w13, experts.s13, experts.z13, experts.g13, inter, sorted_ids, block_expert, topw, pairs,
             experts.inter, h, experts.inter, k, q, True, True, False, block_m, block_n, block_k, g13, num_warps,
-            num_stages, as13)
+            num_stages, as13, codes)
     a2, as2 = quantize_activations(inter, g2) if experts.fp8 else (inter, None)
     out = torch.empty(pairs, h, dtype=torch.float32 if x.dtype == torch.float32 else x.dtype, device=x.device)
     _launch(a2, experts.w2, experts.s2, experts.z2, experts.g2, out, sorted_ids, block_expert, topw, pairs,
-            h, experts.inter, 0, k, q, False, False, True, block_m, block_n, block_k, g2, num_warps, num_stages, as2)
+            h, experts.inter, 0, k, q, False, False, True, block_m, block_n, block_k, g2, num_warps, num_stages, as2,
+            codes)
     # one launch: a 16-bit sum accumulates in float32 and rounds once, as summing to float32 and casting would
     return out.view(t, k, h).sum(1)
 

@@ -11,14 +11,17 @@ channel (per tensor is expanded when prepared) or per block. The paths, chosen o
   ``[M, 1]``, ``scale_b`` float32 ``[1, N]``, B column-major (the ``[N, K]`` weight transposed, a view),
   K and N multiples of 16, bfloat16 output (row-wise scaling requires it). No host synchronization:
   CUDA graphs capture it.
-  At M <= 4 (decode) quantkit's FP8 GEMV instead: the quantization kernel, then ``kernels/gemv.py`` with
-  ``scales=`` (two launches, the path measured on the GPU). ``QUANTKIT_FP8_GEMV=fused`` runs the one-launch GEMV
-  that quantizes the activations per token itself, exactly as the kernel above does (``kernels/gemv_fp8.py``;
-  the default once ``bench/tune_fp8_gemv.py`` has measured it faster on the GPU); ``0`` sends decode to
-  ``_scaled_mm`` too. ``QUANTKIT_FP8_GEMV=mma`` (opt-in until timed on a GPU) runs decode batches up to
-  ``gemv_fp8_mma.MAX_M`` = 64 rows through quantkit's tensor-core FP8 GEMM (``kernels/gemv_fp8_mma.py``: the weight
-  codes go to the FP8 warpgroup MMA as they are, with no per-byte conversion), after the same quantization
-  kernel. Read when the weights are prepared.
+  Decode batches take quantkit's kernels instead (``QUANTKIT_FP8_GEMV``, read when the weights are prepared):
+  ``auto`` (the default) one row through the CUDA-core FP8 GEMV (``kernels/gemv.py`` with ``scales=``), 2..64 rows
+  through the tensor-core FP8 GEMM (``kernels/gemv_fp8_mma.py``: the weight codes go to the FP8 warpgroup MMA as
+  they are), ``_scaled_mm`` above. Measured in whole decode steps of the Llama-3-8B shape on one H100
+  (bench/results/bench_llama3-8b_fp8_h100_{default,mma}_e9cd379.json): the tensor-core GEMM at batch 8 2,031 tok/s
+  against 1,518 with ``_scaled_mm``, at 32 6,504 against 6,039; at batch 1 the GEMV 279 against the GEMM's 271
+  (its configs then split K where the sweep later found one split fastest). The A/B choices: ``unfused`` (the
+  GEMV up to 4 rows, ``_scaled_mm`` above: the default before), ``fused`` (a one-launch GEMV that quantizes the
+  activations itself, ``kernels/gemv_fp8.py``, up to 4 rows), ``mma`` (the tensor-core GEMM for 1..64 rows),
+  ``0`` (``_scaled_mm`` for all). The activations come quantized by the kernel in front (the RMSNorm or the gated
+  activation writes the codes, ``QUANTKIT_FP8_FUSED_QUANT``, default 1) or by ``kernels/fp8_quant.py``.
 * ``scaled_mm_block`` (CUDA, block 128x128 weights, where :func:`block_scaled_mm_layout` finds torch's
   block-scaled GEMM and checks it against the emulation on the device once): activations quantized per token
   and 128 columns, then ``torch.nn.functional.scaled_mm`` with ``BlockWise1x128`` / ``BlockWise128x128`` scales.
@@ -45,6 +48,7 @@ from quantkit.primitives import dequantize_fp8
 
 log = logging.getLogger(__name__)
 GEMV_MAX_M = 4  # kernels/gemv.py's MAX_M: rows the decode GEMV takes
+GEMV_SWITCH = ("auto", "unfused", "fused", "mma", "0")  # QUANTKIT_FP8_GEMV's choices, the default first
 MMA_MAX_M = 64  # kernels/gemv_fp8_mma.py's MAX_M: rows the tensor-core FP8 GEMM takes
 
 
@@ -61,11 +65,12 @@ class FP8LinearWeights:
     bias: torch.Tensor | None = None
     reason: str = ""
     dequantized: torch.Tensor | None = None  # reference path on the CPU: float32 ``[N, K]``, dequantized once
-    gemv: bool = False  # scaled_mm path: decode-sized batches (M <= 4) through quantkit's FP8 GEMV instead
+    gemv: bool = False  # scaled_mm path: decode-sized batches (M <= gemv_max_m) through quantkit's FP8 GEMV instead
+    gemv_max_m: int = GEMV_MAX_M  # the most rows it takes (1 where the tensor-core GEMM takes the rest)
     gemv_fused: bool = False  # that GEMV quantizes the activations itself (one launch), else a kernel before it
-    gemv_mma: bool = False  # scaled_mm path: M <= 64 through the tensor-core FP8 GEMM instead (QUANTKIT_FP8_GEMV=mma)
+    gemv_mma: bool = False  # scaled_mm path: M <= 64 (past the GEMV's rows) through the tensor-core FP8 GEMM
     codes_in: bool = False  # per-token activations: the runtime may hand it codes a fused producer quantized
-    # (QUANTKIT_FP8_FUSED_QUANT=1: the norm or activation kernel before it; fp8_linear_codes)
+    # (the norm or activation kernel before it, QUANTKIT_FP8_FUSED_QUANT=1 (the default); fp8_linear_codes)
     mma_counters: torch.Tensor | None = None  # its split-K tile counters (int32, zero between calls), one set a linear
     act_group: int = 0  # block weights: activations scaled per token and run of this many columns (0: per token)
     block_scale: torch.Tensor | None = None  # scaled_mm_block path: the weight's block scales, laid out as it needs
@@ -129,17 +134,17 @@ def prepare_fp8_linear(weight: torch.Tensor, weight_scale: torch.Tensor, strateg
         scale = row_scale(weight_scale, strategy, n).to(device)
         ok, reason = scaled_mm_supported(device, n, k) if backend == "auto" else (False, "reference asked for")
         prepared = FP8LinearWeights(weight, scale, "scaled_mm" if ok else "reference", input_scale, bias, reason)
-        # M <= 4 (decode): the FP8 GEMV reads the weight once at full bandwidth where _scaled_mm's tiles are mostly
-        # empty rows; QUANTKIT_FP8_GEMV=0 turns it off, =fused runs the one-launch GEMV, =mma the tensor-core GEMM
-        # up to 64 rows (neither faster in a measured step yet, so not the default; A/B switches for the bench,
-        # read once here)
-        switch = ab_switch("QUANTKIT_FP8_GEMV", ("unfused", "1", "0", "fused", "mma"))
-        prepared.gemv, prepared.gemv_fused = ok and switch != "0", switch == "fused"
-        prepared.gemv_mma = ok and switch == "mma"
-        # the norm / activation kernels in front quantize for it, saving a launch a linear; opt-in until a step
-        # measures it faster (the codes and scales are bitwise those of the quantization kernel); the reference
-        # backend's producers quantize as the emulation does, so it may take codes too
-        prepared.codes_in = ab_switch("QUANTKIT_FP8_FUSED_QUANT", ("0", "1")) == "1"
+        # decode: the module docstring says which kernel takes how many rows and what measured it
+        switch = ab_switch("QUANTKIT_FP8_GEMV", GEMV_SWITCH)
+        prepared.gemv = ok and switch in ("auto", "unfused", "fused")
+        prepared.gemv_fused = switch == "fused"
+        prepared.gemv_max_m = 1 if switch == "auto" else GEMV_MAX_M
+        prepared.gemv_mma = ok and switch in ("auto", "mma")
+        # the norm / activation kernels in front quantize for it (bitwise the quantization kernel's codes and
+        # scales), saving a launch a linear: the 8B decode step at batch 1 284 tok/s against 279 (H100, one
+        # machine, bench/results/bench_llama3-8b_fp8_h100_fusedq_e9cd379.json), prefill unchanged; the reference
+        # backend's producers quantize as the emulation does, so it takes codes too
+        prepared.codes_in = ab_switch("QUANTKIT_FP8_FUSED_QUANT", ("1", "0")) == "1"
         if prepared.gemv_mma:
             from quantkit.kernels.gemv_fp8_mma import counters_for
 
@@ -199,20 +204,19 @@ def fp8_kernel(w: FP8LinearWeights, m: int, codes: bool = False) -> str:
     or the prepared path itself ("scaled_mm_block", "reference")."""
     if w.path != "scaled_mm":
         return w.path
-    if w.gemv and w.gemv_fused and not codes and 0 < m <= GEMV_MAX_M:
+    if w.gemv and w.gemv_fused and not codes and 0 < m <= w.gemv_max_m:
         return "gemv_fp8"
+    if w.gemv and 0 < m <= w.gemv_max_m:
+        return "gemv"
     if w.gemv_mma and 0 < m <= MMA_MAX_M:
         return "gemv_mma"
-    if w.gemv and 0 < m <= GEMV_MAX_M:
-        return "gemv"
     return "scaled_mm"
 
 
 def fp8_linear_scaled_mm(x: torch.Tensor, w: FP8LinearWeights) -> torch.Tensor:
-    """The Hopper path: per-token quantization (one kernel), then at M <= 4 quantkit's FP8 GEMV, else
-    ``torch._scaled_mm`` (bfloat16 out); with ``gemv_fused`` (QUANTKIT_FP8_GEMV=fused) at M <= 4 one launch that
-    quantizes ``x`` itself (the result in ``x``'s dtype); with ``gemv_mma`` (QUANTKIT_FP8_GEMV=mma) at M <= 64 the
-    tensor-core FP8 GEMM after the quantization kernel."""
+    """The Hopper path: per-token quantization (one kernel), then the kernel :func:`fp8_kernel` names for the
+    rows (:func:`fp8_linear_codes`); with ``gemv_fused`` (QUANTKIT_FP8_GEMV=fused) at M <= ``gemv_max_m`` one launch
+    that quantizes ``x`` itself (the result in ``x``'s dtype)."""
     from quantkit.kernels.fp8_quant import quantize_per_token
 
     shape = x.shape
@@ -228,9 +232,9 @@ def fp8_linear_scaled_mm(x: torch.Tensor, w: FP8LinearWeights) -> torch.Tensor:
 def fp8_linear_codes(qx: torch.Tensor, sx: torch.Tensor, w: FP8LinearWeights, out_dtype: torch.dtype) -> torch.Tensor:
     """The GEMM on activations already quantized per token (``qx`` e4m3 ``[M, K]``, ``sx`` float32 ``[M, 1]``, as
     ``quantize_per_token`` or a fused producer such as ``decoder_ops.add_rms_norm_fp8`` writes them); ``[M, N]`` in
-    ``out_dtype``. The scaled_mm path: the tensor-core FP8 GEMM (``gemv_mma``, M <= 64), else the CUDA-core FP8
-    GEMV (``gemv``, M <= 4), else ``torch._scaled_mm``. The reference path (per-token activations only): the codes
-    dequantized, one float32 matmul, as :func:`fp8_linear_ref` on the rows they quantize."""
+    ``out_dtype``. The scaled_mm path: the CUDA-core FP8 GEMV (``gemv``, M <= ``gemv_max_m``), else the tensor-core
+    FP8 GEMM (``gemv_mma``, M <= 64), else ``torch._scaled_mm``. The reference path (per-token activations
+    only): the codes dequantized, one float32 matmul, as :func:`fp8_linear_ref` on the rows they quantize."""
     m = qx.shape[0]
     if w.path == "reference":
         if w.act_group:

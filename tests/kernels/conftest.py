@@ -47,10 +47,13 @@ from triton.compiler import ASTSource
 
 spec = json.loads(sys.argv[1])
 fn = getattr(importlib.import_module(spec["module"]), spec["kernel"])
-signature = dict(spec["signature"], **{name: "constexpr" for name in spec["constexprs"]})
+# a constexpr "tl.NAME" is that triton.language dtype (JSON carries no dtypes)
+constexprs = {name: getattr(triton.language, value[3:]) if isinstance(value, str) and value.startswith("tl.") else value
+              for name, value in spec["constexprs"].items()}
+signature = dict(spec["signature"], **{name: "constexpr" for name in constexprs})
 # what Triton's launcher specializes at run time: 16-byte aligned pointers, integers divisible by 16
 attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in spec["aligned"]}
-kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=spec["constexprs"], attrs=attrs),
+kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
                         target=GPUTarget("cuda", 90, 32),
                         options={"num_warps": spec["num_warps"], "num_stages": spec.get("num_stages") or 3})
 open(spec["out"], "w").write(kernel.asm["ptx"])

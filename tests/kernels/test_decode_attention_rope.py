@@ -67,7 +67,9 @@ def _qk_norm_three_ways(dtype, hq, hkv, d, positions, rope, offset, splits, bloc
     ``(qkv unchanged, outputs, written keys)`` for each."""
     from quantkit.kernels.decoder_ops import qk_norm
 
-    qkv, cos, sin, pos, slots, k, v = _case(len(positions), hq, hkv, d, 96, positions, dtype, seed=7)
+    # the cache holds every position asked for (a position past its end is a write out of bounds)
+    s_max = max(96, max(positions) + 1)
+    qkv, cos, sin, pos, slots, k, v = _case(len(positions), hq, hkv, d, s_max, positions, dtype, seed=7)
     gen = torch.Generator().manual_seed(8)
     qw, kw = (torch.rand(d, generator=gen) + 0.5).to(DEV, dtype), (torch.rand(d, generator=gen) + 0.5).to(DEV, dtype)
     norm = (qw, kw, 1e-6, offset)

@@ -151,7 +151,7 @@ def test_fp8_linear_takes_the_one_launch_gemv_at_decode(monkeypatch, static):
     assert torch.equal(y2[0], _two_launch(x[0], wq, ws, b, input_scale, None, torch.bfloat16).float())
 
 
-@pytest.mark.parametrize("switch,gemv_fused", [("fused", True), ("unfused", False), ("1", False), ("0", False)])
+@pytest.mark.parametrize("switch,gemv_fused", [("fused", True), ("unfused", False), ("auto", False), ("0", False)])
 def test_switch(monkeypatch, switch, gemv_fused):
     monkeypatch.setenv("QUANTKIT_FP8_GEMV", switch)
     wq, ws = _weights(16, 32, device="cpu")

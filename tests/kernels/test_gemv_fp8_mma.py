@@ -23,7 +23,6 @@ from quantkit.kernels.gemv_fp8_mma import (
     gemv_fp8_mma_supports,
     mma_config,
     smem_bytes,
-    wave_balance,
 )
 
 CUDA = torch.cuda.is_available()
@@ -86,21 +85,22 @@ def test_default_config_and_output_dtype():
 
 
 def test_config_rule_at_the_8b_shapes():
-    """64-row tiles and the least K split that loads 132 SMs evenly (each split keeping at least a pipeline's depth
-    of K steps), the pipeline within the shared-memory budget; the narrow side padded to 16, 32, 64."""
+    """64-row tiles, 4 stages within the shared-memory budget (3 at 64 rows of activations), and a K split only
+    where the tiles leave SMs idle and each split keeps 4096 columns or more, the programs within one wave; the
+    narrow side padded to 16, 32, 64."""
     for m in (1, 8, 16, 32, 64):
         for n, k in SHAPES_8B:
             cfg = mma_config(m, n, k, sms=132)
-            tiles, steps = -(-n // cfg.block_n), k // cfg.block_k
-            assert cfg.block_n == 64 and smem_bytes(cfg, m) <= SMEM_BUDGET
-            assert steps // cfg.split_k >= cfg.num_stages
-            assert wave_balance(tiles * cfg.split_k, 132) >= 0.95
-            assert cfg.split_k == 1 or wave_balance(tiles * cfg.split_k // 2, 132) < 0.95
-    # qkv: 96 tiles, 4 splits (384 programs, 0.97); o and down: 64 tiles, 2 (128, 0.97); gate_up: 448 tiles, 2
-    # (896, 0.97; one split leaves the fourth round a sixth full: 0.85)
-    assert [mma_config(1, n, k, sms=132).split_k for n, k in SHAPES_8B] == [4, 2, 2, 2]
-    assert mma_config(1, 4096, 4096, sms=132) == C(64, 256, 2, 4, 3)
-    assert wave_balance(448, 132) == pytest.approx(448 / 528) and wave_balance(264, 132) == 1.0
+            tiles = -(-n // cfg.block_n)
+            assert cfg.block_n == 64 and cfg.block_k == 256 and smem_bytes(cfg, m) <= SMEM_BUDGET
+            assert cfg.num_stages == (4 if m <= 32 else 3)
+            assert cfg.split_k == 1 or (tiles * cfg.split_k <= 132 and k // cfg.split_k >= 4096)
+    # what the H100 sweep found best or within 0.3 us of it at M = 1, 8, 32: qkv (96 tiles), o (64 tiles, K 4096)
+    # and gate_up (448 tiles) unsplit; down (64 tiles, K 14336) split in two
+    assert [mma_config(1, n, k, sms=132).split_k for n, k in SHAPES_8B] == [1, 1, 1, 2]
+    assert mma_config(1, 4096, 4096, sms=132) == C(64, 256, 1, 4, 4)
+    assert mma_config(8, 1024, 65536, sms=132).split_k == 8  # 16 tiles: splits up to 8 keep 8192 columns each
+    assert mma_config(1, 64, 2048, sms=132) == C(64, 256, 1, 4, 4)  # too short a K to split
     assert [block_m(m) for m in (1, 16, 17, 33, 64)] == [16, 16, 32, 64, 64]
 
 
@@ -136,10 +136,10 @@ def test_switch_is_checked_and_the_cpu_keeps_the_reference(monkeypatch):
         prepare_fp8_linear(w, ws.reshape(-1), "channel")
 
 
-@pytest.mark.parametrize("m", [1, 8, 40])
+@pytest.mark.parametrize("m", [2, 8, 40])
 def test_fp8_linear_takes_the_mma_path_up_to_64_rows(m):
-    """A prepared scaled_mm linear with gemv_mma: batches up to 64 rows (past the CUDA-core GEMV's 4) go through
-    the quantization kernel and gemv_fp8_mma, x's shape and dtype kept; activations whose e4m3 rounding is exact
+    """A prepared scaled_mm linear as the default prepares it (the GEMV for one row, gemv_mma): batches of 2..64
+    rows go through the quantization kernel and gemv_fp8_mma, x's shape and dtype kept; activations whose e4m3 rounding is exact
     give fp8_linear_ref's result up to summation order."""
     _, _, w, ws = _operands(1, 40, 96)
     gen = torch.Generator(device=DEV).manual_seed(m)
@@ -147,7 +147,7 @@ def test_fp8_linear_takes_the_mma_path_up_to_64_rows(m):
     codes[:, 0] = 448  # the row's absmax: the per-token scale is exactly 2^-2
     x = (codes * 2.0**-2).reshape(1, m, 96)
     b = torch.randn(40, device=DEV)
-    prepared = FP8LinearWeights(w, ws, "scaled_mm", None, b, gemv=True, gemv_mma=True,
+    prepared = FP8LinearWeights(w, ws, "scaled_mm", None, b, gemv=True, gemv_max_m=1, gemv_mma=True,
                                 mma_counters=counters_for(40, DEV))
     y = fp8_linear(x, prepared)
     assert y.shape == (1, m, 40) and y.dtype == torch.float32
@@ -156,7 +156,7 @@ def test_fp8_linear_takes_the_mma_path_up_to_64_rows(m):
     assert torch.equal(y[0], expected.float())
 
 
-@pytest.mark.parametrize("m,mma", [(1, False), (4, False), (8, True), (1, True)])
+@pytest.mark.parametrize("m,mma", [(1, False), (4, False), (8, True), (2, True)])
 def test_linear_from_codes_is_the_linear_on_what_they_quantize(m, mma):
     """runtime.Linear.from_codes on quantize_per_token's codes gives bitwise what the linear gives on the 16-bit
     rows (the CUDA-core GEMV at M <= 4, the tensor-core GEMM with gemv_mma), so a fused producer that writes those
@@ -165,8 +165,9 @@ def test_linear_from_codes_is_the_linear_on_what_they_quantize(m, mma):
     from quantkit.runtime.linear import Linear
 
     _, _, w, ws = _operands(1, 48, 64)
-    prepared = FP8LinearWeights(w, ws, "scaled_mm", None, torch.randn(48, device=DEV), gemv=True, gemv_mma=mma,
-                                mma_counters=counters_for(48, DEV), codes_in=True)
+    prepared = FP8LinearWeights(w, ws, "scaled_mm", None, torch.randn(48, device=DEV), gemv=True,
+                                gemv_max_m=1 if mma else 4, gemv_mma=mma, mma_counters=counters_for(48, DEV),
+                                codes_in=True)
     linear = Linear(48, fp8=prepared)
     assert linear.takes_fp8_codes and not Linear(48, fp8=prepared, parts=[linear]).takes_fp8_codes
     x = torch.randn(m, 64, generator=torch.Generator(device=DEV).manual_seed(m), device=DEV).to(torch.float16)
@@ -175,11 +176,35 @@ def test_linear_from_codes_is_the_linear_on_what_they_quantize(m, mma):
     assert got.dtype == torch.float16 and torch.equal(got, linear(x))
 
 
+@pytest.mark.parametrize("switch,by_rows", [
+    ("auto", {1: "gemv", 2: "gemv_mma", 64: "gemv_mma", 65: "scaled_mm"}),  # the default
+    ("unfused", {1: "gemv", 4: "gemv", 5: "scaled_mm", 64: "scaled_mm"}),
+    ("fused", {1: "gemv_fp8", 4: "gemv_fp8", 5: "scaled_mm"}),
+    ("mma", {1: "gemv_mma", 64: "gemv_mma", 65: "scaled_mm"}),
+    ("0", {1: "scaled_mm", 8: "scaled_mm"}),
+])
+def test_decode_kernel_by_rows(monkeypatch, switch, by_rows):
+    """Which kernel a Hopper linear runs for how many rows under each QUANTKIT_FP8_GEMV choice (the CPU cannot
+    run the scaled_mm path: it is forced here and only prepared); with codes in, the one-launch GEMV (which
+    quantizes 16-bit rows itself) gives way to the GEMV on codes."""
+    import quantkit.fp8_linear as fp8_linear_module
+    from quantkit.fp8_linear import fp8_kernel
+
+    monkeypatch.setattr(fp8_linear_module, "scaled_mm_supported", lambda device, n, k: (True, "forced"))
+    if switch != "auto":
+        monkeypatch.setenv("QUANTKIT_FP8_GEMV", switch)
+    _, _, w, ws = _operands(1, 16, 32, device="cpu")
+    prepared = prepare_fp8_linear(w, ws.reshape(-1), "channel")
+    assert {m: fp8_kernel(prepared, m) for m in by_rows} == by_rows
+    assert fp8_kernel(prepared, 1, codes=True) == {"fused": "gemv"}.get(switch, by_rows[1])
+
+
 def test_fused_quant_switch(monkeypatch):
     """QUANTKIT_FP8_FUSED_QUANT=1 lets a per-token FP8 linear take codes on any path (the reference path's
     producers quantize as its emulation does); block weights never (their activations are quantized per column
     group); an unknown value is refused."""
     _, _, w, ws = _operands(1, 16, 32, device="cpu")
+    assert prepare_fp8_linear(w, ws.reshape(-1), "channel").codes_in  # the default
     for value, expected in (("1", True), ("0", False)):
         monkeypatch.setenv("QUANTKIT_FP8_FUSED_QUANT", value)
         assert prepare_fp8_linear(w, ws.reshape(-1), "channel").codes_in is expected
@@ -196,7 +221,7 @@ def _compile(sm90, tmp_path, cfg: C, m: int, split: int):
                      y_ptr="*bf16", part_ptr="*fp32", count_ptr="*i32", M="i32", N="i32", K="i32", K_SPLIT="i32",
                      stride_xm="i32", stride_wn="i32", stride_ym="i32")
     constexprs = dict(HAS_BIAS=False, BLOCK_M=block_m(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split,
-                      EVEN_K=True, PDL=True)
+                      EVEN_K=True, PDL=True, PROMOTE=cfg.block_k)
     aligned = ("x_ptr", "w_ptr", "y_ptr", "part_ptr", "N", "K", "K_SPLIT", "stride_xm", "stride_wn", "stride_ym")
     sm90.triton_ptx(out, "quantkit.kernels.gemv_fp8_mma", "_fp8_mma_kernel", signature, constexprs, cfg.num_warps,
                     aligned, num_stages=cfg.num_stages)
@@ -204,17 +229,19 @@ def _compile(sm90, tmp_path, cfg: C, m: int, split: int):
 
 
 def test_sm90_multiplies_the_codes_as_they_are(sm90, tmp_path):
-    """The rule's config at M = 1 on the 4096 x 4096 layer: FP8 warpgroup MMAs (QGMMA ... E4M3.E4M3) on the codes,
+    """The rule's config at M = 1 on the 4096 x 14336 layer: FP8 warpgroup MMAs (QGMMA ... E4M3.E4M3) on the codes,
     no e4m3 conversion instruction anywhere, weights brought in by cp.async (LDGSTS) and no plain global loads
     of them, no spills; the split-K tail orders the partials before its one counter atomic (MEMBAR, then ATOMG)
     and drops stale L1 lines after it (CCTL)."""
-    cfg = mma_config(1, 4096, 4096, sms=132)
+    cfg = mma_config(1, 4096, 14336, sms=132)  # the down projection: split in two
+    assert cfg.split_k == 2
     sass, notices = _compile(sm90, tmp_path, cfg, 1, cfg.split_k)
     ops = [re.sub(r"^.*?\*/\s*(@!?U?P\w+\s+)?", "", line).split()[0] for line in sass]
     assert any(op.startswith("QGMMA.64x16x32.F32.E4M3.E4M3") for op in ops), sorted(set(ops))
     assert not any("E4M3" in op for op in ops if op.startswith("F2FP"))
     assert sum(op.startswith("LDGSTS") for op in ops) >= cfg.num_stages * 2
     assert "0 bytes spill stores" in notices
+    assert ops.count("FADD") >= 8  # each K step's MMA sum added into float32 (the launcher's default)
     atomics = [i for i, op in enumerate(ops) if op.startswith("ATOMG")]
     assert len(atomics) == 1 and "MEMBAR" in " ".join(ops[atomics[0] - 3:atomics[0]])
     assert "CCTL" in " ".join(ops[atomics[0]:atomics[0] + 3])
@@ -247,7 +274,9 @@ def test_8b_shapes_on_the_gpu(n, k, m):
     qx, xs = quantize_per_token(x)
     counters = counters_for(n, "cuda")
     y = gemv_fp8_mma(qx, xs, w, ws, b, counters=counters)
-    assert _rel(y, gemv_fp8_mma_ref(qx, xs, w, ws, b)) < 4e-3
+    # bf16 output rounding alone is ~1.7e-3; left to the FP8 tensor cores' own accumulator across K (before each
+    # K step's sum was added into float32) the error reached 3.4e-3 at K = 14336 (module docstring)
+    assert _rel(y, gemv_fp8_mma_ref(qx, xs, w, ws, b)) < 2.2e-3
     assert torch.equal(gemv_fp8_mma(qx, xs, w, ws, b, counters=counters), y)
     assert not counters.any()
     graph = torch.cuda.CUDAGraph()

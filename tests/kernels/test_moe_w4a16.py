@@ -222,6 +222,68 @@ def test_fused_moe_with_the_tile_table_on_the_gpu_matches_the_reference(tokens):
     assert rel_err(out, fused_moe_ref(x.float(), w.cuda(), ids.cuda(), ex)) < 5e-3
 
 
+def test_tile_table_gives_fp8_codes_the_fp8_mma_rows(monkeypatch):
+    """FP8 experts multiplied as codes (QUANTKIT_MOE_FP8_DOT=codes) take 64-row tiles from 16,384 pairs (the
+    least rows of Hopper's FP8 warpgroup MMA); converted (the default) they keep TileConfig()."""
+    from quantkit.kernels.moe_w4a16 import TileConfig, stack_fp8, tile_config
+
+    monkeypatch.delenv("QUANTKIT_MOE_TILES", raising=False)
+    ex = stack_fp8(experts_fp8(2, 64, 32), "cpu")
+    monkeypatch.delenv("QUANTKIT_MOE_FP8_DOT", raising=False)
+    assert tile_config(ex, 16384) == TileConfig()
+    monkeypatch.setenv("QUANTKIT_MOE_FP8_DOT", "codes")
+    assert tile_config(ex, 16383) == tile_config(ex, 16384, aligned=True) == TileConfig()
+    assert tile_config(ex, 16384) == TileConfig(block_m=64, block_n=64)
+    monkeypatch.setenv("QUANTKIT_MOE_FP8_DOT", "fp8")
+    with pytest.raises(ValueError, match="QUANTKIT_MOE_FP8_DOT"):
+        tile_config(ex, 16384)
+
+
+@pytest.mark.parametrize("dot", ["convert", "codes"])
+def test_sm90_fp8_codes_go_to_the_fp8_tensor_cores(sm90, tmp_path, dot):
+    """The gate/up GEMM of FP8 experts at the 64-row prefill tiles, compiled for sm_90 (Qwen3-30B-A3B's sizes):
+    with the codes as they are, FP8 warpgroup MMAs (QGMMA ... E4M3.E4M3) and no e4m3 conversion in the K loop;
+    converted, 16-bit ones (HGMMA ... BF16) behind an unpack of every code."""
+    signature = dict(a_ptr="*fp8e4nv", w_ptr="*fp8e4nv", s_ptr="*fp32", z_ptr="*fp8e4nv", g_ptr="*fp8e4nv",
+                     out_ptr="*bf16", sorted_ptr="*i32", block_expert_ptr="*i32", topw_ptr="*fp32", as_ptr="*fp32",
+                     num_pairs="i32", N="i32", K="i32", UP_OFFSET="i32", TOP_K="i32", SCALE_K="i32", stride_am="i32",
+                     stride_we="i32", stride_wn="i32", stride_se="i32", stride_om="i32")
+    constexprs = dict(stride_wk=1, stride_sg=1, stride_sn=1, stride_asm=1, QUANT=False, GROUP=0, GATED=True,
+                      A_BY_TOKEN=True, MUL_ROUTED=False, FP8=True, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64,
+                      DTYPE="tl.bfloat16", OP_DTYPE="tl.float8e4nv" if dot == "codes" else "tl.bfloat16")
+    aligned = ("a_ptr", "w_ptr", "s_ptr", "out_ptr", "sorted_ptr", "block_expert_ptr", "topw_ptr", "as_ptr",
+               "num_pairs", "N", "K", "UP_OFFSET", "SCALE_K", "stride_am", "stride_we", "stride_wn", "stride_se",
+               "stride_om")
+    ptx = sm90.triton_ptx(str(tmp_path / "moe.ptx"), "quantkit.kernels.moe_w4a16", "_moe_gemm_kernel", signature,
+                          constexprs, 4, aligned, num_stages=3)
+    text = "\n".join(sm90.sass(sm90.cubin(ptx)))
+    if dot == "codes":
+        assert "QGMMA.64x64x32.F32.E4M3.E4M3" in text and "E4M3.UNPACK" not in text and "HGMMA" not in text
+    else:
+        assert "HGMMA.64x64x16.F32.BF16" in text and "F2FP.F16.E4M3.UNPACK_B" in text and "QGMMA" not in text
+    assert "0 bytes spill stores" in sm90.ptxas_notices(ptx)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dot", ["convert", "codes"])
+@pytest.mark.parametrize(("weights", "tokens"), [("channel", 2048), ("channel", 200), ("block", 2048)])
+def test_fused_moe_fp8_experts_at_prefill_on_the_gpu(monkeypatch, dot, weights, tokens):
+    """bf16 activations, FP8 experts at prefill sizes (2,048 tokens of top-8: the 64-row tiles of "codes"; 200:
+    16-row tiles), both dots, against the reference's float32 emulation of the same rounding."""
+    from quantkit.kernels.fp8_quant_ref import activations_through_e4m3
+    from quantkit.kernels.moe_w4a16 import stack_fp8
+
+    monkeypatch.setenv("QUANTKIT_MOE_FP8_DOT", dot)
+    trios = experts_fp8(16, 256, 128, weights, block=(128, 128))
+    ex = stack_fp8(trios, "cuda")
+    w, ids = routing(tokens, 16, 8)
+    x = torch.randn(tokens, 256, generator=torch.Generator().manual_seed(9)).to("cuda", torch.bfloat16)
+    out = fused_moe(x, w.cuda(), ids.cuda(), ex)
+    group = 128 if weights == "block" else 0
+    ref = fused_moe_ref(x.float(), w.cuda(), ids.cuda(), ex, lambda v: activations_through_e4m3(v, group))
+    assert rel_err(out, ref) < 1e-2, rel_err(out, ref)
+
+
 def experts_fp8(n_exp, hidden, inter, weights="channel", block=(32, 32), seed=0):
     from quantkit.fp8_weight import FP8Config, fp8_quantize_weight
 
@@ -231,16 +293,20 @@ def experts_fp8(n_exp, hidden, inter, weights="channel", block=(32, 32), seed=0)
                   for rows, cols in ((inter, hidden), (inter, hidden), (hidden, inter))) for _ in range(n_exp)]
 
 
+@pytest.mark.parametrize("dot", ["convert", "codes"])
 @pytest.mark.parametrize(("weights", "inter"), [("channel", 32), ("tensor", 48), ("block", 48)])
-def test_fused_moe_fp8_experts_match_the_emulated_reference(monkeypatch, weights, inter):
+def test_fused_moe_fp8_experts_match_the_emulated_reference(monkeypatch, weights, inter, dot):
     """FP8 experts (e4m3 codes, per-channel, per-tensor or 32x32-block scales; activations rounded per token, or
     per token and 32 columns for blocks) through the fused kernel against the reference's float32 emulation of the
     same rounding: only the float32 summation order differs. inter 48 with 32-row blocks: the up half's scales
     start inside a block, which the per-column scale layout takes. Under the CPU interpreter the per-token codes
     come from the torch reference: Triton 3.6's interpreter rounds float32 to e4m3 wrongly at carries (see
-    test_fp8_quant.py; on a GPU the kernel's codes are the reference's bit for bit)."""
+    test_fp8_quant.py; on a GPU the kernel's codes are the reference's bit for bit). ``dot``: the K tiles' codes
+    converted to 16 bits, or multiplied as they are (QUANTKIT_MOE_FP8_DOT=codes)."""
     from quantkit.kernels.fp8_quant_ref import activations_through_e4m3, quantize_per_group_ref, quantize_per_token_ref
     from quantkit.kernels.moe_w4a16 import stack_fp8
+
+    monkeypatch.setenv("QUANTKIT_MOE_FP8_DOT", dot)
 
     if DEVICE == "cpu":
         monkeypatch.setattr(moe, "quantize_activations", lambda v, group: quantize_per_group_ref(v, group) if group

@@ -166,8 +166,8 @@ def test_step_kernels_lists_what_one_decode_step_runs():
 def test_linear_kernels_say_which_kernel_each_linear_runs(monkeypatch):
     """The record names the kernel of each linear at each batch size, as the dispatch decides it: an FP8 model
     prepared for the Hopper path (forced here: the CPU only prepares it) takes the GEMV at batch 1 on every linear,
-    q/k/v and gate/up included, and _scaled_mm above 4 rows; under the opt-in switches the tensor-core GEMM up to 64
-    rows and codes from the norm and activation kernels (not for o, whose input attention writes)."""
+    q/k/v and gate/up included, the tensor-core GEMM up to 64 rows and _scaled_mm above, with codes from the norm
+    and activation kernels (not for o, whose input attention writes); the switches of the older paths show."""
     import quantkit.fp8_linear as fp8_linear_module
 
     monkeypatch.setattr(fp8_linear_module, "scaled_mm_supported", lambda device, n, k: (True, "forced"))
@@ -179,14 +179,17 @@ def test_linear_kernels_say_which_kernel_each_linear_runs(monkeypatch):
     bench.quantize_fp8_in_place(hf)
     model = bench.runtime_from_hf(hf, None, backend="reference")
     got = bench.linear_kernels(model, (1, 8, 128))
-    for name in ("qkv", "o", "gate_up", "down"):
-        assert got[name] == {"1": "gemv", "8": "scaled_mm", "128": "scaled_mm"}, (name, got)
+    for name in ("qkv", "gate_up", "down"):
+        assert got[name] == {"1": "gemv+codes", "8": "gemv_mma+codes", "128": "scaled_mm+codes"}, (name, got)
+    assert got["o"] == {"1": "gemv", "8": "gemv_mma", "128": "scaled_mm"}
     assert got["lm_head"] == {"1": "torch", "8": "torch", "128": "torch"}
-    monkeypatch.setenv("QUANTKIT_FP8_GEMV", "mma")
-    monkeypatch.setenv("QUANTKIT_FP8_FUSED_QUANT", "1")
+    monkeypatch.setenv("QUANTKIT_FP8_GEMV", "unfused")
+    monkeypatch.setenv("QUANTKIT_FP8_FUSED_QUANT", "0")
     got = bench.linear_kernels(bench.runtime_from_hf(hf, None, backend="reference"), (1, 8, 128))
-    assert got["qkv"] == got["down"] == {"1": "gemv_mma+codes", "8": "gemv_mma+codes", "128": "scaled_mm+codes"}
-    assert got["o"] == {"1": "gemv_mma", "8": "gemv_mma", "128": "scaled_mm"}
+    assert got["qkv"] == got["o"] == {"1": "gemv", "8": "scaled_mm", "128": "scaled_mm"}
+    monkeypatch.setenv("QUANTKIT_FP8_GEMV", "mma")
+    got = bench.linear_kernels(bench.runtime_from_hf(hf, None, backend="reference"), (1, 8, 128))
+    assert got["qkv"] == {"1": "gemv_mma", "8": "gemv_mma", "128": "scaled_mm"}
     record = {"batches": [1, 8], "fp8": {"linear_kernels": got, "decode_tps": {"1": 1.0, "8": 2.0},
                                          "prefill_tps": 3.0, "weight_bytes_per_token": 1, "peak_memory_bytes": 1}}
-    assert "fp8 kernels by batch: qkv 1: gemv_mma+codes" in bench_run.format_table(record)
+    assert "fp8 kernels by batch: qkv 1: gemv_mma, 8: gemv_mma" in bench_run.format_table(record)

@@ -285,7 +285,7 @@ def test_fp8_model_on_the_kernels_backend_with_graphs_and_fp8_prefill():
     assert ((fp8_logits - bf16_logits).norm() / bf16_logits.norm()).item() < 5e-2
 
 
-@pytest.mark.parametrize("switch", ["unfused", "fused", "mma", "0"])
+@pytest.mark.parametrize("switch", ["auto", "unfused", "fused", "mma", "0"])
 def test_fused_qkv_takes_the_decode_path_of_its_parts(monkeypatch, switch):
     """q/k/v (and gate/up) stacked into one FP8 linear keep every decode choice their parts were prepared with: the
     GEMV at M <= 4 (or the one-launch or tensor-core one, or none), codes in, counters for the whole height. (The
@@ -306,10 +306,11 @@ def test_fused_qkv_takes_the_decode_path_of_its_parts(monkeypatch, switch):
     fused = fused_fp8_linear(get, ["q", "k", "v"], torch.float32, "cpu", "auto")
     w = fused.fp8
     assert not fused.parts and w.path == "scaled_mm" and w.out_features == 128
-    for flag in ("gemv", "gemv_fused", "gemv_mma", "codes_in", "reason"):
+    for flag in ("gemv", "gemv_fused", "gemv_max_m", "gemv_mma", "codes_in", "reason"):
         assert getattr(w, flag) == getattr(single.fp8, flag), flag
-    assert w.gemv == (switch != "0") and w.gemv_mma == (switch == "mma") and w.codes_in
-    assert (w.mma_counters is not None and w.mma_counters.numel() >= 128 // 16) == (switch == "mma")
+    with_mma = switch in ("auto", "mma")
+    assert w.gemv == (switch not in ("0", "mma")) and w.gemv_mma == with_mma and w.codes_in
+    assert (w.mma_counters is not None and w.mma_counters.numel() >= 128 // 16) == with_mma
     assert torch.equal(w.weight.view(torch.uint8), torch.cat([get[f"{n}.weight"] for n in "qkv"]).view(torch.uint8))
     assert torch.equal(w.scale, torch.cat([get[f"{n}.weight_scale"] for n in "qkv"]).reshape(1, 128))
     assert torch.equal(fused.bias, torch.cat([get[f"{n}.bias"] for n in "qkv"]))
