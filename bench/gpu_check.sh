@@ -235,6 +235,7 @@ moe-step)  # issue 39: `quantkit bench --shape qwen3-30b-a3b` at batch 1 and 8 o
     # NAME:VAR=VALUE,VAR=VALUE... (environment switches; "default:" for none), ~60-90 s each, one after another.
     # A value with commas goes in the call's own environment instead (it reaches every variant):
     #   QUANTKIT_MOE_GEMV_CONFIG=64,4,512 bash bench/gpu_check.sh moe-step 120 cfg64:
+    # e.g. `moe-step 200 default: convert:QUANTKIT_MOE_FP8_DOT=convert rows:QUANTKIT_MOE_GEMV_MATH=rows`
     card | tee "$OUT/card.txt"
     shift 2
     moe_steps "$@"

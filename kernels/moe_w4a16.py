@@ -20,9 +20,9 @@ baseline) go through the same kernel with ``QUANT=False`` (``w [E, N, K]``). FP8
 their e4m3 codes ``[E, N, K]`` (half the bytes of 16-bit) with float32 scales per output channel and run of
 input columns; their activations are rounded to e4m3 per token (or per token and scale block) as the FP8 linears
 round theirs, and each K tile's dot of codes is scaled by both scales (``FP8``). The dot runs in 16-bit on the
-tensor cores (every e4m3 code, and every product of two, is exact there: the codes converted in registers each K
-tile), or with ``QUANTKIT_MOE_FP8_DOT=codes`` (:func:`fp8_dot`) on the codes themselves, Hopper's FP8 tensor cores
-at 64-row tiles, each K tile's products summed there and scaled into float32 as before.
+tensor cores on the codes themselves (:func:`fp8_dot`; Hopper's FP8 warpgroup MMA at 64-row tiles, each K tile's
+products summed there and scaled into float32), or with ``QUANTKIT_MOE_FP8_DOT=convert`` in 16 bits (every e4m3
+code, and every product of two, is exact there; the codes converted in registers each K tile).
 """
 
 from __future__ import annotations
@@ -353,9 +353,10 @@ class TileConfig:
 #   2048 tokens (16,384 pairs, ~128 rows an expert): block_m 64, block_n 64: 1,015 us against 2,399 for TileConfig()
 #   256 tokens (2,048 pairs, ~16 rows an expert): block_m 32, block_n 128: 418 us against 489
 #     (at 2048 tokens this row gives 1,519 us, still under TileConfig()'s).
-# 16-bit experts and FP8 experts converted to 16 bits were not swept. FP8 experts multiplied as codes
-# (QUANTKIT_MOE_FP8_DOT=codes, "fp8-codes") take 64-row tiles at 2048 tokens, the least that Hopper's FP8 warpgroup
-# MMA takes (below it Triton converts the codes for mma.sync); not yet timed.
+# 16-bit experts and FP8 experts converted to 16 bits were not swept. FP8 experts multiplied as codes (fp8_dot's
+# default, "fp8-codes") take 64-row tiles at 2048 tokens, the least that Hopper's FP8 warpgroup MMA takes (below it
+# Triton converts the codes for mma.sync): with them a 2048-token prefill of the whole 30B-A3B shape ran 21.8k
+# against 13.4k tok/s (one H100, bench/results/bench_qwen3-30b-a3b_h100_{fp8codes,default}_f540fd9.json).
 TILE_CONFIGS: tuple[tuple[str, int, TileConfig], ...] = (
     ("4bit", 16384, TileConfig(block_m=64, block_n=64)),
     ("4bit", 2048, TileConfig(block_m=32, block_n=128)),
@@ -364,16 +365,15 @@ TILE_CONFIGS: tuple[tuple[str, int, TileConfig], ...] = (
 
 
 def fp8_dot() -> str:
-    """How the tiled kernel multiplies FP8 experts: "convert" (each K tile's codes to 16 bits, the 16-bit tensor
-    cores) or "codes" (the e4m3 codes into the dot as they are: FP8 tensor cores on Hopper). The A/B switch
-    ``QUANTKIT_MOE_FP8_DOT``; "convert" until a whole prefill measures "codes" faster (``bash
-    bench/gpu_check.sh moe-step``)."""
-    return ab_switch("QUANTKIT_MOE_FP8_DOT", ("convert", "codes"))
+    """How the tiled kernel multiplies FP8 experts: "codes" (the e4m3 codes into the dot as they are: FP8 tensor
+    cores on Hopper; the default, measured above) or "convert" (each K tile's codes to 16 bits, the 16-bit tensor
+    cores: the path before), by the A/B switch ``QUANTKIT_MOE_FP8_DOT``."""
+    return ab_switch("QUANTKIT_MOE_FP8_DOT", ("codes", "convert"))
 
 
 def tile_config(experts: MoEExperts, pairs: int, aligned: bool = False) -> TileConfig:
     """TILE_CONFIGS' pick for ``pairs`` (token, slot) pairs of ``experts``; ``QUANTKIT_MOE_TILES=plain`` gives
-    TileConfig() to every call (an A/B switch for the benches); FP8 experts under ``QUANTKIT_MOE_FP8_DOT=codes``
+    TileConfig() to every call (an A/B switch for the benches); FP8 experts multiplied as codes (:func:`fp8_dot`)
     take the "fp8-codes" rows. ``aligned``: the caller laid the pairs out already, at TileConfig()'s rows
     (``moe_align.BLOCK_M``), so those tiles."""
     if aligned or ab_switch("QUANTKIT_MOE_TILES", ("table", "plain")) == "plain":
