@@ -12,14 +12,15 @@ CUDA-graph replays, L2 evicted by reading before each call):
 * every candidate's kernel alone on codes quantized once (``us``), after checking its output against
   ``gemv_fp8_mma_ref`` (relative error; bf16 output rounding is ~4e-3);
 * ``quant_us``: the per-token quantization kernel alone, which every path but the fused GEMV runs first;
-* what the FP8 linear runs today (``fp8_linear`` as prepared by default: the CUDA-core GEMV after the quantization
-  at M <= 4, ``torch._scaled_mm`` above), the same linear with ``QUANTKIT_FP8_GEMV=mma`` (the rule's config), and
-  the bf16 linear on the bf16 weight (``dispatch.dense_linear``), all with their input preparation.
+* what the FP8 linear runs today (``fp8_linear`` as prepared by default, the quantization kernel first: the
+  CUDA-core GEMV at one row, this GEMM with the rule's config at 2..64), the same linear with
+  ``QUANTKIT_FP8_GEMV=mma`` (this GEMM from one row), and the bf16 linear on the bf16 weight
+  (``dispatch.dense_linear``), all with their input preparation.
 
 GB/s and "% copy" count the weight codes and scales read, against a device-to-device copy of the same bytes in the
 same run. Block-level picks have mis-ranked configs in whole steps before (docs/moe.md): the closing table is for
-choosing candidates; ``quantkit bench --shape llama3-8b --formats fp8,bf16`` with and without
-``QUANTKIT_FP8_GEMV=mma`` decides. Writes JSON (card, versions, date, every cell) to ``--out`` after every cell.
+choosing candidates; ``quantkit bench --shape llama3-8b --formats fp8,bf16`` under the switches decides
+(``bash bench/gpu_check.sh fp8-step``). Writes JSON (card, versions, date, every cell) to ``--out`` after every cell.
 """
 
 from __future__ import annotations
