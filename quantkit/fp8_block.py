@@ -3,11 +3,16 @@
 This is the arithmetic of DeepSeek-V3-style checkpoints (compressed-tensors ``FP8_BLOCK``, what vLLM serves with
 its block GEMM). torch exposes cuBLAS's block-scaled FP8 GEMM as ``torch.nn.functional.scaled_mm`` with
 ``ScalingType.BlockWise1x128`` for A and ``BlockWise128x128`` for B, on compute capability 9.0. Its scale layouts
-are strict (A's scales "outer-dim-major": ``[M, K/128]`` with strides ``(1, M)``) and B's are not spelled out beside
-the function, and older torch builds lack the function. So :func:`probe_block_layout` finds the layout once per
-device by running the candidates on small random problems (several M, scales varying block to block) against the
-float32 emulation of the same rounding; where none agrees, block checkpoints keep the emulation and the reason is
-logged. Nothing is guessed at serving time.
+are strict (A's scales "outer-dim-major": ``[M, K/128]`` with strides ``(1, M)``; B's are not spelled out beside
+the function) and older torch builds lack the function. torch 2.11 on an H100 refused all four plain layouts of B's
+``[N/128, K/128]`` scales (each with "scale_a must have strides (1, 1)", naming the operand differently from
+here). Other public callers of the same function (torchao's blockwise tests among them) pad the K blocks of B's
+scales to a multiple of 4 and pass the transpose, ``[L4, N/128]`` with strides ``(1, L4)``, and keep A's rows a
+multiple of 4 (an alignment of the M-major scales, by our reading): that layout is tried first, the rows padded
+here. Not yet run on a GPU (``pytest -m gpu tests/runtime/test_fp8_runtime.py -k block`` says whether it agrees).
+:func:`probe_block_layout` finds the layout once per device by running the candidates on small random problems
+(several M, scales varying block to block) against the float32 emulation of the same rounding; where none agrees,
+block checkpoints keep the emulation and the reason is logged. Nothing is guessed at serving time.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ BLOCK = 128
 
 # How a weight's ``[N/128, K/128]`` block scales may have to be laid out for B = W^T ``[K, N]`` (column-major).
 _WEIGHT_LAYOUTS = {
+    "[N/128, K/128 padded to 4] transposed": lambda s: torch.nn.functional.pad(s, (0, -s.shape[1] % 4)).t(),
     "[K/128, N/128] row-major": lambda s: s.t().contiguous(),
     "[K/128, N/128] column-major": lambda s: s.contiguous().t(),
     "[N/128, K/128] row-major": lambda s: s.contiguous(),
@@ -31,11 +37,23 @@ _WEIGHT_LAYOUTS = {
 }
 
 
+def padded_rows(qx: torch.Tensor, sx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The activation codes and their ``[M, K/128]`` scales with M padded to a multiple of 4 (zero codes, unit
+    scales: rows whose products are zero and are sliced off), the scales M-major (strides ``(1, M')``)."""
+    pad = -qx.shape[0] % 4
+    if pad:
+        qx = torch.cat([qx, qx.new_zeros(pad, qx.shape[1])])
+        sx = torch.cat([sx, sx.new_ones(pad, sx.shape[1])])
+    return qx, sx.t().contiguous().t()
+
+
 def _scaled_mm(qx: torch.Tensor, sx: torch.Tensor, weight: torch.Tensor, block_scale: torch.Tensor) -> torch.Tensor:
     F = torch.nn.functional
-    return F.scaled_mm(qx, weight.t(), scale_a=sx.t().contiguous().t(), scale_recipe_a=F.ScalingType.BlockWise1x128,
+    m = qx.shape[0]
+    qx, sx = padded_rows(qx, sx)
+    return F.scaled_mm(qx, weight.t(), scale_a=sx, scale_recipe_a=F.ScalingType.BlockWise1x128,
                        scale_b=block_scale, scale_recipe_b=F.ScalingType.BlockWise128x128,
-                       output_dtype=torch.bfloat16)
+                       output_dtype=torch.bfloat16)[:m]
 
 
 def fp8_linear_block(x: torch.Tensor, w) -> torch.Tensor:

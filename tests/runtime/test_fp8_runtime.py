@@ -370,3 +370,26 @@ def test_fused_activation_quantization_changes_nothing_but_launches(monkeypatch,
     for a, b in zip(results["0"][0], results["1"][0]):
         assert torch.equal(a, b)
     assert results["1"][1] < results["0"][1], results
+
+
+def test_block_gemm_operands_pad_rows_and_k_blocks_to_four():
+    """torch's block-scaled FP8 GEMM (quantkit/fp8_block.py) gets activation rows padded to a multiple of 4 (zero
+    codes, unit scales, M-major scales) and weight scales with their K blocks padded to a multiple of 4, passed
+    transposed: the layout other callers of torch's function use. The CPU checks the shapes, strides and that the
+    padding adds nothing; the GPU probe checks the product against the emulation."""
+    from quantkit.fp8_block import _WEIGHT_LAYOUTS, padded_rows
+
+    qx = (torch.randn(3, 384) * 50).to(torch.float8_e4m3fn)
+    sx = torch.rand(3, 3) + 0.5
+    pq, ps = padded_rows(qx, sx)
+    assert pq.shape == (4, 384) and ps.shape == (4, 3) and ps.stride() == (1, 4)
+    assert torch.equal(pq[:3].view(torch.uint8), qx.view(torch.uint8)) and not pq[3].float().any()
+    assert torch.equal(ps[:3], sx) and torch.equal(ps[3], torch.ones(3))
+    same, same_s = padded_rows(pq, ps)
+    assert same.shape == (4, 384) and same_s.stride() == (1, 4)
+    first = next(iter(_WEIGHT_LAYOUTS))
+    assert "padded to 4" in first
+    ws = torch.rand(2, 3)  # [N/128, K/128]
+    laid = _WEIGHT_LAYOUTS[first](ws)
+    assert laid.shape == (4, 2) and laid.stride() == (1, 4)
+    assert torch.equal(laid[:3], ws.t()) and not laid[3].any()
