@@ -5,7 +5,10 @@
 # one half, and /tmp keeps the first half while the machine stays warm (30 s idle), so call 2 must follow at once.
 #
 # Staging, here, before the calls (all under the git-ignored .stage/):
-#   .stage/whl/    cp312 wheels the device lacks (gguf, fastapi, starlette, pydantic, uvicorn, llguidance, openai...)
+#   .stage/whl/    cp312 wheels the device lacks (gguf, fastapi, starlette, pydantic, uvicorn, llguidance...); not openai
+#                  or hypothesis: no GPU test needs them (the device has hypothesis), and without them the tests
+#                  call's carry (whl + smolA + data + the checkout) stays under the 64 MiB limit, which counts disk
+#                  blocks (du), not bytes
 #   .stage/smolA/part, .stage/smolB/part   the two halves of `xz -1 < SmolLM2-135M-Instruct.Q4_1.gguf`
 #   .stage/data/   WikiText-2 test.raw.txt and valid.tokens.txt (from ../shared/data/wikitext2)
 #   .stage/old/oldmain.tgz   `git archive OLD quantkit kernels cli calib_data pyproject.toml README.md | gzip`
