@@ -73,22 +73,26 @@ run_benches() {  # the previous main installed apart (not editable), run from /t
     rm -f "$OUT"/*.png
 }
 
-moe_steps() {  # one `quantkit bench` of the MoE shape a NAME:VAR=VALUE,... argument, under those variables
-    local v name vars
+bench_variant() {  # one `quantkit bench` under environment switches: OUT_NAME CAP VAR=VALUE,... BENCH_ARGS...
+    local name=$1 cap=$2 vars=$3
+    shift 3
+    step "$cap" env ${vars//,/ } python3 -m quantkit.cli.app bench --no-baselines "$@" --out "$OUT/$name.json" 2>&1 \
+        | tail -14
+}
+
+moe_steps() {  # the MoE shape once a NAME:VAR=VALUE,... argument, under those variables
+    local v
     for v in "$@"; do
-        name=${v%%:*}; vars=${v#*:}
-        step 120 env ${vars//,/ } python3 -m quantkit.cli.app bench --shape qwen3-30b-a3b --no-baselines --steps 32 \
-            --batches 1,8 --out "$OUT/bench_30b_$name.json" 2>&1 | tail -14
+        bench_variant "bench_30b_${v%%:*}" 120 "${v#*:}" --shape qwen3-30b-a3b --steps 32 --batches 1,8
     done
     rm -f "$OUT"/*.png
 }
 
-fp8_steps() {  # one `quantkit bench` of the 8B shape a NAME:FORMATS:VAR=VALUE,... argument, under those variables
+fp8_steps() {  # the 8B shape once a NAME:FORMATS:VAR=VALUE,... argument, under those variables
     local v name formats vars
     for v in "$@"; do
         IFS=: read -r name formats vars <<< "$v"
-        step 100 env ${vars//,/ } python3 -m quantkit.cli.app bench --shape llama3-8b --formats "$formats" \
-            --no-baselines --steps 64 --out "$OUT/bench_8b_fp8_$name.json" 2>&1 | tail -12
+        bench_variant "bench_8b_fp8_$name" 100 "$vars" --shape llama3-8b --formats "$formats" --steps 64
     done
     rm -f "$OUT"/*.png
 }
