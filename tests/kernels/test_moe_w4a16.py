@@ -191,23 +191,32 @@ def test_fused_moe_w4a16_taller_tiles(block_m):
     assert rel_err(out, fused_moe_ref(x, w.to(DEVICE), ids.to(DEVICE), ex)) < 1e-5
 
 
-def test_tile_table_picks_taller_tiles_for_4bit_prefill(monkeypatch):
+def test_tile_table_picks_taller_tiles_for_prefill(monkeypatch):
     """TILE_CONFIGS: 4-bit experts get the measured taller tiles from 2,048 pairs (256 tokens of top-8) and the
-    tallest from 16,384 (2,048 tokens); fewer pairs and other weights keep TileConfig(), as does every call under
-    QUANTKIT_MOE_TILES=plain."""
-    from quantkit.kernels.moe_w4a16 import TileConfig, tile_config
+    tallest from 16,384 (2,048 tokens); FP8 experts multiplied as codes (the default) 64-row tiles from 16,384 (the
+    least rows of Hopper's FP8 warpgroup MMA), converted (QUANTKIT_MOE_FP8_DOT=convert) none; fewer pairs, 16-bit
+    weights and aligned calls keep TileConfig(), as does every call under QUANTKIT_MOE_TILES=plain. Unknown
+    switch values are refused."""
+    from quantkit.kernels.moe_w4a16 import TileConfig, stack_fp8, tile_config
 
-    monkeypatch.delenv("QUANTKIT_MOE_TILES", raising=False)
+    for name in ("QUANTKIT_MOE_TILES", "QUANTKIT_MOE_FP8_DOT"):
+        monkeypatch.delenv(name, raising=False)
     q = stack_quantized(experts_q(4, 64, 32, 32), torch.float32, "cpu")
     dense = stack_dense(torch.zeros(4, 64, 64), torch.zeros(4, 64, 32))
-    assert tile_config(q, 2047) == tile_config(dense, 10**6) == TileConfig()
+    fp8 = stack_fp8(experts_fp8(2, 64, 32), "cpu")
+    assert tile_config(q, 2047) == tile_config(dense, 10**6) == tile_config(fp8, 16383) == TileConfig()
+    assert tile_config(q, 16384, aligned=True) == tile_config(fp8, 16384, aligned=True) == TileConfig()
     assert tile_config(q, 2048) == tile_config(q, 16383) == TileConfig(block_m=32, block_n=128)
-    assert tile_config(q, 16384) == TileConfig(block_m=64, block_n=64)
+    assert tile_config(q, 16384) == tile_config(fp8, 16384) == TileConfig(block_m=64, block_n=64)
+    monkeypatch.setenv("QUANTKIT_MOE_FP8_DOT", "convert")
+    assert tile_config(fp8, 16384) == TileConfig()
     monkeypatch.setenv("QUANTKIT_MOE_TILES", "plain")
     assert tile_config(q, 16384) == TileConfig()
-    monkeypatch.setenv("QUANTKIT_MOE_TILES", "tall")
-    with pytest.raises(ValueError, match="QUANTKIT_MOE_TILES"):
-        tile_config(q, 16384)
+    for name, bad in (("QUANTKIT_MOE_TILES", "tall"), ("QUANTKIT_MOE_FP8_DOT", "fp8")):
+        monkeypatch.delenv("QUANTKIT_MOE_TILES")
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(ValueError, match=name):
+            tile_config(fp8, 16384)
 
 
 @pytest.mark.gpu
@@ -220,23 +229,6 @@ def test_fused_moe_with_the_tile_table_on_the_gpu_matches_the_reference(tokens):
     x = torch.randn(tokens, 256, generator=torch.Generator().manual_seed(6)).to("cuda", torch.bfloat16)
     out = fused_moe(x, w.cuda(), ids.cuda(), ex)
     assert rel_err(out, fused_moe_ref(x.float(), w.cuda(), ids.cuda(), ex)) < 5e-3
-
-
-def test_tile_table_gives_fp8_codes_the_fp8_mma_rows(monkeypatch):
-    """FP8 experts multiplied as codes (the default) take 64-row tiles from 16,384 pairs (the least rows of
-    Hopper's FP8 warpgroup MMA); converted (QUANTKIT_MOE_FP8_DOT=convert) they keep TileConfig()."""
-    from quantkit.kernels.moe_w4a16 import TileConfig, stack_fp8, tile_config
-
-    monkeypatch.delenv("QUANTKIT_MOE_TILES", raising=False)
-    ex = stack_fp8(experts_fp8(2, 64, 32), "cpu")
-    monkeypatch.delenv("QUANTKIT_MOE_FP8_DOT", raising=False)
-    assert tile_config(ex, 16383) == tile_config(ex, 16384, aligned=True) == TileConfig()
-    assert tile_config(ex, 16384) == TileConfig(block_m=64, block_n=64)
-    monkeypatch.setenv("QUANTKIT_MOE_FP8_DOT", "convert")
-    assert tile_config(ex, 16384) == TileConfig()
-    monkeypatch.setenv("QUANTKIT_MOE_FP8_DOT", "fp8")
-    with pytest.raises(ValueError, match="QUANTKIT_MOE_FP8_DOT"):
-        tile_config(ex, 16384)
 
 
 @pytest.mark.parametrize("dot", ["convert", "codes"])
