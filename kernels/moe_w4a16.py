@@ -19,10 +19,10 @@ Gate and up are concatenated along N (``[E, K/8, 2I]``: gate columns first). 16-
 baseline) go through the same kernel with ``QUANT=False`` (``w [E, N, K]``). FP8 experts (``stack_fp8``) keep
 their e4m3 codes ``[E, N, K]`` (half the bytes of 16-bit) with float32 scales per output channel and run of
 input columns; their activations are rounded to e4m3 per token (or per token and scale block) as the FP8 linears
-round theirs, and each K tile's dot of codes is scaled by both scales (``FP8``). The dot runs in 16-bit on the
-tensor cores on the codes themselves (:func:`fp8_dot`; Hopper's FP8 warpgroup MMA at 64-row tiles, each K tile's
-products summed there and scaled into float32), or with ``QUANTKIT_MOE_FP8_DOT=convert`` in 16 bits (every e4m3
-code, and every product of two, is exact there; the codes converted in registers each K tile).
+round theirs, and each K tile's dot of codes is scaled by both scales (``FP8``). The dot takes the codes
+themselves (:func:`fp8_dot`; Hopper's FP8 warpgroup MMA at 64-row tiles, each K tile's products summed there and
+scaled into float32), or with ``QUANTKIT_MOE_FP8_DOT=convert`` runs in 16 bits (every e4m3 code, and every product
+of two, is exact there; the codes converted in registers each K tile).
 """
 
 from __future__ import annotations

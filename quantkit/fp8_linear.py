@@ -66,7 +66,6 @@ class FP8LinearWeights:
     reason: str = ""
     dequantized: torch.Tensor | None = None  # reference path on the CPU: float32 ``[N, K]``, dequantized once
     gemv: bool = False  # scaled_mm path: decode-sized batches (M <= gemv_max_m) through quantkit's FP8 GEMV instead
-    gemv_max_m: int = GEMV_MAX_M  # the most rows it takes (1 where the tensor-core GEMM takes the rest)
     gemv_fused: bool = False  # that GEMV quantizes the activations itself (one launch), else a kernel before it
     gemv_mma: bool = False  # scaled_mm path: M <= 64 (past the GEMV's rows) through the tensor-core FP8 GEMM
     codes_in: bool = False  # per-token activations: the runtime may hand it codes a fused producer quantized
@@ -74,6 +73,12 @@ class FP8LinearWeights:
     mma_counters: torch.Tensor | None = None  # its split-K tile counters (int32, zero between calls), one set a linear
     act_group: int = 0  # block weights: activations scaled per token and run of this many columns (0: per token)
     block_scale: torch.Tensor | None = None  # scaled_mm_block path: the weight's block scales, laid out as it needs
+
+    @property
+    def gemv_max_m(self) -> int:
+        """The most rows the FP8 GEMV takes: one where the tensor-core GEMM takes the rest (both on: the default,
+        ``auto``), else the GEMV kernel's own limit."""
+        return 1 if self.gemv_mma else GEMV_MAX_M
 
     @property
     def out_features(self) -> int:
@@ -138,7 +143,6 @@ def prepare_fp8_linear(weight: torch.Tensor, weight_scale: torch.Tensor, strateg
         switch = ab_switch("QUANTKIT_FP8_GEMV", GEMV_SWITCH)
         prepared.gemv = ok and switch in ("auto", "unfused", "fused")
         prepared.gemv_fused = switch == "fused"
-        prepared.gemv_max_m = 1 if switch == "auto" else GEMV_MAX_M
         prepared.gemv_mma = ok and switch in ("auto", "mma")
         # the norm / activation kernels in front quantize for it (bitwise the quantization kernel's codes and
         # scales), saving a launch a linear: the 8B decode step at batch 1 284 tok/s against 279 (H100, one

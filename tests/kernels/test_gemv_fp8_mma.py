@@ -147,7 +147,7 @@ def test_fp8_linear_takes_the_mma_path_up_to_64_rows(m):
     codes[:, 0] = 448  # the row's absmax: the per-token scale is exactly 2^-2
     x = (codes * 2.0**-2).reshape(1, m, 96)
     b = torch.randn(40, device=DEV)
-    prepared = FP8LinearWeights(w, ws, "scaled_mm", None, b, gemv=True, gemv_max_m=1, gemv_mma=True,
+    prepared = FP8LinearWeights(w, ws, "scaled_mm", None, b, gemv=True, gemv_mma=True,
                                 mma_counters=counters_for(40, DEV))
     y = fp8_linear(x, prepared)
     assert y.shape == (1, m, 40) and y.dtype == torch.float32
@@ -165,9 +165,8 @@ def test_linear_from_codes_is_the_linear_on_what_they_quantize(m, mma):
     from quantkit.runtime.linear import Linear
 
     _, _, w, ws = _operands(1, 48, 64)
-    prepared = FP8LinearWeights(w, ws, "scaled_mm", None, torch.randn(48, device=DEV), gemv=True,
-                                gemv_max_m=1 if mma else 4, gemv_mma=mma, mma_counters=counters_for(48, DEV),
-                                codes_in=True)
+    prepared = FP8LinearWeights(w, ws, "scaled_mm", None, torch.randn(48, device=DEV), gemv=True, gemv_mma=mma,
+                                mma_counters=counters_for(48, DEV), codes_in=True)
     linear = Linear(48, fp8=prepared)
     assert linear.takes_fp8_codes and not Linear(48, fp8=prepared, parts=[linear]).takes_fp8_codes
     x = torch.randn(m, 64, generator=torch.Generator(device=DEV).manual_seed(m), device=DEV).to(torch.float16)
