@@ -73,6 +73,7 @@ class FP8LinearWeights:
     mma_counters: torch.Tensor | None = None  # its split-K tile counters (int32, zero between calls), one set a linear
     act_group: int = 0  # block weights: activations scaled per token and run of this many columns (0: per token)
     block_scale: torch.Tensor | None = None  # scaled_mm_block path: the weight's block scales, laid out as it needs
+    block_row_multiple: int = 1  # scaled_mm_block path: activation rows padded to a multiple of this
 
     @property
     def gemv_max_m(self) -> int:
@@ -114,8 +115,8 @@ def prepare_fp8_linear(weight: torch.Tensor, weight_scale: torch.Tensor, strateg
                        bias: torch.Tensor | None = None, device: torch.device | str = "cpu",
                        backend: str = "auto") -> FP8LinearWeights:
     """The prepared linear on ``device``. ``backend``: ``auto`` (``scaled_mm`` where supported), or
-    ``reference``. Block weights always take the reference path (torch's block-wise ``_scaled_mm`` is not
-    used yet)."""
+    ``reference``. Block 128x128 weights take torch's block-scaled GEMM where :func:`block_scaled_mm_layout`
+    found a layout that agrees with the emulation on this device, else the float32 emulation (the reason kept)."""
     device = torch.device(device)
     n, k = weight.shape
     weight = weight.to(device)
@@ -130,7 +131,9 @@ def prepare_fp8_linear(weight: torch.Tensor, weight_scale: torch.Tensor, strateg
             layout, why = None, f"block {tuple(block)} on [{n}, {k}]: the block GEMM takes whole 128x128 blocks"
         if layout is not None:
             prepared = FP8LinearWeights(weight, weight_scale.float().to(device), "scaled_mm_block", input_scale, bias,
-                                        why, act_group=128, block_scale=layout(weight_scale.float().to(device)))
+                                        why, act_group=128,
+                                        block_scale=layout.weight_scales(weight_scale.float().to(device)),
+                                        block_row_multiple=layout.row_multiple)
         else:
             prepared = FP8LinearWeights(weight, rec.expanded_scale(device).contiguous(), "reference", input_scale,
                                         bias, f"block-wise weights: the float32 emulation ({why})",
@@ -272,8 +275,8 @@ def fp8_linear(x: torch.Tensor, w: FP8LinearWeights) -> torch.Tensor:
 
 
 def block_scaled_mm_layout(device: torch.device):
-    """``(layout, reason)``: how torch's block-scaled GEMM wants a ``[N/128, K/128]`` weight scale on ``device``
-    (a function), or ``(None, why not)``; probed once per device (:mod:`quantkit.fp8_block`)."""
+    """``(layout, reason)``: how torch's block-scaled GEMM wants its operands on ``device``
+    (a :class:`quantkit.fp8_block.BlockLayout`), or ``(None, why not)``; probed once per device."""
     if device.type != "cuda":
         return None, "not a CUDA device"
     from quantkit.fp8_block import probe_block_layout

@@ -387,9 +387,21 @@ def test_block_gemm_operands_pad_rows_and_k_blocks_to_four():
     assert torch.equal(ps[:3], sx) and torch.equal(ps[3], torch.ones(3))
     same, same_s = padded_rows(pq, ps)
     assert same.shape == (4, 384) and same_s.stride() == (1, 4)
+    as_is, as_is_s = padded_rows(qx, sx, 1)  # the probe's fallback: rows as they are, scales still M-major
+    assert as_is.shape == (3, 384) and as_is_s.stride() == (1, 3) and torch.equal(as_is_s, sx)
     first = next(iter(_WEIGHT_LAYOUTS))
     assert "padded to 4" in first
     ws = torch.rand(2, 3)  # [N/128, K/128]
     laid = _WEIGHT_LAYOUTS[first](ws)
     assert laid.shape == (4, 2) and laid.stride() == (1, 4)
     assert torch.equal(laid[:3], ws.t()) and not laid[3].any()
+
+
+def test_fp8_linear_row_limits_are_the_kernels_own():
+    """fp8_linear restates the decode kernels' row limits so that choosing a path imports no Triton; they must
+    not drift from the kernels'."""
+    from quantkit import fp8_linear
+    from quantkit.kernels import gemv, gemv_fp8_mma
+
+    assert fp8_linear.GEMV_MAX_M == gemv.MAX_M
+    assert fp8_linear.MMA_MAX_M == gemv_fp8_mma.MAX_M
