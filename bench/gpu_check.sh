@@ -222,14 +222,15 @@ moe)  # issue 39 on one GPU: the MoE GPU tests first (CUDA-graph capture of the 
     step 420 python3 bench/bench_moe.py --skip gptq awq --out "$OUT/bench_moe_serve_kernel.json" 2>&1 | tail -30
     ;;
 w4a16)  # issue 41: every decode variant (the CUDA C++ GEMM built with nvcc, Gluon configs) checked against the
-    # reference, then timed beside today's pick, cuBLAS and torch int4 on the 8B layers (~4 minutes); then the
+    # reference, then timed beside today's pick, cuBLAS and torch int4 (~5 minutes, BUDGET_S 480); then the
     # prefill sizes with dequantize-then-cuBLAS beside the planned kernel and cuBLAS (~3 minutes)
     card | tee "$OUT/card.txt"
-    # the 8B layers, then the Qwen3-30B-A3B shape's dense q/k/v and o (issue 39's step)
-    step 250 python3 bench/bench_w4a16_decode.py --deadline 200 --out "$OUT/w4a16_decode.json" \
-        --shapes 28672x8192,8192x28672,14336x4096,4096x4096,5120x2048,2048x4096 2>&1 | tail -70
-    step 200 python3 bench/bench_w4a16.py --shapes 28672x8192,8192x28672,4096x4096 --ms 256,1024,4096 \
-        --deadline 150 --out "$OUT/w4a16_prefill.json" 2>&1 | tail -20
+    # at batch 1 and 8: the Llama-3-8B step's linears (gate_up, down, q/k/v, o as the runtime fuses them), the
+    # Qwen3-30B-A3B shape's dense q/k/v and o (issue 39's step), then README's two large layers
+    step 290 python3 bench/bench_w4a16_decode.py --deadline 250 --out "$OUT/w4a16_decode.json" --ms 1,8 \
+        --shapes 28672x4096,4096x14336,6144x4096,5120x2048,4096x4096,2048x4096,28672x8192,8192x28672 2>&1 | tail -70
+    step 170 python3 bench/bench_w4a16.py --shapes 28672x8192,8192x28672,4096x4096 --ms 256,1024,4096 \
+        --deadline 130 --out "$OUT/w4a16_prefill.json" 2>&1 | tail -20
     rm -f "$OUT"/*.png
     ;;
 moe-decode)  # issue 39 at decode (BUDGET_S ~400): the GEMV against the tiled kernel, one layer's block replayed
