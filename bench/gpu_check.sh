@@ -120,18 +120,19 @@ benches)
     rm -f "$OUT"/*.png
     ;;
 ab)  # today's defaults beside the previous main's on one shape, the same machine (carry .stage/old, and
-    # .stage/whl for typer's pin): `ab BUDGET SHAPE`, e.g. `ab 420 qwen3-30b-a3b`; decode at batch 1 and 8, 32 steps
+    # .stage/whl for typer's pin): `ab BUDGET SHAPE [FORMATS]`, e.g. `ab 420 qwen3-30b-a3b`; decode at batch 1 and
+    # 8, 32 steps
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .stage/whl/*.whl 2>&1 | tail -2
     export PYTHONPATH=/tmp/site
     card | tee "$OUT/card.txt"
     mkdir -p /tmp/old && tar -xzf .stage/old/oldmain.tgz -C /tmp/old
     python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/oldsite /tmp/old >/dev/null 2>&1 \
         || echo "old main install failed"
-    half=$(( (BUDGET - 20) / 2 ))
+    half=$(( (BUDGET - 20) / 2 )) formats=${4:-int4,fp8,bf16}  # a fourth argument: fewer formats, e.g. int4
     step "$half" python3 -m quantkit.cli.app bench --shape "$3" --no-baselines --steps 32 --batches 1,8 \
-        --out "$OUT/bench_${3}_new.json" 2>&1 | tail -14
+        --formats "$formats" --out "$OUT/bench_${3}_new.json" 2>&1 | tail -14
     (cd /tmp && PYTHONPATH=/tmp/oldsite:/tmp/site step "$half" python3 -m quantkit.cli.app bench --shape "$3" \
-        --no-baselines --steps 32 --batches 1,8 --out "$OUT/bench_${3}_old.json" 2>&1 | tail -14)
+        --no-baselines --steps 32 --batches 1,8 --formats "$formats" --out "$OUT/bench_${3}_old.json" 2>&1 | tail -14)
     rm -f "$OUT"/*.png
     ;;
 suite)

@@ -35,9 +35,9 @@ def register(app: typer.Typer) -> None:
             from quantkit.kernel_rows import gpu_target, runtime_layers
             from quantkit.tools.kernel_plan import explain, explain_attention
 
-            arch, target = gpu_target()
+            arch, card, target = gpu_target()
             data["kernels_target"] = target
-            data["kernels"] = [dataclasses.asdict(row) for row in explain(runtime_layers(path), arch=arch)]
+            data["kernels"] = [dataclasses.asdict(row) for row in explain(runtime_layers(path), arch=arch, card=card)]
             try:
                 data["attention_kernels"] = [dataclasses.asdict(row) for row in explain_attention(path, arch=arch)]
             except QuantkitError as e:  # a model family the runtime does not serve: no attention plan

@@ -41,6 +41,20 @@ def gpu_arch(device: torch.device | str) -> str | None:
     return "sm{}{}".format(*capability(device)) if device.type == "cuda" else None
 
 
+def gpu_card(device: torch.device | str) -> str | None:
+    """The GPU's name (``"NVIDIA H100 80GB HBM3"``), which the W4A16 table's card-specific entries match; None off
+    CUDA. Cached per device, like the capability."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return _cuda_name(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _cuda_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
 def interpreting() -> bool:
     """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"

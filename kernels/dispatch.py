@@ -46,20 +46,22 @@ def bind(weights: W4A16Weights) -> W4A16Weights:
     """``weights`` with the launchers of its plan (unchanged without a plan: the reference serves it)."""
     if weights.plan is None:
         return weights
-    return dataclasses.replace(weights, launchers=bound_launchers(weights.facts(), weights.plan.arch))
+    return dataclasses.replace(weights, launchers=bound_launchers(weights.facts(), weights.plan.arch,
+                                                                  weights.plan.card))
 
 
 @functools.lru_cache(maxsize=4096)
-def planned(facts: LayerFacts, arch: str | None) -> tuple[W4A16Plan | None, tuple | None]:
-    """``(plan, launchers)`` of a layer on ``arch``, memoized per shape like the plan (the custom op's lookup)."""
-    return plan_w4a16(facts, arch), bound_launchers(facts, arch)
+def planned(facts: LayerFacts, arch: str | None, card: str | None = None) -> tuple[W4A16Plan | None, tuple | None]:
+    """``(plan, launchers)`` of a layer on ``arch`` (and card), memoized per shape like the plan (the custom op's
+    lookup)."""
+    return plan_w4a16(facts, arch, card), bound_launchers(facts, arch, card)
 
 
 @functools.lru_cache(maxsize=4096)
-def bound_launchers(facts: LayerFacts, arch: str | None) -> tuple | None:
+def bound_launchers(facts: LayerFacts, arch: str | None, card: str | None = None) -> tuple | None:
     """One launcher per M bucket of ``M_BUCKETS`` (None: the reference), or None where no kernel serves the layer
     (the support check, made here once per layer shape and GPU)."""
-    plan = plan_w4a16(facts, arch)
+    plan = plan_w4a16(facts, arch, card)
     if plan is None or not w4a16_supports(facts, arch)[0]:
         return None
     if all(choice.kernel == "reference" for _, choice in plan.choices):

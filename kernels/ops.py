@@ -25,14 +25,14 @@ def w4a16_linear_op(x: Tensor, qweight: Tensor, scales: Tensor, zeros: Optional[
                     perm: Optional[Tensor], pair_index: Optional[Tensor], tile_counters: Optional[Tensor],
                     partial_sums: Optional[Tensor], bits: int, group_size: Optional[int],
                     bias: Optional[Tensor]) -> Tensor:
-    from quantkit.kernels.device_info import gpu_arch
+    from quantkit.kernels.device_info import gpu_arch, gpu_card
     from quantkit.kernels.dispatch import planned, w4a16_linear
     from quantkit.kernels.w4a16_select import LayerFacts
     from quantkit.kernels.w4a16_weights import W4A16Weights
 
     n, k = qweight.shape[0], qweight.shape[1] * 32 // bits
     facts = LayerFacts(n, k, bits, group_size, has_zeros=zeros is not None, act_order=perm is not None)
-    plan, launchers = planned(facts, gpu_arch(qweight.device))
+    plan, launchers = planned(facts, gpu_arch(qweight.device), gpu_card(qweight.device))
     weights = W4A16Weights(qweight=qweight, scales=scales, zeros=zeros, g_idx=g_idx, perm=perm, bits=bits,
                            group_size=group_size, in_features=k, out_features=n, pair_index=pair_index,
                            tile_counters=tile_counters, partial_sums=partial_sums,

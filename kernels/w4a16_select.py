@@ -9,8 +9,10 @@ time: the opt-in tuner ``bench/tune_w4a16.py`` writes the table read here.
    layers, :func:`_small_for_gluon`), config from the H200 table ``w4a16_h200.json``: the nearest measured
    shape (log2 N and log2 K), then nearest M bucket, whose config fits this layer.
    A ``cuda`` entry (the CUDA C++ decode GEMM, built with nvcc on first use) or a ``dequant`` entry (prefill:
-   dequantize-then-cuBLAS) serves only the exact (N, K, M bucket) it was measured at; a ``cuda`` choice keeps the
-   choice above as its ``fallback`` where nvcc or the build is missing.
+   dequantize-then-cuBLAS) serves only the exact (N, K, M bucket) it was measured at, and an entry naming a
+   ``card`` only on a GPU of that name (``card`` argument: ``device_info.gpu_card``), since a pick measured on
+   one Hopper card need not win on another; a ``cuda`` choice keeps the choice above as its ``fallback`` where
+   nvcc or the build is missing.
 3. Elsewhere, or where no entry fits, :func:`_by_rule`: 1-2 rows the CUDA-core GEMV (direct store up to
    ``GEMV_DIRECT_MAX_WEIGHTS``), more rows the paired-nibble kernel if it applies, else the general one. Their
    configs are H200 autotuning winners (bench/archive/NOTES_w4a16.md); no other GPU has been measured.
@@ -89,10 +91,12 @@ class KernelChoice:
 
 @dataclasses.dataclass(frozen=True)
 class W4A16Plan:
-    """The choice for each M bucket of one layer on one GPU generation (``arch``, e.g. "sm90")."""
+    """The choice for each M bucket of one layer on one GPU generation (``arch``, e.g. "sm90") and card (its name,
+    for the table's card-specific entries; None: none of those)."""
 
     arch: str
     choices: tuple[tuple[int, KernelChoice], ...]
+    card: str | None = None
 
     def choice(self, m: int) -> KernelChoice:
         bucket = m_bucket(m)
@@ -142,8 +146,9 @@ def load_table() -> tuple[dict, ...]:
     return tuple(dict(e, config=config_from_dict(e["kernel"], e["config"])) for e in data["entries"])
 
 
-def select_w4a16(m: int, facts: LayerFacts, arch: str | None) -> KernelChoice:
-    """The kernel and config for ``m`` activation rows (its bucket) of the layer ``facts`` on ``arch``."""
+def select_w4a16(m: int, facts: LayerFacts, arch: str | None, card: str | None = None) -> KernelChoice:
+    """The kernel and config for ``m`` activation rows (its bucket) of the layer ``facts`` on ``arch`` (and the
+    GPU named ``card``, which only the table's card-specific entries read)."""
     ok, reason = w4a16_supports(facts, arch)
     if not ok:
         return KernelChoice("reference", None, reason)
@@ -153,18 +158,20 @@ def select_w4a16(m: int, facts: LayerFacts, arch: str | None) -> KernelChoice:
         kernel = "gemv" if _small_for_gluon(bucket, facts) else "gluon"
         choice = _from_table(bucket, facts, load_table(), kernel)
     choice = choice or _by_rule(bucket, facts, arch)
-    return _measured_exact(bucket, facts, arch, load_table(), choice) or choice
+    return _measured_exact(bucket, facts, arch, card, load_table(), choice) or choice
 
 
-def _measured_exact(bucket: int, facts: LayerFacts, arch: str, table, fallback: KernelChoice) -> KernelChoice | None:
+def _measured_exact(bucket: int, facts: LayerFacts, arch: str, card: str | None, table,
+                    fallback: KernelChoice) -> KernelChoice | None:
     """A ``cuda`` or ``dequant`` entry measured at exactly this layer's (N, K) and bucket on this table's GPU
-    generation (a ``cuda`` one with ``fallback``); None where there is none (today: everywhere)."""
+    generation, and on this card where the entry names one (a ``cuda`` one with ``fallback``); None where there is
+    none."""
     if arch != "sm90":
         return None
     for e in table:
-        if (e["n"], e["k"], e["m"]) != (facts.n, facts.k, bucket):
+        if (e["n"], e["k"], e["m"]) != (facts.n, facts.k, bucket) or e.get("card", card) != card:
             continue
-        source = f"H200 table, measured ({e.get('source', '')})"
+        source = f"{e.get('card', 'H200 table')}, measured ({e.get('source', '')})"
         if e["kernel"] == "cuda" and e["config"].fits(bucket, facts.group_size or 1) and facts.bits == 4 \
                 and facts.paired:
             return KernelChoice("cuda", e["config"], source, fallback)
@@ -174,11 +181,11 @@ def _measured_exact(bucket: int, facts: LayerFacts, arch: str, table, fallback: 
 
 
 @functools.lru_cache(maxsize=4096)
-def plan_w4a16(facts: LayerFacts, arch: str | None) -> W4A16Plan | None:
+def plan_w4a16(facts: LayerFacts, arch: str | None, card: str | None = None) -> W4A16Plan | None:
     """The choice for every M bucket (None off CUDA); memoized, so layers of one shape share one plan."""
     if arch is None:
         return None
-    return W4A16Plan(arch, tuple((b, select_w4a16(b, facts, arch)) for b in M_BUCKETS))
+    return W4A16Plan(arch, tuple((b, select_w4a16(b, facts, arch, card)) for b in M_BUCKETS), card)
 
 
 def _fits(kernel: str, config, bucket: int, facts: LayerFacts) -> bool:

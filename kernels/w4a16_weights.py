@@ -10,7 +10,7 @@ import dataclasses
 
 import torch
 
-from quantkit.kernels.device_info import gpu_arch
+from quantkit.kernels.device_info import gpu_arch, gpu_card
 from quantkit.kernels.w4a16_configs import DIRECT_MAX_M, PAIR_TILE_K, kernel_group_size
 from quantkit.kernels.w4a16_select import LayerFacts, W4A16Plan, plan_w4a16
 from quantkit.pack import pack_rows, unpack_gptq, unpack_rows
@@ -121,7 +121,7 @@ def prepare_w4a16_weights(qweight, qzeros, scales, g_idx, bits, group_size, sym)
         pair_index=pair_index,
         tile_counters=torch.zeros(n // 16 + 1, device=qweight.device, dtype=torch.int32) if direct else None,
         partial_sums=torch.zeros(DIRECT_MAX_M * n, device=qweight.device, dtype=torch.float32) if direct else None,
-        plan=plan_w4a16(facts, gpu_arch(qweight.device)),
+        plan=plan_w4a16(facts, gpu_arch(qweight.device), gpu_card(qweight.device)),
     )
 
 

@@ -93,15 +93,16 @@ def runtime_layers(path: str | Path) -> list[Layer]:
     return fuse_as_runtime(layers, same)
 
 
-def gpu_target() -> tuple[str, str]:
-    """(arch whose selection to show, words naming it truthfully): this machine's GPU when it has one,
-    else the H200 (sm90) table the shipped selections were measured on."""
+def gpu_target() -> tuple[str, str | None, str]:
+    """(arch whose selection to show, the GPU's name or None, words naming it truthfully): this machine's GPU when
+    it has one, else the H200 (sm90) table the shipped selections were measured on."""
     try:
         import torch
 
         if torch.cuda.is_available():
             major, minor = torch.cuda.get_device_capability()
-            return f"sm{major}{minor}", f"on this machine's {torch.cuda.get_device_name()} (sm{major}{minor})"
+            name = torch.cuda.get_device_name()
+            return f"sm{major}{minor}", name, f"on this machine's {name} (sm{major}{minor})"
     except Exception:  # no usable CUDA: say so below
         pass
-    return "sm90", "the H200 (sm90) selection it would use; no GPU on this machine"
+    return "sm90", "NVIDIA H200", "the H200 (sm90) selection it would use; no GPU on this machine"

@@ -413,7 +413,7 @@ def linear_kernels(model: RuntimeModel, batches: tuple[int, ...]) -> dict:
     cuBLAS; split linears: their parts joined by "+"). A record thus says which kernels its numbers are of (an FP8
     record once timed q/k/v on _scaled_mm)."""
     from quantkit.fp8_linear import fp8_kernel
-    from quantkit.kernels.device_info import gpu_arch
+    from quantkit.kernels.device_info import gpu_arch, gpu_card
     from quantkit.kernels.dispatch import dense_kernel
     from quantkit.kernels.w4a16_select import plan_w4a16
 
@@ -424,7 +424,8 @@ def linear_kernels(model: RuntimeModel, batches: tuple[int, ...]) -> dict:
             codes = fed_codes and lin.takes_fp8_codes
             return fp8_kernel(lin.fp8, m, codes=codes) + ("+codes" if codes else "")
         if lin.packed is not None:
-            plan = plan_w4a16(lin.packed.facts(), gpu_arch(lin.packed.qweight.device))
+            dev = lin.packed.qweight.device
+            plan = plan_w4a16(lin.packed.facts(), gpu_arch(dev), gpu_card(dev))
             return "reference" if plan is None else plan.choice(m).label()
         return dense_kernel(m, lin.dense) if lin.gemv else "torch"  # the reference backend: plain F.linear
 

@@ -35,8 +35,9 @@ class KernelPlanRow:
 
 
 def explain(source: str | Path | nn.Module | Iterable, ms: Iterable[int] = DEFAULT_MS,
-            arch: str = "sm90") -> list[KernelPlanRow]:
-    """Kernel and config per quantized linear of ``source`` at each of ``ms`` activation rows on ``arch``.
+            arch: str = "sm90", card: str | None = None) -> list[KernelPlanRow]:
+    """Kernel and config per quantized linear of ``source`` at each of ``ms`` activation rows on ``arch`` (and the
+    GPU named ``card``: the table's entries measured on one card).
 
     ``source``: a quantized checkpoint folder, a model holding ``QuantLinear`` layers, or an iterable of
     ``(name, out_features, in_features, bits, group_size, sym, act_order)`` tuples."""
@@ -47,7 +48,7 @@ def explain(source: str | Path | nn.Module | Iterable, ms: Iterable[int] = DEFAU
     for name, n, k, bits, group_size, sym, act_order in _layers(source):
         facts = facts_of(n, k, bits, group_size, sym, act_order)
         for m in ms:
-            choice = select_w4a16(m, facts, arch)
+            choice = select_w4a16(m, facts, arch, card)
             label = "" if choice.config is None else config_label(choice.config)
             rows.append(KernelPlanRow(name, n, k, bits, group_size, m, choice.kernel, label, choice.reason))
     return rows

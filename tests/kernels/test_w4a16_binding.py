@@ -75,8 +75,9 @@ def launch_records(monkeypatch) -> list[dict]:
     for row in load_table():
         for variant, (has_zeros, act_order) in VARIANTS.items():
             facts = LayerFacts(row["n"], row["k"], 4, 128, has_zeros, act_order)
-            plan = dispatch.plan_w4a16(facts, "sm90")
-            launchers = dispatch.bound_launchers.__wrapped__(facts, "sm90")  # fresh: the recorders are bound
+            card = row.get("card")  # an entry measured on one card: that card's plan
+            plan = dispatch.plan_w4a16(facts, "sm90", card)
+            launchers = dispatch.bound_launchers.__wrapped__(facts, "sm90", card)  # fresh: the recorders are bound
             index = M_BUCKETS.index(m_bucket(row["m"]))
             choice = plan.choices[index][1]
             x = torch.empty(row["m"], row["k"], dtype=torch.bfloat16)
@@ -100,7 +101,9 @@ def test_every_table_row_binds_the_kernel_its_entry_names(monkeypatch):
     for r in records:
         if r["variant"] == "sym":  # the table's own layers get the table's entry
             assert r["chosen"] == r["table_config"], r
-        if r["table"] == "gemv":
+        if r["table"] == "cuda":  # no CUDA build off the GPU: the launcher runs its fallback, the Gluon pick
+            assert r.get("kernel") in ("_w4a16_direct_kernel", "_w4a16_gluon_kernel"), r
+        elif r["table"] == "gemv":
             assert r.get("triton") == "_gemv_matmul", r
         elif "DIRECT=True" in r["chosen"]:
             assert r.get("kernel") == "_w4a16_direct_kernel", r

@@ -50,10 +50,15 @@ def test_configs_round_trip_and_a_dequant_entry_serves_only_its_cell():
     facts = facts_of(28672, 8192, 4, 128, True, False)
     table = [dict(n=28672, k=8192, m=1024, kernel="dequant", config=DequantConfig(), source="test")]
     today = select_w4a16(1024, facts, "sm90")
-    picked = _measured_exact(1024, facts, "sm90", table, today)
+    picked = _measured_exact(1024, facts, "sm90", None, table, today)
     assert picked.kernel == "dequant" and picked.config == DequantConfig() and picked.fallback is None
-    assert _measured_exact(4096, facts, "sm90", table, today) is None  # another bucket
-    assert _measured_exact(1024, facts_of(8192, 28672, 4, 128, True, False), "sm90", table, today) is None
+    assert _measured_exact(4096, facts, "sm90", None, table, today) is None  # another bucket
+    assert _measured_exact(1024, facts_of(8192, 28672, 4, 128, True, False), "sm90", None, table, today) is None
+    # an entry measured on one card serves that card only
+    on_one = [dict(table[0], card="NVIDIA H100 80GB HBM3")]
+    assert _measured_exact(1024, facts, "sm90", "NVIDIA H100 80GB HBM3", on_one, today).kernel == "dequant"
+    assert _measured_exact(1024, facts, "sm90", "NVIDIA H200", on_one, today) is None
+    assert _measured_exact(1024, facts, "sm90", None, on_one, today) is None
 
 
 @pytest.mark.gpu
