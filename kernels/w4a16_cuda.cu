@@ -18,6 +18,10 @@
 //   eight more mma.sync with A = 1.0 per K tile (shared by the R blocks); then the group scale.
 // * The W warps meet in shared memory; with SPLITS > 1 the CTAs of a row tile add float32 partial sums into
 //   the zeroed workspace ws [M, N] and the last one (a counter per row tile) stores y and zeroes both again.
+// * Programmatic dependent launch (sm_90+, when the host entry is asked for it): the kernel may start while the
+//   previous one (the norm that wrote x) finishes; it waits for that grid (griddepcontrol.wait) before its first
+//   read of memory and lets the next kernel launch at once (which waits in turn), as quantkit's Triton kernels
+//   do. Launched without the attribute, the wait returns at once.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -162,6 +166,11 @@ w4a16_decode(const uint32_t* __restrict__ qw, const act_t* __restrict__ x, const
     for (int h = 0; h < 2; ++h) wrow[r][h] += 16 * (kt_lo + warp * QK_U);
 #pragma unroll
   for (int mt = 0; mt < QK_MT; ++mt) xrow[mt] += 128 * (kt_lo + warp * QK_U);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // everything above is address arithmetic; from here on memory is read (x, the workspace, the counters)
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
   for (int base = kt_lo + warp * QK_U; base < kt_hi; base += QK_W * QK_U) {
     // every load of the batch first: U tiles x R blocks x 2 rows of words, and U tiles of activations
     uint4 wv[QK_U][QK_R][2];
@@ -293,17 +302,26 @@ w4a16_decode(const uint32_t* __restrict__ qw, const act_t* __restrict__ x, const
   if (lane == 0) counters[blockIdx.x] = 0;
 }
 
-// Host entry (ctypes): launches on ``stream`` and returns the launch's cudaError_t.
+// Host entry (ctypes): launches on ``stream`` (with programmatic dependent launch where ``pdl``) and returns the
+// launch's cudaError_t.
 extern "C" int qk_w4a16_decode_launch(const void* qw, const void* x, const void* scales, const void* zeros, void* y,
                                       void* ws, void* counters, int M, int N, int k_tiles, int splits,
                                       int stride_wn, int stride_xm, int stride_sg, int stride_zg, int group_tiles,
-                                      void* stream) {
+                                      int pdl, void* stream) {
   const int tiles_per_split = (k_tiles + splits - 1) / splits;
-  dim3 grid((N + QK_ROWS - 1) / QK_ROWS, splits);
-  w4a16_decode<<<grid, QK_W * 32, 0, (cudaStream_t)stream>>>(
-      (const uint32_t*)qw, (const act_t*)x, (const __half*)scales, (const uint8_t*)zeros, (act_t*)y, (float*)ws,
-      (int*)counters, M, N, k_tiles, tiles_per_split, stride_wn, stride_xm, stride_sg, stride_zg, group_tiles);
-  return (int)cudaGetLastError();
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3((N + QK_ROWS - 1) / QK_ROWS, splits);
+  config.blockDim = dim3(QK_W * 32);
+  config.dynamicSmemBytes = 0;
+  config.stream = (cudaStream_t)stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = pdl ? 1 : 0;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  return (int)cudaLaunchKernelEx(&config, w4a16_decode, (const uint32_t*)qw, (const act_t*)x, (const __half*)scales,
+                                 (const uint8_t*)zeros, (act_t*)y, (float*)ws, (int*)counters, M, N, k_tiles,
+                                 tiles_per_split, stride_wn, stride_xm, stride_sg, stride_zg, group_tiles);
 }
 
 // CTAs of this config resident per SM (registers, shared memory), for sizing the K split.

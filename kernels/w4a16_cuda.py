@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from quantkit.kernels.device_info import capability, num_sms
+from quantkit.kernels.device_info import ab_switch, capability, num_sms, programmatic_launch
 from quantkit.kernels.w4a16_configs import CUDA_MAX_M, PAIR_TILE_K, CudaConfig
 from quantkit.kernels.w4a16_weights import W4A16Weights
 
@@ -110,7 +110,7 @@ def library(cfg: CudaConfig, mt: int, bf16: bool, zeros: bool, cap: tuple[int, i
         log.warning("W4A16 CUDA decode kernel: cannot load %s (%s); the Triton kernels serve", path, e)
         return None
     lib.qk_w4a16_decode_launch.restype = ctypes.c_int
-    lib.qk_w4a16_decode_launch.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int] * 9 + [ctypes.c_void_p]
+    lib.qk_w4a16_decode_launch.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int] * 10 + [ctypes.c_void_p]
     lib.qk_w4a16_decode_occupancy.restype = ctypes.c_int
     return lib
 
@@ -126,6 +126,14 @@ def compile_cubin(out: Path, cfg: CudaConfig, mt: int = 1, bf16: bool = True, ze
     if done.returncode:
         raise RuntimeError(f"nvcc failed:\n{done.stdout}{done.stderr}")
     return done.stdout + done.stderr
+
+
+def cuda_pdl(device: torch.device) -> bool:
+    """Whether the kernel launches with programmatic dependent launch (its wait and trigger are in the .cu file):
+    where :func:`~quantkit.kernels.device_info.programmatic_launch` allows it and ``QUANTKIT_W4A16_CUDA_PDL=1``.
+    Off by default until a whole-step A/B says it pays: in the 8B step on an H100 (docs/kernels.md) the plain
+    launch gave back ~65 us of the 113 us the kernel saved over the Gluon pick, which launches with PDL."""
+    return ab_switch("QUANTKIT_W4A16_CUDA_PDL", ("0", "1")) == "1" and programmatic_launch(device)
 
 
 def supports(x: torch.Tensor, w: W4A16Weights) -> tuple[bool, str]:
@@ -196,7 +204,8 @@ def w4a16_cuda_matmul(x: torch.Tensor, w: W4A16Weights, cfg: CudaConfig) -> torc
     err = lib.qk_w4a16_decode_launch(
         w.qweight.data_ptr(), x.data_ptr(), w.scales.data_ptr(), zeros.data_ptr(), out.data_ptr(), ws.data_ptr(),
         counters.data_ptr(), m, n, k_tiles, splits, w.qweight.stride(0), x.stride(0), w.scales.stride(0),
-        zeros.stride(0), group_tiles, ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream))
+        zeros.stride(0), group_tiles, int(cuda_pdl(x.device)),
+        ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream))
     if err:
         raise RuntimeError(f"the CUDA W4A16 kernel failed to launch (cudaError {err})")
     return out

@@ -64,24 +64,28 @@ def test_a_cuda_choice_runs_its_fallback_where_the_kernel_cannot(monkeypatch):
     assert run(x, object()) == "fallback" and run(x, object()) == "fallback" and len(calls) == 2
 
 
-def test_the_shipped_table_has_no_cuda_entry_and_selection_is_unchanged():
-    assert not [e for e in load_table() if e["kernel"] == "cuda"]
-    for n, k in LLAMA_8B:
-        for m in (1, 4, 16):
-            choice = select_w4a16(m, facts_of(n, k, 4, 128, True, False), "sm90")
-            assert choice.kernel == "gluon" and choice.fallback is None
+def test_the_shipped_cuda_entries_name_their_card_and_the_h200_keeps_gluon():
+    """The CUDA entries were measured on an H100 only (docs/kernels.md): each names that card, and on the H200
+    (or a plan without a card) the README layers keep the Gluon picks."""
+    cuda = [e for e in load_table() if e["kernel"] == "cuda"]
+    assert cuda and all(e.get("card") == "NVIDIA H100 80GB HBM3" for e in cuda)
+    for n, k in LLAMA_8B + [(e["n"], e["k"]) for e in cuda]:
+        for m in (1, 4, 8, 16):
+            for card in (None, "NVIDIA H200"):
+                choice = select_w4a16(m, facts_of(n, k, 4, 128, True, False), "sm90", card)
+                assert choice.kernel == "gluon" and choice.fallback is None, (n, k, m, card, choice)
 
 
 def test_a_cuda_entry_serves_only_its_measured_cell():
     facts = facts_of(28672, 8192, 4, 128, True, False)
     table = [dict(n=28672, k=8192, m=1, kernel="cuda", config=CudaConfig(2, 2, 4), source="test")]
     today = select_w4a16(1, facts, "sm90")
-    picked = _measured_exact(1, facts, "sm90", table, today)
+    picked = _measured_exact(1, facts, "sm90", None, table, today)
     assert picked.kernel == "cuda" and picked.config == CudaConfig(2, 2, 4) and picked.fallback == today
-    assert _measured_exact(2, facts, "sm90", table, today) is None  # another bucket
-    assert _measured_exact(1, facts_of(28672, 4096, 4, 128, True, False), "sm90", table, today) is None  # shape
-    assert _measured_exact(1, facts_of(28672, 8192, 4, 64, True, False), "sm90", table, today) is None  # g64
-    assert _measured_exact(1, facts, "sm80", table, today) is None
+    assert _measured_exact(2, facts, "sm90", None, table, today) is None  # another bucket
+    assert _measured_exact(1, facts_of(28672, 4096, 4, 128, True, False), "sm90", None, table, today) is None  # shape
+    assert _measured_exact(1, facts_of(28672, 8192, 4, 64, True, False), "sm90", None, table, today) is None  # g64
+    assert _measured_exact(1, facts, "sm80", None, table, today) is None
 
 
 def test_cuda_configs_round_trip_and_check_their_fields():
@@ -142,6 +146,10 @@ def test_the_sm90a_build_streams_words_in_128_bit_loads_without_spills(sm90, tmp
     assert len(weight_loads) == 2 * cfg.R * cfg.U  # one batch: every row pair of every K tile
     assert not any(op.startswith(("LDL", "STL")) for op in ops)
     assert sum(op.startswith("HMMA.16816.F32.BF16") for op in ops) == 8 * cfg.U * mt * (cfg.R + 1)
+    # programmatic dependent launch: the wait for the previous grid (griddepcontrol.wait) before any global load,
+    # and the early trigger for the next one (launch_dependents)
+    first_load = next(i for i, op in enumerate(ops) if op.startswith("LDG"))
+    assert "ACQBULK" in ops[:first_load] and "PREEXIT" in ops
 
 
 @pytest.mark.parametrize("script", ["bench/bench_w4a16_decode.py", "bench/sass_w4a16_decode.py",
@@ -200,3 +208,46 @@ def test_a_cuda_choice_serves_through_the_bound_launcher():
     x = torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16)
     ref = w4a16_matmul_ref(x, w).float()
     assert ((run(x, w).float() - ref).abs().max() / ref.abs().max()).item() < 8e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(w4a16_cuda.nvcc_path() is None, reason="no nvcc on this machine")
+@pytest.mark.parametrize("pdl", ["0", "1"])
+def test_cuda_kernel_after_a_pdl_producer_in_a_graph(monkeypatch, pdl):
+    """The kernel launched with programmatic dependent launch (QUANTKIT_W4A16_CUDA_PDL=1) right behind the fused
+    add + RMSNorm that writes its input (a PDL kernel too), replayed from a CUDA graph with new inputs each time:
+    it must read the producer's output, never the previous replay's (its griddepcontrol.wait), and leave the
+    split-K workspace zeroed."""
+    from quantkit.kernels.decoder_ops import add_rms_norm
+    from quantkit.kernels.w4a16_weights import prepare_w4a16_weights, w4a16_matmul_ref
+    from tests.kernels.test_w4a16 import make_layer
+
+    monkeypatch.setenv("QUANTKIT_W4A16_CUDA_PDL", pdl)
+    assert w4a16_cuda.cuda_pdl(torch.device("cuda")) == (pdl == "1" and torch.cuda.get_device_capability() >= (9, 0))
+    n, k, cfg = 4096, 4096, CudaConfig(2, 2, 4, SPLITS=2)
+    tensors, _ = make_layer(n, k, 4, 128, True, False, device="cuda")
+    w = prepare_w4a16_weights(tensors["qweight"], tensors["qzeros"], tensors["scales"], None, 4, 128, True)
+    h, r = torch.randn(1, k, device="cuda", dtype=torch.bfloat16), torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    norm_w = torch.rand(k, device="cuda", dtype=torch.bfloat16) + 0.5
+    ok, reason = w4a16_cuda.available(h, w, cfg)
+    assert ok, reason
+
+    def step():
+        x, _ = add_rms_norm(h, r, norm_w, 1e-6)
+        return x, w4a16_cuda.w4a16_cuda_matmul(x, w, cfg)
+
+    step()  # build and warm up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        x_out, y_out = step()
+    for seed in range(3):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        h.copy_(torch.randn(h.shape, device="cuda", generator=g))
+        r.copy_(torch.randn(r.shape, device="cuda", generator=g))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = w4a16_matmul_ref(x_out, w).float()
+        err = ((y_out.float() - ref).abs().max() / ref.abs().max()).item()
+        assert err < 8e-3, (seed, err)
+    assert not w.partial_sums.any() and not w.tile_counters.any()
