@@ -18,15 +18,18 @@
 //   eight more mma.sync with A = 1.0 per K tile (shared by the R blocks); then the group scale.
 // * The W warps meet in shared memory; with SPLITS > 1 the CTAs of a row tile add float32 partial sums into
 //   the zeroed workspace ws [M, N] and the last one (a counter per row tile) stores y and zeroes both again.
-// * Programmatic dependent launch (sm_90+, when the host entry is asked for it): the kernel may start while the
-//   previous one (the norm that wrote x) finishes; it waits for that grid (griddepcontrol.wait) before its first
-//   read of memory and lets the next kernel launch at once (which waits in turn), as quantkit's Triton kernels
-//   do. Launched without the attribute, the wait returns at once.
+// * Programmatic dependent launch (QK_PDL builds, sm_90+, launched with the attribute): the kernel may start
+//   while the previous one (the norm that wrote x) finishes; it waits for that grid (griddepcontrol.wait) before
+//   its first read of memory and lets the next kernel launch at once (which waits in turn), as quantkit's Triton
+//   kernels do. Other builds carry neither instruction.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <stdint.h>
 
+#ifndef QK_PDL
+#define QK_PDL 0      // 1: wait for the previous grid (programmatic dependent launch)
+#endif
 #ifndef QK_R
 #define QK_R 2        // row blocks of 16 per warp
 #endif
@@ -166,7 +169,7 @@ w4a16_decode(const uint32_t* __restrict__ qw, const act_t* __restrict__ x, const
     for (int h = 0; h < 2; ++h) wrow[r][h] += 16 * (kt_lo + warp * QK_U);
 #pragma unroll
   for (int mt = 0; mt < QK_MT; ++mt) xrow[mt] += 128 * (kt_lo + warp * QK_U);
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if QK_PDL && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   // everything above is address arithmetic; from here on memory is read (x, the workspace, the counters)
   asm volatile("griddepcontrol.wait;" ::: "memory");
   asm volatile("griddepcontrol.launch_dependents;" :::);

@@ -55,9 +55,9 @@ def _arch_flags(cap: tuple[int, int]) -> list[str]:
     return [f"-gencode=arch=compute_{major}{minor}{suffix},code=sm_{major}{minor}{suffix}"]
 
 
-def _defines(cfg: CudaConfig, mt: int, bf16: bool, zeros: bool) -> list[str]:
+def _defines(cfg: CudaConfig, mt: int, bf16: bool, zeros: bool, pdl: bool = False) -> list[str]:
     return [f"-DQK_R={cfg.R}", f"-DQK_U={cfg.U}", f"-DQK_W={cfg.W}", f"-DQK_MT={mt}", f"-DQK_BF16={int(bf16)}",
-            f"-DQK_ZEROS={int(zeros)}", f"-DQK_L2_256={int(cfg.L2_256)}"]
+            f"-DQK_ZEROS={int(zeros)}", f"-DQK_L2_256={int(cfg.L2_256)}", f"-DQK_PDL={int(pdl)}"]
 
 
 @functools.cache
@@ -89,14 +89,15 @@ def _build(nvcc: str, args: list[str], out: Path) -> str | None:
 
 
 @functools.cache
-def library(cfg: CudaConfig, mt: int, bf16: bool, zeros: bool, cap: tuple[int, int]):
-    """The compiled shared library of one variant for compute capability ``cap``, built on first use; None (and
-    one log line) where nvcc is missing or the build or load fails."""
+def library(cfg: CudaConfig, mt: int, bf16: bool, zeros: bool, cap: tuple[int, int], pdl: bool = False):
+    """The compiled shared library of one variant for compute capability ``cap`` (``pdl``: the build that waits
+    for the previous grid, for launches with programmatic dependent launch), built on first use; None (and one
+    log line) where nvcc is missing or the build or load fails."""
     nvcc = nvcc_path()
     if nvcc is None:
         log.warning("W4A16 CUDA decode kernel: no nvcc on this machine; the Triton kernels serve")
         return None
-    args = [*_NVCC_FLAGS, *_arch_flags(cap), *_defines(cfg, mt, bf16, zeros), "-shared", "-Xcompiler", "-fPIC"]
+    args = [*_NVCC_FLAGS, *_arch_flags(cap), *_defines(cfg, mt, bf16, zeros, pdl), "-shared", "-Xcompiler", "-fPIC"]
     key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(args), _nvcc_version(nvcc)]).encode()).hexdigest()
     path = cache_dir() / f"w4a16_cuda_{key[:24]}.so"
     if not path.exists():
@@ -115,13 +116,14 @@ def library(cfg: CudaConfig, mt: int, bf16: bool, zeros: bool, cap: tuple[int, i
     return lib
 
 
-def compile_cubin(out: Path, cfg: CudaConfig, mt: int = 1, bf16: bool = True, zeros: bool = False) -> str | None:
+def compile_cubin(out: Path, cfg: CudaConfig, mt: int = 1, bf16: bool = True, zeros: bool = False,
+                  pdl: bool = False) -> str | None:
     """nvcc's output for an sm_90a cubin of one variant at ``out`` (for reading its SASS); None without nvcc.
     Raises where the compile fails."""
     nvcc = nvcc_path()
     if nvcc is None:
         return None
-    args = [*_NVCC_FLAGS, *_arch_flags((9, 0)), *_defines(cfg, mt, bf16, zeros), "-cubin", "-Xptxas", "-v"]
+    args = [*_NVCC_FLAGS, *_arch_flags((9, 0)), *_defines(cfg, mt, bf16, zeros, pdl), "-cubin", "-Xptxas", "-v"]
     done = subprocess.run([nvcc, *args, "-o", str(out), str(SOURCE)], capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"nvcc failed:\n{done.stdout}{done.stderr}")
@@ -163,7 +165,8 @@ def available(x: torch.Tensor, w: W4A16Weights, cfg: CudaConfig) -> tuple[bool, 
 
 def _library_for(x: torch.Tensor, w: W4A16Weights, cfg: CudaConfig):
     mt = 1 if x.shape[0] <= 8 else 2
-    return library(cfg, mt, x.dtype == torch.bfloat16, w.zeros is not None, capability(x.device))
+    return library(cfg, mt, x.dtype == torch.bfloat16, w.zeros is not None, capability(x.device),
+                   cuda_pdl(x.device))
 
 
 def splits_for(cfg: CudaConfig, n: int, k_tiles: int, resident_ctas: int) -> int:

@@ -146,8 +146,12 @@ def test_the_sm90a_build_streams_words_in_128_bit_loads_without_spills(sm90, tmp
     assert len(weight_loads) == 2 * cfg.R * cfg.U  # one batch: every row pair of every K tile
     assert not any(op.startswith(("LDL", "STL")) for op in ops)
     assert sum(op.startswith("HMMA.16816.F32.BF16") for op in ops) == 8 * cfg.U * mt * (cfg.R + 1)
-    # programmatic dependent launch: the wait for the previous grid (griddepcontrol.wait) before any global load,
-    # and the early trigger for the next one (launch_dependents)
+    assert "ACQBULK" not in ops and "PREEXIT" not in ops  # the default build: no PDL instructions
+    # the PDL build: the wait for the previous grid (griddepcontrol.wait) before any global load, and the early
+    # trigger for the next one (launch_dependents)
+    w4a16_cuda.compile_cubin(cubin, cfg, mt=mt, pdl=True)
+    ops = [re.search(r"(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", line.split("*/", 1)[1]).group(1)
+           for line in sm90.sass(str(cubin))]
     first_load = next(i for i, op in enumerate(ops) if op.startswith("LDG"))
     assert "ACQBULK" in ops[:first_load] and "PREEXIT" in ops
 
