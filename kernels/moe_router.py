@@ -45,13 +45,26 @@ def router_fused_selected(tokens: int, top_k: int, num_experts: int, device: tor
             and router_fused_applies(tokens, top_k, num_experts, device))
 
 
+def norm_router_selected() -> bool:
+    """Whether the runtime's MoE block runs its pre-norm inside the fused router's launch
+    (:func:`norm_router_route_and_align`) where the fused router serves: ``QUANTKIT_MOE_NORM_ROUTER=fused``. Off
+    by default until a whole-step A/B on a GPU says the launch it saves pays for the 32 programs each forming the
+    normed rows (interpreter-tested and compiled for sm_90 only, 2026-12-06)."""
+    return ab_switch("QUANTKIT_MOE_NORM_ROUTER", ("apart", "fused")) == "fused"
+
+
 @triton.jit
 def _router_route_kernel(x_ptr, stride_xt, w_ptr, stride_we, logits_ptr, counter_ptr, weights_ptr, ids_ptr,
                          sorted_ptr, block_expert_ptr, num_tokens, num_experts, hidden, n_blocks, n_slots,
+                         res_ptr, stride_rt, norm_ptr, xo_ptr, ro_ptr, stride_ot, eps, offset,
                          TOP_K: tl.constexpr, RENORM: tl.constexpr, BLOCK_M: tl.constexpr, TOKENS: tl.constexpr,
                          PAIRS: tl.constexpr, EXPERTS: tl.constexpr, FILL: tl.constexpr, BLOCKS: tl.constexpr,
                          BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, ALIGN: tl.constexpr,
-                         TOP_K_P2: tl.constexpr, PDL: tl.constexpr = False):
+                         TOP_K_P2: tl.constexpr, PDL: tl.constexpr = False, NORM: tl.constexpr = False,
+                         HAS_RES: tl.constexpr = False):
+    # NORM: x is not the router's input but the MoE block's ``delta`` (and ``res_ptr`` its residual stream): every
+    # program forms ``rms_norm(delta + residual)`` itself, element for element as decoder_ops.add_rms_norm does,
+    # and the first program stores the normed rows (xo) and the sum (ro) for the experts and the next layer
     if PDL:  # the next kernel may launch; x is the previous one's output
         gdc_launch_dependents()
         gdc_wait()
@@ -61,11 +74,31 @@ def _router_route_kernel(x_ptr, stride_xt, w_ptr, stride_we, logits_ptr, counter
     t_mask = offs_t < num_tokens
     e_mask = offs_e < num_experts
     acc = tl.zeros((TOKENS, BLOCK_E), dtype=tl.float32)
+    if NORM:  # the rows' sums of squares first, then the normed values chunk by chunk below
+        sq = tl.zeros((TOKENS,), dtype=tl.float32)
+        for h0 in range(0, hidden, BLOCK_H):
+            offs_h = h0 + tl.arange(0, BLOCK_H)
+            th_mask = t_mask[:, None] & (offs_h < hidden)[None, :]
+            s = _summed_rows(x_ptr, res_ptr, stride_xt, stride_rt, offs_t, offs_h, th_mask, xo_ptr, HAS_RES)
+            sq += tl.sum(s * s, axis=1)
+        rstd = 1.0 / tl.sqrt(sq / hidden + eps)
     for h0 in range(0, hidden, BLOCK_H):
         offs_h = h0 + tl.arange(0, BLOCK_H)
         h_mask = offs_h < hidden
-        x = tl.load(x_ptr + offs_t[:, None] * stride_xt + offs_h[None, :], mask=t_mask[:, None] & h_mask[None, :],
-                    other=0.0).to(tl.float32)  # [TOKENS, BLOCK_H]
+        th_mask = t_mask[:, None] & h_mask[None, :]
+        if NORM:
+            s = _summed_rows(x_ptr, res_ptr, stride_xt, stride_rt, offs_t, offs_h, th_mask, xo_ptr, HAS_RES)
+            nw = tl.load(norm_ptr + offs_h, mask=h_mask, other=0.0).to(tl.float32)
+            normed = (s * rstd[:, None] * (nw + offset)[None, :]).to(xo_ptr.dtype.element_ty)
+            if pid == 0:
+                out = offs_t[:, None] * stride_ot + offs_h[None, :]
+                tl.store(xo_ptr + out, normed, mask=th_mask)
+                if HAS_RES:
+                    tl.store(ro_ptr + out, s.to(ro_ptr.dtype.element_ty), mask=th_mask)
+            x = normed.to(tl.float32)  # the router reads the normed rows as rounded, as F.linear on them would
+        else:
+            x = tl.load(x_ptr + offs_t[:, None] * stride_xt + offs_h[None, :], mask=th_mask,
+                        other=0.0).to(tl.float32)  # [TOKENS, BLOCK_H]
         w = tl.load(w_ptr + offs_e[:, None] * stride_we + offs_h[None, :], mask=e_mask[:, None] & h_mask[None, :],
                     other=0.0).to(tl.float32)  # [BLOCK_E, BLOCK_H]
         acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
@@ -83,6 +116,16 @@ def _router_route_kernel(x_ptr, stride_xt, w_ptr, stride_we, logits_ptr, counter
                     True, ALIGN, TOP_K_P2)
 
 
+@triton.jit
+def _summed_rows(x_ptr, res_ptr, stride_xt, stride_rt, offs_t, offs_h, mask, dtype_ptr, HAS_RES: tl.constexpr):
+    """``delta + residual`` of a [TOKENS, BLOCK_H] chunk, rounded to the model's dtype as its add is, in float32."""
+    s = tl.load(x_ptr + offs_t[:, None] * stride_xt + offs_h[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        r = tl.load(res_ptr + offs_t[:, None] * stride_rt + offs_h[None, :], mask=mask, other=0.0)
+        s = (s + r.to(tl.float32)).to(dtype_ptr.dtype.element_ty).to(tl.float32)
+    return s
+
+
 def router_route_and_align(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool,
                            counter: torch.Tensor, block_m: int, align: bool = True):
     """``route_ref(F.linear(x, router), top_k, renormalize)`` and ``moe_align(ids, E, block_m)`` in one launch:
@@ -90,6 +133,30 @@ def router_route_and_align(x: torch.Tensor, router: torch.Tensor, top_k: int, re
     ``router [E, H]``, ``counter``: an int32 tensor of one zero on x's device, kept by the caller between calls (the
     kernel leaves it zero). ``align`` False: no layout (the third item None; the decode GEMV reads none). Only
     where ``router_fused_applies``."""
+    return _launch(x, router, top_k, renormalize, counter, block_m, align, None)
+
+
+def norm_router_route_and_align(delta: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                                eps: float, offset: float, router: torch.Tensor, top_k: int, renormalize: bool,
+                                counter: torch.Tensor, block_m: int, align: bool = True):
+    """The MoE block's pre-norm, the router and the routing in one launch: ``decoder_ops.add_rms_norm(delta,
+    residual, norm_weight, eps, offset)`` then :func:`router_route_and_align` on its normed rows. Returns ``(x,
+    summed, weights, ids, aligned)``: the normed rows and ``delta + residual`` (``delta`` itself where residual is
+    None) as add_rms_norm returns them, then the routing. One launch fewer a MoE layer at decode."""
+    if residual is not None and residual.shape != delta.shape:
+        raise ValueError(f"residual {tuple(residual.shape)} does not match delta {tuple(delta.shape)}")
+    if norm_weight.shape != (delta.shape[1],):
+        raise ValueError(f"norm weight {tuple(norm_weight.shape)} does not match {delta.shape[1]} features")
+    delta = delta.contiguous()
+    residual = None if residual is None else residual.contiguous()
+    x = torch.empty_like(delta)
+    summed = delta if residual is None else torch.empty_like(delta)
+    weights, ids, aligned = _launch(delta, router, top_k, renormalize, counter, block_m, align,
+                                    (residual, norm_weight.contiguous(), eps, offset, x, summed))
+    return x, summed, weights, ids, aligned
+
+
+def _launch(x, router, top_k, renormalize, counter, block_m, align, norm):
     tokens, hidden = x.shape
     num_experts = router.shape[0]
     if router.shape[1] != hidden:
@@ -112,11 +179,15 @@ def router_route_and_align(x: torch.Tensor, router: torch.Tensor, top_k: int, re
     # a [TOKENS, BLOCK_E, BLOCK_H] product of ~4K values a step (32 a thread at 4 warps)
     block_h = max(32, min(triton.next_power_of_2(hidden), 4096 // (toks * BLOCK_E)))
     grid = (triton.cdiv(num_experts, BLOCK_E),)
+    residual, norm_weight, eps, offset, x_out, summed = norm if norm is not None else (None, x, 0.0, 0.0, x, x)
+    res = x if residual is None else residual
     _router_route_kernel[grid](x, x.stride(0), router, router.stride(0), logits, counter, weights, ids, sorted_ids,
-                               block_expert, tokens, num_experts, hidden, n_blocks, n_blocks * block_m, TOP_K=top_k,
-                               RENORM=renormalize, BLOCK_M=block_m, TOKENS=toks,
+                               block_expert, tokens, num_experts, hidden, n_blocks, n_blocks * block_m,
+                               res, res.stride(0), norm_weight, x_out, summed, x_out.stride(0), eps, offset,
+                               TOP_K=top_k, RENORM=renormalize, BLOCK_M=block_m, TOKENS=toks,
                                PAIRS=triton.next_power_of_2(pairs), EXPERTS=triton.next_power_of_2(num_experts),
                                FILL=FILL, BLOCKS=_blocks_a_step(num_experts), BLOCK_E=BLOCK_E, BLOCK_H=block_h,
                                ALIGN=align, TOP_K_P2=triton.next_power_of_2(top_k), PDL=pdl,
+                               NORM=norm is not None, HAS_RES=residual is not None,
                                num_warps=_warps(pairs, num_experts), **pdl_launch(pdl))
     return weights, ids, (sorted_ids, block_expert) if align else None

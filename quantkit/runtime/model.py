@@ -221,8 +221,8 @@ class RuntimeModel:
                 delta, _ = o.add_rms_norm(delta, None, lw.post_attn_norm, s.rms_eps, s.norm_offset)
                 ff_norm = lw.pre_ff_norm
             if lw.moe is not None:
-                x, residual = o.add_rms_norm(delta, residual, ff_norm, s.rms_eps, s.norm_offset)
-                delta = lw.moe(x, o.act_mul)
+                delta, residual = lw.moe.normed(delta, residual, ff_norm, s.rms_eps, s.norm_offset, o.add_rms_norm,
+                                                o.act_mul)
             else:
                 gate_up, residual = self._normed_linear(lw.gate_up, delta, residual, ff_norm)
                 delta = self._activated_linear(lw.down, gate_up)

@@ -46,6 +46,27 @@ class MoELayer:
 
         return route_ref(torch.nn.functional.linear(x, self.router), self.top_k, self.renormalize)
 
+    def normed(self, delta: torch.Tensor, residual: torch.Tensor | None, norm: torch.Tensor, eps: float,
+               offset: float, add_rms_norm, act_mul) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(block(rms_norm(delta + residual)), delta + residual)``: the pre-norm (``add_rms_norm``, the backend's)
+        then the block, or, where the fused router serves and ``QUANTKIT_MOE_NORM_ROUTER=fused`` asks, the norm
+        inside the router's launch (``moe_router.norm_router_route_and_align``: one launch fewer a layer)."""
+        from quantkit.kernels.moe_router import norm_router_selected
+
+        if self.use_kernel and self.act_quant is None and self._routing(delta.shape[0]) == "router" \
+                and norm_router_selected():
+            from quantkit.kernels.moe_align import BLOCK_M
+            from quantkit.kernels.moe_router import norm_router_route_and_align
+            from quantkit.kernels.moe_w4a16 import decode_kernel, fused_moe
+
+            align = decode_kernel(self.experts, delta.shape[0] * self.top_k) != "gemv"
+            x, summed, weights, ids, aligned = norm_router_route_and_align(
+                delta, residual, norm, eps, offset, self.router, self.top_k, self.renormalize, self.router_counter,
+                BLOCK_M, align)
+            return self._with_shared(x, fused_moe(x, weights, ids, self.experts, aligned=aligned), act_mul), summed
+        x, summed = add_rms_norm(delta, residual, norm, eps, offset)
+        return self(x, act_mul), summed
+
     def __call__(self, x: torch.Tensor, act_mul) -> torch.Tensor:
         from quantkit.kernels.moe_align import BLOCK_M, route_and_align
         from quantkit.kernels.moe_router import router_route_and_align
@@ -71,6 +92,10 @@ class MoELayer:
         else:  # the reference (and FP8 experts off the kernel path: their activation rounding emulated)
             weights, ids = self.route(x)
             y = fused_moe_ref(x, weights, ids, self._reference_experts(), self.act_quant)
+        return self._with_shared(x, y, act_mul)
+
+    def _with_shared(self, x: torch.Tensor, y: torch.Tensor, act_mul) -> torch.Tensor:
+        """``y`` plus the shared expert's output on ``x`` (gated where the family gates it)."""
         if self.shared_gate_up is not None:
             s = self.shared_down(act_mul(self.shared_gate_up(x), "silu"))
             if self.shared_gate is None:

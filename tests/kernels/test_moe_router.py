@@ -13,6 +13,7 @@ from quantkit.kernels import moe_align as align
 from quantkit.kernels.moe_align import route_and_align, route_ref
 from quantkit.kernels.moe_router import (
     ROUTER_FUSED_MAX_TOKENS,
+    norm_router_route_and_align,
     router_fused_applies,
     router_fused_selected,
     router_route_and_align,
@@ -49,6 +50,39 @@ def test_fused_router_equals_the_linear_then_the_routing(renormalize, tokens, n_
     weights, ids, aligned = router_route_and_align(x, router, top_k, renormalize, counter, align.BLOCK_M, False)
     assert aligned is None and torch.equal(ids, want_ids) and counter.item() == 0
     torch.testing.assert_close(weights, want_w, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("with_residual", [True, False])
+@pytest.mark.parametrize(("tokens", "n_exp", "top_k", "hidden", "dtype", "offset"),
+                         [(1, 128, 8, 256, torch.float32, 0.0), (3, 60, 4, 96, torch.float16, 1.0),
+                          (4, 8, 2, 200, torch.float16, 0.0)])
+def test_norm_router_equals_the_norm_then_the_router(with_residual, tokens, n_exp, top_k, hidden, dtype, offset):
+    """The block's add + RMSNorm inside the router's launch: the normed rows and the sum as add_rms_norm_ref gives
+    them, the routing of those normed rows as route_ref on F.linear's logits, the align's layout; twice (the
+    counter is back at zero). H = 200 is not a multiple of the chunk: the masks."""
+    from quantkit.kernels.decoder_ops_ref import add_rms_norm_ref
+
+    delta, router = _inputs(tokens, n_exp, hidden, dtype, seed=tokens + 11)
+    g = torch.Generator().manual_seed(5)
+    residual = (4 * torch.randn(tokens, hidden, generator=g)).to(DEVICE, dtype) if with_residual else None
+    norm_w = (torch.rand(hidden, generator=g) + 0.5).to(DEVICE, dtype)
+    counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    want_x, want_sum = add_rms_norm_ref(delta, residual, norm_w, 1e-6, offset)
+    want_w, want_ids = route_ref(torch.nn.functional.linear(want_x, router), top_k, True)
+    expected_ids, expected_experts = _align_layout(want_ids.tolist(), n_exp, align.BLOCK_M)
+    for _ in range(2):
+        x, summed, weights, ids, (sorted_ids, block_expert) = norm_router_route_and_align(
+            delta, residual, norm_w, 1e-6, offset, router, top_k, True, counter, align.BLOCK_M)
+        assert x.dtype == dtype and summed.dtype == dtype
+        torch.testing.assert_close(x, want_x, rtol=1e-3 if dtype == torch.float16 else 1e-5, atol=1e-5)
+        assert torch.equal(summed, want_sum)
+        assert torch.equal(ids, want_ids)
+        torch.testing.assert_close(weights, want_w, rtol=1e-3, atol=1e-6)
+        assert sorted_ids.tolist() == expected_ids and block_expert.tolist() == expected_experts
+        assert counter.item() == 0
+    with pytest.raises(ValueError, match="norm weight"):
+        norm_router_route_and_align(delta, residual, norm_w[:-1], 1e-6, offset, router, top_k, True, counter,
+                                    align.BLOCK_M)
 
 
 def test_fused_router_refuses_what_it_does_not_take():
@@ -95,9 +129,10 @@ def test_runtime_moe_block_with_the_fused_router_equals_its_reference(monkeypatc
     assert len(calls) == 2 and rel_err(out, ref) < 1e-5 and rel_err(out_tiles, ref) < 1e-5
 
 
-@pytest.mark.parametrize(("tokens", "with_layout", "pdl"), [(1, False, False), (1, True, False), (4, True, False),
-                                                            (1, False, True)])
-def test_fused_router_compiles_for_sm90_without_spills(sm90, tmp_path, tokens, with_layout, pdl):
+@pytest.mark.parametrize(("tokens", "with_layout", "pdl", "norm"), [(1, False, False, False), (1, True, False, False),
+                                                                    (4, True, False, False), (1, False, True, False),
+                                                                    (1, False, True, True), (4, True, True, True)])
+def test_fused_router_compiles_for_sm90_without_spills(sm90, tmp_path, tokens, with_layout, pdl, norm):
     """Qwen3-30B-A3B's router (128 experts of 2048, top-8) at 1 and 4 tokens: the GEMM's product and the last
     program's routing in registers. With PDL (the default on Hopper): the wait for the previous kernel before any global load."""
     from quantkit.kernels.moe_align import FILL, _blocks_a_step, _warps
@@ -108,11 +143,12 @@ def test_fused_router_compiles_for_sm90_without_spills(sm90, tmp_path, tokens, w
     signature = {"x_ptr": "*bf16", "stride_xt": "i32", "w_ptr": "*bf16", "stride_we": "i32", "logits_ptr": "*bf16",
                  "counter_ptr": "*i32", "weights_ptr": "*fp32", "ids_ptr": "*i64", "sorted_ptr": "*i32",
                  "block_expert_ptr": "*i32", "num_tokens": "i32", "num_experts": "i32", "hidden": "i32",
-                 "n_blocks": "i32", "n_slots": "i32"}
+                 "n_blocks": "i32", "n_slots": "i32", "res_ptr": "*bf16", "stride_rt": "i32", "norm_ptr": "*bf16",
+                 "xo_ptr": "*bf16", "ro_ptr": "*bf16", "stride_ot": "i32", "eps": "fp32", "offset": "fp32"}
     constexprs = dict(TOP_K=8, RENORM=True, BLOCK_M=align.BLOCK_M, TOKENS=toks, PAIRS=triton.next_power_of_2(pairs),
                       EXPERTS=n_exp, FILL=FILL, BLOCKS=_blocks_a_step(n_exp), BLOCK_E=BLOCK_E,
                       BLOCK_H=max(32, min(hidden, 4096 // (toks * BLOCK_E))), ALIGN=with_layout, TOP_K_P2=8,
-                      PDL=pdl)
+                      PDL=pdl, NORM=norm, HAS_RES=norm)
     ptx = sm90.triton_ptx(str(tmp_path / "router.ptx"), "quantkit.kernels.moe_router", "_router_route_kernel",
                           signature, constexprs, num_warps=_warps(pairs, n_exp))
     notices = sm90.ptxas_notices(ptx)
@@ -197,3 +233,67 @@ def test_fused_router_on_the_gpu_equals_the_unfused_path_and_replays(tokens):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out[1], ids) and torch.equal(out[0], weights) and counter.item() == 0
+
+
+def test_runtime_moe_block_norm_inside_the_router_equals_the_norm_apart(monkeypatch):
+    """MoELayer.normed with QUANTKIT_MOE_NORM_ROUTER=fused (the pre-norm inside the router's launch) against the
+    norm apart and against the reference block: the same sum, the same block output; the fused launch is taken
+    exactly once, and never off the kernel path."""
+    from quantkit.kernels import moe_router
+    from quantkit.kernels.decoder_ops_ref import add_rms_norm_ref
+    from quantkit.runtime.moe import MoELayer
+
+    n_exp, hidden, inter = 8, 64, 32
+    ex = stack_quantized(experts_q(n_exp, hidden, inter, 32), torch.float32, DEVICE)
+    delta, router = _inputs(2, n_exp, hidden, torch.float32, seed=9)
+    g = torch.Generator().manual_seed(2)
+    residual = (3 * torch.randn(2, hidden, generator=g)).to(DEVICE)
+    norm = (torch.rand(hidden, generator=g) + 0.5).to(DEVICE)
+    calls = []
+    real = moe_router.norm_router_route_and_align
+    monkeypatch.setattr(moe_router, "norm_router_route_and_align", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setenv("QUANTKIT_MOE_ROUTER", "fused")
+    outs = {}
+    for mode in ("apart", "fused"):
+        monkeypatch.setenv("QUANTKIT_MOE_NORM_ROUTER", mode)
+        outs[mode] = MoELayer(router, ex, 2, True, True).normed(delta, residual, norm, 1e-6, 0.0, add_rms_norm_ref,
+                                                                  None)
+    ref = MoELayer(router, ex, 2, True, False).normed(delta, residual, norm, 1e-6, 0.0, add_rms_norm_ref, None)
+    assert len(calls) == 1
+    (y_apart, s_apart), (y_fused, s_fused) = outs["apart"], outs["fused"]
+    assert torch.equal(s_fused, s_apart) and torch.equal(s_fused, ref[1])
+    assert rel_err(y_fused, y_apart) < 1e-5 and rel_err(y_fused, ref[0]) < 1e-5
+    monkeypatch.setenv("QUANTKIT_MOE_NORM_ROUTER", "inside")
+    with pytest.raises(ValueError, match="QUANTKIT_MOE_NORM_ROUTER"):
+        MoELayer(router, ex, 2, True, True).normed(delta, residual, norm, 1e-6, 0.0, add_rms_norm_ref, None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_norm_router_on_the_gpu_equals_the_kernels_apart_and_replays(tokens):
+    """bf16 at the 30B-A3B block's size: the fused norm + router against decoder_ops.add_rms_norm then the fused
+    router (normed rows within a bf16 rounding, the same sum, the same experts up to near-ties), and the same
+    outputs from CUDA-graph replays."""
+    from quantkit.kernels.decoder_ops import add_rms_norm
+
+    delta, router = _inputs(tokens, 128, 2048, torch.bfloat16, seed=tokens, device="cuda")
+    residual = 4 * torch.randn_like(delta)
+    norm = torch.rand(2048, device="cuda", dtype=torch.bfloat16) + 0.5
+    counter = torch.zeros(1, dtype=torch.int32, device="cuda")
+    x, summed, weights, ids, _ = norm_router_route_and_align(delta, residual, norm, 1e-6, 0.0, router, 8, True,
+                                                             counter, align.BLOCK_M, False)
+    want_x, want_sum = add_rms_norm(delta, residual, norm, 1e-6, 0.0)
+    want_w, want_ids, _ = router_route_and_align(want_x, router, 8, True, counter, align.BLOCK_M, False)
+    assert torch.equal(summed, want_sum)
+    assert rel_err(x, want_x) < 4e-3
+    same = ids == want_ids
+    assert same.float().mean() > 0.9, (ids, want_ids)
+    torch.testing.assert_close(weights[same], want_w[same], rtol=1e-2, atol=1e-3)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = norm_router_route_and_align(delta, residual, norm, 1e-6, 0.0, router, 8, True, counter,
+                                          align.BLOCK_M, False)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out[0], x) and torch.equal(out[3], ids) and counter.item() == 0
