@@ -1,5 +1,6 @@
 """Which W4A16 kernel and config serve a layer ("which kernel runs for this shape?"): a pure function of the
-layer's :class:`LayerFacts`, the activation-row bucket and the GPU generation, giving a :class:`KernelChoice`.
+layer's :class:`LayerFacts`, the activation-row bucket and the GPU generation (and its name, for the entries
+measured on one card), giving a :class:`KernelChoice`.
 ``prepare_w4a16_weights`` stores the choice for every bucket in a :class:`W4A16Plan`. Nothing is timed at run
 time: the opt-in tuner ``bench/tune_w4a16.py`` writes the table read here.
 
