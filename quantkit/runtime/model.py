@@ -160,7 +160,10 @@ class RuntimeModel:
                 layer.moe.use_kernel = backend == "kernels"
         # An FP8 model's prefill attention goes through the FP8 attention where fp8="auto" measures a gain
         # (kernels/attention_select.select_fp8); the KV cache and decode attention stay 16-bit.
-        self.prefill_fp8 = "auto" if any(lin.fp8 is not None for lin in weights.linears()) else False
+        # QUANTKIT_PREFILL_FP8_ATTENTION=off keeps it 16-bit: the A/B switch for the benches, since the prefill
+        # splits time the FP8 call at ~2x the 16-bit one inside the 8B and 30B-A3B prefills (docs/fp8.md)
+        fp8_attention = ab_switch("QUANTKIT_PREFILL_FP8_ATTENTION", ("auto", "off")) == "auto"
+        self.prefill_fp8 = "auto" if fp8_attention and any(lin.fp8 is not None for lin in weights.linears()) else False
         # Qwen3's / Gemma 3's per-head q/k norm inside the decode attention instead of a launch of its own
         # (QUANTKIT_DECODE_QK_NORM=attention; opt-in until a whole decode step measures it faster). Not with
         # clip_qkv, which clips between the norm and the attention.

@@ -84,11 +84,14 @@ def fp8_llama(tmp_path_factory):
     return out
 
 
-def test_runtime_logits_equal_the_readers_model(fp8_llama):
+def test_runtime_logits_equal_the_readers_model(fp8_llama, monkeypatch):
     from quantkit.api import load_any
     from quantkit.config import LoadConfig
     from quantkit.runtime.loader import load_runtime_model
 
+    monkeypatch.setenv("QUANTKIT_PREFILL_FP8_ATTENTION", "off")  # the A/B switch keeps the prefill 16-bit
+    assert load_runtime_model(str(fp8_llama), device="cpu", dtype="float32")[0].prefill_fp8 is False
+    monkeypatch.delenv("QUANTKIT_PREFILL_FP8_ATTENTION")
     runtime, _ = load_runtime_model(str(fp8_llama), device="cpu", dtype="float32")
     assert all(lin.fp8 is not None for layer in runtime.weights.layers for lin in (layer.qkv, layer.down))
     assert runtime.weights.layers[0].qkv.fp8.path == "reference" and runtime.prefill_fp8 == "auto"
