@@ -19,9 +19,10 @@
 // * The W warps meet in shared memory; with SPLITS > 1 the CTAs of a row tile add float32 partial sums into
 //   the zeroed workspace ws [M, N] and the last one (a counter per row tile) stores y and zeroes both again.
 // * Programmatic dependent launch (QK_PDL builds, sm_90+, launched with the attribute): the kernel may start
-//   while the previous one (the norm that wrote x) finishes; it waits for that grid (griddepcontrol.wait) before
-//   its first read of memory and lets the next kernel launch at once (which waits in turn), as quantkit's Triton
-//   kernels do. Other builds carry neither instruction.
+//   while the previous one (the norm that wrote x) finishes; meanwhile it asks its first batch of weight words
+//   into L2 (prefetch.global.L2: constants), then waits for that grid (griddepcontrol.wait) before its first load
+//   and lets the next kernel launch at once (which waits in turn), as quantkit's Triton kernels do. Other builds
+//   carry none of these instructions.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -170,7 +171,18 @@ w4a16_decode(const uint32_t* __restrict__ qw, const act_t* __restrict__ x, const
 #pragma unroll
   for (int mt = 0; mt < QK_MT; ++mt) xrow[mt] += 128 * (kt_lo + warp * QK_U);
 #if QK_PDL && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  // everything above is address arithmetic; from here on memory is read (x, the workspace, the counters)
+  // everything above is address arithmetic. The weights are constants: the first batch's words are asked into L2
+  // while the previous kernel finishes; from the wait on, memory it wrote is read (x, the workspace, the counters)
+  if (kt_lo + warp * QK_U < kt_hi) {
+#pragma unroll
+    for (int u = 0; u < QK_U; ++u)
+#pragma unroll
+      for (int r = 0; r < QK_R; ++r)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          if (row_ok[r][h] && kt_lo + warp * QK_U + u < kt_hi)
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(wrow[r][h] + 16 * u));
+  }
   asm volatile("griddepcontrol.wait;" ::: "memory");
   asm volatile("griddepcontrol.launch_dependents;" :::);
 #endif

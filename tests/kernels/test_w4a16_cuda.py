@@ -154,6 +154,9 @@ def test_the_sm90a_build_streams_words_in_128_bit_loads_without_spills(sm90, tmp
            for line in sm90.sass(str(cubin))]
     first_load = next(i for i, op in enumerate(ops) if op.startswith("LDG"))
     assert "ACQBULK" in ops[:first_load] and "PREEXIT" in ops
+    # before the wait, the first batch's weight words asked into L2 (constants: no dependence on that grid)
+    prefetches = [i for i, op in enumerate(ops) if op.startswith("CCTL.E.PF2")]
+    assert len(prefetches) == 2 * cfg.R * cfg.U and max(prefetches) < ops.index("ACQBULK")
 
 
 @pytest.mark.parametrize("script", ["bench/bench_w4a16_decode.py", "bench/sass_w4a16_decode.py",
