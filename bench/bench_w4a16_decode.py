@@ -13,9 +13,10 @@ bandwidth is measured in the same run on a device-to-device copy of the same byt
 and scales; "% copy" is the variant's read rate of those bytes against it (a copy moves them twice: read + write).
 
 Writes JSON (card, versions, nvcc, date, every cell) to ``--out`` (default ``bench/runs/w4a16_decode_<date>.json``)
-after every shape, so a time limit keeps the finished shapes. A table entry for the CUDA kernel is justified
-where its cell beats today's pick by more than the run-to-run spread (~1 us on the 121 MB shapes) at the same
-error; the GPU session adds those entries to ``kernels/w4a16_h200.json`` with ``"kernel": "cuda"``.
+after every shape, so a time limit keeps the finished shapes. Where the CUDA kernel's best cell beats today's
+pick by more than the run-to-run spread (max(0.5 us, 4 %)) at the same error, the script prints a candidate table
+entry naming the card (``candidate_entries``, also in the JSON); each goes into ``kernels/w4a16_h200.json`` only
+after a whole-step A/B.
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ def run_shape(n, k, ms, args, log) -> list[dict]:
     from gpu_timing import gpu_time_us
 
     from quantkit.kernels import w4a16
-    from quantkit.kernels.w4a16_configs import config_label
+    from quantkit.kernels.w4a16_configs import config_label, config_to_dict
     from quantkit.kernels.w4a16_cuda import w4a16_cuda_matmul
     from quantkit.kernels.w4a16_weights import w4a16_matmul_ref
 
@@ -127,6 +128,8 @@ def run_shape(n, k, ms, args, log) -> list[dict]:
         cell = dict(N=n, K=k, M=m, copy_tbs=copy_tbs, copy_limit_us=copy_limit_us, today=choice.label(), variants=[])
         for name, fn, cfg in variants:
             row = dict(name=name)
+            if cfg is not None and type(cfg).__name__ == "CudaConfig":
+                row["cuda_config"] = config_to_dict(cfg)  # the short form a table entry takes
             try:
                 row["max_err"] = max_err(fn(), ref)
                 if cfg is not None and type(cfg).__name__ == "CudaConfig":
@@ -160,6 +163,24 @@ def print_cell(cell, log):
         note = r.get("error", "") or ("" if "us" in r else "  NOT TIMED (error above --max-err or workspace left dirty)")
         log(f"  {r['name'][:58]:<58} {err:>9.2e} {us:>7.1f} {r.get('pct_copy', float('nan')):>7.1f} "
             f"{cell['cublas_us'] / us:>8.2f}{note}")
+
+
+def candidate_entries(cells: list[dict], card: str, margin_us: float = 0.5, margin: float = 0.04) -> list[dict]:
+    """Table entries (``kernels/w4a16_h200.json`` form, naming ``card``) for the cells where the best CUDA variant
+    beat today's pick by more than ``max(margin_us, margin x today)``: candidates only. A cell's gain alone does
+    not make a default (the 30B-A3B q/k/v cell gained 1.6 us here and nothing in the whole step, docs/kernels.md):
+    each goes in after a step A/B (`bash bench/gpu_check.sh ab ...`)."""
+    out = []
+    for cell in cells:
+        timed = [v for v in cell["variants"] if v.get("us")]
+        today = next((v for v in timed if v["name"].startswith("today")), None)
+        cuda = min((v for v in timed if "cuda_config" in v), key=lambda v: v["us"], default=None)
+        if today is None or cuda is None or today["us"] - cuda["us"] <= max(margin_us, margin * today["us"]):
+            continue
+        out.append({"n": cell["N"], "k": cell["K"], "m": cell["M"], "kernel": "cuda", "config": cuda["cuda_config"],
+                    "us": round(cuda["us"], 1), "card": card,
+                    "source": f"measured by bench_w4a16_decode.py: today's pick {today['us']:.1f} us"})
+    return out
 
 
 def main(argv=None) -> int:
@@ -206,8 +227,12 @@ def main(argv=None) -> int:
         with open(out, "w") as f:
             json.dump(result, f, indent=1)
     result["complete"] = True
+    result["candidate_entries"] = candidate_entries(result["cells"], result["card"])
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
+    log("candidate table entries (each only after a whole-step A/B):")
+    for entry in result["candidate_entries"]:
+        log("  " + json.dumps(entry))
     log(f"wrote {out}")
     return 0
 

@@ -258,3 +258,21 @@ def test_cuda_kernel_after_a_pdl_producer_in_a_graph(monkeypatch, pdl):
         err = ((y_out.float() - ref).abs().max() / ref.abs().max()).item()
         assert err < 8e-3, (seed, err)
     assert not w.partial_sums.any() and not w.tile_counters.any()
+
+
+def test_decode_bench_proposes_cuda_entries_only_past_the_margin(monkeypatch):
+    """bench_w4a16_decode.candidate_entries: a CUDA variant faster than today's pick by more than max(0.5 us, 4 %)
+    becomes a card-specific entry in the table's own form (which the table reader accepts); a smaller gain, a
+    variant that was not timed, or a cell without a timed pick gives none."""
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    from bench_w4a16_decode import candidate_entries
+
+    def cell(n, today, cuda):
+        return {"N": n, "K": 4096, "M": 1, "variants": [
+            {"name": "today: gluon", "us": today}, {"name": "cuda 2/2/4", "us": cuda, "cuda_config": {}},
+            {"name": "cuda 1/4/4", "cuda_config": {"R": 1, "U": 4}}]}  # not timed (an error): never picked
+
+    cells = [cell(28672, 30.0, 26.0), cell(4096, 10.0, 9.7), {"N": 8, "K": 8, "M": 1, "variants": []}]
+    entries = candidate_entries(cells, "NVIDIA H100 80GB HBM3")
+    assert [(e["n"], e["config"], e["card"]) for e in entries] == [(28672, {}, "NVIDIA H100 80GB HBM3")]
+    assert config_from_dict("cuda", entries[0]["config"]) == CudaConfig()
