@@ -371,6 +371,11 @@ def fp8_dot() -> str:
     return ab_switch("QUANTKIT_MOE_FP8_DOT", ("codes", "convert"))
 
 
+def _dot_on_codes(experts: MoEExperts) -> bool:
+    """Whether the tiled kernel's dots take ``experts``' e4m3 codes as they are (FP8 experts, :func:`fp8_dot`)."""
+    return experts.fp8 and fp8_dot() == "codes"
+
+
 def tile_config(experts: MoEExperts, pairs: int, aligned: bool = False) -> TileConfig:
     """TILE_CONFIGS' pick for ``pairs`` (token, slot) pairs of ``experts``; ``QUANTKIT_MOE_TILES=plain`` gives
     TileConfig() to every call (an A/B switch for the benches); FP8 experts multiplied as codes (:func:`fp8_dot`)
@@ -378,7 +383,7 @@ def tile_config(experts: MoEExperts, pairs: int, aligned: bool = False) -> TileC
     (``moe_align.BLOCK_M``), so those tiles."""
     if aligned or ab_switch("QUANTKIT_MOE_TILES", ("table", "plain")) == "plain":
         return TileConfig()
-    kind = "fp8-codes" if experts.fp8 and fp8_dot() == "codes" else experts.kind
+    kind = "fp8-codes" if _dot_on_codes(experts) else experts.kind
     return next((c for k, least, c in TILE_CONFIGS if k == kind and pairs >= least), TileConfig())
 
 
@@ -413,7 +418,7 @@ def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tenso
     if experts.fp8 and any(g and g % block_k for g in (experts.group13, experts.group2)):
         raise ValueError(f"block_k {block_k} must divide the FP8 scale blocks ({experts.group13}, {experts.group2})")
     x = x.contiguous()
-    codes = experts.fp8 and fp8_dot() == "codes"
+    codes = _dot_on_codes(experts)
     sorted_ids, block_expert = aligned if aligned is not None else moe_align(topk_ids, experts.num_experts, block_m)
     pairs = t * k
     topw = topk_weights.reshape(-1).to(torch.float32).contiguous()

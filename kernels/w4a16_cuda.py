@@ -158,15 +158,17 @@ def available(x: torch.Tensor, w: W4A16Weights, cfg: CudaConfig) -> tuple[bool, 
     ok, reason = supports(x, w)
     if not ok:
         return ok, reason
-    if _library_for(x, w, cfg) is None:
-        return False, "the CUDA kernel is not built here (no nvcc, or the build failed: see the log)"
+    if _library_for(x, w, cfg, cuda_pdl(x.device)) is None:
+        return False, _NOT_BUILT
     return True, ""
 
 
-def _library_for(x: torch.Tensor, w: W4A16Weights, cfg: CudaConfig):
+_NOT_BUILT = "the CUDA kernel is not built here (no nvcc, or the build failed: see the log)"
+
+
+def _library_for(x: torch.Tensor, w: W4A16Weights, cfg: CudaConfig, pdl: bool):
     mt = 1 if x.shape[0] <= 8 else 2
-    return library(cfg, mt, x.dtype == torch.bfloat16, w.zeros is not None, capability(x.device),
-                   cuda_pdl(x.device))
+    return library(cfg, mt, x.dtype == torch.bfloat16, w.zeros is not None, capability(x.device), pdl)
 
 
 def splits_for(cfg: CudaConfig, n: int, k_tiles: int, resident_ctas: int) -> int:
@@ -181,10 +183,11 @@ def splits_for(cfg: CudaConfig, n: int, k_tiles: int, resident_ctas: int) -> int
 def w4a16_cuda_matmul(x: torch.Tensor, w: W4A16Weights, cfg: CudaConfig) -> torch.Tensor:
     """``x [M, K] @ W^T`` through the CUDA kernel ``cfg``; raises (never falls back) where it cannot run: callers
     that want the fallback check :func:`available` once first."""
-    ok, reason = available(x, w, cfg)
-    if not ok:
-        raise ValueError(f"the CUDA W4A16 kernel cannot run this call: {reason}")
-    lib = _library_for(x, w, cfg)
+    ok, reason = supports(x, w)
+    pdl = cuda_pdl(x.device)  # read once: the library built for it and the launch must agree
+    lib = _library_for(x, w, cfg, pdl) if ok else None
+    if lib is None:
+        raise ValueError(f"the CUDA W4A16 kernel cannot run this call: {reason or _NOT_BUILT}")
     if w.perm is not None:
         x = x[:, w.perm]
     x = x if x.stride(1) == 1 else x.contiguous()
@@ -207,7 +210,7 @@ def w4a16_cuda_matmul(x: torch.Tensor, w: W4A16Weights, cfg: CudaConfig) -> torc
     err = lib.qk_w4a16_decode_launch(
         w.qweight.data_ptr(), x.data_ptr(), w.scales.data_ptr(), zeros.data_ptr(), out.data_ptr(), ws.data_ptr(),
         counters.data_ptr(), m, n, k_tiles, splits, w.qweight.stride(0), x.stride(0), w.scales.stride(0),
-        zeros.stride(0), group_tiles, int(cuda_pdl(x.device)),
+        zeros.stride(0), group_tiles, int(pdl),
         ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream))
     if err:
         raise RuntimeError(f"the CUDA W4A16 kernel failed to launch (cudaError {err})")

@@ -130,10 +130,9 @@ def prepare_fp8_linear(weight: torch.Tensor, weight_scale: torch.Tensor, strateg
         if layout is not None and (tuple(block) != (128, 128) or n % 128 or k % 128):
             layout, why = None, f"block {tuple(block)} on [{n}, {k}]: the block GEMM takes whole 128x128 blocks"
         if layout is not None:
-            prepared = FP8LinearWeights(weight, weight_scale.float().to(device), "scaled_mm_block", input_scale, bias,
-                                        why, act_group=128,
-                                        block_scale=layout.weight_scales(weight_scale.float().to(device)),
-                                        block_row_multiple=layout.row_multiple)
+            scale = weight_scale.float().to(device)
+            prepared = FP8LinearWeights(weight, scale, "scaled_mm_block", input_scale, bias, why, act_group=128,
+                                        block_scale=layout.weight_scales(scale), block_row_multiple=layout.row_multiple)
         else:
             prepared = FP8LinearWeights(weight, rec.expanded_scale(device).contiguous(), "reference", input_scale,
                                         bias, f"block-wise weights: the float32 emulation ({why})",

@@ -53,8 +53,9 @@ class MoELayer:
         inside the router's launch (``moe_router.norm_router_route_and_align``: one launch fewer a layer)."""
         from quantkit.kernels.moe_router import norm_router_selected
 
-        if self.use_kernel and self.act_quant is None and self._routing(delta.shape[0]) == "router" \
-                and norm_router_selected():
+        # the switch first: off (the default), the block's own call decides its routing once, below
+        if norm_router_selected() and self.use_kernel and self.act_quant is None \
+                and self._routing(delta.shape[0]) == "router":
             from quantkit.kernels.moe_align import BLOCK_M
             from quantkit.kernels.moe_router import norm_router_route_and_align
             from quantkit.kernels.moe_w4a16 import decode_kernel, fused_moe
