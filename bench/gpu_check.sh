@@ -300,6 +300,35 @@ pending-moe)  # the 30B-A3B step with the MoE block's norm inside the router and
     card | tee "$OUT/card.txt"
     moe_steps default: normrouter:QUANTKIT_MOE_NORM_ROUTER=fused,QUANTKIT_PREFILL_FP8_ATTENTION=off
     ;;
+w4a16-ab)  # issue 41 on the card at hand in one call (BUDGET_S ~480): the 8B step's layers at M 1 and 8, the CUDA
+    # variants beside today's pick; where CUDA beat the pick (bench_w4a16_decode's candidate_entries), the 8B int4
+    # step with the shipped table, then with the candidates added for this card (the checkout's table, edited on
+    # the device only and restored after), then the same in the CUDA kernel's PDL build
+    card | tee "$OUT/card.txt"
+    step 200 python3 bench/bench_w4a16_decode.py --deadline 170 --out "$OUT/w4a16_decode.json" --ms 1,8 \
+        --shapes 28672x4096,4096x14336,6144x4096,4096x4096 2>&1 | tail -40
+    cp kernels/w4a16_h200.json /tmp/w4a16_table_shipped.json
+    added=$(python3 bench/lib/add_table_entries.py "$OUT/w4a16_decode.json" kernels/w4a16_h200.json)
+    echo "candidate entries added for this card: $added"
+    if [ "${added:-0}" -gt 0 ]; then
+        cp kernels/w4a16_h200.json "$OUT/w4a16_table_candidates.json"
+        cp /tmp/w4a16_table_shipped.json kernels/w4a16_h200.json
+        bench_variant bench_8b_int4_shipped 100 "" --shape llama3-8b --formats int4 --steps 32 --batches 1,8
+        cp "$OUT/w4a16_table_candidates.json" kernels/w4a16_h200.json
+        bench_variant bench_8b_int4_candidates 100 "" --shape llama3-8b --formats int4 --steps 32 --batches 1,8
+        bench_variant bench_8b_int4_candidates_pdl 100 QUANTKIT_W4A16_CUDA_PDL=1 --shape llama3-8b --formats int4 \
+            --steps 32 --batches 1,8
+        cp /tmp/w4a16_table_shipped.json kernels/w4a16_h200.json
+        rm -f "$OUT"/*.png
+    fi
+    ;;
+verdicts)  # the opt-in switches of session 37 that need no H100 (BUDGET_S ~560): the 30B-A3B step with the MoE
+    # block's norm inside the router and 16-bit prefill attention beside the defaults (int4 decode shows the norm's
+    # effect, FP8 prefill the attention's), then the 8B FP8 step with 16-bit prefill attention beside the defaults
+    card | tee "$OUT/card.txt"
+    moe_steps default: normrouter:QUANTKIT_MOE_NORM_ROUTER=fused,QUANTKIT_PREFILL_FP8_ATTENTION=off
+    fp8_steps default:fp8,bf16: attn16:fp8:QUANTKIT_PREFILL_FP8_ATTENTION=off
+    ;;
 moe-quantize)  # issue 39's 10-minute targets: GPTQ (third argument gptq, the default) or AWQ (awq) with the
     # defaults on 128 x 2048 tokens, on the first LAYERS (fourth argument, default 16) of the Qwen3-30B-A3B shape:
     # a call's 600 s do not hold the whole model's target, so the whole is the per-layer time x 48 (the layers are
@@ -309,5 +338,5 @@ moe-quantize)  # issue 39's 10-minute targets: GPTQ (third argument gptq, the de
     step 560 python3 bench/bench_moe.py --skip "$other" serve kernel --layers "${4:-16}" \
         --out "$OUT/bench_moe_$m.json" 2>&1 | tail -30
     ;;
-*) echo "usage: gpu_check.sh benches|suite|one|tests|gguf|coldstart-ab|moe|w4a16|moe-decode|moe-math|moe-step|moe-prefill|moe-quantize|fp8-mma|fp8-step|pending|pending-moe|ab BUDGET_S"; exit 2 ;;
+*) echo "usage: gpu_check.sh benches|suite|one|tests|gguf|coldstart-ab|moe|w4a16|moe-decode|moe-math|moe-step|moe-prefill|moe-quantize|fp8-mma|fp8-step|pending|pending-moe|w4a16-ab|verdicts|ab BUDGET_S"; exit 2 ;;
 esac

@@ -9,6 +9,7 @@ GPU (marker ``gpu``, skipped without nvcc too): the kernel against ``w4a16_matmu
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import subprocess
@@ -276,3 +277,29 @@ def test_decode_bench_proposes_cuda_entries_only_past_the_margin(monkeypatch):
     entries = candidate_entries(cells, "NVIDIA H100 80GB HBM3")
     assert [(e["n"], e["config"], e["card"]) for e in entries] == [(28672, {}, "NVIDIA H100 80GB HBM3")]
     assert config_from_dict("cuda", entries[0]["config"]) == CudaConfig()
+
+
+def test_candidate_entries_go_into_a_table_copy_replacing_the_same_cell(tmp_path, monkeypatch):
+    """bench/lib/add_table_entries.py (gpu_check.sh's w4a16-ab mode): the candidates join the table's entries, one
+    for a cell and card the table already has replaces it, other cards' entries and the rest stay; the result is a
+    table the selection code reads."""
+    monkeypatch.syspath_prepend(str(REPO / "bench" / "lib"))
+    from add_table_entries import main
+
+    table = json.loads((REPO / "kernels" / "w4a16_h200.json").read_text())
+    n_before = len(table["entries"])
+    h100 = "NVIDIA H100 80GB HBM3"
+    old = next(e for e in table["entries"] if e.get("card") == h100 and e["m"] == 1)
+    new = dict(old, config={"R": 1, "U": 4}, us=20.0)
+    h200 = {"n": 5120, "k": 2048, "m": 1, "kernel": "cuda", "config": {}, "us": 6.0, "card": "NVIDIA H200",
+            "source": "test"}
+    (tmp_path / "decode.json").write_text(json.dumps({"candidate_entries": [new, h200]}))
+    (tmp_path / "table.json").write_text(json.dumps(table))
+    assert main([str(tmp_path / "decode.json"), str(tmp_path / "table.json")]) == 0
+    entries = json.loads((tmp_path / "table.json").read_text())["entries"]
+    assert len(entries) == n_before + 1
+    same_cell = [e for e in entries if (e["n"], e["k"], e["m"], e.get("card")) == (old["n"], old["k"], 1, h100)]
+    assert [e["config"] for e in same_cell] == [{"R": 1, "U": 4}]
+    assert h200 in entries
+    for e in entries:
+        config_from_dict(e["kernel"], e["config"])
