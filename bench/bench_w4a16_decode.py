@@ -69,16 +69,18 @@ def max_err(out, ref) -> float:
 
 
 def prebuild(ms, log) -> dict:
-    """Build every CUDA variant the run needs (bf16, sym and asym), in parallel: {(config, mt, asym): built}."""
+    """Build every CUDA variant the run needs (bf16, sym and asym; the build the launches use, PDL or not), in
+    parallel: {(config, mt, asym): built}."""
     import torch
 
     from quantkit.kernels import w4a16_cuda
 
     cap = torch.cuda.get_device_capability()
+    pdl = w4a16_cuda.cuda_pdl(torch.device("cuda"))
     jobs = {(c, 1 if m <= 8 else 2, zeros) for m in ms for c in cuda_configs(m) for zeros in (False, True)}
     t0 = time.time()
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 4)) as pool:
-        futs = {pool.submit(w4a16_cuda.library, c, mt, True, zeros, cap): (c, mt, zeros) for c, mt, zeros in jobs}
+        futs = {pool.submit(w4a16_cuda.library, c, mt, True, zeros, cap, pdl): (c, mt, zeros) for c, mt, zeros in jobs}
         built = {futs[f]: f.result() is not None for f in concurrent.futures.as_completed(futs)}
     log(f"CUDA builds: {sum(built.values())} of {len(built)} in {time.time() - t0:.1f} s "
         f"(nvcc {w4a16_cuda.nvcc_path()}, cache {w4a16_cuda.cache_dir()})")

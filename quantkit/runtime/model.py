@@ -158,11 +158,12 @@ class RuntimeModel:
         for layer in weights.layers:  # MoE experts: the fused Triton kernel, or its PyTorch reference
             if layer.moe is not None:
                 layer.moe.use_kernel = backend == "kernels"
-        # An FP8 model's prefill attention goes through the FP8 attention where fp8="auto" measures a gain
-        # (kernels/attention_select.select_fp8); the KV cache and decode attention stay 16-bit.
-        # QUANTKIT_PREFILL_FP8_ATTENTION=off keeps it 16-bit: the A/B switch for the benches, since the prefill
-        # splits time the FP8 call at ~2x the 16-bit one inside the 8B and 30B-A3B prefills (docs/fp8.md)
-        fp8_attention = ab_switch("QUANTKIT_PREFILL_FP8_ATTENTION", ("auto", "off")) == "auto"
+        # An FP8 model's prefill attention stays 16-bit by default: inside the 8B and 30B-A3B prefills the FP8
+        # call that fp8="auto" picks (kernels/attention_select.select_fp8) took ~2x the 16-bit one, and the whole
+        # 30B-A3B FP8 prefill ran 9-15 % faster without it (one H100, 2026-12-06, docs/fp8.md).
+        # QUANTKIT_PREFILL_FP8_ATTENTION=auto puts it back (the A/B switch for the benches); the KV cache and
+        # decode attention are 16-bit either way.
+        fp8_attention = ab_switch("QUANTKIT_PREFILL_FP8_ATTENTION", ("off", "auto")) == "auto"
         self.prefill_fp8 = "auto" if fp8_attention and any(lin.fp8 is not None for lin in weights.linears()) else False
         # Qwen3's / Gemma 3's per-head q/k norm inside the decode attention instead of a launch of its own
         # (QUANTKIT_DECODE_QK_NORM=attention; opt-in until a whole decode step measures it faster). Not with

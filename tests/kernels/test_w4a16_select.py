@@ -137,7 +137,8 @@ def test_card_specific_entries_serve_their_card_only():
     H200, and a plan without a card, keep the Gluon pick the same entry falls back to."""
     h100 = "NVIDIA H100 80GB HBM3"
     measured = [e for e in load_table() if e.get("card") == h100]
-    assert {(e["n"], e["k"], e["m"]) for e in measured} >= {(28672, 4096, 1), (28672, 4096, 8)}
+    assert {(e["n"], e["k"], e["m"]) for e in measured} >= {(28672, 4096, 1), (28672, 4096, 8), (5120, 2048, 1),
+                                                          (5120, 2048, 8)}
     for e in measured:
         facts = facts_of(e["n"], e["k"], 4, 128, True, False)
         on_h100 = select_w4a16(e["m"], facts, "sm90", h100)
