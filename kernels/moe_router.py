@@ -47,10 +47,10 @@ def router_fused_selected(tokens: int, top_k: int, num_experts: int, device: tor
 
 def norm_router_selected() -> bool:
     """Whether the runtime's MoE block runs its pre-norm inside the fused router's launch
-    (:func:`norm_router_route_and_align`) where the fused router serves: ``QUANTKIT_MOE_NORM_ROUTER=fused``. Off
-    by default until a whole-step A/B on a GPU says the launch it saves pays for the 32 programs each forming the
-    normed rows (interpreter-tested and compiled for sm_90 only, 2026-12-06)."""
-    return ab_switch("QUANTKIT_MOE_NORM_ROUTER", ("apart", "fused")) == "fused"
+    (:func:`norm_router_route_and_align`) where the fused router serves: the default; ``QUANTKIT_MOE_NORM_ROUTER=apart``
+    keeps the norm a launch of its own (the A/B switch). Measured on the Qwen3-30B-A3B shape's int4 step at batch 1
+    (one H100, 2026-12-06, docs/moe.md): 2.413 ms against 2.457 apart, and 2.483 against 2.495 in an earlier run."""
+    return ab_switch("QUANTKIT_MOE_NORM_ROUTER", ("fused", "apart")) == "fused"
 
 
 @triton.jit

@@ -49,11 +49,11 @@ class MoELayer:
     def normed(self, delta: torch.Tensor, residual: torch.Tensor | None, norm: torch.Tensor, eps: float,
                offset: float, add_rms_norm, act_mul) -> tuple[torch.Tensor, torch.Tensor]:
         """``(block(rms_norm(delta + residual)), delta + residual)``: the pre-norm (``add_rms_norm``, the backend's)
-        then the block, or, where the fused router serves and ``QUANTKIT_MOE_NORM_ROUTER=fused`` asks, the norm
+        then the block, or, where the fused router serves (unless ``QUANTKIT_MOE_NORM_ROUTER=apart``), the norm
         inside the router's launch (``moe_router.norm_router_route_and_align``: one launch fewer a layer)."""
         from quantkit.kernels.moe_router import norm_router_selected
 
-        # the switch first: off (the default), the block's own call decides its routing once, below
+        # the switch first: where it says apart, the block's own call decides its routing once, below
         if norm_router_selected() and self.use_kernel and self.act_quant is None \
                 and self._routing(delta.shape[0]) == "router":
             from quantkit.kernels.moe_align import BLOCK_M
