@@ -40,8 +40,8 @@
 # (`moe-step BUDGET NAME:VAR=VALUE,...`), its prefill tiles and the step with them (`moe-prefill 430`),
 # and its GPTQ / AWQ times (`moe-quantize 590 gptq|awq [LAYERS]`); issue 42's tensor-core FP8 GEMM, its configs and
 # the 8B step with it (`fp8-mma 480`), and that step under other switches (`fp8-step BUDGET NAME:FORMATS:VARS ...`);
-# the opt-in switches still waiting for a GPU verdict, tests and step A/Bs (`pending 480`, then `pending-moe 280`,
-# on an H100).
+# issue 41's CUDA decode kernel on the card at hand: the 8B step's layers, then the int4 step with the card's CUDA
+# candidates beside the shipped table (`w4a16-ab 540`).
 # Everything lands in $OUT (JSON of each bench, the suite's log).
 # pytest runs with OMP_NUM_THREADS=1: 8-12 xdist workers on 16 cores, each with torch's one thread a core, took
 # turns on the cores (the MoE GPU tests, mostly CPU set-up, ran 44-109 s a case on an H100, 2026-12-05).
@@ -286,24 +286,10 @@ moe-prefill)  # issue 39 at prefill (BUDGET_S ~430): the fused kernel's tiles at
         2>&1 | tail -12
     moe_steps default: plain:QUANTKIT_MOE_TILES=plain
     ;;
-pending)  # the opt-in switches of 2026-12-06 (session 37), BUDGET_S ~480, then at once `pending-moe 280`: their GPU
-    # tests, then the 8B step with each beside the defaults on one machine: the CUDA W4A16 decode kernel's PDL build
-    # (int4 decode; its gate/up entries are the H100's: run this on an H100) and 16-bit prefill attention in the
-    # FP8 model (FP8 prefill)
-    card | tee "$OUT/card.txt"
-    step 150 env OMP_NUM_THREADS=1 python3 -m pytest -m gpu tests/kernels/test_w4a16_cuda.py tests/kernels/test_moe_router.py \
-        -n 4 -q -rfE -p no:cacheprovider 2>&1 | tee "$OUT/gpu_pytest_pending.txt" | tail -8
-    fp8_steps default:int4,fp8: cudapdl:int4:QUANTKIT_W4A16_CUDA_PDL=1 attn16:fp8:QUANTKIT_PREFILL_FP8_ATTENTION=off
-    ;;
-pending-moe)  # the 30B-A3B step with the MoE block's norm inside the router and 16-bit prefill attention beside the
-    # defaults (int4 decode shows the norm's effect, FP8 prefill the attention's), BUDGET_S ~280
-    card | tee "$OUT/card.txt"
-    moe_steps default: normrouter:QUANTKIT_MOE_NORM_ROUTER=fused,QUANTKIT_PREFILL_FP8_ATTENTION=off
-    ;;
 w4a16-ab)  # issue 41 on the card at hand in one call (BUDGET_S ~480): the 8B step's layers at M 1 and 8, the CUDA
     # variants beside today's pick; where CUDA beat the pick (bench_w4a16_decode's candidate_entries), the 8B int4
     # step with the shipped table, then with the candidates added for this card (the checkout's table, edited on
-    # the device only and restored after), then the same in the CUDA kernel's PDL build
+    # the device only and restored after), then the same with the CUDA kernel's plain launch (PDL off)
     card | tee "$OUT/card.txt"
     step 200 python3 bench/bench_w4a16_decode.py --deadline 170 --out "$OUT/w4a16_decode.json" --ms 1,8 \
         --shapes 28672x4096,4096x14336,6144x4096,4096x4096 2>&1 | tail -40
@@ -316,18 +302,11 @@ w4a16-ab)  # issue 41 on the card at hand in one call (BUDGET_S ~480): the 8B st
         bench_variant bench_8b_int4_shipped 100 "" --shape llama3-8b --formats int4 --steps 32 --batches 1,8
         cp "$OUT/w4a16_table_candidates.json" kernels/w4a16_h200.json
         bench_variant bench_8b_int4_candidates 100 "" --shape llama3-8b --formats int4 --steps 32 --batches 1,8
-        bench_variant bench_8b_int4_candidates_pdl 100 QUANTKIT_W4A16_CUDA_PDL=1 --shape llama3-8b --formats int4 \
+        bench_variant bench_8b_int4_candidates_plain 100 QUANTKIT_W4A16_CUDA_PDL=0 --shape llama3-8b --formats int4 \
             --steps 32 --batches 1,8
         cp /tmp/w4a16_table_shipped.json kernels/w4a16_h200.json
         rm -f "$OUT"/*.png
     fi
-    ;;
-verdicts)  # the opt-in switches of session 37 that need no H100 (BUDGET_S ~560): the 30B-A3B step with the MoE
-    # block's norm inside the router and 16-bit prefill attention beside the defaults (int4 decode shows the norm's
-    # effect, FP8 prefill the attention's), then the 8B FP8 step with 16-bit prefill attention beside the defaults
-    card | tee "$OUT/card.txt"
-    moe_steps default: normrouter:QUANTKIT_MOE_NORM_ROUTER=fused,QUANTKIT_PREFILL_FP8_ATTENTION=off
-    fp8_steps default:fp8,bf16: attn16:fp8:QUANTKIT_PREFILL_FP8_ATTENTION=off
     ;;
 moe-quantize)  # issue 39's 10-minute targets: GPTQ (third argument gptq, the default) or AWQ (awq) with the
     # defaults on 128 x 2048 tokens, on the first LAYERS (fourth argument, default 16) of the Qwen3-30B-A3B shape:
@@ -338,5 +317,5 @@ moe-quantize)  # issue 39's 10-minute targets: GPTQ (third argument gptq, the de
     step 560 python3 bench/bench_moe.py --skip "$other" serve kernel --layers "${4:-16}" \
         --out "$OUT/bench_moe_$m.json" 2>&1 | tail -30
     ;;
-*) echo "usage: gpu_check.sh benches|suite|one|tests|gguf|coldstart-ab|moe|w4a16|moe-decode|moe-math|moe-step|moe-prefill|moe-quantize|fp8-mma|fp8-step|pending|pending-moe|w4a16-ab|verdicts|ab BUDGET_S"; exit 2 ;;
+*) echo "usage: gpu_check.sh benches|suite|one|tests|gguf|coldstart-ab|moe|w4a16|moe-decode|moe-math|moe-step|moe-prefill|moe-quantize|fp8-mma|fp8-step|w4a16-ab|ab BUDGET_S"; exit 2 ;;
 esac
