@@ -20,6 +20,13 @@ def add_entries(table: dict, candidates: list[dict]) -> int:
     return len(candidates)
 
 
+def table_text(table: dict) -> str:
+    """The table in the shipped file's layout: one key a line, one entry a line (diffs stay one line an entry)."""
+    head = [f" {json.dumps(k)}: {json.dumps(v)}" for k, v in table.items() if k != "entries"]
+    rows = ",\n".join(f"  {json.dumps(e)}" for e in table["entries"])
+    return "{\n" + ",\n".join(head) + ',\n "entries": [\n' + rows + "\n ]\n}\n"
+
+
 def main(argv: list[str]) -> int:
     decode_json, table_json = argv
     with open(decode_json) as f:
@@ -28,8 +35,7 @@ def main(argv: list[str]) -> int:
         table = json.load(f)
     added = add_entries(table, candidates)
     with open(table_json, "w") as f:
-        json.dump(table, f, indent=1)
-        f.write("\n")
+        f.write(table_text(table))
     print(added)
     return 0
 
