@@ -133,19 +133,22 @@ def test_the_shipped_table_is_readable_and_valid():
 
 
 def test_card_specific_entries_serve_their_card_only():
-    """The CUDA decode entries measured on an H100 (kernels/w4a16_h200.json, "card") serve that card's plans; the
-    H200, and a plan without a card, keep the Gluon pick the same entry falls back to."""
+    """The entries measured on an H100 (kernels/w4a16_h200.json, "card": the CUDA decode kernel at 1 and 8 rows,
+    dequantize-then-cuBLAS at 4096) serve that card's plans; the H200, and a plan without a card, keep the Gluon
+    pick (for a CUDA entry, the same one it falls back to)."""
     h100 = "NVIDIA H100 80GB HBM3"
     measured = [e for e in load_table() if e.get("card") == h100]
-    assert {(e["n"], e["k"], e["m"]) for e in measured} >= {(28672, 4096, 1), (28672, 4096, 8), (5120, 2048, 1),
-                                                          (5120, 2048, 8)}
+    assert {(e["n"], e["k"], e["m"], e["kernel"]) for e in measured} >= {
+        (28672, 4096, 1, "cuda"), (28672, 4096, 8, "cuda"), (5120, 2048, 1, "cuda"), (5120, 2048, 8, "cuda"),
+        (4096, 4096, 4096, "dequant"), (28672, 8192, 4096, "dequant"), (8192, 28672, 4096, "dequant")}
     for e in measured:
         facts = facts_of(e["n"], e["k"], 4, 128, True, False)
         on_h100 = select_w4a16(e["m"], facts, "sm90", h100)
-        assert on_h100.kernel == "cuda" and on_h100.config == e["config"], on_h100
+        assert on_h100.kernel == e["kernel"] and on_h100.config == e["config"], on_h100
         for card in (None, "NVIDIA H200"):
             elsewhere = select_w4a16(e["m"], facts, "sm90", card)
-            assert elsewhere.kernel != "cuda" and elsewhere == on_h100.fallback, (card, elsewhere)
+            assert elsewhere.kernel == "gluon", (card, elsewhere)
+            assert e["kernel"] != "cuda" or elsewhere == on_h100.fallback, (card, elsewhere)
         assert plan_w4a16(facts, "sm90", h100).choice(e["m"]) == on_h100
-        # asymmetric (zero points) layers: the CUDA kernel takes them too (bench_w4a16_decode checks both)
-        assert select_w4a16(e["m"], facts_of(e["n"], e["k"], 4, 128, False, False), "sm90", h100).kernel == "cuda"
+        # asymmetric (zero points) layers: both kernels take them too (the benches check both)
+        assert select_w4a16(e["m"], facts_of(e["n"], e["k"], 4, 128, False, False), "sm90", h100).kernel == e["kernel"]
