@@ -4,7 +4,8 @@ The layer's plan binds its launchers at load (``dispatch.bound_launchers``): for
 H200 table this runs the bound launcher with the GPU-only steps replaced by recorders (the Gluon kernels, the
 column gather, the TMA descriptors, the SM count), so the test sees which kernel function object would run and
 with which grid and parameters. It pins that the Gluon kernels the launchers start are the ones their modules
-define (``w4a16_gluon_ring``, ``w4a16_gluon_direct``) and that each row reaches the kernel its table entry names.
+define (``w4a16_gluon_ring``, ``w4a16_gluon_direct``) and that each row reaches the kernel its table entry names
+(dequantize-then-cuBLAS entries: ``w4a16_dequant.w4a16_dequant_matmul``, recorded too).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from quantkit.kernels import dispatch, w4a16, w4a16_gluon
+from quantkit.kernels import dispatch, w4a16, w4a16_dequant, w4a16_gluon
 from quantkit.kernels.w4a16_select import M_BUCKETS, LayerFacts, load_table, m_bucket
 
 # the layer variants each row is bound for: the table's own (symmetric, no act order) and asymmetric act-order
@@ -71,6 +72,8 @@ def launch_records(monkeypatch) -> list[dict]:
     for name in ("_gemv_matmul", "_pairs_matmul", "_tc_matmul"):
         monkeypatch.setattr(w4a16, name, lambda x, w, config, name=name: calls.append({"triton": name,
                                                                                         "config": repr(config)}))
+    monkeypatch.setattr(w4a16_dequant, "w4a16_dequant_matmul",
+                        lambda x, w, config: calls.append({"dequant": repr(config)}))
     records = []
     for row in load_table():
         for variant, (has_zeros, act_order) in VARIANTS.items():
@@ -105,6 +108,8 @@ def test_every_table_row_binds_the_kernel_its_entry_names(monkeypatch):
             assert r.get("kernel") in ("_w4a16_direct_kernel", "_w4a16_gluon_kernel"), r
         elif r["table"] == "gemv":
             assert r.get("triton") == "_gemv_matmul", r
+        elif r["table"] == "dequant":  # dequantize-then-cuBLAS, with the entry's config
+            assert r.get("dequant") == r["table_config"], r
         elif "DIRECT=True" in r["chosen"]:
             assert r.get("kernel") == "_w4a16_direct_kernel", r
             # act order (or GATHER_X): the gather, then the kernel on gathered columns
