@@ -99,10 +99,11 @@ def gpu_target() -> tuple[str, str | None, str]:
     try:
         import torch
 
+        from quantkit.kernels.device_info import gpu_arch, gpu_card
+
         if torch.cuda.is_available():
-            major, minor = torch.cuda.get_device_capability()
-            name = torch.cuda.get_device_name()
-            return f"sm{major}{minor}", name, f"on this machine's {name} (sm{major}{minor})"
+            arch, name = gpu_arch("cuda"), gpu_card("cuda")  # the names the runtime's plans are made with
+            return arch, name, f"on this machine's {name} ({arch})"
     except Exception:  # no usable CUDA: say so below
         pass
     return "sm90", "NVIDIA H200", "the H200 (sm90) selection it would use; no GPU on this machine"
