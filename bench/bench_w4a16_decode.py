@@ -93,7 +93,7 @@ def run_shape(n, k, ms, args, log) -> list[dict]:
     from gpu_timing import gpu_time_us
 
     from quantkit.kernels import w4a16
-    from quantkit.kernels.w4a16_configs import config_label, config_to_dict
+    from quantkit.kernels.w4a16_configs import CudaConfig, config_label, config_to_dict
     from quantkit.kernels.w4a16_cuda import w4a16_cuda_matmul
     from quantkit.kernels.w4a16_weights import w4a16_matmul_ref
 
@@ -130,11 +130,11 @@ def run_shape(n, k, ms, args, log) -> list[dict]:
         cell = dict(N=n, K=k, M=m, copy_tbs=copy_tbs, copy_limit_us=copy_limit_us, today=choice.label(), variants=[])
         for name, fn, cfg in variants:
             row = dict(name=name)
-            if cfg is not None and type(cfg).__name__ == "CudaConfig":
+            if isinstance(cfg, CudaConfig):
                 row["cuda_config"] = config_to_dict(cfg)  # the short form a table entry takes
             try:
                 row["max_err"] = max_err(fn(), ref)
-                if cfg is not None and type(cfg).__name__ == "CudaConfig":
+                if isinstance(cfg, CudaConfig):
                     row["max_err_asym"] = max_err(w4a16_cuda_matmul(x, w_asym, cfg), ref_asym)
                     if w.partial_sums is not None:
                         row["workspace_clean"] = bool((w.partial_sums == 0).all() and (w.tile_counters == 0).all())
