@@ -58,12 +58,11 @@ class MoELayer:
                 and self._routing(delta.shape[0]) == "router":
             from quantkit.kernels.moe_align import BLOCK_M
             from quantkit.kernels.moe_router import norm_router_route_and_align
-            from quantkit.kernels.moe_w4a16 import decode_kernel, fused_moe
+            from quantkit.kernels.moe_w4a16 import fused_moe
 
-            align = decode_kernel(self.experts, delta.shape[0] * self.top_k) != "gemv"
             x, summed, weights, ids, aligned = norm_router_route_and_align(
                 delta, residual, norm, eps, offset, self.router, self.top_k, self.renormalize, self.router_counter,
-                BLOCK_M, align)
+                BLOCK_M, self._router_lays_out(delta.shape[0]))
             return self._with_shared(x, fused_moe(x, weights, ids, self.experts, aligned=aligned), act_mul), summed
         x, summed = add_rms_norm(delta, residual, norm, eps, offset)
         return self(x, act_mul), summed
@@ -71,16 +70,15 @@ class MoELayer:
     def __call__(self, x: torch.Tensor, act_mul) -> torch.Tensor:
         from quantkit.kernels.moe_align import BLOCK_M, route_and_align
         from quantkit.kernels.moe_router import router_route_and_align
-        from quantkit.kernels.moe_w4a16 import decode_kernel, fused_moe, fused_moe_ref
+        from quantkit.kernels.moe_w4a16 import fused_moe, fused_moe_ref
 
         if self.use_kernel and self.act_quant is None:
             routing = self._routing(x.shape[0])
             if routing == "router":
-                # a decode batch of a few tokens: the router GEMM, routing and layout in one launch (no layout
-                # where the decode GEMV serves: it reads none)
-                align = decode_kernel(self.experts, x.shape[0] * self.top_k) != "gemv"
+                # a decode batch of a few tokens: the router GEMM, routing and layout in one launch
                 weights, ids, aligned = router_route_and_align(x, self.router, self.top_k, self.renormalize,
-                                                               self.router_counter, BLOCK_M, align)
+                                                               self.router_counter, BLOCK_M,
+                                                               self._router_lays_out(x.shape[0]))
                 y = fused_moe(x, weights, ids, self.experts, aligned=aligned)
             elif routing == "align":
                 # decode-sized: routing and the pairs' layout in one launch (kernels/moe_align.py says why)
@@ -94,6 +92,13 @@ class MoELayer:
             weights, ids = self.route(x)
             y = fused_moe_ref(x, weights, ids, self._reference_experts(), self.act_quant)
         return self._with_shared(x, y, act_mul)
+
+    def _router_lays_out(self, tokens: int) -> bool:
+        """Whether the fused router also writes the pairs' layout for ``tokens`` tokens: not where the decode GEMV
+        serves them (it reads none)."""
+        from quantkit.kernels.moe_w4a16 import decode_kernel
+
+        return decode_kernel(self.experts, tokens * self.top_k) != "gemv"
 
     def _with_shared(self, x: torch.Tensor, y: torch.Tensor, act_mul) -> torch.Tensor:
         """``y`` plus the shared expert's output on ``x`` (gated where the family gates it)."""
