@@ -324,23 +324,17 @@ extern "C" int qk_w4a16_decode_launch(const void* qw, const void* x, const void*
                                       int stride_wn, int stride_xm, int stride_sg, int stride_zg, int group_tiles,
                                       int pdl, void* stream) {
   const int tiles_per_split = (k_tiles + splits - 1) / splits;
-  if (!pdl) {  // the plain launch, as measured before the PDL build existed
-    dim3 grid((N + QK_ROWS - 1) / QK_ROWS, splits);
-    w4a16_decode<<<grid, QK_W * 32, 0, (cudaStream_t)stream>>>(
-        (const uint32_t*)qw, (const act_t*)x, (const __half*)scales, (const uint8_t*)zeros, (act_t*)y, (float*)ws,
-        (int*)counters, M, N, k_tiles, tiles_per_split, stride_wn, stride_xm, stride_sg, stride_zg, group_tiles);
-    return (int)cudaGetLastError();
-  }
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3((N + QK_ROWS - 1) / QK_ROWS, splits);
   config.blockDim = dim3(QK_W * 32);
   config.dynamicSmemBytes = 0;
   config.stream = (cudaStream_t)stream;
+  // with no attribute this is the plain launch (what <<<grid, block, 0, stream>>> does)
   cudaLaunchAttribute attribute[1];
   attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attribute[0].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = attribute;
-  config.numAttrs = 1;
+  config.numAttrs = pdl ? 1 : 0;
   return (int)cudaLaunchKernelEx(&config, w4a16_decode, (const uint32_t*)qw, (const act_t*)x, (const __half*)scales,
                                  (const uint8_t*)zeros, (act_t*)y, (float*)ws, (int*)counters, M, N, k_tiles,
                                  tiles_per_split, stride_wn, stride_xm, stride_sg, stride_zg, group_tiles);
