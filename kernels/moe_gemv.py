@@ -79,15 +79,21 @@ def gemv_config(experts, pairs: int) -> GemvConfig:
 
 
 @triton.jit
-def _gated_input(p1_ptr, p, cols, ok, IN_SPLITS, INTER, stride_ps, stride_pp, UNROLL: tl.constexpr = None):
+def _gated_input(p1_ptr, p, cols, ok, IN_SPLITS, INTER, stride_ps, stride_pp, UNROLL: tl.constexpr = None,
+                 FRESH: tl.constexpr = False):
     """``silu(gate) * up`` in float32 at columns ``cols`` of pair ``p``, from p1's IN_SPLITS partial sums (gate in
-    the first INTER columns of a row, up in the next). ``UNROLL``: the loop's unroll factor (None: not unrolled)."""
+    the first INTER columns of a row, up in the next). ``UNROLL``: the loop's unroll factor (None: not unrolled).
+    ``FRESH``: other programs of this launch wrote p1, so it is read past L1 (.cg)."""
     g = tl.zeros(cols.shape, dtype=tl.float32)
     u = tl.zeros(cols.shape, dtype=tl.float32)
     for s in tl.range(0, IN_SPLITS, loop_unroll_factor=UNROLL):
         row = p1_ptr + s * stride_ps + p * stride_pp
-        g += tl.load(row + cols, mask=ok, other=0.0)
-        u += tl.load(row + INTER + cols, mask=ok, other=0.0)
+        if FRESH:
+            g += tl.load(row + cols, mask=ok, other=0.0, cache_modifier=".cg")
+            u += tl.load(row + INTER + cols, mask=ok, other=0.0, cache_modifier=".cg")
+        else:
+            g += tl.load(row + cols, mask=ok, other=0.0)
+            u += tl.load(row + INTER + cols, mask=ok, other=0.0)
     return g / (1.0 + tl.exp(-g)) * u
 
 
@@ -159,7 +165,8 @@ def _moe_gemv_kernel(a_ptr, p1_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, topw_ptr, out_
                      QUANT: tl.constexpr, GROUP: tl.constexpr, GATED_INPUT: tl.constexpr, MUL_ROUTED: tl.constexpr,
                      FP8: tl.constexpr, K_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      NUM_STAGES: tl.constexpr = None, UNROLL: tl.constexpr = None, PDL: tl.constexpr = False,
-                     ROWS: tl.constexpr = 0, EVEN_K: tl.constexpr = False, ASM: tl.constexpr = False):
+                     ROWS: tl.constexpr = 0, EVEN_K: tl.constexpr = False, ASM: tl.constexpr = False,
+                     cnt_ptr=None, fin_ptr=None, ROW_PAIRS=1, FINISH: tl.constexpr = 0):
     """One pair ``p``, BLOCK_N columns, slice ``s`` of K (K_SPLIT columns). ``GATED_INPUT``: the input row is
     ``silu(gate) * up`` of ``p1``'s IN_SPLITS partial sums (the down GEMV), else ``a[p // TOP_K]`` (gate/up; the
     down GEMV of FP8 experts passes TOP_K 1: its rows are the pairs'). ``FP8``: ``a`` holds e4m3 codes with float32
@@ -175,7 +182,8 @@ def _moe_gemv_kernel(a_ptr, p1_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, topw_ptr, out_
     a tile in the sm_90 build); the codes become floats through their bits (no int-to-float conversion, which
     issues at a quarter of the FMA rate). 0: the tile sums; else MATHS' index (:func:`_int4_rows_tile`). The down
     GEMV's gated input is then formed beforehand (``GATED_INPUT`` off). ``ASM``: inline PTX where it saves an
-    instruction (not under the interpreter)."""
+    instruction (not under the interpreter). ``FINISH`` (FINISHES' index): what the last program to store its
+    part of a group does with the group's parts, so that no launch of its own is needed (:func:`_finish`)."""
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
@@ -234,6 +242,54 @@ def _moe_gemv_kernel(a_ptr, p1_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, topw_ptr, out_
     if MUL_ROUTED:
         acc = acc * tl.load(topw_ptr + p)
     tl.store(out_ptr + sp * stride_os + p * stride_op + offs_n, acc, mask=n_mask)
+    if FINISH:
+        _finish(out_ptr, cnt_ptr, fin_ptr, p, pid_n, N, INTER, ROW_PAIRS, stride_os, stride_op, BLOCK_N, UNROLL,
+                FINISH)
+
+
+@triton.jit
+def _finish(out_ptr, cnt_ptr, fin_ptr, p, pid_n, N, INTER, ROW_PAIRS, stride_os, stride_op, BLOCK_N: tl.constexpr,
+            UNROLL: tl.constexpr, FINISH: tl.constexpr):
+    """The step after a GEMV, done by the program that stores the last part it needs (an arrival counter a group,
+    ``cnt_ptr``, as the fused router's: every program's parts stored before its one count, released with it; the
+    last count acquires them all and puts the counter back to zero for the next call or graph replay):
+
+    * FINISH 1, after gate/up: the group is pair ``p``'s gate columns of one BLOCK_N tile and the up columns
+      INTER further on, over all slices of K (INTER a multiple of BLOCK_N); the last forms ``h = silu(gate) * up``
+      there, rounded to ``fin_ptr``'s dtype: what ``_gated_rows_kernel`` writes.
+    * FINISH 2, after down: the group is one token's pairs (ROW_PAIRS of them, consecutive) and slices at one
+      column tile; the last adds them pair by pair, slice by slice (``_sum_parts_kernel``'s order over the
+      ``[T, ROW_PAIRS, S, N]`` parts) and rounds once into ``fin_ptr [T, N]``: the same bits.
+
+    Its parts are read past L1 (other SMs wrote them)."""
+    slices = tl.num_programs(2)
+    if FINISH == 1:
+        tiles = INTER // BLOCK_N
+        tile = pid_n % tiles
+        counter = cnt_ptr + p * tiles + tile
+        arrivals = 2 * slices
+    else:
+        t = p // ROW_PAIRS
+        counter = cnt_ptr + t * tl.num_programs(1) + pid_n
+        arrivals = ROW_PAIRS * slices
+    tl.debug_barrier()  # every thread's part stored before the one thread that counts
+    arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+    if arrived == arrivals - 1:
+        tl.atomic_xchg(counter, 0, sem="relaxed")
+        if FINISH == 1:
+            cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+            ok = cols < INTER
+            h = _gated_input(out_ptr, p, cols, ok, slices, INTER, stride_os, stride_op, UNROLL, True)
+            tl.store(fin_ptr + p * INTER + cols, h.to(fin_ptr.dtype.element_ty), mask=ok)
+        else:
+            cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            ok = cols < N
+            acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for j in range(0, ROW_PAIRS):  # pair-major, then slices: _sum_parts_kernel's order over [T, k, S, N]
+                row = out_ptr + (t * ROW_PAIRS + j) * stride_op + cols
+                for s in tl.range(0, slices, loop_unroll_factor=UNROLL):
+                    acc += tl.load(row + s * stride_os, mask=ok, other=0.0, cache_modifier=".cg")
+            tl.store(fin_ptr + t * N + cols, acc.to(fin_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -300,7 +356,8 @@ def _split(k: int, block_k: int, programs: int, target: int | None = None) -> tu
 
 def _launch(a, p1, w, s, z, ids, topw, out_parts, n, k, top_k, in_splits, inter, quant, group, gated_input,
             mul_routed, k_split, block_n, block_k, num_warps, a_scales=None, num_stages=None, unroll=None, pdl=False,
-            math="tile"):
+            math="tile", finish=None):
+    """``finish``: None, or ``(FINISH, counters, fin, row_pairs)`` for the kernel's :func:`_finish`."""
     fp8 = a_scales is not None
     if quant:
         swe, swk, swn = w.stride()  # [E, K/8, N]
@@ -322,8 +379,15 @@ def _launch(a, p1, w, s, z, ids, topw, out_parts, n, k, top_k, in_splits, inter,
                            GROUP=group, GATED_INPUT=gated_input, MUL_ROUTED=mul_routed, FP8=fp8, K_SPLIT=k_split,
                            BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages, UNROLL=unroll, PDL=pdl,
                            ROWS=MATHS.index(math) if quant else 0, EVEN_K=slices * k_split == k,
-                           ASM=not interpreting(),
+                           ASM=not interpreting(), **_finish_args(finish),
                            num_warps=num_warps, **pdl_launch(pdl))
+
+
+def _finish_args(finish) -> dict:
+    if finish is None:
+        return {}
+    code, counters, fin, row_pairs = finish
+    return dict(cnt_ptr=counters, fin_ptr=fin, ROW_PAIRS=row_pairs, FINISH=code)
 
 
 # The K loops' pipelining and unrolling by default (the kernel's NUM_STAGES, UNROLL): two cp.async stages in the
@@ -377,13 +441,17 @@ def gemv_math(math: str | None = None) -> str:
 
 def moe_gemv(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, experts, block_n: int | None = None,
              num_warps: int | None = None, target_programs: int | None = None, num_stages: int | None = None,
-             unroll: int | None = None, math: str | None = None) -> torch.Tensor:
+             unroll: int | None = None, math: str | None = None, counters: torch.Tensor | None = None,
+             finish: str | None = None) -> torch.Tensor:
     """``fused_moe``'s result for a decode-sized ``x [T, H]`` (``applies(experts, T * k)``); module docstring.
     ``block_n``, ``num_warps``, ``target_programs`` (the programs a launch aims at): ``gemv_config``'s where not
     given (bench_moe.py sweeps them). ``num_stages``, ``unroll``: the K loops' pipelining and unrolling
-    (``pipelining``). ``math``: how 4-bit launches sum their products (``gemv_math``)."""
+    (``pipelining``). ``math``: how 4-bit launches sum their products (``gemv_math``). ``counters``: int32 zeros
+    (``counters_for(experts)`` of them, kept by the caller between calls; the kernels leave them zero) that let
+    the GEMVs finish their own parts (``finish``, ``gemv_finish``): two launches instead of four."""
     num_stages, unroll = pipelining(num_stages, unroll)
     math = gemv_math(math)
+    finish = gemv_finish(finish) if counters is not None else "apart"
     t, h = x.shape
     top_k = topk_ids.shape[1]
     pairs = t * top_k
@@ -404,31 +472,73 @@ def moe_gemv(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     # FP8 experts: the activations rounded to e4m3 per token (or token and scale block), as the FP8 linears and
     # the tiled kernel round them
     a13, as13 = quantize_activations(x, experts.group13) if fp8 else (x, None)
+    # silu(gate) * up formed whole before the down GEMV: FP8's rounding needs each row's largest value; the
+    # row-sum GEMV reads its input one nibble's column at a time, which would repeat the prologue eight times a
+    # tile. Otherwise the down GEMV forms its slices of it from p1 itself (GATED_INPUT).
+    gated_whole = fp8 or (q and math != "tile")
+    # where the GEMVs finish their parts: the gate/up GEMV forms h (4-bit row sums; its column tiles must not
+    # straddle the gate and up halves), the down GEMV adds the parts up
+    fused_gate = finish == "fused" and gated_whole and not fp8 and inter % block_n == 0
+    fused_sum = finish == "fused"
+    tiles_h = triton.cdiv(h, block_n)
+    n13 = pairs * (inter // block_n) if fused_gate else 0
+    if finish == "fused" and counters.numel() < n13 + t * tiles_h:
+        raise ValueError(f"counters holds {counters.numel()} int32s, the GEMVs need {n13 + t * tiles_h} "
+                         f"(counters_for(experts))")
+    out = torch.empty(t, h, dtype=x.dtype, device=x.device)
+    hid = torch.empty(pairs, inter, dtype=x.dtype, device=x.device) if gated_whole else None
     s1, k1 = _split(h, block_k, pairs * triton.cdiv(2 * inter, block_n), target)
     p1 = torch.empty(s1, pairs, 2 * inter, dtype=torch.float32, device=x.device)
     _launch(a13, p1, experts.w13, experts.s13, experts.z13, ids, topw, p1, 2 * inter, h, top_k, 1, inter, q,
-            experts.group13, False, False, k1, block_n, block_k, num_warps, as13, num_stages, unroll, pdl, math)
-    s2, k2 = _split(inter, block_k, pairs * triton.cdiv(h, block_n), target)
+            experts.group13, False, False, k1, block_n, block_k, num_warps, as13, num_stages, unroll, pdl, math,
+            (1, counters, hid, 1) if fused_gate else None)
+    s2, k2 = _split(inter, block_k, pairs * tiles_h, target)
     # token-major [T, k, S2, H]: a token's k pairs and S2 slices are one run of rows for the final sum
     p2 = torch.empty(t, top_k, s2, h, dtype=torch.float32, device=x.device)
     parts2 = p2.permute(2, 0, 1, 3).view(s2, pairs, h)
-    if fp8 or (q and math != "tile"):
-        # silu(gate) * up whole: FP8's rounding needs each row's largest value; the row-sum GEMV reads its input
-        # one nibble's column at a time, which would repeat the prologue eight times a tile. Then the down GEMV.
-        hid = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
-        block = min(1024, triton.next_power_of_2(inter))
-        _gated_rows_kernel[(pairs, triton.cdiv(inter, block))](p1, hid, inter, s1, p1.stride(0), p1.stride(1),
-                                                                BLOCK=block, PDL=pdl, num_warps=4,
-                                                                **pdl_launch(pdl))
+    summed = (2, counters[n13:], out, top_k) if fused_sum else None
+    if gated_whole:
+        if not fused_gate:
+            block = min(1024, triton.next_power_of_2(inter))
+            _gated_rows_kernel[(pairs, triton.cdiv(inter, block))](p1, hid, inter, s1, p1.stride(0), p1.stride(1),
+                                                                    BLOCK=block, PDL=pdl, num_warps=4,
+                                                                    **pdl_launch(pdl))
         a2, as2 = quantize_activations(hid, experts.group2) if fp8 else (hid, None)
         _launch(a2, p1, experts.w2, experts.s2, experts.z2, ids, topw, parts2, h, inter, 1, s1, inter, q,
-                experts.group2, False, True, k2, block_n, block_k, num_warps, as2, num_stages, unroll, pdl, math)
+                experts.group2, False, True, k2, block_n, block_k, num_warps, as2, num_stages, unroll, pdl, math,
+                summed)
     else:
         _launch(x, p1, experts.w2, experts.s2, experts.z2, ids, topw, parts2, h, inter, top_k, s1, inter, q,
-                experts.group2, True, True, k2, block_n, block_k, num_warps, None, num_stages, unroll, pdl, math)
-    # slices and the token's k pairs summed in float32, rounded once (as the tiled path's sum)
-    out = torch.empty(t, h, dtype=x.dtype, device=x.device)
-    block = min(1024, triton.next_power_of_2(h))
-    _sum_parts_kernel[(t, triton.cdiv(h, block))](p2, out, h, top_k * s2, BLOCK=block, UNROLL=unroll, PDL=pdl,
-                                                  num_warps=4, **pdl_launch(pdl))
+                experts.group2, True, True, k2, block_n, block_k, num_warps, None, num_stages, unroll, pdl, math,
+                summed)
+    if not fused_sum:  # slices and the token's k pairs summed in float32, rounded once (as the tiled path's sum)
+        block = min(1024, triton.next_power_of_2(h))
+        _sum_parts_kernel[(t, triton.cdiv(h, block))](p2, out, h, top_k * s2, BLOCK=block, UNROLL=unroll, PDL=pdl,
+                                                      num_warps=4, **pdl_launch(pdl))
     return out
+
+
+# The smallest output tile counters_for sizes the counters for (GemvConfig.block_n of every config and sweep).
+_COUNTER_BLOCK_N = 16
+
+
+def counters_for(experts) -> int:
+    """How many int32 counters ``moe_gemv(..., counters=)`` needs for these experts at any decode size: one a
+    pair and gate/up column tile, one a token and output column tile."""
+    return MAX_PAIRS * (triton.cdiv(experts.inter, _COUNTER_BLOCK_N) + triton.cdiv(experts.hidden, _COUNTER_BLOCK_N))
+
+
+# Where the parts of the GEMVs' slices are finished (gemv_finish): "apart", a launch each (_gated_rows_kernel
+# between 4-bit row-sum GEMVs, _sum_parts_kernel after the down GEMV); "fused", by the GEMVs' last programs
+# (_finish), where the caller keeps counters.
+FINISHES = ("apart", "fused")
+
+
+def gemv_finish(finish: str | None = None) -> str:
+    """FINISHES' pick: ``finish`` where given, else ``QUANTKIT_MOE_GEMV_FINISH`` (an A/B switch for the benches),
+    else "apart" (not yet timed in a whole step)."""
+    if finish is None:
+        return ab_switch("QUANTKIT_MOE_GEMV_FINISH", FINISHES)
+    if finish not in FINISHES:
+        raise ValueError(f"finish must be one of {FINISHES}, got {finish!r}")
+    return finish

@@ -390,17 +390,18 @@ def tile_config(experts: MoEExperts, pairs: int, aligned: bool = False) -> TileC
 def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, experts: MoEExperts,
               block_m: int | None = None, block_n: int | None = None, block_k: int | None = None,
               aligned: tuple | None = None, num_warps: int | None = None,
-              num_stages: int | None = None) -> torch.Tensor:
+              num_stages: int | None = None, counters: torch.Tensor | None = None) -> torch.Tensor:
     """The MoE block's routed output ``[T, H]`` (module docstring); ``x [T, H]`` in 16-bit (or float32).
     ``aligned``: ``moe_align``'s ``(sorted_ids, block_expert)`` for ``topk_ids`` at ``block_m``, where the caller
     made them already (``moe_align.route_and_align``, at ``BLOCK_M`` unless ``block_m`` says otherwise). The tiles,
     warps and pipeline stages apply to both GEMMs: ``tile_config``'s where not given (``bench/bench_moe.py``'s
     kernel section sweeps them). ``block_k`` defaults to 64, or for block-scaled FP8 experts to the largest of 64,
-    32, 16 inside one scale block."""
+    32, 16 inside one scale block. ``counters``: the decode GEMV's (``moe_gemv.counters_for``), kept by the caller
+    between calls."""
     if decode_kernel(experts, topk_ids.numel()) == "gemv":
         from quantkit.kernels.moe_gemv import moe_gemv
 
-        return moe_gemv(x, topk_weights, topk_ids, experts)
+        return moe_gemv(x, topk_weights, topk_ids, experts, counters=counters)
     tiles = tile_config(experts, topk_ids.numel(), aligned=aligned is not None)
     block_m = tiles.block_m if block_m is None else block_m
     block_n = tiles.block_n if block_n is None else block_n

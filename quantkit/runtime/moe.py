@@ -34,11 +34,17 @@ class MoELayer:
     # the fused router's arrival counter (kernels/moe_router.py): one int32 zero on the router's device, made once
     # here so that a CUDA graph captures no fill of it
     router_counter: torch.Tensor | None = None
+    # the decode GEMV's arrival counters (kernels/moe_gemv.py: counters_for), made once for the same reason
+    gemv_counters: torch.Tensor | None = None
     _ref: tuple | None = None  # dequantized experts for the reference path (made once)
 
     def __post_init__(self) -> None:
         if self.router_counter is None:
             self.router_counter = torch.zeros(1, dtype=torch.int32, device=self.router.device)
+        if self.gemv_counters is None and self.use_kernel:
+            from quantkit.kernels.moe_gemv import counters_for
+
+            self.gemv_counters = torch.zeros(counters_for(self.experts), dtype=torch.int32, device=self.router.device)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Routing weights and expert ids ``[M, k]`` (softmax in float32, top-k, optional renormalization)."""
@@ -63,7 +69,8 @@ class MoELayer:
             x, summed, weights, ids, aligned = norm_router_route_and_align(
                 delta, residual, norm, eps, offset, self.router, self.top_k, self.renormalize, self.router_counter,
                 BLOCK_M, self._router_lays_out(delta.shape[0]))
-            return self._with_shared(x, fused_moe(x, weights, ids, self.experts, aligned=aligned), act_mul), summed
+            y = fused_moe(x, weights, ids, self.experts, aligned=aligned, counters=self.gemv_counters)
+            return self._with_shared(x, y, act_mul), summed
         x, summed = add_rms_norm(delta, residual, norm, eps, offset)
         return self(x, act_mul), summed
 
@@ -79,15 +86,15 @@ class MoELayer:
                 weights, ids, aligned = router_route_and_align(x, self.router, self.top_k, self.renormalize,
                                                                self.router_counter, BLOCK_M,
                                                                self._router_lays_out(x.shape[0]))
-                y = fused_moe(x, weights, ids, self.experts, aligned=aligned)
+                y = fused_moe(x, weights, ids, self.experts, aligned=aligned, counters=self.gemv_counters)
             elif routing == "align":
                 # decode-sized: routing and the pairs' layout in one launch (kernels/moe_align.py says why)
                 logits = torch.nn.functional.linear(x, self.router)
                 weights, ids, aligned = route_and_align(logits, self.top_k, self.renormalize)
-                y = fused_moe(x, weights, ids, self.experts, aligned=aligned)
+                y = fused_moe(x, weights, ids, self.experts, aligned=aligned, counters=self.gemv_counters)
             else:
                 weights, ids = self.route(x)
-                y = fused_moe(x, weights, ids, self.experts)
+                y = fused_moe(x, weights, ids, self.experts, counters=self.gemv_counters)
         else:  # the reference (and FP8 experts off the kernel path: their activation rounding emulated)
             weights, ids = self.route(x)
             y = fused_moe_ref(x, weights, ids, self._reference_experts(), self.act_quant)

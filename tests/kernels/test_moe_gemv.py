@@ -170,7 +170,7 @@ def test_gemv_fp8_experts_on_the_gpu_match_the_tiled_kernel(monkeypatch, weights
         assert rel_err(out, ref) < 2e-2 and rel_err(out, tiled) < 2e-2, (rel_err(out, ref), rel_err(out, tiled))
 
 
-def _gemv_ptx(sm90, out, kind, block_k, num_stages=None, unroll=None, pdl=False, math="tile"):
+def _gemv_ptx(sm90, out, kind, block_k, num_stages=None, unroll=None, pdl=False, math="tile", finish=0):
     """The GEMV compiled for Hopper as Triton's launcher specializes it at run time: unit strides as constexpr 1,
     aligned pointers and strides divisible by 16. ``math``: moe_gemv.MATHS; the row sums' down GEMV reads the
     gated input whole (no prologue), K whole tiles; inline PTX as on a GPU."""
@@ -190,8 +190,10 @@ def _gemv_ptx(sm90, out, kind, block_k, num_stages=None, unroll=None, pdl=False,
     constexprs = dict({name: 1 for name in units}, QUANT=quant, GROUP=128, GATED_INPUT=gated,
                       MUL_ROUTED=kind == "int4-down", FP8=fp8, K_SPLIT=768, BLOCK_N=64, BLOCK_K=block_k,
                       NUM_STAGES=num_stages, UNROLL=unroll, PDL=pdl, ROWS=moe_gemv.MATHS.index(math),
-                      EVEN_K=rows, ASM=True)
-    unaligned = ("TOP_K", "IN_SPLITS") + (() if quant else ("stride_sg", "stride_sn"))
+                      EVEN_K=rows, ASM=True, FINISH=finish)
+    if finish:  # the counters and the finished rows
+        signature |= {"cnt_ptr": "*i32", "fin_ptr": "*bf16", "ROW_PAIRS": "i32"}
+    unaligned = ("TOP_K", "IN_SPLITS", "ROW_PAIRS") + (() if quant else ("stride_sg", "stride_sn"))
     aligned = tuple(name for name in signature if name not in unaligned)
     return sm90.triton_ptx(out, "quantkit.kernels.moe_gemv", "_moe_gemv_kernel", signature, constexprs,
                            num_warps=4, aligned=aligned)
@@ -248,14 +250,19 @@ def test_gemv_row_sums_move_nothing_between_threads_in_the_k_loop(sm90, tmp_path
         assert 2 * len(re.findall(r"\sFADD\b", body)) < len(re.findall(r"\sFFMA\b", body))
 
 
-@pytest.mark.parametrize("kind", ["int4", "int4-down"])
-def test_gemv_with_pdl_waits_before_any_load(sm90, tmp_path, kind):
+@pytest.mark.parametrize(("kind", "finish"), [("int4", 0), ("int4-down", 0), ("int4", 1), ("int4-down", 2)])
+def test_gemv_with_pdl_waits_before_any_load(sm90, tmp_path, kind, finish):
     """With PDL (the default on Hopper; QUANTKIT_MOE_PDL=0 turns it off) the GEMV waits for the previous kernel
     before its first global load (the expert id it reads first is the routing's output), at the default
-    pipelining, without spills."""
+    pipelining, without spills; also where it finishes its parts (gate/up forming h, down adding the parts
+    up: an atomic count a program, the last one's loads past L1)."""
     from tests.kernels.test_moe_router import assert_waits_before_loads
 
-    ptx = _gemv_ptx(sm90, str(tmp_path / "gemv.ptx"), kind, 128, *moe_gemv.PIPELINING, pdl=True)
+    ptx = _gemv_ptx(sm90, str(tmp_path / "gemv.ptx"), kind, 128, *moe_gemv.PIPELINING, pdl=True,
+                    math="offset" if finish else "tile", finish=finish)
+    if finish:
+        text = open(ptx).read()
+        assert "atom.global" in text and ".acq_rel" in text and "ld.global.cg" in text
     assert "0 bytes spill stores" in sm90.ptxas_notices(ptx)
     assert_waits_before_loads(open(ptx).read(), True)
 
@@ -324,3 +331,86 @@ def test_gemv_pipelining_on_the_gpu_gives_the_same_sums(num_stages, unroll, math
     got = gemv(x, w.cuda(), ids.cuda(), ex, num_stages=num_stages, unroll=unroll, math=math)
     assert rel_err(got, plain) < 1e-6
     assert rel_err(got, fused_moe_ref(x.float(), w.cuda(), ids.cuda(), ex)) < 1e-2
+
+
+@pytest.mark.parametrize(("kind", "math"), [("int4", "offset"), ("int4", "tile"), ("dense", None), ("fp8", None)])
+def test_gemv_finishing_its_own_parts_gives_the_same_bits(monkeypatch, kind, math):
+    """The GEMVs' last programs finishing the parts (counters kept by the caller: h formed by the gate/up GEMV for
+    the 4-bit row sums, the slices and pairs added by the down GEMV) against the launches of their own: the same
+    sums in the same order, so equal bit for bit, over several slices of K and tokens, twice with the same counters
+    (which the kernels leave zero); counters too few are refused."""
+    from tests.kernels.test_moe_w4a16 import experts_fp8
+
+    if kind == "fp8" and DEVICE == "cpu":
+        from quantkit.kernels.fp8_quant_ref import quantize_per_token_ref
+
+        monkeypatch.setattr(moe_gemv, "quantize_activations", lambda v, group: quantize_per_token_ref(v))
+    g = torch.Generator().manual_seed(11)
+    if kind == "int4":
+        ex = stack_quantized(experts_q(6, 256, 96, 32), torch.float32, DEVICE)
+    elif kind == "fp8":
+        from quantkit.kernels.moe_w4a16 import stack_fp8
+
+        ex = stack_fp8(experts_fp8(6, 128, 64, "channel"), DEVICE)
+    else:
+        ex = stack_dense((torch.randn(6, 192, 256, generator=g) / 9).to(DEVICE),
+                         (torch.randn(6, 256, 96, generator=g) / 7).to(DEVICE))
+    w, ids = routing(3, 6, 2, skip=(1,))
+    x = torch.randn(3, ex.hidden, generator=g).to(DEVICE)
+    counters = torch.zeros(moe_gemv.counters_for(ex), dtype=torch.int32, device=DEVICE)
+    cfg = dict(block_n=32, target_programs=40, math=math)  # a few slices of K in both GEMVs
+    apart = gemv(x, w.to(DEVICE), ids.to(DEVICE), ex, finish="apart", counters=counters, **cfg)
+    for _ in range(2):
+        fused = gemv(x, w.to(DEVICE), ids.to(DEVICE), ex, finish="fused", counters=counters, **cfg)
+        assert torch.equal(fused, apart)
+        assert int(counters.abs().sum()) == 0
+    assert rel_err(apart, fused_moe_ref(x, w.to(DEVICE), ids.to(DEVICE), ex,
+                                        None if kind != "fp8" else _e4m3_per_token)) < (1e-4 if kind == "fp8" else 1e-5)
+    with pytest.raises(ValueError, match="counters"):
+        gemv(x, w.to(DEVICE), ids.to(DEVICE), ex, finish="fused", counters=counters[:4], **cfg)
+
+
+def _e4m3_per_token(v):
+    from quantkit.kernels.fp8_quant_ref import activations_through_e4m3
+
+    return activations_through_e4m3(v, 0)
+
+
+def test_gemv_finish_switch(monkeypatch):
+    """QUANTKIT_MOE_GEMV_FINISH picks where the parts are finished (apart until timed in a whole step); without
+    counters the GEMVs cannot finish them and the launches of their own run."""
+    monkeypatch.delenv("QUANTKIT_MOE_GEMV_FINISH", raising=False)
+    assert moe_gemv.gemv_finish() == "apart" and moe_gemv.gemv_finish("fused") == "fused"
+    monkeypatch.setenv("QUANTKIT_MOE_GEMV_FINISH", "fused")
+    assert moe_gemv.gemv_finish() == "fused"
+    monkeypatch.setenv("QUANTKIT_MOE_GEMV_FINISH", "late")
+    with pytest.raises(ValueError, match="QUANTKIT_MOE_GEMV_FINISH"):
+        moe_gemv.gemv_finish()
+    with pytest.raises(ValueError, match="finish"):
+        moe_gemv.gemv_finish("late")
+    ex = stack_quantized(experts_q(4, 64, 32, 32), torch.float32, "cpu")
+    assert moe_gemv.counters_for(ex) == moe_gemv.MAX_PAIRS * (2 + 4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 8])
+def test_gemv_finishing_its_own_parts_on_the_gpu(tokens):
+    """bf16 at the 30B-A3B expert sizes, batch 1 and 8 of top-8 over 128 experts, with PDL where the card has it:
+    the GEMVs finishing their parts give the launches' bits, over repeated calls and in a CUDA graph replayed
+    (the counters left zero each time)."""
+    ex = stack_quantized(experts_q(128, 2048, 768, 128), torch.bfloat16, "cuda")
+    w, ids = routing(tokens, 128, 8, seed=tokens)
+    w, ids = w.cuda(), ids.cuda()
+    x = torch.randn(tokens, 2048, generator=torch.Generator().manual_seed(7)).to("cuda", torch.bfloat16)
+    counters = torch.zeros(moe_gemv.counters_for(ex), dtype=torch.int32, device="cuda")
+    apart = gemv(x, w, ids, ex, finish="apart")
+    for _ in range(3):
+        assert torch.equal(gemv(x, w, ids, ex, finish="fused", counters=counters), apart)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = gemv(x, w, ids, ex, finish="fused", counters=counters)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, apart) and int(counters.abs().sum()) == 0
+    assert rel_err(apart, fused_moe_ref(x.float(), w, ids, ex)) < 1e-2
