@@ -187,9 +187,11 @@ def test_moe_pdl_is_on_by_default_and_only_where_pdl_runs(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_moe_block_with_pdl_on_the_gpu_gives_the_same_outputs_in_a_graph(monkeypatch):
+@pytest.mark.parametrize("finish", ["apart", "fused"])
+def test_moe_block_with_pdl_on_the_gpu_gives_the_same_outputs_in_a_graph(monkeypatch, finish):
     """The runtime's int4 MoE block at batch 1 (fused router, both GEMVs, the sum) with PDL (the default) against
-    without (QUANTKIT_MOE_PDL=0), eagerly and replayed from a CUDA graph: the same bits."""
+    without (QUANTKIT_MOE_PDL=0), eagerly and replayed from a CUDA graph: the same bits; with the GEMVs'
+    parts finished by launches of their own and by the GEMVs (QUANTKIT_MOE_GEMV_FINISH)."""
     from quantkit.kernels.moe_w4a16 import stack_quantized
     from quantkit.runtime.moe import MoELayer
     from tests.kernels.test_moe_w4a16 import experts_q
@@ -197,8 +199,10 @@ def test_moe_block_with_pdl_on_the_gpu_gives_the_same_outputs_in_a_graph(monkeyp
     ex = stack_quantized(experts_q(16, 2048, 768, 128), torch.bfloat16, "cuda")
     x, router = _inputs(1, 16, 2048, torch.bfloat16, seed=3, device="cuda")
     monkeypatch.setenv("QUANTKIT_MOE_PDL", "0")
+    monkeypatch.setenv("QUANTKIT_MOE_GEMV_FINISH", "apart")
     want = MoELayer(router, ex, 8, True, True)(x, None)
     monkeypatch.setenv("QUANTKIT_MOE_PDL", "1")
+    monkeypatch.setenv("QUANTKIT_MOE_GEMV_FINISH", finish)
     block = MoELayer(router, ex, 8, True, True)
     assert torch.equal(block(x, None), want)
     graph = torch.cuda.CUDAGraph()
