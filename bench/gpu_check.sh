@@ -82,10 +82,12 @@ bench_variant() {  # one `quantkit bench` under environment switches: OUT_NAME C
         | tail -14
 }
 
-moe_steps() {  # the MoE shape once a NAME:VAR=VALUE,... argument, under those variables
+moe_steps() {  # the MoE shape once a NAME:VAR=VALUE,... argument, under those variables (MOE_FORMATS, e.g.
+    # int4 or int4,bf16: those rows only, ~35 s a variant for int4 alone)
     local v
     for v in "$@"; do
-        bench_variant "bench_30b_${v%%:*}" 120 "${v#*:}" --shape qwen3-30b-a3b --steps 32 --batches 1,8
+        bench_variant "bench_30b_${v%%:*}" 120 "${v#*:}" --shape qwen3-30b-a3b --steps 32 --batches 1,8 \
+            ${MOE_FORMATS:+--formats "$MOE_FORMATS"}
     done
     rm -f "$OUT"/*.png
 }

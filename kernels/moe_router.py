@@ -45,6 +45,21 @@ def router_fused_selected(tokens: int, top_k: int, num_experts: int, device: tor
             and router_fused_applies(tokens, top_k, num_experts, device))
 
 
+def router_config(pairs: int, num_experts: int) -> tuple[int, int]:
+    """(router rows a program, warps) of a launch: ``(BLOCK_E, moe_align._warps(...))``, the routing's warps
+    (its reductions cross the warps: fewer where the matrices are small); ``QUANTKIT_MOE_ROUTER_CONFIG=ROWS,WARPS``
+    puts one config on every launch instead (an A/B switch for the benches; ROWS and WARPS powers of two)."""
+    import os
+
+    raw = os.environ.get("QUANTKIT_MOE_ROUTER_CONFIG", "").strip()
+    if not raw:
+        return BLOCK_E, _warps(pairs, num_experts)
+    parts = raw.split(",")
+    if len(parts) != 2 or not all(p.strip().isdigit() and int(p) > 0 and int(p) & (int(p) - 1) == 0 for p in parts):
+        raise ValueError(f"QUANTKIT_MOE_ROUTER_CONFIG must be ROWS,WARPS (two powers of two), got {raw!r}")
+    return int(parts[0]), int(parts[1])
+
+
 def norm_router_selected() -> bool:
     """Whether the runtime's MoE block runs its pre-norm inside the fused router's launch
     (:func:`norm_router_route_and_align`) where the fused router serves: the default; ``QUANTKIT_MOE_NORM_ROUTER=apart``
@@ -176,9 +191,10 @@ def _launch(x, router, top_k, renormalize, counter, block_m, align, norm):
     block_expert = torch.empty(n_blocks if align else 1, dtype=torch.int32, device=dev)
     toks = triton.next_power_of_2(tokens)
     pdl = moe_programmatic_launch(dev)
-    # a [TOKENS, BLOCK_E, BLOCK_H] product of ~4K values a step (32 a thread at 4 warps)
-    block_h = max(32, min(triton.next_power_of_2(hidden), 4096 // (toks * BLOCK_E)))
-    grid = (triton.cdiv(num_experts, BLOCK_E),)
+    block_e, warps = router_config(pairs, num_experts)
+    # a [TOKENS, BLOCK_E, BLOCK_H] product of 32 values a thread a step (~4K at 4 warps)
+    block_h = max(32, min(triton.next_power_of_2(hidden), 1024 * warps // (toks * block_e)))
+    grid = (triton.cdiv(num_experts, block_e),)
     residual, norm_weight, eps, offset, x_out, summed = norm if norm is not None else (None, x, 0.0, 0.0, x, x)
     res = x if residual is None else residual
     _router_route_kernel[grid](x, x.stride(0), router, router.stride(0), logits, counter, weights, ids, sorted_ids,
@@ -186,8 +202,8 @@ def _launch(x, router, top_k, renormalize, counter, block_m, align, norm):
                                res, res.stride(0), norm_weight, x_out, summed, x_out.stride(0), eps, offset,
                                TOP_K=top_k, RENORM=renormalize, BLOCK_M=block_m, TOKENS=toks,
                                PAIRS=triton.next_power_of_2(pairs), EXPERTS=triton.next_power_of_2(num_experts),
-                               FILL=FILL, BLOCKS=_blocks_a_step(num_experts), BLOCK_E=BLOCK_E, BLOCK_H=block_h,
+                               FILL=FILL, BLOCKS=_blocks_a_step(num_experts), BLOCK_E=block_e, BLOCK_H=block_h,
                                ALIGN=align, TOP_K_P2=triton.next_power_of_2(top_k), PDL=pdl,
                                NORM=norm is not None, HAS_RES=residual is not None,
-                               num_warps=_warps(pairs, num_experts), **pdl_launch(pdl))
+                               num_warps=warps, **pdl_launch(pdl))
     return weights, ids, (sorted_ids, block_expert) if align else None

@@ -132,13 +132,16 @@ def test_runtime_moe_block_with_the_fused_router_equals_its_reference(monkeypatc
 @pytest.mark.parametrize(("tokens", "with_layout", "pdl", "norm"), [(1, False, False, False), (1, True, False, False),
                                                                     (4, True, False, False), (1, False, True, False),
                                                                     (1, False, True, True), (4, True, True, True)])
-def test_fused_router_compiles_for_sm90_without_spills(sm90, tmp_path, tokens, with_layout, pdl, norm):
+def test_fused_router_compiles_for_sm90_without_spills(sm90, tmp_path, tokens, with_layout, pdl, norm,
+                                                      config=None):
     """Qwen3-30B-A3B's router (128 experts of 2048, top-8) at 1 and 4 tokens: the GEMM's product and the last
-    program's routing in registers. With PDL (the default on Hopper): the wait for the previous kernel before any global load."""
+    program's routing in registers. With PDL (the default on Hopper): the wait for the previous kernel before any
+    global load. ``config``: (rows a program, warps) instead of the default's."""
     from quantkit.kernels.moe_align import FILL, _blocks_a_step, _warps
     from quantkit.kernels.moe_router import BLOCK_E
 
     pairs, n_exp, hidden = tokens * 8, 128, 2048
+    block_e, warps = config or (BLOCK_E, _warps(pairs, n_exp))
     toks = triton.next_power_of_2(tokens)
     signature = {"x_ptr": "*bf16", "stride_xt": "i32", "w_ptr": "*bf16", "stride_we": "i32", "logits_ptr": "*bf16",
                  "counter_ptr": "*i32", "weights_ptr": "*fp32", "ids_ptr": "*i64", "sorted_ptr": "*i32",
@@ -146,14 +149,36 @@ def test_fused_router_compiles_for_sm90_without_spills(sm90, tmp_path, tokens, w
                  "n_blocks": "i32", "n_slots": "i32", "res_ptr": "*bf16", "stride_rt": "i32", "norm_ptr": "*bf16",
                  "xo_ptr": "*bf16", "ro_ptr": "*bf16", "stride_ot": "i32", "eps": "fp32", "offset": "fp32"}
     constexprs = dict(TOP_K=8, RENORM=True, BLOCK_M=align.BLOCK_M, TOKENS=toks, PAIRS=triton.next_power_of_2(pairs),
-                      EXPERTS=n_exp, FILL=FILL, BLOCKS=_blocks_a_step(n_exp), BLOCK_E=BLOCK_E,
-                      BLOCK_H=max(32, min(hidden, 4096 // (toks * BLOCK_E))), ALIGN=with_layout, TOP_K_P2=8,
+                      EXPERTS=n_exp, FILL=FILL, BLOCKS=_blocks_a_step(n_exp), BLOCK_E=block_e,
+                      BLOCK_H=max(32, min(hidden, 1024 * warps // (toks * block_e))), ALIGN=with_layout, TOP_K_P2=8,
                       PDL=pdl, NORM=norm, HAS_RES=norm)
     ptx = sm90.triton_ptx(str(tmp_path / "router.ptx"), "quantkit.kernels.moe_router", "_router_route_kernel",
-                          signature, constexprs, num_warps=_warps(pairs, n_exp))
+                          signature, constexprs, num_warps=warps)
     notices = sm90.ptxas_notices(ptx)
     assert "0 bytes spill stores, 0 bytes spill loads" in notices, notices
     assert_waits_before_loads(open(ptx).read(), pdl)
+
+
+@pytest.mark.parametrize("config", [(2, 1), (4, 2), (8, 2)])
+def test_fused_router_configs_compile_and_route_alike(sm90, tmp_path, monkeypatch, config):
+    """QUANTKIT_MOE_ROUTER_CONFIG (rows a program, warps: the benches' switch) at one token of the 30B-A3B router
+    with its norm and PDL compiles without spills, and routes as the default does (interpreter or GPU); a value
+    that is not two powers of two is refused."""
+    from quantkit.kernels.moe_router import router_config
+
+    test_fused_router_compiles_for_sm90_without_spills(sm90, tmp_path, 1, False, True, True, config)
+    x, router = _inputs(1, 128, 256, torch.float32, seed=5)
+    counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    monkeypatch.delenv("QUANTKIT_MOE_ROUTER_CONFIG", raising=False)
+    want = router_route_and_align(x, router, 8, True, counter, align.BLOCK_M, False)
+    monkeypatch.setenv("QUANTKIT_MOE_ROUTER_CONFIG", ",".join(map(str, config)))
+    assert router_config(8, 128) == config
+    got = router_route_and_align(x, router, 8, True, counter, align.BLOCK_M, False)
+    assert torch.equal(got[1], want[1]) and counter.item() == 0
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-7)
+    monkeypatch.setenv("QUANTKIT_MOE_ROUTER_CONFIG", "3,1")
+    with pytest.raises(ValueError, match="QUANTKIT_MOE_ROUTER_CONFIG"):
+        router_config(8, 128)
 
 
 def assert_waits_before_loads(ptx: str, pdl: bool) -> None:
