@@ -16,8 +16,6 @@ layers, against the ~0.4 ms the int4 active experts of a 30B-A3B model need at c
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -30,9 +28,9 @@ ALIGN_ONE_PROGRAM_MAX = 1 << 15  # next_power_of_2(pairs) * next_power_of_2(expe
 
 def align_in_one_program(pairs: int, num_experts: int, device: torch.device) -> bool:
     """Whether the routing and the align run as one program (the choice, in one place)."""
-    from quantkit.kernels.device_info import interpreting
+    from quantkit.kernels.device_info import ab_switch, interpreting
 
-    if os.environ.get("QUANTKIT_MOE_ALIGN", "auto") == "torch" or pairs == 0:
+    if ab_switch("QUANTKIT_MOE_ALIGN", ("auto", "torch")) == "torch" or pairs == 0:
         return False
     if device.type != "cuda" and not interpreting():
         return False
