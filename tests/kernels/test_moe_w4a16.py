@@ -96,6 +96,15 @@ def test_moe_align_layout_exactly(monkeypatch, impl, tokens, n_exp, top_k, block
     assert sorted_ids.tolist() == expected_ids and block_expert.tolist() == expected_experts
 
 
+def test_align_switch_refuses_what_it_does_not_know(monkeypatch):
+    """QUANTKIT_MOE_ALIGN takes auto (the one program where it fits) or torch; anything else is refused by name."""
+    monkeypatch.setenv("QUANTKIT_MOE_ALIGN", "fast")
+    with pytest.raises(ValueError, match="QUANTKIT_MOE_ALIGN"):
+        align.align_in_one_program(8, 128, torch.device(DEVICE))
+    monkeypatch.setenv("QUANTKIT_MOE_ALIGN", "torch")
+    assert not align.align_in_one_program(8, 128, torch.device(DEVICE))
+
+
 @pytest.mark.parametrize("renormalize", [True, False])
 @pytest.mark.parametrize(("tokens", "n_exp", "top_k", "dtype"), [(1, 128, 8, torch.float32), (7, 60, 4, torch.float16),
                                                                  (32, 128, 8, torch.float32), (5, 8, 2, torch.float16)])
