@@ -182,8 +182,8 @@ def _moe_gemv_kernel(a_ptr, p1_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, topw_ptr, out_
     a tile in the sm_90 build); the codes become floats through their bits (no int-to-float conversion, which
     issues at a quarter of the FMA rate). 0: the tile sums; else MATHS' index (:func:`_int4_rows_tile`). The down
     GEMV's gated input is then formed beforehand (``GATED_INPUT`` off). ``ASM``: inline PTX where it saves an
-    instruction (not under the interpreter). ``FINISH`` (FINISHES' index): what the last program to store its
-    part of a group does with the group's parts, so that no launch of its own is needed (:func:`_finish`)."""
+    instruction (not under the interpreter). ``FINISH``: 0, the parts stay for launches of their own; 1 (after
+    gate/up) or 2 (after down), the last program to store its part of a group finishes the group (:func:`_finish`)."""
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
@@ -432,11 +432,16 @@ def gemv_math(math: str | None = None) -> str:
     (bench/results/bench_qwen3-30b-a3b_h100_{rows,tile}.json); "offset" (three instructions a code against five
     in the sm_90 SASS) 387 against "rows" 365 at batch 1 and 1,418 against 1,261 at batch 8, the GEMVs 823 against
     916 us a step (bench/results/bench_qwen3-30b-a3b_h100_{offset,default}_e9cd379.json, 2026-12-06)."""
-    if math is None:
-        return ab_switch("QUANTKIT_MOE_GEMV_MATH", ("offset", "rows", "tile"))
-    if math not in MATHS:
-        raise ValueError(f"math must be one of {MATHS}, got {math!r}")
-    return math
+    return _given_or_switch("math", math, "QUANTKIT_MOE_GEMV_MATH", ("offset", "rows", "tile"))
+
+
+def _given_or_switch(what: str, value: str | None, variable: str, choices: tuple[str, ...]) -> str:
+    """``value`` where given (one of ``choices``), else the A/B switch ``variable`` (``choices[0]`` when unset)."""
+    if value is None:
+        return ab_switch(variable, choices)
+    if value not in choices:
+        raise ValueError(f"{what} must be one of {choices}, got {value!r}")
+    return value
 
 
 def moe_gemv(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, experts, block_n: int | None = None,
@@ -482,7 +487,7 @@ def moe_gemv(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     fused_sum = finish == "fused"
     tiles_h = triton.cdiv(h, block_n)
     n13 = pairs * (inter // block_n) if fused_gate else 0
-    if finish == "fused" and counters.numel() < n13 + t * tiles_h:
+    if fused_sum and counters.numel() < n13 + t * tiles_h:
         raise ValueError(f"counters holds {counters.numel()} int32s, the GEMVs need {n13 + t * tiles_h} "
                          f"(counters_for(experts))")
     out = torch.empty(t, h, dtype=x.dtype, device=x.device)
@@ -537,8 +542,4 @@ FINISHES = ("apart", "fused")
 def gemv_finish(finish: str | None = None) -> str:
     """FINISHES' pick: ``finish`` where given, else ``QUANTKIT_MOE_GEMV_FINISH`` (an A/B switch for the benches),
     else "apart" (not yet timed in a whole step)."""
-    if finish is None:
-        return ab_switch("QUANTKIT_MOE_GEMV_FINISH", FINISHES)
-    if finish not in FINISHES:
-        raise ValueError(f"finish must be one of {FINISHES}, got {finish!r}")
-    return finish
+    return _given_or_switch("finish", finish, "QUANTKIT_MOE_GEMV_FINISH", FINISHES)

@@ -34,14 +34,15 @@ class MoELayer:
     # the fused router's arrival counter (kernels/moe_router.py): one int32 zero on the router's device, made once
     # here so that a CUDA graph captures no fill of it
     router_counter: torch.Tensor | None = None
-    # the decode GEMV's arrival counters (kernels/moe_gemv.py: counters_for), made once for the same reason
+    # the decode GEMV's arrival counters (kernels/moe_gemv.py: counters_for), made once for the same reason (also
+    # where the reference serves: the runtime may switch use_kernel after loading)
     gemv_counters: torch.Tensor | None = None
     _ref: tuple | None = None  # dequantized experts for the reference path (made once)
 
     def __post_init__(self) -> None:
         if self.router_counter is None:
             self.router_counter = torch.zeros(1, dtype=torch.int32, device=self.router.device)
-        if self.gemv_counters is None and self.use_kernel:
+        if self.gemv_counters is None:
             from quantkit.kernels.moe_gemv import counters_for
 
             self.gemv_counters = torch.zeros(counters_for(self.experts), dtype=torch.int32, device=self.router.device)

@@ -414,3 +414,14 @@ def test_gemv_finishing_its_own_parts_on_the_gpu(tokens):
         torch.cuda.synchronize()
         assert torch.equal(out, apart) and int(counters.abs().sum()) == 0
     assert rel_err(apart, fused_moe_ref(x.float(), w, ids, ex)) < 1e-2
+
+
+def test_moe_layer_keeps_the_gemv_counters_whatever_its_backend():
+    """The runtime may switch a loaded MoE layer to the kernels (RuntimeModel sets use_kernel by backend), so the
+    counters the GEMVs finish their parts with are made with the layer either way, zeroed, counters_for's count."""
+    from quantkit.runtime.moe import MoELayer
+
+    ex = stack_quantized(experts_q(4, 64, 32, 32), torch.float32, "cpu")
+    for use_kernel in (False, True):
+        layer = MoELayer(torch.zeros(4, 64), ex, 2, True, use_kernel)
+        assert layer.gemv_counters.shape == (moe_gemv.counters_for(ex),) and not layer.gemv_counters.any()
