@@ -85,6 +85,24 @@ def ab_switch(name: str, choices: tuple[str, ...]) -> str:
     return value
 
 
+def counts_switch(name: str, fields: str, powers_of_two: bool = False) -> tuple[int, ...] | None:
+    """The environment variable ``name`` as comma-separated positive integers, one a field of ``fields`` (e.g.
+    "BLOCK_N,WARPS,PROGRAMS": a launch config an A/B switch puts on every call), or None when unset; anything
+    else is refused, naming the variable and its form."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    parts = [p.strip() for p in raw.split(",")]
+    want = len(fields.split(","))
+    ok = len(parts) == want and all(p.isdigit() and int(p) > 0 for p in parts)
+    if ok and powers_of_two:
+        ok = all(int(p) & (int(p) - 1) == 0 for p in parts)
+    if not ok:
+        kind = "powers of two" if powers_of_two else "positive integers"
+        raise ValueError(f"{name} must be {fields} ({want} {kind}), got {raw!r}")
+    return tuple(int(p) for p in parts)
+
+
 def moe_programmatic_launch(device: torch.device | str) -> bool:
     """PDL for the MoE decode kernels (the fused router, the expert GEMVs and their sum: kernels/moe_router.py,
     kernels/moe_gemv.py), where :func:`programmatic_launch` allows it and ``QUANTKIT_MOE_PDL`` is not 0 (the A/B

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from quantkit.kernels.device_info import ab_switch, interpreting, moe_programmatic_launch, pdl_launch
+from quantkit.kernels.device_info import ab_switch, counts_switch, interpreting, moe_programmatic_launch, pdl_launch
 from quantkit.kernels.fp8_quant import quantize_activations
 
 # The most (token, slot) pairs this kernel takes: beyond, a tiled program's 16 rows are mostly full.
@@ -66,15 +66,9 @@ GEMV_CONFIGS: tuple[tuple[str, int, GemvConfig], ...] = (
 def gemv_config(experts, pairs: int) -> GemvConfig:
     """GEMV_CONFIGS' pick for ``pairs`` pairs of ``experts``; ``QUANTKIT_MOE_GEMV_CONFIG=BLOCK_N,WARPS,PROGRAMS``
     puts one config on every call instead (an A/B switch for the benches)."""
-    import os
-
-    raw = os.environ.get("QUANTKIT_MOE_GEMV_CONFIG", "").strip()
-    if raw:
-        parts = raw.split(",")
-        if len(parts) != 3 or not all(x.strip().isdigit() and int(x) > 0 for x in parts):
-            raise ValueError(f"QUANTKIT_MOE_GEMV_CONFIG must be BLOCK_N,WARPS,PROGRAMS (three positive integers), "
-                             f"got {raw!r}")
-        return GemvConfig(*(int(x) for x in parts))
+    forced = counts_switch("QUANTKIT_MOE_GEMV_CONFIG", "BLOCK_N,WARPS,PROGRAMS")
+    if forced:
+        return GemvConfig(*forced)
     return next((c for k, most, c in GEMV_CONFIGS if k == experts.kind and pairs <= most), GemvConfig())
 
 

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from quantkit.kernels.device_info import ab_switch, moe_programmatic_launch, pdl_launch
+from quantkit.kernels.device_info import ab_switch, counts_switch, moe_programmatic_launch, pdl_launch
 from quantkit.kernels.moe_align import FILL, _blocks_a_step, _n_blocks, _route_body, _warps, align_in_one_program
 
 # Up to this many tokens (a decode batch); more take the router GEMM and route_and_align apart.
@@ -49,15 +49,8 @@ def router_config(pairs: int, num_experts: int) -> tuple[int, int]:
     """(router rows a program, warps) of a launch: ``(BLOCK_E, moe_align._warps(...))``, the routing's warps
     (its reductions cross the warps: fewer where the matrices are small); ``QUANTKIT_MOE_ROUTER_CONFIG=ROWS,WARPS``
     puts one config on every launch instead (an A/B switch for the benches; ROWS and WARPS powers of two)."""
-    import os
-
-    raw = os.environ.get("QUANTKIT_MOE_ROUTER_CONFIG", "").strip()
-    if not raw:
-        return BLOCK_E, _warps(pairs, num_experts)
-    parts = raw.split(",")
-    if len(parts) != 2 or not all(p.strip().isdigit() and int(p) > 0 and int(p) & (int(p) - 1) == 0 for p in parts):
-        raise ValueError(f"QUANTKIT_MOE_ROUTER_CONFIG must be ROWS,WARPS (two powers of two), got {raw!r}")
-    return int(parts[0]), int(parts[1])
+    forced = counts_switch("QUANTKIT_MOE_ROUTER_CONFIG", "ROWS,WARPS", powers_of_two=True)
+    return forced or (BLOCK_E, _warps(pairs, num_experts))
 
 
 def norm_router_selected() -> bool:
