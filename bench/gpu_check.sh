@@ -76,9 +76,11 @@ run_benches() {  # the previous main installed apart (not editable), run from /t
 }
 
 bench_variant() {  # one `quantkit bench` under environment switches: OUT_NAME CAP VAR=VALUE,... BENCH_ARGS...
-    local name=$1 cap=$2 vars=$3
+    # (a comma splits the list only before the next VAR=, so a value may hold commas: ..._CONFIG=2,1)
+    local name=$1 cap=$2 vars
+    vars=$(sed -E 's/,([A-Z_][A-Z0-9_]*=)/ \1/g' <<< "$3")
     shift 3
-    step "$cap" env ${vars//,/ } python3 -m quantkit.cli.app bench --no-baselines "$@" --out "$OUT/$name.json" 2>&1 \
+    step "$cap" env $vars python3 -m quantkit.cli.app bench --no-baselines "$@" --out "$OUT/$name.json" 2>&1 \
         | tail -14
 }
 

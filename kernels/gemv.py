@@ -98,6 +98,28 @@ def _row_tile_dot(acc, w, x_ptr, k0, ks, K, EVEN_K: tl.constexpr, xs, QUANT_X: t
 
 
 @triton.jit
+def _weight_tile(w_rows, k0, ks, K, EVEN_K: tl.constexpr):
+    """The [BLOCK_N, BLOCK_K] weight tile at column ``k0``, as stored (zeros past K)."""
+    if EVEN_K:
+        return tl.load(w_rows + k0 + ks[None, :])
+    return tl.load(w_rows + k0 + ks[None, :], mask=k0 + ks[None, :] < K, other=0.0)
+
+
+@triton.jit
+def _rows_tile_dot(acc0, acc1, acc2, acc3, w, x_ptr, stride_xm, k0, ks, K, EVEN_K: tl.constexpr, xs0, xs1, xs2, xs3,
+                   M: tl.constexpr, QUANT_X: tl.constexpr):
+    """One float32 weight tile's products added into the M (1..4) rows' accumulators."""
+    acc0 = _row_tile_dot(acc0, w, x_ptr, k0, ks, K, EVEN_K, xs0, QUANT_X)
+    if M > 1:
+        acc1 = _row_tile_dot(acc1, w, x_ptr + stride_xm, k0, ks, K, EVEN_K, xs1, QUANT_X)
+    if M > 2:
+        acc2 = _row_tile_dot(acc2, w, x_ptr + 2 * stride_xm, k0, ks, K, EVEN_K, xs2, QUANT_X)
+    if M > 3:
+        acc3 = _row_tile_dot(acc3, w, x_ptr + 3 * stride_xm, k0, ks, K, EVEN_K, xs3, QUANT_X)
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
 def _amax_step(amax, x_ptr, k0, ks, K):
     x = tl.load(x_ptr + k0 + ks, mask=k0 + ks < K, other=0.0)
     return tl.maximum(amax, tl.abs(x.to(tl.float32)))
@@ -139,23 +161,23 @@ def _store_row(acc, y_ptr, b_ptr, rows, N, HAS_BIAS: tl.constexpr, xs, ws_ptr, S
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_ym, xs_ptr, ws_ptr,
                  M: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  EVEN_K: tl.constexpr, PDL: tl.constexpr, SCALED: tl.constexpr, QUANT_X: tl.constexpr = False,
-                 STATIC_X: tl.constexpr = False, AMAX_BLOCK: tl.constexpr = 16, W_VEC: tl.constexpr = 0):
+                 STATIC_X: tl.constexpr = False, AMAX_BLOCK: tl.constexpr = 16, W_VEC: tl.constexpr = 0,
+                 PREFETCH: tl.constexpr = False):
     """``y[m, rows] = x[m] . W[rows]`` for m < M (1..4) and this program's BLOCK_N rows, over all of K. PDL: load the
     first weight tile, let the next kernel launch, then wait for the previous one (which may write ``x``).
     SCALED (FP8 e4m3 ``W``): the dot products of the codes times ``xs[m] * ws[rows]``, where ``x`` holds e4m3 codes
     and ``xs_ptr`` their per-row scales, or with QUANT_X ``x`` is 16-bit and the kernel rounds it to codes itself:
     per row with the absmax scale over all of K (every program computes it; ``AMAX_BLOCK`` columns a step), or
-    STATIC_X with the one scale at ``xs_ptr``. W_VEC (0: 16 bytes' worth): weights loaded at once by a thread."""
+    STATIC_X with the one scale at ``xs_ptr``. W_VEC (0: 16 bytes' worth): weights loaded at once by a thread.
+    PREFETCH: each step requests the next weight tile before multiplying the one it holds, so two tiles a program
+    are in flight (1-byte weights put half the bytes of a 16-bit tile in flight); the same sums in the same order."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     # rows past N read row N - 1 (never stored): the loop's loads need no row mask
     w_rows = w_ptr + tl.minimum(rows, N - 1).to(tl.int64)[:, None] * stride_wn
     ks = tl.arange(0, BLOCK_K)
     if W_VEC:  # narrower than 16 bytes: 8 codes line up with x's 16-byte loads of 8 bf16 columns (QUANT_X)
         ks = tl.max_contiguous(ks, W_VEC)
-    if EVEN_K:
-        w = tl.load(w_rows + ks[None, :])
-    else:
-        w = tl.load(w_rows + ks[None, :], mask=ks[None, :] < K, other=0.0)
+    w = _weight_tile(w_rows, 0, ks, K, EVEN_K)
     if QUANT_X and STATIC_X:  # a constant of the layer, not written by the previous kernel
         xs0 = tl.load(xs_ptr).to(tl.float32)
         xs1 = xs0
@@ -171,30 +193,27 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_
         xs1 = xs0
         xs2 = xs0
         xs3 = xs0
-    w = w.to(tl.float32)
     zero = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc0 = _row_tile_dot(zero, w, x_ptr, 0, ks, K, EVEN_K, xs0, QUANT_X)
+    acc0 = zero
     acc1 = zero
     acc2 = zero
     acc3 = zero
-    if M > 1:
-        acc1 = _row_tile_dot(zero, w, x_ptr + stride_xm, 0, ks, K, EVEN_K, xs1, QUANT_X)
-    if M > 2:
-        acc2 = _row_tile_dot(zero, w, x_ptr + 2 * stride_xm, 0, ks, K, EVEN_K, xs2, QUANT_X)
-    if M > 3:
-        acc3 = _row_tile_dot(zero, w, x_ptr + 3 * stride_xm, 0, ks, K, EVEN_K, xs3, QUANT_X)
-    for k0 in range(BLOCK_K, K, BLOCK_K):
-        if EVEN_K:
-            w = tl.load(w_rows + k0 + ks[None, :]).to(tl.float32)
-        else:
-            w = tl.load(w_rows + k0 + ks[None, :], mask=k0 + ks[None, :] < K, other=0.0).to(tl.float32)
-        acc0 = _row_tile_dot(acc0, w, x_ptr, k0, ks, K, EVEN_K, xs0, QUANT_X)
-        if M > 1:
-            acc1 = _row_tile_dot(acc1, w, x_ptr + stride_xm, k0, ks, K, EVEN_K, xs1, QUANT_X)
-        if M > 2:
-            acc2 = _row_tile_dot(acc2, w, x_ptr + 2 * stride_xm, k0, ks, K, EVEN_K, xs2, QUANT_X)
-        if M > 3:
-            acc3 = _row_tile_dot(acc3, w, x_ptr + 3 * stride_xm, k0, ks, K, EVEN_K, xs3, QUANT_X)
+    if PREFETCH:
+        for k0 in range(BLOCK_K, K, BLOCK_K):
+            w_next = _weight_tile(w_rows, k0, ks, K, EVEN_K)
+            acc0, acc1, acc2, acc3 = _rows_tile_dot(acc0, acc1, acc2, acc3, w.to(tl.float32), x_ptr, stride_xm,
+                                                    k0 - BLOCK_K, ks, K, EVEN_K, xs0, xs1, xs2, xs3, M, QUANT_X)
+            w = w_next
+        last = (K - 1) // BLOCK_K * BLOCK_K
+        acc0, acc1, acc2, acc3 = _rows_tile_dot(acc0, acc1, acc2, acc3, w.to(tl.float32), x_ptr, stride_xm, last,
+                                                ks, K, EVEN_K, xs0, xs1, xs2, xs3, M, QUANT_X)
+    else:
+        acc0, acc1, acc2, acc3 = _rows_tile_dot(acc0, acc1, acc2, acc3, w.to(tl.float32), x_ptr, stride_xm, 0, ks,
+                                                K, EVEN_K, xs0, xs1, xs2, xs3, M, QUANT_X)
+        for k0 in range(BLOCK_K, K, BLOCK_K):
+            wk = _weight_tile(w_rows, k0, ks, K, EVEN_K).to(tl.float32)
+            acc0, acc1, acc2, acc3 = _rows_tile_dot(acc0, acc1, acc2, acc3, wk, x_ptr, stride_xm, k0, ks, K, EVEN_K,
+                                                    xs0, xs1, xs2, xs3, M, QUANT_X)
     if SCALED and not QUANT_X:
         xs0 = tl.load(xs_ptr)
         if M > 1:

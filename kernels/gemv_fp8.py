@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from quantkit.kernels.device_info import pdl_launch, programmatic_launch
+from quantkit.kernels.device_info import ab_switch, pdl_launch, programmatic_launch
 from quantkit.kernels.gemv import DenseGemvConfig, _gemv_kernel, layout_problem, shape_problem
 
 C = DenseGemvConfig
@@ -117,9 +117,18 @@ def gemv_fp8(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, bias:
         x, weight, weight if bias is None else bias, y, n, k, x.stride(0), weight.stride(0), y.stride(0),
         input_scale if static else w_scale, w_scale, M=m, HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0, PDL=pdl, SCALED=True, QUANT_X=True, STATIC_X=static,
-        AMAX_BLOCK=amax_block(m, k, cfg.num_warps), W_VEC=cfg.vec or VEC, num_warps=cfg.num_warps, num_stages=1,
-        **pdl_launch(pdl))
+        AMAX_BLOCK=amax_block(m, k, cfg.num_warps), W_VEC=cfg.vec or VEC, PREFETCH=fp8_gemv_prefetch(),
+        num_warps=cfg.num_warps, num_stages=1, **pdl_launch(pdl))
     return y
+
+
+def fp8_gemv_prefetch() -> bool:
+    """Whether each step of the GEMV requests the next weight tile before multiplying the one it holds
+    (``_gemv_kernel``'s PREFETCH): ``QUANTKIT_FP8_GEMV_PREFETCH=on|off``, off unless set (an A/B switch for the
+    benches until a whole step is timed with it). Why it may pay: a 1-byte tile of the table's shapes puts half
+    the bytes of the 16-bit GEMV's in flight, and on one H200 (2026-12-06, 2f10422) the 8B FP8 step's linears read
+    8.04 GB in 2.58 ms (3.1 TB/s) where bf16's read 16.1 GB in 3.58 ms (4.5 TB/s)."""
+    return ab_switch("QUANTKIT_FP8_GEMV_PREFETCH", ("off", "on")) == "on"
 
 
 def gemv_fp8_ref(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,

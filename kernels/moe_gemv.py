@@ -535,5 +535,8 @@ FINISHES = ("apart", "fused")
 
 def gemv_finish(finish: str | None = None) -> str:
     """FINISHES' pick: ``finish`` where given, else ``QUANTKIT_MOE_GEMV_FINISH`` (an A/B switch for the benches),
-    else "apart" (not yet timed in a whole step)."""
+    else "apart": timed slower fused in the Qwen3-30B-A3B int4 step at batch 1 (one H200, 2026-12-06, 2f10422):
+    402 and 402 tok/s against 410 and 412 apart, the GEMVs 2.2 us a launch longer eagerly (their last programs'
+    counter, reads and stores after the slices) for the 4 us a layer of the two launches they save
+    (bench/results/bench_qwen3-30b-a3b_int4_h200_finishfused_2f10422.json beside _default_2f10422.json)."""
     return _given_or_switch("finish", finish, "QUANTKIT_MOE_GEMV_FINISH", FINISHES)

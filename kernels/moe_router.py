@@ -53,6 +53,23 @@ def router_config(pairs: int, num_experts: int) -> tuple[int, int]:
     return forced or (BLOCK_E, _warps(pairs, num_experts))
 
 
+# float32 values a thread may hold of a program's [BLOCK_E, hidden] router rows read whole (register budget)
+WHOLE_ROW_FLOATS = 64
+
+
+def router_reads_whole_rows(tokens: int, block_e: int, hidden: int, warps: int) -> bool:
+    """Whether a program reads its router rows (and the activations) whole, in one tile requested before the wait
+    for the previous kernel, rather than chunk by chunk after it: with ``QUANTKIT_MOE_ROUTER_ROWS=whole`` (an A/B
+    switch for the benches; "chunks", the default, until a whole step is timed with it), where the [tokens,
+    BLOCK_E, hidden] product fits WHOLE_ROW_FLOATS a thread (Qwen3-30B-A3B's hidden 2048 at batch 1). Why it may
+    pay: the eager batch-1 step spends 7.3 us a layer in this launch for 0.5 MB (one H200, 2026-12-06), and the
+    chunked reads are serial round trips after the wait (fewer warps, more chunks: slower)."""
+    if ab_switch("QUANTKIT_MOE_ROUTER_ROWS", ("chunks", "whole")) != "whole":
+        return False
+    cells = triton.next_power_of_2(tokens) * block_e * triton.next_power_of_2(hidden)
+    return cells <= WHOLE_ROW_FLOATS * 32 * warps
+
+
 def norm_router_selected() -> bool:
     """Whether the runtime's MoE block runs its pre-norm inside the fused router's launch
     (:func:`norm_router_route_and_align`) where the fused router serves: the default; ``QUANTKIT_MOE_NORM_ROUTER=apart``
@@ -69,47 +86,41 @@ def _router_route_kernel(x_ptr, stride_xt, w_ptr, stride_we, logits_ptr, counter
                          PAIRS: tl.constexpr, EXPERTS: tl.constexpr, FILL: tl.constexpr, BLOCKS: tl.constexpr,
                          BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, ALIGN: tl.constexpr,
                          TOP_K_P2: tl.constexpr, PDL: tl.constexpr = False, NORM: tl.constexpr = False,
-                         HAS_RES: tl.constexpr = False):
+                         HAS_RES: tl.constexpr = False, WHOLE: tl.constexpr = False):
     # NORM: x is not the router's input but the MoE block's ``delta`` (and ``res_ptr`` its residual stream): every
     # program forms ``rms_norm(delta + residual)`` itself, element for element as decoder_ops.add_rms_norm does,
     # and the first program stores the normed rows (xo) and the sum (ro) for the experts and the next layer
-    if PDL:  # the next kernel may launch; x is the previous one's output
-        gdc_launch_dependents()
-        gdc_wait()
+    # WHOLE: BLOCK_H spans the hidden size, so each row is read once (one pass, the norm's too), and the router's
+    # rows, which no earlier kernel writes, are requested before waiting for the previous kernel
     pid = tl.program_id(0)
     offs_t = tl.arange(0, TOKENS)
     offs_e = pid * BLOCK_E + tl.arange(0, BLOCK_E)
     t_mask = offs_t < num_tokens
     e_mask = offs_e < num_experts
-    acc = tl.zeros((TOKENS, BLOCK_E), dtype=tl.float32)
-    if NORM:  # the rows' sums of squares first, then the normed values chunk by chunk below
-        sq = tl.zeros((TOKENS,), dtype=tl.float32)
-        for h0 in range(0, hidden, BLOCK_H):
-            offs_h = h0 + tl.arange(0, BLOCK_H)
-            th_mask = t_mask[:, None] & (offs_h < hidden)[None, :]
-            s = _summed_rows(x_ptr, res_ptr, stride_xt, stride_rt, offs_t, offs_h, th_mask, xo_ptr, HAS_RES)
-            sq += tl.sum(s * s, axis=1)
-        rstd = 1.0 / tl.sqrt(sq / hidden + eps)
-    for h0 in range(0, hidden, BLOCK_H):
-        offs_h = h0 + tl.arange(0, BLOCK_H)
+    if PDL:  # the next kernel may launch
+        gdc_launch_dependents()
+    if WHOLE:
+        offs_h = tl.arange(0, BLOCK_H)
         h_mask = offs_h < hidden
+        w = tl.load(w_ptr + offs_e[:, None] * stride_we + offs_h[None, :], mask=e_mask[:, None] & h_mask[None, :],
+                    other=0.0)
+    if PDL:  # x is the previous kernel's output
+        gdc_wait()
+    if WHOLE:
         th_mask = t_mask[:, None] & h_mask[None, :]
         if NORM:
             s = _summed_rows(x_ptr, res_ptr, stride_xt, stride_rt, offs_t, offs_h, th_mask, xo_ptr, HAS_RES)
-            nw = tl.load(norm_ptr + offs_h, mask=h_mask, other=0.0).to(tl.float32)
-            normed = (s * rstd[:, None] * (nw + offset)[None, :]).to(xo_ptr.dtype.element_ty)
-            if pid == 0:
-                out = offs_t[:, None] * stride_ot + offs_h[None, :]
-                tl.store(xo_ptr + out, normed, mask=th_mask)
-                if HAS_RES:
-                    tl.store(ro_ptr + out, s.to(ro_ptr.dtype.element_ty), mask=th_mask)
-            x = normed.to(tl.float32)  # the router reads the normed rows as rounded, as F.linear on them would
+            rstd = 1.0 / tl.sqrt(tl.sum(s * s, axis=1) / hidden + eps)
+            x = _normed_rows(s, rstd, norm_ptr, offset, offs_t, offs_h, h_mask, th_mask, xo_ptr, ro_ptr, stride_ot,
+                             pid, HAS_RES)
         else:
             x = tl.load(x_ptr + offs_t[:, None] * stride_xt + offs_h[None, :], mask=th_mask,
-                        other=0.0).to(tl.float32)  # [TOKENS, BLOCK_H]
-        w = tl.load(w_ptr + offs_e[:, None] * stride_we + offs_h[None, :], mask=e_mask[:, None] & h_mask[None, :],
-                    other=0.0).to(tl.float32)  # [BLOCK_E, BLOCK_H]
-        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+                        other=0.0).to(tl.float32)
+        acc = tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    else:
+        acc = _chunked_logits(x_ptr, stride_xt, w_ptr, stride_we, res_ptr, stride_rt, norm_ptr, xo_ptr, ro_ptr,
+                              stride_ot, eps, offset, hidden, offs_t, offs_e, t_mask, e_mask, pid, TOKENS, BLOCK_E,
+                              BLOCK_H, NORM, HAS_RES)
     # rounded to the activations' dtype (the logits buffer's), as F.linear's output is
     tl.store(logits_ptr + offs_t[:, None] * num_experts + offs_e[None, :], acc.to(logits_ptr.dtype.element_ty),
              mask=t_mask[:, None] & e_mask[None, :])
@@ -132,6 +143,53 @@ def _summed_rows(x_ptr, res_ptr, stride_xt, stride_rt, offs_t, offs_h, mask, dty
         r = tl.load(res_ptr + offs_t[:, None] * stride_rt + offs_h[None, :], mask=mask, other=0.0)
         s = (s + r.to(tl.float32)).to(dtype_ptr.dtype.element_ty).to(tl.float32)
     return s
+
+
+@triton.jit
+def _normed_rows(s, rstd, norm_ptr, offset, offs_t, offs_h, h_mask, th_mask, xo_ptr, ro_ptr, stride_ot, pid,
+                 HAS_RES: tl.constexpr):
+    """``rms_norm`` of a chunk of the summed rows ``s`` as the model's dtype rounds it, returned in float32 (the
+    router reads the normed rows as rounded, as F.linear on them would); program 0 stores them (and the sums)."""
+    nw = tl.load(norm_ptr + offs_h, mask=h_mask, other=0.0).to(tl.float32)
+    normed = (s * rstd[:, None] * (nw + offset)[None, :]).to(xo_ptr.dtype.element_ty)
+    if pid == 0:
+        out = offs_t[:, None] * stride_ot + offs_h[None, :]
+        tl.store(xo_ptr + out, normed, mask=th_mask)
+        if HAS_RES:
+            tl.store(ro_ptr + out, s.to(ro_ptr.dtype.element_ty), mask=th_mask)
+    return normed.to(tl.float32)
+
+
+@triton.jit
+def _chunked_logits(x_ptr, stride_xt, w_ptr, stride_we, res_ptr, stride_rt, norm_ptr, xo_ptr, ro_ptr, stride_ot, eps,
+                    offset, hidden, offs_t, offs_e, t_mask, e_mask, pid, TOKENS: tl.constexpr,
+                    BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr):
+    """The program's [TOKENS, BLOCK_E] logits over the hidden size chunk by chunk (rows wider than one tile); with
+    NORM, the rows' sums of squares in a first pass, then the normed values chunk by chunk."""
+    acc = tl.zeros((TOKENS, BLOCK_E), dtype=tl.float32)
+    if NORM:
+        sq = tl.zeros((TOKENS,), dtype=tl.float32)
+        for h0 in range(0, hidden, BLOCK_H):
+            offs_h = h0 + tl.arange(0, BLOCK_H)
+            th_mask = t_mask[:, None] & (offs_h < hidden)[None, :]
+            s = _summed_rows(x_ptr, res_ptr, stride_xt, stride_rt, offs_t, offs_h, th_mask, xo_ptr, HAS_RES)
+            sq += tl.sum(s * s, axis=1)
+        rstd = 1.0 / tl.sqrt(sq / hidden + eps)
+    for h0 in range(0, hidden, BLOCK_H):
+        offs_h = h0 + tl.arange(0, BLOCK_H)
+        h_mask = offs_h < hidden
+        th_mask = t_mask[:, None] & h_mask[None, :]
+        if NORM:
+            s = _summed_rows(x_ptr, res_ptr, stride_xt, stride_rt, offs_t, offs_h, th_mask, xo_ptr, HAS_RES)
+            x = _normed_rows(s, rstd, norm_ptr, offset, offs_t, offs_h, h_mask, th_mask, xo_ptr, ro_ptr, stride_ot,
+                             pid, HAS_RES)
+        else:
+            x = tl.load(x_ptr + offs_t[:, None] * stride_xt + offs_h[None, :], mask=th_mask,
+                        other=0.0).to(tl.float32)  # [TOKENS, BLOCK_H]
+        w = tl.load(w_ptr + offs_e[:, None] * stride_we + offs_h[None, :], mask=e_mask[:, None] & h_mask[None, :],
+                    other=0.0).to(tl.float32)  # [BLOCK_E, BLOCK_H]
+        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+    return acc
 
 
 def router_route_and_align(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool,
@@ -185,8 +243,10 @@ def _launch(x, router, top_k, renormalize, counter, block_m, align, norm):
     toks = triton.next_power_of_2(tokens)
     pdl = moe_programmatic_launch(dev)
     block_e, warps = router_config(pairs, num_experts)
-    # a [TOKENS, BLOCK_E, BLOCK_H] product of 32 values a thread a step (~4K at 4 warps)
-    block_h = max(32, min(triton.next_power_of_2(hidden), 1024 * warps // (toks * block_e)))
+    whole = router_reads_whole_rows(toks, block_e, hidden, warps)
+    # a [TOKENS, BLOCK_E, BLOCK_H] product of 32 values a thread a step (~4K at 4 warps), or the whole rows
+    block_h = triton.next_power_of_2(hidden) if whole else max(
+        32, min(triton.next_power_of_2(hidden), 1024 * warps // (toks * block_e)))
     grid = (triton.cdiv(num_experts, block_e),)
     residual, norm_weight, eps, offset, x_out, summed = norm if norm is not None else (None, x, 0.0, 0.0, x, x)
     res = x if residual is None else residual
@@ -197,6 +257,6 @@ def _launch(x, router, top_k, renormalize, counter, block_m, align, norm):
                                PAIRS=triton.next_power_of_2(pairs), EXPERTS=triton.next_power_of_2(num_experts),
                                FILL=FILL, BLOCKS=_blocks_a_step(num_experts), BLOCK_E=block_e, BLOCK_H=block_h,
                                ALIGN=align, TOP_K_P2=triton.next_power_of_2(top_k), PDL=pdl,
-                               NORM=norm is not None, HAS_RES=residual is not None,
+                               NORM=norm is not None, HAS_RES=residual is not None, WHOLE=whole,
                                num_warps=warps, **pdl_launch(pdl))
     return weights, ids, (sorted_ids, block_expert) if align else None

@@ -77,12 +77,15 @@ CASES = [(37, 300, True, torch.float16, C(8, 64, 2)),
          (9, 200, True, torch.bfloat16, C(2, 512, 4))]
 
 
+@pytest.mark.parametrize("prefetch", ["off", "on"])
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
 @pytest.mark.parametrize("static", [False, True])
 @pytest.mark.parametrize("n,k,bias,dtype,cfg", CASES)
-def test_equals_the_two_launch_path_bitwise(m, static, n, k, bias, dtype, cfg):
+def test_equals_the_two_launch_path_bitwise(monkeypatch, prefetch, m, static, n, k, bias, dtype, cfg):
     """Same codes, same scales, same float32 sums at the same config and vector width (the two-launch path with
-    ``vec=8``): the float32 results are equal, and an all-zero row (m > 2: row 1) gives exactly the bias."""
+    ``vec=8``): the float32 results are equal, and an all-zero row (m > 2: row 1) gives exactly the bias; with the
+    next weight tile requested a step ahead too (QUANTKIT_FP8_GEMV_PREFETCH=on: the same sums in the same order)."""
+    monkeypatch.setenv("QUANTKIT_FP8_GEMV_PREFETCH", prefetch)
     wq, ws = _weights(n, k, seed=n)
     x = _x(m, k, dtype, seed=m)
     b = torch.randn(n, device=DEV).to(dtype) if bias else None
@@ -188,17 +191,21 @@ def test_config_table():
     assert not fits(C(1, 512, 4), 1, 4096)  # 512 codes over 128 threads: threads without a vector
 
 
-@pytest.mark.parametrize("m,block_n,block_k,warps,static", [(1, 4, 2048, 4, False), (4, 2, 2048, 4, False),
-                                                            (2, 2, 4096, 8, True)])
-def test_sm90_one_launch_variant(sm90, tmp_path, m, block_n, block_k, warps, static):
+@pytest.mark.parametrize("m,block_n,block_k,warps,static,prefetch", [(1, 4, 2048, 4, False, False),
+                                                                     (4, 2, 2048, 4, False, False),
+                                                                     (2, 2, 4096, 8, True, False),
+                                                                     (1, 4, 1024, 4, False, True),
+                                                                     (4, 2, 2048, 4, False, True)])
+def test_sm90_one_launch_variant(sm90, tmp_path, m, block_n, block_k, warps, static, prefetch):
     """The fused kernel for sm_90: its first weight tile (8-byte loads) requested before ``griddepcontrol.wait``
     (ACQBULK) and the next kernel let launch there (PREEXIT); from the first weight load after the wait to the
     last (the main loop) no shared memory and no barrier (x's codes stay in the threads that multiply them); the
     activations rounded with the saturating round-to-nearest instruction and the division ``fp8_quant``'s kernel
-    uses (so the codes are the same); no spills."""
+    uses (so the codes are the same); no spills; with PREFETCH, too."""
     out = str(tmp_path / "gemv_fp8")
     compile_gemv_sm90(sm90, out, "*bf16", "*fp8e4nv", warps, M=m, BLOCK_N=block_n, BLOCK_K=block_k, SCALED=True,
-                      QUANT_X=True, STATIC_X=static, AMAX_BLOCK=amax_block(m, 4096, warps), W_VEC=VEC)
+                      QUANT_X=True, STATIC_X=static, AMAX_BLOCK=amax_block(m, 4096, warps), W_VEC=VEC,
+                      PREFETCH=prefetch)
     sass = sm90.sass(out + ".cubin")
     wait = next(i for i, line in enumerate(sass) if "ACQBULK" in line)
     assert sum("LDG.E.64" in line for line in sass[:wait]) == block_n * block_k // (8 * 32 * warps)
@@ -247,6 +254,22 @@ def test_8b_shapes_on_the_gpu(n, k, m, static):
     got = gemv_fp8(x, wq, ws, b, input_scale)
     assert got.dtype == torch.bfloat16 and ((got.float() - ref).norm() / ref.norm()).item() < 4e-3
     torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", SHAPES_8B)
+@pytest.mark.parametrize("m", [1, 4])
+def test_prefetch_changes_no_bit_on_the_gpu(monkeypatch, n, k, m):
+    """QUANTKIT_FP8_GEMV_PREFETCH=on at the 8B shapes and the table's configs: bitwise the result without it."""
+    wq, ws = _weights(n, k, seed=n + k + 1, device="cuda")
+    x = _x(m, k, torch.bfloat16, seed=m + 1, device="cuda")
+    monkeypatch.setenv("QUANTKIT_FP8_GEMV_PREFETCH", "off")
+    want = gemv_fp8(x, wq, ws, out_dtype=torch.float32)
+    monkeypatch.setenv("QUANTKIT_FP8_GEMV_PREFETCH", "on")
+    assert torch.equal(gemv_fp8(x, wq, ws, out_dtype=torch.float32), want)
+    monkeypatch.setenv("QUANTKIT_FP8_GEMV_PREFETCH", "yes")
+    with pytest.raises(ValueError, match="QUANTKIT_FP8_GEMV_PREFETCH"):
+        gemv_fp8(x, wq, ws)
 
 
 @pytest.mark.gpu
