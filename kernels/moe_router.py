@@ -92,21 +92,23 @@ def _router_route_kernel(x_ptr, stride_xt, w_ptr, stride_we, logits_ptr, counter
     # and the first program stores the normed rows (xo) and the sum (ro) for the experts and the next layer
     # WHOLE: BLOCK_H spans the hidden size, so each row is read once (one pass, the norm's too), and the router's
     # rows, which no earlier kernel writes, are requested before waiting for the previous kernel
+    if PDL and not WHOLE:  # the next kernel may launch; x is the previous one's output
+        gdc_launch_dependents()
+        gdc_wait()
     pid = tl.program_id(0)
     offs_t = tl.arange(0, TOKENS)
     offs_e = pid * BLOCK_E + tl.arange(0, BLOCK_E)
     t_mask = offs_t < num_tokens
     e_mask = offs_e < num_experts
-    if PDL:  # the next kernel may launch
-        gdc_launch_dependents()
     if WHOLE:
+        if PDL:
+            gdc_launch_dependents()
         offs_h = tl.arange(0, BLOCK_H)
         h_mask = offs_h < hidden
         w = tl.load(w_ptr + offs_e[:, None] * stride_we + offs_h[None, :], mask=e_mask[:, None] & h_mask[None, :],
                     other=0.0)
-    if PDL:  # x is the previous kernel's output
-        gdc_wait()
-    if WHOLE:
+        if PDL:
+            gdc_wait()
         th_mask = t_mask[:, None] & h_mask[None, :]
         if NORM:
             s = _summed_rows(x_ptr, res_ptr, stride_xt, stride_rt, offs_t, offs_h, th_mask, xo_ptr, HAS_RES)
