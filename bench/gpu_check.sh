@@ -42,7 +42,8 @@
 # the 8B step with it (`fp8-mma 480`), and that step under other switches (`fp8-step BUDGET NAME:FORMATS:VARS ...`);
 # issue 41's CUDA decode kernel on the card at hand: the 8B step's layers, then the int4 step with the card's CUDA
 # candidates beside the shipped table (`w4a16-ab 540`); the opt-in switches still to be timed, each against its
-# default, and the 30B-A3B attention cells (`pending 330`, carry .stage/whl).
+# default, and the 30B-A3B attention cells (`pending 230`, carry .stage/whl); issue 42's FP8 GEMV on codes tuned
+# on the card and the 8B FP8 step with its picks against without (`fp8-codes 420`).
 # Everything lands in $OUT (JSON of each bench, the suite's log).
 # pytest runs with OMP_NUM_THREADS=1: 8-12 xdist workers on 16 cores, each with torch's one thread a core, took
 # turns on the cores (the MoE GPU tests, mostly CPU set-up, ran 44-109 s a case on an H100, 2026-12-05).
@@ -313,15 +314,28 @@ w4a16-ab)  # issue 41 on the card at hand in one call (BUDGET_S ~480): the 8B st
         rm -f "$OUT"/*.png
     fi
     ;;
-pending)  # the opt-in switches written since the last GPU run, each against its default in one call (BUDGET_S ~330,
-    # carry .stage/whl): the router's rows read whole (issue 39), the FP8 GEMV's next tile a step ahead (issue 42),
-    # both twice, alternating; then the 30B-A3B attention projections' decode cells on this card (no H200 entry yet)
+pending)  # the opt-in switch written since the last GPU run against its default in one call (BUDGET_S ~230,
+    # carry .stage/whl): the router's rows read whole (issue 39), twice, alternating; then the 30B-A3B attention
+    # projections' decode cells on this card (no H200 entry yet)
     install_wheels
     card | tee "$OUT/card.txt"
     MOE_FORMATS=int4 moe_steps chunks: whole:QUANTKIT_MOE_ROUTER_ROWS=whole chunks2: whole2:QUANTKIT_MOE_ROUTER_ROWS=whole
-    fp8_steps off:fp8: pre:fp8:QUANTKIT_FP8_GEMV_PREFETCH=on off2:fp8: pre2:fp8:QUANTKIT_FP8_GEMV_PREFETCH=on
     step 100 python3 bench/bench_w4a16_decode.py --deadline 80 --ms 1,8 --shapes 5120x2048,2048x4096 \
         --out "$OUT/w4a16_decode_30b.json" 2>&1 | tail -24
+    ;;
+fp8-codes)  # issue 42: the FP8 GEMV on codes (the runtime's kernel at one row) tuned on this card at M = 1, prefetch
+    # among the candidates, then the 8B FP8 step without and with the picks (bench/lib/with_fp8_codes_table.py), twice,
+    # alternating (BUDGET_S ~420, no carry)
+    card | tee "$OUT/card.txt"
+    step 170 python3 bench/tune_fp8_gemv.py --path codes --ms 1 --deadline 150 --out "$OUT/fp8_codes_tune.json" \
+        2>&1 | tail -16
+    for i in 1 2; do
+        step 100 python3 -m quantkit.cli.app bench --no-baselines --shape llama3-8b --formats fp8 --batches 1,8 \
+            --steps 64 --out "$OUT/bench_8b_fp8_table$i.json" 2>&1 | tail -8
+        step 100 python3 bench/lib/with_fp8_codes_table.py "$OUT/fp8_codes_tune.json" bench --no-baselines \
+            --shape llama3-8b --formats fp8 --batches 1,8 --steps 64 --out "$OUT/bench_8b_fp8_tuned$i.json" 2>&1 | tail -8
+    done
+    rm -f "$OUT"/*.png
     ;;
 moe-quantize)  # issue 39's 10-minute targets: GPTQ (third argument gptq, the default) or AWQ (awq) with the
     # defaults on 128 x 2048 tokens, on the first LAYERS (fourth argument, default 16) of the Qwen3-30B-A3B shape:
@@ -332,5 +346,5 @@ moe-quantize)  # issue 39's 10-minute targets: GPTQ (third argument gptq, the de
     step 560 python3 bench/bench_moe.py --skip "$other" serve kernel --layers "${4:-16}" \
         --out "$OUT/bench_moe_$m.json" 2>&1 | tail -30
     ;;
-*) echo "usage: gpu_check.sh benches|suite|one|tests|gguf|coldstart-ab|moe|w4a16|moe-decode|moe-math|moe-step|moe-prefill|moe-quantize|fp8-mma|fp8-step|w4a16-ab|pending|ab BUDGET_S"; exit 2 ;;
+*) echo "usage: gpu_check.sh benches|suite|one|tests|gguf|coldstart-ab|moe|w4a16|moe-decode|moe-math|moe-step|moe-prefill|moe-quantize|fp8-mma|fp8-step|w4a16-ab|pending|fp8-codes|ab BUDGET_S"; exit 2 ;;
 esac

@@ -1,12 +1,19 @@
-"""FP8 decode GEMV configs (kernels/gemv_fp8.py) on this GPU: every candidate checked, then timed, beside today's
-two-launch path and bf16, on Llama-3-8B's linears at M = 1, 2, 4.
+"""FP8 decode GEMV configs on this GPU: every candidate checked, then timed, beside today's two-launch path and
+bf16, on Llama-3-8B's linears at M = 1, 2, 4.
 
-    python bench/tune_fp8_gemv.py [--shapes 6144x4096,...] [--ms 1,2,4] [--deadline 120] [--jobs 12] [--out PATH]
+    python bench/tune_fp8_gemv.py [--path codes|fused] [--shapes 6144x4096,...] [--ms 1,2,4] [--deadline 120]
+                                  [--jobs 12] [--out PATH]
 
-Candidates: BLOCK_N in 1, 2, 4, 8, 16, BLOCK_K in 512 .. 8192, 4 or 8 warps, kept where ``gemv_fp8.fits`` says the
-tile fits (every thread owns a weight vector, BLOCK_K within K, (M + 1) x the thread's share of the tile at most
-``MAX_TILE_FLOATS`` float32 registers: past it the sm_90 build spills). All of them are compiled first, in
-``--jobs`` worker processes (Triton's disk cache then serves this process). Each (shape, M) cell then:
+``--path codes`` (the default) tunes the GEMV on e4m3 codes, ``gemv(qx, w, scales=)`` in kernels/gemv.py: the
+runtime's kernel at one row, where the norm or activation kernel in front writes the codes; it is timed alone (the
+codes made once, outside the timing) and its picks print as ``TUNED_FP8_CODES`` lines for this card. ``--path
+fused`` tunes the one-launch GEMV that quantizes its own activations (kernels/gemv_fp8.py, ``TUNED_FP8``).
+
+Candidates: BLOCK_N in 1, 2, 4, 8, 16, BLOCK_K in 512 .. 8192, 4 or 8 warps, the next weight tile requested a step
+ahead or not (``prefetch``), kept where ``gemv_fp8.fits`` says the tile fits (every thread owns a weight vector: 8
+codes fused, 16 on codes; BLOCK_K within K, (M + 1) x the thread's share of the tile at most ``MAX_TILE_FLOATS``
+float32 registers: past it the sm_90 build spills). All of them are compiled first, in ``--jobs`` worker processes
+(Triton's disk cache then serves this process). Each (shape, M) cell then:
 
 * checks every candidate on random bf16 activations against the float32 reference (``gemv_fp8_ref``): the max
   error relative to the reference's largest value (a bf16 output rounding is ~4e-3); one above ``--max-err`` is
@@ -47,16 +54,47 @@ LAYERS = 32
 BLOCK_NS, BLOCK_KS, WARPS = (1, 2, 4, 8, 16), (512, 1024, 2048, 4096, 8192), (4, 8)
 
 
-def candidates(m: int, k: int) -> list:
+def candidates(m: int, k: int, path: str) -> list:
     from quantkit.kernels.gemv import DenseGemvConfig
     from quantkit.kernels.gemv_fp8 import fits
 
-    out = [DenseGemvConfig(bn, bk, w) for bn in BLOCK_NS for bk in BLOCK_KS for w in WARPS]
-    return [c for c in out if fits(c, m, k)]
+    out = [DenseGemvConfig(bn, bk, w, prefetch=p) for bn in BLOCK_NS for bk in BLOCK_KS for w in WARPS
+           for p in (False, True)]
+    return [c for c in out if fits(c, m, k, vec=16 if path == "codes" else 8)]
 
 
 def label(cfg) -> str:
-    return f"{cfg.block_n}x{cfg.block_k}/{cfg.num_warps}w"
+    return f"{cfg.block_n}x{cfg.block_k}/{cfg.num_warps}w" + ("+pf" if cfg.prefetch else "")
+
+
+def cfg_fields(cfg) -> list:
+    return [cfg.block_n, cfg.block_k, cfg.num_warps, cfg.prefetch]
+
+
+def runner(path: str, x, wq, ws):
+    """``run(cfg)``: the kernel ``--path`` tunes at ``cfg`` on these operands (codes: ``x`` quantized once, here, as
+    the kernel in front of the linear would write it)."""
+    from quantkit.kernels.fp8_quant import quantize_per_token
+    from quantkit.kernels.gemv import gemv
+    from quantkit.kernels.gemv_fp8 import gemv_fp8
+
+    if path == "fused":
+        return lambda cfg: gemv_fp8(x, wq, ws, config=cfg)
+    qx, sx = quantize_per_token(x)
+    return lambda cfg: gemv(qx, wq, None, config=cfg, scales=(sx, ws), out_dtype=torch_bf16())
+
+
+def torch_bf16():
+    import torch
+
+    return torch.bfloat16
+
+
+def table_config(path: str, m: int, n: int, k: int, card: str | None):
+    from quantkit.kernels.gemv import _fp8_codes_config
+    from quantkit.kernels.gemv_fp8 import fp8_gemv_config
+
+    return fp8_gemv_config(m, n, k) if path == "fused" else _fp8_codes_config(m, n, k, card)
 
 
 def _compile(tasks: list, device: str) -> int:
@@ -67,16 +105,15 @@ def _compile(tasks: list, device: str) -> int:
     import torch
 
     from quantkit.kernels.gemv import DenseGemvConfig
-    from quantkit.kernels.gemv_fp8 import gemv_fp8
 
     weights, done = {}, 0
-    for n, k, m, cfg in tasks:
+    for n, k, m, cfg, path in tasks:
         if (n, k) not in weights:
             weights[(n, k)] = (torch.zeros(n, k, device=device, dtype=torch.float8_e4m3fn),
                                torch.ones(1, n, device=device))
         try:
-            gemv_fp8(torch.zeros(m, k, device=device, dtype=torch.bfloat16), *weights[(n, k)],
-                     config=DenseGemvConfig(*cfg))
+            run = runner(path, torch.zeros(m, k, device=device, dtype=torch.bfloat16), *weights[(n, k)])
+            run(DenseGemvConfig(*cfg))
             done += 1
         except Exception:  # reported when the cell checks it
             pass
@@ -87,9 +124,9 @@ def _compile(tasks: list, device: str) -> int:
 
 
 
-def precompile(cells, jobs: int, until: float, device: str, log) -> None:
+def precompile(cells, jobs: int, until: float, device: str, log, path: str) -> None:
     """Compile every candidate of every cell in ``jobs`` spawned processes (``tuning.precompile_in_workers``)."""
-    tasks = sorted({(n, k, m, (c.block_n, c.block_k, c.num_warps)) for n, k, m in cells for c in candidates(m, k)})
+    tasks = sorted({(n, k, m, tuple(cfg_fields(c)), path) for n, k, m in cells for c in candidates(m, k, path)})
     precompile_in_workers(tasks, _compile, jobs, until, device, log)
 
 
@@ -117,13 +154,14 @@ def run_cell(shape: Shape, m: int, args, us, log) -> dict:
     from quantkit.kernels.dispatch import dense_linear
     from quantkit.kernels.fp8_quant import quantize_per_token
     from quantkit.kernels.gemv import gemv
-    from quantkit.kernels.gemv_fp8 import fp8_gemv_config, gemv_fp8, gemv_fp8_ref
+    from quantkit.kernels.gemv_fp8 import gemv_fp8_ref
 
     n, k, wq, ws = shape.n, shape.k, shape.wq, shape.ws
     x = torch.randn(m, k, device=wq.device, generator=torch.Generator(device=wq.device).manual_seed(m)).bfloat16()
     ref = gemv_fp8_ref(x, wq, ws, out_dtype=torch.float32)
+    run = runner(args.path, x, wq, ws)
 
-    def two_launch(config=None):  # today's path: its own config unless one is given
+    def two_launch(config=None):  # the quantization kernel, then the GEMV on codes at its own config or ``config``
         qx, sx = quantize_per_token(x)
         return gemv(qx, wq, None, config=config, scales=(sx, ws), out_dtype=torch.bfloat16)
 
@@ -131,23 +169,26 @@ def run_cell(shape: Shape, m: int, args, us, log) -> dict:
         return ((y.float() - ref).abs().max() / ref.abs().max()).item()
 
     y_two = two_launch()
-    table = fp8_gemv_config(m, n, k)
-    cell = dict(N=n, K=k, M=m, copy_tbs=shape.copy_tbs, table=label(table), two_launch_err=max_err(y_two),
-                two_launch_us=us(two_launch, args.replays), cublas_us=us(lambda: F.linear(x, shape.w16), args.replays),
+    table = table_config(args.path, m, n, k, args.card)
+    cell = dict(N=n, K=k, M=m, path=args.path, copy_tbs=shape.copy_tbs, table=label(table),
+                two_launch_err=max_err(y_two), two_launch_us=us(two_launch, args.replays),
+                cublas_us=us(lambda: F.linear(x, shape.w16), args.replays),
                 bf16_us=us(lambda: dense_linear(x, shape.w16), args.replays), rows=[])
-    cands = candidates(m, k)
+    # "same": bitwise the two-launch path's result (fused), or the table config's (codes)
+    y_same = y_two if args.path == "fused" else run(table)
+    cands = candidates(m, k, args.path)
     cands += [table] if table not in cands else []
     for cfg in cands:
-        row = dict(config=label(cfg), cfg=[cfg.block_n, cfg.block_k, cfg.num_warps])
+        row = dict(config=label(cfg), cfg=cfg_fields(cfg))
         if time.time() > args.t_end:
             row["error"] = "deadline: not run"
             cell["rows"].append(row)
             continue
         try:
-            y = gemv_fp8(x, wq, ws, config=cfg)
-            row.update(max_err=max_err(y), same=bool(torch.equal(y, y_two)))
+            y = run(cfg)
+            row.update(max_err=max_err(y), same=bool(torch.equal(y, y_same)))
             if row["max_err"] <= args.max_err:
-                row["us"] = us(lambda cfg=cfg: gemv_fp8(x, wq, ws, config=cfg), args.replays)
+                row["us"] = us(lambda cfg=cfg: run(cfg), args.replays)
         except Exception as e:
             row["error"] = f"{type(e).__name__}: {e}"[:300]
         cell["rows"].append(row)
@@ -155,14 +196,15 @@ def run_cell(shape: Shape, m: int, args, us, log) -> dict:
     confirm = timed[: args.confirm] + [r for r in timed[args.confirm:] if r["config"] == label(table)]
     for r in confirm:
         cfg = type(table)(*r["cfg"])
-        r["us_confirm"] = us(lambda cfg=cfg: gemv_fp8(x, wq, ws, config=cfg), 4 * args.replays)
-        # the two-launch path's GEMV at the same tile (its 16-byte vectors: 16 codes a thread): its configs are
-        # bf16's with BLOCK_K doubled, which keep half bf16's warps per SM (bench/sass_fp8_gemv.py)
-        try:
-            r["two_launch_err"] = max_err(two_launch(cfg))
-            r["two_launch_us"] = us(lambda cfg=cfg: two_launch(cfg), 4 * args.replays)
-        except Exception as e:
-            r["two_launch_error"] = f"{type(e).__name__}: {e}"[:300]
+        r["us_confirm"] = us(lambda cfg=cfg: run(cfg), 4 * args.replays)
+        if args.path == "fused":
+            # the two-launch path's GEMV at the same tile (its 16-byte vectors: 16 codes a thread): its configs
+            # are bf16's with BLOCK_K doubled, which keep half bf16's warps per SM (bench/sass_fp8_gemv.py)
+            try:
+                r["two_launch_err"] = max_err(two_launch(cfg))
+                r["two_launch_us"] = us(lambda cfg=cfg: two_launch(cfg), 4 * args.replays)
+            except Exception as e:
+                r["two_launch_error"] = f"{type(e).__name__}: {e}"[:300]
     if confirm:
         best = min(confirm, key=lambda r: r["us_confirm"])
         cell["best"] = dict(config=best["config"], cfg=best["cfg"], us=best["us_confirm"])
@@ -197,8 +239,9 @@ def print_cell(cell: dict, shape: Shape, log) -> None:
             f"{r.get('two_launch_us', float('nan')):>14.1f}{note}")
 
 
-def summary(cells: list, shapes: dict, n_shapes: int, log) -> list[str]:
-    """The closing table, the per-token totals and the TUNED_FP8 lines to paste."""
+def summary(cells: list, shapes: dict, n_shapes: int, log, path: str = "fused", card: str = "") -> list[str]:
+    """The closing table, the per-token totals and the table lines to paste (``TUNED_FP8`` for the fused path,
+    ``TUNED_FP8_CODES`` for the GEMV on codes, M = 1 only, keyed by this card)."""
     log(f"\n{'shape':<12} {'M':>2} {'pick':<14} {'us':>7} {'% copy':>7} {'table us':>9} {'2-launch':>9} "
         f"{'bf16':>7} {'cuBLAS':>7} {'x bf16':>7} {'x 2-launch':>10}  best 2-launch config")
     lines, totals = [], {}
@@ -212,8 +255,11 @@ def summary(cells: list, shapes: dict, n_shapes: int, log) -> list[str]:
             f"{c['two_launch_us'] / b['us']:>10.2f}  "
             + (f"{c['two_launch_best']['config']} {c['two_launch_best']['us']:.1f} us" if "two_launch_best" in c
                else "-"))
-        lines.append(f"    ({c['N']}, {c['K']}, {c['M']}): C({b['cfg'][0]}, {b['cfg'][1]}, {b['cfg'][2]}),  "
-                     f"# {b['us']:.1f} us, {100 * gbs(shape, b['us']) / (shape.copy_tbs * 1e3):.0f}% of copy")
+        pf = ", prefetch=True" if len(b["cfg"]) > 3 and b["cfg"][3] else ""
+        key = f"{card!r}, {c['N']}, {c['K']}" if path == "codes" else f"{c['N']}, {c['K']}, {c['M']}"
+        if path == "fused" or c["M"] == 1:
+            lines.append(f"    ({key}): C({b['cfg'][0]}, {b['cfg'][1]}, {b['cfg'][2]}{pf}),  "
+                         f"# {b['us']:.1f} us, {100 * gbs(shape, b['us']) / (shape.copy_tbs * 1e3):.0f}% of copy")
         t = totals.setdefault(c["M"], dict(cells=0, fused=0.0, table=0.0, two=0.0, bf16=0.0))
         t["cells"] += 1
         t["fused"] += b["us"]
@@ -222,10 +268,11 @@ def summary(cells: list, shapes: dict, n_shapes: int, log) -> list[str]:
         t["bf16"] += c["bf16_us"]
     for m, t in sorted(totals.items()):
         part = "" if t["cells"] == n_shapes else f" (only {t['cells']} of {n_shapes} linears)"
-        log(f"one token, {LAYERS} layers' linears at M={m}{part}: FP8 one launch {LAYERS * t['fused'] / 1e3:.2f} ms "
+        log(f"one token, {LAYERS} layers' linears at M={m}{part}: FP8 {path} {LAYERS * t['fused'] / 1e3:.2f} ms "
             f"(table {LAYERS * t['table'] / 1e3:.2f}), two launches {LAYERS * t['two'] / 1e3:.2f} ms, "
             f"bf16 {LAYERS * t['bf16'] / 1e3:.2f} ms: {t['bf16'] / t['fused']:.2f}x bf16")
-    log("\nTUNED_FP8 entries (kernels/gemv_fp8.py):\n" + "\n".join(lines))
+    where = "TUNED_FP8 entries (kernels/gemv_fp8.py)" if path == "fused" else "TUNED_FP8_CODES entries (kernels/gemv.py)"
+    log(f"\n{where}:\n" + "\n".join(lines))
     return lines
 
 
@@ -233,6 +280,9 @@ def summary(cells: list, shapes: dict, n_shapes: int, log) -> list[str]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--path", choices=("codes", "fused"), default="codes",
+                    help="codes: the GEMV on e4m3 codes (the runtime's default at one row); fused: the one-launch "
+                         "GEMV that quantizes its activations")
     ap.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES), help="NxK list")
     ap.add_argument("--ms", default="1,2,4", help="activation rows list (1-4)")
     ap.add_argument("--deadline", type=float, default=120.0,
@@ -285,8 +335,9 @@ def main(argv=None) -> int:
         print(line, flush=True)
 
     cells = [(n, k, m) for m in ms for n, k in shapes]  # M = 1 first on every shape: batch-1 decode matters most
-    precompile(cells, args.jobs, t0 + 0.4 * args.deadline, device, log)
-    result = dict(card="CPU smoke run" if args.smoke else torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+    args.card = "CPU smoke run" if args.smoke else torch.cuda.get_device_name()
+    precompile(cells, args.jobs, t0 + 0.4 * args.deadline, device, log, args.path)
+    result = dict(card=args.card, path=args.path, torch=torch.__version__, triton=triton.__version__,
                   date=now.isoformat(timespec="seconds"), deadline_s=args.deadline,
                   timing=f"gpu_timing.gpu_time_us: 10 calls a graph, L2 evicted by reading, best of {args.replays} "
                          f"replays; the {args.confirm} fastest and the table's config again, best of "
@@ -305,7 +356,7 @@ def main(argv=None) -> int:
         result["copy_tbs"] = {f"{s.n}x{s.k}": s.copy_tbs for s in built.values()}
         with open(out, "w") as f:
             json.dump(result, f, indent=1)
-    result["paste"] = summary(result["cells"], built, len(shapes), log)
+    result["paste"] = summary(result["cells"], built, len(shapes), log, args.path, args.card)
     result["complete"] = len(result["cells"]) == len(cells)
     result["seconds"] = time.time() - t0
     with open(out, "w") as f:

@@ -18,6 +18,7 @@ FP8 (``SCALED``): e4m3 weights with per-channel scales, and e4m3 activation code
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +26,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from quantkit.kernels.device_info import interpreting, pdl_launch, programmatic_launch
+from quantkit.kernels.device_info import gpu_card, interpreting, pdl_launch, programmatic_launch
 from quantkit.kernels.fp8_quant import e4m3_codes, e4m3_scale
 
 MAX_M = 4  # activation rows one launch takes (the kernel keeps one accumulator per row)
@@ -37,12 +38,16 @@ class DenseGemvConfig:
     suits 16-bit weights: a warp's 32 threads x 8 weights (16 bytes) span a tile row and the warps lie along K, so
     x's [BLOCK_K] slice is already in the tile's column layout (no shared-memory exchange). ``vec``: weights a
     thread loads at once (0: 16 bytes' worth); the FP8 GEMV that quantizes its own 16-bit activations takes 8
-    (``gemv_fp8.VEC``), and the two-launch FP8 path with ``vec=8`` has its layout, hence its float32 sums."""
+    (``gemv_fp8.VEC``), and the two-launch FP8 path with ``vec=8`` has its layout, hence its float32 sums.
+    ``prefetch``: each step requests the next weight tile before multiplying the one it holds (the kernel's
+    PREFETCH; the same sums in the same order, more registers): a tuned FP8 entry may take it, as a 1-byte tile puts
+    half a 16-bit tile's bytes in flight."""
 
     block_n: int
     block_k: int
     num_warps: int
     vec: int = 0
+    prefetch: bool = False
 
     def __post_init__(self):
         for name in ("block_n", "block_k", "num_warps"):
@@ -75,12 +80,22 @@ def _gemv_config(m: int, n: int, k: int) -> DenseGemvConfig:
     return cfg if block_k == cfg.block_k else DenseGemvConfig(cfg.block_n, block_k, cfg.num_warps)
 
 
-def _fp8_codes_config(m: int, n: int, k: int) -> DenseGemvConfig:
-    """The config of the two-launch FP8 path (e4m3 codes in, ``gemv(..., scales=)``): the 16-bit one with BLOCK_K
-    doubled, as 16-byte vectors of 1-byte weights hold twice the columns."""
-    cfg = _gemv_config(m, n, k)
-    return DenseGemvConfig(cfg.block_n, min(2 * cfg.block_k, max(triton.next_power_of_2(k), 16)), cfg.num_warps,
-                           cfg.vec)
+# The FP8 decode GEMV on e4m3 codes (the runtime's default at one row: the norm or activation kernel in front writes
+# the codes) by (card, N, K) at M = 1, measured on that card by `python bench/tune_fp8_gemv.py --path codes`; a
+# card or shape not listed takes bf16's config with BLOCK_K doubled (:func:`_fp8_codes_config`).
+TUNED_FP8_CODES: dict[tuple[str, int, int], DenseGemvConfig] = {}
+
+
+def _fp8_codes_config(m: int, n: int, k: int, card: str | None = None) -> DenseGemvConfig:
+    """The config of the FP8 GEMV on codes (``gemv(..., scales=)``): the entry measured on ``card`` at M = 1, else
+    the 16-bit one with BLOCK_K doubled, as 16-byte vectors of 1-byte weights hold twice the columns. BLOCK_K is
+    shrunk to a small K."""
+    cfg = TUNED_FP8_CODES.get((card, n, k)) if m == 1 and card else None
+    if cfg is None:
+        cfg = _gemv_config(m, n, k)
+        cfg = dataclasses.replace(cfg, block_k=2 * cfg.block_k)
+    block_k = min(cfg.block_k, max(triton.next_power_of_2(k), 16))
+    return cfg if block_k == cfg.block_k else dataclasses.replace(cfg, block_k=block_k)
 
 
 @triton.jit
@@ -292,15 +307,15 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         raise ValueError(reason)
     m, k = x.shape
     n = weight.shape[0]
-    cfg = config or (_fp8_codes_config(m, n, k) if scales is not None else _gemv_config(m, n, k))
+    cfg = config or (_fp8_codes_config(m, n, k, gpu_card(x.device)) if scales is not None else _gemv_config(m, n, k))
     y = torch.empty((m, n), device=x.device, dtype=out_dtype or (torch.bfloat16 if scales is not None else x.dtype))
     xs, ws = scales if scales is not None else (y, y)  # placeholders, never read unless SCALED
     pdl = programmatic_launch(x.device)
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, weight, weight if bias is None else bias, y, n, k, x.stride(0), weight.stride(0), y.stride(0), xs, ws,
         M=m, HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0,
-        PDL=pdl, SCALED=scales is not None, W_VEC=cfg.vec, num_warps=cfg.num_warps, num_stages=1,
-        **pdl_launch(pdl))
+        PDL=pdl, SCALED=scales is not None, W_VEC=cfg.vec, PREFETCH=cfg.prefetch, num_warps=cfg.num_warps,
+        num_stages=1, **pdl_launch(pdl))
     return y
 
 

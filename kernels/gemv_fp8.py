@@ -20,10 +20,12 @@ Configs: 1-byte weights get their own table (:data:`TUNED_FP8`, by (N, K, M buck
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 
-from quantkit.kernels.device_info import ab_switch, pdl_launch, programmatic_launch
+from quantkit.kernels.device_info import pdl_launch, programmatic_launch
 from quantkit.kernels.gemv import DenseGemvConfig, _gemv_kernel, layout_problem, shape_problem
 
 C = DenseGemvConfig
@@ -60,10 +62,11 @@ def tile_floats(cfg: DenseGemvConfig, m: int) -> int:
     return (m + 1) * cfg.block_n * cfg.block_k // (32 * cfg.num_warps)
 
 
-def fits(cfg: DenseGemvConfig, m: int, k: int) -> bool:
+def fits(cfg: DenseGemvConfig, m: int, k: int, vec: int = VEC) -> bool:
     """Whether ``cfg`` is a sensible FP8 config for ``m`` rows and ``k`` columns: every thread owns at least one
-    vector of the tile (no replicated threads), BLOCK_K no wider than K, the tile within registers."""
-    return (cfg.block_n * cfg.block_k >= VEC * 32 * cfg.num_warps and cfg.block_k <= max(triton.next_power_of_2(k), 16)
+    ``vec``-code vector of the tile (no replicated threads; the GEMV on codes loads 16), BLOCK_K no wider than K,
+    the tile within registers."""
+    return (cfg.block_n * cfg.block_k >= vec * 32 * cfg.num_warps and cfg.block_k <= max(triton.next_power_of_2(k), 16)
             and tile_floats(cfg, m_bucket(m)) <= MAX_TILE_FLOATS)
 
 
@@ -71,7 +74,7 @@ def fp8_gemv_config(m: int, n: int, k: int) -> DenseGemvConfig:
     """The table's config for ``(n, k, m_bucket(m))``, else the bucket's default; BLOCK_K shrunk to a small K."""
     cfg = TUNED_FP8.get((n, k, m_bucket(m))) or DEFAULT_FP8[m_bucket(m)]
     block_k = min(cfg.block_k, max(triton.next_power_of_2(k), 16))
-    return cfg if block_k == cfg.block_k else DenseGemvConfig(cfg.block_n, block_k, cfg.num_warps, cfg.vec)
+    return cfg if block_k == cfg.block_k else dataclasses.replace(cfg, block_k=block_k)
 
 
 def amax_block(m: int, k: int, num_warps: int) -> int:
@@ -117,18 +120,9 @@ def gemv_fp8(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, bias:
         x, weight, weight if bias is None else bias, y, n, k, x.stride(0), weight.stride(0), y.stride(0),
         input_scale if static else w_scale, w_scale, M=m, HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0, PDL=pdl, SCALED=True, QUANT_X=True, STATIC_X=static,
-        AMAX_BLOCK=amax_block(m, k, cfg.num_warps), W_VEC=cfg.vec or VEC, PREFETCH=fp8_gemv_prefetch(),
+        AMAX_BLOCK=amax_block(m, k, cfg.num_warps), W_VEC=cfg.vec or VEC, PREFETCH=cfg.prefetch,
         num_warps=cfg.num_warps, num_stages=1, **pdl_launch(pdl))
     return y
-
-
-def fp8_gemv_prefetch() -> bool:
-    """Whether each step of the GEMV requests the next weight tile before multiplying the one it holds
-    (``_gemv_kernel``'s PREFETCH): ``QUANTKIT_FP8_GEMV_PREFETCH=on|off``, off unless set (an A/B switch for the
-    benches until a whole step is timed with it). Why it may pay: a 1-byte tile of the table's shapes puts half
-    the bytes of the 16-bit GEMV's in flight, and on one H200 (2026-12-06, 2f10422) the 8B FP8 step's linears read
-    8.04 GB in 2.58 ms (3.1 TB/s) where bf16's read 16.1 GB in 3.58 ms (4.5 TB/s)."""
-    return ab_switch("QUANTKIT_FP8_GEMV_PREFETCH", ("off", "on")) == "on"
 
 
 def gemv_fp8_ref(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,

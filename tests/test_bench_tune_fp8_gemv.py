@@ -32,24 +32,57 @@ def test_bad_rows_exit_2():
     assert done.returncode == 2 and "1 to 4 rows" in done.stderr and "Traceback" not in done.stderr
 
 
+def _candidates(m: int, k: int, path: str) -> int:
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import tune_fp8_gemv
+    finally:
+        sys.path.pop(0)
+    return len(tune_fp8_gemv.candidates(m, k, path))
+
+
 def test_smoke_run_writes_every_cell(tmp_path):
+    """The fused path: every candidate (with and without prefetch) compiled, checked and timed; the two-launch
+    path at the confirmed configs; ``TUNED_FP8`` lines."""
     out = tmp_path / "fp8_gemv.json"
-    done = _run("--smoke", "--ms", "1,4", "--jobs", "1", "--out", str(out))
+    done = _run("--smoke", "--path", "fused", "--ms", "1,4", "--jobs", "1", "--out", str(out))
     assert done.returncode == 0, done.stderr[-3000:]
     compiled = re.search(r"compiled (\d+) of (\d+) kernels", done.stdout)
-    assert compiled and compiled.group(1) == compiled.group(2) == "13"  # 7 candidates at M = 1, 6 at M = 4
+    want = _candidates(1, 512, "fused") + _candidates(4, 512, "fused")
+    assert want == 26  # 7 tiles at M = 1, 6 at M = 4, each with and without prefetch
+    assert compiled and int(compiled.group(1)) == int(compiled.group(2)) == want
     assert "TUNED_FP8 entries" in done.stdout
     result = json.loads(out.read_text())
-    assert result["complete"] and [c["M"] for c in result["cells"]] == [1, 4]
+    assert result["complete"] and result["path"] == "fused" and [c["M"] for c in result["cells"]] == [1, 4]
     for cell in result["cells"]:
         rows = {r["config"]: r for r in cell["rows"]}
         assert all("us" in r for r in rows.values()), rows  # every candidate checked, then timed
-        assert rows["2x512/4w"]["same"]  # the two-launch path's config (the interpreter sums as numpy does)
+        assert rows["2x512/4w"]["same"] and rows["2x512/4w+pf"]["same"]  # the two-launch path's config
         assert cell["best"]["config"] in rows and cell["two_launch_us"] > 0 and cell["cublas_us"] > 0
         # the two-launch GEMV timed at the confirmed configs, its fastest named
         assert any(r.get("two_launch_us", 0) > 0 for r in rows.values())
         assert cell["two_launch_best"]["config"] in rows
     assert result["paste"][0].startswith("    (16, 512, 1): C(")
+
+
+def test_smoke_run_of_the_codes_path(tmp_path):
+    """The GEMV on codes (the default path): 16-code vectors, so fewer tiles fit; the table's config among the
+    rows and bitwise itself; the lines to paste keyed by the card, M = 1 only."""
+    out = tmp_path / "fp8_codes.json"
+    done = _run("--smoke", "--ms", "1,2", "--jobs", "1", "--out", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    compiled = re.search(r"compiled (\d+) of (\d+) kernels", done.stdout)
+    want = _candidates(1, 512, "codes") + _candidates(2, 512, "codes")
+    assert 0 < want < _candidates(1, 512, "fused") + _candidates(2, 512, "fused")
+    assert compiled and int(compiled.group(1)) == int(compiled.group(2)) == want
+    result = json.loads(out.read_text())
+    assert result["complete"] and result["path"] == "codes"
+    for cell in result["cells"]:
+        rows = {r["config"]: r for r in cell["rows"]}
+        assert all("us" in r for r in rows.values()), rows
+        assert rows[cell["table"]]["same"] and "two_launch_best" not in cell
+    assert "TUNED_FP8_CODES entries" in done.stdout
+    assert len(result["paste"]) == 1 and result["paste"][0].startswith("    ('CPU smoke run', 16, 512): C(")
 
 
 def test_no_gpu_says_so():

@@ -12,6 +12,8 @@ no rounding happens and any error in the scale, the codes or their use shows.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -77,15 +79,16 @@ CASES = [(37, 300, True, torch.float16, C(8, 64, 2)),
          (9, 200, True, torch.bfloat16, C(2, 512, 4))]
 
 
-@pytest.mark.parametrize("prefetch", ["off", "on"])
+@pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
 @pytest.mark.parametrize("static", [False, True])
 @pytest.mark.parametrize("n,k,bias,dtype,cfg", CASES)
-def test_equals_the_two_launch_path_bitwise(monkeypatch, prefetch, m, static, n, k, bias, dtype, cfg):
+def test_equals_the_two_launch_path_bitwise(prefetch, m, static, n, k, bias, dtype, cfg):
     """Same codes, same scales, same float32 sums at the same config and vector width (the two-launch path with
     ``vec=8``): the float32 results are equal, and an all-zero row (m > 2: row 1) gives exactly the bias; with the
-    next weight tile requested a step ahead too (QUANTKIT_FP8_GEMV_PREFETCH=on: the same sums in the same order)."""
-    monkeypatch.setenv("QUANTKIT_FP8_GEMV_PREFETCH", prefetch)
+    next weight tile requested a step ahead (``prefetch``, in either path or both: the same sums in the same
+    order)."""
+    cfg = dataclasses.replace(cfg, prefetch=prefetch)
     wq, ws = _weights(n, k, seed=n)
     x = _x(m, k, dtype, seed=m)
     b = torch.randn(n, device=DEV).to(dtype) if bias else None
@@ -93,6 +96,8 @@ def test_equals_the_two_launch_path_bitwise(monkeypatch, prefetch, m, static, n,
     y = gemv_fp8(x, wq, ws, b, input_scale, config=cfg, out_dtype=torch.float32)
     assert y.shape == (m, n) and y.dtype == torch.float32
     assert torch.equal(y, _two_launch(x, wq, ws, b, input_scale, C(*cfg_args(cfg), vec=8), torch.float32))
+    assert torch.equal(y, _two_launch(x, wq, ws, b, input_scale, C(*cfg_args(cfg), vec=8, prefetch=not prefetch),
+                                      torch.float32))
     if m > 2:
         assert torch.equal(y[1], b.float() if bias else torch.zeros(n, device=DEV))
     assert gemv_fp8(x, wq, ws, b, input_scale, config=cfg).dtype == dtype  # the output in x's dtype by default
@@ -259,17 +264,42 @@ def test_8b_shapes_on_the_gpu(n, k, m, static):
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k", SHAPES_8B)
 @pytest.mark.parametrize("m", [1, 4])
-def test_prefetch_changes_no_bit_on_the_gpu(monkeypatch, n, k, m):
-    """QUANTKIT_FP8_GEMV_PREFETCH=on at the 8B shapes and the table's configs: bitwise the result without it."""
+def test_prefetch_changes_no_bit_on_the_gpu(n, k, m):
+    """The next weight tile requested a step ahead (``prefetch``) at the 8B shapes and the tables' configs, in the
+    one-launch GEMV and in the GEMV on codes (the runtime's default at one row): bitwise the result without it."""
+    from quantkit.kernels.device_info import gpu_card
+    from quantkit.kernels.gemv import _fp8_codes_config
+
     wq, ws = _weights(n, k, seed=n + k + 1, device="cuda")
     x = _x(m, k, torch.bfloat16, seed=m + 1, device="cuda")
-    monkeypatch.setenv("QUANTKIT_FP8_GEMV_PREFETCH", "off")
-    want = gemv_fp8(x, wq, ws, out_dtype=torch.float32)
-    monkeypatch.setenv("QUANTKIT_FP8_GEMV_PREFETCH", "on")
-    assert torch.equal(gemv_fp8(x, wq, ws, out_dtype=torch.float32), want)
-    monkeypatch.setenv("QUANTKIT_FP8_GEMV_PREFETCH", "yes")
-    with pytest.raises(ValueError, match="QUANTKIT_FP8_GEMV_PREFETCH"):
-        gemv_fp8(x, wq, ws)
+    cfg = fp8_gemv_config(m, n, k)
+    for prefetch in (False, True):
+        want = gemv_fp8(x, wq, ws, config=dataclasses.replace(cfg, prefetch=not prefetch), out_dtype=torch.float32)
+        assert torch.equal(gemv_fp8(x, wq, ws, config=dataclasses.replace(cfg, prefetch=prefetch),
+                                    out_dtype=torch.float32), want)
+    codes_cfg = _fp8_codes_config(m, n, k, gpu_card("cuda"))
+    qx, sx = quantize_per_token(x)
+    want = gemv(qx, wq, None, dataclasses.replace(codes_cfg, prefetch=not codes_cfg.prefetch), scales=(sx, ws))
+    assert torch.equal(gemv(qx, wq, None, codes_cfg, scales=(sx, ws)), want)
+    assert torch.equal(gemv(qx, wq, None, scales=(sx, ws)), want)  # the launcher's own pick is that config
+
+
+def test_codes_config_table(monkeypatch):
+    """The GEMV on codes takes the entry measured on this card at M = 1 (prefetch and all), else bf16's config
+    with BLOCK_K doubled; a small K shrinks BLOCK_K either way."""
+    from quantkit.kernels import gemv as dense
+
+    for (card, n, k), cfg in dense.TUNED_FP8_CODES.items():
+        assert isinstance(card, str) and fits(cfg, 1, k, vec=16), (card, n, k, cfg)
+    monkeypatch.setattr(dense, "TUNED_FP8_CODES", {("Card X", 4096, 14336): C(8, 512, 4, prefetch=True),
+                                                   ("Card X", 64, 64): C(4, 1024, 4)})
+    doubled = dense._gemv_config(1, 4096, 14336)
+    doubled = C(doubled.block_n, 2 * doubled.block_k, doubled.num_warps)
+    assert dense._fp8_codes_config(1, 4096, 14336, "Card X") == C(8, 512, 4, prefetch=True)
+    assert dense._fp8_codes_config(1, 4096, 14336, "Card Y") == doubled
+    assert dense._fp8_codes_config(1, 4096, 14336) == doubled
+    assert dense._fp8_codes_config(2, 4096, 14336, "Card X").prefetch is False  # M = 1 only
+    assert dense._fp8_codes_config(1, 64, 64, "Card X") == C(4, 64, 4)
 
 
 @pytest.mark.gpu
