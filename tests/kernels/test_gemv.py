@@ -183,12 +183,16 @@ def test_selection_point_on_cuda(monkeypatch):
     assert torch.equal(dense_linear(x16, w), F.linear(x16, w))
 
 
-@pytest.mark.parametrize("m,block_n,block_k,warps", [(1, 2, 2048, 4), (4, 2, 2048, 4)])
-def test_sm90_fp8_variant_loads_16_byte_vectors_before_the_wait(sm90, tmp_path, m, block_n, block_k, warps):
+@pytest.mark.parametrize("m,block_n,block_k,warps,prefetch", [(1, 2, 2048, 4, False), (4, 2, 2048, 4, False),
+                                                              (1, 8, 1024, 4, True), (1, 2, 4096, 8, True)])
+def test_sm90_fp8_variant_loads_16_byte_vectors_before_the_wait(sm90, tmp_path, m, block_n, block_k, warps,
+                                                                 prefetch):
     """The FP8 GEMV (SCALED, e4m3 codes) compiles for sm_90 with the same shape of code: its first weight tile in
-    16-byte loads (16 codes each) before ``griddepcontrol.wait``, no shared memory in the loop, no spills."""
+    16-byte loads (16 codes each) before ``griddepcontrol.wait``, no shared memory in the loop, no spills; with the
+    next tile requested a step ahead (PREFETCH) too."""
     out = str(tmp_path / "gemv_fp8")
-    compile_gemv_sm90(sm90, out, "*fp8e4nv", "*fp8e4nv", warps, M=m, BLOCK_N=block_n, BLOCK_K=block_k, SCALED=True)
+    compile_gemv_sm90(sm90, out, "*fp8e4nv", "*fp8e4nv", warps, M=m, BLOCK_N=block_n, BLOCK_K=block_k, SCALED=True,
+                      PREFETCH=prefetch)
     sass = sm90.sass(out + ".cubin")
     wait = next(i for i, line in enumerate(sass) if "ACQBULK" in line)
     assert sum("LDG.E.128" in line for line in sass[:wait]) == block_n * block_k // (16 * 32 * warps)
