@@ -41,9 +41,9 @@
 # and its GPTQ / AWQ times (`moe-quantize 590 gptq|awq [LAYERS]`); issue 42's tensor-core FP8 GEMM, its configs and
 # the 8B step with it (`fp8-mma 480`), and that step under other switches (`fp8-step BUDGET NAME:FORMATS:VARS ...`);
 # issue 41's CUDA decode kernel on the card at hand: the 8B step's layers, then the int4 step with the card's CUDA
-# candidates beside the shipped table (`w4a16-ab 540`); the opt-in switches still to be timed, each against its
-# default, and the 30B-A3B attention cells (`pending 230`, carry .stage/whl); issue 42's FP8 GEMV on codes tuned
-# on the card and the 8B FP8 step with its picks against without (`fp8-codes 420`).
+# candidates beside the shipped table (`w4a16-ab 540`); issue 39's router switch against its default, the 30B-A3B
+# attention cells and the step under their candidates (`pending 330`, carry .stage/whl); issue 42's FP8 GEMV on
+# codes tuned on the card and the 8B FP8 step with its picks against without (`fp8-codes 420`).
 # Everything lands in $OUT (JSON of each bench, the suite's log).
 # pytest runs with OMP_NUM_THREADS=1: 8-12 xdist workers on 16 cores, each with torch's one thread a core, took
 # turns on the cores (the MoE GPU tests, mostly CPU set-up, ran 44-109 s a case on an H100, 2026-12-05).
@@ -314,14 +314,26 @@ w4a16-ab)  # issue 41 on the card at hand in one call (BUDGET_S ~480): the 8B st
         rm -f "$OUT"/*.png
     fi
     ;;
-pending)  # the opt-in switch written since the last GPU run against its default in one call (BUDGET_S ~230,
-    # carry .stage/whl): the router's rows read whole (issue 39), twice, alternating; then the 30B-A3B attention
-    # projections' decode cells on this card (no H200 entry yet)
+pending)  # issue 39 on the card at hand in one call (BUDGET_S ~330, carry .stage/whl): the router's rows read whole
+    # against chunk by chunk, twice, alternating; then the 30B-A3B attention projections' decode cells (no H200 entry
+    # yet) and, where a CUDA variant beat the pick (candidate_entries), the 30B int4 step with the shipped table,
+    # then with the candidates added for this card (the checkout's table, edited on the device only and restored)
     install_wheels
     card | tee "$OUT/card.txt"
     MOE_FORMATS=int4 moe_steps chunks: whole:QUANTKIT_MOE_ROUTER_ROWS=whole chunks2: whole2:QUANTKIT_MOE_ROUTER_ROWS=whole
     step 100 python3 bench/bench_w4a16_decode.py --deadline 80 --ms 1,8 --shapes 5120x2048,2048x4096 \
         --out "$OUT/w4a16_decode_30b.json" 2>&1 | tail -24
+    cp kernels/w4a16_h200.json /tmp/w4a16_table_shipped.json
+    added=$(python3 bench/lib/add_table_entries.py "$OUT/w4a16_decode_30b.json" kernels/w4a16_h200.json)
+    echo "candidate entries added for this card: $added"
+    if [ "${added:-0}" -gt 0 ]; then
+        cp kernels/w4a16_h200.json "$OUT/w4a16_table_candidates_30b.json"
+        cp /tmp/w4a16_table_shipped.json kernels/w4a16_h200.json
+        MOE_FORMATS=int4 moe_steps shipped:
+        cp "$OUT/w4a16_table_candidates_30b.json" kernels/w4a16_h200.json
+        MOE_FORMATS=int4 moe_steps candidates:
+        cp /tmp/w4a16_table_shipped.json kernels/w4a16_h200.json
+    fi
     ;;
 fp8-codes)  # issue 42: the FP8 GEMV on codes (the runtime's kernel at one row) tuned on this card at M = 1, prefetch
     # among the candidates, then the 8B FP8 step without and with the picks (bench/lib/with_fp8_codes_table.py), twice,
