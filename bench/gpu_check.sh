@@ -43,7 +43,8 @@
 # issue 41's CUDA decode kernel on the card at hand: the 8B step's layers, then the int4 step with the card's CUDA
 # candidates beside the shipped table (`w4a16-ab 540`); issue 39's router switch against its default, the 30B-A3B
 # attention cells and the step under their candidates (`pending 330`, carry .stage/whl); issue 42's FP8 GEMV on
-# codes tuned on the card and the 8B FP8 step with its picks against without (`fp8-codes 420`).
+# codes tuned on the card and the 8B FP8 step with its picks against without, and o quantized inside its GEMV
+# (`fp8-codes 560`).
 # Everything lands in $OUT (JSON of each bench, the suite's log).
 # pytest runs with OMP_NUM_THREADS=1: 8-12 xdist workers on 16 cores, each with torch's one thread a core, took
 # turns on the cores (the MoE GPU tests, mostly CPU set-up, ran 44-109 s a case on an H100, 2026-12-05).
@@ -336,16 +337,19 @@ pending)  # issue 39 on the card at hand in one call (BUDGET_S ~330, carry .stag
     fi
     ;;
 fp8-codes)  # issue 42: the FP8 GEMV on codes (the runtime's kernel at one row) tuned on this card at M = 1, prefetch
-    # among the candidates, then the 8B FP8 step without and with the picks (bench/lib/with_fp8_codes_table.py), twice,
-    # alternating (BUDGET_S ~420, no carry)
+    # among the candidates, then the 8B FP8 step as shipped, with the picks (bench/lib/with_fp8_codes_table.py), and
+    # with the picks and o's input quantized inside its GEMV (QUANTKIT_FP8_GEMV_QUANT=inside), twice, alternating
+    # (BUDGET_S ~560, no carry)
     card | tee "$OUT/card.txt"
     step 170 python3 bench/tune_fp8_gemv.py --path codes --ms 1 --deadline 150 --out "$OUT/fp8_codes_tune.json" \
         2>&1 | tail -16
+    local_args="--no-baselines --shape llama3-8b --formats fp8 --batches 1,8 --steps 64"
     for i in 1 2; do
-        step 100 python3 -m quantkit.cli.app bench --no-baselines --shape llama3-8b --formats fp8 --batches 1,8 \
-            --steps 64 --out "$OUT/bench_8b_fp8_table$i.json" 2>&1 | tail -8
-        step 100 python3 bench/lib/with_fp8_codes_table.py "$OUT/fp8_codes_tune.json" bench --no-baselines \
-            --shape llama3-8b --formats fp8 --batches 1,8 --steps 64 --out "$OUT/bench_8b_fp8_tuned$i.json" 2>&1 | tail -8
+        step 80 python3 -m quantkit.cli.app bench $local_args --out "$OUT/bench_8b_fp8_table$i.json" 2>&1 | tail -6
+        step 80 python3 bench/lib/with_fp8_codes_table.py "$OUT/fp8_codes_tune.json" bench $local_args \
+            --out "$OUT/bench_8b_fp8_tuned$i.json" 2>&1 | tail -6
+        step 80 env QUANTKIT_FP8_GEMV_QUANT=inside python3 bench/lib/with_fp8_codes_table.py \
+            "$OUT/fp8_codes_tune.json" bench $local_args --out "$OUT/bench_8b_fp8_tunedinside$i.json" 2>&1 | tail -6
     done
     rm -f "$OUT"/*.png
     ;;

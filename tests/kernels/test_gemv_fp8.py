@@ -159,12 +159,32 @@ def test_fp8_linear_takes_the_one_launch_gemv_at_decode(monkeypatch, static):
     assert torch.equal(y2[0], _two_launch(x[0], wq, ws, b, input_scale, None, torch.bfloat16).float())
 
 
-@pytest.mark.parametrize("switch,gemv_fused", [("fused", True), ("unfused", False), ("auto", False), ("0", False)])
-def test_switch(monkeypatch, switch, gemv_fused):
+@pytest.mark.parametrize("switch,quant,gemv_fused", [("fused", "apart", True), ("unfused", "apart", False),
+                                                     ("auto", "apart", False), ("0", "apart", False),
+                                                     ("auto", "inside", True), ("unfused", "inside", False),
+                                                     ("mma", "inside", False)])
+def test_switch(monkeypatch, switch, quant, gemv_fused):
+    """QUANTKIT_FP8_GEMV picks the decode kernels; QUANTKIT_FP8_GEMV_QUANT=inside sends 16-bit rows to the
+    one-launch GEMV under ``auto`` only; an unknown value is refused, naming the switch."""
     monkeypatch.setenv("QUANTKIT_FP8_GEMV", switch)
+    monkeypatch.setenv("QUANTKIT_FP8_GEMV_QUANT", quant)
     wq, ws = _weights(16, 32, device="cpu")
     prepared = prepare_fp8_linear(wq, ws.reshape(-1), "channel")
     assert prepared.gemv_fused == gemv_fused and not prepared.gemv  # the CPU: the reference path
+    monkeypatch.setenv("QUANTKIT_FP8_GEMV_QUANT", "yes")
+    with pytest.raises(ValueError, match="QUANTKIT_FP8_GEMV_QUANT"):
+        prepare_fp8_linear(wq, ws.reshape(-1), "channel")
+
+
+def test_quant_inside_sends_only_16_bit_rows_at_one_row_to_the_one_launch_gemv():
+    """Under ``auto`` with QUANTKIT_FP8_GEMV_QUANT=inside (``gemv_fused`` and the tensor-core GEMM on): one 16-bit
+    row goes to the one-launch GEMV, codes to the GEMV on codes, two rows or more to the tensor-core GEMM."""
+    from quantkit.fp8_linear import fp8_kernel
+
+    wq, ws = _weights(16, 32)
+    w = FP8LinearWeights(wq, ws, "scaled_mm", gemv=True, gemv_fused=True, gemv_mma=True)
+    assert [fp8_kernel(w, 1), fp8_kernel(w, 1, codes=True), fp8_kernel(w, 2), fp8_kernel(w, 65)] == [
+        "gemv_fp8", "gemv", "gemv_mma", "scaled_mm"]
 
 
 def test_capability_check():

@@ -377,6 +377,35 @@ def test_fused_activation_quantization_changes_nothing_but_launches(monkeypatch,
     assert results["1"][1] < results["0"][1], results
 
 
+@pytest.mark.gpu
+def test_quantizing_o_inside_its_gemv_changes_one_row_and_launches_only(monkeypatch):
+    """QUANTKIT_FP8_GEMV_QUANT=inside: o's 16-bit input at one row goes to the one-launch GEMV (the same codes and
+    scales; only the float32 summation order differs from the GEMV on codes) and one launch a layer goes; prefill
+    and a decode batch of 4 stay bit for bit the same."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the FP8 decode paths are timed and served on Hopper")
+    from quantkit.tools import bench
+
+    hf = _tiny_llama("cuda")
+    bench.quantize_fp8_in_place(hf)
+    ids = torch.randint(0, 1024, (1, 64), device="cuda")
+    results = {}
+    for quant in ("apart", "inside"):
+        monkeypatch.setenv("QUANTKIT_FP8_GEMV_QUANT", quant)
+        runtime = bench.runtime_from_hf(hf, None, max_positions=4096)
+        assert runtime.weights.layers[0].o.fp8.gemv_fused == (quant == "inside")
+        with torch.inference_mode():
+            logits = [runtime.forward_logits(ids)] + [runtime.forward_logits(ids[:, :m].reshape(m, 1))
+                                                      for m in (1, 4)]
+            kernels = bench.kernel_times(lambda rt=runtime: rt.forward_logits(ids[:, :1]))["launches"]
+        results[quant] = (logits, kernels)
+        del runtime
+    (prefill, one, four), (prefill2, one2, four2) = results["apart"][0], results["inside"][0]
+    assert torch.equal(prefill, prefill2) and torch.equal(four, four2)
+    assert ((one2.float() - one.float()).norm() / one.float().norm()).item() < 2e-2
+    assert results["inside"][1] == results["apart"][1] - hf.config.num_hidden_layers, results
+
+
 def test_block_gemm_operands_pad_rows_and_k_blocks_to_four():
     """torch's block-scaled FP8 GEMM (quantkit/fp8_block.py) gets activation rows padded to a multiple of 4 (zero
     codes, unit scales, M-major scales) and weight scales with their K blocks padded to a multiple of 4, passed
