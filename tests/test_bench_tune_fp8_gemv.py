@@ -90,3 +90,24 @@ def test_no_gpu_says_so():
         return
     done = _run("--ms", "1")
     assert done.returncode == 2 and "needs a CUDA GPU" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_codes_table_wrapper_reads_the_tuners_picks(tmp_path, monkeypatch):
+    """bench/lib/with_fp8_codes_table.py (gpu_check.sh's fp8-codes mode): a codes run's M = 1 picks, prefetch and
+    all, keyed by the run's card, go into gemv.TUNED_FP8_CODES for the command it runs; a fused run is refused."""
+    import pytest
+
+    monkeypatch.syspath_prepend(str(REPO / "bench" / "lib"))
+    from with_fp8_codes_table import picks
+
+    from quantkit.kernels import gemv
+
+    cell = dict(N=4096, K=14336, M=1, best=dict(cfg=[8, 512, 4, True]))
+    tune = dict(path="codes", card="NVIDIA H200", cells=[cell, dict(cell, M=2, best=dict(cfg=[2, 512, 4, False])),
+                                                         dict(N=6144, K=4096, M=1)])  # no best: not timed
+    entries = picks(tune)
+    assert entries == {("NVIDIA H200", 4096, 14336): gemv.DenseGemvConfig(8, 512, 4, prefetch=True)}
+    monkeypatch.setattr(gemv, "TUNED_FP8_CODES", dict(entries))
+    assert gemv._fp8_codes_config(1, 4096, 14336, "NVIDIA H200").prefetch
+    with pytest.raises(SystemExit, match="--path fused"):
+        picks(dict(tune, path="fused"))
