@@ -141,6 +141,33 @@ fp8_codes() {  # issue 42: the FP8 GEMV on codes (the runtime's kernel at one ro
     rm -f "$OUT"/*.png
 }
 
+candidate_table_ab() {  # DECODE_JSON TAG FN: bench_w4a16_decode's candidate entries in DECODE_JSON added for this
+    # card to the checkout's W4A16 table (edited on the device only); `FN shipped` with the shipped table, then
+    # `FN candidates` with them; the shipped table restored after. Nothing runs where no candidate was found.
+    cp kernels/w4a16_h200.json /tmp/w4a16_table_shipped.json
+    added=$(python3 bench/lib/add_table_entries.py "$1" kernels/w4a16_h200.json)
+    echo "candidate entries added for this card: $added"
+    [ "${added:-0}" -gt 0 ] || return 0
+    cp kernels/w4a16_h200.json "$OUT/w4a16_table_candidates_$2.json"
+    cp /tmp/w4a16_table_shipped.json kernels/w4a16_h200.json
+    "$3" shipped
+    cp "$OUT/w4a16_table_candidates_$2.json" kernels/w4a16_h200.json
+    "$3" candidates
+    cp /tmp/w4a16_table_shipped.json kernels/w4a16_h200.json
+    rm -f "$OUT"/*.png
+}
+
+int4_8b_step() {  # NAME: the 8B int4 step; with the candidates also under the CUDA kernel's plain launch (PDL off)
+    bench_variant "bench_8b_int4_$1" 100 "" --shape llama3-8b --formats int4 --steps 32 --batches 1,8
+    [ "$1" = candidates ] && bench_variant bench_8b_int4_candidates_plain 100 QUANTKIT_W4A16_CUDA_PDL=0 \
+        --shape llama3-8b --formats int4 --steps 32 --batches 1,8
+    return 0
+}
+
+int4_30b_step() {  # NAME: the Qwen3-30B-A3B int4 step
+    MOE_FORMATS=int4 moe_steps "$1:"
+}
+
 case "$1" in
 one)
     install_wheels
@@ -325,20 +352,7 @@ w4a16-ab)  # issue 41 on the card at hand in one call (BUDGET_S ~480): the 8B st
     card | tee "$OUT/card.txt"
     step 200 python3 bench/bench_w4a16_decode.py --deadline 170 --out "$OUT/w4a16_decode.json" --ms 1,8 \
         --shapes 28672x4096,4096x14336,6144x4096,4096x4096 2>&1 | tail -40
-    cp kernels/w4a16_h200.json /tmp/w4a16_table_shipped.json
-    added=$(python3 bench/lib/add_table_entries.py "$OUT/w4a16_decode.json" kernels/w4a16_h200.json)
-    echo "candidate entries added for this card: $added"
-    if [ "${added:-0}" -gt 0 ]; then
-        cp kernels/w4a16_h200.json "$OUT/w4a16_table_candidates.json"
-        cp /tmp/w4a16_table_shipped.json kernels/w4a16_h200.json
-        bench_variant bench_8b_int4_shipped 100 "" --shape llama3-8b --formats int4 --steps 32 --batches 1,8
-        cp "$OUT/w4a16_table_candidates.json" kernels/w4a16_h200.json
-        bench_variant bench_8b_int4_candidates 100 "" --shape llama3-8b --formats int4 --steps 32 --batches 1,8
-        bench_variant bench_8b_int4_candidates_plain 100 QUANTKIT_W4A16_CUDA_PDL=0 --shape llama3-8b --formats int4 \
-            --steps 32 --batches 1,8
-        cp /tmp/w4a16_table_shipped.json kernels/w4a16_h200.json
-        rm -f "$OUT"/*.png
-    fi
+    candidate_table_ab "$OUT/w4a16_decode.json" 8b int4_8b_step
     ;;
 pending)  # issue 39 on the card at hand in one call (BUDGET_S ~330, carry .stage/whl): the router's rows read whole
     # against chunk by chunk, twice, alternating; then the 30B-A3B attention projections' decode cells (no H200 entry
@@ -349,17 +363,7 @@ pending)  # issue 39 on the card at hand in one call (BUDGET_S ~330, carry .stag
     MOE_FORMATS=int4 moe_steps chunks: whole:QUANTKIT_MOE_ROUTER_ROWS=whole chunks2: whole2:QUANTKIT_MOE_ROUTER_ROWS=whole
     step 100 python3 bench/bench_w4a16_decode.py --deadline 80 --ms 1,8 --shapes 5120x2048,2048x4096 \
         --out "$OUT/w4a16_decode_30b.json" 2>&1 | tail -24
-    cp kernels/w4a16_h200.json /tmp/w4a16_table_shipped.json
-    added=$(python3 bench/lib/add_table_entries.py "$OUT/w4a16_decode_30b.json" kernels/w4a16_h200.json)
-    echo "candidate entries added for this card: $added"
-    if [ "${added:-0}" -gt 0 ]; then
-        cp kernels/w4a16_h200.json "$OUT/w4a16_table_candidates_30b.json"
-        cp /tmp/w4a16_table_shipped.json kernels/w4a16_h200.json
-        MOE_FORMATS=int4 moe_steps shipped:
-        cp "$OUT/w4a16_table_candidates_30b.json" kernels/w4a16_h200.json
-        MOE_FORMATS=int4 moe_steps candidates:
-        cp /tmp/w4a16_table_shipped.json kernels/w4a16_h200.json
-    fi
+    candidate_table_ab "$OUT/w4a16_decode_30b.json" 30b int4_30b_step
     ;;
 fp8-codes)  # issue 42's FP8 GEMV on codes tuned here, then the 8B step three ways, twice (BUDGET_S ~560, no carry)
     card | tee "$OUT/card.txt"

@@ -355,26 +355,36 @@ def test_fused_activation_quantization_changes_nothing_but_launches(monkeypatch,
     decode batch of 1 and 4 under each decode GEMM; fewer kernel launches a decode step."""
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("the FP8 decode paths are timed and served on Hopper")
-    from quantkit.tools import bench
 
     monkeypatch.setenv("QUANTKIT_FP8_GEMV", gemv)
     hf = _tiny_llama("cuda")
+    results = _logits_and_launches_under(monkeypatch, hf, "QUANTKIT_FP8_FUSED_QUANT", ("0", "1"),
+                                         lambda rt, fused: rt.weights.layers[0].qkv.takes_fp8_codes == (fused == "1"))
+    for a, b in zip(results["0"][0], results["1"][0]):
+        assert torch.equal(a, b)
+    assert results["1"][1] < results["0"][1], results
+
+
+def _logits_and_launches_under(monkeypatch, hf, variable: str, values: tuple, prepared_as) -> dict:
+    """``{value: ([prefill logits of 64 tokens, decode logits of 1 row, of 4 rows], launches of a 1-row forward)}``
+    of the FP8 runtime built from ``hf`` (quantized to FP8 in place) under each value of the environment
+    ``variable``; ``prepared_as(runtime, value)`` checks the switch took effect."""
+    from quantkit.tools import bench
+
     bench.quantize_fp8_in_place(hf)
     ids = torch.randint(0, 1024, (1, 64), device="cuda")
     results = {}
-    for fused in ("0", "1"):
-        monkeypatch.setenv("QUANTKIT_FP8_FUSED_QUANT", fused)
+    for value in values:
+        monkeypatch.setenv(variable, value)
         runtime = bench.runtime_from_hf(hf, None, max_positions=4096)
-        assert runtime.weights.layers[0].qkv.takes_fp8_codes == (fused == "1")
+        assert prepared_as(runtime, value)
         with torch.inference_mode():
             logits = [runtime.forward_logits(ids)] + [runtime.forward_logits(ids[:, :m].reshape(m, 1))
                                                       for m in (1, 4)]
             kernels = bench.kernel_times(lambda rt=runtime: rt.forward_logits(ids[:, :1]))["launches"]
-        results[fused] = (logits, kernels)
+        results[value] = (logits, kernels)
         del runtime
-    for a, b in zip(results["0"][0], results["1"][0]):
-        assert torch.equal(a, b)
-    assert results["1"][1] < results["0"][1], results
+    return results
 
 
 @pytest.mark.gpu
@@ -384,22 +394,9 @@ def test_quantizing_o_inside_its_gemv_changes_one_row_and_launches_only(monkeypa
     and a decode batch of 4 stay bit for bit the same."""
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("the FP8 decode paths are timed and served on Hopper")
-    from quantkit.tools import bench
-
     hf = _tiny_llama("cuda")
-    bench.quantize_fp8_in_place(hf)
-    ids = torch.randint(0, 1024, (1, 64), device="cuda")
-    results = {}
-    for quant in ("apart", "inside"):
-        monkeypatch.setenv("QUANTKIT_FP8_GEMV_QUANT", quant)
-        runtime = bench.runtime_from_hf(hf, None, max_positions=4096)
-        assert runtime.weights.layers[0].o.fp8.gemv_fused == (quant == "inside")
-        with torch.inference_mode():
-            logits = [runtime.forward_logits(ids)] + [runtime.forward_logits(ids[:, :m].reshape(m, 1))
-                                                      for m in (1, 4)]
-            kernels = bench.kernel_times(lambda rt=runtime: rt.forward_logits(ids[:, :1]))["launches"]
-        results[quant] = (logits, kernels)
-        del runtime
+    results = _logits_and_launches_under(monkeypatch, hf, "QUANTKIT_FP8_GEMV_QUANT", ("apart", "inside"),
+                                         lambda rt, quant: rt.weights.layers[0].o.fp8.gemv_fused == (quant == "inside"))
     (prefill, one, four), (prefill2, one2, four2) = results["apart"][0], results["inside"][0]
     assert torch.equal(prefill, prefill2) and torch.equal(four, four2)
     assert ((one2.float() - one.float()).norm() / one.float().norm()).item() < 2e-2
