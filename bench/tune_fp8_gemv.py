@@ -74,6 +74,8 @@ def cfg_fields(cfg) -> list:
 def runner(path: str, x, wq, ws):
     """``run(cfg)``: the kernel ``--path`` tunes at ``cfg`` on these operands (codes: ``x`` quantized once, here, as
     the kernel in front of the linear would write it)."""
+    import torch
+
     from quantkit.kernels.fp8_quant import quantize_per_token
     from quantkit.kernels.gemv import gemv
     from quantkit.kernels.gemv_fp8 import gemv_fp8
@@ -81,13 +83,7 @@ def runner(path: str, x, wq, ws):
     if path == "fused":
         return lambda cfg: gemv_fp8(x, wq, ws, config=cfg)
     qx, sx = quantize_per_token(x)
-    return lambda cfg: gemv(qx, wq, None, config=cfg, scales=(sx, ws), out_dtype=torch_bf16())
-
-
-def torch_bf16():
-    import torch
-
-    return torch.bfloat16
+    return lambda cfg: gemv(qx, wq, None, config=cfg, scales=(sx, ws), out_dtype=torch.bfloat16)
 
 
 def table_config(path: str, m: int, n: int, k: int, card: str | None):

@@ -76,8 +76,14 @@ def _gemv_config(m: int, n: int, k: int) -> DenseGemvConfig:
     if cfg is None:
         # M = 1: the best single config over the five 8B linears
         cfg = DenseGemvConfig(2, 2048, 8) if m == 2 else DenseGemvConfig(2, 1024, 4)
+    return within_k(cfg, k)
+
+
+def within_k(cfg: DenseGemvConfig, k: int) -> DenseGemvConfig:
+    """``cfg`` with BLOCK_K no wider than K's next power of two (at least 16), every other field kept: the tables'
+    entries are sized for the 8B shapes, and a small K takes a narrower tile."""
     block_k = min(cfg.block_k, max(triton.next_power_of_2(k), 16))
-    return cfg if block_k == cfg.block_k else DenseGemvConfig(cfg.block_n, block_k, cfg.num_warps)
+    return cfg if block_k == cfg.block_k else dataclasses.replace(cfg, block_k=block_k)
 
 
 # The FP8 decode GEMV on e4m3 codes (the runtime's default at one row: the norm or activation kernel in front writes
@@ -94,8 +100,7 @@ def _fp8_codes_config(m: int, n: int, k: int, card: str | None = None) -> DenseG
     if cfg is None:
         cfg = _gemv_config(m, n, k)
         cfg = dataclasses.replace(cfg, block_k=2 * cfg.block_k)
-    block_k = min(cfg.block_k, max(triton.next_power_of_2(k), 16))
-    return cfg if block_k == cfg.block_k else dataclasses.replace(cfg, block_k=block_k)
+    return within_k(cfg, k)
 
 
 @triton.jit

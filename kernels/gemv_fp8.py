@@ -20,13 +20,11 @@ Configs: 1-byte weights get their own table (:data:`TUNED_FP8`, by (N, K, M buck
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import triton
 
 from quantkit.kernels.device_info import pdl_launch, programmatic_launch
-from quantkit.kernels.gemv import DenseGemvConfig, _gemv_kernel, layout_problem, shape_problem
+from quantkit.kernels.gemv import DenseGemvConfig, _gemv_kernel, layout_problem, shape_problem, within_k
 
 C = DenseGemvConfig
 # The FP8 GEMV's config by (N, K, M bucket: 1, 2 or 4; M = 3 takes 4's), Llama-3-8B's decode linears (qkv, o,
@@ -72,9 +70,7 @@ def fits(cfg: DenseGemvConfig, m: int, k: int, vec: int = VEC) -> bool:
 
 def fp8_gemv_config(m: int, n: int, k: int) -> DenseGemvConfig:
     """The table's config for ``(n, k, m_bucket(m))``, else the bucket's default; BLOCK_K shrunk to a small K."""
-    cfg = TUNED_FP8.get((n, k, m_bucket(m))) or DEFAULT_FP8[m_bucket(m)]
-    block_k = min(cfg.block_k, max(triton.next_power_of_2(k), 16))
-    return cfg if block_k == cfg.block_k else dataclasses.replace(cfg, block_k=block_k)
+    return within_k(TUNED_FP8.get((n, k, m_bucket(m))) or DEFAULT_FP8[m_bucket(m)], k)
 
 
 def amax_block(m: int, k: int, num_warps: int) -> int:
