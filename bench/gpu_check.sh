@@ -44,7 +44,9 @@
 # candidates beside the shipped table (`w4a16-ab 540`); issue 39's router switch against its default, the 30B-A3B
 # attention cells and the step under their candidates (`pending 330`, carry .stage/whl); issue 42's FP8 GEMV on
 # codes tuned on the card and the 8B FP8 step with its picks against without, and o quantized inside its GEMV
-# (`fp8-codes 560`); the suite without the GGUF tests, then that once through (`tests-fp8 560`, carry as tests).
+# (`fp8-codes 560`); the suite without the GGUF tests, then that once through (`tests-fp8 560`, carry as tests);
+# the decode step's L2 prefetch of each next linear at several sizes on the 8B shape's three formats
+# (`l2-prefetch 260 [MBS]`, carry .stage/whl), and that sweep before the tests mode (`tests-l2 590`, carry as tests).
 # Everything lands in $OUT (JSON of each bench, the suite's log).
 # pytest runs with OMP_NUM_THREADS=1: 8-12 xdist workers on 16 cores, each with torch's one thread a core, took
 # turns on the cores (the MoE GPU tests, mostly CPU set-up, ran 44-109 s a case on an H100, 2026-12-05).
@@ -166,6 +168,12 @@ int4_8b_step() {  # NAME: the 8B int4 step; with the candidates also under the C
 
 int4_30b_step() {  # NAME: the Qwen3-30B-A3B int4 step
     MOE_FORMATS=int4 moe_steps "$1:"
+}
+
+l2_sweep() {  # CAP [MBS]: the decode step with the next linear's weights prefetched into L2 at each size (MB list,
+    # default 0,16,32) against none, twice, on the 8B shape's fp8, int4 and bf16 models (bench/l2_prefetch_sweep.py)
+    step "$1" python3 bench/l2_prefetch_sweep.py --mbs "${2:-0,16,32}" --out "$OUT/l2_prefetch_8b.json" 2>&1 | tail -30
+    rm -f "$OUT"/*.png
 }
 
 case "$1" in
@@ -365,6 +373,17 @@ pending)  # issue 39 on the card at hand in one call (BUDGET_S ~330, carry .stag
         --out "$OUT/w4a16_decode_30b.json" 2>&1 | tail -24
     candidate_table_ab "$OUT/w4a16_decode_30b.json" 30b int4_30b_step
     ;;
+l2-prefetch)  # the decode step's L2 prefetch of each next linear (QUANTKIT_L2_PREFETCH_MB) at the sizes in the third
+    # argument (default 0,16,32) on the 8B shape's three formats, twice (BUDGET_S ~260, carry .stage/whl)
+    install_wheels
+    card | tee "$OUT/card.txt"
+    l2_sweep $(( BUDGET - 20 )) "${3:-}"
+    ;;
+tests-l2)  # the L2 prefetch sweep, then the tests mode (BUDGET_S ~590, carry as tests; gguf may follow at once)
+    install_wheels
+    l2_sweep 230
+    gpu_tests 90 240
+    ;;
 fp8-codes)  # issue 42's FP8 GEMV on codes tuned here, then the 8B step three ways, twice (BUDGET_S ~560, no carry)
     card | tee "$OUT/card.txt"
     fp8_codes 2
@@ -378,5 +397,5 @@ moe-quantize)  # issue 39's 10-minute targets: GPTQ (third argument gptq, the de
     step 560 python3 bench/bench_moe.py --skip "$other" serve kernel --layers "${4:-16}" \
         --out "$OUT/bench_moe_$m.json" 2>&1 | tail -30
     ;;
-*) echo "usage: gpu_check.sh benches|suite|one|tests|gguf|coldstart-ab|moe|w4a16|moe-decode|moe-math|moe-step|moe-prefill|moe-quantize|fp8-mma|fp8-step|w4a16-ab|pending|fp8-codes|tests-fp8|ab BUDGET_S"; exit 2 ;;
+*) echo "usage: gpu_check.sh benches|suite|one|tests|gguf|coldstart-ab|moe|w4a16|moe-decode|moe-math|moe-step|moe-prefill|moe-quantize|fp8-mma|fp8-step|w4a16-ab|pending|fp8-codes|tests-fp8|l2-prefetch|tests-l2|ab BUDGET_S"; exit 2 ;;
 esac
