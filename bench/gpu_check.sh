@@ -22,9 +22,10 @@
 #     (FP8 runtime tests first with full tracebacks, then the rest of the suite, -v so a cut run still says
 #     which passed; the GGUF tests skip; part A stays in /tmp)
 #   then at once, carry [.stage/smolB] (the tests call left the wheels in /tmp/whl and the data in ../shared; smolB
-#   with the data is over the 64 MiB limit):  bash bench/gpu_check.sh gguf BUDGET_S [coldstart]
+#   with the data is over the 64 MiB limit):  bash bench/gpu_check.sh gguf BUDGET_S [coldstart|l2:MB]
 #     (the tests that need SmolLM2's GGUF; with "coldstart", then bench_serve_coldstart.py on SmolLM2 quantized
-#     with GPTQ's defaults: issue 40's measurements, ~6 minutes, BUDGET_S 560)
+#     with GPTQ's defaults: issue 40's measurements, ~6 minutes, BUDGET_S 560; with "l2:MB", then `quantkit bench`
+#     on the 8B shape without and with MB of L2 prefetch, twice, ~150 s a run)
 # Today's defaults against the previous main's on one shape, one machine (the decode and prefill numbers of
 # `quantkit bench`): carry [.stage/whl, .stage/old]:  bash bench/gpu_check.sh ab BUDGET_S SHAPE  (~420 for the
 # Qwen3-30B-A3B shape)
@@ -108,7 +109,8 @@ fp8_steps() {  # the 8B shape once a NAME:FORMATS:VAR=VALUE,... argument, under 
     local v name formats vars
     for v in "$@"; do
         IFS=: read -r name formats vars <<< "$v"
-        bench_variant "bench_8b_fp8_$name" 100 "$vars" --shape llama3-8b --formats "$formats" --steps 64
+        bench_variant "bench_8b_fp8_$name" "${FP8_STEP_CAP:-100}" "$vars" --shape llama3-8b --formats "$formats" \
+            --steps 64
     done
     rm -f "$OUT"/*.png
 }
@@ -244,6 +246,11 @@ gguf)
         # the bench gives the server an empty Triton cache (the suite just before filled the default one)
         step 300 python3 bench/bench_serve_coldstart.py /tmp/smol-gptq --out "$OUT/serve_coldstart_smollm2.json" \
             --server-log "$OUT/serve_coldstart_server.log" 2>&1 | tail -40
+    fi
+    if [ "${3#l2:}" != "${3:-}" ]; then  # "l2:MB": then `quantkit bench` on the 8B shape's three formats without the
+        # L2 prefetch and with MB of it, twice, alternating (~150 s a run; what the budget leaves)
+        FP8_STEP_CAP=170 fp8_steps none:fp8,int4,bf16: "pf${3#l2:}:fp8,int4,bf16:QUANTKIT_L2_PREFETCH_MB=${3#l2:}" \
+            none2:fp8,int4,bf16: "pf${3#l2:}b:fp8,int4,bf16:QUANTKIT_L2_PREFETCH_MB=${3#l2:}"
     fi
     ;;
 coldstart-ab)  # issue 40's cold start, new code against the previous main (.stage/old) in one call, on a random
