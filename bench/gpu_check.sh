@@ -173,8 +173,10 @@ int4_30b_step() {  # NAME: the Qwen3-30B-A3B int4 step
 }
 
 l2_sweep() {  # CAP [MBS]: the decode step with the next linear's weights prefetched into L2 at each size (MB list,
-    # default 0,16,32) against none, twice, on the 8B shape's fp8, int4 and bf16 models (bench/l2_prefetch_sweep.py)
-    step "$1" python3 bench/l2_prefetch_sweep.py --mbs "${2:-0,16,32}" --out "$OUT/l2_prefetch_8b.json" 2>&1 | tail -30
+    # default 16,32), both plans (each, pairs), against none, twice, on the 8B shape's fp8, bf16 and int4 models
+    # (bench/l2_prefetch_sweep.py)
+    step "$1" python3 bench/l2_prefetch_sweep.py --mbs "${2:-16,32}" --plans each,pairs --formats fp8,bf16,int4 \
+        --out "$OUT/l2_prefetch_8b.json" 2>&1 | tail -40
     rm -f "$OUT"/*.png
 }
 
@@ -381,15 +383,16 @@ pending)  # issue 39 on the card at hand in one call (BUDGET_S ~330, carry .stag
     candidate_table_ab "$OUT/w4a16_decode_30b.json" 30b int4_30b_step
     ;;
 l2-prefetch)  # the decode step's L2 prefetch of each next linear (QUANTKIT_L2_PREFETCH_MB) at the sizes in the third
-    # argument (default 0,16,32) on the 8B shape's three formats, twice (BUDGET_S ~260, carry .stage/whl)
+    # argument (default 16,32), each and in pairs, on the 8B shape's three formats, twice (BUDGET_S ~280, carry
+    # .stage/whl)
     install_wheels
     card | tee "$OUT/card.txt"
     l2_sweep $(( BUDGET - 20 )) "${3:-}"
     ;;
 tests-l2)  # the L2 prefetch sweep, then the tests mode (BUDGET_S ~590, carry as tests; gguf may follow at once)
     install_wheels
-    l2_sweep 230
-    gpu_tests 90 240
+    l2_sweep 260
+    gpu_tests 90 220
     ;;
 fp8-codes)  # issue 42's FP8 GEMV on codes tuned here, then the 8B step three ways, twice (BUDGET_S ~560, no carry)
     card | tee "$OUT/card.txt"

@@ -28,6 +28,7 @@ from quantkit.kernels.device_info import interpreting, pdl_launch, programmatic_
 
 LINE_BYTES = 128  # what one prefetch.global.L2 requests: the L2 line holding the address
 LINES_PER_PROGRAM = 1024  # 128 KB a program: 8 prefetches a thread at 4 warps; 16 MB is 128 programs
+MAX_RANGES = 4  # byte ranges one launch requests
 
 
 @triton.jit
@@ -35,18 +36,36 @@ def _prefetch_lines(addresses, valid):
     """``prefetch.global.L2`` of each address where ``valid`` (a hint: no register waits for it)."""
     tl.inline_asm_elementwise(
         "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-        "=r,l,r", [addresses.to(tl.int64), valid.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+        "=r,l,r", [addresses, valid.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
-def _l2_prefetch_kernel(base_ptr, n_lines, LINES: tl.constexpr, LINE: tl.constexpr, PDL: tl.constexpr):
-    """Program p requests lines ``[p * LINES, (p + 1) * LINES)`` of LINE bytes at ``base_ptr`` (a byte pointer)
-    below ``n_lines``. PDL: the next kernel may launch at once; the wait comes after the requests (they read nothing
-    the previous kernel writes) and keeps this grid from finishing before that kernel has."""
+def _l2_prefetch_kernel(a0, a1, a2, a3, n0, n1, n2, n3, end0, end1, end2, LINES: tl.constexpr, LINE: tl.constexpr,
+                        PDL: tl.constexpr):
+    """Up to four byte ranges, range r at address ``a_r`` (an integer) with ``n_r`` lines of LINE bytes: programs
+    ``[end_{r-1}, end_r)`` request it, LINES lines each (the last range's programs run to the grid's end). PDL:
+    the next kernel may launch at once; the wait comes after the requests (they read nothing the previous kernel
+    writes) and keeps this grid from finishing before that kernel has."""
     if PDL:
         gdc_launch_dependents()
-    lines = tl.program_id(0).to(tl.int64) * LINES + tl.arange(0, LINES)
-    _prefetch_lines(base_ptr + lines * LINE, lines < n_lines)
+    pid = tl.program_id(0)
+    address = a0.to(tl.int64)
+    n_lines = n0
+    first = pid * 0
+    if pid >= end0:
+        address = a1.to(tl.int64)
+        n_lines = n1
+        first = end0
+    if pid >= end1:
+        address = a2.to(tl.int64)
+        n_lines = n2
+        first = end1
+    if pid >= end2:
+        address = a3.to(tl.int64)
+        n_lines = n3
+        first = end2
+    lines = (pid - first).to(tl.int64) * LINES + tl.arange(0, LINES)
+    _prefetch_lines(address + lines * LINE, lines < n_lines)
     if PDL:
         gdc_wait()
 
@@ -56,20 +75,31 @@ def prefetch_bytes(t: torch.Tensor, max_bytes: int) -> int:
     return min(t.numel() * t.element_size(), max(0, max_bytes))
 
 
-def l2_prefetch(t: torch.Tensor, max_bytes: int) -> int:
-    """Request the first ``max_bytes`` of contiguous ``t`` (all of it if smaller) into L2, in the current stream
+def l2_prefetch(ranges: list[tuple[torch.Tensor, int]]) -> int:
+    """Request the first ``max_bytes`` of each contiguous tensor in ``ranges`` (``(tensor, max_bytes)``, all of
+    a tensor if smaller; at most :data:`MAX_RANGES`, on one device) into L2, in one launch in the current stream
     (CUDA-graph safe). Returns the number of programs launched: 0 off CUDA, under the interpreter, or for nothing
     to request. Raises ValueError for a tensor that is not contiguous (its first bytes would not be its first
-    elements)."""
-    if not t.is_contiguous():
-        raise ValueError(f"l2_prefetch takes a contiguous tensor, got strides {t.stride()} for shape {tuple(t.shape)}")
-    n_bytes = prefetch_bytes(t, max_bytes)
-    if t.device.type != "cuda" or interpreting() or n_bytes == 0:
+    elements), for more than MAX_RANGES ranges or for ranges on several devices."""
+    if len(ranges) > MAX_RANGES:
+        raise ValueError(f"l2_prefetch takes at most {MAX_RANGES} ranges a launch, got {len(ranges)}")
+    for t, _ in ranges:
+        if not t.is_contiguous():
+            raise ValueError(f"l2_prefetch takes contiguous tensors, got strides {t.stride()} for shape "
+                             f"{tuple(t.shape)}")
+    if len({t.device for t, _ in ranges}) > 1:
+        raise ValueError("l2_prefetch: the ranges of one launch must be on one device")
+    todo = [(t.data_ptr(), triton.cdiv(prefetch_bytes(t, cap), LINE_BYTES)) for t, cap in ranges]
+    todo = [(address, lines) for address, lines in todo if lines]
+    if not todo or ranges[0][0].device.type != "cuda" or interpreting():
         return 0
-    n_lines = triton.cdiv(n_bytes, LINE_BYTES)
-    programs = triton.cdiv(n_lines, LINES_PER_PROGRAM)
-    pdl = programmatic_launch(t.device)
-    _l2_prefetch_kernel[(programs,)](t.view(-1).view(torch.uint8), n_lines, LINES=LINES_PER_PROGRAM,
-                                     LINE=LINE_BYTES, PDL=pdl,
-                                     num_warps=4, num_stages=1, **pdl_launch(pdl))
-    return programs
+    ends, total = [], 0
+    for _, lines in todo:
+        total += triton.cdiv(lines, LINES_PER_PROGRAM)
+        ends.append(total)
+    todo += [(todo[0][0], 0)] * (MAX_RANGES - len(todo))  # unused ranges: no lines, no programs
+    ends += [total] * (MAX_RANGES - len(ends))
+    pdl = programmatic_launch(ranges[0][0].device)
+    _l2_prefetch_kernel[(total,)](*(a for a, _ in todo), *(n for _, n in todo), *ends[:3], LINES=LINES_PER_PROGRAM,
+                                  LINE=LINE_BYTES, PDL=pdl, num_warps=4, num_stages=1, **pdl_launch(pdl))
+    return total

@@ -22,38 +22,45 @@ def _decode_once(model, prompt_len: int = 5):
     return model.decode(tokens, positions, slots, cache)
 
 
-def test_decode_asks_for_each_next_linear_in_order_and_nothing_else_does(tiny_family, monkeypatch):
+@pytest.mark.parametrize("plan", ["each", "pairs"])
+def test_decode_asks_for_each_next_linear_in_order_and_nothing_else_does(tiny_family, monkeypatch, plan):
+    """Each plan's launches, in order, as (data pointer, bytes) ranges: "each" one launch a linear, right after
+    the one before it; "pairs" o with gate/up after q/k/v, down with the next q/k/v (or lm_head) after gate/up."""
     folder, _ = tiny_family("llama")
+    monkeypatch.setenv("QUANTKIT_L2_PREFETCH_PLAN", plan)
     model, _ = load_runtime_model(str(folder), device="cpu")
     assert model.l2_prefetch_bytes == 0  # the default, and always off the GPU
     cap = 3000
     model.l2_prefetch_bytes = cap  # as on a GPU with a budget: the launcher is recorded instead of run
-    asked = []
+    launches = []
     monkeypatch.setattr(l2_prefetch_module, "l2_prefetch",
-                        lambda t, max_bytes: asked.append((t.data_ptr(), max_bytes)) or 0)
+                        lambda ranges: launches.append([(t.data_ptr(), b) for t, b in ranges]) or 0)
     forward = model.forward_logits(torch.tensor([[1, 2, 3]]))
-    assert asked == []  # prefill and full passes stream no weight twice: nothing to prefetch
+    assert launches == []  # prefill and full passes stream no weight twice: nothing to prefetch
     logits = _decode_once(model)
     assert torch.isfinite(logits).all() and forward.shape[-1] == logits.shape[-1]
 
-    expected = []
-
-    def wants(linear):
-        left = cap
-        for t in linear.streamed_weights():
-            if left <= 0:
-                break
-            expected.append((t.data_ptr(), left))
-            left -= min(t.numel() * t.element_size(), left)
+    def wants(*linears):
+        ranges = []
+        for linear in linears:
+            left = cap
+            for t in linear.streamed_weights():
+                if left <= 0:
+                    break
+                ranges.append((t.data_ptr(), left))
+                left -= min(t.numel() * t.element_size(), left)
+        return ranges
 
     layers = model.weights.layers
+    expected = []
     for i, lw in enumerate(layers):
-        wants(lw.o)
-        wants(lw.gate_up)
-        wants(lw.down)
-        wants(layers[i + 1].qkv if i + 1 < len(layers) else model.weights.lm_head)
-    assert asked == expected
-    assert len(asked) >= 4 * len(layers)
+        following = layers[i + 1].qkv if i + 1 < len(layers) else model.weights.lm_head
+        if plan == "each":
+            expected += [wants(lw.o), wants(lw.gate_up), wants(lw.down), wants(following)]
+        else:
+            expected += [wants(lw.o, lw.gate_up), wants(lw.down, following)]
+    assert launches == expected
+    assert all(0 < r[1] <= cap for launch in launches for r in launch)
 
 
 def test_streamed_weights_are_what_each_kind_of_linear_reads():
@@ -84,7 +91,8 @@ def test_switch_is_refused_outside_its_choices(tiny_family, monkeypatch):
 @pytest.mark.parametrize("fmt", ["bf16", "fp8"])
 def test_prefetch_changes_no_logit_and_adds_its_launches(monkeypatch, fmt):
     """The kernels backend, eager and under the engine's CUDA graphs: decode logits bit for bit the same with and
-    without the prefetch; the prefetch adds its launches (four a layer) and nothing else."""
+    without the prefetch, either plan; the prefetch adds its launches (four a layer, or two in pairs) and nothing
+    else."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     if fmt == "fp8" and torch.cuda.get_device_capability() < (8, 9):
@@ -102,17 +110,20 @@ def test_prefetch_changes_no_logit_and_adds_its_launches(monkeypatch, fmt):
     if fmt == "fp8":
         bench.quantize_fp8_in_place(hf)
     results = {}
-    for mb in ("0", "16"):
+    for mb, plan in (("0", "each"), ("16", "each"), ("16", "pairs")):
         monkeypatch.setenv("QUANTKIT_L2_PREFETCH_MB", mb)
+        monkeypatch.setenv("QUANTKIT_L2_PREFETCH_PLAN", plan)
         runtime = bench.runtime_from_hf(hf, None, max_positions=512)
-        assert runtime.l2_prefetch_bytes == int(mb) << 20
+        assert runtime.l2_prefetch_bytes == int(mb) << 20 and runtime.l2_prefetch_pairs == (plan == "pairs")
         with torch.inference_mode():
             eager = _decode_once(runtime)
             launches = bench.kernel_times(lambda rt=runtime: _decode_once(rt))["launches"]
         engine = Engine(runtime, None, max_batch=2, max_seq_len=128, cuda_graphs=True, graph_buckets=(1, 2))
         agreement = bench.greedy_agreement(engine)
-        results[mb] = (eager, launches, agreement)
+        results[mb + plan] = (eager, launches, agreement)
         del engine, runtime
-    assert torch.equal(results["0"][0], results["16"][0])
-    assert results["16"][1] == results["0"][1] + 4 * cfg.num_hidden_layers, results
-    assert results["0"][2] == results["16"][2]
+    none, each, pairs = results["0each"], results["16each"], results["16pairs"]
+    assert torch.equal(none[0], each[0]) and torch.equal(none[0], pairs[0])
+    layers = cfg.num_hidden_layers
+    assert (each[1], pairs[1]) == (none[1] + 4 * layers, none[1] + 2 * layers), results
+    assert none[2] == each[2] == pairs[2]
