@@ -22,10 +22,9 @@
 #     (FP8 runtime tests first with full tracebacks, then the rest of the suite, -v so a cut run still says
 #     which passed; the GGUF tests skip; part A stays in /tmp)
 #   then at once, carry [.stage/smolB] (the tests call left the wheels in /tmp/whl and the data in ../shared; smolB
-#   with the data is over the 64 MiB limit):  bash bench/gpu_check.sh gguf BUDGET_S [coldstart|l2:MB]
+#   with the data is over the 64 MiB limit):  bash bench/gpu_check.sh gguf BUDGET_S [coldstart]
 #     (the tests that need SmolLM2's GGUF; with "coldstart", then bench_serve_coldstart.py on SmolLM2 quantized
-#     with GPTQ's defaults: issue 40's measurements, ~6 minutes, BUDGET_S 560; with "l2:MB", then `quantkit bench`
-#     on the 8B shape without and with MB of L2 prefetch, twice, ~150 s a run)
+#     with GPTQ's defaults: issue 40's measurements, ~6 minutes, BUDGET_S 560)
 # Today's defaults against the previous main's on one shape, one machine (the decode and prefill numbers of
 # `quantkit bench`): carry [.stage/whl, .stage/old]:  bash bench/gpu_check.sh ab BUDGET_S SHAPE  (~420 for the
 # Qwen3-30B-A3B shape)
@@ -45,9 +44,7 @@
 # candidates beside the shipped table (`w4a16-ab 540`); issue 39's router switch against its default, the 30B-A3B
 # attention cells and the step under their candidates (`pending 330`, carry .stage/whl); issue 42's FP8 GEMV on
 # codes tuned on the card and the 8B FP8 step with its picks against without, and o quantized inside its GEMV
-# (`fp8-codes 560`); the suite without the GGUF tests, then that once through (`tests-fp8 560`, carry as tests);
-# the decode step's L2 prefetch of each next linear at several sizes on the 8B shape's three formats
-# (`l2-prefetch 260 [MBS]`, carry .stage/whl), and that sweep before the tests mode (`tests-l2 590`, carry as tests).
+# (`fp8-codes 560`); the suite without the GGUF tests, then that once through (`tests-fp8 560`, carry as tests).
 # Everything lands in $OUT (JSON of each bench, the suite's log).
 # pytest runs with OMP_NUM_THREADS=1: 8-12 xdist workers on 16 cores, each with torch's one thread a core, took
 # turns on the cores (the MoE GPU tests, mostly CPU set-up, ran 44-109 s a case on an H100, 2026-12-05).
@@ -109,8 +106,7 @@ fp8_steps() {  # the 8B shape once a NAME:FORMATS:VAR=VALUE,... argument, under 
     local v name formats vars
     for v in "$@"; do
         IFS=: read -r name formats vars <<< "$v"
-        bench_variant "bench_8b_fp8_$name" "${FP8_STEP_CAP:-100}" "$vars" --shape llama3-8b --formats "$formats" \
-            --steps 64
+        bench_variant "bench_8b_fp8_$name" 100 "$vars" --shape llama3-8b --formats "$formats" --steps 64
     done
     rm -f "$OUT"/*.png
 }
@@ -170,14 +166,6 @@ int4_8b_step() {  # NAME: the 8B int4 step; with the candidates also under the C
 
 int4_30b_step() {  # NAME: the Qwen3-30B-A3B int4 step
     MOE_FORMATS=int4 moe_steps "$1:"
-}
-
-l2_sweep() {  # CAP [MBS]: the decode step with the next linear's weights prefetched into L2 at each size (MB list,
-    # default 16,32), both plans (each, pairs), against none, twice, on the 8B shape's fp8, bf16 and int4 models
-    # (bench/l2_prefetch_sweep.py)
-    step "$1" python3 bench/l2_prefetch_sweep.py --mbs "${2:-16,32}" --plans each,pairs --formats fp8,bf16,int4 \
-        --out "$OUT/l2_prefetch_8b.json" 2>&1 | tail -40
-    rm -f "$OUT"/*.png
 }
 
 case "$1" in
@@ -248,11 +236,6 @@ gguf)
         # the bench gives the server an empty Triton cache (the suite just before filled the default one)
         step 300 python3 bench/bench_serve_coldstart.py /tmp/smol-gptq --out "$OUT/serve_coldstart_smollm2.json" \
             --server-log "$OUT/serve_coldstart_server.log" 2>&1 | tail -40
-    fi
-    if [ "${3#l2:}" != "${3:-}" ]; then  # "l2:MB": then `quantkit bench` on the 8B shape's three formats without the
-        # L2 prefetch and with MB of it, twice, alternating (~150 s a run; what the budget leaves)
-        FP8_STEP_CAP=170 fp8_steps none:fp8,int4,bf16: "pf${3#l2:}:fp8,int4,bf16:QUANTKIT_L2_PREFETCH_MB=${3#l2:}" \
-            none2:fp8,int4,bf16: "pf${3#l2:}b:fp8,int4,bf16:QUANTKIT_L2_PREFETCH_MB=${3#l2:}"
     fi
     ;;
 coldstart-ab)  # issue 40's cold start, new code against the previous main (.stage/old) in one call, on a random
@@ -382,18 +365,6 @@ pending)  # issue 39 on the card at hand in one call (BUDGET_S ~330, carry .stag
         --out "$OUT/w4a16_decode_30b.json" 2>&1 | tail -24
     candidate_table_ab "$OUT/w4a16_decode_30b.json" 30b int4_30b_step
     ;;
-l2-prefetch)  # the decode step's L2 prefetch of each next linear (QUANTKIT_L2_PREFETCH_MB) at the sizes in the third
-    # argument (default 16,32), each and in pairs, on the 8B shape's three formats, twice (BUDGET_S ~280, carry
-    # .stage/whl)
-    install_wheels
-    card | tee "$OUT/card.txt"
-    l2_sweep $(( BUDGET - 20 )) "${3:-}"
-    ;;
-tests-l2)  # the L2 prefetch sweep, then the tests mode (BUDGET_S ~590, carry as tests; gguf may follow at once)
-    install_wheels
-    l2_sweep 260
-    gpu_tests 90 220
-    ;;
 fp8-codes)  # issue 42's FP8 GEMV on codes tuned here, then the 8B step three ways, twice (BUDGET_S ~560, no carry)
     card | tee "$OUT/card.txt"
     fp8_codes 2
@@ -407,5 +378,5 @@ moe-quantize)  # issue 39's 10-minute targets: GPTQ (third argument gptq, the de
     step 560 python3 bench/bench_moe.py --skip "$other" serve kernel --layers "${4:-16}" \
         --out "$OUT/bench_moe_$m.json" 2>&1 | tail -30
     ;;
-*) echo "usage: gpu_check.sh benches|suite|one|tests|gguf|coldstart-ab|moe|w4a16|moe-decode|moe-math|moe-step|moe-prefill|moe-quantize|fp8-mma|fp8-step|w4a16-ab|pending|fp8-codes|tests-fp8|l2-prefetch|tests-l2|ab BUDGET_S"; exit 2 ;;
+*) echo "usage: gpu_check.sh benches|suite|one|tests|gguf|coldstart-ab|moe|w4a16|moe-decode|moe-math|moe-step|moe-prefill|moe-quantize|fp8-mma|fp8-step|w4a16-ab|pending|fp8-codes|tests-fp8|ab BUDGET_S"; exit 2 ;;
 esac

@@ -54,19 +54,6 @@ class Linear:
 
         return fp8_linear_codes(qx, sx, self.fp8, out_dtype)
 
-    def streamed_weights(self) -> list[torch.Tensor]:
-        """The tensors a decode-sized call reads from memory nearly whole, in the order its kernels read them: the
-        e4m3 codes, the packed INT4 words or the 16-bit weight (for parts, each part's); what an L2 prefetch ahead
-        of the call asks for (``RuntimeModel``'s decode, kernels/l2_prefetch.py). Scales and biases are left out:
-        a few percent of the bytes at most."""
-        if self.parts:
-            return [t for p in self.parts for t in p.streamed_weights()]
-        if self.fp8 is not None:
-            return [self.fp8.weight]
-        if self.packed is not None:
-            return [self.packed.qweight]
-        return [self.dense] if self.dense is not None else []
-
     def nbytes(self) -> int:
         if self.parts:
             return sum(p.nbytes() for p in self.parts)

@@ -20,11 +20,6 @@ from quantkit.runtime.spec import ModelSpec, layer_rope_key, rope_tables
 from quantkit.runtime.weights import ModelWeights
 
 BACKENDS = ("kernels", "reference")
-L2_PREFETCH_MB = ("0", "8", "16", "24", "32", "48")  # QUANTKIT_L2_PREFETCH_MB's choices, the default first
-# QUANTKIT_L2_PREFETCH_PLAN: "each" linear's weights requested by a launch right after the linear before it, or
-# "pairs": after q/k/v both o and gate/up, after gate/up both down and the next layer's q/k/v (half the launches,
-# each request earlier)
-L2_PREFETCH_PLANS = ("each", "pairs")
 
 
 @dataclass
@@ -175,12 +170,6 @@ class RuntimeModel:
         # clip_qkv, which clips between the norm and the attention.
         switch = ab_switch("QUANTKIT_DECODE_QK_NORM", ("separate", "attention"))
         self.qk_norm_in_decode = switch == "attention" and spec.qk_norm == "head" and not spec.clip_qkv
-        # Decode requests each next linear's first weight bytes into L2 while the kernels between the linears
-        # leave the memory bus idle (kernels/l2_prefetch.py): QUANTKIT_L2_PREFETCH_MB of each, 0 (none) by default
-        # until a whole decode step measures a size faster
-        mb = int(ab_switch("QUANTKIT_L2_PREFETCH_MB", L2_PREFETCH_MB))
-        self.l2_prefetch_bytes = mb << 20 if backend == "kernels" and self.device.type == "cuda" else 0
-        self.l2_prefetch_pairs = ab_switch("QUANTKIT_L2_PREFETCH_PLAN", L2_PREFETCH_PLANS) == "pairs"
         self.max_positions = max_positions or spec.max_position_embeddings
         self.rope = rope_tables(config, spec, self.device, self.max_positions)
         self.layer_rope = [self.rope[layer_rope_key(config, i, self.rope)] for i in range(spec.num_layers)]
@@ -197,29 +186,21 @@ class RuntimeModel:
 
     def _hidden(
         self, ids: torch.Tensor, positions: torch.Tensor, attend, cache: KVCache | None, slots: torch.Tensor | None,
-        rope_in_attention: bool = False, prefetch: bool = False,
+        rope_in_attention: bool = False,
     ) -> torch.Tensor:
         """Final-normed hidden states ``[M, H]`` of token rows ``ids [M]`` at ``positions [M]``.
 
         ``attend(layer, qkv) -> [M, Hq * D]`` runs attention on the rotated ``qkv`` (the cache, if any,
         already holds this step's keys and values); with ``rope_in_attention`` on the projection's output
-        as it is, rotating and writing the cache itself. ``prefetch`` (decode): each linear's call is followed
-        by the L2 prefetch of the next one's weights (or, ``l2_prefetch_pairs``, every other linear's by that of
-        the next two: :meth:`_prefetch`), which the kernels in between overlap.
+        as it is, rotating and writing the cache itself.
         """
         s, o = self.spec, self.ops
         h = self.weights.embed[ids]
         if self.embed_scale != 1.0:
             h = h * self.embed_scale
         delta, residual = h, None
-        layers = self.weights.layers
-        pairs = self.l2_prefetch_pairs
-        for i, lw in enumerate(layers):
-            dense_mlp = lw.moe is None  # an MoE layer's experts are known only once routed: none prefetched
-            following = layers[i + 1].qkv if i + 1 < len(layers) else self.weights.lm_head
+        for i, lw in enumerate(self.weights.layers):
             qkv, residual = self._normed_linear(lw.qkv, delta, residual, lw.input_norm)
-            if prefetch:
-                self._prefetch(lw.o, *([lw.gate_up] if pairs and dense_mlp else []))
             if s.qk_norm and not (rope_in_attention and self.qk_norm_in_decode):
                 self.qk_norm(qkv, lw)
             if s.clip_qkv:
@@ -239,8 +220,6 @@ class RuntimeModel:
                     slots,
                 )
             delta = lw.o(attend(i, qkv))
-            if prefetch and dense_mlp and not pairs:
-                self._prefetch(lw.gate_up)
             ff_norm = lw.post_attn_norm
             if s.sandwich_norms:
                 delta, _ = o.add_rms_norm(delta, None, lw.post_attn_norm, s.rms_eps, s.norm_offset)
@@ -250,33 +229,11 @@ class RuntimeModel:
                                                 o.act_mul)
             else:
                 gate_up, residual = self._normed_linear(lw.gate_up, delta, residual, ff_norm)
-                if prefetch:
-                    self._prefetch(lw.down, *([following] if pairs else []))
                 delta = self._activated_linear(lw.down, gate_up)
-            if prefetch and not (pairs and dense_mlp):
-                self._prefetch(following)
             if s.sandwich_norms:
                 delta, _ = o.add_rms_norm(delta, None, lw.post_ff_norm, s.rms_eps, s.norm_offset)
         x, _ = o.add_rms_norm(delta, residual, self.weights.final_norm, s.rms_eps, s.norm_offset)
         return x
-
-    def _prefetch(self, *linears) -> None:
-        """Request the first ``l2_prefetch_bytes`` of each linear's streamed weights into L2, in one launch
-        (nothing where that is 0: the reference backend, off CUDA, or switched off)."""
-        if not self.l2_prefetch_bytes:
-            return
-        from quantkit.kernels.l2_prefetch import MAX_RANGES, l2_prefetch, prefetch_bytes
-
-        ranges = []
-        for linear in linears:
-            left = self.l2_prefetch_bytes
-            for t in linear.streamed_weights():
-                if left <= 0:
-                    break
-                ranges.append((t, left))
-                left -= prefetch_bytes(t, left)
-        for first in range(0, len(ranges), MAX_RANGES):  # unfused parts (q, k, v apart) may take two launches
-            l2_prefetch(ranges[first:first + MAX_RANGES])
 
     def _normed_linear(self, linear, delta, residual, norm):
         """``(linear(rms_norm(delta + residual)), delta + residual)``; an FP8 linear that takes codes gets them
@@ -395,5 +352,4 @@ class RuntimeModel:
             )
 
         with torch.inference_mode():
-            return self.logits(self._hidden(tokens, positions, attend, cache, slots, rope_in_attention=True,
-                                            prefetch=True))
+            return self.logits(self._hidden(tokens, positions, attend, cache, slots, rope_in_attention=True))
