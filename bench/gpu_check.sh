@@ -365,9 +365,10 @@ pending)  # issue 39 on the card at hand in one call (BUDGET_S ~330, carry .stag
         --out "$OUT/w4a16_decode_30b.json" 2>&1 | tail -24
     candidate_table_ab "$OUT/w4a16_decode_30b.json" 30b int4_30b_step
     ;;
-fp8-codes)  # issue 42's FP8 GEMV on codes tuned here, then the 8B step three ways, twice (BUDGET_S ~560, no carry)
+fp8-codes)  # issue 42's FP8 GEMV on codes tuned here, then the 8B step three ways, twice (BUDGET_S ~560, no carry;
+    # a third argument: that many rounds)
     card | tee "$OUT/card.txt"
-    fp8_codes 2
+    fp8_codes "${3:-2}"
     ;;
 moe-quantize)  # issue 39's 10-minute targets: GPTQ (third argument gptq, the default) or AWQ (awq) with the
     # defaults on 128 x 2048 tokens, on the first LAYERS (fourth argument, default 16) of the Qwen3-30B-A3B shape:

@@ -88,8 +88,18 @@ def within_k(cfg: DenseGemvConfig, k: int) -> DenseGemvConfig:
 
 # The FP8 decode GEMV on e4m3 codes (the runtime's default at one row: the norm or activation kernel in front writes
 # the codes) by (card, N, K) at M = 1, measured on that card by `python bench/tune_fp8_gemv.py --path codes`; a
-# card or shape not listed takes bf16's config with BLOCK_K doubled (:func:`_fp8_codes_config`).
-TUNED_FP8_CODES: dict[tuple[str, int, int], DenseGemvConfig] = {}
+# card or shape not listed takes bf16's config with BLOCK_K doubled (:func:`_fp8_codes_config`). An entry goes in
+# only where the whole 8B decode step with the tuner's picks measured faster (`bash bench/gpu_check.sh fp8-codes`).
+# H100: bench/results/fp8_codes_tune_h100_1095ee1.json (each pick 99-101 % of a device copy of its bytes); the
+# step at batch 1 286.2 / 286.0 tok/s against 279.6 / 279.9 without them (two alternating runs, 2026-12-07,
+# bench/results/bench_llama3-8b_fp8_h100_{tuned,table}{1,2}_1095ee1.json).
+_H100 = "NVIDIA H100 80GB HBM3"
+TUNED_FP8_CODES: dict[tuple[str, int, int], DenseGemvConfig] = {
+    (_H100, 6144, 4096): DenseGemvConfig(4, 512, 4),  # 10.9 us (table config 12.2)
+    (_H100, 4096, 4096): DenseGemvConfig(8, 1024, 8),  # 8.1 us (9.9)
+    (_H100, 28672, 4096): DenseGemvConfig(2, 2048, 4),  # 42.1 us (43.8)
+    (_H100, 4096, 14336): DenseGemvConfig(8, 1024, 8),  # 22.2 us (22.3)
+}
 
 
 def _fp8_codes_config(m: int, n: int, k: int, card: str | None = None) -> DenseGemvConfig:

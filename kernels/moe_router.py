@@ -60,10 +60,11 @@ WHOLE_ROW_FLOATS = 64
 def router_reads_whole_rows(tokens: int, block_e: int, hidden: int, warps: int) -> bool:
     """Whether a program reads its router rows (and the activations) whole, in one tile requested before the wait
     for the previous kernel, rather than chunk by chunk after it: with ``QUANTKIT_MOE_ROUTER_ROWS=whole`` (an A/B
-    switch for the benches; "chunks", the default, until a whole step is timed with it), where the [tokens,
-    BLOCK_E, hidden] product fits WHOLE_ROW_FLOATS a thread (Qwen3-30B-A3B's hidden 2048 at batch 1). Why it may
-    pay: the eager batch-1 step spends 7.3 us a layer in this launch for 0.5 MB (one H200, 2026-12-06), and the
-    chunked reads are serial round trips after the wait (fewer warps, more chunks: slower)."""
+    switch for the benches; "chunks" is the default), where the [tokens, BLOCK_E, hidden] product fits
+    WHOLE_ROW_FLOATS a thread (Qwen3-30B-A3B's hidden 2048 at batch 1). Why it was tried: the eager batch-1 step
+    spends 7.3 us a layer in this launch for 0.5 MB (one H200, 2026-12-06), and the chunked reads are serial round
+    trips after the wait. Measured: the launch alone faster, the whole 30B-A3B step at batch 1 4 % slower (one
+    H100, 2026-12-07, docs/moe.md)."""
     if ab_switch("QUANTKIT_MOE_ROUTER_ROWS", ("chunks", "whole")) != "whole":
         return False
     cells = triton.next_power_of_2(tokens) * block_e * triton.next_power_of_2(hidden)

@@ -22,8 +22,9 @@ channel (per tensor is expanded when prepared) or per block. The paths, chosen o
   activations itself, ``kernels/gemv_fp8.py``, up to 4 rows), ``mma`` (the tensor-core GEMM for 1..64 rows),
   ``0`` (``_scaled_mm`` for all). The activations come quantized by the kernel in front (the RMSNorm or the gated
   activation writes the codes, ``QUANTKIT_FP8_FUSED_QUANT``, default 1) or by ``kernels/fp8_quant.py``; under
-  ``auto``, ``QUANTKIT_FP8_GEMV_QUANT=inside`` gives one 16-bit row that no kernel in front quantized (o's input)
-  to the one-launch GEMV instead (``apart``, the default: the quantization kernel, then the GEMV on codes).
+  ``auto``, one 16-bit row that no kernel in front quantized (o's input) goes to the one-launch GEMV, which
+  quantizes it itself (``QUANTKIT_FP8_GEMV_QUANT=inside``, the default; ``apart``: the quantization kernel, then
+  the GEMV on codes).
 * ``scaled_mm_block`` (CUDA, block 128x128 weights, where :func:`block_scaled_mm_layout` finds torch's
   block-scaled GEMM and checks it against the emulation on the device once): activations quantized per token
   and 128 columns, then ``torch.nn.functional.scaled_mm`` with ``BlockWise1x128`` / ``BlockWise128x128`` scales.
@@ -51,7 +52,7 @@ from quantkit.primitives import dequantize_fp8
 log = logging.getLogger(__name__)
 GEMV_MAX_M = 4  # kernels/gemv.py's MAX_M: rows the decode GEMV takes
 GEMV_SWITCH = ("auto", "unfused", "fused", "mma", "0")  # QUANTKIT_FP8_GEMV's choices, the default first
-GEMV_QUANT_SWITCH = ("apart", "inside")  # QUANTKIT_FP8_GEMV_QUANT's choices, the default first
+GEMV_QUANT_SWITCH = ("inside", "apart")  # QUANTKIT_FP8_GEMV_QUANT's choices, the default first
 MMA_MAX_M = 64  # kernels/gemv_fp8_mma.py's MAX_M: rows the tensor-core FP8 GEMM takes
 
 
@@ -147,10 +148,12 @@ def prepare_fp8_linear(weight: torch.Tensor, weight_scale: torch.Tensor, strateg
         # decode: the module docstring says which kernel takes how many rows and what measured it
         switch = ab_switch("QUANTKIT_FP8_GEMV", GEMV_SWITCH)
         prepared.gemv = ok and switch in ("auto", "unfused", "fused")
-        # 16-bit rows at one row under ``auto`` (the linears no kernel in front quantizes for: o): a quantization
-        # kernel, then the GEMV on codes (``apart``, the default), or the one-launch GEMV that quantizes them itself
-        # (``inside``: a launch fewer; the one-launch GEMV's tuned o cell 7.5 us against 10.0 for both launches on
-        # one H200, bench/results/fp8_gemv_h200.json; not yet timed in a whole step)
+        # 16-bit rows at one row under ``auto`` (the linears no kernel in front quantizes for: o): the one-launch
+        # GEMV that quantizes them itself (``inside``, the default: a launch a layer fewer), or a quantization
+        # kernel, then the GEMV on codes (``apart``). The 8B decode step at batch 1 with ``inside``: 287.5 / 287.2
+        # tok/s against 286.2 / 286.0 (two alternating runs, one H100, 2026-12-07,
+        # bench/results/bench_llama3-8b_fp8_h100_tuned{inside,}{1,2}_1095ee1.json); the tuned o cell on one H200
+        # 7.5 us against 10.0 for the two launches (bench/results/fp8_gemv_h200.json)
         inside = ab_switch("QUANTKIT_FP8_GEMV_QUANT", GEMV_QUANT_SWITCH) == "inside"
         prepared.gemv_fused = switch == "fused" or (switch == "auto" and inside)
         prepared.gemv_mma = ok and switch in ("auto", "mma")

@@ -162,12 +162,15 @@ def test_fp8_linear_takes_the_one_launch_gemv_at_decode(monkeypatch, static):
 @pytest.mark.parametrize("switch,quant,gemv_fused", [("fused", "apart", True), ("unfused", "apart", False),
                                                      ("auto", "apart", False), ("0", "apart", False),
                                                      ("auto", "inside", True), ("unfused", "inside", False),
-                                                     ("mma", "inside", False)])
+                                                     ("mma", "inside", False), ("auto", None, True)])
 def test_switch(monkeypatch, switch, quant, gemv_fused):
-    """QUANTKIT_FP8_GEMV picks the decode kernels; QUANTKIT_FP8_GEMV_QUANT=inside sends 16-bit rows to the
-    one-launch GEMV under ``auto`` only; an unknown value is refused, naming the switch."""
+    """QUANTKIT_FP8_GEMV picks the decode kernels; QUANTKIT_FP8_GEMV_QUANT=inside (the default: None is unset)
+    sends 16-bit rows to the one-launch GEMV under ``auto`` only; an unknown value is refused, naming the switch."""
     monkeypatch.setenv("QUANTKIT_FP8_GEMV", switch)
-    monkeypatch.setenv("QUANTKIT_FP8_GEMV_QUANT", quant)
+    if quant is None:
+        monkeypatch.delenv("QUANTKIT_FP8_GEMV_QUANT", raising=False)
+    else:
+        monkeypatch.setenv("QUANTKIT_FP8_GEMV_QUANT", quant)
     wq, ws = _weights(16, 32, device="cpu")
     prepared = prepare_fp8_linear(wq, ws.reshape(-1), "channel")
     assert prepared.gemv_fused == gemv_fused and not prepared.gemv  # the CPU: the reference path
