@@ -126,8 +126,8 @@ gpu_tests() {  # the whole GPU suite but the GGUF tests (the tests mode; the bud
 
 fp8_codes() {  # issue 42: the FP8 GEMV on codes (the runtime's kernel at one row) tuned on this card at M = 1,
     # prefetch among the candidates, then the 8B FP8 step as shipped, with the picks (bench/lib/with_fp8_codes_table.py)
-    # and with the picks and o's input quantized inside its GEMV (QUANTKIT_FP8_GEMV_QUANT=inside), ROUNDS times
-    # (first argument), alternating
+    # and with the picks and o's input quantized by a kernel of its own (QUANTKIT_FP8_GEMV_QUANT=apart; inside its
+    # GEMV is the default), ROUNDS times (first argument), alternating
     step 170 python3 bench/tune_fp8_gemv.py --path codes --ms 1 --deadline 150 --out "$OUT/fp8_codes_tune.json" \
         2>&1 | tail -16
     local args="--no-baselines --shape llama3-8b --formats fp8 --batches 1,8 --steps 64" i
@@ -135,8 +135,8 @@ fp8_codes() {  # issue 42: the FP8 GEMV on codes (the runtime's kernel at one ro
         step 80 python3 -m quantkit.cli.app bench $args --out "$OUT/bench_8b_fp8_table$i.json" 2>&1 | tail -6
         step 80 python3 bench/lib/with_fp8_codes_table.py "$OUT/fp8_codes_tune.json" bench $args \
             --out "$OUT/bench_8b_fp8_tuned$i.json" 2>&1 | tail -6
-        step 80 env QUANTKIT_FP8_GEMV_QUANT=inside python3 bench/lib/with_fp8_codes_table.py \
-            "$OUT/fp8_codes_tune.json" bench $args --out "$OUT/bench_8b_fp8_tunedinside$i.json" 2>&1 | tail -6
+        step 80 env QUANTKIT_FP8_GEMV_QUANT=apart python3 bench/lib/with_fp8_codes_table.py \
+            "$OUT/fp8_codes_tune.json" bench $args --out "$OUT/bench_8b_fp8_tunedapart$i.json" 2>&1 | tail -6
     done
     rm -f "$OUT"/*.png
 }
