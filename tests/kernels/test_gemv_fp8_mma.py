@@ -175,27 +175,32 @@ def test_linear_from_codes_is_the_linear_on_what_they_quantize(m, mma):
     assert got.dtype == torch.float16 and torch.equal(got, linear(x))
 
 
-@pytest.mark.parametrize("switch,by_rows", [
-    ("auto", {1: "gemv", 2: "gemv_mma", 64: "gemv_mma", 65: "scaled_mm"}),  # the default
-    ("unfused", {1: "gemv", 4: "gemv", 5: "scaled_mm", 64: "scaled_mm"}),
-    ("fused", {1: "gemv_fp8", 4: "gemv_fp8", 5: "scaled_mm"}),
-    ("mma", {1: "gemv_mma", 64: "gemv_mma", 65: "scaled_mm"}),
-    ("0", {1: "scaled_mm", 8: "scaled_mm"}),
+@pytest.mark.parametrize("switch,quant,by_rows", [
+    ("auto", None, {1: "gemv_fp8", 2: "gemv_mma", 64: "gemv_mma", 65: "scaled_mm"}),  # the defaults
+    ("auto", "apart", {1: "gemv", 2: "gemv_mma", 64: "gemv_mma", 65: "scaled_mm"}),
+    ("unfused", None, {1: "gemv", 4: "gemv", 5: "scaled_mm", 64: "scaled_mm"}),
+    ("fused", None, {1: "gemv_fp8", 4: "gemv_fp8", 5: "scaled_mm"}),
+    ("mma", None, {1: "gemv_mma", 64: "gemv_mma", 65: "scaled_mm"}),
+    ("0", None, {1: "scaled_mm", 8: "scaled_mm"}),
 ])
-def test_decode_kernel_by_rows(monkeypatch, switch, by_rows):
+def test_decode_kernel_by_rows(monkeypatch, switch, quant, by_rows):
     """Which kernel a Hopper linear runs for how many rows under each QUANTKIT_FP8_GEMV choice (the CPU cannot
-    run the scaled_mm path: it is forced here and only prepared); with codes in, the one-launch GEMV (which
-    quantizes 16-bit rows itself) gives way to the GEMV on codes."""
+    run the scaled_mm path: it is forced here and only prepared); under ``auto`` one 16-bit row goes to the
+    one-launch GEMV unless QUANTKIT_FP8_GEMV_QUANT=apart; with codes in, the one-launch GEMV (which quantizes
+    16-bit rows itself) gives way to the GEMV on codes."""
     import quantkit.fp8_linear as fp8_linear_module
     from quantkit.fp8_linear import fp8_kernel
 
     monkeypatch.setattr(fp8_linear_module, "scaled_mm_supported", lambda device, n, k: (True, "forced"))
     if switch != "auto":
         monkeypatch.setenv("QUANTKIT_FP8_GEMV", switch)
+    if quant is not None:
+        monkeypatch.setenv("QUANTKIT_FP8_GEMV_QUANT", quant)
     _, _, w, ws = _operands(1, 16, 32, device="cpu")
     prepared = prepare_fp8_linear(w, ws.reshape(-1), "channel")
     assert {m: fp8_kernel(prepared, m) for m in by_rows} == by_rows
-    assert fp8_kernel(prepared, 1, codes=True) == {"fused": "gemv"}.get(switch, by_rows[1])
+    codes_at_one = "gemv" if by_rows[1] == "gemv_fp8" else by_rows[1]
+    assert fp8_kernel(prepared, 1, codes=True) == codes_at_one
 
 
 def test_fused_quant_switch(monkeypatch):

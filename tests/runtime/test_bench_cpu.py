@@ -167,7 +167,8 @@ def test_linear_kernels_say_which_kernel_each_linear_runs(monkeypatch):
     """The record names the kernel of each linear at each batch size, as the dispatch decides it: an FP8 model
     prepared for the Hopper path (forced here: the CPU only prepares it) takes the GEMV at batch 1 on every linear,
     q/k/v and gate/up included, the tensor-core GEMM up to 64 rows and _scaled_mm above, with codes from the norm
-    and activation kernels (not for o, whose input attention writes); the switches of the older paths show."""
+    and activation kernels (not for o, whose input attention writes: at one row the one-launch GEMV quantizes it
+    itself); the switches of the older paths show."""
     import quantkit.fp8_linear as fp8_linear_module
 
     monkeypatch.setattr(fp8_linear_module, "scaled_mm_supported", lambda device, n, k: (True, "forced"))
@@ -181,7 +182,7 @@ def test_linear_kernels_say_which_kernel_each_linear_runs(monkeypatch):
     got = bench.linear_kernels(model, (1, 8, 128))
     for name in ("qkv", "gate_up", "down"):
         assert got[name] == {"1": "gemv+codes", "8": "gemv_mma+codes", "128": "scaled_mm+codes"}, (name, got)
-    assert got["o"] == {"1": "gemv", "8": "gemv_mma", "128": "scaled_mm"}
+    assert got["o"] == {"1": "gemv_fp8", "8": "gemv_mma", "128": "scaled_mm"}  # o's row quantized inside its GEMV
     assert got["lm_head"] == {"1": "torch", "8": "torch", "128": "torch"}
     monkeypatch.setenv("QUANTKIT_FP8_GEMV", "unfused")
     monkeypatch.setenv("QUANTKIT_FP8_FUSED_QUANT", "0")
