@@ -93,12 +93,19 @@ def within_k(cfg: DenseGemvConfig, k: int) -> DenseGemvConfig:
 # H100: bench/results/fp8_codes_tune_h100_1095ee1.json (each pick 99-101 % of a device copy of its bytes); the
 # step at batch 1 286.2 / 286.0 tok/s against 279.6 / 279.9 without them (two alternating runs, 2026-12-07,
 # bench/results/bench_llama3-8b_fp8_h100_{tuned,table}{1,2}_1095ee1.json).
+# H200: bench/results/fp8_codes_tune_h200_d877229.json (97-105 %); the step's graph 2.719 / 2.723 ms against
+# 2.927 / 2.927 without them (bench/results/bench_llama3-8b_fp8_h200_{tuned,table}{1,2}_d877229.json).
 _H100 = "NVIDIA H100 80GB HBM3"
+_H200 = "NVIDIA H200"
 TUNED_FP8_CODES: dict[tuple[str, int, int], DenseGemvConfig] = {
     (_H100, 6144, 4096): DenseGemvConfig(4, 512, 4),  # 10.9 us (table config 12.2)
     (_H100, 4096, 4096): DenseGemvConfig(8, 1024, 8),  # 8.1 us (9.9)
     (_H100, 28672, 4096): DenseGemvConfig(2, 2048, 4),  # 42.1 us (43.8)
     (_H100, 4096, 14336): DenseGemvConfig(8, 1024, 8),  # 22.2 us (22.3)
+    (_H200, 6144, 4096): DenseGemvConfig(4, 512, 4),  # 8.8 us (10.4)
+    (_H200, 4096, 4096): DenseGemvConfig(4, 1024, 4),  # 6.6 us (8.2)
+    (_H200, 28672, 4096): DenseGemvConfig(8, 512, 4),  # 32.1 us (37.6)
+    (_H200, 4096, 14336): DenseGemvConfig(8, 1024, 8),  # 16.5 us (17.3)
 }
 
 
