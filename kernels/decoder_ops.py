@@ -224,6 +224,17 @@ def rope_cache(qkv: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tens
 
 
 @triton.jit
+def gated_act(g, GELU: tl.constexpr):
+    """The gate's activation in float32: silu, or (GELU) gelu with the tanh approximation (shared with the fused
+    FP8 MLP, kernels/fp8_mlp.py, which must round as this module's activation kernel does)."""
+    if GELU:
+        # 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))
+        inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        return 0.5 * g * (1.0 + (2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0))
+    return g / (1.0 + tl.exp(-g))
+
+
+@triton.jit
 def _act_mul_kernel(x_ptr, out_ptr, s_ptr, static_ptr, inter, stride_x, stride_o, GELU: tl.constexpr,
                     BLOCK: tl.constexpr, PDL: tl.constexpr, QUANT: tl.constexpr = False, STATIC: tl.constexpr = False):
     if PDL:
@@ -234,14 +245,8 @@ def _act_mul_kernel(x_ptr, out_ptr, s_ptr, static_ptr, inter, stride_x, stride_o
     ok = cols < inter
     g = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(x_ptr + row * stride_x + inter + cols, mask=ok, other=0.0).to(tl.float32)
-    if GELU:
-        # gelu with the tanh approximation: 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))
-        inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-        act = 0.5 * g * (1.0 + (2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0))
-    else:
-        act = g / (1.0 + tl.exp(-g))
-    _fp8_row_out(act * u, out_ptr + row * stride_o, s_ptr, static_ptr, row, cols, ok, x_ptr.dtype.element_ty,
-                 QUANT, STATIC)
+    _fp8_row_out(gated_act(g, GELU) * u, out_ptr + row * stride_o, s_ptr, static_ptr, row, cols, ok,
+                 x_ptr.dtype.element_ty, QUANT, STATIC)
 
 
 def act_mul(gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:

@@ -403,6 +403,22 @@ def test_quantizing_o_inside_its_gemv_changes_one_row_and_launches_only(monkeypa
     assert results["inside"][1] == results["apart"][1] - hf.config.num_hidden_layers, results
 
 
+@pytest.mark.gpu
+def test_the_one_launch_mlp_changes_one_row_and_launches_only(monkeypatch):
+    """QUANTKIT_FP8_MLP=fused: a one-row step's MLP (gate/up GEMV, activation, down GEMV) in one persistent launch
+    (kernels/fp8_mlp.py; only the float32 summation order differs), two launches a layer fewer; prefill and a
+    decode batch of 4 stay bit for bit the same."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the FP8 decode paths are timed and served on Hopper")
+    hf = _tiny_llama("cuda")
+    results = _logits_and_launches_under(monkeypatch, hf, "QUANTKIT_FP8_MLP", ("apart", "fused"),
+                                         lambda rt, v: (rt.fp8_mlp_states[0] is not None) == (v == "fused"))
+    (prefill, one, four), (prefill2, one2, four2) = results["apart"][0], results["fused"][0]
+    assert torch.equal(prefill, prefill2) and torch.equal(four, four2)
+    assert _rel(one2, one) < 2e-2
+    assert results["fused"][1] == results["apart"][1] - 2 * hf.config.num_hidden_layers, results
+
+
 def test_block_gemm_operands_pad_rows_and_k_blocks_to_four():
     """torch's block-scaled FP8 GEMM (quantkit/fp8_block.py) gets activation rows padded to a multiple of 4 (zero
     codes, unit scales, M-major scales) and weight scales with their K blocks padded to a multiple of 4, passed
