@@ -19,16 +19,20 @@ from pathlib import Path
 
 import torch
 
-CANDIDATES = [  # (pairs, block_k1, rows, block_k2, num_warps, ctas_per_sm, preload)
+CANDIDATES = [  # (pairs, block_k1, rows, block_k2, num_warps, ctas_per_sm, preload[, cooperative]): bytes in flight an SM
+    # (a program's tile times the programs an SM holds) from 8 to 64 KB; ctas_per_sm is cut to what the SM holds
     (4, 512, 8, 1024, 8, 2, True),
-    (4, 512, 8, 1024, 8, 2, False),
-    (4, 512, 4, 1024, 4, 4, True),
-    (4, 1024, 8, 1024, 8, 2, True),
-    (8, 512, 8, 1024, 8, 2, True),
-    (2, 1024, 4, 2048, 4, 4, True),
-    (4, 512, 4, 512, 4, 6, True),
-    (4, 256, 4, 512, 2, 8, True),
-    (2, 512, 4, 1024, 4, 8, True),
+    (8, 1024, 8, 1024, 8, 2, True),
+    (4, 1024, 8, 2048, 8, 2, True),
+    (8, 512, 16, 1024, 8, 2, True),
+    (4, 512, 8, 1024, 4, 4, True),
+    (4, 1024, 8, 1024, 4, 4, True),
+    (8, 512, 8, 1024, 4, 4, True),
+    (4, 1024, 8, 1024, 4, 4, False),
+    (2, 1024, 4, 2048, 4, 6, True),
+    (4, 512, 4, 2048, 4, 6, True),
+    (2, 512, 4, 1024, 2, 12, True),
+    (4, 512, 8, 1024, 8, 2, True, False),  # the first, launched without the cooperative attribute
 ]
 
 

@@ -39,8 +39,10 @@ from quantkit.kernels.fp8_quant import e4m3_codes, e4m3_scale
 class FP8MlpConfig:
     """``pairs``: gate/up row pairs a unit of the first phase; ``block_k1``: its K tile (the hidden size);
     ``rows`` / ``block_k2``: down rows a unit and its K tile (the intermediate size); ``ctas_per_sm``: resident
-    programs a multiprocessor (the grid is that many times the SM count); ``preload``: request the first down tile
-    before the barrier."""
+    programs a multiprocessor (the grid is that many times the SM count, cut to what the compiled kernel's
+    resources let an SM hold); ``preload``: request the first down tile before the barrier; ``cooperative``: launch
+    so that the driver refuses a grid it cannot hold at once, rather than leaving the barrier waiting on programs
+    that never start (off: the A/B of what the cooperative launch costs)."""
 
     pairs: int = 4
     block_k1: int = 512
@@ -49,6 +51,7 @@ class FP8MlpConfig:
     num_warps: int = 8
     ctas_per_sm: int = 2
     preload: bool = True
+    cooperative: bool = True
 
     def __post_init__(self):
         for name in ("pairs", "block_k1", "rows", "block_k2", "num_warps"):
@@ -259,7 +262,7 @@ def fp8_mlp(qx: torch.Tensor, sx: torch.Tensor, w_gate_up: torch.Tensor, s_gate_
     if interpreting():
         _fp8_mlp_kernel[(1,)](*args, 1, **meta)
         return y
-    meta["launch_cooperative_grid"] = True  # the driver refuses a grid that could not all be resident at once
+    meta["launch_cooperative_grid"] = config.cooperative
     grid = state.grids.get(config)
     if grid is None:  # the compiled kernel's registers and shared memory say how many programs an SM holds
         compiled = _fp8_mlp_kernel.warmup(*args, 1, grid=(1,), **meta)
