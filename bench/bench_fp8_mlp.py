@@ -18,6 +18,7 @@ import json
 from pathlib import Path
 
 import torch
+from gpu_timing import replay_us  # bench/gpu_timing.py, beside this script
 
 CANDIDATES = [  # (pairs, block_k1, rows, block_k2, num_warps, ctas_per_sm, preload[, cooperative]): bytes in flight an SM
     # (a program's tile times the programs an SM holds) from 8 to 64 KB; ctas_per_sm is cut to what the SM holds
@@ -73,15 +74,8 @@ def _graph_us(run, layers: int, reps: int = 30) -> float:
         run()
     for _ in range(3):
         graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / layers)
-    return sorted(times)[len(times) // 2]
+    times = sorted(replay_us(graph, reps))
+    return times[len(times) // 2] / layers
 
 
 def _card() -> dict:
