@@ -20,20 +20,19 @@ from pathlib import Path
 import torch
 from gpu_timing import replay_us  # bench/gpu_timing.py, beside this script
 
-CANDIDATES = [  # (pairs, block_k1, rows, block_k2, num_warps, ctas_per_sm, preload[, cooperative]): bytes in flight an SM
-    # (a program's tile times the programs an SM holds) from 8 to 64 KB; ctas_per_sm is cut to what the SM holds
-    (4, 512, 8, 1024, 8, 2, True),
-    (8, 1024, 8, 1024, 8, 2, True),
-    (4, 1024, 8, 2048, 8, 2, True),
-    (8, 512, 16, 1024, 8, 2, True),
-    (4, 512, 8, 1024, 4, 4, True),
-    (4, 1024, 8, 1024, 4, 4, True),
-    (8, 512, 8, 1024, 4, 4, True),
-    (4, 1024, 8, 1024, 4, 4, False),
-    (2, 1024, 4, 2048, 4, 6, True),
-    (4, 512, 4, 2048, 4, 6, True),
-    (2, 512, 4, 1024, 2, 12, True),
-    (4, 512, 8, 1024, 8, 2, True, False),  # the first, launched without the cooperative attribute
+CANDIDATES = [  # (pairs, rows, num_warps, ctas_per_sm[, preload, cooperative]); K tiles follow from num_warps.
+    # Registers by ptxas for sm_90a (2026-12-07): 63 at (2, 4, 4), so 8 programs an SM, 64 KB of gate/up tiles and
+    # 32 KB of down tiles in flight an SM; (4, 8, 4) 128 (4 an SM); (2, 4, 8) spills
+    (2, 4, 4, 8),
+    (1, 4, 4, 8),
+    (2, 8, 4, 5),
+    (4, 8, 4, 4),
+    (2, 4, 2, 16),
+    (4, 4, 2, 8),
+    (2, 4, 4, 6),
+    (2, 4, 4, 4),
+    (2, 4, 4, 8, False),  # no down tile requested before the barrier
+    (2, 4, 4, 8, True, False),  # launched without the cooperative attribute
 ]
 
 

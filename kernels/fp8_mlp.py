@@ -34,32 +34,44 @@ from quantkit.kernels.decoder_ops import gated_act
 from quantkit.kernels.device_info import gpu_card, interpreting, pdl_launch, programmatic_launch
 from quantkit.kernels.fp8_quant import e4m3_codes, e4m3_scale
 
+# Codes a thread loads at once in each phase: 16 e4m3 input codes and weights (16 bytes) in the first; in the
+# second 8, as ``h`` is 16-bit there (8 values, 16 bytes) and its codes are made in registers. A K tile spans one
+# run a thread, 32 threads, then the warps, so the input's slice already lies as the tile's columns do (no
+# shared-memory exchange) and each thread sums its run in registers.
+VEC1, VEC2 = 16, 8
+
 
 @dataclass(frozen=True)
 class FP8MlpConfig:
-    """``pairs``: gate/up row pairs a unit of the first phase; ``block_k1``: its K tile (the hidden size);
-    ``rows`` / ``block_k2``: down rows a unit and its K tile (the intermediate size); ``ctas_per_sm``: resident
-    programs a multiprocessor (the grid is that many times the SM count, cut to what the compiled kernel's
-    resources let an SM hold); ``preload``: request the first down tile before the barrier; ``cooperative``: launch
-    so that the driver refuses a grid it cannot hold at once, rather than leaving the barrier waiting on programs
-    that never start (off: the A/B of what the cooperative launch costs)."""
+    """``pairs``: gate/up row pairs a unit of the first phase; ``rows``: down rows a unit of the second; the K
+    tiles follow from ``num_warps`` (:attr:`block_k1`, :attr:`block_k2`); ``ctas_per_sm``: resident programs a
+    multiprocessor (the grid is that many times the SM count, cut to what the compiled kernel's resources let an SM
+    hold); ``preload``: request the first down tile before the barrier; ``cooperative``: launch so that the driver
+    refuses a grid it cannot hold at once, rather than leaving the barrier waiting on programs that never start
+    (off: the A/B of what the cooperative launch costs)."""
 
-    pairs: int = 4
-    block_k1: int = 512
-    rows: int = 8
-    block_k2: int = 1024
-    num_warps: int = 8
-    ctas_per_sm: int = 2
+    pairs: int = 2
+    rows: int = 4
+    num_warps: int = 4
+    ctas_per_sm: int = 8
     preload: bool = True
     cooperative: bool = True
 
     def __post_init__(self):
-        for name in ("pairs", "block_k1", "rows", "block_k2", "num_warps"):
+        for name in ("pairs", "rows", "num_warps"):
             value = getattr(self, name)
             if value < 1 or value & (value - 1):
                 raise ValueError(f"FP8MlpConfig.{name} must be a power of two, got {value}")
         if self.ctas_per_sm < 1:
             raise ValueError(f"FP8MlpConfig.ctas_per_sm must be >= 1, got {self.ctas_per_sm}")
+
+    @property
+    def block_k1(self) -> int:
+        return VEC1 * 32 * self.num_warps
+
+    @property
+    def block_k2(self) -> int:
+        return VEC2 * 32 * self.num_warps
 
 
 DEFAULT_CONFIG = FP8MlpConfig()
@@ -74,12 +86,13 @@ def fp8_mlp_config(card: str | None, k: int, inter: int) -> FP8MlpConfig:
 
 @triton.jit
 def _codes_tile(w_ptr, rows, n_rows, stride, k0, ks, K, EVEN_K: tl.constexpr):
-    """The ``[len(rows), BLOCK_K]`` e4m3 tile at column ``k0`` (rows past ``n_rows`` read the last one, zeros past
-    K), as float32."""
+    """The ``[len(rows), BLOCK_K]`` e4m3 tile at column ``k0`` as stored (rows past ``n_rows`` read the last one,
+    zeros past K): held in its 1-byte codes until it is multiplied, so a tile in flight costs a quarter of the
+    registers its float32 products do."""
     ptrs = w_ptr + tl.minimum(rows, n_rows - 1).to(tl.int64)[:, None] * stride + k0 + ks[None, :]
     if EVEN_K:
-        return tl.load(ptrs).to(tl.float32)
-    return tl.load(ptrs, mask=k0 + ks[None, :] < K, other=0.0).to(tl.float32)
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=k0 + ks[None, :] < K, other=0.0)
 
 
 @triton.jit
@@ -90,35 +103,9 @@ def _input_codes(x_ptr, k0, ks, K, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_unit(wg, wu, x_ptr, w_ptr, rows, INTER, K, stride_w, ks, EVEN_K: tl.constexpr,
-                  BLOCK_K: tl.constexpr):
-    """Float32 dot products of gate rows ``rows`` and up rows ``INTER + rows`` with the input codes, the first K
-    tile
-    (``wg``, ``wu``) given."""
-    x = _input_codes(x_ptr, 0, ks, K, EVEN_K)
-    acc_g = wg * x[None, :]
-    acc_u = wu * x[None, :]
-    for k0 in range(BLOCK_K, K, BLOCK_K):
-        x = _input_codes(x_ptr, k0, ks, K, EVEN_K)
-        acc_g += _codes_tile(w_ptr, rows, INTER, stride_w, k0, ks, K, EVEN_K) * x[None, :]
-        acc_u += _codes_tile(w_ptr, rows + INTER, 2 * INTER, stride_w, k0, ks, K, EVEN_K) * x[None, :]
-    return tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1)
-
-
-@triton.jit
-def _down_unit(w, h_ptr, w_ptr, rows, H, INTER, stride_w, ks, scale, EVEN_K: tl.constexpr,
-               BLOCK_K: tl.constexpr):
-    """Float32 dot products of down rows ``rows`` with ``h`` rounded to e4m3 codes with ``scale``, the first K
-    tile ``w`` given. ``h`` is read from L2 (``.cg``): other programs wrote it in this launch."""
-    acc = w * _h_codes(h_ptr, 0, ks, INTER, scale, EVEN_K)[None, :]
-    for k0 in range(BLOCK_K, INTER, BLOCK_K):
-        h = _h_codes(h_ptr, k0, ks, INTER, scale, EVEN_K)
-        acc += _codes_tile(w_ptr, rows, H, stride_w, k0, ks, INTER, EVEN_K) * h[None, :]
-    return tl.sum(acc, axis=1)
-
-
-@triton.jit
 def _h_codes(h_ptr, k0, ks, INTER, scale, EVEN_K: tl.constexpr):
+    """``h[k0 + ks]`` rounded to e4m3 codes with ``scale``, as float32; read from L2 (``.cg``): other programs
+    wrote ``h`` in this launch."""
     if EVEN_K:
         h = tl.load(h_ptr + k0 + ks, cache_modifier=".cg")
     else:
@@ -127,20 +114,63 @@ def _h_codes(h_ptr, k0, ks, INTER, scale, EVEN_K: tl.constexpr):
 
 
 @triton.jit
+def _partial_dot(w, x, VEC: tl.constexpr):
+    """``w [R, BK]`` (codes) times ``x [BK]`` (float32), summed over each run of VEC columns: ``[R, BK // VEC]``.
+    A thread holds VEC contiguous columns, so the sum stays in its registers, and the accumulator a thread
+    carries is VEC times smaller than the tile it loads, leaving registers for more tiles in flight."""
+    p = w.to(tl.float32) * x[None, :]
+    return tl.sum(tl.reshape(p, [p.shape[0], p.shape[1] // VEC, VEC]), axis=2)
+
+
+@triton.jit
+def _gate_up_pairs(wg, wu, x_ptr, xs, w_ptr, s_ptr, h_ptr, rows, amax, INTER, K, stride_w, ks,
+                   GELU: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr):
+    """A unit of the first phase: ``h`` of gate rows ``rows`` and up rows ``INTER + rows`` (their first K tiles
+    ``wg``, ``wu`` given) stored, and the running absmax ``amax`` of ``h`` returned. The GEMV's 16-bit output, the
+    activation in float32 and its 16-bit result, as the unfused kernels round them."""
+    x = _input_codes(x_ptr, 0, ks, K, EVEN_K)
+    acc_g = _partial_dot(wg, x, VEC)
+    acc_u = _partial_dot(wu, x, VEC)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        x = _input_codes(x_ptr, k0, ks, K, EVEN_K)
+        acc_g += _partial_dot(_codes_tile(w_ptr, rows, INTER, stride_w, k0, ks, K, EVEN_K), x, VEC)
+        acc_u += _partial_dot(_codes_tile(w_ptr, rows + INTER, 2 * INTER, stride_w, k0, ks, K, EVEN_K), x, VEC)
+    ok = rows < INTER
+    g = (tl.sum(acc_g, axis=1) * xs * tl.load(s_ptr + rows, mask=ok, other=0.0)).to(tl.bfloat16).to(tl.float32)
+    up = (tl.sum(acc_u, axis=1) * xs * tl.load(s_ptr + INTER + rows, mask=ok, other=0.0))
+    h = (gated_act(g, GELU) * up.to(tl.bfloat16).to(tl.float32)).to(h_ptr.dtype.element_ty)
+    tl.store(h_ptr + rows, h, mask=ok)
+    return tl.maximum(amax, tl.max(tl.where(ok, tl.abs(h.to(tl.float32)), 0.0), axis=0))
+
+
+@triton.jit
+def _down_rows(w, h_ptr, scale, w_ptr, s_ptr, y_ptr, rows, H, INTER, stride_w, ks, EVEN_K: tl.constexpr,
+               BLOCK_K: tl.constexpr, VEC: tl.constexpr):
+    """A unit of the second phase: ``y[rows]``, the down rows' products with ``h`` in codes (``w``: their first K
+    tile), scaled and stored."""
+    acc = _partial_dot(w, _h_codes(h_ptr, 0, ks, INTER, scale, EVEN_K), VEC)
+    for k0 in range(BLOCK_K, INTER, BLOCK_K):
+        h = _h_codes(h_ptr, k0, ks, INTER, scale, EVEN_K)
+        acc += _partial_dot(_codes_tile(w_ptr, rows, H, stride_w, k0, ks, INTER, EVEN_K), h, VEC)
+    ok = rows < H
+    y = tl.sum(acc, axis=1) * scale * tl.load(s_ptr + rows, mask=ok, other=0.0)
+    tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
 def _fp8_mlp_kernel(x_ptr, xs_ptr, wgu_ptr, sgu_ptr, wd_ptr, sd_ptr, h_ptr, amax_ptr, state_ptr, y_ptr,
                     INTER, K, H, stride_gu, stride_d, GRID,
                     GELU: tl.constexpr, PAIRS: tl.constexpr, BLOCK_K1: tl.constexpr, ROWS: tl.constexpr,
                     BLOCK_K2: tl.constexpr, EVEN_K1: tl.constexpr, EVEN_K2: tl.constexpr, PRELOAD: tl.constexpr,
-                    PDL: tl.constexpr):
+                    PDL: tl.constexpr, VEC1: tl.constexpr, VEC2: tl.constexpr):
     pid = tl.program_id(0)
     ks1 = tl.arange(0, BLOCK_K1)
-    ks2 = tl.arange(0, BLOCK_K2)
-    pair_ids = tl.arange(0, PAIRS)
-    row_ids = tl.arange(0, ROWS)
+    ks2 = tl.max_contiguous(tl.arange(0, BLOCK_K2), VEC2)  # 8 codes a load, as 8 values of h
     n_units1 = tl.cdiv(INTER, PAIRS)
     n_units2 = tl.cdiv(H, ROWS)
-    # the first unit's first weight tiles are constants: requested before waiting for the kernel that writes x
-    rows = pid * PAIRS + pair_ids
+    # the first unit's first weight tiles are constants: requested before waiting for the kernel that writes x.
+    # Each phase's first unit is peeled off its loop, so no tile is carried across the loop's iterations
+    rows = pid * PAIRS + tl.arange(0, PAIRS)
     wg = _codes_tile(wgu_ptr, rows, INTER, stride_gu, 0, ks1, K, EVEN_K1)
     wu = _codes_tile(wgu_ptr, rows + INTER, 2 * INTER, stride_gu, 0, ks1, K, EVEN_K1)
     if PDL:
@@ -150,25 +180,18 @@ def _fp8_mlp_kernel(x_ptr, xs_ptr, wgu_ptr, sgu_ptr, wd_ptr, sd_ptr, h_ptr, amax
     slot = gen % 2
     xs = tl.load(xs_ptr)
     amax = 0.0
-    for u in range(pid, n_units1, GRID):
-        rows = u * PAIRS + pair_ids
-        if u != pid:
-            wg = _codes_tile(wgu_ptr, rows, INTER, stride_gu, 0, ks1, K, EVEN_K1)
-            wu = _codes_tile(wgu_ptr, rows + INTER, 2 * INTER, stride_gu, 0, ks1, K, EVEN_K1)
-        g, up = _gate_up_unit(wg, wu, x_ptr, wgu_ptr, rows, INTER, K, stride_gu, ks1, EVEN_K1, BLOCK_K1)
-        ok = rows < INTER
-        # the GEMV's 16-bit output, the activation in float32, its 16-bit result: as the unfused kernels round
-        g = (g * xs * tl.load(sgu_ptr + rows, mask=ok, other=0.0)).to(tl.bfloat16).to(tl.float32)
-        up = (up * xs * tl.load(sgu_ptr + INTER + rows, mask=ok, other=0.0)).to(tl.bfloat16).to(tl.float32)
-        h = gated_act(g, GELU) * up
-        h = h.to(h_ptr.dtype.element_ty)
-        tl.store(h_ptr + rows, h, mask=ok)
-        amax = tl.maximum(amax, tl.max(tl.where(ok, tl.abs(h.to(tl.float32)), 0.0), axis=0))
-    rows = pid * ROWS + row_ids
+    if pid < n_units1:
+        amax = _gate_up_pairs(wg, wu, x_ptr, xs, wgu_ptr, sgu_ptr, h_ptr, rows, amax, INTER, K, stride_gu, ks1,
+                              GELU, EVEN_K1, BLOCK_K1, VEC1)
+    for u in range(pid + GRID, n_units1, GRID):
+        rows = u * PAIRS + tl.arange(0, PAIRS)
+        wg = _codes_tile(wgu_ptr, rows, INTER, stride_gu, 0, ks1, K, EVEN_K1)
+        wu = _codes_tile(wgu_ptr, rows + INTER, 2 * INTER, stride_gu, 0, ks1, K, EVEN_K1)
+        amax = _gate_up_pairs(wg, wu, x_ptr, xs, wgu_ptr, sgu_ptr, h_ptr, rows, amax, INTER, K, stride_gu, ks1,
+                              GELU, EVEN_K1, BLOCK_K1, VEC1)
+    rows = pid * ROWS + tl.arange(0, ROWS)
     if PRELOAD:  # the first down tile is in flight while the grid waits at the barrier
         wd = _codes_tile(wd_ptr, rows, H, stride_d, 0, ks2, INTER, EVEN_K2)
-    else:
-        wd = tl.zeros([ROWS, BLOCK_K2], dtype=tl.float32)
     # non-negative float32 order as their int32 bits: an integer atomic max (the interpreter has no float one)
     tl.atomic_max(amax_ptr + slot, amax.to(tl.int32, bitcast=True))
     tl.debug_barrier()  # every thread's h stores before this program's release below
@@ -182,17 +205,14 @@ def _fp8_mlp_kernel(x_ptr, xs_ptr, wgu_ptr, sgu_ptr, wd_ptr, sd_ptr, h_ptr, amax
             pass
     tl.debug_barrier()
     scale = e4m3_scale(tl.atomic_max(amax_ptr + slot, 0).to(tl.float32, bitcast=True))
-    for u in range(pid, n_units2, GRID):
-        rows = u * ROWS + row_ids
-        if PRELOAD:
-            if u != pid:
-                wd = _codes_tile(wd_ptr, rows, H, stride_d, 0, ks2, INTER, EVEN_K2)
-        else:
-            wd = _codes_tile(wd_ptr, rows, H, stride_d, 0, ks2, INTER, EVEN_K2)
-        y = _down_unit(wd, h_ptr, wd_ptr, rows, H, INTER, stride_d, ks2, scale, EVEN_K2, BLOCK_K2)
-        ok = rows < H
-        y = y * scale * tl.load(sd_ptr + rows, mask=ok, other=0.0)
-        tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=ok)
+    if not PRELOAD:
+        wd = _codes_tile(wd_ptr, rows, H, stride_d, 0, ks2, INTER, EVEN_K2)
+    if pid < n_units2:
+        _down_rows(wd, h_ptr, scale, wd_ptr, sd_ptr, y_ptr, rows, H, INTER, stride_d, ks2, EVEN_K2, BLOCK_K2, VEC2)
+    for u in range(pid + GRID, n_units2, GRID):
+        rows = u * ROWS + tl.arange(0, ROWS)
+        wd = _codes_tile(wd_ptr, rows, H, stride_d, 0, ks2, INTER, EVEN_K2)
+        _down_rows(wd, h_ptr, scale, wd_ptr, sd_ptr, y_ptr, rows, H, INTER, stride_d, ks2, EVEN_K2, BLOCK_K2, VEC2)
 
 
 @dataclass
@@ -258,7 +278,8 @@ def fp8_mlp(qx: torch.Tensor, sx: torch.Tensor, w_gate_up: torch.Tensor, s_gate_
             y, inter, k, hidden, w_gate_up.stride(0), w_down.stride(0)]
     meta = dict(GELU=activation == "gelu_tanh", PAIRS=config.pairs, BLOCK_K1=config.block_k1, ROWS=config.rows,
                 BLOCK_K2=config.block_k2, EVEN_K1=k % config.block_k1 == 0, EVEN_K2=inter % config.block_k2 == 0,
-                PRELOAD=config.preload, PDL=pdl, num_warps=config.num_warps, num_stages=1, **pdl_launch(pdl))
+                PRELOAD=config.preload, PDL=pdl, VEC1=VEC1, VEC2=VEC2, num_warps=config.num_warps, num_stages=1,
+                **pdl_launch(pdl))
     if interpreting():
         _fp8_mlp_kernel[(1,)](*args, 1, **meta)
         return y
