@@ -114,7 +114,6 @@ def test_fp8_mlp_compiles_for_sm90_without_spills(sm90, tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (marked gpu)")
 @pytest.mark.parametrize(("k", "inter", "hidden"), [(4096, 14336, 4096), (2048, 6144, 2048), (576, 1536, 576)])
 def test_fp8_mlp_whole_grid_on_the_gpu(k, inter, hidden):
     """The persistent grid on the card (every program resident, the barrier crossed by all), against the
