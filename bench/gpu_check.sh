@@ -45,8 +45,8 @@
 # attention cells and the step under their candidates (`pending 330`, carry .stage/whl); issue 42's FP8 GEMV on
 # codes tuned on the card and the 8B FP8 step with its picks against without, and o quantized apart (inside its
 # GEMV is the default) (`fp8-codes 560 [ROUNDS]`); issue 42's one-launch FP8 MLP: its GPU tests, its configs
-# and the 8B step with it against without (`fp8-mlp 330 [ROUNDS]`); the suite without the GGUF tests, then that once through
-# (`tests-fp8 560`, carry as tests).
+# and the 8B step with it against without (`fp8-mlp 330 [ROUNDS]`); the suite without the GGUF tests, then that
+# once through (`tests-fp8 560`, carry as tests).
 # Everything lands in $OUT (JSON of each bench, the suite's log).
 # pytest runs with OMP_NUM_THREADS=1: 8-12 xdist workers on 16 cores, each with torch's one thread a core, took
 # turns on the cores (the MoE GPU tests, mostly CPU set-up, ran 44-109 s a case on an H100, 2026-12-05).

@@ -33,6 +33,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from quantkit.kernels.decoder_ops import gated_act
 from quantkit.kernels.device_info import gpu_card, interpreting, pdl_launch, programmatic_launch
 from quantkit.kernels.fp8_quant import e4m3_codes, e4m3_scale
+from quantkit.kernels.gemv import _weight_tile, require_powers_of_two
 
 # Codes a thread loads at once in each phase: 16 e4m3 input codes and weights (16 bytes) in the first; in the
 # second 8, as ``h`` is 16-bit there (8 values, 16 bytes) and its codes are made in registers. A K tile spans one
@@ -58,10 +59,7 @@ class FP8MlpConfig:
     cooperative: bool = True
 
     def __post_init__(self):
-        for name in ("pairs", "rows", "num_warps"):
-            value = getattr(self, name)
-            if value < 1 or value & (value - 1):
-                raise ValueError(f"FP8MlpConfig.{name} must be a power of two, got {value}")
+        require_powers_of_two(self, ("pairs", "rows", "num_warps"))
         if self.ctas_per_sm < 1:
             raise ValueError(f"FP8MlpConfig.ctas_per_sm must be >= 1, got {self.ctas_per_sm}")
 
@@ -87,12 +85,9 @@ def fp8_mlp_config(card: str | None, k: int, inter: int) -> FP8MlpConfig:
 @triton.jit
 def _codes_tile(w_ptr, rows, n_rows, stride, k0, ks, K, EVEN_K: tl.constexpr):
     """The ``[len(rows), BLOCK_K]`` e4m3 tile at column ``k0`` as stored (rows past ``n_rows`` read the last one,
-    zeros past K): held in its 1-byte codes until it is multiplied, so a tile in flight costs a quarter of the
-    registers its float32 products do."""
-    ptrs = w_ptr + tl.minimum(rows, n_rows - 1).to(tl.int64)[:, None] * stride + k0 + ks[None, :]
-    if EVEN_K:
-        return tl.load(ptrs)
-    return tl.load(ptrs, mask=k0 + ks[None, :] < K, other=0.0)
+    zeros past K; ``gemv._weight_tile``): held in its 1-byte codes until it is multiplied, so a tile in flight
+    costs a quarter of the registers its float32 products do."""
+    return _weight_tile(w_ptr + tl.minimum(rows, n_rows - 1).to(tl.int64)[:, None] * stride, k0, ks, K, EVEN_K)
 
 
 @triton.jit

@@ -32,6 +32,15 @@ from quantkit.kernels.fp8_quant import e4m3_codes, e4m3_scale
 MAX_M = 4  # activation rows one launch takes (the kernel keeps one accumulator per row)
 
 
+def require_powers_of_two(config, names: tuple[str, ...]) -> None:
+    """Raise ValueError naming the first of ``config``'s fields ``names`` that is not a power of two (the kernels'
+    tile sizes and warp counts)."""
+    for name in names:
+        value = getattr(config, name)
+        if value < 1 or value & (value - 1):
+            raise ValueError(f"{type(config).__name__}.{name} must be a power of two, got {value}")
+
+
 @dataclass(frozen=True)
 class DenseGemvConfig:
     """Launch config of the 16-bit GEMV (the W4A16 GEMV's is ``w4a16_configs.GemvConfig``). BLOCK_K = 256 * NUM_WARPS
@@ -50,10 +59,7 @@ class DenseGemvConfig:
     prefetch: bool = False
 
     def __post_init__(self):
-        for name in ("block_n", "block_k", "num_warps"):
-            value = getattr(self, name)
-            if value < 1 or value & (value - 1):
-                raise ValueError(f"DenseGemvConfig.{name} must be a power of two, got {value}")
+        require_powers_of_two(self, ("block_n", "block_k", "num_warps"))
         if self.vec < 0 or self.vec & (self.vec - 1):
             raise ValueError(f"DenseGemvConfig.vec must be 0 or a power of two, got {self.vec}")
 
