@@ -14,6 +14,8 @@ kernel runs, and this kernel's own launch overlaps the tail of the one before.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -41,21 +43,46 @@ def _fp8_row_out(y, out_ptr, s_ptr, static_ptr, row, cols, ok, DTYPE: tl.constex
         tl.store(out_ptr + cols, y.to(DTYPE), mask=ok)
 
 
+@dataclass(frozen=True)
+class RowParts:
+    """Token rows left as parts for the norm after them to add up: row ``t`` is the float32 sum of
+    ``parts[t, 0], parts[t, 1], ...`` in that order, rounded once to ``dtype``, bitwise what a launch of its own
+    (``moe_gemv._sum_parts_kernel``) would store. A MoE block's expert outputs end in this sum; done by the next
+    add + RMSNorm, which reads the rows anyway, it costs no launch and no round trip (``parts`` [T, P, H], contiguous
+    along H, float32 or the activations' dtype)."""
+
+    parts: torch.Tensor
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.parts.shape[0], self.parts.shape[2])
+
+
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, s_ptr, static_ptr, H, eps, offset,
                          stride_x, stride_r, stride_o, stride_ro,
                          HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr, QUANT: tl.constexpr = False,
-                         STATIC: tl.constexpr = False):
+                         STATIC: tl.constexpr = False, PARTS: tl.constexpr = False, n_parts=1, stride_xp=0):
+    """``PARTS``: x is a :class:`RowParts` (``n_parts`` rows of ``stride_xp`` a token row), summed here first."""
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < H
-    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
+    if PARTS:  # in order, float32, rounded once: as the sum's own launch stores it (RowParts)
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for i in tl.range(0, n_parts, loop_unroll_factor=4):
+            acc += tl.load(x_ptr + row * stride_x + i * stride_xp + cols, mask=ok, other=0.0).to(tl.float32)
+        x = acc.to(res_out_ptr.dtype.element_ty)
+    else:
+        x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
     if HAS_RES:
         r = tl.load(res_ptr + row * stride_r + cols, mask=ok, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(res_out_ptr.dtype.element_ty)  # the model's add rounds
+        tl.store(res_out_ptr + row * stride_ro + cols, x, mask=ok)
+    elif PARTS:  # the summed rows are the residual stream's next value
         tl.store(res_out_ptr + row * stride_ro + cols, x, mask=ok)
     xf = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / H + eps)
@@ -64,14 +91,16 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, s_ptr, sta
                  res_out_ptr.dtype.element_ty, QUANT, STATIC)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+def add_rms_norm(x: torch.Tensor | RowParts, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
                  offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """As :func:`.decoder_ops_ref.add_rms_norm_ref`: ``x, residual [M, H]`` -> ``(normed, x + residual)``."""
-    out = torch.empty_like(x)
+    """As :func:`.decoder_ops_ref.add_rms_norm_ref`: ``x, residual [M, H]`` -> ``(normed, x + residual)``; ``x``
+    may be a :class:`RowParts`, summed first."""
+    m, h = x.shape
+    out = torch.empty((m, h), device=weight.device, dtype=x.dtype)
     return out, _launch_add_rms_norm(x, residual, weight, eps, offset, out, None, None)
 
 
-def add_rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+def add_rms_norm_fp8(x: torch.Tensor | RowParts, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
                      offset: float = 0.0, input_scale: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`add_rms_norm` whose normed rows go straight to an FP8 linear: ``(codes float8_e4m3fn [M, H],
@@ -79,22 +108,35 @@ def add_rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: tor
     input_scale)``'s (the normed row is rounded to x's dtype first, as the 16-bit output would be). One launch
     instead of two, and the 16-bit normed rows are never written."""
     m, h = x.shape
-    q = torch.empty((m, h), device=x.device, dtype=torch.float8_e4m3fn)
-    s = torch.empty((m, 1), device=x.device, dtype=torch.float32)
+    q = torch.empty((m, h), device=weight.device, dtype=torch.float8_e4m3fn)
+    s = torch.empty((m, 1), device=weight.device, dtype=torch.float32)
     return q, s, _launch_add_rms_norm(x, residual, weight, eps, offset, q, s, input_scale)
 
 
 def _launch_add_rms_norm(x, residual, weight, eps, offset, out, scales, input_scale) -> torch.Tensor:
     m, h = x.shape
-    res_out = x if residual is None else torch.empty_like(x)
+    parts = isinstance(x, RowParts)
+    if parts:
+        rows = x.parts
+        if rows.stride(2) != 1:
+            raise ValueError("RowParts rows must be contiguous along H")
+        res_out = torch.empty((m, h), device=rows.device, dtype=x.dtype)
+        stride_x, n_parts, stride_xp = rows.stride(0), rows.shape[1], rows.stride(1)
+        x = rows
+    else:
+        res_out = x if residual is None else torch.empty_like(x)
+        stride_x, n_parts, stride_xp = x.stride(0), 1, 0
     res = x if residual is None else residual
     quant, static = scales is not None, input_scale is not None
     pdl = programmatic_launch(x.device)
+    # the parts' sum reads P rows a token: 8 warps take the 2 programs x 4 warps the sum's own launch had
+    warps = 8 if parts or h > 4096 else 4
     _add_rms_norm_kernel[(m,)](x, res, weight, out, res_out, scales if quant else out,
                                input_scale if static else out, h, eps, offset,
-                               x.stride(0), res.stride(0), out.stride(0), res_out.stride(0),
+                               stride_x, res.stride(0), out.stride(0), res_out.stride(0),
                                HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(h), PDL=pdl,
-                               QUANT=quant, STATIC=static, num_warps=4 if h <= 4096 else 8, **pdl_launch(pdl))
+                               QUANT=quant, STATIC=static, PARTS=parts, n_parts=n_parts, stride_xp=stride_xp,
+                               num_warps=warps, **pdl_launch(pdl))
     return res_out
 
 

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from quantkit.kernels.decoder_ops import RowParts
 from quantkit.kernels.device_info import ab_switch, counts_switch, interpreting, moe_programmatic_launch, pdl_launch
 from quantkit.kernels.fp8_quant import quantize_activations
 
@@ -441,13 +442,15 @@ def _given_or_switch(what: str, value: str | None, variable: str, choices: tuple
 def moe_gemv(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, experts, block_n: int | None = None,
              num_warps: int | None = None, target_programs: int | None = None, num_stages: int | None = None,
              unroll: int | None = None, math: str | None = None, counters: torch.Tensor | None = None,
-             finish: str | None = None) -> torch.Tensor:
+             finish: str | None = None, parts: bool = False) -> torch.Tensor | RowParts:
     """``fused_moe``'s result for a decode-sized ``x [T, H]`` (``applies(experts, T * k)``); module docstring.
     ``block_n``, ``num_warps``, ``target_programs`` (the programs a launch aims at): ``gemv_config``'s where not
     given (bench_moe.py sweeps them). ``num_stages``, ``unroll``: the K loops' pipelining and unrolling
     (``pipelining``). ``math``: how 4-bit launches sum their products (``gemv_math``). ``counters``: int32 zeros
     (``counters_for(experts)`` of them, kept by the caller between calls; the kernels leave them zero) that let
-    the GEMVs finish their own parts (``finish``, ``gemv_finish``): two launches instead of four."""
+    the GEMVs finish their own parts (``finish``, ``gemv_finish``): two launches instead of four. ``parts``: where
+    the sum would be a launch of its own, return the down GEMV's parts as ``RowParts`` for the caller's next norm to
+    add up (one launch fewer; the same bits)."""
     num_stages, unroll = pipelining(num_stages, unroll)
     math = gemv_math(math)
     finish = gemv_finish(finish) if counters is not None else "apart"
@@ -510,6 +513,8 @@ def moe_gemv(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
         _launch(x, p1, experts.w2, experts.s2, experts.z2, ids, topw, parts2, h, inter, top_k, s1, inter, q,
                 experts.group2, True, True, k2, block_n, block_k, num_warps, None, num_stages, unroll, pdl, math,
                 summed)
+    if not fused_sum and parts:  # the token's k pairs and slices, one run of rows a token: the next norm sums them
+        return RowParts(p2.view(t, top_k * s2, h), x.dtype)
     if not fused_sum:  # slices and the token's k pairs summed in float32, rounded once (as the tiled path's sum)
         block = min(1024, triton.next_power_of_2(h))
         _sum_parts_kernel[(t, triton.cdiv(h, block))](p2, out, h, top_k * s2, BLOCK=block, UNROLL=unroll, PDL=pdl,

@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from quantkit.kernels.decoder_ops import RowParts
 from quantkit.kernels.device_info import ab_switch
 from quantkit.kernels.fp8_quant import quantize_activations
 from quantkit.kernels.moe_align import BLOCK_M, moe_align
@@ -390,18 +391,21 @@ def tile_config(experts: MoEExperts, pairs: int, aligned: bool = False) -> TileC
 def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, experts: MoEExperts,
               block_m: int | None = None, block_n: int | None = None, block_k: int | None = None,
               aligned: tuple | None = None, num_warps: int | None = None,
-              num_stages: int | None = None, counters: torch.Tensor | None = None) -> torch.Tensor:
+              num_stages: int | None = None, counters: torch.Tensor | None = None,
+              parts: bool = False) -> torch.Tensor | RowParts:
     """The MoE block's routed output ``[T, H]`` (module docstring); ``x [T, H]`` in 16-bit (or float32).
     ``aligned``: ``moe_align``'s ``(sorted_ids, block_expert)`` for ``topk_ids`` at ``block_m``, where the caller
     made them already (``moe_align.route_and_align``, at ``BLOCK_M`` unless ``block_m`` says otherwise). The tiles,
     warps and pipeline stages apply to both GEMMs: ``tile_config``'s where not given (``bench/bench_moe.py``'s
     kernel section sweeps them). ``block_k`` defaults to 64, or for block-scaled FP8 experts to the largest of 64,
     32, 16 inside one scale block. ``counters``: the decode GEMV's (``moe_gemv.counters_for``), kept by the caller
-    between calls."""
+    between calls. ``parts``: the routed outputs as ``RowParts`` (a token's k weighted expert rows, or the decode
+    GEMV's slices), left for the caller's next add + RMSNorm to sum (``decoder_ops.add_rms_norm``: one launch
+    fewer)."""
     if decode_kernel(experts, topk_ids.numel()) == "gemv":
         from quantkit.kernels.moe_gemv import moe_gemv
 
-        return moe_gemv(x, topk_weights, topk_ids, experts, counters=counters)
+        return moe_gemv(x, topk_weights, topk_ids, experts, counters=counters, parts=parts)
     tiles = tile_config(experts, topk_ids.numel(), aligned=aligned is not None)
     block_m = tiles.block_m if block_m is None else block_m
     block_n = tiles.block_n if block_n is None else block_n
@@ -439,6 +443,8 @@ def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tenso
     _launch(a2, experts.w2, experts.s2, experts.z2, experts.g2, out, sorted_ids, block_expert, topw, pairs,
             h, experts.inter, 0, k, q, False, False, True, block_m, block_n, block_k, g2, num_warps, num_stages, as2,
             codes)
+    if parts:  # summed by the next norm, in slot order, in float32, rounded once
+        return RowParts(out.view(t, k, h), out.dtype)
     # one launch: a 16-bit sum accumulates in float32 and rounds once, as summing to float32 and casting would
     return out.view(t, k, h).sum(1)
 

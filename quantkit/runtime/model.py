@@ -192,6 +192,12 @@ class RuntimeModel:
         fused_mlp = backend == "kernels" and ab_switch("QUANTKIT_FP8_MLP", ("apart", "fused")) == "fused"
         self.fp8_mlp_states = [fp8_mlp_state(lw, spec.activation, dtype) if fused_mlp else None
                                for lw in weights.layers]
+        # A MoE block's routed rows summed by the next layer's add + RMSNorm (the default: one launch a layer fewer,
+        # the same bits on the decode GEMV's float32 parts) or by a launch of their own (QUANTKIT_MOE_SUM=apart).
+        # Qwen3-30B-A3B shape, batch-1 graph step, two alternating rounds (one H100, 2026-12-07, docs/moe.md):
+        # int4 2.349 / 2.356 ms against 2.406 / 2.411 apart, bf16 3.684 / 3.676 against 3.878 / 3.857.
+        self.moe_sum_in_norm = (backend == "kernels" and not spec.sandwich_norms
+                                and ab_switch("QUANTKIT_MOE_SUM", ("norm", "apart")) == "norm")
         self.max_positions = max_positions or spec.max_position_embeddings
         self.rope = rope_tables(config, spec, self.device, self.max_positions)
         self.layer_rope = [self.rope[layer_rope_key(config, i, self.rope)] for i in range(spec.num_layers)]
@@ -248,7 +254,7 @@ class RuntimeModel:
                 ff_norm = lw.pre_ff_norm
             if lw.moe is not None:
                 delta, residual = lw.moe.normed(delta, residual, ff_norm, s.rms_eps, s.norm_offset, o.add_rms_norm,
-                                                o.act_mul)
+                                                o.act_mul, parts=self.moe_sum_in_norm)
             else:
                 delta, residual = self._mlp(i, delta, residual, ff_norm)
             if s.sandwich_norms:

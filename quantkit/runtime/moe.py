@@ -54,10 +54,12 @@ class MoELayer:
         return route_ref(torch.nn.functional.linear(x, self.router), self.top_k, self.renormalize)
 
     def normed(self, delta: torch.Tensor, residual: torch.Tensor | None, norm: torch.Tensor, eps: float,
-               offset: float, add_rms_norm, act_mul) -> tuple[torch.Tensor, torch.Tensor]:
+               offset: float, add_rms_norm, act_mul, parts: bool = False):
         """``(block(rms_norm(delta + residual)), delta + residual)``: the pre-norm (``add_rms_norm``, the backend's)
         then the block, or, where the fused router serves (unless ``QUANTKIT_MOE_NORM_ROUTER=apart``), the norm
-        inside the router's launch (``moe_router.norm_router_route_and_align``: one launch fewer a layer)."""
+        inside the router's launch (``moe_router.norm_router_route_and_align``: one launch fewer a layer).
+        ``parts``: the caller's next norm takes ``decoder_ops.RowParts``; where the kernels serve and no shared
+        expert is added, the block's output may be its unsummed rows (:meth:`__call__`)."""
         from quantkit.kernels.moe_router import norm_router_selected
 
         # the switch first: where it says apart, the block's own call decides its routing once, below
@@ -70,36 +72,46 @@ class MoELayer:
             x, summed, weights, ids, aligned = norm_router_route_and_align(
                 delta, residual, norm, eps, offset, self.router, self.top_k, self.renormalize, self.router_counter,
                 BLOCK_M, self._router_lays_out(delta.shape[0]))
-            y = fused_moe(x, weights, ids, self.experts, aligned=aligned, counters=self.gemv_counters)
+            y = fused_moe(x, weights, ids, self.experts, aligned=aligned, counters=self.gemv_counters,
+                          parts=self._parts(parts))
             return self._with_shared(x, y, act_mul), summed
         x, summed = add_rms_norm(delta, residual, norm, eps, offset)
-        return self(x, act_mul), summed
+        return self(x, act_mul, parts), summed
 
-    def __call__(self, x: torch.Tensor, act_mul) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, act_mul, parts: bool = False):
+        """The block's output on the normed rows ``x``: a tensor ``[M, H]``, or with ``parts`` (a caller whose next
+        norm sums them, :meth:`normed`) possibly ``decoder_ops.RowParts``."""
         from quantkit.kernels.moe_align import BLOCK_M, route_and_align
         from quantkit.kernels.moe_router import router_route_and_align
         from quantkit.kernels.moe_w4a16 import fused_moe, fused_moe_ref
 
         if self.use_kernel and self.act_quant is None:
+            parts = self._parts(parts)
             routing = self._routing(x.shape[0])
             if routing == "router":
                 # a decode batch of a few tokens: the router GEMM, routing and layout in one launch
                 weights, ids, aligned = router_route_and_align(x, self.router, self.top_k, self.renormalize,
                                                                self.router_counter, BLOCK_M,
                                                                self._router_lays_out(x.shape[0]))
-                y = fused_moe(x, weights, ids, self.experts, aligned=aligned, counters=self.gemv_counters)
+                y = fused_moe(x, weights, ids, self.experts, aligned=aligned, counters=self.gemv_counters,
+                              parts=parts)
             elif routing == "align":
                 # decode-sized: routing and the pairs' layout in one launch (kernels/moe_align.py says why)
                 logits = torch.nn.functional.linear(x, self.router)
                 weights, ids, aligned = route_and_align(logits, self.top_k, self.renormalize)
-                y = fused_moe(x, weights, ids, self.experts, aligned=aligned, counters=self.gemv_counters)
+                y = fused_moe(x, weights, ids, self.experts, aligned=aligned, counters=self.gemv_counters,
+                              parts=parts)
             else:
                 weights, ids = self.route(x)
-                y = fused_moe(x, weights, ids, self.experts, counters=self.gemv_counters)
+                y = fused_moe(x, weights, ids, self.experts, counters=self.gemv_counters, parts=parts)
         else:  # the reference (and FP8 experts off the kernel path: their activation rounding emulated)
             weights, ids = self.route(x)
             y = fused_moe_ref(x, weights, ids, self._reference_experts(), self.act_quant)
         return self._with_shared(x, y, act_mul)
+
+    def _parts(self, wanted: bool) -> bool:
+        """Whether the kernels leave the routed rows unsummed: asked for, and no shared expert to add to their sum."""
+        return wanted and self.shared_gate_up is None
 
     def _router_lays_out(self, tokens: int) -> bool:
         """Whether the fused router also writes the pairs' layout for ``tokens`` tokens: not where the decode GEMV

@@ -10,6 +10,10 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from tests.kernels.conftest import _fix_interpreter_index  # NumPy >= 2.4 and run-time loop bounds
+
+    _fix_interpreter_index()
 
 from quantkit.kernels import decoder_ops as fused_kernels  # noqa: E402
 from quantkit.kernels import decoder_ops_ref as ops
@@ -34,6 +38,31 @@ def test_add_rms_norm(dtype, with_residual, offset):
     ref_out, ref_res = ops.add_rms_norm_ref(x, res, w, 1e-6, offset)
     assert rel_err(out, ref_out) < _tol(dtype)
     assert torch.equal(new_res, ref_res)
+
+
+@pytest.mark.parametrize("parts_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("with_residual,fp8", [(True, False), (False, False), (True, True)])
+def test_add_rms_norm_sums_row_parts_first_with_the_same_bits(parts_dtype, with_residual, fp8):
+    """A MoE block's unsummed rows (RowParts: the decode GEMV's float32 slices, or the tiled kernel's k rows in the
+    model's dtype) summed inside the norm: bitwise the sum's own launch (moe_gemv._sum_parts_kernel) then the
+    norm, residual stream included (stored where there is no residual to add)."""
+    from quantkit.kernels.moe_gemv import _sum_parts_kernel
+
+    dtype = torch.float16
+    g = torch.Generator().manual_seed(9)
+    rows = (torch.randn(3, 5, 96, generator=g) * 3).to(DEV, parts_dtype)
+    res = torch.randn(3, 96, generator=g).to(DEV, dtype) if with_residual else None
+    w = torch.randn(96, generator=g).to(DEV)
+    summed = torch.empty(3, 96, device=DEV, dtype=dtype)
+    _sum_parts_kernel[(3, 1)](rows, summed, 96, 5, BLOCK=128)
+    parts = fused_kernels.RowParts(rows, dtype)
+    assert parts.shape == (3, 96)
+    norm = fused_kernels.add_rms_norm_fp8 if fp8 else fused_kernels.add_rms_norm
+    got, want = norm(parts, res, w, 1e-6, 1.0), norm(summed, res, w, 1e-6, 1.0)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    assert torch.equal(got[-1], summed if res is None else (summed.float() + res.float()).to(dtype))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -147,3 +147,51 @@ def test_decode_step_runs_no_chains_of_pytorch_ops(family, linears_a_layer, tiny
     assert ops.pop("linear") == linears_a_layer * layers + 1, record.ops  # + the head
     assert ops.pop("index", 0) <= 1, record.ops  # the embedding row
     assert set(ops) <= _PER_LAYER_OPS and all(n <= layers + 1 for n in ops.values()), record.ops
+
+
+@pytest.mark.parametrize("quantized", [True, False])
+def test_moe_rows_summed_by_the_next_norm(quantized, tmp_path, monkeypatch):
+    """QUANTKIT_MOE_SUM=norm: the MoE block hands its unsummed expert rows (RowParts) to the next layer's add +
+    RMSNorm and to the final norm, which sum them first. 4-bit experts at decode (the decode GEMV's float32 slices,
+    summed in the order the sum's own launch takes): the same logits bit for bit; 16-bit experts (the tiled
+    kernel's k rows, in slot order where torch's sum picks its own): within float32 rounding. Prefill too."""
+    from tests.conftest import tiny_tokenizer
+    from tests.moe.moe_tiny import tiny_moe
+
+    tok = tiny_tokenizer()
+    model = tiny_moe("qwen3_moe", vocab_size=len(tok))
+    folder = tmp_path / "m"
+    if quantized:
+        from quantkit.checkpoint.save import save_quantized
+        from tests.moe.test_moe_quantize import SCHEME
+        from tests.moe.test_moe_quantize import quantized as quantize
+
+        model, result = quantize("qwen3_moe", model=model)
+        save_quantized(model, result.weights, folder, method="gptq", scheme=SCHEME, tokenizer=tok)
+    else:
+        model.save_pretrained(folder)
+    dtype = "bfloat16" if DEV == "cuda" else "float32"
+    prompt = torch.randint(3, 100, (6,), generator=torch.Generator().manual_seed(2)).tolist()
+    outs, handed = {}, {}
+    for switch in ("apart", "norm"):
+        monkeypatch.setenv("QUANTKIT_MOE_SUM", switch)
+        m, _ = load_runtime_model(str(folder), device=DEV, dtype=dtype, backend="kernels")
+        assert m.moe_sum_in_norm == (switch == "norm")
+        seen = []
+        real = m.ops.add_rms_norm
+        monkeypatch.setattr(m.ops, "add_rms_norm",
+                            lambda x, *a, real=real: seen.append(type(x).__name__) or real(x, *a))
+        cache = KVCache.allocate(m.spec, 2, 16, m.dtype, m.device)
+        first = m.prefill([prompt], [0], cache)
+        step = m.decode(torch.tensor([7], device=DEV), torch.tensor([6], dtype=torch.int32, device=DEV),
+                        torch.tensor([0], dtype=torch.int32, device=DEV), cache)
+        outs[switch], handed[switch] = (first, step), seen
+    layers = m.spec.num_layers
+    assert "RowParts" not in handed["apart"]
+    # the 2nd layer's input norm and the final norm get parts, at prefill and at decode
+    assert handed["norm"].count("RowParts") == 2 * layers
+    (p0, d0), (p1, d1) = outs["apart"], outs["norm"]
+    if quantized and DEV == "cpu":
+        assert torch.equal(d1, d0)
+    assert rel_err(d1, d0) < (1e-6 if DEV == "cpu" else 1e-2)
+    assert rel_err(p1, p0) < (1e-6 if DEV == "cpu" else 1e-2)
