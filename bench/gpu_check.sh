@@ -44,8 +44,7 @@
 # candidates beside the shipped table (`w4a16-ab 540`); issue 39's router switch against its default, the 30B-A3B
 # attention cells and the step under their candidates (`pending 330`, carry .stage/whl); issue 42's FP8 GEMV on
 # codes tuned on the card and the 8B FP8 step with its picks against without, and o quantized apart (inside its
-# GEMV is the default) (`fp8-codes 560 [ROUNDS]`); issue 42's one-launch FP8 MLP: its GPU tests, its configs
-# and the 8B step with it against without (`fp8-mlp 330 [ROUNDS]`); the suite without the GGUF tests, then that
+# GEMV is the default) (`fp8-codes 560 [ROUNDS]`); the suite without the GGUF tests, then that
 # once through (`tests-fp8 560`, carry as tests).
 # Everything lands in $OUT (JSON of each bench, the suite's log).
 # pytest runs with OMP_NUM_THREADS=1: 8-12 xdist workers on 16 cores, each with torch's one thread a core, took
@@ -330,22 +329,6 @@ fp8-mma)  # issue 42 (BUDGET_S ~480): the tensor-core FP8 GEMM (the default for 
         tests/runtime/test_fp8_runtime.py -n 4 -q -p no:cacheprovider 2>&1 | tail -5
     step 90 python3 bench/tune_fp8_mma.py --deadline 75 --out "$OUT/fp8_mma.json" 2>&1 | tail -16
     fp8_steps default:fp8,bf16: before:fp8:QUANTKIT_FP8_GEMV=unfused,QUANTKIT_FP8_FUSED_QUANT=0
-    ;;
-fp8-mlp)  # issue 42: the one-launch FP8 MLP's GPU tests, its configs against the three launches
-    # (bench/bench_fp8_mlp.py), then the 8B FP8 step without it and with its best config, ROUNDS times (third
-    # argument, default 2), alternating (~300 s for two rounds)
-    card | tee "$OUT/card.txt"
-    step 120 env OMP_NUM_THREADS=1 python3 -m pytest -m gpu tests/kernels/test_fp8_mlp.py \
-        "tests/runtime/test_fp8_runtime.py::test_the_one_launch_mlp_changes_one_row_and_launches_only" -q -rfE \
-        -p no:cacheprovider 2>&1 | tail -15
-    step 120 python3 bench/bench_fp8_mlp.py --out "$OUT/fp8_mlp.json" 2>&1 | tail -16
-    args="--no-baselines --shape llama3-8b --formats fp8 --batches 1,8 --steps 64"
-    for i in $(seq "${3:-2}"); do
-        step 80 python3 -m quantkit.cli.app bench $args --out "$OUT/bench_8b_fp8_apart$i.json" 2>&1 | tail -5
-        step 80 python3 bench/lib/with_fp8_mlp_config.py "$OUT/fp8_mlp.json" bench $args \
-            --out "$OUT/bench_8b_fp8_mlpfused$i.json" 2>&1 | tail -5
-    done
-    rm -f "$OUT"/*.png
     ;;
 fp8-step)  # issue 42: `quantkit bench --shape llama3-8b --formats FORMATS` once a VARIANT (third argument on):
     # NAME:FORMATS:VAR=VALUE,VAR=VALUE... (FORMATS comma-separated: fp8 or fp8,bf16), ~60-90 s each, e.g.

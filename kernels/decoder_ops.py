@@ -267,8 +267,7 @@ def rope_cache(qkv: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tens
 
 @triton.jit
 def gated_act(g, GELU: tl.constexpr):
-    """The gate's activation in float32: silu, or (GELU) gelu with the tanh approximation (shared with the fused
-    FP8 MLP, kernels/fp8_mlp.py, which must round as this module's activation kernel does)."""
+    """The gate's activation in float32: silu, or (GELU) gelu with the tanh approximation."""
     if GELU:
         # 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))
         inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)

@@ -93,20 +93,6 @@ def _gated_input(p1_ptr, p, cols, ok, IN_SPLITS, INTER, stride_ps, stride_pp, UN
 
 
 @triton.jit
-def _gated_input_unrolled(p1_ptr, p, cols, ok, SPLITS: tl.constexpr, INTER, stride_ps, stride_pp):
-    """:func:`_gated_input` over SPLITS slices unrolled at compile time: the same sums in the same order, with no
-    loop-carried vectors (in the row sums' K loop a run-time loop's sums took another layout than the words',
-    and a conversion through shared memory each nibble)."""
-    g = tl.zeros(cols.shape, dtype=tl.float32)
-    u = tl.zeros(cols.shape, dtype=tl.float32)
-    for s in tl.static_range(SPLITS):
-        row = p1_ptr + s * stride_ps + p * stride_pp
-        g += tl.load(row + cols, mask=ok, other=0.0)
-        u += tl.load(row + INTER + cols, mask=ok, other=0.0)
-    return g / (1.0 + tl.exp(-g)) * u
-
-
-@triton.jit
 def _nibble_at_16(x, ASM: tl.constexpr):
     """``(x & 0x000F0000) | 0x43000000``: the nibble at bits 16-19 OR-ed into 128.0's bits, the float 128 + code.
     ``ASM``: one ``lop3`` (ptxas keeps a mask and an OR with two immediates as two instructions); the same bits
@@ -120,8 +106,7 @@ def _nibble_at_16(x, ASM: tl.constexpr):
 @triton.jit
 def _int4_rows_tile(a_row, w_e, s_e, z_e, k0, offs_n, n_mask, K, stride_wk, stride_wn, stride_sg, stride_sn,
                     GROUP: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, OFFSET: tl.constexpr = False,
-                    ASM: tl.constexpr = False, p1_ptr=None, p=0, INTER=0, stride_ps=0, stride_pp=0,
-                    GATED: tl.constexpr = 0):
+                    ASM: tl.constexpr = False):
     """One 4-bit K tile's products, scaled, as [word row, column] sums (the kernel's ``ROWS``): for nibble j of
     each word row w, input column k0 + 8 w + j. Everything stays in the words' layout: the activations come as one
     [W] vector a nibble, so nothing is reduced or moved between threads. ``EVEN_K``: K is whole tiles (no masks
@@ -135,12 +120,7 @@ def _int4_rows_tile(a_row, w_e, s_e, z_e, k0, offs_n, n_mask, K, stride_wk, stri
     ``OFFSET``: each code shifted to bits 16-19 and OR-ed into 128.0's (the float 128 + code; ``ASM``: mask and OR
     in one lop3), multiplied as it is; the tile then takes (128 + zero) x the sum of its activations off each
     word row once. A shift, one LOP3 and the FMA a code. The 128 rides along in float32: a word row's 8 products
-    add up to at most ~1,100 x max|a|, so their rounding (~1e-4 x max|a|) stays far below bf16's on the result.
-
-    ``GATED`` (the down GEMV; 0: off): the activations are ``silu(gate) * up`` of pair ``p``'s rows of ``p1``
-    (GATED slices of partial sums), formed here at each nibble's columns and rounded to ``a_row``'s dtype, bitwise
-    what ``_gated_rows_kernel`` stores (the same sums in the same order), so the launch that forms ``h`` whole is
-    not needed."""
+    add up to at most ~1,100 x max|a|, so their rounding (~1e-4 x max|a|) stays far below bf16's on the result."""
     offs_w = tl.arange(0, BLOCK_K // 8)
     rows = k0 // 8 + offs_w
     words = tl.load(w_e + rows[:, None] * stride_wk + offs_n[None, :] * stride_wn,
@@ -154,11 +134,7 @@ def _int4_rows_tile(a_row, w_e, s_e, z_e, k0, offs_n, n_mask, K, stride_wk, stri
     a_sum = tl.zeros(offs_w.shape, dtype=tl.float32)
     for j in tl.static_range(8):
         cols = k0 + offs_w * 8 + j
-        if GATED:
-            a = _gated_input_unrolled(p1_ptr, p, cols, (cols < K) | EVEN_K, GATED, INTER, stride_ps, stride_pp)
-            a = a.to(a_row.dtype.element_ty).to(tl.float32)  # as h is stored in the activations' dtype
-        else:
-            a = tl.load(a_row + cols, mask=(cols < K) | EVEN_K, other=0.0).to(tl.float32)
+        a = tl.load(a_row + cols, mask=(cols < K) | EVEN_K, other=0.0).to(tl.float32)
         if OFFSET:  # nibble j (bits 4j..4j+3) moved to bits 16-19
             if j < 4:
                 moved = words << (16 - 4 * j)
@@ -185,8 +161,7 @@ def _moe_gemv_kernel(a_ptr, p1_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, topw_ptr, out_
                      FP8: tl.constexpr, K_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      NUM_STAGES: tl.constexpr = None, UNROLL: tl.constexpr = None, PDL: tl.constexpr = False,
                      ROWS: tl.constexpr = 0, EVEN_K: tl.constexpr = False, ASM: tl.constexpr = False,
-                     cnt_ptr=None, fin_ptr=None, ROW_PAIRS=1, FINISH: tl.constexpr = 0,
-                     GATED_SPLITS: tl.constexpr = 1):
+                     cnt_ptr=None, fin_ptr=None, ROW_PAIRS=1, FINISH: tl.constexpr = 0):
     """One pair ``p``, BLOCK_N columns, slice ``s`` of K (K_SPLIT columns). ``GATED_INPUT``: the input row is
     ``silu(gate) * up`` of ``p1``'s IN_SPLITS partial sums (the down GEMV), else ``a[p // TOP_K]`` (gate/up; the
     down GEMV of FP8 experts passes TOP_K 1: its rows are the pairs'). ``FP8``: ``a`` holds e4m3 codes with float32
@@ -200,9 +175,8 @@ def _moe_gemv_kernel(a_ptr, p1_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, topw_ptr, out_
     ``ROWS`` (4-bit): each thread keeps its own sums, one per word row and column, and the program adds them up once
     after the K loop (the plain 4-bit tile sums over K in every tile: shuffles and barriers between the warps, five
     a tile in the sm_90 build); the codes become floats through their bits (no int-to-float conversion, which
-    issues at a quarter of the FMA rate). 0: the tile sums; else MATHS' index (:func:`_int4_rows_tile`, which
-    forms the gated input at each nibble's columns where ``GATED_INPUT``, from GATED_SPLITS = IN_SPLITS slices).
-    ``ASM``: inline PTX where it saves an
+    issues at a quarter of the FMA rate). 0: the tile sums; else MATHS' index (:func:`_int4_rows_tile`). The down
+    GEMV's gated input is then formed beforehand (``GATED_INPUT`` off). ``ASM``: inline PTX where it saves an
     instruction (not under the interpreter). ``FINISH``: 0, the parts stay for launches of their own; 1 (after
     gate/up) or 2 (after down), the last program to store its part of a group finishes the group (:func:`_finish`)."""
     if PDL:
@@ -216,7 +190,7 @@ def _moe_gemv_kernel(a_ptr, p1_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, topw_ptr, out_
     n_mask = offs_n < N
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     if ROWS:
-        tl.static_assert(QUANT, "row sums: 4-bit weights")
+        tl.static_assert(QUANT and not GATED_INPUT, "row sums: 4-bit weights, the gated input formed beforehand")
         acc_rows = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)  # [word row, column]
     a_row = a_ptr + (p // TOP_K).to(tl.int64) * stride_am  # the input row (unread where GATED_INPUT)
     k_start = sp * K_SPLIT
@@ -224,8 +198,7 @@ def _moe_gemv_kernel(a_ptr, p1_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, topw_ptr, out_
         if ROWS:
             acc_rows += _int4_rows_tile(a_row, w_ptr + e * stride_we, s_ptr + e * stride_se, z_ptr + e * stride_se,
                                         k0, offs_n, n_mask, K, stride_wk, stride_wn, stride_sg, stride_sn, GROUP,
-                                        BLOCK_K, EVEN_K, ROWS == 2, ASM, p1_ptr, p, INTER, stride_ps,
-                                        stride_pp, GATED_SPLITS if GATED_INPUT else 0)  # ROWS 2: "offset"
+                                        BLOCK_K, EVEN_K, ROWS == 2, ASM)  # 2: "offset"
         else:
             offs_k = k0 + tl.arange(0, BLOCK_K)
             k_mask = offs_k < K
@@ -402,7 +375,6 @@ def _launch(a, p1, w, s, z, ids, topw, out_parts, n, k, top_k, in_splits, inter,
                            BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages, UNROLL=unroll, PDL=pdl,
                            ROWS=MATHS.index(math) if quant else 0, EVEN_K=slices * k_split == k,
                            ASM=not interpreting(), **_finish_args(finish),
-                           GATED_SPLITS=in_splits if gated_input and quant and math != "tile" else 1,
                            num_warps=num_warps, **pdl_launch(pdl))
 
 
@@ -446,14 +418,6 @@ def pipelining(num_stages: int | None = None, unroll: int | None = None) -> tupl
 # (across warps); "rows", per-thread sums added once after the K loop, each code as 2^23 + code less 2^23 + zero;
 # "offset", the same sums, each code as 128 + code, the offset taken off once a tile and word row.
 MATHS = ("tile", "rows", "offset")
-
-
-def gated_input(where: str | None = None) -> str:
-    """Where the 4-bit row-sum down GEMV gets ``silu(gate) * up``: ``where`` if given, else
-    ``QUANTKIT_MOE_GATED`` (an A/B switch for the benches), else "whole": formed by ``_gated_rows_kernel``, a
-    launch between the GEMVs; "prologue": by the down GEMV itself from ``p1``, at each nibble's columns of its
-    tiles (the same bits, one launch fewer, every column tile repeating its slice's activation)."""
-    return _given_or_switch("gated input", where, "QUANTKIT_MOE_GATED", ("whole", "prologue"))
 
 
 def gemv_math(math: str | None = None) -> str:
@@ -510,10 +474,10 @@ def moe_gemv(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     # FP8 experts: the activations rounded to e4m3 per token (or token and scale block), as the FP8 linears and
     # the tiled kernel round them
     a13, as13 = quantize_activations(x, experts.group13) if fp8 else (x, None)
-    # silu(gate) * up formed whole before the down GEMV (a launch of its own): FP8's rounding needs each row's
-    # largest value, and where gated_input() says "whole" the 4-bit row sums take it so too. Otherwise the down
-    # GEMV forms its slices of it from p1 itself (GATED_INPUT; the row sums at each nibble's columns).
-    gated_whole = fp8 or (q and math != "tile" and gated_input() == "whole")
+    # silu(gate) * up formed whole before the down GEMV: FP8's rounding needs each row's largest value; the
+    # row-sum GEMV reads its input one nibble's column at a time, which would repeat the prologue eight times a
+    # tile. Otherwise the down GEMV forms its slices of it from p1 itself (GATED_INPUT).
+    gated_whole = fp8 or (q and math != "tile")
     # where the GEMVs finish their parts: the gate/up GEMV forms h (4-bit row sums; its column tiles must not
     # straddle the gate and up halves), the down GEMV adds the parts up
     fused_gate = finish == "fused" and gated_whole and not fp8 and inter % block_n == 0

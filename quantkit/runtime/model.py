@@ -53,23 +53,6 @@ class KVCache:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
 
-def fp8_mlp_state(layer, activation: str, dtype: torch.dtype):
-    """The one-launch FP8 MLP's state for ``layer`` (``kernels.fp8_mlp.FP8MlpState``), or None where the kernel
-    cannot run it: not both FP8 linears on the Hopper path taking codes, a bias, a static input scale, a model
-    dtype other than bfloat16 (the kernel rounds its intermediates as bf16 ones), another activation."""
-    gate_up, down = layer.gate_up, layer.down
-    if layer.moe is not None or gate_up.parts or down.parts or gate_up.fp8 is None or down.fp8 is None:
-        return None
-    if dtype != torch.bfloat16 or activation not in ("silu", "gelu_tanh"):
-        return None
-    for w in (gate_up.fp8, down.fp8):
-        if w.path != "scaled_mm" or not (w.codes_in and w.gemv) or w.bias is not None or w.input_scale is not None:
-            return None
-    from quantkit.kernels.fp8_mlp import FP8MlpState
-
-    return FP8MlpState.create(down.fp8.weight.shape[1], down.fp8.weight.device)
-
-
 class _Reference:
     """Plain PyTorch for every small operation and attention."""
 
@@ -187,11 +170,6 @@ class RuntimeModel:
         # clip_qkv, which clips between the norm and the attention.
         switch = ab_switch("QUANTKIT_DECODE_QK_NORM", ("separate", "attention"))
         self.qk_norm_in_decode = switch == "attention" and spec.qk_norm == "head" and not spec.clip_qkv
-        # An FP8 model's MLP at one row in one launch (kernels/fp8_mlp.py) with QUANTKIT_FP8_MLP=fused; opt-in until
-        # a whole decode step measures it faster
-        fused_mlp = backend == "kernels" and ab_switch("QUANTKIT_FP8_MLP", ("apart", "fused")) == "fused"
-        self.fp8_mlp_states = [fp8_mlp_state(lw, spec.activation, dtype) if fused_mlp else None
-                               for lw in weights.layers]
         # A MoE block's routed rows summed by the next layer's add + RMSNorm (the default: one launch a layer fewer,
         # the same bits on the decode GEMV's float32 parts) or by a launch of their own (QUANTKIT_MOE_SUM=apart).
         # Qwen3-30B-A3B shape, batch-1 graph step, two alternating rounds (one H100, 2026-12-07, docs/moe.md):
@@ -263,16 +241,8 @@ class RuntimeModel:
         return x
 
     def _mlp(self, i: int, delta, residual, norm):
-        """Layer ``i``'s dense MLP on ``rms_norm(delta + residual)``: ``(down(act(gate) * up), delta + residual)``;
-        one row of an FP8 model through the one-launch MLP where ``fp8_mlp_states`` holds its state."""
-        lw, state = self.weights.layers[i], self.fp8_mlp_states[i]
-        if state is not None and delta.shape[0] == 1:
-            from quantkit.kernels.fp8_mlp import fp8_mlp
-
-            s, gate_up, down = self.spec, lw.gate_up.fp8, lw.down.fp8
-            qx, sx, residual = self.ops.add_rms_norm_fp8(delta, residual, norm, s.rms_eps, s.norm_offset, None)
-            y = fp8_mlp(qx, sx, gate_up.weight, gate_up.scale, down.weight, down.scale, state, s.activation)
-            return y, residual
+        """Layer ``i``'s dense MLP on ``rms_norm(delta + residual)``: ``(down(act(gate) * up), delta + residual)``."""
+        lw = self.weights.layers[i]
         gate_up, residual = self._normed_linear(lw.gate_up, delta, residual, norm)
         return self._activated_linear(lw.down, gate_up), residual
 

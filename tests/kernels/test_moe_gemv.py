@@ -170,14 +170,13 @@ def test_gemv_fp8_experts_on_the_gpu_match_the_tiled_kernel(monkeypatch, weights
         assert rel_err(out, ref) < 2e-2 and rel_err(out, tiled) < 2e-2, (rel_err(out, ref), rel_err(out, tiled))
 
 
-def _gemv_ptx(sm90, out, kind, block_k, num_stages=None, unroll=None, pdl=False, math="tile", finish=0,
-              prologue=False):
+def _gemv_ptx(sm90, out, kind, block_k, num_stages=None, unroll=None, pdl=False, math="tile", finish=0):
     """The GEMV compiled for Hopper as Triton's launcher specializes it at run time: unit strides as constexpr 1,
     aligned pointers and strides divisible by 16. ``math``: moe_gemv.MATHS; the row sums' down GEMV reads the
-    gated input whole unless ``prologue`` (QUANTKIT_MOE_GATED=prologue), K whole tiles; inline PTX as on a GPU."""
+    gated input whole (no prologue), K whole tiles; inline PTX as on a GPU."""
     quant, fp8 = kind in ("int4", "int4-down"), kind == "fp8"
     rows = math != "tile"
-    gated = kind == "int4-down" and (not rows or prologue)
+    gated = kind == "int4-down" and not rows
     w = "*i32" if quant else "*fp8e4nv"
     signature = {"a_ptr": "*fp8e4nv" if fp8 else "*bf16", "p1_ptr": "*fp32", "w_ptr": w,
                  "s_ptr": "*fp32" if fp8 else "*bf16", "z_ptr": "*bf16" if quant else w, "ids_ptr": "*i64",
@@ -191,7 +190,7 @@ def _gemv_ptx(sm90, out, kind, block_k, num_stages=None, unroll=None, pdl=False,
     constexprs = dict({name: 1 for name in units}, QUANT=quant, GROUP=128, GATED_INPUT=gated,
                       MUL_ROUTED=kind == "int4-down", FP8=fp8, K_SPLIT=768, BLOCK_N=64, BLOCK_K=block_k,
                       NUM_STAGES=num_stages, UNROLL=unroll, PDL=pdl, ROWS=moe_gemv.MATHS.index(math),
-                      EVEN_K=rows, ASM=True, FINISH=finish, GATED_SPLITS=2)
+                      EVEN_K=rows, ASM=True, FINISH=finish)
     if finish:  # the counters and the finished rows
         signature |= {"cnt_ptr": "*i32", "fin_ptr": "*bf16", "ROW_PAIRS": "i32"}
     unaligned = ("TOP_K", "IN_SPLITS", "ROW_PAIRS") + (() if quant else ("stride_sg", "stride_sn"))
@@ -249,22 +248,6 @@ def test_gemv_row_sums_move_nothing_between_threads_in_the_k_loop(sm90, tmp_path
     if math == "offset":  # a shift, one LOP3 (the inline PTX) and the FMA a code: no extract, no subtraction
         assert not re.search(r"SGXT\.U32 \w+, \w+, 0x4 ", body)  # (a 3-bit one is cp.async's addressing)
         assert 2 * len(re.findall(r"\sFADD\b", body)) < len(re.findall(r"\sFFMA\b", body))
-
-
-@pytest.mark.parametrize("math", ["rows", "offset"])
-@pytest.mark.parametrize("pdl", [False, True])
-def test_gated_prologue_of_the_row_sums_compiles_without_spills(sm90, tmp_path, math, pdl):
-    """The 4-bit row-sum down GEMV forming its gated input itself (QUANTKIT_MOE_GATED=prologue), at the default
-    pipelining, with and without PDL: no spills, no shuffles or shared-memory stores in its K loop, p1's float32
-    partial sums read in the loop (the exponential of silu on the MUFU unit), the words 16 bytes a load (or
-    cp.async copy)."""
-    ptx = _gemv_ptx(sm90, str(tmp_path / "gemv.ptx"), "int4-down", 128, *moe_gemv.PIPELINING, pdl=pdl, math=math,
-                    prologue=True)
-    assert "0 bytes spill stores" in sm90.ptxas_notices(ptx)
-    body = " ".join(_loop_body(sm90.sass_text(sm90.cubin(ptx))))
-    for op in ("SHFL", "STS", "I2F"):
-        assert not re.search(rf"\s{op}\b", body), op
-    assert "MUFU.EX2" in body and ("LDG.E.128" in body or "LDGSTS.E.BYPASS.128" in body)
 
 
 @pytest.mark.parametrize(("kind", "finish"), [("int4", 0), ("int4-down", 0), ("int4", 1), ("int4-down", 2)])
@@ -431,62 +414,6 @@ def test_gemv_finishing_its_own_parts_on_the_gpu(tokens):
         torch.cuda.synchronize()
         assert torch.equal(out, apart) and int(counters.abs().sum()) == 0
     assert rel_err(apart, fused_moe_ref(x.float(), w, ids, ex)) < 1e-2
-
-
-@pytest.mark.parametrize("math", ["offset", "rows"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_gated_input_in_the_down_gemvs_prologue_gives_the_same_bits(monkeypatch, math, dtype):
-    """QUANTKIT_MOE_GATED=prologue: the 4-bit row-sum down GEMV forms silu(gate) * up from p1 at each nibble's
-    columns instead of reading the h the launch between the GEMVs stores: bitwise the same result, over several
-    slices of K in both GEMVs and tokens; no _gated_rows_kernel launch then."""
-    g = torch.Generator().manual_seed(13)
-    ex = stack_quantized(experts_q(6, 256, 96, 32), dtype, DEVICE)
-    w, ids = routing(3, 6, 2, skip=(1,))
-    x = (torch.randn(3, ex.hidden, generator=g) * 2).to(DEVICE, dtype)
-    cfg = dict(block_n=32, target_programs=40, math=math)
-    monkeypatch.setenv("QUANTKIT_MOE_GATED", "whole")
-    whole = gemv(x, w.to(DEVICE), ids.to(DEVICE), ex, **cfg)
-    monkeypatch.setenv("QUANTKIT_MOE_GATED", "prologue")
-    launches = []
-    real = moe_gemv._gated_rows_kernel
-    monkeypatch.setattr(moe_gemv, "_gated_rows_kernel", type("Spy", (), {
-        "__getitem__": lambda self, grid: launches.append(grid) or real[grid]})())
-    prologue = gemv(x, w.to(DEVICE), ids.to(DEVICE), ex, **cfg)
-    assert launches == [] and torch.equal(prologue, whole)
-    monkeypatch.setenv("QUANTKIT_MOE_GATED", "whole")
-    gemv(x, w.to(DEVICE), ids.to(DEVICE), ex, **cfg)
-    assert len(launches) == 1
-    assert rel_err(prologue.float(), fused_moe_ref(x.float(), w.to(DEVICE), ids.to(DEVICE), ex)) < 2e-3
-
-
-def test_gated_input_switch(monkeypatch):
-    monkeypatch.delenv("QUANTKIT_MOE_GATED", raising=False)
-    assert moe_gemv.gated_input() == "whole" and moe_gemv.gated_input("prologue") == "prologue"
-    monkeypatch.setenv("QUANTKIT_MOE_GATED", "inside")
-    with pytest.raises(ValueError, match="QUANTKIT_MOE_GATED"):
-        moe_gemv.gated_input()
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [1, 8])
-def test_gated_input_in_the_prologue_on_the_gpu(monkeypatch, tokens):
-    """bf16 at the 30B-A3B expert sizes with PDL where the card has it: the down GEMV's own gated input gives the
-    bits of h formed by its launch, eagerly and replayed from a CUDA graph."""
-    ex = stack_quantized(experts_q(128, 2048, 768, 128), torch.bfloat16, "cuda")
-    w, ids = routing(tokens, 128, 8, seed=tokens)
-    w, ids = w.cuda(), ids.cuda()
-    x = torch.randn(tokens, 2048, generator=torch.Generator().manual_seed(8)).to("cuda", torch.bfloat16)
-    monkeypatch.setenv("QUANTKIT_MOE_GATED", "whole")
-    whole = gemv(x, w, ids, ex)
-    monkeypatch.setenv("QUANTKIT_MOE_GATED", "prologue")
-    assert torch.equal(gemv(x, w, ids, ex), whole)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = gemv(x, w, ids, ex)
-    for _ in range(2):
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, whole)
 
 
 def test_moe_layer_keeps_the_gemv_counters_whatever_its_backend():

@@ -403,22 +403,6 @@ def test_quantizing_o_inside_its_gemv_changes_one_row_and_launches_only(monkeypa
     assert results["inside"][1] == results["apart"][1] - hf.config.num_hidden_layers, results
 
 
-@pytest.mark.gpu
-def test_the_one_launch_mlp_changes_one_row_and_launches_only(monkeypatch):
-    """QUANTKIT_FP8_MLP=fused: a one-row step's MLP (gate/up GEMV, activation, down GEMV) in one persistent launch
-    (kernels/fp8_mlp.py; only the float32 summation order differs), two launches a layer fewer; prefill and a
-    decode batch of 4 stay bit for bit the same."""
-    if torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("the FP8 decode paths are timed and served on Hopper")
-    hf = _tiny_llama("cuda")
-    results = _logits_and_launches_under(monkeypatch, hf, "QUANTKIT_FP8_MLP", ("apart", "fused"),
-                                         lambda rt, v: (rt.fp8_mlp_states[0] is not None) == (v == "fused"))
-    (prefill, one, four), (prefill2, one2, four2) = results["apart"][0], results["fused"][0]
-    assert torch.equal(prefill, prefill2) and torch.equal(four, four2)
-    assert _rel(one2, one) < 2e-2
-    assert results["fused"][1] == results["apart"][1] - 2 * hf.config.num_hidden_layers, results
-
-
 def test_block_gemm_operands_pad_rows_and_k_blocks_to_four():
     """torch's block-scaled FP8 GEMM (quantkit/fp8_block.py) gets activation rows padded to a multiple of 4 (zero
     codes, unit scales, M-major scales) and weight scales with their K blocks padded to a multiple of 4, passed
@@ -452,38 +436,3 @@ def test_fp8_linear_row_limits_are_the_kernels_own():
 
     assert fp8_linear.GEMV_MAX_M == gemv.MAX_M
     assert fp8_linear.MMA_MAX_M == gemv_fp8_mma.MAX_M
-
-
-def test_the_one_launch_mlp_takes_only_layers_it_computes_exactly():
-    """``runtime.model.fp8_mlp_state``: a state (the kernel's scratch) for a bf16 layer whose gate/up and down are
-    FP8 on the Hopper path taking codes, None for anything the kernel would compute differently or cannot take."""
-    import dataclasses
-
-    from quantkit.fp8_linear import FP8LinearWeights
-    from quantkit.runtime.linear import Linear
-    from quantkit.runtime.model import fp8_mlp_state
-    from quantkit.runtime.weights import LayerWeights
-
-    def fp8(n, k, **kw):
-        w = FP8LinearWeights(torch.zeros(n, k, dtype=torch.float8_e4m3fn), torch.ones(1, n), "scaled_mm", gemv=True,
-                             codes_in=True)
-        return Linear(n, fp8=dataclasses.replace(w, **kw))
-
-    def layer(gate_up=None, down=None, moe=None):
-        gate_up = gate_up or fp8(64, 32)
-        down = down or fp8(32, 32)
-        return LayerWeights(fp8(96, 32), fp8(32, 64), gate_up, down, torch.ones(32), torch.ones(32), moe=moe)
-
-    state = fp8_mlp_state(layer(), "silu", torch.bfloat16)
-    assert state is not None and state.h.shape == (32,) and state.barrier.tolist() == [0, 0]
-    assert fp8_mlp_state(layer(), "gelu_tanh", torch.bfloat16) is not None
-    refused = [
-        fp8_mlp_state(layer(), "silu", torch.float16),  # the kernel rounds its intermediates as bf16
-        fp8_mlp_state(layer(down=fp8(32, 32, bias=torch.zeros(32))), "silu", torch.bfloat16),
-        fp8_mlp_state(layer(gate_up=fp8(64, 32, input_scale=torch.ones(1))), "silu", torch.bfloat16),
-        fp8_mlp_state(layer(gate_up=fp8(64, 32, path="reference")), "silu", torch.bfloat16),
-        fp8_mlp_state(layer(down=fp8(32, 32, codes_in=False)), "silu", torch.bfloat16),
-        fp8_mlp_state(layer(gate_up=Linear(64, dense=torch.zeros(64, 32))), "silu", torch.bfloat16),
-        fp8_mlp_state(layer(moe=object()), "silu", torch.bfloat16),
-    ]
-    assert refused == [None] * len(refused)
