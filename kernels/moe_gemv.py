@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from quantkit.kernels.decoder_ops import RowParts
+from quantkit.kernels.decoder_ops import RowParts, gated_act
 from quantkit.kernels.device_info import ab_switch, counts_switch, interpreting, moe_programmatic_launch, pdl_launch
 from quantkit.kernels.fp8_quant import quantize_activations
 
@@ -89,7 +89,7 @@ def _gated_input(p1_ptr, p, cols, ok, IN_SPLITS, INTER, stride_ps, stride_pp, UN
         else:
             g += tl.load(row + cols, mask=ok, other=0.0)
             u += tl.load(row + INTER + cols, mask=ok, other=0.0)
-    return g / (1.0 + tl.exp(-g)) * u
+    return gated_act(g, False) * u
 
 
 @triton.jit
@@ -249,7 +249,7 @@ def _moe_gemv_kernel(a_ptr, p1_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, topw_ptr, out_
     if PAIRED:  # [gate | up] -> their pairs, as _gated_rows_kernel forms h (float32, rounded once)
         g, u = tl.split(tl.permute(tl.reshape(acc, [2, BLOCK_N // 2]), [1, 0]))
         cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        hv = g / (1.0 + tl.exp(-g)) * u
+        hv = gated_act(g, False) * u
         tl.store(out_ptr + p * stride_op + cols, hv.to(out_ptr.dtype.element_ty), mask=cols < INTER)
     else:
         tl.store(out_ptr + sp * stride_os + p * stride_op + offs_n, acc, mask=n_mask)

@@ -234,17 +234,12 @@ class RuntimeModel:
                 delta, residual = lw.moe.normed(delta, residual, ff_norm, s.rms_eps, s.norm_offset, o.add_rms_norm,
                                                 o.act_mul, parts=self.moe_sum_in_norm)
             else:
-                delta, residual = self._mlp(i, delta, residual, ff_norm)
+                gate_up, residual = self._normed_linear(lw.gate_up, delta, residual, ff_norm)
+                delta = self._activated_linear(lw.down, gate_up)
             if s.sandwich_norms:
                 delta, _ = o.add_rms_norm(delta, None, lw.post_ff_norm, s.rms_eps, s.norm_offset)
         x, _ = o.add_rms_norm(delta, residual, self.weights.final_norm, s.rms_eps, s.norm_offset)
         return x
-
-    def _mlp(self, i: int, delta, residual, norm):
-        """Layer ``i``'s dense MLP on ``rms_norm(delta + residual)``: ``(down(act(gate) * up), delta + residual)``."""
-        lw = self.weights.layers[i]
-        gate_up, residual = self._normed_linear(lw.gate_up, delta, residual, norm)
-        return self._activated_linear(lw.down, gate_up), residual
 
     def _normed_linear(self, linear, delta, residual, norm):
         """``(linear(rms_norm(delta + residual)), delta + residual)``; an FP8 linear that takes codes gets them
