@@ -37,8 +37,7 @@
 # No carry needed either: issue 41's W4A16 decode variants and prefill candidates (`w4a16 470`); issue 39's MoE
 # GEMV against the tiled kernel, block and whole step (`moe-decode 400`), the GEMV's maths (`moe-math 260`),
 # the step under switches
-# (`moe-step BUDGET NAME:VAR=VALUE,...`), the paired gate/up GEMV against the split one (`moe-paired 330`),
-# its prefill tiles and the step with them (`moe-prefill 430`),
+# (`moe-step BUDGET NAME:VAR=VALUE,...`), its prefill tiles and the step with them (`moe-prefill 430`),
 # and its GPTQ / AWQ times (`moe-quantize 590 gptq|awq [LAYERS]`); issue 42's tensor-core FP8 GEMM, its configs and
 # the 8B step with it (`fp8-mma 480`), and that step under other switches (`fp8-step BUDGET NAME:FORMATS:VARS ...`);
 # issue 41's CUDA decode kernel on the card at hand: the 8B step's layers, then the int4 step with the card's CUDA
@@ -303,16 +302,6 @@ moe-decode)  # issue 39 at decode (BUDGET_S ~400): the GEMV against the tiled ke
     card | tee "$OUT/card.txt"
     step 200 python3 bench/bench_moe.py --skip gptq awq serve --kernel-m 1 8 32 --out "$OUT/bench_moe_kernel.json" 2>&1 | tail -25
     moe_steps default: pdl:QUANTKIT_MOE_PDL=1
-    ;;
-moe-paired)  # issue 39: the paired gate/up GEMV (QUANTKIT_MOE_GATE_UP=paired: h formed by the gate/up programs,
-    # no launch between the GEMVs): its GPU tests, then the 30B-A3B int4 step split / paired (the table's config),
-    # twice alternating, and paired with 16-column tiles (twice the programs) once (BUDGET_S ~330, no carry)
-    card | tee "$OUT/card.txt"
-    step 120 env OMP_NUM_THREADS=1 python3 -m pytest -m gpu tests/kernels/test_moe_gemv.py -k paired -q -rfE \
-        -p no:cacheprovider 2>&1 | tail -5
-    MOE_FORMATS=int4 moe_steps split:QUANTKIT_MOE_GATE_UP=split paired:QUANTKIT_MOE_GATE_UP=paired \
-        split2:QUANTKIT_MOE_GATE_UP=split paired2:QUANTKIT_MOE_GATE_UP=paired \
-        paired16:QUANTKIT_MOE_GATE_UP=paired,QUANTKIT_MOE_GEMV_CONFIG=16,2,512
     ;;
 moe-step)  # issue 39: `quantkit bench --shape qwen3-30b-a3b` at batch 1 and 8 once a VARIANT (third argument on):
     # NAME:VAR=VALUE,VAR=VALUE... (environment switches; "default:" for none), ~60-90 s each, one after another.

@@ -161,8 +161,7 @@ def _moe_gemv_kernel(a_ptr, p1_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, topw_ptr, out_
                      FP8: tl.constexpr, K_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      NUM_STAGES: tl.constexpr = None, UNROLL: tl.constexpr = None, PDL: tl.constexpr = False,
                      ROWS: tl.constexpr = 0, EVEN_K: tl.constexpr = False, ASM: tl.constexpr = False,
-                     cnt_ptr=None, fin_ptr=None, ROW_PAIRS=1, FINISH: tl.constexpr = 0,
-                     PAIRED: tl.constexpr = False):
+                     cnt_ptr=None, fin_ptr=None, ROW_PAIRS=1, FINISH: tl.constexpr = 0):
     """One pair ``p``, BLOCK_N columns, slice ``s`` of K (K_SPLIT columns). ``GATED_INPUT``: the input row is
     ``silu(gate) * up`` of ``p1``'s IN_SPLITS partial sums (the down GEMV), else ``a[p // TOP_K]`` (gate/up; the
     down GEMV of FP8 experts passes TOP_K 1: its rows are the pairs'). ``FP8``: ``a`` holds e4m3 codes with float32
@@ -179,10 +178,7 @@ def _moe_gemv_kernel(a_ptr, p1_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, topw_ptr, out_
     issues at a quarter of the FMA rate). 0: the tile sums; else MATHS' index (:func:`_int4_rows_tile`). The down
     GEMV's gated input is then formed beforehand (``GATED_INPUT`` off). ``ASM``: inline PTX where it saves an
     instruction (not under the interpreter). ``FINISH``: 0, the parts stay for launches of their own; 1 (after
-    gate/up) or 2 (after down), the last program to store its part of a group finishes the group (:func:`_finish`).
-    ``PAIRED`` (gate/up, one slice of K): the program's columns are BLOCK_N // 2 gate columns and the same up
-    columns (INTER further on), so it forms ``h = silu(gate) * up`` of them itself and stores it rounded to
-    ``out``'s dtype (``out [P, INTER]``): no partial sums, no launch between the GEMVs."""
+    gate/up) or 2 (after down), the last program to store its part of a group finishes the group (:func:`_finish`)."""
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
@@ -190,14 +186,8 @@ def _moe_gemv_kernel(a_ptr, p1_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, topw_ptr, out_
     pid_n = tl.program_id(1)
     sp = tl.program_id(2)
     e = tl.load(ids_ptr + p).to(tl.int64)
-    if PAIRED:  # gate columns c .. c + BLOCK_N / 2, then the same up columns: two contiguous runs of words
-        j = tl.arange(0, BLOCK_N)
-        cols_h = pid_n * (BLOCK_N // 2) + j % (BLOCK_N // 2)
-        offs_n = cols_h + (j // (BLOCK_N // 2)) * INTER
-        n_mask = cols_h < INTER
-    else:
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < N
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     if ROWS:
         tl.static_assert(QUANT and not GATED_INPUT, "row sums: 4-bit weights, the gated input formed beforehand")
@@ -246,13 +236,7 @@ def _moe_gemv_kernel(a_ptr, p1_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, topw_ptr, out_
         acc = tl.sum(acc_rows, axis=0)
     if MUL_ROUTED:
         acc = acc * tl.load(topw_ptr + p)
-    if PAIRED:  # [gate | up] -> their pairs, as _gated_rows_kernel forms h (float32, rounded once)
-        g, u = tl.split(tl.permute(tl.reshape(acc, [2, BLOCK_N // 2]), [1, 0]))
-        cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        hv = gated_act(g, False) * u
-        tl.store(out_ptr + p * stride_op + cols, hv.to(out_ptr.dtype.element_ty), mask=cols < INTER)
-    else:
-        tl.store(out_ptr + sp * stride_os + p * stride_op + offs_n, acc, mask=n_mask)
+    tl.store(out_ptr + sp * stride_os + p * stride_op + offs_n, acc, mask=n_mask)
     if FINISH:
         _finish(out_ptr, cnt_ptr, fin_ptr, p, pid_n, N, INTER, ROW_PAIRS, stride_os, stride_op, BLOCK_N, UNROLL,
                 FINISH)
@@ -367,9 +351,8 @@ def _split(k: int, block_k: int, programs: int, target: int | None = None) -> tu
 
 def _launch(a, p1, w, s, z, ids, topw, out_parts, n, k, top_k, in_splits, inter, quant, group, gated_input,
             mul_routed, k_split, block_n, block_k, num_warps, a_scales=None, num_stages=None, unroll=None, pdl=False,
-            math="tile", finish=None, paired=False):
-    """``finish``: None, or ``(FINISH, counters, fin, row_pairs)`` for the kernel's :func:`_finish`; ``paired``:
-    the kernel's PAIRED (``out_parts``: h as ``[1, P, INTER]``)."""
+            math="tile", finish=None):
+    """``finish``: None, or ``(FINISH, counters, fin, row_pairs)`` for the kernel's :func:`_finish`."""
     fp8 = a_scales is not None
     if quant:
         swe, swk, swn = w.stride()  # [E, K/8, N]
@@ -391,7 +374,7 @@ def _launch(a, p1, w, s, z, ids, topw, out_parts, n, k, top_k, in_splits, inter,
                            GROUP=group, GATED_INPUT=gated_input, MUL_ROUTED=mul_routed, FP8=fp8, K_SPLIT=k_split,
                            BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages, UNROLL=unroll, PDL=pdl,
                            ROWS=MATHS.index(math) if quant else 0, EVEN_K=slices * k_split == k,
-                           ASM=not interpreting(), PAIRED=paired, **_finish_args(finish),
+                           ASM=not interpreting(), **_finish_args(finish),
                            num_warps=num_warps, **pdl_launch(pdl))
 
 
@@ -499,9 +482,6 @@ def moe_gemv(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     # straddle the gate and up halves), the down GEMV adds the parts up
     fused_gate = finish == "fused" and gated_whole and not fp8 and inter % block_n == 0
     fused_sum = finish == "fused"
-    # h formed by the gate/up GEMV's own programs, each over the whole of K (gate_up_programs)
-    paired = (gate_up_programs() == "paired" and gated_whole and q and not fused_gate and block_n >= 2
-              and inter % (block_n // 2) == 0)
     tiles_h = triton.cdiv(h, block_n)
     n13 = pairs * (inter // block_n) if fused_gate else 0
     if fused_sum and counters.numel() < n13 + t * tiles_h:
@@ -509,22 +489,18 @@ def moe_gemv(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
                          f"(counters_for(experts))")
     out = torch.empty(t, h, dtype=x.dtype, device=x.device)
     hid = torch.empty(pairs, inter, dtype=x.dtype, device=x.device) if gated_whole else None
-    if paired:  # one slice of K: the programs' own sums are whole, so each forms its part of h
-        s1, k1 = 1, triton.cdiv(h, block_k) * block_k
-        p1 = hid.view(1, pairs, inter)
-    else:
-        s1, k1 = _split(h, block_k, pairs * triton.cdiv(2 * inter, block_n), target)
-        p1 = torch.empty(s1, pairs, 2 * inter, dtype=torch.float32, device=x.device)
+    s1, k1 = _split(h, block_k, pairs * triton.cdiv(2 * inter, block_n), target)
+    p1 = torch.empty(s1, pairs, 2 * inter, dtype=torch.float32, device=x.device)
     _launch(a13, p1, experts.w13, experts.s13, experts.z13, ids, topw, p1, 2 * inter, h, top_k, 1, inter, q,
             experts.group13, False, False, k1, block_n, block_k, num_warps, as13, num_stages, unroll, pdl, math,
-            (1, counters, hid, 1) if fused_gate else None, paired)
+            (1, counters, hid, 1) if fused_gate else None)
     s2, k2 = _split(inter, block_k, pairs * tiles_h, target)
     # token-major [T, k, S2, H]: a token's k pairs and S2 slices are one run of rows for the final sum
     p2 = torch.empty(t, top_k, s2, h, dtype=torch.float32, device=x.device)
     parts2 = p2.permute(2, 0, 1, 3).view(s2, pairs, h)
     summed = (2, counters[n13:], out, top_k) if fused_sum else None
     if gated_whole:
-        if not (fused_gate or paired):
+        if not fused_gate:
             block = min(1024, triton.next_power_of_2(inter))
             _gated_rows_kernel[(pairs, triton.cdiv(inter, block))](p1, hid, inter, s1, p1.stride(0), p1.stride(1),
                                                                     BLOCK=block, PDL=pdl, num_warps=4,
@@ -560,15 +536,6 @@ def counters_for(experts) -> int:
 # between 4-bit row-sum GEMVs, _sum_parts_kernel after the down GEMV); "fused", by the GEMVs' last programs
 # (_finish), where the caller keeps counters.
 FINISHES = ("apart", "fused")
-
-
-def gate_up_programs(mode: str | None = None) -> str:
-    """How the 4-bit row-sum gate/up GEMV splits its work: ``mode`` where given, else ``QUANTKIT_MOE_GATE_UP`` (an
-    A/B switch for the benches), else "split": column tiles of gate or up rows over slices of K, their partial
-    sums added and gated by ``_gated_rows_kernel``; "paired": each program takes gate columns and the same up
-    columns over the whole of K and stores its part of ``h`` (one launch a layer fewer and no partial sums, half the
-    programs of a one-slice split). Not yet timed in a whole step."""
-    return _given_or_switch("gate/up programs", mode, "QUANTKIT_MOE_GATE_UP", ("split", "paired"))
 
 
 def gemv_finish(finish: str | None = None) -> str:

@@ -170,11 +170,10 @@ def test_gemv_fp8_experts_on_the_gpu_match_the_tiled_kernel(monkeypatch, weights
         assert rel_err(out, ref) < 2e-2 and rel_err(out, tiled) < 2e-2, (rel_err(out, ref), rel_err(out, tiled))
 
 
-def _gemv_ptx(sm90, out, kind, block_k, num_stages=None, unroll=None, pdl=False, math="tile", finish=0,
-              paired=False):
+def _gemv_ptx(sm90, out, kind, block_k, num_stages=None, unroll=None, pdl=False, math="tile", finish=0):
     """The GEMV compiled for Hopper as Triton's launcher specializes it at run time: unit strides as constexpr 1,
     aligned pointers and strides divisible by 16. ``math``: moe_gemv.MATHS; the row sums' down GEMV reads the
-    gated input whole (no prologue), K whole tiles; inline PTX as on a GPU. ``paired``: the gate/up GEMV's PAIRED."""
+    gated input whole (no prologue), K whole tiles; inline PTX as on a GPU."""
     quant, fp8 = kind in ("int4", "int4-down"), kind == "fp8"
     rows = math != "tile"
     gated = kind == "int4-down" and not rows
@@ -191,7 +190,7 @@ def _gemv_ptx(sm90, out, kind, block_k, num_stages=None, unroll=None, pdl=False,
     constexprs = dict({name: 1 for name in units}, QUANT=quant, GROUP=128, GATED_INPUT=gated,
                       MUL_ROUTED=kind == "int4-down", FP8=fp8, K_SPLIT=768, BLOCK_N=64, BLOCK_K=block_k,
                       NUM_STAGES=num_stages, UNROLL=unroll, PDL=pdl, ROWS=moe_gemv.MATHS.index(math),
-                      EVEN_K=rows, ASM=True, FINISH=finish, PAIRED=paired)
+                      EVEN_K=rows, ASM=True, FINISH=finish)
     if finish:  # the counters and the finished rows
         signature |= {"cnt_ptr": "*i32", "fin_ptr": "*bf16", "ROW_PAIRS": "i32"}
     unaligned = ("TOP_K", "IN_SPLITS", "ROW_PAIRS") + (() if quant else ("stride_sg", "stride_sn"))
@@ -415,74 +414,6 @@ def test_gemv_finishing_its_own_parts_on_the_gpu(tokens):
         torch.cuda.synchronize()
         assert torch.equal(out, apart) and int(counters.abs().sum()) == 0
     assert rel_err(apart, fused_moe_ref(x.float(), w, ids, ex)) < 1e-2
-
-
-@pytest.mark.parametrize("math", ["offset", "rows"])
-@pytest.mark.parametrize(("dtype", "block_n"), [(torch.float32, 32), (torch.float16, 16), (torch.float32, 64)])
-def test_paired_gate_up_programs_form_h_themselves(monkeypatch, math, dtype, block_n):
-    """QUANTKIT_MOE_GATE_UP=paired: each gate/up program takes gate columns and the same up columns over the whole
-    of K and stores its part of h, so no _gated_rows_kernel launch; the result is the split launches' up to the
-    float32 order of the K sums (one slice here, several there), and the reference's."""
-    g = torch.Generator().manual_seed(17)
-    ex = stack_quantized(experts_q(6, 256, 96, 32), dtype, DEVICE)
-    w, ids = routing(3, 6, 2, skip=(1,))
-    x = (torch.randn(3, ex.hidden, generator=g) * 2).to(DEVICE, dtype)
-    cfg = dict(block_n=block_n, target_programs=40, math=math)  # several slices of K where split
-    split = gemv(x, w.to(DEVICE), ids.to(DEVICE), ex, **cfg)
-    monkeypatch.setenv("QUANTKIT_MOE_GATE_UP", "paired")
-    launches = []
-    real = moe_gemv._gated_rows_kernel
-    monkeypatch.setattr(moe_gemv, "_gated_rows_kernel", type("Spy", (), {
-        "__getitem__": lambda self, grid: launches.append(grid) or real[grid]})())
-    paired = gemv(x, w.to(DEVICE), ids.to(DEVICE), ex, **cfg)
-    assert launches == []
-    tol = 1e-5 if dtype == torch.float32 else 2e-3
-    assert rel_err(paired.float(), split.float()) < tol
-    assert rel_err(paired.float(), fused_moe_ref(x.float(), w.to(DEVICE), ids.to(DEVICE), ex)) < 3 * tol
-    monkeypatch.setenv("QUANTKIT_MOE_GATE_UP", "split")
-    gemv(x, w.to(DEVICE), ids.to(DEVICE), ex, **cfg)
-    assert len(launches) == 1
-
-
-def test_gate_up_programs_switch(monkeypatch):
-    monkeypatch.delenv("QUANTKIT_MOE_GATE_UP", raising=False)
-    assert moe_gemv.gate_up_programs() == "split" and moe_gemv.gate_up_programs("paired") == "paired"
-    monkeypatch.setenv("QUANTKIT_MOE_GATE_UP", "pairs")
-    with pytest.raises(ValueError, match="QUANTKIT_MOE_GATE_UP"):
-        moe_gemv.gate_up_programs()
-
-
-@pytest.mark.parametrize("pdl", [False, True])
-def test_paired_gate_up_compiles_without_spills(sm90, tmp_path, pdl):
-    """The paired 4-bit gate/up GEMV (offset maths, default pipelining) for Hopper: no spills, the words still 16
-    bytes a copy (each half of the column tile is a contiguous run), the exponential of silu after the K loop."""
-    ptx = _gemv_ptx(sm90, str(tmp_path / "gemv.ptx"), "int4", 128, *moe_gemv.PIPELINING, pdl=pdl, math="offset",
-                    paired=True)
-    assert "0 bytes spill stores" in sm90.ptxas_notices(ptx)
-    sass = " ".join(sm90.sass(sm90.cubin(ptx)))
-    assert "LDGSTS.E.BYPASS.128" in sass and "MUFU.EX2" in sass
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [1, 8])
-def test_paired_gate_up_on_the_gpu(monkeypatch, tokens):
-    """bf16 at the 30B-A3B expert sizes with PDL where the card has it: the paired gate/up GEMV against the split
-    launches (within bf16's rounding of h) and the reference, eagerly and replayed from a CUDA graph."""
-    ex = stack_quantized(experts_q(128, 2048, 768, 128), torch.bfloat16, "cuda")
-    w, ids = routing(tokens, 128, 8, seed=tokens)
-    w, ids = w.cuda(), ids.cuda()
-    x = torch.randn(tokens, 2048, generator=torch.Generator().manual_seed(9)).to("cuda", torch.bfloat16)
-    split = gemv(x, w, ids, ex)
-    monkeypatch.setenv("QUANTKIT_MOE_GATE_UP", "paired")
-    paired = gemv(x, w, ids, ex)
-    assert rel_err(paired, split) < 1e-2 and rel_err(paired, fused_moe_ref(x.float(), w, ids, ex)) < 1e-2
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = gemv(x, w, ids, ex)
-    for _ in range(2):
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, paired)
 
 
 def test_moe_layer_keeps_the_gemv_counters_whatever_its_backend():
