@@ -115,7 +115,7 @@ def run_gptq(args, sizes: dict, record: dict):
     from quantkit.moe.stats import expert_tokens
 
     t0 = time.perf_counter()
-    model = random_moe("qwen3_moe", device=args.device, dtype=torch.bfloat16, **sizes)
+    model = random_moe("qwen3_moe", device=args.model_device or args.device, dtype=torch.bfloat16, **sizes)
     record["build_seconds"] = time.perf_counter() - t0
     scheme = QuantScheme(bits=4, group_size=128, sym=True)
     method = prepare_for_quantization(model, build_method("gptq", scheme))
@@ -163,7 +163,7 @@ def run_method(args, sizes: dict, name: str) -> dict:
     from quantkit.methods.moe_prepare import prepare_for_quantization
     from quantkit.models.lazy import peak_host_memory_bytes
 
-    model = random_moe("qwen3_moe", device=args.device, dtype=torch.bfloat16, seed=1, **sizes)
+    model = random_moe("qwen3_moe", device=args.model_device or args.device, dtype=torch.bfloat16, seed=1, **sizes)
     scheme = QuantScheme(bits=4, group_size=128, sym=name != "awq")
     method = prepare_for_quantization(model, build_method(name, scheme))
     tokens = torch.randint(0, sizes["vocab_size"], (args.nsamples, args.seqlen),
@@ -477,6 +477,8 @@ def main() -> None:
     p.add_argument("--kernel-m", type=int, nargs="+", default=None, help="rows of the kernel section")
     p.add_argument("--skip", nargs="*", default=[], choices=["gptq", "awq", "serve", "kernel"])
     p.add_argument("--device", default="cuda")
+    p.add_argument("--model-device", default=None,
+                   help="where the model to quantize is built (default: --device); cpu: in host memory, the walker moving one layer at a time to --device, as a model loaded from disk is")
     p.add_argument("--tiny", action="store_true", help="a small model of the same family (a smoke test, CPU ok)")
     p.add_argument("--out", default=None, help="JSON path (default bench/results/bench_moe_<date>.json)")
     args = p.parse_args()

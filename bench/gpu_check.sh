@@ -38,7 +38,7 @@
 # GEMV against the tiled kernel, block and whole step (`moe-decode 400`), the GEMV's maths (`moe-math 260`),
 # the step under switches
 # (`moe-step BUDGET NAME:VAR=VALUE,...`), its prefill tiles and the step with them (`moe-prefill 430`),
-# and its GPTQ / AWQ times (`moe-quantize 590 gptq|awq [LAYERS]`); issue 42's tensor-core FP8 GEMM, its configs and
+# and its GPTQ / AWQ times (`moe-quantize 590 gptq|awq [LAYERS [cpu]]`); issue 42's tensor-core FP8 GEMM, its configs and
 # the 8B step with it (`fp8-mma 480`), and that step under other switches (`fp8-step BUDGET NAME:FORMATS:VARS ...`);
 # issue 41's CUDA decode kernel on the card at hand: the 8B step's layers, then the int4 step with the card's CUDA
 # candidates beside the shipped table (`w4a16-ab 540`); issue 39's router switch against its default, the 30B-A3B
@@ -373,12 +373,14 @@ fp8-codes)  # issue 42's FP8 GEMV on codes tuned here, then the 8B step three wa
     ;;
 moe-quantize)  # issue 39's 10-minute targets: GPTQ (third argument gptq, the default) or AWQ (awq) with the
     # defaults on 128 x 2048 tokens, on the first LAYERS (fourth argument, default 16) of the Qwen3-30B-A3B shape:
-    # a call's 600 s do not hold the whole model's target, so the whole is the per-layer time x 48 (the layers are
-    # alike; the log prints each layer's seconds). Peak device and host memory in the JSON.
+    # LAYERS 48 is the whole model (GPTQ ~5 min on an H100); fewer, and the whole is the per-layer time x 48 (the
+    # layers are alike; the log prints each layer's seconds). Fifth argument cpu: the model built in host memory,
+    # the walker moving one layer at a time to the GPU, as a model loaded from disk is (default: built on the GPU).
+    # Peak device and host memory in the JSON.
     card | tee "$OUT/card.txt"
     m=${3:-gptq}; other=$([ "$m" = gptq ] && echo awq || echo gptq)
-    step 560 python3 bench/bench_moe.py --skip "$other" serve kernel --layers "${4:-16}" \
-        --out "$OUT/bench_moe_$m.json" 2>&1 | tail -30
+    step 560 python3 bench/bench_moe.py --skip "$other" serve kernel --layers "${4:-16}" ${5:+--model-device "$5"} \
+        --out "$OUT/bench_moe_$m.json" 2>&1 | tail -60
     ;;
 *) echo "usage: gpu_check.sh benches|suite|one|tests|gguf|coldstart-ab|moe|w4a16|moe-decode|moe-math|moe-step|moe-prefill|moe-quantize|fp8-mma|fp8-step|w4a16-ab|pending|fp8-codes|tests-fp8|ab BUDGET_S"; exit 2 ;;
 esac
