@@ -106,6 +106,18 @@ def median_layer(done: list) -> dict:
             "layer_phases_median": {k: mid([d["phases"].get(k, 0.0) for d in done]) for k in done[0]["phases"]}}
 
 
+def model_to_quantize(args, sizes: dict, seed: int):
+    """The random model a method quantizes, on ``--model-device`` (default ``--device``). Drawn on ``--device``
+    and moved: drawing them on the CPU is slow (one layer of the 30B shape with the embeddings, 1.24 B weights, took
+    22.7 s on 2 cores), and a 48-layer GPTQ call with the model drawn on the CPU did not finish in 560 s (one H100,
+    2026-12-07; its log was not kept, so where the time went is not known)."""
+    model = random_moe("qwen3_moe", device=args.device, dtype=torch.bfloat16, seed=seed, **sizes)
+    if args.model_device and torch.device(args.model_device) != torch.device(args.device):
+        model.to(args.model_device)
+        _free()
+    return model
+
+
 def run_gptq(args, sizes: dict, record: dict):
     from quantkit.api import build_method
     from quantkit.calibrate.walker import walk
@@ -115,7 +127,7 @@ def run_gptq(args, sizes: dict, record: dict):
     from quantkit.moe.stats import expert_tokens
 
     t0 = time.perf_counter()
-    model = random_moe("qwen3_moe", device=args.model_device or args.device, dtype=torch.bfloat16, **sizes)
+    model = model_to_quantize(args, sizes, seed=0)
     record["build_seconds"] = time.perf_counter() - t0
     scheme = QuantScheme(bits=4, group_size=128, sym=True)
     method = prepare_for_quantization(model, build_method("gptq", scheme))
@@ -163,7 +175,7 @@ def run_method(args, sizes: dict, name: str) -> dict:
     from quantkit.methods.moe_prepare import prepare_for_quantization
     from quantkit.models.lazy import peak_host_memory_bytes
 
-    model = random_moe("qwen3_moe", device=args.model_device or args.device, dtype=torch.bfloat16, seed=1, **sizes)
+    model = model_to_quantize(args, sizes, seed=1)
     scheme = QuantScheme(bits=4, group_size=128, sym=name != "awq")
     method = prepare_for_quantization(model, build_method(name, scheme))
     tokens = torch.randint(0, sizes["vocab_size"], (args.nsamples, args.seqlen),
@@ -478,7 +490,8 @@ def main() -> None:
     p.add_argument("--skip", nargs="*", default=[], choices=["gptq", "awq", "serve", "kernel"])
     p.add_argument("--device", default="cuda")
     p.add_argument("--model-device", default=None,
-                   help="where the model to quantize is built (default: --device); cpu: in host memory, the walker moving one layer at a time to --device, as a model loaded from disk is")
+                   help="where the model to quantize sits (default: --device; drawn there and moved); cpu: in "
+                   "host memory, the walker moving one layer at a time to --device, as a model loaded from disk is")
     p.add_argument("--tiny", action="store_true", help="a small model of the same family (a smoke test, CPU ok)")
     p.add_argument("--out", default=None, help="JSON path (default bench/results/bench_moe_<date>.json)")
     args = p.parse_args()

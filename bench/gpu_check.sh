@@ -380,7 +380,7 @@ moe-quantize)  # issue 39's 10-minute targets: GPTQ (third argument gptq, the de
     card | tee "$OUT/card.txt"
     m=${3:-gptq}; other=$([ "$m" = gptq ] && echo awq || echo gptq)
     step 560 python3 bench/bench_moe.py --skip "$other" serve kernel --layers "${4:-16}" ${5:+--model-device "$5"} \
-        --out "$OUT/bench_moe_$m.json" 2>&1 | tail -60
+        --out "$OUT/bench_moe_$m.json" 2>&1 | tee "$OUT/bench_moe_$m.log" | tail -60  # the log survives a cut
     ;;
 *) echo "usage: gpu_check.sh benches|suite|one|tests|gguf|coldstart-ab|moe|w4a16|moe-decode|moe-math|moe-step|moe-prefill|moe-quantize|fp8-mma|fp8-step|w4a16-ab|pending|fp8-codes|tests-fp8|ab BUDGET_S"; exit 2 ;;
 esac
