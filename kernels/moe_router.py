@@ -55,20 +55,29 @@ def router_config(pairs: int, num_experts: int) -> tuple[int, int]:
 
 # float32 values a thread may hold of a program's [BLOCK_E, hidden] router rows read whole (register budget)
 WHOLE_ROW_FLOATS = 64
+# How a program reads its router rows (QUANTKIT_MOE_ROUTER_ROWS, an A/B switch for the benches; chunks the default)
+ROUTER_ROWS = ("chunks", "whole", "after")
+
+
+def router_rows(tokens: int, block_e: int, hidden: int, warps: int) -> str:
+    """How a program reads its router rows and the activations: "chunks" (the default), chunk by chunk after the
+    wait for the previous kernel, the norm's two passes and the logits' one each a series of round trips; "whole",
+    in one tile, the router's rows (which no earlier kernel writes) requested before that wait; "after", in one
+    tile after the wait (every load of the program issued at once, nothing in flight beside the previous kernel).
+    "whole" and "after" only where the [tokens, BLOCK_E, hidden] product fits WHOLE_ROW_FLOATS a thread
+    (Qwen3-30B-A3B's hidden 2048 at batch 1), "chunks" elsewhere. Why: the eager batch-1 step spends 7.3 us a
+    layer in this launch for 0.5 MB (one H200, 2026-12-06). Measured: "whole" made the launch alone faster and the
+    whole 30B-A3B step at batch 1 4 % slower (one H100, 2026-12-07, docs/moe.md); "after" tells whether the early
+    requests or the one tile did that (not yet timed)."""
+    mode = ab_switch("QUANTKIT_MOE_ROUTER_ROWS", ROUTER_ROWS)
+    cells = triton.next_power_of_2(tokens) * block_e * triton.next_power_of_2(hidden)
+    return mode if mode != "chunks" and cells <= WHOLE_ROW_FLOATS * 32 * warps else "chunks"
 
 
 def router_reads_whole_rows(tokens: int, block_e: int, hidden: int, warps: int) -> bool:
-    """Whether a program reads its router rows (and the activations) whole, in one tile requested before the wait
-    for the previous kernel, rather than chunk by chunk after it: with ``QUANTKIT_MOE_ROUTER_ROWS=whole`` (an A/B
-    switch for the benches; "chunks" is the default), where the [tokens, BLOCK_E, hidden] product fits
-    WHOLE_ROW_FLOATS a thread (Qwen3-30B-A3B's hidden 2048 at batch 1). Why it was tried: the eager batch-1 step
-    spends 7.3 us a layer in this launch for 0.5 MB (one H200, 2026-12-06), and the chunked reads are serial round
-    trips after the wait. Measured: the launch alone faster, the whole 30B-A3B step at batch 1 4 % slower (one
-    H100, 2026-12-07, docs/moe.md)."""
-    if ab_switch("QUANTKIT_MOE_ROUTER_ROWS", ("chunks", "whole")) != "whole":
-        return False
-    cells = triton.next_power_of_2(tokens) * block_e * triton.next_power_of_2(hidden)
-    return cells <= WHOLE_ROW_FLOATS * 32 * warps
+    """Whether a program reads its router rows (and the activations) in one tile (:func:`router_rows` "whole" or
+    "after")."""
+    return router_rows(tokens, block_e, hidden, warps) != "chunks"
 
 
 def norm_router_selected() -> bool:
@@ -87,13 +96,14 @@ def _router_route_kernel(x_ptr, stride_xt, w_ptr, stride_we, logits_ptr, counter
                          PAIRS: tl.constexpr, EXPERTS: tl.constexpr, FILL: tl.constexpr, BLOCKS: tl.constexpr,
                          BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, ALIGN: tl.constexpr,
                          TOP_K_P2: tl.constexpr, PDL: tl.constexpr = False, NORM: tl.constexpr = False,
-                         HAS_RES: tl.constexpr = False, WHOLE: tl.constexpr = False):
+                         HAS_RES: tl.constexpr = False, WHOLE: tl.constexpr = False,
+                         PREFETCH: tl.constexpr = False):
     # NORM: x is not the router's input but the MoE block's ``delta`` (and ``res_ptr`` its residual stream): every
     # program forms ``rms_norm(delta + residual)`` itself, element for element as decoder_ops.add_rms_norm does,
     # and the first program stores the normed rows (xo) and the sum (ro) for the experts and the next layer
-    # WHOLE: BLOCK_H spans the hidden size, so each row is read once (one pass, the norm's too), and the router's
-    # rows, which no earlier kernel writes, are requested before waiting for the previous kernel
-    if PDL and not WHOLE:  # the next kernel may launch; x is the previous one's output
+    # WHOLE: BLOCK_H spans the hidden size, so each row is read once (one pass, the norm's too); with PREFETCH the
+    # router's rows, which no earlier kernel writes, are requested before waiting for the previous kernel
+    if PDL and not (WHOLE and PREFETCH):  # the next kernel may launch; x is the previous one's output
         gdc_launch_dependents()
         gdc_wait()
     pid = tl.program_id(0)
@@ -102,13 +112,13 @@ def _router_route_kernel(x_ptr, stride_xt, w_ptr, stride_we, logits_ptr, counter
     t_mask = offs_t < num_tokens
     e_mask = offs_e < num_experts
     if WHOLE:
-        if PDL:
+        if PDL and PREFETCH:
             gdc_launch_dependents()
         offs_h = tl.arange(0, BLOCK_H)
         h_mask = offs_h < hidden
         w = tl.load(w_ptr + offs_e[:, None] * stride_we + offs_h[None, :], mask=e_mask[:, None] & h_mask[None, :],
                     other=0.0)
-        if PDL:
+        if PDL and PREFETCH:
             gdc_wait()
         th_mask = t_mask[:, None] & h_mask[None, :]
         if NORM:
@@ -246,7 +256,8 @@ def _launch(x, router, top_k, renormalize, counter, block_m, align, norm):
     toks = triton.next_power_of_2(tokens)
     pdl = moe_programmatic_launch(dev)
     block_e, warps = router_config(pairs, num_experts)
-    whole = router_reads_whole_rows(toks, block_e, hidden, warps)
+    rows = router_rows(toks, block_e, hidden, warps)
+    whole = rows != "chunks"
     # a [TOKENS, BLOCK_E, BLOCK_H] product of 32 values a thread a step (~4K at 4 warps), or the whole rows
     block_h = triton.next_power_of_2(hidden) if whole else max(
         32, min(triton.next_power_of_2(hidden), 1024 * warps // (toks * block_e)))
@@ -261,5 +272,6 @@ def _launch(x, router, top_k, renormalize, counter, block_m, align, norm):
                                FILL=FILL, BLOCKS=_blocks_a_step(num_experts), BLOCK_E=block_e, BLOCK_H=block_h,
                                ALIGN=align, TOP_K_P2=triton.next_power_of_2(top_k), PDL=pdl,
                                NORM=norm is not None, HAS_RES=residual is not None, WHOLE=whole,
+                               PREFETCH=rows == "whole",
                                num_warps=warps, **pdl_launch(pdl))
     return weights, ids, (sorted_ids, block_expert) if align else None

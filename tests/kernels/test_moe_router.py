@@ -30,7 +30,7 @@ def _inputs(tokens, n_exp, hidden, dtype, seed=0, device=DEVICE):
     return x, router
 
 
-@pytest.mark.parametrize("rows", ["whole", "chunks"])
+@pytest.mark.parametrize("rows", ["whole", "after", "chunks"])
 @pytest.mark.parametrize("renormalize", [True, False])
 @pytest.mark.parametrize(("tokens", "n_exp", "top_k", "hidden", "dtype"),
                          [(1, 128, 8, 256, torch.float32), (3, 60, 4, 96, torch.float16), (4, 8, 2, 64, torch.float32)])
@@ -38,7 +38,7 @@ def test_fused_router_equals_the_linear_then_the_routing(monkeypatch, rows, reno
                                                          dtype):
     """Weights and experts as route_ref gives them on F.linear's logits, the align's exact layout of those experts,
     and the same again on a second call (the counter is back at zero); with the router rows read chunk by chunk
-    (the default) and whole."""
+    (the default) and whole, requested before the wait for the previous kernel or after it."""
     monkeypatch.setenv("QUANTKIT_MOE_ROUTER_ROWS", rows)
     x, router = _inputs(tokens, n_exp, hidden, dtype, seed=tokens)
     counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
@@ -58,7 +58,7 @@ def test_fused_router_equals_the_linear_then_the_routing(monkeypatch, rows, reno
     torch.testing.assert_close(weights, want_w, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("rows", ["whole", "chunks"])
+@pytest.mark.parametrize("rows", ["whole", "after", "chunks"])
 @pytest.mark.parametrize("with_residual", [True, False])
 @pytest.mark.parametrize(("tokens", "n_exp", "top_k", "hidden", "dtype", "offset"),
                          [(1, 128, 8, 256, torch.float32, 0.0), (3, 60, 4, 96, torch.float16, 1.0),
@@ -71,7 +71,7 @@ def test_norm_router_equals_the_norm_then_the_router(monkeypatch, rows, with_res
     from quantkit.kernels.moe_router import router_reads_whole_rows
 
     monkeypatch.setenv("QUANTKIT_MOE_ROUTER_ROWS", rows)
-    assert router_reads_whole_rows(tokens, 4, hidden, 4) == (rows == "whole")
+    assert router_reads_whole_rows(tokens, 4, hidden, 4) == (rows != "chunks")
     from quantkit.kernels.decoder_ops_ref import add_rms_norm_ref
 
     delta, router = _inputs(tokens, n_exp, hidden, dtype, seed=tokens + 11)
@@ -146,12 +146,14 @@ def test_runtime_moe_block_with_the_fused_router_equals_its_reference(monkeypatc
                           (4, True, False, False, "chunks"), (1, False, True, False, "chunks"),
                           (1, False, True, True, "chunks"), (4, True, True, True, "chunks"),
                           (1, False, True, True, "whole"), (1, False, True, False, "whole"),
-                          (1, True, False, True, "whole")])
+                          (1, True, False, True, "whole"), (1, False, True, True, "after"),
+                          (1, True, True, True, "after")])
 def test_fused_router_compiles_for_sm90_without_spills(sm90, tmp_path, monkeypatch, tokens, with_layout, pdl, norm,
                                                       rows, config=None):
     """Qwen3-30B-A3B's router (128 experts of 2048, top-8) at 1 and 4 tokens: the GEMM's product and the last
     program's routing in registers. With PDL (the default on Hopper): the wait for the previous kernel before any
-    global load, but for the router's rows where they are read whole (QUANTKIT_MOE_ROUTER_ROWS=whole). ``config``:
+    global load, but for the router's rows where they are read whole and early (QUANTKIT_MOE_ROUTER_ROWS=whole; with
+    "after" every load waits). ``config``:
     (rows a program, warps) instead of the default's."""
     from quantkit.kernels.moe_align import FILL, _blocks_a_step, _warps
     from quantkit.kernels.moe_router import BLOCK_E, router_reads_whole_rows
@@ -169,7 +171,8 @@ def test_fused_router_compiles_for_sm90_without_spills(sm90, tmp_path, monkeypat
     constexprs = dict(TOP_K=8, RENORM=True, BLOCK_M=align.BLOCK_M, TOKENS=toks, PAIRS=triton.next_power_of_2(pairs),
                       EXPERTS=n_exp, FILL=FILL, BLOCKS=_blocks_a_step(n_exp), BLOCK_E=block_e,
                       BLOCK_H=hidden if whole else max(32, min(hidden, 1024 * warps // (toks * block_e))),
-                      ALIGN=with_layout, TOP_K_P2=8, PDL=pdl, NORM=norm, HAS_RES=norm, WHOLE=whole)
+                      ALIGN=with_layout, TOP_K_P2=8, PDL=pdl, NORM=norm, HAS_RES=norm, WHOLE=whole,
+                      PREFETCH=rows == "whole")
     # 16-byte aligned pointers and strides, as the launcher specializes them at this shape (vector loads)
     aligned = ("x_ptr", "stride_xt", "w_ptr", "stride_we", "res_ptr", "stride_rt", "norm_ptr", "xo_ptr", "ro_ptr",
                "stride_ot", "logits_ptr", "hidden")
@@ -177,9 +180,10 @@ def test_fused_router_compiles_for_sm90_without_spills(sm90, tmp_path, monkeypat
                           signature, constexprs, num_warps=warps, aligned=aligned)
     notices = sm90.ptxas_notices(ptx)
     assert "0 bytes spill stores, 0 bytes spill loads" in notices, notices
-    # read whole, a thread's share of the program's router rows is requested before the wait, and nothing else
-    assert whole == (rows == "whole" and block_e * hidden <= 64 * 32 * warps)
-    early = block_e * hidden * 2 // (32 * warps) if whole else 0
+    # read whole and early, a thread's share of the program's router rows is requested before the wait, and nothing
+    # else; read whole after the wait, nothing is
+    assert whole == (rows != "chunks" and block_e * hidden <= 64 * 32 * warps)
+    early = block_e * hidden * 2 // (32 * warps) if whole and rows == "whole" else 0
     assert_waits_before_loads(open(ptx).read(), pdl, early)
 
 
@@ -190,7 +194,7 @@ def test_fused_router_configs_compile_and_route_alike(sm90, tmp_path, monkeypatc
     that is not two powers of two is refused."""
     from quantkit.kernels.moe_router import router_config
 
-    for rows in ("chunks", "whole"):
+    for rows in ("chunks", "whole", "after"):
         test_fused_router_compiles_for_sm90_without_spills(sm90, tmp_path, monkeypatch, 1, False, True, True, rows,
                                                            config)
     monkeypatch.delenv("QUANTKIT_MOE_ROUTER_ROWS")
@@ -275,7 +279,7 @@ def test_moe_block_with_pdl_on_the_gpu_gives_the_same_outputs_in_a_graph(monkeyp
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("tokens", "rows"), [(1, "chunks"), (2, "chunks"), (4, "chunks"), (1, "whole")])
+@pytest.mark.parametrize(("tokens", "rows"), [(1, "chunks"), (2, "chunks"), (4, "chunks"), (1, "whole"), (1, "after")])
 def test_fused_router_on_the_gpu_equals_the_unfused_path_and_replays(monkeypatch, tokens, rows):
     """bf16 at the 30B-A3B router's size: the same experts as cuBLAS's logits through route_and_align (up to
     near-ties, which the weights then show as equal), and the same outputs from CUDA-graph replays; the router's
@@ -333,7 +337,7 @@ def test_runtime_moe_block_norm_inside_the_router_equals_the_norm_apart(monkeypa
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("tokens", "rows"), [(1, "chunks"), (4, "chunks"), (1, "whole")])
+@pytest.mark.parametrize(("tokens", "rows"), [(1, "chunks"), (4, "chunks"), (1, "whole"), (1, "after")])
 def test_norm_router_on_the_gpu_equals_the_kernels_apart_and_replays(monkeypatch, tokens, rows):
     """bf16 at the 30B-A3B block's size: the fused norm + router against decoder_ops.add_rms_norm then the fused
     router (normed rows within a bf16 rounding, the same sum, the same experts up to near-ties), and the same
