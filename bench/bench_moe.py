@@ -108,9 +108,10 @@ def median_layer(done: list) -> dict:
 
 def model_to_quantize(args, sizes: dict, seed: int):
     """The random model a method quantizes, on ``--model-device`` (default ``--device``). Drawn on ``--device``
-    and moved: drawing them on the CPU is slow (one layer of the 30B shape with the embeddings, 1.24 B weights, took
-    22.7 s on 2 cores), and a 48-layer GPTQ call with the model drawn on the CPU did not finish in 560 s (one H100,
-    2026-12-07; its log was not kept, so where the time went is not known)."""
+    and moved: on the CPU, one layer of the 30B shape with the embeddings (1.24 B weights) took 22.7 s to draw, and
+    torch's ``normal_`` runs on one core whatever the thread count (1.8 s for 403 M on 1 or 2), so the 48 layers take
+    ~9 minutes: a 48-layer GPTQ call with the model drawn on the CPU printed nothing, not even its first layer, in
+    560 s (one H100, 2026-12-07)."""
     model = random_moe("qwen3_moe", device=args.device, dtype=torch.bfloat16, seed=seed, **sizes)
     if args.model_device and torch.device(args.model_device) != torch.device(args.device):
         model.to(args.model_device)
