@@ -26,6 +26,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from quantkit.kernels.device_info import num_sms, pdl_launch
+from quantkit.kernels.fp8_quant import e4m3_codes, e4m3_scale
 
 
 @triton.jit
@@ -101,6 +102,16 @@ def _rotated(base, cos_ptr, sin_ptr, d, HALF: tl.constexpr, ROPE: tl.constexpr, 
 
 
 @triton.jit
+def _fp8_store(dst, x, scale_dst):
+    """A head vector ``x`` (the model's dtype) as e4m3 codes of its own absmax scale at ``dst``, the scale at
+    ``scale_dst`` (``fp8_quant_ref.quantize_kv_ref``'s rounding)."""
+    xf = x.to(tl.float32)
+    scale = e4m3_scale(tl.max(tl.abs(xf), axis=0))
+    tl.store(dst, e4m3_codes(xf, scale))
+    tl.store(scale_dst, scale)
+
+
+@triton.jit
 def _combine_splits(o_part_ptr, lse_part_ptr, out_ptr, head0, n_splits, d, GROUP: tl.constexpr,
                     GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
                     SPLITS_P2: tl.constexpr, SPLIT_BLOCK: tl.constexpr):
@@ -139,11 +150,14 @@ def _decode_rope_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slots_ptr, k_ptr, v_
                         NUM_SPLITS: tl.constexpr, MIN_SPLIT_KEYS: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, ROPE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                         PDL: tl.constexpr, GROUP_P2: tl.constexpr, SPLITS_P2: tl.constexpr,
-                        SPLIT_BLOCK: tl.constexpr, QK_NORM: tl.constexpr = False):
+                        SPLIT_BLOCK: tl.constexpr, QK_NORM: tl.constexpr = False, ks_ptr=None, vs_ptr=None,
+                        stride_sb=0, stride_sn=0, FP8_KV: tl.constexpr = False):
     # program (split, row b, KV head): the GROUP query heads of the KV head against this split's share of the
     # keys already cached (0 .. pos - 1); the last busy split also takes the new token's own key, from registers.
     # A row uses as many of the NUM_SPLITS programs as its length needs (MIN_SPLIT_KEYS keys each at least); the
-    # others stay idle, and a row that needs one split writes its output at once (no combine)
+    # others stay idle, and a row that needs one split writes its output at once (no combine). FP8_KV: the cache
+    # holds e4m3 codes and a float32 scale a (slot, position, kv head) at ks_ptr / vs_ptr; keys and values are read
+    # as codes x scale rounded to the model's dtype, the new token's attended as the projection gave them
     split = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     kv_head = tl.program_id(2)
@@ -167,6 +181,7 @@ def _decode_rope_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slots_ptr, k_ptr, v_
     q = q.to(qkv_ptr.dtype.element_ty)  # the model rounds the rotated q, as the unfused path stores it
     k_base = k_ptr + slot * stride_kb + kv_head * stride_kh
     v_base = v_ptr + slot * stride_kb + kv_head * stride_kh
+    s_off = slot * stride_sb + kv_head  # this row's and KV head's scales (FP8_KV), position by position
     qk_scale = sm_scale * 1.4426950408889634
 
     # this split's keys: the cached ones spread evenly (whole tiles) over the busy splits
@@ -186,6 +201,12 @@ def _decode_rope_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slots_ptr, k_ptr, v_
         col_ok = cols < hi
         k = tl.load(k_base + cols.to(tl.int64)[:, None] * stride_kn + d[None, :], mask=col_ok[:, None], other=0.0)
         v = tl.load(v_base + cols.to(tl.int64)[:, None] * stride_kn + d[None, :], mask=col_ok[:, None], other=0.0)
+        if FP8_KV:
+            at_s = s_off + cols.to(tl.int64) * stride_sn
+            k = (k.to(tl.float32) * tl.load(ks_ptr + at_s, mask=col_ok, other=0.0)[:, None]).to(
+                qkv_ptr.dtype.element_ty)
+            v = (v.to(tl.float32) * tl.load(vs_ptr + at_s, mask=col_ok, other=0.0)[:, None]).to(
+                qkv_ptr.dtype.element_ty)
         keep = col_ok[None, :]
         if HAS_WINDOW:
             keep = keep & (cols[None, :] >= pos - window_left)
@@ -196,10 +217,16 @@ def _decode_rope_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slots_ptr, k_ptr, v_
         # position pos from the cache) and attended from registers
         k_new = _rotated(row_base + (N_HEADS + kv_head) * HEAD_DIM, cos_row, sin_row, d, HALF, ROPE, kw_ptr, norm_eps,
                          norm_offset, QK_NORM, qkv_ptr.dtype.element_ty)
-        k_new = k_new.to(k_ptr.dtype.element_ty)
-        v_new = tl.load(row_base + (N_HEADS + N_KV + kv_head) * HEAD_DIM + d).to(v_ptr.dtype.element_ty)
-        tl.store(k_base + pos * stride_kn + d, k_new)
-        tl.store(v_base + pos * stride_kn + d, v_new)
+        if FP8_KV:  # attended as the model's dtype, stored as codes
+            k_new = k_new.to(qkv_ptr.dtype.element_ty)
+            v_new = tl.load(row_base + (N_HEADS + N_KV + kv_head) * HEAD_DIM + d)
+            _fp8_store(k_base + pos * stride_kn + d, k_new, ks_ptr + s_off + pos * stride_sn)
+            _fp8_store(v_base + pos * stride_kn + d, v_new, vs_ptr + s_off + pos * stride_sn)
+        else:
+            k_new = k_new.to(k_ptr.dtype.element_ty)
+            v_new = tl.load(row_base + (N_HEADS + N_KV + kv_head) * HEAD_DIM + d).to(v_ptr.dtype.element_ty)
+            tl.store(k_base + pos * stride_kn + d, k_new)
+            tl.store(v_base + pos * stride_kn + d, v_new)
         s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1)
         if HAS_SOFTCAP:
             s_new = s_new * sm_scale / softcap
@@ -210,7 +237,7 @@ def _decode_rope_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slots_ptr, k_ptr, v_
         p_new = tl.math.exp2(s_new - m_ij)
         alpha = tl.math.exp2(m_i - m_ij)
         l_i = l_i * alpha + p_new
-        p_new = p_new.to(v_ptr.dtype.element_ty).to(tl.float32)  # rounded as the tiles' p before their dot
+        p_new = p_new.to(v_new.dtype).to(tl.float32)  # rounded as the tiles' p before their dot
         acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(tl.float32)[None, :]
         m_i = m_ij
 
@@ -248,7 +275,7 @@ def _rope_decode_splits(batch: int, n_kv_heads: int, max_len: int, min_split_key
 
 def decode_attention_rope(qkv, cos_table, sin_table, positions, slots, k_cache, v_cache, n_heads, counters,
                           sm_scale=None, window_left=-1, softcap=0.0, rope=True, num_splits=None, block_n=None,
-                          min_split_keys=None, pdl=False, qk_norm=None):
+                          min_split_keys=None, pdl=False, qk_norm=None, k_scale=None, v_scale=None):
     """One new token per sequence, straight from the fused projection: rotate its q and k (RoPE, half-split
     layout, ``cos_table / sin_table [positions, D / 2]`` float32), write its k and v into the cache at
     ``(slots[b], positions[b])``, and attend to the cache's keys 0..positions[b] -> ``[B, Hq * D]``.
@@ -262,8 +289,11 @@ def decode_attention_rope(qkv, cos_table, sin_table, positions, slots, k_cache, 
     launch (sm_90; the previous kernel's tail and the next kernel's start overlap this one). ``qk_norm``:
     ``(q_weight [D], k_weight [D], eps, offset)``, the per-head RMSNorm of q and k (Qwen3, Gemma 3) applied here
     before the rotation, each normed value rounded to the model's dtype as ``decoder_ops.qk_norm`` stores it,
-    instead of that kernel's launch before this one (``qkv`` stays unchanged either way). One launch, no
-    host sync: safe inside a CUDA graph. Reference: :func:`decode_attention_rope_ref`."""
+    instead of that kernel's launch before this one (``qkv`` stays unchanged either way). ``k_scale, v_scale``
+    (float32 ``[slots, S_max, Hkv]``): an FP8 cache, whose e4m3 codes attention reads as codes x scale rounded
+    to the model's dtype; the new token is stored that way (``fp8_quant_ref.quantize_kv_ref``) and attended as
+    the projection gave it. One launch, no host sync: safe inside a CUDA graph. Reference:
+    :func:`decode_attention_rope_ref`."""
     b = qkv.shape[0]
     _, s_max, n_kv_heads, head_dim = k_cache.shape
     assert n_heads % n_kv_heads == 0 and qkv.shape[1] == (n_heads + 2 * n_kv_heads) * head_dim
@@ -271,6 +301,9 @@ def decode_attention_rope(qkv, cos_table, sin_table, positions, slots, k_cache, 
     assert k_cache.stride(3) == 1 and counters.dtype == torch.int32 and counters.numel() >= b * n_kv_heads
     q_w, k_w, eps, offset = qk_norm if qk_norm is not None else (qkv, qkv, 0.0, 0.0)
     assert qk_norm is None or (q_w.numel() == k_w.numel() == head_dim and q_w.is_contiguous() and k_w.is_contiguous())
+    fp8_kv = k_scale is not None
+    assert not fp8_kv or (k_scale.shape == k_cache.shape[:3] and k_scale.stride() == v_scale.stride()
+                          and k_scale.stride(2) == 1 and k_scale.dtype == v_scale.dtype == torch.float32)
     group = n_heads // n_kv_heads
     sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
     on_gpu = qkv.is_cuda
@@ -291,12 +324,15 @@ def decode_attention_rope(qkv, cos_table, sin_table, positions, slots, k_cache, 
         N_HEADS=n_heads, N_KV=n_kv_heads, GROUP=group, HALF=head_dim // 2, NUM_SPLITS=num_splits,
         MIN_SPLIT_KEYS=min_split_keys, BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, ROPE=rope,
         HAS_WINDOW=window_left >= 0, HAS_SOFTCAP=softcap > 0, PDL=pdl, GROUP_P2=group_p2, SPLITS_P2=splits_p2,
-        SPLIT_BLOCK=split_block, QK_NORM=qk_norm is not None, num_warps=4, **pdl_launch(pdl))
+        SPLIT_BLOCK=split_block, QK_NORM=qk_norm is not None, num_warps=4, **pdl_launch(pdl),
+        **(dict(ks_ptr=k_scale, vs_ptr=v_scale, stride_sb=k_scale.stride(0), stride_sn=k_scale.stride(1),
+                FP8_KV=True) if fp8_kv else {}))
     return out
 
 
 def decode_attention_rope_ref(qkv, cos_table, sin_table, positions, slots, k_cache, v_cache, n_heads,
-                              sm_scale=None, window_left=-1, softcap=0.0, rope=True, qk_norm=None):
+                              sm_scale=None, window_left=-1, softcap=0.0, rope=True, qk_norm=None, k_scale=None,
+                              v_scale=None):
     """Plain-PyTorch reference of :func:`decode_attention_rope` (same arguments but ``counters``; the same cache
     write), float32 math with q and k rounded to the model's dtype after rotation (and after the q/k norm)."""
     b = qkv.shape[0]
@@ -320,8 +356,19 @@ def decode_attention_rope_ref(qkv, cos_table, sin_table, positions, slots, k_cac
             return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
 
         q, k = rotate(q), rotate(k)
-    k_cache[slots.long(), pos] = k.to(k_cache.dtype)
-    v_cache[slots.long(), pos] = v.to(v_cache.dtype)
-    out = decode_attention_ref(q[:, None], k_cache, v_cache, positions + 1, sm_scale=sm_scale, cache_slots=slots,
-                               window_left=window_left, softcap=softcap)
+    from quantkit.kernels.decoder_ops_ref import kv_write_ref
+
+    kv_write_ref(k_cache, v_cache, k_scale, v_scale, slots.long(), pos, k, v)
+    if k_scale is None:
+        out = decode_attention_ref(q[:, None], k_cache, v_cache, positions + 1, sm_scale=sm_scale,
+                                   cache_slots=slots, window_left=window_left, softcap=softcap)
+    else:  # the rows' cached entries as attention reads them, the new token's as the projection gave it
+        from quantkit.kernels.fp8_quant_ref import dequantize_kv_ref
+
+        rows, new = slots.long(), torch.arange(b, device=qkv.device)
+        kc = dequantize_kv_ref(k_cache[rows], k_scale[rows], qkv.dtype)
+        vc = dequantize_kv_ref(v_cache[rows], v_scale[rows], qkv.dtype)
+        kc[new, pos], vc[new, pos] = k, v
+        out = decode_attention_ref(q[:, None], kc, vc, positions + 1, sm_scale=sm_scale, window_left=window_left,
+                                   softcap=softcap)
     return out.reshape(b, q_size).to(qkv.dtype)

@@ -217,8 +217,10 @@ def add_sigmoid_gated(y: torch.Tensor, s: torch.Tensor, x: torch.Tensor, gate: t
 def _rope_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
                        stride_t, stride_cos, stride_cs, stride_cn, stride_ch,
                        N_HEADS: tl.constexpr, N_KV: tl.constexpr, HALF: tl.constexpr,
-                       WRITE_CACHE: tl.constexpr):
-    # program (token, head) over the Hq + Hkv rotated heads, and the Hkv value heads copied to the cache
+                       WRITE_CACHE: tl.constexpr, ks_ptr=None, vs_ptr=None, stride_ss=0, stride_sn=0,
+                       FP8_KV: tl.constexpr = False):
+    # program (token, head) over the Hq + Hkv rotated heads, and the Hkv value heads copied to the cache.
+    # FP8_KV: the cache holds e4m3 codes, and a float32 scale a (slot, position, kv head) at ks_ptr / vs_ptr
     t = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -237,32 +239,55 @@ def _rope_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_cache_ptr
             if head >= N_HEADS:
                 slot = tl.load(slot_ptr + t).to(tl.int64)
                 dst = k_cache_ptr + slot * stride_cs + pos * stride_cn + (head - N_HEADS) * stride_ch
-                tl.store(dst + d, y1.to(k_cache_ptr.dtype.element_ty))
-                tl.store(dst + HALF + d, y2.to(k_cache_ptr.dtype.element_ty))
+                _cache_store(dst, y1, y2, d, HALF, k_cache_ptr, ks_ptr,
+                             slot * stride_ss + pos * stride_sn + (head - N_HEADS), FP8_KV)
     else:
         if WRITE_CACHE:
             slot = tl.load(slot_ptr + t).to(tl.int64)
             dst = v_cache_ptr + slot * stride_cs + pos * stride_cn + (head - N_HEADS - N_KV) * stride_ch
-            tl.store(dst + d, tl.load(base + d).to(v_cache_ptr.dtype.element_ty))
-            tl.store(dst + HALF + d, tl.load(base + HALF + d).to(v_cache_ptr.dtype.element_ty))
+            _cache_store(dst, tl.load(base + d), tl.load(base + HALF + d), d, HALF, v_cache_ptr, vs_ptr,
+                         slot * stride_ss + pos * stride_sn + (head - N_HEADS - N_KV), FP8_KV)
+
+
+@triton.jit
+def _cache_store(dst, y1, y2, d, HALF: tl.constexpr, cache_ptr, scale_ptr, scale_off, FP8_KV: tl.constexpr):
+    """One head vector (its two halves, in the model's dtype) into the cache at ``dst``: as it is, or (FP8_KV) as
+    e4m3 codes of its own absmax scale, stored at ``scale_ptr + scale_off`` (``fp8_quant_ref.quantize_kv_ref``'s
+    rounding)."""
+    if FP8_KV:
+        a = y1.to(tl.float32)
+        b = y2.to(tl.float32)
+        scale = e4m3_scale(tl.maximum(tl.max(tl.abs(a), axis=0), tl.max(tl.abs(b), axis=0)))
+        tl.store(dst + d, e4m3_codes(a, scale))
+        tl.store(dst + HALF + d, e4m3_codes(b, scale))
+        tl.store(scale_ptr + scale_off, scale)
+    else:
+        tl.store(dst + d, y1.to(cache_ptr.dtype.element_ty))
+        tl.store(dst + HALF + d, y2.to(cache_ptr.dtype.element_ty))
 
 
 def rope_cache(qkv: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor, positions: torch.Tensor,
                n_heads: int, n_kv_heads: int, head_dim: int, k_cache: torch.Tensor | None = None,
-               v_cache: torch.Tensor | None = None, slots: torch.Tensor | None = None) -> None:
+               v_cache: torch.Tensor | None = None, slots: torch.Tensor | None = None,
+               k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
     """As :func:`.decoder_ops_ref.rope_cache_ref` (in place on ``qkv [M, (Hq + 2 Hkv) * D]``, rows contiguous)."""
     m = qkv.shape[0]
     assert qkv.stride(1) == 1 and cos_table.stride(1) == 1
     write = k_cache is not None
+    fp8 = write and k_scale is not None
     if write:
         assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1
+    if fp8:
+        assert k_scale.stride() == v_scale.stride() and k_scale.stride(2) == 1 and k_scale.dtype == torch.float32
     kc = k_cache if write else qkv
     vc = v_cache if write else qkv
     strides = k_cache.stride()[:3] if write else (0, 0, 0)
+    scales = dict(ks_ptr=k_scale, vs_ptr=v_scale, stride_ss=k_scale.stride(0), stride_sn=k_scale.stride(1),
+                  FP8_KV=True) if fp8 else {}
     _rope_cache_kernel[(m, n_heads + 2 * n_kv_heads)](
         qkv, cos_table, sin_table, positions, slots if write else positions, kc, vc,
         qkv.stride(0), cos_table.stride(0), *strides,
-        N_HEADS=n_heads, N_KV=n_kv_heads, HALF=head_dim // 2, WRITE_CACHE=write, num_warps=1)
+        N_HEADS=n_heads, N_KV=n_kv_heads, HALF=head_dim // 2, WRITE_CACHE=write, num_warps=1, **scales)
 
 
 @triton.jit

@@ -70,8 +70,10 @@ def rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 def rope_cache_ref(qkv: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor, positions: torch.Tensor,
                    n_heads: int, n_kv_heads: int, head_dim: int, k_cache: torch.Tensor | None = None,
-                   v_cache: torch.Tensor | None = None, slots: torch.Tensor | None = None) -> None:
-    """Rotate q and k of ``qkv`` in place and, with a cache, write k and v at ``[slots, positions]``."""
+                   v_cache: torch.Tensor | None = None, slots: torch.Tensor | None = None,
+                   k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
+    """Rotate q and k of ``qkv`` in place and, with a cache, write k and v at ``[slots, positions]``; with
+    ``k_scale, v_scale [slots, S, Hkv]`` the cache holds e4m3 codes (``fp8_quant_ref.quantize_kv_ref``)."""
     m = qkv.shape[0]
     q_size, kv_size = n_heads * head_dim, n_kv_heads * head_dim
     pos = positions.long()
@@ -82,8 +84,20 @@ def rope_cache_ref(qkv: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.
     q.copy_(rotate_ref(q, cos, sin))
     k.copy_(rotate_ref(k, cos, sin))
     if k_cache is not None:
-        k_cache[slots.long(), pos] = k.to(k_cache.dtype)
-        v_cache[slots.long(), pos] = v.to(v_cache.dtype)
+        kv_write_ref(k_cache, v_cache, k_scale, v_scale, slots.long(), pos, k, v)
+
+
+def kv_write_ref(k_cache, v_cache, k_scale, v_scale, slots, pos, k, v) -> None:
+    """Keys and values ``[M, Hkv, D]`` into the cache at ``[slots, pos]``: as they are, or (with scales) as e4m3
+    codes and their scales."""
+    if k_scale is None:
+        k_cache[slots, pos] = k.to(k_cache.dtype)
+        v_cache[slots, pos] = v.to(v_cache.dtype)
+        return
+    from quantkit.kernels.fp8_quant_ref import quantize_kv_ref
+
+    k_cache[slots, pos], k_scale[slots, pos] = quantize_kv_ref(k)
+    v_cache[slots, pos], v_scale[slots, pos] = quantize_kv_ref(v)
 
 
 def act_mul_ref(gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:

@@ -42,3 +42,16 @@ def activations_through_e4m3(x: torch.Tensor, group: int = 0, input_scale: torch
         q, s = quantize_per_group_ref(x, group)
         return dequantize_fp8(q, s.repeat_interleave(group, dim=1)[:, : x.shape[1]])
     return dequantize_fp8(*quantize_per_token_ref(x, input_scale))
+
+
+def quantize_kv_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An FP8 KV cache's entry of ``x [..., D]`` (keys or values, one vector a token and head): ``(codes
+    float8_e4m3fn [..., D], scale float32 [...])``, each vector scaled by its own absmax as a token's activations
+    are (``quantize_per_token_ref``)."""
+    s = fp8_scale(x.abs().amax(dim=-1))
+    return quantize_fp8(x, s[..., None]), s
+
+
+def dequantize_kv_ref(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """What attention reads of FP8 cache entries: ``codes [..., D] x scale [...]`` rounded to the model's dtype."""
+    return dequantize_fp8(codes, scale[..., None]).to(dtype)
