@@ -27,6 +27,7 @@ def register(app: typer.Typer) -> None:
         ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Do not stop at end-of-sequence.")] = False,
         backend: Annotated[str, typer.Option("--backend", help="auto, kernels (CUDA) or reference (plain PyTorch).")] = "auto",
         max_seq_len: Annotated[int, typer.Option("--max-seq-len", help="Prompt + generated tokens at most.")] = 2048,
+        kv_cache_dtype: Annotated[str, typer.Option("--kv-cache-dtype", help="auto (the model's dtype) or fp8 (e4m3 codes with a scale per token and KV head).")] = "auto",
         device: Device = "auto", dtype: Dtype = "auto", trust_remote_code: TrustRemoteCode = False, json_: Json = False,
         threads: Threads = None,
     ) -> None:
@@ -46,7 +47,7 @@ def register(app: typer.Typer) -> None:
                                 repetition_penalty=repetition_penalty, seed=seed, stop=tuple(stop or ()),
                                 ignore_eos=ignore_eos)
         engine = load_engine(model, device=device, dtype=dtype, max_batch=1, max_seq_len=max_seq_len, backend=backend,
-                             trust_remote_code=trust_remote_code)
+                             trust_remote_code=trust_remote_code, kv_cache_dtype=kv_cache_dtype)
         ids = prompt_ids(engine.tokenizer, prompt, chat, system)
         on_text = None if json_ else (lambda text: typer.echo(text, nl=False))
         result = run_generate(engine, ids, params, on_text)

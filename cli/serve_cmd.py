@@ -19,6 +19,7 @@ def register(app: typer.Typer) -> None:
         kv_cache_memory: Annotated[str | None, typer.Option("--kv-cache-memory", help="KV-cache budget, e.g. 4GiB or 512MiB (default: 1 GiB on the CPU, --kv-cache-fraction 0.8 on CUDA).")] = None,
         prefill_chunk: Annotated[int | None, typer.Option("--prefill-chunk", help="Prompt tokens prefilled per engine step (chunked prefill; default 2048 on CUDA, 256 on the CPU). Bounds the inter-token gap a long prompt causes.")] = None,
         kv_cache_fraction: Annotated[float | None, typer.Option("--kv-cache-fraction", help="KV-cache budget as a fraction of the CUDA memory free after loading the weights.")] = None,
+        kv_cache_dtype: Annotated[str, typer.Option("--kv-cache-dtype", help="auto (the model's dtype) or fp8: e4m3 codes with a scale per token and KV head, about twice the tokens in the same budget (CUDA: compute capability 8.9+).")] = "auto",
         max_seq_len: Annotated[int | None, typer.Option("--max-seq-len", help="Prompt + generated tokens per sequence (default: the model's, capped by the runtime).")] = None,
         max_queue: Annotated[int, typer.Option("--max-queue", help="Requests waiting for a slot; beyond that the server answers 503.")] = 64,
         max_tokens: Annotated[int, typer.Option("--max-tokens", help="The most tokens one request may ask for (400 beyond).")] = 1024,
@@ -46,7 +47,7 @@ def register(app: typer.Typer) -> None:
         # Checked before the model loads, so a typo costs no loading time.
         config = ServerConfig(host=host, port=port, max_queue=max_queue, max_tokens=max_tokens,
                               served_model_name=served_model_name, log_level=log_level, shutdown_timeout=shutdown_grace)
-        from quantkit.runtime.kv_budget import parse_memory
+        from quantkit.runtime.kv_budget import KV_DTYPES, parse_memory
 
         if kv_cache_memory is not None:
             parse_memory(kv_cache_memory)
@@ -56,6 +57,8 @@ def register(app: typer.Typer) -> None:
             raise QuantkitError("give --kv-cache-memory or --kv-cache-fraction, not both")
         if kv_cache_fraction is not None and not 0 < kv_cache_fraction <= 1:
             raise QuantkitError(f"--kv-cache-fraction must be in (0, 1], got {kv_cache_fraction}")
+        if kv_cache_dtype not in KV_DTYPES:
+            raise QuantkitError(f"--kv-cache-dtype must be one of {', '.join(KV_DTYPES)}, got {kv_cache_dtype!r}")
         try:
             from quantkit.runtime.loader import load_engine
         except ImportError as exc:
@@ -77,7 +80,7 @@ def register(app: typer.Typer) -> None:
             engine = load_engine(model, device=device, dtype=dtype, max_batch=max_batch, max_seq_len=max_seq_len,
                                  backend=backend, cuda_graphs=cuda_graphs, trust_remote_code=trust_remote_code,
                                  kv_cache_memory=kv_cache_memory, kv_cache_fraction=kv_cache_fraction,
-                                 prefill_chunk=prefill_chunk)
+                                 prefill_chunk=prefill_chunk, kv_cache_dtype=kv_cache_dtype)
         finally:
             heartbeat.stop()
         typer.secho(engine.kv_plan.describe(), err=True)

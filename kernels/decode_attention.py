@@ -181,7 +181,6 @@ def _decode_rope_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slots_ptr, k_ptr, v_
     q = q.to(qkv_ptr.dtype.element_ty)  # the model rounds the rotated q, as the unfused path stores it
     k_base = k_ptr + slot * stride_kb + kv_head * stride_kh
     v_base = v_ptr + slot * stride_kb + kv_head * stride_kh
-    s_off = slot * stride_sb + kv_head  # this row's and KV head's scales (FP8_KV), position by position
     qk_scale = sm_scale * 1.4426950408889634
 
     # this split's keys: the cached ones spread evenly (whole tiles) over the busy splits
@@ -202,7 +201,7 @@ def _decode_rope_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slots_ptr, k_ptr, v_
         k = tl.load(k_base + cols.to(tl.int64)[:, None] * stride_kn + d[None, :], mask=col_ok[:, None], other=0.0)
         v = tl.load(v_base + cols.to(tl.int64)[:, None] * stride_kn + d[None, :], mask=col_ok[:, None], other=0.0)
         if FP8_KV:
-            at_s = s_off + cols.to(tl.int64) * stride_sn
+            at_s = slot * stride_sb + kv_head + cols.to(tl.int64) * stride_sn  # the entries' scales
             k = (k.to(tl.float32) * tl.load(ks_ptr + at_s, mask=col_ok, other=0.0)[:, None]).to(
                 qkv_ptr.dtype.element_ty)
             v = (v.to(tl.float32) * tl.load(vs_ptr + at_s, mask=col_ok, other=0.0)[:, None]).to(
@@ -220,8 +219,9 @@ def _decode_rope_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slots_ptr, k_ptr, v_
         if FP8_KV:  # attended as the model's dtype, stored as codes
             k_new = k_new.to(qkv_ptr.dtype.element_ty)
             v_new = tl.load(row_base + (N_HEADS + N_KV + kv_head) * HEAD_DIM + d)
-            _fp8_store(k_base + pos * stride_kn + d, k_new, ks_ptr + s_off + pos * stride_sn)
-            _fp8_store(v_base + pos * stride_kn + d, v_new, vs_ptr + s_off + pos * stride_sn)
+            at_s = slot * stride_sb + kv_head + pos * stride_sn
+            _fp8_store(k_base + pos * stride_kn + d, k_new, ks_ptr + at_s)
+            _fp8_store(v_base + pos * stride_kn + d, v_new, vs_ptr + at_s)
         else:
             k_new = k_new.to(k_ptr.dtype.element_ty)
             v_new = tl.load(row_base + (N_HEADS + N_KV + kv_head) * HEAD_DIM + d).to(v_ptr.dtype.element_ty)

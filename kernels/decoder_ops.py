@@ -239,28 +239,29 @@ def _rope_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_cache_ptr
             if head >= N_HEADS:
                 slot = tl.load(slot_ptr + t).to(tl.int64)
                 dst = k_cache_ptr + slot * stride_cs + pos * stride_cn + (head - N_HEADS) * stride_ch
-                _cache_store(dst, y1, y2, d, HALF, k_cache_ptr, ks_ptr,
-                             slot * stride_ss + pos * stride_sn + (head - N_HEADS), FP8_KV)
+                _cache_store(dst, y1, y2, d, HALF, k_cache_ptr, ks_ptr, slot, pos, head - N_HEADS, stride_ss,
+                             stride_sn, FP8_KV)
     else:
         if WRITE_CACHE:
             slot = tl.load(slot_ptr + t).to(tl.int64)
             dst = v_cache_ptr + slot * stride_cs + pos * stride_cn + (head - N_HEADS - N_KV) * stride_ch
-            _cache_store(dst, tl.load(base + d), tl.load(base + HALF + d), d, HALF, v_cache_ptr, vs_ptr,
-                         slot * stride_ss + pos * stride_sn + (head - N_HEADS - N_KV), FP8_KV)
+            _cache_store(dst, tl.load(base + d), tl.load(base + HALF + d), d, HALF, v_cache_ptr, vs_ptr, slot, pos,
+                         head - N_HEADS - N_KV, stride_ss, stride_sn, FP8_KV)
 
 
 @triton.jit
-def _cache_store(dst, y1, y2, d, HALF: tl.constexpr, cache_ptr, scale_ptr, scale_off, FP8_KV: tl.constexpr):
+def _cache_store(dst, y1, y2, d, HALF: tl.constexpr, cache_ptr, scale_ptr, slot, pos, kv_head, stride_ss, stride_sn,
+                 FP8_KV: tl.constexpr):
     """One head vector (its two halves, in the model's dtype) into the cache at ``dst``: as it is, or (FP8_KV) as
-    e4m3 codes of its own absmax scale, stored at ``scale_ptr + scale_off`` (``fp8_quant_ref.quantize_kv_ref``'s
-    rounding)."""
+    e4m3 codes of its own absmax scale, the scale stored at (slot, pos, kv_head) of ``scale_ptr``
+    (``fp8_quant_ref.quantize_kv_ref``'s rounding)."""
     if FP8_KV:
         a = y1.to(tl.float32)
         b = y2.to(tl.float32)
         scale = e4m3_scale(tl.maximum(tl.max(tl.abs(a), axis=0), tl.max(tl.abs(b), axis=0)))
         tl.store(dst + d, e4m3_codes(a, scale))
         tl.store(dst + HALF + d, e4m3_codes(b, scale))
-        tl.store(scale_ptr + scale_off, scale)
+        tl.store(scale_ptr + slot * stride_ss + pos * stride_sn + kv_head, scale)
     else:
         tl.store(dst + d, y1.to(cache_ptr.dtype.element_ty))
         tl.store(dst + HALF + d, y2.to(cache_ptr.dtype.element_ty))

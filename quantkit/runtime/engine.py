@@ -96,6 +96,7 @@ class Engine:
         model_name: str = "model",
         prefill_chunk: int | None = None,
         graph_buckets: tuple[int, ...] | None = None,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         if max_batch < 1 or max_seq_len < 2:
             raise QuantkitError(f"max_batch must be >= 1 and max_seq_len >= 2, got {max_batch} and {max_seq_len}")
@@ -108,7 +109,12 @@ class Engine:
         self.prefill_chunk = prefill_chunk or default_prefill_chunk(model.device)
         if self.prefill_chunk < 1:
             raise QuantkitError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
-        self.cache = KVCache.allocate(model.spec, max_batch + 1, max_seq_len, model.dtype, model.device)
+        if (kv_cache_dtype == "fp8" and model.backend == "kernels" and model.device.type == "cuda"
+                and torch.cuda.get_device_capability(model.device) < (8, 9)):
+            raise QuantkitError("an FP8 KV cache needs a GPU of compute capability 8.9 or later (Ada, Hopper) for "
+                                "its e4m3 conversions; use --kv-cache-dtype auto here")
+        self.cache = KVCache.allocate(model.spec, max_batch + 1, max_seq_len, model.dtype, model.device,
+                                      kv_dtype=kv_cache_dtype)
         if cuda_graphs:
             self._runner = DecodeGraphs(model, self.cache, max_batch, buckets=graph_buckets)
         else:

@@ -7,7 +7,8 @@ scratch slot (padding rows of a decode step), so a budget of ``B`` bytes serves
 (``--kv-cache-memory 4GiB``), a fraction of the device memory free once the weights are loaded
 (``--kv-cache-fraction 0.8``, CUDA only), or by default: 1 GiB on the CPU, 0.8 of the free memory on CUDA
 (a default too small for one sequence is raised to one; an explicit budget that small is an error).
-The cache is held in the model's dtype (16-bit whenever the model runs in 16-bit, on the CPU too).
+The cache is held in the model's dtype (16-bit whenever the model runs in 16-bit, on the CPU too), or with
+``kv_dtype="fp8"`` as e4m3 codes and a float32 scale a token and KV head (1 + 4 / head_dim bytes a value).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from quantkit.config import QuantkitError
 
 CPU_DEFAULT_BYTES = 1 << 30
 CUDA_DEFAULT_FRACTION = 0.8
+KV_DTYPES = ("auto", "fp8")  # the model's dtype, or e4m3 codes with a scale a token and KV head
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
           "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
 
@@ -61,15 +63,21 @@ class KVPlan:
                 f"{self.budget_bytes / gib:.2f} GiB, {self.budget_source})")
 
 
-def slot_bytes(num_layers: int, num_kv_heads: int, head_dim: int, max_seq_len: int, element_size: int) -> int:
-    return 2 * num_layers * max_seq_len * num_kv_heads * head_dim * element_size
+def slot_bytes(num_layers: int, num_kv_heads: int, head_dim: int, max_seq_len: int, element_size: int,
+               scale_size: int = 0) -> int:
+    """Bytes of one slot: keys and values of ``element_size`` bytes, and ``scale_size`` bytes a token and KV head
+    for each (an FP8 cache's scales)."""
+    return 2 * num_layers * max_seq_len * num_kv_heads * (head_dim * element_size + scale_size)
 
 
 def plan(spec, max_seq_len: int, dtype, device, *, max_batch: int, memory: int | str | None = None,
-         fraction: float | None = None, free_bytes: int | None = None) -> KVPlan:
+         fraction: float | None = None, free_bytes: int | None = None, kv_dtype: str = "auto") -> KVPlan:
     """The slots a budget holds, at most ``max_batch``. ``free_bytes``: the device's free memory (CUDA; read
-    from the device when None)."""
+    from the device when None). ``kv_dtype``: one of KV_DTYPES."""
     import torch
+
+    if kv_dtype not in KV_DTYPES:
+        raise QuantkitError(f"--kv-cache-dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
 
     if memory is not None and fraction is not None:
         raise QuantkitError("give --kv-cache-memory or --kv-cache-fraction, not both")
@@ -86,8 +94,9 @@ def plan(spec, max_seq_len: int, dtype, device, *, max_batch: int, memory: int |
         budget, source = int(free * fraction), f"{fraction:g} of {free / (1 << 30):.1f} GiB free"
     else:
         budget, source = CPU_DEFAULT_BYTES, "the CPU default"
-    size = torch.empty((), dtype=dtype).element_size()
-    per_slot = slot_bytes(spec.num_layers, spec.num_kv_heads, spec.head_dim, max_seq_len, size)
+    fp8 = kv_dtype == "fp8"
+    size = 1 if fp8 else torch.empty((), dtype=dtype).element_size()
+    per_slot = slot_bytes(spec.num_layers, spec.num_kv_heads, spec.head_dim, max_seq_len, size, 4 if fp8 else 0)
     fit = budget // per_slot - 1
     if fit < 1 and memory is None and fraction is None:  # the default never refuses: one sequence at least
         fit, source = 1, source + ", raised to one sequence"
@@ -96,5 +105,5 @@ def plan(spec, max_seq_len: int, dtype, device, *, max_batch: int, memory: int |
             f"a KV-cache budget of {budget / (1 << 20):.0f} MiB ({source}) holds no sequence of {max_seq_len} "
             f"tokens: one needs {2 * per_slot / (1 << 20):.0f} MiB with its scratch slot; raise --kv-cache-memory "
             "or lower --max-seq-len")
-    name = str(dtype).removeprefix("torch.")
+    name = "fp8 (e4m3, a scale a token and head)" if fp8 else str(dtype).removeprefix("torch.")
     return KVPlan(min(max_batch, fit), max_seq_len, per_slot, budget, source, name)

@@ -194,15 +194,20 @@ def load_engine(
     kv_cache_memory: int | str | None = None,
     kv_cache_fraction: float | None = None,
     prefill_chunk: int | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> Engine:
     """An :class:`Engine` (types.Engine) serving ``model``; ``cuda_graphs`` None: on with the kernels backend.
 
     The KV cache is sized from a memory budget (:mod:`quantkit.runtime.kv_budget`): ``kv_cache_memory``
     bytes (or "4GiB"), ``kv_cache_fraction`` of the free CUDA memory, or the default; it serves as many
     sequences at once as the budget holds, at most ``max_batch``. ``engine.kv_plan`` says what was chosen.
-    ``prefill_chunk``: prompt tokens prefilled per step (None: :func:`engine.default_prefill_chunk`)."""
+    ``prefill_chunk``: prompt tokens prefilled per step (None: :func:`engine.default_prefill_chunk`).
+    ``kv_cache_dtype``: "auto" (the model's dtype) or "fp8" (e4m3 codes and a scale a token and KV head: about
+    half the bytes, so about twice the tokens in the same budget; :class:`model.KVCache`)."""
     from quantkit.runtime import kv_budget
 
+    if kv_cache_dtype not in kv_budget.KV_DTYPES:  # before the model loads
+        raise QuantkitError(f"--kv-cache-dtype must be one of {', '.join(kv_budget.KV_DTYPES)}, got {kv_cache_dtype!r}")
     runtime, tokenizer = load_runtime_model(
         model,
         device=device,
@@ -218,7 +223,7 @@ def load_engine(
     if graphs and runtime.device.type != "cuda":
         raise QuantkitError("CUDA graphs need a CUDA device")
     kv_plan = kv_budget.plan(runtime.spec, seq_len, runtime.dtype, runtime.device, max_batch=max_batch,
-                             memory=kv_cache_memory, fraction=kv_cache_fraction)
+                             memory=kv_cache_memory, fraction=kv_cache_fraction, kv_dtype=kv_cache_dtype)
     log.info("%s", kv_plan.describe())
     engine = Engine(
         runtime,
@@ -229,6 +234,7 @@ def load_engine(
         cuda_graphs=graphs,
         model_name=runtime.name,
         prefill_chunk=prefill_chunk,
+        kv_cache_dtype=kv_cache_dtype,
     )
     engine.kv_plan = kv_plan
     return engine

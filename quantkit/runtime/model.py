@@ -14,8 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
+from quantkit.config import QuantkitError
 from quantkit.kernels import decoder_ops_ref as ops
 from quantkit.kernels.device_info import ab_switch
+from quantkit.runtime.kv_budget import KV_DTYPES
 from quantkit.runtime.spec import ModelSpec, layer_rope_key, rope_tables
 from quantkit.runtime.weights import ModelWeights
 
@@ -26,20 +28,38 @@ BACKENDS = ("kernels", "reference")
 class KVCache:
     """Per layer ``k[i], v[i] [slots, max_seq_len, Hkv, D]``; the last slot is scratch (padding rows).
     ``counters``: int32 zeros, ``slots * Hkv``, that the fused decode kernel borrows (and leaves zeroed) to
-    combine its splits."""
+    combine its splits. An FP8 cache (``kv_dtype="fp8"``) holds e4m3 codes in ``k``/``v`` and a float32 scale a
+    token and KV head in ``k_scale[i], v_scale[i] [slots, max_seq_len, Hkv]``: 1 + 4 / D bytes a value instead of
+    2; attention reads each entry as codes x scale in the model's dtype (``fp8_quant_ref.dequantize_kv_ref``)."""
 
     k: list[torch.Tensor]
     v: list[torch.Tensor]
     counters: torch.Tensor | None = None
+    k_scale: list[torch.Tensor] | None = None
+    v_scale: list[torch.Tensor] | None = None
 
     @classmethod
-    def allocate(cls, spec: ModelSpec, slots: int, max_seq_len: int, dtype, device) -> KVCache:
+    def allocate(cls, spec: ModelSpec, slots: int, max_seq_len: int, dtype, device, kv_dtype: str = "auto"
+                 ) -> KVCache:
+        """``kv_dtype``: "auto" (the model's ``dtype``) or "fp8" (see the class)."""
+        if kv_dtype not in KV_DTYPES:
+            raise QuantkitError(f"KV-cache dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
+        fp8 = kv_dtype == "fp8"
         shape = (slots, max_seq_len, spec.num_kv_heads, spec.head_dim)
+        codes = torch.float8_e4m3fn if fp8 else dtype
+        layers = range(spec.num_layers)
+        scales = (lambda: [torch.zeros(shape[:3], dtype=torch.float32, device=device) for _ in layers]) if fp8 else None
         return cls(
-            [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)],
-            [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)],
+            [torch.zeros(shape, dtype=codes, device=device) for _ in layers],
+            [torch.zeros(shape, dtype=codes, device=device) for _ in layers],
             torch.zeros(slots * spec.num_kv_heads, dtype=torch.int32, device=device),
+            scales() if fp8 else None,
+            scales() if fp8 else None,
         )
+
+    @property
+    def fp8(self) -> bool:
+        return self.k_scale is not None
 
     @property
     def slots(self) -> int:
@@ -49,8 +69,22 @@ class KVCache:
     def max_seq_len(self) -> int:
         return self.k[0].shape[1]
 
+    def scales(self, i: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Layer ``i``'s ``(k_scale, v_scale)``, or ``(None, None)`` for a 16-bit cache."""
+        return (self.k_scale[i], self.v_scale[i]) if self.fp8 else (None, None)
+
+    def entries(self, i: int, slot: int, end: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``i``'s keys and values ``[end, Hkv, D]`` of ``slot``, as attention reads them (in ``dtype``)."""
+        k, v = self.k[i][slot, :end], self.v[i][slot, :end]
+        if not self.fp8:
+            return k, v
+        from quantkit.kernels.fp8_quant_ref import dequantize_kv_ref
+
+        return (dequantize_kv_ref(k, self.k_scale[i][slot, :end], dtype),
+                dequantize_kv_ref(v, self.v_scale[i][slot, :end], dtype))
+
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        return sum(t.numel() * t.element_size() for t in self.k + self.v + (self.k_scale or []) + (self.v_scale or []))
 
 
 class _Reference:
@@ -78,12 +112,12 @@ class _Reference:
 
     @staticmethod
     def decode_attention_rope(qkv, cos, sin, positions, slots, k_cache, v_cache, n_heads, counters, scale,
-                              window_left, softcap, qk_norm=None):
+                              window_left, softcap, qk_norm=None, k_scale=None, v_scale=None):
         from quantkit.kernels.decode_attention import decode_attention_rope_ref
 
         return decode_attention_rope_ref(
             qkv, cos, sin, positions, slots, k_cache, v_cache, n_heads, sm_scale=scale, window_left=window_left,
-            softcap=softcap, qk_norm=qk_norm,
+            softcap=softcap, qk_norm=qk_norm, k_scale=k_scale, v_scale=v_scale,
         )
 
 
@@ -123,13 +157,14 @@ class _Kernels:
 
     @staticmethod
     def decode_attention_rope(qkv, cos, sin, positions, slots, k_cache, v_cache, n_heads, counters, scale,
-                              window_left, softcap, qk_norm=None):
+                              window_left, softcap, qk_norm=None, k_scale=None, v_scale=None):
         from quantkit.kernels.decode_attention import decode_attention_rope
         from quantkit.kernels.device_info import programmatic_launch
 
         return decode_attention_rope(
             qkv, cos, sin, positions, slots, k_cache, v_cache, n_heads, counters, sm_scale=scale,
             window_left=window_left, softcap=softcap, pdl=programmatic_launch(qkv.device), qk_norm=qk_norm,
+            k_scale=k_scale, v_scale=v_scale,
         )
 
 
@@ -224,6 +259,7 @@ class RuntimeModel:
                     None if cache is None else cache.k[i],
                     None if cache is None else cache.v[i],
                     slots,
+                    *((None, None) if cache is None else cache.scales(i)),
                 )
             delta = lw.o(attend(i, qkv))
             ff_norm = lw.post_attn_norm
@@ -291,8 +327,9 @@ class RuntimeModel:
         def attend(i: int, qkv: torch.Tensor) -> torch.Tensor:
             m = qkv.shape[0]
             q = qkv[:, : s.q_size].view(m, s.num_heads, s.head_dim)
-            k = torch.cat([cache.k[i][slot, :end] for slot, end in zip(slots, ends)])  # [sum(ends), Hkv, D]
-            v = torch.cat([cache.v[i][slot, :end] for slot, end in zip(slots, ends)])
+            entries = [cache.entries(i, slot, end, qkv.dtype) for slot, end in zip(slots, ends)]
+            k = torch.cat([e[0] for e in entries])  # [sum(ends), Hkv, D]
+            v = torch.cat([e[1] for e in entries])
             out = self.ops.prefill_attention(
                 q, k, v, cu_q, max_q, s.softmax_scale, s.window_left(i), s.attn_softcap, cu_k=cu_k, max_k=max(ends)
             )
@@ -354,7 +391,7 @@ class RuntimeModel:
             norm = (lw.q_norm, lw.k_norm, s.rms_eps, s.norm_offset) if self.qk_norm_in_decode else None
             return self.ops.decode_attention_rope(
                 qkv, cos, sin, positions, slots, cache.k[i], cache.v[i], s.num_heads, counters, s.softmax_scale,
-                s.window_left(i), s.attn_softcap, qk_norm=norm,
+                s.window_left(i), s.attn_softcap, qk_norm=norm, **dict(zip(("k_scale", "v_scale"), cache.scales(i))),
             )
 
         with torch.inference_mode():

@@ -272,7 +272,8 @@ def time_split(engine: Engine, context: int = 128) -> dict:
         for i in range(s.num_layers):
             cos, sin = model.layer_rope[i]
             o.decode_attention_rope(qkv, cos, sin, pos, slot, cache.k[i], cache.v[i], s.num_heads, cache.counters,
-                                    s.softmax_scale, s.window_left(i), s.attn_softcap)
+                                    s.softmax_scale, s.window_left(i), s.attn_softcap,
+                                    **dict(zip(("k_scale", "v_scale"), cache.scales(i))))
 
     def small_ops():  # with Qwen3's / OLMoE's q and k norms (in place on a scratch qkv row)
         for lw in w.layers:
@@ -442,7 +443,12 @@ def linear_kernels(model: RuntimeModel, batches: tuple[int, ...]) -> dict:
 def bench_runtime(
     model: RuntimeModel, batches: tuple[int, ...], steps: int, prefill_tokens: int, split: bool = False
 ) -> dict:
-    """Decode tokens/s per batch size, prefill tokens/s, peak memory and weight bytes for one RuntimeModel."""
+    """Decode tokens/s per batch size, prefill tokens/s, peak memory and weight bytes for one RuntimeModel. The KV
+    cache in the model's dtype, or FP8 with ``QUANTKIT_BENCH_KV_CACHE=fp8`` (an A/B switch for the benches)."""
+    from quantkit.kernels.device_info import ab_switch
+    from quantkit.runtime.kv_budget import KV_DTYPES
+
+    kv_dtype = ab_switch("QUANTKIT_BENCH_KV_CACHE", KV_DTYPES)
     torch.cuda.reset_peak_memory_stats()
     max_batch = max(batches)
     engine = Engine(
@@ -452,9 +458,11 @@ def bench_runtime(
         max_seq_len=max(prefill_tokens + 1, 128 + steps + 2),
         cuda_graphs=True,
         graph_buckets=batches,
+        kv_cache_dtype=kv_dtype,
     )
     result = {
         "weight_bytes_per_token": model.weights.nbytes(),
+        "kv_cache_dtype": kv_dtype,
         "kv_cache_bytes": engine.cache.nbytes(),
         "linear_kernels": linear_kernels(model, batches),
         "decode_tps": {},

@@ -91,6 +91,41 @@ def test_kernels_backend_chunked_prefill_matches_reference(family, tiny_family):
     assert rel_err(outs[1], outs[0]) < tol
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_fp8_kv_cache_on_both_backends(family, tiny_family):
+    """An FP8 KV cache: prefill (whole and in chunks) and decode on the kernels backend give the reference
+    backend's logits and cache (the same scales; codes within e4m3's rounding: the interpreter's conversion does
+    not round to nearest, tests/kernels/test_fp8_quant.py, so on the CPU the logits agree to that rounding only),
+    and both stay within e4m3's rounding of a 16-bit cache's logits."""
+    folder, _ = tiny_family(family)
+    dtype = "bfloat16" if DEV == "cuda" else "float32"
+    ref, _ = load_runtime_model(str(folder), device=DEV, dtype=dtype, backend="reference")
+    fast, _ = load_runtime_model(str(folder), device=DEV, dtype=dtype, backend="kernels")
+    tol = 2e-2 if DEV == "cuda" else 1e-4
+    prompt = torch.randint(0, ref.spec.vocab_size, (13,), generator=torch.Generator().manual_seed(8)).tolist()
+    logits, caches = {}, {}
+    for name, m, kv in (("ref", ref, "fp8"), ("fast", fast, "fp8"), ("plain", ref, "auto")):
+        cache = KVCache.allocate(m.spec, 3, 32, m.dtype, m.device, kv_dtype=kv)
+        out = [m.prefill([prompt[:6]], [1], cache), m.prefill([prompt[6:10]], [1], cache, [6])]
+        for step in range(3):
+            tokens = torch.tensor([prompt[10 + step], 0], device=DEV)
+            positions = torch.tensor([10 + step, 0], dtype=torch.int32, device=DEV)
+            out.append(m.decode(tokens, positions, torch.tensor([1, 2], dtype=torch.int32, device=DEV), cache)[:1])
+        logits[name], caches[name] = torch.cat(out), cache
+        assert cache.fp8 == (kv == "fp8")
+    assert rel_err(logits["fast"][0], logits["ref"][0]) < tol  # the first prefill attends in 16 bits
+    assert rel_err(logits["fast"], logits["ref"]) < (tol if DEV == "cuda" else 0.05)
+    first = (1, slice(0, 6))  # what the first prefill wrote: the same keys and values on both backends
+    for i in range(ref.spec.num_layers):
+        for got, want in zip(caches["fast"].scales(i), caches["ref"].scales(i)):
+            assert rel_err(got[first], want[first]) < tol
+        for j in (0, 1):
+            got, want = (caches[n].entries(i, 1, 6, torch.float32)[j] for n in ("fast", "ref"))
+            assert rel_err(got, want) < 0.05
+    err = rel_err(logits["ref"], logits["plain"])
+    assert torch.equal(logits["ref"][0], logits["plain"][0]) and 0 < err < 0.05, err
+
+
 # What a decode step may run as PyTorch ops on the kernels backend besides its Triton kernels: allocations and
 # views, the linears (16-bit ones stay cuBLAS; quantized ones are Triton), the embedding row, and a few per-step
 # or per-layer casts and sums. Anything else (pow, mean, rsqrt, sigmoid, softmax, topk, add...) is a chain of

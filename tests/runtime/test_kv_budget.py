@@ -44,6 +44,18 @@ def test_plan_counts_slots_from_the_budget():
     assert gpu.budget_bytes == int(0.8 * (10 << 30)) and gpu.slots == int(0.8 * (10 << 30)) // (per * 2) - 1
 
 
+def test_an_fp8_cache_holds_about_twice_the_tokens():
+    """e4m3 codes and a float32 scale a token and KV head: 1 + 4/64 bytes a value at head dim 64, against 2."""
+    per = 2 * 30 * 4096 * 3
+    bf16 = kv_budget.plan(_Spec, 4096, torch.bfloat16, "cpu", max_batch=1000, memory="4GiB")
+    fp8 = kv_budget.plan(_Spec, 4096, torch.bfloat16, "cpu", max_batch=1000, memory="4GiB", kv_dtype="fp8")
+    assert bf16.slot_bytes == per * 64 * 2 and fp8.slot_bytes == per * (64 + 4)
+    assert fp8.slots == (4 << 30) // fp8.slot_bytes - 1 and fp8.slots >= 1.8 * bf16.slots
+    assert "fp8" in fp8.describe()
+    with pytest.raises(QuantkitError, match="--kv-cache-dtype"):
+        kv_budget.plan(_Spec, 4096, torch.bfloat16, "cpu", max_batch=8, kv_dtype="int8")
+
+
 def test_engine_slots_follow_the_budget(tiny_family):
     from quantkit.runtime.loader import load_engine
 
@@ -54,6 +66,11 @@ def test_engine_slots_follow_the_budget(tiny_family):
     assert engine.cache.nbytes() == 5 * spec_bytes <= engine.kv_plan.budget_bytes
     bf16 = load_engine(str(folder), device="cpu", dtype="bfloat16", max_batch=2, max_seq_len=64)
     assert bf16.cache.k[0].dtype == torch.bfloat16  # a 16-bit model keeps a 16-bit cache on the CPU
+    fp8 = load_engine(str(folder), device="cpu", max_batch=16, max_seq_len=64, kv_cache_memory=5 * spec_bytes,
+                      kv_cache_dtype="fp8")
+    # 1 + 4/16 bytes a value at head dim 16 against float32's 4: the budget holds 16 slots, one the scratch slot
+    assert fp8.cache.fp8 and fp8.cache.k[0].dtype == torch.float8_e4m3fn and fp8.max_batch == 15
+    assert fp8.cache.nbytes() == (fp8.max_batch + 1) * fp8.kv_plan.slot_bytes <= fp8.kv_plan.budget_bytes
 
 
 def test_serve_command_checks_budget_options_before_loading(tmp_path):
@@ -64,6 +81,7 @@ def test_serve_command_checks_budget_options_before_loading(tmp_path):
     runner = CliRunner()
     for args, message in ((["--kv-cache-memory", "lots"], "--kv-cache-memory"),
                           (["--kv-cache-fraction", "1.5"], "--kv-cache-fraction"),
-                          (["--kv-cache-memory", "1GiB", "--kv-cache-fraction", "0.5"], "not both")):
+                          (["--kv-cache-memory", "1GiB", "--kv-cache-fraction", "0.5"], "not both"),
+                          (["--kv-cache-dtype", "int8"], "--kv-cache-dtype")):
         result = runner.invoke(app, ["serve", str(tmp_path / "no-such-model"), *args])
         assert isinstance(result.exception, QuantkitError) and message in str(result.exception), result.output
