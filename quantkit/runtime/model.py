@@ -47,14 +47,16 @@ class KVCache:
         fp8 = kv_dtype == "fp8"
         shape = (slots, max_seq_len, spec.num_kv_heads, spec.head_dim)
         codes = torch.float8_e4m3fn if fp8 else dtype
-        layers = range(spec.num_layers)
-        scales = (lambda: [torch.zeros(shape[:3], dtype=torch.float32, device=device) for _ in layers]) if fp8 else None
+
+        def per_layer(shape, dtype):
+            return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
+
         return cls(
-            [torch.zeros(shape, dtype=codes, device=device) for _ in layers],
-            [torch.zeros(shape, dtype=codes, device=device) for _ in layers],
+            per_layer(shape, codes),
+            per_layer(shape, codes),
             torch.zeros(slots * spec.num_kv_heads, dtype=torch.int32, device=device),
-            scales() if fp8 else None,
-            scales() if fp8 else None,
+            per_layer(shape[:3], torch.float32) if fp8 else None,
+            per_layer(shape[:3], torch.float32) if fp8 else None,
         )
 
     @property
@@ -389,9 +391,10 @@ class RuntimeModel:
             cos, sin = self.layer_rope[i]
             lw = self.weights.layers[i]
             norm = (lw.q_norm, lw.k_norm, s.rms_eps, s.norm_offset) if self.qk_norm_in_decode else None
+            k_scale, v_scale = cache.scales(i)
             return self.ops.decode_attention_rope(
                 qkv, cos, sin, positions, slots, cache.k[i], cache.v[i], s.num_heads, counters, s.softmax_scale,
-                s.window_left(i), s.attn_softcap, qk_norm=norm, **dict(zip(("k_scale", "v_scale"), cache.scales(i))),
+                s.window_left(i), s.attn_softcap, qk_norm=norm, k_scale=k_scale, v_scale=v_scale,
             )
 
         with torch.inference_mode():

@@ -271,9 +271,10 @@ def time_split(engine: Engine, context: int = 128) -> dict:
     def attention():
         for i in range(s.num_layers):
             cos, sin = model.layer_rope[i]
+            k_scale, v_scale = cache.scales(i)
             o.decode_attention_rope(qkv, cos, sin, pos, slot, cache.k[i], cache.v[i], s.num_heads, cache.counters,
-                                    s.softmax_scale, s.window_left(i), s.attn_softcap,
-                                    **dict(zip(("k_scale", "v_scale"), cache.scales(i))))
+                                    s.softmax_scale, s.window_left(i), s.attn_softcap, k_scale=k_scale,
+                                    v_scale=v_scale)
 
     def small_ops():  # with Qwen3's / OLMoE's q and k norms (in place on a scratch qkv row)
         for lw in w.layers:
