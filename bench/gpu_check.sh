@@ -45,7 +45,8 @@
 # attention cells and the step under their candidates (`pending 330`, carry .stage/whl); issue 42's FP8 GEMV on
 # codes tuned on the card and the 8B FP8 step with its picks against without, and o quantized apart (inside its
 # GEMV is the default) (`fp8-codes 560 [ROUNDS]`); the suite without the GGUF tests, then that
-# once through (`tests-fp8 560`, carry as tests).
+# once through (`tests-fp8 560`, carry as tests); the FP8 KV cache's GPU tests and the int4 step at 4,096 tokens of
+# context with a 16-bit and an FP8 cache (`kv-fp8 480 [SHAPE]`).
 # Everything lands in $OUT (JSON of each bench, the suite's log).
 # pytest runs with OMP_NUM_THREADS=1: 8-12 xdist workers on 16 cores, each with torch's one thread a core, took
 # turns on the cores (the MoE GPU tests, mostly CPU set-up, ran 44-109 s a case on an H100, 2026-12-05).
@@ -382,5 +383,19 @@ moe-quantize)  # issue 39's 10-minute targets: GPTQ (third argument gptq, the de
     step 560 python3 bench/bench_moe.py --skip "$other" serve kernel --layers "${4:-16}" ${5:+--model-device "$5"} \
         --out "$OUT/bench_moe_$m.json" 2>&1 | tee "$OUT/bench_moe_$m.log" | tail -60  # the log survives a cut
     ;;
-*) echo "usage: gpu_check.sh benches|suite|one|tests|gguf|coldstart-ab|moe|w4a16|moe-decode|moe-math|moe-step|moe-prefill|moe-quantize|fp8-mma|fp8-step|w4a16-ab|pending|fp8-codes|tests-fp8|ab BUDGET_S"; exit 2 ;;
+kv-fp8)  # the FP8 KV cache (issue 42's option): its GPU tests, then `quantkit bench` on the 8B shape (third argument:
+    # another shape) in int4 with 4,096 prompt tokens before the timed decode steps, the cache 16-bit then FP8, twice
+    # alternating (BUDGET_S ~480, no carry)
+    card | tee "$OUT/card.txt"
+    step 120 env OMP_NUM_THREADS=1 python3 -m pytest -m gpu tests/kernels/test_kv_fp8.py tests/runtime/test_kernels_backend.py \
+        -k "fp8" -q -rfE -p no:cacheprovider 2>&1 | tail -5
+    for round in "" 2; do
+        for kv in auto fp8; do
+            bench_variant "bench_kv${kv}${round}" 150 "" --shape "${3:-llama3-8b}" --formats int4 --steps 64 \
+                --batches 1,8,32 --context 4096 --kv-cache-dtype "$kv"
+        done
+    done
+    rm -f "$OUT"/*.png
+    ;;
+*) echo "usage: gpu_check.sh benches|suite|one|tests|gguf|coldstart-ab|moe|w4a16|moe-decode|moe-math|moe-step|moe-prefill|moe-quantize|fp8-mma|fp8-step|w4a16-ab|pending|fp8-codes|tests-fp8|kv-fp8|ab BUDGET_S"; exit 2 ;;
 esac

@@ -25,6 +25,11 @@ def register(app: typer.Typer) -> None:
         formats: Annotated[str, typer.Option("--formats", help="Runtime rows to time, comma-separated: int4, fp8, "
                                                                "bf16 (a checkpoint: its own format and bf16).")]
         = "int4,fp8,bf16",
+        context: Annotated[int, typer.Option("--context", help="Prompt tokens each decode row holds before the timed "
+                                                               "steps (the attention's share grows with it).")] = 128,
+        kv_cache_dtype: Annotated[str, typer.Option("--kv-cache-dtype", help="auto (the model's dtype) or fp8 (e4m3 "
+                                                                             "codes, a scale a token and KV head).")]
+        = "auto",
         out: Annotated[Path | None, typer.Option("--out", help="JSON path (a PNG plot is written beside it).")] = None,
     ) -> None:
         """int4 and fp8 against bf16 in one run (a checkpoint: itself against its bf16 dequantization): decode tok/s by batch, prefill tok/s, peak memory, copy bandwidth."""
@@ -46,7 +51,8 @@ def register(app: typer.Typer) -> None:
 
         record = bench_run.run(shape or target, shape=shape is not None, batches=sizes, steps=steps,
                                prefill_tokens=prefill_tokens, baselines=baselines, on_result=save,
-                               formats=tuple(f.strip() for f in formats.split(",") if f.strip()))
+                               formats=tuple(f.strip() for f in formats.split(",") if f.strip()), context=context,
+                               kv_cache_dtype=kv_cache_dtype)
         path.write_text(json.dumps(record, indent=2))
         partial.unlink(missing_ok=True)
         typer.echo(bench_run.format_table(record))

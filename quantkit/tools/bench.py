@@ -189,7 +189,10 @@ def runtime_from_hf(
     )
 
 
-def decode_tps(engine: Engine, batch: int, steps: int, prompt_len: int = 128, seed: int = 0) -> float:
+DECODE_CONTEXT = 128  # prompt tokens before the timed decode steps, by default
+
+
+def decode_tps(engine: Engine, batch: int, steps: int, prompt_len: int = DECODE_CONTEXT, seed: int = 0) -> float:
     """Decode tokens/s of ``batch`` greedy requests of ``prompt_len`` random tokens, ``steps`` decode steps each."""
     gen = torch.Generator().manual_seed(seed)
     vocab = engine.model.spec.vocab_size
@@ -442,34 +445,33 @@ def linear_kernels(model: RuntimeModel, batches: tuple[int, ...]) -> dict:
 
 
 def bench_runtime(
-    model: RuntimeModel, batches: tuple[int, ...], steps: int, prefill_tokens: int, split: bool = False
+    model: RuntimeModel, batches: tuple[int, ...], steps: int, prefill_tokens: int, split: bool = False,
+    context: int = DECODE_CONTEXT, kv_cache_dtype: str = "auto",
 ) -> dict:
-    """Decode tokens/s per batch size, prefill tokens/s, peak memory and weight bytes for one RuntimeModel. The KV
-    cache in the model's dtype, or FP8 with ``QUANTKIT_BENCH_KV_CACHE=fp8`` (an A/B switch for the benches)."""
-    from quantkit.kernels.device_info import ab_switch
-    from quantkit.runtime.kv_budget import KV_DTYPES
-
-    kv_dtype = ab_switch("QUANTKIT_BENCH_KV_CACHE", KV_DTYPES)
+    """Decode tokens/s per batch size (each row decoding after a prompt of ``context`` tokens), prefill tokens/s,
+    peak memory and weight bytes for one RuntimeModel; the KV cache in ``kv_cache_dtype`` ("auto": the model's
+    dtype, or "fp8")."""
     torch.cuda.reset_peak_memory_stats()
     max_batch = max(batches)
     engine = Engine(
         model,
         None,
         max_batch=max_batch,
-        max_seq_len=max(prefill_tokens + 1, 128 + steps + 2),
+        max_seq_len=max(prefill_tokens + 1, context + steps + 2),
         cuda_graphs=True,
         graph_buckets=batches,
-        kv_cache_dtype=kv_dtype,
+        kv_cache_dtype=kv_cache_dtype,
     )
     result = {
         "weight_bytes_per_token": model.weights.nbytes(),
-        "kv_cache_dtype": kv_dtype,
+        "decode_context": context,
+        "kv_cache_dtype": kv_cache_dtype,
         "kv_cache_bytes": engine.cache.nbytes(),
         "linear_kernels": linear_kernels(model, batches),
         "decode_tps": {},
     }
     for b in batches:
-        result["decode_tps"][str(b)] = decode_tps(engine, b, steps if b == 1 else max(16, steps // 2))
+        result["decode_tps"][str(b)] = decode_tps(engine, b, steps if b == 1 else max(16, steps // 2), context)
         log.info("decode batch %d: %.1f tok/s", b, result["decode_tps"][str(b)])
     result["greedy_vs_prefill"] = greedy_agreement(engine)
     log.info("greedy decode against the prefill path: %s", result["greedy_vs_prefill"])

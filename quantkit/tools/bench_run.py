@@ -77,10 +77,19 @@ def run(
     baselines: bool = True,
     on_result: Callable[[dict], None] | None = None,
     formats: tuple[str, ...] = FORMATS,
+    context: int = bench.DECODE_CONTEXT,
+    kv_cache_dtype: str = "auto",
 ) -> dict:
     """Benchmark ``target`` (a shape name from ``bench.SHAPES`` when ``shape``, else a checkpoint folder).
     ``formats``: the runtime rows to time (a shape: any of :data:`FORMATS`; a checkpoint: its own format and/or
-    bf16, its dequantization)."""
+    bf16, its dequantization). ``context``: prompt tokens before the timed decode steps; ``kv_cache_dtype``:
+    "auto" or "fp8" (``runtime.kv_budget.KV_DTYPES``)."""
+    from quantkit.runtime.kv_budget import KV_DTYPES
+
+    if kv_cache_dtype not in KV_DTYPES:
+        raise QuantkitError(f"--kv-cache-dtype must be one of {', '.join(KV_DTYPES)}, got {kv_cache_dtype!r}")
+    if context < 1:
+        raise QuantkitError(f"--context must be >= 1, got {context}")
     unknown = [f for f in formats if f not in FORMATS]
     if unknown or not formats:
         raise QuantkitError(f"--formats takes a comma-separated subset of {', '.join(FORMATS)}, "
@@ -98,7 +107,10 @@ def run(
         "steps": steps,
         "prefill_tokens": prefill_tokens,
         "formats": list(formats),
+        "decode_context": context,
+        "kv_cache_dtype": kv_cache_dtype,
     }
+    opts = dict(context=context, kv_cache_dtype=kv_cache_dtype)  # every runtime row's decode settings
 
     def publish(key: str, value) -> None:
         record[key] = value
@@ -110,9 +122,9 @@ def run(
 
     publish("copy_bandwidth_gbs", bench.copy_bandwidth("cuda"))
     if shape:
-        _shape_phases(target, batches, steps, prefill_tokens, baselines, publish, formats)
+        _shape_phases(target, batches, steps, prefill_tokens, baselines, publish, formats, opts)
     else:
-        _checkpoint_phases(target, batches, steps, prefill_tokens, baselines, publish, formats)
+        _checkpoint_phases(target, batches, steps, prefill_tokens, baselines, publish, formats, opts)
     return record
 
 
@@ -143,22 +155,25 @@ _SHAPE_FORMATS = (
 )
 
 
-def _shape_phases(target, batches, steps, prefill_tokens, baselines, publish, formats=FORMATS) -> None:
-    """Each format on its own random model, each phase published as soon as it exists."""
+def _shape_phases(target, batches, steps, prefill_tokens, baselines, publish, formats=FORMATS, opts=None) -> None:
+    """Each format on its own random model, each phase published as soon as it exists. ``opts``: bench_runtime's
+    decode settings (context, KV-cache dtype)."""
     from quantkit.tools import random_moe
 
+    opts = opts or {}
     if random_moe.is_moe_shape(bench.SHAPES.get(target, {})):
-        _moe_shape_phases(target, batches, steps, prefill_tokens, publish, formats)
+        _moe_shape_phases(target, batches, steps, prefill_tokens, publish, formats, opts)
         return
+    positions = max(4096, prefill_tokens + 1, opts.get("context", bench.DECODE_CONTEXT) + steps + 2)
     for fmt in (f for f in _SHAPE_FORMATS if f.key in formats):
         hf = bench.random_hf_model(target, "cuda")
         quant = None
         if fmt.quantize is not None:
             quant = fmt.quantize(hf)
             _free()
-        runtime = bench.runtime_from_hf(hf, quant)
+        runtime = bench.runtime_from_hf(hf, quant, max_positions=positions)
         publish(fmt.check, _logits_check(runtime, lambda ids, hf=hf: hf(ids).logits, hf.config.vocab_size))
-        publish(fmt.key, bench.bench_runtime(runtime, batches, steps, prefill_tokens, split=True))
+        publish(fmt.key, bench.bench_runtime(runtime, batches, steps, prefill_tokens, split=True, **opts))
         del runtime
         _free()
         if baselines and fmt.baseline is not None:
@@ -167,22 +182,24 @@ def _shape_phases(target, batches, steps, prefill_tokens, baselines, publish, fo
         _free()
 
 
-def _moe_shape_phases(target, batches, steps, prefill_tokens, publish, formats=FORMATS) -> None:
+def _moe_shape_phases(target, batches, steps, prefill_tokens, publish, formats=FORMATS, opts=None) -> None:
     """A MoE shape: each format's runtime straight from random tensors (``tools/random_moe.py`` says why), so no
     transformers model to check the logits against or to time ``generate`` on (the GPU tests compare the kernels
     backend with the reference backend on tiny MoE checkpoints of every format)."""
     from quantkit.tools.random_moe import random_moe_runtime
 
+    opts = opts or {}
     publish("baselines", "none: MoE shapes are built without a transformers model (tools/random_moe.py)")
+    positions = max(4096, prefill_tokens + 1, opts.get("context", bench.DECODE_CONTEXT) + steps + 2)
     for key in (k for k in FORMATS if k in formats):
-        runtime = random_moe_runtime(bench.SHAPES[target], key, "cuda", max_positions=max(4096, prefill_tokens + 1),
-                                     name=target)
-        publish(key, bench.bench_runtime(runtime, batches, steps, prefill_tokens, split=True))
+        runtime = random_moe_runtime(bench.SHAPES[target], key, "cuda", max_positions=positions, name=target)
+        publish(key, bench.bench_runtime(runtime, batches, steps, prefill_tokens, split=True, **opts))
         del runtime
         _free()
 
 
-def _checkpoint_phases(target, batches, steps, prefill_tokens, baselines, publish, formats=FORMATS) -> None:
+def _checkpoint_phases(target, batches, steps, prefill_tokens, baselines, publish, formats=FORMATS, opts=None
+                       ) -> None:
     from quantkit.checkpoint.fp8 import is_fp8_checkpoint
     from quantkit.runtime.loader import load_runtime_model
 
@@ -190,13 +207,15 @@ def _checkpoint_phases(target, batches, steps, prefill_tokens, baselines, publis
     if not set(formats) & {"bf16", quantized}:
         raise QuantkitError(f"{target} is an {quantized} checkpoint: --formats can time {quantized} and bf16 (its "
                             f"dequantization), got {','.join(formats)!r}")
+    opts = opts or {}
+    positions = max(4096, prefill_tokens + 1, opts.get("context", bench.DECODE_CONTEXT) + steps + 2)
     for key, dequantize in (("bf16", True), (quantized, False)):
         if key not in formats:
             continue
         runtime, _ = load_runtime_model(
-            target, device="cuda", dtype="bfloat16", dequantize=dequantize, max_positions=max(4096, prefill_tokens + 1)
+            target, device="cuda", dtype="bfloat16", dequantize=dequantize, max_positions=positions
         )
-        publish(key, bench.bench_runtime(runtime, batches, steps, prefill_tokens, split=key != "bf16"))
+        publish(key, bench.bench_runtime(runtime, batches, steps, prefill_tokens, split=key != "bf16", **opts))
         del runtime
         _free()
     if baselines:

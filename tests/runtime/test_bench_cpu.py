@@ -54,8 +54,11 @@ def test_shape_run_measures_int4_fp8_bf16_in_order(monkeypatch):
     events, published = [], []
     monkeypatch.setattr(bench, "quantize_randomly", lambda hf: events.append(("int4", hf)) or "info")
     monkeypatch.setattr(bench, "quantize_fp8_in_place", lambda hf: events.append(("fp8", hf)))
-    monkeypatch.setattr(bench, "runtime_from_hf", lambda hf, quant: events.append(("runtime", hf, quant)) or hf)
-    monkeypatch.setattr(bench, "bench_runtime", lambda rt, b, s, p, split: {"rt": rt, "args": (b, s, p, split)})
+    positions = []
+    monkeypatch.setattr(bench, "runtime_from_hf", lambda hf, quant, max_positions: positions.append(max_positions)
+                        or events.append(("runtime", hf, quant)) or hf)
+    monkeypatch.setattr(bench, "bench_runtime", lambda rt, b, s, p, split, **opts: {"rt": rt, "args": (b, s, p, split),
+                                                                                   **opts})
     monkeypatch.setattr(bench, "hf_generate_tps", lambda hf: {"generate": hf})
     monkeypatch.setattr(bench_run, "_logits_check", lambda rt, ref, vocab: f"check {rt} {vocab}")
     monkeypatch.setattr(bench_run, "_free", lambda: None)
@@ -92,6 +95,14 @@ def test_shape_run_measures_int4_fp8_bf16_in_order(monkeypatch):
     bench_run._shape_phases("tiny", (1, 8), 4, 16, True, lambda k, v: published.append((k, v)), ("fp8", "bf16"))
     assert [e[0] for e in events] == ["model", "fp8", "runtime", "model", "runtime"]
     assert published == expected[3:]
+    # --context and --kv-cache-dtype reach every row, and the runtime holds the context's positions
+    published.clear()
+    positions.clear()
+    names = iter(range(2, 3))
+    opts = dict(context=6000, kv_cache_dtype="fp8")
+    bench_run._shape_phases("tiny", (1, 8), 4, 16, False, lambda k, v: published.append((k, v)), ("bf16",), opts)
+    assert published[-1] == ("bf16", {"rt": "model2", "args": bench_args, **opts})
+    assert positions == [6000 + 4 + 2]
 
 
 def test_formats_are_checked_before_the_gpu_is_asked_for():

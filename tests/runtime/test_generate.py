@@ -45,6 +45,23 @@ def test_cli_errors_exit_2(tmp_path):
         assert bench.returncode == 2 and "CUDA" in bench.stderr
     bench = quantkit("bench", "--shape", "llama3-8b", "--formats", "int4,gguf")
     assert bench.returncode == 2 and "--formats takes" in bench.stderr and "Traceback" not in bench.stderr
+    for args, message in ((["--kv-cache-dtype", "int8"], "--kv-cache-dtype"), (["--context", "0"], "--context")):
+        bench = quantkit("bench", "--shape", "llama3-8b", *args)
+        assert bench.returncode == 2 and message in bench.stderr and "Traceback" not in bench.stderr
+    bad = quantkit("generate", tmp_path, "hi", "--device", "cpu", "--kv-cache-dtype", "int8")
+    assert bad.returncode == 2 and "error:" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_generate_with_an_fp8_kv_cache(tiny_family):
+    """--kv-cache-dtype fp8: the same first token as the 16-bit cache (the prompt attends in 16 bits), then the
+    decode steps read the cache's e4m3 entries; the engine holds an FP8 cache."""
+    folder, _ = tiny_family("llama")
+    outs = {}
+    for kv in ("auto", "fp8"):
+        engine = load_engine(str(folder), device="cpu", max_batch=1, max_seq_len=64, kv_cache_dtype=kv)
+        assert engine.cache.fp8 == (kv == "fp8")
+        outs[kv] = generate(engine, [5, 6, 7, 8, 9], SamplingParams(max_tokens=8, ignore_eos=True)).token_ids
+    assert len(outs["fp8"]) == 8 and outs["fp8"][0] == outs["auto"][0]
 
 
 def test_generate_streams_what_it_returns(tiny_family):
