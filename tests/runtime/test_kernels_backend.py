@@ -22,13 +22,18 @@ from tests.conftest import rel_err  # noqa: E402
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2", "qwen3", "gemma3_text"])  # the last two: q/k norms
-def test_kernels_backend_matches_reference(family, tiny_family):
+def _both_backends(family, tiny_family):
+    """The tiny ``family`` model on the reference and on the kernels backend, and the tolerance between them."""
     folder, _ = tiny_family(family)
     dtype = "bfloat16" if DEV == "cuda" else "float32"
     ref, _ = load_runtime_model(str(folder), device=DEV, dtype=dtype, backend="reference")
     fast, _ = load_runtime_model(str(folder), device=DEV, dtype=dtype, backend="kernels")
-    tol = 2e-2 if DEV == "cuda" else 1e-4
+    return ref, fast, 2e-2 if DEV == "cuda" else 1e-4
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "qwen3", "gemma3_text"])  # the last two: q/k norms
+def test_kernels_backend_matches_reference(family, tiny_family):
+    ref, fast, tol = _both_backends(family, tiny_family)
     ids = torch.randint(0, ref.spec.vocab_size, (1, 9), generator=torch.Generator().manual_seed(4))
     assert rel_err(fast.forward_logits(ids), ref.forward_logits(ids)) < tol
     caches = [KVCache.allocate(m.spec, 3, 16, m.dtype, m.device) for m in (ref, fast)]
@@ -77,11 +82,7 @@ def test_qk_norm_inside_the_decode_attention(family, tiny_family, monkeypatch):
 def test_kernels_backend_chunked_prefill_matches_reference(family, tiny_family):
     """A prompt prefilled in chunks (attention_varlen with keys longer than queries, over the cache) gives the
     reference backend's logits for the same chunks."""
-    folder, _ = tiny_family(family)
-    dtype = "bfloat16" if DEV == "cuda" else "float32"
-    ref, _ = load_runtime_model(str(folder), device=DEV, dtype=dtype, backend="reference")
-    fast, _ = load_runtime_model(str(folder), device=DEV, dtype=dtype, backend="kernels")
-    tol = 2e-2 if DEV == "cuda" else 1e-4
+    ref, fast, tol = _both_backends(family, tiny_family)
     prompt = torch.randint(0, ref.spec.vocab_size, (13,), generator=torch.Generator().manual_seed(5)).tolist()
     outs = []
     for m in (ref, fast):
@@ -97,11 +98,7 @@ def test_fp8_kv_cache_on_both_backends(family, tiny_family):
     backend's logits and cache (the same scales; codes within e4m3's rounding: the interpreter's conversion does
     not round to nearest, tests/kernels/test_fp8_quant.py, so on the CPU the logits agree to that rounding only),
     and both stay within e4m3's rounding of a 16-bit cache's logits."""
-    folder, _ = tiny_family(family)
-    dtype = "bfloat16" if DEV == "cuda" else "float32"
-    ref, _ = load_runtime_model(str(folder), device=DEV, dtype=dtype, backend="reference")
-    fast, _ = load_runtime_model(str(folder), device=DEV, dtype=dtype, backend="kernels")
-    tol = 2e-2 if DEV == "cuda" else 1e-4
+    ref, fast, tol = _both_backends(family, tiny_family)
     prompt = torch.randint(0, ref.spec.vocab_size, (13,), generator=torch.Generator().manual_seed(8)).tolist()
     logits, caches = {}, {}
     for name, m, kv in (("ref", ref, "fp8"), ("fast", fast, "fp8"), ("plain", ref, "auto")):
