@@ -47,7 +47,7 @@ def register(app: typer.Typer) -> None:
         # Checked before the model loads, so a typo costs no loading time.
         config = ServerConfig(host=host, port=port, max_queue=max_queue, max_tokens=max_tokens,
                               served_model_name=served_model_name, log_level=log_level, shutdown_timeout=shutdown_grace)
-        from quantkit.runtime.kv_budget import KV_DTYPES, parse_memory
+        from quantkit.runtime.kv_budget import check_kv_dtype, parse_memory
 
         if kv_cache_memory is not None:
             parse_memory(kv_cache_memory)
@@ -57,8 +57,7 @@ def register(app: typer.Typer) -> None:
             raise QuantkitError("give --kv-cache-memory or --kv-cache-fraction, not both")
         if kv_cache_fraction is not None and not 0 < kv_cache_fraction <= 1:
             raise QuantkitError(f"--kv-cache-fraction must be in (0, 1], got {kv_cache_fraction}")
-        if kv_cache_dtype not in KV_DTYPES:
-            raise QuantkitError(f"--kv-cache-dtype must be one of {', '.join(KV_DTYPES)}, got {kv_cache_dtype!r}")
+        check_kv_dtype(kv_cache_dtype)
         try:
             from quantkit.runtime.loader import load_engine
         except ImportError as exc:

@@ -63,6 +63,13 @@ class KVPlan:
                 f"{self.budget_bytes / gib:.2f} GiB, {self.budget_source})")
 
 
+def check_kv_dtype(kv_dtype: str) -> str:
+    """``kv_dtype`` if it is one of KV_DTYPES, else the error that names the option and its choices."""
+    if kv_dtype not in KV_DTYPES:
+        raise QuantkitError(f"--kv-cache-dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
+    return kv_dtype
+
+
 def slot_bytes(num_layers: int, num_kv_heads: int, head_dim: int, max_seq_len: int, element_size: int,
                scale_size: int = 0) -> int:
     """Bytes of one slot: keys and values of ``element_size`` bytes, and ``scale_size`` bytes a token and KV head
@@ -76,9 +83,7 @@ def plan(spec, max_seq_len: int, dtype, device, *, max_batch: int, memory: int |
     from the device when None). ``kv_dtype``: one of KV_DTYPES."""
     import torch
 
-    if kv_dtype not in KV_DTYPES:
-        raise QuantkitError(f"--kv-cache-dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
-
+    check_kv_dtype(kv_dtype)
     if memory is not None and fraction is not None:
         raise QuantkitError("give --kv-cache-memory or --kv-cache-fraction, not both")
     on_cuda = torch.device(device).type == "cuda"

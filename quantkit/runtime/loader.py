@@ -206,8 +206,7 @@ def load_engine(
     half the bytes, so about twice the tokens in the same budget; :class:`model.KVCache`)."""
     from quantkit.runtime import kv_budget
 
-    if kv_cache_dtype not in kv_budget.KV_DTYPES:  # before the model loads
-        raise QuantkitError(f"--kv-cache-dtype must be one of {', '.join(kv_budget.KV_DTYPES)}, got {kv_cache_dtype!r}")
+    kv_budget.check_kv_dtype(kv_cache_dtype)  # before the model loads
     runtime, tokenizer = load_runtime_model(
         model,
         device=device,

@@ -14,10 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from quantkit.config import QuantkitError
 from quantkit.kernels import decoder_ops_ref as ops
 from quantkit.kernels.device_info import ab_switch
-from quantkit.runtime.kv_budget import KV_DTYPES
+from quantkit.runtime.kv_budget import check_kv_dtype
 from quantkit.runtime.spec import ModelSpec, layer_rope_key, rope_tables
 from quantkit.runtime.weights import ModelWeights
 
@@ -42,9 +41,7 @@ class KVCache:
     def allocate(cls, spec: ModelSpec, slots: int, max_seq_len: int, dtype, device, kv_dtype: str = "auto"
                  ) -> KVCache:
         """``kv_dtype``: "auto" (the model's ``dtype``) or "fp8" (see the class)."""
-        if kv_dtype not in KV_DTYPES:
-            raise QuantkitError(f"KV-cache dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
-        fp8 = kv_dtype == "fp8"
+        fp8 = check_kv_dtype(kv_dtype) == "fp8"
         shape = (slots, max_seq_len, spec.num_kv_heads, spec.head_dim)
         codes = torch.float8_e4m3fn if fp8 else dtype
 

@@ -84,10 +84,9 @@ def run(
     ``formats``: the runtime rows to time (a shape: any of :data:`FORMATS`; a checkpoint: its own format and/or
     bf16, its dequantization). ``context``: prompt tokens before the timed decode steps; ``kv_cache_dtype``:
     "auto" or "fp8" (``runtime.kv_budget.KV_DTYPES``)."""
-    from quantkit.runtime.kv_budget import KV_DTYPES
+    from quantkit.runtime.kv_budget import check_kv_dtype
 
-    if kv_cache_dtype not in KV_DTYPES:
-        raise QuantkitError(f"--kv-cache-dtype must be one of {', '.join(KV_DTYPES)}, got {kv_cache_dtype!r}")
+    check_kv_dtype(kv_cache_dtype)
     if context < 1:
         raise QuantkitError(f"--context must be >= 1, got {context}")
     unknown = [f for f in formats if f not in FORMATS]
