@@ -78,8 +78,12 @@ def test_real_engine_greedy_over_http_equals_transformers(checkpoint):
                      code="context_length_exceeded")
 
 
-def test_real_engine_concurrent_requests_get_their_own_answers(checkpoint):
-    engine = engine_for(checkpoint, max_batch=4, max_seq_len=64)
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_real_engine_concurrent_requests_get_their_own_answers(checkpoint, kv_cache_dtype):
+    """Six prompts on four slots, alone and all at once: the same answers (with an FP8 cache too: each slot's
+    codes and scales are its own)."""
+    engine = engine_for(checkpoint, max_batch=4, max_seq_len=64, kv_cache_dtype=kv_cache_dtype)
+    assert engine.cache.fp8 == (kv_cache_dtype == "fp8")
     prompts = [f"the lazy dog {word}" for word in ("jumps", "reads", "rounds", "measures", "keeps", "grid")]
 
     async def ask(client, prompt):
