@@ -74,12 +74,6 @@ def router_rows(tokens: int, block_e: int, hidden: int, warps: int) -> str:
     return mode if mode != "chunks" and cells <= WHOLE_ROW_FLOATS * 32 * warps else "chunks"
 
 
-def router_reads_whole_rows(tokens: int, block_e: int, hidden: int, warps: int) -> bool:
-    """Whether a program reads its router rows (and the activations) in one tile (:func:`router_rows` "whole" or
-    "after")."""
-    return router_rows(tokens, block_e, hidden, warps) != "chunks"
-
-
 def norm_router_selected() -> bool:
     """Whether the runtime's MoE block runs its pre-norm inside the fused router's launch
     (:func:`norm_router_route_and_align`) where the fused router serves: the default; ``QUANTKIT_MOE_NORM_ROUTER=apart``

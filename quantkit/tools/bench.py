@@ -192,6 +192,12 @@ def runtime_from_hf(
 DECODE_CONTEXT = 128  # prompt tokens before the timed decode steps, by default
 
 
+def positions_needed(prefill_tokens: int, steps: int, context: int = DECODE_CONTEXT) -> int:
+    """The sequence length a bench engine holds: the prefill test's prompt (and its first new token), or a decode
+    row's ``context`` prompt tokens and its steps."""
+    return max(prefill_tokens + 1, context + steps + 2)
+
+
 def decode_tps(engine: Engine, batch: int, steps: int, prompt_len: int = DECODE_CONTEXT, seed: int = 0) -> float:
     """Decode tokens/s of ``batch`` greedy requests of ``prompt_len`` random tokens, ``steps`` decode steps each."""
     gen = torch.Generator().manual_seed(seed)
@@ -247,7 +253,7 @@ def graph_time(fn: Callable[[], object], replays: int = 20) -> float:
     return sync_time(lambda: [graph.replay() for _ in range(replays)], repeat=3) / replays
 
 
-def time_split(engine: Engine, context: int = 128) -> dict:
+def time_split(engine: Engine, context: int = DECODE_CONTEXT) -> dict:
     """Per-token time of one batch-1 decode step by part: each part captured alone in a graph with the step's
     shapes (linears; attention with RoPE and the cache write; norms and activation), the whole step's replay, and
     the engine's host share (computed by the caller)."""
@@ -338,7 +344,7 @@ def kernel_times(fn: Callable[[], object], device_type: str = "cuda", top: int =
     return {"kernels": rows[:top], "launches": sum(r["calls"] for r in rows), "sum_us": sum(r["us"] for r in rows)}
 
 
-def step_kernels(engine: Engine, context: int = 128) -> dict:
+def step_kernels(engine: Engine, context: int = DECODE_CONTEXT) -> dict:
     """``kernel_times`` of one batch-1 decode step run eagerly (as ``time_split``'s whole step, without its graph)."""
     model, cache = engine.model, engine.cache
     dev = model.device
@@ -457,7 +463,7 @@ def bench_runtime(
         model,
         None,
         max_batch=max_batch,
-        max_seq_len=max(prefill_tokens + 1, context + steps + 2),
+        max_seq_len=positions_needed(prefill_tokens, steps, context),
         cuda_graphs=True,
         graph_buckets=batches,
         kv_cache_dtype=kv_cache_dtype,
@@ -477,14 +483,14 @@ def bench_runtime(
     log.info("greedy decode against the prefill path: %s", result["greedy_vs_prefill"])
     result["prefill_tps"] = prefill_tps(engine, prefill_tokens)
     if split and 1 in batches:
-        ms = time_split(engine)
+        ms = time_split(engine, context)  # at the decode rows' context: "host" below is the difference
         # the engine's whole batch-1 step (sampling and Python included) from the decode run above
         ms["engine_step_wall"] = 1e3 / result["decode_tps"]["1"]
         ms["host"] = ms["engine_step_wall"] - ms["decode_step_graph"]
         result["time_split_ms"] = ms
         result["prefill_split_ms"] = prefill_split(engine, prefill_tokens)
         try:  # the step kernel by kernel (the profiler may be unavailable: the numbers above stand without it)
-            result["step_kernels"] = step_kernels(engine)
+            result["step_kernels"] = step_kernels(engine, context)
         except Exception as exc:  # noqa: BLE001
             log.warning("per-kernel profile of the decode step failed: %s: %s", type(exc).__name__, exc)
     result["peak_memory_bytes"] = torch.cuda.max_memory_allocated()

@@ -154,6 +154,11 @@ _SHAPE_FORMATS = (
 )
 
 
+def _max_positions(prefill_tokens: int, steps: int, opts: dict) -> int:
+    """The runtime's positions for a run: what its engine holds (``bench.positions_needed``), 4096 at least."""
+    return max(4096, bench.positions_needed(prefill_tokens, steps, opts.get("context", bench.DECODE_CONTEXT)))
+
+
 def _shape_phases(target, batches, steps, prefill_tokens, baselines, publish, formats=FORMATS, opts=None) -> None:
     """Each format on its own random model, each phase published as soon as it exists. ``opts``: bench_runtime's
     decode settings (context, KV-cache dtype)."""
@@ -163,7 +168,7 @@ def _shape_phases(target, batches, steps, prefill_tokens, baselines, publish, fo
     if random_moe.is_moe_shape(bench.SHAPES.get(target, {})):
         _moe_shape_phases(target, batches, steps, prefill_tokens, publish, formats, opts)
         return
-    positions = max(4096, prefill_tokens + 1, opts.get("context", bench.DECODE_CONTEXT) + steps + 2)
+    positions = _max_positions(prefill_tokens, steps, opts)
     for fmt in (f for f in _SHAPE_FORMATS if f.key in formats):
         hf = bench.random_hf_model(target, "cuda")
         quant = None
@@ -189,7 +194,7 @@ def _moe_shape_phases(target, batches, steps, prefill_tokens, publish, formats=F
 
     opts = opts or {}
     publish("baselines", "none: MoE shapes are built without a transformers model (tools/random_moe.py)")
-    positions = max(4096, prefill_tokens + 1, opts.get("context", bench.DECODE_CONTEXT) + steps + 2)
+    positions = _max_positions(prefill_tokens, steps, opts)
     for key in (k for k in FORMATS if k in formats):
         runtime = random_moe_runtime(bench.SHAPES[target], key, "cuda", max_positions=positions, name=target)
         publish(key, bench.bench_runtime(runtime, batches, steps, prefill_tokens, split=True, **opts))
@@ -207,7 +212,7 @@ def _checkpoint_phases(target, batches, steps, prefill_tokens, baselines, publis
         raise QuantkitError(f"{target} is an {quantized} checkpoint: --formats can time {quantized} and bf16 (its "
                             f"dequantization), got {','.join(formats)!r}")
     opts = opts or {}
-    positions = max(4096, prefill_tokens + 1, opts.get("context", bench.DECODE_CONTEXT) + steps + 2)
+    positions = _max_positions(prefill_tokens, steps, opts)
     for key, dequantize in (("bf16", True), (quantized, False)):
         if key not in formats:
             continue

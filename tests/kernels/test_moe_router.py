@@ -68,10 +68,10 @@ def test_norm_router_equals_the_norm_then_the_router(monkeypatch, rows, with_res
     """The block's add + RMSNorm inside the router's launch: the normed rows and the sum as add_rms_norm_ref gives
     them, the routing of those normed rows as route_ref on F.linear's logits, the align's layout; twice (the
     counter is back at zero); rows read whole and chunk by chunk. H = 200 is not a power of two: the masks."""
-    from quantkit.kernels.moe_router import router_reads_whole_rows
+    from quantkit.kernels.moe_router import router_rows
 
     monkeypatch.setenv("QUANTKIT_MOE_ROUTER_ROWS", rows)
-    assert router_reads_whole_rows(tokens, 4, hidden, 4) == (rows != "chunks")
+    assert (router_rows(tokens, 4, hidden, 4) != "chunks") == (rows != "chunks")
     from quantkit.kernels.decoder_ops_ref import add_rms_norm_ref
 
     delta, router = _inputs(tokens, n_exp, hidden, dtype, seed=tokens + 11)
@@ -156,13 +156,13 @@ def test_fused_router_compiles_for_sm90_without_spills(sm90, tmp_path, monkeypat
     "after" every load waits). ``config``:
     (rows a program, warps) instead of the default's."""
     from quantkit.kernels.moe_align import FILL, _blocks_a_step, _warps
-    from quantkit.kernels.moe_router import BLOCK_E, router_reads_whole_rows
+    from quantkit.kernels.moe_router import BLOCK_E, router_rows
 
     monkeypatch.setenv("QUANTKIT_MOE_ROUTER_ROWS", rows)
     pairs, n_exp, hidden = tokens * 8, 128, 2048
     block_e, warps = config or (BLOCK_E, _warps(pairs, n_exp))
     toks = triton.next_power_of_2(tokens)
-    whole = router_reads_whole_rows(tokens, block_e, hidden, warps)
+    whole = router_rows(tokens, block_e, hidden, warps) != "chunks"
     signature = {"x_ptr": "*bf16", "stride_xt": "i32", "w_ptr": "*bf16", "stride_we": "i32", "logits_ptr": "*bf16",
                  "counter_ptr": "*i32", "weights_ptr": "*fp32", "ids_ptr": "*i64", "sorted_ptr": "*i32",
                  "block_expert_ptr": "*i32", "num_tokens": "i32", "num_experts": "i32", "hidden": "i32",
