@@ -112,18 +112,34 @@ def model_to_quantize(args, sizes: dict, seed: int):
     torch's ``normal_`` runs on one core whatever the thread count (1.8 s for 403 M on 1 or 2), so the 48 layers take
     ~9 minutes: a 48-layer GPTQ call with the model drawn on the CPU printed nothing, not even its first layer, in
     560 s (one H100, 2026-12-07)."""
+    t0 = time.perf_counter()
     model = random_moe("qwen3_moe", device=args.device, dtype=torch.bfloat16, seed=seed, **sizes)
+    where = f"drawn on {args.device}"
     if args.model_device and torch.device(args.model_device) != torch.device(args.device):
         model.to(args.model_device)
         _free()
+        where += f", moved to {args.model_device}"
+    # printed at once: a call cut before the first layer still says where its time went
+    print(f"  model built in {time.perf_counter() - t0:.1f} s ({where})", flush=True)
     return model
 
 
-def run_gptq(args, sizes: dict, record: dict):
+def prepared(model, name: str, scheme):
+    """``name``'s method with its defaults around ``model``, its experts unfused into per-expert linears
+    (timed and printed: on a model in host memory this ran ~3.5 minutes before the walk until 2026-12-07)."""
     from quantkit.api import build_method
+    from quantkit.methods.moe_prepare import prepare_for_quantization
+
+    t0 = time.perf_counter()
+    method = prepare_for_quantization(model, build_method(name, scheme))
+    seconds = time.perf_counter() - t0
+    print(f"  experts unfused in {seconds:.1f} s", flush=True)
+    return method, seconds
+
+
+def run_gptq(args, sizes: dict, record: dict):
     from quantkit.calibrate.walker import walk
     from quantkit.config import QuantScheme
-    from quantkit.methods.moe_prepare import prepare_for_quantization
     from quantkit.models.lazy import peak_host_memory_bytes
     from quantkit.moe.stats import expert_tokens
 
@@ -131,7 +147,7 @@ def run_gptq(args, sizes: dict, record: dict):
     model = model_to_quantize(args, sizes, seed=0)
     record["build_seconds"] = time.perf_counter() - t0
     scheme = QuantScheme(bits=4, group_size=128, sym=True)
-    method = prepare_for_quantization(model, build_method("gptq", scheme))
+    method, unfuse_seconds = prepared(model, "gptq", scheme)
     tokens = torch.randint(0, sizes["vocab_size"], (args.nsamples, args.seqlen),
                            generator=torch.Generator().manual_seed(0))
     if args.device.startswith("cuda"):
@@ -144,7 +160,7 @@ def run_gptq(args, sizes: dict, record: dict):
     seconds = time.perf_counter() - t0
     experts = expert_tokens(result.layer_stats)
     record["gptq"] = {
-        "seconds": seconds, **median_layer(done),
+        "seconds": seconds, "unfuse_seconds": unfuse_seconds, **median_layer(done),
         "peak_device_gib": torch.cuda.max_memory_allocated() / 2**30 if args.device.startswith("cuda") else 0,
         "peak_host_gib": peak_host_memory_bytes() / 2**30, "n_quantized": len(result.weights),
         "rtn_fallback_experts": sum(len(r["rtn_fallback"]) for r in experts.values()),
@@ -170,15 +186,14 @@ def quantize_rtn(args, sizes: dict, record: dict):
 
 def run_method(args, sizes: dict, name: str) -> dict:
     """A fresh random model quantized by ``name`` with its defaults: seconds and peak memory."""
-    from quantkit.api import build_method, default_options
+    from quantkit.api import default_options
     from quantkit.calibrate.walker import walk
     from quantkit.config import QuantScheme
-    from quantkit.methods.moe_prepare import prepare_for_quantization
     from quantkit.models.lazy import peak_host_memory_bytes
 
     model = model_to_quantize(args, sizes, seed=1)
     scheme = QuantScheme(bits=4, group_size=128, sym=name != "awq")
-    method = prepare_for_quantization(model, build_method(name, scheme))
+    method, unfuse_seconds = prepared(model, name, scheme)
     tokens = torch.randint(0, sizes["vocab_size"], (args.nsamples, args.seqlen),
                            generator=torch.Generator().manual_seed(0))
     if args.device.startswith("cuda"):
@@ -189,7 +204,8 @@ def run_method(args, sizes: dict, name: str) -> dict:
     result = walk(model, method, device=args.device, token_ids=tokens, batch_size=args.batch_size,
                   on_layer=layer_printer(name, done))
     sync()
-    return {"seconds": time.perf_counter() - t0, **median_layer(done), "n_quantized": len(result.weights),
+    return {"seconds": time.perf_counter() - t0, "unfuse_seconds": unfuse_seconds, **median_layer(done),
+            "n_quantized": len(result.weights),
             "peak_device_gib": torch.cuda.max_memory_allocated() / 2**30 if args.device.startswith("cuda") else 0,
             "peak_host_gib": peak_host_memory_bytes() / 2**30, "tokens": args.nsamples * args.seqlen,
             "options": default_options(name, scheme)}

@@ -385,11 +385,12 @@ moe-quantize)  # issue 39's 10-minute targets: GPTQ (third argument gptq, the de
     ;;
 kv-fp8)  # the FP8 KV cache (issue 42's option): its GPU tests, then `quantkit bench` on the 8B shape (third argument:
     # another shape) in int4 with 4,096 prompt tokens before the timed decode steps, the cache 16-bit then FP8, twice
-    # alternating (BUDGET_S ~480, no carry)
+    # alternating (BUDGET_S ~480, no carry; fourth argument 1: one round, BUDGET_S ~300)
     card | tee "$OUT/card.txt"
     step 120 env OMP_NUM_THREADS=1 python3 -m pytest -m gpu tests/kernels/test_kv_fp8.py tests/runtime/test_kernels_backend.py \
         -k "fp8" -q -rfE -p no:cacheprovider 2>&1 | tail -5
-    for round in "" 2; do
+    rounds=("" 2); [ "${4:-2}" = 1 ] && rounds=("")
+    for round in "${rounds[@]}"; do
         for kv in auto fp8; do
             bench_variant "bench_kv${kv}${round}" 150 "" --shape "${3:-llama3-8b}" --formats int4 --steps 64 \
                 --batches 1,8,32 --context 4096 --kv-cache-dtype "$kv"

@@ -50,6 +50,21 @@ def test_unfused_experts_compute_what_transformers_computes(model_type):
     assert not any(p.dim() == 3 for p in model.parameters())
 
 
+def test_unfusing_draws_no_random_weights(monkeypatch):
+    # the per-expert linears take the fused weights as they are: drawing default values first cost ~3.5 minutes
+    # on the 48 layers of a Qwen3-30B-A3B-shaped model in host memory
+    from quantkit.moe.layout import prepare_moe_model
+
+    model = tiny_moe("qwen3_moe")
+
+    def no_init(tensor, *args, **kwargs):  # on the meta device it costs nothing
+        assert tensor.is_meta, "an expert linear was initialised before its weights were copied in"
+        return tensor
+
+    monkeypatch.setattr(torch.nn.init, "kaiming_uniform_", no_init)
+    assert prepare_moe_model(model) == 2
+
+
 @pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe", "qwen3_moe"])
 def test_gptq_checkpoint_reload_same_logits_and_vllm_names(model_type, tmp_path):
     model, result = quantized(model_type)
