@@ -20,12 +20,15 @@ def test_tiny_run_writes_every_cpu_section(tmp_path):
                           env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "kernel section skipped" in done.stdout
+    # what runs before the first layer is printed as it ends (a cut device call still shows where its time went)
+    assert "model built in" in done.stdout and "experts unfused in" in done.stdout
     record = json.loads(out.read_text())
     assert record["shape"]["num_hidden_layers"] == 2 and record["gptq"]["tokens"] == 4 * 64
     assert record["gptq"]["n_quantized"] > 0 and record["awq"]["seconds"] > 0
     # where each method's layer time goes (the walker's phases and the method's own)
     assert "method.scale_search" in record["awq"]["layer_phases_median"]
     assert record["gptq"]["layer_seconds_median"] > 0 and "method" in record["gptq"]["layer_phases_median"]
+    assert record["gptq"]["unfuse_seconds"] >= 0 and record["awq"]["unfuse_seconds"] >= 0
     whats = {(r["model"], r["what"]) for r in record["serve"]}
     assert {("int4", "decode b1"), ("bf16", "decode b1"), ("int4", "prefill 2048")} <= whats
     assert record["int4_over_bf16_decode_b1"] > 0 and "kernel" not in record
