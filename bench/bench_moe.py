@@ -128,7 +128,7 @@ def model_to_quantize(args, sizes: dict, seed: int):
 
 def prepared(model, name: str, scheme):
     """``name``'s method with its defaults around ``model``, its experts unfused into per-expert linears
-    (timed and printed: on a model in host memory this ran ~3.5 minutes before the walk until 2026-12-07)."""
+    (timed and printed: on a model in host memory this ran for minutes before the walk until 2026-12-07)."""
     from quantkit.api import build_method
     from quantkit.methods.moe_prepare import prepare_for_quantization
 

@@ -51,8 +51,8 @@ def test_unfused_experts_compute_what_transformers_computes(model_type):
 
 
 def test_unfusing_draws_no_random_weights(monkeypatch):
-    # the per-expert linears take the fused weights as they are: drawing default values first cost ~3.5 minutes
-    # on the 48 layers of a Qwen3-30B-A3B-shaped model in host memory
+    # the per-expert linears take the fused weights as they are: drawing default values first cost minutes on the
+    # 48 layers of a Qwen3-30B-A3B-shaped model in host memory (bench/moe_unfuse_time.py)
     from quantkit.moe.layout import prepare_moe_model
 
     model = tiny_moe("qwen3_moe")
