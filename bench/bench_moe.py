@@ -109,8 +109,8 @@ def median_layer(done: list) -> dict:
 
 
 def model_to_quantize(args, sizes: dict, seed: int):
-    """The random model a method quantizes, on ``--model-device`` (default ``--device``). Drawn on ``--device``
-    and moved: on the CPU, one layer of the 30B shape with the embeddings (1.24 B weights) took 22.7 s to draw, and
+    """The random model a method quantizes, on ``--model-device`` (default ``--device``), and the seconds its
+    build took (printed as it ends). Drawn on ``--device`` and moved: on the CPU, one layer of the 30B shape with the embeddings (1.24 B weights) took 22.7 s to draw, and
     torch's ``normal_`` runs on one core whatever the thread count (1.8 s for 403 M on 1 or 2), so the 48 layers take
     ~9 minutes: a 48-layer GPTQ call with the model drawn on the CPU printed nothing, not even its first layer, in
     560 s (one H100, 2026-12-07)."""
@@ -121,9 +121,10 @@ def model_to_quantize(args, sizes: dict, seed: int):
         model.to(args.model_device)
         _free()
         where += f", moved to {args.model_device}"
+    seconds = time.perf_counter() - t0
     # printed at once: a call cut before the first layer still says where its time went
-    print(f"  model built in {time.perf_counter() - t0:.1f} s ({where})", flush=True)
-    return model
+    print(f"  model built in {seconds:.1f} s ({where})", flush=True)
+    return model, seconds
 
 
 def prepared(model, name: str, scheme):
@@ -145,9 +146,7 @@ def run_gptq(args, sizes: dict, record: dict):
     from quantkit.models.lazy import peak_host_memory_bytes
     from quantkit.moe.stats import expert_tokens
 
-    t0 = time.perf_counter()
-    model = model_to_quantize(args, sizes, seed=0)
-    record["build_seconds"] = time.perf_counter() - t0
+    model, record["build_seconds"] = model_to_quantize(args, sizes, seed=0)
     scheme = QuantScheme(bits=4, group_size=128, sym=True)
     method, unfuse_seconds = prepared(model, "gptq", scheme)
     tokens = torch.randint(0, sizes["vocab_size"], (args.nsamples, args.seqlen),
@@ -193,7 +192,7 @@ def run_method(args, sizes: dict, name: str) -> dict:
     from quantkit.config import QuantScheme
     from quantkit.models.lazy import peak_host_memory_bytes
 
-    model = model_to_quantize(args, sizes, seed=1)
+    model, _ = model_to_quantize(args, sizes, seed=1)
     scheme = QuantScheme(bits=4, group_size=128, sym=name != "awq")
     method, unfuse_seconds = prepared(model, name, scheme)
     tokens = torch.randint(0, sizes["vocab_size"], (args.nsamples, args.seqlen),

@@ -46,7 +46,7 @@
 # codes tuned on the card and the 8B FP8 step with its picks against without, and o quantized apart (inside its
 # GEMV is the default) (`fp8-codes 560 [ROUNDS]`); the suite without the GGUF tests, then that
 # once through (`tests-fp8 560`, carry as tests); the FP8 KV cache's GPU tests and the int4 step at 4,096 tokens of
-# context with a 16-bit and an FP8 cache (`kv-fp8 480 [SHAPE]`).
+# context with a 16-bit and an FP8 cache (`kv-fp8 480 [SHAPE [1]]`, 1: one round).
 # Everything lands in $OUT (JSON of each bench, the suite's log).
 # pytest runs with OMP_NUM_THREADS=1: 8-12 xdist workers on 16 cores, each with torch's one thread a core, took
 # turns on the cores (the MoE GPU tests, mostly CPU set-up, ran 44-109 s a case on an H100, 2026-12-05).
@@ -374,7 +374,7 @@ fp8-codes)  # issue 42's FP8 GEMV on codes tuned here, then the 8B step three wa
     ;;
 moe-quantize)  # issue 39's 10-minute targets: GPTQ (third argument gptq, the default) or AWQ (awq) with the
     # defaults on 128 x 2048 tokens, on the first LAYERS (fourth argument, default 16) of the Qwen3-30B-A3B shape:
-    # LAYERS 48 is the whole model (GPTQ ~5 min on an H100); fewer, and the whole is the per-layer time x 48 (the
+    # LAYERS 48 is the whole model (GPTQ's layers 5.8 s each on an H100, 7.7 s from host memory); fewer, and the whole is the per-layer time x 48 (the
     # layers are alike; the log prints each layer's seconds). Fifth argument cpu: the model built in host memory,
     # the walker moving one layer at a time to the GPU, as a model loaded from disk is (default: built on the GPU).
     # Peak device and host memory in the JSON.

@@ -177,7 +177,7 @@ def test_gpu_fp8_cache_at_the_qwen3_moe_heads(positions):
 @pytest.mark.parametrize("qk_norm", [False, True])
 def test_decode_attention_on_an_fp8_cache_compiles_for_sm90_without_spills(sm90, tmp_path, qk_norm):
     """The fused decode attention at Qwen3-30B-A3B's heads (group 8, head dim 128, the launcher's tiles) reading
-    an FP8 cache: no spills, and the codes come in as bytes (no 16-bit cache load)."""
+    an FP8 cache: no spills, and the new token's codes made by round-to-nearest conversions."""
     signature = {"qkv_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "pos_ptr": "*i32", "slots_ptr": "*i32",
                  "k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv", "o_part_ptr": "*fp32", "lse_part_ptr": "*fp32",
                  "out_ptr": "*bf16", "counter_ptr": "*i32", "qw_ptr": "*fp32", "kw_ptr": "*fp32", "sm_scale": "fp32",
