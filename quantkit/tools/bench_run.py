@@ -12,7 +12,7 @@ import json
 import logging
 import platform
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -109,7 +109,7 @@ def run(
         "decode_context": context,
         "kv_cache_dtype": kv_cache_dtype,
     }
-    opts = dict(context=context, kv_cache_dtype=kv_cache_dtype)  # every runtime row's decode settings
+    decode = DecodeSettings(context, kv_cache_dtype)
 
     def publish(key: str, value) -> None:
         record[key] = value
@@ -121,10 +121,22 @@ def run(
 
     publish("copy_bandwidth_gbs", bench.copy_bandwidth("cuda"))
     if shape:
-        _shape_phases(target, batches, steps, prefill_tokens, baselines, publish, formats, opts)
+        _shape_phases(target, batches, steps, prefill_tokens, baselines, publish, formats, decode)
     else:
-        _checkpoint_phases(target, batches, steps, prefill_tokens, baselines, publish, formats, opts)
+        _checkpoint_phases(target, batches, steps, prefill_tokens, baselines, publish, formats, decode)
     return record
+
+
+@dataclass(frozen=True)
+class DecodeSettings:
+    """How every runtime row of one run decodes (``bench.bench_runtime``'s keyword arguments of the same names)."""
+
+    context: int = bench.DECODE_CONTEXT  # prompt tokens each row holds before the timed steps
+    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) or "fp8"
+
+    def positions(self, prefill_tokens: int, steps: int) -> int:
+        """The runtime's positions for a run: what its engine holds (``bench.positions_needed``), 4096 at least."""
+        return max(4096, bench.positions_needed(prefill_tokens, steps, self.context))
 
 
 @dataclass(frozen=True)
@@ -154,21 +166,15 @@ _SHAPE_FORMATS = (
 )
 
 
-def _max_positions(prefill_tokens: int, steps: int, opts: dict) -> int:
-    """The runtime's positions for a run: what its engine holds (``bench.positions_needed``), 4096 at least."""
-    return max(4096, bench.positions_needed(prefill_tokens, steps, opts.get("context", bench.DECODE_CONTEXT)))
-
-
-def _shape_phases(target, batches, steps, prefill_tokens, baselines, publish, formats=FORMATS, opts=None) -> None:
-    """Each format on its own random model, each phase published as soon as it exists. ``opts``: bench_runtime's
-    decode settings (context, KV-cache dtype)."""
+def _shape_phases(target, batches, steps, prefill_tokens, baselines, publish, formats=FORMATS,
+                  decode: DecodeSettings = DecodeSettings()) -> None:
+    """Each format on its own random model, each phase published as soon as it exists."""
     from quantkit.tools import random_moe
 
-    opts = opts or {}
     if random_moe.is_moe_shape(bench.SHAPES.get(target, {})):
-        _moe_shape_phases(target, batches, steps, prefill_tokens, publish, formats, opts)
+        _moe_shape_phases(target, batches, steps, prefill_tokens, publish, formats, decode)
         return
-    positions = _max_positions(prefill_tokens, steps, opts)
+    positions = decode.positions(prefill_tokens, steps)
     for fmt in (f for f in _SHAPE_FORMATS if f.key in formats):
         hf = bench.random_hf_model(target, "cuda")
         quant = None
@@ -177,7 +183,7 @@ def _shape_phases(target, batches, steps, prefill_tokens, baselines, publish, fo
             _free()
         runtime = bench.runtime_from_hf(hf, quant, max_positions=positions)
         publish(fmt.check, _logits_check(runtime, lambda ids, hf=hf: hf(ids).logits, hf.config.vocab_size))
-        publish(fmt.key, bench.bench_runtime(runtime, batches, steps, prefill_tokens, split=True, **opts))
+        publish(fmt.key, bench.bench_runtime(runtime, batches, steps, prefill_tokens, split=True, **asdict(decode)))
         del runtime
         _free()
         if baselines and fmt.baseline is not None:
@@ -186,24 +192,24 @@ def _shape_phases(target, batches, steps, prefill_tokens, baselines, publish, fo
         _free()
 
 
-def _moe_shape_phases(target, batches, steps, prefill_tokens, publish, formats=FORMATS, opts=None) -> None:
+def _moe_shape_phases(target, batches, steps, prefill_tokens, publish, formats=FORMATS,
+                      decode: DecodeSettings = DecodeSettings()) -> None:
     """A MoE shape: each format's runtime straight from random tensors (``tools/random_moe.py`` says why), so no
     transformers model to check the logits against or to time ``generate`` on (the GPU tests compare the kernels
     backend with the reference backend on tiny MoE checkpoints of every format)."""
     from quantkit.tools.random_moe import random_moe_runtime
 
-    opts = opts or {}
     publish("baselines", "none: MoE shapes are built without a transformers model (tools/random_moe.py)")
-    positions = _max_positions(prefill_tokens, steps, opts)
+    positions = decode.positions(prefill_tokens, steps)
     for key in (k for k in FORMATS if k in formats):
         runtime = random_moe_runtime(bench.SHAPES[target], key, "cuda", max_positions=positions, name=target)
-        publish(key, bench.bench_runtime(runtime, batches, steps, prefill_tokens, split=True, **opts))
+        publish(key, bench.bench_runtime(runtime, batches, steps, prefill_tokens, split=True, **asdict(decode)))
         del runtime
         _free()
 
 
-def _checkpoint_phases(target, batches, steps, prefill_tokens, baselines, publish, formats=FORMATS, opts=None
-                       ) -> None:
+def _checkpoint_phases(target, batches, steps, prefill_tokens, baselines, publish, formats=FORMATS,
+                       decode: DecodeSettings = DecodeSettings()) -> None:
     from quantkit.checkpoint.fp8 import is_fp8_checkpoint
     from quantkit.runtime.loader import load_runtime_model
 
@@ -211,15 +217,15 @@ def _checkpoint_phases(target, batches, steps, prefill_tokens, baselines, publis
     if not set(formats) & {"bf16", quantized}:
         raise QuantkitError(f"{target} is an {quantized} checkpoint: --formats can time {quantized} and bf16 (its "
                             f"dequantization), got {','.join(formats)!r}")
-    opts = opts or {}
-    positions = _max_positions(prefill_tokens, steps, opts)
+    positions = decode.positions(prefill_tokens, steps)
     for key, dequantize in (("bf16", True), (quantized, False)):
         if key not in formats:
             continue
         runtime, _ = load_runtime_model(
             target, device="cuda", dtype="bfloat16", dequantize=dequantize, max_positions=positions
         )
-        publish(key, bench.bench_runtime(runtime, batches, steps, prefill_tokens, split=key != "bf16", **opts))
+        split = key != "bf16"
+        publish(key, bench.bench_runtime(runtime, batches, steps, prefill_tokens, split=split, **asdict(decode)))
         del runtime
         _free()
     if baselines:

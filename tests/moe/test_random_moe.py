@@ -60,7 +60,7 @@ def test_moe_shape_run_builds_no_transformers_model(monkeypatch):
     monkeypatch.setattr(bench, "random_hf_model", lambda *a, **k: pytest.fail("a transformers model was built"))
     monkeypatch.setattr("quantkit.tools.random_moe.random_moe_runtime",
                         lambda config, fmt, device, **kw: events.append((config["model_type"], fmt, device)) or fmt)
-    monkeypatch.setattr(bench, "bench_runtime", lambda rt, b, s, p, split: {"rt": rt, "split": split})
+    monkeypatch.setattr(bench, "bench_runtime", lambda rt, b, s, p, split, **decode: {"rt": rt, "split": split})
     monkeypatch.setattr(bench_run, "_free", lambda: None)
     bench_run._shape_phases("qwen3-30b-a3b", (1, 8), 4, 16, True, lambda k, v: published.append((k, v)))
     assert events == [("qwen3_moe", f, "cuda") for f in ("int4", "fp8", "bf16")]

@@ -63,13 +63,14 @@ def test_shape_run_measures_int4_fp8_bf16_in_order(monkeypatch):
     monkeypatch.setattr(bench_run, "_logits_check", lambda rt, ref, vocab: f"check {rt} {vocab}")
     monkeypatch.setattr(bench_run, "_free", lambda: None)
     bench_args = ((1, 8), 4, 16, True)
+    default = {"context": bench.DECODE_CONTEXT, "kv_cache_dtype": "auto"}  # every row decodes alike
     expected = [("check_int4_rel_err_vs_quantlinear", "check model0 256"),
-                ("int4", {"rt": "model0", "args": bench_args}),
+                ("int4", {"rt": "model0", "args": bench_args, **default}),
                 ("transformers_quantlinear", {"generate": "model0"}),
                 ("check_fp8_rel_err_vs_fp8linear", "check model1 256"),
-                ("fp8", {"rt": "model1", "args": bench_args}),
+                ("fp8", {"rt": "model1", "args": bench_args, **default}),
                 ("check_bf16_rel_err_vs_transformers", "check model2 256"),
-                ("bf16", {"rt": "model2", "args": bench_args}),
+                ("bf16", {"rt": "model2", "args": bench_args, **default}),
                 ("transformers_bf16", {"generate": "model2"})]
     for baselines in (True, False):
         events.clear()
@@ -99,9 +100,9 @@ def test_shape_run_measures_int4_fp8_bf16_in_order(monkeypatch):
     published.clear()
     positions.clear()
     names = iter(range(2, 3))
-    opts = dict(context=6000, kv_cache_dtype="fp8")
-    bench_run._shape_phases("tiny", (1, 8), 4, 16, False, lambda k, v: published.append((k, v)), ("bf16",), opts)
-    assert published[-1] == ("bf16", {"rt": "model2", "args": bench_args, **opts})
+    decode = bench_run.DecodeSettings(context=6000, kv_cache_dtype="fp8")
+    bench_run._shape_phases("tiny", (1, 8), 4, 16, False, lambda k, v: published.append((k, v)), ("bf16",), decode)
+    assert published[-1] == ("bf16", {"rt": "model2", "args": bench_args, "context": 6000, "kv_cache_dtype": "fp8"})
     assert positions == [6000 + 4 + 2]
 
 
