@@ -141,32 +141,14 @@ def prepared(model, name: str, scheme):
 
 
 def run_gptq(args, sizes: dict, record: dict):
-    from quantkit.calibrate.walker import walk
-    from quantkit.config import QuantScheme
-    from quantkit.models.lazy import peak_host_memory_bytes
+    """GPTQ with its defaults (``quantize_timed``), plus the experts' calibration tokens and fallbacks; the model and
+    its result stay for the serving section."""
     from quantkit.moe.stats import expert_tokens
 
-    model, record["build_seconds"] = model_to_quantize(args, sizes, seed=0)
-    scheme = QuantScheme(bits=4, group_size=128, sym=True)
-    method, unfuse_seconds = prepared(model, "gptq", scheme)
-    tokens = torch.randint(0, sizes["vocab_size"], (args.nsamples, args.seqlen),
-                           generator=torch.Generator().manual_seed(0))
-    if args.device.startswith("cuda"):
-        torch.cuda.reset_peak_memory_stats()
-    done: list = []
-    t0 = time.perf_counter()
-    result = walk(model, method, device=args.device, token_ids=tokens, batch_size=args.batch_size,
-                  on_layer=layer_printer("gptq", done))
-    sync()
-    seconds = time.perf_counter() - t0
+    model, result, scheme, timing = quantize_timed(args, sizes, "gptq", seed=0)
     experts = expert_tokens(result.layer_stats)
-    record["gptq"] = {
-        "seconds": seconds, "unfuse_seconds": unfuse_seconds, **median_layer(done),
-        "peak_device_gib": torch.cuda.max_memory_allocated() / 2**30 if args.device.startswith("cuda") else 0,
-        "peak_host_gib": peak_host_memory_bytes() / 2**30, "n_quantized": len(result.weights),
-        "rtn_fallback_experts": sum(len(r["rtn_fallback"]) for r in experts.values()),
-        "tokens": args.nsamples * args.seqlen, "scheme": "W4 g128 sym, GPTQ defaults, --moe-calib all",
-    }
+    record["gptq"] = {**timing, "rtn_fallback_experts": sum(len(r["rtn_fallback"]) for r in experts.values()),
+                      "scheme": "W4 g128 sym, GPTQ defaults, --moe-calib all"}
     return model, result, scheme
 
 
@@ -185,31 +167,41 @@ def quantize_rtn(args, sizes: dict, record: dict):
     return model, result, scheme
 
 
-def run_method(args, sizes: dict, name: str) -> dict:
-    """A fresh random model quantized by ``name`` with its defaults: seconds and peak memory."""
+def quantize_timed(args, sizes: dict, name: str, seed: int):
+    """A fresh random model quantized by ``name`` with its defaults: the model, the walker's result, the scheme and
+    the timing record (build, unfuse and walk seconds, ``total_seconds`` the last two: what quantizing the model in
+    memory costs, its build aside; the median layer and its phases; peak device and host memory)."""
     from quantkit.api import default_options
     from quantkit.calibrate.walker import walk
     from quantkit.config import QuantScheme
     from quantkit.models.lazy import peak_host_memory_bytes
 
-    model, _ = model_to_quantize(args, sizes, seed=1)
+    model, build_seconds = model_to_quantize(args, sizes, seed=seed)
     scheme = QuantScheme(bits=4, group_size=128, sym=name != "awq")
     method, unfuse_seconds = prepared(model, name, scheme)
     tokens = torch.randint(0, sizes["vocab_size"], (args.nsamples, args.seqlen),
                            generator=torch.Generator().manual_seed(0))
     if args.device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
-
     done: list = []
     t0 = time.perf_counter()
     result = walk(model, method, device=args.device, token_ids=tokens, batch_size=args.batch_size,
                   on_layer=layer_printer(name, done))
     sync()
-    return {"seconds": time.perf_counter() - t0, "unfuse_seconds": unfuse_seconds, **median_layer(done),
-            "n_quantized": len(result.weights),
-            "peak_device_gib": torch.cuda.max_memory_allocated() / 2**30 if args.device.startswith("cuda") else 0,
-            "peak_host_gib": peak_host_memory_bytes() / 2**30, "tokens": args.nsamples * args.seqlen,
-            "options": default_options(name, scheme)}
+    seconds = time.perf_counter() - t0
+    timing = {"seconds": seconds, "build_seconds": build_seconds, "unfuse_seconds": unfuse_seconds,
+              "total_seconds": unfuse_seconds + seconds, **median_layer(done), "n_quantized": len(result.weights),
+              "peak_device_gib": torch.cuda.max_memory_allocated() / 2**30 if args.device.startswith("cuda") else 0,
+              "peak_host_gib": peak_host_memory_bytes() / 2**30, "tokens": args.nsamples * args.seqlen,
+              "options": default_options(name, scheme)}
+    print(f"  {name}: {len(done)} layers in {seconds:.1f} s, {timing['total_seconds']:.1f} s with the unfuse; peak "
+          f"device {timing['peak_device_gib']:.1f} GiB, host {timing['peak_host_gib']:.1f} GiB", flush=True)
+    return model, result, scheme, timing
+
+
+def run_method(args, sizes: dict, name: str) -> dict:
+    """``quantize_timed``'s record alone (the model and its weights freed)."""
+    return quantize_timed(args, sizes, name, seed=1)[3]
 
 
 def runtime_from(model, weights: dict | None, scheme, dense_random: bool = False):

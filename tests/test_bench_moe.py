@@ -28,7 +28,11 @@ def test_tiny_run_writes_every_cpu_section(tmp_path):
     # where each method's layer time goes (the walker's phases and the method's own)
     assert "method.scale_search" in record["awq"]["layer_phases_median"]
     assert record["gptq"]["layer_seconds_median"] > 0 and "method" in record["gptq"]["layer_phases_median"]
-    assert record["gptq"]["unfuse_seconds"] >= 0 and record["awq"]["unfuse_seconds"] >= 0
+    for method in ("gptq", "awq"):  # the whole model's cost: the experts' unfuse and the walk
+        r = record[method]
+        assert r["unfuse_seconds"] >= 0 and r["total_seconds"] == r["unfuse_seconds"] + r["seconds"]
+        assert r["build_seconds"] > 0 and r["peak_host_gib"] > 0
+        assert f"{method}: 2 layers in" in done.stdout
     whats = {(r["model"], r["what"]) for r in record["serve"]}
     assert {("int4", "decode b1"), ("bf16", "decode b1"), ("int4", "prefill 2048")} <= whats
     assert record["int4_over_bf16_decode_b1"] > 0 and "kernel" not in record
