@@ -67,8 +67,8 @@ def router_rows(tokens: int, block_e: int, hidden: int, warps: int) -> str:
     "whole" and "after" only where the [tokens, BLOCK_E, hidden] product fits WHOLE_ROW_FLOATS a thread
     (Qwen3-30B-A3B's hidden 2048 at batch 1), "chunks" elsewhere. Why: the eager batch-1 step spends 7.3 us a
     layer in this launch for 0.5 MB (one H200, 2026-12-06). Measured: "whole" made the launch alone faster and the
-    whole 30B-A3B step at batch 1 4 % slower (one H100, 2026-12-07, docs/moe.md); "after" tells whether the early
-    requests or the one tile did that (not yet timed)."""
+    whole 30B-A3B step at batch 1 4 % slower (one H100, 2026-12-07, docs/moe.md); "after" 5 % slower (the same
+    card, code f8aa03f): the one tile costs in the graph, not the early requests."""
     mode = ab_switch("QUANTKIT_MOE_ROUTER_ROWS", ROUTER_ROWS)
     cells = triton.next_power_of_2(tokens) * block_e * triton.next_power_of_2(hidden)
     return mode if mode != "chunks" and cells <= WHOLE_ROW_FLOATS * 32 * warps else "chunks"
