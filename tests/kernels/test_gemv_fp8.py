@@ -325,6 +325,42 @@ def test_codes_config_table(monkeypatch):
     assert dense._fp8_codes_config(1, 64, 64, "Card X") == C(4, 64, 4)
 
 
+def _codes_entries():
+    from quantkit.kernels.gemv import TUNED_FP8_CODES
+
+    return sorted(TUNED_FP8_CODES.items())
+
+
+@pytest.mark.parametrize("entry", _codes_entries(), ids=lambda e: f"{e[0][0].split()[1]}-{e[0][1]}x{e[0][2]}")
+def test_every_cards_codes_entry_computes_the_product(entry):
+    """Each card's tuned config of the GEMV on codes, whatever card (or none) runs the suite: its tiles (BLOCK_N,
+    BLOCK_K, warps, prefetch) on a weight two and a bit tiles each way (the last tile of either partly past the
+    edge), at one row, against the float32 reference on activations whose e4m3 rounding is exact. An entry is only
+    picked on its own card, so without this the suite on another card never ran it."""
+    (_card, _n, _k), cfg = entry
+    n, k = 2 * cfg.block_n + 3, 2 * cfg.block_k + 96
+    wq, ws = _weights(n, k, seed=n + k)
+    x = _exact_x(1, k, torch.bfloat16 if CUDA else torch.float16, 2.0**-3)
+    qx, sx = quantize_per_token(x)
+    y = gemv(qx, wq, None, cfg, scales=(sx, ws.reshape(-1)), out_dtype=torch.float32)
+    ref = gemv_fp8_ref(x, wq, ws, out_dtype=torch.float32)
+    assert ((y - ref).norm() / ref.norm()).item() < 1e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("entry", _codes_entries(), ids=lambda e: f"{e[0][0].split()[1]}-{e[0][1]}x{e[0][2]}")
+def test_every_cards_codes_entry_at_its_shape_on_the_gpu(entry):
+    """Each card's entry at the shape it was tuned for, on the GPU at hand: within bf16 rounding of the float32
+    reference on random activations (the per-token rounding is the runtime's)."""
+    (_card, n, k), cfg = entry
+    wq, ws = _weights(n, k, seed=n + k, device="cuda")
+    x = _x(1, k, torch.bfloat16, seed=k, device="cuda")
+    qx, sx = quantize_per_token(x)
+    y = gemv(qx, wq, None, cfg, scales=(sx, ws.reshape(-1)))
+    ref = gemv_fp8_ref(x, wq, ws, out_dtype=torch.float32)
+    assert y.dtype == torch.bfloat16 and ((y.float() - ref).norm() / ref.norm()).item() < 4e-3
+
+
 @pytest.mark.gpu
 def test_fp8_linear_on_cuda_is_the_one_launch_gemv(monkeypatch):
     """The prepared Hopper linear at M = 1 with QUANTKIT_FP8_GEMV=fused: bitwise gemv_fp8's result; within bf16
