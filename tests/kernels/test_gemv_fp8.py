@@ -331,7 +331,12 @@ def _codes_entries():
     return sorted(TUNED_FP8_CODES.items())
 
 
-@pytest.mark.parametrize("entry", _codes_entries(), ids=lambda e: f"{e[0][0].split()[1]}-{e[0][1]}x{e[0][2]}")
+def _entry_id(entry) -> str:
+    (card, n, k), _cfg = entry
+    return f"{card.replace(' ', '_')}-{n}x{k}"
+
+
+@pytest.mark.parametrize("entry", _codes_entries(), ids=_entry_id)
 def test_every_cards_codes_entry_computes_the_product(entry):
     """Each card's tuned config of the GEMV on codes, whatever card (or none) runs the suite: its tiles (BLOCK_N,
     BLOCK_K, warps, prefetch) on a weight two and a bit tiles each way (the last tile of either partly past the
@@ -348,7 +353,7 @@ def test_every_cards_codes_entry_computes_the_product(entry):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("entry", _codes_entries(), ids=lambda e: f"{e[0][0].split()[1]}-{e[0][1]}x{e[0][2]}")
+@pytest.mark.parametrize("entry", _codes_entries(), ids=_entry_id)
 def test_every_cards_codes_entry_at_its_shape_on_the_gpu(entry):
     """Each card's entry at the shape it was tuned for, on the GPU at hand: within bf16 rounding of the float32
     reference on random activations (the per-token rounding is the runtime's)."""
