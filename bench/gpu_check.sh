@@ -41,8 +41,8 @@
 # and its GPTQ / AWQ times (`moe-quantize 590 gptq|awq [LAYERS [cpu]]`); issue 42's tensor-core FP8 GEMM, its configs and
 # the 8B step with it (`fp8-mma 480`), and that step under other switches (`fp8-step BUDGET NAME:FORMATS:VARS ...`);
 # issue 41's CUDA decode kernel on the card at hand: the 8B step's layers, then the int4 step with the card's CUDA
-# candidates beside the shipped table (`w4a16-ab 540`); issue 39's router switch against its default, the 30B-A3B
-# attention cells and the step under their candidates (`pending 330`, carry .stage/whl); issue 42's FP8 GEMV on
+# candidates beside the shipped table (`w4a16-ab 540`); issue 39's 30B-A3B
+# attention cells and the step under their candidates (`pending 150`); issue 42's FP8 GEMV on
 # codes tuned on the card and the 8B FP8 step with its picks against without, and o quantized apart (inside its
 # GEMV is the default) (`fp8-codes 560 [ROUNDS]`); the suite without the GGUF tests, then that
 # once through (`tests-fp8 560`, carry as tests); the FP8 KV cache's GPU tests and the int4 step at 4,096 tokens of
@@ -356,13 +356,10 @@ w4a16-ab)  # issue 41 on the card at hand in one call (BUDGET_S ~480): the 8B st
         --shapes 28672x4096,4096x14336,6144x4096,4096x4096 2>&1 | tail -40
     candidate_table_ab "$OUT/w4a16_decode.json" 8b int4_8b_step
     ;;
-pending)  # issue 39 on the card at hand in one call (BUDGET_S ~330, carry .stage/whl): the router's rows read whole
-    # against chunk by chunk, twice, alternating; then the 30B-A3B attention projections' decode cells (no H200 entry
-    # yet) and, where a CUDA variant beat the pick (candidate_entries), the 30B int4 step with the shipped table,
+pending)  # issue 39 on the card at hand in one call (BUDGET_S ~150): the 30B-A3B attention projections' decode
+    # cells (no H200 entry yet) and, where a CUDA variant beat the pick (candidate_entries), the 30B int4 step with the shipped table,
     # then with the candidates added for this card (the checkout's table, edited on the device only and restored)
-    install_wheels
     card | tee "$OUT/card.txt"
-    MOE_FORMATS=int4 moe_steps chunks: whole:QUANTKIT_MOE_ROUTER_ROWS=whole chunks2: whole2:QUANTKIT_MOE_ROUTER_ROWS=whole
     step 100 python3 bench/bench_w4a16_decode.py --deadline 80 --ms 1,8 --shapes 5120x2048,2048x4096 \
         --out "$OUT/w4a16_decode_30b.json" 2>&1 | tail -24
     candidate_table_ab "$OUT/w4a16_decode_30b.json" 30b int4_30b_step

@@ -53,27 +53,6 @@ def router_config(pairs: int, num_experts: int) -> tuple[int, int]:
     return forced or (BLOCK_E, _warps(pairs, num_experts))
 
 
-# float32 values a thread may hold of a program's [BLOCK_E, hidden] router rows read whole (register budget)
-WHOLE_ROW_FLOATS = 64
-# How a program reads its router rows (QUANTKIT_MOE_ROUTER_ROWS, an A/B switch for the benches; chunks the default)
-ROUTER_ROWS = ("chunks", "whole", "after")
-
-
-def router_rows(tokens: int, block_e: int, hidden: int, warps: int) -> str:
-    """How a program reads its router rows and the activations: "chunks" (the default), chunk by chunk after the
-    wait for the previous kernel, the norm's two passes and the logits' one each a series of round trips; "whole",
-    in one tile, the router's rows (which no earlier kernel writes) requested before that wait; "after", in one
-    tile after the wait (every load of the program issued at once, nothing in flight beside the previous kernel).
-    "whole" and "after" only where the [tokens, BLOCK_E, hidden] product fits WHOLE_ROW_FLOATS a thread
-    (Qwen3-30B-A3B's hidden 2048 at batch 1), "chunks" elsewhere. Why: the eager batch-1 step spends 7.3 us a
-    layer in this launch for 0.5 MB (one H200, 2026-12-06). Measured: "whole" made the launch alone faster and the
-    whole 30B-A3B step at batch 1 4 % slower (one H100, 2026-12-07, docs/moe.md); "after" 5 % slower (the same
-    card, code f8aa03f): the one tile costs in the graph, not the early requests."""
-    mode = ab_switch("QUANTKIT_MOE_ROUTER_ROWS", ROUTER_ROWS)
-    cells = triton.next_power_of_2(tokens) * block_e * triton.next_power_of_2(hidden)
-    return mode if mode != "chunks" and cells <= WHOLE_ROW_FLOATS * 32 * warps else "chunks"
-
-
 def norm_router_selected() -> bool:
     """Whether the runtime's MoE block runs its pre-norm inside the fused router's launch
     (:func:`norm_router_route_and_align`) where the fused router serves: the default; ``QUANTKIT_MOE_NORM_ROUTER=apart``
@@ -90,14 +69,14 @@ def _router_route_kernel(x_ptr, stride_xt, w_ptr, stride_we, logits_ptr, counter
                          PAIRS: tl.constexpr, EXPERTS: tl.constexpr, FILL: tl.constexpr, BLOCKS: tl.constexpr,
                          BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, ALIGN: tl.constexpr,
                          TOP_K_P2: tl.constexpr, PDL: tl.constexpr = False, NORM: tl.constexpr = False,
-                         HAS_RES: tl.constexpr = False, WHOLE: tl.constexpr = False,
-                         PREFETCH: tl.constexpr = False):
+                         HAS_RES: tl.constexpr = False):
     # NORM: x is not the router's input but the MoE block's ``delta`` (and ``res_ptr`` its residual stream): every
     # program forms ``rms_norm(delta + residual)`` itself, element for element as decoder_ops.add_rms_norm does,
     # and the first program stores the normed rows (xo) and the sum (ro) for the experts and the next layer
-    # WHOLE: BLOCK_H spans the hidden size, so each row is read once (one pass, the norm's too); with PREFETCH the
-    # router's rows, which no earlier kernel writes, are requested before waiting for the previous kernel
-    if PDL and not (WHOLE and PREFETCH):  # the next kernel may launch; x is the previous one's output
+    # The router's rows are read chunk by chunk after the wait. Reading them in one tile (before the wait, or after
+    # it) made this launch faster alone and the 30B-A3B step 4-5 % slower (docs/moe.md; archived as
+    # bench/archive/experimental/moe_router_whole_rows.patch).
+    if PDL:  # the next kernel may launch; x is the previous one's output
         gdc_launch_dependents()
         gdc_wait()
     pid = tl.program_id(0)
@@ -105,29 +84,9 @@ def _router_route_kernel(x_ptr, stride_xt, w_ptr, stride_we, logits_ptr, counter
     offs_e = pid * BLOCK_E + tl.arange(0, BLOCK_E)
     t_mask = offs_t < num_tokens
     e_mask = offs_e < num_experts
-    if WHOLE:
-        if PDL and PREFETCH:
-            gdc_launch_dependents()
-        offs_h = tl.arange(0, BLOCK_H)
-        h_mask = offs_h < hidden
-        w = tl.load(w_ptr + offs_e[:, None] * stride_we + offs_h[None, :], mask=e_mask[:, None] & h_mask[None, :],
-                    other=0.0)
-        if PDL and PREFETCH:
-            gdc_wait()
-        th_mask = t_mask[:, None] & h_mask[None, :]
-        if NORM:
-            s = _summed_rows(x_ptr, res_ptr, stride_xt, stride_rt, offs_t, offs_h, th_mask, xo_ptr, HAS_RES)
-            rstd = 1.0 / tl.sqrt(tl.sum(s * s, axis=1) / hidden + eps)
-            x = _normed_rows(s, rstd, norm_ptr, offset, offs_t, offs_h, h_mask, th_mask, xo_ptr, ro_ptr, stride_ot,
-                             pid, HAS_RES)
-        else:
-            x = tl.load(x_ptr + offs_t[:, None] * stride_xt + offs_h[None, :], mask=th_mask,
-                        other=0.0).to(tl.float32)
-        acc = tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
-    else:
-        acc = _chunked_logits(x_ptr, stride_xt, w_ptr, stride_we, res_ptr, stride_rt, norm_ptr, xo_ptr, ro_ptr,
-                              stride_ot, eps, offset, hidden, offs_t, offs_e, t_mask, e_mask, pid, TOKENS, BLOCK_E,
-                              BLOCK_H, NORM, HAS_RES)
+    acc = _chunked_logits(x_ptr, stride_xt, w_ptr, stride_we, res_ptr, stride_rt, norm_ptr, xo_ptr, ro_ptr,
+                          stride_ot, eps, offset, hidden, offs_t, offs_e, t_mask, e_mask, pid, TOKENS, BLOCK_E,
+                          BLOCK_H, NORM, HAS_RES)
     # rounded to the activations' dtype (the logits buffer's), as F.linear's output is
     tl.store(logits_ptr + offs_t[:, None] * num_experts + offs_e[None, :], acc.to(logits_ptr.dtype.element_ty),
              mask=t_mask[:, None] & e_mask[None, :])
@@ -250,11 +209,8 @@ def _launch(x, router, top_k, renormalize, counter, block_m, align, norm):
     toks = triton.next_power_of_2(tokens)
     pdl = moe_programmatic_launch(dev)
     block_e, warps = router_config(pairs, num_experts)
-    rows = router_rows(toks, block_e, hidden, warps)
-    whole = rows != "chunks"
-    # a [TOKENS, BLOCK_E, BLOCK_H] product of 32 values a thread a step (~4K at 4 warps), or the whole rows
-    block_h = triton.next_power_of_2(hidden) if whole else max(
-        32, min(triton.next_power_of_2(hidden), 1024 * warps // (toks * block_e)))
+    # a [TOKENS, BLOCK_E, BLOCK_H] product of 32 values a thread a step (~4K at 4 warps)
+    block_h = max(32, min(triton.next_power_of_2(hidden), 1024 * warps // (toks * block_e)))
     grid = (triton.cdiv(num_experts, block_e),)
     residual, norm_weight, eps, offset, x_out, summed = norm if norm is not None else (None, x, 0.0, 0.0, x, x)
     res = x if residual is None else residual
@@ -265,7 +221,6 @@ def _launch(x, router, top_k, renormalize, counter, block_m, align, norm):
                                PAIRS=triton.next_power_of_2(pairs), EXPERTS=triton.next_power_of_2(num_experts),
                                FILL=FILL, BLOCKS=_blocks_a_step(num_experts), BLOCK_E=block_e, BLOCK_H=block_h,
                                ALIGN=align, TOP_K_P2=triton.next_power_of_2(top_k), PDL=pdl,
-                               NORM=norm is not None, HAS_RES=residual is not None, WHOLE=whole,
-                               PREFETCH=rows == "whole",
+                               NORM=norm is not None, HAS_RES=residual is not None,
                                num_warps=warps, **pdl_launch(pdl))
     return weights, ids, (sorted_ids, block_expert) if align else None

@@ -30,16 +30,12 @@ def _inputs(tokens, n_exp, hidden, dtype, seed=0, device=DEVICE):
     return x, router
 
 
-@pytest.mark.parametrize("rows", ["whole", "after", "chunks"])
 @pytest.mark.parametrize("renormalize", [True, False])
 @pytest.mark.parametrize(("tokens", "n_exp", "top_k", "hidden", "dtype"),
                          [(1, 128, 8, 256, torch.float32), (3, 60, 4, 96, torch.float16), (4, 8, 2, 64, torch.float32)])
-def test_fused_router_equals_the_linear_then_the_routing(monkeypatch, rows, renormalize, tokens, n_exp, top_k, hidden,
-                                                         dtype):
+def test_fused_router_equals_the_linear_then_the_routing(renormalize, tokens, n_exp, top_k, hidden, dtype):
     """Weights and experts as route_ref gives them on F.linear's logits, the align's exact layout of those experts,
-    and the same again on a second call (the counter is back at zero); with the router rows read chunk by chunk
-    (the default) and whole, requested before the wait for the previous kernel or after it."""
-    monkeypatch.setenv("QUANTKIT_MOE_ROUTER_ROWS", rows)
+    and the same again on a second call (the counter is back at zero)."""
     x, router = _inputs(tokens, n_exp, hidden, dtype, seed=tokens)
     counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
     want_w, want_ids = route_ref(torch.nn.functional.linear(x, router), top_k, renormalize)
@@ -58,20 +54,14 @@ def test_fused_router_equals_the_linear_then_the_routing(monkeypatch, rows, reno
     torch.testing.assert_close(weights, want_w, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("rows", ["whole", "after", "chunks"])
 @pytest.mark.parametrize("with_residual", [True, False])
 @pytest.mark.parametrize(("tokens", "n_exp", "top_k", "hidden", "dtype", "offset"),
                          [(1, 128, 8, 256, torch.float32, 0.0), (3, 60, 4, 96, torch.float16, 1.0),
                           (4, 8, 2, 200, torch.float16, 0.0)])
-def test_norm_router_equals_the_norm_then_the_router(monkeypatch, rows, with_residual, tokens, n_exp, top_k, hidden,
-                                                     dtype, offset):
+def test_norm_router_equals_the_norm_then_the_router(with_residual, tokens, n_exp, top_k, hidden, dtype, offset):
     """The block's add + RMSNorm inside the router's launch: the normed rows and the sum as add_rms_norm_ref gives
     them, the routing of those normed rows as route_ref on F.linear's logits, the align's layout; twice (the
-    counter is back at zero); rows read whole and chunk by chunk. H = 200 is not a power of two: the masks."""
-    from quantkit.kernels.moe_router import router_rows
-
-    monkeypatch.setenv("QUANTKIT_MOE_ROUTER_ROWS", rows)
-    assert (router_rows(tokens, 4, hidden, 4) != "chunks") == (rows != "chunks")
+    counter is back at zero). H = 200 is not a power of two: the masks."""
     from quantkit.kernels.decoder_ops_ref import add_rms_norm_ref
 
     delta, router = _inputs(tokens, n_exp, hidden, dtype, seed=tokens + 11)
@@ -141,28 +131,20 @@ def test_runtime_moe_block_with_the_fused_router_equals_its_reference(monkeypatc
     assert len(calls) == 2 and rel_err(out, ref) < 1e-5 and rel_err(out_tiles, ref) < 1e-5
 
 
-@pytest.mark.parametrize(("tokens", "with_layout", "pdl", "norm", "rows"),
-                         [(1, False, False, False, "chunks"), (1, True, False, False, "chunks"),
-                          (4, True, False, False, "chunks"), (1, False, True, False, "chunks"),
-                          (1, False, True, True, "chunks"), (4, True, True, True, "chunks"),
-                          (1, False, True, True, "whole"), (1, False, True, False, "whole"),
-                          (1, True, False, True, "whole"), (1, False, True, True, "after"),
-                          (1, True, True, True, "after")])
-def test_fused_router_compiles_for_sm90_without_spills(sm90, tmp_path, monkeypatch, tokens, with_layout, pdl, norm,
-                                                      rows, config=None):
+@pytest.mark.parametrize(("tokens", "with_layout", "pdl", "norm"),
+                         [(1, False, False, False), (1, True, False, False), (4, True, False, False),
+                          (1, False, True, False), (1, False, True, True), (4, True, True, True),
+                          (1, True, True, True)])
+def test_fused_router_compiles_for_sm90_without_spills(sm90, tmp_path, tokens, with_layout, pdl, norm, config=None):
     """Qwen3-30B-A3B's router (128 experts of 2048, top-8) at 1 and 4 tokens: the GEMM's product and the last
     program's routing in registers. With PDL (the default on Hopper): the wait for the previous kernel before any
-    global load, but for the router's rows where they are read whole and early (QUANTKIT_MOE_ROUTER_ROWS=whole; with
-    "after" every load waits). ``config``:
-    (rows a program, warps) instead of the default's."""
+    global load. ``config``: (rows a program, warps) instead of the default's."""
     from quantkit.kernels.moe_align import FILL, _blocks_a_step, _warps
-    from quantkit.kernels.moe_router import BLOCK_E, router_rows
+    from quantkit.kernels.moe_router import BLOCK_E
 
-    monkeypatch.setenv("QUANTKIT_MOE_ROUTER_ROWS", rows)
     pairs, n_exp, hidden = tokens * 8, 128, 2048
     block_e, warps = config or (BLOCK_E, _warps(pairs, n_exp))
     toks = triton.next_power_of_2(tokens)
-    whole = router_rows(tokens, block_e, hidden, warps) != "chunks"
     signature = {"x_ptr": "*bf16", "stride_xt": "i32", "w_ptr": "*bf16", "stride_we": "i32", "logits_ptr": "*bf16",
                  "counter_ptr": "*i32", "weights_ptr": "*fp32", "ids_ptr": "*i64", "sorted_ptr": "*i32",
                  "block_expert_ptr": "*i32", "num_tokens": "i32", "num_experts": "i32", "hidden": "i32",
@@ -170,9 +152,8 @@ def test_fused_router_compiles_for_sm90_without_spills(sm90, tmp_path, monkeypat
                  "xo_ptr": "*bf16", "ro_ptr": "*bf16", "stride_ot": "i32", "eps": "fp32", "offset": "fp32"}
     constexprs = dict(TOP_K=8, RENORM=True, BLOCK_M=align.BLOCK_M, TOKENS=toks, PAIRS=triton.next_power_of_2(pairs),
                       EXPERTS=n_exp, FILL=FILL, BLOCKS=_blocks_a_step(n_exp), BLOCK_E=block_e,
-                      BLOCK_H=hidden if whole else max(32, min(hidden, 1024 * warps // (toks * block_e))),
-                      ALIGN=with_layout, TOP_K_P2=8, PDL=pdl, NORM=norm, HAS_RES=norm, WHOLE=whole,
-                      PREFETCH=rows == "whole")
+                      BLOCK_H=max(32, min(hidden, 1024 * warps // (toks * block_e))),
+                      ALIGN=with_layout, TOP_K_P2=8, PDL=pdl, NORM=norm, HAS_RES=norm)
     # 16-byte aligned pointers and strides, as the launcher specializes them at this shape (vector loads)
     aligned = ("x_ptr", "stride_xt", "w_ptr", "stride_we", "res_ptr", "stride_rt", "norm_ptr", "xo_ptr", "ro_ptr",
                "stride_ot", "logits_ptr", "hidden")
@@ -180,11 +161,7 @@ def test_fused_router_compiles_for_sm90_without_spills(sm90, tmp_path, monkeypat
                           signature, constexprs, num_warps=warps, aligned=aligned)
     notices = sm90.ptxas_notices(ptx)
     assert "0 bytes spill stores, 0 bytes spill loads" in notices, notices
-    # read whole and early, a thread's share of the program's router rows is requested before the wait, and nothing
-    # else; read whole after the wait, nothing is
-    assert whole == (rows != "chunks" and block_e * hidden <= 64 * 32 * warps)
-    early = block_e * hidden * 2 // (32 * warps) if whole and rows == "whole" else 0
-    assert_waits_before_loads(open(ptx).read(), pdl, early)
+    assert_waits_before_loads(open(ptx).read(), pdl)
 
 
 @pytest.mark.parametrize("config", [(2, 1), (4, 2), (8, 2)])
@@ -194,10 +171,7 @@ def test_fused_router_configs_compile_and_route_alike(sm90, tmp_path, monkeypatc
     that is not two powers of two is refused."""
     from quantkit.kernels.moe_router import router_config
 
-    for rows in ("chunks", "whole", "after"):
-        test_fused_router_compiles_for_sm90_without_spills(sm90, tmp_path, monkeypatch, 1, False, True, True, rows,
-                                                           config)
-    monkeypatch.delenv("QUANTKIT_MOE_ROUTER_ROWS")
+    test_fused_router_compiles_for_sm90_without_spills(sm90, tmp_path, 1, False, True, True, config)
     x, router = _inputs(1, 128, 256, torch.float32, seed=5)
     counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
     monkeypatch.delenv("QUANTKIT_MOE_ROUTER_CONFIG", raising=False)
@@ -212,21 +186,15 @@ def test_fused_router_configs_compile_and_route_alike(sm90, tmp_path, monkeypatc
         router_config(8, 128)
 
 
-def assert_waits_before_loads(ptx: str, pdl: bool, early_bytes: int = 0) -> None:
-    """With PDL the kernel lets its dependents launch and waits for its prerequisite before its global loads,
-    but for ``early_bytes`` a thread (what no earlier kernel writes: the router's rows read whole); without PDL,
-    neither instruction is there."""
+def assert_waits_before_loads(ptx: str, pdl: bool) -> None:
+    """With PDL the kernel lets its dependents launch and waits for its prerequisite before any global load;
+    without PDL, neither instruction is there."""
     if not pdl:
         assert "griddepcontrol" not in ptx
         return
     assert ptx.index("griddepcontrol.launch_dependents") < ptx.index("ld.global")
     before_wait = ptx[:ptx.index("griddepcontrol.wait")]
-    loaded = 0
-    for op in re.findall(r"\bld\.global\S*", before_wait):  # e.g. ld.global.L1::evict_last.v4.b32
-        parts = op.split(".")
-        vec = next((int(p[1:]) for p in parts if re.fullmatch(r"v\d", p)), 1)
-        loaded += vec * int(re.fullmatch(r"[bfsu](\d+)", parts[-1]).group(1)) // 8
-    assert loaded == early_bytes, (loaded, early_bytes)
+    assert not re.findall(r"\bld\.global\S*", before_wait), re.findall(r"\bld\.global\S*", before_wait)
 
 
 def test_moe_pdl_is_on_by_default_and_only_where_pdl_runs(monkeypatch):
@@ -279,12 +247,10 @@ def test_moe_block_with_pdl_on_the_gpu_gives_the_same_outputs_in_a_graph(monkeyp
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("tokens", "rows"), [(1, "chunks"), (2, "chunks"), (4, "chunks"), (1, "whole"), (1, "after")])
-def test_fused_router_on_the_gpu_equals_the_unfused_path_and_replays(monkeypatch, tokens, rows):
+@pytest.mark.parametrize("tokens", [1, 2, 4])
+def test_fused_router_on_the_gpu_equals_the_unfused_path_and_replays(tokens):
     """bf16 at the 30B-A3B router's size: the same experts as cuBLAS's logits through route_and_align (up to
-    near-ties, which the weights then show as equal), and the same outputs from CUDA-graph replays; the router's
-    rows read chunk by chunk and whole (QUANTKIT_MOE_ROUTER_ROWS)."""
-    monkeypatch.setenv("QUANTKIT_MOE_ROUTER_ROWS", rows)
+    near-ties, which the weights then show as equal), and the same outputs from CUDA-graph replays."""
     x, router = _inputs(tokens, 128, 2048, torch.bfloat16, seed=tokens, device="cuda")
     counter = torch.zeros(1, dtype=torch.int32, device="cuda")
     weights, ids, aligned = router_route_and_align(x, router, 8, True, counter, align.BLOCK_M)
@@ -337,12 +303,11 @@ def test_runtime_moe_block_norm_inside_the_router_equals_the_norm_apart(monkeypa
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("tokens", "rows"), [(1, "chunks"), (4, "chunks"), (1, "whole"), (1, "after")])
-def test_norm_router_on_the_gpu_equals_the_kernels_apart_and_replays(monkeypatch, tokens, rows):
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_norm_router_on_the_gpu_equals_the_kernels_apart_and_replays(tokens):
     """bf16 at the 30B-A3B block's size: the fused norm + router against decoder_ops.add_rms_norm then the fused
     router (normed rows within a bf16 rounding, the same sum, the same experts up to near-ties), and the same
-    outputs from CUDA-graph replays; the router's rows read chunk by chunk and whole."""
-    monkeypatch.setenv("QUANTKIT_MOE_ROUTER_ROWS", rows)
+    outputs from CUDA-graph replays."""
     from quantkit.kernels.decoder_ops import add_rms_norm
 
     delta, router = _inputs(tokens, 128, 2048, torch.bfloat16, seed=tokens, device="cuda")
