@@ -41,7 +41,8 @@
 # and its GPTQ / AWQ times (`moe-quantize 590 gptq|awq [LAYERS [cpu]]`); issue 42's tensor-core FP8 GEMM, its configs and
 # the 8B step with it (`fp8-mma 480`), and that step under other switches (`fp8-step BUDGET NAME:FORMATS:VARS ...`);
 # issue 41's CUDA decode kernel on the card at hand: the 8B step's layers, then the int4 step with the card's CUDA
-# candidates beside the shipped table (`w4a16-ab 540`); issue 39's 30B-A3B
+# candidates beside the shipped table (`w4a16-ab 540`); the same layers timed after the kernel before each in the
+# step, and the batch-1 step with the candidates that won there (`w4a16-chain 560`); issue 39's 30B-A3B
 # attention cells and the step under their candidates (`pending 150`); issue 42's FP8 GEMV on
 # codes tuned on the card and the 8B FP8 step with its picks against without, and o quantized apart (inside its
 # GEMV is the default) (`fp8-codes 560 [ROUNDS]`); the suite without the GGUF tests, then that
@@ -164,6 +165,10 @@ int4_8b_step() {  # NAME: the 8B int4 step; with the candidates also under the C
     [ "$1" = candidates ] && bench_variant bench_8b_int4_candidates_plain 100 QUANTKIT_W4A16_CUDA_PDL=0 \
         --shape llama3-8b --formats int4 --steps 32 --batches 1,8
     return 0
+}
+
+int4_8b_round() {  # NAME: the 8B int4 step at batch 1 alone (the chain candidates are M = 1 entries); ROUND suffix
+    bench_variant "bench_8b_int4_$1${ROUND:-}" 100 "" --shape llama3-8b --formats int4 --steps 32 --batches 1
 }
 
 int4_30b_step() {  # NAME: the Qwen3-30B-A3B int4 step
@@ -356,6 +361,14 @@ w4a16-ab)  # issue 41 on the card at hand in one call (BUDGET_S ~480): the 8B st
         --shapes 28672x4096,4096x14336,6144x4096,4096x4096 2>&1 | tail -40
     candidate_table_ab "$OUT/w4a16_decode.json" 8b int4_8b_step
     ;;
+w4a16-chain)  # issue 41 on the card at hand in one call (BUDGET_S ~560): the 8B step's layers at M = 1 timed after
+    # the kernel before each in the step (bench_w4a16_chain.py), then, where a variant beat the pick there, the 8B
+    # int4 step at batch 1 with the shipped table and with the candidates for this card, twice, alternating
+    card | tee "$OUT/card.txt"
+    step 230 python3 bench/bench_w4a16_chain.py --deadline 200 --out "$OUT/w4a16_chain.json" 2>&1 | tail -80
+    ROUND=1 candidate_table_ab "$OUT/w4a16_chain.json" chain int4_8b_round
+    ROUND=2 candidate_table_ab "$OUT/w4a16_chain.json" chain2 int4_8b_round
+    ;;
 pending)  # issue 39 on the card at hand in one call (BUDGET_S ~150): the 30B-A3B attention projections' decode
     # cells (no H200 entry yet) and, where a CUDA variant beat the pick (candidate_entries), the 30B int4 step with the shipped table,
     # then with the candidates added for this card (the checkout's table, edited on the device only and restored)
@@ -395,5 +408,5 @@ kv-fp8)  # the FP8 KV cache (issue 42's option): its GPU tests, then `quantkit b
     done
     rm -f "$OUT"/*.png
     ;;
-*) echo "usage: gpu_check.sh benches|suite|one|tests|gguf|coldstart-ab|moe|w4a16|moe-decode|moe-math|moe-step|moe-prefill|moe-quantize|fp8-mma|fp8-step|w4a16-ab|pending|fp8-codes|tests-fp8|kv-fp8|ab BUDGET_S"; exit 2 ;;
+*) echo "usage: gpu_check.sh benches|suite|one|tests|gguf|coldstart-ab|moe|w4a16|moe-decode|moe-math|moe-step|moe-prefill|moe-quantize|fp8-mma|fp8-step|w4a16-ab|w4a16-chain|pending|fp8-codes|tests-fp8|kv-fp8|ab BUDGET_S"; exit 2 ;;
 esac

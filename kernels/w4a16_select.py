@@ -9,11 +9,11 @@ time: the opt-in tuner ``bench/tune_w4a16.py`` writes the table read here.
 2. Hopper, 4-bit, K a multiple of 128, groups a multiple of 8: the Gluon kernels (the GEMV for one row on small
    layers, :func:`_small_for_gluon`), config from the H200 table ``w4a16_h200.json``: the nearest measured
    shape (log2 N and log2 K), then nearest M bucket, whose config fits this layer.
-   A ``cuda`` entry (the CUDA C++ decode GEMM, built with nvcc on first use) or a ``dequant`` entry (prefill:
-   dequantize-then-cuBLAS) serves only the exact (N, K, M bucket) it was measured at, and an entry naming a
-   ``card`` only on a GPU of that name (``card`` argument: ``device_info.gpu_card``), since a pick measured on
-   one Hopper card need not win on another; a ``cuda`` choice keeps the choice above as its ``fallback`` where
-   nvcc or the build is missing.
+   A ``cuda`` entry (the CUDA C++ decode GEMM, built with nvcc on first use), a ``dequant`` entry (prefill:
+   dequantize-then-cuBLAS) or a ``gluon`` entry naming a card serves only the exact (N, K, M bucket) it was
+   measured at, and an entry naming a ``card`` only on a GPU of that name (``card`` argument:
+   ``device_info.gpu_card``), since a pick measured on one Hopper card need not win on another; a ``cuda`` choice
+   keeps the choice above as its ``fallback`` where nvcc or the build is missing.
 3. Elsewhere, or where no entry fits, :func:`_by_rule`: 1-2 rows the CUDA-core GEMV (direct store up to
    ``GEMV_DIRECT_MAX_WEIGHTS``), more rows the paired-nibble kernel if it applies, else the general one. Their
    configs are H200 autotuning winners (bench/archive/NOTES_w4a16.md); no other GPU has been measured.
@@ -164,9 +164,9 @@ def select_w4a16(m: int, facts: LayerFacts, arch: str | None, card: str | None =
 
 def _measured_exact(bucket: int, facts: LayerFacts, arch: str, card: str | None, table,
                     fallback: KernelChoice) -> KernelChoice | None:
-    """A ``cuda`` or ``dequant`` entry measured at exactly this layer's (N, K) and bucket on this table's GPU
-    generation, and on this card where the entry names one (a ``cuda`` one with ``fallback``); None where there is
-    none."""
+    """A ``cuda`` or ``dequant`` entry, or a ``gluon`` one naming a card, measured at exactly this layer's (N, K)
+    and bucket on this table's GPU generation, and on this card where the entry names one (a ``cuda`` one with
+    ``fallback``); None where there is none."""
     if arch != "sm90":
         return None
     for e in table:
@@ -178,6 +178,9 @@ def _measured_exact(bucket: int, facts: LayerFacts, arch: str, card: str | None,
             return KernelChoice("cuda", e["config"], source, fallback)
         if e["kernel"] == "dequant":
             return KernelChoice("dequant", e["config"], source)
+        if e["kernel"] == "gluon" and "card" in e and _gluon_supports(facts, arch) \
+                and _fits("gluon", e["config"], bucket, facts):
+            return KernelChoice("gluon", e["config"], source)
     return None
 
 
@@ -211,7 +214,8 @@ def _from_table(bucket: int, facts: LayerFacts, table, kernel: str) -> KernelCho
         shape = abs(math.log2(e["n"] / facts.n)) + abs(math.log2(e["k"] / facts.k))
         return shape, abs(math.log2(e["m"] / bucket)), e["m"] > bucket
 
-    for e in sorted((e for e in table if e["kernel"] == kernel), key=distance):
+    # an entry naming a card serves that card's exact cell alone (_measured_exact), never as a nearest shape
+    for e in sorted((e for e in table if e["kernel"] == kernel and "card" not in e), key=distance):
         if _fits(kernel, e["config"], bucket, facts):
             exact = (e["n"], e["k"], e["m"]) == (facts.n, facts.k, bucket)
             where = "measured" if exact else f"nearest measured: {e['n']}x{e['k']} at M={e['m']}"

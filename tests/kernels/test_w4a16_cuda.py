@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from quantkit.kernels import w4a16_cuda
-from quantkit.kernels.w4a16_configs import CudaConfig, GemvConfig, config_from_dict, config_label
+from quantkit.kernels.w4a16_configs import CudaConfig, GemvConfig, config_from_dict, config_label, config_to_dict
 from quantkit.kernels.w4a16_select import KernelChoice, _measured_exact, facts_of, load_table, select_w4a16
 
 REPO = Path(__file__).resolve().parents[2]
@@ -160,8 +160,8 @@ def test_the_sm90a_build_streams_words_in_128_bit_loads_without_spills(sm90, tmp
     assert len(prefetches) == 2 * cfg.R * cfg.U and max(prefetches) < ops.index("ACQBULK")
 
 
-@pytest.mark.parametrize("script", ["bench/bench_w4a16_decode.py", "bench/sass_w4a16_decode.py",
-                                    "bench/sass_fp8_gemv.py"])
+@pytest.mark.parametrize("script", ["bench/bench_w4a16_decode.py", "bench/bench_w4a16_chain.py",
+                                    "bench/sass_w4a16_decode.py", "bench/sass_fp8_gemv.py"])
 def test_the_scripts_answer_help_without_a_gpu(script):
     done = subprocess.run([sys.executable, str(REPO / script), "--help"], capture_output=True, text=True, cwd=REPO)
     assert done.returncode == 0 and "usage" in done.stdout
@@ -277,6 +277,39 @@ def test_decode_bench_proposes_cuda_entries_only_past_the_margin(monkeypatch):
     entries = candidate_entries(cells, "NVIDIA H100 80GB HBM3")
     assert [(e["n"], e["config"], e["card"]) for e in entries] == [(28672, {}, "NVIDIA H100 80GB HBM3")]
     assert config_from_dict("cuda", entries[0]["config"]) == CudaConfig()
+
+
+def test_chain_bench_proposes_the_fastest_variant_in_the_chain_past_the_margin(monkeypatch):
+    """bench_w4a16_chain.candidate_entries: the variant fastest *after its predecessor* (not alone) becomes a
+    card-specific entry, Gluon or CUDA, when it beats today's pick there by more than max(0.3 us, 3 %); the entry is
+    in the table's form and the selection serves it on that card."""
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    from bench_w4a16_chain import candidate_entries
+
+    from quantkit.kernels import w4a16_select
+
+    ring = {"BLOCK_N": 128, "BLOCK_M": 16, "NUM_BUF": 8, "CTAS_PER_SM": 2, "X_BOX_K": 64}
+    cells = [
+        {"N": 4096, "K": 4096, "M": 1, "predecessor": "attention", "variants": [
+            {"name": "today: gluon", "alone_us": 7.0, "chain_us": 6.0},
+            {"name": "ring", "kernel": "gluon", "config": ring, "alone_us": 8.0, "chain_us": 4.0},
+            {"name": "direct", "kernel": "gluon", "config": {"BLOCK_N": 64}, "alone_us": 6.0, "chain_us": 5.5},
+            {"name": "cuda", "kernel": "cuda", "config": {}, "max_err": 1.0}]},  # not timed: never picked
+        {"N": 6144, "K": 4096, "M": 1, "predecessor": "norm", "variants": [  # 0.25 us: inside the margin
+            {"name": "today: gluon", "alone_us": 9.0, "chain_us": 8.0},
+            {"name": "cuda", "kernel": "cuda", "config": {}, "alone_us": 9.5, "chain_us": 7.75}]},
+        {"N": 28672, "K": 4096, "M": 1, "predecessor": "norm", "variants": [
+            {"name": "today: gluon", "alone_us": 25.0, "chain_us": 24.0},
+            {"name": "cuda", "kernel": "cuda", "config": {"W": 8}, "alone_us": 26.0, "chain_us": 22.0}]}]
+    card = "NVIDIA H100 80GB HBM3"
+    entries = candidate_entries(cells, card)
+    assert [(e["n"], e["kernel"], e["config"], e["card"], e["us"]) for e in entries] == [
+        (4096, "gluon", ring, card, 8.0), (28672, "cuda", {"W": 8}, card, 26.0)]
+    table = tuple(dict(e, config=config_from_dict(e["kernel"], e["config"])) for e in entries)
+    shipped = load_table()
+    monkeypatch.setattr(w4a16_select, "load_table", lambda: table + shipped)
+    choice = select_w4a16(1, facts_of(4096, 4096, 4, 128, True, False), "sm90", card)
+    assert (choice.kernel, config_to_dict(choice.config)) == ("gluon", ring)
 
 
 def test_candidate_entries_go_into_a_table_copy_replacing_the_same_cell(tmp_path, monkeypatch):

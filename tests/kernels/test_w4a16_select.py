@@ -132,6 +132,33 @@ def test_the_shipped_table_is_readable_and_valid():
     assert len(load_table()) == len(data["entries"])
 
 
+def test_a_gluon_entry_naming_a_card_serves_that_cards_exact_cell_only(monkeypatch):
+    """A Gluon config measured faster on one card (bench_w4a16_chain.py's candidates) serves that card at exactly
+    its (N, K, M bucket); other cards, other buckets and neighbouring shapes keep the generic table's pick (the
+    entry is never a nearest shape); a config that does not fit the layer is passed over."""
+    from quantkit.kernels import w4a16_select
+
+    card, ring = "NVIDIA H100 80GB HBM3", G(128, 16, 8, 4, 2, X_BOX_K=64)
+    shipped = load_table()
+    entry = {"n": 4096, "k": 4096, "m": 1, "kernel": "gluon", "config": ring, "us": 5.0, "card": card,
+             "source": "test"}
+    monkeypatch.setattr(w4a16_select, "load_table", lambda: (entry,) + shipped)  # first: wins any tie
+    facts = facts_of(4096, 4096, 4, 128, True, False)
+    generic = PINNED_SM90[(4096, 4096, 1)]
+    on_card = select_w4a16(1, facts, "sm90", card)
+    assert (on_card.kernel, on_card.config) == ("gluon", ring) and card in on_card.reason
+    for other in (None, "NVIDIA H200"):
+        assert (select_w4a16(1, facts, "sm90", other).kernel, select_w4a16(1, facts, "sm90", other).config) == generic
+    assert select_w4a16(4, facts, "sm90", card).config == PINNED_SM90[(4096, 4096, 4)][1]
+    near = facts_of(4096, 5120, 4, 128, True, False)
+    assert select_w4a16(1, near, "sm90", card).config != ring
+    assert select_w4a16(1, near, "sm90", card).config == select_w4a16(1, near, "sm90", None).config
+    # a config that cannot take the bucket is passed over: the direct kernel takes at most 8 rows
+    wide = dict(entry, m=16, config=G(128, 16, 8, 4, 2, DIRECT=True))
+    monkeypatch.setattr(w4a16_select, "load_table", lambda: shipped + (wide,))
+    assert select_w4a16(16, facts, "sm90", card).config == PINNED_SM90[(4096, 4096, 16)][1]
+
+
 def test_card_specific_entries_serve_their_card_only():
     """The entries measured on an H100 (kernels/w4a16_h200.json, "card": the CUDA decode kernel at 1 and 8 rows,
     dequantize-then-cuBLAS at 4096) serve that card's plans; the H200, and a plan without a card, keep the Gluon
