@@ -4,8 +4,9 @@ No Triton here, so the selection table, ``explain`` and the CPU tests read confi
 names are the kernels' constexpr names, except grid-only ones (``PROGS_PER_SM``, ``SPLIT_K``, ``CTAS_PER_SM``).
 Families: ``gemv`` (CUDA-core GEMV, 1-2 rows), ``pairs`` (paired-nibble tensor-core, 4-bit, K a multiple of 128),
 ``tc`` (general tensor-core), ``gluon`` (Hopper; ``DIRECT``: the ring-less decode kernel), ``cuda`` (the CUDA C++
-decode GEMM of ``w4a16_cuda.py``, built with nvcc on first use; no table entry yet), ``dequant`` (prefill: the
-weights dequantized to 16 bits by one Triton kernel, then cuBLAS; ``w4a16_dequant.py``; no table entry yet).
+decode GEMM of ``w4a16_cuda.py``, built with nvcc on first use), ``dequant`` (prefill: the weights dequantized to 16
+bits by one Triton kernel, then cuBLAS; ``w4a16_dequant.py``), ``cutlass`` (prefill on Hopper: CUTLASS's
+mixed-input GEMM, ``w4a16_cutlass.py``, built with nvcc on first use; no table entry yet).
 """
 
 from __future__ import annotations
@@ -208,8 +209,34 @@ class DequantConfig:
         return m >= 1
 
 
+@dataclasses.dataclass(frozen=True)
+class CutlassConfig:
+    """The CUTLASS prefill GEMM (:mod:`quantkit.kernels.w4a16_cutlass`, Hopper, built with nvcc on first use):
+    TILE_N weight rows x TILE_M activation rows a CTA tile (K tile 64), CLUSTER_N CTAs a cluster along the weight
+    rows (they share each activation box by TMA multicast), PINGPONG: two consumer warpgroups on two tiles (else
+    both on one, which needs TILE_N >= 128)."""
+
+    TILE_N: int = 128
+    TILE_M: int = 128
+    CLUSTER_N: int = 1
+    PINGPONG: bool = False
+
+    def __post_init__(self):
+        if self.TILE_N not in (64, 128, 256) or self.TILE_M not in (64, 128, 256) or self.CLUSTER_N not in (1, 2):
+            raise ValueError(f"bad CUTLASS config {self}: tiles of 64, 128 or 256; CLUSTER_N 1 or 2")
+        if not self.PINGPONG and self.TILE_N < 128:
+            raise ValueError(f"bad CUTLASS config {self}: the cooperative schedule splits TILE_N over two warpgroups")
+
+    def fits(self, m: int, group_size: int) -> bool:
+        """Any number of activation rows; groups a multiple of the 64-code K tile (or per channel)."""
+        return m >= 1 and group_size % CUTLASS_TILE_K == 0
+
+
+# The CUTLASS prefill GEMM's K tile (128 bytes of 16-bit activations a row).
+CUTLASS_TILE_K = 64
+
 CONFIG_TYPES = {"gemv": GemvConfig, "pairs": PairsConfig, "tc": TcConfig, "gluon": GluonConfig, "cuda": CudaConfig,
-                "dequant": DequantConfig}
+                "dequant": DequantConfig, "cutlass": CutlassConfig}
 
 
 def config_from_dict(kernel: str, fields: dict):

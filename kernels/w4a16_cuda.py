@@ -69,14 +69,14 @@ def cache_dir() -> Path:
     return Path(os.environ.get("QUANTKIT_CUDA_CACHE", Path.home() / ".cache" / "quantkit" / "cuda"))
 
 
-def _build(nvcc: str, args: list[str], out: Path) -> str | None:
-    """Run nvcc into ``out`` (written whole, then renamed: concurrent builds do not see half a file); None on
-    success, else nvcc's output."""
+def _build(nvcc: str, args: list[str], out: Path, source: Path = SOURCE, timeout: float = 600) -> str | None:
+    """Run nvcc on ``source`` into ``out`` (written whole, then renamed: concurrent builds do not see half a file);
+    None on success, else nvcc's output."""
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=out.suffix)
     os.close(fd)
     try:
-        done = subprocess.run([nvcc, *args, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=600)
+        done = subprocess.run([nvcc, *args, "-o", tmp, str(source)], capture_output=True, text=True, timeout=timeout)
         if done.returncode:
             return (done.stdout + done.stderr)[-3000:]
         os.replace(tmp, out)

@@ -1,0 +1,180 @@
+"""W4A16 at prefill sizes (M >= 256) on the Llama-3-8B layers: today's pick beside the CUTLASS mixed-input GEMM's
+configs, dequantize-then-cuBLAS, and cuBLAS on 16-bit weights (one Hopper GPU).
+
+    python bench/bench_w4a16_prefill.py [--shapes 6144x4096,...] [--ms 256,1024,2048,4096] [--deadline 300]
+                                        [--out PATH]
+
+Every variant is first checked against the plain-PyTorch reference (float32) at M = 333 (a partial tile) and at each
+timed M: the error's norm relative to the reference's; a variant above ``--max-err`` is not timed. The CUTLASS
+configs (``kernels/w4a16_cutlass.py``) are built with nvcc first, in parallel; without nvcc or CUTLASS's headers
+they are left out, saying why. cuBLAS runs twice: on random bf16 weights (what a 16-bit model's layer costs) and on
+the quantized layer's dequantized weights (the same GEMM on low-entropy values: tensor cores draw less power on
+them, and at 4096 rows that showed as a faster cuBLAS, docs/kernels.md). Timing: ``gpu_timing.gpu_time_us`` (CUDA
+graphs, L2 evicted by reading before each call, best of 5 replays). Writes JSON (card, versions, nvcc, date, every
+cell) to ``--out`` after every shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import datetime
+import json
+import os
+import sys
+import time
+
+SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # Llama-3-8B: q/k/v, o, gate/up, down
+MS = [256, 1024, 2048, 4096]
+
+
+def cutlass_configs():
+    from quantkit.kernels.w4a16_configs import CutlassConfig as C
+
+    return [C(128, 128), C(128, 128, 2), C(128, 256), C(128, 256, 2), C(256, 128), C(64, 128, 1, True),
+            C(64, 256, 2, True)]
+
+
+def prebuild(log) -> dict:
+    """Every CUTLASS variant the run times (symmetric, and the first with zero points), built in parallel:
+    {(config, zeros): built}."""
+    import torch
+
+    from quantkit.kernels import w4a16_cutlass
+
+    cap = torch.cuda.get_device_capability()
+    jobs = [(c, False) for c in cutlass_configs()] + [(cutlass_configs()[0], True)]
+    t0 = time.time()
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(jobs), os.cpu_count() or 4)) as pool:
+        futs = {pool.submit(w4a16_cutlass.library, c, z, cap): (c, z) for c, z in jobs}
+        built = {futs[f]: f.result() is not None for f in concurrent.futures.as_completed(futs)}
+    log(f"CUTLASS builds: {sum(built.values())} of {len(built)} in {time.time() - t0:.1f} s "
+        f"(headers {w4a16_cutlass.include_dirs()})")
+    return built
+
+
+def rel_err(out, ref) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def run_shape(n, k, ms, built, args, log) -> list[dict]:
+    import torch
+    import torch.nn.functional as F
+    from bench_w4a16 import dequant_f32, make_weights
+    from gpu_timing import gpu_time_us, l2_evict_buffer
+
+    from quantkit.kernels import w4a16, w4a16_cutlass
+    from quantkit.kernels.w4a16_configs import DequantConfig, config_label
+    from quantkit.kernels.w4a16_weights import w4a16_matmul_ref
+
+    flush = l2_evict_buffer("cuda")
+
+    def timed(fn):
+        return gpu_time_us(fn, flush, calls=5, replays=5)
+
+    w, w_asym = make_weights(n, k), make_weights(n, k, sym=False)
+    prepared, prepared_asym = w4a16_cutlass.prepare(w), w4a16_cutlass.prepare(w_asym)
+    w_dq = dequant_f32(w).t().contiguous().bfloat16()  # [N, K]
+    w_random = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    variants = [("today", lambda x: w4a16.w4a16_matmul(x, w)),
+                ("dequant+cuBLAS", lambda x: w4a16.w4a16_matmul(x, w, config=DequantConfig()))]
+    variants += [(f"cutlass {config_label(c)}", lambda x, c=c: w4a16_cutlass.w4a16_cutlass_matmul(x, w, c, prepared))
+                 for c in cutlass_configs() if built.get((c, False))]
+    x333 = torch.randn(333, k, device="cuda", dtype=torch.bfloat16)
+    ref333 = w4a16_matmul_ref(x333, w)
+    first = cutlass_configs()[0]
+    asym_err = None
+    if built.get((first, True)):
+        asym_err = rel_err(w4a16_cutlass.w4a16_cutlass_matmul(x333, w_asym, first, prepared_asym),
+                           w4a16_matmul_ref(x333, w_asym))
+    errs333 = {}
+    for name, fn in variants:
+        try:
+            errs333[name] = rel_err(fn(x333), ref333)
+        except Exception as e:  # a config this shape cannot take
+            errs333[name] = f"{type(e).__name__}: {e}"[:300]
+    cells = []
+    for m in ms:
+        if time.time() > args.t_end:
+            log(f"deadline: skipping {n}x{k} M={m}")
+            continue
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        ref = w4a16_matmul_ref(x, w)
+        cell = dict(N=n, K=k, M=m, today=w.plan.choice(m).label(), cutlass_asym_err_m333=asym_err,
+                    cublas_us=timed(lambda: F.linear(x, w_random)),
+                    cublas_dequantized_us=timed(lambda: F.linear(x, w_dq)), variants=[])
+        for name, fn in variants:
+            row = dict(name=name, err_m333=errs333[name])
+            if isinstance(errs333[name], float):
+                try:
+                    row["err"] = rel_err(fn(x), ref)
+                    if row["err"] <= args.max_err and errs333[name] <= args.max_err:
+                        row["us"] = timed(lambda fn=fn: fn(x))
+                        row["x_cublas"] = cell["cublas_us"] / row["us"]
+                except Exception as e:
+                    row["error"] = f"{type(e).__name__}: {e}"[:300]
+            cell["variants"].append(row)
+        print_cell(cell, log)
+        cells.append(cell)
+    return cells
+
+
+def print_cell(cell, log):
+    log(f"\n{cell['N']}x{cell['K']} M={cell['M']}: cuBLAS {cell['cublas_us']:.1f} us (on dequantized weights "
+        f"{cell['cublas_dequantized_us']:.1f}); today {cell['today']}")
+    log(f"  {'variant':<60} {'err':>9} {'us':>8} {'x cuBLAS':>8}")
+    for r in sorted(cell["variants"], key=lambda r: r.get("us", float("inf"))):
+        note = r.get("error", "") or ("" if "us" in r else f"  not timed ({r.get('err_m333')})")
+        log(f"  {r['name'][:60]:<60} {r.get('err', float('nan')):>9.2e} {r.get('us', float('nan')):>8.1f} "
+            f"{r.get('x_cublas', float('nan')):>8.2f}{note[:120]}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES), help="NxK list")
+    ap.add_argument("--ms", default=",".join(map(str, MS)), help="activation rows list")
+    ap.add_argument("--deadline", type=float, default=300.0, help="seconds: cells not started by then are skipped")
+    ap.add_argument("--max-err", type=float, default=1e-2, help="largest relative error a timed variant may have")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    ms = [int(v) for v in args.ms.split(",")]
+    import torch
+
+    if not torch.cuda.is_available():
+        print("bench_w4a16_prefill: needs a CUDA GPU (torch sees none)", file=sys.stderr)
+        return 2
+    import triton
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from quantkit.kernels.w4a16_cuda import _nvcc_version, nvcc_path
+
+    args.t_end = time.time() + args.deadline
+    now = datetime.datetime.now(datetime.timezone.utc)
+    out = args.out or f"bench/runs/w4a16_prefill_{now:%Y%m%d_%H%M}.json"
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+
+    def log(line):
+        print(line, flush=True)
+
+    built = prebuild(log)
+    nvcc = nvcc_path()
+    result = dict(card=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                  nvcc=_nvcc_version(nvcc) if nvcc else None, date=now.isoformat(timespec="seconds"),
+                  timing="gpu_timing.gpu_time_us: 5 calls a graph, L2 evicted by reading, best of 5",
+                  builds={f"{c} zeros={z}": ok for (c, z), ok in built.items()}, cells=[], complete=False)
+    for i, (n, k) in enumerate(shapes):
+        log(f"[{i + 1}/{len(shapes)}] {n}x{k}")
+        result["cells"] += run_shape(n, k, ms, built, args, log)
+        torch.cuda.empty_cache()
+        with open(out, "w") as f:
+            json.dump(result, f, indent=1)
+    result["complete"] = True
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
+    log(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

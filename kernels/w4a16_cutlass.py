@@ -1,0 +1,172 @@
+"""The CUTLASS W4A16 prefill GEMM on Hopper (``w4a16_cutlass.cu``): build on first use, prepare, launch.
+
+The kernel is CUTLASS's mixed-input GEMM (the ``nvidia-cutlass`` package's headers, ``pip install
+'quantkit[cutlass]'``) instantiated in ``w4a16_cutlass.cu`` (why, and the operand layouts, in its header),
+compiled by nvcc into one shared library per config and zero-point mode (~1 minute on one core: CUTLASS's
+templates), cached per machine beside the CUDA decode kernel's (``w4a16_cuda.cache_dir``) by a hash of the
+source, the flags, nvcc's version and the headers' location, and launched through ctypes on torch's current
+stream.
+
+It reads its own copy of the weights (:func:`prepare`): signed codes (GPTQ's code - 8, one XOR a word), bf16
+scales, and for zero points the bf16 term ``(8 - zero) x scale`` that CUTLASS adds to code x scale. Nothing here
+fails a user's command for want of a compiler or of CUTLASS: :func:`library` returns None with one log line, and
+:func:`supports` says what the kernel cannot take. The reference is ``w4a16_weights.w4a16_matmul_ref``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+import hashlib
+import importlib.util
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from quantkit.kernels.device_info import capability
+from quantkit.kernels.w4a16_configs import CUTLASS_TILE_K, PER_CHANNEL_GROUP, CutlassConfig
+from quantkit.kernels.w4a16_cuda import _build, _nvcc_version, cache_dir, nvcc_path
+from quantkit.kernels.w4a16_weights import W4A16Weights
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("w4a16_cutlass.cu")
+# -DNDEBUG: CUTLASS's asserts are function calls, and a call inside the mainloop makes ptxas serialize its wgmmas
+# (warning C7510 in a build without it)
+_NVCC_FLAGS = ("-O3", "-DNDEBUG", "-std=c++17", "--expt-relaxed-constexpr")
+# XOR of every nibble with 8: GPTQ's unsigned code c (zero point 8) as the signed c - 8 that CUTLASS's int4 holds
+_SIGN_FLIP = -0x77777778  # 0x88888888 as an int32
+
+__all__ = ["CutlassConfig", "CutlassWeights", "include_dirs", "library", "prepare", "supports",
+           "w4a16_cutlass_matmul"]
+
+
+def include_dirs() -> list[Path] | None:
+    """CUTLASS's header folders: under ``$QUANTKIT_CUTLASS_DIR`` (a CUTLASS checkout, or the package's ``source``
+    folder) if set, else the ``nvidia-cutlass`` package's copy; None where neither has them."""
+    root = os.environ.get("QUANTKIT_CUTLASS_DIR")
+    if root is None:
+        spec = importlib.util.find_spec("cutlass_library")
+        if spec is None or spec.origin is None:
+            return None
+        root = Path(spec.origin).parent / "source"
+    dirs = [Path(root) / "include", Path(root) / "tools" / "util" / "include"]
+    return dirs if (dirs[0] / "cutlass" / "cutlass.h").is_file() else None
+
+
+def build_args(cfg: CutlassConfig, zeros: bool, includes: list[Path]) -> list[str]:
+    """nvcc's arguments for one variant (sm_90a only: the kernel is Hopper's wgmma and TMA)."""
+    defines = [f"-DQK_TILE_N={cfg.TILE_N}", f"-DQK_TILE_M={cfg.TILE_M}", f"-DQK_CLUSTER_N={cfg.CLUSTER_N}",
+               f"-DQK_PINGPONG={int(cfg.PINGPONG)}", f"-DQK_ZEROS={int(zeros)}"]
+    return [*_NVCC_FLAGS, "-gencode=arch=compute_90a,code=sm_90a", *defines, *(f"-I{d}" for d in includes),
+            "-shared", "-Xcompiler", "-fPIC"]
+
+
+@functools.cache
+def library(cfg: CutlassConfig, zeros: bool, cap: tuple[int, int]):
+    """The compiled library of one variant, built on first use; None (and one log line) off Hopper, without nvcc
+    or CUTLASS's headers, or where the build or load fails."""
+    if cap != (9, 0):
+        return None
+    nvcc, includes = nvcc_path(), include_dirs()
+    if nvcc is None or includes is None:
+        log.warning("W4A16 CUTLASS prefill kernel: %s; the Triton kernels serve",
+                    "no nvcc on this machine" if nvcc is None else "CUTLASS's headers are not installed "
+                    "(pip install 'quantkit[cutlass]', or set QUANTKIT_CUTLASS_DIR)")
+        return None
+    args = build_args(cfg, zeros, includes)
+    key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(args), _nvcc_version(nvcc)]).encode()).hexdigest()
+    path = cache_dir() / f"w4a16_cutlass_{key[:24]}.so"
+    if not path.exists():
+        log.info("building the W4A16 CUTLASS kernel %s (about a minute, once per machine)", cfg)
+        err = _build(nvcc, args, path, SOURCE, timeout=1200)
+        if err is not None:
+            log.warning("W4A16 CUTLASS prefill kernel: nvcc failed for %s; the Triton kernels serve:\n%s", cfg, err)
+            return None
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        log.warning("W4A16 CUTLASS prefill kernel: cannot load %s (%s); the Triton kernels serve", path, e)
+        return None
+    lib.qk_cutlass_gemm.restype = ctypes.c_int
+    lib.qk_cutlass_gemm.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4 + [ctypes.c_void_p] * 2
+    lib.qk_cutlass_workspace.restype = ctypes.c_longlong
+    lib.qk_cutlass_workspace.argtypes = [ctypes.c_int] * 4
+    lib.qk_cutlass_can_implement.restype = ctypes.c_int
+    lib.qk_cutlass_can_implement.argtypes = [ctypes.c_int] * 4
+    return lib
+
+
+@dataclasses.dataclass(frozen=True)
+class CutlassWeights:
+    """The kernel's copy of a layer (:func:`prepare`): ``codes`` int32 ``[N, K / 8]`` signed 4-bit codes, K-major;
+    ``scales`` bf16 ``[G, N]``; ``zero_terms`` bf16 ``[G, N]`` or None (symmetric); ``group``: codes a scale
+    (K for per-channel scales)."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    zero_terms: torch.Tensor | None
+    group: int
+
+
+def kernel_group(w: W4A16Weights) -> int | None:
+    """The group length the kernel takes for ``w`` (K for per-channel scales), None where it takes none."""
+    if w.group_size is None:
+        return None
+    return w.in_features if w.group_size == PER_CHANNEL_GROUP else w.group_size
+
+
+def supports(x: torch.Tensor, w: W4A16Weights) -> tuple[bool, str]:
+    """Whether the kernel can take the call at all (before any build)."""
+    if not x.is_cuda or capability(x.device) != (9, 0):
+        return False, "needs a Hopper (sm_90) GPU"
+    if x.dtype != torch.bfloat16:
+        return False, f"activations are {x.dtype}, this build takes bfloat16"
+    group = kernel_group(w)
+    if w.bits != 4 or group is None or group % CUTLASS_TILE_K or w.in_features % CUTLASS_TILE_K:
+        return False, f"needs 4-bit codes, K and groups multiples of {CUTLASS_TILE_K}"
+    if w.out_features % 8:
+        return False, "needs N a multiple of 8 (16-byte output rows for the TMA store)"
+    return True, ""
+
+
+def prepare(w: W4A16Weights) -> CutlassWeights:
+    """The kernel's copy of ``w``'s weights (see the module docstring); one pass on the device."""
+    scales = w.scales.to(torch.bfloat16)
+    zero_terms = None
+    if w.zeros is not None:
+        zero_terms = ((8.0 - w.zeros.float()) * w.scales.float()).to(torch.bfloat16)
+    return CutlassWeights(torch.bitwise_xor(w.qweight, _SIGN_FLIP), scales, zero_terms, kernel_group(w))
+
+
+def w4a16_cutlass_matmul(x: torch.Tensor, w: W4A16Weights, cfg: CutlassConfig,
+                         prepared: CutlassWeights | None = None) -> torch.Tensor:
+    """``x [M, K] @ W^T`` (bf16) through the CUTLASS kernel ``cfg`` on ``prepared`` (made here when None: a pass
+    over the weights, so callers keep theirs); raises (never falls back) where it cannot run."""
+    ok, reason = supports(x, w)
+    lib = library(cfg, w.zeros is not None, capability(x.device)) if ok else None
+    if lib is None:
+        raise ValueError(f"the CUTLASS W4A16 kernel cannot run this call: "
+                         f"{reason or 'not built here (no nvcc or CUTLASS headers, or the build failed: see the log)'}")
+    prepared = prepared if prepared is not None else prepare(w)
+    if w.perm is not None:
+        x = x[:, w.perm]
+    x = x.contiguous()
+    m, k = x.shape
+    n = w.out_features
+    group = prepared.group
+    if lib.qk_cutlass_can_implement(m, n, k, group):
+        raise ValueError(f"the CUTLASS W4A16 kernel {cfg} cannot take M={m}, N={n}, K={k}, group {group}")
+    out = torch.empty((m, n), device=x.device, dtype=torch.bfloat16)
+    ws_bytes = lib.qk_cutlass_workspace(m, n, k, group)
+    ws = torch.empty(max(ws_bytes, 1), device=x.device, dtype=torch.uint8)
+    zero_terms = prepared.zero_terms if prepared.zero_terms is not None else prepared.scales  # unused if sym
+    err = lib.qk_cutlass_gemm(prepared.codes.data_ptr(), x.data_ptr(), prepared.scales.data_ptr(),
+                              zero_terms.data_ptr(), out.data_ptr(), m, n, k, group, ws.data_ptr(),
+                              ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream))
+    if err:
+        raise RuntimeError(f"the CUTLASS W4A16 kernel failed (status {err})")
+    return out
