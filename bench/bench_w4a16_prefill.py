@@ -7,7 +7,9 @@ configs, dequantize-then-cuBLAS, and cuBLAS on 16-bit weights (one Hopper GPU).
 Every variant is first checked against the plain-PyTorch reference (float32) at M = 333 (a partial tile) and at each
 timed M: the error's norm relative to the reference's; a variant above ``--max-err`` is not timed. The CUTLASS
 configs (``kernels/w4a16_cutlass.py``) are built with nvcc first, in parallel; without nvcc or CUTLASS's headers
-they are left out, saying why. cuBLAS runs twice: on random bf16 weights (what a 16-bit model's layer costs) and on
+they are left out, saying why. They are timed on the kernel's copy of the weights made beforehand; one more row
+times the runtime's launcher, which makes that copy on every call. Where a config beats today's pick, the JSON's
+``candidate_entries`` hold a card-specific table entry: candidates for a whole-prefill A/B, not defaults. cuBLAS runs twice: on random bf16 weights (what a 16-bit model's layer costs) and on
 the quantized layer's dequantized weights (the same GEMM on low-entropy values: tensor cores draw less power on
 them, and at 4096 rows that showed as a faster cuBLAS, docs/kernels.md). Timing: ``gpu_timing.gpu_time_us`` (CUDA
 graphs, L2 evicted by reading before each call, best of 5 replays). Writes JSON (card, versions, nvcc, date, every
@@ -64,7 +66,7 @@ def run_shape(n, k, ms, built, args, log) -> list[dict]:
     from gpu_timing import gpu_time_us, l2_evict_buffer
 
     from quantkit.kernels import w4a16, w4a16_cutlass
-    from quantkit.kernels.w4a16_configs import DequantConfig, config_label
+    from quantkit.kernels.w4a16_configs import DequantConfig, config_label, config_to_dict
     from quantkit.kernels.w4a16_weights import w4a16_matmul_ref
 
     flush = l2_evict_buffer("cuda")
@@ -76,10 +78,13 @@ def run_shape(n, k, ms, built, args, log) -> list[dict]:
     prepared, prepared_asym = w4a16_cutlass.prepare(w), w4a16_cutlass.prepare(w_asym)
     w_dq = dequant_f32(w).t().contiguous().bfloat16()  # [N, K]
     w_random = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-    variants = [("today", lambda x: w4a16.w4a16_matmul(x, w)),
-                ("dequant+cuBLAS", lambda x: w4a16.w4a16_matmul(x, w, config=DequantConfig()))]
-    variants += [(f"cutlass {config_label(c)}", lambda x, c=c: w4a16_cutlass.w4a16_cutlass_matmul(x, w, c, prepared))
-                 for c in cutlass_configs() if built.get((c, False))]
+    variants = [("today", lambda x: w4a16.w4a16_matmul(x, w), None),
+                ("dequant+cuBLAS", lambda x: w4a16.w4a16_matmul(x, w, config=DequantConfig()), None)]
+    variants += [(f"cutlass {config_label(c)}", lambda x, c=c: w4a16_cutlass.w4a16_cutlass_matmul(x, w, c, prepared),
+                  c) for c in cutlass_configs() if built.get((c, False))]
+    # the runtime's launcher: the kernel's copy of the weights made on every call (best config at 2048 rows here)
+    variants.append(("cutlass 128x256 with its weight copy", lambda x: w4a16_cutlass.w4a16_cutlass_matmul(
+        x, w, cutlass_configs()[2]), None))
     x333 = torch.randn(333, k, device="cuda", dtype=torch.bfloat16)
     ref333 = w4a16_matmul_ref(x333, w)
     first = cutlass_configs()[0]
@@ -88,7 +93,7 @@ def run_shape(n, k, ms, built, args, log) -> list[dict]:
         asym_err = rel_err(w4a16_cutlass.w4a16_cutlass_matmul(x333, w_asym, first, prepared_asym),
                            w4a16_matmul_ref(x333, w_asym))
     errs333 = {}
-    for name, fn in variants:
+    for name, fn, _ in variants:
         try:
             errs333[name] = rel_err(fn(x333), ref333)
         except Exception as e:  # a config this shape cannot take
@@ -103,8 +108,10 @@ def run_shape(n, k, ms, built, args, log) -> list[dict]:
         cell = dict(N=n, K=k, M=m, today=w.plan.choice(m).label(), cutlass_asym_err_m333=asym_err,
                     cublas_us=timed(lambda: F.linear(x, w_random)),
                     cublas_dequantized_us=timed(lambda: F.linear(x, w_dq)), variants=[])
-        for name, fn in variants:
+        for name, fn, config in variants:
             row = dict(name=name, err_m333=errs333[name])
+            if config is not None:
+                row["config"] = config_to_dict(config)
             if isinstance(errs333[name], float):
                 try:
                     row["err"] = rel_err(fn(x), ref)
@@ -127,6 +134,24 @@ def print_cell(cell, log):
         note = r.get("error", "") or ("" if "us" in r else f"  not timed ({r.get('err_m333')})")
         log(f"  {r['name'][:60]:<60} {r.get('err', float('nan')):>9.2e} {r.get('us', float('nan')):>8.1f} "
             f"{r.get('x_cublas', float('nan')):>8.2f}{note[:120]}")
+
+
+def candidate_entries(cells: list[dict], card: str, margin_us: float = 1.0, margin: float = 0.05) -> list[dict]:
+    """Table entries (``kernels/w4a16_h200.json`` form, ``"kernel": "cutlass"``, naming ``card``) for the cells where
+    the best CUTLASS config beat today's pick by more than ``max(margin_us, margin x today)``: candidates for a
+    whole-prefill A/B (the launcher also makes the kernel's copy of the weights on every call, which these timings
+    leave out)."""
+    out = []
+    for cell in cells:
+        timed = [v for v in cell["variants"] if "us" in v]
+        today = next((v for v in timed if v["name"] == "today"), None)
+        best = min((v for v in timed if "config" in v), key=lambda v: v["us"], default=None)
+        if today is None or best is None or today["us"] - best["us"] <= max(margin_us, margin * today["us"]):
+            continue
+        out.append({"n": cell["N"], "k": cell["K"], "m": cell["M"], "kernel": "cutlass", "config": best["config"],
+                    "us": round(best["us"], 1), "card": card,
+                    "source": f"bench_w4a16_prefill.py: today's pick {today['us']:.1f} us, cuBLAS {cell['cublas_us']:.1f}"})
+    return out
 
 
 def main(argv=None) -> int:
@@ -170,6 +195,7 @@ def main(argv=None) -> int:
         with open(out, "w") as f:
             json.dump(result, f, indent=1)
     result["complete"] = True
+    result["candidate_entries"] = candidate_entries(result["cells"], result["card"])
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
     log(f"wrote {out}")

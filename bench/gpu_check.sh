@@ -378,6 +378,17 @@ w4a16-prefill)  # issue 41's prefill cells on the card at hand in one call (BUDG
     step 400 python3 bench/bench_w4a16_prefill.py --deadline 320 --out "$OUT/w4a16_prefill.json" 2>&1 | tail -120
     step 80 python3 -m pytest -m gpu tests/kernels/test_w4a16_cutlass.py -q -p no:cacheprovider 2>&1 | tail -8
     ;;
+w4a16-prefill-ab)  # issue 41 (BUDGET_S ~420, carry .stage/cutlass and .stage/cand: prefill_candidates.json, the
+    # candidate_entries of bench_w4a16_prefill.py): every CUTLASS config built first (in parallel), then the 8B int4
+    # prefill and batch-1 step with the shipped table and with the candidates for this card, twice, alternating
+    card | tee "$OUT/card.txt"
+    mkdir -p /tmp/cutlass && python3 -m zipfile -e .stage/cutlass/*.whl /tmp/cutlass
+    export QUANTKIT_CUTLASS_DIR=/tmp/cutlass/cutlass_library/source
+    step 120 python3 bench/bench_w4a16_prefill.py --shapes 4096x4096 --ms 256 --deadline 1 --out /tmp/prebuild.json \
+        2>&1 | head -3
+    ROUND=1 candidate_table_ab .stage/cand/prefill_candidates.json prefill int4_8b_round
+    ROUND=2 candidate_table_ab .stage/cand/prefill_candidates.json prefill2 int4_8b_round
+    ;;
 pending)  # issue 39 on the card at hand in one call (BUDGET_S ~150): the 30B-A3B attention projections' decode
     # cells (no H200 entry yet) and, where a CUDA variant beat the pick (candidate_entries), the 30B int4 step with the shipped table,
     # then with the candidates added for this card (the checkout's table, edited on the device only and restored)
@@ -417,5 +428,5 @@ kv-fp8)  # the FP8 KV cache (issue 42's option): its GPU tests, then `quantkit b
     done
     rm -f "$OUT"/*.png
     ;;
-*) echo "usage: gpu_check.sh benches|suite|one|tests|gguf|coldstart-ab|moe|w4a16|moe-decode|moe-math|moe-step|moe-prefill|moe-quantize|fp8-mma|fp8-step|w4a16-ab|w4a16-chain|w4a16-prefill|pending|fp8-codes|tests-fp8|kv-fp8|ab BUDGET_S"; exit 2 ;;
+*) echo "usage: gpu_check.sh benches|suite|one|tests|gguf|coldstart-ab|moe|w4a16|moe-decode|moe-math|moe-step|moe-prefill|moe-quantize|fp8-mma|fp8-step|w4a16-ab|w4a16-chain|w4a16-prefill|w4a16-prefill-ab|pending|fp8-codes|tests-fp8|kv-fp8|ab BUDGET_S"; exit 2 ;;
 esac

@@ -21,6 +21,7 @@ from quantkit.kernels.device_info import interpreting
 from quantkit.kernels.w4a16_configs import (
     PAIR_TILE_K,
     CudaConfig,
+    CutlassConfig,
     DequantConfig,
     GemvConfig,
     GluonConfig,
@@ -173,13 +174,17 @@ def w4a16_matmul(x: torch.Tensor, w: W4A16Weights, config=None) -> torch.Tensor:
         return w4a16_cuda_matmul(x, w, config)
     if isinstance(config, DequantConfig):
         return _launcher(config)(x, w)
+    if isinstance(config, CutlassConfig):
+        from quantkit.kernels.w4a16_cutlass import w4a16_cutlass_matmul
+
+        return w4a16_cutlass_matmul(x, w, config)
     if isinstance(config, PairsConfig):
         if w.pair_index is None:  # set for 4-bit codes with K a multiple of the tile only
             raise ValueError(f"the paired-nibble kernel needs 4-bit codes and K a multiple of {PAIR_TILE_K}, "
                              f"got {w.bits}-bit, K = {w.in_features}")
     elif not isinstance(config, (GemvConfig, TcConfig)):
-        raise TypeError("config must be a GemvConfig, PairsConfig, TcConfig, GluonConfig, CudaConfig or DequantConfig, "
-                        f"got {config!r}")
+        raise TypeError("config must be a GemvConfig, PairsConfig, TcConfig, GluonConfig, CudaConfig, CutlassConfig "
+                        f"or DequantConfig, got {config!r}")
     elif isinstance(config, GemvConfig) and x.shape[0] > 64:
         raise ValueError(f"the GEMV takes at most 64 rows, got {x.shape[0]}")
     return _launcher(config)(x, w)
@@ -208,6 +213,8 @@ def bind_launcher(choice: KernelChoice, facts: LayerFacts, bucket: int):
     config = choice.config
     if isinstance(config, CudaConfig):
         return _cuda_launcher(config, bind_launcher(choice.fallback, facts, bucket))
+    if isinstance(config, CutlassConfig):
+        return _cutlass_launcher(config, bind_launcher(choice.fallback, facts, bucket))
     if isinstance(config, GluonConfig):
         from quantkit.kernels import w4a16_gluon
 
@@ -216,6 +223,32 @@ def bind_launcher(choice: KernelChoice, facts: LayerFacts, bucket: int):
             return lambda x, w: w4a16_gluon.launch(x, w, config)
         return lambda x, w: w4a16_gluon.w4a16_gluon_matmul(x, w, config)
     return _launcher(config)
+
+
+def _cutlass_launcher(config, fallback):
+    """``run(x, w)`` for a ``cutlass`` choice (prefill): the CUTLASS kernel where it takes the call and its library
+    builds (decided once per activation dtype; the build, ~1 minute once per machine, on the first call), else
+    ``fallback``. The kernel's copy of the weights (signed codes, bf16 scales: ``w4a16_cutlass.prepare``) is made
+    on every call and dropped after, so the layer keeps one copy of its weights in memory; at prefill sizes that
+    pass is a few percent of the GEMM (docs/kernels.md)."""
+    usable = {}
+
+    def run(x, w):
+        if x.dtype not in usable:
+            from quantkit.kernels import w4a16_cutlass
+
+            ok = w4a16_cutlass.supports(x, w)[0]
+            usable[x.dtype] = ok and w4a16_cutlass.library(config, w.zeros is not None,
+                                                           device_info.capability(x.device)) is not None
+        if usable[x.dtype]:
+            from quantkit.kernels.w4a16_cutlass import w4a16_cutlass_matmul
+
+            return w4a16_cutlass_matmul(x, w, config)
+        if fallback is None:
+            raise ValueError("the CUTLASS W4A16 kernel is not available here and no fallback was planned")
+        return fallback(x, w)
+
+    return run
 
 
 def _cuda_launcher(config, fallback):

@@ -262,6 +262,13 @@ def config_label(config) -> str:
     if isinstance(config, CudaConfig):
         fields = dataclasses.asdict(config)
         return f"CudaConfig({', '.join(f'{k}={v}' for k, v in fields.items())})"
-    second = fields.pop("BLOCK_M") if "BLOCK_M" in fields else fields.pop("BLOCK_K")
-    head = [f"{fields.pop('BLOCK_N')}x{second}"]
+    if isinstance(config, CutlassConfig):
+        fields = dataclasses.asdict(config)
+        head = [f"{fields.pop('TILE_N')}x{fields.pop('TILE_M')}"]
+    else:
+        # the tile's two sides even where they are the defaults (DequantConfig()), the rest where they differ
+        tile = dataclasses.asdict(config)
+        second = "BLOCK_M" if "BLOCK_M" in tile else "BLOCK_K"
+        head = [f"{tile['BLOCK_N']}x{tile[second]}"]
+        fields = {k: v for k, v in fields.items() if k not in ("BLOCK_N", second)}
     return f"{type(config).__name__}({', '.join(head + [f'{k}={v}' for k, v in fields.items()])})"

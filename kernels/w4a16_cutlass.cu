@@ -165,20 +165,17 @@ long long qk_cutlass_workspace(int m, int n, int k, int group) {
   return static_cast<long long>(Gemm::get_workspace_size(args));
 }
 
-// 0 if the config can run this shape (alignment, group size against the K tile), else a nonzero code.
-int qk_cutlass_can_implement(int m, int n, int k, int group) {
-  auto args = arguments(nullptr, nullptr, nullptr, nullptr, nullptr, m, n, k, group);
-  return static_cast<int>(Gemm::can_implement(args));
-}
-
 // out [m, n] bf16 = x [m, k] bf16 . dequant(codes)^T on `stream`; 0 on success, else a cutlass::Status code
-// (+1000: a CUDA error after the launch).
+// (+2000: the shape or operands refused by can_implement; +1000: a CUDA error after the launch).
 int qk_cutlass_gemm(const void* codes, const void* x, const void* scales, const void* zero_terms, void* out,
                     int m, int n, int k, int group, void* workspace, void* stream) {
   auto args = arguments(codes, x, scales, zero_terms, out, m, n, k, group);
+  // alignment, group against the K tile, the operands of the zero-point mode (+2000: refused before any launch)
+  cutlass::Status status = Gemm::can_implement(args);
+  if (status != cutlass::Status::kSuccess) return 2000 + static_cast<int>(status);
   Gemm gemm;
   auto s = static_cast<cudaStream_t>(stream);
-  cutlass::Status status = gemm.initialize(args, workspace, s);
+  status = gemm.initialize(args, workspace, s);
   if (status != cutlass::Status::kSuccess) return static_cast<int>(status);
   status = gemm.run(s);
   if (status != cutlass::Status::kSuccess) return static_cast<int>(status);

@@ -95,8 +95,6 @@ def library(cfg: CutlassConfig, zeros: bool, cap: tuple[int, int]):
     lib.qk_cutlass_gemm.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4 + [ctypes.c_void_p] * 2
     lib.qk_cutlass_workspace.restype = ctypes.c_longlong
     lib.qk_cutlass_workspace.argtypes = [ctypes.c_int] * 4
-    lib.qk_cutlass_can_implement.restype = ctypes.c_int
-    lib.qk_cutlass_can_implement.argtypes = [ctypes.c_int] * 4
     return lib
 
 
@@ -158,8 +156,6 @@ def w4a16_cutlass_matmul(x: torch.Tensor, w: W4A16Weights, cfg: CutlassConfig,
     m, k = x.shape
     n = w.out_features
     group = prepared.group
-    if lib.qk_cutlass_can_implement(m, n, k, group):
-        raise ValueError(f"the CUTLASS W4A16 kernel {cfg} cannot take M={m}, N={n}, K={k}, group {group}")
     out = torch.empty((m, n), device=x.device, dtype=torch.bfloat16)
     ws_bytes = lib.qk_cutlass_workspace(m, n, k, group)
     ws = torch.empty(max(ws_bytes, 1), device=x.device, dtype=torch.uint8)
@@ -167,6 +163,9 @@ def w4a16_cutlass_matmul(x: torch.Tensor, w: W4A16Weights, cfg: CutlassConfig,
     err = lib.qk_cutlass_gemm(prepared.codes.data_ptr(), x.data_ptr(), prepared.scales.data_ptr(),
                               zero_terms.data_ptr(), out.data_ptr(), m, n, k, group, ws.data_ptr(),
                               ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream))
+    if err >= 2000:
+        raise ValueError(f"the CUTLASS W4A16 kernel {cfg} cannot take M={m}, N={n}, K={k}, group {group} "
+                         f"(cutlass::Status {err - 2000})")
     if err:
         raise RuntimeError(f"the CUTLASS W4A16 kernel failed (status {err})")
     return out

@@ -9,11 +9,12 @@ time: the opt-in tuner ``bench/tune_w4a16.py`` writes the table read here.
 2. Hopper, 4-bit, K a multiple of 128, groups a multiple of 8: the Gluon kernels (the GEMV for one row on small
    layers, :func:`_small_for_gluon`), config from the H200 table ``w4a16_h200.json``: the nearest measured
    shape (log2 N and log2 K), then nearest M bucket, whose config fits this layer.
-   A ``cuda`` entry (the CUDA C++ decode GEMM, built with nvcc on first use), a ``dequant`` entry (prefill:
-   dequantize-then-cuBLAS) or a ``gluon`` entry naming a card serves only the exact (N, K, M bucket) it was
-   measured at, and an entry naming a ``card`` only on a GPU of that name (``card`` argument:
-   ``device_info.gpu_card``), since a pick measured on one Hopper card need not win on another; a ``cuda`` choice
-   keeps the choice above as its ``fallback`` where nvcc or the build is missing.
+   A ``cuda`` entry (the CUDA C++ decode GEMM, built with nvcc on first use), a ``cutlass`` one (prefill:
+   CUTLASS's mixed-input GEMM, likewise), a ``dequant`` one (prefill: dequantize-then-cuBLAS) or a ``gluon`` one
+   naming a card serves only the exact (N, K, M bucket) it was measured at, and an entry naming a ``card`` only on
+   a GPU of that name (``card`` argument: ``device_info.gpu_card``), since a pick measured on one Hopper card need
+   not win on another; a ``cuda`` or ``cutlass`` choice keeps the choice above as its ``fallback`` where nvcc or
+   the build is missing.
 3. Elsewhere, or where no entry fits, :func:`_by_rule`: 1-2 rows the CUDA-core GEMV (direct store up to
    ``GEMV_DIRECT_MAX_WEIGHTS``), more rows the paired-nibble kernel if it applies, else the general one. Their
    configs are H200 autotuning winners (bench/archive/NOTES_w4a16.md); no other GPU has been measured.
@@ -30,7 +31,10 @@ from pathlib import Path
 
 from quantkit.kernels.w4a16_configs import (
     PAIR_TILE_K,
+    PER_CHANNEL_GROUP,
     CudaConfig,
+    CutlassConfig,
+    DequantConfig,
     GemvConfig,
     GluonConfig,
     PairsConfig,
@@ -82,7 +86,7 @@ class KernelChoice:
     kernel)."""
 
     kernel: str
-    config: GemvConfig | PairsConfig | TcConfig | GluonConfig | CudaConfig | None
+    config: GemvConfig | PairsConfig | TcConfig | GluonConfig | CudaConfig | CutlassConfig | DequantConfig | None
     reason: str
     fallback: KernelChoice | None = None
 
@@ -164,9 +168,9 @@ def select_w4a16(m: int, facts: LayerFacts, arch: str | None, card: str | None =
 
 def _measured_exact(bucket: int, facts: LayerFacts, arch: str, card: str | None, table,
                     fallback: KernelChoice) -> KernelChoice | None:
-    """A ``cuda`` or ``dequant`` entry, or a ``gluon`` one naming a card, measured at exactly this layer's (N, K)
-    and bucket on this table's GPU generation, and on this card where the entry names one (a ``cuda`` one with
-    ``fallback``); None where there is none."""
+    """A ``cuda``, ``cutlass`` or ``dequant`` entry, or a ``gluon`` one naming a card, measured at exactly this
+    layer's (N, K) and bucket on this table's GPU generation, and on this card where the entry names one (a ``cuda``
+    or ``cutlass`` one with ``fallback``: what serves where its nvcc build is missing); None where there is none."""
     if arch != "sm90":
         return None
     for e in table:
@@ -178,10 +182,19 @@ def _measured_exact(bucket: int, facts: LayerFacts, arch: str, card: str | None,
             return KernelChoice("cuda", e["config"], source, fallback)
         if e["kernel"] == "dequant":
             return KernelChoice("dequant", e["config"], source)
+        if e["kernel"] == "cutlass" and facts.bits == 4 and e["config"].fits(bucket, _cutlass_group(facts)):
+            return KernelChoice("cutlass", e["config"], source, fallback)
         if e["kernel"] == "gluon" and "card" in e and _gluon_supports(facts, arch) \
                 and _fits("gluon", e["config"], bucket, facts):
             return KernelChoice("gluon", e["config"], source)
     return None
+
+
+def _cutlass_group(facts: LayerFacts) -> int:
+    """The group length the CUTLASS kernel sees (K for per-channel scales; 1, which no config fits, for none)."""
+    if facts.group_size is None:
+        return 1
+    return facts.k if facts.group_size == PER_CHANNEL_GROUP else facts.group_size
 
 
 @functools.lru_cache(maxsize=4096)

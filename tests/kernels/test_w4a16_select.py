@@ -159,6 +159,26 @@ def test_a_gluon_entry_naming_a_card_serves_that_cards_exact_cell_only(monkeypat
     assert select_w4a16(16, facts, "sm90", card).config == PINNED_SM90[(4096, 4096, 16)][1]
 
 
+def test_a_cutlass_entry_serves_its_card_with_the_generic_pick_as_fallback(monkeypatch):
+    """A ``cutlass`` entry (bench_w4a16_prefill.py's candidates) serves its card at exactly its cell, keeping the
+    generic pick as the fallback for machines without nvcc or CUTLASS; other cards keep the generic pick."""
+    from quantkit.kernels import w4a16_select
+    from quantkit.kernels.w4a16_configs import CutlassConfig
+
+    card, cfg = "NVIDIA H100 80GB HBM3", CutlassConfig(128, 256, 2)
+    shipped = load_table()
+    entry = {"n": 4096, "k": 4096, "m": 2048, "kernel": "cutlass", "config": cfg, "us": 99.0, "card": card,
+             "source": "test"}
+    monkeypatch.setattr(w4a16_select, "load_table", lambda: (entry,) + shipped)
+    facts = facts_of(4096, 4096, 4, 128, True, False)
+    generic = select_w4a16(2048, facts, "sm90", None)
+    on_card = select_w4a16(2048, facts, "sm90", card)
+    assert (on_card.kernel, on_card.config, on_card.fallback) == ("cutlass", cfg, generic)
+    assert (generic.kernel, generic.config) == PINNED_SM90[(4096, 4096, 2048)]
+    assert select_w4a16(1024, facts, "sm90", card) == select_w4a16(1024, facts, "sm90", None)
+    assert select_w4a16(2048, facts_of(4096, 4096, 4, 32, True, False), "sm90", card).kernel != "cutlass"  # g32
+
+
 def test_card_specific_entries_serve_their_card_only():
     """The entries measured on an H100 (kernels/w4a16_h200.json, "card": the CUDA decode kernel at 1 and 8 rows,
     dequantize-then-cuBLAS at 4096) serve that card's plans; the H200, and a plan without a card, keep the Gluon
