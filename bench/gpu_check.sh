@@ -390,8 +390,19 @@ w4a16-prefill-ab)  # issue 41 (BUDGET_S ~420, carry .stage/cutlass and .stage/ca
     export QUANTKIT_CUTLASS_DIR=/tmp/cutlass/cutlass_library/source
     step 120 python3 bench/bench_w4a16_prefill.py --shapes 4096x4096 --ms 256 --deadline 1 --out /tmp/prebuild.json \
         2>&1 | head -3
+    local_rounds=${3:-2}
     ROUND=1 candidate_table_ab .stage/cand/prefill_candidates.json prefill int4_8b_round
-    ROUND=2 candidate_table_ab .stage/cand/prefill_candidates.json prefill2 int4_8b_round
+    [ "$local_rounds" -lt 2 ] || ROUND=2 candidate_table_ab .stage/cand/prefill_candidates.json prefill2 int4_8b_round
+    ;;
+prefill-then-tests)  # one call where device time is short (BUDGET_S ~460; carry .stage/whl, .stage/data,
+    # .stage/cutlass, .stage/cand): on an H100, the prefill A/B with the H100's candidates, two rounds; on another
+    # card, the prefill cells there (bench_w4a16_prefill.py), then the GPU suite without the GGUF tests
+    if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q "H100"; then
+        bash bench/gpu_check.sh w4a16-prefill-ab "$BUDGET" 2
+    else
+        bash bench/gpu_check.sh w4a16-prefill 170
+        gpu_tests 60 $(( BUDGET - ($(date +%s) - t0) - 70 ))
+    fi
     ;;
 pending)  # issue 39 on the card at hand in one call (BUDGET_S ~150): the 30B-A3B attention projections' decode
     # cells (no H200 entry yet) and, where a CUDA variant beat the pick (candidate_entries), the 30B int4 step with the shipped table,
@@ -432,5 +443,5 @@ kv-fp8)  # the FP8 KV cache (issue 42's option): its GPU tests, then `quantkit b
     done
     rm -f "$OUT"/*.png
     ;;
-*) echo "usage: gpu_check.sh benches|suite|one|tests|gguf|coldstart-ab|moe|w4a16|moe-decode|moe-math|moe-step|moe-prefill|moe-quantize|fp8-mma|fp8-step|w4a16-ab|w4a16-chain|w4a16-prefill|w4a16-prefill-ab|pending|fp8-codes|tests-fp8|kv-fp8|ab BUDGET_S"; exit 2 ;;
+*) echo "usage: gpu_check.sh benches|suite|one|tests|gguf|coldstart-ab|moe|w4a16|moe-decode|moe-math|moe-step|moe-prefill|moe-quantize|fp8-mma|fp8-step|w4a16-ab|w4a16-chain|w4a16-prefill|w4a16-prefill-ab|prefill-then-tests|pending|fp8-codes|tests-fp8|kv-fp8|ab BUDGET_S"; exit 2 ;;
 esac
