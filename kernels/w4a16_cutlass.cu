@@ -8,28 +8,17 @@
 //
 // The product is computed transposed, out^T [N, M] = W [N, K] . x^T, so the 4-bit weights are the register (A)
 // operand and the output is written by the TMA epilogue as out [M, N] row-major (the swap the CUTLASS example 55
-// describes). Weights: signed 4-bit codes (GPTQ's unsigned code - 8), K-major, in CUTLASS's reordered layout
-// (every value a thread reads contiguous, nibbles in the [0, 2, 4, 6, 1, 3, 5, 7] order its converter wants),
-// written once by qk_cutlass_reorder (QK_SHUFFLE; otherwise GPTQ's own K-major words, XOR 0x8 a nibble). Scales: bf16 [K / group, N] (GPTQ's layout, N fastest). Optional zero
-// term: bf16 [K / group, N] added to code x scale (a GPTQ zero point z becomes (8 - z) x scale).
+// describes). Weights: signed 4-bit codes (GPTQ's unsigned code - 8: its K-major words with every nibble XOR 8),
+// two a byte, low nibble first. Scales: bf16 [K / group, N] (GPTQ's layout, N fastest). Optional zero term: bf16
+// [K / group, N] added to code x scale (a GPTQ zero point z becomes (8 - z) x scale).
+//
+// QK_SHUFFLE (not built by the launcher, not measured): CUTLASS's reordered weight layout instead (each thread's
+// values contiguous, nibbles in its converter's order), written once by qk_cutlass_reorder; its header pulls in
+// curand, which not every toolkit has.
 //
 // Config (compile-time): QK_TILE_N x QK_TILE_M output tile (weight rows x activation rows), QK_CLUSTER_N CTAs of a
 // cluster along the weight rows (they share each activation box by multicast), QK_PINGPONG (two consumer
 // warpgroups on two tiles) or cooperative (both on one tile), QK_ZEROS (the zero term).
-
-#include <cstdint>
-
-#include "cutlass/cutlass.h"
-#include "cute/tensor.hpp"
-#include "cutlass/epilogue/collective/collective_builder.hpp"
-#include "cutlass/gemm/collective/collective_builder.hpp"
-#include "cutlass/gemm/device/gemm_universal_adapter.h"
-#include "cutlass/gemm/dispatch_policy.hpp"
-#include "cutlass/gemm/kernel/gemm_universal.hpp"
-#include "cutlass/util/packed_stride.hpp"
-#if QK_SHUFFLE
-#include "cutlass/util/mixed_dtype_utils.hpp"  // includes curand: only where the toolkit has it
-#endif
 
 #ifndef QK_TILE_N
 #define QK_TILE_N 128
@@ -48,6 +37,20 @@
 #endif
 #ifndef QK_SHUFFLE
 #define QK_SHUFFLE 0
+#endif
+
+#include <cstdint>
+
+#include "cutlass/cutlass.h"
+#include "cute/tensor.hpp"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/dispatch_policy.hpp"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "cutlass/util/packed_stride.hpp"
+#if QK_SHUFFLE
+#include "cutlass/util/mixed_dtype_utils.hpp"  // includes curand: only where the toolkit has it
 #endif
 
 using namespace cute;
@@ -80,7 +83,8 @@ using LayoutOut = cutlass::layout::ColumnMajor;
 #if QK_SHUFFLE
 // The reordered weight layout: one warp fragment's values contiguous, nibbles shuffled for the converter.
 using ValueShuffle = Layout<Shape<_2, _4>, Stride<_4, _1>>;
-using LayoutAtomCodes = decltype(cutlass::compute_memory_reordering_atom<MmaType, Layout<Shape<_1, _1>>, ValueShuffle>());
+using LayoutAtomCodes =
+    decltype(cutlass::compute_memory_reordering_atom<MmaType, Layout<Shape<_1, _1>>, ValueShuffle>());
 using LayoutW = decltype(cute::tile_to_shape(LayoutAtomCodes{}, Layout<Shape<int, int, int>, StrideW>{}));
 #else
 using LayoutW = cutlass::layout::RowMajor;
