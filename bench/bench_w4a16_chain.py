@@ -23,7 +23,6 @@ A/B (``bash bench/gpu_check.sh w4a16-chain``), never defaults by themselves.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -184,29 +183,20 @@ def main(argv=None) -> int:
         ap.error(f"--layers: unknown {', '.join(unknown)}; known: {', '.join(LAYERS)}")
     if not 1 <= args.m <= 8:
         ap.error("--m: the decode kernels take 1 to 8 rows here")
-    import torch
-
-    if not torch.cuda.is_available():
-        print("bench_w4a16_chain: needs a CUDA GPU (torch sees none)", file=sys.stderr)
-        return 2
-    import triton
-
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from bench_w4a16_decode import prebuild
+    from gpu_timing import gpu_run, log
+
+    started = gpu_run("w4a16_chain", args.out)
+    if started is None:
+        return 2
+    result, out = started
+    import torch
 
     args.t_end = time.time() + args.deadline
-    now = datetime.datetime.now(datetime.timezone.utc)
-    out = args.out or f"bench/runs/w4a16_chain_{now:%Y%m%d_%H%M}.json"
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-
-    def log(line):
-        print(line, flush=True)
-
     prebuild([args.m], log)
-    result = dict(card=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                  date=now.isoformat(timespec="seconds"), context=CONTEXT,
-                  timing="gpu_timing.gpu_time_us (10 calls a graph, L2 evicted by reading, best of 5); in the chain: "
-                         "predecessor + call, less the predecessor alone (the lower of two timings)",
+    result.update(context=CONTEXT, timing="gpu_timing.gpu_time_us (10 calls a graph, L2 evicted by reading, best of "
+                  "5); in the chain: predecessor + call, less the predecessor alone (the lower of two timings)",
                   cells=[], complete=False)
     for i, name in enumerate(layers):
         log(f"[{i + 1}/{len(layers)}] {name}")

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import datetime
 import json
 import os
 import sys
@@ -197,31 +196,22 @@ def main(argv=None) -> int:
     ms = [int(v) for v in args.ms.split(",")]
     if any(not 1 <= m <= 16 for m in ms):
         ap.error("--ms: the decode kernels take 1 to 16 rows")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from gpu_timing import gpu_run, log
+
+    started = gpu_run("w4a16_decode", args.out)
+    if started is None:
+        return 2
+    result, out = started
     import torch
 
-    if not torch.cuda.is_available():
-        print("bench_w4a16_decode: needs a CUDA GPU (torch sees none)", file=sys.stderr)
-        return 2
-    import triton
-
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from quantkit.kernels import w4a16_cuda
     from quantkit.kernels.w4a16_configs import config_label
 
     args.t_end = time.time() + args.deadline
-    now = datetime.datetime.now(datetime.timezone.utc)
-    out = args.out or f"bench/runs/w4a16_decode_{now:%Y%m%d_%H%M}.json"
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-
-    def log(line):
-        print(line, flush=True)
-
     built = prebuild(ms, log)
-    nvcc = w4a16_cuda.nvcc_path()
-    result = dict(card=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                  nvcc=w4a16_cuda._nvcc_version(nvcc) if nvcc else None, date=now.isoformat(timespec="seconds"),
-                  group_size=GROUP, timing="gpu_timing.gpu_time_us: 10 calls a graph, L2 evicted by reading, best of 5",
-                  cuda_builds={f"{config_label(c)} mt={mt} asym={z}": ok for (c, mt, z), ok in built.items()}, cells=[], complete=False)
+    result.update(group_size=GROUP, timing="gpu_timing.gpu_time_us: 10 calls a graph, L2 evicted by reading, best of 5",
+                  cuda_builds={f"{config_label(c)} mt={mt} asym={z}": ok for (c, mt, z), ok in built.items()},
+                  cells=[], complete=False)
     for i, (n, k) in enumerate(shapes):
         log(f"[{i + 1}/{len(shapes)}] {n}x{k}")
         result["cells"] += run_shape(n, k, ms, args, log)

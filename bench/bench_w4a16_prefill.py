@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import datetime
 import json
 import os
 import sys
@@ -164,29 +163,18 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     ms = [int(v) for v in args.ms.split(",")]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from gpu_timing import gpu_run, log
+
+    started = gpu_run("w4a16_prefill", args.out)
+    if started is None:
+        return 2
+    result, out = started
     import torch
 
-    if not torch.cuda.is_available():
-        print("bench_w4a16_prefill: needs a CUDA GPU (torch sees none)", file=sys.stderr)
-        return 2
-    import triton
-
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from quantkit.kernels.w4a16_cuda import _nvcc_version, nvcc_path
-
     args.t_end = time.time() + args.deadline
-    now = datetime.datetime.now(datetime.timezone.utc)
-    out = args.out or f"bench/runs/w4a16_prefill_{now:%Y%m%d_%H%M}.json"
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-
-    def log(line):
-        print(line, flush=True)
-
     built = prebuild(log)
-    nvcc = nvcc_path()
-    result = dict(card=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                  nvcc=_nvcc_version(nvcc) if nvcc else None, date=now.isoformat(timespec="seconds"),
-                  timing="gpu_timing.gpu_time_us: 5 calls a graph, L2 evicted by reading, best of 5",
+    result.update(timing="gpu_timing.gpu_time_us: 5 calls a graph, L2 evicted by reading, best of 5",
                   builds={f"{c} zeros={z}": ok for (c, z), ok in built.items()}, cells=[], complete=False)
     for i, (n, k) in enumerate(shapes):
         log(f"[{i + 1}/{len(shapes)}] {n}x{k}")

@@ -62,6 +62,34 @@ def replay_us(graph: torch.cuda.CUDAGraph, replays: int) -> list[float]:
     return times
 
 
+def gpu_run(script: str, out: str | None) -> tuple[dict, str] | None:
+    """The start of a GPU benchmark's run: None, after one line on stderr, where torch sees no GPU; else the record
+    its JSON starts with (card, torch, Triton, nvcc, date) and where to write it (``out``, or
+    ``bench/runs/<script>_<date>.json``), the folder made."""
+    if not torch.cuda.is_available():
+        print(f"{script}: needs a CUDA GPU (torch sees none)", file=sys.stderr)
+        return None
+    import datetime
+    import os
+
+    import triton
+
+    from quantkit.kernels.w4a16_cuda import _nvcc_version, nvcc_path
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    path = out or f"bench/runs/{script}_{now:%Y%m%d_%H%M}.json"
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    nvcc = nvcc_path()
+    record = dict(card=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                  nvcc=_nvcc_version(nvcc) if nvcc else None, date=now.isoformat(timespec="seconds"))
+    return record, path
+
+
+def log(line: str) -> None:
+    """A benchmark's progress line, flushed (a device call's log tail keeps it if the run is cut)."""
+    print(line, flush=True)
+
+
 def main(argv=None) -> int:
     """Time one bf16 matmul the way the benchmarks time a kernel (a check of this machine's timing)."""
     import argparse

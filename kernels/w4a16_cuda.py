@@ -88,6 +88,25 @@ def _build(nvcc: str, args: list[str], out: Path, source: Path = SOURCE, timeout
             os.unlink(tmp)
 
 
+def built_library(nvcc: str, source: Path, args: list[str], prefix: str, what: str, timeout: float = 600):
+    """``source`` compiled by nvcc with ``args`` into a shared library, loaded: from the per-machine cache (keyed by
+    the source, the arguments and nvcc's version) or built now; None, with one log line saying why, where the build
+    or the load fails (``what`` names the kernel in it)."""
+    key = hashlib.sha256("\n".join([source.read_text(), " ".join(args), _nvcc_version(nvcc)]).encode()).hexdigest()
+    path = cache_dir() / f"{prefix}_{key[:24]}.so"
+    if not path.exists():
+        log.info("building %s with nvcc (once per machine)", what)
+        err = _build(nvcc, args, path, source, timeout)
+        if err is not None:
+            log.warning("%s: nvcc failed; the Triton kernels serve:\n%s", what, err)
+            return None
+    try:
+        return ctypes.CDLL(str(path))
+    except OSError as e:
+        log.warning("%s: cannot load %s (%s); the Triton kernels serve", what, path, e)
+        return None
+
+
 @functools.cache
 def library(cfg: CudaConfig, mt: int, bf16: bool, zeros: bool, cap: tuple[int, int], pdl: bool = False):
     """The compiled shared library of one variant for compute capability ``cap`` (``pdl``: the build that waits
@@ -98,17 +117,8 @@ def library(cfg: CudaConfig, mt: int, bf16: bool, zeros: bool, cap: tuple[int, i
         log.warning("W4A16 CUDA decode kernel: no nvcc on this machine; the Triton kernels serve")
         return None
     args = [*_NVCC_FLAGS, *_arch_flags(cap), *_defines(cfg, mt, bf16, zeros, pdl), "-shared", "-Xcompiler", "-fPIC"]
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(args), _nvcc_version(nvcc)]).encode()).hexdigest()
-    path = cache_dir() / f"w4a16_cuda_{key[:24]}.so"
-    if not path.exists():
-        err = _build(nvcc, args, path)
-        if err is not None:
-            log.warning("W4A16 CUDA decode kernel: nvcc failed for %s; the Triton kernels serve:\n%s", cfg, err)
-            return None
-    try:
-        lib = ctypes.CDLL(str(path))
-    except OSError as e:
-        log.warning("W4A16 CUDA decode kernel: cannot load %s (%s); the Triton kernels serve", path, e)
+    lib = built_library(nvcc, SOURCE, args, "w4a16_cuda", f"W4A16 CUDA decode kernel {cfg}")
+    if lib is None:
         return None
     lib.qk_w4a16_decode_launch.restype = ctypes.c_int
     lib.qk_w4a16_decode_launch.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int] * 10 + [ctypes.c_void_p]

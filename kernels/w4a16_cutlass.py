@@ -18,7 +18,6 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
-import hashlib
 import importlib.util
 import logging
 import os
@@ -28,7 +27,7 @@ import torch
 
 from quantkit.kernels.device_info import capability
 from quantkit.kernels.w4a16_configs import CUTLASS_TILE_K, PER_CHANNEL_GROUP, CutlassConfig
-from quantkit.kernels.w4a16_cuda import _build, _nvcc_version, cache_dir, nvcc_path
+from quantkit.kernels.w4a16_cuda import built_library, nvcc_path
 from quantkit.kernels.w4a16_weights import W4A16Weights
 
 log = logging.getLogger(__name__)
@@ -77,19 +76,10 @@ def library(cfg: CutlassConfig, zeros: bool, cap: tuple[int, int]):
                     "no nvcc on this machine" if nvcc is None else "CUTLASS's headers are not installed "
                     "(pip install 'quantkit[cutlass]', or set QUANTKIT_CUTLASS_DIR)")
         return None
-    args = build_args(cfg, zeros, includes)
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(args), _nvcc_version(nvcc)]).encode()).hexdigest()
-    path = cache_dir() / f"w4a16_cutlass_{key[:24]}.so"
-    if not path.exists():
-        log.info("building the W4A16 CUTLASS kernel %s (about a minute, once per machine)", cfg)
-        err = _build(nvcc, args, path, SOURCE, timeout=1200)
-        if err is not None:
-            log.warning("W4A16 CUTLASS prefill kernel: nvcc failed for %s; the Triton kernels serve:\n%s", cfg, err)
-            return None
-    try:
-        lib = ctypes.CDLL(str(path))
-    except OSError as e:
-        log.warning("W4A16 CUTLASS prefill kernel: cannot load %s (%s); the Triton kernels serve", path, e)
+    # about a minute a config on one core: CUTLASS's templates
+    lib = built_library(nvcc, SOURCE, build_args(cfg, zeros, includes), "w4a16_cutlass",
+                        f"W4A16 CUTLASS prefill kernel {cfg}", timeout=1200)
+    if lib is None:
         return None
     lib.qk_cutlass_gemm.restype = ctypes.c_int
     lib.qk_cutlass_gemm.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4 + [ctypes.c_void_p] * 2
