@@ -125,3 +125,30 @@ def test_cutlass_kernel_matches_the_reference(m, n, k, group, sym, cfg):
     out = w4a16_cutlass.w4a16_cutlass_matmul(x, w, cfg)
     ref = w4a16_matmul_ref(x, w).float()
     assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
+
+
+def test_a_cutlass_choice_falls_back_where_the_kernel_cannot_serve(monkeypatch):
+    """bind_launcher on a ``cutlass`` choice: the CUTLASS kernel where it takes the call and its library loads
+    (checked once per activation dtype), the planned fallback otherwise (no nvcc or headers, fp16 activations)."""
+    from quantkit.kernels import w4a16
+    from quantkit.kernels.w4a16_select import KernelChoice
+
+    calls = []
+    fallback = KernelChoice("gemv", None, "test")
+    monkeypatch.setattr(w4a16, "_launcher", lambda config: lambda x, w: calls.append("fallback") or "fell back")
+    monkeypatch.setattr(w4a16_cutlass, "supports", lambda x, w: (x.dtype == torch.bfloat16, ""))
+    built = {"lib": None}
+    monkeypatch.setattr(w4a16_cutlass, "library", lambda *a: built["lib"])
+    monkeypatch.setattr(w4a16.device_info, "capability", lambda device: (9, 0))
+    monkeypatch.setattr(w4a16_cutlass, "w4a16_cutlass_matmul",
+                        lambda x, w, cfg: calls.append(("cutlass", cfg)) or "cutlass")
+    cfg = CutlassConfig(128, 256)
+    w = _layer()
+    run = w4a16.bind_launcher(KernelChoice("cutlass", cfg, "test", fallback), w.facts(), 2048)
+    x = torch.zeros(2, 128, dtype=torch.bfloat16)
+    assert run(x, w) == "fell back"  # no library here
+    built["lib"] = object()
+    assert run(x, w) == "fell back"  # decided once per dtype
+    run = w4a16.bind_launcher(KernelChoice("cutlass", cfg, "test", fallback), w.facts(), 2048)
+    assert run(x, w) == "cutlass" and run(x.half(), w) == "fell back"
+    assert calls == ["fallback", "fallback", ("cutlass", cfg), "fallback"]
