@@ -4,8 +4,8 @@ The kernel is CUTLASS's mixed-input GEMM (the ``nvidia-cutlass`` package's heade
 'quantkit[cutlass]'``) instantiated in ``w4a16_cutlass.cu`` (why, and the operand layouts, in its header),
 compiled by nvcc into one shared library per config and zero-point mode (~1 minute on one core: CUTLASS's
 templates), cached per machine beside the CUDA decode kernel's (``w4a16_cuda.cache_dir``) by a hash of the
-source, the flags, nvcc's version and the headers' location, and launched through ctypes on torch's current
-stream.
+source, the flags (the headers' folder and version among them) and nvcc's version, and launched through ctypes on
+torch's current stream.
 
 It reads its own copy of the weights (:func:`prepare`): signed codes (GPTQ's code - 8, one XOR a word), bf16
 scales, and for zero points the bf16 term ``(8 - zero) x scale`` that CUTLASS adds to code x scale. Nothing here
@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
+import hashlib
 import importlib.util
 import logging
 import os
@@ -60,6 +61,9 @@ def build_args(cfg: CutlassConfig, zeros: bool, includes: list[Path]) -> list[st
     """nvcc's arguments for one variant (sm_90a only: the kernel is Hopper's wgmma and TMA)."""
     defines = [f"-DQK_TILE_N={cfg.TILE_N}", f"-DQK_TILE_M={cfg.TILE_M}", f"-DQK_CLUSTER_N={cfg.CLUSTER_N}",
                f"-DQK_PINGPONG={int(cfg.PINGPONG)}", f"-DQK_ZEROS={int(zeros)}"]
+    version = includes[0] / "cutlass" / "version.h"
+    if version.is_file():  # unused by the source: it puts CUTLASS's version into the build cache's key
+        defines.append(f"-DQK_CUTLASS_VERSION_H={hashlib.sha256(version.read_bytes()).hexdigest()[:12]}")
     return [*_NVCC_FLAGS, "-gencode=arch=compute_90a,code=sm_90a", *defines, *(f"-I{d}" for d in includes),
             "-shared", "-Xcompiler", "-fPIC"]
 
