@@ -87,6 +87,18 @@ def test_build_arguments_name_the_config_and_hopper_only():
     assert w4a16_cutlass.library(CutlassConfig(), False, (8, 0)) is None  # not Hopper: no build
 
 
+def test_the_headers_version_is_in_the_build_key(tmp_path):
+    """Another CUTLASS at the same path (an upgraded package) gives other arguments, so another cached build."""
+    version = tmp_path / "cutlass" / "version.h"
+    version.parent.mkdir()
+    keys = []
+    for text in ("#define CUTLASS_MAJOR 4", "#define CUTLASS_MAJOR 5"):
+        version.write_text(text)
+        args = w4a16_cutlass.build_args(CutlassConfig(), False, [tmp_path])
+        keys.append([a for a in args if a.startswith("-DQK_CUTLASS_VERSION_H=")])
+    assert len(keys[0]) == len(keys[1]) == 1 and keys[0] != keys[1]
+
+
 def test_headers_come_from_the_environment_or_are_missing(tmp_path, monkeypatch):
     monkeypatch.setenv("QUANTKIT_CUTLASS_DIR", str(tmp_path))
     assert w4a16_cutlass.include_dirs() is None
