@@ -12,6 +12,10 @@
 #   .stage/smolA/part, .stage/smolB/part   the two halves of `xz -1 < SmolLM2-135M-Instruct.Q4_1.gguf`
 #   .stage/data/   WikiText-2 test.raw.txt and valid.tokens.txt (from ../shared/data/wikitext2)
 #   .stage/old/oldmain.tgz   `git archive OLD quantkit kernels cli calib_data pyproject.toml README.md | gzip`
+#   .stage/cutlass/   the nvidia-cutlass wheel (CUTLASS's headers for kernels/w4a16_cutlass.cu; 6 MB):
+#                  `pip download -q --no-deps --only-binary=:all: nvidia-cutlass -d .stage/cutlass`
+#   .stage/cand/prefill_candidates.json   a bench_w4a16_prefill.py JSON's candidate_entries (the H100's:
+#                  `cp bench/results/w4a16_prefill_candidates_h100_3287bc7.json .stage/cand/prefill_candidates.json`)
 # Then:
 #   call 1, carry [.stage/whl, .stage/smolA, .stage/old]:  bash bench/gpu_check.sh benches BUDGET_S
 #   call 2, carry [.stage/smolB, .stage/data]:              bash bench/gpu_check.sh suite BUDGET_S
