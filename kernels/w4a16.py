@@ -231,44 +231,51 @@ def _cutlass_launcher(config, fallback):
     ``fallback``. The kernel's copy of the weights (signed codes, bf16 scales: ``w4a16_cutlass.prepare``) is made
     on every call and dropped after, so the layer keeps one copy of its weights in memory; at prefill sizes that
     pass is a few percent of the GEMM (docs/kernels.md)."""
-    usable = {}
 
-    def run(x, w):
-        if x.dtype not in usable:
-            from quantkit.kernels import w4a16_cutlass
+    def available(x, w):
+        from quantkit.kernels import w4a16_cutlass
 
-            ok = w4a16_cutlass.supports(x, w)[0]
-            usable[x.dtype] = ok and w4a16_cutlass.library(config, w.zeros is not None,
-                                                           device_info.capability(x.device)) is not None
-        if usable[x.dtype]:
-            from quantkit.kernels.w4a16_cutlass import w4a16_cutlass_matmul
+        return w4a16_cutlass.available(x, w, config)[0]
 
-            return w4a16_cutlass_matmul(x, w, config)
-        if fallback is None:
-            raise ValueError("the CUTLASS W4A16 kernel is not available here and no fallback was planned")
-        return fallback(x, w)
+    def matmul(x, w):
+        from quantkit.kernels.w4a16_cutlass import w4a16_cutlass_matmul
 
-    return run
+        return w4a16_cutlass_matmul(x, w, config)
+
+    return _built_kernel_or_fallback("CUTLASS", available, matmul, lambda x: x.dtype, fallback)
 
 
 def _cuda_launcher(config, fallback):
     """``run(x, w)`` for a ``cuda`` choice: the CUDA kernel where its library builds (decided once per dtype and
     row tile, the build on the first call), else ``fallback`` (the Triton choice), with one log line from the
     build (:func:`quantkit.kernels.w4a16_cuda.library`)."""
+
+    def available(x, w):
+        from quantkit.kernels import w4a16_cuda
+
+        return w4a16_cuda.available(x, w, config)[0]
+
+    def matmul(x, w):
+        from quantkit.kernels.w4a16_cuda import w4a16_cuda_matmul
+
+        return w4a16_cuda_matmul(x, w, config)
+
+    return _built_kernel_or_fallback("CUDA", available, matmul, lambda x: (x.dtype, x.shape[0] > 8), fallback)
+
+
+def _built_kernel_or_fallback(name: str, available, matmul, key, fallback):
+    """``run(x, w)`` for a kernel built with nvcc on first use: ``matmul`` where ``available(x, w)`` said yes for
+    the call's ``key(x)`` (asked once per key: the answer may cost a build), else ``fallback``."""
     usable = {}
 
     def run(x, w):
-        key = (x.dtype, x.shape[0] > 8)
-        if key not in usable:
-            from quantkit.kernels import w4a16_cuda
-
-            usable[key] = w4a16_cuda.available(x, w, config)[0]
-        if usable[key]:
-            from quantkit.kernels.w4a16_cuda import w4a16_cuda_matmul
-
-            return w4a16_cuda_matmul(x, w, config)
+        k = key(x)
+        if k not in usable:
+            usable[k] = available(x, w)
+        if usable[k]:
+            return matmul(x, w)
         if fallback is None:
-            raise ValueError("the CUDA W4A16 kernel is not available here and no fallback was planned")
+            raise ValueError(f"the {name} W4A16 kernel is not available here and no fallback was planned")
         return fallback(x, w)
 
     return run

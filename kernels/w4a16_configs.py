@@ -30,6 +30,12 @@ def kernel_group_size(group_size: int, in_features: int) -> int:
     return PER_CHANNEL_GROUP if group_size == -1 or group_size >= in_features else group_size
 
 
+def codes_per_scale(group_size: int, in_features: int) -> int:
+    """The codes one scale covers, for a kernel that takes the group as a length (CUTLASS's): ``group_size``, or
+    ``in_features`` where it is PER_CHANNEL_GROUP (:func:`kernel_group_size`'s per-channel spelling)."""
+    return in_features if group_size == PER_CHANNEL_GROUP else group_size
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 

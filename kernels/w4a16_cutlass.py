@@ -9,8 +9,9 @@ torch's current stream.
 
 It reads its own copy of the weights (:func:`prepare`): signed codes (GPTQ's code - 8, one XOR a word), bf16
 scales, and for zero points the bf16 term ``(8 - zero) x scale`` that CUTLASS adds to code x scale. Nothing here
-fails a user's command for want of a compiler or of CUTLASS: :func:`library` returns None with one log line, and
-:func:`supports` says what the kernel cannot take. The reference is ``w4a16_weights.w4a16_matmul_ref``.
+fails a user's command for want of a compiler or of CUTLASS: :func:`library` returns None with one log line,
+:func:`supports` says what the kernel cannot take, and :func:`available` both. The reference is
+``w4a16_weights.w4a16_matmul_ref``.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from pathlib import Path
 import torch
 
 from quantkit.kernels.device_info import capability
-from quantkit.kernels.w4a16_configs import CUTLASS_TILE_K, PER_CHANNEL_GROUP, CutlassConfig
+from quantkit.kernels.w4a16_configs import CUTLASS_TILE_K, CutlassConfig, codes_per_scale
 from quantkit.kernels.w4a16_cuda import built_library, nvcc_path
 from quantkit.kernels.w4a16_weights import W4A16Weights
 
@@ -40,7 +41,7 @@ _NVCC_FLAGS = ("-O3", "-DNDEBUG", "-std=c++17", "--expt-relaxed-constexpr")
 # XOR of every nibble with 8: GPTQ's unsigned code c (zero point 8) as the signed c - 8 that CUTLASS's int4 holds
 _SIGN_FLIP = -0x77777778  # 0x88888888 as an int32
 
-__all__ = ["CutlassConfig", "CutlassWeights", "include_dirs", "library", "prepare", "supports",
+__all__ = ["CutlassConfig", "CutlassWeights", "available", "include_dirs", "library", "prepare", "supports",
            "w4a16_cutlass_matmul"]
 
 
@@ -106,9 +107,7 @@ class CutlassWeights:
 
 def kernel_group(w: W4A16Weights) -> int | None:
     """The group length the kernel takes for ``w`` (K for per-channel scales), None where it takes none."""
-    if w.group_size is None:
-        return None
-    return w.in_features if w.group_size == PER_CHANNEL_GROUP else w.group_size
+    return None if w.group_size is None else codes_per_scale(w.group_size, w.in_features)
 
 
 def supports(x: torch.Tensor, w: W4A16Weights) -> tuple[bool, str]:
@@ -123,6 +122,19 @@ def supports(x: torch.Tensor, w: W4A16Weights) -> tuple[bool, str]:
     if w.out_features % 8:
         return False, "needs N a multiple of 8 (16-byte output rows for the TMA store)"
     return True, ""
+
+
+def available(x: torch.Tensor, w: W4A16Weights, cfg: CutlassConfig) -> tuple[bool, str]:
+    """Whether ``cfg`` can serve the call here: supported, and its library built (building it now if needed)."""
+    ok, reason = supports(x, w)
+    if not ok:
+        return ok, reason
+    if library(cfg, w.zeros is not None, capability(x.device)) is None:
+        return False, _NOT_BUILT
+    return True, ""
+
+
+_NOT_BUILT = "not built here (no nvcc or CUTLASS headers, or the build failed: see the log)"
 
 
 def prepare(w: W4A16Weights) -> CutlassWeights:
@@ -141,8 +153,7 @@ def w4a16_cutlass_matmul(x: torch.Tensor, w: W4A16Weights, cfg: CutlassConfig,
     ok, reason = supports(x, w)
     lib = library(cfg, w.zeros is not None, capability(x.device)) if ok else None
     if lib is None:
-        raise ValueError(f"the CUTLASS W4A16 kernel cannot run this call: "
-                         f"{reason or 'not built here (no nvcc or CUTLASS headers, or the build failed: see the log)'}")
+        raise ValueError(f"the CUTLASS W4A16 kernel cannot run this call: {reason or _NOT_BUILT}")
     prepared = prepared if prepared is not None else prepare(w)
     if w.perm is not None:
         x = x[:, w.perm]

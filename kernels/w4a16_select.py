@@ -31,7 +31,6 @@ from pathlib import Path
 
 from quantkit.kernels.w4a16_configs import (
     PAIR_TILE_K,
-    PER_CHANNEL_GROUP,
     CudaConfig,
     CutlassConfig,
     DequantConfig,
@@ -39,6 +38,7 @@ from quantkit.kernels.w4a16_configs import (
     GluonConfig,
     PairsConfig,
     TcConfig,
+    codes_per_scale,
     config_from_dict,
     config_label,
     kernel_group_size,
@@ -182,19 +182,13 @@ def _measured_exact(bucket: int, facts: LayerFacts, arch: str, card: str | None,
             return KernelChoice("cuda", e["config"], source, fallback)
         if e["kernel"] == "dequant":
             return KernelChoice("dequant", e["config"], source)
-        if e["kernel"] == "cutlass" and facts.bits == 4 and e["config"].fits(bucket, _cutlass_group(facts)):
+        if e["kernel"] == "cutlass" and facts.bits == 4 and facts.group_size is not None \
+                and e["config"].fits(bucket, codes_per_scale(facts.group_size, facts.k)):
             return KernelChoice("cutlass", e["config"], source, fallback)
         if e["kernel"] == "gluon" and "card" in e and _gluon_supports(facts, arch) \
                 and _fits("gluon", e["config"], bucket, facts):
             return KernelChoice("gluon", e["config"], source)
     return None
-
-
-def _cutlass_group(facts: LayerFacts) -> int:
-    """The group length the CUTLASS kernel sees (K for per-channel scales; 1, which no config fits, for none)."""
-    if facts.group_size is None:
-        return 1
-    return facts.k if facts.group_size == PER_CHANNEL_GROUP else facts.group_size
 
 
 @functools.lru_cache(maxsize=4096)
