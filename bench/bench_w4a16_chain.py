@@ -23,7 +23,6 @@ A/B (``bash bench/gpu_check.sh w4a16-chain``), never defaults by themselves.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -155,14 +154,14 @@ def print_cell(cell: dict, log) -> None:
 def candidate_entries(cells: list[dict], card: str, margin_us: float = 0.3, margin: float = 0.03) -> list[dict]:
     """Table entries (``kernels/w4a16_h200.json`` form, naming ``card``) for the cells where the fastest variant in
     the chain beat today's pick in the chain by more than ``max(margin_us, margin x today)``."""
+    from gpu_timing import beats_today
+
     out = []
     for cell in cells:
-        timed = [v for v in cell["variants"] if "chain_us" in v]
-        today = next((v for v in timed if v["name"].startswith("today")), None)
-        best = min((v for v in timed if "config" in v), key=lambda v: v["chain_us"], default=None)
-        if today is None or best is None or today["chain_us"] - best["chain_us"] <= max(margin_us,
-                                                                                       margin * today["chain_us"]):
+        won = beats_today(cell, "chain_us", lambda v: "config" in v, margin_us, margin)
+        if won is None:
             continue
+        today, best = won
         out.append({"n": cell["N"], "k": cell["K"], "m": cell["M"], "kernel": best["kernel"], "config": best["config"],
                     "us": round(best["alone_us"], 1), "card": card,
                     "source": f"bench_w4a16_chain.py: {best['chain_us']:.1f} us after the {cell['predecessor']} "
@@ -185,33 +184,18 @@ def main(argv=None) -> int:
         ap.error("--m: the decode kernels take 1 to 8 rows here")
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from bench_w4a16_decode import prebuild
-    from gpu_timing import gpu_run, log
+    from gpu_timing import gpu_run, log, run_cells
 
     started = gpu_run("w4a16_chain", args.out)
     if started is None:
         return 2
     result, out = started
-    import torch
 
     args.t_end = time.time() + args.deadline
     prebuild([args.m], log)
     result.update(context=CONTEXT, timing="gpu_timing.gpu_time_us (10 calls a graph, L2 evicted by reading, best of "
-                  "5); in the chain: predecessor + call, less the predecessor alone (the lower of two timings)",
-                  cells=[], complete=False)
-    for i, name in enumerate(layers):
-        log(f"[{i + 1}/{len(layers)}] {name}")
-        result["cells"].append(run_layer(name, args.m, args, log))
-        torch.cuda.empty_cache()
-        with open(out, "w") as f:
-            json.dump(result, f, indent=1)
-    result["complete"] = True
-    result["candidate_entries"] = candidate_entries(result["cells"], result["card"])
-    with open(out, "w") as f:
-        json.dump(result, f, indent=1)
-    log("candidate table entries (each only after a whole-step A/B):")
-    for entry in result["candidate_entries"]:
-        log("  " + json.dumps(entry))
-    log(f"wrote {out}")
+                  "5); in the chain: predecessor + call, less the predecessor alone (the lower of two timings)")
+    run_cells(result, out, layers, lambda name: [run_layer(name, args.m, args, log)], candidates=candidate_entries)
     return 0
 
 

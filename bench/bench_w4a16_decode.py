@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import json
 import os
 import sys
 import time
@@ -171,13 +170,14 @@ def candidate_entries(cells: list[dict], card: str, margin_us: float = 0.5, marg
     beat today's pick by more than ``max(margin_us, margin x today)``: candidates only. A cell's gain alone does
     not make a default (the 30B-A3B q/k/v cell gained 1.6 us here and nothing in the whole step, docs/kernels.md):
     each goes in after a step A/B (`bash bench/gpu_check.sh ab ...`)."""
+    from gpu_timing import beats_today
+
     out = []
     for cell in cells:
-        timed = [v for v in cell["variants"] if v.get("us")]
-        today = next((v for v in timed if v["name"].startswith("today")), None)
-        cuda = min((v for v in timed if "cuda_config" in v), key=lambda v: v["us"], default=None)
-        if today is None or cuda is None or today["us"] - cuda["us"] <= max(margin_us, margin * today["us"]):
+        won = beats_today(cell, "us", lambda v: "cuda_config" in v, margin_us, margin)
+        if won is None:
             continue
+        today, cuda = won
         out.append({"n": cell["N"], "k": cell["K"], "m": cell["M"], "kernel": "cuda", "config": cuda["cuda_config"],
                     "us": round(cuda["us"], 1), "card": card,
                     "source": f"measured by bench_w4a16_decode.py: today's pick {today['us']:.1f} us"})
@@ -197,35 +197,21 @@ def main(argv=None) -> int:
     if any(not 1 <= m <= 16 for m in ms):
         ap.error("--ms: the decode kernels take 1 to 16 rows")
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from gpu_timing import gpu_run, log
+    from gpu_timing import gpu_run, log, run_cells
 
     started = gpu_run("w4a16_decode", args.out)
     if started is None:
         return 2
     result, out = started
-    import torch
 
     from quantkit.kernels.w4a16_configs import config_label
 
     args.t_end = time.time() + args.deadline
     built = prebuild(ms, log)
     result.update(group_size=GROUP, timing="gpu_timing.gpu_time_us: 10 calls a graph, L2 evicted by reading, best of 5",
-                  cuda_builds={f"{config_label(c)} mt={mt} asym={z}": ok for (c, mt, z), ok in built.items()},
-                  cells=[], complete=False)
-    for i, (n, k) in enumerate(shapes):
-        log(f"[{i + 1}/{len(shapes)}] {n}x{k}")
-        result["cells"] += run_shape(n, k, ms, args, log)
-        torch.cuda.empty_cache()
-        with open(out, "w") as f:
-            json.dump(result, f, indent=1)
-    result["complete"] = True
-    result["candidate_entries"] = candidate_entries(result["cells"], result["card"])
-    with open(out, "w") as f:
-        json.dump(result, f, indent=1)
-    log("candidate table entries (each only after a whole-step A/B):")
-    for entry in result["candidate_entries"]:
-        log("  " + json.dumps(entry))
-    log(f"wrote {out}")
+                  cuda_builds={f"{config_label(c)} mt={mt} asym={z}": ok for (c, mt, z), ok in built.items()})
+    run_cells(result, out, shapes, lambda s: run_shape(*s, ms, args, log), lambda s: f"{s[0]}x{s[1]}",
+              candidate_entries)
     return 0
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import json
 import os
 import sys
 import time
@@ -140,13 +139,14 @@ def candidate_entries(cells: list[dict], card: str, margin_us: float = 1.0, marg
     the best CUTLASS config beat today's pick by more than ``max(margin_us, margin x today)``: candidates for a
     whole-prefill A/B (the launcher also makes the kernel's copy of the weights on every call, which these timings
     leave out)."""
+    from gpu_timing import beats_today
+
     out = []
     for cell in cells:
-        timed = [v for v in cell["variants"] if "us" in v]
-        today = next((v for v in timed if v["name"] == "today"), None)
-        best = min((v for v in timed if "config" in v), key=lambda v: v["us"], default=None)
-        if today is None or best is None or today["us"] - best["us"] <= max(margin_us, margin * today["us"]):
+        won = beats_today(cell, "us", lambda v: "config" in v, margin_us, margin)
+        if won is None:
             continue
+        today, best = won
         out.append({"n": cell["N"], "k": cell["K"], "m": cell["M"], "kernel": "cutlass", "config": best["config"],
                     "us": round(best["us"], 1), "card": card,
                     "source": f"bench_w4a16_prefill.py: today's pick {today['us']:.1f} us, cuBLAS {cell['cublas_us']:.1f}"})
@@ -164,29 +164,19 @@ def main(argv=None) -> int:
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     ms = [int(v) for v in args.ms.split(",")]
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from gpu_timing import gpu_run, log
+    from gpu_timing import gpu_run, log, run_cells
 
     started = gpu_run("w4a16_prefill", args.out)
     if started is None:
         return 2
     result, out = started
-    import torch
 
     args.t_end = time.time() + args.deadline
     built = prebuild(log)
     result.update(timing="gpu_timing.gpu_time_us: 5 calls a graph, L2 evicted by reading, best of 5",
-                  builds={f"{c} zeros={z}": ok for (c, z), ok in built.items()}, cells=[], complete=False)
-    for i, (n, k) in enumerate(shapes):
-        log(f"[{i + 1}/{len(shapes)}] {n}x{k}")
-        result["cells"] += run_shape(n, k, ms, built, args, log)
-        torch.cuda.empty_cache()
-        with open(out, "w") as f:
-            json.dump(result, f, indent=1)
-    result["complete"] = True
-    result["candidate_entries"] = candidate_entries(result["cells"], result["card"])
-    with open(out, "w") as f:
-        json.dump(result, f, indent=1)
-    log(f"wrote {out}")
+                  builds={f"{c} zeros={z}": ok for (c, z), ok in built.items()})
+    run_cells(result, out, shapes, lambda s: run_shape(*s, ms, built, args, log), lambda s: f"{s[0]}x{s[1]}",
+              candidate_entries)
     return 0
 
 

@@ -394,9 +394,9 @@ w4a16-prefill-ab)  # issue 41 (BUDGET_S ~420, carry .stage/cutlass and .stage/ca
     export QUANTKIT_CUTLASS_DIR=/tmp/cutlass/cutlass_library/source
     step 120 python3 bench/bench_w4a16_prefill.py --shapes 4096x4096 --ms 256 --deadline 1 --out /tmp/prebuild.json \
         2>&1 | head -3
-    local_rounds=${3:-2}
+    rounds=${3:-2}
     ROUND=1 candidate_table_ab .stage/cand/prefill_candidates.json prefill int4_8b_round
-    [ "$local_rounds" -lt 2 ] || ROUND=2 candidate_table_ab .stage/cand/prefill_candidates.json prefill2 int4_8b_round
+    [ "$rounds" -lt 2 ] || ROUND=2 candidate_table_ab .stage/cand/prefill_candidates.json prefill2 int4_8b_round
     ;;
 prefill-then-tests)  # one call where device time is short (BUDGET_S ~460; carry .stage/whl, .stage/data,
     # .stage/cutlass, .stage/cand): on an H100, the prefill A/B with the H100's candidates, two rounds; on another

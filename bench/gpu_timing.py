@@ -90,6 +90,45 @@ def log(line: str) -> None:
     print(line, flush=True)
 
 
+def run_cells(result: dict, out: str, items: list, run_item, label=str, candidates=None) -> None:
+    """A benchmark's cells into ``result["cells"]``, item by item: a ``[k/n]`` line for each (``label(item)``), the
+    cells ``run_item(item)`` returns, and the JSON rewritten after it, so a run cut by a time limit keeps the finished
+    items; then ``complete``, and where ``candidates(cells, card)`` is given, the table entries it proposes (logged:
+    candidates for a whole-step A/B, never defaults by themselves)."""
+    import json
+
+    def write():
+        with open(out, "w") as f:
+            json.dump(result, f, indent=1)
+
+    result.update(cells=[], complete=False)
+    for i, item in enumerate(items):
+        log(f"[{i + 1}/{len(items)}] {label(item)}")
+        result["cells"] += run_item(item)
+        torch.cuda.empty_cache()
+        write()
+    result["complete"] = True
+    if candidates is not None:
+        result["candidate_entries"] = candidates(result["cells"], result["card"])
+        log("candidate table entries (each only after a whole-step A/B):")
+        for entry in result["candidate_entries"]:
+            log("  " + json.dumps(entry))
+    write()
+    log(f"wrote {out}")
+
+
+def beats_today(cell: dict, time_key: str, eligible, margin_us: float, margin: float):
+    """``(today, best)``: a cell's row for today's pick (named "today...") and its fastest ``eligible`` row by
+    ``time_key``, where that row beat today's by more than ``max(margin_us, margin x today)`` (rows without
+    ``time_key`` were not timed); None otherwise. The benches' rule for proposing a table entry."""
+    timed = [v for v in cell["variants"] if time_key in v]
+    today = next((v for v in timed if v["name"].startswith("today")), None)
+    best = min((v for v in timed if eligible(v)), key=lambda v: v[time_key], default=None)
+    if today is None or best is None or today[time_key] - best[time_key] <= max(margin_us, margin * today[time_key]):
+        return None
+    return today, best
+
+
 def main(argv=None) -> int:
     """Time one bf16 matmul the way the benchmarks time a kernel (a check of this machine's timing)."""
     import argparse

@@ -312,6 +312,30 @@ def test_chain_bench_proposes_the_fastest_variant_in_the_chain_past_the_margin(m
     assert (choice.kernel, config_to_dict(choice.config)) == ("gluon", ring)
 
 
+def test_the_benches_write_their_cells_after_each_item_and_propose_entries_at_the_end(tmp_path, monkeypatch, capsys):
+    """gpu_timing.run_cells (the W4A16 benches' loop): the JSON holds the finished items' cells after each item (a
+    run cut by its time limit keeps them, ``complete`` false), then ``complete`` and the proposed entries, logged."""
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    from gpu_timing import run_cells
+
+    out = tmp_path / "run.json"
+    seen = []
+
+    def run_item(item):
+        if seen:  # the previous item's cells are on disk before this one runs
+            assert json.loads(out.read_text()) == {"card": "c", "cells": seen[-1:], "complete": False}
+        seen.append({"item": list(item)})  # as JSON keeps it
+        return [{"item": list(item)}]
+
+    result = {"card": "c"}
+    run_cells(result, str(out), [(1, 2), (3, 4)], run_item, lambda s: f"{s[0]}x{s[1]}",
+              lambda cells, card: [{"n": len(cells), "card": card}])
+    assert json.loads(out.read_text()) == {"card": "c", "cells": seen, "complete": True,
+                                           "candidate_entries": [{"n": 2, "card": "c"}]}
+    printed = capsys.readouterr().out
+    assert "[1/2] 1x2" in printed and "[2/2] 3x4" in printed and '{"n": 2, "card": "c"}' in printed
+
+
 def test_candidate_entries_go_into_a_table_copy_replacing_the_same_cell(tmp_path, monkeypatch):
     """bench/lib/add_table_entries.py (gpu_check.sh's w4a16-ab mode): the candidates join the table's entries, one
     for a cell and card the table already has replaces it, other cards' entries and the rest stay; the result is a
