@@ -7,8 +7,9 @@ configs, dequantize-then-cuBLAS, and cuBLAS on 16-bit weights (one Hopper GPU).
 Every variant is first checked against the plain-PyTorch reference (float32) at M = 333 (a partial tile) and at each
 timed M: the error's norm relative to the reference's; a variant above ``--max-err`` is not timed. The CUTLASS
 configs (``kernels/w4a16_cutlass.py``) are built with nvcc first, in parallel; without nvcc or CUTLASS's headers
-they are left out, saying why. They are timed on the kernel's copy of the weights made beforehand; one more row
-times the runtime's launcher, which makes that copy on every call. Where a config beats today's pick, the JSON's
+they are left out, saying why. They are timed on the operands the runtime makes at load (the layer's codes in place,
+bf16 scales and zero terms); one more row makes those small tensors on every call, and one times the first build
+(signed codes: a copy of the weights with every nibble XOR 8, scales alone) at the leading tile. Where a config beats today's pick, the JSON's
 ``candidate_entries`` hold a card-specific table entry: candidates for a whole-prefill A/B, not defaults. cuBLAS runs twice: on random bf16 weights (what a 16-bit model's layer costs) and on
 the quantized layer's dequantized weights (the same GEMM on low-entropy values: tensor cores draw less power on
 them, and at 4096 rows that showed as a faster cuBLAS, docs/kernels.md). Timing: ``gpu_timing.gpu_time_us`` (CUDA
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import dataclasses
 import os
 import sys
 import time
@@ -35,18 +37,22 @@ def cutlass_configs():
             C(64, 256, 2, True)]
 
 
+# the first build's codes: GPTQ's unsigned code c as the two's complement c - 8 (every nibble XOR 8)
+SIGN_FLIP = -0x77777778  # 0x88888888 as an int32
+LEAD = 2  # index of the leading config in cutlass_configs() (128x256 cooperative, H100 2026-12-07)
+
+
 def prebuild(log) -> dict:
-    """Every CUTLASS variant the run times (symmetric, and the first with zero points), built in parallel:
-    {(config, zeros): built}."""
+    """Every CUTLASS build the run times, in parallel: {(config, signed): built}."""
     import torch
 
     from quantkit.kernels import w4a16_cutlass
 
     cap = torch.cuda.get_device_capability()
-    jobs = [(c, False) for c in cutlass_configs()] + [(cutlass_configs()[0], True)]
+    jobs = [(c, False) for c in cutlass_configs()] + [(cutlass_configs()[LEAD], True)]
     t0 = time.time()
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(jobs), os.cpu_count() or 4)) as pool:
-        futs = {pool.submit(w4a16_cutlass.library, c, z, cap): (c, z) for c, z in jobs}
+        futs = {pool.submit(w4a16_cutlass.library, c, cap, signed): (c, signed) for c, signed in jobs}
         built = {futs[f]: f.result() is not None for f in concurrent.futures.as_completed(futs)}
     log(f"CUTLASS builds: {sum(built.values())} of {len(built)} in {time.time() - t0:.1f} s "
         f"(headers {w4a16_cutlass.include_dirs()})")
@@ -73,22 +79,27 @@ def run_shape(n, k, ms, built, args, log) -> list[dict]:
         return gpu_time_us(fn, flush, calls=5, replays=5)
 
     w, w_asym = make_weights(n, k), make_weights(n, k, sym=False)  # asymmetric: checked once, not timed
-    prepared = w4a16_cutlass.prepare(w)
+    operands = w4a16_cutlass.prepare(w)
+    signed = dataclasses.replace(operands, codes=torch.bitwise_xor(w.qweight, SIGN_FLIP), zero_terms=None)
     w_dq = dequant_f32(w).t().contiguous().bfloat16()  # [N, K]
     w_random = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
     variants = [("today", lambda x: w4a16.w4a16_matmul(x, w), None),
                 ("dequant+cuBLAS", lambda x: w4a16.w4a16_matmul(x, w, config=DequantConfig()), None)]
-    variants += [(f"cutlass {config_label(c)}", lambda x, c=c: w4a16_cutlass.w4a16_cutlass_matmul(x, w, c, prepared),
+    variants += [(f"cutlass {config_label(c)}", lambda x, c=c: w4a16_cutlass.w4a16_cutlass_matmul(x, w, c, operands),
                   c) for c in cutlass_configs() if built.get((c, False))]
-    # the runtime's launcher: the kernel's copy of the weights made on every call (best config at 2048 rows here)
-    variants.append(("cutlass 128x256 with its weight copy", lambda x: w4a16_cutlass.w4a16_cutlass_matmul(
-        x, w, cutlass_configs()[2]), None))
+    lead = cutlass_configs()[LEAD]
+    bare = dataclasses.replace(w, cutlass=None)
+    if built.get((lead, False)):  # scales and zero terms made on every call, as without the load-time operands
+        variants.append((f"cutlass {config_label(lead)}, operands made per call",
+                         lambda x: w4a16_cutlass.w4a16_cutlass_matmul(x, bare, lead), None))
+    if built.get((lead, True)):
+        variants.append((f"cutlass {config_label(lead)}, signed-code build",
+                         lambda x: w4a16_cutlass.w4a16_cutlass_matmul(x, w, lead, signed), None))
     x333 = torch.randn(333, k, device="cuda", dtype=torch.bfloat16)
     ref333 = w4a16_matmul_ref(x333, w)
-    first = cutlass_configs()[0]
     asym_err = None
-    if built.get((first, True)):
-        asym_err = rel_err(w4a16_cutlass.w4a16_cutlass_matmul(x333, w_asym, first), w4a16_matmul_ref(x333, w_asym))
+    if built.get((lead, False)):
+        asym_err = rel_err(w4a16_cutlass.w4a16_cutlass_matmul(x333, w_asym, lead), w4a16_matmul_ref(x333, w_asym))
     errs333 = {}
     for name, fn, _ in variants:
         try:
@@ -136,8 +147,7 @@ def print_cell(cell, log):
 def candidate_entries(cells: list[dict], card: str, margin_us: float = 1.0, margin: float = 0.05) -> list[dict]:
     """Table entries (``kernels/w4a16_h200.json`` form, ``"kernel": "cutlass"``, naming ``card``) for the cells where
     the best CUTLASS config beat today's pick by more than ``max(margin_us, margin x today)``: candidates for a
-    whole-prefill A/B (the launcher also makes the kernel's copy of the weights on every call, which these timings
-    leave out)."""
+    whole-prefill A/B."""
     from gpu_timing import beats_today
 
     out = []
@@ -173,7 +183,7 @@ def main(argv=None) -> int:
     args.t_end = time.time() + args.deadline
     built = prebuild(log)
     result.update(timing="gpu_timing.gpu_time_us: 5 calls a graph, L2 evicted by reading, best of 5",
-                  builds={f"{c} zeros={z}": ok for (c, z), ok in built.items()})
+                  builds={f"{c} signed={signed}": ok for (c, signed), ok in built.items()})
     run_cells(result, out, shapes, lambda s: run_shape(*s, ms, built, args, log), lambda s: f"{s[0]}x{s[1]}",
               candidate_entries)
     return 0

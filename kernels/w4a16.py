@@ -228,9 +228,8 @@ def bind_launcher(choice: KernelChoice, facts: LayerFacts, bucket: int):
 def _cutlass_launcher(config, fallback):
     """``run(x, w)`` for a ``cutlass`` choice (prefill): the CUTLASS kernel where it takes the call and its library
     builds (decided once per activation dtype; the build, ~1 minute once per machine, on the first call), else
-    ``fallback``. The kernel's copy of the weights (signed codes, bf16 scales: ``w4a16_cutlass.prepare``) is made
-    on every call and dropped after, so the layer keeps one copy of its weights in memory; at prefill sizes that
-    pass is a few percent of the GEMM (docs/kernels.md)."""
+    ``fallback``. The kernel reads the layer's codes in place, with the bf16 scales and zero terms the front door
+    made at load (``W4A16Weights.cutlass``)."""
 
     def available(x, w):
         from quantkit.kernels import w4a16_cutlass

@@ -8,17 +8,17 @@
 //
 // The product is computed transposed, out^T [N, M] = W [N, K] . x^T, so the 4-bit weights are the register (A)
 // operand and the output is written by the TMA epilogue as out [M, N] row-major (the swap the CUTLASS example 55
-// describes). Weights: signed 4-bit codes (GPTQ's unsigned code - 8: its K-major words with every nibble XOR 8),
-// two a byte, low nibble first. Scales: bf16 [K / group, N] (GPTQ's layout, N fastest). Optional zero term: bf16
-// [K / group, N] added to code x scale (a GPTQ zero point z becomes (8 - z) x scale).
+// describes). Weights: GPTQ's unsigned 4-bit codes as the runtime keeps them (K-major int32 words, eight codes a
+// word, low nibble first), read in place. Scales: bf16 [K / group, N] (GPTQ's layout, N fastest). Zero terms: bf16
+// [K / group, N], -zero x scale (zero 8 where symmetric), added to code x scale: CUTLASS's scale-and-zero mode,
+// so the weights need no signed copy.
 //
-// QK_SHUFFLE (not built by the launcher, not measured): CUTLASS's reordered weight layout instead (each thread's
-// values contiguous, nibbles in its converter's order), written once by qk_cutlass_reorder; its header pulls in
-// curand, which not every toolkit has.
+// QK_SIGNED (bench only, bench_w4a16_prefill.py): the build of the first measurements instead: signed codes
+// (code - 8, every nibble XOR 8, a copy of the weights) and scales alone, symmetric layers only.
 //
 // Config (compile-time): QK_TILE_N x QK_TILE_M output tile (weight rows x activation rows), QK_CLUSTER_N CTAs of a
 // cluster along the weight rows (they share each activation box by multicast), QK_PINGPONG (two consumer
-// warpgroups on two tiles) or cooperative (both on one tile), QK_ZEROS (the zero term).
+// warpgroups on two tiles) or cooperative (both on one tile).
 
 #ifndef QK_TILE_N
 #define QK_TILE_N 128
@@ -32,11 +32,8 @@
 #ifndef QK_PINGPONG
 #define QK_PINGPONG 0
 #endif
-#ifndef QK_ZEROS
-#define QK_ZEROS 0
-#endif
-#ifndef QK_SHUFFLE
-#define QK_SHUFFLE 0
+#ifndef QK_SIGNED
+#define QK_SIGNED 0
 #endif
 
 #include <cstdint>
@@ -49,16 +46,17 @@
 #include "cutlass/gemm/dispatch_policy.hpp"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/util/packed_stride.hpp"
-#if QK_SHUFFLE
-#include "cutlass/util/mixed_dtype_utils.hpp"  // includes curand: only where the toolkit has it
-#endif
 
 using namespace cute;
 
 namespace {
 
 using MmaType = cutlass::bfloat16_t;
+#if QK_SIGNED
 using CodeType = cutlass::int4b_t;
+#else
+using CodeType = cutlass::uint4b_t;
+#endif
 using OutType = cutlass::bfloat16_t;
 constexpr int kTileK = 64;  // 128 bytes of 16-bit activations a row: one TMA box row, one 128-byte swizzle
 
@@ -80,15 +78,7 @@ using StrideX = cutlass::detail::TagToStrideB_t<LayoutX>;
 // out [M, N] row-major is out^T [N, M] column-major.
 using LayoutOut = cutlass::layout::ColumnMajor;
 
-#if QK_SHUFFLE
-// The reordered weight layout: one warp fragment's values contiguous, nibbles shuffled for the converter.
-using ValueShuffle = Layout<Shape<_2, _4>, Stride<_4, _1>>;
-using LayoutAtomCodes =
-    decltype(cutlass::compute_memory_reordering_atom<MmaType, Layout<Shape<_1, _1>>, ValueShuffle>());
-using LayoutW = decltype(cute::tile_to_shape(LayoutAtomCodes{}, Layout<Shape<int, int, int>, StrideW>{}));
-#else
 using LayoutW = cutlass::layout::RowMajor;
-#endif
 
 using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
     cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
@@ -96,10 +86,10 @@ using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBui
     void, LayoutOut, 128 / cutlass::sizeof_bits<OutType>::value,  // no C operand: out = acc
     OutType, LayoutOut, 128 / cutlass::sizeof_bits<OutType>::value, EpilogueSchedule>::CollectiveOp;
 
-#if QK_ZEROS
-using WeightOperand = cute::tuple<CodeType, MmaType, MmaType>;  // codes, scales, zero terms
-#else
+#if QK_SIGNED
 using WeightOperand = cute::tuple<CodeType, MmaType>;  // codes, scales
+#else
+using WeightOperand = cute::tuple<CodeType, MmaType, MmaType>;  // codes, scales, zero terms
 #endif
 
 using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
@@ -118,21 +108,16 @@ using StrideScale = typename CollectiveMainloop::StrideScale;
 
 typename Gemm::Arguments arguments(const void* codes, const void* x, const void* scales, const void* zero_terms,
                                    void* out, int m, int n, int k, int group) {
-  auto shape_w = make_shape(n, k, 1);
-#if QK_SHUFFLE
-  LayoutW layout_w = tile_to_shape(LayoutAtomCodes{}, shape_w);
-#else
-  StrideW layout_w = cutlass::make_cute_packed_stride(StrideW{}, shape_w);
-#endif
+  StrideW stride_w = cutlass::make_cute_packed_stride(StrideW{}, make_shape(n, k, 1));
   StrideX stride_x = cutlass::make_cute_packed_stride(StrideX{}, make_shape(m, k, 1));
   StrideScale stride_s = cutlass::make_cute_packed_stride(StrideScale{}, make_shape(n, k / group, 1));
   auto stride_out = cutlass::make_cute_packed_stride(typename GemmKernel::StrideD{}, make_shape(n, m, 1));
   typename Gemm::Arguments args{
       cutlass::gemm::GemmUniversalMode::kGemm,
       {n, m, k, 1},
-      {static_cast<const CodeType*>(codes), layout_w, static_cast<const MmaType*>(x), stride_x,
+      {static_cast<const CodeType*>(codes), stride_w, static_cast<const MmaType*>(x), stride_x,
        static_cast<const MmaType*>(scales), stride_s, group
-#if QK_ZEROS
+#if !QK_SIGNED
        , static_cast<const MmaType*>(zero_terms)
 #endif
       },
@@ -144,24 +129,6 @@ typename Gemm::Arguments arguments(const void* codes, const void* x, const void*
 }  // namespace
 
 extern "C" {
-
-// Whether the weights go through qk_cutlass_reorder before a call (1) or are used as GPTQ packs them (0).
-int qk_cutlass_shuffled() { return QK_SHUFFLE; }
-
-// The reordered copy of signed codes [n, k] (K-major, two a byte, low nibble first) into `dst` (same size).
-int qk_cutlass_reorder(const void* src, void* dst, int n, int k) {
-#if QK_SHUFFLE
-  auto shape_w = make_shape(n, k, 1);
-  auto layout_src = make_layout(shape_w, cutlass::make_cute_packed_stride(StrideW{}, shape_w));
-  LayoutW layout_dst = tile_to_shape(LayoutAtomCodes{}, shape_w);
-  // launches on the default stream and synchronizes
-  cutlass::reorder_tensor(static_cast<const CodeType*>(src), layout_src, static_cast<CodeType*>(dst), layout_dst);
-  return static_cast<int>(cudaGetLastError());
-#else
-  (void)src, (void)dst, (void)n, (void)k;
-  return -1;  // nothing to reorder in this build
-#endif
-}
 
 // Bytes of device workspace a call of this shape needs (0 for these schedules; asked all the same).
 long long qk_cutlass_workspace(int m, int n, int k, int group) {

@@ -2,16 +2,15 @@
 
 The kernel is CUTLASS's mixed-input GEMM (the ``nvidia-cutlass`` package's headers, ``pip install
 'quantkit[cutlass]'``) instantiated in ``w4a16_cutlass.cu`` (why, and the operand layouts, in its header),
-compiled by nvcc into one shared library per config and zero-point mode (~1 minute on one core: CUTLASS's
-templates), cached per machine beside the CUDA decode kernel's (``w4a16_cuda.cache_dir``) by a hash of the
-source, the flags (the headers' folder and version among them) and nvcc's version, and launched through ctypes on
-torch's current stream.
+compiled by nvcc into one shared library per config (~1 minute on one core: CUTLASS's templates), cached per
+machine beside the CUDA decode kernel's (``w4a16_cuda.cache_dir``) by a hash of the source, the flags (the
+headers' folder and version among them) and nvcc's version, and launched through ctypes on torch's current stream.
 
-It reads its own copy of the weights (:func:`prepare`): signed codes (GPTQ's code - 8, one XOR a word), bf16
-scales, and for zero points the bf16 term ``(8 - zero) x scale`` that CUTLASS adds to code x scale. Nothing here
-fails a user's command for want of a compiler or of CUTLASS: :func:`library` returns None with one log line,
-:func:`supports` says what the kernel cannot take, and :func:`available` both. The reference is
-``w4a16_weights.w4a16_matmul_ref``.
+It reads the layer's codes in place (GPTQ's unsigned codes, as the other kernels do) with two small bf16 tensors of
+its own (:func:`prepare`, made once at load for the layers it serves): the scales, and the zero terms
+``-zero x scale`` (zero 8 where symmetric) that CUTLASS adds to code x scale. Nothing here fails a user's command
+for want of a compiler or of CUTLASS: :func:`library` returns None with one log line, :func:`supports` says what
+the kernel cannot take, and :func:`available` both. The reference is ``w4a16_weights.w4a16_matmul_ref``.
 """
 
 from __future__ import annotations
@@ -38,10 +37,8 @@ SOURCE = Path(__file__).with_name("w4a16_cutlass.cu")
 # -DNDEBUG: CUTLASS's asserts are function calls, and a call inside the mainloop makes ptxas serialize its wgmmas
 # (warning C7510 in a build without it)
 _NVCC_FLAGS = ("-O3", "-DNDEBUG", "-std=c++17", "--expt-relaxed-constexpr")
-# XOR of every nibble with 8: GPTQ's unsigned code c (zero point 8) as the signed c - 8 that CUTLASS's int4 holds
-_SIGN_FLIP = -0x77777778  # 0x88888888 as an int32
 
-__all__ = ["CutlassConfig", "CutlassWeights", "available", "include_dirs", "library", "prepare", "supports",
+__all__ = ["CutlassConfig", "CutlassOperands", "available", "include_dirs", "library", "prepare", "supports",
            "w4a16_cutlass_matmul"]
 
 
@@ -58,10 +55,11 @@ def include_dirs() -> list[Path] | None:
     return dirs if (dirs[0] / "cutlass" / "cutlass.h").is_file() else None
 
 
-def build_args(cfg: CutlassConfig, zeros: bool, includes: list[Path]) -> list[str]:
-    """nvcc's arguments for one variant (sm_90a only: the kernel is Hopper's wgmma and TMA)."""
+def build_args(cfg: CutlassConfig, includes: list[Path], signed: bool = False) -> list[str]:
+    """nvcc's arguments for one variant (sm_90a only: the kernel is Hopper's wgmma and TMA); ``signed``: the
+    bench's comparison build (``QK_SIGNED`` in the source)."""
     defines = [f"-DQK_TILE_N={cfg.TILE_N}", f"-DQK_TILE_M={cfg.TILE_M}", f"-DQK_CLUSTER_N={cfg.CLUSTER_N}",
-               f"-DQK_PINGPONG={int(cfg.PINGPONG)}", f"-DQK_ZEROS={int(zeros)}"]
+               f"-DQK_PINGPONG={int(cfg.PINGPONG)}", f"-DQK_SIGNED={int(signed)}"]
     version = includes[0] / "cutlass" / "version.h"
     if version.is_file():  # unused by the source: it puts CUTLASS's version into the build cache's key
         defines.append(f"-DQK_CUTLASS_VERSION_H={hashlib.sha256(version.read_bytes()).hexdigest()[:12]}")
@@ -70,9 +68,9 @@ def build_args(cfg: CutlassConfig, zeros: bool, includes: list[Path]) -> list[st
 
 
 @functools.cache
-def library(cfg: CutlassConfig, zeros: bool, cap: tuple[int, int]):
-    """The compiled library of one variant, built on first use; None (and one log line) off Hopper, without nvcc
-    or CUTLASS's headers, or where the build or load fails."""
+def library(cfg: CutlassConfig, cap: tuple[int, int], signed: bool = False):
+    """The compiled library of one config, built on first use; None (and one log line) off Hopper, without nvcc
+    or CUTLASS's headers, or where the build or load fails. ``signed``: the bench's comparison build."""
     if cap != (9, 0):
         return None
     nvcc, includes = nvcc_path(), include_dirs()
@@ -82,8 +80,8 @@ def library(cfg: CutlassConfig, zeros: bool, cap: tuple[int, int]):
                     "(pip install 'quantkit[cutlass]', or set QUANTKIT_CUTLASS_DIR)")
         return None
     # about a minute a config on one core: CUTLASS's templates
-    lib = built_library(nvcc, SOURCE, build_args(cfg, zeros, includes), "w4a16_cutlass",
-                        f"W4A16 CUTLASS prefill kernel {cfg}", timeout=1200)
+    lib = built_library(nvcc, SOURCE, build_args(cfg, includes, signed), "w4a16_cutlass",
+                        f"W4A16 CUTLASS prefill kernel {cfg}{' (signed codes)' if signed else ''}", timeout=1200)
     if lib is None:
         return None
     lib.qk_cutlass_gemm.restype = ctypes.c_int
@@ -94,10 +92,11 @@ def library(cfg: CutlassConfig, zeros: bool, cap: tuple[int, int]):
 
 
 @dataclasses.dataclass(frozen=True)
-class CutlassWeights:
-    """The kernel's copy of a layer (:func:`prepare`): ``codes`` int32 ``[N, K / 8]`` signed 4-bit codes, K-major;
-    ``scales`` bf16 ``[G, N]``; ``zero_terms`` bf16 ``[G, N]`` or None (symmetric); ``group``: codes a scale
-    (K for per-channel scales)."""
+class CutlassOperands:
+    """What the kernel reads of a layer (:func:`prepare`): ``codes`` int32 ``[N, K / 8]`` 4-bit codes, K-major
+    (the layer's own ``qweight``, unsigned; the bench's signed build takes a copy with every nibble XOR 8);
+    ``scales`` bf16 ``[G, N]``; ``zero_terms`` bf16 ``[G, N]`` (None for the signed build); ``group``: codes a
+    scale (K for per-channel scales)."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -129,7 +128,7 @@ def available(x: torch.Tensor, w: W4A16Weights, cfg: CutlassConfig) -> tuple[boo
     ok, reason = supports(x, w)
     if not ok:
         return ok, reason
-    if library(cfg, w.zeros is not None, capability(x.device)) is None:
+    if library(cfg, capability(x.device)) is None:
         return False, _NOT_BUILT
     return True, ""
 
@@ -137,24 +136,28 @@ def available(x: torch.Tensor, w: W4A16Weights, cfg: CutlassConfig) -> tuple[boo
 _NOT_BUILT = "not built here (no nvcc or CUTLASS headers, or the build failed: see the log)"
 
 
-def prepare(w: W4A16Weights) -> CutlassWeights:
-    """The kernel's copy of ``w``'s weights (see the module docstring); one pass on the device."""
+def prepare(w: W4A16Weights) -> CutlassOperands:
+    """The kernel's operands for ``w``: its codes as they are, bf16 scales and the zero terms ``-zero x scale``
+    (the dequantized weight is ``code x scale + term``: CUTLASS multiplies, then adds, each rounded to bf16)."""
     scales = w.scales.to(torch.bfloat16)
-    zero_terms = None
-    if w.zeros is not None:
-        zero_terms = ((8.0 - w.zeros.float()) * w.scales.float()).to(torch.bfloat16)
-    return CutlassWeights(torch.bitwise_xor(w.qweight, _SIGN_FLIP), scales, zero_terms, kernel_group(w))
+    zeros = 8.0 if w.zeros is None else w.zeros.float()
+    zero_terms = (-zeros * scales.float()).to(torch.bfloat16)
+    return CutlassOperands(w.qweight, scales, zero_terms, kernel_group(w))
 
 
 def w4a16_cutlass_matmul(x: torch.Tensor, w: W4A16Weights, cfg: CutlassConfig,
-                         prepared: CutlassWeights | None = None) -> torch.Tensor:
-    """``x [M, K] @ W^T`` (bf16) through the CUTLASS kernel ``cfg`` on ``prepared`` (made here when None: a pass
-    over the weights, so callers keep theirs); raises (never falls back) where it cannot run."""
+                         operands: CutlassOperands | None = None) -> torch.Tensor:
+    """``x [M, K] @ W^T`` (bf16) through the CUTLASS kernel ``cfg`` on ``operands`` (else ``w.cutlass``, made at
+    load for the layers a CUTLASS entry serves; else made here, two small elementwise passes); raises (never falls
+    back) where it cannot run. Operands without zero terms (the bench's signed copy) go to the signed build."""
+    prepared = operands if operands is not None else w.cutlass if w.cutlass is not None else prepare(w)
+    signed = prepared.zero_terms is None
     ok, reason = supports(x, w)
-    lib = library(cfg, w.zeros is not None, capability(x.device)) if ok else None
+    if ok and signed and w.zeros is not None:
+        ok, reason = False, "the signed build takes symmetric layers only"
+    lib = library(cfg, capability(x.device), signed) if ok else None
     if lib is None:
         raise ValueError(f"the CUTLASS W4A16 kernel cannot run this call: {reason or _NOT_BUILT}")
-    prepared = prepared if prepared is not None else prepare(w)
     if w.perm is not None:
         x = x[:, w.perm]
     x = x.contiguous()
@@ -164,7 +167,7 @@ def w4a16_cutlass_matmul(x: torch.Tensor, w: W4A16Weights, cfg: CutlassConfig,
     out = torch.empty((m, n), device=x.device, dtype=torch.bfloat16)
     ws_bytes = lib.qk_cutlass_workspace(m, n, k, group)
     ws = torch.empty(max(ws_bytes, 1), device=x.device, dtype=torch.uint8)
-    zero_terms = prepared.zero_terms if prepared.zero_terms is not None else prepared.scales  # unused if sym
+    zero_terms = prepared.scales if signed else prepared.zero_terms  # the signed build reads none
     err = lib.qk_cutlass_gemm(prepared.codes.data_ptr(), x.data_ptr(), prepared.scales.data_ptr(),
                               zero_terms.data_ptr(), out.data_ptr(), m, n, k, group, ws.data_ptr(),
                               ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream))

@@ -7,6 +7,7 @@ The GPTQ layout itself is defined in :mod:`quantkit.pack`.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -15,6 +16,9 @@ from quantkit.kernels.w4a16_configs import DIRECT_MAX_M, PAIR_TILE_K, kernel_gro
 from quantkit.kernels.w4a16_select import LayerFacts, W4A16Plan, plan_w4a16
 from quantkit.pack import pack_rows, unpack_gptq, unpack_rows
 from quantkit.primitives import default_g_idx
+
+if TYPE_CHECKING:  # the CUTLASS module imports this one
+    from quantkit.kernels.w4a16_cutlass import CutlassOperands
 
 __all__ = ["W4A16Weights", "prepare_w4a16_weights", "reference_w4a16_weights", "w4a16_matmul_ref"]
 
@@ -38,6 +42,8 @@ class W4A16Weights:
       (:mod:`quantkit.kernels.w4a16_select`); None off CUDA.
     * ``launchers``: the plan bound to its launch functions, one per bucket (None: the reference), by the front
       door at load (:func:`quantkit.kernels.dispatch.prepare_w4a16`); None where no kernel serves the layer.
+    * ``cutlass``: the CUTLASS prefill kernel's bf16 scales and zero terms (:func:`quantkit.kernels.w4a16_cutlass.
+      prepare`), made by the front door at load where the plan has a CUTLASS entry; None otherwise.
     """
 
     qweight: torch.Tensor
@@ -54,6 +60,7 @@ class W4A16Weights:
     partial_sums: torch.Tensor | None = None
     plan: W4A16Plan | None = None
     launchers: tuple | None = dataclasses.field(default=None, repr=False, compare=False)
+    cutlass: CutlassOperands | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def facts(self) -> LayerFacts:
         """What kernel selection reads of these weights."""
