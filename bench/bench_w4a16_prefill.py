@@ -14,7 +14,7 @@ bf16 scales and zero terms); one more row makes those small tensors on every cal
 the quantized layer's dequantized weights (the same GEMM on low-entropy values: tensor cores draw less power on
 them, and at 4096 rows that showed as a faster cuBLAS, docs/kernels.md). Timing: ``gpu_timing.gpu_time_us`` (CUDA
 graphs, L2 evicted by reading before each call, best of 5 replays). Writes JSON (card, versions, nvcc, date, every
-cell) to ``--out`` after every shape.
+cell) to ``--out`` after every cell.
 """
 
 from __future__ import annotations
@@ -184,8 +184,10 @@ def main(argv=None) -> int:
     built = prebuild(log)
     result.update(timing="gpu_timing.gpu_time_us: 5 calls a graph, L2 evicted by reading, best of 5",
                   builds={f"{c} signed={signed}": ok for (c, signed), ok in built.items()})
-    run_cells(result, out, shapes, lambda s: run_shape(*s, ms, built, args, log), lambda s: f"{s[0]}x{s[1]}",
-              candidate_entries)
+    # row counts outer, in --ms order: a run cut by the deadline keeps the first rows' cells for every layer
+    items = [(n, k, m) for m in ms for n, k in shapes]
+    run_cells(result, out, items, lambda it: run_shape(it[0], it[1], [it[2]], built, args, log),
+              lambda it: f"{it[0]}x{it[1]} M={it[2]}", candidate_entries)
     return 0
 
 
