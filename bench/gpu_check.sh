@@ -380,12 +380,15 @@ w4a16-chain)  # issue 41 on the card at hand in one call (BUDGET_S ~560): the 8B
 w4a16-prefill)  # issue 41's prefill cells on the card at hand in one call (BUDGET_S ~480, carry .stage/cutlass: the
     # nvidia-cutlass wheel, `pip download --no-deps nvidia-cutlass`): today's pick, the CUTLASS mixed-input GEMM's
     # configs (built here first), dequantize-then-cuBLAS and cuBLAS on the 8B layers at 256-4096 rows (third
-    # argument: the rows, e.g. 2048,256,1024, in that order)
+    # argument: the rows, e.g. 2048,256,1024, in that order; fourth argument "ab": then the 8B int4 prefill and
+    # batch-1 step with the shipped table and with this run's candidate entries, one round, BUDGET_S ~580)
     card | tee "$OUT/card.txt"
     mkdir -p /tmp/cutlass && python3 -m zipfile -e .stage/cutlass/*.whl /tmp/cutlass
     export QUANTKIT_CUTLASS_DIR=/tmp/cutlass/cutlass_library/source
-    step 400 python3 bench/bench_w4a16_prefill.py --deadline 320 ${3:+--ms "$3"} --out "$OUT/w4a16_prefill.json" \
-        2>&1 | tail -120
+    deadline=$([ "${4:-}" = ab ] && echo 200 || echo 320)
+    step 400 python3 bench/bench_w4a16_prefill.py --deadline $deadline ${3:+--ms "$3"} \
+        --out "$OUT/w4a16_prefill.json" 2>&1 | tail -120
+    [ "${4:-}" = ab ] && ROUND=1 candidate_table_ab "$OUT/w4a16_prefill.json" prefill_here int4_8b_round
     step 80 python3 -m pytest -m gpu tests/kernels/test_w4a16_cutlass.py -q -p no:cacheprovider 2>&1 | tail -8
     ;;
 w4a16-prefill-ab)  # issue 41 (BUDGET_S ~420, carry .stage/cutlass and .stage/cand: prefill_candidates.json, the
