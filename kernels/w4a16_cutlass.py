@@ -16,7 +16,6 @@ the kernel cannot take, and :func:`available` both. The reference is ``w4a16_wei
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import functools
 import hashlib
 import importlib.util
@@ -29,7 +28,7 @@ import torch
 from quantkit.kernels.device_info import capability
 from quantkit.kernels.w4a16_configs import CUTLASS_TILE_K, CutlassConfig, codes_per_scale
 from quantkit.kernels.w4a16_cuda import built_library, nvcc_path
-from quantkit.kernels.w4a16_weights import W4A16Weights
+from quantkit.kernels.w4a16_weights import CutlassOperands, W4A16Weights
 
 log = logging.getLogger(__name__)
 
@@ -89,19 +88,6 @@ def library(cfg: CutlassConfig, cap: tuple[int, int], signed: bool = False):
     lib.qk_cutlass_workspace.restype = ctypes.c_longlong
     lib.qk_cutlass_workspace.argtypes = [ctypes.c_int] * 4
     return lib
-
-
-@dataclasses.dataclass(frozen=True)
-class CutlassOperands:
-    """What the kernel reads of a layer (:func:`prepare`): ``codes`` int32 ``[N, K / 8]`` 4-bit codes, K-major
-    (the layer's own ``qweight``, unsigned; the bench's signed build takes a copy with every nibble XOR 8);
-    ``scales`` bf16 ``[G, N]``; ``zero_terms`` bf16 ``[G, N]`` (None for the signed build); ``group``: codes a
-    scale (K for per-channel scales)."""
-
-    codes: torch.Tensor
-    scales: torch.Tensor
-    zero_terms: torch.Tensor | None
-    group: int
 
 
 def kernel_group(w: W4A16Weights) -> int | None:

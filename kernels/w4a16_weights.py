@@ -7,7 +7,6 @@ The GPTQ layout itself is defined in :mod:`quantkit.pack`.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,10 +16,20 @@ from quantkit.kernels.w4a16_select import LayerFacts, W4A16Plan, plan_w4a16
 from quantkit.pack import pack_rows, unpack_gptq, unpack_rows
 from quantkit.primitives import default_g_idx
 
-if TYPE_CHECKING:  # the CUTLASS module imports this one
-    from quantkit.kernels.w4a16_cutlass import CutlassOperands
+__all__ = ["CutlassOperands", "W4A16Weights", "prepare_w4a16_weights", "reference_w4a16_weights", "w4a16_matmul_ref"]
 
-__all__ = ["W4A16Weights", "prepare_w4a16_weights", "reference_w4a16_weights", "w4a16_matmul_ref"]
+
+@dataclasses.dataclass(frozen=True)
+class CutlassOperands:
+    """What the CUTLASS prefill kernel reads of a layer (:func:`quantkit.kernels.w4a16_cutlass.prepare`):
+    ``codes`` int32 ``[N, K / 8]`` 4-bit codes, K-major (the layer's own ``qweight``, unsigned; the bench's signed
+    build takes a copy with every nibble XOR 8); ``scales`` bf16 ``[G, N]``; ``zero_terms`` bf16 ``[G, N]`` (None
+    for the signed build); ``group``: codes a scale (K for per-channel scales)."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    zero_terms: torch.Tensor | None
+    group: int
 
 
 @dataclasses.dataclass(frozen=True)
