@@ -403,15 +403,17 @@ w4a16-prefill-ab)  # issue 41 (BUDGET_S ~420, carry .stage/cutlass and .stage/ca
     ROUND=1 candidate_table_ab .stage/cand/prefill_candidates.json prefill int4_8b_round
     [ "$rounds" -lt 2 ] || ROUND=2 candidate_table_ab .stage/cand/prefill_candidates.json prefill2 int4_8b_round
     ;;
-prefill-then-tests)  # one call where device time is short (BUDGET_S ~460; carry .stage/whl, .stage/data,
-    # .stage/cutlass, .stage/cand): on an H100, the prefill A/B with the H100's candidates, two rounds; on another
-    # card, the prefill cells there (bench_w4a16_prefill.py), then the GPU suite without the GGUF tests
-    if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q "H100"; then
-        bash bench/gpu_check.sh w4a16-prefill-ab "$BUDGET" 2
-    else
-        bash bench/gpu_check.sh w4a16-prefill 170
-        gpu_tests 60 $(( BUDGET - ($(date +%s) - t0) - 70 ))
-    fi
+prefill-then-tests)  # one call where device time is short (BUDGET_S ~590; carry .stage/whl, .stage/data,
+    # .stage/cutlass): the prefill cells at 2048 rows on the card at hand (bench_w4a16_prefill.py, CUTLASS builds
+    # first), the GPU suite without the GGUF tests, then with what time is left the 8B int4 prefill and batch-1 step
+    # with the shipped table and with the cells' candidate entries, one round
+    card | tee "$OUT/card.txt"
+    mkdir -p /tmp/cutlass && python3 -m zipfile -e .stage/cutlass/*.whl /tmp/cutlass
+    export QUANTKIT_CUTLASS_DIR=/tmp/cutlass/cutlass_library/source
+    step 220 python3 bench/bench_w4a16_prefill.py --deadline 100 --ms 2048 --out "$OUT/w4a16_prefill.json" 2>&1 \
+        | tail -60
+    gpu_tests 60 240
+    ROUND=1 candidate_table_ab "$OUT/w4a16_prefill.json" prefill_here int4_8b_round
     ;;
 pending)  # issue 39 on the card at hand in one call (BUDGET_S ~150): the 30B-A3B attention projections' decode
     # cells (no H200 entry yet) and, where a CUDA variant beat the pick (candidate_entries), the 30B int4 step with the shipped table,
