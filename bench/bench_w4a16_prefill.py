@@ -7,11 +7,12 @@ configs, dequantize-then-cuBLAS, and cuBLAS on 16-bit weights (one Hopper GPU).
 Every variant is first checked against the plain-PyTorch reference (float32) at M = 333 (a partial tile) and at each
 timed M: the error's norm relative to the reference's; a variant above ``--max-err`` is not timed. The CUTLASS
 configs (``kernels/w4a16_cutlass.py``) are built with nvcc first, in parallel; without nvcc or CUTLASS's headers
-they are left out, saying why. They are timed on the operands the runtime makes at load (the layer's codes in place,
-bf16 scales and zero terms); one more row makes those small tensors on every call, and one times the first build
-(signed codes: a copy of the weights with every nibble XOR 8, scales alone) at the leading tile. Where a config beats today's pick, the JSON's
-``candidate_entries`` hold a card-specific table entry: candidates for a whole-prefill A/B, not defaults. cuBLAS runs twice: on random bf16 weights (what a 16-bit model's layer costs) and on
-the quantized layer's dequantized weights (the same GEMM on low-entropy values: tensor cores draw less power on
+they are left out, saying why. They are timed on the operands the runtime makes at load (the layer's codes in
+place, bf16 scales and zero terms); one more row makes those small tensors on every call, and one times the first
+build (signed codes: a copy of the weights with every nibble XOR 8, scales alone) at the leading tile. Where a
+config beats today's pick, the JSON's ``candidate_entries`` hold a card-specific table entry: candidates for a
+whole-prefill A/B, not defaults. cuBLAS runs twice: on random bf16 weights (what a 16-bit model's layer costs) and
+on the quantized layer's dequantized weights (the same GEMM on low-entropy values: tensor cores draw less power on
 them, and at 4096 rows that showed as a faster cuBLAS, docs/kernels.md). Timing: ``gpu_timing.gpu_time_us`` (CUDA
 graphs, L2 evicted by reading before each call, best of 5 replays). Writes JSON (card, versions, nvcc, date, every
 cell) to ``--out`` after every cell.
