@@ -44,7 +44,8 @@ def prepare_w4a16(qweight, qzeros, scales, g_idx, bits, group_size, sym) -> W4A1
 
 def bind(weights: W4A16Weights) -> W4A16Weights:
     """``weights`` with the launchers of its plan (unchanged without a plan: the reference serves it), and the
-    CUTLASS kernel's operands where the plan has a CUTLASS entry (made once here, not per call)."""
+    CUTLASS kernel's operands where the plan has a CUTLASS entry and the machine can build it (made once here, not
+    per call; where it cannot, the entry's fallback serves and the memory is not spent)."""
     if weights.plan is None:
         return weights
     launchers = bound_launchers(weights.facts(), weights.plan.arch, weights.plan.card)
@@ -52,7 +53,8 @@ def bind(weights: W4A16Weights) -> W4A16Weights:
     if launchers is not None and any(choice.kernel == "cutlass" for _, choice in weights.plan.choices):
         from quantkit.kernels import w4a16_cutlass
 
-        cutlass = w4a16_cutlass.prepare(weights)
+        if w4a16_cutlass.buildable():
+            cutlass = w4a16_cutlass.prepare(weights)
     return dataclasses.replace(weights, launchers=launchers, cutlass=cutlass)
 
 

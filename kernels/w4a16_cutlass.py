@@ -37,8 +37,8 @@ SOURCE = Path(__file__).with_name("w4a16_cutlass.cu")
 # (warning C7510 in a build without it)
 _NVCC_FLAGS = ("-O3", "-DNDEBUG", "-std=c++17", "--expt-relaxed-constexpr")
 
-__all__ = ["CutlassConfig", "CutlassOperands", "available", "include_dirs", "library", "prepare", "supports",
-           "w4a16_cutlass_matmul"]
+__all__ = ["CutlassConfig", "CutlassOperands", "available", "buildable", "include_dirs", "library", "prepare",
+           "supports", "w4a16_cutlass_matmul"]
 
 
 def include_dirs() -> list[Path] | None:
@@ -64,6 +64,11 @@ def build_args(cfg: CutlassConfig, includes: list[Path], signed: bool = False) -
         defines.append(f"-DQK_CUTLASS_VERSION_H={hashlib.sha256(version.read_bytes()).hexdigest()[:12]}")
     return [*_NVCC_FLAGS, "-gencode=arch=compute_90a,code=sm_90a", *defines, *(f"-I{d}" for d in includes),
             "-shared", "-Xcompiler", "-fPIC"]
+
+
+def buildable() -> bool:
+    """Whether this machine has what a build needs (nvcc and CUTLASS's headers); the build itself may still fail."""
+    return nvcc_path() is not None and include_dirs() is not None
 
 
 @functools.cache

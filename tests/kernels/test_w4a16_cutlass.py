@@ -68,8 +68,8 @@ def test_the_kernels_operands_dequantize_to_the_reference_weights(sym):
 
 
 def test_the_front_door_makes_the_operands_once_where_a_cutlass_entry_serves(monkeypatch):
-    """dispatch.bind: CUTLASS operands at load for a plan with a ``cutlass`` choice, none for other plans; the
-    matmul reads them from the weights instead of making its own."""
+    """dispatch.bind: CUTLASS operands at load for a plan with a ``cutlass`` choice on a machine that can build
+    the kernel, none otherwise; the matmul reads them from the weights instead of making its own."""
     from quantkit.kernels import dispatch
     from quantkit.kernels.w4a16_select import KernelChoice, W4A16Plan
 
@@ -79,6 +79,9 @@ def test_the_front_door_makes_the_operands_once_where_a_cutlass_entry_serves(mon
     plain = dispatch.bind(dataclasses.replace(w, plan=W4A16Plan("sm90", ((1, gemv),))))
     assert plain.cutlass is None and plain.launchers == (None,)
     cut = W4A16Plan("sm90", ((1, gemv), (2048, KernelChoice("cutlass", CutlassConfig(), "test", gemv))))
+    monkeypatch.setattr(w4a16_cutlass, "buildable", lambda: False)  # no nvcc or headers: the fallback serves
+    assert dispatch.bind(dataclasses.replace(w, plan=cut)).cutlass is None
+    monkeypatch.setattr(w4a16_cutlass, "buildable", lambda: True)
     bound = dispatch.bind(dataclasses.replace(w, plan=cut))
     assert bound.cutlass is not None and bound.cutlass.codes.data_ptr() == w.qweight.data_ptr()
     torch.testing.assert_close(bound.cutlass.zero_terms, w4a16_cutlass.prepare(w).zero_terms, rtol=0, atol=0)
