@@ -141,14 +141,16 @@ def w4a16_cutlass_matmul(x: torch.Tensor, w: W4A16Weights, cfg: CutlassConfig,
     """``x [M, K] @ W^T`` (bf16) through the CUTLASS kernel ``cfg`` on ``operands`` (else ``w.cutlass``, made at
     load for the layers a CUTLASS entry serves; else made here, two small elementwise passes); raises (never falls
     back) where it cannot run. Operands without zero terms (the bench's signed copy) go to the signed build."""
-    prepared = operands if operands is not None else w.cutlass if w.cutlass is not None else prepare(w)
-    signed = prepared.zero_terms is None
+    prepared = operands if operands is not None else w.cutlass
+    signed = prepared is not None and prepared.zero_terms is None
     ok, reason = supports(x, w)
     if ok and signed and w.zeros is not None:
         ok, reason = False, "the signed build takes symmetric layers only"
     lib = library(cfg, capability(x.device), signed) if ok else None
     if lib is None:
         raise ValueError(f"the CUTLASS W4A16 kernel cannot run this call: {reason or _NOT_BUILT}")
+    if prepared is None:  # only once the call is known to run
+        prepared = prepare(w)
     if w.perm is not None:
         x = x[:, w.perm]
     x = x.contiguous()
