@@ -154,19 +154,13 @@ def print_cell(cell: dict, log) -> None:
 def candidate_entries(cells: list[dict], card: str, margin_us: float = 0.3, margin: float = 0.03) -> list[dict]:
     """Table entries (``kernels/w4a16_h200.json`` form, naming ``card``) for the cells where the fastest variant in
     the chain beat today's pick in the chain by more than ``max(margin_us, margin x today)``."""
-    from gpu_timing import beats_today
+    from gpu_timing import proposed_entries
 
-    out = []
-    for cell in cells:
-        won = beats_today(cell, "chain_us", lambda v: "config" in v, margin_us, margin)
-        if won is None:
-            continue
-        today, best = won
-        out.append({"n": cell["N"], "k": cell["K"], "m": cell["M"], "kernel": best["kernel"], "config": best["config"],
-                    "us": round(best["alone_us"], 1), "card": card,
-                    "source": f"bench_w4a16_chain.py: {best['chain_us']:.1f} us after the {cell['predecessor']} "
-                              f"kernel against today's pick {today['chain_us']:.1f}"})
-    return out
+    return proposed_entries(cells, card, "chain_us", lambda v: "config" in v, margin_us, margin,
+                            lambda cell, today, best: (
+                                best["kernel"], best["config"], best["alone_us"],
+                                f"bench_w4a16_chain.py: {best['chain_us']:.1f} us after the {cell['predecessor']} "
+                                f"kernel against today's pick {today['chain_us']:.1f}"))
 
 
 def main(argv=None) -> int:

@@ -170,18 +170,12 @@ def candidate_entries(cells: list[dict], card: str, margin_us: float = 0.5, marg
     beat today's pick by more than ``max(margin_us, margin x today)``: candidates only. A cell's gain alone does
     not make a default (the 30B-A3B q/k/v cell gained 1.6 us here and nothing in the whole step, docs/kernels.md):
     each goes in after a step A/B (`bash bench/gpu_check.sh ab ...`)."""
-    from gpu_timing import beats_today
+    from gpu_timing import proposed_entries
 
-    out = []
-    for cell in cells:
-        won = beats_today(cell, "us", lambda v: "cuda_config" in v, margin_us, margin)
-        if won is None:
-            continue
-        today, cuda = won
-        out.append({"n": cell["N"], "k": cell["K"], "m": cell["M"], "kernel": "cuda", "config": cuda["cuda_config"],
-                    "us": round(cuda["us"], 1), "card": card,
-                    "source": f"measured by bench_w4a16_decode.py: today's pick {today['us']:.1f} us"})
-    return out
+    return proposed_entries(cells, card, "us", lambda v: "cuda_config" in v, margin_us, margin,
+                            lambda cell, today, cuda: ("cuda", cuda["cuda_config"], cuda["us"],
+                                                       f"measured by bench_w4a16_decode.py: today's pick "
+                                                       f"{today['us']:.1f} us"))
 
 
 def main(argv=None) -> int:

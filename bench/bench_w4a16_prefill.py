@@ -149,18 +149,11 @@ def candidate_entries(cells: list[dict], card: str, margin_us: float = 1.0, marg
     """Table entries (``kernels/w4a16_h200.json`` form, ``"kernel": "cutlass"``, naming ``card``) for the cells where
     the best CUTLASS config beat today's pick by more than ``max(margin_us, margin x today)``: candidates for a
     whole-prefill A/B."""
-    from gpu_timing import beats_today
+    from gpu_timing import proposed_entries
 
-    out = []
-    for cell in cells:
-        won = beats_today(cell, "us", lambda v: "config" in v, margin_us, margin)
-        if won is None:
-            continue
-        today, best = won
-        out.append({"n": cell["N"], "k": cell["K"], "m": cell["M"], "kernel": "cutlass", "config": best["config"],
-                    "us": round(best["us"], 1), "card": card,
-                    "source": f"bench_w4a16_prefill.py: today's pick {today['us']:.1f} us, cuBLAS {cell['cublas_us']:.1f}"})
-    return out
+    return proposed_entries(cells, card, "us", lambda v: "config" in v, margin_us, margin, lambda cell, today, best: (
+        "cutlass", best["config"], best["us"],
+        f"bench_w4a16_prefill.py: today's pick {today['us']:.1f} us, cuBLAS {cell['cublas_us']:.1f}"))
 
 
 def main(argv=None) -> int:

@@ -129,6 +129,20 @@ def beats_today(cell: dict, time_key: str, eligible, margin_us: float, margin: f
     return today, best
 
 
+def proposed_entries(cells: list[dict], card: str, time_key: str, eligible, margin_us: float, margin: float,
+                     entry) -> list[dict]:
+    """Table entries (``kernels/w4a16_h200.json`` form, naming ``card``) for the cells where :func:`beats_today`
+    found a winning row; ``entry(cell, today, best)`` gives each one's ``(kernel, config, us, source)``."""
+    out = []
+    for cell in cells:
+        won = beats_today(cell, time_key, eligible, margin_us, margin)
+        if won is not None:
+            kernel, config, us, source = entry(cell, *won)
+            out.append({"n": cell["N"], "k": cell["K"], "m": cell["M"], "kernel": kernel, "config": config,
+                        "us": round(us, 1), "card": card, "source": source})
+    return out
+
+
 def main(argv=None) -> int:
     """Time one bf16 matmul the way the benchmarks time a kernel (a check of this machine's timing)."""
     import argparse

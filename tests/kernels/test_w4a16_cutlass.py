@@ -146,6 +146,27 @@ def test_headers_come_from_the_environment_or_are_missing(tmp_path, monkeypatch)
     assert w4a16_cutlass.include_dirs() == [tmp_path / "include", tmp_path / "tools" / "util" / "include"]
 
 
+def test_the_prefill_bench_proposes_the_fastest_config_past_the_margin(monkeypatch):
+    """bench_w4a16_prefill.candidate_entries: the fastest timed CUTLASS config, where it beats today's pick by more
+    than max(1 us, 5 %), as a card-specific ``cutlass`` entry the table reader accepts; rows without a config (the
+    comparison rows) are never proposed, and a smaller gain gives none."""
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    from bench_w4a16_prefill import candidate_entries
+
+    best = config_to_dict(CutlassConfig(128, 256, 2))
+
+    def cell(n, today, cutlass):
+        return {"N": n, "K": 4096, "M": 2048, "cublas_us": 90.0, "variants": [
+            {"name": "today", "us": today}, {"name": "cutlass 128x256", "us": cutlass, "config": best},
+            {"name": "cutlass 128x128", "us": cutlass + 5, "config": config_to_dict(CutlassConfig())},
+            {"name": "cutlass 128x256, signed-code build", "us": cutlass - 20}]}
+
+    entries = candidate_entries([cell(4096, 130.0, 100.0), cell(6144, 130.0, 125.0)], "NVIDIA H100 80GB HBM3")
+    assert [(e["n"], e["kernel"], e["config"], e["us"], e["card"]) for e in entries] == [
+        (4096, "cutlass", best, 100.0, "NVIDIA H100 80GB HBM3")]
+    assert config_from_dict("cutlass", entries[0]["config"]) == CutlassConfig(128, 256, 2)
+
+
 def test_the_prefill_bench_answers_help_without_a_gpu():
     done = subprocess.run([sys.executable, str(REPO / "bench" / "bench_w4a16_prefill.py"), "--help"],
                           capture_output=True, text=True, cwd=REPO)
