@@ -175,6 +175,10 @@ int4_8b_step() {  # NAME: the 8B int4 step; with the candidates also under the C
     return 0
 }
 
+int4_8b_readme() {  # NAME FORMATS: README's 8B cells (batch 1, 8, 32 and the prefill); ROUND suffix
+    bench_variant "bench_8b_$1${ROUND:-}" 170 "" --shape llama3-8b --steps 32 --batches 1,8,32 --formats "$2"
+}
+
 int4_8b_round() {  # NAME: the 8B int4 step at batch 1 alone (the chain candidates are M = 1 entries); ROUND suffix
     bench_variant "bench_8b_int4_$1${ROUND:-}" 100 "" --shape llama3-8b --formats int4 --steps 32 --batches 1
 }
@@ -403,6 +407,32 @@ w4a16-prefill-ab)  # issue 41 (BUDGET_S ~420, carry .stage/cutlass and .stage/ca
     ROUND=1 candidate_table_ab .stage/cand/prefill_candidates.json prefill int4_8b_round
     [ "$rounds" -lt 2 ] || ROUND=2 candidate_table_ab .stage/cand/prefill_candidates.json prefill2 int4_8b_round
     ;;
+prefill-table-ab)  # issue 41's README cells, the checkout's W4A16 table beside the one before it (BUDGET_S ~560,
+    # carry .stage/cutlass and .stage/cand: table_before.json): the CUTLASS builds the table's entries name made
+    # first, then `quantkit bench` on the 8B shape at batch 1, 8 and 32 and the prefill, int4 with the table before,
+    # int4 with the checkout's and bf16 beside it, twice alternating (a third argument 1: once; a fourth, e.g.
+    # 256,1024,4096: then the prefill cells at those row counts, as many as 150 s allow)
+    card | tee "$OUT/card.txt"
+    mkdir -p /tmp/cutlass && python3 -m zipfile -e .stage/cutlass/*.whl /tmp/cutlass
+    export QUANTKIT_CUTLASS_DIR=/tmp/cutlass/cutlass_library/source
+    step 150 python3 -c 'import json, torch
+from quantkit.kernels import w4a16_cutlass
+from quantkit.kernels.w4a16_configs import config_from_dict
+cap = torch.cuda.get_device_capability()
+entries = json.load(open("kernels/w4a16_h200.json"))["entries"]
+for c in {json.dumps(e["config"], sort_keys=True) for e in entries if e["kernel"] == "cutlass"}:
+    print(c, "built" if w4a16_cutlass.library(config_from_dict("cutlass", json.loads(c)), cap) else "FAILED")'
+    cp kernels/w4a16_h200.json /tmp/w4a16_table_checkout.json
+    for round in 1 $([ "${3:-2}" = 1 ] || echo 2); do
+        cp .stage/cand/table_before.json kernels/w4a16_h200.json
+        ROUND=$round int4_8b_readme before int4
+        cp /tmp/w4a16_table_checkout.json kernels/w4a16_h200.json
+        ROUND=$round int4_8b_readme checkout int4,bf16
+    done
+    rm -f "$OUT"/*.png
+    [ -z "${4:-}" ] || step 230 python3 bench/bench_w4a16_prefill.py --deadline 150 --ms "$4" \
+        --out "$OUT/w4a16_prefill_more.json" 2>&1 | tail -40  # a fourth argument: prefill cells at more row counts
+    ;;
 prefill-then-tests)  # one call where device time is short (BUDGET_S ~590; carry .stage/whl, .stage/data,
     # .stage/cutlass): the prefill cells at 2048 rows on the card at hand (bench_w4a16_prefill.py, CUTLASS builds
     # first), the GPU suite without the GGUF tests, then with what time is left the 8B int4 prefill and batch-1 step
@@ -454,5 +484,5 @@ kv-fp8)  # the FP8 KV cache (issue 42's option): its GPU tests, then `quantkit b
     done
     rm -f "$OUT"/*.png
     ;;
-*) echo "usage: gpu_check.sh benches|suite|one|tests|gguf|coldstart-ab|moe|w4a16|moe-decode|moe-math|moe-step|moe-prefill|moe-quantize|fp8-mma|fp8-step|w4a16-ab|w4a16-chain|w4a16-prefill|w4a16-prefill-ab|prefill-then-tests|pending|fp8-codes|tests-fp8|kv-fp8|ab BUDGET_S"; exit 2 ;;
+*) echo "usage: gpu_check.sh benches|suite|one|tests|gguf|coldstart-ab|moe|w4a16|moe-decode|moe-math|moe-step|moe-prefill|moe-quantize|fp8-mma|fp8-step|w4a16-ab|w4a16-chain|w4a16-prefill|w4a16-prefill-ab|prefill-table-ab|prefill-then-tests|pending|fp8-codes|tests-fp8|kv-fp8|ab BUDGET_S"; exit 2 ;;
 esac
