@@ -181,14 +181,16 @@ def test_a_cutlass_entry_serves_its_card_with_the_generic_pick_as_fallback(monke
 
 def test_card_specific_entries_serve_their_card_only():
     """The entries measured on an H100 (kernels/w4a16_h200.json, "card": the CUDA decode kernel at 1 and 8 rows,
-    CUTLASS on the four 8B layers at 2048 rows, dequantize-then-cuBLAS at 4096) serve that card's plans; the H200,
-    and a plan without a card, keep the Gluon pick (for a CUDA or CUTLASS entry, the same one it falls back to)."""
+    CUTLASS on the four 8B layers at 2048 rows and three at 4096, dequantize-then-cuBLAS at 4096) serve that card's
+    plans; the H200, and a plan without a card, keep the Gluon pick (for a CUDA or CUTLASS entry, the same one it
+    falls back to)."""
     h100 = "NVIDIA H100 80GB HBM3"
     measured = [e for e in load_table() if e.get("card") == h100]
     assert {(e["n"], e["k"], e["m"], e["kernel"]) for e in measured} >= {
         (28672, 4096, 1, "cuda"), (28672, 4096, 8, "cuda"), (5120, 2048, 1, "cuda"), (5120, 2048, 8, "cuda"),
         (6144, 4096, 2048, "cutlass"), (4096, 4096, 2048, "cutlass"), (28672, 4096, 2048, "cutlass"),
-        (4096, 14336, 2048, "cutlass"),
+        (4096, 14336, 2048, "cutlass"), (6144, 4096, 4096, "cutlass"), (28672, 4096, 4096, "cutlass"),
+        (4096, 14336, 4096, "cutlass"),
         (4096, 4096, 4096, "dequant"), (28672, 8192, 4096, "dequant"), (8192, 28672, 4096, "dequant")}
     for e in measured:
         facts = facts_of(e["n"], e["k"], 4, 128, True, False)
