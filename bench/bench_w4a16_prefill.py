@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
+import json
 import os
 import sys
 import time
@@ -43,14 +44,16 @@ SIGN_FLIP = -0x77777778  # 0x88888888 as an int32
 LEAD = 2  # index of the leading config in cutlass_configs() (128x256 cooperative, H100 2026-12-07)
 
 
-def prebuild(log) -> dict:
-    """Every CUTLASS build the run times, in parallel: {(config, signed): built}."""
+def prebuild(log, jobs=None) -> dict:
+    """The CUTLASS builds ``jobs`` ((config, signed) pairs; default: every build the run times), in parallel:
+    {(config, signed): built}."""
     import torch
 
     from quantkit.kernels import w4a16_cutlass
 
     cap = torch.cuda.get_device_capability()
-    jobs = [(c, False) for c in cutlass_configs()] + [(cutlass_configs()[LEAD], True)]
+    if jobs is None:
+        jobs = [(c, False) for c in cutlass_configs()] + [(cutlass_configs()[LEAD], True)]
     t0 = time.time()
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(jobs), os.cpu_count() or 4)) as pool:
         futs = {pool.submit(w4a16_cutlass.library, c, cap, signed): (c, signed) for c, signed in jobs}
@@ -58,6 +61,19 @@ def prebuild(log) -> dict:
     log(f"CUTLASS builds: {sum(built.values())} of {len(built)} in {time.time() - t0:.1f} s "
         f"(headers {w4a16_cutlass.include_dirs()})")
     return built
+
+
+def build_table(path: str, log) -> int:
+    """Builds the CUTLASS configs the entries of the W4A16 table at ``path`` name; 1 where one fails."""
+    from quantkit.kernels.w4a16_configs import config_from_dict
+
+    with open(path) as f:
+        entries = json.load(f)["entries"]
+    configs = {config_from_dict("cutlass", e["config"]) for e in entries if e["kernel"] == "cutlass"}
+    built = prebuild(log, [(c, False) for c in sorted(configs, key=str)])
+    for (c, _), ok in built.items():
+        log(f"{c}: {'built' if ok else 'FAILED'}")
+    return 0 if all(built.values()) else 1
 
 
 def rel_err(out, ref) -> float:
@@ -163,12 +179,16 @@ def main(argv=None) -> int:
     ap.add_argument("--deadline", type=float, default=300.0, help="seconds: cells not started by then are skipped")
     ap.add_argument("--max-err", type=float, default=1e-2, help="largest relative error a timed variant may have")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--build-table", metavar="TABLE", default=None,
+                    help="only build the CUTLASS configs this W4A16 table's entries name (before timing with it)")
     args = ap.parse_args(argv)
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     ms = [int(v) for v in args.ms.split(",")]
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from gpu_timing import gpu_run, log, run_cells
 
+    if args.build_table:
+        return build_table(args.build_table, log)
     started = gpu_run("w4a16_prefill", args.out)
     if started is None:
         return 2

@@ -415,13 +415,7 @@ prefill-table-ab)  # issue 41's README cells, the checkout's W4A16 table beside 
     card | tee "$OUT/card.txt"
     mkdir -p /tmp/cutlass && python3 -m zipfile -e .stage/cutlass/*.whl /tmp/cutlass
     export QUANTKIT_CUTLASS_DIR=/tmp/cutlass/cutlass_library/source
-    step 150 python3 -c 'import json, torch
-from quantkit.kernels import w4a16_cutlass
-from quantkit.kernels.w4a16_configs import config_from_dict
-cap = torch.cuda.get_device_capability()
-entries = json.load(open("kernels/w4a16_h200.json"))["entries"]
-for c in {json.dumps(e["config"], sort_keys=True) for e in entries if e["kernel"] == "cutlass"}:
-    print(c, "built" if w4a16_cutlass.library(config_from_dict("cutlass", json.loads(c)), cap) else "FAILED")'
+    step 150 python3 bench/bench_w4a16_prefill.py --build-table kernels/w4a16_h200.json
     cp kernels/w4a16_h200.json /tmp/w4a16_table_checkout.json
     for round in 1 $([ "${3:-2}" = 1 ] || echo 2); do
         cp .stage/cand/table_before.json kernels/w4a16_h200.json

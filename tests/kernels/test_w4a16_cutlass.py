@@ -167,6 +167,34 @@ def test_the_prefill_bench_proposes_the_fastest_config_past_the_margin(monkeypat
     assert config_from_dict("cutlass", entries[0]["config"]) == CutlassConfig(128, 256, 2)
 
 
+def test_the_prefill_bench_builds_the_cutlass_configs_a_table_names(monkeypatch, tmp_path):
+    """bench_w4a16_prefill.py --build-table: each CUTLASS config the table's entries name, once, through the bench's
+    parallel builder (no other kernel's config); a failed build is the exit status."""
+    import json
+
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import bench_w4a16_prefill
+
+    big, small = config_to_dict(CutlassConfig(128, 256)), config_to_dict(CutlassConfig(64, 128, 1, True))
+    table = tmp_path / "table.json"
+    table.write_text(json.dumps({"entries": [
+        {"n": 4096, "k": 4096, "m": 2048, "kernel": "cutlass", "config": big},
+        {"n": 6144, "k": 4096, "m": 2048, "kernel": "cutlass", "config": big},
+        {"n": 4096, "k": 4096, "m": 256, "kernel": "cutlass", "config": small},
+        {"n": 4096, "k": 4096, "m": 1, "kernel": "gemv", "config": {"BLOCK_N": 64}}]}))
+    asked, failing = [], {CutlassConfig(64, 128, 1, True)}
+
+    def fake_prebuild(log, jobs):
+        asked.append(sorted(jobs, key=str))
+        return {job: job[0] not in failing for job in jobs}
+
+    monkeypatch.setattr(bench_w4a16_prefill, "prebuild", fake_prebuild)
+    assert bench_w4a16_prefill.build_table(str(table), lambda *a: None) == 1
+    assert asked == [sorted([(CutlassConfig(128, 256), False), (CutlassConfig(64, 128, 1, True), False)], key=str)]
+    failing.clear()
+    assert bench_w4a16_prefill.build_table(str(table), lambda *a: None) == 0
+
+
 def test_the_prefill_bench_answers_help_without_a_gpu():
     done = subprocess.run([sys.executable, str(REPO / "bench" / "bench_w4a16_prefill.py"), "--help"],
                           capture_output=True, text=True, cwd=REPO)
