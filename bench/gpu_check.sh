@@ -51,7 +51,9 @@
 # codes tuned on the card and the 8B FP8 step with its picks against without, and o quantized apart (inside its
 # GEMV is the default) (`fp8-codes 560 [ROUNDS]`); the suite without the GGUF tests, then that
 # once through (`tests-fp8 560`, carry as tests); the FP8 KV cache's GPU tests and the int4 step at 4,096 tokens of
-# context with a 16-bit and an FP8 cache (`kv-fp8 480 [SHAPE [1]]`, 1: one round).
+# context with a 16-bit and an FP8 cache (`kv-fp8 480 [SHAPE [1]]`, 1: one round); issue 41's prefill cells at
+# 2048 and 4096 rows on a card without entries, then README's 8B cells and a 4096-token prefill with its candidates
+# against the shipped table (`prefill-cells-ab 590`, carry .stage/cutlass).
 # Everything lands in $OUT (JSON of each bench, the suite's log).
 # pytest runs with OMP_NUM_THREADS=1: 8-12 xdist workers on 16 cores, each with torch's one thread a core, took
 # turns on the cores (the MoE GPU tests, mostly CPU set-up, ran 44-109 s a case on an H100, 2026-12-05).
@@ -181,6 +183,13 @@ int4_8b_readme() {  # NAME FORMATS: README's 8B cells (batch 1, 8, 32 and the pr
 
 int4_8b_round() {  # NAME: the 8B int4 step at batch 1 alone (the chain candidates are M = 1 entries); ROUND suffix
     bench_variant "bench_8b_int4_$1${ROUND:-}" 100 "" --shape llama3-8b --formats int4 --steps 32 --batches 1
+}
+
+readme_and_4096() {  # NAME: README's 8B cells (int4; bf16 beside when NAME is candidates), then a 4096-token
+    # prefill; ROUND suffix
+    int4_8b_readme "$1" "int4$([ "$1" = candidates ] && echo ,bf16)"
+    bench_variant "bench_8b_p4096_$1${ROUND:-}" 100 "" --shape llama3-8b --steps 8 --batches 1 --prefill-tokens 4096 \
+        --formats "int4$([ "$1" = candidates ] && echo ,bf16)"
 }
 
 int4_30b_step() {  # NAME: the Qwen3-30B-A3B int4 step
@@ -439,6 +448,17 @@ prefill-then-tests)  # one call where device time is short (BUDGET_S ~590; carry
     gpu_tests 60 240
     ROUND=1 candidate_table_ab "$OUT/w4a16_prefill.json" prefill_here int4_8b_round
     ;;
+prefill-cells-ab)  # issue 41 on a card whose table lacks prefill entries, one call (BUDGET_S ~590; carry
+    # .stage/cutlass): the prefill cells at 2048 and 4096 rows (CUTLASS builds first), then, where a config beat
+    # today's pick (candidate_entries), README's 8B cells (batch 1, 8, 32, prefill of 2048) and a prefill of 4096
+    # tokens with the shipped table, then with the candidates added for this card and bf16 beside, one round
+    card | tee "$OUT/card.txt"
+    mkdir -p /tmp/cutlass && python3 -m zipfile -e .stage/cutlass/*.whl /tmp/cutlass
+    export QUANTKIT_CUTLASS_DIR=/tmp/cutlass/cutlass_library/source
+    step 300 python3 bench/bench_w4a16_prefill.py --deadline 200 --ms 2048,4096 --out "$OUT/w4a16_prefill.json" \
+        2>&1 | tail -60
+    ROUND=1 candidate_table_ab "$OUT/w4a16_prefill.json" prefill_cells readme_and_4096
+    ;;
 pending)  # issue 39 on the card at hand in one call (BUDGET_S ~150): the 30B-A3B attention projections' decode
     # cells (no H200 entry yet) and, where a CUDA variant beat the pick (candidate_entries), the 30B int4 step with the shipped table,
     # then with the candidates added for this card (the checkout's table, edited on the device only and restored)
@@ -478,5 +498,5 @@ kv-fp8)  # the FP8 KV cache (issue 42's option): its GPU tests, then `quantkit b
     done
     rm -f "$OUT"/*.png
     ;;
-*) echo "usage: gpu_check.sh benches|suite|one|tests|gguf|coldstart-ab|moe|w4a16|moe-decode|moe-math|moe-step|moe-prefill|moe-quantize|fp8-mma|fp8-step|w4a16-ab|w4a16-chain|w4a16-prefill|w4a16-prefill-ab|prefill-table-ab|prefill-then-tests|pending|fp8-codes|tests-fp8|kv-fp8|ab BUDGET_S"; exit 2 ;;
+*) echo "usage: gpu_check.sh benches|suite|one|tests|gguf|coldstart-ab|moe|w4a16|moe-decode|moe-math|moe-step|moe-prefill|moe-quantize|fp8-mma|fp8-step|w4a16-ab|w4a16-chain|w4a16-prefill|w4a16-prefill-ab|prefill-table-ab|prefill-then-tests|prefill-cells-ab|pending|fp8-codes|tests-fp8|kv-fp8|ab BUDGET_S"; exit 2 ;;
 esac
