@@ -53,7 +53,8 @@
 # once through (`tests-fp8 560`, carry as tests); the FP8 KV cache's GPU tests and the int4 step at 4,096 tokens of
 # context with a 16-bit and an FP8 cache (`kv-fp8 480 [SHAPE [1]]`, 1: one round); issue 41's prefill cells at
 # 2048 and 4096 rows on a card without entries, then README's 8B cells and a 4096-token prefill with its candidates
-# against the shipped table (`prefill-cells-ab 590`, carry .stage/cutlass).
+# against the shipped table (`prefill-cells-ab 590`, carry .stage/cutlass); the 8B prefill of one prompt length
+# with a prefill JSON's candidates against the shipped table, several rounds (`prefill-rows-ab 400 JSON TOKENS`).
 # Everything lands in $OUT (JSON of each bench, the suite's log).
 # pytest runs with OMP_NUM_THREADS=1: 8-12 xdist workers on 16 cores, each with torch's one thread a core, took
 # turns on the cores (the MoE GPU tests, mostly CPU set-up, ran 44-109 s a case on an H100, 2026-12-05).
@@ -190,6 +191,11 @@ readme_and_4096() {  # NAME: README's 8B cells (int4; bf16 beside when NAME is c
     int4_8b_readme "$1" "int4$([ "$1" = candidates ] && echo ,bf16)"
     bench_variant "bench_8b_p4096_$1${ROUND:-}" 100 "" --shape llama3-8b --steps 8 --batches 1 --prefill-tokens 4096 \
         --formats "int4$([ "$1" = candidates ] && echo ,bf16)"
+}
+
+int4_8b_prefill_rows() {  # NAME: the 8B int4 prefill of PREFILL_TOKENS tokens (and a short batch-1 step); ROUND suffix
+    bench_variant "bench_8b_p${PREFILL_TOKENS}_$1${ROUND:-}" 90 "" --shape llama3-8b --formats int4 --steps 8 \
+        --batches 1 --prefill-tokens "$PREFILL_TOKENS"
 }
 
 int4_30b_step() {  # NAME: the Qwen3-30B-A3B int4 step
@@ -459,6 +465,20 @@ prefill-cells-ab)  # issue 41 on a card whose table lacks prefill entries, one c
         2>&1 | tail -60
     ROUND=1 candidate_table_ab "$OUT/w4a16_prefill.json" prefill_cells readme_and_4096
     ;;
+prefill-rows-ab)  # issue 41 at one prompt length (BUDGET_S ~400; carry .stage/cutlass and .stage/cand): the 8B int4
+    # prefill of TOKENS (fourth argument) with the shipped table, then with the candidate entries of CANDIDATES (a
+    # bench_w4a16_prefill.py JSON, third argument) added for this card, ROUNDS times (fifth, default 3), alternating;
+    # the CUTLASS configs the candidates name are built first
+    card | tee "$OUT/card.txt"
+    mkdir -p /tmp/cutlass && python3 -m zipfile -e .stage/cutlass/*.whl /tmp/cutlass
+    export QUANTKIT_CUTLASS_DIR=/tmp/cutlass/cutlass_library/source PREFILL_TOKENS=$4
+    cp kernels/w4a16_h200.json /tmp/w4a16_table_with.json
+    python3 bench/lib/add_table_entries.py "$3" /tmp/w4a16_table_with.json >/dev/null
+    step 150 python3 bench/bench_w4a16_prefill.py --build-table /tmp/w4a16_table_with.json
+    for round in $(seq "${5:-3}"); do
+        ROUND=$round candidate_table_ab "$3" "rows$round" int4_8b_prefill_rows
+    done
+    ;;
 pending)  # issue 39 on the card at hand in one call (BUDGET_S ~150): the 30B-A3B attention projections' decode
     # cells (no H200 entry yet) and, where a CUDA variant beat the pick (candidate_entries), the 30B int4 step with the shipped table,
     # then with the candidates added for this card (the checkout's table, edited on the device only and restored)
@@ -498,5 +518,5 @@ kv-fp8)  # the FP8 KV cache (issue 42's option): its GPU tests, then `quantkit b
     done
     rm -f "$OUT"/*.png
     ;;
-*) echo "usage: gpu_check.sh benches|suite|one|tests|gguf|coldstart-ab|moe|w4a16|moe-decode|moe-math|moe-step|moe-prefill|moe-quantize|fp8-mma|fp8-step|w4a16-ab|w4a16-chain|w4a16-prefill|w4a16-prefill-ab|prefill-table-ab|prefill-then-tests|prefill-cells-ab|pending|fp8-codes|tests-fp8|kv-fp8|ab BUDGET_S"; exit 2 ;;
+*) echo "usage: gpu_check.sh benches|suite|one|tests|gguf|coldstart-ab|moe|w4a16|moe-decode|moe-math|moe-step|moe-prefill|moe-quantize|fp8-mma|fp8-step|w4a16-ab|w4a16-chain|w4a16-prefill|w4a16-prefill-ab|prefill-table-ab|prefill-then-tests|prefill-cells-ab|prefill-rows-ab|pending|fp8-codes|tests-fp8|kv-fp8|ab BUDGET_S"; exit 2 ;;
 esac
