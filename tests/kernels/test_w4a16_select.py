@@ -180,26 +180,34 @@ def test_a_cutlass_entry_serves_its_card_with_the_generic_pick_as_fallback(monke
 
 
 def test_card_specific_entries_serve_their_card_only():
-    """The entries measured on an H100 (kernels/w4a16_h200.json, "card": the CUDA decode kernel at 1 and 8 rows,
-    CUTLASS on the four 8B layers at 2048 rows and three at 4096, dequantize-then-cuBLAS at 4096) serve that card's
-    plans; the H200, and a plan without a card, keep the Gluon pick (for a CUDA or CUTLASS entry, the same one it
-    falls back to)."""
+    """The entries that name a card (kernels/w4a16_h200.json, "card") serve that card's plans only. On the H100: the
+    CUDA decode kernel at 1 and 8 rows, CUTLASS on the four 8B layers at 2048 rows and three at 4096,
+    dequantize-then-cuBLAS at 4096. Another card, and a plan without a card, get that card's own entry for the cell
+    where it has one, else the Gluon pick (for a CUDA or CUTLASS entry, the same one it falls back to)."""
     h100 = "NVIDIA H100 80GB HBM3"
-    measured = [e for e in load_table() if e.get("card") == h100]
-    assert {(e["n"], e["k"], e["m"], e["kernel"]) for e in measured} >= {
+    table = load_table()
+    measured = [e for e in table if e.get("card")]
+    assert {(e["n"], e["k"], e["m"], e["kernel"]) for e in measured if e["card"] == h100} >= {
         (28672, 4096, 1, "cuda"), (28672, 4096, 8, "cuda"), (5120, 2048, 1, "cuda"), (5120, 2048, 8, "cuda"),
         (6144, 4096, 2048, "cutlass"), (4096, 4096, 2048, "cutlass"), (28672, 4096, 2048, "cutlass"),
         (4096, 14336, 2048, "cutlass"), (6144, 4096, 4096, "cutlass"), (28672, 4096, 4096, "cutlass"),
         (4096, 14336, 4096, "cutlass"),
         (4096, 4096, 4096, "dequant"), (28672, 8192, 4096, "dequant"), (8192, 28672, 4096, "dequant")}
+    own = {(e["n"], e["k"], e["m"], e["card"]): e for e in measured}
+    cards = {e["card"] for e in measured} | {"NVIDIA H200"}
     for e in measured:
         facts = facts_of(e["n"], e["k"], 4, 128, True, False)
-        on_h100 = select_w4a16(e["m"], facts, "sm90", h100)
-        assert on_h100.kernel == e["kernel"] and on_h100.config == e["config"], on_h100
-        for card in (None, "NVIDIA H200"):
+        on_card = select_w4a16(e["m"], facts, "sm90", e["card"])
+        assert on_card.kernel == e["kernel"] and on_card.config == e["config"], on_card
+        for card in (cards - {e["card"]}) | {None}:
             elsewhere = select_w4a16(e["m"], facts, "sm90", card)
+            theirs = own.get((e["n"], e["k"], e["m"], card))
+            if theirs is not None:
+                assert (elsewhere.kernel, elsewhere.config) == (theirs["kernel"], theirs["config"]), (card, elsewhere)
+                continue
             assert elsewhere.kernel == "gluon", (card, elsewhere)
-            assert e["kernel"] not in ("cuda", "cutlass") or elsewhere == on_h100.fallback, (card, elsewhere)
-        assert plan_w4a16(facts, "sm90", h100).choice(e["m"]) == on_h100
+            assert e["kernel"] not in ("cuda", "cutlass") or elsewhere == on_card.fallback, (card, elsewhere)
+        assert plan_w4a16(facts, "sm90", e["card"]).choice(e["m"]) == on_card
         # asymmetric (zero points) layers: every kernel named takes them too (the benches check both)
-        assert select_w4a16(e["m"], facts_of(e["n"], e["k"], 4, 128, False, False), "sm90", h100).kernel == e["kernel"]
+        assert select_w4a16(e["m"], facts_of(e["n"], e["k"], 4, 128, False, False), "sm90", e["card"]).kernel \
+            == e["kernel"]
