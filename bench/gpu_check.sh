@@ -189,7 +189,7 @@ int4_8b_round() {  # NAME: the 8B int4 step at batch 1 alone (the chain candidat
 readme_and_4096() {  # NAME: README's 8B cells (int4; bf16 beside when NAME is candidates), then a 4096-token
     # prefill; ROUND suffix
     int4_8b_readme "$1" "int4$([ "$1" = candidates ] && echo ,bf16)"
-    bench_variant "bench_8b_p4096_$1${ROUND:-}" 100 "" --shape llama3-8b --steps 8 --batches 1 --prefill-tokens 4096 \
+    bench_variant "bench_8b_p4096_$1${ROUND:-}" 90 "" --shape llama3-8b --steps 8 --batches 1 --prefill-tokens 4096 \
         --formats "int4$([ "$1" = candidates ] && echo ,bf16)"
 }
 
@@ -455,14 +455,15 @@ prefill-then-tests)  # one call where device time is short (BUDGET_S ~590; carry
     ROUND=1 candidate_table_ab "$OUT/w4a16_prefill.json" prefill_here int4_8b_round
     ;;
 prefill-cells-ab)  # issue 41 on a card whose table lacks prefill entries, one call (BUDGET_S ~590; carry
-    # .stage/cutlass): the prefill cells at 2048 and 4096 rows (CUTLASS builds first), then, where a config beat
+    # .stage/cutlass): the prefill cells at 2048 and 4096 rows (or MS, third argument, within DEADLINE s, fourth;
+    # default 200, the builds included; CUTLASS builds first), then, where a config beat
     # today's pick (candidate_entries), README's 8B cells (batch 1, 8, 32, prefill of 2048) and a prefill of 4096
     # tokens with the shipped table, then with the candidates added for this card and bf16 beside, one round
     card | tee "$OUT/card.txt"
     mkdir -p /tmp/cutlass && python3 -m zipfile -e .stage/cutlass/*.whl /tmp/cutlass
     export QUANTKIT_CUTLASS_DIR=/tmp/cutlass/cutlass_library/source
-    step 300 python3 bench/bench_w4a16_prefill.py --deadline 200 --ms 2048,4096 --out "$OUT/w4a16_prefill.json" \
-        2>&1 | tail -60
+    step 300 python3 bench/bench_w4a16_prefill.py --deadline "${4:-200}" --ms "${3:-2048,4096}" \
+        --out "$OUT/w4a16_prefill.json" 2>&1 | tail -60
     ROUND=1 candidate_table_ab "$OUT/w4a16_prefill.json" prefill_cells readme_and_4096
     ;;
 prefill-rows-ab)  # issue 41 at one prompt length (BUDGET_S ~400; carry .stage/cutlass and .stage/cand): the 8B int4
