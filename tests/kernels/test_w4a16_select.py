@@ -175,13 +175,15 @@ def test_a_cutlass_entry_serves_its_card_with_the_generic_pick_as_fallback(monke
     on_card = select_w4a16(2048, facts, "sm90", card)
     assert (on_card.kernel, on_card.config, on_card.fallback) == ("cutlass", cfg, generic)
     assert (generic.kernel, generic.config) == PINNED_SM90[(4096, 4096, 2048)]
-    assert select_w4a16(1024, facts, "sm90", card) == select_w4a16(1024, facts, "sm90", None)
+    # exactly its cell: not another bucket (256, where the shipped table has no entry for this card)
+    assert not any(e.get("card") == card and (e["n"], e["k"], e["m"]) == (4096, 4096, 256) for e in shipped)
+    assert select_w4a16(256, facts, "sm90", card) == select_w4a16(256, facts, "sm90", None)
     assert select_w4a16(2048, facts_of(4096, 4096, 4, 32, True, False), "sm90", card).kernel != "cutlass"  # g32
 
 
 def test_card_specific_entries_serve_their_card_only():
     """The entries that name a card (kernels/w4a16_h200.json, "card") serve that card's plans only. On the H100: the
-    CUDA decode kernel at 1 and 8 rows, CUTLASS on the four 8B layers at 2048 rows and three at 4096,
+    CUDA decode kernel at 1 and 8 rows, CUTLASS on the four 8B layers at 1024 and 2048 rows and three at 4096,
     dequantize-then-cuBLAS at 4096. Another card, and a plan without a card, get that card's own entry for the cell
     where it has one, else the Gluon pick (for a CUDA or CUTLASS entry, the same one it falls back to)."""
     h100 = "NVIDIA H100 80GB HBM3"
@@ -191,7 +193,8 @@ def test_card_specific_entries_serve_their_card_only():
         (28672, 4096, 1, "cuda"), (28672, 4096, 8, "cuda"), (5120, 2048, 1, "cuda"), (5120, 2048, 8, "cuda"),
         (6144, 4096, 2048, "cutlass"), (4096, 4096, 2048, "cutlass"), (28672, 4096, 2048, "cutlass"),
         (4096, 14336, 2048, "cutlass"), (6144, 4096, 4096, "cutlass"), (28672, 4096, 4096, "cutlass"),
-        (4096, 14336, 4096, "cutlass"),
+        (4096, 14336, 4096, "cutlass"), (6144, 4096, 1024, "cutlass"), (4096, 4096, 1024, "cutlass"),
+        (28672, 4096, 1024, "cutlass"), (4096, 14336, 1024, "cutlass"),
         (4096, 4096, 4096, "dequant"), (28672, 8192, 4096, "dequant"), (8192, 28672, 4096, "dequant")}
     own = {(e["n"], e["k"], e["m"], e["card"]): e for e in measured}
     cards = {e["card"] for e in measured} | {"NVIDIA H200"}
