@@ -71,6 +71,11 @@ install_wheels() {  # the carried cp312 wheels (.stage/whl) into /tmp/site, put 
     export PYTHONPATH=/tmp/site
 }
 
+cutlass_headers() {  # CUTLASS's headers from the carried nvidia-cutlass wheel (.stage/cutlass), for the builds
+    mkdir -p /tmp/cutlass && python3 -m zipfile -e .stage/cutlass/*.whl /tmp/cutlass
+    export QUANTKIT_CUTLASS_DIR=/tmp/cutlass/cutlass_library/source
+}
+
 card() {
     nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader
     python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "cuda", torch.version.cuda,
@@ -124,10 +129,8 @@ fp8_steps() {  # the 8B shape once a NAME:FORMATS:VAR=VALUE,... argument, under 
 gpu_tests() {  # the whole GPU suite but the GGUF tests (the tests mode; the budget's caps: FP8 runtime, the rest)
     install_wheels
     cp -r .stage/whl /tmp/whl && { [ ! -d .stage/smolA ] || cp .stage/smolA/part /tmp/partA; }
-    if [ -d .stage/cutlass ]; then  # the CUTLASS kernel's GPU tests build it (else they skip, saying why)
-        mkdir -p /tmp/cutlass && python3 -m zipfile -e .stage/cutlass/*.whl /tmp/cutlass
-        export QUANTKIT_CUTLASS_DIR=/tmp/cutlass/cutlass_library/source
-    fi
+    # the CUTLASS kernel's GPU tests build it (else they skip, saying why)
+    [ ! -d .stage/cutlass ] || cutlass_headers
     export PIP_NO_INDEX=1  # no network here: the GGUF fixture's pip download fails at once and its tests skip
     mkdir -p ../shared/data/wikitext2 && cp .stage/data/*.txt ../shared/data/wikitext2/
     card | tee "$OUT/card.txt"
@@ -188,9 +191,11 @@ int4_8b_round() {  # NAME: the 8B int4 step at batch 1 alone (the chain candidat
 
 readme_and_4096() {  # NAME: README's 8B cells (int4; bf16 beside when NAME is candidates), then a 4096-token
     # prefill; ROUND suffix
-    int4_8b_readme "$1" "int4$([ "$1" = candidates ] && echo ,bf16)"
+    local formats=int4
+    [ "$1" != candidates ] || formats=int4,bf16
+    int4_8b_readme "$1" "$formats"
     bench_variant "bench_8b_p4096_$1${ROUND:-}" 90 "" --shape llama3-8b --steps 8 --batches 1 --prefill-tokens 4096 \
-        --formats "int4$([ "$1" = candidates ] && echo ,bf16)"
+        --formats "$formats"
 }
 
 int4_8b_prefill_rows() {  # NAME: the 8B int4 prefill of PREFILL_TOKENS tokens (and a short batch-1 step); ROUND suffix
@@ -402,8 +407,7 @@ w4a16-prefill)  # issue 41's prefill cells on the card at hand in one call (BUDG
     # argument: the rows, e.g. 2048,256,1024, in that order; fourth argument "ab": then the 8B int4 prefill and
     # batch-1 step with the shipped table and with this run's candidate entries, one round, BUDGET_S ~580)
     card | tee "$OUT/card.txt"
-    mkdir -p /tmp/cutlass && python3 -m zipfile -e .stage/cutlass/*.whl /tmp/cutlass
-    export QUANTKIT_CUTLASS_DIR=/tmp/cutlass/cutlass_library/source
+    cutlass_headers
     deadline=$([ "${4:-}" = ab ] && echo 200 || echo 320)
     step 400 python3 bench/bench_w4a16_prefill.py --deadline $deadline ${3:+--ms "$3"} \
         --out "$OUT/w4a16_prefill.json" 2>&1 | tail -120
@@ -414,8 +418,7 @@ w4a16-prefill-ab)  # issue 41 (BUDGET_S ~420, carry .stage/cutlass and .stage/ca
     # candidate_entries of bench_w4a16_prefill.py): every CUTLASS config built first (in parallel), then the 8B int4
     # prefill and batch-1 step with the shipped table and with the candidates for this card, twice, alternating
     card | tee "$OUT/card.txt"
-    mkdir -p /tmp/cutlass && python3 -m zipfile -e .stage/cutlass/*.whl /tmp/cutlass
-    export QUANTKIT_CUTLASS_DIR=/tmp/cutlass/cutlass_library/source
+    cutlass_headers
     step 120 python3 bench/bench_w4a16_prefill.py --shapes 4096x4096 --ms 256 --deadline 1 --out /tmp/prebuild.json \
         2>&1 | head -3
     rounds=${3:-2}
@@ -428,8 +431,7 @@ prefill-table-ab)  # issue 41's README cells, the checkout's W4A16 table beside 
     # int4 with the checkout's and bf16 beside it, twice alternating (a third argument 1: once; a fourth, e.g.
     # 256,1024,4096: then the prefill cells at those row counts, as many as 150 s allow)
     card | tee "$OUT/card.txt"
-    mkdir -p /tmp/cutlass && python3 -m zipfile -e .stage/cutlass/*.whl /tmp/cutlass
-    export QUANTKIT_CUTLASS_DIR=/tmp/cutlass/cutlass_library/source
+    cutlass_headers
     step 150 python3 bench/bench_w4a16_prefill.py --build-table kernels/w4a16_h200.json
     cp kernels/w4a16_h200.json /tmp/w4a16_table_checkout.json
     for round in 1 $([ "${3:-2}" = 1 ] || echo 2); do
@@ -447,8 +449,7 @@ prefill-then-tests)  # one call where device time is short (BUDGET_S ~590; carry
     # first), the GPU suite without the GGUF tests, then with what time is left the 8B int4 prefill and batch-1 step
     # with the shipped table and with the cells' candidate entries, one round
     card | tee "$OUT/card.txt"
-    mkdir -p /tmp/cutlass && python3 -m zipfile -e .stage/cutlass/*.whl /tmp/cutlass
-    export QUANTKIT_CUTLASS_DIR=/tmp/cutlass/cutlass_library/source
+    cutlass_headers
     step 220 python3 bench/bench_w4a16_prefill.py --deadline 100 --ms 2048 --out "$OUT/w4a16_prefill.json" 2>&1 \
         | tail -60
     gpu_tests 60 240
@@ -460,8 +461,7 @@ prefill-cells-ab)  # issue 41 on a card whose table lacks prefill entries, one c
     # today's pick (candidate_entries), README's 8B cells (batch 1, 8, 32, prefill of 2048) and a prefill of 4096
     # tokens with the shipped table, then with the candidates added for this card and bf16 beside, one round
     card | tee "$OUT/card.txt"
-    mkdir -p /tmp/cutlass && python3 -m zipfile -e .stage/cutlass/*.whl /tmp/cutlass
-    export QUANTKIT_CUTLASS_DIR=/tmp/cutlass/cutlass_library/source
+    cutlass_headers
     step 300 python3 bench/bench_w4a16_prefill.py --deadline "${4:-200}" --ms "${3:-2048,4096}" \
         --out "$OUT/w4a16_prefill.json" 2>&1 | tail -60
     ROUND=1 candidate_table_ab "$OUT/w4a16_prefill.json" prefill_cells readme_and_4096
@@ -471,8 +471,8 @@ prefill-rows-ab)  # issue 41 at one prompt length (BUDGET_S ~400; carry .stage/c
     # bench_w4a16_prefill.py JSON, third argument) added for this card, ROUNDS times (fifth, default 3), alternating;
     # the CUTLASS configs the candidates name are built first
     card | tee "$OUT/card.txt"
-    mkdir -p /tmp/cutlass && python3 -m zipfile -e .stage/cutlass/*.whl /tmp/cutlass
-    export QUANTKIT_CUTLASS_DIR=/tmp/cutlass/cutlass_library/source PREFILL_TOKENS=$4
+    cutlass_headers
+    export PREFILL_TOKENS=$4
     cp kernels/w4a16_h200.json /tmp/w4a16_table_with.json
     python3 bench/lib/add_table_entries.py "$3" /tmp/w4a16_table_with.json >/dev/null
     step 150 python3 bench/bench_w4a16_prefill.py --build-table /tmp/w4a16_table_with.json
